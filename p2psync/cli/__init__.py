@@ -1,0 +1,1 @@
+"""Command-line interface: argument parsing -> frozen configs -> launch, progress, exit codes."""

@@ -1,0 +1,63 @@
+"""One rooted exception hierarchy for p2psync.
+
+Foreign errors (zmq, msgpack, OS) are translated into these at the edges only, so callers
+catch ``P2PSyncError`` (or one of its branches) and never a library's own exception type.
+"""
+
+from __future__ import annotations
+
+
+class P2PSyncError(Exception):
+    """Root of every error p2psync raises on purpose."""
+
+
+class ConfigError(P2PSyncError, ValueError):
+    """Bad configuration: topology file, CLI option, run config.
+
+    ``field`` names the offending field (``nodes[3].nics[1].port``) when there is one.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class ProtocolError(P2PSyncError):
+    """A message on the wire violates the schema or limits. ``reason`` is a short stable key."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class TransportError(P2PSyncError):
+    """A socket-level failure: bind, connect, send."""
+
+
+class PeerTimeout(P2PSyncError, TimeoutError):
+    """A wait that depends on a peer ran past its timeout."""
+
+
+class PeerFailure(P2PSyncError):
+    """A peer is dead or unreachable. ``peers`` names the node ids concerned."""
+
+    def __init__(self, message: str, *, peers: tuple[int, ...] = ()) -> None:
+        self.peers = tuple(peers)
+        super().__init__(message)
+
+
+class PeerUnreachable(PeerFailure, TransportError):
+    """A send could not reach its peer within the timeout."""
+
+
+class RemoteError(P2PSyncError):
+    """An RPC handler on another node raised; carries its error type name and message."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(f"{kind}: {message}")
+
+
+class TrainingError(P2PSyncError):
+    """The training loop or a strategy failed in a way that ends the run."""

@@ -1,0 +1,151 @@
+"""Topology model: nodes, their NICs, the networks (switches) that join NICs, link attributes.
+
+Pure data. Two nodes are *adjacent* when one NIC of each sits on the same network; traffic
+between them goes over those NICs. Link attributes (latency, jitter, bandwidth) are looked up
+per unordered node pair and are used by link shaping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Nic:
+    name: str
+    address: str
+    port: int
+    network: str
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    nics: tuple[Nic, ...]
+    host: str = "localhost"
+
+    def nic(self, name: str) -> Nic:
+        for n in self.nics:
+            if n.name == name:
+                return n
+        raise KeyError(f"node {self.id} has no NIC {name!r}")
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    #: BCube level (or any grouping level); None for plain switches/links
+    level: int | None = None
+
+
+@dataclass(frozen=True)
+class LinkAttrs:
+    latency_ms: float = 0.0
+    jitter_ms: float = 0.0
+    bandwidth_mbps: float | None = None
+    loss: float = 0.0
+
+
+@dataclass(frozen=True)
+class Route:
+    """How ``src`` reaches adjacent ``dst`` on one network: the local and the remote NIC."""
+
+    network: str
+    local_nic: str
+    remote_nic: str
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    nodes: tuple[Node, ...]
+    networks: tuple[Network, ...]
+    name: str = "custom"
+    kind: str = "custom"
+    coordinator: int = 0
+    params: Mapping[str, Any] = field(default_factory=dict)
+    links: Mapping[tuple[int, int], LinkAttrs] = field(default_factory=dict)
+    default_link: LinkAttrs = field(default_factory=LinkAttrs)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    # -- lookups -------------------------------------------------------------------------
+
+    @cached_property
+    def _by_id(self) -> dict[int, Node]:
+        return {n.id: n for n in self.nodes}
+
+    @property
+    def ids(self) -> list[int]:
+        return sorted(self._by_id)
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    def node(self, node_id: int) -> Node:
+        try:
+            return self._by_id[node_id]
+        except KeyError:
+            raise KeyError(f"no node {node_id} in topology {self.name!r}") from None
+
+    @cached_property
+    def _members(self) -> dict[str, list[tuple[int, str]]]:
+        out: dict[str, list[tuple[int, str]]] = {n.name: [] for n in self.networks}
+        for node in self.nodes:
+            for nic in node.nics:
+                out.setdefault(nic.network, []).append((node.id, nic.name))
+        return out
+
+    def members(self, network: str) -> list[int]:
+        """Node ids with a NIC on ``network``."""
+        return sorted({nid for nid, _ in self._members.get(network, [])})
+
+    def network(self, name: str) -> Network:
+        for n in self.networks:
+            if n.name == name:
+                return n
+        raise KeyError(f"no network {name!r}")
+
+    @cached_property
+    def _routes(self) -> dict[tuple[int, int], tuple[Route, ...]]:
+        out: dict[tuple[int, int], list[Route]] = {}
+        for net, mem in self._members.items():
+            for a, a_nic in mem:
+                for b, b_nic in mem:
+                    if a != b:
+                        out.setdefault((a, b), []).append(Route(net, a_nic, b_nic))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def routes(self, src: int, dst: int) -> tuple[Route, ...]:
+        """Every direct way from ``src`` to ``dst`` (empty when they are not adjacent)."""
+        return self._routes.get((src, dst), ())
+
+    def neighbors(self, node_id: int) -> list[int]:
+        return sorted({b for (a, b) in self._routes if a == node_id})
+
+    def neighbors_on(self, node_id: int, nic: str) -> list[int]:
+        net = self.node(node_id).nic(nic).network
+        return [m for m in self.members(net) if m != node_id]
+
+    def degree(self, node_id: int) -> int:
+        return len(self.neighbors(node_id))
+
+    def link(self, a: int, b: int) -> LinkAttrs:
+        return self.links.get((min(a, b), max(a, b)), self.default_link)
+
+    def is_connected(self) -> bool:
+        if not self.nodes:
+            return True
+        seen = {self.nodes[0].id}
+        todo = [self.nodes[0].id]
+        while todo:
+            for nb in self.neighbors(todo.pop()):
+                if nb not in seen:
+                    seen.add(nb)
+                    todo.append(nb)
+        return len(seen) == len(self.nodes)

@@ -1,0 +1,180 @@
+"""The transport interface shared by the ZeroMQ endpoint and the in-memory transport.
+
+A :class:`Transport` belongs to one node of a topology. ``send`` encodes a message with the wire
+layer and hands it to the subclass, retrying while the peer is not (yet) reachable until the
+timeout runs out; ``recv``/``recv_any`` wait on the mailbox. Incoming frames go through
+:meth:`Transport._ingest`, which decodes strictly, rejects and counts bad messages (logged once
+per peer and reason) and never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+from p2psync.errors import P2PSyncError, PeerUnreachable, ProtocolError, TransportError
+from p2psync.topology import Route, Topology
+from p2psync.transport.mailbox import Mailbox
+from p2psync.wire import DEFAULT_LIMITS, Message, WireLimits, decode, encode
+
+log = logging.getLogger("p2psync.transport")
+
+DEFAULT_TIMEOUT = 30.0
+
+
+@dataclass
+class NicStats:
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    msgs_sent: int = 0
+    msgs_recv: int = 0
+    rejected: int = 0
+
+
+class NotReady(Exception):
+    """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
+
+
+def _frame_len(f: Any) -> int:
+    return f.nbytes if isinstance(f, memoryview) else len(f)
+
+
+class Transport(ABC):
+    def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
+                 default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536) -> None:
+        self.topology = topology
+        self.node_id = node_id
+        self.node = topology.node(node_id)
+        self.limits = limits
+        self.default_timeout = default_timeout
+        self.mailbox = Mailbox(max_pending=max_pending)
+        self.nic_stats: dict[str, NicStats] = {n.name: NicStats() for n in self.node.nics}
+        self.rejected: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> "Transport":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- routing -------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> list[int]:
+        """Nodes this one reaches directly."""
+        return self.topology.neighbors(self.node_id)
+
+    def route(self, peer: int, nic: str | None = None) -> Route:
+        routes = self.topology.routes(self.node_id, peer)
+        if not routes:
+            raise TransportError(f"node {self.node_id} shares no network with node {peer}")
+        if nic is None:
+            return routes[0]
+        for r in routes:
+            if r.local_nic == nic:
+                return r
+        raise TransportError(f"node {self.node_id} cannot reach node {peer} over NIC {nic!r}")
+
+    # -- send / receive ------------------------------------------------------------------
+
+    @abstractmethod
+    async def _transmit(self, peer: int, route: Route, frames: list[Any]) -> None:
+        """Hand frames to the peer; raise :class:`NotReady` when it should be retried."""
+
+    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
+                   step: int = 0, meta: Mapping[str, Any] | None = None,
+                   codecs: Sequence[str] | None = None, nic: str | None = None,
+                   timeout: float | None = None) -> None:
+        """Send one message; retries until ``timeout`` while the peer is unreachable.
+
+        Arrays are sent without copying: do not modify them until the next await completes.
+        """
+        if self._closed:
+            raise TransportError("transport is closed")
+        route = self.route(peer, nic)
+        frames = encode(kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays,
+                        codecs=codecs, meta=meta)
+        nbytes = sum(_frame_len(f) for f in frames)
+        budget = self.default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        delay = 0.0005
+        while True:
+            try:
+                await self._transmit(peer, route, frames)
+                break
+            except NotReady:
+                if time.monotonic() >= deadline:
+                    raise PeerUnreachable(
+                        f"node {self.node_id}: node {peer} unreachable over NIC {route.local_nic} "
+                        f"for {budget:g}s", peers=(peer,)) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        st = self.nic_stats[route.local_nic]
+        st.bytes_sent += nbytes
+        st.msgs_sent += 1
+
+    async def recv(self, tag: str, timeout: float | None = None) -> Message:
+        return await self.mailbox.get(tag, self.default_timeout if timeout is None else timeout)
+
+    async def recv_any(self, prefix: str, timeout: float | None = None) -> Message:
+        return await self.mailbox.get_prefix(prefix, self.default_timeout if timeout is None else timeout)
+
+    # -- ingest --------------------------------------------------------------------------
+
+    def _reject(self, nic: str, peer: str, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        if nic in self.nic_stats:
+            self.nic_stats[nic].rejected += 1
+        if (peer, reason) not in self._logged:
+            self._logged.add((peer, reason))
+            log.warning("node %d NIC %s: rejected message from %s: %s %s",
+                        self.node_id, nic, peer, reason, detail)
+
+    def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any]) -> None:
+        """Decode and deliver one received message; never raises."""
+        nbytes = sum(_frame_len(f) for f in frames)
+        st = self.nic_stats[nic]
+        st.bytes_recv += nbytes
+        st.msgs_recv += 1
+        if peer_id is None:
+            self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology")
+            return
+        try:
+            msg = decode(frames, self.limits)
+            if msg.header.src != peer_id:
+                raise ProtocolError("src_mismatch", f"header src {msg.header.src} on connection of {peer_id}")
+            msg.nic = nic
+            self.mailbox.deliver(msg)
+        except ProtocolError as exc:
+            self._reject(nic, peer_label, exc.reason, exc.detail)
+        except Exception as exc:  # defensive: a bug here must not kill the receive loop
+            self._reject(nic, peer_label, "internal", repr(exc)[:200])
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {"nics": {k: asdict(v) for k, v in self.nic_stats.items()},
+                "rejected": dict(self.rejected)}
+
+    def _closing(self) -> None:
+        self._closed = True
+        self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
+
+
+__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "P2PSyncError", "Transport"]

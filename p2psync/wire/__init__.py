@@ -1,0 +1,28 @@
+"""Wire format: versioned msgpack header + raw zero-copy tensor frames (pure, no sockets)."""
+
+from p2psync.wire.codec import Message, decode, encode, parse_header
+from p2psync.wire.schema import (
+    CODECS,
+    DEFAULT_LIMITS,
+    DTYPES,
+    KINDS,
+    SCHEMA_VERSION,
+    FrameSpec,
+    Header,
+    WireLimits,
+)
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "KINDS",
+    "SCHEMA_VERSION",
+    "FrameSpec",
+    "Header",
+    "Message",
+    "WireLimits",
+    "decode",
+    "encode",
+    "parse_header",
+]

@@ -1,0 +1,261 @@
+"""Encode and strictly decode p2psync messages. Pure: bytes in, bytes out; never pickle.
+
+``encode`` returns a list of frames (the header as ``bytes`` plus zero-copy ``memoryview``s of
+the arrays) ready for ``send_multipart(copy=False)``. ``decode`` takes the frames of an
+untrusted message and either returns a :class:`Message` whose arrays are read-only views on the
+received buffers (``numpy.frombuffer``), or raises :class:`~p2psync.errors.ProtocolError`
+naming the violated rule. No other exception escapes ``decode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from p2psync.errors import ProtocolError
+from p2psync.wire.schema import (
+    CODECS,
+    DEFAULT_LIMITS,
+    DTYPES,
+    HEADER_KEYS_OPTIONAL,
+    HEADER_KEYS_REQUIRED,
+    KINDS,
+    SCHEMA_VERSION,
+    FrameSpec,
+    Header,
+    WireLimits,
+    valid_tag,
+)
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Message:
+    """A decoded message: validated header plus one array per payload frame."""
+
+    header: Header
+    arrays: list[np.ndarray] = field(default_factory=list)
+    #: name of the local NIC the message arrived on (set by the transport)
+    nic: str | None = None
+
+    @property
+    def src(self) -> int:
+        return self.header.src
+
+    @property
+    def tag(self) -> str:
+        return self.header.tag
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        return self.header.meta
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.header.frames)
+
+
+# ---------------------------------------------------------------------------------- encode
+
+
+def _as_wire_array(arr: Any) -> np.ndarray:
+    """numpy view of ``arr`` (numpy array or CPU torch tensor), C-contiguous, little-endian."""
+    if not isinstance(arr, np.ndarray):
+        detach = getattr(arr, "detach", None)
+        if detach is None:
+            raise TypeError(f"payload must be a numpy array or torch tensor, not {type(arr).__name__}")
+        t = detach()
+        if t.device.type != "cpu":
+            raise ValueError("stage device tensors to host memory before sending")
+        arr = t.contiguous().numpy()
+    if arr.dtype.name not in DTYPES:
+        raise ValueError(f"dtype {arr.dtype} is not allowed on the wire")
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
+
+
+def encode(
+    *,
+    kind: str,
+    src: int,
+    tag: str,
+    step: int = 0,
+    arrays: Sequence[Any] = (),
+    codecs: Sequence[str] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> list[Buffer]:
+    """Build the frames of one message. Raises ``ValueError`` for a bad local argument."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown message kind {kind!r}")
+    if not valid_tag(tag):
+        raise ValueError(f"bad tag {tag!r}")
+    if codecs is not None and len(codecs) != len(arrays):
+        raise ValueError("codecs must have one entry per array")
+    payload: list[Buffer] = []
+    specs: list[list[Any]] = []
+    for i, a in enumerate(arrays):
+        arr = _as_wire_array(a)
+        codec = "none" if codecs is None else codecs[i]
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}")
+        specs.append([arr.dtype.name, list(arr.shape), codec, arr.nbytes])
+        payload.append(memoryview(arr.reshape(-1)).cast("B") if arr.size else b"")
+    header: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "kind": kind,
+        "src": int(src),
+        "tag": tag,
+        "step": int(step),
+        "frames": specs,
+    }
+    if meta:
+        header["meta"] = dict(meta)
+    return [msgpack.packb(header, use_bin_type=True), *payload]
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def _unpack_header(raw: Buffer, limits: WireLimits) -> Any:
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError("header_too_large", f"{len(raw)} > {limits.max_header_bytes} bytes")
+    n = limits.max_container_len
+    try:
+        return msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=limits.max_header_bytes,
+            max_bin_len=limits.max_header_bytes,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=0,
+        )
+    except (RecursionError, MemoryError) as exc:
+        raise ProtocolError("header_msgpack", type(exc).__name__) from None
+    except Exception as exc:  # msgpack raises a zoo of types; all mean "not a valid header"
+        raise ProtocolError("header_msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
+    if depth > limits.max_meta_depth:
+        raise ProtocolError("meta_too_deep", path)
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        return
+    if isinstance(value, float):
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_meta(v, limits, depth + 1, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ProtocolError("meta_key_type", f"{path}: key {type(k).__name__}")
+            _check_meta(v, limits, depth + 1, f"{path}.{k}")
+        return
+    raise ProtocolError("meta_type", f"{path}: {type(value).__name__}")
+
+
+def _parse_frame_spec(i: int, spec: Any, limits: WireLimits) -> FrameSpec:
+    if not isinstance(spec, list) or len(spec) != 4:
+        raise ProtocolError("frame_spec", f"frames[{i}] must be [dtype, shape, codec, nbytes]")
+    dtype, shape, codec, nbytes = spec
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError("dtype", f"frames[{i}]: {dtype!r} not allowed")
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise ProtocolError("codec", f"frames[{i}]: {codec!r} unknown")
+    if not isinstance(shape, list) or len(shape) > limits.max_ndim:
+        raise ProtocolError("shape", f"frames[{i}]: shape must be a list of <= {limits.max_ndim} dims")
+    count = 1
+    for d in shape:
+        if not _is_int(d) or d < 0 or d > limits.max_elements:
+            raise ProtocolError("shape", f"frames[{i}]: bad dimension {d!r}")
+        count *= d
+        if count > limits.max_elements:
+            raise ProtocolError("too_many_elements", f"frames[{i}]: > {limits.max_elements}")
+    if not _is_int(nbytes) or nbytes < 0 or nbytes > limits.max_frame_bytes:
+        raise ProtocolError("frame_too_large", f"frames[{i}]: nbytes {nbytes!r}")
+    itemsize = np.dtype(dtype).itemsize
+    if count * itemsize != nbytes:
+        raise ProtocolError("nbytes_mismatch", f"frames[{i}]: {count}x{itemsize} != {nbytes}")
+    return FrameSpec(dtype=dtype, shape=tuple(shape), codec=codec, nbytes=nbytes)
+
+
+def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
+    """Decode and validate a header frame."""
+    obj = _unpack_header(raw, limits)
+    if not isinstance(obj, dict):
+        raise ProtocolError("header_type", f"header must be a map, got {type(obj).__name__}")
+    keys = set(obj)
+    missing = HEADER_KEYS_REQUIRED - keys
+    if missing:
+        raise ProtocolError("header_keys", f"missing {sorted(missing)}")
+    extra = keys - HEADER_KEYS_REQUIRED - HEADER_KEYS_OPTIONAL
+    if extra:
+        raise ProtocolError("header_keys", f"unexpected {sorted(map(str, extra))}")
+    if obj["v"] != SCHEMA_VERSION or not _is_int(obj["v"]):
+        raise ProtocolError("version", f"unsupported schema version {obj['v']!r}")
+    kind = obj["kind"]
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError("kind", f"unknown kind {kind!r}"[:100])
+    src = obj["src"]
+    if not _is_int(src) or not 0 <= src <= limits.max_node_id:
+        raise ProtocolError("src", f"bad source node {src!r}"[:100])
+    if not valid_tag(obj["tag"]):
+        raise ProtocolError("tag", f"bad tag {obj['tag']!r}"[:100])
+    step = obj["step"]
+    if not _is_int(step) or not -limits.max_step <= step <= limits.max_step:
+        raise ProtocolError("step", f"bad step {step!r}"[:100])
+    frames = obj["frames"]
+    if not isinstance(frames, list) or len(frames) > limits.max_frames:
+        raise ProtocolError("frames", f"frames must be a list of <= {limits.max_frames}")
+    specs = tuple(_parse_frame_spec(i, s, limits) for i, s in enumerate(frames))
+    if sum(s.nbytes for s in specs) > limits.max_total_bytes:
+        raise ProtocolError("message_too_large", f"> {limits.max_total_bytes} bytes")
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ProtocolError("meta_type", "meta must be a map")
+    _check_meta(meta, limits, 0, "meta")
+    return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta)
+
+
+def _frame_len(buf: Any) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
+def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> Message:
+    """Decode an untrusted multipart message (``bytes``/``memoryview``/buffer objects)."""
+    if not frames:
+        raise ProtocolError("frame_count", "empty message")
+    try:
+        bufs = [f if isinstance(f, (bytes, bytearray)) else memoryview(f) for f in frames]
+    except TypeError:
+        raise ProtocolError("frame_type", "frames must be byte buffers") from None
+    header = parse_header(bufs[0], limits)
+    if len(bufs) - 1 != len(header.frames):
+        raise ProtocolError(
+            "frame_count", f"header declares {len(header.frames)} payload frames, got {len(bufs) - 1}"
+        )
+    arrays: list[np.ndarray] = []
+    for i, (spec, buf) in enumerate(zip(header.frames, bufs[1:])):
+        n = _frame_len(buf)
+        if n != spec.nbytes:
+            raise ProtocolError("nbytes_mismatch", f"frames[{i}]: declared {spec.nbytes}, got {n}")
+        dt = np.dtype(spec.dtype).newbyteorder("<")
+        if isinstance(buf, memoryview) and buf.format != "B":
+            buf = buf.cast("B")
+        arr = np.frombuffer(buf, dtype=dt, count=math.prod(spec.shape)).reshape(spec.shape)
+        arrays.append(arr)
+    return Message(header=header, arrays=arrays)

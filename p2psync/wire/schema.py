@@ -1,0 +1,98 @@
+"""Wire schema: the header of every p2psync message, its limits and allow-lists. Pure.
+
+A message is multipart: ``[header, payload_0, ..., payload_{k-1}]``. The header is a msgpack
+map with exactly these keys (``meta`` optional)::
+
+    {"v": 1, "kind": str, "src": int, "tag": str, "step": int,
+     "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value}}
+
+Payload frames are the raw little-endian bytes of C-contiguous arrays.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+
+#: Message kinds the runtime knows. ``data``: tensors between peers; ``rpc``/``reply``: the
+#: coordinator RPC; ``event``: one-way notifications (membership, failures); ``hb``: heartbeats.
+KINDS: frozenset[str] = frozenset({"data", "rpc", "reply", "event", "hb"})
+
+#: Only plain numeric dtypes may travel. No object, string, void or datetime dtypes, ever.
+DTYPES: frozenset[str] = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "uint16",
+        "int16",
+        "uint32",
+        "int32",
+        "uint64",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    }
+)
+
+#: Payload codecs a frame may declare (see ``p2psync.compress``). ``raw`` = not a tensor codec.
+CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "raw"})
+
+HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "frames"})
+HEADER_KEYS_OPTIONAL = frozenset({"meta"})
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9_.:/@#\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Caps applied when decoding untrusted bytes."""
+
+    max_header_bytes: int = 64 * 1024
+    max_frames: int = 64
+    max_ndim: int = 8
+    max_elements: int = 1 << 31
+    max_frame_bytes: int = 1 << 30
+    max_total_bytes: int = 1 << 31
+    max_meta_depth: int = 6
+    max_container_len: int = 4096
+    max_node_id: int = (1 << 20) - 1
+    max_step: int = (1 << 62)
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"WireLimits.{name} must be >= 1")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    """Describes one payload frame."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str = "none"
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Header:
+    """Decoded, validated message header."""
+
+    kind: str
+    src: int
+    tag: str
+    step: int = 0
+    frames: tuple[FrameSpec, ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def valid_tag(tag: object) -> bool:
+    return isinstance(tag, str) and _TAG_RE.match(tag) is not None

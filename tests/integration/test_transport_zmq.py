@@ -1,0 +1,184 @@
+"""Transport over real ZeroMQ on loopback: concurrency, NICs, garbage, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from p2psync.errors import PeerUnreachable, TransportError
+from p2psync.topology import bcube, mesh
+from p2psync.transport import ZmqEndpoint
+from p2psync.wire import encode
+from tests.helpers import free_port, zmq_cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_many_endpoints_concurrent_mixed_tags():
+    topo = mesh(5, base_port=free_port())
+    rng = np.random.default_rng(0)
+    payload = {(s, d, k): rng.standard_normal(1000 + 37 * k).astype(np.float32)
+               for s in topo.ids for d in topo.ids if s != d for k in range(3)}
+    async with zmq_cluster(topo) as eps:
+        async def sender(s):
+            # interleave tags and destinations
+            await asyncio.gather(*(eps[s].send(d, f"op{k}.{s}", [a], step=k)
+                                   for (ss, d, k), a in payload.items() if ss == s))
+
+        async def receiver(d):
+            got = {}
+            # ask for tags in a different order than they are sent
+            for k in (2, 0, 1):
+                for s in topo.ids:
+                    if s != d:
+                        m = await eps[d].recv(f"op{k}.{s}", timeout=10)
+                        got[(s, d, k)] = m
+            return got
+
+        results = await asyncio.gather(*(sender(s) for s in topo.ids), *(receiver(d) for d in topo.ids))
+        for got in results[len(topo.ids):]:
+            for key, m in got.items():
+                assert m.src == key[0] and m.header.step == key[2]
+                np.testing.assert_array_equal(m.arrays[0], payload[key])
+
+
+async def test_bcube_uses_both_nics():
+    topo = bcube(2, 2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        data = np.ones(1 << 16, dtype=np.float32)
+        sends = []
+        for i in topo.ids:
+            for peer in topo.neighbors(i):
+                sends.append(eps[i].send(peer, f"x.{i}", [data]))
+        await asyncio.gather(*sends)
+        for i in topo.ids:
+            for peer in topo.neighbors(i):
+                m = await eps[i].recv(f"x.{peer}", timeout=10)
+                # level-l neighbours arrive on NIC l
+                assert m.nic == topo.routes(i, peer)[0].local_nic
+        for i in topo.ids:
+            st = eps[i].stats()["nics"]
+            assert set(st) == {"l0", "l1"}
+            for nic in ("l0", "l1"):
+                assert st[nic]["bytes_sent"] >= data.nbytes and st[nic]["bytes_recv"] >= data.nbytes
+
+
+async def test_nic_choice_is_respected_and_checked():
+    topo = bcube(2, 2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        with pytest.raises(TransportError, match="over NIC"):
+            await eps[0].send(1, "t", nic="l1")  # 0-1 differ in digit 0: level-0 only
+        await eps[0].send(1, "t", nic="l0")
+        assert (await eps[1].recv("t", timeout=5)).nic == "l0"
+
+
+async def test_garbage_is_rejected_while_valid_transfer_completes():
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        target = topo.node(1).nics[0]
+        ctx = zmq.asyncio.Context()
+        evil = ctx.socket(zmq.DEALER)
+        evil.setsockopt(zmq.LINGER, 0)
+        evil.setsockopt(zmq.ROUTING_ID, b"0/eth9")  # not a NIC of the topology
+        evil.connect(target.endpoint)
+        evil2 = ctx.socket(zmq.DEALER)
+        evil2.setsockopt(zmq.LINGER, 0)
+        evil2.setsockopt(zmq.ROUTING_ID, b"0/eth0x")
+        evil2.connect(target.endpoint)
+        big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB valid transfer in flight
+
+        async def flood():
+            for i in range(200):
+                await evil.send_multipart([b"\xc1garbage", b"x" * (i % 7)])
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(eps[0].send(1, "big", [big]))
+        await flood()
+        await task
+        m = await eps[1].recv("big", timeout=20)
+        np.testing.assert_array_equal(m.arrays[0], big)
+        deadline = time.monotonic() + 10
+        while eps[1].rejected["unknown_peer"] < 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert eps[1].rejected["unknown_peer"] == 200
+        # a connection with a valid identity but a malformed message is rejected by the decoder
+        ep_fake = ctx.socket(zmq.DEALER)
+        ep_fake.setsockopt(zmq.LINGER, 0)
+        # a peer claiming to be node 0 but sending garbage on another connection
+        ep_fake.setsockopt(zmq.ROUTING_ID, b"5/eth0")
+        ep_fake.connect(target.endpoint)
+        await ep_fake.send_multipart(encode(kind="data", src=0, tag="x") + [b"extra"])
+        await eps[0].send(1, "after", [np.zeros(3)])
+        assert (await eps[1].recv("after", timeout=5)).src == 0
+        for s in (evil, evil2, ep_fake):
+            s.close()
+        ctx.term()
+
+
+async def test_decoder_rejects_malformed_from_known_peer():
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        # node 0's own socket sends a malformed message to node 1, then a valid one
+        sock = eps[0]._socks["eth0"]
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                await sock.send_multipart([b"1/eth0", b"\x81\x01\x02"], flags=zmq.NOBLOCK)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        await sock.send_multipart([b"1/eth0", *encode(kind="data", src=1, tag="spoof")], flags=zmq.NOBLOCK)
+        await eps[0].send(1, "ok", [np.ones(2)])
+        assert (await eps[1].recv("ok", timeout=5)).src == 0
+        assert eps[1].rejected["header_msgpack"] == 1
+        assert eps[1].rejected["src_mismatch"] == 1
+        assert eps[1].nic_stats["eth0"].rejected == 2
+
+
+async def test_send_to_dead_peer_fails_within_timeout():
+    topo = mesh(3, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        await eps[0].send(2, "hello", [np.ones(1)])
+        await eps[2].recv("hello", timeout=5)
+        await eps[2].close()
+        # both directions of connection (0 connects to 2; 2 would connect to nobody)
+        for src in (0, 1):
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable) as ei:
+                # after the close is noticed, a send fails; allow the first to race the disconnect
+                for _ in range(100):
+                    await eps[src].send(2, "x", [np.ones(1)], timeout=0.5)
+                    await asyncio.sleep(0.02)
+            assert ei.value.peers == (2,)
+            assert time.monotonic() - t0 < 5
+
+
+async def test_peer_never_started_fails_within_timeout():
+    topo = mesh(2, base_port=free_port())
+    ep = ZmqEndpoint(topology=topo, node_id=1)
+    await ep.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="node 0 unreachable"):
+            await ep.send(0, "x", timeout=0.3)
+        assert time.monotonic() - t0 < 2
+    finally:
+        await ep.close()
+
+
+async def test_bind_conflict_is_a_clear_error():
+    topo = mesh(2, base_port=free_port())
+    a = ZmqEndpoint(topology=topo, node_id=0)
+    await a.start()
+    try:
+        b = ZmqEndpoint(topology=topo, node_id=0)
+        with pytest.raises(TransportError, match="cannot bind"):
+            await b.start()
+    finally:
+        await a.close()

@@ -1,0 +1,143 @@
+"""Wire: round trips for every dtype/shape, strict rejection of malformed input, fuzz."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from p2psync.errors import ProtocolError
+from p2psync.wire import DTYPES, WireLimits, decode, encode, parse_header
+
+dtypes = st.sampled_from(sorted(DTYPES)).map(np.dtype)
+arrays = dtypes.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(arrays, max_size=4), st.integers(0, 1000), st.integers(-(2**40), 2**40))
+def test_roundtrip_every_dtype_and_shape(arrs, src, step):
+    frames = encode(kind="data", src=src, tag="t.1", step=step, arrays=arrs, meta={"k": [1, 2.5, "x"]})
+    msg = decode([bytes(f) for f in frames])
+    assert msg.src == src and msg.header.step == step and msg.tag == "t.1"
+    assert msg.meta == {"k": [1, 2.5, "x"]}
+    assert len(msg.arrays) == len(arrs)
+    for a, b in zip(arrs, msg.arrays):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        np.testing.assert_array_equal(a, b)
+
+
+def test_torch_tensor_and_noncontiguous_and_bigendian():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
+    be = np.arange(5, dtype=">i4")
+    msg = decode(encode(kind="data", src=0, tag="a", arrays=[t, be]))
+    np.testing.assert_array_equal(msg.arrays[0], t.numpy())
+    np.testing.assert_array_equal(msg.arrays[1], be)
+
+
+def _valid() -> list[bytes]:
+    return [bytes(f) for f in encode(kind="data", src=1, tag="x", arrays=[np.arange(6, dtype=np.float32)])]
+
+
+def _header(**over):
+    h = {"v": 1, "kind": "data", "src": 1, "tag": "x", "step": 0, "frames": [["float32", [6], "none", 24]]}
+    h.update(over)
+    return msgpack.packb(h)
+
+
+PAYLOAD = np.arange(6, dtype=np.float32).tobytes()
+
+
+@pytest.mark.parametrize(
+    "frames,reason",
+    [
+        ([], "frame_count"),
+        ([b"\xc1"], "header_msgpack"),  # never-used msgpack byte
+        ([b"\x92\x01"], "header_msgpack"),  # truncated
+        ([msgpack.packb({1: 2})], "header_msgpack"),  # integer map key
+        ([b"\x91" * 5000 + b"\x00"], "header_msgpack"),  # deep nesting
+        ([msgpack.packb(msgpack.ExtType(5, b"xx"))], "header_msgpack"),  # ext type
+        ([msgpack.packb([1, 2])], "header_type"),
+        ([b"\x00" * (70 * 1024)], "header_too_large"),
+        ([_header(v=2), PAYLOAD], "version"),
+        ([_header(kind="evil"), PAYLOAD], "kind"),
+        ([_header(src=-1), PAYLOAD], "src"),
+        ([_header(src=True), PAYLOAD], "src"),
+        ([_header(tag="a b"), PAYLOAD], "tag"),
+        ([_header(step=1.5), PAYLOAD], "step"),
+        ([_header(extra=1), PAYLOAD], "header_keys"),
+        ([_header(frames=[["object", [6], "none", 48]]), PAYLOAD], "dtype"),
+        ([_header(frames=[["float32", [6], "zip", 24]]), PAYLOAD], "codec"),
+        ([_header(frames=[["float32", [2**20, 2**20, 2**20], "none", 0]]), PAYLOAD], "too_many_elements"),
+        ([_header(frames=[["float32", [6], "none", 2**62]]), PAYLOAD], "frame_too_large"),
+        ([_header(frames=[["float32", [6], "none", 20]]), PAYLOAD], "nbytes_mismatch"),
+        ([_header(frames=[["float32", [1] * 9, "none", 4]]), PAYLOAD], "shape"),
+        ([_header(frames=[["float32", [-6], "none", 24]]), PAYLOAD], "shape"),
+        ([_header(frames=[["float32", [6], "none"]]), PAYLOAD], "frame_spec"),
+        ([_header()], "frame_count"),  # declared 1 payload, got 0
+        ([_header(), PAYLOAD, PAYLOAD], "frame_count"),
+        ([_header(), PAYLOAD[:-4]], "nbytes_mismatch"),
+        ([_header(meta=[1])], "meta_type"),
+        ([_header(meta={"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}), PAYLOAD], "meta_too_deep"),
+    ],
+)
+def test_rejects_with_reason(frames, reason):
+    with pytest.raises(ProtocolError) as ei:
+        decode(frames)
+    assert ei.value.reason == reason
+
+
+def test_limits_are_configurable():
+    tight = WireLimits(max_frames=1)
+    frames = encode(kind="data", src=0, tag="a", arrays=[np.zeros(1), np.zeros(1)])
+    with pytest.raises(ProtocolError, match="frames"):
+        decode(frames, tight)
+    with pytest.raises(ValueError):
+        WireLimits(max_frames=0)
+
+
+def test_encode_rejects_bad_local_input():
+    with pytest.raises(ValueError):
+        encode(kind="data", src=0, tag="a", arrays=[np.array(["x"], dtype=object)])
+    with pytest.raises(ValueError):
+        encode(kind="nope", src=0, tag="a")
+    with pytest.raises(ValueError):
+        encode(kind="data", src=0, tag="has space")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_mutations_only_raise_protocol_error(data):
+    frames = [bytearray(f) for f in _valid()]
+    which = data.draw(st.integers(0, len(frames) - 1))
+    f = frames[which]
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if op == "flip" and f:
+            i = data.draw(st.integers(0, len(f) - 1))
+            f[i] = data.draw(st.integers(0, 255))
+        elif op == "cut" and f:
+            del f[data.draw(st.integers(0, len(f) - 1)):]
+        else:
+            f.extend(data.draw(st.binary(max_size=16)))
+    try:
+        decode([bytes(x) for x in frames])
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=256), max_size=4))
+def test_fuzz_arbitrary_bytes_only_raise_protocol_error(frames):
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+def test_parse_header_accepts_rpc_meta():
+    h = parse_header(bytes(encode(kind="rpc", src=2, tag="rpc.req", meta={"m": "q", "a": {"x": [1, None, True]}})[0]))
+    assert h.kind == "rpc" and h.meta["a"]["x"] == [1, None, True]
