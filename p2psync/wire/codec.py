@@ -33,6 +33,11 @@ from p2psync.wire.schema import (
 
 Buffer = bytes | bytearray | memoryview
 
+#: allowed dtypes, little-endian, by wire name and back (``dtype.name`` is slow in numpy)
+_DTYPE_BY_NAME: dict[str, np.dtype] = {n: np.dtype(n).newbyteorder("<") for n in DTYPES}
+_NAME_BY_DTYPE: dict[np.dtype, str] = {dt: n for n, dt in _DTYPE_BY_NAME.items()}
+_NAME_BY_DTYPE.update({np.dtype(n): n for n in DTYPES})  # native order (== "<" on x86/arm)
+
 
 @dataclass
 class Message:
@@ -63,8 +68,13 @@ class Message:
 # ---------------------------------------------------------------------------------- encode
 
 
-def _as_wire_array(arr: Any) -> np.ndarray:
-    """numpy view of ``arr`` (numpy array or CPU torch tensor), C-contiguous, little-endian."""
+def _as_wire_array(arr: Any) -> tuple[np.ndarray, str]:
+    """numpy view of ``arr`` (numpy array or CPU torch tensor), C-contiguous, little-endian,
+    and its wire dtype name."""
+    if type(arr) is np.ndarray and arr.flags.c_contiguous:
+        name = _NAME_BY_DTYPE.get(arr.dtype)
+        if name is not None and arr.dtype.byteorder != ">":
+            return arr, name
     if not isinstance(arr, np.ndarray):
         detach = getattr(arr, "detach", None)
         if detach is None:
@@ -77,7 +87,8 @@ def _as_wire_array(arr: Any) -> np.ndarray:
         raise ValueError(f"dtype {arr.dtype} is not allowed on the wire")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
+    arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
+    return arr, _NAME_BY_DTYPE[arr.dtype]
 
 
 def encode(
@@ -100,11 +111,11 @@ def encode(
     payload: list[Buffer] = []
     specs: list[list[Any]] = []
     for i, a in enumerate(arrays):
-        arr = _as_wire_array(a)
+        arr, dname = _as_wire_array(a)
         codec = "none" if codecs is None else codecs[i]
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}")
-        specs.append([arr.dtype.name, list(arr.shape), codec, arr.nbytes])
+        specs.append([dname, list(arr.shape), codec, arr.nbytes])
         payload.append(memoryview(arr.reshape(-1)).cast("B") if arr.size else b"")
     header: dict[str, Any] = {
         "v": SCHEMA_VERSION,
@@ -145,7 +156,7 @@ def _unpack_header(raw: Buffer, limits: WireLimits) -> Any:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int  # bool is not int here, on purpose
 
 
 def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
@@ -187,7 +198,7 @@ def _parse_frame_spec(i: int, spec: Any, limits: WireLimits) -> FrameSpec:
             raise ProtocolError("too_many_elements", f"frames[{i}]: > {limits.max_elements}")
     if not _is_int(nbytes) or nbytes < 0 or nbytes > limits.max_frame_bytes:
         raise ProtocolError("frame_too_large", f"frames[{i}]: nbytes {nbytes!r}")
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _DTYPE_BY_NAME[dtype].itemsize
     if count * itemsize != nbytes:
         raise ProtocolError("nbytes_mismatch", f"frames[{i}]: {count}x{itemsize} != {nbytes}")
     return FrameSpec(dtype=dtype, shape=tuple(shape), codec=codec, nbytes=nbytes)
@@ -253,7 +264,7 @@ def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> Messag
         n = _frame_len(buf)
         if n != spec.nbytes:
             raise ProtocolError("nbytes_mismatch", f"frames[{i}]: declared {spec.nbytes}, got {n}")
-        dt = np.dtype(spec.dtype).newbyteorder("<")
+        dt = _DTYPE_BY_NAME[spec.dtype]
         if isinstance(buf, memoryview) and buf.format != "B":
             buf = buf.cast("B")
         arr = np.frombuffer(buf, dtype=dt, count=math.prod(spec.shape)).reshape(spec.shape)

@@ -128,12 +128,12 @@ async def test_decoder_rejects_malformed_from_known_peer():
         deadline = time.monotonic() + 5
         while True:
             try:
-                await sock.send_multipart([b"1/eth0", b"\x81\x01\x02"], flags=zmq.NOBLOCK)
+                sock.send_multipart([b"1/eth0", b"\x81\x01\x02"], flags=zmq.NOBLOCK)
                 break
             except zmq.ZMQError:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-        await sock.send_multipart([b"1/eth0", *encode(kind="data", src=1, tag="spoof")], flags=zmq.NOBLOCK)
+        sock.send_multipart([b"1/eth0", *encode(kind="data", src=1, tag="spoof")], flags=zmq.NOBLOCK)
         await eps[0].send(1, "ok", [np.ones(2)])
         assert (await eps[1].recv("ok", timeout=5)).src == 0
         assert eps[1].rejected["header_msgpack"] == 1

@@ -1,0 +1,213 @@
+"""Point-to-point throughput and small-message round trip of the p2psync ZeroMQ endpoint,
+next to raw pyzmq PUSH/PULL (throughput) and raw DEALER/ROUTER (round trip) in the same run.
+
+Throughput: both ends in one process on one event loop (uvloop when installed);
+for throughput both ends share one ZeroMQ context (one IO thread) as the raw baseline does, so
+the ratio compares software overhead, not thread scheduling on a 2-core machine. Round trip:
+the responder runs in a second process, as a peer node would.
+
+    python -m bench.transport [--total-mib 512] [--rtt-count 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from bench._common import markdown_table, save_png
+from p2psync.topology import mesh
+from p2psync.transport import ZmqEndpoint
+
+SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def p2psync_throughput(size: int, count: int) -> float:
+    topo = mesh(2, base_port=_port())
+    ctx = zmq.Context()  # one IO thread for both ends, exactly like the raw baseline below
+    a, b = (ZmqEndpoint(topology=topo, node_id=i, default_timeout=60, context=ctx) for i in (0, 1))
+    await a.start()
+    await b.start()
+    buf = np.ones(size // 4, dtype=np.float32)
+    await a.send(1, "warm", [buf[:1]])
+    await b.recv("warm")
+
+    async def rx() -> None:
+        for _ in range(count):
+            await b.recv("t")
+
+    t0 = time.perf_counter()
+    r = asyncio.create_task(rx())
+    for _ in range(count):
+        await a.send(1, "t", [buf])
+    await r
+    dt = time.perf_counter() - t0
+    await a.close()
+    await b.close()
+    ctx.term()
+    return size * count / dt
+
+
+async def raw_throughput(size: int, count: int) -> float:
+    ctx = zmq.asyncio.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{_port()}"
+    pull.bind(addr)
+    push.connect(addr)
+    buf = np.ones(size // 4, dtype=np.float32)
+    await push.send(b"w")
+    await pull.recv()
+
+    async def rx() -> None:
+        for _ in range(count):
+            await pull.recv_multipart(copy=False)
+
+    t0 = time.perf_counter()
+    r = asyncio.create_task(rx())
+    for _ in range(count):
+        await push.send_multipart([b"h" * 64, memoryview(buf)], copy=False)
+    await r
+    dt = time.perf_counter() - t0
+    push.close(0)
+    pull.close(0)
+    ctx.term()
+    return size * count / dt
+
+
+def _rtt_server(port: int, count: int) -> None:
+    async def run() -> None:
+        b = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=1)
+        await b.start()
+        for _ in range(count):
+            m = await b.recv("ping")
+            await b.send(0, "pong", step=m.header.step)
+        await asyncio.sleep(0.2)
+        await b.close()
+
+    _run(run())
+
+
+def _raw_rtt_server(addr: str, count: int) -> None:
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        r = ctx.socket(zmq.ROUTER)
+        r.bind(addr)
+        for _ in range(count):
+            await r.send_multipart(await r.recv_multipart())
+        await asyncio.sleep(0.2)
+        r.close(0)
+        ctx.term()
+
+    _run(run())
+
+
+async def p2psync_rtt(count: int) -> list[float]:
+    """Round trips between two processes (node 0 here, node 1 in a child process)."""
+    port = _port()
+    proc = mp.get_context("spawn").Process(target=_rtt_server, args=(port, count + 10))
+    proc.start()
+    a = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=0)
+    await a.start()
+    out = []
+    small = np.zeros(16, dtype=np.float32)
+    for i in range(count + 10):
+        t0 = time.perf_counter()
+        await a.send(1, "ping", [small], step=i, timeout=30)
+        await a.recv("pong")
+        if i >= 10:
+            out.append(time.perf_counter() - t0)
+    await a.close()
+    proc.join()
+    return out
+
+
+async def raw_rtt(count: int) -> list[float]:
+    addr = f"tcp://127.0.0.1:{_port()}"
+    proc = mp.get_context("spawn").Process(target=_raw_rtt_server, args=(addr, count + 10))
+    proc.start()
+    ctx = zmq.asyncio.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.connect(addr)
+    out = []
+    for i in range(count + 10):
+        t0 = time.perf_counter()
+        await d.send_multipart([b"h" * 48, b"x" * 64])
+        await d.recv_multipart()
+        if i >= 10:
+            out.append(time.perf_counter() - t0)
+    d.close(0)
+    ctx.term()
+    proc.join()
+    return out
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop  # the runtime runs on uvloop; measure what users get
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) * 1e6
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    rows = []
+    ours, raws = [], []
+    for size in SIZES:
+        count = max(4, (args.total_mib << 20) // size)
+        best_o = max([await p2psync_throughput(size, count) for _ in range(args.repeat)])
+        best_r = max([await raw_throughput(size, count) for _ in range(args.repeat)])
+        ours.append(best_o / 1e9)
+        raws.append(best_r / 1e9)
+        rows.append([f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB", count,
+                     best_o / 1e9, best_r / 1e9, best_o / best_r])
+    print("## Point-to-point throughput (loopback, one process, best of", args.repeat, ")\n")
+    print(markdown_table(["message", "count", "p2psync GB/s", "raw pyzmq GB/s", "ratio"], rows))
+    o = await p2psync_rtt(args.rtt_count)
+    r = await raw_rtt(args.rtt_count)
+    print("\n## Small-message round trip (request/response, loopback, two processes)\n")
+    print(markdown_table(["", "p50 µs", "p99 µs", "mean µs"],
+                         [["p2psync", pct(o, 50), pct(o, 99), statistics.mean(o) * 1e6],
+                          ["raw pyzmq", pct(r, 50), pct(r, 99), statistics.mean(r) * 1e6]]))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [s / (1 << 20) for s in SIZES]
+    ax.plot(x, ours, "o-", label="p2psync endpoint")
+    ax.plot(x, raws, "s--", label="raw pyzmq PUSH/PULL")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("loopback point-to-point throughput")
+    ax.legend()
+    print("\nplot:", save_png(fig, "transport.png"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--total-mib", type=int, default=512, help="bytes per throughput measurement")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rtt-count", type=int, default=2000)
+    _run(main_async(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
