@@ -2,7 +2,11 @@
 
 A :class:`Transport` belongs to one node of a topology. ``send`` encodes a message with the wire
 layer and hands it to the subclass, retrying while the peer is not (yet) reachable until the
-timeout runs out; ``recv``/``recv_any`` wait on the mailbox. Incoming frames go through
+timeout runs out; ``recv``/``recv_any`` wait on the mailbox.
+
+Control messages (``rpc``, ``reply``, ``event``, ``hb``) to a node that is not adjacent are
+relayed hop by hop along shortest paths of the topology, avoiding nodes known to be dead
+(:meth:`Transport.mark_dead`); tensors (``data``) only ever go to adjacent peers. Incoming frames go through
 :meth:`Transport._ingest`, which decodes strictly, rejects and counts bad messages (logged once
 per peer and reason) and never raises.
 """
@@ -20,7 +24,8 @@ from typing import Any, Mapping, Sequence
 from p2psync.errors import P2PSyncError, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.mailbox import Mailbox
-from p2psync.wire import DEFAULT_LIMITS, Message, WireLimits, decode, encode
+from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
+                          encode)
 
 log = logging.getLogger("p2psync.transport")
 
@@ -57,6 +62,10 @@ class Transport(ABC):
         self.rejected: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
         self._closed = False
+        self.dead: set[int] = set()
+        self.relayed = 0
+        self._dist: dict[int, dict[int, int]] = {}
+        self._relay_tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -91,6 +100,31 @@ class Transport(ABC):
                 return r
         raise TransportError(f"node {self.node_id} cannot reach node {peer} over NIC {nic!r}")
 
+    def mark_dead(self, peer: int) -> None:
+        """Route control traffic around ``peer`` from now on."""
+        self.dead.add(peer)
+
+    def _distances(self, src: int) -> dict[int, int]:
+        if src not in self._dist:
+            dist = {src: 0}
+            frontier = [src]
+            while frontier:
+                nxt = []
+                for a in frontier:
+                    for b in self.topology.neighbors(a):
+                        if b not in dist:
+                            dist[b] = dist[a] + 1
+                            nxt.append(b)
+                frontier = nxt
+            self._dist[src] = dist
+        return self._dist[src]
+
+    def next_hops(self, dst: int, *, exclude: int | None = None) -> list[int]:
+        """Neighbours to relay through towards ``dst``: shortest-path ones first, alive only."""
+        cands = [b for b in self.topology.neighbors(self.node_id)
+                 if b not in self.dead and b != exclude and dst in self._distances(b)]
+        return sorted(cands, key=lambda b: (self._distances(b)[dst], b))
+
     # -- send / receive ------------------------------------------------------------------
 
     @abstractmethod
@@ -107,11 +141,33 @@ class Transport(ABC):
         """
         if self._closed:
             raise TransportError("transport is closed")
-        route = self.route(peer, nic)
-        frames = encode(kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays,
-                        codecs=codecs, meta=meta)
-        nbytes = sum(_frame_len(f) for f in frames)
         budget = self.default_timeout if timeout is None else timeout
+        if not self.topology.routes(self.node_id, peer) and nic is None and kind in RELAY_KINDS \
+                and peer in self.topology.ids and peer != self.node_id:
+            await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
+                              arrays=arrays, codecs=codecs, meta=meta), budget)
+            return
+        await self._send_direct(peer, self.route(peer, nic), budget, encode(
+            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta))
+
+    async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
+                     budget: float, came_from: int | None = None) -> None:
+        hops_list = self.next_hops(dst, exclude=came_from)
+        if not hops_list:
+            raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
+        frames = encode(src=origin, dst=dst, hops=hops, **fields)
+        share = budget / len(hops_list)
+        last: PeerUnreachable | None = None
+        for nb in hops_list:
+            try:
+                await self._send_direct(nb, self.route(nb), share, frames)
+                return
+            except PeerUnreachable as exc:
+                last = exc
+        raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
+
+    async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any]) -> None:
+        nbytes = sum(_frame_len(f) for f in frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
         while True:
@@ -157,23 +213,50 @@ class Transport(ABC):
             return
         try:
             msg = decode(frames, self.limits)
-            if msg.header.src != peer_id:
-                raise ProtocolError("src_mismatch", f"header src {msg.header.src} on connection of {peer_id}")
+            h = msg.header
+            if h.src != peer_id and (h.dst is None or h.hops == 0):
+                raise ProtocolError("src_mismatch", f"header src {h.src} on connection of {peer_id}")
             msg.nic = nic
+            if h.dst is not None and h.dst != self.node_id:
+                self._forward(msg, peer_id)
+                return
             self.mailbox.deliver(msg)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
 
+    def _forward(self, msg: Message, came_from: int) -> None:
+        h = msg.header
+        if h.hops + 1 > MAX_HOPS:
+            raise ProtocolError("relay", f"hop limit reached for message to node {h.dst}")
+        if h.dst not in self.topology.ids:
+            raise ProtocolError("relay", f"unknown destination {h.dst}")
+        fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
+                      codecs=[f.codec for f in h.frames], meta=h.meta)
+
+        async def go() -> None:
+            try:
+                await self._relay(h.src, h.dst, h.hops + 1, fields,  # type: ignore[arg-type]
+                                  min(self.default_timeout, 5.0), came_from)
+                self.relayed += 1
+            except P2PSyncError as exc:
+                log.info("node %d: dropped relayed message for node %s: %s", self.node_id, h.dst, exc)
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._relay_tasks.add(task)
+        task.add_done_callback(self._relay_tasks.discard)
+
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         return {"nics": {k: asdict(v) for k, v in self.nic_stats.items()},
-                "rejected": dict(self.rejected)}
+                "rejected": dict(self.rejected), "relayed": self.relayed}
 
     def _closing(self) -> None:
         self._closed = True
+        for t in self._relay_tasks:
+            t.cancel()
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
 
 

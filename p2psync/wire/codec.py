@@ -24,6 +24,8 @@ from p2psync.wire.schema import (
     HEADER_KEYS_OPTIONAL,
     HEADER_KEYS_REQUIRED,
     KINDS,
+    MAX_HOPS,
+    RELAY_KINDS,
     SCHEMA_VERSION,
     FrameSpec,
     Header,
@@ -100,6 +102,8 @@ def encode(
     arrays: Sequence[Any] = (),
     codecs: Sequence[str] | None = None,
     meta: Mapping[str, Any] | None = None,
+    dst: int | None = None,
+    hops: int = 0,
 ) -> list[Buffer]:
     """Build the frames of one message. Raises ``ValueError`` for a bad local argument."""
     if kind not in KINDS:
@@ -127,6 +131,11 @@ def encode(
     }
     if meta:
         header["meta"] = dict(meta)
+    if dst is not None:
+        if kind not in RELAY_KINDS:
+            raise ValueError(f"{kind!r} messages are never relayed")
+        header["dst"] = int(dst)
+        header["hops"] = int(hops)
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -239,7 +248,19 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     if not isinstance(meta, dict):
         raise ProtocolError("meta_type", "meta must be a map")
     _check_meta(meta, limits, 0, "meta")
-    return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta)
+    dst = obj.get("dst")
+    hops = obj.get("hops", 0)
+    if ("dst" in obj) != ("hops" in obj):
+        raise ProtocolError("relay", "dst and hops go together")
+    if dst is not None:
+        if not _is_int(dst) or not 0 <= dst <= limits.max_node_id:
+            raise ProtocolError("relay", f"bad dst {dst!r}"[:100])
+        if not _is_int(hops) or not 0 <= hops <= MAX_HOPS:
+            raise ProtocolError("relay", f"bad hops {hops!r}"[:100])
+        if kind not in RELAY_KINDS:
+            raise ProtocolError("relay", f"{kind} messages are never relayed")
+    return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta,
+                  dst=dst, hops=hops)
 
 
 def _frame_len(buf: Any) -> int:

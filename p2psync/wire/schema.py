@@ -4,7 +4,10 @@ A message is multipart: ``[header, payload_0, ..., payload_{k-1}]``. The header 
 map with exactly these keys (``meta`` optional)::
 
     {"v": 1, "kind": str, "src": int, "tag": str, "step": int,
-     "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value}}
+     "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value},
+     "dst": int, "hops": int}
+
+``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent.
 
 Payload frames are the raw little-endian bytes of C-contiguous arrays.
 """
@@ -43,7 +46,12 @@ DTYPES: frozenset[str] = frozenset(
 CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "raw"})
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "frames"})
-HEADER_KEYS_OPTIONAL = frozenset({"meta"})
+HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops"})
+
+#: kinds that may be relayed hop by hop to a node that is not adjacent (control traffic only;
+#: tensors always move between adjacent peers)
+RELAY_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
+MAX_HOPS = 16
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:/@#\-]{1,128}$")
 
@@ -92,6 +100,9 @@ class Header:
     step: int = 0
     frames: tuple[FrameSpec, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
+    #: final destination of a relayed control message (None: the receiving node)
+    dst: int | None = None
+    hops: int = 0
 
 
 def valid_tag(tag: object) -> bool:

@@ -182,3 +182,27 @@ async def test_bind_conflict_is_a_clear_error():
             await b.start()
     finally:
         await a.close()
+
+
+async def test_control_messages_are_relayed_and_route_around_dead_nodes():
+    from p2psync.topology import ring, star
+
+    topo = ring(6, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        await eps[0].send(3, "rpc", kind="rpc", meta={"x": 1})
+        m = await eps[3].recv("rpc", timeout=5)
+        assert m.src == 0 and m.meta == {"x": 1}
+        with pytest.raises(TransportError, match="shares no network"):
+            await eps[0].send(3, "t", [np.ones(2)])  # tensors are never relayed
+        # kill node 1: 0 -> 2 must go the long way round (0-5-4-3-2)
+        await eps[1].close()
+        eps[0].mark_dead(1)
+        for e in eps.values():
+            e.mark_dead(1)
+        await eps[0].send(2, "ev", kind="event", timeout=5)
+        assert (await eps[2].recv("ev", timeout=5)).src == 0
+    topo = star(4, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        await eps[1].send(3, "hb", kind="hb")
+        assert (await eps[3].recv("hb", timeout=5)).src == 1
+        assert eps[0].relayed == 1
