@@ -15,17 +15,15 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="p2psync", description=__doc__)
+    p = argparse.ArgumentParser(prog="p2psync", description="p2psync: peer-to-peer training runtime "
+                                "for heterogeneous, far-apart clusters")
     p.add_argument("--version", action="version", version=f"p2psync {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     topo_cmd.add_parser(sub)
-    try:
-        from p2psync.cli import run_cmd
-    except ImportError:  # pragma: no cover - run needs the training stack
-        run_cmd = None  # type: ignore[assignment]
-    if run_cmd is not None:
-        run_cmd.add_parser(sub)
+    from p2psync.cli import run_cmd
+
+    run_cmd.add_parser(sub)
     return p
 
 
@@ -35,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return int(args.func(args) if hasattr(args, "func") else topo_cmd.run(args))
+        return int(args.func(args))
     except (ConfigError, ValueError) as exc:
         print(f"p2psync {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

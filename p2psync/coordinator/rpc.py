@@ -85,7 +85,12 @@ class RpcServer:
         except P2PSyncError as exc:
             log.info("node %d: could not reply to node %d: %s", self.transport.node_id, msg.src, exc)
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 2.0) -> None:
+        """Stop serving; replies already being computed get ``grace`` seconds to go out."""
+        if self._task is not None:
+            self._task.cancel()
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=grace)
         for t in [self._task, *self._inflight]:
             if t is not None:
                 t.cancel()

@@ -253,6 +253,11 @@ class Transport(ABC):
         return {"nics": {k: asdict(v) for k, v in self.nic_stats.items()},
                 "rejected": dict(self.rejected), "relayed": self.relayed}
 
+    async def _drain_relays(self, timeout: float = 1.0) -> None:
+        """Let control messages this node is relaying for others go out before closing."""
+        if self._relay_tasks:
+            await asyncio.wait(set(self._relay_tasks), timeout=timeout)
+
     def _closing(self) -> None:
         self._closed = True
         for t in self._relay_tasks:

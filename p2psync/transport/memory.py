@@ -35,6 +35,7 @@ class MemoryTransport(Transport):
         self.hub.endpoints[self.node_id] = self
 
     async def close(self) -> None:
+        await self._drain_relays()
         self._closing()
         if self.hub.endpoints.get(self.node_id) is self:
             del self.hub.endpoints[self.node_id]

@@ -163,6 +163,7 @@ class ZmqEndpoint(Transport):
                 self._loop.call_soon(self._drain, route.local_nic)
 
     async def close(self) -> None:
+        await self._drain_relays()
         self._closing()
         if self._loop is not None:
             for fd in self._fds:

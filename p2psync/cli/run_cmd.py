@@ -1,0 +1,160 @@
+"""``p2psync run``: train on a topology — every node on this host, or one node (``--node``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.training.config import RunConfig
+from p2psync.training.data import DATASETS
+from p2psync.training.models import MODELS
+from p2psync.training.partition import SCHEMES
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DEFAULT_EPOCHS = 20.0
+
+log = logging.getLogger("p2psync.cli")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from p2psync.strategies import REGISTRY
+
+    d = RunConfig(topology="")
+    p = sub.add_parser(
+        "run", help="train a model on a topology",
+        description="Train one model on every node of TOPOLOGY (all on this host), or run one node "
+                    "of a multi-host run with --node. Without --steps/--epochs/--time: "
+                    f"--epochs {DEFAULT_EPOCHS:g}.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("topology", help="topology JSON file (see 'p2psync topo')")
+    p.add_argument("--strategy", default=d.strategy, choices=sorted(REGISTRY),
+                   help="synchronization algorithm")
+    p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
+                   help="strategy option (repeatable)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int, help="training steps per node")
+    g.add_argument("--epochs", type=float, help="passes over the training set (all nodes together)")
+    p.add_argument("--time", type=float, dest="time_limit", metavar="SECONDS",
+                   help="stop after this many seconds of training (with or instead of a step budget)")
+    p.add_argument("--model", default=d.model, choices=MODELS)
+    p.add_argument("--data", default=d.data, choices=DATASETS,
+                   help="digits: embedded (no download); idx: MNIST-format files in --data-dir")
+    p.add_argument("--data-dir", help="directory with train/t10k IDX files (for --data idx)")
+    p.add_argument("--synthetic-size", type=int, default=d.synthetic_size, help="samples for --data synthetic")
+    p.add_argument("--partition", default=d.partition, choices=SCHEMES, help="how data is split across nodes")
+    p.add_argument("--dirichlet-alpha", type=float, default=d.dirichlet_alpha, help="skew of --partition dirichlet")
+    p.add_argument("--shards-per-node", type=int, default=d.shards_per_node, help="for --partition shards")
+    p.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
+    p.add_argument("--out", default=d.out, help="folder for run folders")
+    p.add_argument("--run-id", help="run folder name (default: time-topology-strategy)")
+    p.add_argument("--node", type=int, help="run only this node (multi-host: one process per host)")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, help="torch threads per node (default: cores / local nodes)")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout,
+                   help="seconds to wait for every node to join")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
+                   help="seconds any wait on a peer may take")
+    p.add_argument("--heartbeat", type=float, default=d.heartbeat, help="heartbeat interval (s)")
+    p.add_argument("--failure-timeout", type=float, default=d.failure_timeout,
+                   help="silence (s) after which a node is declared failed")
+    p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    opts: list[tuple[str, str]] = []
+    for item in args.opt:
+        if "=" not in item:
+            raise ConfigError(f"--opt {item!r}: expected NAME=VALUE")
+        k, v = item.split("=", 1)
+        opts.append((k.strip(), v.strip()))
+    epochs = args.epochs
+    if args.steps is None and epochs is None and args.time_limit is None:
+        epochs = DEFAULT_EPOCHS
+    cfg = RunConfig(
+        topology=args.topology, strategy=args.strategy, steps=args.steps, epochs=epochs,
+        time_limit=args.time_limit, model=args.model, data=args.data, data_dir=args.data_dir,
+        synthetic_size=args.synthetic_size, partition=args.partition,
+        dirichlet_alpha=args.dirichlet_alpha, shards_per_node=args.shards_per_node,
+        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every, out=args.out,
+        run_id=args.run_id, device=args.device, threads=args.threads,
+        start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
+        failure_timeout=args.failure_timeout, strategy_options=tuple(opts),
+        progress=not args.no_progress)
+    from p2psync.strategies.base import get_strategy, parse_options
+
+    parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from p2psync.topology import load
+
+    cfg = config_from_args(args)
+    topo = load(cfg.topology)  # validate before starting anything
+    if args.node is None:
+        from p2psync.cli.launch import launch
+
+        return launch(cfg, topo)
+    if args.node not in topo.ids:
+        raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
+    return run_one(cfg, args.node)
+
+
+def run_one(cfg: RunConfig, node_id: int) -> int:
+    """Run a single node in this process; map outcomes to exit codes."""
+    from p2psync.training.node import run_node
+
+    outcome: dict[str, Any] = {}
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda s=sig: (outcome.setdefault("signal", s), task.cancel()))
+        outcome["stats"] = await run_node(cfg, node_id)
+
+    try:
+        _run_loop(main())
+    except asyncio.CancelledError:
+        print(f"node {node_id}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ConfigError:
+        raise
+    except P2PSyncError as exc:
+        print(f"node {node_id}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if "signal" in outcome:
+        return EXIT_INTERRUPTED
+    stats = outcome.get("stats", {})
+    acc = stats.get("final_accuracy")
+    print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
+          + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr)
+    return 0
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def default_threads(local_nodes: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, local_nodes))

@@ -1,0 +1,7 @@
+"""Synchronization strategies: one module per algorithm, registered by name."""
+
+from p2psync.strategies import asgd, ssgd  # noqa: F401  (register)
+from p2psync.strategies.base import (REGISTRY, StepReport, Strategy, StrategyContext,
+                                     get_strategy, register)
+
+__all__ = ["REGISTRY", "StepReport", "Strategy", "StrategyContext", "get_strategy", "register"]

@@ -1,0 +1,138 @@
+"""The strategy interface, its context and the name registry.
+
+A strategy owns one training step end to end — local compute through the
+:class:`~p2psync.training.trainer.Trainer`-like replica, and whatever it exchanges through
+collectives and coordinator clients — so each algorithm can overlap communication with compute
+its own way. It never touches sockets directly.
+
+Only :meth:`Strategy.train_step` is abstract. ``want_stop`` tells the strategy this node would
+like to stop after this step; the strategy returns ``stop=True`` when the run ends (synchronous
+strategies agree on it collectively, so all nodes stop at the same step).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Protocol
+
+import numpy as np
+
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.errors import ConfigError
+from p2psync.topology import Topology
+from p2psync.transport import Transport
+
+
+class Replica(Protocol):
+    """What a strategy needs of the local model (implemented by training.Trainer)."""
+
+    numel: int
+    samples: int
+
+    async def compute_gradients(self) -> tuple[float, np.ndarray]: ...
+    async def apply_gradients(self, vec: np.ndarray) -> None: ...
+    async def local_step(self) -> float: ...
+    async def get_params(self) -> np.ndarray: ...
+    async def set_params(self, vec: np.ndarray) -> None: ...
+
+
+@dataclass
+class StrategyContext:
+    node_id: int
+    topology: Topology
+    transport: Transport
+    rpc: RpcClient
+    rpc_server: RpcServer
+    membership: MembershipClient
+    replica: Replica
+    #: seconds any single peer-dependent wait may take
+    peer_timeout: float = 30.0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> list[int]:
+        return [n for n in self.topology.ids if n not in self.membership.failed]
+
+
+@dataclass
+class StepReport:
+    loss: float
+    stop: bool = False
+    #: seconds this step spent moving data / blocked waiting for peers
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy(ABC):
+    name: ClassVar[str] = ""
+    #: option name -> (type, default, help) accepted via --opt NAME=VALUE
+    options: ClassVar[Mapping[str, tuple[type, Any, str]]] = {}
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.opts = parse_options(type(self), ctx.options)
+
+    async def start(self) -> None:
+        """Called once after rendezvous, before the first step."""
+
+    @abstractmethod
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        """Run one step (compute + exchange) and report it."""
+
+    def on_peer_failure(self, peer: int) -> None:
+        """A peer was declared failed by the membership service (called on the event loop)."""
+
+    async def close(self) -> None:
+        """Called once at the end (also after errors)."""
+
+
+REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    if not cls.name or cls.name in REGISTRY:
+        raise ValueError(f"strategy name {cls.name!r} is empty or taken")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    from p2psync import strategies  # noqa: F401  (registers the built-ins)
+
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown strategy {name!r} (choose from {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+def parse_options(cls: type[Strategy], raw: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: default for k, (_, default, _) in cls.options.items()}
+    for k, v in raw.items():
+        if k not in cls.options:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise ConfigError(f"--opt {k}: unknown option for strategy {cls.name} (known: {known})")
+        typ = cls.options[k][0]
+        try:
+            out[k] = typ(v) if typ is not bool else str(v).lower() in ("1", "true", "yes", "on")
+        except (TypeError, ValueError):
+            raise ConfigError(f"--opt {k}={v}: expected {typ.__name__}") from None
+    return out
+
+
+class Stopwatch:
+    """Accumulates elapsed seconds of ``with`` blocks."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.total += time.perf_counter() - self._t0
+
+
+Listener = Callable[[int], None]

@@ -1,0 +1,57 @@
+"""SSGD: synchronous data parallel, the baseline every algorithm is compared with.
+
+Each step every node computes its gradient on its own batch, the gradients are averaged across
+all nodes with one allreduce (ring over direct links when the topology has one, else a tree),
+and every node applies the same averaged gradient. With equal batch sizes this is exactly SGD on
+the union of the nodes' batches, and the replicas stay bitwise identical.
+
+The stop decision rides in the same allreduce (one extra element), so all nodes stop at the same
+step even with ``--time``. A failed peer ends the run with :class:`PeerFailure` naming it:
+synchronous training cannot proceed without it, and silently continuing would change the
+algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from p2psync.collectives import GroupPlan, allreduce
+from p2psync.errors import PeerFailure
+from p2psync.strategies.base import StepReport, Strategy, register
+
+
+@register
+class SSGD(Strategy):
+    name = "ssgd"
+
+    async def start(self) -> None:
+        self.plan = GroupPlan.for_group(self.ctx.topology, self.ctx.topology.ids)
+        self.failed: set[int] = set()
+
+    def on_peer_failure(self, peer: int) -> None:
+        self.failed.add(peer)
+        self.ctx.transport.mailbox.abort(
+            PeerFailure(f"ssgd: peer {peer} failed; synchronous training cannot continue", peers=(peer,)),
+            match=lambda tag: tag.startswith("ssgd."))
+
+    def _check(self) -> None:
+        if self.failed:
+            bad = tuple(sorted(self.failed))
+            raise PeerFailure(f"ssgd: peer(s) {list(bad)} failed; synchronous training cannot continue",
+                              peers=bad)
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        self._check()
+        loss, grad = await self.ctx.replica.compute_gradients()
+        vec = np.empty(grad.size + 1, dtype=np.float32)
+        vec[:-1] = grad
+        vec[-1] = 1.0 if want_stop else 0.0
+        t0 = time.perf_counter()
+        out = await allreduce(self.ctx.transport, vec, self.plan, tag=f"ssgd.{step}",
+                              timeout=self.ctx.peer_timeout, average=True)
+        comm = time.perf_counter() - t0
+        self._check()
+        await self.ctx.replica.apply_gradients(out[:-1])
+        return StepReport(loss=loss, stop=bool(out[-1] > 0), comm_s=comm)

@@ -1,0 +1,102 @@
+"""RunConfig: the frozen, validated description of a run, built once at the CLI edge."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from p2psync.errors import ConfigError
+
+#: fields that only concern the local process; every other field must agree across nodes
+LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress"})
+UNBOUNDED_STEPS = 1 << 62
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    topology: str
+    strategy: str = "ssgd"
+    steps: int | None = None
+    epochs: float | None = None
+    time_limit: float | None = None
+    model: str = "mlp"
+    data: str = "digits"
+    data_dir: str | None = None
+    synthetic_size: int = 20000
+    partition: str = "iid"
+    dirichlet_alpha: float = 0.5
+    shards_per_node: int = 2
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    seed: int = 0
+    eval_every: int = 20
+    out: str = "runs"
+    run_id: str | None = None
+    device: str = "auto"
+    threads: int | None = None
+    start_timeout: float = 60.0
+    peer_timeout: float = 30.0
+    heartbeat: float = 0.5
+    failure_timeout: float = 2.0
+    strategy_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+
+        for name in ("steps", "epochs", "time_limit", "threads"):
+            positive(name)
+        for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
+                     "failure_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node"):
+            positive(name, allow_none=False)
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("--momentum must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError("--weight-decay must be >= 0")
+        if self.failure_timeout <= self.heartbeat:
+            raise ConfigError("--failure-timeout must be longer than --heartbeat")
+        if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
+            raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name")
+
+    def agreed(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in LOCAL_FIELDS and k != "topology"}
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.agreed(), sort_keys=True, default=str).encode()
+        return hashlib.sha1(blob).hexdigest()[:12]
+
+    def max_steps(self, n_train: int, n_nodes: int) -> int:
+        """Steps per node: --steps, or --epochs over the whole training set split across nodes."""
+        if self.steps is not None:
+            return int(self.steps)
+        if self.epochs is not None:
+            return max(1, math.ceil(self.epochs * n_train / (n_nodes * self.batch_size)))
+        return UNBOUNDED_STEPS
+
+    def to_argv(self) -> list[str]:
+        """Command-line options that reproduce this config (for launching node processes)."""
+        out: list[str] = []
+        for f in fields(self):
+            if f.name in ("topology", "progress"):
+                continue
+            v = getattr(self, f.name)
+            if v is None or v == f.default:
+                continue
+            flag = "--time" if f.name == "time_limit" else "--" + f.name.replace("_", "-")
+            if f.name == "strategy_options":
+                for k, val in v:
+                    out += ["--opt", f"{k}={val}"]
+            else:
+                out += [flag, str(v)]
+        return out

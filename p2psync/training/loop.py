@@ -1,0 +1,50 @@
+"""The training loop: calls the strategy step by step, evaluates, writes metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from p2psync.strategies.base import Strategy
+from p2psync.training.metrics import MetricsWriter
+from p2psync.training.trainer import Trainer
+
+
+async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metrics: MetricsWriter,
+                     max_steps: int, time_limit: float | None, eval_every: int,
+                     nic_bytes: Callable[[], dict[str, dict[str, int]]]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    comm = wait = 0.0
+    step = 0
+    acc = test_loss = None
+    while True:
+        elapsed = time.monotonic() - t0
+        want_stop = step + 1 >= max_steps or (time_limit is not None and elapsed >= time_limit)
+        rep = await strategy.train_step(step, want_stop)
+        step += 1
+        comm += rep.comm_s
+        wait += rep.wait_s
+        now = time.monotonic() - t0
+        rec: dict[str, Any] = {
+            "node": node_id, "step": step, "time": round(now, 4), "loss": rep.loss,
+            "compute_s": round(trainer.compute_s, 4), "comm_s": round(comm, 4), "wait_s": round(wait, 4),
+            "samples": trainer.samples, "samples_per_s": trainer.samples / now if now > 0 else 0.0,
+            "nics": nic_bytes(), **rep.extra,
+        }
+        evaluate = rep.stop or step % eval_every == 0
+        if evaluate:
+            test_loss, acc = await trainer.evaluate()
+            rec["test_loss"], rec["accuracy"] = test_loss, acc
+        metrics.write(rec, flush=evaluate)
+        if rep.stop:
+            break
+    wall = time.monotonic() - t0
+    nics = nic_bytes()
+    return {
+        "node": node_id, "steps": step, "wall_s": round(wall, 3), "final_accuracy": acc,
+        "final_test_loss": test_loss, "samples": trainer.samples,
+        "samples_per_s": trainer.samples / wall if wall > 0 else 0.0,
+        "compute_s": round(trainer.compute_s, 3), "comm_s": round(comm, 3), "wait_s": round(wait, 3),
+        "bytes_sent": sum(v["sent"] for v in nics.values()),
+        "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
+    }

@@ -1,0 +1,63 @@
+"""Per-node metrics: one JSON object per line in ``runs/<run-id>/node-<id>.jsonl``.
+
+Common fields: step, time (s since training start), loss, test_loss / accuracy (when evaluated),
+compute_s / comm_s / wait_s (cumulative), samples, samples_per_s, nics ({name: {sent, recv}} in
+bytes, cumulative). A strategy adds its own fields (staleness, local iterations, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if hasattr(v, "item"):  # numpy scalars
+        return _clean(v.item())
+    return v
+
+
+class MetricsWriter:
+    def __init__(self, path: str | Path, *, flush_every_s: float = 0.5) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", buffering=1 << 16)
+        self._flush_every = flush_every_s
+        self._last_flush = 0.0
+        self.last: dict[str, Any] = {}
+
+    def write(self, record: Mapping[str, Any], *, flush: bool = False) -> None:
+        rec = _clean(dict(record))
+        self.last = rec
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        now = time.monotonic()
+        if flush or now - self._last_flush >= self._flush_every:
+            self._f.flush()
+            self._last_flush = now
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    with Path(path).open() as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a line still being written
+    return out

@@ -1,0 +1,139 @@
+"""One node of a run: builds the replica, joins the cluster, trains, reports.
+
+Order: load data and build the model first (slow, node-local), then bind the transport and
+rendezvous with the coordinator (every node starts training at about the same moment), train
+with the chosen strategy, then a bounded finish barrier so no node closes its sockets while
+peers still need it. The coordinator node also hosts the membership service and writes the
+run's ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.strategies.base import StrategyContext, get_strategy
+from p2psync.topology import Topology, load
+from p2psync.training.config import RunConfig
+from p2psync.training.data import load_dataset
+from p2psync.training.loop import train_loop
+from p2psync.training.metrics import MetricsWriter
+from p2psync.training.models import build_model
+from p2psync.training.partition import partition
+from p2psync.training.trainer import Trainer, make_optimizer, resolve_device
+from p2psync.transport import ZmqEndpoint
+
+log = logging.getLogger("p2psync.node")
+
+
+def default_run_id(topo: Topology, strategy: str) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{topo.name}-{strategy}"
+
+
+def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    data = load_dataset(cfg.data, data_dir=cfg.data_dir, synthetic_size=cfg.synthetic_size)
+    parts = partition(data.y_train, topo.size, cfg.partition, seed=cfg.seed,
+                      alpha=cfg.dirichlet_alpha, shards_per_part=cfg.shards_per_node)
+    rank = topo.ids.index(node_id)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every node
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    device = resolve_device(cfg.device)
+    model.to(device)
+    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+    return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
+                   batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device)
+
+
+def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
+              failed: list[int]) -> dict[str, Any]:
+    nodes = {str(k): v for k, v in sorted(finished.items()) if isinstance(v, dict)}
+    accs = [v["final_accuracy"] for v in nodes.values() if v.get("final_accuracy") is not None]
+    return {
+        "run_id": run_id, "topology": topo.name, "strategy": cfg.strategy,
+        "config": cfg.agreed(), "nodes": nodes, "failed": failed,
+        "accuracy_mean": float(np.mean(accs)) if accs else None,
+        "accuracy_min": float(np.min(accs)) if accs else None,
+        "wall_s": max((v["wall_s"] for v in nodes.values()), default=None),
+        "samples_per_s": sum(v["samples_per_s"] for v in nodes.values()),
+        "bytes_sent": sum(v["bytes_sent"] for v in nodes.values()),
+    }
+
+
+async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
+    """Run one node to the end. Returns its final stats; raises P2PSyncError on failure."""
+    topo = load(cfg.topology)
+    if node_id not in topo.ids:
+        raise ConfigError(f"--node {node_id}: no such node in {cfg.topology} (ids {topo.ids})")
+    strategy_cls = get_strategy(cfg.strategy)
+    trainer = build_trainer(cfg, topo, node_id)
+    transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
+    server = RpcServer(transport)
+    rpc = RpcClient(transport, local=server)
+    membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator,
+                                  heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout)
+    service = None
+    metrics = None
+    strategy = None
+    try:
+        await transport.start()
+        if node_id == topo.coordinator:
+            service = MembershipService(
+                server=server, expected=topo.ids, start_timeout=cfg.start_timeout,
+                failure_timeout=cfg.failure_timeout,
+                run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
+            service.start()
+        server.start()
+        info = await membership.register(cfg.fingerprint(), timeout=cfg.start_timeout + 5)
+        run_id = cfg.run_id or str(info["run_id"])
+        run_dir = Path(cfg.out) / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if service is not None:
+            (run_dir / "config.json").write_text(json.dumps(
+                {"run_id": run_id, "topology": topo.name, **asdict(cfg)}, indent=2, default=str))
+        metrics = MetricsWriter(run_dir / f"node-{node_id}.jsonl")
+        membership.start()
+        ctx = StrategyContext(node_id=node_id, topology=topo, transport=transport, rpc=rpc,
+                              rpc_server=server, membership=membership, replica=trainer,
+                              peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options))
+        strategy = strategy_cls(ctx)
+        membership.listeners.append(strategy.on_peer_failure)
+        await strategy.start()
+
+        def nic_bytes() -> dict[str, dict[str, int]]:
+            return {k: {"sent": v.bytes_sent, "recv": v.bytes_recv} for k, v in transport.nic_stats.items()}
+
+        n_train = len(trainer.data.y_train)
+        stats = await train_loop(node_id=node_id, strategy=strategy, trainer=trainer, metrics=metrics,
+                                 max_steps=cfg.max_steps(n_train, topo.size), time_limit=cfg.time_limit,
+                                 eval_every=cfg.eval_every, nic_bytes=nic_bytes)
+        stats["rejected"] = dict(transport.rejected)
+        await membership.finish(stats, timeout=max(30.0, cfg.peer_timeout))
+        if service is not None:
+            summary = summarize(run_id, topo, cfg, service.state.finished, sorted(service.state.failed))
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return stats
+    finally:
+        if strategy is not None:
+            try:
+                await strategy.close()
+            except P2PSyncError:
+                pass
+        await membership.close()
+        if service is not None:
+            await service.close()
+        await server.close()
+        await transport.close()
+        trainer.close()
+        if metrics is not None:
+            metrics.close()

@@ -1,0 +1,172 @@
+"""The local replica: model, optimizer, batches, and atomic operations on them.
+
+Every operation that touches the model runs on a one-thread executor, off the event loop, so
+communication progresses while the device computes, and operations never interleave (an
+incoming gradient is never applied between another gradient's computation and its step).
+Vectors that cross the network are flat float32 numpy arrays in host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from p2psync.errors import ConfigError
+from p2psync.training.data import Dataset
+from p2psync.training.partition import BatchSampler
+
+T = TypeVar("T")
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {spec}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {spec}: only cpu and cuda are supported")
+    return dev
+
+
+def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ConfigError(f"unknown optimizer {name!r} (choose sgd or adam)")
+
+
+class Trainer:
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset,
+                 indices: np.ndarray, batch_size: int, seed: int, device: torch.device,
+                 eval_batch: int = 2048) -> None:
+        self.device = device
+        self.model = model.to(device)
+        self.optimizer = optimizer
+        self.data = data
+        self.sampler = BatchSampler(indices, batch_size, seed=seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.eval_batch = eval_batch
+        self.batches_done = 0
+        self.compute_s = 0.0
+        self.samples = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._x = torch.from_numpy(data.x_train)
+        self._y = torch.from_numpy(data.y_train)
+
+    # -- executor plumbing ---------------------------------------------------------------
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the compute thread; its wall time counts as compute time."""
+        def timed() -> T:
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.compute_s += time.perf_counter() - t0
+        return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- flat vectors (call on the compute thread) ---------------------------------------
+
+    def _grads(self) -> np.ndarray:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+        return flat.detach().to("cpu", torch.float32).numpy().copy()
+
+    def _set_grads(self, vec: np.ndarray) -> None:
+        if vec.size != self.numel:
+            raise ValueError(f"gradient vector has {vec.size} elements, model has {self.numel}")
+        src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            g = src[off: off + n].view_as(p).to(p.device, p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            off += n
+
+    def _params(self) -> np.ndarray:
+        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", torch.float32).numpy().copy()
+
+    def _set_params(self, vec: np.ndarray) -> None:
+        if vec.size != self.numel:
+            raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(
+                torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32)).to(self.device), self.params)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def _forward_backward(self) -> tuple[float, np.ndarray]:
+        idx = torch.from_numpy(self.sampler.batch(self.batches_done))
+        self.batches_done += 1
+        x = self._x[idx].to(self.device, non_blocking=True)
+        y = self._y[idx].to(self.device, non_blocking=True)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.samples += len(idx)
+        return float(loss.detach()), self._grads()
+
+    async def compute_gradients(self) -> tuple[float, np.ndarray]:
+        """Next batch: forward + backward. Returns (loss, flat gradient copy)."""
+        return await self.run(self._forward_backward)
+
+    async def apply_gradients(self, vec: np.ndarray) -> None:
+        """Set the gradients to ``vec`` and take one optimizer step, atomically."""
+        def go() -> None:
+            self._set_grads(vec)
+            self.optimizer.step()
+        await self.run(go)
+
+    async def local_step(self) -> float:
+        """Forward, backward and optimizer step on the next batch (local SGD). Returns the loss."""
+        def go() -> float:
+            loss, _ = self._forward_backward()
+            self.optimizer.step()
+            return loss
+        return await self.run(go)
+
+    async def get_params(self) -> np.ndarray:
+        return await self.run(self._params)
+
+    async def set_params(self, vec: np.ndarray) -> None:
+        await self.run(lambda: self._set_params(vec))
+
+    def _evaluate(self) -> tuple[float, float]:
+        self.model.eval()
+        total, correct, loss_sum = 0, 0, 0.0
+        with torch.no_grad():
+            for s in range(0, len(self.data.y_test), self.eval_batch):
+                x = torch.from_numpy(self.data.x_test[s: s + self.eval_batch]).to(self.device)
+                y = torch.from_numpy(self.data.y_test[s: s + self.eval_batch]).to(self.device)
+                out = self.model(x)
+                loss_sum += float(self.loss_fn(out, y)) * len(y)
+                correct += int((out.argmax(1) == y).sum())
+                total += len(y)
+        return loss_sum / max(total, 1), correct / max(total, 1)
+
+    async def evaluate(self) -> tuple[float, float]:
+        """(test loss, test accuracy) on the held-out split. Not counted as compute time."""
+        before = self.compute_s
+        out = await self.run(self._evaluate)
+        self.compute_s = before
+        return out
