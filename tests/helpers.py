@@ -27,3 +27,26 @@ async def zmq_cluster(topo: Topology, *, timeout: float = 10.0) -> AsyncIterator
     finally:
         for e in eps.values():
             await e.close()
+
+
+def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size: int = 16,
+                 lr: float = 0.1, momentum: float = 0.9, seed: int = 0, partition_scheme: str = "iid"):
+    """A real Trainer for ``node_id`` on the digits data, exactly as a node process builds it."""
+    from p2psync.training.config import RunConfig
+    from p2psync.training.node import build_trainer
+
+    cfg = RunConfig(topology="-", model=model, batch_size=batch_size, lr=lr, momentum=momentum,
+                    seed=seed, partition=partition_scheme, device="cpu", threads=1)
+    return build_trainer(cfg, topo, node_id)
+
+
+def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None):
+    from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+    from p2psync.strategies import StrategyContext
+
+    server = RpcServer(transport)
+    rpc = RpcClient(transport, local=server)
+    membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator)
+    return StrategyContext(node_id=transport.node_id, topology=topo, transport=transport, rpc=rpc,
+                           rpc_server=server, membership=membership, replica=replica,
+                           peer_timeout=peer_timeout, options=options or {})

@@ -6,6 +6,11 @@ origin ``o`` is flooded down a BFS spanning tree of the live nodes rooted at ``o
 that is a direct send to everyone; on a ring it is passed along), and every node applies it
 exactly once. Staleness (how many local steps a node took since the sender's step) is recorded.
 
+With ``average`` (default) every gradient is applied with weight 1/N (N = nodes in the run):
+one round of N gradients then moves the model as far as one SSGD step on the mean gradient,
+so the two baselines compare at the same learning rate (applying each gradient at full ``lr``
+makes the effective step N times larger, which diverges with momentum).
+
 A failed peer is dropped from the trees and training continues with the survivors; a node that
 finishes early keeps applying what arrives until the finish barrier.
 """
@@ -21,17 +26,20 @@ import numpy as np
 from p2psync.errors import P2PSyncError
 from p2psync.strategies.base import StepReport, Strategy, register
 from p2psync.topology.paths import spanning_tree
+from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.asgd")
 
 TAG = "asgd.g"
+MAX_BATCH = 256
 
 
 @register
 class ASGD(Strategy):
     name = "asgd"
     options = {"max_inflight": (int, 16, "gradient sends in flight before a step waits"),
-               "send_timeout": (float, 5.0, "seconds before a send to a silent peer is dropped")}
+               "send_timeout": (float, 5.0, "seconds before a send to a silent peer is dropped"),
+               "average": (bool, True, "apply every gradient with weight 1/N")}
 
     async def start(self) -> None:
         self.alive = set(self.ctx.topology.ids)
@@ -41,6 +49,7 @@ class ASGD(Strategy):
         self.applied_remote = 0
         self.dropped_sends = 0
         self._sends: set[asyncio.Task[None]] = set()
+        self.scale = 1.0 / self.ctx.topology.size if self.opts["average"] else 1.0
         self._rx = asyncio.create_task(self._receive(), name="asgd-receive")
 
     def on_peer_failure(self, peer: int) -> None:
@@ -70,27 +79,35 @@ class ASGD(Strategy):
             self.dropped_sends += 1
             log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)
 
+    def _valid(self, msg: Message) -> bool:
+        origin: Any = msg.meta.get("origin")
+        ok = (type(origin) is int and origin in self.ctx.topology.ids and len(msg.arrays) == 1
+              and msg.arrays[0].size == self.ctx.replica.numel and msg.arrays[0].dtype == np.float32)
+        if not ok:
+            log.warning("node %d: malformed gradient from node %d ignored", self.ctx.node_id, msg.src)
+        return ok
+
     async def _receive(self) -> None:
-        numel = self.ctx.replica.numel
         while True:
             try:
-                msg = await self.ctx.transport.recv(TAG, timeout=None)
+                batch = [await self.ctx.transport.recv(TAG, timeout=None)]
             except P2PSyncError:
                 return
-            origin: Any = msg.meta.get("origin")
-            if (type(origin) is not int or origin not in self.ctx.topology.ids or len(msg.arrays) != 1
-                    or msg.arrays[0].size != numel or msg.arrays[0].dtype != np.float32):
-                log.warning("node %d: malformed gradient from node %d ignored", self.ctx.node_id, msg.src)
-                continue
-            grad = np.array(msg.arrays[0], copy=True)
-            await self.ctx.replica.apply_gradients(grad)
-            self.applied_remote += 1
-            self._staleness.append(max(0, self.local_step - msg.header.step))
-            self._forward(origin, grad, msg.header.step)
+            # everything that has already arrived is applied in one compute job, so the
+            # receiver keeps pace with the local loop (one job per step) instead of lagging
+            while len(batch) < MAX_BATCH and (m := self.ctx.transport.recv_nowait(TAG)) is not None:
+                batch.append(m)
+            batch = [m for m in batch if self._valid(m)]
+            grads = [np.array(m.arrays[0], copy=True) for m in batch]
+            for m, g in zip(batch, grads):
+                self._forward(int(m.meta["origin"]), g, m.header.step)
+            await self.ctx.replica.apply_each([g * self.scale for g in grads])
+            self.applied_remote += len(grads)
+            self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         loss, grad = await self.ctx.replica.compute_gradients()
-        await self.ctx.replica.apply_gradients(grad)
+        await self.ctx.replica.apply_gradients(grad * self.scale)
         self.local_step = step
         self._forward(self.ctx.node_id, grad, step)
         wait = 0.0

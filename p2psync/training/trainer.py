@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -135,6 +135,14 @@ class Trainer:
         def go() -> None:
             self._set_grads(vec)
             self.optimizer.step()
+        await self.run(go)
+
+    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+        """One optimizer step per gradient in ``vecs``, in order, in a single compute job."""
+        def go() -> None:
+            for v in vecs:
+                self._set_grads(v)
+                self.optimizer.step()
         await self.run(go)
 
     async def local_step(self) -> float:

@@ -188,6 +188,10 @@ class Transport(ABC):
     async def recv(self, tag: str, timeout: float | None = None) -> Message:
         return await self.mailbox.get(tag, self.default_timeout if timeout is None else timeout)
 
+    def recv_nowait(self, tag: str) -> Message | None:
+        """A message with this tag that has already arrived, or None."""
+        return self.mailbox.get_nowait(tag)
+
     async def recv_any(self, prefix: str, timeout: float | None = None) -> Message:
         return await self.mailbox.get_prefix(prefix, self.default_timeout if timeout is None else timeout)
 

@@ -97,6 +97,10 @@ class Mailbox:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
+    def get_nowait(self, tag: str) -> Message | None:
+        """A queued message with this tag, or None."""
+        return self._take(tag, None)
+
     async def get(self, tag: str, timeout: float | None = None) -> Message:
         return await self._get(tag, None, timeout)
 

@@ -1,0 +1,65 @@
+"""SSGD and ASGD over real ZeroMQ with real trainers, several nodes in one process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.strategies import get_strategy
+from p2psync.topology import bcube, mesh, ring
+from tests.helpers import free_port, make_context, make_trainer, zmq_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _train(eps, topo, name, steps, **opts):
+    strats = []
+    for i in topo.ids:
+        s = get_strategy(name)(make_context(topo, eps[i], make_trainer(topo, i), options=opts))
+        await s.start()
+        strats.append(s)
+
+    async def run(s):
+        for k in range(steps):
+            await s.train_step(k, k == steps - 1)
+
+    await asyncio.gather(*(run(s) for s in strats))
+    return strats
+
+
+@pytest.mark.parametrize("make", [ring, lambda n, base_port: bcube(2, 2, base_port=base_port)])
+async def test_ssgd_equals_single_process_on_union_of_batches(make):
+    topo = make(4, base_port=free_port())
+    steps = 8
+    async with zmq_cluster(topo) as eps:
+        strats = await _train(eps, topo, "ssgd", steps)
+        params = [await s.ctx.replica.get_params() for s in strats]
+        for s in strats:
+            await s.close()
+    assert all(p.tobytes() == params[0].tobytes() for p in params)  # identical replicas
+
+    # replay: one model, same init, each step on the concatenation of the four nodes' batches
+    ref = make_trainer(topo, 0)
+    samplers = [make_trainer(topo, i).sampler for i in topo.ids]
+    x, y = torch.from_numpy(ref.data.x_train), torch.from_numpy(ref.data.y_train)
+    for k in range(steps):
+        idx = torch.from_numpy(np.concatenate([s.batch(k) for s in samplers]))
+        ref.optimizer.zero_grad()
+        ref.loss_fn(ref.model(x[idx]), y[idx]).backward()
+        ref.optimizer.step()
+    expect = ref._params()
+    np.testing.assert_allclose(params[0], expect, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(params[0], make_trainer(topo, 0)._params())  # it did train
+
+
+async def test_asgd_converges():
+    topo = mesh(4, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        strats = await _train(eps, topo, "asgd", 60)
+        accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+        for s in strats:
+            await s.close()
+    assert min(accs) > 0.8, accs

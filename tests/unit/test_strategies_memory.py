@@ -1,0 +1,90 @@
+"""Strategy logic over the in-memory transport (real trainers, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2psync.errors import PeerFailure
+from p2psync.strategies import get_strategy
+from p2psync.topology import mesh, ring
+from p2psync.transport import MemoryHub
+from tests.helpers import make_context, make_trainer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _nodes(topo, name, **opts):
+    hub = MemoryHub(topo)
+    out = []
+    for i in topo.ids:
+        t = hub.endpoint(i, default_timeout=10)
+        await t.start()
+        ctx = make_context(topo, t, make_trainer(topo, i), options=opts)
+        s = get_strategy(name)(ctx)
+        await s.start()
+        out.append(s)
+    return out
+
+
+async def _close(strats):
+    for s in strats:
+        await s.close()
+        s.ctx.replica.close()
+        await s.ctx.transport.close()
+
+
+async def test_ssgd_keeps_replicas_identical_and_agrees_on_stop():
+    strats = await _nodes(ring(3), "ssgd")
+    for step in range(4):
+        reps = await asyncio.gather(*(s.train_step(step, want_stop=(s.ctx.node_id == 1 and step == 3))
+                                      for s in strats))
+        assert all(r.stop == (step == 3) for r in reps)  # one node's wish stops everyone
+    params = [await s.ctx.replica.get_params() for s in strats]
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    await _close(strats)
+
+
+async def test_ssgd_peer_failure_aborts_with_named_peer():
+    strats = await _nodes(mesh(3), "ssgd")
+    await strats[2].ctx.transport.close()  # node 2 is gone
+    task = asyncio.gather(strats[0].train_step(0, False), strats[1].train_step(0, False))
+    await asyncio.sleep(0.05)
+    for s in strats[:2]:
+        s.on_peer_failure(2)
+    with pytest.raises(PeerFailure, match="peer 2 failed"):
+        await task
+    with pytest.raises(PeerFailure):
+        await strats[0].train_step(1, False)
+    await _close(strats)
+
+
+async def test_asgd_applies_every_gradient_once_everywhere():
+    topo = ring(5)  # forwarding needed: not every pair is adjacent
+    strats = await _nodes(topo, "asgd")
+    steps = 6
+    await asyncio.gather(*(_run(s, steps) for s in strats))
+    expected = (topo.size - 1) * steps
+    for _ in range(400):
+        if all(s.applied_remote == expected for s in strats):
+            break
+        await asyncio.sleep(0.01)
+    assert [s.applied_remote for s in strats] == [expected] * topo.size
+    await _close(strats)
+
+
+async def _run(s, steps):
+    for k in range(steps):
+        await s.train_step(k, k == steps - 1)
+
+
+async def test_asgd_continues_without_failed_peer():
+    strats = await _nodes(mesh(3), "asgd", send_timeout=0.3)
+    await strats[2].ctx.transport.close()
+    for s in strats[:2]:
+        s.on_peer_failure(2)
+    await asyncio.gather(*(_run(s, 3) for s in strats[:2]))
+    assert all(s.alive == {0, 1} for s in strats[:2])
+    await _close(strats)
