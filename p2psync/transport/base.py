@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
-from p2psync.errors import P2PSyncError, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.mailbox import Mailbox
 from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
@@ -101,7 +101,8 @@ class Transport(ABC):
         raise TransportError(f"node {self.node_id} cannot reach node {peer} over NIC {nic!r}")
 
     def mark_dead(self, peer: int) -> None:
-        """Route control traffic around ``peer`` from now on."""
+        """``peer`` failed: sends to it fail at once (also those already retrying), and control
+        traffic is routed around it."""
         self.dead.add(peer)
 
     def _distances(self, src: int) -> dict[int, int]:
@@ -157,12 +158,12 @@ class Transport(ABC):
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         frames = encode(src=origin, dst=dst, hops=hops, **fields)
         share = budget / len(hops_list)
-        last: PeerUnreachable | None = None
+        last: PeerFailure | None = None
         for nb in hops_list:
             try:
                 await self._send_direct(nb, self.route(nb), share, frames)
                 return
-            except PeerUnreachable as exc:
+            except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
                 last = exc
         raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
@@ -171,6 +172,8 @@ class Transport(ABC):
         deadline = time.monotonic() + budget
         delay = 0.0005
         while True:
+            if peer in self.dead:
+                raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
             try:
                 await self._transmit(peer, route, frames)
                 break

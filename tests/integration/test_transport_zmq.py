@@ -206,3 +206,20 @@ async def test_control_messages_are_relayed_and_route_around_dead_nodes():
         await eps[1].send(3, "hb", kind="hb")
         assert (await eps[3].recv("hb", timeout=5)).src == 1
         assert eps[0].relayed == 1
+
+
+async def test_marking_a_peer_dead_fails_sends_already_retrying():
+    topo = mesh(2, base_port=free_port())
+    ep = ZmqEndpoint(topology=topo, node_id=0)
+    await ep.start()
+    try:
+        task = asyncio.create_task(ep.send(1, "x", timeout=30))  # node 1 never started
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        ep.mark_dead(1)
+        from p2psync.errors import PeerFailure
+        with pytest.raises(PeerFailure, match="node 1 has failed"):
+            await task
+        assert time.monotonic() - t0 < 1
+    finally:
+        await ep.close()

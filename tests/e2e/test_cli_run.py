@@ -1,0 +1,158 @@
+"""The CLI end to end, in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2psync.topology import bcube, mesh, ring, save, topology_to_dict
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(180)
+
+
+def cli(*args, timeout=150, **kw):
+    return subprocess.run([sys.executable, "-m", "p2psync", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def spawn(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "p2psync", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def lines(path):
+    try:
+        return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def test_readme_main_job_shipped_ring4(tmp_path):
+    r = cli("run", "topologies/ring-4.json", "--steps", "40", "--out", tmp_path, "--run-id", "r4")
+    assert r.returncode == 0, r.stderr + r.stdout
+    run = tmp_path / "r4"
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["nodes"]) == {"0", "1", "2", "3"} and summary["failed"] == []
+    assert summary["accuracy_mean"] > 0.5
+    for i in range(4):
+        recs = lines(run / f"node-{i}.jsonl")
+        assert recs[-1]["step"] == 40 and "accuracy" in recs[-1]
+        assert {"loss", "compute_s", "comm_s", "wait_s", "nics", "samples_per_s"} <= set(recs[-1])
+    assert "final accuracy" in r.stdout and str(run) in r.stdout
+
+
+def test_bcube_traffic_on_every_nic(tmp_path):
+    topo = tmp_path / "b.json"
+    save(bcube(2, 2, base_port=free_port()), topo)
+    r = cli("run", topo, "--steps", "15", "--out", tmp_path, "--run-id", "b")
+    assert r.returncode == 0, r.stderr
+    for i in range(4):
+        nics = lines(tmp_path / "b" / f"node-{i}.jsonl")[-1]["nics"]
+        assert set(nics) == {"l0", "l1"}
+        assert all(v["sent"] + v["recv"] > 0 for v in nics.values()), nics
+
+
+def test_node_mode_separate_processes(tmp_path):
+    topo = tmp_path / "m.json"
+    save(mesh(2, base_port=free_port()), topo)
+    procs = [spawn("run", topo, "--node", i, "--steps", "20", "--out", tmp_path) for i in (1, 0)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    (run,) = list(tmp_path.glob("*-mesh-2-ssgd"))  # the run id the coordinator chose
+    assert (run / "node-0.jsonl").exists() and (run / "node-1.jsonl").exists()
+    assert json.loads((run / "summary.json").read_text())["failed"] == []
+
+
+@pytest.mark.parametrize("strategy", ["ssgd", "asgd"])
+def test_killed_node(tmp_path, strategy):
+    topo = tmp_path / "m.json"
+    save(mesh(3, base_port=free_port()), topo)
+    budget = "60" if strategy == "ssgd" else "8"
+    procs = [spawn("run", topo, "--node", i, "--strategy", strategy, "--time", budget, "--out", tmp_path,
+                   "--run-id", "k", "--eval-every", "1000") for i in range(3)]
+    try:
+        wait_for(lambda: len(lines(tmp_path / "k" / "node-2.jsonl")) >= 5, 90, "node 2 to train")
+        procs[2].kill()
+        t_kill = time.monotonic()
+        outs = [p.communicate(timeout=60) for p in procs[:2]]
+        elapsed = time.monotonic() - t_kill
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs[:2]]
+    if strategy == "ssgd":
+        assert codes == [1, 1], outs
+        assert elapsed < 20
+        for _, err in outs:
+            assert "PeerFailure" in err and "2" in err.split("PeerFailure")[1], err
+    else:
+        assert codes == [0, 0], outs
+        recs = lines(tmp_path / "k" / "node-0.jsonl")
+        assert recs[-1]["alive"] == 2 and recs[-1]["time"] >= 8
+
+
+def _pids_with(marker: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_sigint_stops_everything(tmp_path):
+    topo = tmp_path / "r.json"
+    save(ring(4, base_port=free_port()), topo)
+    marker = f"sigint-{os.getpid()}-{time.time_ns()}"
+    p = spawn("run", topo, "--time", "120", "--out", tmp_path, "--run-id", marker)
+    try:
+        wait_for(lambda: all(lines(tmp_path / marker / f"node-{i}.jsonl") for i in range(4)), 90, "training")
+        assert len(_pids_with(marker)) == 5  # launcher + 4 nodes
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        p.communicate(timeout=15)
+        assert time.monotonic() - t0 < 6
+        assert p.returncode == 130
+        wait_for(lambda: not _pids_with(marker), 2, "no process left behind")
+    finally:
+        p.kill()
+
+
+def test_broken_topology_and_options_exit_2(tmp_path):
+    d = topology_to_dict(ring(3))
+    d["nodes"][1]["nics"][0]["port"] = 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    r = cli("run", bad, timeout=60)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "nodes[1].nics[0].port" in err[0]
+    r = cli("run", "topologies/ring-4.json", "--lr", "-1", timeout=60)
+    assert r.returncode == 2 and "--lr" in r.stderr
+    r = cli("run", "topologies/ring-4.json", "--node", "9", timeout=60)
+    assert r.returncode == 2 and "--node 9" in r.stderr
+    r = cli("run", tmp_path / "missing.json", timeout=60)
+    assert r.returncode == 2 and "cannot read topology" in r.stderr
+    r = cli("run", "--help", timeout=60)
+    assert r.returncode == 0 and "--strategy" in r.stdout and "--partition" in r.stdout
