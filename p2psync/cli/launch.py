@@ -94,8 +94,11 @@ def _status_line(tails: dict[int, _Tail]) -> str:
     parts = []
     for i, tail in tails.items():
         r = tail.last
+        if not r:
+            parts.append(f"n{i} starting")
+            continue
         acc = f" acc {tail.last_acc:.3f}" if tail.last_acc is not None else ""
-        parts.append(f"n{i} step {r.get('step', 0)} loss {r.get('loss', float('nan')):.3f}{acc}")
+        parts.append(f"n{i} step {r['step']} loss {r['loss']:.3f}{acc}")
     return " | ".join(parts)
 
 
