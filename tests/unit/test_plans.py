@@ -1,0 +1,140 @@
+"""Collective plans are data: check them by simulating who contributed to every piece."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2psync.collectives.plan import make_plan, plan_bcube, plan_mesh, plan_ring, split
+from p2psync.errors import ConfigError
+from p2psync.topology import bcube, mesh, ring, star
+
+
+def simulate(plan, topo):
+    """contrib[node][piece] = vector counting each member's contribution."""
+    g = list(plan.group)
+    pos = {n: i for i, n in enumerate(g)}
+    state = {n: np.zeros((plan.pieces, len(g)), dtype=np.int64) for n in g}
+    for n in g:
+        state[n][:, pos[n]] = 1
+    for phase in (plan.rs, plan.ag):
+        for rnd in phase:
+            snap = {n: s.copy() for n, s in state.items()}
+            for t in rnd:
+                # no transfer over a NIC pair that shares no network
+                assert any(r.local_nic == t.nic for r in topo.routes(t.src, t.dst)), t
+                assert t.src in pos and t.dst in pos and 0 <= t.lo < t.hi <= plan.pieces
+                if t.reduce:
+                    state[t.dst][t.lo:t.hi] += snap[t.src][t.lo:t.hi]
+                else:
+                    state[t.dst][t.lo:t.hi] = snap[t.src][t.lo:t.hi]
+        if phase is plan.rs:  # owners hold exactly one contribution per member
+            owned = np.zeros(plan.pieces, dtype=np.int64)
+            for n, ranges in plan.owner.items():
+                for lo, hi in ranges:
+                    assert (state[n][lo:hi] == 1).all(), (n, lo, hi)
+                    owned[lo:hi] += 1
+            assert (owned == 1).all()  # every piece has exactly one owner
+    for n in g:
+        assert (state[n] == 1).all(), f"node {n} does not end with every piece reduced once"
+    return state
+
+
+@pytest.mark.parametrize("topo,algo", [
+    (ring(4), "ring"), (ring(5), "auto"), (mesh(4), "mesh"), (mesh(5), "ring"),
+    (bcube(2, 2), "bcube"), (bcube(3, 2), "bcube"), (bcube(2, 3), "bcube"), (star(5), "star"),
+    (star(5), "tree"), (bcube(3, 2), "ring"), (bcube(2, 2), "tree"),
+])
+@pytest.mark.parametrize("pieces", [0, 1, 3, 7, 36, 101])
+def test_plan_invariants(topo, algo, pieces):
+    plan = make_plan(topo, topo.ids, pieces, algo)
+    simulate(plan, topo)
+
+
+def test_auto_picks_topology_algorithm():
+    assert make_plan(bcube(3, 2), range(9), 10).algo == "bcube"
+    assert make_plan(star(5), range(5), 10).algo == "star"
+    assert make_plan(mesh(4), range(4), 10).algo == "mesh"
+    assert make_plan(ring(6), range(6), 10).algo == "ring"
+    assert make_plan(bcube(2, 2), [0, 1, 3], 10).algo == "tree"  # 0-1-3 is a path, not a ring
+    assert make_plan(mesh(6), [1, 4], 10).algo == "ring"
+
+
+def test_traffic_volumes():
+    n, p = 4, 400
+    r = plan_ring(ring(n), range(n), p)
+    m = plan_mesh(mesh(n), range(n), p)
+    for node in range(n):
+        assert r.sent_by(node) == 2 * (n - 1) * p // n  # 2(N-1)/N of the data
+        assert m.sent_by(node) == 2 * (n - 1) * p // n
+    assert len(r.rs) == len(r.ag) == n - 1 and len(m.rs) == len(m.ag) == 1
+
+
+def test_bcube_uses_every_nic_in_every_round_and_balances_them():
+    topo = bcube(3, 2)
+    plan = plan_bcube(topo, range(9), 9 * 2 * 10)
+    assert len(plan.rs) == len(plan.ag) == 2  # beta steps per phase
+    for rnd in (*plan.rs, *plan.ag):
+        for node in range(9):
+            nics = {t.nic for t in rnd if t.src == node}
+            assert nics == {"l0", "l1"}  # both levels work in parallel (Table 2)
+    per_nic = {(x, nic): 0 for x in range(9) for nic in ("l0", "l1")}
+    for rnd in (*plan.rs, *plan.ag):
+        for t in rnd:
+            per_nic[(t.src, t.nic)] += t.hi - t.lo
+    vals = np.array(list(per_nic.values()))
+    assert vals.max() <= 1.1 * vals.min()
+
+
+def test_bcube_matches_table2_for_w00():
+    # Table 2: after the two allgather(-reduce) steps W(0,0) holds pieces fully reduced over all
+    # nine workers; it owns 1/9 of each of the two thread parts
+    plan = plan_bcube(bcube(3, 2), range(9), 36)
+    assert len(plan.owner[0]) == 2
+    assert sum(hi - lo for lo, hi in plan.owner[0]) == 4  # 36 pieces / 9 workers
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_groups(data):
+    kind = data.draw(st.sampled_from(["ring", "mesh", "bcube", "star"]))
+    topo = {"ring": ring(7), "mesh": mesh(6), "bcube": bcube(2, 3), "star": star(6)}[kind]
+    size = data.draw(st.integers(1, topo.size))
+    group = data.draw(st.permutations(topo.ids))[:size]
+    if not _connected(topo, group):
+        with pytest.raises((ConfigError, ValueError)):
+            make_plan(topo, group, 5)
+        return
+    pieces = data.draw(st.integers(0, 40))
+    simulate(make_plan(topo, group, pieces), topo)
+
+
+def _connected(topo, group):
+    g = set(group)
+    seen, todo = {group[0]}, [group[0]]
+    while todo:
+        for b in topo.neighbors(todo.pop()):
+            if b in g and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen == g
+
+
+def test_split():
+    assert split(0, 10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert split(5, 7, 4) == [(5, 5), (5, 6), (6, 6), (6, 7)]
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError):
+        make_plan(ring(4), [0, 0], 3)
+    with pytest.raises(ConfigError):
+        make_plan(ring(4), [0, 1], 3, algo="nope")
+    with pytest.raises(ConfigError):
+        plan_mesh(ring(4), range(4), 3)
+    with pytest.raises(ConfigError):
+        plan_bcube(ring(4), range(4), 3)
