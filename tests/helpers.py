@@ -40,7 +40,9 @@ def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size
     return build_trainer(cfg, topo, node_id)
 
 
-def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None):
+def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None,
+                 codec: str = "none"):
+    from p2psync.collectives import Collectives
     from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
     from p2psync.strategies import StrategyContext
 
@@ -49,4 +51,5 @@ def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10
     membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator)
     return StrategyContext(node_id=transport.node_id, topology=topo, transport=transport, rpc=rpc,
                            rpc_server=server, membership=membership, replica=replica,
+                           collectives=Collectives(transport, timeout=peer_timeout, codec=codec),
                            peer_timeout=peer_timeout, options=options or {})

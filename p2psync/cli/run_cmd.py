@@ -10,6 +10,8 @@ import signal
 import sys
 from typing import Any
 
+from p2psync.collectives.plan import ALGOS
+from p2psync.compress import CODECS
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.training.config import RunConfig
 from p2psync.training.data import DATASETS
@@ -59,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
+    p.add_argument("--codec", default=d.codec, choices=sorted(CODECS),
+                   help="per-piece compression in collectives")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="carry what a lossy codec dropped into the next step")
+    p.add_argument("--piece-kib", type=int, default=d.piece_kib, help="collective piece size (KiB)")
+    p.add_argument("--collective", default=d.collective, choices=ALGOS,
+                   help="allreduce algorithm (auto: the topology's own)")
     p.add_argument("--out", default=d.out, help="folder for run folders")
     p.add_argument("--run-id", help="run folder name (default: time-topology-strategy)")
     p.add_argument("--node", type=int, help="run only this node (multi-host: one process per host)")
@@ -94,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every, out=args.out,
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
-        failure_timeout=args.failure_timeout, strategy_options=tuple(opts),
+        failure_timeout=args.failure_timeout, codec=args.codec, piece_kib=args.piece_kib,
+        error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress)
     from p2psync.strategies.base import get_strategy, parse_options
 

@@ -1,5 +1,6 @@
-"""Collectives over any group of nodes (ring when the group has one, else tree)."""
+"""Piece-level collectives over any group of nodes, planned over the topology."""
 
-from p2psync.collectives.allreduce import GroupPlan, allreduce
+from p2psync.collectives.executor import Collectives, OpStats
+from p2psync.collectives.plan import ALGOS, Plan, Transfer, make_plan
 
-__all__ = ["GroupPlan", "allreduce"]
+__all__ = ["ALGOS", "Collectives", "OpStats", "Plan", "Transfer", "make_plan"]

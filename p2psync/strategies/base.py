@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.errors import ConfigError
 from p2psync.topology import Topology
@@ -48,6 +49,7 @@ class StrategyContext:
     rpc_server: RpcServer
     membership: MembershipClient
     replica: Replica
+    collectives: Collectives
     #: seconds any single peer-dependent wait may take
     peer_timeout: float = 30.0
     options: Mapping[str, Any] = field(default_factory=dict)

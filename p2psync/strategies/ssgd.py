@@ -1,7 +1,7 @@
 """SSGD: synchronous data parallel, the baseline every algorithm is compared with.
 
 Each step every node computes its gradient on its own batch, the gradients are averaged across
-all nodes with one allreduce (ring over direct links when the topology has one, else a tree),
+all nodes with one piece-level allreduce (the topology's own plan: ring, mesh, BCube, star),
 and every node applies the same averaged gradient. With equal batch sizes this is exactly SGD on
 the union of the nodes' batches, and the replicas stay bitwise identical.
 
@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 
-from p2psync.collectives import GroupPlan, allreduce
 from p2psync.errors import PeerFailure
 from p2psync.strategies.base import StepReport, Strategy, register
 
@@ -27,7 +26,6 @@ class SSGD(Strategy):
     name = "ssgd"
 
     async def start(self) -> None:
-        self.plan = GroupPlan.for_group(self.ctx.topology, self.ctx.topology.ids)
         self.failed: set[int] = set()
 
     def on_peer_failure(self, peer: int) -> None:
@@ -49,9 +47,10 @@ class SSGD(Strategy):
         vec[:-1] = grad
         vec[-1] = 1.0 if want_stop else 0.0
         t0 = time.perf_counter()
-        out = await allreduce(self.ctx.transport, vec, self.plan, tag=f"ssgd.{step}",
-                              timeout=self.ctx.peer_timeout, average=True)
+        out = await self.ctx.collectives.allreduce(vec, op="mean", tag=f"ssgd.{step}")
         comm = time.perf_counter() - t0
         self._check()
         await self.ctx.replica.apply_gradients(out[:-1])
-        return StepReport(loss=loss, stop=bool(out[-1] > 0), comm_s=comm)
+        st = self.ctx.collectives.history[-1]
+        return StepReport(loss=loss, stop=bool(out[-1] > 0), comm_s=comm,
+                          extra={"compression": round(st.compression, 3)})

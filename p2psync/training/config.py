@@ -44,6 +44,10 @@ class RunConfig:
     peer_timeout: float = 30.0
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
+    codec: str = "none"
+    piece_kib: int = 1024
+    error_feedback: bool = False
+    collective: str = "auto"
     strategy_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     progress: bool = False
 
@@ -58,7 +62,8 @@ class RunConfig:
         for name in ("steps", "epochs", "time_limit", "threads"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
-                     "failure_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node"):
+                     "failure_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node",
+                     "piece_kib"):
             positive(name, allow_none=False)
         if not 0 <= self.momentum < 1:
             raise ConfigError("--momentum must be in [0, 1)")
@@ -97,6 +102,8 @@ class RunConfig:
             if f.name == "strategy_options":
                 for k, val in v:
                     out += ["--opt", f"{k}={val}"]
+            elif isinstance(v, bool):
+                out += [flag] if v else []
             else:
                 out += [flag, str(v)]
         return out

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.strategies.base import StrategyContext, get_strategy
@@ -105,6 +106,10 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         membership.start()
         ctx = StrategyContext(node_id=node_id, topology=topo, transport=transport, rpc=rpc,
                               rpc_server=server, membership=membership, replica=trainer,
+                              collectives=Collectives(transport, piece_bytes=cfg.piece_kib << 10,
+                                                      timeout=cfg.peer_timeout, codec=cfg.codec,
+                                                      error_feedback=cfg.error_feedback,
+                                                      algo=cfg.collective),
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options))
         strategy = strategy_cls(ctx)
         membership.listeners.append(strategy.on_peer_failure)

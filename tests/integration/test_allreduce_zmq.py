@@ -1,54 +1,117 @@
-"""Group allreduce over real ZeroMQ: exact results, bitwise-identical replicas, any topology."""
+"""Collectives over real ZeroMQ: exact results, bitwise-identical replicas, groups, failures."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
+import torch
 
-from p2psync.collectives import GroupPlan, allreduce
-from p2psync.errors import PeerTimeout
+from p2psync.collectives import Collectives
+from p2psync.errors import PeerFailure
 from p2psync.topology import bcube, mesh, ring, star
 from tests.helpers import free_port, zmq_cluster
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
+
+TOPOS = {"ring4": lambda p: ring(4, base_port=p), "star5": lambda p: star(5, base_port=p),
+         "bcube2x2": lambda p: bcube(2, 2, base_port=p), "bcube3x2": lambda p: bcube(3, 2, base_port=p),
+         "mesh3": lambda p: mesh(3, base_port=p)}
 
 
-@pytest.mark.parametrize("make", [lambda p: ring(4, base_port=p), lambda p: star(5, base_port=p),
-                                  lambda p: bcube(2, 2, base_port=p), lambda p: mesh(3, base_port=p)])
-@pytest.mark.parametrize("size", [1, 3, 1001])
-async def test_allreduce_matches_numpy(make, size):
+@contextlib.asynccontextmanager
+async def cluster(make, **kw):
     topo = make(free_port())
-    rng = np.random.default_rng(size)
-    data = {i: rng.standard_normal(size).astype(np.float32) for i in topo.ids}
-    plan = GroupPlan.for_group(topo, topo.ids)
     async with zmq_cluster(topo) as eps:
-        outs = await asyncio.gather(*(allreduce(eps[i], data[i], plan, tag="ar.0") for i in topo.ids))
+        yield topo, {i: Collectives(e, **kw) for i, e in eps.items()}
+
+
+@pytest.mark.parametrize("name", sorted(TOPOS))
+@pytest.mark.parametrize("size", [1, 3, 1001, 70_001])
+async def test_allreduce_matches_numpy(name, size):
+    async with cluster(TOPOS[name], piece_bytes=16 << 10) as (topo, cs):
+        rng = np.random.default_rng(size)
+        data = {i: rng.standard_normal(size).astype(np.float32) for i in topo.ids}
+        outs = await asyncio.gather(*(cs[i].allreduce(data[i], tag="a") for i in topo.ids))
     ref = np.sum([data[i] for i in topo.ids], axis=0, dtype=np.float64)
     for o in outs:
         np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-5)
         assert o.tobytes() == outs[0].tobytes()  # bitwise identical everywhere
 
 
-async def test_group_subset_and_untouched_input():
-    topo = mesh(5, base_port=free_port())
-    group = [1, 3, 4]
-    plan = GroupPlan.for_group(topo, group)
-    async with zmq_cluster(topo) as eps:
-        xs = {i: np.full(10, float(i), dtype=np.float32) for i in group}
-        outs = await asyncio.gather(*(allreduce(eps[i], xs[i], plan, tag="g", average=True) for i in group))
-    for i, o in zip(group, outs):
-        np.testing.assert_allclose(o, np.full(10, 8 / 3, dtype=np.float32), rtol=1e-6)
-        assert xs[i][0] == i  # caller's array untouched
+async def test_large_allreduce_ring():
+    async with cluster(TOPOS["ring4"]) as (topo, cs):
+        data = {i: np.full(10_000_000, float(i + 1), dtype=np.float32) for i in topo.ids}
+        outs = await asyncio.gather(*(cs[i].allreduce(data[i], op="mean") for i in topo.ids))
+    for o in outs:
+        assert o.shape == (10_000_000,) and (o == 2.5).all()
 
 
-async def test_missing_peer_times_out_without_touching_input():
-    topo = ring(3, base_port=free_port())
-    plan = GroupPlan.for_group(topo, topo.ids)
-    async with zmq_cluster(topo, timeout=1) as eps:
-        x = np.ones(8, dtype=np.float32)
-        with pytest.raises((PeerTimeout,)):
-            await asyncio.gather(allreduce(eps[0], x, plan, tag="t", timeout=0.5),
-                                 allreduce(eps[1], x.copy(), plan, tag="t", timeout=0.5))
+async def test_group_subset_leaves_others_untouched():
+    async with cluster(lambda p: mesh(5, base_port=p)) as (topo, cs):
+        group = [4, 1, 3]
+        xs = {i: np.full((2, 5), float(i), dtype=np.float32) for i in topo.ids}
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="mean") for i in group))
+        for o in outs:
+            np.testing.assert_allclose(o, np.full((2, 5), 8 / 3), rtol=1e-6)
+        w = {1: 0.5, 3: 0.25, 4: 0.25}
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="weighted", weights=w) for i in group))
+        np.testing.assert_allclose(outs[0], np.full((2, 5), 0.5 + 0.75 + 1.0), rtol=1e-6)
+        for i in topo.ids:
+            assert (xs[i] == i).all()  # nobody's input changed
+        assert not cs[0].history and not cs[2].history  # non-members did nothing
+
+
+async def test_torch_and_other_ops():
+    async with cluster(TOPOS["bcube2x2"], piece_bytes=64) as (topo, cs):
+        ts = {i: torch.arange(10, dtype=torch.float32) * (i + 1) for i in topo.ids}
+        outs = await asyncio.gather(*(cs[i].allreduce(ts[i]) for i in topo.ids))
+        assert isinstance(outs[0], torch.Tensor) and torch.equal(outs[0], torch.arange(10.0) * 10)
+        gathered = await asyncio.gather(*(cs[i].allgather(np.full(3, i, np.int64)) for i in topo.ids))
+        for g in gathered:
+            assert [int(a[0]) for a in g] == [0, 1, 2, 3]
+        b = await asyncio.gather(*(cs[i].broadcast(np.full(7, float(i)), root=2) for i in topo.ids))
+        assert all((x == 2.0).all() for x in b)
+        shards = await asyncio.gather(*(cs[i].reduce_scatter(np.arange(40, dtype=np.float32)) for i in topo.ids))
+        covered = np.zeros(40, int)
+        for sh in shards:
+            for (lo, hi), vals in sh.items():
+                np.testing.assert_array_equal(vals, 4 * np.arange(lo, hi, dtype=np.float32))
+                covered[lo:hi] += 1
+        assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "sketch8"])
+async def test_lossy_codecs_keep_replicas_identical(codec):
+    async with cluster(TOPOS["ring4"], piece_bytes=64 << 10, codec=codec) as (topo, cs):
+        rng = np.random.default_rng(1)
+        data = {i: (rng.standard_t(3, 100_000) * 1e-2).astype(np.float32) for i in topo.ids}
+        outs = await asyncio.gather(*(cs[i].allreduce(data[i]) for i in topo.ids))
+    ref = np.sum(list(data.values()), axis=0)
+    assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+    assert np.linalg.norm(outs[0] - ref) / np.linalg.norm(ref) < 0.2
+    assert cs[0].history[-1].compression > (1.9 if codec == "fp16" else 3.5)
+
+
+async def test_bcube_nics_balanced():
+    async with cluster(TOPOS["bcube3x2"], piece_bytes=32 << 10) as (topo, cs):
+        data = np.ones(1_000_000, dtype=np.float32)
+        await asyncio.gather(*(cs[i].allreduce(data) for i in topo.ids))
+        for i in topo.ids:
+            st = cs[i].history[-1].nic_bytes
+            assert set(st) == {"l0", "l1"}
+            assert max(st.values()) <= 1.1 * min(st.values()), st
+            sent = cs[i].t.stats()["nics"]
+            assert all(v["bytes_sent"] > 0 and v["bytes_recv"] > 0 for v in sent.values())
+
+
+async def test_killed_peer_raises_peer_failure_on_every_survivor():
+    async with cluster(TOPOS["ring4"], timeout=1.5) as (topo, cs):
+        await cs[3].t.close()  # node 3 is gone before the collective
+        x = np.ones(100_000, dtype=np.float32)
+        results = await asyncio.gather(*(cs[i].allreduce(x) for i in (0, 1, 2)), return_exceptions=True)
+        for r in results:
+            assert isinstance(r, PeerFailure), r
         assert (x == 1).all()

@@ -15,10 +15,10 @@ from tests.helpers import free_port, make_context, make_trainer, zmq_cluster
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _train(eps, topo, name, steps, **opts):
+async def _train(eps, topo, name, steps, lr=0.1, **opts):
     strats = []
     for i in topo.ids:
-        s = get_strategy(name)(make_context(topo, eps[i], make_trainer(topo, i), options=opts))
+        s = get_strategy(name)(make_context(topo, eps[i], make_trainer(topo, i, lr=lr), options=opts))
         await s.start()
         strats.append(s)
 
@@ -58,7 +58,12 @@ async def test_ssgd_equals_single_process_on_union_of_batches(make):
 async def test_asgd_converges():
     topo = mesh(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        strats = await _train(eps, topo, "asgd", 60)
+        strats = await _train(eps, topo, "asgd", 60, lr=0.05)
+        for _ in range(500):  # every gradient applied everywhere (no barrier: they trickle in)
+            if all(s.applied_remote == 3 * 60 for s in strats):
+                break
+            await asyncio.sleep(0.01)
+        assert all(s.applied_remote == 3 * 60 for s in strats)
         accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
         for s in strats:
             await s.close()

@@ -52,11 +52,13 @@ async def test_ssgd_peer_failure_aborts_with_named_peer():
     await strats[2].ctx.transport.close()  # node 2 is gone
     task = asyncio.gather(strats[0].train_step(0, False), strats[1].train_step(0, False))
     await asyncio.sleep(0.05)
-    for s in strats[:2]:
+    for s in strats[:2]:  # what the membership client does on a failure event
+        s.ctx.transport.mark_dead(2)
         s.on_peer_failure(2)
-    with pytest.raises(PeerFailure, match="peer 2 failed"):
+    with pytest.raises(PeerFailure) as ei:
         await task
-    with pytest.raises(PeerFailure):
+    assert ei.value.peers == (2,)
+    with pytest.raises(PeerFailure, match=r"peer\(s\) \[2\] failed"):
         await strats[0].train_step(1, False)
     await _close(strats)
 

@@ -1,0 +1,308 @@
+"""Runs collective :mod:`plans <p2psync.collectives.plan>` over the transport, piece by piece.
+
+Each node walks the plan's rounds. In a round it snapshots and sends all of its outgoing
+pieces at once (many pieces in flight, every NIC of the round busy), awaits all of its incoming
+pieces (each with a timeout), then applies them in (piece, sender) order, so sums do not depend
+on arrival order. A round only waits for this node's own inputs: there is no global barrier.
+
+Codecs apply per piece. For a lossy codec the result is kept identical on every node: the
+owner of a fully reduced piece replaces its own copy by decode(encode(piece)) and the encoded
+bytes are then forwarded unchanged during the allgather, so everyone decodes the same bytes.
+With error feedback the part of a contribution a codec failed to send is added to this node's
+next contribution to the same piece (reduce-scatter sends and owner quantization alike).
+
+All work happens on a copy; the caller's tensor is only replaced when the collective completes.
+A peer that does not deliver within the timeout, or one the membership service declares dead,
+aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_ring, plan_tree
+from p2psync.compress import Codec, ErrorFeedback, get_codec
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.transport import Transport
+from p2psync.wire import Message
+
+
+@dataclass
+class OpStats:
+    op: str
+    algo: str
+    codec: str
+    seconds: float = 0.0
+    raw_bytes: int = 0  # what the pieces would have cost uncompressed
+    wire_bytes: int = 0  # what was actually sent (payload)
+    nic_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+def _to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
+    """A flat host copy of ``tensor`` and a function that turns a flat result back into its type."""
+    if isinstance(tensor, np.ndarray):
+        shape = tensor.shape
+        return np.array(tensor, copy=True).reshape(-1), lambda flat: flat.reshape(shape)
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(tensor).__name__}")
+    t = tensor.detach()
+    if t.device.type == "cuda":  # stage through pinned host memory
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        t = host
+    arr = t.contiguous().numpy().reshape(-1).copy()
+    dev, shape = tensor.device, tensor.shape
+    return arr, lambda flat: torch.from_numpy(flat.reshape(shape)).to(dev)
+
+
+class Collectives:
+    def __init__(self, transport: Transport, *, piece_bytes: int = 1 << 20, timeout: float = 30.0,
+                 codec: str = "none", error_feedback: bool = False, algo: str = "auto") -> None:
+        if piece_bytes < 4:
+            raise ConfigError("piece size must be at least 4 bytes")
+        self.t = transport
+        self.topo = transport.topology
+        self.piece_bytes = piece_bytes
+        self.timeout = timeout
+        self.codec = codec
+        self.algo = algo
+        get_codec(codec)  # validate
+        self.feedback = ErrorFeedback() if error_feedback else None
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._seq: dict[tuple[int, ...], itertools.count[int]] = {}
+        self.history: deque[OpStats] = deque(maxlen=64)
+        self.totals: dict[str, int] = {}
+
+    # -- public operations ---------------------------------------------------------------
+
+    async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, op: str = "sum",
+                        weights: Mapping[int, float] | None = None, tag: str | None = None,
+                        algo: str | None = None, codec: str | None = None) -> Any:
+        """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node)."""
+        if op not in ("sum", "mean", "weighted"):
+            raise ConfigError(f"unknown reduction {op!r}")
+        g = self._group(group)
+        buf, back = _to_numpy(tensor)
+        if op == "weighted":
+            if weights is None or set(weights) != set(g):
+                raise ConfigError("weighted allreduce needs one weight per group member")
+            buf *= buf.dtype.type(weights[self.t.node_id])
+        plan = self._plan(g, buf, algo)
+        await self._execute("allreduce", plan, buf, tag, codec, phases=("rs", "ag"))
+        if op == "mean":
+            buf /= len(g)
+        return back(buf)
+
+    async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *,
+                             tag: str | None = None, algo: str | None = None,
+                             codec: str | None = None) -> dict[tuple[int, int], np.ndarray]:
+        """Sum over ``group``; returns this node's fully reduced element ranges {(lo, hi): values}."""
+        g = self._group(group)
+        buf, _ = _to_numpy(tensor)
+        plan = self._plan(g, buf, algo)
+        await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
+        bounds = self._bounds(buf)
+        return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].copy()
+                for lo, hi in plan.owner[self.t.node_id]}
+
+    async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
+                        tag: str | None = None) -> list[np.ndarray]:
+        """Every member's ``tensor`` (same shape everywhere), in group order."""
+        g = self._group(group)
+        mine, _ = _to_numpy(tensor)
+        m = mine.size
+        ppn = max(1, -(-m * mine.itemsize // self.piece_bytes))  # pieces per member
+        plan = self._slot_plan(g, ppn)
+        order = self._slot_order(plan, g)
+        buf = np.zeros(m * len(g), dtype=mine.dtype)
+        slot = order.index(self.t.node_id)
+        buf[slot * m:(slot + 1) * m] = mine
+        bounds = np.concatenate([np.linspace(s * m, (s + 1) * m, ppn + 1).astype(np.int64)[:-1]
+                                 for s in range(len(g))] + [np.array([m * len(g)])])
+        phases = ("ag",) if plan.algo in ("ring", "mesh") else ("rs", "ag")
+        await self._execute("allgather", plan, buf, tag, "none", phases=phases, bounds=bounds)
+        shape = np.shape(tensor)
+        return [buf[order.index(n) * m:(order.index(n) + 1) * m].reshape(shape).copy() for n in g]
+
+    async def broadcast(self, tensor: Any, root: int, group: Sequence[int] | None = None, *,
+                        tag: str | None = None) -> Any:
+        """``root``'s tensor on every member (pass a tensor of the same shape everywhere)."""
+        g = self._group(group)
+        if root not in g:
+            raise ConfigError(f"broadcast root {root} is not in the group")
+        buf, back = _to_numpy(tensor)
+        plan = plan_tree(self.topo, g, self._pieces(buf), root=root)
+        await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
+        return back(buf)
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _group(self, group: Sequence[int] | None) -> tuple[int, ...]:
+        g = tuple(sorted(self.topo.ids if group is None else group))
+        if self.t.node_id not in g:
+            raise ConfigError(f"node {self.t.node_id} is not in the group {list(g)}")
+        return g
+
+    def _pieces(self, buf: np.ndarray) -> int:
+        per = max(1, self.piece_bytes // buf.itemsize)
+        return -(-buf.size // per)
+
+    def _bounds(self, buf: np.ndarray) -> np.ndarray:
+        per = max(1, self.piece_bytes // buf.itemsize)
+        return np.minimum(np.arange(self._pieces(buf) + 1, dtype=np.int64) * per, buf.size)
+
+    def _plan(self, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> Plan:
+        key = (g, self._pieces(buf), algo or self.algo)
+        if key not in self._plans:
+            self._plans[key] = make_plan(self.topo, g, key[1], key[2])
+        return self._plans[key]
+
+    def _slot_plan(self, g: tuple[int, ...], ppn: int) -> Plan:
+        key = ("slots", g, ppn)
+        if key not in self._plans:
+            plan = make_plan(self.topo, g, ppn * len(g), self.algo)
+            if plan.algo not in ("ring", "mesh"):
+                plan = make_plan(self.topo, g, ppn * len(g), "tree")
+            self._plans[key] = plan
+        return self._plans[key]
+
+    @staticmethod
+    def _slot_order(plan: Plan, g: tuple[int, ...]) -> list[int]:
+        """Which member's data sits in slot s: the owner of chunk s (ring/mesh), else group order."""
+        if plan.algo not in ("ring", "mesh"):
+            return list(g)
+        return [n for _, n in sorted((plan.owner[n][0][0], n) for n in g)]
+
+    # -- execution -----------------------------------------------------------------------
+
+    async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str | None, codec: str | None,
+                       *, phases: tuple[str, ...], bounds: np.ndarray | None = None) -> None:
+        c = get_codec(codec or self.codec)
+        if c.lossy and buf.dtype != np.float32:
+            raise ConfigError(f"codec {c.name} works on float32 tensors, got {buf.dtype}")
+        if tag is None:
+            tag = f"coll.{'-'.join(map(str, plan.group))}.{next(self._seq.setdefault(plan.group, itertools.count()))}"
+        stats = OpStats(op, plan.algo, c.name)
+        t0 = time.perf_counter()
+        run = _Run(self, plan, buf, bounds if bounds is not None else self._bounds(buf), c, tag, stats)
+        if len(plan.group) > 1:
+            if "rs" in phases:
+                for r, rnd in enumerate(plan.rs):
+                    await run.round(rnd, f"rs{r}")
+            if "ag" in phases:
+                if c.lossy:
+                    run.seal_owned()
+                for r, rnd in enumerate(plan.ag):
+                    await run.round(rnd, f"ag{r}")
+        stats.seconds = time.perf_counter() - t0
+        self.history.append(stats)
+        for k, v in stats.nic_bytes.items():
+            self.totals[k] = self.totals.get(k, 0) + v
+        self.totals["raw"] = self.totals.get("raw", 0) + stats.raw_bytes
+        self.totals["wire"] = self.totals.get("wire", 0) + stats.wire_bytes
+
+
+class _Run:
+    """State of one collective on one node: the working buffer and the encoded-piece cache."""
+
+    def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
+                 codec: Codec, tag: str, stats: OpStats) -> None:
+        self.o = owner
+        self.me = owner.t.node_id
+        self.plan = plan
+        self.buf = buf
+        self.b = bounds
+        self.codec = codec
+        self.tag = tag
+        self.stats = stats
+        self.cache: dict[int, list[np.ndarray]] = {}
+        self.fb = owner.feedback if codec.lossy else None
+
+    def piece(self, k: int) -> np.ndarray:
+        return self.buf[self.b[k]:self.b[k + 1]]
+
+    def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
+        x = self.piece(k)
+        if not self.codec.lossy:
+            return [x.copy()]
+        if self.fb is not None:
+            x = self.fb.compensate(key, x)
+        enc = self.codec.encode(x)
+        if self.fb is not None:
+            self.fb.record(key, x, self.codec.decode(enc, x.size))
+        return enc
+
+    def seal_owned(self) -> None:
+        """Owners quantize their fully reduced pieces once; those bytes are what everyone gets."""
+        for lo, hi in self.plan.owner[self.me]:
+            for k in range(lo, hi):
+                enc = self._encode(k, ("own", self.plan.group, k))
+                self.cache[k] = enc
+                self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
+
+    def _decode(self, msg: Message, k: int) -> np.ndarray:
+        n = int(self.b[k + 1] - self.b[k])
+        if not self.codec.lossy:
+            a = msg.arrays[0] if len(msg.arrays) == 1 else None
+            if a is None or a.dtype != self.buf.dtype or a.size != n:
+                raise ProtocolError("piece", f"{self.tag}: piece {k} from node {msg.src} has the wrong size or type")
+            return a
+        if any(f.codec != self.codec.name for f in msg.header.frames):
+            raise ProtocolError("codec", f"{self.tag}: piece {k} from node {msg.src} is not {self.codec.name}")
+        return self.codec.decode(msg.arrays, n)
+
+    async def _recv(self, src: int, tag: str) -> Message:
+        try:
+            return await self.o.t.recv(tag, timeout=self.o.timeout)
+        except PeerTimeout:
+            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.o.timeout:g}s",
+                              peers=(src,)) from None
+
+    async def round(self, transfers: Sequence[Transfer], phase: str) -> None:
+        sends = []
+        for t in transfers:
+            if t.src != self.me:
+                continue
+            for k in range(t.lo, t.hi):
+                if not t.reduce and k in self.cache:
+                    arrays = self.cache[k]
+                else:
+                    arrays = self._encode(k, ("rs", self.plan.group, k))
+                nbytes = sum(a.nbytes for a in arrays)
+                self.stats.wire_bytes += nbytes
+                self.stats.raw_bytes += self.piece(k).nbytes
+                self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
+                sends.append(self.o.t.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
+                                           codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                           timeout=self.o.timeout))
+        incoming = [(k, t.src, t.reduce) for t in transfers if t.dst == self.me for k in range(t.lo, t.hi)]
+        recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for k, src, _ in incoming]
+        tasks = [asyncio.ensure_future(c) for c in (*sends, *recvs)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        msgs = results[len(sends):]
+        for (k, src, reduce), msg in sorted(zip(incoming, msgs), key=lambda z: (z[0][0], z[0][1])):
+            vals = self._decode(msg, k)
+            if reduce:
+                self.piece(k)[...] += vals
+            else:
+                self.piece(k)[...] = vals
+                if self.codec.lossy:
+                    self.cache[k] = list(msg.arrays)
