@@ -1,9 +1,16 @@
 """Runs collective :mod:`plans <p2psync.collectives.plan>` over the transport, piece by piece.
 
-Each node walks the plan's rounds. In a round it snapshots and sends all of its outgoing
-pieces at once (many pieces in flight, every NIC of the round busy), awaits all of its incoming
-pieces (each with a timeout), then applies them in (piece, sender) order, so sums do not depend
-on arrival order. A round only waits for this node's own inputs: there is no global barrier.
+Pieces are independent (every operation is elementwise), so each node runs one coroutine per
+piece, and each walks that piece's own steps through the plan's rounds: send the piece where
+the round says, await the pieces that come in for it (each receive with a timeout), apply them
+in sender order (sums do not depend on arrival order), go on to the next round. A piece moves
+on as soon as its own inputs are in, so the plan runs pipelined — while one piece is still in
+round r another is already in round r+1 — with many pieces in flight on every NIC and no
+barrier, global or per round.
+
+Outgoing pieces are sent zero-copy from the working buffer. That is safe because every plan is
+causal: this node only ever overwrites or adds into a piece after receiving a value that already
+includes what it sent of that piece, so the send has been delivered by then.
 
 Codecs apply per piece. For a lossy codec the result is kept identical on every node: the
 owner of a fully reduced piece replaces its own copy by decode(encode(piece)) and the encoded
@@ -197,16 +204,9 @@ class Collectives:
             tag = f"coll.{'-'.join(map(str, plan.group))}.{next(self._seq.setdefault(plan.group, itertools.count()))}"
         stats = OpStats(op, plan.algo, c.name)
         t0 = time.perf_counter()
-        run = _Run(self, plan, buf, bounds if bounds is not None else self._bounds(buf), c, tag, stats)
         if len(plan.group) > 1:
-            if "rs" in phases:
-                for r, rnd in enumerate(plan.rs):
-                    await run.round(rnd, f"rs{r}")
-            if "ag" in phases:
-                if c.lossy:
-                    run.seal_owned()
-                for r, rnd in enumerate(plan.ag):
-                    await run.round(rnd, f"ag{r}")
+            run = _Run(self, plan, buf, bounds if bounds is not None else self._bounds(buf), c, tag, stats)
+            await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
         self.history.append(stats)
         for k, v in stats.nic_bytes.items():
@@ -237,7 +237,7 @@ class _Run:
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
         x = self.piece(k)
         if not self.codec.lossy:
-            return [x.copy()]
+            return [x]  # zero-copy view of the working buffer (see the module docstring)
         if self.fb is not None:
             x = self.fb.compensate(key, x)
         enc = self.codec.encode(x)
@@ -245,13 +245,11 @@ class _Run:
             self.fb.record(key, x, self.codec.decode(enc, x.size))
         return enc
 
-    def seal_owned(self) -> None:
-        """Owners quantize their fully reduced pieces once; those bytes are what everyone gets."""
-        for lo, hi in self.plan.owner[self.me]:
-            for k in range(lo, hi):
-                enc = self._encode(k, ("own", self.plan.group, k))
-                self.cache[k] = enc
-                self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
+    def seal(self, k: int) -> None:
+        """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
+        enc = self._encode(k, ("own", self.plan.group, k))
+        self.cache[k] = enc
+        self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
 
     def _decode(self, msg: Message, k: int) -> np.ndarray:
         n = int(self.b[k + 1] - self.b[k])
@@ -271,12 +269,34 @@ class _Run:
             raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.o.timeout:g}s",
                               peers=(src,)) from None
 
-    async def round(self, transfers: Sequence[Transfer], phase: str) -> None:
-        sends = []
-        for t in transfers:
-            if t.src != self.me:
+    async def execute(self, phases: tuple[str, ...]) -> None:
+        rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
+                  for ph in ("rs", "ag") if ph in phases
+                  for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
+        owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
+        seal = self.codec.lossy and "ag" in phases
+        tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
+                 for k in range(len(self.b) - 1)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
+        for phase, transfers in rounds:
+            mine = [t for t in transfers if t.lo <= k < t.hi]
+            if not mine:
                 continue
-            for k in range(t.lo, t.hi):
+            if seal and phase.startswith("ag"):
+                self.seal(k)
+                seal = False
+            sends = []
+            for t in mine:
+                if t.src != self.me:
+                    continue
                 if not t.reduce and k in self.cache:
                     arrays = self.cache[k]
                 else:
@@ -288,21 +308,16 @@ class _Run:
                 sends.append(self.o.t.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
                                            codecs=[self.codec.name] * len(arrays), nic=t.nic,
                                            timeout=self.o.timeout))
-        incoming = [(k, t.src, t.reduce) for t in transfers if t.dst == self.me for k in range(t.lo, t.hi)]
-        recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for k, src, _ in incoming]
-        tasks = [asyncio.ensure_future(c) for c in (*sends, *recvs)]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
-        msgs = results[len(sends):]
-        for (k, src, reduce), msg in sorted(zip(incoming, msgs), key=lambda z: (z[0][0], z[0][1])):
-            vals = self._decode(msg, k)
-            if reduce:
-                self.piece(k)[...] += vals
-            else:
-                self.piece(k)[...] = vals
-                if self.codec.lossy:
-                    self.cache[k] = list(msg.arrays)
+            incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
+            recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
+            results = await asyncio.gather(*sends, *recvs)
+            for (src, reduce), msg in zip(incoming, results[len(sends):]):
+                vals = self._decode(msg, k)
+                if reduce:
+                    self.piece(k)[...] += vals
+                else:
+                    self.piece(k)[...] = vals
+                    if self.codec.lossy:
+                        self.cache[k] = list(msg.arrays)
+        if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
+            self.seal(k)

@@ -49,6 +49,12 @@ class SocketOptions:
     reconnect_ivl_ms: int = 20
     reconnect_ivl_max_ms: int = 500
     io_threads: int = 1
+    #: on close, how long queued outgoing messages may still be flushed (ms); messages to a
+    #: peer that is gone are never queued (IMMEDIATE), so this only delays a live send
+    close_linger_ms: int = 2000
+    #: kernel socket buffer sizes in bytes (0: the OS default)
+    sndbuf: int = 0
+    rcvbuf: int = 0
 
 
 def routing_id(node: int, nic: str) -> bytes:
@@ -102,6 +108,10 @@ class ZmqEndpoint(Transport):
                 s.setsockopt(zmq.HEARTBEAT_TTL, o.heartbeat_timeout_ms)
                 s.setsockopt(zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
                 s.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_ivl_max_ms)
+                if o.sndbuf:
+                    s.setsockopt(zmq.SNDBUF, o.sndbuf)
+                if o.rcvbuf:
+                    s.setsockopt(zmq.RCVBUF, o.rcvbuf)
                 try:
                     s.bind(nic.endpoint)
                 except zmq.ZMQError as exc:
@@ -170,7 +180,7 @@ class ZmqEndpoint(Transport):
                 self._loop.remove_reader(fd)
         self._fds.clear()
         for s in self._socks.values():
-            s.close(linger=0)
+            s.close(linger=self.options.close_linger_ms)
         self._socks.clear()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()

@@ -1,0 +1,145 @@
+"""Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
+
+    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3]
+
+Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
+slowest node's mean over ``--reps`` timed operations after one warm-up. Bus bandwidth =
+2(N-1)/N * bytes / time (the traffic each node must move in an optimal allreduce). For
+compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from bench._common import markdown_table, save_png
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _topology(algo: str, n: int, port: int):
+    from p2psync.topology import bcube, mesh, ring
+
+    if algo == "bcube":
+        beta = int(round(np.log2(n)))
+        return bcube(2, beta, base_port=port)
+    return ring(n, base_port=port) if algo == "ring" else mesh(n, base_port=port)
+
+
+def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: int, reps: int,
+                   q: Any, piece_kib: int = 1024, sockbuf: int = 0) -> None:
+    import uvloop
+
+    from p2psync.collectives import Collectives
+    from p2psync.transport import SocketOptions, ZmqEndpoint
+
+    async def run() -> None:
+        topo = _topology(algo, n, port)
+        ep = ZmqEndpoint(topology=topo, node_id=rank, default_timeout=120,
+                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf))
+        await ep.start()
+        coll = Collectives(ep, timeout=120, codec=codec, algo=algo, piece_bytes=piece_kib << 10)
+        x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
+        await coll.allreduce(np.zeros(1, np.float32))  # barrier: everyone connected
+        await coll.allreduce(x)  # warm-up
+        await coll.allreduce(np.zeros(1, np.float32))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            await coll.allreduce(x)
+        q.put((rank, (time.perf_counter() - t0) / reps))
+        await coll.allreduce(np.zeros(1, np.float32))  # nobody leaves early
+        await ep.close()
+
+    uvloop.run(run())
+
+
+def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    x = torch.randn(elems)
+    dist.all_reduce(x)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(x)
+    q.put((rank, (time.perf_counter() - t0) / reps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: str = "none",
+            piece_kib: int = 1024, sockbuf: int = 0) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    elems = int(mb * 1e6 / 4)
+    port = _port()
+    if kind == "gloo":
+        procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
+    else:
+        procs = [ctx.Process(target=p2psync_worker,
+                             args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf))
+                 for r in range(n)]
+    for p in procs:
+        p.start()
+    times = [q.get(timeout=900)[1] for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return max(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--mb", type=float, nargs="+", default=[4, 100])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    configs = [("gloo", "ring", "none"), ("p2psync", "ring", "none"), ("p2psync", "mesh", "none"),
+               ("p2psync", "bcube", "none"), ("p2psync", "ring", "sketch8")]
+    rows, plot = [], {}
+    for n in args.nodes:
+        for mb in args.mb:
+            base = None
+            for kind, algo, codec in configs:
+                secs = measure(kind, n, mb, args.reps, algo, codec)
+                busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
+                if kind == "gloo":
+                    base = busbw
+                label = "gloo" if kind == "gloo" else f"p2psync {algo}" + (f" + {codec}" if codec != "none" else "")
+                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base])
+                plot.setdefault(label, []).append(((n, mb), busbw))
+                print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
+    print("\n## Allreduce bus bandwidth (loopback, 2 cores)\n")
+    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo"], rows))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    keys = [k for k, _ in next(iter(plot.values()))]
+    x = np.arange(len(keys))
+    w = 0.8 / len(plot)
+    for j, (label, vals) in enumerate(plot.items()):
+        ax.bar(x + j * w, [v for _, v in vals], w, label=label)
+    ax.set_xticks(x + 0.4 - w / 2, [f"N={n}, {mb:g} MB" for n, mb in keys])
+    ax.set_ylabel("bus bandwidth GB/s")
+    ax.legend(fontsize=8)
+    print("\nplot:", save_png(fig, "allreduce.png"))
+
+
+if __name__ == "__main__":
+    main()

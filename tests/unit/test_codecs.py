@@ -1,0 +1,126 @@
+"""Codecs: round-trip bounds, numba == numpy, the sketch's buckets, error feedback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, get_codec
+from p2psync.errors import ConfigError, ProtocolError
+from p2psync.topology import mesh
+from tests.helpers import make_trainer
+
+floats = hnp.arrays(np.float32, st.integers(0, 3000),
+                    elements=st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=80, deadline=None)
+@given(floats)
+def test_roundtrip_bounds(x):
+    assert np.array_equal(NoCodec().roundtrip(x), x)
+    if x.size == 0:
+        for c in (Fp16(), Int8Uniform(), Sketch8()):
+            assert c.roundtrip(x).size == 0
+        return
+    lo, hi = float(x.min()), float(x.max())
+    np.testing.assert_allclose(Fp16().roundtrip(x), x, rtol=1e-3, atol=1e-3)
+    # int8: within half a level
+    step = (hi - lo) / 255
+    assert np.abs(Int8Uniform().roundtrip(x) - x).max() <= step / 2 + 1e-3 * max(1, abs(hi), abs(lo))
+    # sketch8: every value is decoded to a representative inside [min, max]
+    y = Sketch8().roundtrip(x)
+    assert y.min() >= lo - 1e-3 * max(1, abs(lo)) and y.max() <= hi + 1e-3 * max(1, abs(hi))
+    # constant pieces are exact
+    c = np.full(17, x[0], dtype=np.float32)
+    for codec in (Int8Uniform(), Sketch8()):
+        np.testing.assert_allclose(codec.roundtrip(c), c, rtol=1e-6)
+
+
+@pytest.mark.parametrize("codec", [Int8Uniform, Sketch8])
+def test_numba_and_numpy_paths_agree(codec):
+    x = (np.random.default_rng(0).standard_t(2, 50_001) * 1e-3).astype(np.float32)
+    a = codec(use_numba=True).encode(x)
+    b = codec(use_numba=False).encode(x)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u.astype(np.float64), v.astype(np.float64), rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(codec(use_numba=True).decode(a, x.size), codec(use_numba=False).decode(a, x.size))
+
+
+def test_sketch_paper_mode_equal_mass_and_midpoints():
+    x = np.random.default_rng(1).standard_normal(200_000).astype(np.float32)
+    c = Sketch8(boundaries="quantile", representative="mid")
+    codes, reps = c.encode(x)
+    counts = np.bincount(codes, minlength=256)
+    # Step 1: nearly equal mass (sampled quantiles: within a few sigma of n/256)
+    assert counts.min() > 0.6 * x.size / 256 and counts.max() < 1.4 * x.size / 256
+    # Step 2: the representative is the mean of the bucket's start and end quantiles
+    q = c.quantiles(x)
+    np.testing.assert_allclose(reps, (q[:-1] + q[1:]) / 2, rtol=1e-6)
+    assert codes.dtype == np.uint8  # Step 3: one byte per value
+
+
+def _real_gradients():
+    out = []
+    for model in ("mlp", "cnn"):
+        tr = make_trainer(mesh(1), 0, model=model)
+
+        async def go():
+            grads = []
+            for k in range(12):
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+                grads.append(g)
+            return grads
+
+        out += asyncio.run(go())[::4]
+        tr.close()
+    return out
+
+
+def _rel(x, y):
+    return float(np.linalg.norm(x - y) / np.linalg.norm(x))
+
+
+def test_sketch8_beats_int8_on_heavy_tailed_data():
+    rng = np.random.default_rng(2)
+    samples = _real_gradients() + [(rng.standard_t(2, 200_000) * 1e-3).astype(np.float32)]
+    for g in samples:
+        assert _rel(g, Sketch8().roundtrip(g)) < _rel(g, Int8Uniform().roundtrip(g))
+
+
+def test_error_feedback_accumulated_sum_converges():
+    rng = np.random.default_rng(3)
+    codec = Sketch8()
+    fb = ErrorFeedback()
+    true_sum = np.zeros(5000)
+    with_fb = np.zeros(5000)
+    without = np.zeros(5000)
+    errs = []
+    for t in range(200):
+        x = (rng.standard_t(2, 5000) * 1e-2).astype(np.float32) + 1e-3  # biased, heavy-tailed
+        true_sum += x
+        without += codec.roundtrip(x)
+        comp = fb.compensate("k", x)
+        dec = codec.decode(codec.encode(comp), comp.size)
+        fb.record("k", comp, dec)
+        with_fb += dec
+        errs.append(np.abs(with_fb - true_sum).max())
+    # with feedback the error of the running sum stays bounded by one step's residual
+    assert np.abs(with_fb - true_sum).max() <= np.abs(fb.residual["k"]).max() + 1e-4
+    assert np.linalg.norm(with_fb - true_sum) < 0.2 * np.linalg.norm(without - true_sum)
+
+
+def test_decode_rejects_wrong_payloads_and_bad_names():
+    with pytest.raises(ProtocolError):
+        Sketch8().decode([np.zeros(3, np.uint8)], 3)
+    with pytest.raises(ProtocolError):
+        Int8Uniform().decode([np.zeros(3, np.uint8), np.zeros(2, np.float64)], 3)
+    with pytest.raises(ConfigError):
+        get_codec("zip")
+    with pytest.raises(ConfigError):
+        Sketch8(sample=10)
