@@ -1,0 +1,141 @@
+"""numba kernels for the barrier searchers (``zipline.py``); each has a pure-Python twin there.
+
+All take the merged timeline as three parallel arrays sorted by time: ``t`` (timestamps),
+``w`` (worker of each element), ``k`` (its future-iteration index), plus ``n`` workers.
+They return (best_d, best_right_position, z) where z[p] is worker p's chosen index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def zipline_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int) -> tuple[float, int, np.ndarray]:
+    """Algorithm 4 as written: Z holds the latest element of every worker; after each new
+    element d_Z = newest - min(Z), the minimum found by a linear pass over Z (O(n))."""
+    latest = np.full(n, -1, np.int64)  # position in t of each worker's current element
+    seen = 0
+    best_d = np.inf
+    best_pos = -1
+    best_z = np.zeros(n, np.int64)
+    for j in range(t.shape[0]):
+        p = w[j]
+        if latest[p] < 0:
+            seen += 1
+        latest[p] = j
+        if seen < n:
+            continue
+        lo = np.inf
+        for q in range(n):
+            if t[latest[q]] < lo:
+                lo = t[latest[q]]
+        d = t[j] - lo
+        if d < best_d:
+            best_d = d
+            best_pos = j
+            for q in range(n):
+                best_z[q] = k[latest[q]]
+    return best_d, best_pos, best_z
+
+
+@njit(cache=True, nogil=True)
+def zipline_opt_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int,
+                     binary: bool) -> tuple[float, int, np.ndarray]:
+    """ZipLineOpt / ZipLineOptBS. Z is kept as an array in arrival (= time) order. A new element
+    of worker p replaces p's previous element: if that was the oldest (case i) the new minimum
+    is the next live element and d is recomputed; otherwise (case ii) d cannot improve
+    (Theorem 7) and is not computed. Finding p's previous element: ZipLineOpt traverses the
+    array (O(n)); ZipLineOptBS looks its timestamp up in the auxiliary table and binary-searches
+    the time-ordered array (O(log n)). Removal is a tombstone; the head skips tombstones."""
+    m = t.shape[0]
+    order = np.empty(m, np.int64)  # the array: positions into t, in arrival order
+    alive = np.zeros(m, np.bool_)
+    size = 0
+    head = 0
+    latest = np.full(n, -1, np.int64)  # auxiliary table: worker -> its element's position in t
+    seen = 0
+    best_d = np.inf
+    best_pos = -1
+    best_z = np.zeros(n, np.int64)
+    for j in range(m):
+        p = w[j]
+        prev = latest[p]
+        oldest_replaced = False
+        if prev >= 0:
+            if binary:  # binary search the time-ordered array for prev's slot
+                lo_i = head
+                hi_i = size
+                while lo_i < hi_i:
+                    mid = (lo_i + hi_i) >> 1
+                    if order[mid] < prev:
+                        lo_i = mid + 1
+                    else:
+                        hi_i = mid
+                slot = lo_i
+            else:  # traverse the array
+                slot = head
+                while order[slot] != prev:
+                    slot += 1
+            alive[slot] = False
+            while head < size and not alive[head]:
+                head += 1
+            oldest_replaced = slot < head
+        else:
+            seen += 1
+        order[size] = j
+        alive[size] = True
+        size += 1
+        latest[p] = j
+        if seen < n:
+            continue
+        if prev >= 0 and not oldest_replaced and best_pos >= 0:
+            continue  # Theorem 7: d_Z' >= d_Z, no need to compute it
+        d = t[j] - t[order[head]]
+        if d < best_d:
+            best_d = d
+            best_pos = j
+            for q in range(n):
+                best_z[q] = k[latest[q]]
+    return best_d, best_pos, best_z
+
+
+@njit(cache=True, nogil=True)
+def grid_scan_rows(M: np.ndarray, rows: np.ndarray) -> tuple[float, np.ndarray]:
+    """Algorithm 3 for every designated row in ``rows`` (GridScan: one row; FullGridScan: all).
+    Among equal d the earlier barrier (smaller max) wins (Corollary 3.1); nearest points
+    prefer the lower index."""
+    n, R = M.shape
+    best_d = np.inf
+    best_t = np.inf
+    best_z = np.zeros(n, np.int64)
+    z = np.zeros(n, np.int64)
+    for r in rows:
+        for i in range(R):
+            e = M[r, i]
+            lo = e
+            hi = e
+            for p in range(n):
+                if p == r:
+                    z[p] = i
+                    continue
+                bi = 0
+                bd = abs(M[p, 0] - e)
+                for c in range(1, R):
+                    dd = abs(M[p, c] - e)
+                    if dd < bd:
+                        bd = dd
+                        bi = c
+                z[p] = bi
+                v = M[p, bi]
+                if v < lo:
+                    lo = v
+                if v > hi:
+                    hi = v
+            d = hi - lo
+            if d < best_d or (d == best_d and hi < best_t):
+                best_d = d
+                best_t = hi
+                best_z[:] = z
+    return best_d, best_z
