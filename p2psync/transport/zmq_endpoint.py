@@ -6,8 +6,14 @@ connection then carries traffic both ways (ROUTER-to-ROUTER), and each side addr
 by its routing id. ``ROUTER_MANDATORY`` turns a send to a peer that is not connected (not yet,
 or no longer) into an error that :class:`~p2psync.transport.base.Transport` retries until the
 timeout, so a dead peer surfaces as :class:`~p2psync.errors.PeerUnreachable`, never a hang or
-a silent drop. ``IMMEDIATE`` keeps messages from queueing on a connection that is down. ZMTP
-heartbeats detect a silent peer; ``MAXMSGSIZE`` caps every frame.
+a silent drop. ZMTP heartbeats detect a silent peer; ``MAXMSGSIZE`` caps every frame.
+
+On the connecting side ZeroMQ keeps a pipe across a disconnect (to reconnect later), so
+``ROUTER_MANDATORY`` alone would let sends to a dead peer queue silently. ``ZMQ_IMMEDIATE``
+would prevent that, but it also drops the inbound messages of that pipe that the application
+has not read yet when the peer disconnects (a peer that sends its last message and exits
+loses it). Instead a socket monitor watches the connecting side: ``DISCONNECTED`` marks the
+peer down (sends to it are retried and then fail), a completed handshake marks it up again.
 
 The sockets are plain (synchronous) ZeroMQ sockets driven by the event loop: the loop watches
 each socket's file descriptor (``add_reader``) and the callback drains every waiting message with
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from p2psync.errors import TransportError
 from p2psync.topology import Route, Topology
@@ -83,6 +90,9 @@ class ZmqEndpoint(Transport):
         self._socks: dict[str, zmq.Socket] = {}
         self._fds: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._monitors: dict[str, zmq.Socket] = {}
+        self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
+        self.down: set[int] = set()  # peers whose connection (from our side) is down
         self._valid_ids = {routing_id(n.id, c.name) for n in topology.nodes for c in n.nics}
 
     async def start(self) -> None:
@@ -99,7 +109,6 @@ class ZmqEndpoint(Transport):
                 s.setsockopt(zmq.ROUTING_ID, routing_id(self.node_id, nic.name))
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing to peers that are not connected
                 s.setsockopt(zmq.SNDHWM, o.sndhwm)
                 s.setsockopt(zmq.RCVHWM, o.rcvhwm)
                 s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + 1024)
@@ -119,9 +128,15 @@ class ZmqEndpoint(Transport):
                         f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {exc.strerror}"
                     ) from None
             for nic in self.node.nics:
+                mon = None
                 for peer in self.topology.members(nic.network):
                     if peer > self.node_id:
+                        if mon is None:
+                            mon = self._socks[nic.name].get_monitor_socket(
+                                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                            self._monitors[nic.name] = mon
                         remote = next(c for c in self.topology.node(peer).nics if c.network == nic.network)
+                        self._endpoint_peer[remote.endpoint] = peer
                         self._socks[nic.name].connect(remote.endpoint)
         except BaseException:
             await self.close()
@@ -131,6 +146,29 @@ class ZmqEndpoint(Transport):
             self._fds.append(fd)
             self._loop.add_reader(fd, self._drain, name)
             self._loop.call_soon(self._drain, name)
+        for name, mon in self._monitors.items():
+            fd = mon.getsockopt(zmq.FD)
+            self._fds.append(fd)
+            self._loop.add_reader(fd, self._watch, name)
+            self._loop.call_soon(self._watch, name)
+
+    def _watch(self, nic: str) -> None:
+        """Connection events of our outgoing connections on ``nic`` (loop callback)."""
+        mon = self._monitors.get(nic)
+        while mon is not None and not mon.closed:
+            try:
+                if not _get_int(mon, _EVENTS) & _POLLIN:
+                    return
+                ev = parse_monitor_message(mon.recv_multipart(_NOBLOCK))
+            except (zmq.ZMQError, ValueError):
+                return
+            peer = self._endpoint_peer.get(ev["endpoint"].decode(errors="replace"))
+            if peer is None:
+                continue
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.down.add(peer)
+            elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.down.discard(peer)
 
     def _drain(self, nic: str) -> None:
         """Receive every message waiting on ``nic``'s socket (loop callback; never raises)."""
@@ -159,6 +197,8 @@ class ZmqEndpoint(Transport):
         sock = self._socks.get(route.local_nic)
         if sock is None:
             raise TransportError("endpoint is not started")
+        if peer in self.down:
+            raise NotReady
         try:
             sock.send_multipart([routing_id(peer, route.remote_nic), *frames], _NOBLOCK, copy=False)
         except zmq.Again:
@@ -179,6 +219,11 @@ class ZmqEndpoint(Transport):
             for fd in self._fds:
                 self._loop.remove_reader(fd)
         self._fds.clear()
+        for nic, s in self._socks.items():
+            if nic in self._monitors:
+                s.disable_monitor()
+                self._monitors[nic].close(linger=0)
+        self._monitors.clear()
         for s in self._socks.values():
             s.close(linger=self.options.close_linger_ms)
         self._socks.clear()
