@@ -61,6 +61,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
+    p.add_argument("--slowdown", default="", metavar="NODE:FACTOR,...",
+                   help="emulated device slowdown per node, e.g. 0:1,1:1,2:2,3:8")
+    p.add_argument("--slowdown-schedule", default="", metavar="NODE:AFTER_S:FACTOR,...",
+                   help="change a node's slowdown during training, e.g. 2:30:4")
+    p.add_argument("--step-time", default="", metavar="NODE:SECONDS,...",
+                   help="fixed emulated step time per node (deterministic runs)")
+    p.add_argument("--esync-mode", choices=("blocking", "nonblocking"),
+                   help="ESync State Server queries (default nonblocking, §4.2)")
     p.add_argument("--codec", default=d.codec, choices=sorted(CODECS),
                    help="per-piece compression in collectives")
     p.add_argument("--error-feedback", action="store_true",
@@ -91,6 +99,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"--opt {item!r}: expected NAME=VALUE")
         k, v = item.split("=", 1)
         opts.append((k.strip(), v.strip()))
+    if args.esync_mode:
+        if args.strategy != "esync":
+            raise ConfigError("--esync-mode needs --strategy esync")
+        opts.append(("mode", args.esync_mode))
     epochs = args.epochs
     if args.steps is None and epochs is None and args.time_limit is None:
         epochs = DEFAULT_EPOCHS
@@ -103,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every, out=args.out,
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
-        failure_timeout=args.failure_timeout, codec=args.codec, piece_kib=args.piece_kib,
+        failure_timeout=args.failure_timeout, slowdown=args.slowdown,
+        slowdown_schedule=args.slowdown_schedule, step_time=args.step_time, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress)
     from p2psync.strategies.base import get_strategy, parse_options

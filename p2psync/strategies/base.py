@@ -78,6 +78,11 @@ class Strategy(ABC):
         self.ctx = ctx
         self.opts = parse_options(type(self), ctx.options)
 
+    @classmethod
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
+        """Register this strategy's coordinator services (called on the coordinator node only,
+        before rendezvous, so they exist before any node can call them)."""
+
     async def start(self) -> None:
         """Called once after rendezvous, before the first step."""
 

@@ -44,6 +44,9 @@ class RunConfig:
     peer_timeout: float = 30.0
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
+    slowdown: str = ""
+    slowdown_schedule: str = ""
+    step_time: str = ""
     codec: str = "none"
     piece_kib: int = 1024
     error_feedback: bool = False
@@ -71,6 +74,9 @@ class RunConfig:
             raise ConfigError("--weight-decay must be >= 0")
         if self.failure_timeout <= self.heartbeat:
             raise ConfigError("--failure-timeout must be longer than --heartbeat")
+        from p2psync.training.hetero import parse_profiles
+
+        parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time)  # validate
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
             raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name")
 
@@ -97,6 +103,8 @@ class RunConfig:
                 continue
             v = getattr(self, f.name)
             if v is None or v == f.default:
+                continue
+            if isinstance(v, str) and not v:
                 continue
             flag = "--time" if f.name == "time_limit" else "--" + f.name.replace("_", "-")
             if f.name == "strategy_options":

@@ -14,6 +14,7 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
                      max_steps: int, time_limit: float | None, eval_every: int,
                      nic_bytes: Callable[[], dict[str, dict[str, int]]]) -> dict[str, Any]:
     t0 = time.monotonic()
+    trainer.t0 = t0  # slowdown schedules count from the start of training
     comm = wait = 0.0
     step = 0
     acc = test_loss = None
@@ -29,7 +30,7 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
             "node": node_id, "step": step, "time": round(now, 4), "loss": rep.loss,
             "compute_s": round(trainer.compute_s, 4), "comm_s": round(comm, 4), "wait_s": round(wait, 4),
             "samples": trainer.samples, "samples_per_s": trainer.samples / now if now > 0 else 0.0,
-            "nics": nic_bytes(), **rep.extra,
+            "nics": nic_bytes(), "factor": trainer.factor, **rep.extra,
         }
         evaluate = rep.stop or step % eval_every == 0
         if evaluate:

@@ -26,6 +26,7 @@ from p2psync.strategies.base import StrategyContext, get_strategy
 from p2psync.topology import Topology, load
 from p2psync.training.config import RunConfig
 from p2psync.training.data import load_dataset
+from p2psync.training.hetero import parse_profiles
 from p2psync.training.loop import train_loop
 from p2psync.training.metrics import MetricsWriter
 from p2psync.training.models import build_model
@@ -52,8 +53,10 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     device = resolve_device(cfg.device)
     model.to(device)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time).get(node_id)
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
-                   batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device)
+                   batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
+                   slowdown=profile)
 
 
 def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
@@ -94,6 +97,7 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
                 failure_timeout=cfg.failure_timeout,
                 run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
             service.start()
+            strategy_cls.coordinator_services(server, topo, dict(cfg.strategy_options))
         server.start()
         info = await membership.register(cfg.fingerprint(), timeout=cfg.start_timeout + 5)
         run_id = cfg.run_id or str(info["run_id"])

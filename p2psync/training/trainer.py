@@ -19,6 +19,7 @@ from torch import nn
 
 from p2psync.errors import ConfigError
 from p2psync.training.data import Dataset
+from p2psync.training.hetero import Slowdown
 from p2psync.training.partition import BatchSampler
 
 T = TypeVar("T")
@@ -49,7 +50,7 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
 class Trainer:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset,
                  indices: np.ndarray, batch_size: int, seed: int, device: torch.device,
-                 eval_batch: int = 2048) -> None:
+                 eval_batch: int = 2048, slowdown: Slowdown | None = None) -> None:
         self.device = device
         self.model = model.to(device)
         self.optimizer = optimizer
@@ -63,6 +64,9 @@ class Trainer:
         self.compute_s = 0.0
         self.samples = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.slowdown = slowdown or Slowdown()
+        self.t0 = time.monotonic()
+        self.padded_s = 0.0
         self._x = torch.from_numpy(data.x_train)
         self._y = torch.from_numpy(data.y_train)
 
@@ -77,6 +81,22 @@ class Trainer:
             finally:
                 self.compute_s += time.perf_counter() - t0
         return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
+
+    async def emulate(self, fn: Callable[[], T]) -> T:
+        """Run a training computation, then wait as long as the emulated device would still be
+        busy (waiting, not computing: other nodes keep the CPU)."""
+        before = self.compute_s
+        out = await self.run(fn)
+        pad = self.slowdown.pad(self.compute_s - before, time.monotonic() - self.t0)
+        if pad > 0:
+            await asyncio.sleep(pad)
+            self.compute_s += pad
+            self.padded_s += pad
+        return out
+
+    @property
+    def factor(self) -> float:
+        return self.slowdown.factor_at(time.monotonic() - self.t0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -128,7 +148,7 @@ class Trainer:
 
     async def compute_gradients(self) -> tuple[float, np.ndarray]:
         """Next batch: forward + backward. Returns (loss, flat gradient copy)."""
-        return await self.run(self._forward_backward)
+        return await self.emulate(self._forward_backward)
 
     async def apply_gradients(self, vec: np.ndarray) -> None:
         """Set the gradients to ``vec`` and take one optimizer step, atomically."""
@@ -151,7 +171,7 @@ class Trainer:
             loss, _ = self._forward_backward()
             self.optimizer.step()
             return loss
-        return await self.run(go)
+        return await self.emulate(go)
 
     async def get_params(self) -> np.ndarray:
         return await self.run(self._params)

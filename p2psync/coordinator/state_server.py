@@ -1,0 +1,107 @@
+"""ESync's State Server (../shared/papers/esync.md §4, Algorithm 2).
+
+:class:`StateServer` is the pure decision logic: one record per device
+``(rank, k, capability, last_finish_time, ready, round)``; QUERY-STATE answers whether the
+querying device should aggregate now (READY) or run another local iteration; RESET-STATE-SERVER
+starts a device's next round. Times are the server's clock.
+
+:class:`StateServerService` exposes it over the coordinator RPC (``esync.query``,
+``esync.reset``). Nodes do not share a clock, so a node reports how long ago it finished its
+last iteration (``age``) and the round-trip time of its last query; the service places the
+finish time at ``now - age - rtt / 2`` on its own clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from p2psync.coordinator.rpc import RpcServer
+from p2psync.errors import ConfigError
+
+
+@dataclass
+class DeviceRecord:
+    rank: int
+    k: int = 0
+    capability: float = math.inf  # seconds per local iteration (plus query RTT in non-blocking mode)
+    last_finish: float = 0.0
+    ready: bool = False
+    round: int = 0
+
+
+class StateServer:
+    def __init__(self, ranks: Sequence[int], *, epsilon: float = 0.0) -> None:
+        if not ranks:
+            raise ConfigError("the State Server needs at least one device")
+        if epsilon < 0:
+            raise ConfigError("epsilon must be >= 0")
+        self.epsilon = epsilon
+        self.records = {r: DeviceRecord(rank=r) for r in ranks}
+
+    def _record(self, r: int) -> DeviceRecord:
+        if r not in self.records:
+            raise ConfigError(f"device {r} is not registered with the State Server")
+        return self.records[r]
+
+    def slowest(self) -> DeviceRecord:
+        """FIND-SLOWEST-DEVICE: the largest capability (time per iteration); ties: lowest rank."""
+        return max(self.records.values(), key=lambda d: (d.capability, -d.rank))
+
+    def query_state(self, r: int, k: int, c: float, t_e: float, now: float) -> bool:
+        """QUERY-STATE(r, k, c, t_e), Alg. 2 lines 1-12."""
+        if k < 0 or not c > 0 or not math.isfinite(c):
+            raise ConfigError(f"bad state query from device {r}: k={k}, c={c}")
+        cur = self._record(r)
+        cur.k, cur.capability, cur.last_finish = k, c, t_e  # line 3 (ready, round unchanged)
+        slowest = self.slowest()  # line 4
+        if k == 0 or slowest.round < cur.round:  # line 5: slowest has not pulled w_t yet
+            return False
+        rest_time = slowest.capability - now + slowest.last_finish  # line 8
+        if cur is slowest or slowest.ready or cur.capability + self.epsilon > rest_time:  # line 9
+            cur.ready = True
+            return True
+        return False
+
+    def reset(self, r: int, round_: int, t_e: float) -> None:
+        """RESET-STATE-SERVER(r, t, t_e): device r pulled w_t and starts round t."""
+        rec = self._record(r)
+        rec.k, rec.ready, rec.round, rec.last_finish = 0, False, round_, t_e
+
+
+class StateServerService:
+    """RPC glue on the coordinator node."""
+
+    def __init__(self, server: RpcServer, ranks: Sequence[int], *, epsilon: float = 0.0) -> None:
+        self.state = StateServer(ranks, epsilon=epsilon)
+        self.queries = 0
+        server.register("esync.query", self._query)
+        server.register("esync.reset", self._reset)
+
+    @staticmethod
+    def _num(args: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+        v = args.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"esync: bad {key} {v!r}")
+        return float(v)
+
+    async def _query(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        now = time.monotonic()
+        k = args.get("k")
+        if type(k) is not int:
+            raise ConfigError("esync.query: k must be an integer")
+        t_e = now - self._num(args, "age") - self._num(args, "rtt") / 2
+        self.queries += 1
+        ready = self.state.query_state(caller, k, self._num(args, "c", 1e-9), t_e, now)
+        return {"ready": ready, "round": self.state.records[caller].round}
+
+    async def _reset(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        rnd = args.get("round")
+        if type(rnd) is not int or rnd < 0:
+            raise ConfigError("esync.reset: round must be a non-negative integer")
+        self.state.reset(caller, rnd, time.monotonic() - self._num(args, "rtt") / 2)
+        return {}

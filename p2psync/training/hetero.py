@@ -1,0 +1,75 @@
+"""Heterogeneous-device emulation: per-node slowdown profiles. Pure.
+
+A profile turns the measured compute time of a step into the time the step should take on the
+emulated device; the difference is padded by *waiting* (``asyncio.sleep``), not by burning CPU,
+so eight slow nodes fit on two cores.
+
+* constant factor: ``--slowdown 0:1,1:1,2:2,3:8`` (node 3 is 8x slower);
+* schedule: ``--slowdown-schedule 2:30:4`` (node 2 becomes 4x slower 30 s into training;
+  several entries per node allowed);
+* fixed emulated step time: ``--step-time 0:0.05,3:0.4`` (a step takes exactly that long, or
+  its real time if longer) for deterministic runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2psync.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    factor: float = 1.0
+    #: (after seconds, factor) changes, sorted by time
+    schedule: tuple[tuple[float, float], ...] = ()
+    step_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor < 1 or any(f < 1 or t < 0 for t, f in self.schedule):
+            raise ConfigError("slowdown factors must be >= 1 and schedule times >= 0")
+        if self.step_time is not None and self.step_time <= 0:
+            raise ConfigError("--step-time must be > 0")
+
+    def factor_at(self, elapsed: float) -> float:
+        f = self.factor
+        for t, g in self.schedule:
+            if elapsed >= t:
+                f = g
+        return f
+
+    def pad(self, compute_s: float, elapsed: float) -> float:
+        """Seconds to wait after a step whose real compute took ``compute_s``."""
+        f = self.factor_at(elapsed)
+        if self.step_time is not None:
+            return max(0.0, self.step_time * f - compute_s)
+        return (f - 1.0) * compute_s
+
+    @property
+    def trivial(self) -> bool:
+        return self.factor == 1 and not self.schedule and self.step_time is None
+
+
+def _pairs(text: str, what: str, parts: int) -> list[list[str]]:
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        fields = item.split(":")
+        if len(fields) != parts:
+            raise ConfigError(f"--{what} {item!r}: expected {':'.join(['X'] * parts)}")
+        out.append(fields)
+    return out
+
+
+def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "") -> dict[int, Slowdown]:
+    """Profiles per node id from the three CLI option strings."""
+    try:
+        factors = {int(n): float(f) for n, f in _pairs(slowdown, "slowdown", 2)}
+        steps = {int(n): float(s) for n, s in _pairs(step_time, "step-time", 2)}
+        sched: dict[int, list[tuple[float, float]]] = {}
+        for n, t, f in _pairs(schedule, "slowdown-schedule", 3):
+            sched.setdefault(int(n), []).append((float(t), float(f)))
+    except ValueError as exc:
+        raise ConfigError(f"bad slowdown profile: {exc}") from None
+    nodes = set(factors) | set(steps) | set(sched)
+    return {n: Slowdown(factor=factors.get(n, 1.0), schedule=tuple(sorted(sched.get(n, []))),
+                        step_time=steps.get(n)) for n in nodes}
