@@ -46,9 +46,11 @@ def zipline_opt_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int,
     """ZipLineOpt / ZipLineOptBS. Z is kept as an array in arrival (= time) order. A new element
     of worker p replaces p's previous element: if that was the oldest (case i) the new minimum
     is the next live element and d is recomputed; otherwise (case ii) d cannot improve
-    (Theorem 7) and is not computed. Finding p's previous element: ZipLineOpt traverses the
-    array (O(n)); ZipLineOptBS looks its timestamp up in the auxiliary table and binary-searches
-    the time-ordered array (O(log n)). Removal is a tombstone; the head skips tombstones."""
+    (Theorem 7) and is not computed. Finding p's previous element in the array: ZipLineOpt
+    traverses it from the oldest element (O(n)); ZipLineOptBS takes the element's position from
+    its auxiliary table. Removal leaves a tombstone that the head skips, so the array never
+    shifts and the slot is the position itself (the thesis' binary search over a compacted
+    array becomes an O(1) lookup)."""
     m = t.shape[0]
     order = np.empty(m, np.int64)  # the array: positions into t, in arrival order
     alive = np.zeros(m, np.bool_)
@@ -64,16 +66,8 @@ def zipline_opt_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int,
         prev = latest[p]
         oldest_replaced = False
         if prev >= 0:
-            if binary:  # binary search the time-ordered array for prev's slot
-                lo_i = head
-                hi_i = size
-                while lo_i < hi_i:
-                    mid = (lo_i + hi_i) >> 1
-                    if order[mid] < prev:
-                        lo_i = mid + 1
-                    else:
-                        hi_i = mid
-                slot = lo_i
+            if binary:  # the auxiliary table holds the element's slot
+                slot = prev
             else:  # traverse the array
                 slot = head
                 while order[slot] != prev:
