@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, default_threads
+from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.node import default_run_id
@@ -138,6 +139,26 @@ def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float) -> None:
 
 
 def launch(cfg: RunConfig, topo: Topology) -> int:
+    netns = None
+    if cfg.shaper == "netem":
+        from p2psync.cli.netns_cmd import link_specs
+        from p2psync.transport import netem
+
+        netns = netem.plan(topo, link_specs(topo, cfg.wan))
+        try:
+            netem.up(netns)
+        except netem.NetemUnavailable as exc:
+            raise ConfigError(f"--shaper netem: {exc}") from None
+    try:
+        return _launch(cfg, topo, netns)
+    finally:
+        if netns is not None:
+            from p2psync.transport import netem
+
+            netem.down(netns)
+
+
+def _launch(cfg: RunConfig, topo: Topology, netns: Any) -> int:
     run_id = cfg.run_id or default_run_id(topo, cfg.strategy)
     run_dir = Path(cfg.out) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +177,8 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
         for i in topo.ids:
             log_f = (run_dir / f"node-{i}.log").open("wb")
             logs.append(log_f)
-            procs[i] = subprocess.Popen([*base, "--node", str(i)], stdout=log_f, stderr=subprocess.STDOUT,
+            prefix = netns.exec_prefix(i) if netns is not None else []
+            procs[i] = subprocess.Popen([*prefix, *base, "--node", str(i)], stdout=log_f, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         return _monitor(cfg, run_dir, procs, stop, t0)
     finally:

@@ -61,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
+    p.add_argument("--shaper", default="none", choices=("none", "inproc", "netem"),
+                   help="link emulation: inproc (delay/bandwidth/jitter/loss in process) or netem "
+                        "(network namespaces + tc; root and the netem qdisc needed)")
+    p.add_argument("--wan", metavar="PROFILE.json",
+                   help="latency profile (regions and RTTs), e.g. topologies/wan-4-regions.json")
     p.add_argument("--slowdown", default="", metavar="NODE:FACTOR,...",
                    help="emulated device slowdown per node, e.g. 0:1,1:1,2:2,3:8")
     p.add_argument("--slowdown-schedule", default="", metavar="NODE:AFTER_S:FACTOR,...",
@@ -115,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every, out=args.out,
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
-        failure_timeout=args.failure_timeout, slowdown=args.slowdown,
+        failure_timeout=args.failure_timeout, shaper=args.shaper, wan=args.wan, slowdown=args.slowdown,
         slowdown_schedule=args.slowdown_schedule, step_time=args.step_time, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress)

@@ -34,6 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", default="",
                    help="comma-separated host addresses, one per node (cycled) for multi-host files; "
                         "default: a distinct loopback address per NIC")
+    p.add_argument("--subnet", help="give network k the /24 number k of this IPv4 network "
+                   "(e.g. 10.213.0.0/16): routable addresses for --shaper netem namespaces")
     p.add_argument("--coordinator", type=int, default=0, help="coordinator node id (default 0)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
               f"{len(topo.networks)} networks, coordinator {topo.coordinator}: OK")
         return 0
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    kw = {"base_port": args.base_port, "hosts": hosts}
+    kw = {"base_port": args.base_port, "hosts": hosts, "subnet": args.subnet}
     if args.topo_kind == "bcube":
         topo = bcube(args.alpha, args.beta, **kw)
     else:

@@ -13,6 +13,7 @@ levels; node ``i`` has digits ``d_l = (i // alpha**l) % alpha``; the level-l swi
 
 from __future__ import annotations
 
+import ipaddress
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,10 +28,19 @@ DEFAULT_PORT = 29500
 class AddressPlan:
     base_port: int = DEFAULT_PORT
     hosts: tuple[str, ...] = ()
+    #: e.g. "10.213.0.0/16": network k gets the /24 number k, member j the address .j+1
+    #: (routable addresses for network namespaces: ``--shaper netem``)
+    subnet: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.base_port <= 65535:
             raise ValueError("base_port must be in 1..65535")
+        if self.subnet is not None:
+            net = ipaddress.ip_network(self.subnet, strict=False)
+            if net.version != 4 or net.prefixlen > 16:
+                raise ValueError("--subnet must be an IPv4 network of /16 or larger")
+        if self.subnet and self.hosts:
+            raise ValueError("--subnet and --hosts are exclusive")
 
 
 class _Assembler:
@@ -53,11 +63,20 @@ class _Assembler:
         nodes: list[Node] = []
         nic_index = 0
         host_ports: dict[str, int] = defaultdict(int)
+        net_index = {n.name: k for k, n in enumerate(self.networks)}
+        members: dict[str, int] = defaultdict(int)
         for i in range(self.n):
             nics: list[Nic] = []
             host = "localhost"
             for nic_name, net in self.nics[i]:
-                if self.plan.hosts:
+                if self.plan.subnet:
+                    base = ipaddress.ip_network(self.plan.subnet, strict=False).network_address
+                    k, members[net] = net_index[net], members[net] + 1
+                    if k > 255 or members[net] > 254:
+                        raise ValueError("subnet plan: at most 256 networks of 254 members")
+                    address = str(base + (k << 8) + members[net])
+                    port = self.plan.base_port
+                elif self.plan.hosts:
                     host = self.plan.hosts[i % len(self.plan.hosts)]
                     address = host
                     port = self.plan.base_port + host_ports[host]
@@ -74,15 +93,16 @@ class _Assembler:
                         coordinator=coordinator, params=params)
 
 
-def _plan(base_port: int, hosts: Sequence[str] | None) -> AddressPlan:
-    return AddressPlan(base_port=base_port, hosts=tuple(hosts or ()))
+def _plan(base_port: int, hosts: Sequence[str] | None, subnet: str | None = None) -> AddressPlan:
+    return AddressPlan(base_port=base_port, hosts=tuple(hosts or ()), subnet=subnet)
 
 
-def ring(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None) -> Topology:
+def ring(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None,
+         subnet: str | None = None) -> Topology:
     """``n`` nodes in a ring of point-to-point links; node i's ``right`` NIC reaches i+1."""
     if n < 2:
         raise ValueError("a ring needs at least 2 nodes")
-    asm = _Assembler(n, _plan(base_port, hosts))
+    asm = _Assembler(n, _plan(base_port, hosts, subnet))
     edges = sorted({(min(i, (i + 1) % n), max(i, (i + 1) % n)) for i in range(n)})
     for a, b in edges:
         net = asm.network(f"ring-{a}-{b}")
@@ -96,22 +116,24 @@ def ring(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None =
     return asm.build(name=f"ring-{n}", kind="ring", params={"n": n})
 
 
-def mesh(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None) -> Topology:
+def mesh(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None,
+         subnet: str | None = None) -> Topology:
     """``n`` nodes on one switch: everyone reaches everyone over its single NIC ``eth0``."""
     if n < 1:
         raise ValueError("a mesh needs at least 1 node")
-    asm = _Assembler(n, _plan(base_port, hosts))
+    asm = _Assembler(n, _plan(base_port, hosts, subnet))
     net = asm.network("mesh")
     for i in range(n):
         asm.attach(i, "eth0", net)
     return asm.build(name=f"mesh-{n}", kind="mesh", params={"n": n})
 
 
-def star(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None) -> Topology:
+def star(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None,
+         subnet: str | None = None) -> Topology:
     """Hub 0 with one link (and NIC ``leaf<k>``) to each leaf 1..n-1; leaves reach only the hub."""
     if n < 2:
         raise ValueError("a star needs at least 2 nodes")
-    asm = _Assembler(n, _plan(base_port, hosts))
+    asm = _Assembler(n, _plan(base_port, hosts, subnet))
     for leaf in range(1, n):
         net = asm.network(f"star-{leaf}")
         asm.attach(0, f"leaf{leaf}", net)
@@ -132,14 +154,14 @@ def bcube_switch(node: int, level: int, alpha: int, beta: int) -> int:
 
 
 def bcube(alpha: int, beta: int, *, base_port: int = DEFAULT_PORT,
-          hosts: Sequence[str] | None = None) -> Topology:
+          hosts: Sequence[str] | None = None, subnet: str | None = None) -> Topology:
     """BCube(alpha, beta): alpha**beta nodes, beta levels of alpha-port switches."""
     if alpha < 2 or beta < 1:
         raise ValueError("bcube needs alpha >= 2 and beta >= 1")
     n = alpha**beta
     if n > 4096:
         raise ValueError("bcube larger than 4096 nodes is not supported")
-    asm = _Assembler(n, _plan(base_port, hosts))
+    asm = _Assembler(n, _plan(base_port, hosts, subnet))
     for level in range(beta):
         for s in range(alpha ** (beta - 1)):
             asm.network(f"bcube-l{level}-s{s}", level=level)

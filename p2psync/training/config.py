@@ -44,6 +44,8 @@ class RunConfig:
     peer_timeout: float = 30.0
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
+    shaper: str = "none"
+    wan: str | None = None
     slowdown: str = ""
     slowdown_schedule: str = ""
     step_time: str = ""
@@ -77,6 +79,10 @@ class RunConfig:
         from p2psync.training.hetero import parse_profiles
 
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time)  # validate
+        if self.shaper not in ("none", "inproc", "netem"):
+            raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
+        if self.wan and self.shaper == "none":
+            raise ConfigError("--wan needs --shaper inproc or netem")
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
             raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name")
 

@@ -33,6 +33,7 @@ from p2psync.training.models import build_model
 from p2psync.training.partition import partition
 from p2psync.training.trainer import Trainer, make_optimizer, resolve_device
 from p2psync.transport import ZmqEndpoint
+from p2psync.transport.shaping import load_wan_profile, make_shaper
 
 log = logging.getLogger("p2psync.node")
 
@@ -81,7 +82,10 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         raise ConfigError(f"--node {node_id}: no such node in {cfg.topology} (ids {topo.ids})")
     strategy_cls = get_strategy(cfg.strategy)
     trainer = build_trainer(cfg, topo, node_id)
+    if cfg.wan:
+        load_wan_profile(cfg.wan, topo)  # validate before starting anything
     transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
+    transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed)
     server = RpcServer(transport)
     rpc = RpcClient(transport, local=server)
     membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator,

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.mailbox import Mailbox
+from p2psync.transport.shaping import Shaper
 from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
                           encode)
 
@@ -66,6 +67,8 @@ class Transport(ABC):
         self.relayed = 0
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
+        #: link shaping on the send path (see transport/shaping.py); None = real network
+        self.shaper: Shaper | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -168,6 +171,15 @@ class Transport(ABC):
         raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any]) -> None:
+        if self.shaper is None:
+            await self._deliver(peer, route, budget, frames)
+            return
+        # a shaped message leaves later: capture its bytes now, as a real NIC would
+        frames = [bytes(f) if isinstance(f, memoryview) else f for f in frames]
+        await self.shaper.submit(peer, sum(_frame_len(f) for f in frames),
+                                 lambda: self._deliver(peer, route, budget, frames))
+
+    async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any]) -> None:
         nbytes = sum(_frame_len(f) for f in frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
@@ -264,6 +276,10 @@ class Transport(ABC):
         """Let control messages this node is relaying for others go out before closing."""
         if self._relay_tasks:
             await asyncio.wait(set(self._relay_tasks), timeout=timeout)
+
+    async def _close_shaper(self) -> None:
+        if self.shaper is not None:
+            await self.shaper.close()
 
     def _closing(self) -> None:
         self._closed = True

@@ -36,6 +36,7 @@ class MemoryTransport(Transport):
 
     async def close(self) -> None:
         await self._drain_relays()
+        await self._close_shaper()
         self._closing()
         if self.hub.endpoints.get(self.node_id) is self:
             del self.hub.endpoints[self.node_id]

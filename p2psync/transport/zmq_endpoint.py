@@ -214,6 +214,7 @@ class ZmqEndpoint(Transport):
 
     async def close(self) -> None:
         await self._drain_relays()
+        await self._close_shaper()
         self._closing()
         if self._loop is not None:
             for fd in self._fds:

@@ -1,0 +1,233 @@
+"""Link shaping on the send path: emulated WAN links on one machine.
+
+A :class:`Shaper` sits between :meth:`Transport.send` and the socket, per (src, dst) link:
+
+* ``none``: nothing (real network);
+* ``inproc`` (:class:`InprocShaper`): per link, bytes are serialized through a token bucket
+  (``bandwidth_mbps``; the sender waits only for its own bytes to go out, which is the
+  backpressure a busy NIC gives), then each message is delivered one-way ``latency_ms`` later
+  (plus bounded uniform jitter; with probability ``loss`` plus one retransmission timeout).
+  Delay is pipelined: ten messages sent back to back over a 100 ms link all arrive ~100 ms
+  later. Deliveries on a link keep their order (a late message holds back later ones, as TCP
+  does); links never wait for each other and nothing blocks the event loop;
+* ``netem``: shaping done by the kernel (``p2psync.transport.netem``); no in-process shaper.
+
+Link parameters come from the topology's link attributes or a WAN profile
+(:func:`load_wan_profile`: regions and round-trip times; one-way = half).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+
+from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.topology import LinkAttrs, Topology
+
+log = logging.getLogger("p2psync.shaping")
+
+SHAPERS = ("none", "inproc", "netem")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    latency_s: float = 0.0  # one way
+    jitter_s: float = 0.0
+    bandwidth_bps: float | None = None
+    loss: float = 0.0
+    rto_s: float = 0.2  # retransmission timeout added to a "lost" message
+
+    @property
+    def trivial(self) -> bool:
+        return self.latency_s == 0 and self.jitter_s == 0 and self.bandwidth_bps is None and self.loss == 0
+
+    @staticmethod
+    def from_attrs(a: LinkAttrs) -> "LinkSpec":
+        lat = a.latency_ms / 1e3
+        return LinkSpec(latency_s=lat, jitter_s=a.jitter_ms / 1e3,
+                        bandwidth_bps=a.bandwidth_mbps * 1e6 if a.bandwidth_mbps else None,
+                        loss=a.loss, rto_s=max(0.2, 2 * lat))
+
+
+Transmit = Callable[[], Awaitable[None]]
+
+
+class Shaper(ABC):
+    @abstractmethod
+    async def submit(self, dst: int, nbytes: int, transmit: Transmit) -> None:
+        """Send ``nbytes`` to ``dst`` through the emulated link; ``transmit`` does the real send."""
+
+    async def close(self) -> None:
+        """Stop delivering (pending messages are dropped)."""
+
+
+@dataclass
+class _Link:
+    spec: LinkSpec
+    free_at: float = 0.0  # when the link has serialized everything accepted so far
+    last_delivery: float = 0.0
+    queue: deque[tuple[float, Transmit]] | None = None
+    worker: asyncio.Task[None] | None = None
+
+
+class InprocShaper(Shaper):
+    def __init__(self, specs: Mapping[int, LinkSpec], *, seed: int = 0) -> None:
+        self.links = {dst: _Link(spec) for dst, spec in specs.items() if not spec.trivial}
+        self.rng = random.Random(seed)
+        self.dropped = 0
+        self.delivered = 0
+
+    async def submit(self, dst: int, nbytes: int, transmit: Transmit) -> None:
+        link = self.links.get(dst)
+        if link is None:
+            await transmit()
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        s = link.spec
+        start = max(now, link.free_at)
+        done = start + (nbytes * 8 / s.bandwidth_bps if s.bandwidth_bps else 0.0)
+        link.free_at = done
+        delay = s.latency_s
+        if s.jitter_s:
+            delay = max(0.0, delay + self.rng.uniform(-s.jitter_s, s.jitter_s))
+        if s.loss and self.rng.random() < s.loss:
+            delay += s.rto_s
+        deliver_at = max(done + delay, link.last_delivery)  # order-preserving per link
+        link.last_delivery = deliver_at
+        if link.queue is None:
+            link.queue = deque()
+        link.queue.append((deliver_at, transmit))
+        if link.worker is None or link.worker.done():
+            link.worker = asyncio.create_task(self._deliver(link), name=f"link-to-{dst}")
+        if done > now:  # the sender's NIC is busy until its bytes are out
+            await asyncio.sleep(done - now)
+
+    async def _deliver(self, link: _Link) -> None:
+        loop = asyncio.get_running_loop()
+        q = link.queue
+        while q:
+            at, transmit = q[0]
+            wait = at - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            q.popleft()
+            try:
+                await transmit()
+                self.delivered += 1
+            except P2PSyncError as exc:
+                self.dropped += 1
+                log.info("shaped message dropped: %s", exc)
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            if link.worker is not None:
+                link.worker.cancel()
+                try:
+                    await link.worker
+                except (asyncio.CancelledError, Exception):
+                    pass
+            if link.queue:
+                self.dropped += len(link.queue)
+                link.queue.clear()
+
+
+def load_wan_profile(path: str | Path, topo: Topology) -> dict[tuple[int, int], LinkSpec]:
+    """Link specs for every pair of nodes from a WAN profile file.
+
+    ``{"regions": {"tokyo": [0], "london": [1], ...}, "rtt_ms": {"london-tokyo": 210, ...},
+    "intra_rtt_ms": 0, "jitter_ms": 0, "bandwidth_mbps": null, "loss": 0}``. Pairs are named
+    ``"a-b"`` in either order; one-way latency is half the round-trip time.
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read WAN profile {p}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{p}: a WAN profile is a JSON object")
+    allowed = {"name", "regions", "rtt_ms", "intra_rtt_ms", "jitter_ms", "bandwidth_mbps", "loss", "description"}
+    extra = sorted(set(doc) - allowed)
+    if extra:
+        raise ConfigError(f"{p}: unknown key {extra[0]!r}", field=extra[0])
+    regions = doc.get("regions")
+    if not isinstance(regions, dict) or not regions:
+        raise ConfigError(f"{p}: regions must map region names to node id lists", field="regions")
+    where: dict[int, str] = {}
+    for name, ids in regions.items():
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise ConfigError(f"{p}: a list of node ids is expected", field=f"regions.{name}")
+        for i in ids:
+            if i not in topo.ids:
+                raise ConfigError(f"{p}: node {i} is not in topology {topo.name}", field=f"regions.{name}")
+            if i in where:
+                raise ConfigError(f"{p}: node {i} is in two regions", field=f"regions.{name}")
+            where[i] = name
+    missing = [i for i in topo.ids if i not in where]
+    if missing:
+        raise ConfigError(f"{p}: nodes {missing} have no region", field="regions")
+
+    def num(key: str, default: Any, allow_none: bool = False) -> Any:
+        v = doc.get(key, default)
+        if v is None and allow_none:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"{p}: {key} must be a number >= 0", field=key)
+        return float(v)
+
+    rtts: dict[frozenset[str], float] = {}
+    raw = doc.get("rtt_ms", {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: rtt_ms must be an object", field="rtt_ms")
+    for pair, v in raw.items():
+        a, _, b = pair.partition("-")
+        if a not in regions or b not in regions or a == b:
+            raise ConfigError(f"{p}: {pair!r} is not 'regionA-regionB'", field=f"rtt_ms.{pair}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"{p}: round-trip time must be a number >= 0", field=f"rtt_ms.{pair}")
+        rtts[frozenset((a, b))] = float(v)
+    intra = num("intra_rtt_ms", 0.0)
+    jitter = num("jitter_ms", 0.0) / 1e3
+    bw = num("bandwidth_mbps", None, allow_none=True)
+    loss = num("loss", 0.0)
+    out: dict[tuple[int, int], LinkSpec] = {}
+    for a in topo.ids:
+        for b in topo.ids:
+            if a == b:
+                continue
+            ra, rb = where[a], where[b]
+            if ra == rb:
+                rtt = intra
+            elif frozenset((ra, rb)) in rtts:
+                rtt = rtts[frozenset((ra, rb))]
+            else:
+                raise ConfigError(f"{p}: no round-trip time for {ra}-{rb}", field="rtt_ms")
+            lat = rtt / 2e3
+            out[(a, b)] = LinkSpec(latency_s=lat, jitter_s=jitter, bandwidth_bps=bw * 1e6 if bw else None,
+                                   loss=loss, rto_s=max(0.2, 2 * lat))
+    return out
+
+
+def make_shaper(kind: str, topo: Topology, node_id: int, *, wan: str | None = None,
+                seed: int = 0) -> Shaper | None:
+    """The shaper for ``node_id``'s outgoing links (None: send directly)."""
+    if kind not in SHAPERS:
+        raise ConfigError(f"unknown shaper {kind!r} (choose from {', '.join(SHAPERS)})")
+    if kind in ("none", "netem"):
+        return None
+    if wan:
+        pairs = load_wan_profile(wan, topo)
+        specs = {dst: pairs[(node_id, dst)] for dst in topo.ids if dst != node_id}
+    else:
+        specs = {dst: LinkSpec.from_attrs(topo.link(node_id, dst)) for dst in topo.ids if dst != node_id}
+    return InprocShaper(specs, seed=seed * 7919 + node_id)
