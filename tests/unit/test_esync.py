@@ -145,33 +145,43 @@ async def test_factor_four_node_takes_four_times_longer():
     slow.close()
 
 
-async def test_esync_rounds_over_memory_transport():
-    topo = mesh(4)
-    hub = MemoryHub(topo)
+async def run_esync_rounds(transports, topo, rounds=4, mode="blocking"):
+    """ESync on the given started transports with step times 1:1:2:8; checks identical w_t
+    after every round; returns the local iterations per node per round."""
     profiles = parse_profiles(step_time="0:0.01,1:0.01,2:0.02,3:0.08")
     strats = []
     for i in topo.ids:
-        t = hub.endpoint(i, default_timeout=10)
-        await t.start()
         tr = make_trainer(topo, i)
         tr.slowdown = profiles[i]
-        ctx = make_context(topo, t, tr, options={"mode": "blocking"})
+        ctx = make_context(topo, transports[i], tr, options={"mode": mode})
         if i == topo.coordinator:
             get_strategy("esync").coordinator_services(ctx.rpc_server, topo, {})
         ctx.rpc_server.start()
         strats.append(get_strategy("esync")(ctx))
     await asyncio.gather(*(s.start() for s in strats))
     n_local = {i: [] for i in topo.ids}
-    for rnd in range(4):
-        reps = await asyncio.gather(*(s.train_step(rnd, rnd == 3) for s in strats))
+    for rnd in range(rounds):
+        reps = await asyncio.gather(*(s.train_step(rnd, rnd == rounds - 1) for s in strats))
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)  # identical w_t
         for i, r in zip(topo.ids, reps):
             n_local[i].append(r.extra["n_local"])
-        assert all(r.stop == (rnd == 3) for r in reps)
-    assert np.mean(n_local[0]) > np.mean(n_local[3]) and np.mean(n_local[2]) >= np.mean(n_local[3])
+        assert all(r.stop == (rnd == rounds - 1) for r in reps)
     for s in strats:
         await s.close()
         await s.ctx.rpc_server.close()
         s.ctx.replica.close()
-        await s.ctx.transport.close()
+    return n_local
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+async def test_esync_rounds_over_memory_transport(mode):
+    topo = mesh(4)
+    hub = MemoryHub(topo)
+    eps = {i: hub.endpoint(i, default_timeout=10) for i in topo.ids}
+    for e in eps.values():
+        await e.start()
+    n_local = await run_esync_rounds(eps, topo, mode=mode)
+    assert np.mean(n_local[0]) > np.mean(n_local[3]) and np.mean(n_local[2]) >= np.mean(n_local[3])
+    for e in eps.values():
+        await e.close()
