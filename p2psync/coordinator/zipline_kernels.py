@@ -12,6 +12,12 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
+def _take(best_z: np.ndarray, k: np.ndarray, latest: np.ndarray) -> None:
+    for q in range(best_z.shape[0]):
+        best_z[q] = k[latest[q]]
+
+
+@njit(cache=True, nogil=True)
 def zipline_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int) -> tuple[float, int, np.ndarray]:
     """Algorithm 4 as written: Z holds the latest element of every worker; after each new
     element d_Z = newest - min(Z), the minimum found by a linear pass over Z (O(n))."""
@@ -35,8 +41,7 @@ def zipline_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int) -> tuple[f
         if d < best_d:
             best_d = d
             best_pos = j
-            for q in range(n):
-                best_z[q] = k[latest[q]]
+            _take(best_z, k, latest)
     return best_d, best_pos, best_z
 
 
@@ -90,8 +95,7 @@ def zipline_opt_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int,
         if d < best_d:
             best_d = d
             best_pos = j
-            for q in range(n):
-                best_z[q] = k[latest[q]]
+            _take(best_z, k, latest)
     return best_d, best_pos, best_z
 
 

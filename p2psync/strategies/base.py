@@ -21,7 +21,7 @@ import numpy as np
 
 from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, PeerFailure
 from p2psync.topology import Topology
 from p2psync.transport import Transport
 
@@ -127,6 +127,30 @@ def parse_options(cls: type[Strategy], raw: Mapping[str, Any]) -> dict[str, Any]
         except (TypeError, ValueError):
             raise ConfigError(f"--opt {k}={v}: expected {typ.__name__}") from None
     return out
+
+
+class FailStop:
+    """For synchronous strategies: a failed peer ends the run with PeerFailure naming it, and
+    the receives of the strategy's pending collective (tags starting with ``prefix``) are
+    aborted at once instead of waiting for their timeout."""
+
+    def __init__(self, ctx: StrategyContext, name: str, prefix: str) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.prefix = prefix
+        self.failed: set[int] = set()
+
+    def on_peer_failure(self, peer: int) -> None:
+        self.failed.add(peer)
+        self.ctx.transport.mailbox.abort(self._error((peer,)), match=lambda tag: tag.startswith(self.prefix))
+
+    def _error(self, peers: tuple[int, ...]) -> PeerFailure:
+        return PeerFailure(f"{self.name}: peer(s) {list(peers)} failed; synchronous training cannot "
+                           "continue", peers=peers)
+
+    def check(self) -> None:
+        if self.failed:
+            raise self._error(tuple(sorted(self.failed)))
 
 
 class Stopwatch:

@@ -28,8 +28,8 @@ import numpy as np
 
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
-from p2psync.errors import ConfigError, PeerFailure
-from p2psync.strategies.base import StepReport, Strategy, register
+from p2psync.errors import ConfigError
+from p2psync.strategies.base import FailStop, StepReport, Strategy, register
 from p2psync.topology import Topology
 
 
@@ -50,7 +50,7 @@ class ESync(Strategy):
     async def start(self) -> None:
         if self.opts["mode"] not in ("blocking", "nonblocking"):
             raise ConfigError(f"esync mode must be blocking or nonblocking, not {self.opts['mode']!r}")
-        self.failed: set[int] = set()
+        self.failstop = FailStop(self.ctx, "esync", "esync.")
         self.round = 0
         self.rtt = 0.0
         self.coord = self.ctx.topology.coordinator
@@ -63,15 +63,7 @@ class ESync(Strategy):
         self.t_e = time.monotonic()
 
     def on_peer_failure(self, peer: int) -> None:
-        self.failed.add(peer)
-        self.ctx.transport.mailbox.abort(
-            PeerFailure(f"esync: peer {peer} failed; the aggregation cannot continue", peers=(peer,)),
-            match=lambda tag: tag.startswith("esync."))
-
-    def _check(self) -> None:
-        if self.failed:
-            bad = tuple(sorted(self.failed))
-            raise PeerFailure(f"esync: peer(s) {list(bad)} failed; the aggregation cannot continue", peers=bad)
+        self.failstop.on_peer_failure(peer)
 
     async def _query(self, k: int) -> bool:
         t0 = time.monotonic()
@@ -92,7 +84,7 @@ class ESync(Strategy):
     async def _blocking(self) -> list[float]:
         losses: list[float] = []
         while not await self._query(len(losses)):
-            self._check()
+            self.failstop.check()
             losses.append(await self._local_iteration())
         return losses
 
@@ -100,7 +92,7 @@ class ESync(Strategy):
         losses: list[float] = []
         query: asyncio.Task[bool] | None = None
         while True:
-            self._check()
+            self.failstop.check()
             if query is None:
                 query = asyncio.create_task(self._query(len(losses)))
             if query.done():
@@ -122,7 +114,7 @@ class ESync(Strategy):
             losses.append(loss)
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self._check()
+        self.failstop.check()
         w_t = await self.ctx.replica.get_params()
         t0 = time.monotonic()
         if self.opts["mode"] == "blocking":
@@ -137,7 +129,7 @@ class ESync(Strategy):
         t1 = time.monotonic()
         mean = await self.ctx.collectives.allreduce(vec, op="mean", tag=f"esync.{step}")  # Eq. 7
         blocking = time.monotonic() - t1
-        self._check()
+        self.failstop.check()
         await self.ctx.replica.set_params(w_t + np.float32(self.opts["global_lr"]) * mean[:-1])  # Eq. 8
         self.round += 1
         t_r = time.monotonic()

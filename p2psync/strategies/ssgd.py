@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 
-from p2psync.errors import PeerFailure
-from p2psync.strategies.base import StepReport, Strategy, register
+from p2psync.strategies.base import FailStop, StepReport, Strategy, register
 
 
 @register
@@ -26,22 +25,13 @@ class SSGD(Strategy):
     name = "ssgd"
 
     async def start(self) -> None:
-        self.failed: set[int] = set()
+        self.failstop = FailStop(self.ctx, "ssgd", "ssgd.")
 
     def on_peer_failure(self, peer: int) -> None:
-        self.failed.add(peer)
-        self.ctx.transport.mailbox.abort(
-            PeerFailure(f"ssgd: peer {peer} failed; synchronous training cannot continue", peers=(peer,)),
-            match=lambda tag: tag.startswith("ssgd."))
-
-    def _check(self) -> None:
-        if self.failed:
-            bad = tuple(sorted(self.failed))
-            raise PeerFailure(f"ssgd: peer(s) {list(bad)} failed; synchronous training cannot continue",
-                              peers=bad)
+        self.failstop.on_peer_failure(peer)
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self._check()
+        self.failstop.check()
         loss, grad = await self.ctx.replica.compute_gradients()
         vec = np.empty(grad.size + 1, dtype=np.float32)
         vec[:-1] = grad
@@ -49,7 +39,7 @@ class SSGD(Strategy):
         t0 = time.perf_counter()
         out = await self.ctx.collectives.allreduce(vec, op="mean", tag=f"ssgd.{step}")
         comm = time.perf_counter() - t0
-        self._check()
+        self.failstop.check()
         await self.ctx.replica.apply_gradients(out[:-1])
         st = self.ctx.collectives.history[-1]
         return StepReport(loss=loss, stop=bool(out[-1] > 0), comm_s=comm,
