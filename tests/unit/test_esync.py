@@ -129,7 +129,7 @@ async def test_factor_four_node_takes_four_times_longer():
     import time
 
     from p2psync.topology import mesh as _mesh
-    slow = make_trainer(_mesh(1), 0, batch_size=256)
+    slow = make_trainer(_mesh(1), 0, model="cnn", batch_size=512)  # ~10+ ms: overheads negligible
     slow.slowdown = Slowdown(factor=4)
     await slow.compute_gradients()  # warm-up
     ratios = []
@@ -141,7 +141,7 @@ async def test_factor_four_node_takes_four_times_longer():
         real = (slow.compute_s - before) - (slow.padded_s - pad_before)
         ratios.append(wall / real)
     # each step takes ~4x its own unpadded compute time (sleep can only overshoot a little)
-    assert 3.6 < float(np.median(ratios)) < 5.0, ratios
+    assert 3.6 < float(np.median(ratios)) < 4.8, ratios
     slow.close()
 
 
