@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install p2psync with its test extras into it.
-# torch: the 2.13.0 CPU wheel is installed first when it is available locally (pip's
-# find-links), so no multi-GB CUDA build is pulled; otherwise torch>=2.1 resolves normally.
+# torch: where the 2.13.0 CPU wheel lies on this machine (pip's find-links), it is installed
+# first, so no multi-GB CUDA build is pulled; elsewhere torch>=2.1 resolves from the index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,10 +9,16 @@ VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+PIP=("$VENV/bin/python" -m pip)
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q --no-index torch==2.13.0 2>/dev/null \
-        || echo "install.sh: local torch 2.13.0 CPU wheel not found; torch>=2.1 comes from the index" >&2
+    probe=$(mktemp -d)
+    # is the CPU wheel available locally? (--no-index: never downloads; --no-deps: wheel only)
+    if "${PIP[@]}" download -q --no-index --no-deps torch==2.13.0 -d "$probe" >/dev/null 2>&1; then
+        "${PIP[@]}" install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    else
+        echo "install.sh: no local torch 2.13.0 CPU wheel; torch>=2.1 comes from the index" >&2
+    fi
+    rm -rf "$probe"
 fi
-"$VENV/bin/python" -m pip install -q -e '.[test]'
-echo "install.sh: p2psync installed in $VENV" >&2
+"${PIP[@]}" install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c "import p2psync, torch; print(f'install.sh: p2psync {p2psync.__version__}, torch {torch.__version__} in $VENV')" >&2

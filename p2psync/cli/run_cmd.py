@@ -61,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
+    p.add_argument("--eval-seconds", type=float, help="also evaluate every S seconds")
     p.add_argument("--shaper", default="none", choices=("none", "inproc", "netem"),
                    help="link emulation: inproc (delay/bandwidth/jitter/loss in process) or netem "
                         "(network namespaces + tc; root and the netem qdisc needed)")
@@ -117,7 +118,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         synthetic_size=args.synthetic_size, partition=args.partition,
         dirichlet_alpha=args.dirichlet_alpha, shards_per_node=args.shards_per_node,
         optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every, out=args.out,
+        batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
+        eval_seconds=args.eval_seconds, out=args.out,
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, shaper=args.shaper, wan=args.wan, slowdown=args.slowdown,

@@ -140,4 +140,6 @@ class ESync(Strategy):
                           comm_s=blocking, wait_s=blocking, extra={
                               "n_local": len(losses), "local_s": round(local_s, 4),
                               "blocking_s": round(blocking, 4), "query_rtt_s": round(self.rtt, 5),
-                              "round": self.round})
+                              "round": self.round,
+                              "op_nic_bytes": self.ctx.collectives.history[-1].nic_bytes,
+                              "compression": round(self.ctx.collectives.history[-1].compression, 3)})

@@ -43,4 +43,4 @@ class SSGD(Strategy):
         await self.ctx.replica.apply_gradients(out[:-1])
         st = self.ctx.collectives.history[-1]
         return StepReport(loss=loss, stop=bool(out[-1] > 0), comm_s=comm,
-                          extra={"compression": round(st.compression, 3)})
+                          extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes})

@@ -36,6 +36,7 @@ class RunConfig:
     batch_size: int = 32
     seed: int = 0
     eval_every: int = 20
+    eval_seconds: float | None = None
     out: str = "runs"
     run_id: str | None = None
     device: str = "auto"
@@ -64,7 +65,7 @@ class RunConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
 
-        for name in ("steps", "epochs", "time_limit", "threads"):
+        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
                      "failure_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node",

@@ -12,12 +12,14 @@ from p2psync.training.trainer import Trainer
 
 async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metrics: MetricsWriter,
                      max_steps: int, time_limit: float | None, eval_every: int,
+                     eval_seconds: float | None = None,
                      nic_bytes: Callable[[], dict[str, dict[str, int]]]) -> dict[str, Any]:
     t0 = time.monotonic()
     trainer.t0 = t0  # slowdown schedules count from the start of training
     comm = wait = 0.0
     step = 0
     acc = test_loss = None
+    last_eval = t0
     while True:
         elapsed = time.monotonic() - t0
         want_stop = step + 1 >= max_steps or (time_limit is not None and elapsed >= time_limit)
@@ -32,8 +34,10 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
             "samples": trainer.samples, "samples_per_s": trainer.samples / now if now > 0 else 0.0,
             "nics": nic_bytes(), "factor": trainer.factor, **rep.extra,
         }
-        evaluate = rep.stop or step % eval_every == 0
+        evaluate = (rep.stop or step % eval_every == 0
+                    or (eval_seconds is not None and time.monotonic() - last_eval >= eval_seconds))
         if evaluate:
+            last_eval = time.monotonic()
             test_loss, acc = await trainer.evaluate()
             rec["test_loss"], rec["accuracy"] = test_loss, acc
         metrics.write(rec, flush=evaluate)

@@ -129,7 +129,8 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         n_train = len(trainer.data.y_train)
         stats = await train_loop(node_id=node_id, strategy=strategy, trainer=trainer, metrics=metrics,
                                  max_steps=cfg.max_steps(n_train, topo.size), time_limit=cfg.time_limit,
-                                 eval_every=cfg.eval_every, nic_bytes=nic_bytes)
+                                 eval_every=cfg.eval_every, eval_seconds=cfg.eval_seconds,
+                                 nic_bytes=nic_bytes)
         stats["rejected"] = dict(transport.rejected)
         await membership.finish(stats, timeout=max(30.0, cfg.peer_timeout))
         if service is not None:

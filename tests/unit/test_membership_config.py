@@ -83,8 +83,10 @@ def _args(*argv):
 
 def test_config_from_cli_and_back():
     cfg = config_from_args(_args("--strategy", "asgd", "--steps", "7", "--lr", "0.2", "--opt",
-                                 "max_inflight=4", "--time", "3"))
-    assert cfg.strategy == "asgd" and cfg.steps == 7 and cfg.time_limit == 3
+                                 "max_inflight=4", "--time", "3", "--eval-seconds", "2.5",
+                                 "--codec", "sketch8", "--error-feedback", "--slowdown", "0:2"))
+    assert cfg.strategy == "asgd" and cfg.steps == 7 and cfg.time_limit == 3 and cfg.eval_seconds == 2.5
+    assert cfg.error_feedback and cfg.codec == "sketch8" and cfg.slowdown == "0:2"
     again = config_from_args(_args(*cfg.to_argv()))
     assert again == cfg
     default = config_from_args(_args())
