@@ -121,7 +121,7 @@ class Collectives:
         buf, _ = _to_numpy(tensor)
         plan = self._plan(g, buf, algo)
         await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
-        bounds = self._bounds(buf)
+        bounds = self._bounds(buf, len(g))
         return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].copy()
                 for lo, hi in plan.owner[self.t.node_id]}
 
@@ -151,7 +151,7 @@ class Collectives:
         if root not in g:
             raise ConfigError(f"broadcast root {root} is not in the group")
         buf, back = _to_numpy(tensor)
-        plan = plan_tree(self.topo, g, self._pieces(buf), root=root)
+        plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         return back(buf)
 
@@ -163,16 +163,20 @@ class Collectives:
             raise ConfigError(f"node {self.t.node_id} is not in the group {list(g)}")
         return g
 
-    def _pieces(self, buf: np.ndarray) -> int:
-        per = max(1, self.piece_bytes // buf.itemsize)
-        return -(-buf.size // per)
+    def _per_piece(self, buf: np.ndarray, members: int) -> int:
+        """Elements per piece: about ``piece_bytes``, but at most size / members, so that even a
+        small tensor is spread over every member (balanced traffic, pipelined rounds)."""
+        return max(1, min(self.piece_bytes // buf.itemsize, -(-buf.size // max(1, members))))
 
-    def _bounds(self, buf: np.ndarray) -> np.ndarray:
-        per = max(1, self.piece_bytes // buf.itemsize)
-        return np.minimum(np.arange(self._pieces(buf) + 1, dtype=np.int64) * per, buf.size)
+    def _pieces(self, buf: np.ndarray, members: int) -> int:
+        return -(-buf.size // self._per_piece(buf, members))
+
+    def _bounds(self, buf: np.ndarray, members: int) -> np.ndarray:
+        per = self._per_piece(buf, members)
+        return np.minimum(np.arange(self._pieces(buf, members) + 1, dtype=np.int64) * per, buf.size)
 
     def _plan(self, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> Plan:
-        key = (g, self._pieces(buf), algo or self.algo)
+        key = (g, self._pieces(buf, len(g)), algo or self.algo)
         if key not in self._plans:
             self._plans[key] = make_plan(self.topo, g, key[1], key[2])
         return self._plans[key]
@@ -205,7 +209,9 @@ class Collectives:
         stats = OpStats(op, plan.algo, c.name)
         t0 = time.perf_counter()
         if len(plan.group) > 1:
-            run = _Run(self, plan, buf, bounds if bounds is not None else self._bounds(buf), c, tag, stats)
+            if bounds is None:
+                bounds = self._bounds(buf, len(plan.group))
+            run = _Run(self, plan, buf, bounds, c, tag, stats)
             await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
         self.history.append(stats)
