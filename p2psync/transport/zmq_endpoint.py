@@ -68,16 +68,6 @@ def routing_id(node: int, nic: str) -> bytes:
     return f"{node}/{nic}".encode()
 
 
-def parse_routing_id(rid: bytes) -> tuple[int, str] | None:
-    try:
-        node, nic = rid.decode("ascii").split("/", 1)
-        if not node.isdigit():
-            return None
-        return int(node), nic
-    except (UnicodeDecodeError, ValueError):
-        return None
-
-
 class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
@@ -93,7 +83,10 @@ class ZmqEndpoint(Transport):
         self._monitors: dict[str, zmq.Socket] = {}
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
         self.down: set[int] = set()  # peers whose connection (from our side) is down
-        self._valid_ids = {routing_id(n.id, c.name) for n in topology.nodes for c in n.nics}
+        # routing ids of every NIC in the topology -> (node, label); anything else is unknown
+        self._peers_by_rid = {routing_id(n.id, c.name): (n.id, f"{n.id}/{c.name}")
+                              for n in topology.nodes for c in n.nics}
+        self._rid_cache: dict[tuple[int, str], bytes] = {}
 
     async def start(self) -> None:
         if self._socks:
@@ -187,9 +180,11 @@ class ZmqEndpoint(Transport):
                     log.warning("node %d NIC %s: receive error %s", self.node_id, nic, exc)
                 return
             rid = frames[0].bytes
-            peer = parse_routing_id(rid) if rid in self._valid_ids else None
-            label = f"{peer[0]}/{peer[1]}" if peer else repr(rid[:32])
-            self._ingest(nic, peer[0] if peer else None, label, [f.buffer for f in frames[1:]])
+            known = self._peers_by_rid.get(rid)
+            if known is None:
+                self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
+            else:
+                self._ingest(nic, known[0], known[1], [f.buffer for f in frames[1:]])
         if self._loop is not None:  # more may be waiting: continue after other callbacks ran
             self._loop.call_soon(self._drain, nic)
 
@@ -199,8 +194,12 @@ class ZmqEndpoint(Transport):
             raise TransportError("endpoint is not started")
         if peer in self.down:
             raise NotReady
+        key = (peer, route.remote_nic)
+        rid = self._rid_cache.get(key)
+        if rid is None:
+            rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
         try:
-            sock.send_multipart([routing_id(peer, route.remote_nic), *frames], _NOBLOCK, copy=False)
+            sock.send_multipart([rid, *frames], _NOBLOCK, copy=False)
         except zmq.Again:
             raise NotReady from None
         except zmq.ZMQError as exc:
