@@ -115,3 +115,18 @@ async def test_killed_peer_raises_peer_failure_on_every_survivor():
         for r in results:
             assert isinstance(r, PeerFailure), r
         assert (x == 1).all()
+
+
+async def test_peer_killed_mid_allreduce():
+    async with cluster(TOPOS["ring4"], timeout=2.0, piece_bytes=64 << 10) as (topo, cs):
+        x = {i: np.ones(4_000_000, dtype=np.float32) for i in topo.ids}
+        tasks = {i: asyncio.create_task(cs[i].allreduce(x[i])) for i in topo.ids}
+        await asyncio.sleep(0.02)  # pieces are in flight
+        tasks[3].cancel()
+        await cs[3].t.close()
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(tasks[i] for i in (0, 1, 2)), return_exceptions=True)
+        assert asyncio.get_running_loop().time() - t0 < 2.0 * 3  # bounded by the receive timeout
+        for r in results:
+            assert isinstance(r, PeerFailure), r
+        assert all((x[i] == 1).all() for i in (0, 1, 2))  # never half-applied
