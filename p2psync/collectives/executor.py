@@ -8,9 +8,12 @@ on as soon as its own inputs are in, so the plan runs pipelined — while one pi
 round r another is already in round r+1 — with many pieces in flight on every NIC and no
 barrier, global or per round.
 
-Outgoing pieces are sent zero-copy from the working buffer. That is safe because every plan is
-causal: this node only ever overwrites or adds into a piece after receiving a value that already
-includes what it sent of that piece, so the send has been delivered by then.
+Outgoing pieces are sent zero-copy from the working buffer. During the operation that is safe
+because every plan is causal: this node only ever overwrites or adds into a piece after
+receiving a value that already includes what it sent of that piece, so the send has been
+delivered by then. After the operation the last pieces may still be queued inside ZeroMQ (a
+send returns once the message is queued, not transmitted), so the working buffer is never
+modified or handed out afterwards: results are always fresh arrays.
 
 Codecs apply per piece. For a lossy codec the result is kept identical on every node: the
 owner of a fully reduced piece replaces its own copy by decode(encode(piece)) and the encoded
@@ -109,9 +112,8 @@ class Collectives:
             buf *= buf.dtype.type(weights[self.t.node_id])
         plan = self._plan(g, buf, algo)
         await self._execute("allreduce", plan, buf, tag, codec, phases=("rs", "ag"))
-        if op == "mean":
-            buf /= len(g)
-        return back(buf)
+        # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
+        return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy())
 
     async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *,
                              tag: str | None = None, algo: str | None = None,
@@ -153,7 +155,7 @@ class Collectives:
         buf, back = _to_numpy(tensor)
         plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
-        return back(buf)
+        return back(buf.copy())  # a fresh array: sends may still be reading ``buf``
 
     # -- planning ------------------------------------------------------------------------
 

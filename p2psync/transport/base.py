@@ -141,7 +141,9 @@ class Transport(ABC):
                    timeout: float | None = None) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
-        Arrays are sent without copying: do not modify them until the next await completes.
+        Arrays are sent without copying, and this returns once the message is queued, not
+        transmitted: ZeroMQ's IO thread may read the arrays later, so never modify an array
+        after sending it (send a copy if you must reuse the buffer).
         """
         if self._closed:
             raise TransportError("transport is closed")
