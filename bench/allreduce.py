@@ -11,7 +11,6 @@ compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing as mp
 import os
 import socket

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_ring, plan_tree
+from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
 from p2psync.compress import Codec, ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import Transport
@@ -319,7 +319,7 @@ class _Run:
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
             results = await asyncio.gather(*sends, *recvs)
-            for (src, reduce), msg in zip(incoming, results[len(sends):]):
+            for (_src, reduce), msg in zip(incoming, results[len(sends):], strict=True):
                 vals = self._decode(msg, k)
                 if reduce:
                     self.piece(k)[...] += vals

@@ -202,7 +202,7 @@ def plan_bcube(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
                     b.add(b.rs, k, x, y, subs[digits[y][level]], True, level)
                 new[(x, t)] = subs[digits[x][level]]
         cur = new
-    for (x, t), seg in cur.items():
+    for (x, _part), seg in cur.items():
         b.owner[x].append(seg)
     for step, k in enumerate(reversed(range(beta))):  # allgather, steps retraced
         for t in range(beta):

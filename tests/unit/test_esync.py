@@ -9,7 +9,7 @@ import heapq
 import numpy as np
 import pytest
 
-from p2psync.coordinator.state_server import StateServer, StateServerService
+from p2psync.coordinator.state_server import StateServer
 from p2psync.errors import ConfigError
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
