@@ -9,6 +9,7 @@ run's ``summary.json``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -36,6 +37,15 @@ from p2psync.transport import ZmqEndpoint
 from p2psync.transport.shaping import load_wan_profile, make_shaper
 
 log = logging.getLogger("p2psync.node")
+
+
+RELAY_LINGER_S = 0.5
+
+
+def relays_for_others(topo: Topology, node_id: int) -> bool:
+    """True when a neighbour of ``node_id`` reaches the coordinator only through relays."""
+    c = topo.coordinator
+    return any(nb != c and not topo.routes(nb, c) for nb in topo.neighbors(node_id))
 
 
 def default_run_id(topo: Topology, strategy: str) -> str:
@@ -133,6 +143,9 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
                                  nic_bytes=nic_bytes)
         stats["rejected"] = dict(transport.rejected)
         await membership.finish(stats, timeout=max(30.0, cfg.peer_timeout))
+        if relays_for_others(topo, node_id):
+            # the coordinator's finish replies to nodes behind this one pass through it
+            await asyncio.sleep(RELAY_LINGER_S)
         if service is not None:
             summary = summarize(run_id, topo, cfg, service.state.finished, sorted(service.state.failed))
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

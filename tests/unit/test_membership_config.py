@@ -113,3 +113,12 @@ def test_max_steps():
     assert c.max_steps(n_train=1000, n_nodes=4) == 50
     assert RunConfig(topology="t", steps=9).max_steps(1000, 4) == 9
     assert RunConfig(topology="t", time_limit=1.0).max_steps(1000, 4) > 10**12
+
+
+def test_relay_nodes_linger_after_the_finish_barrier():
+    from p2psync.topology import mesh, star
+    from p2psync.training.node import relays_for_others
+
+    assert [relays_for_others(ring(4), i) for i in range(4)] == [False, True, False, True]
+    assert not any(relays_for_others(mesh(4), i) for i in range(4))
+    assert not any(relays_for_others(star(5), i) for i in range(5))
