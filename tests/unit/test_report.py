@@ -1,0 +1,25 @@
+"""p2psync report on a run folder written by the real metrics writer."""
+
+from __future__ import annotations
+
+from p2psync.cli.main import main
+from p2psync.training.metrics import MetricsWriter
+
+
+def test_report_table_and_plot(tmp_path, capsys):
+    for node in (0, 1):
+        w = MetricsWriter(tmp_path / f"node-{node}.jsonl")
+        for step in range(1, 6):
+            w.write({"node": node, "step": step, "time": step * 0.1, "loss": 1.0 / step,
+                     "compute_s": 0.01 * step, "comm_s": 0.0, "wait_s": 0.0, "samples_per_s": 100.0,
+                     "nics": {"eth0": {"sent": 1000 * step, "recv": 900 * step}},
+                     **({"accuracy": 0.5 + 0.1 * step} if step % 2 == 0 else {})})
+        w.close()
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 5 | 0.5 | 0.2000 | 0.9000 |" in out and "| 1 | 5 |" in out
+    assert (tmp_path / "report.png").stat().st_size > 1000
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
