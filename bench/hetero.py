@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import markdown_table, save_png
+from p2psync.training.metrics import bytes_sent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool) -> dict[s
         "strategy": strategy, "net": "WAN" if wan else "loopback", "to_target": max(reach),
         "final_acc": float(np.mean([f["accuracy"] for f in final])),
         "samples_per_s": sum(x["samples_per_s"] for x in last),
-        "bytes_sent": sum(sum(v["sent"] for v in x["nics"].values()) for x in last),
+        "bytes_sent": sum(bytes_sent(x) for x in last),
         "blocking_s": float(np.mean(block)) if block else 0.0,
         "n_local": [float(np.mean([x.get("n_local", 1) for x in recs])) for recs in nodes],
         "curve": curve,

@@ -22,6 +22,7 @@ from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, default_threads
 from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
+from p2psync.training.metrics import bytes_sent
 from p2psync.training.node import default_run_id
 
 STOP_GRACE_S = 4.0
@@ -82,7 +83,7 @@ def _progress_table(tails: dict[int, _Tail], codes: dict[int, int | None], title
         t.add_column(col, justify="right")
     for i, tail in tails.items():
         r = tail.last
-        sent = sum(v.get("sent", 0) for v in r.get("nics", {}).values()) / 1e6 if r else 0.0
+        sent = bytes_sent(r) / 1e6
         code = codes[i]
         state = "running" if code is None else ("done" if code == 0 else f"exit {code}")
         t.add_row(str(i), str(r.get("step", "-")), f"{r['loss']:.4f}" if "loss" in r else "-",
@@ -122,7 +123,7 @@ def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float) -> None:
             r = tail.last
             s = {"steps": r.get("step"), "final_accuracy": tail.last_acc, "wall_s": r.get("time"),
                  "samples_per_s": r.get("samples_per_s", 0.0),
-                 "bytes_sent": sum(v.get("sent", 0) for v in r.get("nics", {}).values())}
+                 "bytes_sent": bytes_sent(r)}
         acc = s.get("final_accuracy")
         if acc is not None:
             accs.append(acc)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from p2psync.errors import ConfigError
-from p2psync.training.metrics import read_jsonl
+from p2psync.training.metrics import bytes_sent, read_jsonl
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def table(nodes: dict[int, list[dict[str, Any]]]) -> str:
             continue
         r = recs[-1]
         acc = next((x["accuracy"] for x in reversed(recs) if x.get("accuracy") is not None), None)
-        sent = sum(v.get("sent", 0) for v in r.get("nics", {}).values()) / 1e6
+        sent = bytes_sent(r) / 1e6
         lines.append(f"| {i} | {r['step']} | {r['time']:.1f} | {r['loss']:.4f} | "
                      f"{'-' if acc is None else f'{acc:.4f}'} | {r.get('samples_per_s', 0):.0f} | "
                      f"{r.get('compute_s', 0):.1f} | {r.get('comm_s', 0):.1f} | {r.get('wait_s', 0):.1f} | "

@@ -94,7 +94,6 @@ class Collectives:
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._seq: dict[tuple[int, ...], itertools.count[int]] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
-        self.totals: dict[str, int] = {}
 
     # -- public operations ---------------------------------------------------------------
 
@@ -217,10 +216,6 @@ class Collectives:
             await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
         self.history.append(stats)
-        for k, v in stats.nic_bytes.items():
-            self.totals[k] = self.totals.get(k, 0) + v
-        self.totals["raw"] = self.totals.get("raw", 0) + stats.raw_bytes
-        self.totals["wire"] = self.totals.get("wire", 0) + stats.wire_bytes
 
 
 class _Run:

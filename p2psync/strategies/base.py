@@ -12,10 +12,9 @@ strategies agree on it collectively, so all nodes stop at the same step).
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -35,7 +34,6 @@ class Replica(Protocol):
     async def compute_gradients(self) -> tuple[float, np.ndarray]: ...
     async def apply_gradients(self, vec: np.ndarray) -> None: ...
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None: ...
-    async def local_step(self) -> float: ...
     async def get_params(self) -> np.ndarray: ...
     async def set_params(self, vec: np.ndarray) -> None: ...
 
@@ -153,18 +151,3 @@ class FailStop:
             raise self._error(tuple(sorted(self.failed)))
 
 
-class Stopwatch:
-    """Accumulates elapsed seconds of ``with`` blocks."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-
-    def __enter__(self) -> "Stopwatch":
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.total += time.perf_counter() - self._t0
-
-
-Listener = Callable[[int], None]

@@ -43,8 +43,7 @@ class ESync(Strategy):
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict) -> None:
-        opts = {k: v for k, v in options.items()}
-        margin = float(opts.get("margin", cls.options["margin"][1]))
+        margin = float(options.get("margin", cls.options["margin"][1]))
         StateServerService(server, topology.ids, epsilon=margin)
 
     async def start(self) -> None:
@@ -73,13 +72,16 @@ class ESync(Strategy):
         self.rtt = time.monotonic() - t0
         return bool(rep["ready"])
 
-    async def _local_iteration(self) -> float:
-        t_s = time.monotonic()
-        loss, grad = await self.ctx.replica.compute_gradients()
+    async def _finish_iteration(self, t_s: float, loss: float, grad: np.ndarray) -> float:
+        """Apply the iteration's gradient (Alg. 1 line 13) and record t_e and c (lines 14-15)."""
         await self.ctx.replica.apply_gradients(grad)
         self.t_e = time.monotonic()
         self.c = self.t_e - t_s
         return loss
+
+    async def _local_iteration(self) -> float:
+        t_s = time.monotonic()
+        return await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients())
 
     async def _blocking(self) -> list[float]:
         losses: list[float] = []
@@ -107,11 +109,7 @@ class ESync(Strategy):
                 # READY: abandon the iteration in flight; aggregate what is complete
                 grads.add_done_callback(lambda t: t.cancelled() or t.exception())
                 return losses
-            loss, g = await grads
-            await self.ctx.replica.apply_gradients(g)
-            self.t_e = time.monotonic()
-            self.c = self.t_e - t_s
-            losses.append(loss)
+            losses.append(await self._finish_iteration(t_s, *await grads))
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.failstop.check()

@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable
 
 from p2psync.strategies.base import Strategy
-from p2psync.training.metrics import MetricsWriter
+from p2psync.training.metrics import MetricsWriter, bytes_sent
 from p2psync.training.trainer import Trainer
 
 
@@ -50,6 +50,6 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
         "final_test_loss": test_loss, "samples": trainer.samples,
         "samples_per_s": trainer.samples / wall if wall > 0 else 0.0,
         "compute_s": round(trainer.compute_s, 3), "comm_s": round(comm, 3), "wait_s": round(wait, 3),
-        "bytes_sent": sum(v["sent"] for v in nics.values()),
+        "bytes_sent": bytes_sent({"nics": nics}),
         "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
     }

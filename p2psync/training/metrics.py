@@ -50,6 +50,11 @@ class MetricsWriter:
             self._f.close()
 
 
+def bytes_sent(record: Mapping[str, Any]) -> int:
+    """Bytes a node sent over all its NICs, from a metrics record (0 if it has none)."""
+    return sum(v.get("sent", 0) for v in record.get("nics", {}).values())
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     out = []
     with Path(path).open() as f:

@@ -62,7 +62,7 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     torch.manual_seed(cfg.seed)  # identical initial weights on every node
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     device = resolve_device(cfg.device)
-    model.to(device)
+    model.to(device)  # before the optimizer takes the parameters (Trainer keeps it there)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
     profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time).get(node_id)
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],

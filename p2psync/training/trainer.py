@@ -165,14 +165,6 @@ class Trainer:
                 self.optimizer.step()
         await self.run(go)
 
-    async def local_step(self) -> float:
-        """Forward, backward and optimizer step on the next batch (local SGD). Returns the loss."""
-        def go() -> float:
-            loss, _ = self._forward_backward()
-            self.optimizer.step()
-            return loss
-        return await self.emulate(go)
-
     async def get_params(self) -> np.ndarray:
         return await self.run(self._params)
 

@@ -148,8 +148,8 @@ class Transport(ABC):
         if self._closed:
             raise TransportError("transport is closed")
         budget = self.default_timeout if timeout is None else timeout
-        if not self.topology.routes(self.node_id, peer) and nic is None and kind in RELAY_KINDS \
-                and peer in self.topology.ids and peer != self.node_id:
+        if kind in RELAY_KINDS and nic is None and peer != self.node_id \
+                and peer in self.topology.ids and not self.topology.routes(self.node_id, peer):
             await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
                               arrays=arrays, codecs=codecs, meta=meta), budget)
             return
@@ -290,4 +290,4 @@ class Transport(ABC):
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
 
 
-__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "P2PSyncError", "Transport"]
+__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport"]
