@@ -61,3 +61,7 @@ class RemoteError(P2PSyncError):
 
 class TrainingError(P2PSyncError):
     """The training loop or a strategy failed in a way that ends the run."""
+
+
+class Aborted(P2PSyncError):
+    """A local computation was abandoned on request (e.g. ESync's READY arrived mid-iteration)."""

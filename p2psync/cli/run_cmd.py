@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="change a node's slowdown during training, e.g. 2:30:4")
     p.add_argument("--step-time", default="", metavar="NODE:SECONDS,...",
                    help="fixed emulated step time per node (deterministic runs)")
+    p.add_argument("--slowdown-mode", default="wait", choices=("wait", "compute"),
+                   help="how a slower device is emulated: wait (the compute thread idles, CPU free) "
+                        "or compute (real extra matrix products on the compute thread)")
     p.add_argument("--esync-mode", choices=("blocking", "nonblocking"),
                    help="ESync State Server queries (default nonblocking, §4.2)")
     p.add_argument("--codec", default=d.codec, choices=sorted(CODECS),
@@ -123,7 +126,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, shaper=args.shaper, wan=args.wan, slowdown=args.slowdown,
-        slowdown_schedule=args.slowdown_schedule, step_time=args.step_time, codec=args.codec, piece_kib=args.piece_kib,
+        slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
+        slowdown_mode=args.slowdown_mode, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress)
     from p2psync.strategies.base import get_strategy, parse_options

@@ -24,13 +24,40 @@ next contribution to the same piece (reduce-scatter sends and owner quantization
 All work happens on a copy; the caller's tensor is only replaced when the collective completes.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
+
+**Tags.** Every operation takes an explicit ``tag`` naming it the same way on every member
+(e.g. ``"ssgd.12"``). Matching operations by call order instead (a per-group sequence number)
+silently pairs the wrong tensors when two operations are issued in different orders on
+different nodes, so there is no default. Piece messages are tagged
+``<tag>.<phase><round>.<src>.<piece>`` (short for any group size) and carry a 32-bit signature
+of the operation (kind, group, size, dtype, codec, plan): a member that runs a different
+operation under the same tag is rejected with :class:`~p2psync.errors.ProtocolError` instead
+of being summed.
+
+**Dtypes.** The result has the input's dtype for every operation.
+
+=========================  ==============================  ==================
+input dtype                sum                             mean, weighted
+=========================  ==============================  ==================
+float32, float64           in that dtype                   in that dtype
+float16 (bfloat16 torch)   accumulated in float32, cast    same
+                           back once at the end
+int8 ... uint64            in that dtype (wraps as numpy)  ConfigError
+bool                       logical or                      ConfigError
+=========================  ==============================  ==================
+
+16-bit floats travel as float32 partial sums, so four nodes summing 30000 get 120000 (inf only
+if the final sum itself exceeds float16's range) and a mean of large values is exact. Mean and
+weighted sums of integers are rejected: truncating weights or returning another dtype would
+be silent surprises; convert to float first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import re
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -42,6 +69,12 @@ from p2psync.compress import Codec, ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import Transport
 from p2psync.wire import Message
+from p2psync.wire.schema import valid_tag
+
+#: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
+MAX_TAG = 96
+_STEP_PART = re.compile(r"\.[0-9]+(?=\.|$)")
+_WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
 
 
 @dataclass
@@ -49,6 +82,7 @@ class OpStats:
     op: str
     algo: str
     codec: str
+    tag: str = ""
     seconds: float = 0.0
     raw_bytes: int = 0  # what the pieces would have cost uncompressed
     wire_bytes: int = 0  # what was actually sent (payload)
@@ -60,10 +94,13 @@ class OpStats:
 
 
 def _to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
-    """A flat host copy of ``tensor`` and a function that turns a flat result back into its type."""
+    """A flat host copy of ``tensor`` (16-bit floats widened to float32) and a function that
+    turns a flat result back into the tensor's type, shape and dtype."""
     if isinstance(tensor, np.ndarray):
-        shape = tensor.shape
-        return np.array(tensor, copy=True).reshape(-1), lambda flat: flat.reshape(shape)
+        shape, dtype = tensor.shape, tensor.dtype
+        work = _WIDE.get(dtype, dtype)
+        return (np.array(tensor, dtype=work, copy=True).reshape(-1),
+                lambda flat: flat.astype(dtype, copy=False).reshape(shape))
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -73,9 +110,22 @@ def _to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t)
         t = host
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.to(torch.float32)
     arr = t.contiguous().numpy().reshape(-1).copy()
-    dev, shape = tensor.device, tensor.shape
-    return arr, lambda flat: torch.from_numpy(flat.reshape(shape)).to(dev)
+    dev, shape, tdtype = tensor.device, tensor.shape, tensor.dtype
+    return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype)
+
+
+def _check_tag(tag: str) -> None:
+    if not valid_tag(tag) or len(tag) > MAX_TAG:
+        raise ConfigError(f"collective tag {tag!r}: 1-{MAX_TAG} characters from A-Z a-z 0-9 _ . : / @ # -")
+
+
+def feedback_family(tag: str) -> str:
+    """The tensor a tag names, without its step numbers (``"ssgd.12"`` -> ``"ssgd"``): error
+    feedback residuals carry over between steps of the same tensor, never between tensors."""
+    return _STEP_PART.sub("", tag) or tag
 
 
 class Collectives:
@@ -92,19 +142,21 @@ class Collectives:
         get_codec(codec)  # validate
         self.feedback = ErrorFeedback() if error_feedback else None
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        self._seq: dict[tuple[int, ...], itertools.count[int]] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
 
     # -- public operations ---------------------------------------------------------------
 
-    async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, op: str = "sum",
-                        weights: Mapping[int, float] | None = None, tag: str | None = None,
+    async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
+                        op: str = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node)."""
         if op not in ("sum", "mean", "weighted"):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
         buf, back = _to_numpy(tensor)
+        if op != "sum" and buf.dtype.kind not in "f":
+            raise ConfigError(f"allreduce op={op!r} needs a floating-point tensor, got {np.dtype(buf.dtype)} "
+                              "(use op='sum', or convert to float)")
         if op == "weighted":
             if weights is None or set(weights) != set(g):
                 raise ConfigError("weighted allreduce needs one weight per group member")
@@ -114,23 +166,25 @@ class Collectives:
         # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
         return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy())
 
-    async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *,
-                             tag: str | None = None, algo: str | None = None,
+    async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
+                             algo: str | None = None,
                              codec: str | None = None) -> dict[tuple[int, int], np.ndarray]:
-        """Sum over ``group``; returns this node's fully reduced element ranges {(lo, hi): values}."""
+        """Sum over ``group``; returns this node's fully reduced element ranges {(lo, hi): values}
+        (numpy, in the input's dtype)."""
         g = self._group(group)
+        dtype = np.dtype(tensor.dtype) if isinstance(tensor, np.ndarray) else None
         buf, _ = _to_numpy(tensor)
         plan = self._plan(g, buf, algo)
         await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
         bounds = self._bounds(buf, len(g))
-        return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].copy()
+        return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].astype(dtype or buf.dtype)
                 for lo, hi in plan.owner[self.t.node_id]}
 
     async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
-                        tag: str | None = None) -> list[np.ndarray]:
+                        tag: str) -> list[np.ndarray]:
         """Every member's ``tensor`` (same shape everywhere), in group order."""
         g = self._group(group)
-        mine, _ = _to_numpy(tensor)
+        mine = np.array(tensor, copy=True).reshape(-1) if isinstance(tensor, np.ndarray) else _to_numpy(tensor)[0]
         m = mine.size
         ppn = max(1, -(-m * mine.itemsize // self.piece_bytes))  # pieces per member
         plan = self._slot_plan(g, ppn)
@@ -146,7 +200,7 @@ class Collectives:
         return [buf[order.index(n) * m:(order.index(n) + 1) * m].reshape(shape).copy() for n in g]
 
     async def broadcast(self, tensor: Any, root: int, group: Sequence[int] | None = None, *,
-                        tag: str | None = None) -> Any:
+                        tag: str) -> Any:
         """``root``'s tensor on every member (pass a tensor of the same shape everywhere)."""
         g = self._group(group)
         if root not in g:
@@ -155,6 +209,13 @@ class Collectives:
         plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         return back(buf.copy())  # a fresh array: sends may still be reading ``buf``
+
+    def stats_for(self, tag: str) -> OpStats:
+        """The stats of the most recent operation with this tag."""
+        for st in reversed(self.history):
+            if st.tag == tag:
+                return st
+        raise KeyError(f"no collective with tag {tag!r} in the recent history")
 
     # -- planning ------------------------------------------------------------------------
 
@@ -200,19 +261,20 @@ class Collectives:
 
     # -- execution -----------------------------------------------------------------------
 
-    async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str | None, codec: str | None,
+    async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
                        *, phases: tuple[str, ...], bounds: np.ndarray | None = None) -> None:
+        _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:
-            raise ConfigError(f"codec {c.name} works on float32 tensors, got {buf.dtype}")
-        if tag is None:
-            tag = f"coll.{'-'.join(map(str, plan.group))}.{next(self._seq.setdefault(plan.group, itertools.count()))}"
-        stats = OpStats(op, plan.algo, c.name)
+            raise ConfigError(f"codec {c.name} works on float32 (or 16-bit float) tensors, got {buf.dtype}")
+        stats = OpStats(op, plan.algo, c.name, tag)
         t0 = time.perf_counter()
         if len(plan.group) > 1:
             if bounds is None:
                 bounds = self._bounds(buf, len(plan.group))
-            run = _Run(self, plan, buf, bounds, c, tag, stats)
+            sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
+                                   len(bounds))).encode())
+            run = _Run(self, plan, buf, bounds, c, tag, stats, sig)
             await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
         self.history.append(stats)
@@ -222,7 +284,7 @@ class _Run:
     """State of one collective on one node: the working buffer and the encoded-piece cache."""
 
     def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
-                 codec: Codec, tag: str, stats: OpStats) -> None:
+                 codec: Codec, tag: str, stats: OpStats, sig: int) -> None:
         self.o = owner
         self.me = owner.t.node_id
         self.plan = plan
@@ -231,6 +293,9 @@ class _Run:
         self.codec = codec
         self.tag = tag
         self.stats = stats
+        self.sig = sig
+        self.meta = {"sig": sig}
+        self.family = feedback_family(tag)
         self.cache: dict[int, list[np.ndarray]] = {}
         self.fb = owner.feedback if codec.lossy else None
 
@@ -250,11 +315,15 @@ class _Run:
 
     def seal(self, k: int) -> None:
         """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
-        enc = self._encode(k, ("own", self.plan.group, k))
+        enc = self._encode(k, ("own", self.family, self.plan.group, self.buf.size, k))
         self.cache[k] = enc
         self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
 
     def _decode(self, msg: Message, k: int) -> np.ndarray:
+        if msg.meta.get("sig") != self.sig:
+            raise ProtocolError("collective_mismatch",
+                                f"{self.tag}: node {msg.src} runs a different operation under this tag "
+                                f"(signature {msg.meta.get('sig')!r} != {self.sig})")
         n = int(self.b[k + 1] - self.b[k])
         if not self.codec.lossy:
             a = msg.arrays[0] if len(msg.arrays) == 1 else None
@@ -303,13 +372,14 @@ class _Run:
                 if not t.reduce and k in self.cache:
                     arrays = self.cache[k]
                 else:
-                    arrays = self._encode(k, ("rs", self.plan.group, k))
+                    arrays = self._encode(k, ("rs", self.family, self.plan.group, self.buf.size, k))
                 nbytes = sum(a.nbytes for a in arrays)
                 self.stats.wire_bytes += nbytes
                 self.stats.raw_bytes += self.piece(k).nbytes
                 self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
                 sends.append(self.o.t.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
                                            codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                           meta=self.meta,
                                            timeout=self.o.timeout))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]

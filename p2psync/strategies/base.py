@@ -12,13 +12,15 @@ strategies agree on it collectively, so all nodes stop at the same step).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from p2psync.collectives import Collectives
+from p2psync.collectives import Collectives, OpStats
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.topology import Topology
@@ -31,7 +33,7 @@ class Replica(Protocol):
     numel: int
     samples: int
 
-    async def compute_gradients(self) -> tuple[float, np.ndarray]: ...
+    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]: ...
     async def apply_gradients(self, vec: np.ndarray) -> None: ...
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None: ...
     async def get_params(self) -> np.ndarray: ...
@@ -151,3 +153,26 @@ class FailStop:
             raise self._error(tuple(sorted(self.failed)))
 
 
+
+
+async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *,
+                         tag: str) -> tuple[np.ndarray, bool, OpStats]:
+    """The mean of ``vec`` over every node (through the run's codec, which may be lossy) and
+    whether any node raised ``flag``, plus the stats of the vector's allreduce.
+
+    Control values (stop flags, counts) never pass through a lossy codec: int8 and sketch8 do
+    not map 0 to exactly 0, so a flag riding in the quantized vector reads as "stop" about half
+    the time. The flag gets its own exact allreduce (codec ``none``), run concurrently with the
+    vector's, so it adds no round trip. If either fails, the other is cancelled.
+    """
+    one = np.array([1.0 if flag else 0.0], dtype=np.float32)
+    main = asyncio.ensure_future(coll.allreduce(vec, op="mean", tag=tag))
+    ctl = asyncio.ensure_future(coll.allreduce(one, op="sum", tag=f"{tag}.flag", codec="none"))
+    try:
+        mean, flags = await asyncio.gather(main, ctl)
+    except BaseException:
+        for t in (main, ctl):
+            t.cancel()
+        await asyncio.gather(main, ctl, return_exceptions=True)
+        raise
+    return mean, bool(flags[0] > 0), coll.stats_for(tag)

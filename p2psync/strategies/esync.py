@@ -9,27 +9,36 @@ asks the State Server (hosted by the coordinator, Alg. 2) QUERY-STATE and aggreg
 READY; after aggregating it calls RESET-STATE-SERVER. Before the first round a batch test
 measures the node's capability (Alg. 1 line 3).
 
-``mode=blocking`` waits for each answer. ``mode=nonblocking`` (default, §4.2): capability is
-the iteration time plus the query's round-trip time; the node keeps training while the answer
-is in flight (implicit NOT-READY); when READY arrives it abandons the iteration in progress
-(its gradient is discarded) and aggregates the iterations completed so far.
+``mode=blocking`` waits for each answer. ``mode=nonblocking`` (default, §4.2, "delayed ACK"):
+capability is the iteration time plus the query's round-trip time; every local iteration sends
+its own query as it starts, without waiting for earlier answers, so with an RTT of several
+iterations several queries are in flight; silence counts as NOT-READY and the node keeps
+training. When a READY arrives (the answer to the k-th iteration's query) the node abandons the
+iteration in progress at once (§4.2: "aborts the current (k + delta)-th iteration
+immediately"): the compute job is cut short through an abort event (between forward and
+backward, and throughout the emulated device time), its batch is not consumed and its samples
+are not counted, and the aggregation of the iterations completed so far starts within about one
+RTT of the decision, not after the abandoned computation. The answers still in flight are
+collected during the aggregation (no late reply is left behind) before RESET-STATE-SERVER.
 
-The stop decision rides in the aggregation (one extra element), so every node stops after the
-same round. A failed peer ends the run with PeerFailure naming it, like SSGD: the aggregation
+The stop decision is agreed on next to the aggregation, exactly (never through a lossy codec;
+:func:`~p2psync.strategies.base.mean_and_agree`), so every node stops after the same round. A failed peer ends the run with PeerFailure naming it, like SSGD: the aggregation
 needs every node, and re-weighting the mean over survivors mid-round would change Eq. 7.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
 
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
-from p2psync.errors import ConfigError
-from p2psync.strategies.base import FailStop, StepReport, Strategy, register
+from p2psync.errors import Aborted, ConfigError, P2PSyncError
+from p2psync.strategies.base import (FailStop, StepReport, Strategy, StrategyContext, mean_and_agree,
+                                     register)
 from p2psync.topology import Topology
 
 
@@ -40,6 +49,10 @@ class ESync(Strategy):
                "global_lr": (float, 1.0, "eps of Eq. 8"),
                "margin": (float, 0.002, "State Server boundary constant (s), Alg. 2 line 9"),
                "query_timeout": (float, 10.0, "seconds before a State Server query fails")}
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self._queries: set[asyncio.Task[None]] = set()
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict) -> None:
@@ -79,65 +92,98 @@ class ESync(Strategy):
         self.c = self.t_e - t_s
         return loss
 
-    async def _local_iteration(self) -> float:
-        t_s = time.monotonic()
-        return await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients())
-
-    async def _blocking(self) -> list[float]:
+    async def _blocking(self) -> tuple[list[float], int]:
         losses: list[float] = []
         while not await self._query(len(losses)):
             self.failstop.check()
-            losses.append(await self._local_iteration())
-        return losses
+            t_s = time.monotonic()
+            losses.append(await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients()))
+        return losses, 0
 
-    async def _nonblocking(self) -> list[float]:
+    def _ask(self, k: int, signal: asyncio.Event, ready: list[bool], errors: list[BaseException]) -> None:
+        """Send the k-th iteration's query without waiting for it (§4.2); a READY answer or a
+        failed query is recorded and sets ``signal``."""
+        async def ask() -> None:
+            try:
+                if await self._query(k):
+                    ready.append(True)
+            except P2PSyncError as exc:
+                errors.append(exc)
+            finally:
+                signal.set()
+        task = asyncio.ensure_future(ask())
+        self._queries.add(task)
+        task.add_done_callback(self._queries.discard)
+
+    async def _nonblocking(self) -> tuple[list[float], int]:
+        """Local iterations until a READY answer; returns (losses, abandoned iterations)."""
         losses: list[float] = []
-        query: asyncio.Task[bool] | None = None
+        ready: list[bool] = []
+        errors: list[BaseException] = []
+        signal = asyncio.Event()
         while True:
             self.failstop.check()
-            if query is None:
-                query = asyncio.create_task(self._query(len(losses)))
-            if query.done():
-                if query.result():
-                    return losses
-                query = None
-                continue
+            if errors:
+                raise errors[0]
+            if ready:
+                return losses, 0
+            self._ask(len(losses), signal, ready, errors)
+            abort = threading.Event()
             t_s = time.monotonic()
-            grads = asyncio.create_task(self.ctx.replica.compute_gradients())
-            await asyncio.wait({query, grads}, return_when=asyncio.FIRST_COMPLETED)
-            if query.done() and query.result():
-                # READY: abandon the iteration in flight; aggregate what is complete
-                grads.add_done_callback(lambda t: t.cancelled() or t.exception())
-                return losses
-            losses.append(await self._finish_iteration(t_s, *await grads))
+            it = asyncio.ensure_future(self.ctx.replica.compute_gradients(abort))
+            while not it.done() and not ready and not errors:
+                signal.clear()
+                woke = asyncio.ensure_future(signal.wait())
+                await asyncio.wait({it, woke}, return_when=asyncio.FIRST_COMPLETED)
+                woke.cancel()
+            if not it.done():  # READY (or a failed query): abandon the iteration in progress
+                abort.set()
+                try:
+                    loss, grad = await it
+                except Aborted:
+                    if errors:
+                        raise errors[0] from None
+                    return losses, 1
+            else:
+                loss, grad = it.result()
+            # completed (before READY, or just as it came): it counts
+            losses.append(await self._finish_iteration(t_s, loss, grad))
+
+    async def _collect_queries(self) -> None:
+        """Wait for the answers still in flight (bounded by the query timeout)."""
+        if self._queries:
+            await asyncio.gather(*list(self._queries), return_exceptions=True)
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.failstop.check()
         w_t = await self.ctx.replica.get_params()
         t0 = time.monotonic()
         if self.opts["mode"] == "blocking":
-            losses = await self._blocking()
+            losses, abandoned = await self._blocking()
         else:
-            losses = await self._nonblocking()
+            losses, abandoned = await self._nonblocking()
         local_s = time.monotonic() - t0
         w = await self.ctx.replica.get_params()
-        vec = np.empty(w.size + 1, dtype=np.float32)
-        vec[:-1] = w - w_t  # Eq. 6
-        vec[-1] = 1.0 if want_stop else 0.0
         t1 = time.monotonic()
-        mean = await self.ctx.collectives.allreduce(vec, op="mean", tag=f"esync.{step}")  # Eq. 7
+        mean, stop, st = await mean_and_agree(self.ctx.collectives, w - w_t, want_stop,  # Eq. 6-7
+                                              tag=f"esync.{step}")
         blocking = time.monotonic() - t1
         self.failstop.check()
-        await self.ctx.replica.set_params(w_t + np.float32(self.opts["global_lr"]) * mean[:-1])  # Eq. 8
+        await self.ctx.replica.set_params(w_t + np.float32(self.opts["global_lr"]) * mean)  # Eq. 8
+        await self._collect_queries()
         self.round += 1
         t_r = time.monotonic()
         await self.ctx.rpc.call(self.coord, "esync.reset", {"round": self.round, "rtt": self.rtt},
                                 timeout=self.opts["query_timeout"])
         self.t_e = t_r
-        return StepReport(loss=float(np.mean(losses)) if losses else float("nan"), stop=bool(mean[-1] > 0),
+        return StepReport(loss=float(np.mean(losses)) if losses else float("nan"), stop=stop,
                           comm_s=blocking, wait_s=blocking, extra={
-                              "n_local": len(losses), "local_s": round(local_s, 4),
-                              "blocking_s": round(blocking, 4), "query_rtt_s": round(self.rtt, 5),
-                              "round": self.round,
-                              "op_nic_bytes": self.ctx.collectives.history[-1].nic_bytes,
-                              "compression": round(self.ctx.collectives.history[-1].compression, 3)})
+                              "n_local": len(losses), "abandoned": abandoned,
+                              "local_s": round(local_s, 4), "blocking_s": round(blocking, 4),
+                              "query_rtt_s": round(self.rtt, 5), "round": self.round,
+                              "op_nic_bytes": st.nic_bytes, "compression": round(st.compression, 3)})
+
+    async def close(self) -> None:
+        for q in list(self._queries):
+            q.cancel()
+        await asyncio.gather(*list(self._queries), return_exceptions=True)

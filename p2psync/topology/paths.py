@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from p2psync.errors import ConfigError
 from p2psync.topology.model import Topology
 
 
 def _adjacency(topo: Topology, group: Sequence[int]) -> dict[int, list[int]]:
     members = set(group)
     if len(members) != len(group):
-        raise ValueError(f"group has duplicate nodes: {list(group)}")
+        raise ConfigError(f"group has duplicate nodes: {list(group)}")
     for g in group:
         topo.node(g)
     return {g: [b for b in topo.neighbors(g) if b in members] for g in group}
@@ -30,7 +31,7 @@ def hamiltonian_cycle(topo: Topology, group: Sequence[int], *, budget: int = 200
     adj = _adjacency(topo, group)
     n = len(adj)
     if n == 0:
-        raise ValueError("empty group")
+        raise ConfigError("empty group")
     start = min(adj)
     if n == 1:
         return [start]
@@ -69,7 +70,7 @@ def spanning_tree(topo: Topology, group: Sequence[int], root: int | None = None)
     if root is None:
         root = max(adj, key=lambda g: (len(adj[g]), -g))
     if root not in adj:
-        raise ValueError(f"root {root} is not in the group")
+        raise ConfigError(f"root {root} is not in the group")
     children: dict[int, list[int]] = {g: [] for g in adj}
     seen = {root}
     frontier = [root]
@@ -83,7 +84,7 @@ def spanning_tree(topo: Topology, group: Sequence[int], root: int | None = None)
                     nxt.append(b)
         frontier = nxt
     if len(seen) != len(adj):
-        raise ValueError(f"group {sorted(adj)} is not connected over direct links")
+        raise ConfigError(f"group {sorted(adj)} is not connected over direct links")
     return children
 
 

@@ -50,6 +50,7 @@ class RunConfig:
     slowdown: str = ""
     slowdown_schedule: str = ""
     step_time: str = ""
+    slowdown_mode: str = "wait"
     codec: str = "none"
     piece_kib: int = 1024
     error_feedback: bool = False
@@ -79,7 +80,7 @@ class RunConfig:
             raise ConfigError("--failure-timeout must be longer than --heartbeat")
         from p2psync.training.hetero import parse_profiles
 
-        parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time)  # validate
+        parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode)  # validate
         if self.shaper not in ("none", "inproc", "netem"):
             raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
         if self.wan and self.shaper == "none":

@@ -1,8 +1,18 @@
 """Heterogeneous-device emulation: per-node slowdown profiles. Pure.
 
 A profile turns the measured compute time of a step into the time the step should take on the
-emulated device; the difference is padded by *waiting* (``asyncio.sleep``), not by burning CPU,
-so eight slow nodes fit on two cores.
+emulated device; the difference is padded on the node's compute thread, so the emulated device
+is busy for the whole step (nothing else the node runs on its device, such as applying a
+gradient or reading the parameters, can start before the step ends), in one of two modes
+(``--slowdown-mode``):
+
+* ``wait`` (default): the compute thread *waits* for the pad, leaving the CPU free, so eight
+  slow nodes fit on two cores;
+* ``compute``: the compute thread does real extra work (matrix products) for the pad, so the
+  emulated slowness also costs CPU, memory bandwidth and the GIL like a real slow device. Use it
+  to check claims that waiting could flatter.
+
+Either way the pad can be cut short by an abort (ESync abandoning an iteration).
 
 * constant factor: ``--slowdown 0:1,1:1,2:2,3:8`` (node 3 is 8x slower);
 * schedule: ``--slowdown-schedule 2:30:4`` (node 2 becomes 4x slower 30 s into training;
@@ -14,8 +24,12 @@ so eight slow nodes fit on two cores.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from p2psync.errors import ConfigError
+
+SlowdownMode = Literal["wait", "compute"]
+SLOWDOWN_MODES: tuple[str, ...] = get_args(SlowdownMode)
 
 
 @dataclass(frozen=True)
@@ -24,8 +38,11 @@ class Slowdown:
     #: (after seconds, factor) changes, sorted by time
     schedule: tuple[tuple[float, float], ...] = ()
     step_time: float | None = None
+    mode: SlowdownMode = "wait"
 
     def __post_init__(self) -> None:
+        if self.mode not in SLOWDOWN_MODES:
+            raise ConfigError(f"--slowdown-mode {self.mode!r}: choose from {', '.join(SLOWDOWN_MODES)}")
         if self.factor < 1 or any(f < 1 or t < 0 for t, f in self.schedule):
             raise ConfigError("slowdown factors must be >= 1 and schedule times >= 0")
         if self.step_time is not None and self.step_time <= 0:
@@ -60,8 +77,11 @@ def _pairs(text: str, what: str, parts: int) -> list[list[str]]:
     return out
 
 
-def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "") -> dict[int, Slowdown]:
-    """Profiles per node id from the three CLI option strings."""
+def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "",
+                   mode: str = "wait") -> dict[int, Slowdown]:
+    """Profiles per node id from the CLI option strings."""
+    if mode not in SLOWDOWN_MODES:
+        raise ConfigError(f"--slowdown-mode {mode!r}: choose from {', '.join(SLOWDOWN_MODES)}")
     try:
         factors = {int(n): float(f) for n, f in _pairs(slowdown, "slowdown", 2)}
         steps = {int(n): float(s) for n, s in _pairs(step_time, "step-time", 2)}
@@ -72,4 +92,5 @@ def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "") 
         raise ConfigError(f"bad slowdown profile: {exc}") from None
     nodes = set(factors) | set(steps) | set(sched)
     return {n: Slowdown(factor=factors.get(n, 1.0), schedule=tuple(sorted(sched.get(n, []))),
-                        step_time=steps.get(n)) for n in nodes}
+                        step_time=steps.get(n), mode=mode)  # type: ignore[arg-type]
+            for n in nodes}

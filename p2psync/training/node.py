@@ -64,7 +64,8 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     device = resolve_device(cfg.device)
     model.to(device)  # before the optimizer takes the parameters (Trainer keeps it there)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time).get(node_id)
+    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time,
+                             cfg.slowdown_mode).get(node_id)
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
                    batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
                    slowdown=profile)

@@ -4,11 +4,19 @@ Every operation that touches the model runs on a one-thread executor, off the ev
 communication progresses while the device computes, and operations never interleave (an
 incoming gradient is never applied between another gradient's computation and its step).
 Vectors that cross the network are flat float32 numpy arrays in host memory.
+
+One local iteration (forward, backward, and the emulated device's extra time, see
+:mod:`~p2psync.training.hetero`) is one compute job. It can be abandoned through a
+``threading.Event``: the job checks it between forward and backward, after backward and
+throughout the pad, and then raises :class:`~p2psync.errors.Aborted`. An abandoned iteration
+leaves no trace: the sampler does not advance (the next iteration takes the same batch) and its
+samples are not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
@@ -17,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from p2psync.errors import ConfigError
+from p2psync.errors import Aborted, ConfigError
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
 from p2psync.training.partition import BatchSampler
@@ -67,6 +75,7 @@ class Trainer:
         self.slowdown = slowdown or Slowdown()
         self.t0 = time.monotonic()
         self.padded_s = 0.0
+        self._burn: torch.Tensor | None = None
         self._x = torch.from_numpy(data.x_train)
         self._y = torch.from_numpy(data.y_train)
 
@@ -82,17 +91,25 @@ class Trainer:
                 self.compute_s += time.perf_counter() - t0
         return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
 
-    async def emulate(self, fn: Callable[[], T]) -> T:
-        """Run a training computation, then wait as long as the emulated device would still be
-        busy (waiting, not computing: other nodes keep the CPU)."""
-        before = self.compute_s
-        out = await self.run(fn)
-        pad = self.slowdown.pad(self.compute_s - before, time.monotonic() - self.t0)
-        if pad > 0:
-            await asyncio.sleep(pad)
-            self.compute_s += pad
-            self.padded_s += pad
-        return out
+    def _pad(self, seconds: float, abort: threading.Event | None) -> None:
+        """Keep the compute thread busy for ``seconds`` as the emulated device would be: idle
+        (``wait`` mode) or doing real matrix products (``compute`` mode). Raises Aborted."""
+        if self.slowdown.mode == "wait":
+            if abort is None:
+                time.sleep(seconds)
+            elif abort.wait(seconds):
+                raise Aborted("iteration abandoned during the emulated device time")
+            return
+        end = time.perf_counter() + seconds
+        if self._burn is None:
+            self._burn = torch.randn(128, 128, device=self.device)
+        m = self._burn
+        while time.perf_counter() < end:
+            if abort is not None and abort.is_set():
+                raise Aborted("iteration abandoned during the emulated device time")
+            m = torch.tanh(m @ self._burn)  # ~4 MFLOP: abort checked every ~0.1-1 ms
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def factor(self) -> float:
@@ -134,21 +151,39 @@ class Trainer:
 
     # -- operations ----------------------------------------------------------------------
 
-    def _forward_backward(self) -> tuple[float, np.ndarray]:
+    def _iteration(self, abort: threading.Event | None) -> tuple[float, np.ndarray]:
+        """Forward + backward on the next batch, then the emulated device's extra time."""
+        def check() -> None:
+            if abort is not None and abort.is_set():
+                raise Aborted("iteration abandoned")
+
+        t0 = time.perf_counter()
+        check()
         idx = torch.from_numpy(self.sampler.batch(self.batches_done))
-        self.batches_done += 1
         x = self._x[idx].to(self.device, non_blocking=True)
         y = self._y[idx].to(self.device, non_blocking=True)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         loss = self.loss_fn(self.model(x), y)
+        check()
         loss.backward()
+        check()
+        out = float(loss.detach()), self._grads()
+        pad = self.slowdown.pad(time.perf_counter() - t0, time.monotonic() - self.t0)
+        if pad > 0:
+            p0 = time.perf_counter()
+            try:
+                self._pad(pad, abort)
+            finally:
+                self.padded_s += time.perf_counter() - p0
+        self.batches_done += 1  # only a completed iteration consumes its batch
         self.samples += len(idx)
-        return float(loss.detach()), self._grads()
+        return out
 
-    async def compute_gradients(self) -> tuple[float, np.ndarray]:
-        """Next batch: forward + backward. Returns (loss, flat gradient copy)."""
-        return await self.emulate(self._forward_backward)
+    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
+        """Next batch: forward + backward (+ emulated device time). Returns (loss, flat gradient
+        copy). Raises :class:`Aborted` if ``abort`` is set before the iteration completes."""
+        return await self.run(lambda: self._iteration(abort))
 
     async def apply_gradients(self, vec: np.ndarray) -> None:
         """Set the gradients to ``vec`` and take one optimizer step, atomically."""

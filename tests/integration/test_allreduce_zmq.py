@@ -44,7 +44,7 @@ async def test_allreduce_matches_numpy(name, size):
 async def test_large_allreduce_ring():
     async with cluster(TOPOS["ring4"]) as (topo, cs):
         data = {i: np.full(10_000_000, float(i + 1), dtype=np.float32) for i in topo.ids}
-        outs = await asyncio.gather(*(cs[i].allreduce(data[i], op="mean") for i in topo.ids))
+        outs = await asyncio.gather(*(cs[i].allreduce(data[i], op="mean", tag="m") for i in topo.ids))
     for o in outs:
         assert o.shape == (10_000_000,) and (o == 2.5).all()
 
@@ -53,11 +53,11 @@ async def test_group_subset_leaves_others_untouched():
     async with cluster(lambda p: mesh(5, base_port=p)) as (topo, cs):
         group = [4, 1, 3]
         xs = {i: np.full((2, 5), float(i), dtype=np.float32) for i in topo.ids}
-        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="mean") for i in group))
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="mean", tag="g1") for i in group))
         for o in outs:
             np.testing.assert_allclose(o, np.full((2, 5), 8 / 3), rtol=1e-6)
         w = {1: 0.5, 3: 0.25, 4: 0.25}
-        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="weighted", weights=w) for i in group))
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], group, op="weighted", weights=w, tag="g2") for i in group))
         np.testing.assert_allclose(outs[0], np.full((2, 5), 0.5 + 0.75 + 1.0), rtol=1e-6)
         for i in topo.ids:
             assert (xs[i] == i).all()  # nobody's input changed
@@ -67,14 +67,14 @@ async def test_group_subset_leaves_others_untouched():
 async def test_torch_and_other_ops():
     async with cluster(TOPOS["bcube2x2"], piece_bytes=64) as (topo, cs):
         ts = {i: torch.arange(10, dtype=torch.float32) * (i + 1) for i in topo.ids}
-        outs = await asyncio.gather(*(cs[i].allreduce(ts[i]) for i in topo.ids))
+        outs = await asyncio.gather(*(cs[i].allreduce(ts[i], tag="t") for i in topo.ids))
         assert isinstance(outs[0], torch.Tensor) and torch.equal(outs[0], torch.arange(10.0) * 10)
-        gathered = await asyncio.gather(*(cs[i].allgather(np.full(3, i, np.int64)) for i in topo.ids))
+        gathered = await asyncio.gather(*(cs[i].allgather(np.full(3, i, np.int64), tag="ag") for i in topo.ids))
         for g in gathered:
             assert [int(a[0]) for a in g] == [0, 1, 2, 3]
-        b = await asyncio.gather(*(cs[i].broadcast(np.full(7, float(i)), root=2) for i in topo.ids))
+        b = await asyncio.gather(*(cs[i].broadcast(np.full(7, float(i)), root=2, tag="bc") for i in topo.ids))
         assert all((x == 2.0).all() for x in b)
-        shards = await asyncio.gather(*(cs[i].reduce_scatter(np.arange(40, dtype=np.float32)) for i in topo.ids))
+        shards = await asyncio.gather(*(cs[i].reduce_scatter(np.arange(40, dtype=np.float32), tag="rs") for i in topo.ids))
         covered = np.zeros(40, int)
         for sh in shards:
             for (lo, hi), vals in sh.items():
@@ -88,7 +88,7 @@ async def test_lossy_codecs_keep_replicas_identical(codec):
     async with cluster(TOPOS["ring4"], piece_bytes=64 << 10, codec=codec) as (topo, cs):
         rng = np.random.default_rng(1)
         data = {i: (rng.standard_t(3, 100_000) * 1e-2).astype(np.float32) for i in topo.ids}
-        outs = await asyncio.gather(*(cs[i].allreduce(data[i]) for i in topo.ids))
+        outs = await asyncio.gather(*(cs[i].allreduce(data[i], tag="lossy") for i in topo.ids))
     ref = np.sum(list(data.values()), axis=0)
     assert all(o.tobytes() == outs[0].tobytes() for o in outs)
     assert np.linalg.norm(outs[0] - ref) / np.linalg.norm(ref) < 0.2
@@ -98,7 +98,7 @@ async def test_lossy_codecs_keep_replicas_identical(codec):
 async def test_bcube_nics_balanced():
     async with cluster(TOPOS["bcube3x2"], piece_bytes=32 << 10) as (topo, cs):
         data = np.ones(1_000_000, dtype=np.float32)
-        await asyncio.gather(*(cs[i].allreduce(data) for i in topo.ids))
+        await asyncio.gather(*(cs[i].allreduce(data, tag="bal") for i in topo.ids))
         for i in topo.ids:
             st = cs[i].history[-1].nic_bytes
             assert set(st) == {"l0", "l1"}
@@ -111,7 +111,7 @@ async def test_killed_peer_raises_peer_failure_on_every_survivor():
     async with cluster(TOPOS["ring4"], timeout=1.5) as (topo, cs):
         await cs[3].t.close()  # node 3 is gone before the collective
         x = np.ones(100_000, dtype=np.float32)
-        results = await asyncio.gather(*(cs[i].allreduce(x) for i in (0, 1, 2)), return_exceptions=True)
+        results = await asyncio.gather(*(cs[i].allreduce(x, tag="k") for i in (0, 1, 2)), return_exceptions=True)
         for r in results:
             assert isinstance(r, PeerFailure), r
         assert (x == 1).all()
@@ -120,7 +120,7 @@ async def test_killed_peer_raises_peer_failure_on_every_survivor():
 async def test_peer_killed_mid_allreduce():
     async with cluster(TOPOS["ring4"], timeout=2.0, piece_bytes=64 << 10) as (topo, cs):
         x = {i: np.ones(4_000_000, dtype=np.float32) for i in topo.ids}
-        tasks = {i: asyncio.create_task(cs[i].allreduce(x[i])) for i in topo.ids}
+        tasks = {i: asyncio.create_task(cs[i].allreduce(x[i], tag="mid")) for i in topo.ids}
         await asyncio.sleep(0.02)  # pieces are in flight
         tasks[3].cancel()
         await cs[3].t.close()
