@@ -41,7 +41,7 @@ def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size
 
 
 def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None,
-                 codec: str = "none"):
+                 codec: str = "none", error_feedback: bool = False):
     from p2psync.collectives import Collectives
     from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
     from p2psync.strategies import StrategyContext
@@ -51,5 +51,46 @@ def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10
     membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator)
     return StrategyContext(node_id=transport.node_id, topology=topo, transport=transport, rpc=rpc,
                            rpc_server=server, membership=membership, replica=replica,
-                           collectives=Collectives(transport, timeout=peer_timeout, codec=codec),
+                           collectives=Collectives(transport, timeout=peer_timeout, codec=codec,
+                                                       error_feedback=error_feedback),
                            peer_timeout=peer_timeout, options=options or {})
+
+
+async def start_strategies(transports, topo: Topology, name: str, *, options=None, codec: str = "none",
+                           error_feedback: bool = False, trainers=None):
+    """One started strategy per node (coordinator services and RPC servers included), as node
+    processes build them."""
+    import asyncio
+
+    from p2psync.strategies import get_strategy
+
+    cls = get_strategy(name)
+    strats = []
+    for i in topo.ids:
+        tr = trainers[i] if trainers is not None else make_trainer(topo, i)
+        ctx = make_context(topo, transports[i], tr, options=options, codec=codec, error_feedback=error_feedback)
+        if i == topo.coordinator:
+            cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
+        ctx.rpc_server.start()
+        strats.append(cls(ctx))
+    await asyncio.gather(*(s.start() for s in strats))
+    return strats
+
+
+async def close_strategies(strats) -> None:
+    for s in strats:
+        await s.close()
+        await s.ctx.rpc_server.close()
+        s.ctx.replica.close()
+
+
+async def until(pred, timeout: float, what: str) -> None:
+    """Wait (bounded) until ``pred()`` holds; polls the condition, fails naming ``what``."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.01)

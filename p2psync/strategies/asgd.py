@@ -11,6 +11,11 @@ one round of N gradients then moves the model as far as one SSGD step on the mea
 so the two baselines compare at the same learning rate (applying each gradient at full ``lr``
 makes the effective step N times larger, which diverges with momentum).
 
+Gradients travel through the run's codec (``--codec``): the origin encodes its gradient once
+(adding its error-feedback residual first with ``--error-feedback``), and relays forward the
+encoded bytes unchanged, so every node decodes the same values. The origin itself applies its
+exact gradient. A gradient whose frames do not decode is counted and ignored.
+
 A failed peer is dropped from the trees and training continues with the survivors; a node that
 finishes early keeps applying what arrives until the finish barrier.
 """
@@ -23,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from p2psync.errors import P2PSyncError
+from p2psync.compress import ErrorFeedback, get_codec
+from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.strategies.base import StepReport, Strategy, register
 from p2psync.topology.paths import spanning_tree
 from p2psync.wire import Message
@@ -50,6 +56,9 @@ class ASGD(Strategy):
         self.dropped_sends = 0
         self._sends: set[asyncio.Task[None]] = set()
         self.scale = 1.0 / self.ctx.topology.size if self.opts["average"] else 1.0
+        self.codec = get_codec(self.ctx.collectives.codec)
+        self.feedback = ErrorFeedback() if self.ctx.collectives.feedback is not None and self.codec.lossy else None
+        self.malformed = 0
         self._rx = asyncio.create_task(self._receive(), name="asgd-receive")
 
     def on_peer_failure(self, peer: int) -> None:
@@ -65,27 +74,43 @@ class ASGD(Strategy):
                 self._trees[key] = {}
         return [c for c in self._trees[key].get(self.ctx.node_id, []) if c in self.alive]
 
-    def _forward(self, origin: int, grad: np.ndarray, step: int) -> None:
+    def _encode(self, grad: np.ndarray) -> list[np.ndarray]:
+        if self.feedback is None:
+            return self.codec.encode(grad)
+        x = self.feedback.compensate("asgd", grad)
+        enc = self.codec.encode(x)
+        self.feedback.record("asgd", x, self.codec.decode(enc, x.size))
+        return enc
+
+    def _forward(self, origin: int, arrays: list[np.ndarray], step: int) -> None:
         for child in self._children(origin):
-            t = asyncio.create_task(self._send(child, origin, grad, step))
+            t = asyncio.create_task(self._send(child, origin, arrays, step))
             self._sends.add(t)
             t.add_done_callback(self._sends.discard)
 
-    async def _send(self, peer: int, origin: int, grad: np.ndarray, step: int) -> None:
+    async def _send(self, peer: int, origin: int, arrays: list[np.ndarray], step: int) -> None:
         try:
-            await self.ctx.transport.send(peer, TAG, [grad], step=step, meta={"origin": origin},
+            await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin},
+                                          codecs=[self.codec.name] * len(arrays),
                                           timeout=self.opts["send_timeout"])
         except P2PSyncError as exc:
             self.dropped_sends += 1
             log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)
 
-    def _valid(self, msg: Message) -> bool:
+    def _decode(self, msg: Message) -> np.ndarray | None:
+        """The gradient a message carries, or None (counted, logged once) if it is malformed."""
         origin: Any = msg.meta.get("origin")
-        ok = (type(origin) is int and origin in self.ctx.topology.ids and len(msg.arrays) == 1
-              and msg.arrays[0].size == self.ctx.replica.numel and msg.arrays[0].dtype == np.float32)
-        if not ok:
-            log.warning("node %d: malformed gradient from node %d ignored", self.ctx.node_id, msg.src)
-        return ok
+        try:
+            if type(origin) is not int or origin not in self.ctx.topology.ids:
+                raise ProtocolError("origin", f"bad origin {origin!r}")
+            if any(f.codec != self.codec.name for f in msg.header.frames):
+                raise ProtocolError("codec", f"expected codec {self.codec.name}")
+            return self.codec.decode(msg.arrays, self.ctx.replica.numel)
+        except ProtocolError as exc:
+            if not self.malformed:
+                log.warning("node %d: malformed gradient from node %d ignored: %s", self.ctx.node_id, msg.src, exc)
+            self.malformed += 1
+            return None
 
     async def _receive(self) -> None:
         while True:
@@ -97,10 +122,11 @@ class ASGD(Strategy):
             # receiver keeps pace with the local loop (one job per step) instead of lagging
             while len(batch) < MAX_BATCH and (m := self.ctx.transport.recv_nowait(TAG)) is not None:
                 batch.append(m)
-            batch = [m for m in batch if self._valid(m)]
-            grads = [np.array(m.arrays[0], copy=True) for m in batch]
-            for m, g in zip(batch, grads):
-                self._forward(int(m.meta["origin"]), g, m.header.step)
+            decoded = [(m, self._decode(m)) for m in batch]
+            batch = [m for m, g in decoded if g is not None]
+            grads = [g for _, g in decoded if g is not None]
+            for m in batch:  # the encoded bytes travel on unchanged
+                self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
             await self.ctx.replica.apply_each([g * self.scale for g in grads])
             self.applied_remote += len(grads)
             self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
@@ -109,7 +135,7 @@ class ASGD(Strategy):
         loss, grad = await self.ctx.replica.compute_gradients()
         await self.ctx.replica.apply_gradients(grad * self.scale)
         self.local_step = step
-        self._forward(self.ctx.node_id, grad, step)
+        self._forward(self.ctx.node_id, self._encode(grad), step)
         wait = 0.0
         loop = asyncio.get_running_loop()
         while len(self._sends) > self.opts["max_inflight"]:
