@@ -162,7 +162,7 @@ class Collectives:
                 raise ConfigError("weighted allreduce needs one weight per group member")
             buf *= buf.dtype.type(weights[self.t.node_id])
         plan = self._plan(g, buf, algo)
-        await self._execute("allreduce", plan, buf, tag, codec, phases=("rs", "ag"))
+        await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
         # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
         return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy())
 

@@ -1,0 +1,145 @@
+"""Collectives on the in-memory transport: tags, signatures, dtypes, error-feedback keys, group
+errors (issue 9 items 4 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.collectives import Collectives
+from p2psync.errors import ConfigError, PeerFailure, ProtocolError
+from p2psync.topology import mesh, ring, star
+from p2psync.transport.memory import MemoryHub
+from p2psync.wire.schema import DTYPES
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def memory(topo, **kw):
+    hub = MemoryHub(topo)
+    eps = {i: hub.endpoint(i, default_timeout=5) for i in topo.ids}
+    for e in eps.values():
+        await e.start()
+    try:
+        yield {i: Collectives(e, **kw) for i, e in eps.items()}
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+async def test_a_tag_is_required():
+    async with memory(mesh(2)) as cs:
+        with pytest.raises(TypeError):
+            await cs[0].allreduce(np.ones(3, np.float32))  # type: ignore[call-arg]
+        with pytest.raises(ConfigError, match="tag"):
+            await cs[0].allreduce(np.ones(3, np.float32), tag="x" * 97)
+        with pytest.raises(ConfigError, match="tag"):
+            await cs[0].allreduce(np.ones(3, np.float32), tag="bad tag")
+
+
+async def test_operations_issued_in_different_orders_are_not_swapped():
+    """Nodes 0 and 1 start A before B, nodes 2 and 3 start B before A: every node must still
+    get sum(A) = +10 and sum(B) = -10 (with call-order tags they got -2 and +2)."""
+    async with memory(ring(4)) as cs:
+        async def node(i: int) -> tuple[np.ndarray, np.ndarray]:
+            a = cs[i].allreduce(np.full(64, 2.5, np.float32), tag="op.a")
+            b = cs[i].allreduce(np.full(64, -2.5, np.float32), tag="op.b")
+            first, second = (a, b) if i < 2 else (b, a)
+            t1 = asyncio.ensure_future(first)
+            t2 = asyncio.ensure_future(second)
+            r1, r2 = await asyncio.gather(t1, t2)
+            return (r1, r2) if i < 2 else (r2, r1)
+
+        outs = await asyncio.gather(*(node(i) for i in range(4)))
+    for ra, rb in outs:
+        np.testing.assert_array_equal(ra, np.full(64, 10.0, np.float32))
+        np.testing.assert_array_equal(rb, np.full(64, -10.0, np.float32))
+
+
+async def test_a_different_operation_under_the_same_tag_is_rejected():
+    async with memory(ring(4), timeout=1.0) as cs:
+        x = np.ones(1000, np.float32)
+        res = await asyncio.gather(*(cs[i].allreduce(x, tag="same", op="mean" if i == 3 else "sum")
+                                     for i in range(4)), return_exceptions=True)
+    assert all(isinstance(r, (ProtocolError, PeerFailure)) for r in res), res
+    assert any(isinstance(r, ProtocolError) and r.reason == "collective_mismatch" for r in res), res
+
+
+@pytest.mark.parametrize("n,make", [(64, ring), (256, star)])
+async def test_large_groups_keep_tags_short(n, make):
+    topo = make(n)
+    async with memory(topo) as cs:
+        outs = await asyncio.gather(*(cs[i].allreduce(np.full(8, float(i), np.float32), tag="big.0")
+                                      for i in topo.ids))
+    expect = float(sum(topo.ids))
+    assert all((o == expect).all() for o in outs)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+async def test_result_dtype_of_every_op(dtype):
+    async with memory(mesh(3)) as cs:
+        xs = {i: np.array([0, 1, 1, 0, 1], dtype=dtype) for i in range(3)}
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="s") for i in range(3)))
+        for o in outs:
+            assert o.dtype == np.dtype(dtype)
+            expect = np.array([0, 1, 1, 0, 1], bool) if dtype == "bool" else np.array([0, 3, 3, 0, 3], dtype)
+            np.testing.assert_array_equal(o, expect)  # bool: logical or
+        w = {0: 0.5, 1: 0.25, 2: 0.25}
+        if np.dtype(dtype).kind == "f":
+            means = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="m", op="mean") for i in range(3)))
+            wsum = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="w", op="weighted", weights=w)
+                                          for i in range(3)))
+            for m, ws in zip(means, wsum):
+                assert m.dtype == ws.dtype == np.dtype(dtype)
+                np.testing.assert_array_equal(m, np.array([0, 1, 1, 0, 1], dtype))
+                np.testing.assert_array_equal(ws, np.array([0, 1, 1, 0, 1], dtype))
+        else:
+            for op, kw in (("mean", {}), ("weighted", {"weights": w})):
+                with pytest.raises(ConfigError, match="floating-point"):
+                    await cs[0].allreduce(xs[0], tag="bad", op=op, **kw)
+
+
+async def test_float16_accumulates_in_float32():
+    async with memory(ring(4)) as cs:
+        big = np.full(16, 30000, np.float16)
+        means = await asyncio.gather(*(cs[i].allreduce(big, tag="m", op="mean") for i in range(4)))
+        vals = [30000, 30000, 30000, -60000]  # partial sums reach 90000 > float16 max
+        sums = await asyncio.gather(*(cs[i].allreduce(np.full(16, vals[i], np.float16), tag="s")
+                                      for i in range(4)))
+        ts = await asyncio.gather(*(cs[i].allreduce(torch.full((4,), 30000.0, dtype=dt), tag=f"t{j}",
+                                                    op="mean")
+                                    for j, dt in enumerate((torch.float16, torch.bfloat16)) for i in range(4)))
+    for m, s in zip(means, sums):
+        assert m.dtype == s.dtype == np.float16
+        assert (m == 30000).all() and (s == 30000).all()
+    assert all(t.dtype in (torch.float16, torch.bfloat16) and torch.isfinite(t).all() for t in ts)
+
+
+async def test_error_feedback_residuals_belong_to_their_tensor():
+    """Two tensors of the same shape and very different scales alternate through int8 with
+    error feedback: each tensor's decoded sum over the steps tracks its own inputs' sum."""
+    steps = 12
+    async with memory(mesh(2), codec="int8", error_feedback=True) as cs:
+        rng = np.random.default_rng(0)
+        totals = {"small": np.zeros(4096), "large": np.zeros(4096)}
+        inputs = {"small": np.zeros(4096), "large": np.zeros(4096)}
+        for k in range(steps):
+            for name, scale in (("small", 1e-3), ("large", 1.0)):
+                xs = [(rng.standard_t(2, 4096) * scale).astype(np.float32) for _ in range(2)]
+                outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"{name}.{k}") for i in range(2)))
+                totals[name] += outs[0]
+                inputs[name] += xs[0] + xs[1]
+    for name in totals:
+        rel = np.linalg.norm(totals[name] - inputs[name]) / np.linalg.norm(inputs[name])
+        assert rel < 0.05, (name, rel)
+
+
+async def test_disconnected_group_is_a_config_error():
+    async with memory(ring(4)) as cs:
+        with pytest.raises(ConfigError, match="not connected"):
+            await cs[0].allreduce(np.ones(4, np.float32), [0, 2], tag="g")
