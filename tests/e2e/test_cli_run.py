@@ -175,3 +175,16 @@ def test_run_inside_network_namespaces(tmp_path):
         assert "sch_netem" in r.stderr
     else:
         assert r.returncode == 0, r.stderr
+
+
+def test_lossy_codec_runs_every_requested_step(tmp_path):
+    """Issue 9.1: ``--codec int8`` used to end SSGD after 1 step at chance accuracy, exit 0
+    (every strategy x codec is covered in-process by tests/integration/test_strategy_matrix.py)."""
+    r = cli("run", "topologies/ring-4.json", "--strategy", "ssgd", "--codec", "int8", "--error-feedback",
+            "--steps", "30", "--slowdown", "3:2", "--slowdown-mode", "compute", "--out", tmp_path,
+            "--run-id", "q")
+    assert r.returncode == 0, r.stderr + r.stdout
+    summary = json.loads((tmp_path / "q" / "summary.json").read_text())
+    assert summary["accuracy_mean"] > 0.5
+    for i in range(4):
+        assert lines(tmp_path / "q" / f"node-{i}.jsonl")[-1]["step"] == 30
