@@ -360,10 +360,11 @@ class Mailbox:
         what = f"tag {exact!r}" if exact is not None else f"tag prefix {prefix!r}"
         handle = None
         if timeout is not None:
-            handle = loop.call_later(
-                timeout,
-                lambda: fut.done() or fut.set_exception(PeerTimeout(f"no message for {what} within {timeout:g}s")),
-            )
+            def expire() -> None:
+                if not fut.done():
+                    fut.set_exception(PeerTimeout(f"no message for {what} within {timeout:g}s"))
+
+            handle = loop.call_later(timeout, expire)
         try:
             return await fut
         finally:

@@ -50,7 +50,7 @@ import asyncio
 import errno
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -65,7 +65,11 @@ log = logging.getLogger("p2psync.transport")
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
-_get_int = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+_get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+
+
+def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
+    return cast(int, _get(sock, opt))
 _DRAIN_BATCH = 256  # messages handled per callback before yielding to the loop
 
 
@@ -101,7 +105,7 @@ def routing_id(node: int, nic: str) -> bytes:
 class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
-                 context: zmq.Context | None = None, **transport_options: Any) -> None:
+                 context: "zmq.Context[Any] | None" = None, **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
         ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``)."""
         super().__init__(topology=topology, node_id=node_id, limits=limits,
@@ -109,12 +113,12 @@ class ZmqEndpoint(Transport):
         self.options = options
         self._own_ctx = context is None
         self._ctx = context
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: dict[str, "zmq.Socket[Any]"] = {}
         self._fds: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._monitors: dict[str, zmq.Socket] = {}
-        self._ctl_socks: dict[str, zmq.Socket] = {}  # NIC -> control socket (to higher ids)
-        self._ctl_monitors: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, "zmq.Socket[Any]"] = {}
+        self._ctl_socks: dict[str, "zmq.Socket[Any]"] = {}  # NIC -> control socket (to higher ids)
+        self._ctl_monitors: dict[str, "zmq.Socket[Any]"] = {}
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
         self.down: set[int] = set()  # peers whose connection (from our side) is down
         self.control_down: set[int] = set()  # same for our control connections
@@ -162,20 +166,20 @@ class ZmqEndpoint(Transport):
             raise
         for control, socks in ((True, self._ctl_socks), (False, self._socks)):
             for name, s in socks.items():
-                fd = s.getsockopt(zmq.FD)
+                fd = _get_int(s, zmq.FD)
                 self._fds.append(fd)
                 self._loop.add_reader(fd, self._drain, name, control)
                 self._loop.call_soon(self._drain, name, control)
         for control, mons in ((True, self._ctl_monitors), (False, self._monitors)):
             for name, mon in mons.items():
-                fd = mon.getsockopt(zmq.FD)
+                fd = _get_int(mon, zmq.FD)
                 self._fds.append(fd)
                 self._loop.add_reader(fd, self._watch, name, control)
                 self._loop.call_soon(self._watch, name, control)
 
-    def _socket(self, ctx: zmq.Context, rid: bytes, sndhwm: int, *, bulk: bool) -> zmq.Socket:
+    def _socket(self, ctx: "zmq.Context[Any]", rid: bytes, sndhwm: int, *, bulk: bool) -> "zmq.Socket[Any]":
         o = self.options
-        s = ctx.socket(zmq.ROUTER)
+        s: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTING_ID, rid)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
