@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from p2psync.topology import Topology
 from p2psync.transport import ZmqEndpoint
@@ -18,8 +18,10 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def zmq_cluster(topo: Topology, *, timeout: float = 10.0) -> AsyncIterator[dict[int, ZmqEndpoint]]:
-    eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout) for i in topo.ids}
+async def zmq_cluster(topo: Topology, *, timeout: float = 10.0,
+                      **options: Any) -> AsyncIterator[dict[int, ZmqEndpoint]]:
+    """Started endpoints for every node (``options``: ZmqEndpoint/Transport keywords)."""
+    eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout, **options) for i in topo.ids}
     try:
         for e in eps.values():
             await e.start()

@@ -3,7 +3,9 @@
 Request: kind ``rpc``, tag ``rpc.call``, meta ``{"id": int, "method": str, "args": {...}}``
 (optional arrays). Reply: kind ``reply``, tag ``rpc.ret.<id>``, meta ``{"ok": value}`` or
 ``{"err": {"kind": str, "message": str}}``. Requests to non-adjacent nodes are relayed by the
-transport. A call to the local node runs the handler in-process. Handlers may wait (long
+transport. A call to the local node runs the handler in-process. A call that fails or times out
+retires its reply tag in the mailbox, so a reply that comes late is dropped (counted as
+``retired``) instead of piling up. Handlers may wait (long
 polls such as a rendezvous): each request runs in its own task.
 """
 
@@ -119,12 +121,17 @@ class RpcClient:
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        await self.transport.send(node, CALL_TAG, arrays, kind="rpc",
-                                  meta={"id": rid, "method": method, "args": args}, timeout=timeout)
+        tag = f"rpc.ret.{rid}"
         try:
-            rep = await self.transport.recv(f"rpc.ret.{rid}", timeout=max(0.0, deadline - loop.time()))
+            await self.transport.send(node, CALL_TAG, arrays, kind="rpc",
+                                      meta={"id": rid, "method": method, "args": args}, timeout=timeout)
+            rep = await self.transport.recv(tag, timeout=max(0.0, deadline - loop.time()))
         except PeerTimeout:
+            self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
             raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
+        except BaseException:
+            self.transport.mailbox.retire(tag, exact=True)
+            raise
         if "err" in rep.meta:
             err = rep.meta["err"]
             raise RemoteError(str(err.get("kind", "Error")), str(err.get("message", "")))

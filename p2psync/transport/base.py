@@ -9,6 +9,14 @@ relayed hop by hop along shortest paths of the topology, avoiding nodes known to
 (:meth:`Transport.mark_dead`); tensors (``data``) only ever go to adjacent peers. Incoming frames go through
 :meth:`Transport._ingest`, which decodes strictly, rejects and counts bad messages (logged once
 per peer and reason) and never raises.
+
+Control never waits behind bulk (issue 10 item 1): ``send`` marks ``data`` messages as *bulk*
+and everything else as control. Bulk sends take bytes from the peer's flow-control window
+(:mod:`p2psync.transport.flow`, ``window_bytes``, default 8 MiB) before they enter the shaper or
+the socket; control sends take none, skip the shaper's bulk queue and go out on the endpoint's
+control channel (see :mod:`p2psync.transport.zmq_endpoint`). The mailbox has byte budgets per
+peer, a control cap, a TTL and retired tags (:mod:`p2psync.transport.mailbox`); what it drops
+is counted by reason in :attr:`Transport.rejected` like every other rejected message.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from typing import Any, Mapping, Sequence
 
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
-from p2psync.transport.mailbox import Mailbox
+from p2psync.transport.flow import ByteWindow
+from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.shaping import Shaper
 from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
                           encode)
@@ -31,6 +40,7 @@ from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLi
 log = logging.getLogger("p2psync.transport")
 
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_WINDOW_BYTES = 8 << 20
 
 
 @dataclass
@@ -52,13 +62,20 @@ def _frame_len(f: Any) -> int:
 
 class Transport(ABC):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
-                 default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536) -> None:
+                 default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
+                 mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
+                 max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.topology = topology
         self.node_id = node_id
         self.node = topology.node(node_id)
         self.limits = limits
         self.default_timeout = default_timeout
-        self.mailbox = Mailbox(max_pending=max_pending)
+        self.mailbox = Mailbox(max_pending=max_pending, budget_bytes=mailbox_budget_bytes, ttl=mailbox_ttl,
+                               max_control_pending=max_control_pending, on_drop=self._mailbox_drop)
+        if window_bytes < 1:
+            raise ValueError("window_bytes must be >= 1")
+        self.window_bytes = window_bytes
+        self._windows: dict[int, ByteWindow] = {}
         self.nic_stats: dict[str, NicStats] = {n.name: NicStats() for n in self.node.nics}
         self.rejected: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
@@ -132,8 +149,9 @@ class Transport(ABC):
     # -- send / receive ------------------------------------------------------------------
 
     @abstractmethod
-    async def _transmit(self, peer: int, route: Route, frames: list[Any]) -> None:
-        """Hand frames to the peer; raise :class:`NotReady` when it should be retried."""
+    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+        """Hand frames to the peer (``bulk``: on the data channel, else the control channel);
+        raise :class:`NotReady` when it should be retried."""
 
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
@@ -154,7 +172,8 @@ class Transport(ABC):
                               arrays=arrays, codecs=codecs, meta=meta), budget)
             return
         await self._send_direct(peer, self.route(peer, nic), budget, encode(
-            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta))
+            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta),
+            bulk=kind not in RELAY_KINDS)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
                      budget: float, came_from: int | None = None) -> None:
@@ -172,16 +191,48 @@ class Transport(ABC):
                 last = exc
         raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
-    async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any]) -> None:
+    def window(self, peer: int) -> ByteWindow:
+        """The flow-control window of bulk bytes to ``peer``."""
+        w = self._windows.get(peer)
+        if w is None:
+            w = self._windows[peer] = ByteWindow(self.window_bytes)
+        return w
+
+    async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
+                           bulk: bool = False) -> None:
+        """Send to an adjacent peer. ``bulk`` (tensors) waits for room in the peer's window
+        (backpressure, bounded by ``budget``); control never waits for bulk."""
+        if not bulk:
+            await self._shape_and_deliver(peer, route, budget, frames, False)
+            return
+        nbytes = sum(_frame_len(f) for f in frames)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        win = self.window(peer)
+        try:
+            held = await win.acquire(nbytes, budget)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise PeerUnreachable(f"node {self.node_id}: node {peer} took no more bulk bytes for "
+                                  f"{budget:g}s (flow-control window of {win.capacity} bytes full)",
+                                  peers=(peer,)) from None
+        try:
+            await self._shape_and_deliver(peer, route, max(0.0, deadline - loop.time()), frames, True)
+        finally:
+            win.release(held)
+
+    async def _shape_and_deliver(self, peer: int, route: Route, budget: float, frames: list[Any],
+                                 bulk: bool) -> None:
         if self.shaper is None:
-            await self._deliver(peer, route, budget, frames)
+            await self._deliver(peer, route, budget, frames, bulk=bulk)
             return
         # a shaped message leaves later: capture its bytes now, as a real NIC would
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in frames]
         await self.shaper.submit(peer, sum(_frame_len(f) for f in frames),
-                                 lambda: self._deliver(peer, route, budget, frames))
+                                 lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
+                                 control=not bulk, nic=route.local_nic)
 
-    async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any]) -> None:
+    async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
+                       bulk: bool = False) -> None:
         nbytes = sum(_frame_len(f) for f in frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
@@ -189,7 +240,7 @@ class Transport(ABC):
             if peer in self.dead:
                 raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
             try:
-                await self._transmit(peer, route, frames)
+                await self._transmit(peer, route, frames, bulk=bulk)
                 break
             except NotReady:
                 if time.monotonic() >= deadline:
@@ -213,6 +264,17 @@ class Transport(ABC):
         return await self.mailbox.get_prefix(prefix, self.default_timeout if timeout is None else timeout)
 
     # -- ingest --------------------------------------------------------------------------
+
+    def _mailbox_drop(self, msg: Message, reason: str) -> None:
+        """The mailbox dropped a queued or arriving message (budget, expiry, retired tag)."""
+        nic = msg.nic or ""
+        self.rejected[reason] += 1
+        if nic in self.nic_stats:
+            self.nic_stats[nic].rejected += 1
+        if (str(msg.src), reason) not in self._logged:
+            self._logged.add((str(msg.src), reason))
+            log.info("node %d: mailbox dropped message %r from node %d: %s (logged once per "
+                     "peer and reason)", self.node_id, msg.tag, msg.src, reason)
 
     def _reject(self, nic: str, peer: str, reason: str, detail: str) -> None:
         self.rejected[reason] += 1

@@ -1,7 +1,9 @@
 """In-memory transport with the same interface as :class:`ZmqEndpoint`, for unit tests of logic.
 
 Messages still go through the wire encoder and the strict decoder (payloads are copied, as a
-network would), so logic tested here sees exactly what it would see over ZeroMQ.
+network would), so logic tested here sees exactly what it would see over ZeroMQ. Flow-control
+windows, mailbox budgets and shaping (``transport.shaper``) work as for ZeroMQ; a send is
+handed off at once, so the control/bulk split only matters with a shaper.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ class MemoryHub:
 
 class MemoryTransport(Transport):
     def __init__(self, *, hub: MemoryHub, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
-                 default_timeout: float = 5.0) -> None:
+                 default_timeout: float = 5.0, **options: Any) -> None:
+        """``options``: the :class:`Transport` keywords (``window_bytes``, ``mailbox_budget_bytes``,
+        ``mailbox_ttl``, ``max_pending``, ``max_control_pending``)."""
         super().__init__(topology=hub.topology, node_id=node_id, limits=limits,
-                         default_timeout=default_timeout)
+                         default_timeout=default_timeout, **options)
         self.hub = hub
 
     async def start(self) -> None:
@@ -41,7 +45,8 @@ class MemoryTransport(Transport):
         if self.hub.endpoints.get(self.node_id) is self:
             del self.hub.endpoints[self.node_id]
 
-    async def _transmit(self, peer: int, route: Route, frames: list[Any]) -> None:
+    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+        # one medium for both classes: delivery is immediate, so control never waits for bulk
         target = self.hub.endpoints.get(peer)
         if target is None:
             raise NotReady

@@ -12,6 +12,21 @@ A :class:`Shaper` sits between :meth:`Transport.send` and the socket, per (src, 
   does); links never wait for each other and nothing blocks the event loop;
 * ``netem``: shaping done by the kernel (``p2psync.transport.netem``); no in-process shaper.
 
+Two traffic classes (issue 10 item 1, "control never waits behind bulk"). ``data`` messages
+(bulk) go through the token bucket(s) as above. Control messages (``rpc``, ``reply``, ``event``,
+``hb``; ``submit(..., control=True)``) have strict priority: they start serializing *now*, not
+behind the bulk already queued on the link, so they arrive after their own serialization time
+plus the link latency (and jitter, and loss). Their bytes are still charged to the bandwidth:
+they push the bulk schedule back by their serialization time, as a strict-priority qdisc would
+(the bulk message being serialized is "preempted": an error of at most one message's time,
+accepted for simplicity). Control has its own delivery queue per link: control keeps its order,
+data keeps its order, but a control message may overtake data (as it does on the separate
+ZeroMQ control connection).
+
+Bandwidth is modelled per link (``LinkSpec.bandwidth_bps``) and optionally per NIC
+(``nic_bandwidth_bps``: one bucket shared by every link leaving that NIC): a bulk message is
+done when both its link and its NIC have serialized it.
+
 Link parameters come from the topology's link attributes or a WAN profile
 (:func:`load_wan_profile`: regions and round-trip times; one-way = half).
 """
@@ -25,7 +40,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -62,58 +77,91 @@ Transmit = Callable[[], Awaitable[None]]
 
 class Shaper(ABC):
     @abstractmethod
-    async def submit(self, dst: int, nbytes: int, transmit: Transmit) -> None:
-        """Send ``nbytes`` to ``dst`` through the emulated link; ``transmit`` does the real send."""
+    async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
+                     nic: str | None = None) -> None:
+        """Send ``nbytes`` to ``dst`` through the emulated link; ``transmit`` does the real send.
+        Returns once the bytes are serialized (the sender's NIC is done with them).
+        ``control``: strict priority over bulk; ``nic``: the local NIC (per-NIC bandwidth)."""
 
     async def close(self) -> None:
         """Stop delivering (pending messages are dropped)."""
 
 
 @dataclass
-class _Link:
-    spec: LinkSpec
-    free_at: float = 0.0  # when the link has serialized everything accepted so far
+class _Lane:
+    """One traffic class of a link: ordered deliveries and their worker task."""
+
     last_delivery: float = 0.0
-    queue: deque[tuple[float, Transmit]] | None = None
+    queue: deque[tuple[float, Transmit]] = field(default_factory=deque)
     worker: asyncio.Task[None] | None = None
 
 
+@dataclass
+class _Link:
+    spec: LinkSpec
+    free_at: float = 0.0  # when the link has serialized everything (bulk) accepted so far
+    bulk: _Lane = field(default_factory=_Lane)
+    control: _Lane = field(default_factory=_Lane)
+
+
 class InprocShaper(Shaper):
-    def __init__(self, specs: Mapping[int, LinkSpec], *, seed: int = 0) -> None:
+    def __init__(self, specs: Mapping[int, LinkSpec], *, seed: int = 0,
+                 nic_bandwidth_bps: Mapping[str, float] | None = None) -> None:
         self.links = {dst: _Link(spec) for dst, spec in specs.items() if not spec.trivial}
         self.rng = random.Random(seed)
         self.dropped = 0
         self.delivered = 0
+        for name, bw in (nic_bandwidth_bps or {}).items():
+            if not bw > 0:
+                raise ConfigError(f"NIC {name}: bandwidth must be > 0 bits/s")
+        self.nic_bandwidth_bps = dict(nic_bandwidth_bps or {})
+        self._nic_free_at: dict[str, float] = {}
 
-    async def submit(self, dst: int, nbytes: int, transmit: Transmit) -> None:
+    async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
+                     nic: str | None = None) -> None:
         link = self.links.get(dst)
-        if link is None:
+        nic_bw = self.nic_bandwidth_bps.get(nic) if nic is not None else None
+        if link is None and nic_bw is None:
             await transmit()
             return
+        if link is None:
+            link = self.links[dst] = _Link(LinkSpec())
         loop = asyncio.get_running_loop()
         now = loop.time()
         s = link.spec
-        start = max(now, link.free_at)
-        done = start + (nbytes * 8 / s.bandwidth_bps if s.bandwidth_bps else 0.0)
-        link.free_at = done
+        ser = nbytes * 8 / s.bandwidth_bps if s.bandwidth_bps else 0.0
+        nic_ser = nbytes * 8 / nic_bw if nic_bw else 0.0
+        if control:
+            # strict priority: serialize now; the bulk schedule moves back by our share
+            done = now + max(ser, nic_ser)
+            link.free_at = max(link.free_at, now) + ser
+            if nic is not None and nic_bw:
+                self._nic_free_at[nic] = max(self._nic_free_at.get(nic, 0.0), now) + nic_ser
+        else:
+            done = max(now, link.free_at) + ser
+            link.free_at = done
+            if nic is not None and nic_bw:
+                nic_done = max(now, self._nic_free_at.get(nic, 0.0)) + nic_ser
+                self._nic_free_at[nic] = nic_done
+                done = max(done, nic_done)
         delay = s.latency_s
         if s.jitter_s:
             delay = max(0.0, delay + self.rng.uniform(-s.jitter_s, s.jitter_s))
         if s.loss and self.rng.random() < s.loss:
             delay += s.rto_s
-        deliver_at = max(done + delay, link.last_delivery)  # order-preserving per link
-        link.last_delivery = deliver_at
-        if link.queue is None:
-            link.queue = deque()
-        link.queue.append((deliver_at, transmit))
-        if link.worker is None or link.worker.done():
-            link.worker = asyncio.create_task(self._deliver(link), name=f"link-to-{dst}")
+        lane = link.control if control else link.bulk
+        deliver_at = max(done + delay, lane.last_delivery)  # order-preserving per lane
+        lane.last_delivery = deliver_at
+        lane.queue.append((deliver_at, transmit))
+        if lane.worker is None or lane.worker.done():
+            lane.worker = asyncio.create_task(
+                self._deliver(lane), name=f"link-to-{dst}-{'control' if control else 'bulk'}")
         if done > now:  # the sender's NIC is busy until its bytes are out
             await asyncio.sleep(done - now)
 
-    async def _deliver(self, link: _Link) -> None:
+    async def _deliver(self, lane: _Lane) -> None:
         loop = asyncio.get_running_loop()
-        q = link.queue
+        q = lane.queue
         while q:
             at, transmit = q[0]
             wait = at - loop.time()
@@ -129,15 +177,16 @@ class InprocShaper(Shaper):
 
     async def close(self) -> None:
         for link in self.links.values():
-            if link.worker is not None:
-                link.worker.cancel()
-                try:
-                    await link.worker
-                except (asyncio.CancelledError, Exception):
-                    pass
-            if link.queue:
-                self.dropped += len(link.queue)
-                link.queue.clear()
+            for lane in (link.control, link.bulk):
+                if lane.worker is not None:
+                    lane.worker.cancel()
+                    try:
+                        await lane.worker
+                    except (asyncio.CancelledError, Exception):
+                        pass
+                if lane.queue:
+                    self.dropped += len(lane.queue)
+                    lane.queue.clear()
 
 
 def load_wan_profile(path: str | Path, topo: Topology) -> dict[tuple[int, int], LinkSpec]:

@@ -20,6 +20,28 @@ each socket's file descriptor (``add_reader``) and the callback drains every wai
 ``NOBLOCK``; sends are ``NOBLOCK`` too. The descriptor is edge-triggered, so after every send the
 socket's ``EVENTS`` are checked again and a drain is scheduled when input is waiting. This avoids
 ``zmq.asyncio``'s per-message futures (about half the per-message cost).
+
+**Control channel** (issue 10 item 1). Control messages (``rpc``, ``reply``, ``event``, ``hb``)
+travel on a second TCP connection per pair and NIC, so they never queue behind tensor bytes in
+a ZeroMQ pipe or a kernel socket buffer. Choice: the lower id opens a *second* ROUTER socket per
+NIC (routing id ``"<node>/<nic>/c"``) that connects to the *same* port of the higher id's NIC
+socket; no second port is bound, so the topology format, port plans and firewalls are unchanged
+(a derived ``port + k`` would collide with the consecutive ports of multi-host plans). On the
+higher id, the NIC socket then holds two pipes from the lower id: ``"<lo>/<nic>"`` (bulk) and
+``"<lo>/<nic>/c"`` (control); ZeroMQ keeps one queue (and HWM) per pipe, sends to the ``/c``
+routing id use only the control connection, and its input is fair-queued per pipe, so a control
+message waits behind at most one bulk message per pipe on receive. Directions:
+
+* bulk, both ways: the NIC sockets, as before;
+* control lower -> higher: lower's control socket to ``"<hi>/<nic>"``;
+* control higher -> lower: higher's NIC socket to ``"<lo>/<nic>/c"``.
+
+Both connections are watched by the socket monitor (``down`` / ``control_down``).
+
+**Queues.** ``SocketOptions.sndhwm`` (bulk pipes) defaults to 64 messages (was 1000: 1000 x 1 MiB
+pieces could sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
+8 MiB; :mod:`p2psync.transport.flow`) bounds what waits to enter it. The control socket has its
+own ``control_sndhwm`` (1000 messages; control messages are small).
 """
 
 from __future__ import annotations
@@ -28,7 +50,7 @@ import asyncio
 import errno
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -43,13 +65,18 @@ log = logging.getLogger("p2psync.transport")
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
-_get_int = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+_get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+
+
+def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
+    return cast(int, _get(sock, opt))
 _DRAIN_BATCH = 256  # messages handled per callback before yielding to the loop
 
 
 @dataclass(frozen=True)
 class SocketOptions:
-    sndhwm: int = 1000
+    #: messages queued per bulk pipe before a send is retried (backpressure)
+    sndhwm: int = 64
     rcvhwm: int = 1000
     heartbeat_ivl_ms: int = 500
     heartbeat_timeout_ms: int = 2000
@@ -62,6 +89,13 @@ class SocketOptions:
     #: kernel socket buffer sizes in bytes (0: the OS default)
     sndbuf: int = 0
     rcvbuf: int = 0
+    #: send queue of the control socket (messages per pipe)
+    control_sndhwm: int = 1000
+
+
+def control_routing_id(node: int, nic: str) -> bytes:
+    """Routing id of the lower node's control socket on ``nic``."""
+    return f"{node}/{nic}/c".encode()
 
 
 def routing_id(node: int, nic: str) -> bytes:
@@ -71,83 +105,102 @@ def routing_id(node: int, nic: str) -> bytes:
 class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
-                 context: zmq.Context | None = None) -> None:
+                 context: "zmq.Context[Any] | None" = None, **transport_options: Any) -> None:
+        """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
+        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``)."""
         super().__init__(topology=topology, node_id=node_id, limits=limits,
-                         default_timeout=default_timeout)
+                         default_timeout=default_timeout, **transport_options)
         self.options = options
         self._own_ctx = context is None
         self._ctx = context
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: dict[str, "zmq.Socket[Any]"] = {}
         self._fds: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._monitors: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, "zmq.Socket[Any]"] = {}
+        self._ctl_socks: dict[str, "zmq.Socket[Any]"] = {}  # NIC -> control socket (to higher ids)
+        self._ctl_monitors: dict[str, "zmq.Socket[Any]"] = {}
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
         self.down: set[int] = set()  # peers whose connection (from our side) is down
+        self.control_down: set[int] = set()  # same for our control connections
         # routing ids of every NIC in the topology -> (node, label); anything else is unknown
         self._peers_by_rid = {routing_id(n.id, c.name): (n.id, f"{n.id}/{c.name}")
                               for n in topology.nodes for c in n.nics}
-        self._rid_cache: dict[tuple[int, str], bytes] = {}
+        self._peers_by_rid.update({control_routing_id(n.id, c.name): (n.id, f"{n.id}/{c.name}/c")
+                                   for n in topology.nodes for c in n.nics})
+        self._rid_cache: dict[tuple[int, str, bool], bytes] = {}
 
     async def start(self) -> None:
         if self._socks:
             return
         if self._ctx is None:
             self._ctx = zmq.Context(io_threads=self.options.io_threads)
+        ctx = self._ctx
         self._loop = asyncio.get_running_loop()
         o = self.options
         try:
             for nic in self.node.nics:
-                s = self._ctx.socket(zmq.ROUTER)
+                s = self._socket(ctx, routing_id(self.node_id, nic.name), o.sndhwm, bulk=True)
                 self._socks[nic.name] = s
-                s.setsockopt(zmq.ROUTING_ID, routing_id(self.node_id, nic.name))
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                s.setsockopt(zmq.SNDHWM, o.sndhwm)
-                s.setsockopt(zmq.RCVHWM, o.rcvhwm)
-                s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + 1024)
-                s.setsockopt(zmq.HEARTBEAT_IVL, o.heartbeat_ivl_ms)
-                s.setsockopt(zmq.HEARTBEAT_TIMEOUT, o.heartbeat_timeout_ms)
-                s.setsockopt(zmq.HEARTBEAT_TTL, o.heartbeat_timeout_ms)
-                s.setsockopt(zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
-                s.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_ivl_max_ms)
-                if o.sndbuf:
-                    s.setsockopt(zmq.SNDBUF, o.sndbuf)
-                if o.rcvbuf:
-                    s.setsockopt(zmq.RCVBUF, o.rcvbuf)
                 try:
                     s.bind(nic.endpoint)
                 except zmq.ZMQError as exc:
                     raise TransportError(
                         f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {exc.strerror}"
                     ) from None
+            events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             for nic in self.node.nics:
-                mon = None
                 for peer in self.topology.members(nic.network):
                     if peer > self.node_id:
-                        if mon is None:
-                            mon = self._socks[nic.name].get_monitor_socket(
-                                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-                            self._monitors[nic.name] = mon
+                        if nic.name not in self._monitors:
+                            self._monitors[nic.name] = self._socks[nic.name].get_monitor_socket(events)
+                            c = self._socket(ctx, control_routing_id(self.node_id, nic.name),
+                                             o.control_sndhwm, bulk=False)
+                            self._ctl_socks[nic.name] = c
+                            self._ctl_monitors[nic.name] = c.get_monitor_socket(events)
                         remote = next(c for c in self.topology.node(peer).nics if c.network == nic.network)
                         self._endpoint_peer[remote.endpoint] = peer
                         self._socks[nic.name].connect(remote.endpoint)
+                        self._ctl_socks[nic.name].connect(remote.endpoint)
         except BaseException:
             await self.close()
             raise
-        for name, s in self._socks.items():
-            fd = s.getsockopt(zmq.FD)
-            self._fds.append(fd)
-            self._loop.add_reader(fd, self._drain, name)
-            self._loop.call_soon(self._drain, name)
-        for name, mon in self._monitors.items():
-            fd = mon.getsockopt(zmq.FD)
-            self._fds.append(fd)
-            self._loop.add_reader(fd, self._watch, name)
-            self._loop.call_soon(self._watch, name)
+        for control, socks in ((True, self._ctl_socks), (False, self._socks)):
+            for name, s in socks.items():
+                fd = _get_int(s, zmq.FD)
+                self._fds.append(fd)
+                self._loop.add_reader(fd, self._drain, name, control)
+                self._loop.call_soon(self._drain, name, control)
+        for control, mons in ((True, self._ctl_monitors), (False, self._monitors)):
+            for name, mon in mons.items():
+                fd = _get_int(mon, zmq.FD)
+                self._fds.append(fd)
+                self._loop.add_reader(fd, self._watch, name, control)
+                self._loop.call_soon(self._watch, name, control)
 
-    def _watch(self, nic: str) -> None:
+    def _socket(self, ctx: "zmq.Context[Any]", rid: bytes, sndhwm: int, *, bulk: bool) -> "zmq.Socket[Any]":
+        o = self.options
+        s: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTING_ID, rid)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, sndhwm)
+        s.setsockopt(zmq.RCVHWM, o.rcvhwm)
+        s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + 1024)
+        s.setsockopt(zmq.HEARTBEAT_IVL, o.heartbeat_ivl_ms)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, o.heartbeat_timeout_ms)
+        s.setsockopt(zmq.HEARTBEAT_TTL, o.heartbeat_timeout_ms)
+        s.setsockopt(zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_ivl_max_ms)
+        if bulk and o.sndbuf:
+            s.setsockopt(zmq.SNDBUF, o.sndbuf)
+        if bulk and o.rcvbuf:
+            s.setsockopt(zmq.RCVBUF, o.rcvbuf)
+        return s
+
+    def _watch(self, nic: str, control: bool = False) -> None:
         """Connection events of our outgoing connections on ``nic`` (loop callback)."""
-        mon = self._monitors.get(nic)
+        mon = (self._ctl_monitors if control else self._monitors).get(nic)
+        down = self.control_down if control else self.down
         while mon is not None and not mon.closed:
             try:
                 if not _get_int(mon, _EVENTS) & _POLLIN:
@@ -159,13 +212,13 @@ class ZmqEndpoint(Transport):
             if peer is None:
                 continue
             if ev["event"] == zmq.EVENT_DISCONNECTED:
-                self.down.add(peer)
+                down.add(peer)
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.down.discard(peer)
+                down.discard(peer)
 
-    def _drain(self, nic: str) -> None:
+    def _drain(self, nic: str, control: bool = False) -> None:
         """Receive every message waiting on ``nic``'s socket (loop callback; never raises)."""
-        sock = self._socks.get(nic)
+        sock = (self._ctl_socks if control else self._socks).get(nic)
         if sock is None:
             return
         for _ in range(_DRAIN_BATCH):
@@ -186,18 +239,20 @@ class ZmqEndpoint(Transport):
             else:
                 self._ingest(nic, known[0], known[1], [f.buffer for f in frames[1:]])
         if self._loop is not None:  # more may be waiting: continue after other callbacks ran
-            self._loop.call_soon(self._drain, nic)
+            self._loop.call_soon(self._drain, nic, control)
 
-    async def _transmit(self, peer: int, route: Route, frames: list[Any]) -> None:
-        sock = self._socks.get(route.local_nic)
+    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+        own_ctl = not bulk and peer > self.node_id  # control to a higher id: our control socket
+        sock = (self._ctl_socks if own_ctl else self._socks).get(route.local_nic)
         if sock is None:
             raise TransportError("endpoint is not started")
-        if peer in self.down:
+        if peer in (self.control_down if own_ctl else self.down):
             raise NotReady
-        key = (peer, route.remote_nic)
+        to_ctl = not bulk and peer < self.node_id  # control to a lower id: its control pipe
+        key = (peer, route.remote_nic, to_ctl)
         rid = self._rid_cache.get(key)
         if rid is None:
-            rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
+            rid = self._rid_cache[key] = (control_routing_id if to_ctl else routing_id)(peer, route.remote_nic)
         try:
             sock.send_multipart([rid, *frames], _NOBLOCK, copy=False)
         except zmq.Again:
@@ -209,7 +264,7 @@ class ZmqEndpoint(Transport):
         finally:
             # the FD is edge-triggered: a send may have consumed the readable edge
             if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
-                self._loop.call_soon(self._drain, route.local_nic)
+                self._loop.call_soon(self._drain, route.local_nic, own_ctl)
 
     async def close(self) -> None:
         await self._drain_relays()
@@ -219,13 +274,15 @@ class ZmqEndpoint(Transport):
             for fd in self._fds:
                 self._loop.remove_reader(fd)
         self._fds.clear()
-        for nic, s in self._socks.items():
-            if nic in self._monitors:
-                s.disable_monitor()
-                self._monitors[nic].close(linger=0)
-        self._monitors.clear()
-        for s in self._socks.values():
+        for socks, mons in ((self._socks, self._monitors), (self._ctl_socks, self._ctl_monitors)):
+            for nic, s in socks.items():
+                if nic in mons:
+                    s.disable_monitor()
+                    mons[nic].close(linger=0)
+            mons.clear()
+        for s in [*self._ctl_socks.values(), *self._socks.values()]:
             s.close(linger=self.options.close_linger_ms)
+        self._ctl_socks.clear()
         self._socks.clear()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
