@@ -1,10 +1,14 @@
 """SSGD vs ASGD vs ESync on a heterogeneous 4-node cluster, same data, model and budget.
 
-    python -m bench.hetero [--seconds 40] [--target 0.9] [--base 0.02]
+    python -m bench.hetero [--seconds 40] [--target 0.9] [--base 0.02] [--modes wait compute]
 
 Every run goes through the CLI (``p2psync run``: one process per node). Devices are emulated
 with fixed step times in the ratio 1 : 1 : 2 : 8 (``--step-time``; base ``--base`` seconds),
-so compute dominates as on real heterogeneous GPUs and runs are repeatable. Each strategy is
+so compute dominates as on real heterogeneous GPUs and runs are repeatable. Each configuration
+runs in both ``--slowdown-mode``s: ``wait`` (the slow device's extra time is idle, CPU free)
+and ``compute`` (the extra time is real matrix products on the node's compute thread, so slow
+devices also cost CPU on this machine's shared cores, and an iteration that is abandoned
+really has to be cut short). Each strategy is
 run on loopback and again with the four-region WAN profile (in-process shaper). Reported: time
 to ``--target`` test accuracy (every node there), final accuracy, samples/s, bytes sent, and
 blocking time at the barrier per round (ESync) / per step (SSGD).
@@ -29,13 +33,13 @@ from p2psync.training.metrics import bytes_sent
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool) -> dict[str, Any]:
-    run_id = f"{strategy}-{'wan' if wan else 'lan'}"
+def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str) -> dict[str, Any]:
+    run_id = f"{strategy}-{'wan' if wan else 'lan'}-{mode}"
     b = args.base
     cmd = [sys.executable, "-m", "p2psync", "run", str(ROOT / "topologies" / "ring-4.json"),
            "--strategy", strategy, "--time", str(args.seconds), "--out", str(out), "--run-id", run_id,
            "--step-time", f"0:{b},1:{b},2:{2 * b},3:{8 * b}", "--lr", str(args.lr),
-           "--eval-every", "1" if strategy == "esync" else "5", "--no-progress"]
+           "--eval-every", "1" if strategy == "esync" else "5", "--no-progress", "--slowdown-mode", mode]
     if wan:
         cmd += ["--shaper", "inproc", "--wan", str(ROOT / "topologies" / "wan-4-regions.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 120)
@@ -56,7 +60,7 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool) -> dict[s
         block = list(comm)
     block = [v for v in block if v is not None]
     return {
-        "strategy": strategy, "net": "WAN" if wan else "loopback", "to_target": max(reach),
+        "strategy": strategy, "net": "WAN" if wan else "loopback", "mode": mode, "to_target": max(reach),
         "final_acc": float(np.mean([f["accuracy"] for f in final])),
         "samples_per_s": sum(x["samples_per_s"] for x in last),
         "bytes_sent": sum(bytes_sent(x) for x in last),
@@ -73,43 +77,49 @@ def main() -> None:
     ap.add_argument("--base", type=float, default=0.02, help="fast device step time (s)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--strategies", nargs="+", default=["ssgd", "asgd", "esync"])
+    ap.add_argument("--modes", nargs="+", default=["wait", "compute"], choices=["wait", "compute"])
+    ap.add_argument("--nets", nargs="+", default=["loopback", "WAN"], choices=["loopback", "WAN"])
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="p2psync-hetero-"))
     results = []
     try:
-        for wan in (False, True):
-            for s in args.strategies:
-                res = run(s, out, args, wan)
-                results.append(res)
-                print(f"  {res['net']} {s}: target at {res['to_target']:.1f}s, final {res['final_acc']:.4f}",
-                      flush=True)
+        for mode in args.modes:
+            for net in args.nets:
+                for s in args.strategies:
+                    res = run(s, out, args, net == "WAN", mode)
+                    results.append(res)
+                    print(f"  {mode} {res['net']} {s}: target at {res['to_target']:.1f}s, "
+                          f"final {res['final_acc']:.4f}", flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     rows = []
     for r in results:
-        base = next(x for x in results if x["net"] == r["net"] and x["strategy"] == "ssgd")
-        speed = base["to_target"] / r["to_target"] if np.isfinite(r["to_target"]) else 0.0
-        rows.append([r["net"], r["strategy"], f"{r['to_target']:.1f}", f"{speed:.2f}x", f"{r['final_acc']:.4f}",
+        base = next((x for x in results if x["net"] == r["net"] and x["mode"] == r["mode"]
+                     and x["strategy"] == "ssgd"), None)
+        speed = base["to_target"] / r["to_target"] if base and np.isfinite(r["to_target"]) else 0.0
+        rows.append([r["mode"], r["net"], r["strategy"], f"{r['to_target']:.1f}", f"{speed:.2f}x", f"{r['final_acc']:.4f}",
                      f"{r['samples_per_s']:.0f}", f"{r['bytes_sent'] / 1e6:.1f}", f"{r['blocking_s'] * 1e3:.1f}",
                      "/".join(f"{v:.1f}" for v in r["n_local"])])
     print(f"\n## Heterogeneous cluster (step times 1:1:2:8 x {args.base}s), {args.seconds:g}s budget, "
           f"target accuracy {args.target}\n")
-    print(markdown_table(["network", "strategy", f"s to {args.target}", "speed-up vs ssgd", "final acc",
+    print(markdown_table(["slowdown", "network", "strategy", f"s to {args.target}", "speed-up vs ssgd", "final acc",
                           "samples/s", "MB sent", "blocking ms", "local iters/round"], rows))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, net in zip(axes, ("loopback", "WAN")):
-        for r in results:
-            if r["net"] == net:
-                t, a = zip(*r["curve"]) if r["curve"] else ((), ())
-                ax.plot(t, a, label=r["strategy"])
-        ax.axhline(args.target, color="grey", lw=0.5, ls="--")
-        ax.set_title(f"{net}: slowdowns 1,1,2,8")
-        ax.set_xlabel("wall time (s)")
-    axes[0].set_ylabel("test accuracy (node 0)")
-    axes[0].legend()
+    fig, axes = plt.subplots(len(args.modes), len(args.nets), figsize=(5.5 * len(args.nets), 4 * len(args.modes)),
+                             sharey=True, squeeze=False)
+    for row, mode in zip(axes, args.modes):
+        for ax, net in zip(row, args.nets):
+            for r in results:
+                if r["net"] == net and r["mode"] == mode:
+                    t, a = zip(*r["curve"]) if r["curve"] else ((), ())
+                    ax.plot(t, a, label=r["strategy"])
+            ax.axhline(args.target, color="grey", lw=0.5, ls="--")
+            ax.set_title(f"{net}, slowdown by {mode}: 1,1,2,8")
+            ax.set_xlabel("wall time (s)")
+        row[0].set_ylabel("test accuracy (node 0)")
+    axes[0][0].legend()
     print("\nplot:", save_png(fig, "hetero.png"))
 
 
