@@ -151,7 +151,7 @@ class PeerDetector:
         return max(self.params.floor, hi, 2 * self.srtt + 4 * self.rttvar)
 
     def suspect(self, now: float) -> bool:
-        return now - self.last >= self.timeout()
+        return now - self.last > self.timeout()
 
 
 class FailureDetector:
