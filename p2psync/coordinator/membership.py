@@ -213,9 +213,10 @@ class MembershipService:
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
-        ok = isinstance(srtt, float) and isinstance(rttvar, float)
-        self.state.heartbeat(caller, time.monotonic(), srtt=srtt if ok else None,  # type: ignore[arg-type]
-                             rttvar=rttvar if ok else 0.0)  # type: ignore[arg-type]
+        if isinstance(srtt, float) and isinstance(rttvar, float):
+            self.state.heartbeat(caller, time.monotonic(), srtt=srtt, rttvar=rttvar)
+        else:
+            self.state.heartbeat(caller, time.monotonic())
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
