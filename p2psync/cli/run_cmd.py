@@ -94,9 +94,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for every node to join")
     p.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                    help="seconds any wait on a peer may take")
-    p.add_argument("--heartbeat", type=float, default=d.heartbeat, help="heartbeat interval (s)")
+    p.add_argument("--heartbeat", type=float, default=d.heartbeat,
+                   help="heartbeat interval (s); heartbeats are pipelined, their RPC timeouts follow "
+                        "the measured RTT")
     p.add_argument("--failure-timeout", type=float, default=d.failure_timeout,
-                   help="silence (s) after which a node is declared failed")
+                   help="failure detector floor: a node is never declared failed after less silence "
+                        "than this (s); slow or jittery links wait longer (phi accrual + RTT)")
+    p.add_argument("--phi-threshold", type=float, default=d.phi_threshold,
+                   help="phi-accrual suspicion level (-log10 of the probability that a live node "
+                        "is this late); higher = fewer false failures, slower detection")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run)
 
@@ -125,8 +131,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         eval_seconds=args.eval_seconds, out=args.out,
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
-        failure_timeout=args.failure_timeout, shaper=args.shaper, wan=args.wan, slowdown=args.slowdown,
-        slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
+        failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
+        wan=args.wan, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress)

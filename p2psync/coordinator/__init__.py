@@ -3,5 +3,7 @@
 from p2psync.coordinator.membership import (MembershipClient, MembershipService,
                                             MembershipState)
 from p2psync.coordinator.rpc import RpcClient, RpcServer
+from p2psync.coordinator.views import View, ViewTracker
 
-__all__ = ["MembershipClient", "MembershipService", "MembershipState", "RpcClient", "RpcServer"]
+__all__ = ["MembershipClient", "MembershipService", "MembershipState", "RpcClient", "RpcServer", "View",
+           "ViewTracker"]

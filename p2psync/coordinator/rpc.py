@@ -7,6 +7,18 @@ transport. A call to the local node runs the handler in-process. A call that fai
 retires its reply tag in the mailbox, so a reply that comes late is dropped (counted as
 ``retired``) instead of piling up. Handlers may wait (long
 polls such as a rendezvous): each request runs in its own task.
+
+End-to-end delivery (issue 10): a relayed request or reply can be lost when a relay dies. The
+client therefore resends a request that got no reply within the retransmission timeout
+(:class:`~p2psync.coordinator.detector.RttEstimator`, RFC 6298, per destination; doubled on
+every retry) until the call's own timeout, each attempt relayed through the next candidate first
+hop (:meth:`Transport.send_control`); the first hop that worked last time is tried first next
+time. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
+request still running is dropped (its reply goes out when done, over the routes live then), a
+duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
+per request. RTT samples come from first-attempt replies only (Karn), and only from calls made
+with ``measure=True`` (long polls would distort them). A reply that arrives after its call gave
+up is dropped on arrival (its tag is retired).
 """
 
 from __future__ import annotations
@@ -14,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.errors import P2PSyncError, PeerTimeout, RemoteError, TransportError
+from p2psync.coordinator.detector import RttEstimator
+from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, RemoteError, TransportError
 from p2psync.transport import Transport
 from p2psync.wire import Message
 
@@ -28,6 +42,8 @@ log = logging.getLogger("p2psync.rpc")
 Handler = Callable[[int, Mapping[str, Any], Sequence[np.ndarray]], Awaitable[Any]]
 
 CALL_TAG = "rpc.call"
+#: finished requests whose replies are kept for duplicates
+REPLY_CACHE = 1024
 
 
 class RpcServer:
@@ -37,6 +53,9 @@ class RpcServer:
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.bad_requests = 0
+        self.duplicates = 0
+        #: (caller, incarnation, request id) -> reply (None while the handler runs)
+        self._seen: OrderedDict[tuple[int, int, int], dict[str, Any] | None] = OrderedDict()
 
     def register(self, method: str, handler: Handler) -> None:
         if method in self.handlers:
@@ -71,6 +90,31 @@ class RpcServer:
             self.bad_requests += 1
             log.warning("node %d: malformed RPC request from node %d", self.transport.node_id, msg.src)
             return
+        key = (msg.src, msg.header.inc, rid)
+        if key in self._seen:
+            self.duplicates += 1
+            cached = self._seen[key]
+            if cached is not None:  # finished: its reply may have been lost, send it again
+                await self._reply(msg.src, rid, cached)
+            return
+        self._seen[key] = None
+        reply = await self._run(msg, method, args)
+        self._seen[key] = reply
+        while len(self._seen) > REPLY_CACHE:
+            k, v = next(iter(self._seen.items()))
+            if v is None:  # still running: keep (running requests are few)
+                self._seen.move_to_end(k)
+                break
+            self._seen.popitem(last=False)
+        await self._reply(msg.src, rid, reply)
+
+    async def _reply(self, dst: int, rid: int, reply: dict[str, Any]) -> None:
+        try:
+            await self.transport.send(dst, f"rpc.ret.{rid}", kind="reply", meta=reply, timeout=10.0)
+        except P2PSyncError as exc:
+            log.info("node %d: could not reply to node %d: %s", self.transport.node_id, dst, exc)
+
+    async def _run(self, msg: Message, method: str, args: Mapping[str, Any]) -> dict[str, Any]:
         try:
             reply: dict[str, Any] = {"ok": await self.invoke(msg.src, method, args, msg.arrays)}
         except RemoteError as exc:
@@ -82,10 +126,7 @@ class RpcServer:
         except Exception as exc:  # a handler bug must not kill the server
             log.exception("RPC handler %s failed", method)
             reply = {"err": {"kind": "InternalError", "message": repr(exc)[:500]}}
-        try:
-            await self.transport.send(msg.src, f"rpc.ret.{rid}", kind="reply", meta=reply, timeout=10.0)
-        except P2PSyncError as exc:
-            log.info("node %d: could not reply to node %d: %s", self.transport.node_id, msg.src, exc)
+        return reply
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop serving; replies already being computed get ``grace`` seconds to go out."""
@@ -110,28 +151,65 @@ class RpcClient:
         self.transport = transport
         self.local = local
         self._ids = itertools.count(1)
+        self.rtt: dict[int, RttEstimator] = {}
+        self._path: dict[int, int] = {}  # destination -> attempt index (first hop) that worked
+        self.retries = 0
+
+    def estimator(self, node: int) -> RttEstimator:
+        est = self.rtt.get(node)
+        if est is None:
+            est = self.rtt[node] = RttEstimator()
+        return est
 
     async def call(self, node: int, method: str, args: Mapping[str, Any] | None = None, *,
-                   arrays: Sequence[Any] = (), timeout: float = 10.0) -> Any:
-        """Call ``method`` on ``node``; raises RemoteError, PeerTimeout or PeerUnreachable."""
+                   arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False) -> Any:
+        """Call ``method`` on ``node``; raises RemoteError, PeerTimeout or PeerUnreachable.
+
+        Resent (over another first hop when relayed) after every retransmission timeout until
+        ``timeout``; ``measure``: feed the round trip to the RTT estimate (quick handlers only)."""
         args = dict(args or {})
         if node == self.transport.node_id and self.local is not None:
             return await asyncio.wait_for(
                 self.local.invoke(node, method, args, [np.asarray(a) for a in arrays]), timeout)
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        t0 = loop.time()
+        deadline = t0 + timeout
+        est = self.estimator(node)
+        rto = est.rto()
+        first = self._path.get(node, 0)
+        meta = {"id": rid, "method": method, "args": args}
         tag = f"rpc.ret.{rid}"
         try:
-            await self.transport.send(node, CALL_TAG, arrays, kind="rpc",
-                                      meta={"id": rid, "method": method, "args": args}, timeout=timeout)
-            rep = await self.transport.recv(tag, timeout=max(0.0, deadline - loop.time()))
-        except PeerTimeout:
-            self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
-            raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
+            attempt = 0
+            while True:
+                sent_at = loop.time()
+                try:
+                    await self.transport.send_control(node, CALL_TAG, kind="rpc", meta=meta, arrays=arrays,
+                                                      timeout=max(0.0, deadline - sent_at),
+                                                      attempt=first + attempt)
+                except PeerFailure:
+                    if loop.time() >= deadline or node in self.transport.dead:
+                        raise
+                wait = min(rto, deadline - loop.time())
+                try:
+                    rep = await self.transport.recv(tag, timeout=max(0.0, wait))
+                    break
+                except PeerTimeout:
+                    if loop.time() >= deadline:
+                        self._path[node] = first + attempt + 1  # try another first hop next time
+                        raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
+                attempt += 1
+                self.retries += 1
+                rto = min(est.max_rto, rto * 2)
         except BaseException:
-            self.transport.mailbox.retire(tag, exact=True)
+            self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
             raise
+        if attempt == 0 and measure:
+            est.sample(loop.time() - sent_at)
+        elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival
+            self.transport.mailbox.retire(tag, exact=True)
+        self._path[node] = first + attempt
         if "err" in rep.meta:
             err = rep.meta["err"]
             raise RemoteError(str(err.get("kind", "Error")), str(err.get("message", "")))

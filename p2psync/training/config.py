@@ -45,6 +45,7 @@ class RunConfig:
     peer_timeout: float = 30.0
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
+    phi_threshold: float = 8.0
     shaper: str = "none"
     wan: str | None = None
     slowdown: str = ""
@@ -69,7 +70,7 @@ class RunConfig:
         for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
-                     "failure_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node",
+                     "failure_timeout", "phi_threshold", "dirichlet_alpha", "synthetic_size", "shards_per_node",
                      "piece_kib"):
             positive(name, allow_none=False)
         if not 0 <= self.momentum < 1:

@@ -10,6 +10,7 @@ run's ``summary.json``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.strategies.base import StrategyContext, get_strategy
-from p2psync.topology import Topology, load
+from p2psync.topology import Topology, load, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.training.data import load_dataset
 from p2psync.training.hetero import parse_profiles
@@ -46,6 +47,20 @@ def relays_for_others(topo: Topology, node_id: int) -> bool:
     """True when a neighbour of ``node_id`` reaches the coordinator only through relays."""
     c = topo.coordinator
     return any(nb != c and not topo.routes(nb, c) for nb in topo.neighbors(node_id))
+
+
+def wire_run_id(topo: Topology, run_id: str | None) -> int:
+    """The run id every header carries: 64 bits of SHA-256 over the topology and ``--run-id``.
+
+    Every node of a run derives the same value with no extra round trip: the launcher passes
+    the same ``--run-id`` to all its nodes, and multi-host runs must pass the same ``--run-id``
+    on every host (without one, the id depends on the topology only, and consecutive runs on
+    the same ports are told apart by the incarnations alone). The options are deliberately left
+    out: a node started with different options must still reach the coordinator, which rejects
+    it with a clear "different configuration" error instead of a silent ``wrong_run`` drop."""
+    blob = json.dumps({"topology": topology_to_dict(topo), "run": run_id or ""}, sort_keys=True,
+                      default=str).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little")
 
 
 def default_run_id(topo: Topology, strategy: str) -> str:
@@ -97,10 +112,12 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         load_wan_profile(cfg.wan, topo)  # validate before starting anything
     transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
     transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed)
+    transport.run_id = wire_run_id(topo, cfg.run_id)
     server = RpcServer(transport)
     rpc = RpcClient(transport, local=server)
     membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator,
-                                  heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout)
+                                  heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
+                                  phi_threshold=cfg.phi_threshold)
     service = None
     metrics = None
     strategy = None
@@ -109,7 +126,8 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         if node_id == topo.coordinator:
             service = MembershipService(
                 server=server, expected=topo.ids, start_timeout=cfg.start_timeout,
-                failure_timeout=cfg.failure_timeout,
+                failure_timeout=cfg.failure_timeout, heartbeat_interval=cfg.heartbeat,
+                phi_threshold=cfg.phi_threshold,
                 run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
             service.start()
             strategy_cls.coordinator_services(server, topo, dict(cfg.strategy_options))

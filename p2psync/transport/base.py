@@ -5,10 +5,22 @@ layer and hands it to the subclass, retrying while the peer is not (yet) reachab
 timeout runs out; ``recv``/``recv_any`` wait on the mailbox.
 
 Control messages (``rpc``, ``reply``, ``event``, ``hb``) to a node that is not adjacent are
-relayed hop by hop along shortest paths of the topology, avoiding nodes known to be dead
-(:meth:`Transport.mark_dead`); tensors (``data``) only ever go to adjacent peers. Incoming frames go through
-:meth:`Transport._ingest`, which decodes strictly, rejects and counts bad messages (logged once
-per peer and reason) and never raises.
+relayed hop by hop along shortest paths of the topology **over live nodes only**: the distance
+cache is computed on the graph without the nodes marked dead (:meth:`Transport.mark_dead`) and
+is dropped whenever that set changes (``mark_dead`` / :meth:`Transport.revive`). A relay first
+tries every candidate next hop once without waiting (a neighbour whose connection is gone is
+skipped at once), then shares the budget among them. Callers that need end-to-end delivery
+(the RPC client) retry over the next candidate path with :meth:`Transport.send_control`
+(``attempt`` rotates the first hop); tensors (``data``) only ever go to adjacent peers.
+
+Incoming frames go through :meth:`Transport._ingest`, which decodes strictly, rejects and counts
+bad messages (logged once per peer and reason) and never raises. Every header carries the run id
+and the sender's incarnation: traffic of another run (``wrong_run``) or of an older incarnation
+of a node than the one the membership registered (``stale_incarnation``,
+:attr:`Transport.peer_incarnations`) is rejected, counted in :attr:`Transport.rejected` and never
+delivered nor relayed. Any accepted message is proof of life of its origin (and of the
+neighbour that handed it over): :attr:`Transport.last_arrival` keeps the monotonic arrival time
+per node, which the failure detectors read (one dict store per message).
 
 Control never waits behind bulk (issue 10 item 1): ``send`` marks ``data`` messages as *bulk*
 and everything else as control. Bulk sends take bytes from the peer's flow-control window
@@ -36,6 +48,7 @@ from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.shaping import Shaper
 from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
                           encode)
+from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
 
@@ -86,6 +99,14 @@ class Transport(ABC):
         self._relay_tasks: set[asyncio.Task[None]] = set()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = None
+        #: run id stamped on every header and required on every incoming one (set before start)
+        self.run_id = 0
+        #: this process's incarnation: its start time in ns (a restarted node has a larger one)
+        self.incarnation = time.time_ns() & MAX_U64
+        #: registered incarnation per node (set by the membership); older ones are rejected
+        self.peer_incarnations: dict[int, int] = {}
+        #: node -> monotonic time its latest accepted message arrived (proof of life)
+        self.last_arrival: dict[int, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -122,29 +143,63 @@ class Transport(ABC):
 
     def mark_dead(self, peer: int) -> None:
         """``peer`` failed: sends to it fail at once (also those already retrying), and control
-        traffic is routed around it."""
-        self.dead.add(peer)
+        traffic is routed around it (routes are recomputed over the live nodes)."""
+        if peer not in self.dead:
+            self.dead.add(peer)
+            self._dist.clear()
+
+    def revive(self, peer: int) -> None:
+        """``peer`` is a member again (a new view): route through it again."""
+        if peer in self.dead:
+            self.dead.discard(peer)
+            self._dist.clear()
 
     def _distances(self, src: int) -> dict[int, int]:
+        """Hop counts from ``src`` over the live nodes (dead ones are not traversed)."""
         if src not in self._dist:
-            dist = {src: 0}
-            frontier = [src]
+            dist: dict[int, int] = {} if src in self.dead else {src: 0}
+            frontier = list(dist)
             while frontier:
                 nxt = []
                 for a in frontier:
                     for b in self.topology.neighbors(a):
-                        if b not in dist:
+                        if b not in dist and b not in self.dead:
                             dist[b] = dist[a] + 1
                             nxt.append(b)
                 frontier = nxt
             self._dist[src] = dist
         return self._dist[src]
 
-    def next_hops(self, dst: int, *, exclude: int | None = None) -> list[int]:
-        """Neighbours to relay through towards ``dst``: shortest-path ones first, alive only."""
+    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
+        """Neighbours to relay through towards ``dst``: shortest live path first, alive only.
+
+        ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over another
+        first hop)."""
         cands = [b for b in self.topology.neighbors(self.node_id)
                  if b not in self.dead and b != exclude and dst in self._distances(b)]
-        return sorted(cands, key=lambda b: (self._distances(b)[dst], b))
+        cands.sort(key=lambda b: (self._distances(b)[dst], b))
+        if rotate and cands:
+            k = rotate % len(cands)
+            cands = cands[k:] + cands[:k]
+        return cands
+
+    async def send_control(self, peer: int, tag: str, *, kind: str, meta: Mapping[str, Any] | None = None,
+                           arrays: Sequence[Any] = (), timeout: float | None = None,
+                           attempt: int = 0) -> None:
+        """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
+        the k-th candidate first hop (so a retry goes around a relay that died)."""
+        if kind not in RELAY_KINDS:
+            raise ValueError(f"{kind!r} is not a control kind")
+        if attempt == 0 or peer == self.node_id or peer not in self.topology.ids \
+                or self.topology.routes(self.node_id, peer):
+            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout)
+            return
+        if self._closed:
+            raise TransportError("transport is closed")
+        budget = self.default_timeout if timeout is None else timeout
+        await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=0, arrays=arrays,
+                          codecs=None, meta=meta, run=self.run_id, inc=self.incarnation),
+                          budget, rotate=attempt)
 
     # -- send / receive ------------------------------------------------------------------
 
@@ -169,26 +224,29 @@ class Transport(ABC):
         if kind in RELAY_KINDS and nic is None and peer != self.node_id \
                 and peer in self.topology.ids and not self.topology.routes(self.node_id, peer):
             await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
-                              arrays=arrays, codecs=codecs, meta=meta), budget)
+                              arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
+                              inc=self.incarnation), budget)
             return
         await self._send_direct(peer, self.route(peer, nic), budget, encode(
-            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta),
-            bulk=kind not in RELAY_KINDS)
+            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
+            run=self.run_id, inc=self.incarnation), bulk=kind not in RELAY_KINDS)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
-                     budget: float, came_from: int | None = None) -> None:
-        hops_list = self.next_hops(dst, exclude=came_from)
+                     budget: float, came_from: int | None = None, rotate: int = 0) -> None:
+        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         frames = encode(src=origin, dst=dst, hops=hops, **fields)
-        share = budget / len(hops_list)
         last: PeerFailure | None = None
-        for nb in hops_list:
-            try:
-                await self._send_direct(nb, self.route(nb), share, frames)
-                return
-            except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
-                last = exc
+        # first pass: one immediate try per hop, so a neighbour whose connection is gone (a
+        # relay that died but is not yet declared dead) costs nothing; then share the budget
+        for share in (0.0, budget / len(hops_list)):
+            for nb in hops_list:
+                try:
+                    await self._send_direct(nb, self.route(nb), share, frames)
+                    return
+                except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
+                    last = exc
         raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
     def window(self, peer: int) -> ByteWindow:
@@ -299,6 +357,16 @@ class Transport(ABC):
             h = msg.header
             if h.src != peer_id and (h.dst is None or h.hops == 0):
                 raise ProtocolError("src_mismatch", f"header src {h.src} on connection of {peer_id}")
+            if h.run != self.run_id:
+                raise ProtocolError("wrong_run", f"run id {h.run:#x} is not this run's ({self.run_id:#x})")
+            known = self.peer_incarnations.get(h.src)
+            if known is not None and h.inc < known:
+                raise ProtocolError("stale_incarnation",
+                                    f"node {h.src} incarnation {h.inc} < registered {known}")
+            now = time.monotonic()
+            self.last_arrival[h.src] = now
+            if peer_id != h.src:
+                self.last_arrival[peer_id] = now
             msg.nic = nic
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
@@ -316,7 +384,7 @@ class Transport(ABC):
         if h.dst not in self.topology.ids:
             raise ProtocolError("relay", f"unknown destination {h.dst}")
         fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
-                      codecs=[f.codec for f in h.frames], meta=h.meta)
+                      codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc)
 
         async def go() -> None:
             try:

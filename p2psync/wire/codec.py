@@ -25,6 +25,7 @@ from p2psync.wire.schema import (
     HEADER_KEYS_REQUIRED,
     KINDS,
     MAX_HOPS,
+    MAX_U64,
     RELAY_KINDS,
     SCHEMA_VERSION,
     FrameSpec,
@@ -104,12 +105,22 @@ def encode(
     meta: Mapping[str, Any] | None = None,
     dst: int | None = None,
     hops: int = 0,
+    run: int = 0,
+    inc: int = 0,
 ) -> list[Buffer]:
-    """Build the frames of one message. Raises ``ValueError`` for a bad local argument."""
+    """Build the frames of one message. Raises ``ValueError`` for a bad local argument.
+
+    ``run``/``inc``: the run id and the sender's incarnation (unsigned 64-bit); a transport
+    always passes its own (see :class:`p2psync.transport.base.Transport`).
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
     if not valid_tag(tag):
         raise ValueError(f"bad tag {tag!r}")
+    if type(run) is not int or not 0 <= run <= MAX_U64:
+        raise ValueError(f"run id must be an unsigned 64-bit int, got {run!r}")
+    if type(inc) is not int or not 0 <= inc <= MAX_U64:
+        raise ValueError(f"incarnation must be an unsigned 64-bit int, got {inc!r}")
     if codecs is not None and len(codecs) != len(arrays):
         raise ValueError("codecs must have one entry per array")
     payload: list[Buffer] = []
@@ -127,6 +138,8 @@ def encode(
         "src": int(src),
         "tag": tag,
         "step": int(step),
+        "run": run,
+        "inc": inc,
         "frames": specs,
     }
     if meta:
@@ -238,6 +251,12 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     step = obj["step"]
     if not _is_int(step) or not -limits.max_step <= step <= limits.max_step:
         raise ProtocolError("step", f"bad step {step!r}"[:100])
+    run = obj["run"]
+    if not _is_int(run) or not 0 <= run <= MAX_U64:
+        raise ProtocolError("run", f"bad run id {run!r}"[:100])
+    inc = obj["inc"]
+    if not _is_int(inc) or not 0 <= inc <= MAX_U64:
+        raise ProtocolError("incarnation", f"bad incarnation {inc!r}"[:100])
     frames = obj["frames"]
     if not isinstance(frames, list) or len(frames) > limits.max_frames:
         raise ProtocolError("frames", f"frames must be a list of <= {limits.max_frames}")
@@ -260,7 +279,7 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
         if kind not in RELAY_KINDS:
             raise ProtocolError("relay", f"{kind} messages are never relayed")
     return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta,
-                  dst=dst, hops=hops)
+                  dst=dst, hops=hops, run=run, inc=inc)
 
 
 def _frame_len(buf: Any) -> int:

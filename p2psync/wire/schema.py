@@ -3,11 +3,20 @@
 A message is multipart: ``[header, payload_0, ..., payload_{k-1}]``. The header is a msgpack
 map with exactly these keys (``meta`` optional)::
 
-    {"v": 1, "kind": str, "src": int, "tag": str, "step": int,
+    {"v": 2, "kind": str, "src": int, "tag": str, "step": int, "run": int, "inc": int,
      "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value},
      "dst": int, "hops": int}
 
 ``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent.
+
+Version 2 (issue 10) added the required keys ``run`` and ``inc``: the run id (an unsigned
+64-bit integer every node of one run derives the same way, see
+:func:`p2psync.training.node.wire_run_id`) and the sender's incarnation (an unsigned 64-bit
+integer, the process start time in ns, so a restarted node has a larger one). A relayed
+message keeps its origin's ``run``/``inc``. Receivers drop traffic of another run
+(``wrong_run``) or of an older incarnation of a node than the one the membership knows
+(``stale_incarnation``); see :meth:`p2psync.transport.base.Transport._ingest`. Version 1
+headers (no run id) are rejected as ``version``: old and new processes never talk.
 
 Payload frames are the raw little-endian bytes of C-contiguous arrays.
 """
@@ -18,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Message kinds the runtime knows. ``data``: tensors between peers; ``rpc``/``reply``: the
 #: coordinator RPC; ``event``: one-way notifications (membership, failures); ``hb``: heartbeats.
@@ -45,13 +54,15 @@ DTYPES: frozenset[str] = frozenset(
 #: Payload codecs a frame may declare (see ``p2psync.compress``). ``raw`` = not a tensor codec.
 CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "raw"})
 
-HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "frames"})
+HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
 HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops"})
 
 #: kinds that may be relayed hop by hop to a node that is not adjacent (control traffic only;
 #: tensors always move between adjacent peers)
 RELAY_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
 MAX_HOPS = 16
+#: run ids and incarnations are unsigned 64-bit integers
+MAX_U64 = (1 << 64) - 1
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:/@#\-]{1,128}$")
 
@@ -103,6 +114,9 @@ class Header:
     #: final destination of a relayed control message (None: the receiving node)
     dst: int | None = None
     hops: int = 0
+    #: run id of the sender's run and the sender's incarnation (of the origin when relayed)
+    run: int = 0
+    inc: int = 0
 
 
 def valid_tag(tag: object) -> bool:

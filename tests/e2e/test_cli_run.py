@@ -188,3 +188,36 @@ def test_lossy_codec_runs_every_requested_step(tmp_path):
     assert summary["accuracy_mean"] > 0.5
     for i in range(4):
         assert lines(tmp_path / "q" / f"node-{i}.jsonl")[-1]["step"] == 30
+
+
+@pytest.mark.timeout(240)
+def test_ring6_kill9_only_that_node_is_declared_failed(tmp_path):
+    """Issue 10: kill -9 the coordinator's neighbour on a 6-node ring (control traffic of nodes
+    2 and 3 was relayed through it): every survivor declares that node, and only it, failed
+    within 3 s + 2 x RTT, and the asgd survivors finish normally."""
+    import re
+
+    topo = tmp_path / "r6.json"
+    save(ring(6, base_port=free_port()), topo)
+    step_time = ",".join(f"{i}:0.05" for i in range(6))
+    procs = [spawn("run", topo, "--node", i, "--strategy", "asgd", "--time", "12", "--out", tmp_path,
+                   "--run-id", "r6", "--eval-every", "1000", "--threads", "1", "--step-time", step_time)
+             for i in range(6)]
+    try:
+        wait_for(lambda: all(len(lines(tmp_path / "r6" / f"node-{i}.jsonl")) >= 20 for i in range(6)),
+                 90, "every node to train")
+        procs[1].send_signal(signal.SIGKILL)
+        t_kill = time.time()
+        outs = {i: procs[i].communicate(timeout=90) for i in (0, 2, 3, 4, 5)}
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (_, err) in outs.items():
+        assert procs[i].returncode == 0, err
+        declared = re.findall(r"node \d+: peer (\d+) failed \(at ([0-9.]+)\)", err)
+        assert [int(p) for p, _ in declared] == [1], (i, err[-3000:])
+        delay = float(declared[0][1]) - t_kill
+        print(f"node {i} declared node 1 failed {delay:.2f}s after kill -9")
+        assert delay < 3.0, (i, delay)  # 3 s + 2 x RTT; RTT ~ 0 on loopback
+    summary = json.loads((tmp_path / "r6" / "summary.json").read_text())
+    assert summary["failed"] == [1] and set(summary["nodes"]) == {"0", "2", "3", "4", "5"}

@@ -43,7 +43,8 @@ def _valid() -> list[bytes]:
 
 
 def _header(**over):
-    h = {"v": 1, "kind": "data", "src": 1, "tag": "x", "step": 0, "frames": [["float32", [6], "none", 24]]}
+    h = {"v": 2, "kind": "data", "src": 1, "tag": "x", "step": 0, "run": 7, "inc": 9,
+         "frames": [["float32", [6], "none", 24]]}
     h.update(over)
     return msgpack.packb(h)
 
@@ -62,7 +63,19 @@ PAYLOAD = np.arange(6, dtype=np.float32).tobytes()
         ([msgpack.packb(msgpack.ExtType(5, b"xx"))], "header_msgpack"),  # ext type
         ([msgpack.packb([1, 2])], "header_type"),
         ([b"\x00" * (70 * 1024)], "header_too_large"),
-        ([_header(v=2), PAYLOAD], "version"),
+        ([_header(v=1), PAYLOAD], "version"),
+        ([_header(v=3), PAYLOAD], "version"),
+        ([_header(run="r1"), PAYLOAD], "run"),
+        ([_header(run=-1), PAYLOAD], "run"),
+        ([_header(run=True), PAYLOAD], "run"),
+        ([_header(run=1.0), PAYLOAD], "run"),
+        ([_header(inc="x"), PAYLOAD], "incarnation"),
+        ([_header(inc=-5), PAYLOAD], "incarnation"),
+        ([_header(inc=None), PAYLOAD], "incarnation"),
+        ([msgpack.packb({k: v for k, v in msgpack.unpackb(_header()).items() if k != "run"}), PAYLOAD],
+         "header_keys"),
+        ([msgpack.packb({k: v for k, v in msgpack.unpackb(_header()).items() if k != "inc"}), PAYLOAD],
+         "header_keys"),
         ([_header(kind="evil"), PAYLOAD], "kind"),
         ([_header(src=-1), PAYLOAD], "src"),
         ([_header(src=True), PAYLOAD], "src"),
@@ -136,6 +149,16 @@ def test_fuzz_arbitrary_bytes_only_raise_protocol_error(frames):
         decode(frames)
     except ProtocolError:
         pass
+
+
+def test_run_id_and_incarnation_round_trip_and_local_checks():
+    h = parse_header(bytes(encode(kind="hb", src=3, tag="h", run=2**64 - 1, inc=123456789)[0]))
+    assert (h.run, h.inc) == (2**64 - 1, 123456789)
+    h = parse_header(bytes(encode(kind="rpc", src=3, tag="h", dst=5, hops=1, run=4, inc=5)[0]))
+    assert (h.run, h.inc, h.dst, h.hops) == (4, 5, 5, 1)
+    for bad in ({"run": -1}, {"run": 2**64}, {"inc": "x"}, {"inc": True}):
+        with pytest.raises(ValueError):
+            encode(kind="data", src=0, tag="a", **bad)
 
 
 def test_parse_header_accepts_rpc_meta():

@@ -1,0 +1,80 @@
+"""Membership views: the coordinator's authoritative, epoch-numbered list of members. Pure.
+
+A :class:`View` is ``(epoch, members, incarnations)``; the coordinator bumps the epoch on every
+membership change (a registration, a failure; joins of a running run later) and publishes the
+view in every heartbeat reply and as an ``event.view`` event. Wire form (message meta)::
+
+    {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...]}
+
+:class:`ViewTracker` is the client side: it applies views in epoch order, ignores stale or
+duplicate ones, and reports which members left (failed) and joined, so the membership client
+can call its listeners exactly once per failed peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from p2psync.errors import ProtocolError
+from p2psync.wire.schema import MAX_U64
+
+
+@dataclass(frozen=True)
+class View:
+    epoch: int
+    members: tuple[int, ...]
+    #: node -> incarnation of the member's registered process
+    incarnations: Mapping[int, int] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": list(self.members),
+                "inc": [[n, i] for n, i in sorted(self.incarnations.items())]}
+
+    @staticmethod
+    def from_wire(obj: Any) -> "View":
+        """Parse an untrusted view; raises :class:`ProtocolError` (reason ``view``)."""
+        if not isinstance(obj, dict):
+            raise ProtocolError("view", "view must be a map")
+        epoch, members, inc = obj.get("epoch"), obj.get("members"), obj.get("inc", [])
+        if type(epoch) is not int or epoch < 0:
+            raise ProtocolError("view", f"bad epoch {epoch!r}"[:100])
+        if not isinstance(members, list) or any(type(m) is not int or m < 0 for m in members):
+            raise ProtocolError("view", "members must be a list of node ids")
+        if not isinstance(inc, list):
+            raise ProtocolError("view", "inc must be a list of [node, incarnation]")
+        incs: dict[int, int] = {}
+        for pair in inc:
+            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
+                    or type(pair[1]) is not int or not 0 <= pair[1] <= MAX_U64):
+                raise ProtocolError("view", "inc must be a list of [node, incarnation]")
+            incs[pair[0]] = pair[1]
+        return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs)
+
+
+@dataclass(frozen=True)
+class ViewChange:
+    view: View
+    left: tuple[int, ...]
+    joined: tuple[int, ...]
+
+
+class ViewTracker:
+    """Applies views in epoch order (client side)."""
+
+    def __init__(self) -> None:
+        self.view: View | None = None
+
+    def apply(self, view: View) -> ViewChange | None:
+        """The change ``view`` brings, or None when it is not newer than the current one."""
+        old = self.view
+        if old is not None and view.epoch <= old.epoch:
+            return None
+        self.view = view
+        before = set(old.members) if old is not None else set(view.members)
+        after = set(view.members)
+        return ViewChange(view=view, left=tuple(sorted(before - after)),
+                          joined=tuple(sorted(after - before)))
+
+
+__all__ = ["View", "ViewChange", "ViewTracker"]

@@ -1,0 +1,187 @@
+"""Membership over real ZeroMQ on loopback: WAN latency, dead relays, run ids, incarnations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator
+
+import numpy as np
+import pytest
+
+from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.topology import Topology, mesh, ring, topology_from_dict, topology_to_dict
+from p2psync.transport import ZmqEndpoint
+from p2psync.transport.shaping import make_shaper
+from tests.helpers import free_port, zmq_cluster
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Node:
+    def __init__(self, topo: Topology, i: int, *, shaper: str = "none", run_id: int = 0) -> None:
+        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
+        self.ep.shaper = make_shaper(shaper, topo, i)
+        self.ep.run_id = run_id
+        self.server = RpcServer(self.ep)
+        self.rpc = RpcClient(self.ep, local=self.server)
+        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
+        self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=20)
+                        if i == topo.coordinator else None)
+        self.closed = False
+
+    async def start(self) -> None:
+        await self.ep.start()
+        if self.service is not None:
+            self.service.start()
+        self.server.start()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.client.close()
+        if self.service is not None:
+            await self.service.close()
+        await self.server.close(grace=0.1)
+        await self.ep.close()
+
+
+@contextlib.asynccontextmanager
+async def cluster(topo: Topology, **kw: object) -> AsyncIterator[dict[int, Node]]:
+    nodes = {i: Node(topo, i, **kw) for i in topo.ids}  # type: ignore[arg-type]
+    try:
+        for n in nodes.values():
+            await n.start()
+        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
+        for n in nodes.values():
+            n.client.start()
+        yield nodes
+    finally:
+        for n in nodes.values():
+            await n.close()
+
+
+async def _until(pred, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+async def _latency_no_false_failure(seconds: float) -> None:
+    d = topology_to_dict(mesh(2, base_port=free_port()))
+    d["links"] = [{"a": 0, "b": 1, "latency_ms": 600}]
+    topo = topology_from_dict(d)
+    async with cluster(topo, shaper="inproc") as nodes:
+        t0 = time.monotonic()
+        t = time.monotonic()
+        await nodes[1].rpc.call(0, "membership.heartbeat", timeout=5)
+        rpc_latency = time.monotonic() - t
+        await asyncio.sleep(seconds)  # observation period: nothing may be declared failed
+        for n in nodes.values():
+            assert n.client.failed == set() and not n.client.coordinator_suspected
+            assert n.client.view is not None and n.client.view.members == (0, 1)
+        assert nodes[0].service is not None and nodes[0].service.state.failed == set()
+        est = nodes[1].rpc.estimator(0)
+        assert est.srtt is not None and 1.15 < est.srtt < 1.6, est.srtt  # RTT = 2 x 600 ms
+        assert 1.15 < rpc_latency < 1.8, rpc_latency
+        assert time.monotonic() - t0 >= seconds
+
+
+async def test_600ms_one_way_latency_no_false_failure():
+    await _latency_no_false_failure(15.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+async def test_600ms_one_way_latency_no_false_failure_60s():
+    await _latency_no_false_failure(60.0)
+
+
+async def test_ring6_dead_relay_only_it_is_declared_failed():
+    topo = ring(6, base_port=free_port())
+    async with cluster(topo) as nodes:
+        await _until(lambda: all(n.client.view is not None and len(n.client.view.members) == 6
+                                 and (i == 0 or n.rpc.estimator(0).samples >= 3)
+                                 for i, n in nodes.items()), 10, "full views and RTT estimates")
+        # the coordinator's neighbour dies: nodes 2 and 3 reach node 0 through it
+        t_kill = time.monotonic()
+        await nodes[1].close()
+        survivors = [n for i, n in nodes.items() if i != 1]
+        elapsed = await _until(lambda: all(n.client.failed == {1} for n in survivors), 10,
+                               "every survivor to declare node 1 failed")
+        assert elapsed < 3.0 + 0.5, elapsed  # 3 s + 2 x RTT (loopback) + scheduling slack
+        await asyncio.sleep(3.0)  # observation period: nobody else is declared failed
+        for n in survivors:
+            assert n.client.failed == {1}, (n.ep.node_id, n.client.failed)
+            assert n.client.view is not None and n.client.view.members == (0, 2, 3, 4, 5)
+            assert 1 in n.ep.dead
+        assert nodes[0].service is not None and nodes[0].service.state.failed == {1}
+        print(f"ring6: node 1 declared failed by every survivor {elapsed:.2f}s after it died")
+
+
+async def test_traffic_of_another_run_or_older_incarnation_is_rejected():
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        eps[1].run_id = 0xBEEF
+        eps[0].run_id = 0xDEAD  # a process of a previous run still bound to these ports
+        await eps[0].send(1, "old", [np.ones(3)], timeout=5)
+        await eps[0].send(1, "old", kind="rpc", meta={"id": 1, "method": "x", "args": {}}, timeout=5)
+        eps[0].run_id = 0xBEEF
+        await eps[0].send(1, "ok", timeout=5)
+        await eps[1].recv("ok", timeout=5)
+        assert eps[1].rejected["wrong_run"] == 2
+        assert eps[1].recv_nowait("old") is None
+        # node 0 re-registered with a newer incarnation: its older life is rejected
+        eps[1].peer_incarnations[0] = eps[0].incarnation + 1
+        await eps[0].send(1, "stale", timeout=5)
+        eps[0].incarnation += 1
+        await eps[0].send(1, "new", timeout=5)
+        await eps[1].recv("new", timeout=5)
+        assert eps[1].rejected["stale_incarnation"] == 1
+        assert eps[1].recv_nowait("stale") is None
+        assert eps[1].stats()["rejected"] == {"wrong_run": 2, "stale_incarnation": 1}
+
+
+async def test_relayed_traffic_of_another_run_is_not_forwarded():
+    topo = ring(4, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        for e in eps.values():
+            e.run_id = 7
+        eps[0].run_id = 8
+        await eps[0].send(2, "ev", kind="event", timeout=5)  # relayed by 1 or 3
+        eps[0].run_id = 7
+        await eps[0].send(2, "ev2", kind="event", timeout=5)
+        await eps[2].recv("ev2", timeout=5)
+        assert eps[1].rejected["wrong_run"] + eps[3].rejected["wrong_run"] == 1
+        assert eps[1].relayed + eps[3].relayed == 1
+        assert eps[2].recv_nowait("ev") is None
+
+
+async def test_rpc_retried_around_a_dead_relay():
+    topo = ring(6, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        server = RpcServer(eps[0])
+        calls = []
+
+        async def echo(caller, args, arrays):
+            calls.append(caller)
+            return args
+
+        server.register("echo", echo)
+        server.start()
+        client = RpcClient(eps[3])  # two shortest paths: 3-2-1-0 (tried first) and 3-4-5-0
+        assert await client.call(0, "echo", {"a": 1}, timeout=5) == {"a": 1}
+        await eps[1].close()  # nobody marks it dead: node 2 drops what it cannot forward
+        t0 = time.monotonic()
+        assert await client.call(0, "echo", {"a": 2}, timeout=8) == {"a": 2}
+        assert time.monotonic() - t0 < 4.0  # one RTO (3 s before any RTT sample) + the detour
+        assert client.retries >= 1 and calls == [3, 3]  # the handler ran once per call
+        t0 = time.monotonic()
+        assert await client.call(0, "echo", {"a": 3}, timeout=5) == {"a": 3}
+        assert time.monotonic() - t0 < 0.5  # the working first hop is remembered
+        await server.close()

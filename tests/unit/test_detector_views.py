@@ -1,0 +1,139 @@
+"""Failure detector on synthetic arrival sequences; views and epochs; registration rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from p2psync.coordinator import MembershipState
+from p2psync.coordinator.detector import DetectorParams, FailureDetector, PeerDetector, RttEstimator
+from p2psync.coordinator.views import View, ViewTracker
+from p2psync.errors import ConfigError, ProtocolError
+
+
+def _run(det: PeerDetector, arrivals: list[float], step: float = 0.05) -> list[float]:
+    """Feed heartbeat arrivals; return the times (sampled every ``step``) the peer was suspected."""
+    suspected = []
+    t, i = arrivals[0], 0
+    while t <= arrivals[-1]:
+        while i < len(arrivals) and arrivals[i] <= t:
+            det.heartbeat(arrivals[i])
+            i += 1
+        if det.suspect(t):
+            suspected.append(t)
+        t += step
+    return suspected
+
+
+def test_steady_link_with_1_2s_rtt_is_never_suspected():
+    # pipelined heartbeats every 0.5 s over a 1.2 s-RTT link: arrivals 0.6 s late, +-50 ms jitter
+    rng = random.Random(1)
+    det = PeerDetector(params=DetectorParams(), now=0.0)
+    rtt = RttEstimator()
+    for _ in range(50):
+        rtt.sample(1.2 + rng.uniform(-0.05, 0.05))
+    det.rtt(rtt.srtt or 0.0, rtt.rttvar)
+    arrivals = [0.6 + 0.5 * k + rng.uniform(-0.05, 0.05) for k in range(240)]  # 2 minutes
+    assert _run(det, sorted(arrivals)) == []
+    # the heartbeat RPC's retransmission timeout covers the round trip
+    assert rtt.rto() > 1.2
+    # RTT-bound: silence needed before suspicion is >= 2 x RTT here, and within 3 s + 2 x RTT
+    assert 2.4 <= det.timeout() <= 3.0 + 2 * 1.2
+
+
+def test_silence_is_suspected_within_the_bound():
+    for rtt in (0.0, 0.1, 1.2):
+        det = PeerDetector(params=DetectorParams(), now=0.0)
+        det.rtt(rtt, 0.01)
+        arrivals = [0.5 * k for k in range(1, 41)]
+        for a in arrivals:
+            det.heartbeat(a)
+        last = arrivals[-1]
+        assert not det.suspect(last + 1.9)  # never below the 2 s floor
+        t = last
+        while not det.suspect(t):
+            t += 0.01
+        assert t - last <= 3.0 + 2 * rtt, (rtt, t - last)
+        assert det.phi(t) >= 0
+
+
+def test_jitter_widens_the_timeout_and_any_traffic_is_proof_of_life():
+    rng = random.Random(2)
+    calm, noisy = (PeerDetector(params=DetectorParams(), now=0.0) for _ in range(2))
+    t1 = t2 = 0.0
+    for _ in range(100):
+        t1 += 0.5
+        t2 += rng.uniform(0.1, 1.9)
+        calm.heartbeat(t1)
+        noisy.heartbeat(t2)
+    assert noisy.timeout() > calm.timeout() >= 2.0
+    det = PeerDetector(params=DetectorParams(floor=1.0), now=0.0)
+    det.heartbeat(0.5)
+    det.alive(5.0)  # a data message, no heartbeat
+    assert not det.suspect(5.5)
+    assert det.suspect(6.6)
+
+
+def test_detector_params_and_failure_detector_bookkeeping():
+    with pytest.raises(ValueError):
+        DetectorParams(floor=0)
+    with pytest.raises(ValueError):
+        DetectorParams(threshold=-1)
+    fd = FailureDetector(params=DetectorParams(floor=1.0))
+    fd.watch(1, 0.0)
+    fd.watch(2, 0.0)
+    fd.heartbeat(1, 0.9)
+    fd.alive(3, 9.0)  # not watched: ignored
+    assert fd.suspects(1.5) == [2]
+    fd.forget(2)
+    assert fd.suspects(1.5) == [] and fd.suspects(5.0) == [1]
+    r = RttEstimator(initial_rto=3.0, min_rto=0.25)
+    assert r.rto() == 3.0
+    r.sample(0.001)
+    assert r.rto() == 0.25
+    r.sample(float("nan"))
+    assert r.samples == 1
+
+
+def test_views_epochs_and_tracker():
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0)
+    for n in (0, 1, 2):
+        st.register(n, "f", 0.0, incarnation=100 + n)
+    v = st.view()
+    assert v.members == (0, 1, 2) and v.epoch == 3 and v.incarnations == {0: 100, 1: 101, 2: 102}
+    st.heartbeat(0, 0.9)
+    st.heartbeat(1, 0.9)
+    st.alive(2, 0.95)
+    assert st.check(1.5) == []
+    st.heartbeat(0, 2.0)
+    st.alive(1, 2.0)
+    assert st.check(2.3) == [2]
+    v2 = st.view()
+    assert v2.epoch == 4 and v2.members == (0, 1)
+    assert View.from_wire(v2.to_wire()) == v2
+    tr = ViewTracker()
+    ch = tr.apply(v)
+    assert ch is not None and ch.left == () and tr.view == v
+    ch = tr.apply(v2)
+    assert ch is not None and ch.left == (2,) and ch.joined == ()
+    assert tr.apply(v) is None and tr.apply(v2) is None  # stale and duplicate views are ignored
+    for bad in ([], {"epoch": -1, "members": []}, {"epoch": 1, "members": ["a"]},
+                {"epoch": 1, "members": [1], "inc": [[1]]}, {"epoch": True, "members": []},
+                {"epoch": 1, "members": [1], "inc": [[1, -3]]}):
+        with pytest.raises(ProtocolError):
+            View.from_wire(bad)
+
+
+def test_second_registration_of_a_live_node_is_rejected_naming_both():
+    st = MembershipState(expected=frozenset({0, 1}))
+    st.register(1, "f", 0.0, incarnation=111, address="hostA pid 1")
+    st.register(1, "f", 0.1, incarnation=111, address="hostA pid 1")  # a retried request: fine
+    with pytest.raises(ConfigError) as ei:
+        st.register(1, "f", 0.2, incarnation=222, address="hostB pid 2")
+    msg = str(ei.value)
+    assert "111" in msg and "222" in msg and "hostA" in msg and "hostB" in msg
+    st.register(0, "f", 0.0, incarnation=5)
+    assert st.check(10.0) == [0, 1]
+    with pytest.raises(ConfigError, match="declared failed"):
+        st.register(1, "f", 10.1, incarnation=333)
