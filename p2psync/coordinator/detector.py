@@ -66,7 +66,7 @@ class DetectorParams:
 class RttEstimator:
     """RFC 6298 smoothed RTT and retransmission timeout (Karn: feed first-attempt samples only)."""
 
-    def __init__(self, *, initial_rto: float = 3.0, min_rto: float = 0.25, max_rto: float = 10.0) -> None:
+    def __init__(self, *, initial_rto: float = 1.0, min_rto: float = 0.25, max_rto: float = 10.0) -> None:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.initial_rto = initial_rto

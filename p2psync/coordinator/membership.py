@@ -64,6 +64,7 @@ class MembershipState:
     failed: set[int] = field(default_factory=set)
     finished: dict[int, Any] = field(default_factory=dict)
     epoch: int = 0
+    started: bool = False
 
     def __post_init__(self) -> None:
         self.detector = FailureDetector(params=DetectorParams(
@@ -95,6 +96,11 @@ class MembershipState:
         self.addresses[node] = address
         self.detector.watch(node, now)
         self.epoch += 1
+        if self.complete and not self.started:  # rendezvous done: heartbeats start now
+            self.started = True
+            for n in self.registered:
+                self.detector.forget(n)
+                self.detector.watch(n, now)
 
     @property
     def missing(self) -> list[int]:
@@ -116,7 +122,14 @@ class MembershipState:
             self.detector.alive(node, at)
 
     def check(self, now: float) -> list[int]:
-        """Nodes newly declared failed: registered, not finished, suspected by the detector."""
+        """Nodes newly declared failed: registered, not finished, suspected by the detector.
+
+        Nothing is declared before the rendezvous completes: a registered node only starts
+        heartbeating once every node has registered (its register call is the server's own
+        long poll until then), and missing nodes are the start timeout's business. The
+        registration that completes the rendezvous starts every member's detector afresh."""
+        if not self.complete:
+            return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished]
         if new:
             self.failed.update(new)

@@ -175,7 +175,17 @@ class InprocShaper(Shaper):
                 self.dropped += 1
                 log.info("shaped message dropped: %s", exc)
 
-    async def close(self) -> None:
+    async def close(self, *, flush_s: float = 2.0) -> None:
+        """Stop. Control messages already accepted are still delivered when they are due within
+        ``flush_s`` (a real NIC delivers what it has sent; a node's last replies, such as the
+        coordinator's finish-barrier answers, must not vanish with it); the rest is dropped."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + flush_s
+        flushing = [link.control.worker for link in self.links.values()
+                    if link.control.worker is not None and not link.control.worker.done()
+                    and link.control.queue and link.control.queue[-1][0] <= end]
+        if flushing:
+            await asyncio.wait(flushing, timeout=flush_s)
         for link in self.links.values():
             for lane in (link.control, link.bulk):
                 if lane.worker is not None:

@@ -106,3 +106,17 @@ def test_wan_profile(tmp_path):
     assert make_shaper("none", topo, 0) is None
     with pytest.raises(ConfigError):
         make_shaper("tc", topo, 0)
+
+
+async def test_control_messages_already_sent_survive_the_senders_close():
+    """Regression: a coordinator answering the finish barrier and exiting at once lost its
+    replies in the shaper's delay queue; the others waited out a 35 s timeout."""
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        await eps[0].send(1, "warm")
+        await eps[1].recv("warm", timeout=5)
+        eps[0].shaper = InprocShaper({1: LinkSpec(latency_s=0.2)})
+        await eps[0].send(1, "last.words", kind="event", meta={"bye": 1})
+        await eps[0].close()  # right after sending, as a node that exits
+        msg = await eps[1].recv("last.words", timeout=5)
+        assert msg.meta["bye"] == 1

@@ -137,3 +137,19 @@ def test_second_registration_of_a_live_node_is_rejected_naming_both():
     assert st.check(10.0) == [0, 1]
     with pytest.raises(ConfigError, match="declared failed"):
         st.register(1, "f", 10.1, incarnation=333)
+
+
+def test_no_failure_is_declared_before_the_rendezvous_completes():
+    """Regression: with WAN latency the rendezvous took longer than the 2 s floor, and the
+    coordinator declared every early registrant failed (they heartbeat only after it)."""
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0, heartbeat_interval=0.5)
+    st.register(0, "fp", 0.0, incarnation=1)
+    st.register(1, "fp", 1.0, incarnation=1)
+    assert st.check(4.0) == []  # node 2 still missing: nobody is heartbeating yet
+    st.register(2, "fp", 6.0, incarnation=1)
+    assert st.check(6.0) == []  # rendezvous complete: every detector starts now
+    assert st.check(7.5) == []
+    for t in (6.5, 7.0, 7.5, 8.0, 8.5, 9.0, 9.5, 10.0):
+        st.heartbeat(0, t)
+        st.heartbeat(1, t)
+    assert st.check(10.0) == [2]  # only the one that never heartbeat after the start
