@@ -95,4 +95,4 @@ async def until(pred, timeout: float, what: str) -> None:
     while not pred():
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.002)

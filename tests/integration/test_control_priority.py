@@ -12,20 +12,12 @@ import pytest
 from p2psync.coordinator import RpcClient, RpcServer
 from p2psync.topology import mesh
 from p2psync.transport.shaping import InprocShaper, LinkSpec
-from tests.helpers import free_port, zmq_cluster
+from tests.helpers import free_port, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
 
-
-async def _until(pred, timeout, what):
-    """Poll ``pred`` until true; fail after ``timeout`` seconds (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 async def _ping(_caller, _args, _arrays):
@@ -50,7 +42,7 @@ async def test_rpc_round_trip_stays_at_link_latency_while_40_MiB_of_bulk_is_queu
             t_bulk = time.monotonic()
             bulk = asyncio.gather(*(eps[0].send(1, f"bulk.{i}", [piece], timeout=30) for i in range(40)))
             win = eps[0].window(1)
-            await _until(lambda: win.used > 0, 5, "bulk sends to start")
+            await until(lambda: win.used > 0, 5, "bulk sends to start")
             rtts = []
             for _ in range(5):
                 t0 = time.monotonic()
@@ -100,7 +92,7 @@ async def test_flooded_node_keeps_bounded_mailbox_and_answers_rpc():
                 rtts.append(time.monotonic() - t0)
                 peak = max(peak, mb.bytes_pending)
             await task
-            await _until(lambda: mb.pending + eps[1].rejected["mailbox_budget"] >= n, 20,
+            await until(lambda: mb.pending + eps[1].rejected["mailbox_budget"] >= n, 20,
                          "every flood message to be queued or dropped")
             peak = max(peak, mb.bytes_pending)
             assert peak <= budget

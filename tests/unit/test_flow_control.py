@@ -14,16 +14,9 @@ from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.shaping import InprocShaper, LinkSpec
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-async def _until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 async def test_byte_window_fifo_oversize_and_timeout():
@@ -60,7 +53,7 @@ async def test_bulk_waits_for_window_and_control_overtakes_it(pair):
     a.shaper = InprocShaper({1: link})
     piece = np.ones(32 * 1024, dtype=np.uint8)
     bulk = asyncio.gather(*(a.send(1, f"d.{i}", [piece], timeout=10) for i in range(10)))
-    await _until(lambda: a.window(1).used > 0, 2, "bulk to start")
+    await until(lambda: a.window(1).used > 0, 2, "bulk to start")
     t0 = time.monotonic()
     await a.send(1, "ev", kind="event", timeout=5)
     await b.recv("ev", timeout=5)
@@ -76,7 +69,7 @@ async def test_bulk_send_times_out_when_window_stays_full(pair):
     a, _ = pair
     a.shaper = InprocShaper({1: LinkSpec(bandwidth_bps=8e3)})  # 1 KB/s
     big = asyncio.create_task(a.send(1, "d.big", [np.ones(64 * 1024, dtype=np.uint8)], timeout=30))
-    await _until(lambda: a.window(1).used > 0, 2, "big send to take the window")
+    await until(lambda: a.window(1).used > 0, 2, "big send to take the window")
     with pytest.raises(PeerUnreachable, match="flow-control window"):
         await a.send(1, "d.next", [np.ones(10, dtype=np.uint8)], timeout=0.05)
     big.cancel()
@@ -101,7 +94,7 @@ async def test_late_rpc_replies_are_retired_not_accumulated(pair):
             with pytest.raises(PeerTimeout):
                 await client.call(1, "slow", timeout=0.01)
         gate.set()  # now all 20 replies come, late
-        await _until(lambda: a.rejected["retired"] == 20, 5, "late replies to be dropped")
+        await until(lambda: a.rejected["retired"] == 20, 5, "late replies to be dropped")
         assert a.mailbox.pending == 0 and a.mailbox.bytes_pending == 0
         assert await client.call(1, "slow", timeout=2) == 1
     finally:
