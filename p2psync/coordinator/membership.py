@@ -242,10 +242,12 @@ class MembershipService:
                 **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        epoch = args.get("epoch")
-        if type(epoch) is int and self.state.epoch <= epoch < 1 << 62:
-            # the caller saw a view at least as new as ours (a takeover's first view may reuse an
-            # epoch the old coordinator published): move past it so every member takes ours
+        epoch, coord = args.get("epoch"), args.get("coord")
+        if type(epoch) is int and epoch < 1 << 62 and (epoch > self.state.epoch or (
+                epoch == self.state.epoch and coord != self.state.coordinator)):
+            # the caller applied a view at least as new as ours from another coordinator (a
+            # takeover's first view may reuse an epoch the old coordinator published late):
+            # move past it so every member takes ours
             self.state.epoch = epoch + 1
         failed = args.get("failed")
         if self.rebuilt and isinstance(failed, list) and all(type(n) is int for n in failed):

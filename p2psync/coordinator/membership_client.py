@@ -204,7 +204,7 @@ class MembershipClient:
         if est.srtt is not None and c != self.transport.node_id:
             args = {"srtt": float(est.srtt), "rttvar": float(est.rttvar)}
         if self.view is not None:
-            args["epoch"] = self.view.epoch
+            args["epoch"], args["coord"] = self.view.epoch, self.view.coordinator
         if self.succession.deposed:
             args["deposed"] = sorted(self.succession.deposed)
         if self.failed:

@@ -106,9 +106,11 @@ async def test_coordinator_dies_every_survivor_follows_the_successor(shape):
         # a node that does not coordinate redirects heartbeats to the view it follows
         rep = await nodes[3].rpc.call(2, "membership.heartbeat", {}, timeout=5)
         assert rep["redirect"] and rep["view"]["coord"] == 1
-        # observation period: the new coordinator keeps everyone
+        # observation period: the new coordinator keeps everyone, and its view stays put
+        epoch = host.service.state.epoch
         await asyncio.sleep(2.5)
         assert _following(nodes, survivors, 1) and host.service.state.failed == {0}
+        assert host.service.state.epoch == epoch and nodes[3].client.view.epoch == epoch
 
 
 async def test_finish_barrier_moves_to_the_new_coordinator():
