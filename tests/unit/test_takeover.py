@@ -136,3 +136,40 @@ def test_state_server_rebuilt_with_empty_records_answers_not_ready_until_every_d
     assert s.records[1].round == 7
     s.reset(1, 8, now + 0.2)
     assert s.records[1].round == 8 and s.heard == {0, 1, 2}
+
+
+async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members_epoch():
+    import time
+
+    from p2psync.coordinator import MembershipService, RpcServer
+    from p2psync.topology import mesh
+    from p2psync.transport import MemoryHub
+
+    hub = MemoryHub(mesh(4))
+    eps = {i: hub.endpoint(i) for i in range(4)}
+    for e in eps.values():
+        await e.start()
+    v = View(epoch=7, members=(0, 1, 2, 3), incarnations={n: n for n in range(4)}, coordinator=0)
+    st = rebuild_state(expected=range(4), view=v, failed={0}, me=1, fingerprint="fp",
+                       now=time.monotonic(), grace=2.0)
+    svc = MembershipService(server=RpcServer(eps[1]), expected=range(4), state=st, rpc_methods=False)
+    svc.start()
+    try:
+        assert 0 in eps[1].dead  # the old coordinator is routed around at once
+        first = await eps[2].recv("event.view", timeout=5)  # published at once to every member
+        assert View.from_wire(dict(first.meta)) == st.view()
+        hb = svc.handlers["membership.heartbeat"]
+        rep = await hb(2, {"epoch": 8, "coord": 1}, [])
+        assert rep["view"]["epoch"] == 8 and rep["view"]["coord"] == 1  # our own view: no change
+        # node 3 applied a view the old coordinator published late with the same epoch
+        rep = await hb(3, {"epoch": 8, "coord": 0}, [])
+        assert rep["view"]["epoch"] == 9
+        rep = await hb(3, {"epoch": 9, "coord": 1}, [])
+        assert rep["view"]["epoch"] == 9
+        # failures members learnt from the old coordinator are merged (never the new one)
+        rep = await hb(2, {"epoch": 9, "coord": 1, "failed": [0, 3, 1]}, [])
+        assert rep["view"]["members"] == [1, 2] and rep["failed"] == [0, 3] and 3 in eps[1].dead
+    finally:
+        await svc.close()
+        for e in eps.values():
+            await e.close()
