@@ -13,7 +13,7 @@ from p2psync.coordinator.failover import rebuild_state
 from p2psync.coordinator.state_server import StateServer
 from p2psync.coordinator.takeover import Succession, successor
 from p2psync.coordinator.views import View
-from p2psync.errors import ProtocolError
+from p2psync.errors import ConfigError, ProtocolError
 
 
 def _view(epoch: int, members: tuple[int, ...], coordinator: int) -> View:
@@ -173,3 +173,26 @@ async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members
         await svc.close()
         for e in eps.values():
             await e.close()
+
+
+async def test_state_server_service_started_at_takeover_rebuilds_from_queries():
+    """ESync's State Server registered on the node taking over (as ``coordinator_services`` is
+    called there) answers over RPC from its first query: NOT-READY until every device has been
+    heard from, with the rounds the queries carry, then READY for the slowest device."""
+    from p2psync.coordinator import RpcServer
+    from p2psync.strategies import get_strategy
+    from p2psync.topology import mesh
+    from p2psync.transport import MemoryHub
+
+    topo = mesh(3)
+    ep = MemoryHub(topo).endpoint(1)
+    server = RpcServer(ep)
+    get_strategy("esync").coordinator_services(server, topo, {"margin": 0.0})
+    ask = {r: {"k": 2, "c": c, "age": 0.0, "rtt": 0.0, "round": 4} for r, c in ((0, 0.1), (1, 0.2), (2, 0.5))}
+    assert await server.invoke(1, "esync.query", ask[1]) == {"ready": False, "round": 4}
+    assert await server.invoke(0, "esync.query", ask[0]) == {"ready": False, "round": 4}
+    assert await server.invoke(2, "esync.query", ask[2]) == {"ready": True, "round": 4}  # slowest
+    assert await server.invoke(0, "esync.query", {**ask[0], "k": 3}) == {"ready": True, "round": 4}
+    assert await server.invoke(0, "esync.reset", {"round": 5, "rtt": 0.0}) == {}
+    with pytest.raises(ConfigError, match="round"):
+        await server.invoke(1, "esync.query", {**ask[1], "round": -1})
