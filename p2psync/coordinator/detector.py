@@ -64,7 +64,12 @@ class DetectorParams:
 
 
 class RttEstimator:
-    """RFC 6298 smoothed RTT and retransmission timeout (Karn: feed first-attempt samples only)."""
+    """RFC 6298 smoothed RTT and retransmission timeout (Karn: feed first-attempt samples only).
+
+    A retransmission backs the timer off (:meth:`backoff`, RFC 6298 5.5) and the backed-off
+    value is kept for later calls until a valid sample arrives (5.7). Without that, a link whose
+    RTT exceeds the initial RTO would be retransmitted on every first attempt and, by Karn's
+    rule, never measured."""
 
     def __init__(self, *, initial_rto: float = 1.0, min_rto: float = 0.25, max_rto: float = 10.0) -> None:
         self.srtt: float | None = None
@@ -73,6 +78,7 @@ class RttEstimator:
         self.min_rto = min_rto
         self.max_rto = max_rto
         self.samples = 0
+        self._backoff = 1.0
 
     def sample(self, rtt: float) -> None:
         if not math.isfinite(rtt) or rtt < 0:
@@ -83,11 +89,15 @@ class RttEstimator:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.samples += 1
+        self._backoff = 1.0
+
+    def backoff(self) -> None:
+        """A request was retransmitted: double the timeout until the next valid sample."""
+        self._backoff = min(self._backoff * 2, 64.0)
 
     def rto(self) -> float:
-        if self.srtt is None:
-            return self.initial_rto
-        return min(self.max_rto, max(self.min_rto, self.srtt + 4 * self.rttvar))
+        base = self.initial_rto if self.srtt is None else max(self.min_rto, self.srtt + 4 * self.rttvar)
+        return min(self.max_rto, base * self._backoff)
 
 
 def _survival(t: float, mean: float, std: float) -> float:

@@ -11,23 +11,20 @@ tasks) and in every heartbeat reply (so a lost event is repaired by the next rep
 registration under a node id whose registered process is alive is rejected with an error naming
 both incarnations and addresses.
 
-:class:`MembershipClient` runs on every node: it registers, sends heartbeats every interval
-without waiting for the previous reply (pipelined, so inter-arrival times do not grow with the
-RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeout), applies
-views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
-transport, marks removed members dead and calls ``listeners`` once per failed peer. If the
-coordinator itself stays silent past its detector's timeout the client reports it failed to its
-listeners, but keeps heartbeating (over any live route): the coordinator's view stays
-authoritative, so a node that merely lost its path to the coordinator is never declared dead
-for it. (Coordinator failover is not implemented.)
+:class:`MembershipClient` (:mod:`p2psync.coordinator.membership_client`, re-exported here)
+runs on every node: rendezvous, pipelined heartbeats, views in epoch order, failure listeners,
+coordinator failover and the finish barrier.
+
+Coordinator failover (issue 10 item 6): a service built with a ``state`` rebuilt after a
+takeover (:mod:`p2psync.coordinator.failover`) publishes its view at once, names itself as the
+coordinator in every view, merges the failures members report and moves its epoch past any
+epoch a member reports (so a view the old coordinator published late cannot outrank it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -35,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.detector import DetectorParams, FailureDetector
-from p2psync.coordinator.rpc import RpcClient, RpcServer
+from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
 from p2psync.transport import Transport
@@ -45,6 +42,8 @@ log = logging.getLogger("p2psync.membership")
 EVENT_VIEW = "event.view"
 #: heartbeats in flight at once (pipelined); more are skipped until one finishes
 MAX_HEARTBEATS_IN_FLIGHT = 8
+#: remote error kinds after which a call to the coordinator is retried (it is moving)
+RETRY_KINDS = frozenset({"UnknownMethod", "NotCoordinator"})
 
 
 @dataclass
@@ -65,8 +64,12 @@ class MembershipState:
     finished: dict[int, Any] = field(default_factory=dict)
     epoch: int = 0
     started: bool = False
+    #: the node hosting this state (named in every view); -1: the lowest expected id
+    coordinator: int = -1
 
     def __post_init__(self) -> None:
+        if self.coordinator < 0:
+            self.coordinator = min(self.expected)
         self.detector = FailureDetector(params=DetectorParams(
             interval=self.heartbeat_interval, floor=self.failure_timeout, threshold=self.phi_threshold))
 
@@ -138,6 +141,17 @@ class MembershipState:
             self.epoch += 1
         return sorted(new)
 
+    def declare_failed(self, nodes: Sequence[int]) -> list[int]:
+        """Nodes reported failed by someone else (a member after a coordinator takeover):
+        registered, not failed yet and not the coordinator. Returns those newly failed."""
+        new = sorted({n for n in nodes if n in self.registered and n != self.coordinator} - self.failed)
+        if new:
+            self.failed.update(new)
+            for n in new:
+                self.detector.forget(n)
+            self.epoch += 1
+        return new
+
     def finish(self, node: int, stats: Any) -> None:
         self.finished[node] = stats
 
@@ -152,20 +166,30 @@ class MembershipState:
     def view(self) -> View:
         members = self.alive_nodes
         return View(epoch=self.epoch, members=tuple(members),
-                    incarnations={n: self.incarnations[n] for n in members})
+                    incarnations={n: self.incarnations.get(n, 0) for n in members},
+                    coordinator=self.coordinator)
 
 
 class MembershipService:
-    """Coordinator side. Methods: membership.register / heartbeat / finish."""
+    """Coordinator side. Methods: membership.register / heartbeat / finish.
+
+    ``state``: a state rebuilt after a takeover (:func:`p2psync.coordinator.failover.rebuild_state`);
+    such a service publishes its view at once and merges the failures members report.
+    ``rpc_methods=False``: do not register the handlers (a :class:`CoordinatorHost` dispatches
+    to :attr:`handlers`)."""
 
     def __init__(self, *, server: RpcServer, expected: Sequence[int], start_timeout: float = 60.0,
                  failure_timeout: float = 2.0, heartbeat_interval: float = 0.5,
                  phi_threshold: float = 8.0, check_interval: float = 0.1,
-                 run_info: Mapping[str, Any] | None = None) -> None:
+                 run_info: Mapping[str, Any] | None = None, state: MembershipState | None = None,
+                 rpc_methods: bool = True) -> None:
         self.server = server
         self.transport = server.transport
-        self.state = MembershipState(expected=frozenset(expected), failure_timeout=failure_timeout,
-                                     heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold)
+        self.rebuilt = state is not None
+        self.state = state if state is not None else MembershipState(
+            expected=frozenset(expected), failure_timeout=failure_timeout,
+            heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold,
+            coordinator=server.transport.node_id)
         self.start_timeout = start_timeout
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
@@ -173,13 +197,19 @@ class MembershipService:
         self._task: asyncio.Task[None] | None = None
         self._tells: set[asyncio.Task[None]] = set()
         self._t0 = time.monotonic()
-        server.register("membership.register", self._register)
-        server.register("membership.heartbeat", self._heartbeat)
-        server.register("membership.finish", self._finish)
+        self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
+                         "membership.finish": self._finish}
+        if rpc_methods:
+            for method, handler in self.handlers.items():
+                server.register(method, handler)
 
     def start(self) -> None:
         self._t0 = time.monotonic()
         self._task = asyncio.create_task(self._monitor(), name="membership-monitor")
+        if self.rebuilt:
+            for n in self.state.failed:
+                self.transport.mark_dead(n)
+            self._publish(self.state.view())
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._tells) if t is not None]
@@ -225,6 +255,16 @@ class MembershipService:
                 **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        epoch, coord = args.get("epoch"), args.get("coord")
+        if type(epoch) is int and epoch < 1 << 62 and (epoch > self.state.epoch or (
+                epoch == self.state.epoch and coord != self.state.coordinator)):
+            # the caller applied a view at least as new as ours from another coordinator (a
+            # takeover's first view may reuse an epoch the old coordinator published late):
+            # move past it so every member takes ours
+            self.state.epoch = epoch + 1
+        failed = args.get("failed")
+        if self.rebuilt and isinstance(failed, list) and all(type(n) is int for n in failed):
+            self._failed(self.state.declare_failed(failed), f"reported failed by node {caller}")
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
         if isinstance(srtt, float) and isinstance(rttvar, float):
             self.state.heartbeat(caller, time.monotonic(), srtt=srtt, rttvar=rttvar)
@@ -249,20 +289,27 @@ class MembershipService:
             now = time.monotonic()
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}
             new = self.state.check(now)
-            if not new:
-                continue
-            view = self.state.view()
-            log.warning("coordinator: nodes %s silent for %s s: declared failed; view epoch %d members %s",
-                        new, [round(silences.get(n, 0.0), 2) for n in new], view.epoch, list(view.members))
-            for n in new:
-                self.transport.mark_dead(n)
-            self._notify()
-            for peer in view.members:
-                if peer != me:
-                    t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
-                    self._tells.add(t)
-                    t.add_done_callback(self._tells.discard)
-            # the coordinator's own client learns the view from its (local) heartbeat reply
+            self._failed(new, f"silent for {[round(silences.get(n, 0.0), 2) for n in new]} s")
+
+    def _failed(self, new: Sequence[int], why: str) -> None:
+        if not new:
+            return
+        view = self.state.view()
+        log.warning("coordinator %d: nodes %s %s: declared failed; view epoch %d members %s",
+                    self.transport.node_id, list(new), why, view.epoch, list(view.members))
+        for n in new:
+            self.transport.mark_dead(n)
+        self._notify()
+        self._publish(view)
+
+    def _publish(self, view: View) -> None:
+        """Send ``view`` to every other member (owned tasks); the coordinator's own client
+        learns it from its (local) heartbeat reply."""
+        for peer in view.members:
+            if peer != self.transport.node_id:
+                t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
+                self._tells.add(t)
+                t.add_done_callback(self._tells.discard)
 
     async def _tell(self, peer: int, view: View) -> None:
         try:
@@ -271,153 +318,7 @@ class MembershipService:
             log.info("could not send view %d to node %d: %s", view.epoch, peer, exc)
 
 
-class MembershipClient:
-    """Every node: register, heartbeat, follow views, learn of failures, finish barrier."""
+# the client lives in its own module (it imports the names above)
+from p2psync.coordinator.membership_client import MembershipClient  # noqa: E402
 
-    def __init__(self, *, transport: Transport, rpc: RpcClient, coordinator: int,
-                 heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
-                 phi_threshold: float = 8.0) -> None:
-        self.transport = transport
-        self.rpc = rpc
-        self.coordinator = coordinator
-        self.interval = heartbeat_interval
-        self.failure_timeout = failure_timeout
-        self.failed: set[int] = set()
-        #: called once per failed peer (strategies' on_peer_failure)
-        self.listeners: list[Callable[[int], None]] = []
-        #: called with every newer view
-        self.view_listeners: list[Callable[[View], None]] = []
-        self.views = ViewTracker()
-        self.detector = FailureDetector(params=DetectorParams(
-            interval=heartbeat_interval, floor=failure_timeout, threshold=phi_threshold))
-        self.coordinator_suspected = False
-        self._tasks: list[asyncio.Task[None]] = []
-        self._beats: set[asyncio.Task[None]] = set()
-        self.info: dict[str, Any] = {}
-
-    @property
-    def view(self) -> View | None:
-        return self.views.view
-
-    async def register(self, fingerprint: str, timeout: float) -> dict[str, Any]:
-        args = {"fingerprint": fingerprint, "incarnation": self.transport.incarnation,
-                "address": f"{socket.gethostname()} pid {os.getpid()}"}
-        try:
-            info = await self.rpc.call(self.coordinator, "membership.register", args, timeout=timeout)
-        except (PeerTimeout, PeerFailure) as exc:
-            raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
-                              f"{self.coordinator} failed: {exc}") from None
-        except RemoteError as exc:
-            raise PeerTimeout(f"rendezvous failed: {exc}") from None
-        self.info = dict(info)
-        self._apply_view(self.info.get("view"))
-        return self.info
-
-    def start(self) -> None:
-        self.detector.watch(self.coordinator, time.monotonic())
-        self._tasks = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
-                       asyncio.create_task(self._events(), name="membership-events")]
-
-    async def close(self) -> None:
-        tasks = [*self._tasks, *self._beats]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._tasks = []
-
-    def _declare(self, peers: Sequence[int]) -> None:
-        for p in peers:
-            if p in self.failed or p == self.transport.node_id:
-                continue
-            self.failed.add(p)
-            if p != self.coordinator:
-                self.transport.mark_dead(p)  # never the coordinator: keep heartbeating to it
-            log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, time.time())
-            for cb in list(self.listeners):
-                cb(p)
-
-    def _apply_view(self, raw: Any) -> None:
-        if raw is None:
-            return
-        try:
-            view = View.from_wire(raw)
-        except ProtocolError as exc:
-            log.warning("node %d: malformed view ignored: %s", self.transport.node_id, exc)
-            return
-        change = self.views.apply(view)
-        if change is None:
-            return
-        for n, inc in view.incarnations.items():
-            if n != self.transport.node_id:
-                self.transport.peer_incarnations[n] = inc
-        for n in change.joined:
-            self.transport.revive(n)
-        self._declare(change.left)
-        for cb in list(self.view_listeners):
-            cb(view)
-
-    async def _beat(self) -> None:
-        est = self.rpc.estimator(self.coordinator)
-        args: dict[str, Any] = {}
-        if est.srtt is not None:
-            args = {"srtt": float(est.srtt), "rttvar": float(est.rttvar)}
-        timeout = max(self.detector.peers[self.coordinator].timeout(), 2 * est.rto())
-        try:
-            rep = await self.rpc.call(self.coordinator, "membership.heartbeat", args,
-                                      timeout=timeout, measure=True)
-        except P2PSyncError as exc:
-            log.info("node %d: heartbeat: %s", self.transport.node_id, exc)
-            return
-        now = time.monotonic()
-        self.detector.heartbeat(self.coordinator, now)
-        if est.srtt is not None:
-            self.detector.rtt(self.coordinator, est.srtt, est.rttvar)
-        if self.coordinator_suspected:
-            log.warning("node %d: coordinator %d answers again", self.transport.node_id, self.coordinator)
-            self.coordinator_suspected = False
-        if isinstance(rep, dict):
-            self._apply_view(rep.get("view"))
-
-    async def _heartbeats(self) -> None:
-        me, c = self.transport.node_id, self.coordinator
-        while True:
-            if len(self._beats) < MAX_HEARTBEATS_IN_FLIGHT:
-                t = asyncio.create_task(self._beat(), name="heartbeat")
-                self._beats.add(t)
-                t.add_done_callback(self._beats.discard)
-            await asyncio.sleep(self.interval)
-            if c == me:
-                continue
-            at = self.transport.last_arrival.get(c)
-            if at is not None:
-                self.detector.alive(c, at)
-            now = time.monotonic()
-            if not self.coordinator_suspected and self.detector.suspects(now):
-                self.coordinator_suspected = True
-                log.warning("node %d: coordinator %d silent for %.2fs (phi %.1f); still heartbeating",
-                            me, c, self.detector.silence(c, now), self.detector.peers[c].phi(now))
-                self._declare([c])
-
-    async def _events(self) -> None:
-        while True:
-            try:
-                msg = await self.transport.recv(EVENT_VIEW, timeout=None)
-            except P2PSyncError:
-                return
-            if msg.src == self.coordinator:
-                self._apply_view(dict(msg.meta))
-
-    async def finish(self, stats: Any, timeout: float) -> dict[str, Any]:
-        """Report final stats and wait (bounded) until every live node has finished."""
-        if self.coordinator in self.failed:
-            return {}
-        try:
-            return dict(await self.rpc.call(self.coordinator, "membership.finish",
-                                            {"stats": stats, "timeout": timeout}, timeout=timeout + 5))
-        except P2PSyncError as exc:
-            log.warning("node %d: finish barrier: %s", self.transport.node_id, exc)
-            return {}
+__all__ = ["EVENT_VIEW", "MembershipClient", "MembershipService", "MembershipState"]

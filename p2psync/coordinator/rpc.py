@@ -18,7 +18,8 @@ request still running is dropped (its reply goes out when done, over the routes 
 duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
 per request. RTT samples come from first-attempt replies only (Karn), and only from calls made
 with ``measure=True`` (long polls would distort them). A reply that arrives after its call gave
-up is dropped on arrival (its tag is retired).
+up is dropped on arrival (its tag is retired). :meth:`RpcClient.abort_calls` fails the calls in
+flight to one node at once (its coordinator role moved: callers retry at the new coordinator).
 """
 
 from __future__ import annotations
@@ -154,6 +155,13 @@ class RpcClient:
         self.rtt: dict[int, RttEstimator] = {}
         self._path: dict[int, int] = {}  # destination -> attempt index (first hop) that worked
         self.retries = 0
+        self._calls: dict[str, int] = {}  # reply tag of a remote call in flight -> destination
+
+    def abort_calls(self, node: int, exc: P2PSyncError) -> int:
+        """Fail every remote call in flight to ``node`` with ``exc`` at once (its coordinator
+        role moved or it was declared dead: waiting for its replies is pointless)."""
+        tags = {t for t, n in self._calls.items() if n == node}
+        return self.transport.mailbox.abort(exc, match=lambda tag: tag in tags) if tags else 0
 
     def estimator(self, node: int) -> RttEstimator:
         est = self.rtt.get(node)
@@ -180,6 +188,7 @@ class RpcClient:
         first = self._path.get(node, 0)
         meta = {"id": rid, "method": method, "args": args}
         tag = f"rpc.ret.{rid}"
+        self._calls[tag] = node
         try:
             attempt = 0
             while True:
@@ -201,10 +210,13 @@ class RpcClient:
                         raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
                 attempt += 1
                 self.retries += 1
-                rto = min(est.max_rto, rto * 2)
+                est.backoff()
+                rto = est.rto()
         except BaseException:
             self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
             raise
+        finally:
+            self._calls.pop(tag, None)
         if attempt == 0 and measure:
             est.sample(loop.time() - sent_at)
         elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival

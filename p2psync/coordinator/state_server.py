@@ -9,6 +9,14 @@ starts a device's next round. Times are the server's clock.
 ``esync.reset``). Nodes do not share a clock, so a node reports how long ago it finished its
 last iteration (``age``) and the round-trip time of its last query; the service places the
 finish time at ``now - age - rtt / 2`` on its own clock.
+
+Failover (issue 10 item 6): when the coordinator dies, the node taking over registers a fresh
+service (no records carried over: the state is small and the members hold it). It rebuilds
+from the members' next calls: a query carries the device's ``round``, adopted by a record not
+heard from yet; a record never heard from has infinite capability, so it is the slowest device
+and every query is answered NOT-READY until each device has been heard from once (devices keep
+training locally meanwhile: never a hang while every device is alive; a device that never
+queries again must be dropped by the membership, or fail-stop ends the run).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class StateServer:
             raise ConfigError("epsilon must be >= 0")
         self.epsilon = epsilon
         self.records = {r: DeviceRecord(rank=r) for r in ranks}
+        #: devices that queried or reset since this server started
+        self.heard: set[int] = set()
 
     def _record(self, r: int) -> DeviceRecord:
         if r not in self.records:
@@ -52,11 +62,16 @@ class StateServer:
         """FIND-SLOWEST-DEVICE: the largest capability (time per iteration); ties: lowest rank."""
         return max(self.records.values(), key=lambda d: (d.capability, -d.rank))
 
-    def query_state(self, r: int, k: int, c: float, t_e: float, now: float) -> bool:
-        """QUERY-STATE(r, k, c, t_e), Alg. 2 lines 1-12."""
+    def query_state(self, r: int, k: int, c: float, t_e: float, now: float, *,
+                    round_: int | None = None) -> bool:
+        """QUERY-STATE(r, k, c, t_e), Alg. 2 lines 1-12. ``round_``: the device's round, adopted
+        by a record not heard from yet (a server rebuilt after a coordinator takeover)."""
         if k < 0 or not c > 0 or not math.isfinite(c):
             raise ConfigError(f"bad state query from device {r}: k={k}, c={c}")
         cur = self._record(r)
+        if r not in self.heard and round_ is not None:
+            cur.round = round_
+        self.heard.add(r)
         cur.k, cur.capability, cur.last_finish = k, c, t_e  # line 3 (ready, round unchanged)
         slowest = self.slowest()  # line 4
         if k == 0 or slowest.round < cur.round:  # line 5: slowest has not pulled w_t yet
@@ -71,6 +86,7 @@ class StateServer:
         """RESET-STATE-SERVER(r, t, t_e): device r pulled w_t and starts round t."""
         rec = self._record(r)
         rec.k, rec.ready, rec.round, rec.last_finish = 0, False, round_, t_e
+        self.heard.add(r)
 
 
 class StateServerService:
@@ -94,9 +110,12 @@ class StateServerService:
         k = args.get("k")
         if type(k) is not int:
             raise ConfigError("esync.query: k must be an integer")
+        rnd = args.get("round")
+        if rnd is not None and (type(rnd) is not int or rnd < 0):
+            raise ConfigError("esync.query: round must be a non-negative integer")
         t_e = now - self._num(args, "age") - self._num(args, "rtt") / 2
         self.queries += 1
-        ready = self.state.query_state(caller, k, self._num(args, "c", 1e-9), t_e, now)
+        ready = self.state.query_state(caller, k, self._num(args, "c", 1e-9), t_e, now, round_=rnd)
         return {"ready": ready, "round": self.state.records[caller].round}
 
     async def _reset(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:

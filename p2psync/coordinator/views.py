@@ -1,10 +1,13 @@
 """Membership views: the coordinator's authoritative, epoch-numbered list of members. Pure.
 
-A :class:`View` is ``(epoch, members, incarnations)``; the coordinator bumps the epoch on every
-membership change (a registration, a failure; joins of a running run later) and publishes the
-view in every heartbeat reply and as an ``event.view`` event. Wire form (message meta)::
+A :class:`View` is ``(epoch, members, incarnations, coordinator)``; the coordinator bumps the
+epoch on every membership change (a registration, a failure, a coordinator takeover; joins of a
+running run later) and publishes the view in every heartbeat reply and as an ``event.view``
+event. The view names the coordinator that published it: after a failover (see
+:mod:`p2psync.coordinator.takeover`) nodes follow the coordinator named by the highest-epoch
+view. Wire form (message meta)::
 
-    {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...]}
+    {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...], "coord": int}
 
 :class:`ViewTracker` is the client side: it applies views in epoch order, ignores stale or
 duplicate ones, and reports which members left (failed) and joined, so the membership client
@@ -26,10 +29,13 @@ class View:
     members: tuple[int, ...]
     #: node -> incarnation of the member's registered process
     incarnations: Mapping[int, int] = field(default_factory=dict)
+    #: the node that published this view (the coordinator of this epoch)
+    coordinator: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members),
-                "inc": [[n, i] for n, i in sorted(self.incarnations.items())]}
+                "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
+                "coord": self.coordinator}
 
     @staticmethod
     def from_wire(obj: Any) -> "View":
@@ -37,8 +43,11 @@ class View:
         if not isinstance(obj, dict):
             raise ProtocolError("view", "view must be a map")
         epoch, members, inc = obj.get("epoch"), obj.get("members"), obj.get("inc", [])
+        coord = obj.get("coord")
         if type(epoch) is not int or epoch < 0:
             raise ProtocolError("view", f"bad epoch {epoch!r}"[:100])
+        if type(coord) is not int or not 0 <= coord <= MAX_U64:
+            raise ProtocolError("view", f"bad coordinator {coord!r}"[:100])
         if not isinstance(members, list) or any(type(m) is not int or m < 0 for m in members):
             raise ProtocolError("view", "members must be a list of node ids")
         if not isinstance(inc, list):
@@ -49,7 +58,8 @@ class View:
                     or type(pair[1]) is not int or not 0 <= pair[1] <= MAX_U64):
                 raise ProtocolError("view", "inc must be a list of [node, incarnation]")
             incs[pair[0]] = pair[1]
-        return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs)
+        return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs,
+                    coordinator=coord)
 
 
 @dataclass(frozen=True)

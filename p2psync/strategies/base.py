@@ -58,6 +58,12 @@ class StrategyContext:
     def alive(self) -> list[int]:
         return [n for n in self.topology.ids if n not in self.membership.failed]
 
+    @property
+    def coordinator(self) -> int:
+        """The node coordinating now (it moves to the lowest live id when the coordinator dies);
+        call its services with ``membership.call_coordinator``, which retries when it moves."""
+        return self.membership.coordinator
+
 
 @dataclass
 class StepReport:
@@ -80,8 +86,10 @@ class Strategy(ABC):
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
-        """Register this strategy's coordinator services (called on the coordinator node only,
-        before rendezvous, so they exist before any node can call them)."""
+        """Register this strategy's coordinator services (called on the coordinator node before
+        rendezvous, so they exist before any node can call them, and on the node that takes over
+        when the coordinator dies: the services start empty and rebuild their state from the
+        members' next calls)."""
 
     async def start(self) -> None:
         """Called once after rendezvous, before the first step."""

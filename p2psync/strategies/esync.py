@@ -65,7 +65,6 @@ class ESync(Strategy):
         self.failstop = FailStop(self.ctx, "esync", "esync.")
         self.round = 0
         self.rtt = 0.0
-        self.coord = self.ctx.topology.coordinator
         # Alg. 1 line 3: RUN-BATCH-DATA-TEST measures the capability (gradient discarded)
         t0 = time.perf_counter()
         await self.ctx.replica.compute_gradients()
@@ -79,9 +78,12 @@ class ESync(Strategy):
 
     async def _query(self, k: int) -> bool:
         t0 = time.monotonic()
-        rep = await self.ctx.rpc.call(self.coord, "esync.query", {
+        # at the current coordinator (ctx.coordinator), retried there if it moves; "round" lets
+        # a State Server rebuilt after a takeover learn where this device is
+        rep = await self.ctx.membership.call_coordinator("esync.query", {
             "k": k, "c": self.c + (self.rtt if self.opts["mode"] == "nonblocking" else 0.0),
-            "age": max(0.0, t0 - self.t_e), "rtt": self.rtt}, timeout=self.opts["query_timeout"])
+            "age": max(0.0, t0 - self.t_e), "rtt": self.rtt, "round": self.round},
+            timeout=self.opts["query_timeout"])
         self.rtt = time.monotonic() - t0
         return bool(rep["ready"])
 
@@ -173,8 +175,8 @@ class ESync(Strategy):
         await self._collect_queries()
         self.round += 1
         t_r = time.monotonic()
-        await self.ctx.rpc.call(self.coord, "esync.reset", {"round": self.round, "rtt": self.rtt},
-                                timeout=self.opts["query_timeout"])
+        await self.ctx.membership.call_coordinator("esync.reset", {"round": self.round, "rtt": self.rtt},
+                                                   timeout=self.opts["query_timeout"])
         self.t_e = t_r
         return StepReport(loss=float(np.mean(losses)) if losses else float("nan"), stop=stop,
                           comm_s=blocking, wait_s=blocking, extra={

@@ -5,6 +5,12 @@ rendezvous with the coordinator (every node starts training at about the same mo
 with the chosen strategy, then a bounded finish barrier so no node closes its sockets while
 peers still need it. The coordinator node also hosts the membership service and writes the
 run's ``summary.json``.
+
+Coordinator failover (issue 10 item 6): every node has a
+:class:`~p2psync.coordinator.failover.CoordinatorHost`, so when the coordinator dies the lowest
+live id takes over membership and the strategy's coordinator services, the survivors re-send
+their finish stats to it, and the node coordinating at the end writes ``summary.json`` (and
+``config.json`` if it is missing), listing the dead coordinator among the failed nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import numpy as np
 import torch
 
 from p2psync.collectives import Collectives
-from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.strategies.base import StrategyContext, get_strategy
 from p2psync.topology import Topology, load, topology_to_dict
@@ -43,9 +50,10 @@ log = logging.getLogger("p2psync.node")
 RELAY_LINGER_S = 0.5
 
 
-def relays_for_others(topo: Topology, node_id: int) -> bool:
-    """True when a neighbour of ``node_id`` reaches the coordinator only through relays."""
-    c = topo.coordinator
+def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
+    """True when a neighbour of ``node_id`` reaches the coordinator (``coordinator``, default
+    the topology's) only through relays."""
+    c = topo.coordinator if coordinator is None else coordinator
     return any(nb != c and not topo.routes(nb, c) for nb in topo.neighbors(node_id))
 
 
@@ -118,27 +126,31 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
     membership = MembershipClient(transport=transport, rpc=rpc, coordinator=topo.coordinator,
                                   heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
                                   phi_threshold=cfg.phi_threshold)
-    service = None
+    host = CoordinatorHost(
+        server=server, membership=membership, expected=topo.ids,
+        services=lambda srv: strategy_cls.coordinator_services(srv, topo, dict(cfg.strategy_options)),
+        start_timeout=cfg.start_timeout, failure_timeout=cfg.failure_timeout,
+        heartbeat_interval=cfg.heartbeat, phi_threshold=cfg.phi_threshold,
+        run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
     metrics = None
     strategy = None
     try:
         await transport.start()
         if node_id == topo.coordinator:
-            service = MembershipService(
-                server=server, expected=topo.ids, start_timeout=cfg.start_timeout,
-                failure_timeout=cfg.failure_timeout, heartbeat_interval=cfg.heartbeat,
-                phi_threshold=cfg.phi_threshold,
-                run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
-            service.start()
-            strategy_cls.coordinator_services(server, topo, dict(cfg.strategy_options))
+            host.host()
         server.start()
         info = await membership.register(cfg.fingerprint(), timeout=cfg.start_timeout + 5)
         run_id = cfg.run_id or str(info["run_id"])
+        host.run_info["run_id"] = run_id  # a node that takes over answers with the run's id
         run_dir = Path(cfg.out) / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
-        if service is not None:
+
+        def write_config() -> None:
             (run_dir / "config.json").write_text(json.dumps(
                 {"run_id": run_id, "topology": topo.name, **asdict(cfg)}, indent=2, default=str))
+
+        if host.coordinating:
+            write_config()
         metrics = MetricsWriter(run_dir / f"node-{node_id}.jsonl")
         membership.start()
         ctx = StrategyContext(node_id=node_id, topology=topo, transport=transport, rpc=rpc,
@@ -162,11 +174,15 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
                                  nic_bytes=nic_bytes)
         stats["rejected"] = dict(transport.rejected)
         await membership.finish(stats, timeout=max(30.0, cfg.peer_timeout))
-        if relays_for_others(topo, node_id):
+        if relays_for_others(topo, node_id, membership.coordinator):
             # the coordinator's finish replies to nodes behind this one pass through it
             await asyncio.sleep(RELAY_LINGER_S)
-        if service is not None:
+        service = host.service
+        if service is not None and host.coordinating:
+            if not (run_dir / "config.json").exists():  # took over on another host
+                write_config()
             summary = summarize(run_id, topo, cfg, service.state.finished, sorted(service.state.failed))
+            summary["coordinator"] = node_id  # not the topology's when it took over
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return stats
     finally:
@@ -176,8 +192,7 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
             except P2PSyncError:
                 pass
         await membership.close()
-        if service is not None:
-            await service.close()
+        await host.close()
         await server.close()
         await transport.close()
         trainer.close()

@@ -153,3 +153,17 @@ def test_no_failure_is_declared_before_the_rendezvous_completes():
         st.heartbeat(0, t)
         st.heartbeat(1, t)
     assert st.check(10.0) == [2]  # only the one that never heartbeat after the start
+
+
+def test_rto_backoff_persists_until_a_sample():
+    """RTT 1.2 s > initial RTO 1 s: the backed-off timer is kept for the next call, so a first
+    attempt finally waits long enough to be measured (Karn), instead of never."""
+    est = RttEstimator(initial_rto=1.0)
+    assert est.rto() == 1.0
+    est.backoff()  # the first call's request was resent
+    assert est.rto() == 2.0 > 1.2  # the next call's first attempt outlives the RTT
+    est.sample(1.2)
+    assert 1.2 < est.rto() < 4.0 and est.srtt == 1.2
+    for _ in range(20):
+        est.backoff()
+    assert est.rto() == est.max_rto

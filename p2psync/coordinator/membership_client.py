@@ -1,0 +1,316 @@
+"""The membership client every node runs: rendezvous, heartbeats, views, failover, finish.
+
+:class:`MembershipClient` registers with the coordinator, sends heartbeats every interval
+without waiting for the previous reply (pipelined, so inter-arrival times do not grow with the
+RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeout), applies
+views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
+transport, marks removed members dead and calls ``listeners`` once per failed peer.
+
+Coordinator failover (issue 10 item 6; decisions in :mod:`p2psync.coordinator.takeover`,
+hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
+the coordinator, the client deposes it, reports it failed to its listeners, fails its RPCs in
+flight to it (:meth:`RpcClient.abort_calls`) and follows the lowest live member of its view
+(``coordinator``, ``coordinator_listeners``). Heartbeats carry the view epoch, the deposed
+coordinators and the failed peers, so the successor takes over when the first member contacts
+it (or when it suspects the old coordinator itself; ``on_takeover``) and rebuilds membership
+from them. Views name their coordinator and are accepted only from the node they name and
+never from a deposed one. :meth:`MembershipClient.call_coordinator` retries a call at the new
+coordinator when the old one died under it (finish barrier, strategy services such as ESync's
+State Server).
+
+Split from :mod:`p2psync.coordinator.membership` (which re-exports it) to keep modules small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from p2psync.coordinator.detector import DetectorParams, FailureDetector
+from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS
+from p2psync.coordinator.rpc import RpcClient
+from p2psync.coordinator.takeover import Succession
+from p2psync.coordinator.views import View, ViewTracker
+from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
+from p2psync.transport import Transport
+
+log = logging.getLogger("p2psync.membership")
+
+
+class MembershipClient:
+    """Every node: register, heartbeat, follow views and the coordinator they name, learn of
+    failures, finish barrier."""
+
+    def __init__(self, *, transport: Transport, rpc: RpcClient, coordinator: int,
+                 heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
+                 phi_threshold: float = 8.0) -> None:
+        self.transport = transport
+        self.rpc = rpc
+        self.succession = Succession(me=transport.node_id, coordinator=coordinator)
+        self.interval = heartbeat_interval
+        self.failure_timeout = failure_timeout
+        self.failed: set[int] = set()
+        #: called once per failed peer (strategies' on_peer_failure)
+        self.listeners: list[Callable[[int], None]] = []
+        #: called with every newer view
+        self.view_listeners: list[Callable[[View], None]] = []
+        #: called with the new coordinator whenever this node follows another one
+        self.coordinator_listeners: list[Callable[[int], None]] = []
+        #: called (before the listeners) with the deposed coordinators when this node becomes
+        #: the coordinator; the node's CoordinatorHost starts the services there
+        self.on_takeover: Callable[[list[int]], None] | None = None
+        self.views = ViewTracker()
+        self.detector = FailureDetector(params=DetectorParams(
+            interval=heartbeat_interval, floor=failure_timeout, threshold=phi_threshold))
+        self.coordinator_suspected = False
+        self.fingerprint = ""
+        self._tasks: list[asyncio.Task[None]] = []
+        self._beats: set[asyncio.Task[None]] = set()
+        self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
+        self.info: dict[str, Any] = {}
+
+    @property
+    def coordinator(self) -> int:
+        """The coordinator this node follows now."""
+        return self.succession.coordinator
+
+    @property
+    def view(self) -> View | None:
+        return self.views.view
+
+    async def register(self, fingerprint: str, timeout: float) -> dict[str, Any]:
+        self.fingerprint = fingerprint
+        args = {"fingerprint": fingerprint, "incarnation": self.transport.incarnation,
+                "address": f"{socket.gethostname()} pid {os.getpid()}"}
+        try:
+            info = await self.rpc.call(self.coordinator, "membership.register", args, timeout=timeout)
+        except (PeerTimeout, PeerFailure) as exc:
+            raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
+                              f"{self.coordinator} failed: {exc}") from None
+        except RemoteError as exc:
+            raise PeerTimeout(f"rendezvous failed: {exc}") from None
+        self.info = dict(info)
+        self._apply_view(self.info.get("view"), src=self.coordinator)
+        return self.info
+
+    def start(self) -> None:
+        if self.coordinator != self.transport.node_id:
+            self.detector.watch(self.coordinator, time.monotonic())
+        self._tasks = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
+                       asyncio.create_task(self._events(), name="membership-events")]
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._beats]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+
+    def _declare(self, peers: Sequence[int]) -> None:
+        for p in peers:
+            if p in self.failed or p == self.transport.node_id:
+                continue
+            self.failed.add(p)
+            if p != self.coordinator:
+                self.transport.mark_dead(p)
+            log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, time.time())
+            for cb in list(self.listeners):
+                cb(p)
+
+    def _apply_view(self, raw: Any, *, src: int | None) -> None:
+        """Apply a view from ``src`` (None: relayed by a node that is not the coordinator)."""
+        if raw is None:
+            return
+        try:
+            view = View.from_wire(raw)
+        except ProtocolError as exc:
+            log.warning("node %d: malformed view ignored: %s", self.transport.node_id, exc)
+            return
+        if src is not None and view.coordinator != src:
+            log.info("node %d: view %d naming coordinator %d sent by node %d ignored",
+                     self.transport.node_id, view.epoch, view.coordinator, src)
+            return
+        if not self.succession.accepts(view):
+            return
+        change = self.views.apply(view)
+        if change is None:
+            return
+        old = self.succession.adopt(view)
+        if old is not None:
+            self._moved_to(old, f"view {view.epoch} names it")
+        for n, inc in view.incarnations.items():
+            if n != self.transport.node_id:
+                self.transport.peer_incarnations[n] = inc
+        for n in change.joined:
+            self.transport.revive(n)
+        self._declare(change.left)
+        for cb in list(self.view_listeners):
+            cb(view)
+
+    def _moved_to(self, old: int, why: str) -> None:
+        """This node now follows :attr:`coordinator` instead of ``old`` (deposed)."""
+        me, new = self.transport.node_id, self.coordinator
+        log.warning("node %d: following coordinator %d, coordinator %d deposed (%s) (at %.3f)",
+                    me, new, old, why, time.time())
+        self.detector.forget(old)
+        if new != me:
+            self.detector.watch(new, time.monotonic())
+        self.coordinator_suspected = False
+        self._declare([old])
+        self.rpc.abort_calls(old, PeerFailure(f"node {me}: coordinator {old} was deposed; "
+                                              f"node {new} coordinates now", peers=(old,)))
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+        if new == me and self.on_takeover is not None:
+            self.on_takeover(sorted(self.succession.deposed))
+        for cb in list(self.coordinator_listeners):
+            cb(new)
+        if self._tasks:  # started: tell the new coordinator at once that we follow it
+            self._send_beat()
+
+    def _suspect(self, c: int, why: str) -> None:
+        view = self.view
+        old = self.coordinator
+        if self.succession.suspect(c, view, self.transport.topology.ids) is not None:
+            self._moved_to(old, why)
+        else:
+            self._declare([c])
+
+    def take_over(self, theirs: Sequence[int]) -> bool:
+        """A member that deposed ``theirs`` asks this node to coordinate; True when it took over
+        (see :meth:`Succession.contacted`)."""
+        if not self.succession.contacted(theirs, self.view):
+            return False
+        old = self.coordinator
+        deposed = self.succession.take_over(theirs)
+        for n in deposed:
+            if n != old:
+                self._declare([n])
+        self._moved_to(old, f"contacted by a member that deposed {sorted(theirs)}")
+        return True
+
+    def _beat_args(self) -> dict[str, Any]:
+        c = self.coordinator
+        est = self.rpc.estimator(c)
+        args: dict[str, Any] = {}
+        if est.srtt is not None and c != self.transport.node_id:
+            args = {"srtt": float(est.srtt), "rttvar": float(est.rttvar)}
+        if self.view is not None:
+            args["epoch"], args["coord"] = self.view.epoch, self.view.coordinator
+        if self.succession.deposed:
+            args["deposed"] = sorted(self.succession.deposed)
+        if self.failed:
+            args["failed"] = sorted(self.failed)
+        return args
+
+    async def _beat(self) -> None:
+        c, me = self.coordinator, self.transport.node_id
+        est = self.rpc.estimator(c)
+        det = self.detector.peers.get(c)
+        timeout = max(det.timeout() if det is not None else self.failure_timeout, 2 * est.rto())
+        try:
+            rep = await self.rpc.call(c, "membership.heartbeat", self._beat_args(),
+                                      timeout=timeout, measure=True)
+        except P2PSyncError as exc:
+            log.info("node %d: heartbeat to %d: %s", me, c, exc)
+            return
+        if not isinstance(rep, dict):
+            return
+        if rep.get("redirect"):  # c does not coordinate (yet): it names whom it follows
+            self._apply_view(rep.get("view"), src=None)
+            return
+        if c == self.coordinator and c != me:
+            self.detector.heartbeat(c, time.monotonic())
+            if est.srtt is not None:
+                self.detector.rtt(c, est.srtt, est.rttvar)
+            if self.coordinator_suspected:
+                log.warning("node %d: coordinator %d answers again", me, c)
+                self.coordinator_suspected = False
+        self._apply_view(rep.get("view"), src=c)
+
+    def _send_beat(self) -> None:
+        if len(self._beats) < MAX_HEARTBEATS_IN_FLIGHT:
+            t = asyncio.create_task(self._beat(), name="heartbeat")
+            self._beats.add(t)
+            t.add_done_callback(self._beats.discard)
+
+    async def _heartbeats(self) -> None:
+        me = self.transport.node_id
+        while True:
+            self._send_beat()
+            await asyncio.sleep(self.interval)
+            c = self.coordinator
+            if c == me:
+                continue
+            at = self.transport.last_arrival.get(c)
+            if at is not None:
+                self.detector.alive(c, at)
+            now = time.monotonic()
+            if not self.coordinator_suspected and c in self.detector.suspects(now):
+                self.coordinator_suspected = True
+                log.warning("node %d: coordinator %d silent for %.2fs (phi %.1f)", me, c,
+                            self.detector.silence(c, now), self.detector.peers[c].phi(now))
+                self._suspect(c, "silent")
+
+    async def _events(self) -> None:
+        while True:
+            try:
+                msg = await self.transport.recv(EVENT_VIEW, timeout=None)
+            except P2PSyncError:
+                return
+            self._apply_view(dict(msg.meta), src=msg.src)
+
+    async def call_coordinator(self, method: str, args: Mapping[str, Any] | None = None, *,
+                               timeout: float, measure: bool = False) -> Any:
+        """Call ``method`` on the coordinator; when the call fails because the coordinator died
+        or moved (PeerFailure, PeerTimeout, or the new one has no such service yet), it is
+        retried at the coordinator followed then, until ``timeout``. Other errors propagate."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = 0.02
+        while True:
+            c, moved = self.coordinator, self._moved
+            err: P2PSyncError
+            try:
+                return await self.rpc.call(c, method, args, timeout=max(0.001, deadline - loop.time()),
+                                           measure=measure)
+            except (PeerFailure, PeerTimeout) as exc:
+                err, wait_for_move = exc, True
+            except RemoteError as exc:
+                if exc.kind not in RETRY_KINDS:
+                    raise
+                err, wait_for_move = exc, False
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise err
+            if self.coordinator != c:
+                continue
+            if wait_for_move:  # the coordinator is dying: wait (bounded) until we follow another
+                try:
+                    await asyncio.wait_for(moved.wait(), remaining)
+                except asyncio.TimeoutError:
+                    raise err from None
+            else:  # the new coordinator is starting its services
+                await asyncio.sleep(min(pause, remaining))
+                pause = min(2 * pause, 0.5)
+
+    async def finish(self, stats: Any, timeout: float) -> dict[str, Any]:
+        """Report final stats and wait (bounded) until every live node has finished; when the
+        coordinator dies meanwhile, the stats are re-sent to the new one."""
+        try:
+            return dict(await self.call_coordinator("membership.finish", {"stats": stats, "timeout": timeout},
+                                                    timeout=timeout + 5))
+        except P2PSyncError as exc:
+            log.warning("node %d: finish barrier: %s", self.transport.node_id, exc)
+            return {}
+
+
+__all__ = ["MembershipClient"]

@@ -1,0 +1,102 @@
+"""Coordinator failover decisions (issue 10 item 6): who is the coordinator now. Pure.
+
+Why: the coordinator hosts membership and every coordinator service; without failover its death
+leaves the run with no failure detection at all. The rule is deterministic so that nodes agree
+without an extra round of messages: **the lowest live id of the last view takes over**.
+
+Every node keeps a :class:`Succession`: the coordinator it follows, the coordinators it has
+*deposed* (suspected dead, or superseded by a newer view naming another coordinator) and the
+highest view epoch it applied.
+
+* A node whose detector suspects its coordinator deposes it and follows the successor:
+  :func:`successor` of its current view's members, minus every deposed node
+  (:meth:`Succession.suspect`). If the successor is dead too, the same detector suspects it in
+  turn and the next lowest follows (each step bounded by one detection time).
+* A node contacted by a member that deposed the coordinator it follows takes over at once when
+  it is itself the successor of its own view minus both deposed sets
+  (:meth:`Succession.contacted`): detectors suspect at slightly different times, and the first
+  member to suspect brings the successor in.
+* Views name their coordinator. A view is applied only if its epoch is higher than any applied
+  and its coordinator has not been deposed here (:meth:`Succession.accepts`), so late views of a
+  dead coordinator are ignored; applying a view naming another coordinator deposes the previous
+  one (:meth:`Succession.adopt`): nodes follow the coordinator of the highest-epoch view.
+
+The new coordinator publishes a view with a higher epoch than its last one, without the old
+coordinator; members report their epoch in heartbeats, so a member that saw a later view of
+the old coordinator pushes the new one's epoch above it (see ``MembershipService``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Iterable
+
+from p2psync.coordinator.views import View
+
+
+def successor(members: Iterable[int], deposed: Collection[int]) -> int | None:
+    """The lowest member that is not deposed, or None when none is left."""
+    live = [m for m in members if m not in deposed]
+    return min(live) if live else None
+
+
+@dataclass
+class Succession:
+    """One node's choice of coordinator (see the module docstring). Every method is pure."""
+
+    me: int
+    coordinator: int
+    deposed: set[int] = field(default_factory=set)
+    #: highest view epoch applied (-1: none yet)
+    epoch: int = -1
+
+    def _members(self, view: View | None, fallback: Iterable[int]) -> list[int]:
+        members = list(view.members) if view is not None else list(fallback)
+        return members if self.me in members else [*members, self.me]
+
+    def suspect(self, node: int, view: View | None, fallback: Iterable[int] = ()) -> int | None:
+        """``node`` is suspected dead: depose it. Returns the coordinator to follow now when that
+        changed (the successor in ``view``, or ``fallback`` members without a view), else None."""
+        if node == self.me or node in self.deposed:
+            return None
+        self.deposed.add(node)
+        if node != self.coordinator:
+            return None
+        nxt = successor(self._members(view, fallback), self.deposed)
+        self.coordinator = self.me if nxt is None else nxt
+        return self.coordinator
+
+    def contacted(self, theirs: Collection[int], view: View | None) -> bool:
+        """A member that deposed ``theirs`` asks this node to coordinate: True when this node
+        should take over (it follows one of ``theirs`` and is the successor of its own view
+        minus every deposed node)."""
+        if self.coordinator == self.me or self.coordinator not in theirs or self.me in theirs:
+            return False
+        return successor(self._members(view, ()), self.deposed | set(theirs)) == self.me
+
+    def take_over(self, theirs: Collection[int]) -> list[int]:
+        """Become the coordinator after :meth:`contacted`; returns the newly deposed nodes."""
+        new = sorted((set(theirs) | {self.coordinator}) - self.deposed - {self.me})
+        self.deposed.update(new)
+        self.coordinator = self.me
+        return new
+
+    def accepts(self, view: View) -> bool:
+        """Whether ``view`` may be applied: newer than every applied view, and not published by
+        a deposed coordinator (a late view of a dead coordinator is ignored)."""
+        return view.epoch > self.epoch and view.coordinator not in self.deposed
+
+    def adopt(self, view: View) -> int | None:
+        """Record an accepted view; returns the previous coordinator when the view names another
+        one (the previous one is deposed), else None."""
+        self.epoch = max(self.epoch, view.epoch)
+        if view.coordinator == self.coordinator:
+            return None
+        old = self.coordinator
+        if old != self.me:
+            self.deposed.add(old)
+        self.coordinator = view.coordinator
+        return old
+
+
+__all__ = ["Succession", "successor"]

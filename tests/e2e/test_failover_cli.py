@@ -1,0 +1,54 @@
+"""Coordinator failover end to end (issue 10 item 6): kill -9 the coordinator of a 4-node ring
+mid-run; ASGD training continues on the survivors, the lowest live id takes over, every survivor
+exits 0 and the new coordinator writes ``summary.json`` listing the dead coordinator as failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from p2psync.topology import ring, save
+from tests.e2e.test_cli_run import lines, spawn, wait_for
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_ring4_kill9_coordinator_run_finishes_summary_by_node_1(tmp_path):
+    topo = tmp_path / "r4.json"
+    save(ring(4, base_port=free_port()), topo)
+    step_time = ",".join(f"{i}:0.05" for i in range(4))
+    procs = [spawn("run", topo, "--node", i, "--strategy", "asgd", "--time", "14", "--out", tmp_path,
+                   "--run-id", "fo", "--eval-every", "1000", "--threads", "1", "--step-time", step_time)
+             for i in range(4)]
+    try:
+        wait_for(lambda: all(len(lines(tmp_path / "fo" / f"node-{i}.jsonl")) >= 20 for i in range(4)),
+                 90, "every node to train")
+        procs[0].send_signal(signal.SIGKILL)
+        t_kill = time.time()
+        outs = {i: procs[i].communicate(timeout=90) for i in (1, 2, 3)}
+    finally:
+        for p in procs:
+            p.kill()
+    delays = {}
+    for i, (_, err) in outs.items():
+        assert procs[i].returncode == 0, err[-3000:]
+        followed = re.findall(r"node \d+: following coordinator (\d+), coordinator (\d+) deposed .*?"
+                              r"\(at ([0-9.]+)\)", err)
+        assert [(int(a), int(b)) for a, b, _ in followed] == [(1, 0)], (i, err[-3000:])
+        delays[i] = float(followed[0][2]) - t_kill
+        declared = re.findall(r"node \d+: peer (\d+) failed", err)
+        assert declared == ["0"], (i, err[-3000:])
+    print("kill -9 of coordinator 0 -> survivor follows node 1 after: "
+          + ", ".join(f"node {i} {d:.2f}s" for i, d in sorted(delays.items())))
+    assert max(delays.values()) < 3.5, delays  # detection (~2 s) + a heartbeat or two
+    summary = json.loads((tmp_path / "fo" / "summary.json").read_text())
+    assert summary["coordinator"] == 1 and summary["failed"] == [0], summary
+    assert set(summary["nodes"]) == {"1", "2", "3"}
+    for i in (1, 2, 3):
+        recs = lines(tmp_path / "fo" / f"node-{i}.jsonl")
+        assert recs[-1]["alive"] == 3 and recs[-1]["time"] >= 14

@@ -1,0 +1,171 @@
+"""Coordinator failover over real ZeroMQ on loopback (issue 10 item 6): the coordinator's
+endpoint closes; every survivor follows the lowest live id within the detection bound, the
+views agree, the new coordinator answers heartbeats and runs the finish barrier; a dead
+successor is skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+import pytest
+
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.topology import Topology, mesh, ring
+from p2psync.transport import ZmqEndpoint
+from tests.helpers import free_port, until
+
+pytestmark = pytest.mark.timeout(90)
+
+#: the client's detector suspects a killed coordinator after ~2 s (floor); a heartbeat or two more
+BOUND_S = 2.0 + 1.5
+
+
+class Node:
+    def __init__(self, topo: Topology, i: int) -> None:
+        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
+        self.server = RpcServer(self.ep)
+        self.rpc = RpcClient(self.ep, local=self.server)
+        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
+        self.services: list[int] = []
+        self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
+                                    services=lambda srv: self.services.append(i), start_timeout=20,
+                                    run_info={"run_id": "t"})
+        self.closed = False
+
+    async def start(self) -> None:
+        await self.ep.start()
+        if self.ep.node_id == self.ep.topology.coordinator:
+            self.host.host()
+        self.server.start()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.client.close()
+        await self.host.close()
+        await self.server.close(grace=0.1)
+        await self.ep.close()
+
+
+@contextlib.asynccontextmanager
+async def cluster(topo: Topology) -> AsyncIterator[dict[int, Node]]:
+    nodes = {i: Node(topo, i) for i in topo.ids}
+    try:
+        for n in nodes.values():
+            await n.start()
+        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
+        for n in nodes.values():
+            n.client.start()
+        await until(lambda: all(n.client.view is not None and len(n.client.view.members) == len(nodes)
+                                and (i == 0 or n.rpc.estimator(0).samples >= 3)
+                                for i, n in nodes.items()), 10, "full views and RTT estimates")
+        yield nodes
+    finally:
+        for n in nodes.values():
+            await n.close()
+
+
+def _following(nodes: dict[int, Node], survivors: list[int], coordinator: int) -> bool:
+    for i in survivors:
+        c = nodes[i].client
+        if c.coordinator != coordinator or c.view is None or c.view.coordinator != coordinator \
+                or c.view.members != tuple(survivors):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("shape", ["ring", "mesh"])
+async def test_coordinator_dies_every_survivor_follows_the_successor(shape):
+    topo = (ring if shape == "ring" else mesh)(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        assert nodes[0].services == [0] and nodes[1].services == []
+        t_kill = time.monotonic()
+        await nodes[0].close()
+        survivors = [1, 2, 3]
+        await until(lambda: _following(nodes, survivors, 1), 10, "every survivor to follow node 1")
+        elapsed = time.monotonic() - t_kill
+        print(f"{shape}4: every survivor follows node 1 {elapsed:.2f}s after node 0 closed")
+        assert elapsed < BOUND_S, elapsed
+        host = nodes[1].host
+        assert host.coordinating and host.service is not None and host.service.rebuilt
+        assert nodes[1].services == [1]  # the strategy services moved with membership
+        assert host.service.state.failed == {0}
+        for i in survivors:
+            c = nodes[i].client
+            assert c.failed == {0} and 0 in nodes[i].ep.dead and 0 in c.succession.deposed
+            assert not c.coordinator_suspected
+        views = [nodes[i].client.view for i in survivors]
+        assert all(v == views[0] for v in views)  # the views agree
+        rep: Any = await nodes[3].rpc.call(1, "membership.heartbeat", {}, timeout=5)
+        assert rep["view"]["coord"] == 1 and rep["view"]["members"] == survivors
+        # a node that does not coordinate redirects heartbeats to the view it follows
+        rep = await nodes[3].rpc.call(2, "membership.heartbeat", {}, timeout=5)
+        assert rep["redirect"] and rep["view"]["coord"] == 1
+        # observation period: the new coordinator keeps everyone, and its view stays put
+        epoch = host.service.state.epoch
+        await asyncio.sleep(2.5)
+        assert _following(nodes, survivors, 1) and host.service.state.failed == {0}
+        assert host.service.state.epoch == epoch and nodes[3].client.view.epoch == epoch
+
+
+async def test_finish_barrier_moves_to_the_new_coordinator():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        # 1, 2 and 3 finish and wait in node 0's barrier (node 0 has not finished)
+        calls = {i: asyncio.ensure_future(nodes[i].client.finish({"node": i}, timeout=20)) for i in (1, 2, 3)}
+        await until(lambda: nodes[0].host.service is not None
+                    and len(nodes[0].host.service.state.finished) == 3, 10, "three nodes in the barrier")
+        t_kill = time.monotonic()
+        await nodes[0].close()
+        reps = await asyncio.wait_for(asyncio.gather(*calls.values()), 15)
+        elapsed = time.monotonic() - t_kill
+        for rep in reps:
+            assert rep == {"finished": [1, 2, 3], "failed": [0]}, rep
+        svc = nodes[1].host.service
+        assert svc is not None and svc.rebuilt
+        assert svc.state.finished == {i: {"node": i} for i in (1, 2, 3)}
+        assert elapsed < BOUND_S + 1.0, elapsed
+
+
+async def test_dead_successor_is_skipped():
+    topo = mesh(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        t_kill = time.monotonic()
+        await asyncio.gather(nodes[0].close(), nodes[1].close())
+        await until(lambda: _following(nodes, [2, 3], 2), 15, "nodes 2 and 3 to follow node 2")
+        elapsed = time.monotonic() - t_kill
+        print(f"mesh4: nodes 0 and 1 dead, node 2 coordinates {elapsed:.2f}s later")
+        assert elapsed < 2 * BOUND_S, elapsed
+        svc = nodes[2].host.service
+        assert svc is not None and svc.state.failed == {0, 1}
+        assert nodes[2].services == [2] and nodes[3].client.failed == {0, 1}
+
+
+async def test_call_coordinator_retries_at_the_new_coordinator():
+    """A strategy's call to the coordinator service in flight when it dies is retried at the
+    new coordinator once the service is registered there (never fails the caller)."""
+    topo = mesh(3, base_port=free_port())
+    async with cluster(topo) as nodes:
+        calls: list[int] = []
+
+        def services(srv: RpcServer, me: int) -> None:
+            async def echo(caller: int, args: Any, arrays: Any) -> Any:
+                calls.append(me)
+                if me == 0:
+                    await asyncio.sleep(30)  # node 0 dies while this runs
+                return {"by": me, **args}
+            srv.register("test.echo", echo)
+
+        for i, n in nodes.items():
+            n.host.services = lambda srv, i=i: services(srv, i)
+        services(nodes[0].server, 0)
+        call = asyncio.ensure_future(nodes[2].client.call_coordinator("test.echo", {"x": 1}, timeout=15))
+        await until(lambda: calls == [0], 5, "the call to reach node 0")
+        await nodes[0].close()
+        assert await asyncio.wait_for(call, 15) == {"by": 1, "x": 1}
+        assert calls == [0, 1]

@@ -1,0 +1,198 @@
+"""Coordinator failover decisions (issue 10 item 6), pure: successor choice, cascading takeover,
+stale views of a deposed coordinator, the rebuilt membership state, the View's coordinator
+field, and ESync's State Server rebuilt with empty records."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2psync.coordinator import MembershipState
+from p2psync.coordinator.failover import rebuild_state
+from p2psync.coordinator.state_server import StateServer
+from p2psync.coordinator.takeover import Succession, successor
+from p2psync.coordinator.views import View
+from p2psync.errors import ConfigError, ProtocolError
+
+
+def _view(epoch: int, members: tuple[int, ...], coordinator: int) -> View:
+    return View(epoch=epoch, members=members, incarnations={m: 100 + m for m in members},
+                coordinator=coordinator)
+
+
+def test_successor_is_the_lowest_member_not_deposed():
+    assert successor([3, 1, 2, 0], {0}) == 1
+    assert successor([3, 1, 2, 0], {0, 1}) == 2
+    assert successor([0], {0}) is None
+    assert successor([], ()) is None
+
+
+def test_suspecting_the_coordinator_follows_the_successor_and_cascades():
+    v = _view(5, (0, 1, 2, 3), 0)
+    s = Succession(me=3, coordinator=0)
+    assert s.suspect(2, v) is None and s.coordinator == 0  # not the coordinator: deposed only
+    assert 2 in s.deposed
+    assert s.suspect(0, v) == 1 and s.coordinator == 1
+    assert s.suspect(0, v) is None  # once
+    # the successor is dead too: the next lowest live one (2 was deposed above: 3 itself)
+    assert s.suspect(1, v) == 3 and s.coordinator == 3
+    s2 = Succession(me=3, coordinator=0)
+    assert s2.suspect(0, v) == 1 and s2.suspect(1, v) == 2
+    assert s2.suspect(3, v) is None  # never itself
+    # without a view (before rendezvous) the fallback members decide
+    s3 = Succession(me=2, coordinator=0)
+    assert s3.suspect(0, None, [0, 1, 2]) == 1
+
+
+def test_contacted_successor_takes_over_others_do_not():
+    v = _view(5, (0, 1, 2, 3), 0)
+    one = Succession(me=1, coordinator=0)
+    assert one.contacted([0], v)
+    assert one.take_over([0]) == [0] and one.coordinator == 1 and one.deposed == {0}
+    assert not one.contacted([0], v)  # already coordinating
+    two = Succession(me=2, coordinator=0)
+    assert not two.contacted([0], v)  # 1 is the successor
+    assert not two.contacted([5], v)  # not the coordinator it follows
+    assert two.contacted([0, 1], v)  # cascade: 0 and 1 deposed by the caller
+    assert not Succession(me=2, coordinator=1).contacted([0, 2], v)  # the caller deposed this node
+
+
+def test_views_of_a_deposed_coordinator_are_ignored_and_newer_views_move_the_coordinator():
+    s = Succession(me=3, coordinator=0)
+    v5 = _view(5, (0, 1, 2, 3), 0)
+    assert s.accepts(v5) and s.adopt(v5) is None and s.epoch == 5
+    assert not s.accepts(v5)  # duplicate
+    assert s.suspect(0, v5) == 1
+    late = _view(6, (0, 1, 2, 3), 0)  # the dead coordinator's last view, arriving late
+    assert not s.accepts(late)
+    v6 = _view(6, (1, 2, 3), 1)
+    assert s.accepts(v6) and s.adopt(v6) is None  # already following 1
+    # a node that had not suspected 0 yet follows the view naming 1 and deposes 0
+    t = Succession(me=2, coordinator=0)
+    t.adopt(v5)
+    assert t.accepts(v6) and t.adopt(v6) == 0 and t.coordinator == 1 and 0 in t.deposed
+    assert not t.accepts(_view(9, (0, 1, 2, 3), 0))  # even with a higher epoch
+    assert not t.accepts(_view(5, (1, 2, 3), 1))  # older epoch
+    # the deposed coordinator itself follows the newer view and does not depose itself
+    z = Succession(me=0, coordinator=0)
+    assert z.adopt(v6) == 0 and z.coordinator == 1 and z.deposed == set()
+
+
+def test_view_names_its_coordinator_strictly():
+    v = _view(4, (1, 2), 1)
+    w = v.to_wire()
+    assert w["coord"] == 1 and View.from_wire(w) == v
+    for bad in ({**w, "coord": None}, {**w, "coord": True}, {**w, "coord": -1}, {**w, "coord": "1"},
+                {k: x for k, x in w.items() if k != "coord"}):
+        with pytest.raises(ProtocolError):
+            View.from_wire(bad)
+    st = MembershipState(expected=frozenset({0, 1, 2}))
+    assert st.coordinator == 0 and st.view().coordinator == 0
+    assert MembershipState(expected=frozenset({0, 1}), coordinator=1).view().coordinator == 1
+
+
+def test_rebuilt_state_from_the_last_view():
+    v = View(epoch=7, members=(0, 1, 2, 3), incarnations={0: 10, 1: 11, 2: 12, 3: 13}, coordinator=0)
+    st = rebuild_state(expected=[0, 1, 2, 3, 4], view=v, failed={0}, me=1, fingerprint="fp", now=100.0,
+                       grace=2.0, failure_timeout=2.0)
+    assert st.coordinator == 1 and st.epoch == 8
+    assert st.failed == {0, 4}  # the deposed coordinator and a node that had left before
+    assert st.alive_nodes == [1, 2, 3] and st.complete
+    view = st.view()
+    assert view.coordinator == 1 and view.members == (1, 2, 3) and view.incarnations == {1: 11, 2: 12, 3: 13}
+    # members get the grace period to find the new coordinator, then the usual detection
+    assert st.check(103.9) == []
+    st.heartbeat(2, 103.0)
+    st.heartbeat(1, 104.0)
+    st.heartbeat(2, 104.0)
+    assert st.check(104.5) == [3]
+    assert st.declare_failed([2, 1, 7]) == [2]  # never itself, nor unknown nodes
+    assert not st.all_finished
+    st.finish(1, {"acc": 1.0})
+    assert st.all_finished and st.epoch == 10
+    # no view at all: every expected node but the failed ones
+    st2 = rebuild_state(expected=[0, 1, 2], view=None, failed=[0], me=1, fingerprint="", now=0.0, grace=0.0)
+    assert st2.alive_nodes == [1, 2] and st2.epoch == 1
+
+
+def test_state_server_rebuilt_with_empty_records_answers_not_ready_until_every_device_is_heard():
+    """A State Server started by the node taking over knows nothing: every query is NOT-READY
+    (never a hang: the devices train on) until every device has been heard from once; the
+    rounds come from the queries; then Alg. 2 decides as before."""
+    s = StateServer([0, 1, 2], epsilon=0.0)
+    now = 50.0
+    # devices 1 and 2 are in round 7, doing iterations of 0.1 s and 0.4 s
+    assert s.query_state(1, 3, 0.1, now - 0.05, now, round_=7) is False
+    assert s.query_state(2, 1, 0.4, now - 0.05, now, round_=7) is False
+    assert s.records[1].round == 7 and s.records[2].round == 7
+    assert math.isinf(s.slowest().capability) and s.slowest().rank == 0  # unheard: slowest
+    assert s.query_state(1, 4, 0.1, now, now + 0.1, round_=7) is False
+    # the last device is heard from: the rebuilt server now decides as Alg. 2 says
+    assert s.query_state(0, 2, 0.2, now, now + 0.1, round_=7) is False
+    assert s.slowest().rank == 2
+    assert s.query_state(2, 2, 0.4, now + 0.1, now + 0.1, round_=7) is True  # the slowest: READY
+    assert s.query_state(1, 5, 0.1, now + 0.1, now + 0.15, round_=99) is True  # round kept: 7
+    assert s.records[1].round == 7
+    s.reset(1, 8, now + 0.2)
+    assert s.records[1].round == 8 and s.heard == {0, 1, 2}
+
+
+async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members_epoch():
+    import time
+
+    from p2psync.coordinator import MembershipService, RpcServer
+    from p2psync.topology import mesh
+    from p2psync.transport import MemoryHub
+
+    hub = MemoryHub(mesh(4))
+    eps = {i: hub.endpoint(i) for i in range(4)}
+    for e in eps.values():
+        await e.start()
+    v = View(epoch=7, members=(0, 1, 2, 3), incarnations={n: n for n in range(4)}, coordinator=0)
+    st = rebuild_state(expected=range(4), view=v, failed={0}, me=1, fingerprint="fp",
+                       now=time.monotonic(), grace=2.0)
+    svc = MembershipService(server=RpcServer(eps[1]), expected=range(4), state=st, rpc_methods=False)
+    svc.start()
+    try:
+        assert 0 in eps[1].dead  # the old coordinator is routed around at once
+        first = await eps[2].recv("event.view", timeout=5)  # published at once to every member
+        assert View.from_wire(dict(first.meta)) == st.view()
+        hb = svc.handlers["membership.heartbeat"]
+        rep = await hb(2, {"epoch": 8, "coord": 1}, [])
+        assert rep["view"]["epoch"] == 8 and rep["view"]["coord"] == 1  # our own view: no change
+        # node 3 applied a view the old coordinator published late with the same epoch
+        rep = await hb(3, {"epoch": 8, "coord": 0}, [])
+        assert rep["view"]["epoch"] == 9
+        rep = await hb(3, {"epoch": 9, "coord": 1}, [])
+        assert rep["view"]["epoch"] == 9
+        # failures members learnt from the old coordinator are merged (never the new one)
+        rep = await hb(2, {"epoch": 9, "coord": 1, "failed": [0, 3, 1]}, [])
+        assert rep["view"]["members"] == [1, 2] and rep["failed"] == [0, 3] and 3 in eps[1].dead
+    finally:
+        await svc.close()
+        for e in eps.values():
+            await e.close()
+
+
+async def test_state_server_service_started_at_takeover_rebuilds_from_queries():
+    """ESync's State Server registered on the node taking over (as ``coordinator_services`` is
+    called there) answers over RPC from its first query: NOT-READY until every device has been
+    heard from, with the rounds the queries carry, then READY for the slowest device."""
+    from p2psync.coordinator import RpcServer
+    from p2psync.strategies import get_strategy
+    from p2psync.topology import mesh
+    from p2psync.transport import MemoryHub
+
+    topo = mesh(3)
+    ep = MemoryHub(topo).endpoint(1)
+    server = RpcServer(ep)
+    get_strategy("esync").coordinator_services(server, topo, {"margin": 0.0})
+    ask = {r: {"k": 2, "c": c, "age": 0.0, "rtt": 0.0, "round": 4} for r, c in ((0, 0.1), (1, 0.2), (2, 0.5))}
+    assert await server.invoke(1, "esync.query", ask[1]) == {"ready": False, "round": 4}
+    assert await server.invoke(0, "esync.query", ask[0]) == {"ready": False, "round": 4}
+    assert await server.invoke(2, "esync.query", ask[2]) == {"ready": True, "round": 4}  # slowest
+    assert await server.invoke(0, "esync.query", {**ask[0], "k": 3}) == {"ready": True, "round": 4}
+    assert await server.invoke(0, "esync.reset", {"round": 5, "rtt": 0.0}) == {}
+    with pytest.raises(ConfigError, match="round"):
+        await server.invoke(1, "esync.query", {**ask[1], "round": -1})
