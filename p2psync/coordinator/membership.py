@@ -11,6 +11,14 @@ tasks) and in every heartbeat reply (so a lost event is repaired by the next rep
 registration under a node id whose registered process is alive is rejected with an error naming
 both incarnations and addresses.
 
+Joins (issue 10 item 5): a node of the topology that was declared failed may register again
+with a newer incarnation (the same ``--node`` restarted, same ``--run-id``) while the run is
+going; the coordinator admits it (same configuration fingerprint required), bumps the epoch,
+publishes the new view to every member at once and answers ``joined: true`` so the joiner
+fetches its state from live peers before training. A run still starts only once every node
+has registered (``--start-timeout``); joins come after that. ``allow_join=False``
+(``--on-failure stop``) keeps rejecting them.
+
 :class:`MembershipClient` runs on every node: it registers, sends heartbeats every interval
 without waiting for the previous reply (pipelined, so inter-arrival times do not grow with the
 RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeout), applies
@@ -64,37 +72,60 @@ class MembershipState:
     failed: set[int] = field(default_factory=set)
     finished: dict[int, Any] = field(default_factory=dict)
     epoch: int = 0
+    #: admit a failed node that registers again with a newer incarnation (a join)
+    allow_join: bool = True
+    #: node -> how many times it rejoined
+    rejoined: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.detector = FailureDetector(params=DetectorParams(
             interval=self.heartbeat_interval, floor=self.failure_timeout, threshold=self.phi_threshold))
 
     def register(self, node: int, fingerprint: str, now: float, *, incarnation: int = 0,
-                 address: str = "?") -> None:
+                 address: str = "?") -> bool:
+        """Admit ``node``; returns True when this is a join (a failed node's new incarnation)."""
         if node not in self.expected:
             raise ConfigError(f"node {node} is not in the topology")
         if node in self.registered:
             old, addr = self.incarnations.get(node, 0), self.addresses.get(node, "?")
             if old == incarnation:
-                return  # the same process again (a retried request)
+                return self.rejoined.get(node, 0) > 0  # the same process again (a retried request)
             if node in self.failed:
-                raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
-                                  f"failed in incarnation {old} at {addr}; rejoining a running run is "
-                                  f"not supported yet")
+                if not self.allow_join:
+                    raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
+                                      f"failed in incarnation {old} at {addr}; this run does not admit "
+                                      f"joins (--on-failure stop)")
+                if incarnation < old:
+                    raise ConfigError(f"node {node}: incarnation {incarnation} at {address} is older than "
+                                      f"the failed incarnation {old} at {addr}")
+                self._check_fingerprint(node, fingerprint)
+                self.failed.discard(node)
+                self.finished.pop(node, None)
+                self.registered[node] = fingerprint
+                self.incarnations[node] = incarnation
+                self.addresses[node] = address
+                self.detector.watch(node, now)
+                self.rejoined[node] = self.rejoined.get(node, 0) + 1
+                self.epoch += 1
+                return True
             raise ConfigError(f"node {node} is already registered and alive (incarnation {old} at "
                               f"{addr}); second registration (incarnation {incarnation} at {address}) "
                               f"rejected")
+        self._check_fingerprint(node, fingerprint)
+        self.registered[node] = fingerprint
+        self.incarnations[node] = incarnation
+        self.addresses[node] = address
+        self.detector.watch(node, now)
+        self.epoch += 1
+        return False
+
+    def _check_fingerprint(self, node: int, fingerprint: str) -> None:
         others = [(n, fp) for n, fp in self.registered.items() if n != node]
         if others:
             ref_node, ref = others[0]
             if fingerprint != ref:
                 raise ConfigError(f"node {node} runs a different configuration than node {ref_node} "
                                   f"({fingerprint} != {ref}); start every node with the same options")
-        self.registered[node] = fingerprint
-        self.incarnations[node] = incarnation
-        self.addresses[node] = address
-        self.detector.watch(node, now)
-        self.epoch += 1
 
     @property
     def missing(self) -> list[int]:
@@ -148,11 +179,12 @@ class MembershipService:
     def __init__(self, *, server: RpcServer, expected: Sequence[int], start_timeout: float = 60.0,
                  failure_timeout: float = 2.0, heartbeat_interval: float = 0.5,
                  phi_threshold: float = 8.0, check_interval: float = 0.1,
-                 run_info: Mapping[str, Any] | None = None) -> None:
+                 run_info: Mapping[str, Any] | None = None, allow_join: bool = True) -> None:
         self.server = server
         self.transport = server.transport
         self.state = MembershipState(expected=frozenset(expected), failure_timeout=failure_timeout,
-                                     heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold)
+                                     heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold,
+                                     allow_join=allow_join)
         self.start_timeout = start_timeout
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
@@ -200,16 +232,23 @@ class MembershipService:
         if type(inc) is not int or inc < 0:
             raise ProtocolError("register", f"bad incarnation {inc!r}"[:100])
         addr = str(args.get("address", "?"))[:200]
-        self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
-                            incarnation=inc, address=addr)
+        before = self.state.epoch
+        joined = self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
+                                     incarnation=inc, address=addr)
         self.transport.peer_incarnations[caller] = inc
         self._notify()
+        if joined and self.state.epoch != before:
+            self.transport.revive(caller)
+            view = self.state.view()
+            log.warning("coordinator: node %d rejoined (incarnation %d at %s); view epoch %d members %s",
+                        caller, inc, addr, view.epoch, list(view.members))
+            self._publish(view, skip=caller)
         ok = await self._wait_until(lambda: self.state.complete, self._t0 + self.start_timeout)
         if not ok:
             raise PeerTimeout(f"nodes {self.state.missing} never registered with the coordinator "
                               f"(node {self.transport.node_id}) within {self.start_timeout:g}s")
         return {"members": sorted(self.state.registered), "view": self.state.view().to_wire(),
-                **self.run_info}
+                "joined": joined, **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
@@ -244,12 +283,16 @@ class MembershipService:
             for n in new:
                 self.transport.mark_dead(n)
             self._notify()
-            for peer in view.members:
-                if peer != me:
-                    t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
-                    self._tells.add(t)
-                    t.add_done_callback(self._tells.discard)
-            # the coordinator's own client learns the view from its (local) heartbeat reply
+            self._publish(view)
+
+    def _publish(self, view: View, skip: int | None = None) -> None:
+        """Push ``view`` to every member but this node (and ``skip``), in owned tasks; the
+        coordinator's own client learns it from its (local) heartbeat reply."""
+        for peer in view.members:
+            if peer not in (self.transport.node_id, skip):
+                t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
+                self._tells.add(t)
+                t.add_done_callback(self._tells.discard)
 
     async def _tell(self, peer: int, view: View) -> None:
         try:
@@ -343,6 +386,7 @@ class MembershipClient:
                 self.transport.peer_incarnations[n] = inc
         for n in change.joined:
             self.transport.revive(n)
+            self.failed.discard(n)  # a joiner: its next failure is reported again
         self._declare(change.left)
         for cb in list(self.view_listeners):
             cb(view)

@@ -1,4 +1,8 @@
-"""The training loop: calls the strategy step by step, evaluates, writes metrics."""
+"""The training loop: calls the strategy step by step, evaluates, writes metrics.
+
+The loop starts at the strategy's ``start_step`` (a node that joined a running run starts at
+the step it joined at) and moves to ``StepReport.next_step`` when a strategy adopted a peer's
+state at another step instead of training (issue 10 item 5)."""
 
 from __future__ import annotations
 
@@ -17,14 +21,14 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
     t0 = time.monotonic()
     trainer.t0 = t0  # slowdown schedules count from the start of training
     comm = wait = 0.0
-    step = 0
+    step = strategy.start_step
     acc = test_loss = None
     last_eval = t0
     while True:
         elapsed = time.monotonic() - t0
         want_stop = step + 1 >= max_steps or (time_limit is not None and elapsed >= time_limit)
         rep = await strategy.train_step(step, want_stop)
-        step += 1
+        step = step + 1 if rep.next_step is None else rep.next_step
         comm += rep.comm_s
         wait += rep.wait_s
         now = time.monotonic() - t0
