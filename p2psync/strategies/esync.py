@@ -63,6 +63,8 @@ class ESync(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._queries: set[asyncio.Task[None]] = set()
+        self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
+        self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict) -> None:
@@ -72,8 +74,6 @@ class ESync(Strategy):
     async def start(self) -> None:
         if self.opts["mode"] not in ("blocking", "nonblocking"):
             raise ConfigError(f"esync mode must be blocking or nonblocking, not {self.opts['mode']!r}")
-        self.regroup = Regroup(ctx=self.ctx, name="esync", snapshot=self._snapshot)
-        self.w_round: np.ndarray | None = None  # w_t of the round in progress
         self.round = 0
         self.rtt = 0.0
         self.coord = self.ctx.topology.coordinator

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from p2psync.coordinator import View
-from p2psync.strategies.base import StepReport, Strategy, mean_and_agree, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.regroup import Adopted, Regroup
 
 
@@ -32,8 +32,11 @@ from p2psync.strategies.regroup import Adopted, Regroup
 class SSGD(Strategy):
     name = "ssgd"
 
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.regroup = Regroup(ctx=ctx, name="ssgd")
+
     async def start(self) -> None:
-        self.regroup = Regroup(ctx=self.ctx, name="ssgd")
         if self.ctx.joining:
             self.start_step = await self.regroup.join()
 

@@ -6,6 +6,7 @@ state at another step instead of training (issue 10 item 5)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
             break
     wall = time.monotonic() - t0
     nics = nic_bytes()
+    params = await trainer.get_params()
     return {
         "node": node_id, "steps": step, "wall_s": round(wall, 3), "final_accuracy": acc,
         "final_test_loss": test_loss, "samples": trainer.samples,
@@ -56,4 +58,6 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
         "compute_s": round(trainer.compute_s, 3), "comm_s": round(comm, 3), "wait_s": round(wait, 3),
         "bytes_sent": bytes_sent({"nics": nics}),
         "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
+        # equal on every member of a synchronous run (SSGD: bitwise), joiners included
+        "params_sha1": hashlib.sha1(params.tobytes()).hexdigest()[:16],
     }
