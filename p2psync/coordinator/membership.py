@@ -76,6 +76,9 @@ class MembershipState:
     allow_join: bool = True
     #: node -> how many times it rejoined
     rejoined: dict[int, int] = field(default_factory=dict)
+    #: joiner -> time until which it is not suspected before its first heartbeat (its
+    #: registration reply may need a retry while relays still route around its old life)
+    join_grace: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.detector = FailureDetector(params=DetectorParams(
@@ -105,6 +108,7 @@ class MembershipState:
                 self.incarnations[node] = incarnation
                 self.addresses[node] = address
                 self.detector.watch(node, now)
+                self.join_grace[node] = now + 3 * self.failure_timeout + 10 * self.heartbeat_interval
                 self.rejoined[node] = self.rejoined.get(node, 0) + 1
                 self.epoch += 1
                 return True
@@ -137,6 +141,7 @@ class MembershipState:
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0) -> None:
         if node in self.registered and node not in self.failed:
+            self.join_grace.pop(node, None)
             self.detector.heartbeat(node, now)
             if srtt is not None:
                 self.detector.rtt(node, srtt, rttvar)
@@ -148,7 +153,8 @@ class MembershipState:
 
     def check(self, now: float) -> list[int]:
         """Nodes newly declared failed: registered, not finished, suspected by the detector."""
-        new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished]
+        new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
+               and self.join_grace.get(n, now) <= now]
         if new:
             self.failed.update(new)
             for n in new:
