@@ -179,12 +179,13 @@ async def test_on_failure_stop_keeps_fail_stop_naming_the_node():
             assert 3 in ei.value.peers and "synchronous training cannot continue" in str(ei.value)
 
 
-async def test_ssgd_restarted_node_rejoins_with_the_same_parameters():
+@pytest.mark.parametrize("strategy", ["ssgd", "esync"])
+async def test_restarted_node_rejoins_with_the_same_parameters(strategy):
     topo = ring(4, base_port=free_port())
-    async with cluster(topo, "ssgd") as nodes:
-        joiner = Node(topo, 3, "ssgd")
+    async with cluster(topo, strategy) as nodes:
+        joiner = Node(topo, 3, strategy)
         for n in nodes.values():
-            n.go(10_000, stop=lambda: joiner.steps >= 10)
+            n.go(10_000, stop=lambda: joiner.steps >= 6)
         await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
         await nodes[3].crash()
         survivors = [nodes[i] for i in (0, 1, 2)]
