@@ -103,6 +103,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phi-threshold", type=float, default=d.phi_threshold,
                    help="phi-accrual suspicion level (-log10 of the probability that a live node "
                         "is this late); higher = fewer false failures, slower detection")
+    p.add_argument("--on-failure", default=d.on_failure, choices=("continue", "stop"),
+                   help="a node fails: ssgd/esync re-form over the survivors at the next step "
+                        "(continue) or stop the run naming it (stop); asgd always continues. With "
+                        "continue, a node restarted with the same --node and --run-id rejoins")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run)
 
@@ -135,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         wan=args.wan, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
-        progress=not args.no_progress)
+        progress=not args.no_progress, on_failure=args.on_failure)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early

@@ -83,9 +83,10 @@ class CoordinatorHost:
                  services: Callable[[RpcServer], None] | None = None, start_timeout: float = 60.0,
                  failure_timeout: float = 2.0, heartbeat_interval: float = 0.5,
                  phi_threshold: float = 8.0, check_interval: float = 0.1,
-                 run_info: Mapping[str, Any] | None = None) -> None:
+                 run_info: Mapping[str, Any] | None = None, allow_join: bool = True) -> None:
         self.server = server
         self.membership = membership
+        self.allow_join = allow_join
         self.me = server.transport.node_id
         self.expected = list(expected)
         self.services = services
@@ -120,7 +121,8 @@ class CoordinatorHost:
         svc = MembershipService(server=self.server, expected=self.expected, start_timeout=self.start_timeout,
                                 failure_timeout=self.failure_timeout, heartbeat_interval=self.heartbeat_interval,
                                 phi_threshold=self.phi_threshold, check_interval=self.check_interval,
-                                run_info=self.run_info, state=state, rpc_methods=False)
+                                run_info=self.run_info, state=state, rpc_methods=False,
+                                allow_join=self.allow_join)
         self.service = svc
         svc.start()
         if self.services is not None and not self._services_registered:
@@ -137,6 +139,7 @@ class CoordinatorHost:
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,
                               heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold)
+        state.allow_join = self.allow_join
         self.took_over_at = now
         log.warning("node %d: taking over as coordinator (deposed %s); view epoch %d members %s",
                     self.me, deposed, state.epoch, state.alive_nodes)

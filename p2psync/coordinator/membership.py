@@ -19,6 +19,14 @@ Coordinator failover (issue 10 item 6): a service built with a ``state`` rebuilt
 takeover (:mod:`p2psync.coordinator.failover`) publishes its view at once, names itself as the
 coordinator in every view, merges the failures members report and moves its epoch past any
 epoch a member reports (so a view the old coordinator published late cannot outrank it).
+
+Joins (issue 10 item 5): a node of the topology that was declared failed may register again
+with a newer incarnation (the same ``--node`` restarted, same ``--run-id``) while the run is
+going; the coordinator admits it (same configuration fingerprint required), bumps the epoch,
+publishes the new view to every member at once and answers ``joined: true`` so the joiner
+fetches its state from live peers before training. A run still starts only once every node
+has registered (``--start-timeout``); joins come after that. ``allow_join=False``
+(``--on-failure stop``) keeps rejecting them.
 """
 
 from __future__ import annotations
@@ -66,6 +74,13 @@ class MembershipState:
     started: bool = False
     #: the node hosting this state (named in every view); -1: the lowest expected id
     coordinator: int = -1
+    #: admit a failed node that registers again with a newer incarnation (a join)
+    allow_join: bool = True
+    #: node -> how many times it rejoined
+    rejoined: dict[int, int] = field(default_factory=dict)
+    #: joiner -> time until which it is not suspected before its first heartbeat (its
+    #: registration reply may need a retry while relays still route around its old life)
+    join_grace: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -74,26 +89,37 @@ class MembershipState:
             interval=self.heartbeat_interval, floor=self.failure_timeout, threshold=self.phi_threshold))
 
     def register(self, node: int, fingerprint: str, now: float, *, incarnation: int = 0,
-                 address: str = "?") -> None:
+                 address: str = "?") -> bool:
+        """Admit ``node``; returns True when this is a join (a failed node's new incarnation)."""
         if node not in self.expected:
             raise ConfigError(f"node {node} is not in the topology")
         if node in self.registered:
             old, addr = self.incarnations.get(node, 0), self.addresses.get(node, "?")
             if old == incarnation:
-                return  # the same process again (a retried request)
+                return self.rejoined.get(node, 0) > 0  # the same process again (a retried request)
             if node in self.failed:
-                raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
-                                  f"failed in incarnation {old} at {addr}; rejoining a running run is "
-                                  f"not supported yet")
+                if not self.allow_join:
+                    raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
+                                      f"failed in incarnation {old} at {addr}; this run does not admit "
+                                      f"joins (--on-failure stop)")
+                if incarnation < old:
+                    raise ConfigError(f"node {node}: incarnation {incarnation} at {address} is older than "
+                                      f"the failed incarnation {old} at {addr}")
+                self._check_fingerprint(node, fingerprint)
+                self.failed.discard(node)
+                self.finished.pop(node, None)
+                self.registered[node] = fingerprint
+                self.incarnations[node] = incarnation
+                self.addresses[node] = address
+                self.detector.watch(node, now)
+                self.join_grace[node] = now + 3 * self.failure_timeout + 10 * self.heartbeat_interval
+                self.rejoined[node] = self.rejoined.get(node, 0) + 1
+                self.epoch += 1
+                return True
             raise ConfigError(f"node {node} is already registered and alive (incarnation {old} at "
                               f"{addr}); second registration (incarnation {incarnation} at {address}) "
                               f"rejected")
-        others = [(n, fp) for n, fp in self.registered.items() if n != node]
-        if others:
-            ref_node, ref = others[0]
-            if fingerprint != ref:
-                raise ConfigError(f"node {node} runs a different configuration than node {ref_node} "
-                                  f"({fingerprint} != {ref}); start every node with the same options")
+        self._check_fingerprint(node, fingerprint)
         self.registered[node] = fingerprint
         self.incarnations[node] = incarnation
         self.addresses[node] = address
@@ -104,6 +130,15 @@ class MembershipState:
             for n in self.registered:
                 self.detector.forget(n)
                 self.detector.watch(n, now)
+        return False
+
+    def _check_fingerprint(self, node: int, fingerprint: str) -> None:
+        others = [(n, fp) for n, fp in self.registered.items() if n != node]
+        if others:
+            ref_node, ref = others[0]
+            if fingerprint != ref:
+                raise ConfigError(f"node {node} runs a different configuration than node {ref_node} "
+                                  f"({fingerprint} != {ref}); start every node with the same options")
 
     @property
     def missing(self) -> list[int]:
@@ -115,6 +150,7 @@ class MembershipState:
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0) -> None:
         if node in self.registered and node not in self.failed:
+            self.join_grace.pop(node, None)
             self.detector.heartbeat(node, now)
             if srtt is not None:
                 self.detector.rtt(node, srtt, rttvar)
@@ -133,7 +169,8 @@ class MembershipState:
         registration that completes the rendezvous starts every member's detector afresh."""
         if not self.complete:
             return []
-        new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished]
+        new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
+               and self.join_grace.get(n, now) <= now]
         if new:
             self.failed.update(new)
             for n in new:
@@ -182,14 +219,14 @@ class MembershipService:
                  failure_timeout: float = 2.0, heartbeat_interval: float = 0.5,
                  phi_threshold: float = 8.0, check_interval: float = 0.1,
                  run_info: Mapping[str, Any] | None = None, state: MembershipState | None = None,
-                 rpc_methods: bool = True) -> None:
+                 rpc_methods: bool = True, allow_join: bool = True) -> None:
         self.server = server
         self.transport = server.transport
         self.rebuilt = state is not None
         self.state = state if state is not None else MembershipState(
             expected=frozenset(expected), failure_timeout=failure_timeout,
             heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold,
-            coordinator=server.transport.node_id)
+            coordinator=server.transport.node_id, allow_join=allow_join)
         self.start_timeout = start_timeout
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
@@ -243,16 +280,23 @@ class MembershipService:
         if type(inc) is not int or inc < 0:
             raise ProtocolError("register", f"bad incarnation {inc!r}"[:100])
         addr = str(args.get("address", "?"))[:200]
-        self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
-                            incarnation=inc, address=addr)
+        before = self.state.epoch
+        joined = self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
+                                     incarnation=inc, address=addr)
         self.transport.peer_incarnations[caller] = inc
         self._notify()
+        if joined and self.state.epoch != before:
+            self.transport.revive(caller)
+            view = self.state.view()
+            log.warning("coordinator: node %d rejoined (incarnation %d at %s); view epoch %d members %s",
+                        caller, inc, addr, view.epoch, list(view.members))
+            self._publish(view, skip=caller)
         ok = await self._wait_until(lambda: self.state.complete, self._t0 + self.start_timeout)
         if not ok:
             raise PeerTimeout(f"nodes {self.state.missing} never registered with the coordinator "
                               f"(node {self.transport.node_id}) within {self.start_timeout:g}s")
         return {"members": sorted(self.state.registered), "view": self.state.view().to_wire(),
-                **self.run_info}
+                "joined": joined, **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         epoch, coord = args.get("epoch"), args.get("coord")
@@ -302,11 +346,11 @@ class MembershipService:
         self._notify()
         self._publish(view)
 
-    def _publish(self, view: View) -> None:
-        """Send ``view`` to every other member (owned tasks); the coordinator's own client
-        learns it from its (local) heartbeat reply."""
+    def _publish(self, view: View, skip: int | None = None) -> None:
+        """Push ``view`` to every member but this node (and ``skip``), in owned tasks; the
+        coordinator's own client learns it from its (local) heartbeat reply."""
         for peer in view.members:
-            if peer != self.transport.node_id:
+            if peer not in (self.transport.node_id, skip):
                 t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
                 self._tells.add(t)
                 t.add_done_callback(self._tells.discard)

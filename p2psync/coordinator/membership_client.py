@@ -151,6 +151,7 @@ class MembershipClient:
                 self.transport.peer_incarnations[n] = inc
         for n in change.joined:
             self.transport.revive(n)
+            self.failed.discard(n)  # a joiner: its next failure is reported again
         self._declare(change.left)
         for cb in list(self.view_listeners):
             cb(view)

@@ -17,6 +17,13 @@ heard from yet; a record never heard from has infinite capability, so it is the 
 and every query is answered NOT-READY until each device has been heard from once (devices keep
 training locally meanwhile: never a hang while every device is alive; a device that never
 queries again must be dropped by the membership, or fail-stop ends the run).
+
+Membership (issue 10 item 5): the devices are the members of the current membership view. Every
+query and reset carries the caller's view (``epoch``, ``members``); the newest epoch seen wins
+(:meth:`StateServer.set_members`): departed devices are dropped (a dead device would otherwise
+stay the slowest one and no survivor would ever be READY) and joined ones are admitted at the
+current round. The service learns the view from the nodes themselves, so it needs no link to the
+membership service and works wherever the coordinator role lives.
 """
 
 from __future__ import annotations
@@ -82,6 +89,21 @@ class StateServer:
             return True
         return False
 
+    def set_members(self, members: Sequence[int], now: float) -> None:
+        """The devices are now ``members``: drop the others, admit new ones at the current round
+        with the largest known capability (so a joiner neither blocks nor rushes READY before
+        its own first query)."""
+        if not members:
+            raise ConfigError("the State Server needs at least one device")
+        keep = set(members)
+        for r in [r for r in self.records if r not in keep]:
+            del self.records[r]
+        known = [d.capability for d in self.records.values() if math.isfinite(d.capability)]
+        rnd = max((d.round for d in self.records.values()), default=0)
+        for r in keep - set(self.records):
+            self.records[r] = DeviceRecord(rank=r, capability=max(known, default=math.inf),
+                                           last_finish=now, round=rnd)
+
     def reset(self, r: int, round_: int, t_e: float) -> None:
         """RESET-STATE-SERVER(r, t, t_e): device r pulled w_t and starts round t."""
         rec = self._record(r)
@@ -94,6 +116,8 @@ class StateServerService:
 
     def __init__(self, server: RpcServer, ranks: Sequence[int], *, epsilon: float = 0.0) -> None:
         self.state = StateServer(ranks, epsilon=epsilon)
+        self.ranks = frozenset(ranks)
+        self.epoch = -1
         self.queries = 0
         server.register("esync.query", self._query)
         server.register("esync.reset", self._reset)
@@ -105,8 +129,21 @@ class StateServerService:
             raise ConfigError(f"esync: bad {key} {v!r}")
         return float(v)
 
+    def _view(self, args: Mapping[str, Any], now: float) -> None:
+        """Apply the caller's view if it is newer than the newest seen."""
+        epoch, members = args.get("epoch"), args.get("members")
+        if epoch is None:
+            return
+        if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
+                or any(type(m) is not int or m not in self.ranks for m in members)):
+            raise ConfigError("esync: bad view (epoch, members)")
+        if epoch > self.epoch:
+            self.epoch = epoch
+            self.state.set_members(members, now)
+
     async def _query(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         now = time.monotonic()
+        self._view(args, now)
         k = args.get("k")
         if type(k) is not int:
             raise ConfigError("esync.query: k must be an integer")
@@ -122,5 +159,6 @@ class StateServerService:
         rnd = args.get("round")
         if type(rnd) is not int or rnd < 0:
             raise ConfigError("esync.reset: round must be a non-negative integer")
+        self._view(args, time.monotonic())
         self.state.reset(caller, rnd, time.monotonic() - self._num(args, "rtt") / 2)
         return {}

@@ -17,7 +17,10 @@ encoded bytes unchanged, so every node decodes the same values. The origin itsel
 exact gradient. A gradient whose frames do not decode is counted and ignored.
 
 A failed peer is dropped from the trees and training continues with the survivors; a node that
-finishes early keeps applying what arrives until the finish barrier.
+finishes early keeps applying what arrives until the finish barrier. The trees span the members
+of the current view (:meth:`ASGD.on_view`), so a node that joins a running run is added back to
+them; the joiner first copies the parameters, optimizer state and step of a live neighbour
+(:func:`~p2psync.strategies.regroup.fetch_state`) and then trains like everyone else.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from typing import Any
 import numpy as np
 
 from p2psync.compress import ErrorFeedback, get_codec
+from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.strategies.base import StepReport, Strategy, register
+from p2psync.strategies.regroup import fetch_state, serve_state
 from p2psync.topology.paths import spanning_tree
 from p2psync.wire import Message
 
@@ -59,10 +64,17 @@ class ASGD(Strategy):
         self.codec = get_codec(self.ctx.collectives.codec)
         self.feedback = ErrorFeedback() if self.ctx.collectives.feedback is not None and self.codec.lossy else None
         self.malformed = 0
+        serve_state(self.ctx, "asgd", lambda: self.local_step)
+        if self.ctx.joining:
+            self.alive = set(self.ctx.group)
+            self.start_step = self.local_step = await fetch_state(self.ctx, "asgd")
         self._rx = asyncio.create_task(self._receive(), name="asgd-receive")
 
     def on_peer_failure(self, peer: int) -> None:
         self.alive.discard(peer)
+
+    def on_view(self, view: View) -> None:
+        self.alive = set(view.members) | {self.ctx.node_id}
 
     def _children(self, origin: int) -> list[int]:
         members = frozenset(self.alive | {origin})

@@ -8,6 +8,17 @@ its own way. It never touches sockets directly.
 Only :meth:`Strategy.train_step` is abstract. ``want_stop`` tells the strategy this node would
 like to stop after this step; the strategy returns ``stop=True`` when the run ends (synchronous
 strategies agree on it collectively, so all nodes stop at the same step).
+
+Membership changes (issue 10 item 5, DESIGN "Membership is a sequence of views") reach every
+strategy through one hook, :meth:`Strategy.on_view`, called on the event loop with every newer
+:class:`~p2psync.coordinator.views.View` (``on_peer_failure`` is still called once per failed
+peer, before the view that removes it). :attr:`StrategyContext.group` and
+:attr:`StrategyContext.epoch` give the current training group. ``on_failure`` (``--on-failure``)
+says whether synchronous strategies re-form over the survivors (``continue``, see
+:mod:`~p2psync.strategies.regroup`) or stop with :class:`PeerFailure` (``stop``). A node that
+joins a running run (``joining``) fetches its state from live peers in :meth:`Strategy.start`
+and the training loop starts at :attr:`Strategy.start_step`; a step may move the loop to
+another step (``StepReport.next_step``) when it adopted a peer's state instead of training.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from typing import Any, ClassVar, Mapping, Protocol, Sequence
 import numpy as np
 
 from p2psync.collectives import Collectives, OpStats
-from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.topology import Topology
 from p2psync.transport import Transport
@@ -38,6 +49,13 @@ class Replica(Protocol):
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None: ...
     async def get_params(self) -> np.ndarray: ...
     async def set_params(self, vec: np.ndarray) -> None: ...
+    #: parameters + optimizer state as one float32 vector (same length on every node of a run)
+    async def export_state(self) -> np.ndarray: ...
+    async def import_state(self, vec: np.ndarray) -> None: ...
+    def state_size(self) -> int: ...
+
+
+ON_FAILURE = ("continue", "stop")
 
 
 @dataclass
@@ -53,6 +71,14 @@ class StrategyContext:
     #: seconds any single peer-dependent wait may take
     peer_timeout: float = 30.0
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``continue``: synchronous strategies re-form over the survivors; ``stop``: PeerFailure
+    on_failure: str = "continue"
+    #: this node registered after the run started: fetch the state from live peers first
+    joining: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(f"--on-failure {self.on_failure!r}: choose continue or stop")
 
     @property
     def alive(self) -> list[int]:
@@ -64,6 +90,21 @@ class StrategyContext:
         call its services with ``membership.call_coordinator``, which retries when it moves."""
         return self.membership.coordinator
 
+    @property
+    def view(self) -> View:
+        """The current view; without a membership service (tests): every node, epoch 0."""
+        v = self.membership.view
+        return v if v is not None else View(epoch=0, members=tuple(self.topology.ids))
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """The current training group: the members of the current view."""
+        return self.view.members
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch
+
 
 @dataclass
 class StepReport:
@@ -73,6 +114,9 @@ class StepReport:
     comm_s: float = 0.0
     wait_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the step the loop runs next (default: this one + 1); set when the strategy adopted a
+    #: peer's state at another step instead of training (a lagging survivor after a re-form)
+    next_step: int | None = None
 
 
 class Strategy(ABC):
@@ -83,6 +127,8 @@ class Strategy(ABC):
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
         self.opts = parse_options(type(self), ctx.options)
+        #: the first step the training loop runs (a joiner sets it to the step it joined at)
+        self.start_step = 0
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
@@ -100,6 +146,10 @@ class Strategy(ABC):
 
     def on_peer_failure(self, peer: int) -> None:
         """A peer was declared failed by the membership service (called on the event loop)."""
+
+    def on_view(self, view: View) -> None:
+        """A newer membership view (a node left or joined; called on the event loop, after
+        ``on_peer_failure`` for the peers it removes). Strategies take their group from it."""
 
     async def close(self) -> None:
         """Called once at the end (also after errors)."""
@@ -161,11 +211,9 @@ class FailStop:
             raise self._error(tuple(sorted(self.failed)))
 
 
-
-
-async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *,
-                         tag: str) -> tuple[np.ndarray, bool, OpStats]:
-    """The mean of ``vec`` over every node (through the run's codec, which may be lossy) and
+async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag: str,
+                         group: Sequence[int] | None = None) -> tuple[np.ndarray, bool, OpStats]:
+    """The mean of ``vec`` over ``group`` (default every node; through the run's codec, which may be lossy) and
     whether any node raised ``flag``, plus the stats of the vector's allreduce.
 
     Control values (stop flags, counts) never pass through a lossy codec: int8 and sketch8 do
@@ -174,8 +222,8 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *,
     vector's, so it adds no round trip. If either fails, the other is cancelled.
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
-    main = asyncio.ensure_future(coll.allreduce(vec, op="mean", tag=tag))
-    ctl = asyncio.ensure_future(coll.allreduce(one, op="sum", tag=f"{tag}.flag", codec="none"))
+    main = asyncio.ensure_future(coll.allreduce(vec, group, op="mean", tag=tag))
+    ctl = asyncio.ensure_future(coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none"))
     try:
         mean, flags = await asyncio.gather(main, ctl)
     except BaseException:

@@ -22,8 +22,17 @@ RTT of the decision, not after the abandoned computation. The answers still in f
 collected during the aggregation (no late reply is left behind) before RESET-STATE-SERVER.
 
 The stop decision is agreed on next to the aggregation, exactly (never through a lossy codec;
-:func:`~p2psync.strategies.base.mean_and_agree`), so every node stops after the same round. A failed peer ends the run with PeerFailure naming it, like SSGD: the aggregation
-needs every node, and re-weighting the mean over survivors mid-round would change Eq. 7.
+:func:`~p2psync.strategies.base.mean_and_agree`), so every node stops after the same round.
+
+Leaving and joining (issue 10 item 5, :mod:`~p2psync.strategies.regroup`): the aggregation runs
+over the current view's members under ``esync.<round>.e<epoch>``. With ``--on-failure
+continue`` (default) an aggregation that fails is abandoned (nothing applied) and redone over the
+survivors with the same deltas, so Eq. 7 averages over the members of the round's final view;
+a member a round behind, or a joiner, adopts the global weights w_t of the round the others are
+in (its own local iterations are dropped) and its optimizer state, then trains that round.
+Every query carries the view (epoch, members), so the State Server drops departed devices (a
+dead device would otherwise stay the slowest forever) and admits joined ones. With
+``--on-failure stop`` a failed peer ends the run with PeerFailure naming it.
 """
 
 from __future__ import annotations
@@ -34,11 +43,12 @@ import time
 
 import numpy as np
 
+from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
 from p2psync.errors import Aborted, ConfigError, P2PSyncError
-from p2psync.strategies.base import (FailStop, StepReport, Strategy, StrategyContext, mean_and_agree,
-                                     register)
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.regroup import Adopted, Regroup
 from p2psync.topology import Topology
 
 
@@ -53,6 +63,8 @@ class ESync(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._queries: set[asyncio.Task[None]] = set()
+        self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
+        self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict) -> None:
@@ -62,19 +74,42 @@ class ESync(Strategy):
     async def start(self) -> None:
         if self.opts["mode"] not in ("blocking", "nonblocking"):
             raise ConfigError(f"esync mode must be blocking or nonblocking, not {self.opts['mode']!r}")
-        self.failstop = FailStop(self.ctx, "esync", "esync.")
         self.round = 0
         self.rtt = 0.0
         # Alg. 1 line 3: RUN-BATCH-DATA-TEST measures the capability (gradient discarded)
         t0 = time.perf_counter()
         await self.ctx.replica.compute_gradients()
         self.c = time.perf_counter() - t0
-        # everyone starts round 0 together (a slow device's batch test takes longer)
-        await self.ctx.collectives.allreduce(np.zeros(1, np.float32), tag="esync.start")
+        if self.ctx.joining:  # take w_t of the round the members are in, then train it
+            self.start_step = self.round = await self.regroup.join()
+            await self._reset()
+        else:
+            # everyone starts round 0 together (a slow device's batch test takes longer)
+            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), tag="esync.start")
         self.t_e = time.monotonic()
 
     def on_peer_failure(self, peer: int) -> None:
-        self.failstop.on_peer_failure(peer)
+        self.regroup.on_peer_failure(peer)
+
+    def on_view(self, view: View) -> None:
+        self.regroup.on_view(view)
+
+    async def _snapshot(self) -> np.ndarray:
+        """The state a lagging member or joiner adopts: w_t of this round + optimizer state."""
+        vec = await self.ctx.replica.export_state()
+        if self.w_round is not None:
+            vec[:self.w_round.size] = self.w_round
+        return vec
+
+    async def _reset(self) -> None:
+        t_r = time.monotonic()
+        await self.ctx.membership.call_coordinator("esync.reset", {"round": self.round, "rtt": self.rtt,
+                                                                   **self._view_args()},
+                                                   timeout=self.opts["query_timeout"])
+        self.t_e = t_r
+
+    def _view_args(self) -> dict[str, object]:
+        return {"epoch": self.ctx.epoch, "members": list(self.ctx.group)}
 
     async def _query(self, k: int) -> bool:
         t0 = time.monotonic()
@@ -82,7 +117,7 @@ class ESync(Strategy):
         # a State Server rebuilt after a takeover learn where this device is
         rep = await self.ctx.membership.call_coordinator("esync.query", {
             "k": k, "c": self.c + (self.rtt if self.opts["mode"] == "nonblocking" else 0.0),
-            "age": max(0.0, t0 - self.t_e), "rtt": self.rtt, "round": self.round},
+            "age": max(0.0, t0 - self.t_e), "rtt": self.rtt, "round": self.round, **self._view_args()},
             timeout=self.opts["query_timeout"])
         self.rtt = time.monotonic() - t0
         return bool(rep["ready"])
@@ -97,7 +132,7 @@ class ESync(Strategy):
     async def _blocking(self) -> tuple[list[float], int]:
         losses: list[float] = []
         while not await self._query(len(losses)):
-            self.failstop.check()
+            self.regroup.check()
             t_s = time.monotonic()
             losses.append(await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients()))
         return losses, 0
@@ -124,7 +159,7 @@ class ESync(Strategy):
         errors: list[BaseException] = []
         signal = asyncio.Event()
         while True:
-            self.failstop.check()
+            self.regroup.check()
             if errors:
                 raise errors[0]
             if ready:
@@ -157,8 +192,11 @@ class ESync(Strategy):
             await asyncio.gather(*list(self._queries), return_exceptions=True)
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.failstop.check()
-        w_t = await self.ctx.replica.get_params()
+        self.regroup.check()
+        w_t = self.w_round = await self.ctx.replica.get_params()
+        early = await self.regroup.run(step, None)  # a new view: agree on w_t before training
+        if isinstance(early, Adopted):
+            return await self._adopted(early, 0.0)
         t0 = time.monotonic()
         if self.opts["mode"] == "blocking":
             losses, abandoned = await self._blocking()
@@ -167,23 +205,34 @@ class ESync(Strategy):
         local_s = time.monotonic() - t0
         w = await self.ctx.replica.get_params()
         t1 = time.monotonic()
-        mean, stop, st = await mean_and_agree(self.ctx.collectives, w - w_t, want_stop,  # Eq. 6-7
-                                              tag=f"esync.{step}")
+        coll, delta = self.ctx.collectives, w - w_t
+        out = await self.regroup.run(step, lambda v: mean_and_agree(  # Eq. 6-7
+            coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members))
         blocking = time.monotonic() - t1
-        self.failstop.check()
+        if out is None or isinstance(out, Adopted):
+            return await self._adopted(out or Adopted(step + 1), blocking)
+        mean, stop, st = out
         await self.ctx.replica.set_params(w_t + np.float32(self.opts["global_lr"]) * mean)  # Eq. 8
+        self.w_round = None
         await self._collect_queries()
         self.round += 1
-        t_r = time.monotonic()
-        await self.ctx.membership.call_coordinator("esync.reset", {"round": self.round, "rtt": self.rtt},
-                                                   timeout=self.opts["query_timeout"])
-        self.t_e = t_r
+        await self._reset()
         return StepReport(loss=float(np.mean(losses)) if losses else float("nan"), stop=stop,
                           comm_s=blocking, wait_s=blocking, extra={
                               "n_local": len(losses), "abandoned": abandoned,
                               "local_s": round(local_s, 4), "blocking_s": round(blocking, 4),
                               "query_rtt_s": round(self.rtt, 5), "round": self.round,
+                              "members": len(self.ctx.group), "reforms": self.regroup.reforms,
                               "op_nic_bytes": st.nic_bytes, "compression": round(st.compression, 3)})
+
+    async def _adopted(self, adopted: Adopted, blocking: float) -> StepReport:
+        """This node took a peer's w_t of round ``adopted.step``: its own round is dropped."""
+        self.w_round = None
+        await self._collect_queries()
+        self.round = adopted.step
+        await self._reset()
+        return StepReport(loss=float("nan"), comm_s=blocking, wait_s=blocking, next_step=adopted.step,
+                          extra={"adopted": True, "round": self.round, "members": len(self.ctx.group)})
 
     async def close(self) -> None:
         for q in list(self._queries):

@@ -58,6 +58,8 @@ class RunConfig:
     collective: str = "auto"
     strategy_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     progress: bool = False
+    #: a peer fails: synchronous strategies re-form over the survivors (continue) or stop
+    on_failure: str = "continue"
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -86,6 +88,8 @@ class RunConfig:
             raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
         if self.wan and self.shaper == "none":
             raise ConfigError("--wan needs --shaper inproc or netem")
+        if self.on_failure not in ("continue", "stop"):
+            raise ConfigError(f"--on-failure {self.on_failure!r}: choose continue or stop")
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
             raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name")
 

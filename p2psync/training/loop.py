@@ -1,7 +1,12 @@
-"""The training loop: calls the strategy step by step, evaluates, writes metrics."""
+"""The training loop: calls the strategy step by step, evaluates, writes metrics.
+
+The loop starts at the strategy's ``start_step`` (a node that joined a running run starts at
+the step it joined at) and moves to ``StepReport.next_step`` when a strategy adopted a peer's
+state at another step instead of training (issue 10 item 5)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -17,14 +22,14 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
     t0 = time.monotonic()
     trainer.t0 = t0  # slowdown schedules count from the start of training
     comm = wait = 0.0
-    step = 0
+    step = strategy.start_step
     acc = test_loss = None
     last_eval = t0
     while True:
         elapsed = time.monotonic() - t0
         want_stop = step + 1 >= max_steps or (time_limit is not None and elapsed >= time_limit)
         rep = await strategy.train_step(step, want_stop)
-        step += 1
+        step = step + 1 if rep.next_step is None else rep.next_step
         comm += rep.comm_s
         wait += rep.wait_s
         now = time.monotonic() - t0
@@ -45,6 +50,7 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
             break
     wall = time.monotonic() - t0
     nics = nic_bytes()
+    params = await trainer.get_params()
     return {
         "node": node_id, "steps": step, "wall_s": round(wall, 3), "final_accuracy": acc,
         "final_test_loss": test_loss, "samples": trainer.samples,
@@ -52,4 +58,6 @@ async def train_loop(*, node_id: int, strategy: Strategy, trainer: Trainer, metr
         "compute_s": round(trainer.compute_s, 3), "comm_s": round(comm, 3), "wait_s": round(wait, 3),
         "bytes_sent": bytes_sent({"nics": nics}),
         "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
+        # equal on every member of a synchronous run (SSGD: bitwise), joiners included
+        "params_sha1": hashlib.sha1(params.tobytes()).hexdigest()[:16],
     }

@@ -11,6 +11,11 @@ Coordinator failover (issue 10 item 6): every node has a
 live id takes over membership and the strategy's coordinator services, the survivors re-send
 their finish stats to it, and the node coordinating at the end writes ``summary.json`` (and
 ``config.json`` if it is missing), listing the dead coordinator among the failed nodes.
+
+A node started while its run is going (the same ``--node`` restarted with the same
+``--run-id``, after the coordinator declared its previous process failed) is admitted as a
+joiner: the registration reply says ``joined``, and the strategy fetches the state from live
+peers in ``start()`` before training (issue 10 item 5).
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         services=lambda srv: strategy_cls.coordinator_services(srv, topo, dict(cfg.strategy_options)),
         start_timeout=cfg.start_timeout, failure_timeout=cfg.failure_timeout,
         heartbeat_interval=cfg.heartbeat, phi_threshold=cfg.phi_threshold,
-        run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)})
+        run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)},
+        allow_join=cfg.on_failure == "continue")
     metrics = None
     strategy = None
     try:
@@ -159,9 +165,11 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
                                                       timeout=cfg.peer_timeout, codec=cfg.codec,
                                                       error_feedback=cfg.error_feedback,
                                                       algo=cfg.collective),
-                              peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options))
+                              peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
+                              on_failure=cfg.on_failure, joining=bool(info.get("joined")))
         strategy = strategy_cls(ctx)
         membership.listeners.append(strategy.on_peer_failure)
+        membership.view_listeners.append(strategy.on_view)
         await strategy.start()
 
         def nic_bytes() -> dict[str, dict[str, int]]:

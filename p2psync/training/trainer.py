@@ -11,6 +11,13 @@ One local iteration (forward, backward, and the emulated device's extra time, se
 throughout the pad, and then raises :class:`~p2psync.errors.Aborted`. An abandoned iteration
 leaves no trace: the sampler does not advance (the next iteration takes the same batch) and its
 samples are not counted.
+
+:meth:`Trainer.export_state` / :meth:`Trainer.import_state` move the whole replica — parameters
+and the torch optimizer's state (momentum buffers; Adam's moments and step counts) — as one flat
+float32 vector whose layout depends only on the model and the optimizer's configuration, so it
+has the same length on every node of a run (a joiner's optimizer has no state yet: missing
+buffers export as zeros, which the optimizers treat exactly like fresh state). Issue 10 item 5:
+a joining node takes its state from a live peer.
 """
 
 from __future__ import annotations
@@ -202,6 +209,60 @@ class Trainer:
 
     async def get_params(self) -> np.ndarray:
         return await self.run(self._params)
+
+    # -- whole state (joins) ---------------------------------------------------------------
+
+    def _state_keys(self) -> list[str]:
+        """Per-parameter optimizer state entries, in export order."""
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return ["momentum_buffer"] if any(g.get("momentum", 0) for g in self.optimizer.param_groups) else []
+        if isinstance(self.optimizer, torch.optim.Adam):
+            amsgrad = any(g.get("amsgrad", False) for g in self.optimizer.param_groups)
+            return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else []), "step"]
+        raise ConfigError(f"cannot export the state of optimizer {type(self.optimizer).__name__}")
+
+    def state_size(self) -> int:
+        keys = self._state_keys()
+        per_param = sum(1 for k in keys if k == "step")
+        return self.numel * (1 + len(keys) - per_param) + per_param * len(self.params)
+
+    def _export_state(self) -> np.ndarray:
+        parts = [self._params()]
+        for key in self._state_keys():
+            for p in self.params:
+                t = self.optimizer.state.get(p, {}).get(key)
+                n = 1 if key == "step" else p.numel()
+                if t is None:
+                    parts.append(np.zeros(n, np.float32))
+                elif key == "step":
+                    parts.append(np.array([float(t)], np.float32))
+                else:
+                    parts.append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        return np.concatenate(parts).astype(np.float32, copy=False)
+
+    def _import_state(self, vec: np.ndarray) -> None:
+        if vec.size != self.state_size():
+            raise ValueError(f"state vector has {vec.size} elements, this replica has {self.state_size()}")
+        self._set_params(vec[:self.numel])
+        off = self.numel
+        for key in self._state_keys():
+            for p in self.params:
+                st = self.optimizer.state[p]
+                if key == "step":
+                    st["step"] = torch.tensor(float(vec[off]), dtype=torch.float32)
+                    off += 1
+                    continue
+                n = p.numel()
+                src = torch.from_numpy(np.array(vec[off:off + n], dtype=np.float32)).view_as(p)
+                st[key] = src.to(p.device, p.dtype).clone()
+                off += n
+
+    async def export_state(self) -> np.ndarray:
+        """Parameters + optimizer state as one float32 vector (see the module docstring)."""
+        return await self.run(self._export_state)
+
+    async def import_state(self, vec: np.ndarray) -> None:
+        await self.run(lambda: self._import_state(vec))
 
     async def set_params(self, vec: np.ndarray) -> None:
         await self.run(lambda: self._set_params(vec))

@@ -135,8 +135,37 @@ def test_second_registration_of_a_live_node_is_rejected_naming_both():
     assert "111" in msg and "222" in msg and "hostA" in msg and "hostB" in msg
     st.register(0, "f", 0.0, incarnation=5)
     assert st.check(10.0) == [0, 1]
-    with pytest.raises(ConfigError, match="declared failed"):
-        st.register(1, "f", 10.1, incarnation=333)
+    closed = MembershipState(expected=frozenset({0, 1}), allow_join=False)
+    closed.register(0, "f", 0.0, incarnation=5)
+    closed.register(1, "f", 0.0, incarnation=111)
+    assert closed.check(10.0) == [0, 1]
+    with pytest.raises(ConfigError, match="declared failed"):  # --on-failure stop: no joins
+        closed.register(1, "f", 10.1, incarnation=333)
+
+
+def test_failed_node_rejoins_with_a_newer_incarnation():
+    """Issue 10 item 5: a failed node's new incarnation is admitted with a new view epoch."""
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0)
+    for n in (0, 1, 2):
+        assert st.register(n, "f", 0.0, incarnation=10 + n) is False
+    st.heartbeat(0, 1.9)
+    st.heartbeat(1, 1.9)
+    assert st.check(2.5) == [2]
+    e = st.view().epoch
+    with pytest.raises(ConfigError, match="different configuration"):
+        st.register(2, "other", 3.0, incarnation=50)
+    with pytest.raises(ConfigError, match="older"):
+        st.register(2, "f", 3.0, incarnation=1)
+    assert st.register(2, "f", 3.0, incarnation=50, address="hostC pid 9") is True
+    v = st.view()
+    assert v.epoch == e + 1 and v.members == (0, 1, 2) and v.incarnations[2] == 50
+    assert st.failed == set() and st.rejoined == {2: 1} and not st.all_finished
+    assert st.register(2, "f", 3.1, incarnation=50) is True  # a retried request: same answer
+    assert st.view().epoch == e + 1
+    st.heartbeat(0, 3.9)
+    st.heartbeat(1, 3.9)
+    st.heartbeat(2, 3.9)
+    assert st.check(4.0) == []  # watched again from its registration
 
 
 def test_no_failure_is_declared_before_the_rendezvous_completes():

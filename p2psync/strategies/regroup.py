@@ -1,0 +1,280 @@
+"""Nodes that leave and join: synchronous strategies re-form over the current view (issue 10
+item 5; DESIGN "Membership is a sequence of views").
+
+What: :class:`Regroup` runs one synchronous operation of a strategy (SSGD's gradient allreduce,
+ESync's aggregation of deltas, Eq. 6-7 of ../shared/papers/esync.md) over the members of the
+current membership view and redoes it over the next view when it fails, and brings a joiner
+(or a survivor that fell one step behind) to the same state as the others.
+:func:`serve_state` / :func:`fetch_state` let a joiner of an asynchronous strategy copy the
+state of a live neighbour without stopping anyone.
+
+Why this protocol (and not another):
+
+* **The view epoch is in every tag.** An operation at epoch ``e`` over the view's members runs
+  under ``<name>.<step>.e<e>`` and over those members only, so nodes holding different views
+  never mix pieces: they fail to meet, and meet again once they share the newer view (every
+  node learns it within a heartbeat interval or from the ``event.view`` push).
+* **A newer view abandons the operation in flight.** Collectives work on a copy, so abandoning
+  one applies nothing (never a half-applied average). A PeerFailure makes the node wait,
+  bounded by a few failure-detection bounds, for a newer view; if none comes, the PeerFailure
+  ends the run as before (a live but silent peer is not silently dropped).
+* **Members agree on their state at every new epoch.** The first operation of an epoch is a
+  tiny exact allgather of the step every member is at (``<name>.sync.e<e>``; ``-1`` for a
+  joiner). An operation can complete on some members and fail on others (a member dies after
+  its last piece went out), so survivors may be a step apart, and a joiner has no state. If the
+  steps differ (:func:`sync_decision`), the lowest-id member at the highest step broadcasts its
+  state at the start of that step — parameters and optimizer state as one float32 vector,
+  ``<name>.state.e<e>``, over a tree of the group's own links (tensors only cross adjacent
+  links) — and every member behind adopts it and continues at that step. Survivors and joiners
+  therefore hold bitwise the same state as the members they meet (SSGD stays bitwise equal).
+
+With ``--on-failure stop``, or without a membership service (unit tests), the old fail-stop
+(:class:`~p2psync.strategies.base.FailStop`) applies and the group is every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from p2psync.coordinator import View
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.strategies.base import FailStop, StrategyContext
+
+log = logging.getLogger("p2psync.regroup")
+
+T = TypeVar("T")
+#: the step a joiner reports in the state sync: it has no state yet
+JOINING = -1
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """The operation was not run: this node adopted a peer's state at the start of ``step``."""
+
+    step: int
+
+
+def sync_decision(steps: Mapping[int, int]) -> tuple[int, int] | None:
+    """Pure: ``(donor, step)`` when the members' steps differ — the lowest id at the highest
+    step gives its state at the start of that step — else None (nothing to transfer)."""
+    if not steps:
+        raise ConfigError("a state sync needs at least one member")
+    top = max(steps.values())
+    if top < 0:
+        raise PeerFailure(f"no live member has a state to give (members {sorted(steps)} are all "
+                          "joining)", peers=tuple(sorted(steps)))
+    if all(s == top for s in steps.values()):
+        return None
+    return min(n for n, s in steps.items() if s == top), top
+
+
+def regroup_bound(failure_timeout: float, interval: float) -> float:
+    """Seconds a node waits for a newer view after a PeerFailure: a few detection bounds."""
+    return max(10.0, 4.0 * failure_timeout + 4.0 * interval)
+
+
+class Regroup:
+    """One per synchronous strategy instance; create it in ``start()`` (after rendezvous)."""
+
+    def __init__(self, *, ctx: StrategyContext, name: str,
+                 snapshot: Callable[[], Awaitable[np.ndarray]] | None = None,
+                 restore: Callable[[np.ndarray], Awaitable[None]] | None = None) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.failstop = FailStop(ctx, name, f"{name}.")
+        self.snapshot = snapshot if snapshot is not None else ctx.replica.export_state
+        self.restore = restore if restore is not None else ctx.replica.import_state
+        #: re-form over survivors (else fail-stop): needs views and --on-failure continue
+        self.elastic = ctx.on_failure == "continue" and ctx.membership.view is not None
+        #: the epoch whose members last agreed on their state (a joiner has none yet)
+        self.synced = JOINING if ctx.joining else ctx.epoch
+        self._changed = asyncio.Event()
+        self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
+        self.reforms = 0
+        self.adoptions = 0
+        #: seconds from the failed operation to the first operation that succeeded after it
+        self.last_reform_s: float | None = None
+
+    # -- hooks (event loop) --------------------------------------------------------------
+
+    def on_peer_failure(self, peer: int) -> None:
+        if not self.elastic:
+            self.failstop.on_peer_failure(peer)
+
+    def on_view(self, view: View) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    def check(self) -> None:
+        """Fail-stop mode: raise PeerFailure if a peer failed (no-op when re-forming)."""
+        if not self.elastic:
+            self.failstop.check()
+
+    # -- the retry loop ------------------------------------------------------------------
+
+    async def join(self) -> int:
+        """A joiner: take the state of the members at their current step; returns that step."""
+        if not self.elastic:
+            raise ConfigError(f"{self.name}: joining a running run needs --on-failure continue")
+        got = await self.run(JOINING, None)
+        if not isinstance(got, Adopted):
+            raise PeerFailure(f"{self.name}: joined but no member gave its state")
+        return got.step
+
+    async def run(self, step: int, op: Callable[[View], Awaitable[T]] | None) -> T | Adopted | None:
+        """Run ``op(view)`` over the current view, after the members of a new epoch agreed on
+        their state; redo it over the next view if it fails. Returns op's result, or
+        :class:`Adopted` when this node took a peer's state instead (then op did not run), or
+        None when ``op`` is None and nothing was adopted."""
+        if not self.elastic:
+            self.failstop.check()
+            out = None if op is None else await op(View(epoch=0, members=tuple(self.ctx.topology.ids)))
+            self.failstop.check()
+            return out
+        failed_at: float | None = None
+        while True:
+            view = self.ctx.view
+            me = self.ctx.node_id
+            if me not in view.members:
+                raise PeerFailure(f"{self.name}: node {me} is not a member of view {view.epoch} "
+                                  "(the coordinator declared it failed)", peers=(me,))
+            try:
+                if view.epoch != self.synced:
+                    adopted = await self._race(self._sync(step, view), view)
+                    if adopted is not None:
+                        self._reformed(failed_at)
+                        return Adopted(adopted)
+                out = None if op is None else await self._race(op(view), view)
+                self._reformed(failed_at)
+                return out
+            except PeerFailure as exc:
+                if failed_at is None:
+                    failed_at = time.monotonic()
+                log.warning("node %d: %s step %d over view %d failed (%s); waiting for a newer view",
+                            me, self.name, step, view.epoch, exc)
+                await self._await_newer(view, exc)
+
+    def _reformed(self, failed_at: float | None) -> None:
+        if failed_at is not None:
+            self.reforms += 1
+            self.last_reform_s = time.monotonic() - failed_at
+            log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
+                        self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)
+
+    async def _race(self, coro: Awaitable[T], view: View) -> T:
+        """``coro``, abandoned (PeerFailure) as soon as a view newer than ``view`` arrives."""
+        task = asyncio.ensure_future(coro)
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            if self.ctx.epoch == view.epoch:
+                await asyncio.wait({task, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            now = self.ctx.view
+            left = tuple(sorted(set(view.members) - set(now.members)))
+            raise PeerFailure(f"{self.name}: view {view.epoch} replaced by view {now.epoch} "
+                              f"(left {list(left)}, members {list(now.members)})", peers=left)
+        return task.result()
+
+    async def _await_newer(self, view: View, exc: PeerFailure) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.bound
+        while self.ctx.epoch <= view.epoch:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise exc
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _sync(self, step: int, view: View) -> int | None:
+        """The state sync of a new epoch (see the module docstring); returns the step adopted."""
+        coll, me, members = self.ctx.collectives, self.ctx.node_id, view.members
+        got = await coll.allgather(np.array([float(step)]), members, tag=f"{self.name}.sync.e{view.epoch}")
+        steps = {n: int(a[0]) for n, a in zip(members, got, strict=True)}
+        decision = sync_decision(steps)
+        if decision is None:
+            self.synced = view.epoch
+            return None
+        donor, top = decision
+        size = self.ctx.replica.state_size()
+        buf = await self.snapshot() if me == donor else np.zeros(size, np.float32)
+        if buf.size != size or buf.dtype != np.float32:
+            raise ConfigError(f"{self.name}: state snapshot has {buf.size} {buf.dtype} values, expected {size} float32")
+        state = await coll.broadcast(buf, donor, members, tag=f"{self.name}.state.e{view.epoch}")
+        self.synced = view.epoch
+        if steps[me] >= top:
+            log.info("node %d: gave/kept the state of step %d at view %d", me, top, view.epoch)
+            return None
+        await self.restore(np.asarray(state, dtype=np.float32))
+        self.adoptions += 1
+        log.warning("node %d: adopted node %d's state at step %d (was at step %d), view %d members %s",
+                    me, donor, top, step, view.epoch, list(members))
+        return top
+
+
+# -- joiners of asynchronous strategies ------------------------------------------------------
+
+async def _until_member(ctx: StrategyContext, node: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while node not in ctx.group:
+        if loop.time() > deadline:
+            raise PeerFailure(f"node {node} is not a member of view {ctx.epoch}", peers=(node,))
+        await asyncio.sleep(0.05)  # the view arrives within a heartbeat interval
+
+
+def serve_state(ctx: StrategyContext, name: str, step: Callable[[], int]) -> None:
+    """Answer ``<name>.state`` RPCs from adjacent joiners: the state goes back as one ``data``
+    message to the joiner (tensors never take relayed control paths); the reply carries the
+    step it was taken at."""
+
+    async def handler(caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        tag = args.get("tag")
+        if not isinstance(tag, str) or not tag.startswith(f"{name}.join."):
+            raise ProtocolError("state", f"bad state tag {tag!r}"[:100])
+        if caller not in ctx.topology.neighbors(ctx.node_id):
+            raise ConfigError(f"node {caller} is not adjacent to node {ctx.node_id}")
+        await _until_member(ctx, caller, ctx.peer_timeout)  # our view may lag the joiner's
+        at = step()
+        vec = await ctx.replica.export_state()
+        await ctx.transport.send(caller, tag, [vec], kind="data", step=max(0, at), timeout=ctx.peer_timeout)
+        return {"step": at}
+
+    ctx.rpc_server.register(f"{name}.state", handler)
+
+
+async def fetch_state(ctx: StrategyContext, name: str) -> int:
+    """A joiner: copy the state of a live adjacent member (lowest id first); returns its step."""
+    me = ctx.node_id
+    donors = [n for n in sorted(ctx.topology.neighbors(me)) if n in ctx.group and n != me]
+    errors: list[str] = []
+    for d in donors:
+        tag = f"{name}.join.{me}.{ctx.transport.incarnation}"
+        try:
+            rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)
+            msg = await ctx.transport.recv(tag, timeout=ctx.peer_timeout)
+            at = rep.get("step") if isinstance(rep, dict) else None
+            vec = msg.arrays[0] if len(msg.arrays) == 1 else None
+            if type(at) is not int or vec is None or vec.dtype != np.float32 \
+                    or vec.size != ctx.replica.state_size():
+                raise ProtocolError("state", f"node {d} sent a malformed state")
+        except P2PSyncError as exc:
+            errors.append(f"node {d}: {exc}")
+            continue
+        await ctx.replica.import_state(np.array(vec, copy=True))
+        log.warning("node %d: joined with node %d's state at its step %d", me, d, at)
+        return at
+    raise PeerFailure(f"node {me}: no live neighbour gave its state ({'; '.join(errors) or 'none alive'})",
+                      peers=tuple(donors))

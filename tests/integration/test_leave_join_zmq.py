@@ -1,0 +1,233 @@
+"""Nodes that leave and join (issue 10 item 5) over real ZeroMQ, in one process.
+
+Every node is built the way a node process builds it (transport, RPC, membership client, the
+membership service and coordinator services on the coordinator, a real Trainer, the strategy
+wired to ``listeners`` and ``view_listeners``). A crash is simulated by cancelling a node's
+training and closing its membership client, RPC server and endpoint at once: its peers see
+silence, the coordinator declares it failed and publishes a new view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+import numpy as np
+import pytest
+
+from p2psync.collectives import Collectives
+from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.errors import PeerFailure
+from p2psync.strategies import StrategyContext, get_strategy
+from p2psync.topology import Topology, ring
+from p2psync.training.hetero import parse_profiles
+from p2psync.transport import ZmqEndpoint
+from tests.helpers import free_port, make_trainer, until
+
+pytestmark = pytest.mark.timeout(120)
+
+HB, FAIL = 0.2, 1.0  # heartbeat interval, failure-detector floor (s)
+STEP_S = 0.03  # emulated step time: the run lasts long enough to crash and join in it
+
+
+class Node:
+    def __init__(self, topo: Topology, i: int, strategy: str, *, on_failure: str = "continue",
+                 options: dict[str, Any] | None = None) -> None:
+        self.topo, self.id, self.name, self.on_failure = topo, i, strategy, on_failure
+        self.options = dict(options or {})
+        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
+        self.server = RpcServer(self.ep)
+        self.rpc = RpcClient(self.ep, local=self.server)
+        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator,
+                                       heartbeat_interval=HB, failure_timeout=FAIL)
+        self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=30,
+                                          failure_timeout=FAIL, heartbeat_interval=HB,
+                                          allow_join=on_failure == "continue")
+                        if i == topo.coordinator else None)
+        lr = 0.05 if strategy == "asgd" else 0.1
+        self.trainer = make_trainer(topo, i, lr=lr)
+        self.trainer.slowdown = parse_profiles(step_time=f"{i}:{STEP_S}")[i]
+        self.strategy: Any = None
+        self.steps = 0  # train_step calls done
+        self.step = 0  # the loop's step
+        self.task: asyncio.Task[int] | None = None
+        self.closed = False
+
+    async def start(self) -> None:
+        await self.ep.start()
+        if self.service is not None:
+            self.service.start()
+            get_strategy(self.name).coordinator_services(self.server, self.topo, self.options)
+        self.server.start()
+
+    async def join_run(self) -> None:
+        info = await self.client.register("fp", timeout=30)
+        self.client.start()
+        ctx = StrategyContext(node_id=self.id, topology=self.topo, transport=self.ep, rpc=self.rpc,
+                              rpc_server=self.server, membership=self.client, replica=self.trainer,
+                              collectives=Collectives(self.ep, timeout=10.0), peer_timeout=10.0,
+                              options=self.options, on_failure=self.on_failure,
+                              joining=bool(info.get("joined")))
+        self.strategy = get_strategy(self.name)(ctx)
+        self.client.listeners.append(self.strategy.on_peer_failure)
+        self.client.view_listeners.append(self.strategy.on_view)
+        await self.strategy.start()
+        self.step = self.strategy.start_step
+
+    async def train(self, steps: int, stop: Any = lambda: False) -> int:
+        """The training loop's logic; returns the step it ended at."""
+        while True:
+            rep = await self.strategy.train_step(self.step, self.step + 1 >= steps or stop())
+            self.step = self.step + 1 if rep.next_step is None else rep.next_step
+            self.steps += 1
+            if rep.stop or self.steps > 3 * steps:
+                return self.step
+
+    def go(self, steps: int, stop: Any = lambda: False) -> None:
+        self.task = asyncio.ensure_future(self.train(steps, stop))
+
+    async def crash(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.close()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.strategy is not None:
+            await self.strategy.close()
+        await self.client.close()
+        if self.service is not None:
+            await self.service.close()
+        await self.server.close(grace=0.1)
+        await self.ep.close()
+        self.trainer.close()
+
+
+@contextlib.asynccontextmanager
+async def cluster(topo: Topology, strategy: str, **kw: Any) -> AsyncIterator[dict[int, Node]]:
+    nodes = {i: Node(topo, i, strategy, **kw) for i in topo.ids}
+    try:
+        for n in nodes.values():
+            await n.start()
+        await asyncio.gather(*(n.join_run() for n in nodes.values()))
+        yield nodes
+    finally:
+        for n in nodes.values():
+            await n.close()
+
+
+async def _finish(nodes: list[Node], timeout: float = 60) -> list[int]:
+    tasks = [n.task for n in nodes if n.task is not None]
+    done = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    return list(done)
+
+
+@pytest.mark.parametrize("strategy", ["ssgd", "esync"])
+async def test_crash_mid_run_survivors_reform_and_finish_identical(strategy):
+    topo = ring(4, base_port=free_port())
+    steps = 40 if strategy == "ssgd" else 20
+    async with cluster(topo, strategy) as nodes:
+        for n in nodes.values():
+            n.go(steps)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        loop = asyncio.get_running_loop()
+        t_kill = loop.time()
+        await nodes[2].crash()
+        survivors = [nodes[i] for i in (0, 1, 3)]
+        await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
+        print(f"{strategy}: kill -> every survivor re-formed in {loop.time() - t_kill:.2f}s "
+              f"(failure detection floor {FAIL}s)")
+        ends = await _finish(survivors)
+        params = [await n.trainer.get_params() for n in survivors]
+        reforms = [n.strategy.regroup.reforms for n in survivors]
+    assert ends == [steps] * 3, ends
+    assert all(p.tobytes() == params[0].tobytes() for p in params)  # bitwise identical
+    assert all(r >= 1 for r in reforms), reforms
+    assert all(n.client.view is not None and n.client.view.members == (0, 1, 3) for n in survivors)
+
+
+async def test_asgd_crash_survivors_finish():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "asgd") as nodes:
+        for n in nodes.values():
+            n.go(40)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[1].crash()
+        survivors = [nodes[i] for i in (0, 2, 3)]
+        ends = await _finish(survivors)
+        await until(lambda: all(n.strategy.alive == {0, 2, 3} for n in survivors), 10, "trees over survivors")
+    assert ends == [40] * 3
+
+
+async def test_on_failure_stop_keeps_fail_stop_naming_the_node():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "ssgd", on_failure="stop") as nodes:
+        for n in nodes.values():
+            n.go(10_000)
+        await until(lambda: all(n.steps >= 3 for n in nodes.values()), 60, "every node to train")
+        await nodes[3].crash()
+        for i in (0, 1, 2):
+            with pytest.raises(PeerFailure) as ei:
+                await asyncio.wait_for(nodes[i].task, 30)  # type: ignore[arg-type]
+            assert 3 in ei.value.peers and "synchronous training cannot continue" in str(ei.value)
+
+
+@pytest.mark.parametrize("strategy", ["ssgd", "esync"])
+async def test_restarted_node_rejoins_with_the_same_parameters(strategy):
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, strategy) as nodes:
+        joiner = Node(topo, 3, strategy)
+        for n in nodes.values():
+            n.go(10_000, stop=lambda: joiner.steps >= 6)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[3].crash()
+        survivors = [nodes[i] for i in (0, 1, 2)]
+        await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
+        crashed_at = max(n.step for n in survivors)
+        try:
+            await joiner.start()  # a new process: same node id and port, newer incarnation
+            await joiner.join_run()
+            assert joiner.strategy.ctx.joining and joiner.strategy.start_step >= crashed_at
+            joiner.go(10_000)
+            ends = await _finish([*survivors, joiner])
+            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            views = [n.client.view for n in [*survivors, joiner]]
+        finally:
+            await joiner.close()
+    assert len(set(ends)) == 1, ends
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    assert all(v is not None and v.members == (0, 1, 2, 3) for v in views), views
+    assert np.isfinite(params[0]).all()
+
+
+async def test_asgd_restarted_node_rejoins_the_flooding_trees():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "asgd") as nodes:
+        for n in nodes.values():
+            n.go(200)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[3].crash()
+        survivors = [nodes[i] for i in (0, 1, 2)]
+        await until(lambda: all(n.strategy.alive == {0, 1, 2} for n in survivors), 30, "trees over survivors")
+        joiner = Node(topo, 3, "asgd")
+        try:
+            await joiner.start()
+            await joiner.join_run()
+            assert joiner.strategy.ctx.joining and joiner.strategy.start_step > 0
+            await until(lambda: all(n.strategy.alive == {0, 1, 2, 3} for n in survivors), 30,
+                        "the joiner back in every tree")
+            joiner.go(200)
+            ends = await _finish([*survivors, joiner])
+            await until(lambda: joiner.strategy.applied_remote > 0, 10, "gradients reach the joiner")
+            acc = (await joiner.trainer.evaluate())[1]
+        finally:
+            await joiner.close()
+    assert ends == [200] * 4
+    assert acc > 0.4, acc  # it started from a trained replica, not from scratch
