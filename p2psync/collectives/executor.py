@@ -60,7 +60,7 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -383,8 +383,9 @@ class _Run:
                                            timeout=self.o.timeout))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
-            results = await asyncio.gather(*sends, *recvs)
-            for (_src, reduce), msg in zip(incoming, results[len(sends):], strict=True):
+            results = await asyncio.gather(*sends, *recvs)  # sends return None
+            msgs = cast("list[Message]", results[len(sends):])
+            for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                 vals = self._decode(msg, k)
                 if reduce:
                     self.piece(k)[...] += vals

@@ -81,6 +81,8 @@ class MembershipState:
     #: joiner -> time until which it is not suspected before its first heartbeat (its
     #: registration reply may need a retry while relays still route around its old life)
     join_grace: dict[int, float] = field(default_factory=dict)
+    #: joiner -> the epoch of the view that admitted its current incarnation
+    joined_epoch: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -115,6 +117,7 @@ class MembershipState:
                 self.join_grace[node] = now + 3 * self.failure_timeout + 10 * self.heartbeat_interval
                 self.rejoined[node] = self.rejoined.get(node, 0) + 1
                 self.epoch += 1
+                self.joined_epoch[node] = self.epoch
                 return True
             raise ConfigError(f"node {node} is already registered and alive (incarnation {old} at "
                               f"{addr}); second registration (incarnation {incarnation} at {address}) "
@@ -178,10 +181,17 @@ class MembershipState:
             self.epoch += 1
         return sorted(new)
 
-    def declare_failed(self, nodes: Sequence[int]) -> list[int]:
+    def declare_failed(self, nodes: Sequence[int], *, seen_epoch: int | None = None) -> list[int]:
         """Nodes reported failed by someone else (a member after a coordinator takeover):
-        registered, not failed yet and not the coordinator. Returns those newly failed."""
-        new = sorted({n for n in nodes if n in self.registered and n != self.coordinator} - self.failed)
+        registered, not failed yet and not the coordinator. Returns those newly failed.
+
+        ``seen_epoch``: the view epoch the reporter had applied; a node that (re)joined in a
+        later epoch is not declared failed on such a report (the report concerns its previous
+        life: heartbeats are pipelined, so one sent before the reporter saw the join arrives
+        after it)."""
+        new = sorted({n for n in nodes if n in self.registered and n != self.coordinator
+                      and (seen_epoch is None or self.joined_epoch.get(n, -1) <= seen_epoch)}
+                     - self.failed)
         if new:
             self.failed.update(new)
             for n in new:
@@ -308,7 +318,8 @@ class MembershipService:
             self.state.epoch = epoch + 1
         failed = args.get("failed")
         if self.rebuilt and isinstance(failed, list) and all(type(n) is int for n in failed):
-            self._failed(self.state.declare_failed(failed), f"reported failed by node {caller}")
+            seen = epoch if type(epoch) is int else -1  # a report without an epoch: oldest
+            self._failed(self.state.declare_failed(failed, seen_epoch=seen), f"reported failed by node {caller}")
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
         if isinstance(srtt, float) and isinstance(rttvar, float):
             self.state.heartbeat(caller, time.monotonic(), srtt=srtt, rttvar=rttvar)

@@ -86,8 +86,20 @@ class MembershipClient:
         self.fingerprint = fingerprint
         args = {"fingerprint": fingerprint, "incarnation": self.transport.incarnation,
                 "address": f"{socket.gethostname()} pid {os.getpid()}"}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            info = await self.rpc.call(self.coordinator, "membership.register", args, timeout=timeout)
+            while True:
+                try:
+                    info = await self.rpc.call(self.coordinator, "membership.register", args,
+                                               timeout=max(0.1, deadline - loop.time()))
+                    break
+                except RemoteError as exc:
+                    # the coordinator's process is up but not hosting yet (it is still asking
+                    # whether a run is already going): try again until the start timeout
+                    if exc.kind != "NotCoordinator" or loop.time() >= deadline:
+                        raise
+                    await asyncio.sleep(0.1)
         except (PeerTimeout, PeerFailure) as exc:
             raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
                               f"{self.coordinator} failed: {exc}") from None
@@ -96,6 +108,30 @@ class MembershipClient:
         self.info = dict(info)
         self._apply_view(self.info.get("view"), src=self.coordinator)
         return self.info
+
+    async def discover(self, *, timeout: float) -> View | None:
+        """The newest view of a run that is already going, asked of every other node at once
+        (bounded by ``timeout``); None when no node knows of one (a fresh start: nobody has a
+        view before the rendezvous). A restarted node must not assume that the topology's
+        coordinator still coordinates: after a failover another node does, and the topology's
+        coordinator itself, restarted, must join instead of hosting a second run."""
+        me = self.transport.node_id
+
+        async def ask(peer: int) -> View | None:
+            try:
+                rep = await self.rpc.call(peer, "membership.heartbeat", {"probe": True}, timeout=timeout)
+                return View.from_wire(rep["view"]) if isinstance(rep, dict) and "view" in rep else None
+            except (P2PSyncError, KeyError):
+                return None
+
+        found = [v for v in await asyncio.gather(*(ask(p) for p in self.transport.topology.ids if p != me))
+                 if v is not None]
+        if not found:
+            return None
+        view = max(found, key=lambda v: v.epoch)
+        if view.coordinator != me:
+            self.succession.coordinator = view.coordinator  # register (join) there
+        return view
 
     def start(self) -> None:
         if self.coordinator != self.transport.node_id:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class ESync(Strategy):
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
     @classmethod
-    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict) -> None:
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
         margin = float(options.get("margin", cls.options["margin"][1]))
         StateServerService(server, topology.ids, epsilon=margin)
 

@@ -53,6 +53,8 @@ log = logging.getLogger("p2psync.node")
 
 
 RELAY_LINGER_S = 0.5
+#: how long a starting node asks the others whether their run is already going
+DISCOVER_S = 1.5
 
 
 def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
@@ -142,9 +144,11 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
     strategy = None
     try:
         await transport.start()
-        if node_id == topo.coordinator:
-            host.host()
         server.start()
+        # a run already going (this node restarted): join it wherever it is coordinated now
+        running = await membership.discover(timeout=DISCOVER_S)
+        if running is None and node_id == topo.coordinator:
+            host.host()
         info = await membership.register(cfg.fingerprint(), timeout=cfg.start_timeout + 5)
         run_id = cfg.run_id or str(info["run_id"])
         host.run_info["run_id"] = run_id  # a node that takes over answers with the run's id

@@ -363,6 +363,11 @@ class Transport(ABC):
             if known is not None and h.inc < known:
                 raise ProtocolError("stale_incarnation",
                                     f"node {h.src} incarnation {h.inc} < registered {known}")
+            if known is not None and h.inc > known and h.src in self.dead:
+                # a new life of a node declared dead (restarted to rejoin): reachable again, so
+                # it can be answered; the membership view decides whether it is a member
+                self.peer_incarnations[h.src] = h.inc
+                self.revive(h.src)
             now = time.monotonic()
             self.last_arrival[h.src] = now
             if peer_id != h.src:

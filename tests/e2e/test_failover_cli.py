@@ -52,3 +52,34 @@ def test_ring4_kill9_coordinator_run_finishes_summary_by_node_1(tmp_path):
     for i in (1, 2, 3):
         recs = lines(tmp_path / "fo" / f"node-{i}.jsonl")
         assert recs[-1]["alive"] == 3 and recs[-1]["time"] >= 14
+
+
+def test_ring4_ssgd_coordinator_killed_and_restarted_rejoins(tmp_path):
+    """Issues 10.5 + 10.6 together: kill -9 the coordinator (node 0) of an SSGD ring; node 1
+    takes over and the survivors re-form; node 0 restarted with the same --node / --run-id asks
+    the others whether the run is going, joins it at node 1 instead of hosting a second run, and
+    every node ends with bitwise the same parameters."""
+    from tests.e2e.test_cli_run import _ring4_ssgd
+
+    start = _ring4_ssgd(tmp_path, "cr", "--steps", "300", step_s=0.1)
+    procs = [start(i) for i in range(4)]
+    run = tmp_path / "cr"
+    try:
+        wait_for(lambda: all(len(lines(run / f"node-{i}.jsonl")) >= 20 for i in range(4)), 90,
+                 "every node to train")
+        procs[0].send_signal(signal.SIGKILL)
+        wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-1.jsonl")), 30,
+                 "the survivors to re-form under node 1")
+        procs.append(start(0))
+        outs = {i: procs[i].communicate(timeout=120) for i in (1, 2, 3, 4)}
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (_, err) in outs.items():
+        assert procs[i].returncode == 0, (i, err[-6000:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["coordinator"] == 1, summary
+    assert set(summary["nodes"]) == {"0", "1", "2", "3"} and summary["failed"] == [], summary
+    steps = {v["steps"] for v in summary["nodes"].values()}
+    hashes = {v["params_sha1"] for v in summary["nodes"].values()}
+    assert steps == {300} and len(hashes) == 1, summary["nodes"]

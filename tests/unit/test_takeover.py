@@ -196,3 +196,22 @@ async def test_state_server_service_started_at_takeover_rebuilds_from_queries():
     assert await server.invoke(0, "esync.reset", {"round": 5, "rtt": 0.0}) == {}
     with pytest.raises(ConfigError, match="round"):
         await server.invoke(1, "esync.query", {**ask[1], "round": -1})
+
+
+def test_a_stale_failure_report_does_not_fail_a_joiner_again():
+    """Regression: after a takeover the coordinator merges the failures members report; a
+    heartbeat sent before its sender saw a node rejoin listed that node as failed, and the
+    joiner was declared dead again at once."""
+    from p2psync.coordinator import MembershipState
+
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0, coordinator=1)
+    for n in (0, 1, 2):
+        st.register(n, "f", 0.0, incarnation=10 + n)
+    st.heartbeat(1, 1.9)
+    st.heartbeat(2, 1.9)
+    assert st.check(2.5) == [0]
+    before = st.epoch
+    assert st.register(0, "f", 3.0, incarnation=99) is True  # node 0 restarted: a join
+    assert st.declare_failed([0], seen_epoch=before) == []  # a report from before the join
+    assert 0 not in st.failed
+    assert st.declare_failed([0], seen_epoch=st.epoch) == [0]  # a report that saw the join
