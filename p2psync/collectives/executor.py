@@ -73,7 +73,7 @@ from p2psync.wire.schema import valid_tag
 
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
-_STEP_PART = re.compile(r"\.[0-9]+(?=\.|$)")
+_STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
 _WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
 
 
@@ -123,8 +123,10 @@ def _check_tag(tag: str) -> None:
 
 
 def feedback_family(tag: str) -> str:
-    """The tensor a tag names, without its step numbers (``"ssgd.12"`` -> ``"ssgd"``): error
-    feedback residuals carry over between steps of the same tensor, never between tensors."""
+    """The tensor a tag names, without its step numbers and view epochs (``"ssgd.12.e3"`` ->
+    ``"ssgd"``): error feedback residuals carry over between steps of the same tensor (also
+    across view changes, where a piece that changed shape starts afresh), never between
+    tensors."""
     return _STEP_PART.sub("", tag) or tag
 
 
@@ -315,7 +317,7 @@ class _Run:
 
     def seal(self, k: int) -> None:
         """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
-        enc = self._encode(k, ("own", self.family, self.plan.group, self.buf.size, k))
+        enc = self._encode(k, ("own", self.family, self.buf.size, k))
         self.cache[k] = enc
         self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
 
@@ -372,7 +374,7 @@ class _Run:
                 if not t.reduce and k in self.cache:
                     arrays = self.cache[k]
                 else:
-                    arrays = self._encode(k, ("rs", self.family, self.plan.group, self.buf.size, k))
+                    arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
                 nbytes = sum(a.nbytes for a in arrays)
                 self.stats.wire_bytes += nbytes
                 self.stats.raw_bytes += self.piece(k).nbytes

@@ -182,12 +182,20 @@ class MembershipClient:
         old = self.succession.adopt(view)
         if old is not None:
             self._moved_to(old, f"view {view.epoch} names it")
+        me = self.transport.node_id
+        known = self.transport.peer_incarnations
+        # a member whose incarnation changed is a new life of that node, even if this node
+        # missed the view in which the old one left
+        renewed = {n for n, inc in view.incarnations.items() if n != me and known.get(n, inc) != inc}
         for n, inc in view.incarnations.items():
-            if n != self.transport.node_id:
-                self.transport.peer_incarnations[n] = inc
-        for n in change.joined:
+            if n != me:
+                known[n] = inc
+        for n in sorted(set(change.joined) | renewed):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
+            # its new life may coordinate again: every node must agree on the successor (a
+            # restarted process starts with nobody deposed)
+            self.succession.deposed.discard(n)
         self._declare(change.left)
         for cb in list(self.view_listeners):
             cb(view)

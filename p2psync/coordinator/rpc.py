@@ -210,8 +210,11 @@ class RpcClient:
                         raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
                 attempt += 1
                 self.retries += 1
-                est.backoff()
-                rto = est.rto()
+                if measure:  # the estimate backs off (RFC 6298 5.5) only for quick calls:
+                    est.backoff()  # a long poll (register, finish) is slow by design
+                    rto = est.rto()
+                else:
+                    rto = min(est.max_rto, rto * 2)
         except BaseException:
             self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
             raise

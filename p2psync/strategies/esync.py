@@ -169,11 +169,18 @@ class ESync(Strategy):
             abort = threading.Event()
             t_s = time.monotonic()
             it = asyncio.ensure_future(self.ctx.replica.compute_gradients(abort))
-            while not it.done() and not ready and not errors:
-                signal.clear()
-                woke = asyncio.ensure_future(signal.wait())
-                await asyncio.wait({it, woke}, return_when=asyncio.FIRST_COMPLETED)
-                woke.cancel()
+            try:
+                while not it.done() and not ready and not errors:
+                    signal.clear()
+                    woke = asyncio.ensure_future(signal.wait())
+                    try:
+                        await asyncio.wait({it, woke}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        woke.cancel()
+            except BaseException:  # cancelled (run ending): do not leave the compute job running
+                abort.set()
+                it.add_done_callback(lambda t: t.cancelled() or t.exception())
+                raise
             if not it.done():  # READY (or a failed query): abandon the iteration in progress
                 abort.set()
                 try:

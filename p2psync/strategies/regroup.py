@@ -92,12 +92,16 @@ class Regroup:
         self.restore = restore if restore is not None else ctx.replica.import_state
         #: re-form over survivors (else fail-stop): needs views and --on-failure continue
         self.elastic = ctx.on_failure == "continue" and ctx.membership.view is not None
-        #: the epoch whose members last agreed on their state (a joiner has none yet)
-        self.synced = JOINING if ctx.joining else ctx.epoch
+        #: the epoch whose members last agreed on their state: none yet, so every node runs one
+        #: sync on its first operation (one tiny allgather). Starting from the epoch seen at
+        #: construction could differ between nodes (a view may land between two nodes'
+        #: start-ups) and they would then wait for each other's different tags.
+        self.synced: int | None = None
         self._changed = asyncio.Event()
         self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
         self.reforms = 0
         self.adoptions = 0
+        self._active: dict[int, tuple[int, ...]] = {}  # epoch -> step of the operation in flight
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
 
@@ -144,6 +148,7 @@ class Regroup:
             if me not in view.members:
                 raise PeerFailure(f"{self.name}: node {me} is not a member of view {view.epoch} "
                                   "(the coordinator declared it failed)", peers=(me,))
+            self._active = {view.epoch: (step,)}
             try:
                 if view.epoch != self.synced:
                     adopted = await self._race(self._sync(step, view), view)
@@ -180,11 +185,23 @@ class Regroup:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if task.cancelled():
+            self._retire(view)
             now = self.ctx.view
             left = tuple(sorted(set(view.members) - set(now.members)))
             raise PeerFailure(f"{self.name}: view {view.epoch} replaced by view {now.epoch} "
                               f"(left {list(left)}, members {list(now.members)})", peers=left)
         return task.result()
+
+    def _retire(self, view: View) -> None:
+        """The operations of an abandoned epoch are finished for good: pieces of them that are
+        queued, or still on their way, are dropped (bounded memory, issue 10 item 7). Tags
+        follow ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
+        mb = self.ctx.transport.mailbox
+        for kind in ("sync", "state", *(str(s) for s in self._steps_at(view))):
+            mb.retire(f"{self.name}.{kind}.e{view.epoch}.")
+
+    def _steps_at(self, view: View) -> tuple[int, ...]:
+        return self._active.get(view.epoch, ())
 
     async def _await_newer(self, view: View, exc: PeerFailure) -> None:
         loop = asyncio.get_running_loop()

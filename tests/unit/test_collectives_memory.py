@@ -143,3 +143,11 @@ async def test_disconnected_group_is_a_config_error():
     async with memory(ring(4)) as cs:
         with pytest.raises(ConfigError, match="not connected"):
             await cs[0].allreduce(np.ones(4, np.float32), [0, 2], tag="g")
+
+
+def test_feedback_family_drops_steps_and_view_epochs():
+    from p2psync.collectives.executor import feedback_family
+
+    assert feedback_family("ssgd.12") == feedback_family("ssgd.13.e4") == "ssgd"
+    assert feedback_family("layer3.w.7") == "layer3.w"
+    assert feedback_family("esync.5.e2") != feedback_family("ssgd.5.e2")
