@@ -65,3 +65,10 @@ class TrainingError(P2PSyncError):
 
 class Aborted(P2PSyncError):
     """A local computation was abandoned on request (e.g. ESync's READY arrived mid-iteration)."""
+
+
+class DuplicateNode(ConfigError):
+    """A second process registered under a node id whose registered process is still alive.
+
+    Retried by a registering node until its start timeout (a restarted node's previous process
+    may not be declared failed yet); final if the other process really is alive."""

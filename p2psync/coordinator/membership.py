@@ -42,7 +42,7 @@ import numpy as np
 from p2psync.coordinator.detector import DetectorParams, FailureDetector
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View, ViewTracker
-from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
+from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
 from p2psync.transport import Transport
 
 log = logging.getLogger("p2psync.membership")
@@ -119,9 +119,9 @@ class MembershipState:
                 self.epoch += 1
                 self.joined_epoch[node] = self.epoch
                 return True
-            raise ConfigError(f"node {node} is already registered and alive (incarnation {old} at "
-                              f"{addr}); second registration (incarnation {incarnation} at {address}) "
-                              f"rejected")
+            raise DuplicateNode(f"node {node} is already registered and alive (incarnation {old} at "
+                                f"{addr}); second registration (incarnation {incarnation} at {address}) "
+                                f"rejected")
         self._check_fingerprint(node, fingerprint)
         self.registered[node] = fingerprint
         self.incarnations[node] = incarnation
@@ -309,6 +309,8 @@ class MembershipService:
                 "joined": joined, **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        if args.get("probe") is True:  # a starting process asks for the view: no proof of life
+            return {"view": self.state.view().to_wire()}
         epoch, coord = args.get("epoch"), args.get("coord")
         if type(epoch) is int and epoch < 1 << 62 and (epoch > self.state.epoch or (
                 epoch == self.state.epoch and coord != self.state.coordinator)):

@@ -95,11 +95,13 @@ class MembershipClient:
                                                timeout=max(0.1, deadline - loop.time()))
                     break
                 except RemoteError as exc:
-                    # the coordinator's process is up but not hosting yet (it is still asking
-                    # whether a run is already going): try again until the start timeout
-                    if exc.kind != "NotCoordinator" or loop.time() >= deadline:
+                    # NotCoordinator: the coordinator's process is up but not hosting yet (it
+                    # is still asking whether a run is already going); DuplicateNode: this
+                    # node's previous process (restarted) is not declared failed yet. Both
+                    # pass; try again until the start timeout.
+                    if exc.kind not in ("NotCoordinator", "DuplicateNode") or loop.time() >= deadline:
                         raise
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1 if exc.kind == "NotCoordinator" else 0.5)
         except (PeerTimeout, PeerFailure) as exc:
             raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
                               f"{self.coordinator} failed: {exc}") from None

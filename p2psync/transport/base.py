@@ -369,7 +369,8 @@ class Transport(ABC):
                 self.peer_incarnations[h.src] = h.inc
                 self.revive(h.src)
             now = time.monotonic()
-            self.last_arrival[h.src] = now
+            if known is None or h.inc == known:  # a newer, unregistered life proves nothing
+                self.last_arrival[h.src] = now  # about the registered process
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic

@@ -196,3 +196,36 @@ def test_rto_backoff_persists_until_a_sample():
     for _ in range(20):
         est.backoff()
     assert est.rto() == est.max_rto
+
+
+async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
+    """Regression (review): a restarted node's probes and registration retries kept its old,
+    registered incarnation 'alive', so it was never declared failed and the new one could never
+    join. Arrivals count for the registered incarnation only; a newer life of a node already
+    declared dead is reachable again."""
+    from p2psync.errors import DuplicateNode
+    from p2psync.topology import mesh
+    from p2psync.transport.memory import MemoryHub
+
+    hub = MemoryHub(mesh(2))
+    a, b = hub.endpoint(0), hub.endpoint(1)
+    await a.start()
+    await b.start()
+    try:
+        a.peer_incarnations[1] = b.incarnation
+        b.incarnation += 1  # node 1 restarted: same id, newer incarnation
+        await b.send(0, "hello", kind="event")
+        await a.recv("hello", timeout=5)
+        assert 1 not in a.last_arrival
+        a.mark_dead(1)
+        b.incarnation += 1
+        await b.send(0, "again", kind="event")
+        await a.recv("again", timeout=5)
+        assert 1 not in a.dead and a.peer_incarnations[1] == b.incarnation
+    finally:
+        await a.close()
+        await b.close()
+    st = MembershipState(expected=frozenset({0, 1}))
+    st.register(1, "f", 0.0, incarnation=1)
+    with pytest.raises(DuplicateNode):  # retried by the registering node until its start timeout
+        st.register(1, "f", 0.1, incarnation=2)
