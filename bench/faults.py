@@ -72,7 +72,7 @@ class Run:
 
 def node_cmd(args: argparse.Namespace, topo: Path, wan: Path, out: Path, run_id: str, strategy: str,
              node: int, seconds: float) -> list[str]:
-    return [sys.executable, "-m", "p2psync", "run", str(topo), "--node", str(node), "--strategy", strategy,
+    return [sys.executable, "-m", "p2psync", *(["-v"] if args.verbose else []), "run", str(topo), "--node", str(node), "--strategy", strategy,
             "--time", f"{seconds:.1f}", "--out", str(out), "--run-id", run_id, "--shaper", "inproc",
             "--wan", str(wan), "--threads", "1", "--eval-every", "50", "--eval-seconds", "10",
             "--start-timeout", "90", "--lr", "0.05", "--no-progress"]
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, topo: Path, wan: Path, out: Path, strategy: st
         res.kills.append((v, time.time()))
         live[v].wait()
         time.sleep(args.down)
-        live[v] = start(v, max(5.0, t0 + args.duration - time.monotonic()))
+        live[v] = start(v, args.duration)  # the run's own options: it joins and ends with the run
         k += 1
     end = t0 + args.duration + args.grace
     for _, p, _ in procs:
@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down")
     ap.add_argument("--grace", type=float, default=60.0, help="seconds after the budget before a hang")
     ap.add_argument("--strategies", nargs="+", default=["asgd", "ssgd", "esync"])
+    ap.add_argument("--keep", action="store_true", help="keep the run folders and logs (path printed)")
+    ap.add_argument("--verbose", action="store_true", help="nodes log at INFO level")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="p2psync-faults-"))
     rows: list[list[Any]] = []
@@ -206,7 +208,10 @@ def main() -> None:
                          f"{acc_x:.4f}" if acc_x is not None else "none"])
             print(f"  {s}: {rows[-1]}", flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print("kept:", tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n## Chaos on an 8-node WAN mesh: kill -9 + restart every {args.every:g} s "
           f"({args.down:g} s down), {args.duration:g} s budget\n")
     print(markdown_table(["strategy", "kills", "detection s (mean / max)", "false detections", "hangs",

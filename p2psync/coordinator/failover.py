@@ -123,6 +123,8 @@ class CoordinatorHost:
                                 phi_threshold=self.phi_threshold, check_interval=self.check_interval,
                                 run_info=self.run_info, state=state, rpc_methods=False,
                                 allow_join=self.allow_join)
+        if state is not None:  # a takeover: the run started when this node's rendezvous ended
+            svc.run_started = self.membership.run_started
         self.service = svc
         svc.start()
         if self.services is not None and not self._services_registered:

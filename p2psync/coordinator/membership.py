@@ -244,6 +244,8 @@ class MembershipService:
         self._task: asyncio.Task[None] | None = None
         self._tells: set[asyncio.Task[None]] = set()
         self._t0 = time.monotonic()
+        #: when the rendezvous completed (this node's clock); a rebuilt service is given it
+        self.run_started: float | None = None
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
                          "membership.finish": self._finish}
         if rpc_methods:
@@ -305,8 +307,13 @@ class MembershipService:
         if not ok:
             raise PeerTimeout(f"nodes {self.state.missing} never registered with the coordinator "
                               f"(node {self.transport.node_id}) within {self.start_timeout:g}s")
+        now = time.monotonic()
+        if self.run_started is None:
+            self.run_started = now
+        # ``elapsed``: how long the run has been going, so a joiner's time budget (--time) ends
+        # with the run's, not a full budget after its own start
         return {"members": sorted(self.state.registered), "view": self.state.view().to_wire(),
-                "joined": joined, **self.run_info}
+                "joined": joined, "elapsed": now - self.run_started, **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if args.get("probe") is True:  # a starting process asks for the view: no proof of life

@@ -67,6 +67,7 @@ class MembershipClient:
         self.detector = FailureDetector(params=DetectorParams(
             interval=heartbeat_interval, floor=failure_timeout, threshold=phi_threshold))
         self.coordinator_suspected = False
+        self.run_started: float | None = None
         self.fingerprint = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._beats: set[asyncio.Task[None]] = set()
@@ -108,6 +109,10 @@ class MembershipClient:
         except RemoteError as exc:
             raise PeerTimeout(f"rendezvous failed: {exc}") from None
         self.info = dict(info)
+        elapsed = self.info.get("elapsed", 0.0)
+        elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and 0 <= elapsed < 1e9 else 0.0
+        #: when the run started, on this node's clock (a joiner's run started before it did)
+        self.run_started = time.monotonic() - elapsed
         self._apply_view(self.info.get("view"), src=self.coordinator)
         return self.info
 

@@ -180,8 +180,12 @@ async def run_node(cfg: RunConfig, node_id: int) -> dict[str, Any]:
             return {k: {"sent": v.bytes_sent, "recv": v.bytes_recv} for k, v in transport.nic_stats.items()}
 
         n_train = len(trainer.data.y_train)
+        time_limit = cfg.time_limit
+        if time_limit is not None and info.get("joined") and membership.run_started is not None:
+            # --time is the run's budget: a joiner trains until the run's end, not a full budget
+            time_limit = max(0.0, time_limit - (time.monotonic() - membership.run_started))
         stats = await train_loop(node_id=node_id, strategy=strategy, trainer=trainer, metrics=metrics,
-                                 max_steps=cfg.max_steps(n_train, topo.size), time_limit=cfg.time_limit,
+                                 max_steps=cfg.max_steps(n_train, topo.size), time_limit=time_limit,
                                  eval_every=cfg.eval_every, eval_seconds=cfg.eval_seconds,
                                  nic_bytes=nic_bytes)
         stats["rejected"] = dict(transport.rejected)
