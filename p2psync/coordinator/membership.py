@@ -41,9 +41,9 @@ import numpy as np
 
 from p2psync.coordinator.detector import DetectorParams, FailureDetector
 from p2psync.coordinator.rpc import Handler, RpcServer
-from p2psync.coordinator.views import View, ViewTracker
-from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
-from p2psync.transport import Transport
+from p2psync.coordinator.views import View
+from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError
+from p2psync.tasks import cancel_all
 
 log = logging.getLogger("p2psync.membership")
 
@@ -261,14 +261,7 @@ class MembershipService:
             self._publish(self.state.view())
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._tells) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_all([self._task, *self._tells])
         self._task = None
 
     def _notify(self) -> None:

@@ -36,6 +36,7 @@ from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
+from p2psync.tasks import cancel_all
 from p2psync.transport import Transport
 
 log = logging.getLogger("p2psync.membership")
@@ -147,14 +148,7 @@ class MembershipClient:
                        asyncio.create_task(self._events(), name="membership-events")]
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._beats]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_all([*self._tasks, *self._beats])
         self._tasks = []
 
     def _declare(self, peers: Sequence[int]) -> None:
