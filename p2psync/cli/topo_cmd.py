@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="comma-separated host addresses, one per node (cycled) for multi-host files; "
                         "default: a distinct loopback address per NIC")
     p.add_argument("--subnet", help="give network k the /24 number k of this IPv4 network "
-                   "(e.g. 10.213.0.0/16): routable addresses for --shaper netem namespaces")
+                   "(e.g. 198.18.0.0/16): routable addresses for --shaper netem namespaces")
     p.add_argument("--coordinator", type=int, default=0, help="coordinator node id (default 0)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 

@@ -28,7 +28,7 @@ DEFAULT_PORT = 29500
 class AddressPlan:
     base_port: int = DEFAULT_PORT
     hosts: tuple[str, ...] = ()
-    #: e.g. "10.213.0.0/16": network k gets the /24 number k, member j the address .j+1
+    #: e.g. "198.18.0.0/16": network k gets the /24 number k, member j the address .j+1
     #: (routable addresses for network namespaces: ``--shaper netem``)
     subnet: str | None = None
 

@@ -13,7 +13,7 @@ Layout for a topology (``prefix`` keeps names unique, <= 15 characters each):
 Nodes then run inside their namespaces (``ip netns exec``). Needs root, ``ip`` and ``tc``;
 delay, jitter and loss need the kernel's netem qdisc (sch_netem), rate only needs tbf/htb.
 :func:`preflight` checks all of that first and names what is missing. Addresses must be
-routable (not 127.x): generate the topology with ``p2psync topo ... --subnet 10.213.0.0/16``.
+routable (not 127.x): generate the topology with ``p2psync topo ... --subnet 198.18.0.0/16``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: s
             addr = ipaddress.ip_address(c.address) if _is_ip(c.address) else None
             if addr is None or addr.is_loopback or addr.version != 4:
                 raise ConfigError(f"netem needs routable IPv4 addresses, node {node.id} NIC {c.name} has "
-                                  f"{c.address!r}; generate the topology with --subnet 10.213.0.0/16")
+                                  f"{c.address!r}; generate the topology with --subnet 198.18.0.0/16")
     ns = {n.id: f"{prefix}n{n.id}" for n in topo.nodes}
     sw = f"{prefix}sw"
     p = NetnsPlan(namespaces=ns, switch_ns=sw)

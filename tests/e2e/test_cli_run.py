@@ -163,7 +163,7 @@ def test_broken_topology_and_options_exit_2(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_run_inside_network_namespaces(tmp_path):
-    d = topology_to_dict(mesh(2, base_port=free_port(), subnet="10.213.0.0/16"))
+    d = topology_to_dict(mesh(2, base_port=free_port(), subnet="198.18.0.0/16"))
     d["links"] = [{"a": 0, "b": 1, "bandwidth_mbps": 50}]
     topo = tmp_path / "ns.json"
     topo.write_text(json.dumps(d))

@@ -20,14 +20,14 @@ def _ns_list() -> str:
 
 
 def test_plan_builds_namespaces_veths_and_per_link_qdiscs():
-    topo = bcube(2, 2, subnet="10.213.0.0/16")
+    topo = bcube(2, 2, subnet="198.18.0.0/16")
     links = {(0, 1): LinkSpec(latency_s=0.05, jitter_s=0.005, loss=0.01, bandwidth_bps=100e6),
              (0, 2): LinkSpec(bandwidth_bps=10e6)}
     p = netem.plan(topo, links, prefix="t")
     assert p.namespaces == {0: "tn0", 1: "tn1", 2: "tn2", 3: "tn3"} and p.switch_ns == "tsw"
     flat = [" ".join(c) for c in p.up]
     assert sum("type veth" in c for c in flat) == 8  # one per NIC
-    assert any("addr add 10.213." in c and "dev t0v0" in c for c in flat)
+    assert any("addr add 198.18." in c and "dev t0v0" in c for c in flat)
     assert any("netem delay 50.000ms 5.000ms loss 1.0000%" in c for c in flat)
     assert any("match ip dst" in c and "flowid 1:1" in c for c in flat)
     assert sum(" tbf rate " in c for c in flat) == 2
@@ -53,7 +53,7 @@ def test_preflight_names_the_missing_qdisc_or_passes():
 @root_only
 def test_up_and_down_with_rate_limits():
     prefix = f"q{os.getpid() % 1000}"
-    topo = ring(3, subnet="10.213.0.0/16")
+    topo = ring(3, subnet="198.18.0.0/16")
     links = {(a, b): LinkSpec(bandwidth_bps=20e6) for a in topo.ids for b in topo.ids if a != b}
     p = netem.plan(topo, links, prefix=prefix)
     try:
@@ -64,7 +64,7 @@ def test_up_and_down_with_rate_limits():
                              capture_output=True, text=True).stdout
         assert "htb 1:" in out and "tbf" in out and "rate 20Mbit" in out
         addrs = subprocess.run(["ip", "-n", p.namespaces[1], "-4", "addr"], capture_output=True, text=True).stdout
-        assert "10.213." in addrs
+        assert "198.18." in addrs
     finally:
         assert netem.down(p) == []
     listed = _ns_list()
