@@ -200,15 +200,10 @@ def test_ring6_kill9_only_that_node_is_declared_failed(tmp_path):
     within 3 s + 2 x RTT, and the asgd survivors finish normally."""
     import re
 
-    topo = tmp_path / "r6.json"
-    save(ring(6, base_port=free_port()), topo)
-    step_time = ",".join(f"{i}:0.05" for i in range(6))
-    procs = [spawn("run", topo, "--node", i, "--strategy", "asgd", "--time", "12", "--out", tmp_path,
-                   "--run-id", "r6", "--eval-every", "1000", "--threads", "1", "--step-time", step_time)
-             for i in range(6)]
+    start, run = ring_nodes(tmp_path, "r6", "--time", "12", n=6, strategy="asgd")
+    procs = [start(i) for i in range(6)]
     try:
-        wait_for(lambda: all(len(lines(tmp_path / "r6" / f"node-{i}.jsonl")) >= 20 for i in range(6)),
-                 90, "every node to train")
+        wait_training(run, 6)
         procs[1].send_signal(signal.SIGKILL)
         t_kill = time.time()
         outs = {i: procs[i].communicate(timeout=90) for i in (0, 2, 3, 4, 5)}
@@ -226,25 +221,30 @@ def test_ring6_kill9_only_that_node_is_declared_failed(tmp_path):
     assert summary["failed"] == [1] and set(summary["nodes"]) == {"0", "2", "3", "4", "5"}
 
 
-def _ring4_ssgd(tmp_path, run_id, *budget, step_s=0.05):
-    topo = tmp_path / "r4.json"
-    save(ring(4, base_port=free_port()), topo)
-    step_time = ",".join(f"{i}:{step_s}" for i in range(4))
-    args = ["run", topo, "--strategy", "ssgd", *budget, "--out", tmp_path, "--run-id", run_id,
+def ring_nodes(tmp_path, run_id, *budget, n=4, strategy="ssgd", step_s=0.05):
+    """``start(i)`` for the node processes of an ``n``-node ring run (one ``--node`` each, as on
+    separate hosts; fixed step times), and the run folder."""
+    topo = tmp_path / f"r{n}.json"
+    save(ring(n, base_port=free_port()), topo)
+    step_time = ",".join(f"{i}:{step_s}" for i in range(n))
+    args = ["run", topo, "--strategy", strategy, *budget, "--out", tmp_path, "--run-id", run_id,
             "--eval-every", "1000", "--threads", "1", "--step-time", step_time]
-    return lambda i: spawn(*args, "--node", i)
+    return (lambda i: spawn(*args, "--node", i)), tmp_path / run_id
+
+
+def wait_training(run, n, steps=20):
+    wait_for(lambda: all(len(lines(run / f"node-{i}.jsonl")) >= steps for i in range(n)), 90,
+             "every node to train")
 
 
 def test_ring4_ssgd_kill9_survivors_reform_and_finish(tmp_path):
     """Issue 10 item 5: kill -9 a non-coordinator node; the ssgd survivors re-form over the
     new view at the next step, finish with exit 0 and bitwise equal parameters, and the summary
     lists the killed node as failed."""
-    start = _ring4_ssgd(tmp_path, "rf", "--time", "14")
+    start, run = ring_nodes(tmp_path, "rf", "--time", "14")
     procs = [start(i) for i in range(4)]
-    run = tmp_path / "rf"
     try:
-        wait_for(lambda: all(len(lines(run / f"node-{i}.jsonl")) >= 20 for i in range(4)), 90,
-                 "every node to train")
+        wait_training(run, 4)
         procs[2].send_signal(signal.SIGKILL)
         t_kill = time.time()
         outs = {i: procs[i].communicate(timeout=90) for i in (0, 1, 3)}
@@ -271,12 +271,10 @@ def test_ring4_ssgd_killed_node_restarted_rejoins(tmp_path):
     bitwise the same parameters."""
     # a step budget (not --time): the joiner's process start-up may take a while on a busy
     # host, and the run must still be going when it registers (~30 s of 0.1 s steps)
-    start = _ring4_ssgd(tmp_path, "rj", "--steps", "300", step_s=0.1)
+    start, run = ring_nodes(tmp_path, "rj", "--steps", "300", step_s=0.1)
     procs = [start(i) for i in range(4)]
-    run = tmp_path / "rj"
     try:
-        wait_for(lambda: all(len(lines(run / f"node-{i}.jsonl")) >= 20 for i in range(4)), 90,
-                 "every node to train")
+        wait_training(run, 4)
         procs[2].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-0.jsonl")), 30,
                  "the survivors to re-form")

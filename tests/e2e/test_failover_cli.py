@@ -11,23 +11,16 @@ import time
 
 import pytest
 
-from p2psync.topology import ring, save
-from tests.e2e.test_cli_run import lines, spawn, wait_for
-from tests.helpers import free_port
+from tests.e2e.test_cli_run import lines, ring_nodes, wait_for, wait_training
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_ring4_kill9_coordinator_run_finishes_summary_by_node_1(tmp_path):
-    topo = tmp_path / "r4.json"
-    save(ring(4, base_port=free_port()), topo)
-    step_time = ",".join(f"{i}:0.05" for i in range(4))
-    procs = [spawn("run", topo, "--node", i, "--strategy", "asgd", "--time", "14", "--out", tmp_path,
-                   "--run-id", "fo", "--eval-every", "1000", "--threads", "1", "--step-time", step_time)
-             for i in range(4)]
+    start, _ = ring_nodes(tmp_path, "fo", "--time", "14", strategy="asgd")
+    procs = [start(i) for i in range(4)]
     try:
-        wait_for(lambda: all(len(lines(tmp_path / "fo" / f"node-{i}.jsonl")) >= 20 for i in range(4)),
-                 90, "every node to train")
+        wait_training(tmp_path / "fo", 4)
         procs[0].send_signal(signal.SIGKILL)
         t_kill = time.time()
         outs = {i: procs[i].communicate(timeout=90) for i in (1, 2, 3)}
@@ -59,14 +52,10 @@ def test_ring4_ssgd_coordinator_killed_and_restarted_rejoins(tmp_path):
     takes over and the survivors re-form; node 0 restarted with the same --node / --run-id asks
     the others whether the run is going, joins it at node 1 instead of hosting a second run, and
     every node ends with bitwise the same parameters."""
-    from tests.e2e.test_cli_run import _ring4_ssgd
-
-    start = _ring4_ssgd(tmp_path, "cr", "--steps", "300", step_s=0.1)
+    start, run = ring_nodes(tmp_path, "cr", "--steps", "300", step_s=0.1)
     procs = [start(i) for i in range(4)]
-    run = tmp_path / "cr"
     try:
-        wait_for(lambda: all(len(lines(run / f"node-{i}.jsonl")) >= 20 for i in range(4)), 90,
-                 "every node to train")
+        wait_training(run, 4)
         procs[0].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-1.jsonl")), 30,
                  "the survivors to re-form under node 1")

@@ -73,10 +73,10 @@ def test_addresses_distinct_loopback_and_hosts():
     t = bcube(2, 2)
     addrs = [c.address for n in t.nodes for c in n.nics]
     assert len(set(addrs)) == len(addrs) and all(a.startswith("127.") for a in addrs)
-    h = ring(4, hosts=["10.0.0.1", "10.0.0.2"], base_port=4000)
+    h = ring(4, hosts=["198.18.0.1", "198.18.0.2"], base_port=4000)
     eps = [(c.address, c.port) for n in h.nodes for c in n.nics]
     assert len(set(eps)) == len(eps)
-    assert h.node(2).host == "10.0.0.1"
+    assert h.node(2).host == "198.18.0.1"
 
 
 @pytest.mark.parametrize("topo", [ring(4), mesh(3), star(5), bcube(3, 2)])
