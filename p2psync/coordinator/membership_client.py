@@ -35,7 +35,7 @@ from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT,
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
-from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError
+from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError, TransportError
 from p2psync.tasks import cancel_all
 from p2psync.transport import Transport
 
@@ -309,8 +309,8 @@ class MembershipClient:
     async def _events(self) -> None:
         while True:
             try:
-                msg = await self.transport.recv(EVENT_VIEW, timeout=None)
-            except P2PSyncError:
+                msg = await self.transport.listen(EVENT_VIEW)
+            except TransportError:  # closed
                 return
             self._apply_view(dict(msg.meta), src=msg.src)
 

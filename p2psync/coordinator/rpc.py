@@ -77,7 +77,7 @@ class RpcServer:
     async def _serve(self) -> None:
         while True:
             try:
-                msg = await self.transport.recv(CALL_TAG, timeout=None)
+                msg = await self.transport.listen(CALL_TAG)
             except TransportError:
                 return  # transport closed
             t = asyncio.create_task(self._handle(msg))

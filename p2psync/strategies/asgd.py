@@ -33,7 +33,7 @@ import numpy as np
 
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.coordinator import View
-from p2psync.errors import P2PSyncError, ProtocolError
+from p2psync.errors import P2PSyncError, ProtocolError, TransportError
 from p2psync.strategies.base import StepReport, Strategy, register
 from p2psync.strategies.regroup import fetch_state, serve_state
 from p2psync.topology.paths import spanning_tree
@@ -127,8 +127,8 @@ class ASGD(Strategy):
     async def _receive(self) -> None:
         while True:
             try:
-                batch = [await self.ctx.transport.recv(TAG, timeout=None)]
-            except P2PSyncError:
+                batch = [await self.ctx.transport.listen(TAG)]
+            except TransportError:  # closed
                 return
             # everything that has already arrived is applied in one compute job, so the
             # receiver keeps pace with the local loop (one job per step) instead of lagging

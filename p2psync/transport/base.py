@@ -312,7 +312,15 @@ class Transport(ABC):
         st.msgs_sent += 1
 
     async def recv(self, tag: str, timeout: float | None = None) -> Message:
+        """The next message with ``tag``; raises PeerTimeout after ``timeout`` seconds
+        (None: the transport's ``default_timeout``, never "forever": use :meth:`listen`)."""
         return await self.mailbox.get(tag, self.default_timeout if timeout is None else timeout)
+
+    async def listen(self, tag: str) -> Message:
+        """The next message with ``tag``, with no time limit: for the receive loops of servers
+        (RPC requests, view events, gradients from whichever peer sends next), which must stay
+        up however long their peers are quiet. Raises TransportError once the transport closes."""
+        return await self.mailbox.get(tag, None)
 
     def recv_nowait(self, tag: str) -> Message | None:
         """A message with this tag that has already arrived, or None."""
