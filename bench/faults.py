@@ -106,7 +106,10 @@ def run(args: argparse.Namespace, topo: Path, wan: Path, out: Path, strategy: st
     k = 0
     while chaos:
         t_kill = t0 + args.every * (k + 1)
-        if t_kill + args.down + 10 > t0 + args.duration:
+        # a restarted process needs time to start (Python, torch, data: tens of seconds on a
+        # loaded machine) and join; a restart that cannot make it before the end only waits
+        # for a rendezvous that never comes (up to --start-timeout), which is not a hang
+        if t_kill + args.down + args.join_margin > t0 + args.duration:
             break
         time.sleep(max(0.0, t_kill - time.monotonic()))
         v = victims[k % len(victims)]
@@ -173,6 +176,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=180.0, help="training budget per run (s)")
     ap.add_argument("--every", type=float, default=20.0, help="seconds between kills")
     ap.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down")
+    ap.add_argument("--join-margin", type=float, default=45.0,
+                    help="no kill later than this many seconds (plus --down) before the end")
     ap.add_argument("--grace", type=float, default=60.0, help="seconds after the budget before a hang")
     ap.add_argument("--strategies", nargs="+", default=["asgd", "ssgd", "esync"])
     ap.add_argument("--keep", action="store_true", help="keep the run folders and logs (path printed)")
