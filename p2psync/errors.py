@@ -72,3 +72,7 @@ class DuplicateNode(ConfigError):
 
     Retried by a registering node until its start timeout (a restarted node's previous process
     may not be declared failed yet); final if the other process really is alive."""
+
+
+class TrainingEnded(P2PSyncError):
+    """The user's training loop ended (the script closed its session): no more local steps."""

@@ -23,7 +23,7 @@ from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.metrics import bytes_sent
-from p2psync.training.node import default_run_id
+from p2psync.api.runtime import default_run_id
 
 STOP_GRACE_S = 4.0
 POLL_S = 0.25

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -161,21 +160,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_one(cfg: RunConfig, node_id: int) -> int:
-    """Run a single node in this process; map outcomes to exit codes."""
-    from p2psync.training.node import run_node
+    """Run a single node (the built-in job) in this process; map outcomes to exit codes."""
+    from p2psync.cli.builtin_job import run_builtin
 
-    outcome: dict[str, Any] = {}
+    def on_term(sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda s=sig: (outcome.setdefault("signal", s), task.cancel()))
-        outcome["stats"] = await run_node(cfg, node_id)
-
+    old = signal.signal(signal.SIGTERM, on_term)
     try:
-        _run_loop(main())
-    except asyncio.CancelledError:
+        stats = run_builtin(cfg, node_id)
+    except KeyboardInterrupt:
         print(f"node {node_id}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ConfigError:
@@ -183,21 +177,14 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
     except P2PSyncError as exc:
         print(f"node {node_id}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if "signal" in outcome:
-        return EXIT_INTERRUPTED
-    stats = outcome.get("stats", {})
+    finally:
+        signal.signal(signal.SIGTERM, old)
     acc = stats.get("final_accuracy")
     print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
           + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr)
     return 0
 
 
-def _run_loop(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def default_threads(local_nodes: int) -> int:

@@ -42,7 +42,9 @@ class Replica(Protocol):
     """What a strategy needs of the local model (implemented by training.Trainer)."""
 
     numel: int
-    samples: int
+
+    @property
+    def samples(self) -> int: ...
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]: ...
     async def apply_gradients(self, vec: np.ndarray) -> None: ...

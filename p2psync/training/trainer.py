@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from p2psync.training.flat import FlatModel
 from p2psync.errors import Aborted, ConfigError
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
@@ -71,8 +72,8 @@ class Trainer:
         self.optimizer = optimizer
         self.data = data
         self.sampler = BatchSampler(indices, batch_size, seed=seed)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
+        self.flat = FlatModel(model=self.model, optimizer=optimizer)
+        self.numel = self.flat.numel
         self.loss_fn = nn.CrossEntropyLoss()
         self.eval_batch = eval_batch
         self.batches_done = 0
@@ -125,41 +126,12 @@ class Trainer:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    # -- flat vectors (call on the compute thread) ---------------------------------------
-
-    def _grads(self) -> np.ndarray:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
-        return flat.detach().to("cpu", torch.float32).numpy().copy()
-
-    def _set_grads(self, vec: np.ndarray) -> None:
-        if vec.size != self.numel:
-            raise ValueError(f"gradient vector has {vec.size} elements, model has {self.numel}")
-        src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            g = src[off: off + n].view_as(p).to(p.device, p.dtype)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            off += n
-
-    def _params(self) -> np.ndarray:
-        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", torch.float32).numpy().copy()
-
-    def _set_params(self, vec: np.ndarray) -> None:
-        if vec.size != self.numel:
-            raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(
-                torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32)).to(self.device), self.params)
-
     # -- operations ----------------------------------------------------------------------
 
-    def _iteration(self, abort: threading.Event | None) -> tuple[float, np.ndarray]:
-        """Forward + backward on the next batch, then the emulated device's extra time."""
+    def forward_backward(self, abort: threading.Event | None = None) -> tuple[float, int]:
+        """Forward + backward on the next batch, then the emulated device's extra time; returns
+        (loss, batch size). Call on the thread that owns the model. Raises :class:`Aborted`
+        when ``abort`` is set before the iteration completes; the batch is then not consumed."""
         def check() -> None:
             if abort is not None and abort.is_set():
                 raise Aborted("iteration abandoned")
@@ -175,7 +147,6 @@ class Trainer:
         check()
         loss.backward()
         check()
-        out = float(loss.detach()), self._grads()
         pad = self.slowdown.pad(time.perf_counter() - t0, time.monotonic() - self.t0)
         if pad > 0:
             p0 = time.perf_counter()
@@ -185,7 +156,11 @@ class Trainer:
                 self.padded_s += time.perf_counter() - p0
         self.batches_done += 1  # only a completed iteration consumes its batch
         self.samples += len(idx)
-        return out
+        return float(loss.detach()), len(idx)
+
+    def _iteration(self, abort: threading.Event | None) -> tuple[float, np.ndarray]:
+        loss, _ = self.forward_backward(abort)
+        return loss, self.flat.grads()
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
         """Next batch: forward + backward (+ emulated device time). Returns (loss, flat gradient
@@ -195,7 +170,7 @@ class Trainer:
     async def apply_gradients(self, vec: np.ndarray) -> None:
         """Set the gradients to ``vec`` and take one optimizer step, atomically."""
         def go() -> None:
-            self._set_grads(vec)
+            self.flat.set_grads(vec)
             self.optimizer.step()
         await self.run(go)
 
@@ -203,71 +178,28 @@ class Trainer:
         """One optimizer step per gradient in ``vecs``, in order, in a single compute job."""
         def go() -> None:
             for v in vecs:
-                self._set_grads(v)
+                self.flat.set_grads(v)
                 self.optimizer.step()
         await self.run(go)
 
     async def get_params(self) -> np.ndarray:
-        return await self.run(self._params)
-
-    # -- whole state (joins) ---------------------------------------------------------------
-
-    def _state_keys(self) -> list[str]:
-        """Per-parameter optimizer state entries, in export order."""
-        if isinstance(self.optimizer, torch.optim.SGD):
-            return ["momentum_buffer"] if any(g.get("momentum", 0) for g in self.optimizer.param_groups) else []
-        if isinstance(self.optimizer, torch.optim.Adam):
-            amsgrad = any(g.get("amsgrad", False) for g in self.optimizer.param_groups)
-            return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else []), "step"]
-        raise ConfigError(f"cannot export the state of optimizer {type(self.optimizer).__name__}")
+        return await self.run(self.flat.get_params)
 
     def state_size(self) -> int:
-        keys = self._state_keys()
-        per_param = sum(1 for k in keys if k == "step")
-        return self.numel * (1 + len(keys) - per_param) + per_param * len(self.params)
-
-    def _export_state(self) -> np.ndarray:
-        parts = [self._params()]
-        for key in self._state_keys():
-            for p in self.params:
-                t = self.optimizer.state.get(p, {}).get(key)
-                n = 1 if key == "step" else p.numel()
-                if t is None:
-                    parts.append(np.zeros(n, np.float32))
-                elif key == "step":
-                    parts.append(np.array([float(t)], np.float32))
-                else:
-                    parts.append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
-        return np.concatenate(parts).astype(np.float32, copy=False)
-
-    def _import_state(self, vec: np.ndarray) -> None:
-        if vec.size != self.state_size():
-            raise ValueError(f"state vector has {vec.size} elements, this replica has {self.state_size()}")
-        self._set_params(vec[:self.numel])
-        off = self.numel
-        for key in self._state_keys():
-            for p in self.params:
-                st = self.optimizer.state[p]
-                if key == "step":
-                    st["step"] = torch.tensor(float(vec[off]), dtype=torch.float32)
-                    off += 1
-                    continue
-                n = p.numel()
-                src = torch.from_numpy(np.array(vec[off:off + n], dtype=np.float32)).view_as(p)
-                st[key] = src.to(p.device, p.dtype).clone()
-                off += n
+        return self.flat.state_size()
 
     async def export_state(self) -> np.ndarray:
         """Parameters + optimizer state as one float32 vector (see the module docstring)."""
-        return await self.run(self._export_state)
+        return await self.run(self.flat.export_state)
 
     async def import_state(self, vec: np.ndarray) -> None:
-        await self.run(lambda: self._import_state(vec))
+        await self.run(lambda: self.flat.import_state(vec))
 
     async def set_params(self, vec: np.ndarray) -> None:
-        await self.run(lambda: self._set_params(vec))
+        await self.run(lambda: self.flat.set_params(vec))
 
-    def _evaluate(self) -> tuple[float, float]:
+    def evaluate_now(self) -> tuple[float, float]:
+        """(test loss, test accuracy); call on the thread that owns the model."""
         self.model.eval()
         total, correct, loss_sum = 0, 0, 0.0
         with torch.no_grad():
@@ -283,6 +215,6 @@ class Trainer:
     async def evaluate(self) -> tuple[float, float]:
         """(test loss, test accuracy) on the held-out split. Not counted as compute time."""
         before = self.compute_s
-        out = await self.run(self._evaluate)
+        out = await self.run(self.evaluate_now)
         self.compute_s = before
         return out

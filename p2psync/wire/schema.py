@@ -11,7 +11,7 @@ map with exactly these keys (``meta`` optional)::
 
 Version 2 (issue 10) added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
-:func:`p2psync.training.node.wire_run_id`) and the sender's incarnation (an unsigned 64-bit
+:func:`p2psync.api.runtime.wire_run_id`) and the sender's incarnation (an unsigned 64-bit
 integer, the process start time in ns, so a restarted node has a larger one). A relayed
 message keeps its origin's ``run``/``inc``. Receivers drop traffic of another run
 (``wrong_run``) or of an older incarnation of a node than the one the membership knows

@@ -117,7 +117,7 @@ def test_max_steps():
 
 def test_relay_nodes_linger_after_the_finish_barrier():
     from p2psync.topology import mesh, star
-    from p2psync.training.node import relays_for_others
+    from p2psync.api.runtime import relays_for_others
 
     assert [relays_for_others(ring(4), i) for i in range(4)] == [False, True, False, True]
     assert not any(relays_for_others(mesh(4), i) for i in range(4))

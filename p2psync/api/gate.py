@@ -1,0 +1,195 @@
+"""Where the user's training loop and the strategy meet: the optimizer step (issue 11).
+
+Why: a strategy never owns the training loop (DESIGN, "One training path"). The user's thread
+runs forward and backward; when it calls ``optimizer.step()`` it *arrives* at the gate and
+parks there. While it is parked, the strategy (a coroutine on the node's event loop) works on
+the model through *jobs*: reading the gradients, replacing them, running the local optimizer
+step (or not: a skipped step), replacing parameters and optimizer state. Jobs always run on
+the training thread, so the model is only ever touched by one thread and never while the
+user's code computes; a job sent while the user computes (ASGD applying a gradient that
+arrived, a joiner asking for this node's state) runs when the thread parks next. The strategy
+releases the parked thread when it is done with the step; background exchanges then overlap
+the next forward and backward.
+
+Per arrival the strategy asks for the next iteration (:meth:`StepGate.next_iteration`); an
+*abandoned* iteration (ESync's READY came while it was being computed, §4.2) is released
+without a step when it arrives, and :attr:`StepGate.abandon` tells a cooperative loop (the
+built-in job's emulated device time) to cut it short. When the user's loop ends
+(:meth:`StepGate.end`), a strategy waiting for an iteration gets :class:`TrainingEnded`.
+
+Threads: ``arrive``, ``serve`` and ``end`` are called on the training thread; everything else
+on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from p2psync.errors import Aborted, P2PSyncError, TrainingEnded
+
+T = TypeVar("T")
+
+#: how often a parked thread checks that the event loop is still alive (seconds)
+PARK_POLL_S = 1.0
+#: how often a strategy waiting for an iteration checks its abort event (seconds)
+ABORT_POLL_S = 0.005
+
+
+@dataclass
+class Arrival:
+    """One local iteration that reached ``optimizer.step()``."""
+
+    loss: float
+    samples: int
+    #: the flat gradient, copied when the iteration arrived (before any job can touch it)
+    grads: Any
+    #: seconds the user's code computed since the thread left the gate last
+    compute_s: float
+
+
+class _Release:
+    pass
+
+
+class StepGate:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: set by the strategy when the iteration being computed is abandoned
+        self.abandon = threading.Event()
+        self._pending: Arrival | None = None  # arrived, not taken by the strategy yet
+        self._parked = False  # the thread waits at the gate (taken or not)
+        self._taken = False  # the strategy took the parked iteration
+        self._skip = 0
+        self._ended = False
+        self._wake = asyncio.Event()
+        self._failure: BaseException | None = None
+        self.arrivals = 0
+        self.skipped = 0
+        self.samples = 0
+        self.compute_s = 0.0
+        self.parked_s = 0.0
+        self._left_at = time.perf_counter()
+
+    # -- training thread -----------------------------------------------------------------
+
+    def arrive(self, *, loss: float, samples: int, grads: Any) -> None:
+        """The user's loop reached ``optimizer.step()``: park until the strategy releases it,
+        running its jobs meanwhile. ``grads``: a copy of the iteration's gradient."""
+        t = time.perf_counter()
+        a = Arrival(loss=loss, samples=samples, grads=grads, compute_s=t - self._left_at)
+        self._loop.call_soon_threadsafe(self._on_arrival, a)
+        try:
+            self.serve()
+        finally:
+            self._left_at = time.perf_counter()
+            self.parked_s += self._left_at - t
+
+    def serve(self) -> None:
+        """Run jobs until released; raises the session's failure if the event loop gave up."""
+        while True:
+            try:
+                item = self._inbox.get(timeout=PARK_POLL_S)
+            except queue.Empty:
+                if self._failure is not None:
+                    raise self._failure
+                if self._loop.is_closed():
+                    raise P2PSyncError("the node's event loop stopped while the training thread waited")
+                continue
+            if isinstance(item, _Release):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            fn, fut = item
+            try:
+                res = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                self._loop.call_soon_threadsafe(_fail, fut, exc)
+            else:
+                self._loop.call_soon_threadsafe(_done, fut, res)
+
+    def end(self) -> None:
+        """The user's loop is over: a strategy waiting for an iteration gets TrainingEnded."""
+        self._loop.call_soon_threadsafe(self._on_end)
+
+    # -- event loop ----------------------------------------------------------------------
+
+    def _on_arrival(self, a: Arrival) -> None:
+        self.arrivals += 1
+        self._pending = a
+        self._parked = True
+        self._wake.set()
+
+    def _on_end(self) -> None:
+        self._ended = True
+        self._wake.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """The session failed: a parked (or next parking) training thread raises ``exc``."""
+        self._failure = exc
+        self._inbox.put(exc)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the training thread (now if it is parked, else when it parks next)."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._inbox.put((fn, fut))
+        return await fut
+
+    def release(self) -> None:
+        """Let the parked training thread go on (the strategy is done with its step)."""
+        if self._parked and self._pending is None:
+            self._parked = False
+            self._taken = False
+            self._inbox.put(_Release())
+
+    async def next_iteration(self, abort: threading.Event | None = None) -> Arrival:
+        """Release the iteration taken before (if any) and take the next one. Raises Aborted
+        when ``abort`` is set first (that iteration will be released unstepped when it arrives),
+        TrainingEnded when the user's loop ended."""
+        if self._taken:
+            self.release()
+        while True:
+            while self._pending is None:
+                if self._ended:
+                    raise TrainingEnded("the training loop ended")
+                if abort is not None and abort.is_set():
+                    self._skip += 1
+                    self.abandon.set()
+                    raise Aborted("iteration abandoned before it reached optimizer.step()")
+                self._wake.clear()
+                if abort is None:
+                    await self._wake.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), ABORT_POLL_S)
+                    except asyncio.TimeoutError:
+                        pass
+            a, self._pending = self._pending, None
+            self.abandon.clear()
+            if self._skip:
+                self._skip -= 1
+                self.skipped += 1
+                self.release()
+                continue
+            self._taken = True
+            self.samples += a.samples
+            self.compute_s += a.compute_s
+            return a
+
+
+def _done(fut: asyncio.Future[Any], res: Any) -> None:
+    if not fut.done():
+        fut.set_result(res)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+__all__ = ["Arrival", "StepGate"]

@@ -1,0 +1,84 @@
+"""The replica a strategy sees in the attach path: the user's model and optimizer behind the
+:class:`~p2psync.api.gate.StepGate` (issue 11).
+
+It implements the :class:`~p2psync.strategies.base.Replica` protocol, so every strategy is
+written once and runs unchanged in the built-in job and in users' scripts:
+
+* ``compute_gradients`` waits for the user's next iteration to reach ``optimizer.step()`` and
+  returns its loss and flat gradient, copied on arrival, before any job (such as ASGD applying
+  a peer's gradient) can overwrite ``.grad`` (the thread stays parked: the strategy may still
+  replace the gradients, step or skip);
+* ``apply_gradients(vec)`` sets the gradients to ``vec`` and runs the optimizer's own ``step``
+  (the one the user's code would have run), so LR schedulers, weight decay and momentum behave
+  as the user configured them; ``apply_each`` does one such step per vector;
+* parameter and state access (``get_params``, ``set_params``, ``export_state``,
+  ``import_state``) run as jobs on the training thread.
+
+An iteration whose step the strategy never runs is a *skipped* local step: its gradient is
+dropped and the parameters stay as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from p2psync.training.flat import FlatModel
+from p2psync.api.gate import StepGate
+
+
+class HookedReplica:
+    def __init__(self, *, flat: FlatModel, gate: StepGate, step: Callable[[], Any]) -> None:
+        self.flat = flat
+        self.gate = gate
+        self._step = step  # the optimizer's own step, as it was before attach
+        self.numel = flat.numel
+        self.steps_taken = 0
+        self.last_loss = float("nan")
+
+    @property
+    def samples(self) -> int:
+        return self.gate.samples
+
+    @property
+    def compute_s(self) -> float:
+        return self.gate.compute_s
+
+    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
+        a = await self.gate.next_iteration(abort)
+        self.last_loss = a.loss
+        return a.loss, a.grads
+
+    def _apply(self, vec: np.ndarray) -> None:
+        self.flat.set_grads(vec)
+        self._step()
+        self.steps_taken += 1
+
+    async def apply_gradients(self, vec: np.ndarray) -> None:
+        await self.gate.run(lambda: self._apply(vec))
+
+    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+        def go() -> None:
+            for v in vecs:
+                self._apply(v)
+        await self.gate.run(go)
+
+    async def get_params(self) -> np.ndarray:
+        return await self.gate.run(self.flat.get_params)
+
+    async def set_params(self, vec: np.ndarray) -> None:
+        await self.gate.run(lambda: self.flat.set_params(vec))
+
+    async def export_state(self) -> np.ndarray:
+        return await self.gate.run(self.flat.export_state)
+
+    async def import_state(self, vec: np.ndarray) -> None:
+        await self.gate.run(lambda: self.flat.import_state(vec))
+
+    def state_size(self) -> int:
+        return self.flat.state_size()
+
+
+__all__ = ["HookedReplica"]

@@ -1,0 +1,201 @@
+"""One node's runtime: transport, RPC, membership, coordinator failover, the strategy, and the
+finish barrier (moved here from the built-in job's ``run_node``, so users' scripts get exactly
+the same runtime through :class:`~p2psync.api.session.Session`).
+
+Order: bind the transport, ask whether a run is already going (a restarted node joins it),
+host the coordinator services if this node is the topology's coordinator of a fresh run,
+rendezvous with the coordinator, then build and start the strategy on the given replica. At
+the end a bounded finish barrier keeps every node's sockets open while peers still need them;
+the node coordinating then writes the run's ``summary.json`` (issue 10 item 6: after a
+failover that is the node that took over, listing the dead coordinator among the failed).
+
+A node started while its run is going (the same ``--node`` restarted with the same
+``--run-id``, after the coordinator declared its previous process failed) is admitted as a
+joiner: the registration reply says ``joined``, and the strategy fetches the state from live
+peers in ``start()`` before training (issue 10 item 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from p2psync.collectives import Collectives
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy
+from p2psync.topology import Topology, topology_to_dict
+from p2psync.training.config import RunConfig
+from p2psync.transport import ZmqEndpoint
+from p2psync.transport.shaping import load_wan_profile, make_shaper
+
+log = logging.getLogger("p2psync.node")
+
+RELAY_LINGER_S = 0.5
+#: how long a starting node asks the others whether their run is already going
+DISCOVER_S = 1.5
+
+
+def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
+    """True when a neighbour of ``node_id`` reaches the coordinator (``coordinator``, default
+    the topology's) only through relays."""
+    c = topo.coordinator if coordinator is None else coordinator
+    return any(nb != c and not topo.routes(nb, c) for nb in topo.neighbors(node_id))
+
+
+def wire_run_id(topo: Topology, run_id: str | None) -> int:
+    """The run id every header carries: 64 bits of SHA-256 over the topology and ``--run-id``.
+
+    Every node of a run derives the same value with no extra round trip: the launcher passes
+    the same ``--run-id`` to all its nodes, and multi-host runs must pass the same ``--run-id``
+    on every host (without one, the id depends on the topology only, and consecutive runs on
+    the same ports are told apart by the incarnations alone). The options are deliberately left
+    out: a node started with different options must still reach the coordinator, which rejects
+    it with a clear "different configuration" error instead of a silent ``wrong_run`` drop."""
+    blob = json.dumps({"topology": topology_to_dict(topo), "run": run_id or ""}, sort_keys=True,
+                      default=str).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little")
+
+
+def default_run_id(topo: Topology, strategy: str) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{topo.name}-{strategy}"
+
+
+def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
+              failed: list[int]) -> dict[str, Any]:
+    nodes = {str(k): v for k, v in sorted(finished.items()) if isinstance(v, dict)}
+    accs = [v["final_accuracy"] for v in nodes.values() if v.get("final_accuracy") is not None]
+    return {
+        "run_id": run_id, "topology": topo.name, "strategy": cfg.strategy,
+        "config": cfg.agreed(), "nodes": nodes, "failed": failed,
+        "accuracy_mean": float(np.mean(accs)) if accs else None,
+        "accuracy_min": float(np.min(accs)) if accs else None,
+        "wall_s": max((v.get("wall_s") or 0.0 for v in nodes.values()), default=None),
+        "samples_per_s": sum(v.get("samples_per_s") or 0.0 for v in nodes.values()),
+        "bytes_sent": sum(v.get("bytes_sent") or 0 for v in nodes.values()),
+    }
+
+
+class NodeRuntime:
+    """Everything of one node but the model: start, strategy, finish, close (one owner)."""
+
+    def __init__(self, *, cfg: RunConfig, topo: Topology, node_id: int) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.node_id = node_id
+        self.strategy_cls = get_strategy(cfg.strategy)
+        if cfg.wan:
+            load_wan_profile(cfg.wan, topo)  # validate before starting anything
+        self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
+        self.transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed)
+        self.transport.run_id = wire_run_id(topo, cfg.run_id)
+        self.server = RpcServer(self.transport)
+        self.rpc = RpcClient(self.transport, local=self.server)
+        self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
+                                           heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
+                                           phi_threshold=cfg.phi_threshold)
+        strategy_cls = self.strategy_cls
+        self.host = CoordinatorHost(
+            server=self.server, membership=self.membership, expected=topo.ids,
+            services=lambda srv: strategy_cls.coordinator_services(srv, topo, dict(cfg.strategy_options)),
+            start_timeout=cfg.start_timeout, failure_timeout=cfg.failure_timeout,
+            heartbeat_interval=cfg.heartbeat, phi_threshold=cfg.phi_threshold,
+            run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)},
+            allow_join=cfg.on_failure == "continue")
+        self.strategy: Strategy | None = None
+        self.info: dict[str, Any] = {}
+        self.run_id = cfg.run_id or ""
+        self.run_dir = Path(cfg.out)
+        self._started = False
+
+    @property
+    def joined(self) -> bool:
+        return bool(self.info.get("joined"))
+
+    def _write_config(self) -> None:
+        (self.run_dir / "config.json").write_text(json.dumps(
+            {"run_id": self.run_id, "topology": self.topo.name, **asdict(self.cfg)}, indent=2, default=str))
+
+    async def rendezvous(self) -> None:
+        """Bind, find or host the run, register. Sets :attr:`run_id` and :attr:`run_dir`."""
+        self._started = True
+        await self.transport.start()
+        self.server.start()
+        # a run already going (this node restarted): join it wherever it is coordinated now
+        running = await self.membership.discover(timeout=DISCOVER_S)
+        if running is None and self.node_id == self.topo.coordinator:
+            self.host.host()
+        self.info = await self.membership.register(self.cfg.fingerprint(), timeout=self.cfg.start_timeout + 5)
+        self.run_id = self.cfg.run_id or str(self.info["run_id"])
+        self.host.run_info["run_id"] = self.run_id  # a node that takes over answers with the run's id
+        self.run_dir = Path(self.cfg.out) / self.run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.host.coordinating:
+            self._write_config()
+        self.membership.start()
+
+    async def start_strategy(self, replica: Replica) -> Strategy:
+        cfg, transport = self.cfg, self.transport
+        ctx = StrategyContext(node_id=self.node_id, topology=self.topo, transport=transport, rpc=self.rpc,
+                              rpc_server=self.server, membership=self.membership, replica=replica,
+                              collectives=Collectives(transport, piece_bytes=cfg.piece_kib << 10,
+                                                      timeout=cfg.peer_timeout, codec=cfg.codec,
+                                                      error_feedback=cfg.error_feedback,
+                                                      algo=cfg.collective),
+                              peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
+                              on_failure=cfg.on_failure, joining=self.joined)
+        strategy = self.strategy = self.strategy_cls(ctx)
+        self.membership.listeners.append(strategy.on_peer_failure)
+        self.membership.view_listeners.append(strategy.on_view)
+        await strategy.start()
+        return strategy
+
+    def time_left(self) -> float | None:
+        """The run's --time budget left for this node (a joiner ends with the run)."""
+        limit = self.cfg.time_limit
+        if limit is not None and self.joined and self.membership.run_started is not None:
+            return max(0.0, limit - (time.monotonic() - self.membership.run_started))
+        return limit
+
+    def nic_bytes(self) -> dict[str, dict[str, int]]:
+        return {k: {"sent": v.bytes_sent, "recv": v.bytes_recv} for k, v in self.transport.nic_stats.items()}
+
+    async def finish(self, stats: dict[str, Any]) -> None:
+        """The finish barrier; the node coordinating then writes ``summary.json``."""
+        stats["rejected"] = dict(self.transport.rejected)
+        await self.membership.finish(stats, timeout=max(30.0, self.cfg.peer_timeout))
+        if relays_for_others(self.topo, self.node_id, self.membership.coordinator):
+            # the coordinator's finish replies to nodes behind this one pass through it
+            await asyncio.sleep(RELAY_LINGER_S)
+        service = self.host.service
+        if service is not None and self.host.coordinating:
+            if not (self.run_dir / "config.json").exists():  # took over on another host
+                self._write_config()
+            summary = summarize(self.run_id, self.topo, self.cfg, service.state.finished,
+                                sorted(service.state.failed))
+            summary["coordinator"] = self.node_id  # not the topology's when it took over
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    async def close(self) -> None:
+        from p2psync.errors import P2PSyncError
+
+        if self.strategy is not None:
+            try:
+                await self.strategy.close()
+            except P2PSyncError:
+                pass
+        await self.membership.close()
+        await self.host.close()
+        await self.server.close()
+        await self.transport.close()
+
+
+__all__ = ["DISCOVER_S", "NodeRuntime", "default_run_id", "relays_for_others", "summarize", "wire_run_id"]

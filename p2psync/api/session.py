@@ -1,0 +1,336 @@
+"""``p2psync.Session``: one node of a run inside the user's own process (issue 11).
+
+Why: there is exactly one way a strategy meets a model — around the optimizer step of a loop it
+does not own (DESIGN, "One training path"). The built-in job of ``p2psync run`` and users'
+scripts both go through this class; :func:`p2psync.attach` is its implicit form.
+
+Threads: the user's loop runs on the calling thread (the *training thread*); the node's event
+loop (uvloop when installed) runs in a background thread owned by the session, with the whole
+runtime on it (:class:`~p2psync.api.runtime.NodeRuntime`: transport, membership, coordinator
+failover, the strategy). :meth:`Session.attach` installs a hook on the optimizer's ``step``:
+each call *arrives* at the :class:`~p2psync.api.gate.StepGate` and waits there only as long as
+the strategy says, running the strategy's model jobs (replace gradients, run or skip the local
+step, replace parameters and optimizer state). The strategy is driven on the event loop by
+:meth:`Session._drive`, step after step, exactly as the built-in job's loop used to drive it;
+its ``train_step`` takes the user's iterations through the replica
+(:class:`~p2psync.api.replica.HookedReplica`), so every strategy is written once.
+
+Identical start: after the rendezvous every member compares its trainable parameter count with
+the others (a mismatch is a :class:`ConfigError` naming every node's count) and takes the
+coordinator's initial parameters (a broadcast), so a script seeded differently on one node does
+not silently diverge. A node that joins a running run takes its state from a live peer instead.
+
+Stopping: the run stops when the strategy agrees on it (synchronous strategies stop every node
+at the same step): the ``--time`` / ``--steps`` budget of the configuration, or
+:meth:`Session.request_stop`. :attr:`Session.should_stop` then turns true; a loop that keeps
+calling ``optimizer.step()`` after that takes plain local steps (one warning). :meth:`close`
+(or leaving the ``with`` block) ends the node: the strategy's pending wait ends, the finish
+barrier runs (the training thread keeps serving model jobs meanwhile, e.g. ASGD applying the
+last gradients that arrive), metrics and the run's summary are written, sockets close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+import types
+from typing import Any, Callable, Coroutine, TypeVar
+
+import numpy as np
+import torch
+
+from p2psync.api.gate import StepGate, _Release
+from p2psync.api.replica import HookedReplica
+from p2psync.api.runtime import NodeRuntime
+from p2psync.collectives import Collectives
+from p2psync.errors import ConfigError, P2PSyncError, TrainingEnded
+from p2psync.strategies.base import Strategy
+from p2psync.topology import Topology, load
+from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
+from p2psync.training.flat import FlatModel
+from p2psync.training.metrics import MetricsWriter, bytes_sent
+
+log = logging.getLogger("p2psync.session")
+
+T = TypeVar("T")
+
+#: seconds attach may take beyond the start timeout (binding, identical start)
+ATTACH_SLACK_S = 60.0
+
+
+class Session:
+    """One node of a run in this process. Use as a context manager, or call :meth:`close`."""
+
+    def __init__(self, *, config: RunConfig, node: int, max_steps: int | None = None,
+                 topology: Topology | None = None) -> None:
+        self.cfg = config
+        self.topo = topology if topology is not None else load(config.topology)
+        if node not in self.topo.ids:
+            raise ConfigError(f"node {node}: no such node in {config.topology} (ids {self.topo.ids})")
+        self.node_id = node
+        self.max_steps = max_steps if max_steps is not None else (config.steps or UNBOUNDED_STEPS)
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"p2psync-node-{node}",
+                                        daemon=True)
+        self._thread.start()
+        self.gate = StepGate(self._loop)
+        self.runtime: NodeRuntime | None = None
+        self.strategy: Strategy | None = None
+        self.replica: HookedReplica | None = None
+        self.metrics: MetricsWriter | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._stop_requested = False
+        self._stopped = False
+        self._warned_after_stop = False
+        self._closed = False
+        self._logged: dict[str, Any] = {}
+        self._pending_samples = 0
+        self._pending_loss = float("nan")
+        self.last_accuracy: float | None = None
+        self.last_test_loss: float | None = None
+        self.step = 0
+        self.stats: dict[str, Any] = {}
+        self.t0 = time.monotonic()
+        self._comm = self._wait = 0.0
+        self._extra_record: Callable[[], dict[str, Any]] | None = None
+
+    # -- training thread: the user's side ----------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T], *, serve: bool = True) -> T:
+        """Run ``coro`` on the event loop and wait for it here, serving model jobs meanwhile."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        if serve:
+            fut.add_done_callback(lambda _: self.gate._inbox.put(_Release()))
+            self.gate.serve()
+        return fut.result()
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Join the run with ``model`` trained by ``optimizer``; returns the same optimizer with
+        its ``step`` hooked (so LR schedulers and ``state_dict()`` keep working)."""
+        if self.replica is not None:
+            raise ConfigError(f"node {self.node_id}: attach() was called twice (one model per node)")
+        if getattr(optimizer, "_p2psync_session", None) is not None:
+            raise ConfigError(f"node {self.node_id}: this optimizer is already attached to a session")
+        flat = FlatModel(model=model, optimizer=optimizer)
+        own_step = optimizer.step
+        self.replica = HookedReplica(flat=flat, gate=self.gate, step=own_step)
+        try:
+            self._call(self._start())
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        session = self
+
+        def step(self_opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            return session._on_step(own_step, flat, closure)
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        optimizer._p2psync_session = self  # type: ignore[attr-defined]
+        return optimizer
+
+    def _on_step(self, own_step: Callable[..., Any], flat: FlatModel, closure: Callable[[], Any] | None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            self._pending_loss = float(loss)
+        if self._error is not None:
+            raise self._error
+        if self._stopped or self._closed:
+            if not self._warned_after_stop:
+                self._warned_after_stop = True
+                log.warning("node %d: the run has stopped (step %d): optimizer.step() now takes plain "
+                            "local steps; end the loop when p2psync.should_stop() is true", self.node_id, self.step)
+            own_step()
+            return loss
+        samples, self._pending_samples = self._pending_samples, 0
+        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=flat.grads())
+        if self._error is not None:
+            raise self._error
+        return loss
+
+    def log(self, **values: Any) -> None:
+        """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``
+        and ``test_loss`` (evaluations), anything else goes into the metrics record as is."""
+        if "loss" in values:
+            self._pending_loss = float(values.pop("loss"))
+        if "samples" in values:
+            self._pending_samples += int(values.pop("samples"))
+        if "accuracy" in values:
+            self.last_accuracy = float(values["accuracy"])
+        if "test_loss" in values:
+            self.last_test_loss = float(values["test_loss"])
+        self._logged.update(values)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the run agreed to stop (or failed): end the training loop."""
+        return self._stopped or self._error is not None
+
+    def request_stop(self) -> None:
+        """Ask the run to stop (agreed with the peers at the next step)."""
+        self._stop_requested = True
+
+    def close(self, *, graceful: bool = True) -> dict[str, Any]:
+        """End this node: finish barrier, summary, sockets closed. Returns the node's stats.
+        Raises the error that ended the run, if any. ``graceful=False`` (an exception or an
+        interrupt in the user's code): no finish barrier, the sockets close at once."""
+        if self._closed:
+            return self.stats
+        self._closed = True
+        if self.replica is None:
+            self._shutdown_loop()
+            return self.stats
+        self.gate.end()
+        try:
+            self._call(self._finish(graceful))
+        finally:
+            self._shutdown_loop()
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(graceful=False)
+        except P2PSyncError:
+            pass  # the user's exception is the one to report
+
+    def _shutdown_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
+
+    # -- event loop: the node's side ---------------------------------------------------
+
+    async def _start(self) -> None:
+        rt = self.runtime = NodeRuntime(cfg=self.cfg, topo=self.topo, node_id=self.node_id)
+        try:
+            await rt.rendezvous()
+            assert self.replica is not None
+            if not rt.joined:
+                await self._identical_start(rt)
+            self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
+            self._driver = asyncio.get_running_loop().create_task(self._drive(), name="p2psync-driver")
+        except BaseException:
+            await rt.close()
+            raise
+
+    async def _identical_start(self, rt: NodeRuntime) -> None:
+        """Same parameter count everywhere, then the coordinator's initial parameters."""
+        assert self.replica is not None
+        c = Collectives(rt.transport, timeout=self.cfg.peer_timeout)
+        members = list(rt.membership.view.members) if rt.membership.view is not None else list(self.topo.ids)
+        counts = await c.allgather(np.array([self.replica.numel], np.int64), members, tag="attach.numel")
+        if len({int(x[0]) for x in counts}) > 1:
+            detail = ", ".join(f"node {n}: {int(x[0])}" for n, x in zip(sorted(members), counts))
+            raise ConfigError(f"node {self.node_id}: the attached models differ in their number of "
+                              f"trainable parameters ({detail}); every node must train the same model")
+        root = min(members)
+        params = await self.replica.get_params()
+        params = await c.broadcast(params, root, members, tag="attach.params")
+        await self.replica.set_params(params)
+
+    def _record(self, rep: Any) -> None:
+        assert self.metrics is not None and self.runtime is not None and self.replica is not None
+        now = time.monotonic() - self.t0
+        rec: dict[str, Any] = {
+            "node": self.node_id, "step": self.step, "time": round(now, 4), "loss": rep.loss,
+            "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self._comm, 4),
+            "wait_s": round(self._wait, 4), "samples": self.gate.samples,
+            "samples_per_s": self.gate.samples / now if now > 0 else 0.0,
+            "nics": self.runtime.nic_bytes(), **self._logged, **rep.extra}
+        evaluated = self.last_accuracy is not None and "accuracy" in self._logged
+        self._logged = {}
+        self.metrics.write(rec, flush=evaluated or rep.stop)
+
+    async def _drive(self) -> None:
+        """The strategy's step loop (what the built-in job's loop used to be)."""
+        rt, gate = self.runtime, self.gate
+        assert rt is not None and self.replica is not None
+        try:
+            strategy = self.strategy = await rt.start_strategy(self.replica)
+            self.step = strategy.start_step
+            limit = rt.time_left()
+            self.t0 = time.monotonic()
+            while True:
+                elapsed = time.monotonic() - self.t0
+                want_stop = (self._stop_requested or self.step + 1 >= self.max_steps
+                             or (limit is not None and elapsed >= limit))
+                rep = await strategy.train_step(self.step, want_stop)
+                self.step = self.step + 1 if rep.next_step is None else rep.next_step
+                self._comm += rep.comm_s
+                self._wait += rep.wait_s
+                self._record(rep)
+                if rep.stop:
+                    break
+                gate.release()
+        except TrainingEnded:
+            pass
+        except BaseException as exc:
+            self._error = exc
+            gate.fail(exc)
+            raise
+        finally:
+            self._stopped = True
+            gate.release()
+
+    async def _finish(self, graceful: bool) -> None:
+        rt = self.runtime
+        assert rt is not None and self.replica is not None
+        try:
+            if not graceful:
+                if self._driver is not None:
+                    self._driver.cancel()
+                    await asyncio.gather(self._driver, return_exceptions=True)
+                return
+            if self._driver is not None:
+                try:
+                    await self._driver
+                except BaseException as exc:  # recorded in _error
+                    self._error = self._error or exc
+            if self._error is None:
+                wall = time.monotonic() - self.t0
+                nics = rt.nic_bytes()
+                params = await self.replica.get_params()
+                self.stats = {
+                    "node": self.node_id, "steps": self.step, "wall_s": round(wall, 3),
+                    "final_accuracy": self.last_accuracy, "final_test_loss": self.last_test_loss,
+                    "samples": self.gate.samples,
+                    "samples_per_s": self.gate.samples / wall if wall > 0 else 0.0,
+                    "compute_s": round(self.gate.compute_s, 3), "comm_s": round(self._comm, 3),
+                    "wait_s": round(self._wait, 3), "bytes_sent": bytes_sent({"nics": nics}),
+                    "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
+                    "skipped_steps": self.gate.skipped,
+                    # equal on every member of a synchronous run (SSGD: bitwise), joiners included
+                    "params_sha1": hashlib.sha1(params.tobytes()).hexdigest()[:16],
+                }
+                await rt.finish(self.stats)
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+            await rt.close()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+__all__ = ["Session"]

@@ -1,0 +1,53 @@
+"""The built-in job of ``p2psync run``: an ordinary training script on :class:`p2psync.Session`.
+
+Why: there is one training path (DESIGN). The job builds its model, optimizer and data shard
+(:func:`~p2psync.training.node.build_trainer`), attaches the optimizer, and runs the plain loop
+``forward / backward / optimizer.step()`` until the run agrees to stop (``--time``, ``--steps``,
+``--epochs``), evaluating every ``--eval-every`` strategy steps (and every ``--eval-seconds``).
+The emulated device time (``--slowdown``, ``--step-time``) runs after backward and ends early
+when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
+``optimizer.step()``, which the strategy skips.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from p2psync.api.session import Session
+from p2psync.errors import Aborted
+from p2psync.topology import load
+from p2psync.training.config import RunConfig
+from p2psync.training.node import build_trainer
+
+
+def run_builtin(cfg: RunConfig, node_id: int) -> dict[str, Any]:
+    """Train node ``node_id`` to the end of the run; returns its final stats."""
+    topo = load(cfg.topology)
+    trainer = build_trainer(cfg, topo, node_id)
+    try:
+        session = Session(config=cfg, node=node_id, topology=topo,
+                          max_steps=cfg.max_steps(len(trainer.data.y_train), topo.size))
+        with session:
+            opt = session.attach(trainer.model, trainer.optimizer)
+            trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
+            last_eval, last_eval_step = time.monotonic(), 0
+            while not session.should_stop:
+                try:
+                    loss, n = trainer.forward_backward(session.gate.abandon)
+                    session.log(loss=loss, samples=n, factor=trainer.factor)
+                except Aborted:  # abandoned by the strategy: the step below is skipped
+                    pass
+                opt.step()
+                due = (session.step - last_eval_step >= cfg.eval_every
+                       or (cfg.eval_seconds is not None and time.monotonic() - last_eval >= cfg.eval_seconds))
+                if due or session.should_stop:
+                    last_eval, last_eval_step = time.monotonic(), session.step
+                    test_loss, acc = trainer.evaluate_now()
+                    session.log(test_loss=test_loss, accuracy=acc)
+        return session.stats
+    finally:
+        trainer.close()
+
+
+__all__ = ["run_builtin"]

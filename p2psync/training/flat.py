@@ -1,0 +1,116 @@
+"""A model and its optimizer seen as flat float32 vectors (what crosses the network).
+
+Synchronous methods; call them on the thread that owns the model (the training thread, or a
+replica's compute thread). Vectors are host numpy arrays; tensors on a GPU are copied through
+host memory.
+
+:meth:`FlatModel.export_state` / :meth:`FlatModel.import_state` move the whole replica —
+parameters and the torch optimizer's state (momentum buffers; Adam's moments and step counts) —
+as one flat float32 vector whose layout depends only on the model and the optimizer's
+configuration, so it has the same length on every node of a run (a joiner's optimizer has no
+state yet: missing buffers export as zeros, which the optimizers treat exactly like fresh state).
+Issue 10 item 5: a joining node takes its state from a live peer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from p2psync.errors import ConfigError
+
+
+class FlatModel:
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        if self.numel == 0:
+            raise ConfigError("the model has no trainable parameters")
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def grads(self) -> np.ndarray:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+        return flat.detach().to("cpu", torch.float32).numpy().copy()
+
+    def set_grads(self, vec: np.ndarray) -> None:
+        if vec.size != self.numel:
+            raise ValueError(f"gradient vector has {vec.size} elements, model has {self.numel}")
+        src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            g = src[off: off + n].view_as(p).to(p.device, p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            off += n
+
+    def get_params(self) -> np.ndarray:
+        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", torch.float32).numpy().copy()
+
+    def set_params(self, vec: np.ndarray) -> None:
+        if vec.size != self.numel:
+            raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(
+                torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32)).to(self.device), self.params)
+
+    # -- whole state (joins) -------------------------------------------------------------
+
+    def _state_keys(self) -> list[str]:
+        """Per-parameter optimizer state entries, in export order."""
+        opt = self.optimizer
+        if isinstance(opt, torch.optim.SGD):
+            return ["momentum_buffer"] if any(g.get("momentum", 0) for g in opt.param_groups) else []
+        if isinstance(opt, torch.optim.Adam):
+            amsgrad = any(g.get("amsgrad", False) for g in opt.param_groups)
+            return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else []), "step"]
+        raise ConfigError(f"cannot export the state of optimizer {type(opt).__name__} "
+                          "(supported: SGD, Adam)")
+
+    def state_size(self) -> int:
+        keys = self._state_keys()
+        per_param = sum(1 for k in keys if k == "step")
+        return self.numel * (1 + len(keys) - per_param) + per_param * len(self.params)
+
+    def export_state(self) -> np.ndarray:
+        parts = [self.get_params()]
+        for key in self._state_keys():
+            for p in self.params:
+                t = self.optimizer.state.get(p, {}).get(key)
+                n = 1 if key == "step" else p.numel()
+                if t is None:
+                    parts.append(np.zeros(n, np.float32))
+                elif key == "step":
+                    parts.append(np.array([float(t)], np.float32))
+                else:
+                    parts.append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        return np.concatenate(parts).astype(np.float32, copy=False)
+
+    def import_state(self, vec: np.ndarray) -> None:
+        if vec.size != self.state_size():
+            raise ValueError(f"state vector has {vec.size} elements, this replica has {self.state_size()}")
+        self.set_params(vec[:self.numel])
+        off = self.numel
+        for key in self._state_keys():
+            for p in self.params:
+                st = self.optimizer.state[p]
+                if key == "step":
+                    st["step"] = torch.tensor(float(vec[off]), dtype=torch.float32)
+                    off += 1
+                    continue
+                n = p.numel()
+                src = torch.from_numpy(np.array(vec[off:off + n], dtype=np.float32)).view_as(p)
+                st[key] = src.to(p.device, p.dtype).clone()
+                off += n
+
+
+__all__ = ["FlatModel"]
