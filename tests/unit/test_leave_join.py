@@ -50,7 +50,7 @@ async def test_trainer_state_roundtrip_makes_replicas_bitwise_equal(optimizer):
     a, b = make_trainer(topo, 0), make_trainer(topo, 1)
     if optimizer == "adam":
         for t in (a, b):
-            t.optimizer = torch.optim.Adam(t.params, lr=1e-3)
+            t.optimizer = t.flat.optimizer = torch.optim.Adam(t.flat.params, lr=1e-3)
     try:
         assert a.state_size() == b.state_size() and a.state_size() > a.numel
         assert (await b.export_state()).size == b.state_size()  # no optimizer state yet: zeros
