@@ -96,7 +96,7 @@ class Session:
         self.stats: dict[str, Any] = {}
         self.t0 = time.monotonic()
         self._comm = self._wait = 0.0
-        self._extra_record: Callable[[], dict[str, Any]] | None = None
+        self._last_record: dict[str, Any] | None = None
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -243,18 +243,23 @@ class Session:
         params = await c.broadcast(params, root, members, tag="attach.params")
         await self.replica.set_params(params)
 
-    def _record(self, rep: Any) -> None:
-        assert self.metrics is not None and self.runtime is not None and self.replica is not None
+    def _record(self, rep: Any) -> dict[str, Any]:
+        assert self.runtime is not None
         now = time.monotonic() - self.t0
-        rec: dict[str, Any] = {
+        return {
             "node": self.node_id, "step": self.step, "time": round(now, 4), "loss": rep.loss,
             "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self._comm, 4),
             "wait_s": round(self._wait, 4), "samples": self.gate.samples,
             "samples_per_s": self.gate.samples / now if now > 0 else 0.0,
-            "nics": self.runtime.nic_bytes(), **self._logged, **rep.extra}
-        evaluated = self.last_accuracy is not None and "accuracy" in self._logged
+            "nics": self.runtime.nic_bytes(), **rep.extra}
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        """Write a step's record with the values logged since the last one."""
+        assert self.metrics is not None
+        evaluated = "accuracy" in self._logged
+        rec = {**rec, **self._logged}
         self._logged = {}
-        self.metrics.write(rec, flush=evaluated or rep.stop)
+        self.metrics.write(rec, flush=evaluated)
 
     async def _drive(self) -> None:
         """The strategy's step loop (what the built-in job's loop used to be)."""
@@ -273,9 +278,11 @@ class Session:
                 self.step = self.step + 1 if rep.next_step is None else rep.next_step
                 self._comm += rep.comm_s
                 self._wait += rep.wait_s
-                self._record(rep)
-                if rep.stop:
+                rec = self._record(rep)
+                if rep.stop:  # written at close, with the final evaluation the loop logs
+                    self._last_record = rec
                     break
+                self._write(rec)
                 gate.release()
         except TrainingEnded:
             pass
@@ -320,6 +327,8 @@ class Session:
                 await rt.finish(self.stats)
         finally:
             if self.metrics is not None:
+                if self._last_record is not None:
+                    self._write(self._last_record)
                 self.metrics.close()
             await rt.close()
 
