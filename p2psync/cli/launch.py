@@ -232,6 +232,7 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    groups: set[int] = set()  # process groups of the nodes (each node leads its own) that exist
     logs = []
     t0 = time.monotonic()
     try:
@@ -245,16 +246,17 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
                                             stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
             except OSError as exc:
                 raise ConfigError(f"node {i}: cannot start {argv[0]!r}: {exc.strerror}") from None
-        return _monitor(cfg, run_dir, procs, stop, t0)
+            groups.add(procs[i].pid)
+        return _monitor(cfg, run_dir, procs, groups, stop, t0)
     finally:
-        _stop_all(procs)
+        _stop_all(procs, groups)
         for f in logs:
             f.close()
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[bytes]],
+def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[bytes]], groups: set[int],
              stop: dict[str, Any], t0: float) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
     codes: dict[int, int | None] = {i: None for i in procs}
@@ -274,6 +276,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
                     codes[i] = p.poll()
                     if codes[i] not in (None, 0) and first_failure is None:
                         first_failure = (time.monotonic(), i)
+            _prune(groups)
             for tail in tails.values():
                 tail.poll()
             if live is not None:
@@ -294,10 +297,10 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
         if live is not None:
             live.stop()
     if stop["signal"] is not None:
-        _stop_all(procs)
+        _stop_all(procs, groups)
         print(f"interrupted: stopped {len(procs)} nodes", file=sys.stderr)
         return EXIT_INTERRUPTED
-    stopped = set(_stop_all(procs))
+    stopped = set(_stop_all(procs, groups))
     for tail in tails.values():
         tail.poll()
     print_summary(run_dir, tails, time.monotonic() - t0)
@@ -312,35 +315,38 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
     return EXIT_FAILED if failed else 0
 
 
-def _stop_all(procs: dict[int, subprocess.Popen[bytes]]) -> list[int]:
-    """SIGTERM every node's process group, SIGKILL the groups still alive after STOP_GRACE_S.
+def _stop_all(procs: dict[int, subprocess.Popen[bytes]], groups: set[int]) -> list[int]:
+    """SIGTERM the nodes' process groups, SIGKILL what is left of them after STOP_GRACE_S.
     Returns the nodes whose own process was still running (stopped here)."""
     running = [i for i, p in procs.items() if p.poll() is None]
-    groups = [p.pid for p in procs.values()]  # each node leads its group (_child_setup)
-    _signal_groups(groups, signal.SIGTERM)
+    _signal(groups, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for i in running:
         try:
             procs[i].wait(timeout=max(0.05, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    while _signal_groups(groups, 0) and time.monotonic() < deadline:  # what the nodes started
+    while _prune(groups) and time.monotonic() < deadline:  # what the nodes started themselves
         time.sleep(0.05)
-    _signal_groups(groups, signal.SIGKILL)
+    _signal(groups, signal.SIGKILL)
     for i in running:
         procs[i].wait()
+    _prune(groups)
     return running
 
 
-def _signal_groups(groups: list[int], sig: int) -> int:
-    """Send ``sig`` to each process group (0: only check); how many of them still exist."""
-    alive = 0
-    for pgid in groups:
+def _signal(groups: set[int], sig: int) -> None:
+    for pgid in list(groups):
         try:
             os.killpg(pgid, sig)
-            alive += 1
         except ProcessLookupError:
-            pass
-        except PermissionError:  # pragma: no cover - a group we no longer own
-            pass
-    return alive
+            groups.discard(pgid)
+        except PermissionError:  # pragma: no cover - not ours (any more)
+            groups.discard(pgid)
+
+
+def _prune(groups: set[int]) -> int:
+    """Forget the process groups that no longer exist; how many are left. Called every poll, so a
+    group's number is forgotten before the kernel can reuse it and never signalled after that."""
+    _signal(groups, 0)
+    return len(groups)
