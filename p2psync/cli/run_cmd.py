@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "run", help="train a model on a topology (the built-in job, or your own script after --)",
         usage="%(prog)s TOPOLOGY [options] [-- CMD ARGS...]",
         description="Train one model on every node of TOPOLOGY (all on this host), or run one node "
-                    "of a multi-host run with --node. Without --steps/--epochs/--time: "
+                    "of a multi-host run with --node. The built-in job without --steps/--epochs/--time: "
                     f"--epochs {DEFAULT_EPOCHS:g}. With '-- CMD ARGS...': run your own training "
                     "script instead of the built-in job, once per node (or only node --node K, in "
                     "the foreground); everything after '--' goes to CMD unchanged. Each copy finds its "
