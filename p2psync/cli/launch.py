@@ -1,22 +1,27 @@
 """Launch every node of a topology as a subprocess on this host, show progress, summarize.
 
-Each node runs ``python -m p2psync run TOPOLOGY --node I --run-id ID ...`` with its output in
-``<run>/node-I.log``. Progress is read from the nodes' metrics files. SIGINT/SIGTERM stop every
-node (SIGTERM, then SIGKILL after a grace period); children also die with the launcher
-(``PR_SET_PDEATHSIG``). A node that fails is reported with the last line of its log.
+Two kinds of node process, one launcher: the built-in job (``launch``: ``python -m p2psync run
+TOPOLOGY --node I --run-id ID ...``) and the user's own command (``launch_script``: CMD with the
+variables of ``p2psync.api.env`` added to its environment). Either way a node's output goes to
+``<run>/node-I.log`` and progress is read from its metrics file ``<run>/node-I.jsonl`` while
+there is one (a script's ``Session`` writes it; '-' until then). Every node runs in a process
+group of its own; SIGINT/SIGTERM stop every node (SIGTERM to the group, SIGKILL after a grace
+period), and nodes die with the launcher (``PR_SET_PDEATHSIG``). A node that fails is reported
+with the last line of its log; nodes still running a while after a failure are stopped.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, default_threads
 from p2psync.errors import ConfigError
@@ -25,11 +30,15 @@ from p2psync.training.config import RunConfig
 from p2psync.training.metrics import bytes_sent
 from p2psync.api.runtime import default_run_id
 
+#: how to start node I: its command line and its environment (None: the launcher's own)
+NodeSpec = Callable[[int], "tuple[list[str], dict[str, str] | None]"]
+
 STOP_GRACE_S = 4.0
 POLL_S = 0.25
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _child_setup() -> None:  # runs in the child between fork and exec
+    os.setpgid(0, 0)  # a group of its own: stopping the node also stops what it started
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -83,63 +92,118 @@ def _progress_table(tails: dict[int, _Tail], codes: dict[int, int | None], title
         t.add_column(col, justify="right")
     for i, tail in tails.items():
         r = tail.last
-        sent = bytes_sent(r) / 1e6
-        code = codes[i]
-        state = "running" if code is None else ("done" if code == 0 else f"exit {code}")
-        t.add_row(str(i), str(r.get("step", "-")), f"{r['loss']:.4f}" if "loss" in r else "-",
-                  f"{tail.last_acc:.4f}" if tail.last_acc is not None else "-",
-                  f"{r.get('samples_per_s', 0):.0f}", f"{sent:.2f}", state)
+        t.add_row(str(i), _fmt(r.get("step"), "d"), _fmt(r.get("loss"), ".4f"), _fmt(tail.last_acc, ".4f"),
+                  _fmt(r.get("samples_per_s"), ".0f"), _fmt(bytes_sent(r) / 1e6 if r else None, ".2f"),
+                  _state(codes[i]))
     return t
 
 
-def _status_line(tails: dict[int, _Tail]) -> str:
+def _fmt(value: Any, spec: str) -> str:
+    """``value`` formatted, or '-' when a node has not reported it (no metrics file yet)."""
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _state(code: int | None) -> str:
+    return "running" if code is None else ("done" if code == 0 else f"exit {code}")
+
+
+def _status_line(tails: dict[int, _Tail], codes: dict[int, int | None]) -> str:
     parts = []
     for i, tail in tails.items():
         r = tail.last
         if not r:
-            parts.append(f"n{i} starting")
+            parts.append(f"n{i} {_state(codes[i])}")
             continue
         acc = f" acc {tail.last_acc:.3f}" if tail.last_acc is not None else ""
-        parts.append(f"n{i} step {r['step']} loss {r['loss']:.3f}{acc}")
+        parts.append(f"n{i} step {_fmt(r.get('step'), 'd')} loss {_fmt(r.get('loss'), '.3f')}{acc}")
     return " | ".join(parts)
 
 
 def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float) -> None:
+    """One row per node from ``summary.json`` or, for a node it does not list, the node's last
+    metrics record; '-' for what no node reported (a script without metrics)."""
     from rich.console import Console
     from rich.table import Table
 
-    summary_path = run_dir / "summary.json"
-    nodes: dict[str, Any] = {}
-    if summary_path.exists():
-        nodes = json.loads(summary_path.read_text()).get("nodes", {})
+    nodes = _summary_nodes(run_dir / "summary.json")
     t = Table(title=f"run {run_dir.name}")
     for col in ("node", "steps", "final accuracy", "wall s", "samples/s", "sent MB"):
         t.add_column(col, justify="right")
-    tot_sps = tot_sent = 0.0
-    accs = []
+    rows = []
     for i, tail in tails.items():
         s = nodes.get(str(i))
-        if s is None:  # node did not finish: use its last metrics record
+        if not isinstance(s, dict):  # node did not finish: use its last metrics record
             r = tail.last
             s = {"steps": r.get("step"), "final_accuracy": tail.last_acc, "wall_s": r.get("time"),
-                 "samples_per_s": r.get("samples_per_s", 0.0),
-                 "bytes_sent": bytes_sent(r)}
-        acc = s.get("final_accuracy")
-        if acc is not None:
-            accs.append(acc)
-        tot_sps += s.get("samples_per_s") or 0.0
-        tot_sent += s.get("bytes_sent") or 0.0
-        t.add_row(str(i), str(s.get("steps")), f"{acc:.4f}" if acc is not None else "-",
-                  f"{s.get('wall_s') or 0:.1f}", f"{s.get('samples_per_s') or 0:.0f}",
-                  f"{(s.get('bytes_sent') or 0) / 1e6:.2f}")
-    mean_acc = f"{sum(accs) / len(accs):.4f}" if accs else "-"
-    t.add_row("all", "", mean_acc, f"{wall:.1f}", f"{tot_sps:.0f}", f"{tot_sent / 1e6:.2f}")
+                 "samples_per_s": r.get("samples_per_s"), "bytes_sent": bytes_sent(r) if r else None}
+        rows.append(s)
+        t.add_row(str(i), _fmt(s.get("steps"), "d"), _fmt(s.get("final_accuracy"), ".4f"),
+                  _fmt(s.get("wall_s"), ".1f"), _fmt(s.get("samples_per_s"), ".0f"),
+                  _fmt(_scaled(s.get("bytes_sent"), 1e-6), ".2f"))
+    accs = [s["final_accuracy"] for s in rows if isinstance(s.get("final_accuracy"), (int, float))]
+    t.add_row("all", "", _fmt(sum(accs) / len(accs) if accs else None, ".4f"), f"{wall:.1f}",
+              _fmt(_total(rows, "samples_per_s"), ".0f"), _fmt(_scaled(_total(rows, "bytes_sent"), 1e-6), ".2f"))
     console = Console()
     console.print(t)
     console.print(f"run folder: {run_dir}")
 
 
+def _summary_nodes(path: Path) -> dict[str, Any]:
+    """The ``nodes`` of a run's summary.json; {} if there is none (yet) or it is unreadable."""
+    try:
+        nodes = json.loads(path.read_text()).get("nodes", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return nodes if isinstance(nodes, dict) else {}
+
+
+def _total(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return float(sum(values)) if values else None
+
+
+def _scaled(value: Any, factor: float) -> float | None:
+    return value * factor if isinstance(value, (int, float)) else None
+
+
 def launch(cfg: RunConfig, topo: Topology) -> int:
+    """The built-in training job on every node of ``topo``, all on this host."""
+    child, run_id = _child_config(cfg, topo)
+    base = [sys.executable, "-m", "p2psync", "run", cfg.topology, *child.to_argv()]
+    return _run_nodes(child, topo, Path(cfg.out) / run_id, lambda i: ([*base, "--node", str(i)], None))
+
+
+def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
+    """The user's command ``cmd`` once per node of ``topo``, all on this host, each with the
+    variables of ``p2psync.api.env`` (node, topology, config, its own run directory, ranks)."""
+    from p2psync.api.env import node_env, node_run_dir
+
+    if not cmd:
+        raise ConfigError("nothing to run after --")
+    child, run_id = _child_config(cfg, topo)
+    ids = topo.ids
+
+    def spec(i: int) -> tuple[list[str], dict[str, str] | None]:
+        env = node_env(child, topo, i, run_dir=node_run_dir(child.out, run_id, i),
+                       local_rank=ids.index(i), local_world_size=len(ids))
+        return list(cmd), {**os.environ, **env}
+
+    return _run_nodes(child, topo, Path(cfg.out) / run_id, spec)
+
+
+def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
+    """The config every node process gets (a fixed run id, torch threads shared out), its run id."""
+    run_id = cfg.run_id or default_run_id(topo, cfg.strategy)
+    return replace(cfg, run_id=run_id, threads=cfg.threads or default_threads(topo.size)), run_id
+
+
+def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec) -> int:
+    """Start every node (``spec``), inside its network namespace with ``--shaper netem``."""
     netns = None
     if cfg.shaper == "netem":
         from p2psync.cli.netns_cmd import link_specs
@@ -151,7 +215,7 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
         except netem.NetemUnavailable as exc:
             raise ConfigError(f"--shaper netem: {exc}") from None
     try:
-        return _launch(cfg, topo, netns)
+        return _start_and_monitor(cfg, topo, run_dir, spec, netns)
     finally:
         if netns is not None:
             from p2psync.transport import netem
@@ -159,38 +223,40 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
             netem.down(netns)
 
 
-def _launch(cfg: RunConfig, topo: Topology, netns: Any) -> int:
-    run_id = cfg.run_id or default_run_id(topo, cfg.strategy)
-    run_dir = Path(cfg.out) / run_id
+def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, netns: Any) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
-    child = replace(cfg, run_id=run_id, threads=cfg.threads or default_threads(topo.size))
-    base = [sys.executable, "-m", "p2psync", "run", cfg.topology, *child.to_argv()]
-    stop = {"signal": None}
+    stop: dict[str, Any] = {"signal": None}
 
     def on_signal(sig: int, _frame: Any) -> None:
         stop["signal"] = sig
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    groups: set[int] = set()  # process groups of the nodes (each node leads its own) that exist
     logs = []
     t0 = time.monotonic()
     try:
         for i in topo.ids:
+            argv, env = spec(i)
             log_f = (run_dir / f"node-{i}.log").open("wb")
             logs.append(log_f)
             prefix = netns.exec_prefix(i) if netns is not None else []
-            procs[i] = subprocess.Popen([*prefix, *base, "--node", str(i)], stdout=log_f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        return _monitor(cfg, run_dir, procs, stop, t0)
+            try:
+                procs[i] = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+            except OSError as exc:
+                raise ConfigError(f"node {i}: cannot start {argv[0]!r}: {exc.strerror}") from None
+            groups.add(procs[i].pid)
+        return _monitor(cfg, run_dir, procs, groups, stop, t0)
     finally:
-        _stop_all(procs)
+        _stop_all(procs, groups)
         for f in logs:
             f.close()
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[bytes]],
+def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[bytes]], groups: set[int],
              stop: dict[str, Any], t0: float) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
     codes: dict[int, int | None] = {i: None for i in procs}
@@ -201,7 +267,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
         live = Live(_progress_table(tails, codes, run_dir.name), refresh_per_second=4)
         live.start()
     last_print = time.monotonic()
-    first_failure: float | None = None
+    first_failure: tuple[float, int] | None = None
     patience = cfg.failure_timeout + cfg.peer_timeout + 15
     try:
         while True:
@@ -209,47 +275,78 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
                 if codes[i] is None:
                     codes[i] = p.poll()
                     if codes[i] not in (None, 0) and first_failure is None:
-                        first_failure = time.monotonic()
+                        first_failure = (time.monotonic(), i)
+            _prune(groups)
             for tail in tails.values():
                 tail.poll()
             if live is not None:
                 live.update(_progress_table(tails, codes, run_dir.name))
             elif cfg.progress and time.monotonic() - last_print > 5:
-                print(_status_line(tails), flush=True)
+                print(_status_line(tails, codes), flush=True)
                 last_print = time.monotonic()
             if stop["signal"] is not None:
                 break
             if all(c is not None for c in codes.values()):
                 break
-            if first_failure is not None and time.monotonic() - first_failure > patience:
-                print(f"nodes still running {patience:.0f}s after a failure: stopping them", file=sys.stderr)
+            if first_failure is not None and time.monotonic() - first_failure[0] > patience:
+                print(f"nodes still running {patience:.0f}s after node {first_failure[1]} failed: stopping them",
+                      file=sys.stderr)
                 break
             time.sleep(POLL_S)
     finally:
         if live is not None:
             live.stop()
     if stop["signal"] is not None:
-        _stop_all(procs)
+        _stop_all(procs, groups)
         print(f"interrupted: stopped {len(procs)} nodes", file=sys.stderr)
         return EXIT_INTERRUPTED
-    _stop_all(procs)
+    stopped = set(_stop_all(procs, groups))
     for tail in tails.values():
         tail.poll()
     print_summary(run_dir, tails, time.monotonic() - t0)
     failed = {i: procs[i].returncode for i in procs if procs[i].returncode != 0}
     for i, code in sorted(failed.items()):
-        print(f"node {i} failed (exit {code}): {_last_line(run_dir / f'node-{i}.log')}", file=sys.stderr)
+        if i in stopped:
+            print(f"node {i} stopped by the launcher (it was still running after a failure)", file=sys.stderr)
+        else:
+            log_path = run_dir / f"node-{i}.log"
+            print(f"node {i} failed (exit {code}): {_last_line(log_path) or f'no output ({log_path})'}",
+                  file=sys.stderr)
     return EXIT_FAILED if failed else 0
 
 
-def _stop_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
-    alive = [p for p in procs.values() if p.poll() is None]
-    for p in alive:
-        p.terminate()
+def _stop_all(procs: dict[int, subprocess.Popen[bytes]], groups: set[int]) -> list[int]:
+    """SIGTERM the nodes' process groups, SIGKILL what is left of them after STOP_GRACE_S.
+    Returns the nodes whose own process was still running (stopped here)."""
+    running = [i for i, p in procs.items() if p.poll() is None]
+    _signal(groups, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
-    for p in alive:
+    for i in running:
         try:
-            p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            procs[i].wait(timeout=max(0.05, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            pass
+    while _prune(groups) and time.monotonic() < deadline:  # what the nodes started themselves
+        time.sleep(0.05)
+    _signal(groups, signal.SIGKILL)
+    for i in running:
+        procs[i].wait()
+    _prune(groups)
+    return running
+
+
+def _signal(groups: set[int], sig: int) -> None:
+    for pgid in list(groups):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            groups.discard(pgid)
+        except PermissionError:  # pragma: no cover - not ours (any more)
+            groups.discard(pgid)
+
+
+def _prune(groups: set[int]) -> int:
+    """Forget the process groups that no longer exist; how many are left. Called every poll, so a
+    group's number is forgotten before the kernel can reuse it and never signalled after that."""
+    _signal(groups, 0)
+    return len(groups)

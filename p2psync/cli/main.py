@@ -29,9 +29,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; for ``run``, everything after the first ``--`` is the user's command
+    (``args.cmd``), never seen by argparse, so ``-- python train.py --lr 0.1`` keeps ``--lr``.
+    Other commands get ``--`` as argparse treats it."""
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        # top-level options take no value, so the first plain word names the command
+        command = next((a for a in argv[:cut] if not a.startswith("-")), None)
+        if command == "run":
+            args = parser.parse_args(argv[:cut])
+            args.cmd = argv[cut + 1:]
+            return args
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

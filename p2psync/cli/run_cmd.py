@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
-from typing import Any
+from dataclasses import replace
+from typing import Any, Sequence
 
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import CODECS
 from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.data import DATASETS
 from p2psync.training.models import MODELS
@@ -30,10 +33,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     d = RunConfig(topology="")
     p = sub.add_parser(
-        "run", help="train a model on a topology",
+        "run", help="train a model on a topology (the built-in job, or your own script after --)",
+        usage="%(prog)s TOPOLOGY [options] [-- CMD ARGS...]",
         description="Train one model on every node of TOPOLOGY (all on this host), or run one node "
-                    "of a multi-host run with --node. Without --steps/--epochs/--time: "
-                    f"--epochs {DEFAULT_EPOCHS:g}.",
+                    "of a multi-host run with --node. The built-in job without --steps/--epochs/--time: "
+                    f"--epochs {DEFAULT_EPOCHS:g}. With '-- CMD ARGS...': run your own training "
+                    "script instead of the built-in job, once per node (or only node --node K, in "
+                    "the foreground); everything after '--' goes to CMD unchanged. Each copy finds its "
+                    "node, topology, strategy and these options in P2PSYNC_NODE, P2PSYNC_TOPOLOGY, "
+                    "P2PSYNC_STRATEGY, P2PSYNC_CONFIG (JSON), its own folder in P2PSYNC_RUN_DIR, and "
+                    "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (p2psync.attach reads them).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("topology", help="topology JSON file (see 'p2psync topo')")
     p.add_argument("--strategy", default=d.strategy, choices=sorted(REGISTRY),
@@ -107,7 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(continue) or stop the run naming it (stop); asgd always continues. With "
                         "continue, a node restarted with the same --node and --run-id rejoins")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, cmd=None)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -122,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ConfigError("--esync-mode needs --strategy esync")
         opts.append(("mode", args.esync_mode))
     epochs = args.epochs
-    if args.steps is None and epochs is None and args.time_limit is None:
+    # the built-in job needs a budget; a script's own loop decides when it is done
+    if args.steps is None and epochs is None and args.time_limit is None and args.cmd is None:
         epochs = DEFAULT_EPOCHS
     cfg = RunConfig(
         topology=args.topology, strategy=args.strategy, steps=args.steps, epochs=epochs,
@@ -150,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     topo = load(cfg.topology)  # validate before starting anything
+    if args.cmd is not None:
+        return run_script(cfg, topo, args.node, args.cmd)
     if args.node is None:
         from p2psync.cli.launch import launch
 
@@ -157,6 +169,35 @@ def run(args: argparse.Namespace) -> int:
     if args.node not in topo.ids:
         raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
+
+
+def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[str]) -> int:
+    """``p2psync run TOPOLOGY ... -- CMD``: CMD once per node (``launch_script``), or with
+    ``--node K`` only node K's, in the foreground: this process becomes CMD (same pid, signals,
+    terminal, exit code), with the variables of ``p2psync.api.env`` in its environment."""
+    from p2psync.api.env import node_env, node_run_dir
+
+    if not cmd:
+        raise ConfigError("nothing to run after --")
+    if shutil.which(cmd[0]) is None:
+        raise ConfigError(f"cannot run {cmd[0]!r}: no such executable file"
+                          + ("" if "/" in cmd[0] else " in PATH"))
+    if node is None:
+        from p2psync.cli.launch import launch_script
+
+        return launch_script(cfg, topo, cmd)
+    if node not in topo.ids:
+        raise ConfigError(f"--node {node}: no such node in {cfg.topology} (ids {topo.ids})")
+    # no --run-id: the coordinator names the run when the script's Session joins it, so the
+    # node's own folder is not known here (P2PSYNC_RUN_DIR unset)
+    run_dir = node_run_dir(cfg.out, cfg.run_id, node) if cfg.run_id else None
+    env = node_env(replace(cfg, progress=False), topo, node, run_dir=run_dir, local_rank=0, local_world_size=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(cmd[0], list(cmd), {**os.environ, **env})
+    except OSError as exc:
+        raise ConfigError(f"cannot run {cmd[0]!r}: {exc.strerror}") from None
 
 
 def run_one(cfg: RunConfig, node_id: int) -> int:

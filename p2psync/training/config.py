@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import types
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from p2psync.errors import ConfigError
 
@@ -108,6 +109,28 @@ class RunConfig:
             return max(1, math.ceil(self.epochs * n_train / (n_nodes * self.batch_size)))
         return UNBOUNDED_STEPS
 
+    def to_json(self) -> str:
+        """Every field as one JSON object; ``from_json`` reads it back into an equal config."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        """The config ``to_json`` wrote. Unknown fields, wrong types and values that the
+        config's own checks reject raise ``ConfigError`` naming the field."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"expected a JSON object of config fields, got {type(data).__name__}")
+        hints = get_type_hints(cls)
+        unknown = sorted(set(data) - set(hints))
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {', '.join(map(repr, unknown))}")
+        if "topology" not in data:
+            raise ConfigError("missing config field 'topology'")
+        return cls(**{name: _json_value(name, hints[name], v) for name, v in data.items()})
+
     def to_argv(self) -> list[str]:
         """Command-line options that reproduce this config (for launching node processes)."""
         out: list[str] = []
@@ -128,3 +151,25 @@ class RunConfig:
             else:
                 out += [flag, str(v)]
         return out
+
+
+def _json_value(name: str, hint: Any, v: Any) -> Any:
+    """``v`` (decoded JSON) as a value of the field type ``hint``; ConfigError if it is not one."""
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if v is None and len(args) < len(get_args(hint)):
+            return None
+        (hint,) = args
+    if hint is bool and isinstance(v, bool):
+        return v
+    if hint is str and isinstance(v, str):
+        return v
+    if hint is int and isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if get_origin(hint) is tuple and isinstance(v, list):  # strategy_options: NAME/VALUE pairs
+        if all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v):
+            return tuple((p[0], p[1]) for p in v)
+        raise ConfigError(f"expected a list of [name, value] string pairs, got {v!r}", field=name)
+    raise ConfigError(f"expected {getattr(hint, '__name__', hint)}, got {v!r}", field=name)
