@@ -1,0 +1,190 @@
+"""The step gate and the hooked replica: how a strategy meets the user's loop (issue 11).
+
+A real training thread (this test's thread) runs a plain PyTorch loop on an attached optimizer
+stand-in; the "strategy" is a coroutine on an event loop in a background thread, as in a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable, Coroutine
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.api.gate import StepGate
+from p2psync.api.replica import HookedReplica
+from p2psync.errors import Aborted, TrainingEnded
+from p2psync.training.flat import FlatModel
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Loop:
+    """An event loop in a background thread (the node's), and a gate on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gate = StepGate(self.loop)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _setup() -> tuple[Loop, torch.nn.Linear, torch.optim.SGD, FlatModel, HookedReplica, Callable[[], None]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flat = FlatModel(model=model, optimizer=opt)
+    lp = Loop()
+    replica = HookedReplica(flat=flat, gate=lp.gate, step=opt.step)
+
+    def user_step() -> None:  # what the hooked optimizer.step() does: arrive with the gradient
+        lp.gate.arrive(loss=1.0, samples=4, grads=flat.grads())
+
+    return lp, model, opt, flat, replica, user_step
+
+
+def _backward(model: torch.nn.Linear) -> None:
+    model.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+
+
+def test_each_iteration_is_taken_replaced_and_stepped_in_order() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    events: list[str] = []
+
+    async def strategy() -> None:
+        for k in range(3):
+            loss, g = await replica.compute_gradients()
+            events.append(f"took {k}")
+            await replica.apply_gradients(np.full_like(g, 1.0))  # replaced gradient
+            events.append(f"stepped {k}")
+            lp.gate.release()
+
+    try:
+        before = flat.get_params()
+        fut = lp.spawn(strategy())
+        for k in range(3):
+            _backward(model)
+            events.append(f"arrive {k}")
+            user_step()
+            events.append(f"left {k}")
+        fut.result(5)
+        assert events == [x for k in range(3) for x in (f"arrive {k}", f"took {k}", f"stepped {k}", f"left {k}")]
+        np.testing.assert_allclose(flat.get_params(), before - 3 * 0.1, atol=1e-6)
+        assert replica.steps_taken == 3 and replica.samples == 12
+    finally:
+        lp.close()
+
+
+def test_a_skipped_step_leaves_the_parameters_untouched() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+
+    async def strategy() -> None:
+        await replica.compute_gradients()
+        lp.gate.release()  # no apply: the local step is skipped
+
+    try:
+        before = flat.get_params()
+        fut = lp.spawn(strategy())
+        _backward(model)
+        user_step()
+        fut.result(5)
+        assert flat.get_params().tobytes() == before.tobytes()
+    finally:
+        lp.close()
+
+
+def test_the_gradient_is_the_iterations_even_if_a_job_ran_first() -> None:
+    """A peer's gradient applied while the user computes (ASGD) must not replace this
+    iteration's own gradient: it is copied on arrival."""
+    lp, model, opt, flat, replica, user_step = _setup()
+    got: list[np.ndarray] = []
+
+    async def strategy() -> None:
+        applying = asyncio.ensure_future(replica.apply_each([np.zeros(flat.numel, np.float32)]))
+        _, g = await replica.compute_gradients()
+        got.append(g)
+        await applying
+        lp.gate.release()
+
+    try:
+        _backward(model)
+        own = flat.grads()
+        fut = lp.spawn(strategy())
+        while lp.gate._inbox.empty():  # the job is queued before the thread arrives
+            pass
+        user_step()
+        fut.result(5)
+        assert got[0].tobytes() == own.tobytes()
+    finally:
+        lp.close()
+
+
+def test_an_abandoned_iteration_is_released_unstepped_when_it_arrives() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    abort = threading.Event()
+    seen: list[str] = []
+
+    async def strategy() -> None:
+        abort.set()
+        try:
+            await replica.compute_gradients(abort)
+        except Aborted:
+            seen.append("aborted")
+        assert lp.gate.abandon.is_set()  # a cooperative loop may cut the iteration short
+        await replica.compute_gradients()  # the abandoned one is skipped: this is the next
+        seen.append("took")
+        lp.gate.release()
+
+    try:
+        before = flat.get_params()
+        fut = lp.spawn(strategy())
+        while not lp.gate.abandon.is_set():
+            pass
+        for _ in range(2):
+            _backward(model)
+            user_step()
+        fut.result(5)
+        assert seen == ["aborted", "took"] and lp.gate.skipped == 1
+        assert flat.get_params().tobytes() == before.tobytes()
+    finally:
+        lp.close()
+
+
+def test_the_end_of_the_loop_ends_a_waiting_strategy() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+
+    async def strategy() -> str:
+        try:
+            await replica.compute_gradients()
+        except TrainingEnded:
+            return "ended"
+        return "took"
+
+    try:
+        fut = lp.spawn(strategy())
+        lp.gate.end()
+        assert fut.result(5) == "ended"
+    finally:
+        lp.close()
+
+
+def test_a_failed_session_wakes_the_parked_thread() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    try:
+        lp.loop.call_soon_threadsafe(lambda: lp.loop.call_later(0.1, lp.gate.fail, RuntimeError("peer gone")))
+        with pytest.raises(RuntimeError, match="peer gone"):
+            _backward(model)
+            user_step()
+    finally:
+        lp.close()
