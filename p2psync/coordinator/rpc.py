@@ -156,12 +156,26 @@ class RpcClient:
         self._path: dict[int, int] = {}  # destination -> attempt index (first hop) that worked
         self.retries = 0
         self._calls: dict[str, int] = {}  # reply tag of a remote call in flight -> destination
+        self._aborted: dict[str, P2PSyncError] = {}  # reply tag -> why its call was aborted
 
     def abort_calls(self, node: int, exc: P2PSyncError) -> int:
         """Fail every remote call in flight to ``node`` with ``exc`` at once (its coordinator
         role moved or it was declared dead: waiting for its replies is pointless)."""
         tags = {t for t, n in self._calls.items() if n == node}
+        for t in tags:  # a call between two attempts (sending, or about to resend) sees it too
+            self._aborted[t] = exc
         return self.transport.mailbox.abort(exc, match=lambda tag: tag in tags) if tags else 0
+
+    def _check_abort(self, tag: str, node: int) -> None:
+        """Raise when the call was aborted (:meth:`abort_calls`) or its node declared dead: a
+        call to a dead node must not keep resending until its own deadline (with a shaper or
+        a relay, a send to a dead node is accepted and only lost later), since callers such as
+        ``call_coordinator`` retry elsewhere within the same budget."""
+        exc = self._aborted.get(tag)
+        if exc is not None:
+            raise exc
+        if node in self.transport.dead:
+            raise PeerFailure(f"node {self.transport.node_id}: node {node} has failed", peers=(node,))
 
     def estimator(self, node: int) -> RttEstimator:
         est = self.rtt.get(node)
@@ -192,6 +206,7 @@ class RpcClient:
         try:
             attempt = 0
             while True:
+                self._check_abort(tag, node)
                 sent_at = loop.time()
                 try:
                     await self.transport.send_control(node, CALL_TAG, kind="rpc", meta=meta, arrays=arrays,
@@ -200,6 +215,7 @@ class RpcClient:
                 except PeerFailure:
                     if loop.time() >= deadline or node in self.transport.dead:
                         raise
+                self._check_abort(tag, node)
                 wait = min(rto, deadline - loop.time())
                 try:
                     rep = await self.transport.recv(tag, timeout=max(0.0, wait))
@@ -220,6 +236,7 @@ class RpcClient:
             raise
         finally:
             self._calls.pop(tag, None)
+            self._aborted.pop(tag, None)
         if attempt == 0 and measure:
             est.sample(loop.time() - sent_at)
         elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival
