@@ -45,19 +45,22 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     """The membership state of a node taking over as coordinator. Pure.
 
     Members are the last view's members minus ``failed`` (which includes the deposed
-    coordinators); they keep their incarnations. Every other node that was registered counts as
+    coordinators); they keep their incarnations. Nodes the view lists as departed (finished)
+    stay departed. Every other node that was registered counts as
     registered and failed, so the finish barrier does not wait for it. The epoch is one above
     the view's. Members are watched from ``now + grace``: they detect the old coordinator's
     death up to about one detection time after this node, and need that long to reach it."""
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
-    dead = (set(expected) - members) | (set(failed) & set(expected))
+    departed = (set(view.departed) if view is not None else set()) - members
+    dead = (set(expected) - members - departed) | (set(failed) & set(expected))
     dead.discard(me)
     st = MembershipState(expected=frozenset(expected), failure_timeout=failure_timeout,
                          heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold,
                          coordinator=me)
     incs = dict(view.incarnations) if view is not None else {}
-    for n in sorted(members | dead):
+    st.departed = departed  # finished: their finish stats are re-sent to this node
+    for n in sorted(members | dead | departed):
         st.registered[n] = fingerprint
         st.incarnations[n] = incs.get(n, 0)
         st.addresses[n] = "?"

@@ -83,6 +83,8 @@ class MembershipState:
     join_grace: dict[int, float] = field(default_factory=dict)
     #: joiner -> the epoch of the view that admitted its current incarnation
     joined_epoch: dict[int, int] = field(default_factory=dict)
+    #: nodes that finished and left the view gracefully
+    departed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -109,6 +111,7 @@ class MembershipState:
                                       f"the failed incarnation {old} at {addr}")
                 self._check_fingerprint(node, fingerprint)
                 self.failed.discard(node)
+                self.departed.discard(node)
                 self.finished.pop(node, None)
                 self.registered[node] = fingerprint
                 self.incarnations[node] = incarnation
@@ -199,8 +202,15 @@ class MembershipState:
             self.epoch += 1
         return new
 
-    def finish(self, node: int, stats: Any) -> None:
+    def finish(self, node: int, stats: Any) -> bool:
+        """``node`` finished: record its stats; it departs the view (not a failure). Returns
+        True when the view changed."""
         self.finished[node] = stats
+        if node in self.registered and node not in self.failed and node not in self.departed:
+            self.departed.add(node)
+            self.epoch += 1
+            return True
+        return False
 
     @property
     def all_finished(self) -> bool:
@@ -208,13 +218,14 @@ class MembershipState:
 
     @property
     def alive_nodes(self) -> list[int]:
-        return sorted(set(self.registered) - self.failed)
+        """The members: registered, neither failed nor departed (finished)."""
+        return sorted(set(self.registered) - self.failed - self.departed)
 
     def view(self) -> View:
         members = self.alive_nodes
         return View(epoch=self.epoch, members=tuple(members),
                     incarnations={n: self.incarnations.get(n, 0) for n in members},
-                    coordinator=self.coordinator)
+                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)))
 
 
 class MembershipService:
@@ -330,7 +341,11 @@ class MembershipService:
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        self.state.finish(caller, args.get("stats"))
+        if self.state.finish(caller, args.get("stats")):
+            view = self.state.view()
+            log.info("coordinator: node %d finished and left the run; view epoch %d members %s",
+                     caller, view.epoch, list(view.members))
+            self._publish(view, skip=caller)
         self._notify()
         timeout = float(args.get("timeout", 30.0))
         await self._wait_until(lambda: self.state.all_finished, time.monotonic() + timeout)

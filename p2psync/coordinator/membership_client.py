@@ -55,6 +55,8 @@ class MembershipClient:
         self.interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.failed: set[int] = set()
+        #: peers that finished and left the run gracefully
+        self.departed: set[int] = set()
         #: called once per failed peer (strategies' on_peer_failure)
         self.listeners: list[Callable[[int], None]] = []
         #: called with every newer view
@@ -162,6 +164,17 @@ class MembershipClient:
             for cb in list(self.listeners):
                 cb(p)
 
+    def _depart(self, peers: Sequence[int]) -> None:
+        """``peers`` finished and left the run (graceful, not failures): the listeners drop
+        them from the training groups, as for a failure, but nothing is declared dead."""
+        for p in peers:
+            if p in self.departed or p == self.transport.node_id:
+                continue
+            self.departed.add(p)
+            log.info("node %d: peer %d finished and left the run", self.transport.node_id, p)
+            for cb in list(self.listeners):
+                cb(p)
+
     def _apply_view(self, raw: Any, *, src: int | None) -> None:
         """Apply a view from ``src`` (None: relayed by a node that is not the coordinator)."""
         if raw is None:
@@ -194,10 +207,13 @@ class MembershipClient:
         for n in sorted(set(change.joined) | renewed):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
+            self.departed.discard(n)
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
             self.succession.deposed.discard(n)
-        self._declare(change.left)
+        departed = set(view.departed)
+        self._depart([n for n in change.left if n in departed])
+        self._declare([n for n in change.left if n not in departed])
         for cb in list(self.view_listeners):
             cb(view)
 

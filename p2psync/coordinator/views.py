@@ -7,7 +7,12 @@ event. The view names the coordinator that published it: after a failover (see
 :mod:`p2psync.coordinator.takeover`) nodes follow the coordinator named by the highest-epoch
 view. Wire form (message meta)::
 
-    {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...], "coord": int}
+    {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...], "coord": int,
+     "dep": [int, ...]}
+
+A node that finishes (its training loop ended and it entered the finish barrier) *departs*:
+the coordinator publishes a view without it that lists it in ``departed``, so the others re-form
+without waiting for it and can tell a graceful departure from a crash (issue 11).
 
 :class:`ViewTracker` is the client side: it applies views in epoch order, ignores stale or
 duplicate ones, and reports which members left (failed) and joined, so the membership client
@@ -31,11 +36,13 @@ class View:
     incarnations: Mapping[int, int] = field(default_factory=dict)
     #: the node that published this view (the coordinator of this epoch)
     coordinator: int = 0
+    #: nodes that left the run gracefully (finished; no longer members); not failures
+    departed: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members),
                 "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
-                "coord": self.coordinator}
+                "coord": self.coordinator, "dep": list(self.departed)}
 
     @staticmethod
     def from_wire(obj: Any) -> "View":
@@ -52,6 +59,9 @@ class View:
             raise ProtocolError("view", "members must be a list of node ids")
         if not isinstance(inc, list):
             raise ProtocolError("view", "inc must be a list of [node, incarnation]")
+        dep = obj.get("dep", [])
+        if not isinstance(dep, list) or any(type(m) is not int or m < 0 for m in dep):
+            raise ProtocolError("view", "dep must be a list of node ids")
         incs: dict[int, int] = {}
         for pair in inc:
             if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
@@ -59,7 +69,7 @@ class View:
                 raise ProtocolError("view", "inc must be a list of [node, incarnation]")
             incs[pair[0]] = pair[1]
         return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs,
-                    coordinator=coord)
+                    coordinator=coord, departed=tuple(sorted(set(dep))))
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,15 @@ def test_rebuilt_state_from_the_last_view():
     assert st.check(104.5) == [3]
     assert st.declare_failed([2, 1, 7]) == [2]  # never itself, nor unknown nodes
     assert not st.all_finished
-    st.finish(1, {"acc": 1.0})
-    assert st.all_finished and st.epoch == 10
+    assert st.finish(1, {"acc": 1.0})  # a departure: a new view without it, not a failure
+    assert st.all_finished and st.epoch == 11
+    assert st.view().members == () and st.view().departed == (1,) and 1 not in st.failed
+    assert not st.finish(1, {"acc": 1.0})  # re-sent after a failover: no new view
+    # a node the last view lists as departed stays departed (not failed) after a takeover
+    v3 = View(epoch=9, members=(0, 2), incarnations={0: 10, 2: 12}, coordinator=0, departed=(1,))
+    st3 = rebuild_state(expected=[0, 1, 2], view=v3, failed={0}, me=2, fingerprint="", now=0.0, grace=0.0)
+    assert st3.failed == {0} and st3.departed == {1} and st3.alive_nodes == [2]
+    assert View.from_wire(v3.to_wire()) == v3
     # no view at all: every expected node but the failed ones
     st2 = rebuild_state(expected=[0, 1, 2], view=None, failed=[0], me=1, fingerprint="", now=0.0, grace=0.0)
     assert st2.alive_nodes == [1, 2] and st2.epoch == 1
