@@ -97,6 +97,7 @@ class Session:
         self.t0 = time.monotonic()
         self._comm = self._wait = 0.0
         self._last_record: dict[str, Any] | None = None
+        self._resume_step = 0
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -194,6 +195,25 @@ class Session:
             raise self._error
         return self.stats
 
+    def state_dict(self) -> dict[str, Any]:
+        """p2psync's own state for the user's checkpoints (the model and optimizer are the
+        user's own ``state_dict``\ s): the step reached and the run it belongs to."""
+        return {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
+                "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
+                "node": self.node_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before :meth:`attach`): training resumes at its step."""
+        if self.replica is not None:
+            raise ConfigError("Session.load_state_dict: call it before attach()")
+        step = state.get("step")
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"Session.load_state_dict: bad step {step!r}")
+        if state.get("strategy") not in (None, self.cfg.strategy):
+            raise ConfigError(f"Session.load_state_dict: the checkpoint is of strategy {state.get('strategy')!r}, "
+                              f"this run uses {self.cfg.strategy!r}")
+        self._resume_step = step
+
     def __enter__(self) -> "Session":
         return self
 
@@ -267,7 +287,7 @@ class Session:
         assert rt is not None and self.replica is not None
         try:
             strategy = self.strategy = await rt.start_strategy(self.replica)
-            self.step = strategy.start_step
+            self.step = max(strategy.start_step, self._resume_step)
             limit = rt.time_left()
             self.t0 = time.monotonic()
             while True:

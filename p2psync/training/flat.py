@@ -1,8 +1,9 @@
 """A model and its optimizer seen as flat float32 vectors (what crosses the network).
 
 Synchronous methods; call them on the thread that owns the model (the training thread, or a
-replica's compute thread). Vectors are host numpy arrays; tensors on a GPU are copied through
-host memory.
+replica's compute thread). Vectors are host numpy arrays; on a GPU, tensors cross to the host
+through a pinned (page-locked) staging buffer of the model's size, copied asynchronously and
+synchronized once, and back from pinned memory.
 
 :meth:`FlatModel.export_state` / :meth:`FlatModel.import_state` move the whole replica —
 parameters and the torch optimizer's state (momentum buffers; Adam's moments and step counts) —
@@ -29,20 +30,36 @@ class FlatModel:
         self.numel = sum(p.numel() for p in self.params)
         if self.numel == 0:
             raise ConfigError("the model has no trainable parameters")
+        self._pinned: torch.Tensor | None = None
+
+    def _to_host(self, flat: torch.Tensor) -> np.ndarray:
+        flat = flat.detach()
+        if flat.device.type != "cuda":
+            return flat.to("cpu", torch.float32).numpy().copy()
+        if self._pinned is None or self._pinned.numel() != flat.numel():
+            self._pinned = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+        self._pinned.copy_(flat.to(torch.float32), non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        return self._pinned.numpy().copy()
+
+    def _to_device(self, vec: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+        if self.device.type != "cuda":
+            return src
+        return src.pin_memory().to(self.device, non_blocking=True)
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
 
     def grads(self) -> np.ndarray:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
-        return flat.detach().to("cpu", torch.float32).numpy().copy()
+        return self._to_host(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                        for p in self.params]))
 
     def set_grads(self, vec: np.ndarray) -> None:
         if vec.size != self.numel:
             raise ValueError(f"gradient vector has {vec.size} elements, model has {self.numel}")
-        src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+        src = self._to_device(vec)
         off = 0
         for p in self.params:
             n = p.numel()
@@ -54,14 +71,13 @@ class FlatModel:
             off += n
 
     def get_params(self) -> np.ndarray:
-        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", torch.float32).numpy().copy()
+        return self._to_host(torch.nn.utils.parameters_to_vector(self.params))
 
     def set_params(self, vec: np.ndarray) -> None:
         if vec.size != self.numel:
             raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
         with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(
-                torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32)).to(self.device), self.params)
+            torch.nn.utils.vector_to_parameters(self._to_device(vec), self.params)
 
     # -- whole state (joins) -------------------------------------------------------------
 
