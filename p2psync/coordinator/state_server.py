@@ -15,8 +15,11 @@ service (no records carried over: the state is small and the members hold it). I
 from the members' next calls: a query carries the device's ``round``, adopted by a record not
 heard from yet; a record never heard from has infinite capability, so it is the slowest device
 and every query is answered NOT-READY until each device has been heard from once (devices keep
-training locally meanwhile: never a hang while every device is alive; a device that never
-queries again must be dropped by the membership, or fail-stop ends the run).
+training locally meanwhile), for at most ``UNHEARD_GRACE_S`` after the server's first call: a
+member that does not query (a joiner fetching its state from the others, who can only serve it
+once they aggregate) is then left out of FIND-SLOWEST-DEVICE until it queries, instead of
+keeping every device NOT-READY (a deadlock found by bench/faults.py: the others timed out in
+the state sync after 30 s).
 
 Membership (issue 10 item 5): the devices are the members of the current membership view. Every
 query and reset carries the caller's view (``epoch``, ``members``); the newest epoch seen wins
@@ -38,6 +41,9 @@ import numpy as np
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError
 
+#: seconds after its first call during which a State Server waits for devices it never heard from
+UNHEARD_GRACE_S = 5.0
+
 
 @dataclass
 class DeviceRecord:
@@ -50,24 +56,38 @@ class DeviceRecord:
 
 
 class StateServer:
-    def __init__(self, ranks: Sequence[int], *, epsilon: float = 0.0) -> None:
+    def __init__(self, ranks: Sequence[int], *, epsilon: float = 0.0,
+                 unheard_grace: float = UNHEARD_GRACE_S) -> None:
         if not ranks:
             raise ConfigError("the State Server needs at least one device")
         if epsilon < 0:
             raise ConfigError("epsilon must be >= 0")
         self.epsilon = epsilon
+        self.unheard_grace = unheard_grace
         self.records = {r: DeviceRecord(rank=r) for r in ranks}
         #: devices that queried or reset since this server started
         self.heard: set[int] = set()
+        #: the server's clock at the first call it got
+        self.first_call: float | None = None
 
     def _record(self, r: int) -> DeviceRecord:
         if r not in self.records:
             raise ConfigError(f"device {r} is not registered with the State Server")
         return self.records[r]
 
-    def slowest(self) -> DeviceRecord:
-        """FIND-SLOWEST-DEVICE: the largest capability (time per iteration); ties: lowest rank."""
-        return max(self.records.values(), key=lambda d: (d.capability, -d.rank))
+    def slowest(self, now: float | None = None) -> DeviceRecord:
+        """FIND-SLOWEST-DEVICE: the largest capability (time per iteration); ties: lowest rank.
+
+        A device not heard from since this server started counts (as the slowest: its
+        capability is unknown) only during ``unheard_grace`` seconds after the first call:
+        long enough for every device of a fresh start to send its first query, but a member
+        that does not query at all (a joiner still fetching its state from the others, which
+        wait for READY before they can serve it) must not keep every device NOT-READY."""
+        recs = list(self.records.values())
+        if (now is not None and self.first_call is not None and self.heard
+                and now - self.first_call > self.unheard_grace):
+            recs = [d for d in recs if d.rank in self.heard] or recs
+        return max(recs, key=lambda d: (d.capability, -d.rank))
 
     def query_state(self, r: int, k: int, c: float, t_e: float, now: float, *,
                     round_: int | None = None) -> bool:
@@ -76,11 +96,13 @@ class StateServer:
         if k < 0 or not c > 0 or not math.isfinite(c):
             raise ConfigError(f"bad state query from device {r}: k={k}, c={c}")
         cur = self._record(r)
+        if self.first_call is None:
+            self.first_call = now
         if r not in self.heard and round_ is not None:
             cur.round = round_
         self.heard.add(r)
         cur.k, cur.capability, cur.last_finish = k, c, t_e  # line 3 (ready, round unchanged)
-        slowest = self.slowest()  # line 4
+        slowest = self.slowest(now)  # line 4
         if k == 0 or slowest.round < cur.round:  # line 5: slowest has not pulled w_t yet
             return False
         rest_time = slowest.capability - now + slowest.last_finish  # line 8

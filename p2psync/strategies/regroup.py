@@ -158,12 +158,20 @@ class Regroup:
                 out = None if op is None else await self._race(op(view), view)
                 self._reformed(failed_at)
                 return out
-            except PeerFailure as exc:
+            except (PeerFailure, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch":
+                    raise
+                # collective_mismatch: a member runs this epoch's operation over another group.
+                # Two coordinators can publish views with the same epoch around a takeover (the
+                # new one moves past the old one's epoch once a member reports it), so the
+                # members disagree until the newer view arrives: wait for it, as for a failure.
                 if failed_at is None:
                     failed_at = time.monotonic()
                 log.warning("node %d: %s step %d over view %d failed (%s); waiting for a newer view",
                             me, self.name, step, view.epoch, exc)
-                await self._await_newer(view, exc)
+                self._retire(view)
+                err = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc))
+                await self._await_newer(view, err)
 
     def _reformed(self, failed_at: float | None) -> None:
         if failed_at is not None:

@@ -68,6 +68,22 @@ def test_slowest_not_yet_pulled():
     assert s.query_state(0, 9, 0.1, 3.5, 3.5) is True
 
 
+def test_a_device_never_heard_from_blocks_only_during_the_grace_period():
+    """A rebuilt server (coordinator takeover) knows nobody; a member that does not query (a
+    joiner fetching its state from the others) must not keep the others NOT-READY forever."""
+    s = StateServer([0, 1, 2], epsilon=0.0, unheard_grace=5.0)
+    s.query_state(0, 0, 0.1, 100.0, 100.0, round_=7)  # device 0 is in round 7
+    s.query_state(1, 0, 0.2, 100.0, 100.0, round_=7)
+    # device 2 unheard: the slowest, in round 0 -> NOT-READY while it may still call in
+    assert s.query_state(0, 3, 0.1, 104.0, 104.0, round_=7) is False
+    assert s.slowest(104.0).rank == 2
+    # after the grace period it is left out until it queries: device 1 is the slowest
+    assert s.slowest(106.0).rank == 1
+    assert s.query_state(1, 5, 0.2, 106.0, 106.0) is True
+    s.query_state(2, 0, 0.5, 107.0, 107.0, round_=7)  # it calls in: it counts again
+    assert s.slowest(107.0).rank == 2
+
+
 def test_bad_queries_rejected():
     s = StateServer([0])
     with pytest.raises(ConfigError):
