@@ -53,7 +53,12 @@ class Arrival:
 
 
 class _Release:
-    pass
+    """Lets the training thread leave the gate; ``gen``: the park it belongs to (None: any)."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: int | None) -> None:
+        self.gen = gen
 
 
 class StepGate:
@@ -75,6 +80,9 @@ class StepGate:
         self.compute_s = 0.0
         self.parked_s = 0.0
         self._left_at = time.perf_counter()
+        self._gen = 0  # parks so far (training thread's count)
+        self._park_gen = 0  # the park the loop knows of
+        self._finished = False  # the strategy's driver ended: arrivals pass at once
 
     # -- training thread -----------------------------------------------------------------
 
@@ -82,34 +90,50 @@ class StepGate:
         """The user's loop reached ``optimizer.step()``: park until the strategy releases it,
         running its jobs meanwhile. ``grads``: a copy of the iteration's gradient."""
         t = time.perf_counter()
+        self._gen += 1
+        gen = self._gen
         a = Arrival(loss=loss, samples=samples, grads=grads, compute_s=t - self._left_at)
-        self._loop.call_soon_threadsafe(self._on_arrival, a)
+        self._loop.call_soon_threadsafe(self._on_arrival, a, gen)
         try:
-            self.serve()
+            self.serve(gen)
+        except BaseException:  # interrupted while parked: the loop must not think it still is
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._on_left, gen)
+            raise
         finally:
             self._left_at = time.perf_counter()
             self.parked_s += self._left_at - t
 
-    def serve(self) -> None:
-        """Run jobs until released; raises the session's failure if the event loop gave up."""
-        while True:
+    def serve(self, gen: int | None = None, *, until: Callable[[], bool] | None = None) -> None:
+        """Run jobs until released (a release of park ``gen``; tokens of other parks are
+        stale and ignored) or, with ``until``, until it holds (releases and the session's
+        failure are then ignored: the caller waits for its own future). Raises the session's
+        failure, or when the event loop died."""
+        while until is None or not until():
             try:
-                item = self._inbox.get(timeout=PARK_POLL_S)
+                item = self._inbox.get(timeout=PARK_POLL_S if until is None else 0.05)
             except queue.Empty:
-                if self._failure is not None:
+                if until is None and self._failure is not None:
                     raise self._failure
-                if self._loop.is_closed():
+                if self._loop.is_closed() or not self._loop.is_running():
                     raise P2PSyncError("the node's event loop stopped while the training thread waited")
                 continue
             if isinstance(item, _Release):
-                return
+                if until is None and (item.gen is None or item.gen == gen):
+                    return
+                continue
             if isinstance(item, BaseException):
-                raise item
+                if until is None:
+                    raise item
+                continue
             fn, fut = item
             try:
                 res = fn()
-            except BaseException as exc:  # handed to the awaiting coroutine
+            except Exception as exc:  # handed to the awaiting coroutine
                 self._loop.call_soon_threadsafe(_fail, fut, exc)
+            except BaseException:  # KeyboardInterrupt, SystemExit: the job did not run
+                self._loop.call_soon_threadsafe(fut.cancel)
+                raise
             else:
                 self._loop.call_soon_threadsafe(_done, fut, res)
 
@@ -119,11 +143,34 @@ class StepGate:
 
     # -- event loop ----------------------------------------------------------------------
 
-    def _on_arrival(self, a: Arrival) -> None:
+    def _on_arrival(self, a: Arrival, gen: int) -> None:
         self.arrivals += 1
+        self._park_gen = gen
+        if self._finished:  # nobody will take it: let it pass (a plain local step follows)
+            self._inbox.put(_Release(gen))
+            return
         self._pending = a
         self._parked = True
         self._wake.set()
+
+    def _on_left(self, gen: int) -> None:
+        """The thread left park ``gen`` by an exception (an interrupt)."""
+        if gen == self._park_gen:
+            self._pending = None
+            self._parked = self._taken = False
+
+    def finish(self) -> None:
+        """The strategy's driver ended: drop what is pending, let the thread go, and let every
+        later arrival pass at once."""
+        self._finished = True
+        if self._pending is not None:
+            self.skipped += 1
+            self._pending = None
+        self._skip = 0
+        self._taken = False
+        if self._parked:
+            self._parked = False
+            self._inbox.put(_Release(self._park_gen))
 
     def _on_end(self) -> None:
         self._ended = True
@@ -145,7 +192,7 @@ class StepGate:
         if self._parked and self._pending is None:
             self._parked = False
             self._taken = False
-            self._inbox.put(_Release())
+            self._inbox.put(_Release(self._park_gen))
 
     async def next_iteration(self, abort: threading.Event | None = None) -> Arrival:
         """Release the iteration taken before (if any) and take the next one. Raises Aborted

@@ -168,10 +168,11 @@ class NodeRuntime:
     def nic_bytes(self) -> dict[str, dict[str, int]]:
         return {k: {"sent": v.bytes_sent, "recv": v.bytes_recv} for k, v in self.transport.nic_stats.items()}
 
-    async def finish(self, stats: dict[str, Any]) -> None:
-        """The finish barrier; the node coordinating then writes ``summary.json``."""
+    async def finish(self, stats: dict[str, Any], *, depart: bool = False) -> None:
+        """The finish barrier (``depart``: this node leaves the view, the others re-form
+        without it); the node coordinating then writes ``summary.json``."""
         stats["rejected"] = dict(self.transport.rejected)
-        await self.membership.finish(stats, timeout=max(30.0, self.cfg.peer_timeout))
+        await self.membership.finish(stats, timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
         if relays_for_others(self.topo, self.node_id, self.membership.coordinator):
             # the coordinator's finish replies to nodes behind this one pass through it
             await asyncio.sleep(RELAY_LINGER_S)

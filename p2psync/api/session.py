@@ -42,7 +42,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 import numpy as np
 import torch
 
-from p2psync.api.gate import StepGate, _Release
+from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
 from p2psync.collectives import Collectives
@@ -57,8 +57,8 @@ log = logging.getLogger("p2psync.session")
 
 T = TypeVar("T")
 
-#: seconds attach may take beyond the start timeout (binding, identical start)
-ATTACH_SLACK_S = 60.0
+#: seconds a cancelled runtime operation gets to close its sockets and tasks
+CANCEL_GRACE_S = 10.0
 
 
 class Session:
@@ -98,15 +98,24 @@ class Session:
         self._comm = self._wait = 0.0
         self._last_record: dict[str, Any] | None = None
         self._resume_step = 0
+        self._ended_by_loop = False
 
     # -- training thread: the user's side ----------------------------------------------
 
-    def _call(self, coro: Coroutine[Any, Any, T], *, serve: bool = True) -> T:
-        """Run ``coro`` on the event loop and wait for it here, serving model jobs meanwhile."""
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the event loop and wait for it here, serving model jobs meanwhile.
+        Interrupted (Ctrl+C): the coroutine is cancelled and given a bounded time to clean up."""
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        if serve:
-            fut.add_done_callback(lambda _: self.gate._inbox.put(_Release()))
-            self.gate.serve()
+        try:
+            self.gate.serve(until=fut.done)
+        except BaseException:
+            fut.cancel()
+            deadline = time.monotonic() + CANCEL_GRACE_S
+            try:
+                self.gate.serve(until=lambda: fut.done() or time.monotonic() > deadline)
+            except BaseException:
+                pass
+            raise
         return fut.result()
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -122,6 +131,8 @@ class Session:
         try:
             self._call(self._start())
         except BaseException:
+            self.replica = None
+            self._closed = True
             self._shutdown_loop()
             raise
         session = self
@@ -227,10 +238,10 @@ class Session:
             pass  # the user's exception is the one to report
 
     def _shutdown_loop(self) -> None:
-        if self._loop.is_running():
+        if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
-        if not self._loop.is_running() and not self._loop.is_closed():
+        if not self._thread.is_alive() and not self._loop.is_closed():
             self._loop.close()
 
     # -- event loop: the node's side ---------------------------------------------------
@@ -304,15 +315,17 @@ class Session:
                     break
                 self._write(rec)
                 gate.release()
-        except TrainingEnded:
-            pass
+        except TrainingEnded:  # the user's loop ended before the run agreed to stop
+            self._ended_by_loop = True
+        except asyncio.CancelledError:  # close(graceful=False): not a failure of the run
+            raise
         except BaseException as exc:
             self._error = exc
             gate.fail(exc)
             raise
         finally:
             self._stopped = True
-            gate.release()
+            gate.finish()
 
     async def _finish(self, graceful: bool) -> None:
         rt = self.runtime
@@ -344,9 +357,14 @@ class Session:
                     # equal on every member of a synchronous run (SSGD: bitwise), joiners included
                     "params_sha1": hashlib.sha1(params.tobytes()).hexdigest()[:16],
                 }
-                await rt.finish(self.stats)
+                # a node whose loop ended before the run agreed to stop leaves the view, so
+                # the others re-form without it; after an agreed stop nobody waits for it
+                await rt.finish(self.stats, depart=self._ended_by_loop)
         finally:
             if self.metrics is not None:
+                if self._last_record is None and self._logged:
+                    self._last_record = {"node": self.node_id, "step": self.step,
+                                         "time": round(time.monotonic() - self.t0, 4)}
                 if self._last_record is not None:
                     self._write(self._last_record)
                 self.metrics.close()

@@ -53,7 +53,7 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
     departed = (set(view.departed) if view is not None else set()) - members
-    dead = (set(expected) - members - departed) | (set(failed) & set(expected))
+    dead = ((set(expected) - members) | (set(failed) & set(expected))) - departed
     dead.discard(me)
     st = MembershipState(expected=frozenset(expected), failure_timeout=failure_timeout,
                          heartbeat_interval=heartbeat_interval, phi_threshold=phi_threshold,

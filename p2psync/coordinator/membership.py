@@ -202,11 +202,11 @@ class MembershipState:
             self.epoch += 1
         return new
 
-    def finish(self, node: int, stats: Any) -> bool:
-        """``node`` finished: record its stats; it departs the view (not a failure). Returns
-        True when the view changed."""
+    def finish(self, node: int, stats: Any, *, depart: bool = True) -> bool:
+        """``node`` finished: record its stats; with ``depart`` it leaves the view (not a
+        failure: its loop ended while the others go on). Returns True when the view changed."""
         self.finished[node] = stats
-        if node in self.registered and node not in self.failed and node not in self.departed:
+        if depart and node in self.registered and node not in self.failed and node not in self.departed:
             self.departed.add(node)
             self.epoch += 1
             return True
@@ -214,7 +214,7 @@ class MembershipState:
 
     @property
     def all_finished(self) -> bool:
-        return set(self.finished) | self.failed >= self.expected
+        return set(self.finished) | self.failed | self.departed >= self.expected
 
     @property
     def alive_nodes(self) -> list[int]:
@@ -341,7 +341,7 @@ class MembershipService:
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        if self.state.finish(caller, args.get("stats")):
+        if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True):
             view = self.state.view()
             log.info("coordinator: node %d finished and left the run; view epoch %d members %s",
                      caller, view.epoch, list(view.members))

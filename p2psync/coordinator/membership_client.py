@@ -157,6 +157,9 @@ class MembershipClient:
         for p in peers:
             if p in self.failed or p == self.transport.node_id:
                 continue
+            if p in self.departed:  # it finished and left (a coordinator exits after that)
+                self.transport.mark_dead(p)
+                continue
             self.failed.add(p)
             if p != self.coordinator:
                 self.transport.mark_dead(p)
@@ -364,11 +367,12 @@ class MembershipClient:
                 await asyncio.sleep(min(pause, remaining))
                 pause = min(2 * pause, 0.5)
 
-    async def finish(self, stats: Any, timeout: float) -> dict[str, Any]:
+    async def finish(self, stats: Any, timeout: float, *, depart: bool = False) -> dict[str, Any]:
         """Report final stats and wait (bounded) until every live node has finished; when the
         coordinator dies meanwhile, the stats are re-sent to the new one."""
         try:
-            return dict(await self.call_coordinator("membership.finish", {"stats": stats, "timeout": timeout},
+            return dict(await self.call_coordinator("membership.finish", {"stats": stats, "timeout": timeout,
+                                                                          "depart": depart},
                                                     timeout=timeout + 5))
         except P2PSyncError as exc:
             log.warning("node %d: finish barrier: %s", self.transport.node_id, exc)

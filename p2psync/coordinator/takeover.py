@@ -52,6 +52,8 @@ class Succession:
 
     def _members(self, view: View | None, fallback: Iterable[int]) -> list[int]:
         members = list(view.members) if view is not None else list(fallback)
+        if view is not None and self.me in view.departed:  # it finished: never coordinates
+            return members
         return members if self.me in members else [*members, self.me]
 
     def suspect(self, node: int, view: View | None, fallback: Iterable[int] = ()) -> int | None:

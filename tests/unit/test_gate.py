@@ -188,3 +188,34 @@ def test_a_failed_session_wakes_the_parked_thread() -> None:
             user_step()
     finally:
         lp.close()
+
+
+def test_the_end_of_the_driver_lets_a_pending_iteration_go() -> None:
+    """Regression (review): ESync's last round ends with an abandoned iteration parked at the
+    gate, not taken by anyone; the driver's end must release it (the built-in job hung)."""
+    lp, model, opt, flat, replica, user_step = _setup()
+    abort = threading.Event()
+
+    async def strategy() -> None:
+        abort.set()
+        try:
+            await replica.compute_gradients(abort)
+        except Aborted:
+            pass
+        await replica.get_params()  # served by the abandoned iteration, which stays pending
+
+    try:
+        fut = lp.spawn(strategy())
+        while not lp.gate.abandon.is_set():
+            pass
+        _backward(model)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (user_step(), done.set()), daemon=True)
+        t.start()
+        fut.result(5)
+        assert not done.wait(0.3)  # still parked: nobody released it
+        lp.loop.call_soon_threadsafe(lp.gate.finish)
+        assert done.wait(5)
+        user_step()  # after the end every arrival passes at once
+    finally:
+        lp.close()
