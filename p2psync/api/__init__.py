@@ -112,6 +112,11 @@ def should_stop() -> bool:
 
 
 def _install_exit_hooks() -> None:
+    # atexit runs handlers last-registered first: pyzmq's garbage collector (zero-copy sends)
+    # registers its own shutdown when first imported, which may be after attach; import it now
+    # so that the session closes (and still sends) before pyzmq's handler runs
+    import zmq.utils.garbage  # noqa: F401
+
     previous = sys.excepthook
 
     def hook(exc_type: Any, exc: Any, tb: Any) -> None:
