@@ -205,6 +205,11 @@ class FailStop:
         self.ctx.transport.mailbox.abort(self._error((peer,)), match=lambda tag: tag.startswith(self.prefix))
 
     def _error(self, peers: tuple[int, ...]) -> PeerFailure:
+        departed = [p for p in peers if p in self.ctx.membership.departed]
+        if departed and len(departed) == len(peers):  # a loop that ended, not a crash
+            return PeerFailure(f"{self.name}: peer(s) {departed} ended their training loop and left the run; "
+                               "with --on-failure stop the others cannot go on (end every node's loop at "
+                               "the same step: --steps/--time and p2psync.should_stop())", peers=peers)
         return PeerFailure(f"{self.name}: peer(s) {list(peers)} failed; synchronous training cannot "
                            "continue", peers=peers)
 

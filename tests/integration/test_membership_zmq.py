@@ -92,13 +92,9 @@ async def _latency_no_false_failure(seconds: float) -> None:
         assert time.monotonic() - t0 >= seconds
 
 
-async def test_600ms_one_way_latency_no_false_failure():
-    await _latency_no_false_failure(15.0)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-async def test_600ms_one_way_latency_no_false_failure_60s():
+async def test_600ms_one_way_latency_no_false_failure_60s():  # the 60 s (no shorter copy)
     await _latency_no_false_failure(60.0)
 
 
