@@ -96,3 +96,16 @@ async def until(pred, timeout: float, what: str) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(0.002)
+
+
+def netns_mesh2(tmp_path: Any) -> Any:
+    """A 2-node mesh in the benchmarking range with a 50 Mb/s link, for --shaper netem runs."""
+    import json
+
+    from p2psync.topology import mesh, topology_to_dict
+
+    d = topology_to_dict(mesh(2, base_port=free_port(), subnet="198.18.0.0/16"))
+    d["links"] = [{"a": 0, "b": 1, "bandwidth_mbps": 50}]
+    topo = tmp_path / "ns.json"
+    topo.write_text(json.dumps(d))
+    return topo

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.topology import bcube, mesh, ring, save, topology_to_dict
-from tests.helpers import free_port
+from tests.helpers import free_port, netns_mesh2
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
@@ -163,14 +163,12 @@ def test_broken_topology_and_options_exit_2(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_run_inside_network_namespaces(tmp_path):
-    d = topology_to_dict(mesh(2, base_port=free_port(), subnet="198.18.0.0/16"))
-    d["links"] = [{"a": 0, "b": 1, "bandwidth_mbps": 50}]
-    topo = tmp_path / "ns.json"
-    topo.write_text(json.dumps(d))
+    topo = netns_mesh2(tmp_path)
     r = cli("run", topo, "--shaper", "netem", "--steps", "10", "--out", tmp_path, "--run-id", "ns")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ns" / "summary.json").read_text())["failed"] == []
     assert "p2pn0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    d = json.loads(topo.read_text())
     d["links"] = [{"a": 0, "b": 1, "latency_ms": 20}]
     topo.write_text(json.dumps(d))
     r = cli("run", topo, "--shaper", "netem", "--steps", "5", "--out", tmp_path)

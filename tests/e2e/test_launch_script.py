@@ -18,8 +18,10 @@ from p2psync.api.env import from_env
 from p2psync.cli.launch import STOP_GRACE_S
 from p2psync.cli.main import build_parser, parse_args
 from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, config_from_args, default_threads
-from p2psync.topology import mesh, ring, save, topology_to_dict
-from tests.helpers import free_port
+from p2psync.topology import ring, save
+from tests.e2e.test_cli_run import cli as _cli
+from tests.e2e.test_cli_run import spawn, wait_for
+from tests.helpers import free_port, netns_mesh2
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
@@ -52,22 +54,7 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 
 
 def cli(*args, timeout=45, **kw):
-    return subprocess.run([sys.executable, "-m", "p2psync", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, **kw)
-
-
-def spawn(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "p2psync", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return _cli(*args, timeout=timeout, **kw)
 
 
 def gone(pid: int) -> bool:
@@ -214,10 +201,7 @@ def test_double_dash_splits_only_run():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_scripts_run_inside_network_namespaces(tmp_path):
-    d = topology_to_dict(mesh(2, base_port=free_port(), subnet="198.18.0.0/16"))
-    d["links"] = [{"a": 0, "b": 1, "bandwidth_mbps": 50}]
-    topo = tmp_path / "ns.json"
-    topo.write_text(json.dumps(d))
+    topo = netns_mesh2(tmp_path)
     code = ("import os, pathlib; pathlib.Path(os.environ['P2PSYNC_RUN_DIR'], 'netns').write_text("
             "os.readlink('/proc/self/ns/net'))")
     r = cli("run", topo, "--shaper", "netem", "--out", tmp_path, "--run-id", "ns", "--",
