@@ -41,6 +41,11 @@ from p2psync.transport import Transport
 
 log = logging.getLogger("p2psync.membership")
 
+#: seconds a joiner waits for one coordinator's answer before asking where the run is now
+JOIN_ATTEMPT_S = 8.0
+#: how long such a joiner asks the others
+DISCOVER_RETRY_S = 1.5
+
 
 class MembershipClient:
     """Every node: register, heartbeat, follow views and the coordinator they name, learn of
@@ -76,6 +81,8 @@ class MembershipClient:
         self._beats: set[asyncio.Task[None]] = set()
         self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
         self.info: dict[str, Any] = {}
+        #: the view of a running run that :meth:`discover` found (this node joins it), or None
+        self.discovered: View | None = None
 
     @property
     def coordinator(self) -> int:
@@ -94,10 +101,21 @@ class MembershipClient:
         deadline = loop.time() + timeout
         try:
             while True:
+                remaining = max(0.1, deadline - loop.time())
                 try:
-                    info = await self.rpc.call(self.coordinator, "membership.register", args,
-                                               timeout=max(0.1, deadline - loop.time()))
+                    # a joiner (it discovered a running run) asks one coordinator for a bounded
+                    # time: if that one died meanwhile, it asks the others where the run is now
+                    info = await self.rpc.call(self.coordinator, "membership.register", args, timeout=(
+                        min(remaining, max(JOIN_ATTEMPT_S, 4 * self.failure_timeout))
+                        if self.discovered is not None else remaining))
                     break
+                except (PeerTimeout, PeerFailure):
+                    if self.discovered is None or loop.time() >= deadline:
+                        raise
+                    before = self.coordinator
+                    await self.discover(timeout=DISCOVER_RETRY_S)
+                    log.warning("node %d: registration with coordinator %d got no answer; asking "
+                                "coordinator %d", self.transport.node_id, before, self.coordinator)
                 except RemoteError as exc:
                     # NotCoordinator: the coordinator's process is up but not hosting yet (it
                     # is still asking whether a run is already going); DuplicateNode: this
@@ -141,6 +159,7 @@ class MembershipClient:
         view = max(found, key=lambda v: v.epoch)
         if view.coordinator != me:
             self.succession.coordinator = view.coordinator  # register (join) there
+        self.discovered = view
         return view
 
     def start(self) -> None:
