@@ -208,8 +208,7 @@ class Session:
 
     def state_dict(self) -> dict[str, Any]:
         """p2psync's own state for the user's checkpoints (the model and optimizer have their
-        own state dicts): the step reached and the run it belongs to."""p2psync's own state for the user's checkpoints (the model and optimizer are the
-        user's own ``state_dict``\ s): the step reached and the run it belongs to."""
+        own state dicts): the step reached and the run it belongs to."""
         return {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
                 "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
                 "node": self.node_id}
