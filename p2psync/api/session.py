@@ -37,6 +37,8 @@ import logging
 import threading
 import time
 import types
+from dataclasses import fields
+from pathlib import Path
 from typing import Any, Callable, Coroutine, TypeVar
 
 import numpy as np
@@ -64,10 +66,27 @@ CANCEL_GRACE_S = 10.0
 class Session:
     """One node of a run in this process. Use as a context manager, or call :meth:`close`."""
 
-    def __init__(self, *, config: RunConfig, node: int, max_steps: int | None = None,
-                 topology: Topology | None = None) -> None:
+    def __init__(self, topology: str | Path | None = None, node: int | None = None,
+                 strategy: str | None = None, *, config: RunConfig | None = None,
+                 max_steps: int | None = None, topo: Topology | None = None, **options: Any) -> None:
+        """``Session("cluster.json", 3, "ssgd", lr=..., codec="int8", time_limit=60)``: node 3 of
+        the run described by the topology file; ``options`` are :class:`RunConfig` fields
+        (``strategy_options``: the strategy's own, as ``(("name", "value"), ...)``). Or
+        ``config=`` a whole :class:`RunConfig`. ``node`` is required either way."""
+        if config is None:
+            if topology is None:
+                raise ConfigError("Session: give the topology file (or config=RunConfig(...))")
+            known = {f.name for f in fields(RunConfig)} - {"topology", "strategy"}
+            unknown = sorted(set(options) - known)
+            if unknown:
+                raise ConfigError(f"Session: unknown option(s) {unknown} (known: {sorted(known)})")
+            config = RunConfig(topology=str(topology), strategy=strategy or "ssgd", **options)
+        elif topology is not None or strategy is not None or options:
+            raise ConfigError("Session: give either config= or the topology, strategy and options")
+        if node is None:
+            raise ConfigError("Session: which node of the topology is this process? (node=...)")
         self.cfg = config
-        self.topo = topology if topology is not None else load(config.topology)
+        self.topo = topo if topo is not None else load(config.topology)
         if node not in self.topo.ids:
             raise ConfigError(f"node {node}: no such node in {config.topology} (ids {self.topo.ids})")
         self.node_id = node

@@ -26,7 +26,7 @@ def run_builtin(cfg: RunConfig, node_id: int) -> dict[str, Any]:
     topo = load(cfg.topology)
     trainer = build_trainer(cfg, topo, node_id)
     try:
-        session = Session(config=cfg, node=node_id, topology=topo,
+        session = Session(config=cfg, node=node_id, topo=topo,
                           max_steps=cfg.max_steps(len(trainer.data.y_train), topo.size))
         with session:
             opt = session.attach(trainer.model, trainer.optimizer)

@@ -47,12 +47,20 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list[list[Any]]
     return sched
 
 
-def _run_node(cfg: RunConfig, i: int, out: dict[int, Any]) -> None:
+def _model(seed: int) -> nn.Module:
+    """Built on the calling thread (torch's global generator is shared by threads)."""
+    torch.manual_seed(seed)
+    return nn.Linear(4, 3)
+
+
+def _run_node(cfg: RunConfig, i: int, model: nn.Module, out: dict[int, Any]) -> None:
     try:
-        torch.manual_seed(100 + i)  # seeded differently: the identical start must fix that
-        model = nn.Linear(4, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        s = Session(config=cfg, node=i)
+        if i == 0:
+            s = Session(config=cfg, node=i)
+        else:  # the explicit form: topology, node, strategy, options
+            s = Session(cfg.topology, i, "ssgd", out=cfg.out, run_id=cfg.run_id, start_timeout=30,
+                        peer_timeout=15)
         assert s.attach(model, opt) is opt  # the user's own optimizer object
         with pytest.raises(ConfigError, match="twice"):
             s.attach(model, opt)
@@ -64,13 +72,22 @@ def _run_node(cfg: RunConfig, i: int, out: dict[int, Any]) -> None:
         out[i] = exc
 
 
+def test_session_arguments_are_checked() -> None:
+    with pytest.raises(ConfigError, match="unknown option"):
+        Session("t.json", 0, "ssgd", learning_rate=0.1)
+    with pytest.raises(ConfigError, match="node"):
+        Session("t.json", None, "ssgd")
+
+
 def test_ssgd_through_attach_is_data_parallel_sgd(tmp_path: Path) -> None:
     topo = tmp_path / "ring2.json"
     save(ring(2, base_port=free_port()), topo)
     cfg = RunConfig(topology=str(topo), strategy="ssgd", out=str(tmp_path), run_id="attach",
                     start_timeout=30, peer_timeout=15)
     out: dict[int, Any] = {}
-    threads = [threading.Thread(target=_run_node, args=(cfg, i, out), daemon=True) for i in (0, 1)]
+    # seeded differently: the identical start must give both node 0's parameters
+    models = [_model(100 + i) for i in (0, 1)]
+    threads = [threading.Thread(target=_run_node, args=(cfg, i, models[i], out), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -83,8 +100,7 @@ def test_ssgd_through_attach_is_data_parallel_sgd(tmp_path: Path) -> None:
     assert a["lr"] == pytest.approx(0.1 * 0.5 ** 3)  # the scheduler drove the attached optimizer
     assert a["session"]["step"] == STEPS and a["stats"]["steps"] == STEPS
     # one process on the union of the batches, from node 0's initial parameters
-    torch.manual_seed(100)
-    ref = nn.Linear(4, 3)
+    ref = _model(100)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
     both = [[*_batches(0)[k], *_batches(1)[k]] for k in range(STEPS)]
     sched = StepLR(ref_opt, step_size=2, gamma=0.5)
