@@ -193,7 +193,15 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
                        local_rank=ids.index(i), local_world_size=len(ids))
         return list(cmd), {**os.environ, **env}
 
-    return _run_nodes(child, topo, Path(cfg.out) / run_id, spec)
+    run_dir = Path(cfg.out) / run_id
+    code = _run_nodes(child, topo, run_dir, spec)
+    if code == 0 and not (run_dir / "summary.json").exists():
+        # every copy exited 0 but none joined the run: a script without p2psync.attach would
+        # otherwise look like a successful distributed run
+        print(f"the script never joined the run (no node called p2psync.attach(); no {run_dir / 'summary.json'}): "
+              "each copy trained alone", file=sys.stderr)
+        return EXIT_FAILED
+    return code
 
 
 def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:

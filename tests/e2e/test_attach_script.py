@@ -109,3 +109,11 @@ def test_bad_scripts_end_with_one_clear_error(tmp_path: Path, mode: str, expect:
     assert expect in logs, logs[-3000:]
     assert "node 1" in r.stderr
     assert time.monotonic() - t0 < 120
+
+
+def test_a_script_that_never_attaches_is_an_error(tmp_path: Path) -> None:
+    script = tmp_path / "alone.py"
+    script.write_text("import torch\nprint('training alone')\n")
+    r = p2psync("run", _topo(tmp_path, 2), "--out", tmp_path, "--run-id", "alone", "--no-progress",
+                "--", sys.executable, script, timeout=120)
+    assert r.returncode == EXIT_FAILED and "never joined the run" in r.stderr, r.stderr[-2000:]
