@@ -117,3 +117,21 @@ def test_a_script_that_never_attaches_is_an_error(tmp_path: Path) -> None:
     r = p2psync("run", _topo(tmp_path, 2), "--out", tmp_path, "--run-id", "alone", "--no-progress",
                 "--", sys.executable, script, timeout=120)
     assert r.returncode == EXIT_FAILED and "never joined the run" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", ["ssgd", "esync"])
+@pytest.mark.parametrize("path", ["builtin", "script"])
+def test_cuda_nodes_share_one_gpu(tmp_path: Path, strategy: str, path: str) -> None:
+    """Both paths with --device cuda: several node processes on one GPU (tensors cross to the
+    network through pinned host buffers)."""
+    topo = _topo(tmp_path, 2)
+    tail = (["--steps", "40"] if path == "builtin"
+            else ["--", sys.executable, EXAMPLE, "--epochs", "2", "--device", "cuda"])
+    r = p2psync("run", topo, "--strategy", strategy, "--device", "cuda", "--out", tmp_path, "--run-id", "gpu",
+                "--no-progress", *tail)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert set(summary["nodes"]) == {"0", "1"} and summary["failed"] == []
+    if strategy == "ssgd":
+        assert len({summary["nodes"][n]["params_sha1"] for n in ("0", "1")}) == 1
