@@ -50,6 +50,8 @@ class Arrival:
     grads: Any
     #: seconds the user's code computed since the thread left the gate last
     compute_s: float
+    #: how many times the parameters had been replaced (not stepped) when it arrived
+    params_gen: int = 0
 
 
 class _Release:
@@ -86,13 +88,13 @@ class StepGate:
 
     # -- training thread -----------------------------------------------------------------
 
-    def arrive(self, *, loss: float, samples: int, grads: Any) -> None:
+    def arrive(self, *, loss: float, samples: int, grads: Any, params_gen: int = 0) -> None:
         """The user's loop reached ``optimizer.step()``: park until the strategy releases it,
         running its jobs meanwhile. ``grads``: a copy of the iteration's gradient."""
         t = time.perf_counter()
         self._gen += 1
         gen = self._gen
-        a = Arrival(loss=loss, samples=samples, grads=grads, compute_s=t - self._left_at)
+        a = Arrival(loss=loss, samples=samples, grads=grads, compute_s=t - self._left_at, params_gen=params_gen)
         self._loop.call_soon_threadsafe(self._on_arrival, a, gen)
         try:
             self.serve(gen)

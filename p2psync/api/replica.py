@@ -36,6 +36,8 @@ class HookedReplica:
         self._step = step  # the optimizer's own step, as it was before attach
         self.numel = flat.numel
         self.steps_taken = 0
+        #: parameter replacements so far (training thread; arrivals carry the value they saw)
+        self.params_gen = 0
         self.last_loss = float("nan")
 
     @property
@@ -47,7 +49,13 @@ class HookedReplica:
         return self.gate.compute_s
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
-        a = await self.gate.next_iteration(abort)
+        while True:
+            a = await self.gate.next_iteration(abort)
+            if a.params_gen == self.params_gen:
+                break
+            # computed on parameters replaced since (a joiner's fetched state, an adopted
+            # state): its gradient belongs to no current model, the step is skipped
+            self.gate.skipped += 1
         self.last_loss = a.loss
         return a.loss, a.grads
 
@@ -68,14 +76,23 @@ class HookedReplica:
     async def get_params(self) -> np.ndarray:
         return await self.gate.run(self.flat.get_params)
 
+    def _replaced(self) -> None:
+        self.params_gen += 1
+
     async def set_params(self, vec: np.ndarray) -> None:
-        await self.gate.run(lambda: self.flat.set_params(vec))
+        def go() -> None:
+            self.flat.set_params(vec)
+            self._replaced()
+        await self.gate.run(go)
 
     async def export_state(self) -> np.ndarray:
         return await self.gate.run(self.flat.export_state)
 
     async def import_state(self, vec: np.ndarray) -> None:
-        await self.gate.run(lambda: self.flat.import_state(vec))
+        def go() -> None:
+            self.flat.import_state(vec)
+            self._replaced()
+        await self.gate.run(go)
 
     def state_size(self) -> int:
         return self.flat.state_size()

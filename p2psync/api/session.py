@@ -179,7 +179,9 @@ class Session:
             own_step()
             return loss
         samples, self._pending_samples = self._pending_samples, 0
-        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=flat.grads())
+        assert self.replica is not None
+        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=flat.grads(),
+                         params_gen=self.replica.params_gen)
         if self._error is not None:
             raise self._error
         return loss

@@ -219,3 +219,27 @@ def test_the_end_of_the_driver_lets_a_pending_iteration_go() -> None:
         user_step()  # after the end every arrival passes at once
     finally:
         lp.close()
+
+
+def test_an_iteration_computed_on_replaced_parameters_is_skipped() -> None:
+    """Review item: a joiner's first iteration is computed on its own initial weights; the
+    state it fetches replaces them while that iteration waits, so its gradient is dropped."""
+    lp, model, opt, flat, replica, user_step = _setup()
+
+    def arrive() -> None:
+        lp.gate.arrive(loss=1.0, samples=4, grads=flat.grads(), params_gen=replica.params_gen)
+
+    async def strategy() -> None:
+        await replica.set_params(np.zeros(flat.numel, np.float32))  # runs at the first arrival
+        await replica.compute_gradients()  # that arrival is stale: this is the second one
+        lp.gate.release()
+
+    try:
+        fut = lp.spawn(strategy())
+        for _ in range(2):
+            _backward(model)
+            arrive()
+        fut.result(5)
+        assert lp.gate.skipped == 1
+    finally:
+        lp.close()
