@@ -48,7 +48,7 @@ from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
 from p2psync.collectives import Collectives
-from p2psync.errors import ConfigError, P2PSyncError, TrainingEnded
+from p2psync.errors import ConfigError, P2PSyncError, TrainingEnded, TrainingError
 from p2psync.strategies.base import Strategy
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
@@ -179,7 +179,8 @@ class Session:
             own_step()
             return loss
         samples, self._pending_samples = self._pending_samples, 0
-        assert self.replica is not None
+        if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
+            raise TrainingError("optimizer.step() hooked without a replica")
         self.gate.arrive(loss=self._pending_loss, samples=samples, grads=flat.grads(),
                          params_gen=self.replica.params_gen)
         if self._error is not None:
@@ -271,7 +272,8 @@ class Session:
         rt = self.runtime = NodeRuntime(cfg=self.cfg, topo=self.topo, node_id=self.node_id)
         try:
             await rt.rendezvous()
-            assert self.replica is not None
+            if not (self.replica is not None):
+                raise TrainingError("the session is not started (attach() first)")
             if not rt.joined:
                 await self._identical_start(rt)
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
@@ -282,7 +284,8 @@ class Session:
 
     async def _identical_start(self, rt: NodeRuntime) -> None:
         """Same parameter count everywhere, then the coordinator's initial parameters."""
-        assert self.replica is not None
+        if not (self.replica is not None):
+            raise TrainingError("the session is not started (attach() first)")
         c = Collectives(rt.transport, timeout=self.cfg.peer_timeout)
         members = list(rt.membership.view.members) if rt.membership.view is not None else list(self.topo.ids)
         counts = await c.allgather(np.array([self.replica.numel], np.int64), members, tag="attach.numel")
@@ -296,7 +299,8 @@ class Session:
         await self.replica.set_params(params)
 
     def _record(self, rep: Any) -> dict[str, Any]:
-        assert self.runtime is not None
+        if not (self.runtime is not None):
+            raise TrainingError("the session is not started (attach() first)")
         now = time.monotonic() - self.t0
         return {
             "node": self.node_id, "step": self.step, "time": round(now, 4), "loss": rep.loss,
@@ -307,7 +311,8 @@ class Session:
 
     def _write(self, rec: dict[str, Any]) -> None:
         """Write a step's record with the values logged since the last one."""
-        assert self.metrics is not None
+        if not (self.metrics is not None):
+            raise TrainingError("the session is not started (attach() first)")
         evaluated = "accuracy" in self._logged
         rec = {**rec, **self._logged}
         self._logged = {}
@@ -316,7 +321,8 @@ class Session:
     async def _drive(self) -> None:
         """The strategy's step loop (what the built-in job's loop used to be)."""
         rt, gate = self.runtime, self.gate
-        assert rt is not None and self.replica is not None
+        if not (rt is not None and self.replica is not None):
+            raise TrainingError("the session is not started (attach() first)")
         try:
             strategy = self.strategy = await rt.start_strategy(self.replica)
             self.step = max(strategy.start_step, self._resume_step)
@@ -350,7 +356,8 @@ class Session:
 
     async def _finish(self, graceful: bool) -> None:
         rt = self.runtime
-        assert rt is not None and self.replica is not None
+        if not (rt is not None and self.replica is not None):
+            raise TrainingError("the session is not started (attach() first)")
         try:
             if not graceful:
                 if self._driver is not None:
