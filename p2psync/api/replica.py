@@ -38,7 +38,6 @@ class HookedReplica:
         self.steps_taken = 0
         #: parameter replacements so far (training thread; arrivals carry the value they saw)
         self.params_gen = 0
-        self.last_loss = float("nan")
 
     @property
     def samples(self) -> int:
@@ -56,7 +55,6 @@ class HookedReplica:
             # computed on parameters replaced since (a joiner's fetched state, an adopted
             # state): its gradient belongs to no current model, the step is skipped
             self.gate.skipped += 1
-        self.last_loss = a.loss
         return a.loss, a.grads
 
     def _apply(self, vec: np.ndarray) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.errors import P2PSyncError
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
@@ -110,6 +111,9 @@ class NodeRuntime:
             heartbeat_interval=cfg.heartbeat, phi_threshold=cfg.phi_threshold,
             run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)},
             allow_join=cfg.on_failure == "continue")
+        #: one per node: the identical start and the strategy share its plans and residuals
+        self.collectives = Collectives(self.transport, piece_bytes=cfg.piece_kib << 10, timeout=cfg.peer_timeout,
+                                       codec=cfg.codec, error_feedback=cfg.error_feedback, algo=cfg.collective)
         self.strategy: Strategy | None = None
         self.info: dict[str, Any] = {}
         self.run_id = cfg.run_id or ""
@@ -146,10 +150,7 @@ class NodeRuntime:
         cfg, transport = self.cfg, self.transport
         ctx = StrategyContext(node_id=self.node_id, topology=self.topo, transport=transport, rpc=self.rpc,
                               rpc_server=self.server, membership=self.membership, replica=replica,
-                              collectives=Collectives(transport, piece_bytes=cfg.piece_kib << 10,
-                                                      timeout=cfg.peer_timeout, codec=cfg.codec,
-                                                      error_feedback=cfg.error_feedback,
-                                                      algo=cfg.collective),
+                              collectives=self.collectives,
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
                               on_failure=cfg.on_failure, joining=self.joined)
         strategy = self.strategy = self.strategy_cls(ctx)
@@ -186,8 +187,6 @@ class NodeRuntime:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     async def close(self) -> None:
-        from p2psync.errors import P2PSyncError
-
         if self.strategy is not None:
             try:
                 await self.strategy.close()

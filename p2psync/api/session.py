@@ -47,7 +47,6 @@ import torch
 from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
-from p2psync.collectives import Collectives
 from p2psync.errors import ConfigError, P2PSyncError, TrainingEnded, TrainingError
 from p2psync.strategies.base import Strategy
 from p2psync.topology import Topology, load
@@ -157,13 +156,13 @@ class Session:
         session = self
 
         def step(self_opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            return session._on_step(own_step, flat, closure)
+            return session._on_step(own_step, closure)
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer._p2psync_session = self  # type: ignore[attr-defined]
         return optimizer
 
-    def _on_step(self, own_step: Callable[..., Any], flat: FlatModel, closure: Callable[[], Any] | None) -> Any:
+    def _on_step(self, own_step: Callable[..., Any], closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -181,7 +180,7 @@ class Session:
         samples, self._pending_samples = self._pending_samples, 0
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
             raise TrainingError("optimizer.step() hooked without a replica")
-        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=flat.grads(),
+        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=self.replica.flat.grads(),
                          params_gen=self.replica.params_gen)
         if self._error is not None:
             raise self._error
@@ -286,7 +285,7 @@ class Session:
         """Same parameter count everywhere, then the coordinator's initial parameters."""
         if not (self.replica is not None):
             raise TrainingError("the session is not started (attach() first)")
-        c = Collectives(rt.transport, timeout=self.cfg.peer_timeout)
+        c = rt.collectives
         members = list(rt.membership.view.members) if rt.membership.view is not None else list(self.topo.ids)
         counts = await c.allgather(np.array([self.replica.numel], np.int64), members, tag="attach.numel")
         if len({int(x[0]) for x in counts}) > 1:
