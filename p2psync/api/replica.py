@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from p2psync.strategies.base import SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.api.gate import StepGate
 
@@ -64,6 +65,23 @@ class HookedReplica:
 
     async def apply_gradients(self, vec: np.ndarray) -> None:
         await self.gate.run(lambda: self._apply(vec))
+
+    async def sgd_step(self, vec: np.ndarray) -> SgdStep:
+        """Like :meth:`apply_gradients`, reporting what plain SGD fed to its buffer (DTS)."""
+        def go() -> SgdStep:
+            out = self.flat.sgd_step(vec, self._step)
+            self.steps_taken += 1
+            return out
+        return await self.gate.run(go)
+
+    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
+        """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers (a compensation:
+        the iteration in flight was computed on nearly these parameters and stays valid)."""
+        def go() -> None:
+            self.flat.add_to_params(dw)
+            if du is not None:
+                self.flat.add_to_momentum(du)
+        await self.gate.run(go)
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
         def go() -> None:

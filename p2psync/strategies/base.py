@@ -38,6 +38,30 @@ from p2psync.topology import Topology
 from p2psync.transport import Transport
 
 
+#: a learning rate or weight decay: one number, or one value per parameter element when the
+#: optimizer's parameter groups differ
+PerElement = float | np.ndarray
+
+
+@dataclass(frozen=True)
+class SgdHyper:
+    """The plain-SGD hyper-parameters in effect for the next step (DTS's compensation needs
+    them, ../shared/specs/dts.md §1.7)."""
+
+    lr: PerElement
+    momentum: float
+    weight_decay: PerElement
+
+
+@dataclass(frozen=True)
+class SgdStep:
+    """One local SGD step: ``grad`` is what SGD fed to its momentum buffer (the gradient plus
+    weight_decay times the parameters before the step), ``hyper`` the numbers it used."""
+
+    grad: np.ndarray
+    hyper: SgdHyper
+
+
 class Replica(Protocol):
     """What a strategy needs of the local model (implemented by training.Trainer)."""
 
@@ -49,6 +73,10 @@ class Replica(Protocol):
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]: ...
     async def apply_gradients(self, vec: np.ndarray) -> None: ...
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None: ...
+    #: one local step with plain SGD, reporting the tensor SGD fed to its buffer (DTS)
+    async def sgd_step(self, vec: np.ndarray) -> SgdStep: ...
+    #: parameters += dw, SGD momentum buffers += du (DTS's compensation)
+    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None: ...
     async def get_params(self) -> np.ndarray: ...
     async def set_params(self, vec: np.ndarray) -> None: ...
     #: parameters + optimizer state as one float32 vector (same length on every node of a run)
@@ -77,6 +105,10 @@ class StrategyContext:
     on_failure: str = "continue"
     #: this node registered after the run started: fetch the state from live peers first
     joining: bool = False
+    #: the run's step budget when it has one (``--steps``): every node stops after step
+    #: ``max_steps - 1``, known in advance (strategies that agree on stopping only every few
+    #: steps use it to stop exactly there)
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_failure not in ON_FAILURE:

@@ -15,12 +15,14 @@ Issue 10 item 5: a joining node takes its state from a live peer.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from torch import nn
 
 from p2psync.errors import ConfigError
-
+from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
 
 class FlatModel:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -78,6 +80,77 @@ class FlatModel:
             raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(self._to_device(vec), self.params)
+
+    # -- plain SGD's own numbers (DTS) ----------------------------------------------------
+
+    def sgd_hyper(self) -> SgdHyper:
+        """The optimizer's learning rate, momentum and weight decay, read now (a scheduler may
+        have changed them). Only plain SGD qualifies: Nesterov and dampening change the
+        coefficients DTS's compensation relies on, and Adam is not linear in the gradients."""
+        opt = self.optimizer
+        if type(opt) is not torch.optim.SGD:
+            raise ConfigError(f"this strategy needs torch.optim.SGD (plain or with momentum), not "
+                              f"{type(opt).__name__}: its compensation is exact only for optimizers "
+                              "that are linear in the gradients")
+        groups = opt.param_groups
+        for g in groups:
+            if g.get("nesterov", False) or g.get("dampening", 0) != 0:
+                raise ConfigError("this strategy needs SGD without nesterov and with dampening 0 "
+                                  f"(got nesterov={g.get('nesterov')}, dampening={g.get('dampening')})")
+            if g.get("maximize", False):
+                raise ConfigError("this strategy does not support SGD(maximize=True)")
+        moms = {float(g.get("momentum", 0.0)) for g in groups}
+        if len(moms) != 1:
+            raise ConfigError(f"every parameter group must use the same momentum (got {sorted(moms)})")
+        return SgdHyper(lr=self._per_element("lr"), momentum=moms.pop(),
+                        weight_decay=self._per_element("weight_decay"))
+
+    def sgd_step(self, vec: np.ndarray, step: Callable[[], object]) -> SgdStep:
+        """Set the gradients to ``vec`` and run ``step`` (the optimizer's own step), reporting
+        what SGD fed to its buffer."""
+        hyper = self.sgd_hyper()
+        wd = hyper.weight_decay
+        g = vec if isinstance(wd, float) and wd == 0.0 else vec + np.float32(1) * wd * self.get_params()
+        self.set_grads(vec)
+        step()
+        return SgdStep(grad=np.asarray(g, dtype=np.float32), hyper=hyper)
+
+    def _per_element(self, key: str) -> PerElement:
+        groups = self.optimizer.param_groups
+        values = {float(g.get(key, 0.0)) for g in groups}
+        if len(values) == 1:
+            return values.pop()
+        of = {id(p): float(g.get(key, 0.0)) for g in groups for p in g["params"]}
+        return np.concatenate([np.full(p.numel(), of[id(p)], np.float32) for p in self.params])
+
+    def add_to_params(self, delta: np.ndarray) -> None:
+        """w += delta (flat, float32)."""
+        if delta.size != self.numel:
+            raise ValueError(f"parameter delta has {delta.size} elements, model has {self.numel}")
+        src = self._to_device(delta)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.add_(src[off: off + n].view_as(p).to(p.device, p.dtype))
+                off += n
+
+    def add_to_momentum(self, delta: np.ndarray) -> None:
+        """SGD's momentum buffers += delta (a missing buffer starts from zero)."""
+        if delta.size != self.numel:
+            raise ValueError(f"momentum delta has {delta.size} elements, model has {self.numel}")
+        src = self._to_device(delta)
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            d = src[off: off + n].view_as(p).to(p.device, p.dtype)
+            st = self.optimizer.state[p]
+            buf = st.get("momentum_buffer")
+            if buf is None:
+                st["momentum_buffer"] = d.clone()
+            else:
+                buf.add_(d)
+            off += n
 
     # -- whole state (joins) -------------------------------------------------------------
 

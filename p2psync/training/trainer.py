@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from p2psync.strategies.base import SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.errors import Aborted, ConfigError
 from p2psync.training.data import Dataset
@@ -172,6 +173,18 @@ class Trainer:
         def go() -> None:
             self.flat.set_grads(vec)
             self.optimizer.step()
+        await self.run(go)
+
+    async def sgd_step(self, vec: np.ndarray) -> SgdStep:
+        """Like :meth:`apply_gradients`, reporting what plain SGD fed to its buffer (DTS)."""
+        return await self.run(lambda: self.flat.sgd_step(vec, self.optimizer.step))
+
+    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
+        """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers."""
+        def go() -> None:
+            self.flat.add_to_params(dw)
+            if du is not None:
+                self.flat.add_to_momentum(du)
         await self.run(go)
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
