@@ -43,7 +43,7 @@ def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size
 
 
 def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None,
-                 codec: str = "none", error_feedback: bool = False):
+                 codec: str = "none", error_feedback: bool = False, max_steps: int | None = None):
     from p2psync.collectives import Collectives
     from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
     from p2psync.strategies import StrategyContext
@@ -55,11 +55,11 @@ def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10
                            rpc_server=server, membership=membership, replica=replica,
                            collectives=Collectives(transport, timeout=peer_timeout, codec=codec,
                                                        error_feedback=error_feedback),
-                           peer_timeout=peer_timeout, options=options or {})
+                           peer_timeout=peer_timeout, options=options or {}, max_steps=max_steps)
 
 
 async def start_strategies(transports, topo: Topology, name: str, *, options=None, codec: str = "none",
-                           error_feedback: bool = False, trainers=None):
+                           error_feedback: bool = False, trainers=None, max_steps: int | None = None):
     """One started strategy per node (coordinator services and RPC servers included), as node
     processes build them."""
     import asyncio
@@ -70,7 +70,8 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
     strats = []
     for i in topo.ids:
         tr = trainers[i] if trainers is not None else make_trainer(topo, i)
-        ctx = make_context(topo, transports[i], tr, options=options, codec=codec, error_feedback=error_feedback)
+        ctx = make_context(topo, transports[i], tr, options=options, codec=codec, error_feedback=error_feedback,
+                           max_steps=max_steps)
         if i == topo.coordinator:
             cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
         ctx.rpc_server.start()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from p2psync.strategies.base import SgdStep
+from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.api.gate import StepGate
 
@@ -73,6 +73,10 @@ class HookedReplica:
             self.steps_taken += 1
             return out
         return await self.gate.run(go)
+
+    async def sgd_hyper(self) -> SgdHyper:
+        """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
+        return await self.gate.run(self.flat.sgd_hyper)
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers (a compensation:

@@ -146,13 +146,13 @@ class NodeRuntime:
             self._write_config()
         self.membership.start()
 
-    async def start_strategy(self, replica: Replica) -> Strategy:
+    async def start_strategy(self, replica: Replica, *, max_steps: int | None = None) -> Strategy:
         cfg, transport = self.cfg, self.transport
         ctx = StrategyContext(node_id=self.node_id, topology=self.topo, transport=transport, rpc=self.rpc,
                               rpc_server=self.server, membership=self.membership, replica=replica,
                               collectives=self.collectives,
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
-                              on_failure=cfg.on_failure, joining=self.joined)
+                              on_failure=cfg.on_failure, joining=self.joined, max_steps=max_steps)
         strategy = self.strategy = self.strategy_cls(ctx)
         self.membership.listeners.append(strategy.on_peer_failure)
         self.membership.view_listeners.append(strategy.on_view)

@@ -323,7 +323,8 @@ class Session:
         if not (rt is not None and self.replica is not None):
             raise TrainingError("the session is not started (attach() first)")
         try:
-            strategy = self.strategy = await rt.start_strategy(self.replica)
+            bounded = self.max_steps if self.max_steps < UNBOUNDED_STEPS else None
+            strategy = self.strategy = await rt.start_strategy(self.replica, max_steps=bounded)
             self.step = max(strategy.start_step, self._resume_step)
             limit = rt.time_left()
             self.t0 = time.monotonic()

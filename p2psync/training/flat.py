@@ -78,8 +78,16 @@ class FlatModel:
     def set_params(self, vec: np.ndarray) -> None:
         if vec.size != self.numel:
             raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
+        # copied into the parameters' own storage: vector_to_parameters would make them views
+        # of ``vec`` (on the CPU, of the caller's numpy array: two replicas given the same
+        # array, as nodes in one process are, then trained one shared set of weights)
+        src = self._to_device(vec)
+        off = 0
         with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(self._to_device(vec), self.params)
+            for p in self.params:
+                n = p.numel()
+                p.copy_(src[off: off + n].view_as(p))
+                off += n
 
     # -- plain SGD's own numbers (DTS) ----------------------------------------------------
 

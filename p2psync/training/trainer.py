@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from p2psync.strategies.base import SgdStep
+from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.errors import Aborted, ConfigError
 from p2psync.training.data import Dataset
@@ -178,6 +178,10 @@ class Trainer:
     async def sgd_step(self, vec: np.ndarray) -> SgdStep:
         """Like :meth:`apply_gradients`, reporting what plain SGD fed to its buffer (DTS)."""
         return await self.run(lambda: self.flat.sgd_step(vec, self.optimizer.step))
+
+    async def sgd_hyper(self) -> SgdHyper:
+        """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
+        return await self.run(self.flat.sgd_hyper)
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers."""

@@ -43,8 +43,10 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
     async with zmq_cluster(topo) as eps:
         # ASGD applies stale gradients with momentum: a smaller step keeps 40 steps stable
         trainers = {i: make_trainer(topo, i, lr=0.05 if strategy == "asgd" else 0.1) for i in topo.ids}
+        # the step budget is known in advance (as --steps gives it): DTS, which agrees on
+        # stopping only once per window, stops exactly at the last step too
         strats = await start_strategies(eps, topo, strategy, codec=codec, error_feedback=feedback,
-                                        trainers=trainers)
+                                        trainers=trainers, max_steps=STEPS)
         try:
             done = await asyncio.gather(*(_run_until_stop(s, STEPS) for s in strats))
             if strategy == "asgd":  # no barrier: remote gradients are still trickling in

@@ -1,0 +1,279 @@
+"""DTS: delayed and temporally sparse updates with error compensation (issue 12).
+
+Paper: ../shared/papers/dts-training-across-the-world.md, Sec. 3.1 (delayed update), Sec. 3.2
+(temporally sparse update), Sec. 3.3 (both), Table 1 (network requirements). The compensation
+itself is pure and lives in :mod:`~p2psync.strategies.dts_state` (the reading notes'
+normalized rule, ../shared/specs/dts.md §1.7, with the paper's errors corrected there).
+
+Options (``--opt NAME=VALUE``):
+
+* ``t`` (default 4): the delay. **t = 0 means no delay** (Table 1's and Eq. 12-13's
+  convention); the paper's Eqs. 3/7/8 count one more (their t = 1 is SSGD), so ``t_Eq3 = t + 1``.
+* ``p`` (default 4): the period of the temporally sparse update (windows of p steps).
+* ``momentum_compensation`` (default on): compensate SGD's momentum buffers too (Eqs. 7, 8, 10,
+  11, 13 corrected); off is the ablation that corrects the weights as if there were no
+  momentum.
+
+Only ``torch.optim.SGD`` without Nesterov and with dampening 0 is accepted (Adam is not linear
+in the gradients, so "replace the local gradient by the average" has no closed form for it):
+anything else is refused with a clear error at the start.
+
+One step (after the user's backward, on the step hook): the local SGD step with the node's own
+gradient (Eq. 2/4); the window accumulators; at a window's end its payload (``[A]`` vanilla,
+``[g]`` for p = 1, ``[S, A]`` otherwise: Table 1's "4|w|") starts averaging over the group in
+the background, through the topology's collectives and the run's codec (``--codec topk:0.01``
+is the paper's DGC setting), while the next iterations compute; exactly t steps after the
+window's end its average is awaited (the only barrier: it does not block when the exchange
+took less than t compute steps) and the correction is applied to the weights and the momentum
+buffers. So at most ceil(t/p) exchanges are in flight.
+
+Stopping: the stop flag rides with each window (an exact allreduce next to the payload's), so
+every node learns a stop at the same iteration, the window's application point; with a step
+budget (``--steps``) every node stops exactly at its last step (known in advance). At the stop
+the window in progress is closed early and every window in flight is applied (the flush), so
+every node ends with the same model (up to rounding; with a lossy codec, the same decoded
+averages). A time limit (``--time``) or ``p2psync.request_stop()`` therefore ends the run up to
+``p - 1 + t`` steps late.
+
+Failures and views (DESIGN "Membership is a sequence of views"): every exchange runs over the
+members of the view it started in, with the view epoch in its tag (``dts.win.<r>.e<epoch>``).
+With ``--on-failure stop`` a failed peer ends the run with PeerFailure. With ``continue`` (the
+default) a failed exchange or a newer view drops every window in flight *without applying any*
+(never a half-applied correction: each node keeps its own local steps for them) and the members
+of the new view re-synchronize: they average their whole state, weights and momentum buffers
+(``dts.<k>.e<epoch>``, through :class:`~p2psync.strategies.regroup.Regroup`, which waits for
+the newer view and redoes it over the survivors), and windows restart from the next iteration.
+A joiner takes a live member's state first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from p2psync.collectives import OpStats
+from p2psync.coordinator import View
+from p2psync.errors import PeerFailure, PeerTimeout, ProtocolError
+from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.dts_state import DtsState, Window, validate
+from p2psync.strategies.regroup import Adopted, Regroup
+
+log = logging.getLogger("p2psync.dts")
+
+Exchange = tuple[np.ndarray, bool, OpStats]
+
+
+@dataclass
+class _Flight:
+    """One window whose average is on its way."""
+
+    win: Window
+    epoch: int
+    tag: str
+    task: asyncio.Task[Exchange]
+
+
+class _Broken(Exception):
+    """A window's exchange failed or the view changed: re-synchronize."""
+
+
+@register
+class DTS(Strategy):
+    name = "dts"
+    options = {
+        "t": (int, 4, "delay in steps: a window's average is applied t steps after it closes (0: no delay)"),
+        "p": (int, 4, "temporal sparsity: average once per window of p steps"),
+        "momentum_compensation": (bool, True, "correct SGD's momentum buffers too (off: ablation)"),
+    }
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.t = int(self.opts["t"])
+        self.p = int(self.opts["p"])
+        validate(self.t, self.p, 0.0)
+        self.failstop = FailStop(ctx, "dts", "dts.")
+        self.regroup = Regroup(ctx=ctx, name="dts")
+        self.elastic = self.regroup.elastic
+        self.momentum = 0.0
+        self.state: DtsState | None = None
+        self.flights: dict[int, _Flight] = {}
+        self.epoch = ctx.epoch if self.elastic else 0
+        self._changed = asyncio.Event()
+        self.resyncs = 0  # re-synchronizations done (the same count on every member)
+        self._resync_due = False
+        self._want_stop = False
+        self.windows_sent = 0
+        self.windows_applied = 0
+        self.windows_dropped = 0
+        self.max_flight = 0
+        #: windows whose exchange had not finished when they were due (the step blocked; the
+        #: final flush, which waits for every window in flight, is not counted)
+        self.blocked = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        hyper = await self.ctx.replica.sgd_hyper()  # refuses Adam, Nesterov, dampening
+        self.momentum = hyper.momentum if self.opts["momentum_compensation"] else 0.0
+        validate(self.t, self.p, self.momentum)
+        if self.ctx.joining:  # a live member's state, then its re-sync (which gives the step)
+            self.resyncs = await self.regroup.join()
+            self._resync_due = True
+
+    def on_peer_failure(self, peer: int) -> None:
+        if self.elastic:
+            self.regroup.on_peer_failure(peer)
+        else:
+            self.failstop.on_peer_failure(peer)
+
+    def on_view(self, view: View) -> None:
+        self.regroup.on_view(view)
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def close(self) -> None:
+        await self._drop_flights()
+
+    # -- one step ------------------------------------------------------------------------
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        if not self.elastic:
+            self.failstop.check()
+        if self.state is None:
+            self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=step)
+        loss, grad = await self.ctx.replica.compute_gradients()
+        stepped = await self.ctx.replica.sgd_step(grad)  # the local step (Eq. 2/4)
+        self._want_stop = self._want_stop or want_stop
+        win = self.state.step(step, stepped.grad, stepped.hyper.lr)
+        if win is not None:
+            self._launch(win)
+        t0 = time.perf_counter()
+        extra: dict[str, Any] = {}
+        next_step: int | None = None
+        stop = self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
+        try:
+            if self.elastic and (self._resync_due or self.ctx.epoch != self.epoch):
+                raise _Broken(f"view {self.ctx.epoch} replaced view {self.epoch}")
+            r = self.state.due(step)
+            if r is not None:
+                flag, st = await self._apply(self.flights.pop(r), step)
+                stop = stop or flag
+                extra = {"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes}
+            if stop:
+                await self._flush(step)
+        except _Broken as why:
+            stop = False
+            next_step = await self._resync(step, str(why))
+        wait = time.perf_counter() - t0
+        self.max_flight = max(self.max_flight, len(self.flights))
+        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={
+            **extra, "in_flight": len(self.flights), "windows_sent": self.windows_sent,
+            "windows_applied": self.windows_applied, "blocked": self.blocked, "resyncs": self.resyncs,
+            "members": len(self.ctx.group)}, next_step=next_step)
+
+    # -- windows -------------------------------------------------------------------------
+
+    def _launch(self, win: Window) -> None:
+        if self.state is None:
+            return
+        view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
+        tag = f"dts.win.{win.index}.e{self.epoch}"
+        payload = self.state.payload(win)
+        coro = mean_and_agree(self.ctx.collectives, payload, self._want_stop, tag=tag, group=view.members)
+        task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
+        self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
+        self.windows_sent += 1
+
+    async def _apply(self, fl: _Flight, step: int, *, flush: bool = False) -> tuple[bool, OpStats]:
+        """Wait for a window's average and apply its correction after iteration ``step``."""
+        if self.state is None:
+            raise _Broken("no state")
+        if not fl.task.done() and not flush:
+            self.blocked += 1
+        avg, flag, st = await self._await(fl)
+        dw, du = self.state.correction(fl.win, avg, step)
+        await self.ctx.replica.correct(dw, du)
+        self.windows_applied += 1
+        return flag, st
+
+    async def _await(self, fl: _Flight) -> Exchange:
+        if not self.elastic:  # a failed peer's PeerFailure (FailStop aborts the receives)
+            return await fl.task
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            if self.ctx.epoch == fl.epoch:
+                await asyncio.wait({fl.task, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        if not fl.task.done():
+            self.flights[fl.win.index] = fl  # dropped with the others by the re-sync
+            raise _Broken(f"view {self.ctx.epoch} replaced view {fl.epoch} during window {fl.win.index}")
+        exc = fl.task.exception()
+        if exc is None:
+            return fl.task.result()
+        if isinstance(exc, (PeerFailure, PeerTimeout)) or (
+                isinstance(exc, ProtocolError) and exc.reason == "collective_mismatch"):
+            raise _Broken(f"window {fl.win.index} failed: {exc}")
+        raise exc
+
+    async def _flush(self, step: int) -> None:
+        """End of training: close the window in progress and apply every window in flight."""
+        if self.state is None:
+            return
+        win = self.state.close_partial(step)
+        if win is not None:
+            self._launch(win)
+        for r in sorted(self.flights):
+            await self._apply(self.flights.pop(r), step, flush=True)
+
+    async def _drop_flights(self) -> None:
+        """Cancel every window in flight; none of them is applied (the node keeps its own local
+        steps for them) and their pieces still on their way are dropped."""
+        flights = list(self.flights.values())
+        self.flights.clear()
+        for fl in flights:
+            fl.task.cancel()
+        await asyncio.gather(*(fl.task for fl in flights), return_exceptions=True)
+        for fl in flights:
+            self.ctx.transport.mailbox.retire(f"{fl.tag}.")  # the payload's and the flag's
+        if self.state is not None:
+            self.windows_dropped += len(self.state.pending)
+
+    async def _resync(self, step: int, why: str) -> int | None:
+        """Members of the current view average their whole state and agree on the step they
+        go on at (the highest one's next, so a joiner or a node that ran ahead by up to t
+        steps lines up); windows restart there (see the module docstring). Returns the step
+        the loop goes on at when it is not ``step + 1``."""
+        log.warning("node %d: DTS re-synchronizes after step %d (%s)", self.ctx.node_id, step, why)
+        await self._drop_flights()
+        got = await self.regroup.run(self.resyncs, lambda v: self._mean_state(v, step))
+        if isinstance(got, Adopted):  # a member that missed a re-sync took a peer's state
+            self.resyncs, go_on = got.step, step + 1
+        else:
+            go_on = max(step + 1, int(got) if got is not None else 0)
+        self.resyncs += 1
+        self._resync_due = False
+        self.epoch = self.ctx.epoch
+        self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=go_on)
+        return go_on if go_on != step + 1 else None
+
+    async def _mean_state(self, view: View, step: int) -> int:
+        """Average the whole state over ``view``; returns the step every member goes on at."""
+        rep, coll = self.ctx.replica, self.ctx.collectives
+        tag = f"dts.{self.resyncs}.e{view.epoch}"
+        steps = asyncio.ensure_future(coll.allgather(np.array([step], np.int64), view.members, tag=f"{tag}.steps"))
+        try:
+            vec = await rep.export_state()
+            mean = await coll.allreduce(vec, view.members, op="mean", codec="none", tag=tag)
+            top = max(int(a[0]) for a in await steps)
+        finally:
+            if not steps.done():
+                steps.cancel()
+                await asyncio.gather(steps, return_exceptions=True)
+        await rep.import_state(np.asarray(mean, dtype=np.float32))
+        return top + 1

@@ -1,0 +1,44 @@
+"""FlatModel: vectors in and out of a model never alias the caller's arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from p2psync.training.flat import FlatModel
+
+
+def _flat() -> FlatModel:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return FlatModel(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def test_set_params_copies_instead_of_aliasing_the_callers_array():
+    """Regression: set_params made the parameters views of the numpy array it was given, so
+    two replicas given the same array (nodes in one process) trained one shared model."""
+    a, b = _flat(), _flat()
+    vec = np.arange(a.numel, dtype=np.float32)
+    a.set_params(vec)
+    b.set_params(vec)
+    ids = [id(p) for p in a.model.parameters()]
+    with torch.no_grad():
+        for p in a.model.parameters():
+            p.add_(1.0)
+    np.testing.assert_array_equal(vec, np.arange(a.numel, dtype=np.float32))
+    np.testing.assert_array_equal(b.get_params(), vec)
+    assert [id(p) for p in a.model.parameters()] == ids  # the same Parameter objects
+
+
+def test_corrections_add_to_weights_and_momentum():
+    f = _flat()
+    x = torch.ones(4, 3)
+    f.optimizer.zero_grad()
+    f.model(x).sum().backward()
+    f.optimizer.step()
+    w0, s0 = f.get_params(), f.export_state()
+    dw = np.full(f.numel, 0.5, np.float32)
+    f.add_to_params(dw)
+    f.add_to_momentum(dw)
+    np.testing.assert_allclose(f.get_params(), w0 + 0.5)
+    np.testing.assert_allclose(f.export_state()[f.numel:], s0[f.numel:] + 0.5)
