@@ -231,3 +231,47 @@ async def test_asgd_restarted_node_rejoins_the_flooding_trees():
             await joiner.close()
     assert ends == [200] * 4
     assert acc > 0.4, acc  # it started from a trained replica, not from scratch
+
+
+async def test_dts_crash_mid_run_survivors_resync_and_finish_with_one_model():
+    """DTS (issue 12): a crash while windows are in flight drops them unapplied, the survivors
+    average their whole state over the new view and go on; every survivor ends at the same
+    step with the same model (the final flush), no hang."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "dts", options={"t": 2, "p": 2}) as nodes:
+        for n in nodes.values():
+            n.go(40)
+        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
+        await nodes[2].crash()
+        survivors = [nodes[i] for i in (0, 1, 3)]
+        ends = await _finish(survivors)
+        params = [await n.trainer.get_params() for n in survivors]
+        resyncs = [n.strategy.resyncs for n in survivors]
+    assert len(set(ends)) == 1 and ends[0] >= 40, ends
+    assert all(r >= 1 for r in resyncs), resyncs
+    for p in params[1:]:
+        np.testing.assert_allclose(p, params[0], rtol=1e-5, atol=1e-6)
+
+
+async def test_dts_restarted_node_rejoins_and_ends_with_the_same_model():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "dts", options={"t": 1, "p": 2}) as nodes:
+        joiner = Node(topo, 3, "dts", options={"t": 1, "p": 2})
+        for n in nodes.values():
+            n.go(10_000, stop=lambda: joiner.steps >= 8)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[3].crash()
+        survivors = [nodes[i] for i in (0, 1, 2)]
+        await until(lambda: all(n.strategy.resyncs >= 1 for n in survivors), 30, "re-synced")
+        try:
+            await joiner.start()
+            await joiner.join_run()
+            assert joiner.strategy.ctx.joining
+            joiner.go(10_000)
+            ends = await _finish([*survivors, joiner])
+            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+        finally:
+            await joiner.close()
+    assert len(set(ends)) == 1, ends
+    for p in params[1:]:
+        np.testing.assert_allclose(p, params[0], rtol=1e-5, atol=1e-6)
