@@ -58,7 +58,7 @@ import numpy as np
 
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
-from p2psync.errors import PeerFailure, PeerTimeout, ProtocolError
+from p2psync.errors import PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.dts_state import DtsState, Window, validate
 from p2psync.strategies.regroup import Adopted, Regroup
@@ -146,7 +146,11 @@ class DTS(Strategy):
             self.failstop.check()
         if self.state is None:
             self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=step)
-        loss, grad = await self.ctx.replica.compute_gradients()
+        try:
+            loss, grad = await self.ctx.replica.compute_gradients()
+        except TrainingEnded:
+            await self._settle()
+            raise
         stepped = await self.ctx.replica.sgd_step(grad)  # the local step (Eq. 2/4)
         self._want_stop = self._want_stop or want_stop
         win = self.state.step(step, stepped.grad, stepped.hyper.lr)
@@ -230,6 +234,19 @@ class DTS(Strategy):
             self._launch(win)
         for r in sorted(self.flights):
             await self._apply(self.flights.pop(r), step, flush=True)
+
+    async def _settle(self) -> None:
+        """The user's loop ended without an agreed stop (the node leaves the run): finish the
+        exchanges already started, which the peers are running with this node, and apply
+        them; the window in progress is not sent (peers whose loops go on re-sync without
+        this node)."""
+        if self.state is None:
+            return
+        try:
+            for r in sorted(self.flights):
+                await self._apply(self.flights.pop(r), self.state.last, flush=True)
+        except _Broken:
+            await self._drop_flights()
 
     async def _drop_flights(self) -> None:
         """Cancel every window in flight; none of them is applied (the node keeps its own local

@@ -204,6 +204,11 @@ class DtsState:
             del self._lrs[q]
 
     @property
+    def last(self) -> int:
+        """The last iteration recorded (``base - 1`` before the first)."""
+        return (self._next if self._next is not None else self.base) - 1
+
+    @property
     def in_flight(self) -> int:
         return len(self.pending)
 
