@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2psync.collectives import Collectives
-from p2psync.collectives.sparse import gather_sum, use_sparse
+from p2psync.collectives.sparse import gather_sum, pack, unpack, use_sparse
 from p2psync.compress import DEFAULT_FRACTION, TopK, get_codec
 from p2psync.compress.topk import check_sparse, select_topk, topk_count
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
@@ -116,6 +116,13 @@ def test_malformed_sparse_payloads_are_protocol_errors():
             pytest.fail(what)
     with pytest.raises(ProtocolError, match="out of range"):
         check_sparse(np.array([0, 2**31 - 1], np.int32), ok[1], 8, 2, "peer")
+    row = pack(*ok)
+    i, v = unpack(row, 8, 2, "peer")
+    np.testing.assert_array_equal(i, ok[0])
+    np.testing.assert_array_equal(v, ok[1])
+    for wrong in (row[:-1], np.concatenate([row, row[:4]]), row.view(np.int32)):
+        with pytest.raises(ProtocolError):
+            unpack(wrong, 8, 2, "peer")
 
 
 def test_fallback_rule():
