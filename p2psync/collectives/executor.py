@@ -157,7 +157,8 @@ class Collectives:
     async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                         op: str = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None) -> Any:
-        """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node)."""
+        """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
+        codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`."""
         if op not in ("sum", "mean", "weighted"):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)

@@ -60,9 +60,10 @@ THREAD_MIN = 1 << 20
 
 
 def use_sparse(n: int, k: int, members: int) -> bool:
-    """Whether the sparse exchange is used: more than one member, and the gathered sparse
-    parts (members * k * (index + value bytes)) no larger than the dense vector (n * 4)."""
-    return members > 1 and members * k * (index_dtype(n).itemsize + 4) <= n * 4
+    """Whether the sparse exchange is used: a non-empty vector, more than one member, and the
+    gathered sparse parts (members * k * (index + value bytes)) no larger than the dense vector
+    (n * 4)."""
+    return n > 0 and members > 1 and members * k * (index_dtype(n).itemsize + 4) <= n * 4
 
 
 def pack(idx: np.ndarray, vals: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2psync.collectives import Collectives
-from p2psync.collectives.sparse import gather_sum, pack, unpack, use_sparse
+from p2psync.collectives.sparse import THREAD_MIN, gather_sum, pack, unpack, use_sparse
 from p2psync.compress import DEFAULT_FRACTION, TopK, get_codec
 from p2psync.compress.topk import check_sparse, select_topk, topk_count
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
@@ -129,6 +129,7 @@ def test_fallback_rule():
     # sparse while the gathered parts (members * k * 8 bytes) are no larger than the vector (n * 4)
     assert use_sparse(10_000, 100, 4) and use_sparse(10_000, 1250, 4) and not use_sparse(10_000, 1251, 4)
     assert not use_sparse(10_000, 10, 1)  # a group of one is exact, as for every codec
+    assert not use_sparse(0, 0, 4)
 
 
 # -- the allreduce on the in-memory transport --------------------------------------------------
@@ -186,6 +187,24 @@ async def test_dense_fallback_is_exact_and_flushes_the_residual():
     ref = sum(xs[i] + res[i] for i in cs)
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
     assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+
+
+async def test_large_vectors_empty_vectors_and_one_member():
+    n = THREAD_MIN  # sparsified in a worker thread
+    codec = TopK(fraction=0.001)
+    async with memory(mesh(2), codec="topk:0.001") as cs:
+        xs = {i: np.random.default_rng(10 + i).standard_normal(n).astype(np.float32) for i in cs}
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="big") for i in cs))
+        ref = np.zeros(n, np.float32)
+        for i in sorted(cs):
+            idx, vals = codec.sparsify(xs[i])
+            ref[idx] += vals
+        np.testing.assert_array_equal(outs[0], ref)
+        assert outs[1].tobytes() == outs[0].tobytes()
+        empty = await asyncio.gather(*(cs[i].allreduce(np.zeros(0, np.float32), tag="empty") for i in cs))
+        assert all(e.shape == (0,) for e in empty)
+        one = await cs[0].allreduce(xs[0], group=[0], tag="solo")  # a group of one is exact
+        np.testing.assert_array_equal(one, xs[0])
 
 
 async def test_aborted_exchange_keeps_the_old_residual_and_other_ops():
