@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from p2psync.collectives.plan import ALGOS
-from p2psync.compress import CODECS
+from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
@@ -86,8 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "or compute (real extra matrix products on the compute thread)")
     p.add_argument("--esync-mode", choices=("blocking", "nonblocking"),
                    help="ESync State Server queries (default nonblocking, §4.2)")
-    p.add_argument("--codec", default=d.codec, choices=sorted(CODECS),
-                   help="per-piece compression in collectives")
+    p.add_argument("--codec", default=d.codec, type=codec_arg, metavar="CODEC",
+                   help=f"compression in collectives: {codec_usage()}. topk:F keeps the largest-magnitude "
+                        f"fraction F of each tensor (0 < F <= 1; topk alone: {DEFAULT_FRACTION:g}), exchanged "
+                        "as a sparse allreduce, always with error feedback")
     p.add_argument("--error-feedback", action="store_true",
                    help="carry what a lossy codec dropped into the next step")
     p.add_argument("--piece-kib", type=int, default=d.piece_kib, help="collective piece size (KiB)")
@@ -117,6 +119,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "continue, a node restarted with the same --node and --run-id rejoins")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
+
+
+def codec_arg(value: str) -> str:
+    """``--codec``: a known codec (``topk:F`` with its fraction checked), else a usage error."""
+    try:
+        get_codec(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

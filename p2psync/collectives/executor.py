@@ -15,7 +15,10 @@ delivered by then. After the operation the last pieces may still be queued insid
 send returns once the message is queued, not transmitted), so the working buffer is never
 modified or handed out afterwards: results are always fresh arrays.
 
-Codecs apply per piece. For a lossy codec the result is kept identical on every node: the
+Codecs apply per piece, except ``topk``: its allreduce sparsifies each node's whole contribution
+once and allgathers the sparse parts (:mod:`p2psync.collectives.sparse`, always with error
+feedback; a dense exact allreduce where sparse would not save traffic); its reduce-scatter is a
+ConfigError. For any other lossy codec the result is kept identical on every node: the
 owner of a fully reduced piece replaces its own copy by decode(encode(piece)) and the encoded
 bytes are then forwarded unchanged during the allgather, so everyone decodes the same bytes.
 With error feedback the part of a contribution a codec failed to send is added to this node's
@@ -65,7 +68,8 @@ from typing import Any, Mapping, Sequence, cast
 import numpy as np
 
 from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
-from p2psync.compress import Codec, ErrorFeedback, get_codec
+from p2psync.collectives.sparse import sparse_allreduce
+from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import Transport
 from p2psync.wire import Message
@@ -143,6 +147,8 @@ class Collectives:
         self.algo = algo
         get_codec(codec)  # validate
         self.feedback = ErrorFeedback() if error_feedback else None
+        #: residuals of the ``topk`` allreduce: always kept (see p2psync.collectives.sparse)
+        self.sparse_feedback = ErrorFeedback()
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
 
@@ -151,7 +157,8 @@ class Collectives:
     async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                         op: str = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None) -> Any:
-        """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node)."""
+        """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
+        codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`."""
         if op not in ("sum", "mean", "weighted"):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
@@ -163,6 +170,12 @@ class Collectives:
             if weights is None or set(weights) != set(g):
                 raise ConfigError("weighted allreduce needs one weight per group member")
             buf *= buf.dtype.type(weights[self.t.node_id])
+        c = get_codec(codec or self.codec)
+        if isinstance(c, TopK):
+            _check_tag(tag)
+            out = await sparse_allreduce(self, buf, g, c, stats=OpStats(f"allreduce:{op}", "topk", c.spec, tag),
+                                         family=feedback_family(tag), algo=algo)
+            return back(out / out.dtype.type(len(g)) if op == "mean" else out)
         plan = self._plan(g, buf, algo)
         await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
         # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
@@ -174,6 +187,9 @@ class Collectives:
         """Sum over ``group``; returns this node's fully reduced element ranges {(lo, hi): values}
         (numpy, in the input's dtype)."""
         g = self._group(group)
+        if isinstance(get_codec(codec or self.codec), TopK):
+            raise ConfigError("codec topk supports allreduce only (a reduce-scatter would re-sparsify partial "
+                              "sums at every hop); pass codec='none' or another codec to reduce_scatter")
         dtype = np.dtype(tensor.dtype) if isinstance(tensor, np.ndarray) else None
         buf, _ = _to_numpy(tensor)
         plan = self._plan(g, buf, algo)
@@ -185,7 +201,12 @@ class Collectives:
     async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
                         tag: str) -> list[np.ndarray]:
         """Every member's ``tensor`` (same shape everywhere), in group order."""
-        g = self._group(group)
+        rows, _ = await self._gather(tensor, self._group(group), tag)
+        return rows
+
+    async def _gather(self, tensor: Any, g: tuple[int, ...], tag: str, *,
+                      record: bool = True) -> tuple[list[np.ndarray], OpStats]:
+        """:meth:`allgather` and its stats (kept in the history only with ``record``)."""
         mine = np.array(tensor, copy=True).reshape(-1) if isinstance(tensor, np.ndarray) else _to_numpy(tensor)[0]
         m = mine.size
         ppn = max(1, -(-m * mine.itemsize // self.piece_bytes))  # pieces per member
@@ -197,9 +218,10 @@ class Collectives:
         bounds = np.concatenate([np.linspace(s * m, (s + 1) * m, ppn + 1).astype(np.int64)[:-1]
                                  for s in range(len(g))] + [np.array([m * len(g)])])
         phases = ("ag",) if plan.algo in ("ring", "mesh") else ("rs", "ag")
-        await self._execute("allgather", plan, buf, tag, "none", phases=phases, bounds=bounds)
+        stats = await self._execute("allgather", plan, buf, tag, "none", phases=phases, bounds=bounds,
+                                    record=record)
         shape = np.shape(tensor)
-        return [buf[order.index(n) * m:(order.index(n) + 1) * m].reshape(shape).copy() for n in g]
+        return [buf[order.index(n) * m:(order.index(n) + 1) * m].reshape(shape).copy() for n in g], stats
 
     async def broadcast(self, tensor: Any, root: int, group: Sequence[int] | None = None, *,
                         tag: str) -> Any:
@@ -264,7 +286,8 @@ class Collectives:
     # -- execution -----------------------------------------------------------------------
 
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
-                       *, phases: tuple[str, ...], bounds: np.ndarray | None = None) -> None:
+                       *, phases: tuple[str, ...], bounds: np.ndarray | None = None,
+                       record: bool = True) -> OpStats:
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:
@@ -279,7 +302,9 @@ class Collectives:
             run = _Run(self, plan, buf, bounds, c, tag, stats, sig)
             await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
-        self.history.append(stats)
+        if record:
+            self.history.append(stats)
+        return stats
 
 
 class _Run:

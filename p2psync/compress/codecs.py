@@ -1,5 +1,7 @@
 """Piece codecs: ``none``, ``fp16``, ``int8`` (uniform min/max) and ``sketch8`` (Canary's gradient
-sketch, ../shared/papers/canary.md §4.3.1), plus error feedback for any lossy codec. Pure.
+sketch, ../shared/papers/canary.md §4.3.1), plus error feedback for any lossy codec, and the
+registry ``CODECS`` / :func:`get_codec` (which also knows ``topk[:FRACTION]``, the sparsifying
+codec of :mod:`p2psync.compress.topk`). Pure.
 
 A codec turns one float32 piece into a few arrays for the wire and back. ``sketch8`` follows the
 paper's three steps:
@@ -31,37 +33,17 @@ Decoding is a table lookup. All hot loops are numba kernels (``kernels.py``).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from p2psync.compress import kernels as K
-from p2psync.errors import ConfigError, ProtocolError
+from p2psync.compress.base import Codec
+from p2psync.compress.base import expect_arrays as _expect
+from p2psync.compress.topk import TopK
+from p2psync.errors import ConfigError
 
 FP16_MAX = float(np.finfo(np.float16).max)
-
-
-class Codec(ABC):
-    name: ClassVar[str]
-    lossy: ClassVar[bool] = True
-
-    @abstractmethod
-    def encode(self, x: np.ndarray) -> list[np.ndarray]:
-        """Encode a 1-D float32 piece into wire arrays."""
-
-    @abstractmethod
-    def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
-        """Rebuild an ``n``-element float32 piece; ProtocolError if the arrays do not fit."""
-
-    def roundtrip(self, x: np.ndarray) -> np.ndarray:
-        return self.decode(self.encode(x), x.size)
-
-
-def _expect(arrays: Sequence[np.ndarray], spec: Sequence[tuple[np.dtype, int]], codec: str) -> None:
-    if len(arrays) != len(spec) or any(a.dtype != dt or a.size != n for a, (dt, n) in zip(arrays, spec)):
-        got = [(str(a.dtype), a.size) for a in arrays]
-        raise ProtocolError("codec_payload", f"{codec}: expected {[(str(d), n) for d, n in spec]}, got {got}")
 
 
 class NoCodec(Codec):
@@ -179,13 +161,21 @@ class Sketch8(Codec):
         return _lookup(arrays[0], arrays[1], self.use_numba)
 
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8)}
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, TopK)}
 
 
-def get_codec(name: str) -> Codec:
+def codec_usage() -> str:
+    """The known codecs as written on the command line: ``none, fp16, ..., topk[:FRACTION]``."""
+    return ", ".join(c.usage or c.name for c in CODECS.values())
+
+
+def get_codec(spec: str) -> Codec:
+    """The codec ``spec`` names: a registry name, or ``name:PARAM`` for a codec with a parameter
+    (``topk:0.01``). ConfigError naming the spec for anything else."""
+    name, sep, param = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if name not in CODECS:
-        raise ConfigError(f"unknown codec {name!r} (choose from {', '.join(CODECS)})")
-    return CODECS[name]()
+        raise ConfigError(f"unknown codec {spec!r} (choose from {codec_usage()})")
+    return CODECS[name].with_param(param) if sep else CODECS[name]()
 
 
 class ErrorFeedback:

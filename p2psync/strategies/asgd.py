@@ -14,7 +14,9 @@ makes the effective step N times larger, which diverges with momentum).
 Gradients travel through the run's codec (``--codec``): the origin encodes its gradient once
 (adding its error-feedback residual first with ``--error-feedback``), and relays forward the
 encoded bytes unchanged, so every node decodes the same values. The origin itself applies its
-exact gradient. A gradient whose frames do not decode is counted and ignored.
+exact gradient. A gradient whose frames do not decode is counted and ignored. With ``topk:F``
+the origin sends its gradient's largest fraction F (indices + values; error feedback always
+on, as for every use of topk), and receivers apply that sparse gradient.
 
 A failed peer is dropped from the trees and training continues with the survivors; a node that
 finishes early keeps applying what arrives until the finish barrier. The trees span the members
@@ -62,7 +64,8 @@ class ASGD(Strategy):
         self._sends: set[asyncio.Task[None]] = set()
         self.scale = 1.0 / self.ctx.topology.size if self.opts["average"] else 1.0
         self.codec = get_codec(self.ctx.collectives.codec)
-        self.feedback = ErrorFeedback() if self.ctx.collectives.feedback is not None and self.codec.lossy else None
+        wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
+        self.feedback = ErrorFeedback() if wants_feedback and self.codec.lossy else None
         self.malformed = 0
         serve_state(self.ctx, "asgd", lambda: self.local_step)
         if self.ctx.joining:

@@ -82,8 +82,10 @@ class RunConfig:
             raise ConfigError("--weight-decay must be >= 0")
         if self.failure_timeout <= self.heartbeat:
             raise ConfigError("--failure-timeout must be longer than --heartbeat")
+        from p2psync.compress import get_codec
         from p2psync.training.hetero import parse_profiles
 
+        get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode)  # validate
         if self.shaper not in ("none", "inproc", "netem"):
             raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")

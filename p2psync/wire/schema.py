@@ -52,7 +52,9 @@ DTYPES: frozenset[str] = frozenset(
 )
 
 #: Payload codecs a frame may declare (see ``p2psync.compress``). ``raw`` = not a tensor codec.
-CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "raw"})
+#: ``topk`` frames are (indices, values) of a sparsified tensor (ASGD's gradients; the sparse
+#: allreduce itself travels as plain ``none`` byte frames through the allgather).
+CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "topk", "raw"})
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
 HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops"})

@@ -1,0 +1,144 @@
+"""The allreduce of the ``topk`` codec: every node sparsifies once, the group allgathers the
+sparse vectors, and every node sums them in the same order.
+
+Why not the piece executor: a ring (or BCube, or tree) reduce-scatter sums partial results hop
+by hop, and a top-k codec would have to re-sparsify every partial sum, dropping a little more
+at each hop and sending a different selection on every link. Deep Gradient Compression instead
+sparsifies each node's own contribution once and exchanges the sparse vectors; this module
+does that:
+
+1. x = this node's contribution (already multiplied by its weight for ``op="weighted"``) plus
+   its error-feedback residual for the tensor (keyed by ``feedback_family(tag)`` and the
+   tensor's size, so ``ssgd.12`` and ``ssgd.13`` share one residual and two tensors never do);
+2. keep its k = ceil(f * n) largest-magnitude entries (:func:`~p2psync.compress.topk.select_topk`;
+   k is the same on every node since n and f are); the rest, x - sparse(x), becomes the new
+   residual. ``topk`` always uses error feedback, whatever ``error_feedback`` says;
+3. allgather (indices, values) with :meth:`Collectives.allgather <p2psync.collectives.Collectives.allgather>`
+   (exact, over the topology's plans): k * 8 bytes per node (int32 indices + float32 values;
+   int64 indices for n >= 2**31), packed into one byte array so it is one message per piece;
+4. check every node's part (:func:`~p2psync.compress.topk.check_sparse`: a malformed one is a
+   :class:`~p2psync.errors.ProtocolError`, never an out-of-bounds write) and add the parts into
+   a dense float32 zero vector in group order. Every node adds the same float32 values in the
+   same order, so the result is bitwise identical everywhere. ``op="mean"`` divides by the
+   group size afterwards, as the dense path does.
+
+The residual is committed only when the exchange succeeds: an aborted allreduce (a peer failed,
+the strategy drops the step) leaves the previous residual in place.
+
+**Dense fallback.** Each node receives N * k * 8 bytes (N = group size). When that is more than
+the dense vector itself (N * k * 8 > n * 4, i.e. f > about 0.5 / N) sparsification saves little
+or nothing (on a ring or mesh sparse traffic is N * k * 8 per node against 8 * n * (N-1) / N for
+the dense allreduce; BCube and tree allgathers move up to about twice the ring's bytes), so the
+operation runs as an exact dense allreduce (codec ``none``) of x, and the residual is flushed
+into it (set to zero). A group of one node is exact too, as for every codec. Whether to fall
+back depends only on n, k and N, so every member decides the same way.
+
+**Stats.** The operation's :class:`~p2psync.collectives.OpStats` has ``raw_bytes`` = what this
+node would have sent in the dense allreduce plan for this tensor, and ``wire_bytes`` /
+``nic_bytes`` = what the sparse allgather actually sent, so ``compression`` is the saving over
+the dense allreduce. A dense fallback records the dense operation's stats (codec ``none``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from p2psync.compress import TopK
+from p2psync.compress.topk import check_sparse, index_dtype
+from p2psync.errors import ConfigError, ProtocolError
+
+if TYPE_CHECKING:
+    from p2psync.collectives.executor import Collectives, OpStats
+
+#: vectors at least this long are sparsified in a worker thread (numpy releases the GIL), so a
+#: large selection does not stall the event loop (heartbeats, other transfers)
+THREAD_MIN = 1 << 20
+
+
+def use_sparse(n: int, k: int, members: int) -> bool:
+    """Whether the sparse exchange is used: a non-empty vector, more than one member, and the
+    gathered sparse parts (members * k * (index + value bytes)) no larger than the dense vector
+    (n * 4)."""
+    return n > 0 and members > 1 and members * k * (index_dtype(n).itemsize + 4) <= n * 4
+
+
+def pack(idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """(indices, values) as one little-endian byte array: the indices, then the values."""
+    ib = idx.astype(idx.dtype.newbyteorder("<"), copy=False).view(np.uint8)
+    vb = vals.astype("<f4", copy=False).view(np.uint8)
+    return np.concatenate([ib, vb])
+
+
+def unpack(row: np.ndarray, n: int, k: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (indices, values) in a packed row, checked (ProtocolError if malformed)."""
+    dt = index_dtype(n)
+    cut = k * dt.itemsize
+    if row.dtype != np.uint8 or row.size != cut + 4 * k:
+        raise ProtocolError("sparse", f"{who}: expected {cut + 4 * k} bytes, got {row.nbytes}")
+    idx = np.ascontiguousarray(row[:cut]).view(dt.newbyteorder("<")).astype(dt, copy=False)
+    vals = np.ascontiguousarray(row[cut:]).view("<f4").astype(np.float32, copy=False)
+    check_sparse(idx, vals, n, k, who)
+    return idx, vals
+
+
+def _split(codec: TopK, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kept (indices, values); ``x`` (this node's private copy) becomes the residual."""
+    idx, vals = codec.sparsify(x)  # vals is a copy (fancy indexing)
+    x[idx] = 0
+    return idx, vals
+
+
+async def gather_sum(coll: Collectives, idx: np.ndarray, vals: np.ndarray, g: tuple[int, ...], n: int,
+                     tag: str) -> tuple[np.ndarray, OpStats]:
+    """Allgather every member's k-of-n sparse vector and sum them densely in group order;
+    returns the float32 sum and the allgather's stats (not recorded in the history)."""
+    k = idx.size
+    rows, stats = await coll._gather(pack(idx, vals), g, tag, record=False)
+    out = np.zeros(n, np.float32)
+    for src, row in zip(g, rows, strict=True):
+        i, v = unpack(row, n, k, f"{tag}: sparse part of node {src}")
+        out[i] += v  # indices are unique within a part: no lost updates
+    return out, stats
+
+
+async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...], codec: TopK, *,
+                           stats: OpStats, family: str, algo: str | None) -> np.ndarray:
+    """The sum over ``g`` of every member's sparsified ``buf`` (error-feedback compensated),
+    as a fresh float32 array; see the module docstring. ``buf`` is this node's private copy."""
+    if buf.dtype != np.float32:
+        raise ConfigError(f"codec {codec.spec} works on float32 (or 16-bit float) tensors, got {buf.dtype}")
+    t0 = time.perf_counter()
+    n = buf.size
+    k = codec.k(n)
+    key = ("topk", family, n)
+    r = coll.sparse_feedback.residual.get(key)
+    x = buf + r if r is not None and r.shape == buf.shape else buf
+    if not use_sparse(n, k, len(g)):
+        await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
+        coll.sparse_feedback.residual.pop(key, None)  # sent in full
+        return x.copy()  # never hand out ``x``: ZeroMQ may still be reading the last pieces
+    if n >= THREAD_MIN:
+        idx, vals = await asyncio.to_thread(_split, codec, x)
+    else:
+        idx, vals = _split(codec, x)
+    out, gst = await gather_sum(coll, idx, vals, g, n, stats.tag)
+    coll.sparse_feedback.residual[key] = x  # committed only now that the exchange succeeded
+    stats.algo = f"topk/{gst.algo}"
+    stats.wire_bytes = gst.wire_bytes
+    stats.nic_bytes = dict(gst.nic_bytes)
+    stats.raw_bytes = dense_bytes(coll, g, buf, algo)
+    stats.seconds = time.perf_counter() - t0
+    coll.history.append(stats)
+    return out
+
+
+def dense_bytes(coll: Collectives, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> int:
+    """What this node sends in the dense allreduce plan for ``buf`` (the sparse op's raw bytes)."""
+    plan = coll._plan(g, buf, algo)
+    b = coll._bounds(buf, len(g))
+    me = coll.t.node_id
+    return sum(int(b[t.hi] - b[t.lo]) * buf.itemsize for rnd in (*plan.rs, *plan.ag) for t in rnd if t.src == me)
