@@ -86,6 +86,10 @@ class StepGate:
         self._park_gen = 0  # the park the loop knows of
         self._finished = False  # the strategy's driver ended: arrivals pass at once
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     # -- training thread -----------------------------------------------------------------
 
     def arrive(self, *, loss: float, samples: int, grads: Any, params_gen: int = 0) -> None:

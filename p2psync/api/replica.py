@@ -20,10 +20,13 @@ dropped and the parameters stay as they were.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
@@ -39,6 +42,41 @@ class HookedReplica:
         self.steps_taken = 0
         #: parameter replacements so far (training thread; arrivals carry the value they saw)
         self.params_gen = 0
+        self._hooks: list[Any] = []
+
+    # -- per-parameter gradient-ready hooks (strategies that pipeline layer groups) ---------
+
+    async def enable_grad_ready(self, callback: Callable[[int, int, np.ndarray], None]) -> None:
+        """During every backward pass, as soon as a parameter's gradient is accumulated into
+        its ``.grad`` (``register_post_accumulate_grad_hook``), ``callback(index, offset,
+        grad)`` runs on the event loop: the parameter's index, its offset in the flat vector
+        and a host copy of its ``.grad`` as it is then. Layers finish in reverse order, so a
+        strategy can start sending the last layers while the first ones still compute
+        (Canary's colayers). With gradient accumulation it fires once per backward pass; the
+        value at ``optimizer.step()`` is the last one. Registered on the training thread."""
+        loop = self.gate.loop
+
+        def register() -> None:
+            off = 0
+            for idx, p in enumerate(self.flat.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(self._grad_ready, loop, callback, idx, off)))
+                off += p.numel()
+
+        await self.gate.run(register)
+
+    @staticmethod
+    def _grad_ready(loop: asyncio.AbstractEventLoop, callback: Callable[[int, int, np.ndarray], None],
+                    idx: int, off: int, p: torch.Tensor) -> None:
+        if p.grad is None or loop.is_closed():
+            return
+        arr = p.grad.detach().reshape(-1).to("cpu", torch.float32).numpy().copy()
+        loop.call_soon_threadsafe(callback, idx, off, arr)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     @property
     def samples(self) -> int:

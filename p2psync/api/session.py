@@ -116,6 +116,7 @@ class Session:
         self._comm = self._wait = 0.0
         self._last_record: dict[str, Any] | None = None
         self._resume_step = 0
+        self._strategy_state: dict[str, Any] = {}
         self._ended_by_loop = False
 
     # -- training thread: the user's side ----------------------------------------------
@@ -229,10 +230,11 @@ class Session:
 
     def state_dict(self) -> dict[str, Any]:
         """p2psync's own state for the user's checkpoints (the model and optimizer have their
-        own state dicts): the step reached and the run it belongs to."""
+        own state dicts): the step reached, the run it belongs to and the strategy's state."""
         return {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
                 "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
-                "node": self.node_id}
+                "node": self.node_id,
+                "strategy_state": self.strategy.state_dict() if self.strategy is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (before :meth:`attach`): training resumes at its step."""
@@ -245,6 +247,10 @@ class Session:
             raise ConfigError(f"Session.load_state_dict: the checkpoint is of strategy {state.get('strategy')!r}, "
                               f"this run uses {self.cfg.strategy!r}")
         self._resume_step = step
+        st = state.get("strategy_state", {})
+        if not isinstance(st, dict):
+            raise ConfigError(f"Session.load_state_dict: bad strategy_state {type(st).__name__}")
+        self._strategy_state = st
 
     def __enter__(self) -> "Session":
         return self
@@ -275,6 +281,8 @@ class Session:
                 raise TrainingError("the session is not started (attach() first)")
             if not rt.joined:
                 await self._identical_start(rt)
+            if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
+                await self.replica.enable_grad_ready(self._on_grad_ready)
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
             self._driver = asyncio.get_running_loop().create_task(self._drive(), name="p2psync-driver")
         except BaseException:
@@ -296,6 +304,10 @@ class Session:
         params = await self.replica.get_params()
         params = await c.broadcast(params, root, members, tag="attach.params")
         await self.replica.set_params(params)
+
+    def _on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
+        if self.strategy is not None:
+            self.strategy.on_grad_ready(index, offset, grad)
 
     def _record(self, rep: Any) -> dict[str, Any]:
         if not (self.runtime is not None):
@@ -325,6 +337,8 @@ class Session:
         try:
             bounded = self.max_steps if self.max_steps < UNBOUNDED_STEPS else None
             strategy = self.strategy = await rt.start_strategy(self.replica, max_steps=bounded)
+            if self._strategy_state:
+                strategy.load_state_dict(self._strategy_state)
             self.step = max(strategy.start_step, self._resume_step)
             limit = rt.time_left()
             self.t0 = time.monotonic()
@@ -389,6 +403,7 @@ class Session:
                 # the others re-form without it; after an agreed stop nobody waits for it
                 await rt.finish(self.stats, depart=self._ended_by_loop)
         finally:
+            self.replica.remove_hooks()
             if self.metrics is not None:
                 if self._last_record is None and self._logged:
                     self._last_record = {"node": self.node_id, "step": self.step,

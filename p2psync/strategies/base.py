@@ -183,6 +183,23 @@ class Strategy(ABC):
     def on_peer_failure(self, peer: int) -> None:
         """A peer was declared failed by the membership service (called on the event loop)."""
 
+    #: the strategy wants :meth:`on_grad_ready` during backward (user scripts and the built-in
+    #: job both go through ``attach``, which installs the per-parameter hooks)
+    grad_ready: ClassVar[bool] = False
+
+    def on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
+        """Parameter ``index`` (flat ``offset``) got its gradient during backward (event loop;
+        only when :attr:`grad_ready`). Strategies that pipeline layer groups start sending
+        here; the flat gradient at the step is still what ``compute_gradients`` returns."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state for a user's checkpoint (JSON-friendly values); the model
+        and optimizer state are in their own state dicts."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (called after :meth:`start`, before the first step)."""
+
     def on_view(self, view: View) -> None:
         """A newer membership view (a node left or joined; called on the event loop, after
         ``on_peer_failure`` for the peers it removes). Strategies take their group from it."""

@@ -52,7 +52,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -139,6 +139,19 @@ class DTS(Strategy):
     async def close(self) -> None:
         await self._drop_flights()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Whether the node's model is in sync with its peers' right now: a checkpoint taken
+        with windows in flight or in progress holds this node's own local steps, so the nodes
+        of a resumed run hold different models until they re-synchronize."""
+        pending = self.state is not None and (self.state.in_flight > 0 or self.state.in_progress)
+        return {"t": self.t, "p": self.p, "in_sync": not pending, "resyncs": self.resyncs}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resuming: if the checkpoint was not taken in sync, the members average their whole
+        state at the first step (every node loaded its own checkpoint)."""
+        if not state.get("in_sync", True):
+            self._resync_due = True
+
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
@@ -161,7 +174,9 @@ class DTS(Strategy):
         next_step: int | None = None
         stop = self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
         try:
-            if self.elastic and (self._resync_due or self.ctx.epoch != self.epoch):
+            if self._resync_due:
+                raise _Broken("joined the run, or resumed from a checkpoint taken between syncs")
+            if self.elastic and self.ctx.epoch != self.epoch:
                 raise _Broken(f"view {self.ctx.epoch} replaced view {self.epoch}")
             r = self.state.due(step)
             if r is not None:

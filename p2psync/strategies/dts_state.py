@@ -209,6 +209,11 @@ class DtsState:
         return (self._next if self._next is not None else self.base) - 1
 
     @property
+    def in_progress(self) -> bool:
+        """A window has recorded iterations and is not closed yet."""
+        return self._start is not None
+
+    @property
     def in_flight(self) -> int:
         return len(self.pending)
 

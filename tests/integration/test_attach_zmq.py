@@ -21,6 +21,8 @@ from torch.optim.lr_scheduler import StepLR
 
 from p2psync.api.session import Session
 from p2psync.errors import ConfigError
+from p2psync.strategies.base import REGISTRY, register
+from p2psync.strategies.ssgd import SSGD
 from p2psync.topology import ring, save
 from p2psync.training.config import RunConfig
 from tests.helpers import free_port
@@ -116,3 +118,130 @@ def test_ssgd_through_attach_is_data_parallel_sgd(tmp_path: Path) -> None:
     fresh = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=1.0, momentum=0.5)
     fresh.load_state_dict(a["opt_state"])
     assert fresh.param_groups[0]["lr"] == pytest.approx(a["lr"]) and len(fresh.state) == 2
+
+
+class _GradReady(SSGD):
+    """SSGD that asks for the per-parameter gradient-ready hooks and records them."""
+
+    name = "test-grad-ready"
+    grad_ready = True
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.seen: list[tuple[int, int, np.ndarray]] = []
+
+    def on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
+        self.seen.append((index, offset, grad))
+
+
+if _GradReady.name not in REGISTRY:
+    register(_GradReady)
+
+
+def _two_nodes(tmp_path: Path, strategy: str, body: Any, **opts: Any) -> dict[int, Any]:
+    """Run ``body(session, node)`` on two nodes (threads) of one run; returns their results."""
+    topo = tmp_path / "ring2.json"
+    save(ring(2, base_port=free_port()), topo)
+    out: dict[int, Any] = {}
+
+    def node(i: int) -> None:
+        try:
+            s = Session(str(topo), i, strategy, out=str(tmp_path), run_id=f"{strategy}-{opts.get('tag', '')}",
+                        start_timeout=30, peer_timeout=15,
+                        **{k: v for k, v in opts.items() if k != "tag"})
+            out[i] = body(s, i)
+        except BaseException as exc:  # reported by the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    for i in (0, 1):
+        if isinstance(out.get(i), BaseException):
+            raise out[i]
+    return out
+
+
+def test_gradient_ready_hooks_fire_per_parameter_during_backward(tmp_path: Path) -> None:
+    """Issue 11: a strategy with ``grad_ready`` sees every parameter's gradient as backward
+    produces it, last layer first, once per backward pass (two with accumulation)."""
+
+    def body(s: Session, i: int) -> Any:
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        last: list[np.ndarray] = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            for x, y in _batches(i)[k]:
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            last = [p.grad.detach().reshape(-1).numpy().copy() for p in model.parameters()]
+            opt.step()
+        strategy = s.strategy
+        s.close()
+        return strategy.seen, last, [p.numel() for p in model.parameters()]
+
+    out = _two_nodes(tmp_path, "test-grad-ready", body)
+    for i in (0, 1):
+        seen, last, sizes = out[i]
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        assert len(seen) == STEPS * 2 * len(sizes), len(seen)
+        first_pass = [idx for idx, _, _ in seen[:len(sizes)]]
+        assert first_pass == sorted(first_pass, reverse=True)  # backward: last layer first
+        assert all(off == offsets[idx] and g.size == sizes[idx] for idx, off, g in seen)
+        final = seen[-len(sizes):]  # the last backward pass of the last step
+        for idx, _, g in final:
+            np.testing.assert_array_equal(g, last[idx])
+
+
+def test_dts_checkpoint_between_syncs_resumes_in_sync(tmp_path: Path) -> None:
+    """Session.state_dict carries the strategy's state: a DTS checkpoint taken with windows in
+    flight says so, and a run resumed from it re-synchronizes (every node loaded its own,
+    different model) before going on; the nodes end with one model."""
+
+    def first(s: Session, i: int) -> Any:
+        model = _model(0)
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+        for k in range(4):  # t=2, p=2, budget 10: windows in flight after step 3
+            opt.zero_grad()
+            x, y = _batches(i)[k][0]
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "opt": opt.state_dict(), "p2psync": s.state_dict()}
+        s.close(graceful=False)
+        return ckpt
+
+    ckpts = _two_nodes(tmp_path, "dts", first, strategy_options=(("t", "2"), ("p", "2")), tag="a")
+    assert all(c["p2psync"]["strategy_state"]["in_sync"] is False for c in ckpts.values())
+    a, b = (torch.nn.utils.parameters_to_vector(_load(c)[0].parameters()) for c in ckpts.values())
+    assert not torch.allclose(a, b)  # each node holds its own local steps
+
+    def resume(s: Session, i: int) -> Any:
+        model, opt_state = _load(ckpts[i])
+        s.load_state_dict(ckpts[i]["p2psync"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        opt.load_state_dict(opt_state)
+        opt = s.attach(model, opt)
+        for k in range(4, STEPS):
+            opt.zero_grad()
+            x, y = _batches(i)[k][0]
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if s.should_stop:
+                break
+        resyncs = s.strategy.resyncs
+        s.close()
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy(), resyncs
+
+    out = _two_nodes(tmp_path, "dts", resume, strategy_options=(("t", "2"), ("p", "2")), max_steps=STEPS,
+                     tag="b")
+    assert out[0][1] >= 1 and out[1][1] >= 1
+    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-6)
+
+
+def _load(ckpt: dict[str, Any]) -> tuple[nn.Module, Any]:
+    model = nn.Linear(4, 3)
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt["opt"]
