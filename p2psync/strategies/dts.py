@@ -167,8 +167,6 @@ class DTS(Strategy):
         stepped = await self.ctx.replica.sgd_step(grad)  # the local step (Eq. 2/4)
         self._want_stop = self._want_stop or want_stop
         win = self.state.step(step, stepped.grad, stepped.hyper.lr)
-        if win is not None:
-            self._launch(win)
         t0 = time.perf_counter()
         extra: dict[str, Any] = {}
         next_step: int | None = None
@@ -178,6 +176,8 @@ class DTS(Strategy):
                 raise _Broken("joined the run, or resumed from a checkpoint taken between syncs")
             if self.elastic and self.ctx.epoch != self.epoch:
                 raise _Broken(f"view {self.ctx.epoch} replaced view {self.epoch}")
+            if win is not None:
+                self._launch(win)
             r = self.state.due(step)
             if r is not None:
                 flag, st = await self._apply(self.flights.pop(r), step)
