@@ -110,3 +110,20 @@ def netns_mesh2(tmp_path: Any) -> Any:
     topo = tmp_path / "ns.json"
     topo.write_text(json.dumps(d))
     return topo
+
+
+@contextlib.asynccontextmanager
+async def memory_collectives(topo: Topology, **kw: Any) -> AsyncIterator[dict[int, Any]]:
+    """Collectives for every node over the in-memory transport (unit tests of logic)."""
+    from p2psync.collectives import Collectives
+    from p2psync.transport.memory import MemoryHub
+
+    hub = MemoryHub(topo)
+    eps = {i: hub.endpoint(i, default_timeout=5) for i in topo.ids}
+    for e in eps.values():
+        await e.start()
+    try:
+        yield {i: Collectives(e, **kw) for i, e in eps.items()}
+    finally:
+        for e in eps.values():
+            await e.close()

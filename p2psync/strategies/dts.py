@@ -214,7 +214,11 @@ class DTS(Strategy):
             raise _Broken("no state")
         if not fl.task.done() and not flush:
             self.blocked += 1
-        avg, flag, st = await self._await(fl)
+        try:
+            avg, flag, st = await self._await(fl)
+        except BaseException:  # kept so that close() or the re-sync cancels and reaps it
+            self.flights[fl.win.index] = fl
+            raise
         dw, du = self.state.correction(fl.win, avg, step)
         await self.ctx.replica.correct(dw, du)
         self.windows_applied += 1
@@ -230,7 +234,6 @@ class DTS(Strategy):
         finally:
             changed.cancel()
         if not fl.task.done():
-            self.flights[fl.win.index] = fl  # dropped with the others by the re-sync
             raise _Broken(f"view {self.ctx.epoch} replaced view {fl.epoch} during window {fl.win.index}")
         exc = fl.task.exception()
         if exc is None:

@@ -89,14 +89,7 @@ def test_ssgd_through_attach_is_data_parallel_sgd(tmp_path: Path) -> None:
     out: dict[int, Any] = {}
     # seeded differently: the identical start must give both node 0's parameters
     models = [_model(100 + i) for i in (0, 1)]
-    threads = [threading.Thread(target=_run_node, args=(cfg, i, models[i], out), daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    for i in (0, 1):
-        if isinstance(out.get(i), BaseException):
-            raise out[i]
+    _in_threads(lambda i: _run_node(cfg, i, models[i], out), out)
     a, b = out[0], out[1]
     assert a["params"].tobytes() == b["params"].tobytes()  # replicas bitwise equal
     assert a["lr"] == pytest.approx(0.1 * 0.5 ** 3)  # the scheduler drove the attached optimizer
@@ -153,7 +146,13 @@ def _two_nodes(tmp_path: Path, strategy: str, body: Any, **opts: Any) -> dict[in
         except BaseException as exc:  # reported by the test
             out[i] = exc
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in (0, 1)]
+    _in_threads(node, out)
+    return out
+
+
+def _in_threads(fn: Any, out: dict[int, Any]) -> None:
+    """``fn(i)`` for nodes 0 and 1 on their own threads; raises what a node stored in ``out``."""
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -161,7 +160,6 @@ def _two_nodes(tmp_path: Path, strategy: str, body: Any, **opts: Any) -> dict[in
     for i in (0, 1):
         if isinstance(out.get(i), BaseException):
             raise out[i]
-    return out
 
 
 def test_gradient_ready_hooks_fire_per_parameter_during_backward(tmp_path: Path) -> None:

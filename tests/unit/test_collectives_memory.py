@@ -4,32 +4,20 @@ errors (issue 9 items 4 and 5)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import memory_collectives as memory
 from p2psync.collectives import Collectives
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import mesh, ring, star
-from p2psync.transport.memory import MemoryHub
 from p2psync.wire.schema import DTYPES
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@contextlib.asynccontextmanager
-async def memory(topo, **kw):
-    hub = MemoryHub(topo)
-    eps = {i: hub.endpoint(i, default_timeout=5) for i in topo.ids}
-    for e in eps.values():
-        await e.start()
-    try:
-        yield {i: Collectives(e, **kw) for i, e in eps.items()}
-    finally:
-        for e in eps.values():
-            await e.close()
 
 
 async def test_a_tag_is_required():

@@ -5,7 +5,6 @@ and the CLI's --codec."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tests.helpers import memory_collectives as memory
 from p2psync.collectives import Collectives
 from p2psync.collectives.sparse import THREAD_MIN, gather_sum, pack, unpack, use_sparse
 from p2psync.compress import DEFAULT_FRACTION, TopK, get_codec
@@ -20,7 +20,6 @@ from p2psync.compress.topk import check_sparse, select_topk, topk_count
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import mesh, ring
 from p2psync.training.config import RunConfig
-from p2psync.transport.memory import MemoryHub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,17 +133,6 @@ def test_fallback_rule():
 
 # -- the allreduce on the in-memory transport --------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def memory(topo, **kw):
-    hub = MemoryHub(topo)
-    eps = {i: hub.endpoint(i, default_timeout=5) for i in topo.ids}
-    for e in eps.values():
-        await e.start()
-    try:
-        yield {i: Collectives(e, **kw) for i, e in eps.items()}
-    finally:
-        for e in eps.values():
-            await e.close()
 
 
 async def test_error_feedback_sum_of_sent_tracks_sum_of_inputs():
