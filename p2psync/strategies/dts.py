@@ -20,7 +20,8 @@ anything else is refused with a clear error at the start.
 
 One step (after the user's backward, on the step hook): the local SGD step with the node's own
 gradient (Eq. 2/4); the window accumulators; at a window's end its payload (``[A]`` vanilla,
-``[g]`` for p = 1, ``[S, A]`` otherwise: Table 1's "4|w|") starts averaging over the group in
+``[g]`` for p = 1, ``[S, A]`` otherwise: Table 1's "4|w|"; two tensors are two concurrent
+allreduces, so a top-k codec selects within each) starts averaging over the group in
 the background, through the topology's collectives and the run's codec (``--codec topk:0.01``
 is the paper's DGC setting), while the next iterations compute; exactly t steps after the
 window's end its average is awaited (the only barrier: it does not block when the exchange
@@ -202,11 +203,27 @@ class DTS(Strategy):
             return
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         tag = f"dts.win.{win.index}.e{self.epoch}"
-        payload = self.state.payload(win)
-        coro = mean_and_agree(self.ctx.collectives, payload, self._want_stop, tag=tag, group=view.members)
+        coro = self._exchange(self.state.payload_parts(win), tag, view.members)
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
         self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
         self.windows_sent += 1
+
+    async def _exchange(self, parts: list[np.ndarray], tag: str, members: tuple[int, ...]) -> Exchange:
+        """The mean of each payload part over ``members`` (concurrently: no extra round trip;
+        the second part under ``<tag>.acc``, its own error-feedback family) and the stop flag."""
+        coll = self.ctx.collectives
+        first = asyncio.ensure_future(mean_and_agree(coll, parts[0], self._want_stop, tag=tag, group=members))
+        rest = [asyncio.ensure_future(coll.allreduce(x, members, op="mean", tag=f"{tag}.acc")) for x in parts[1:]]
+        try:
+            (mean, flag, st), *others = await asyncio.gather(first, *rest)
+        except BaseException:
+            for t in (first, *rest):
+                t.cancel()
+            await asyncio.gather(first, *rest, return_exceptions=True)
+            raise
+        if others:
+            mean = np.concatenate([mean, *others])
+        return mean, flag, st
 
     async def _apply(self, fl: _Flight, step: int, *, flush: bool = False) -> tuple[bool, OpStats]:
         """Wait for a window's average and apply its correction after iteration ``step``."""

@@ -141,19 +141,27 @@ class DtsState:
 
     # -- payloads ------------------------------------------------------------------------
 
-    def payload(self, w: Window) -> np.ndarray:
-        """The vector averaged over the group for window ``w`` (see the module docstring)."""
+    def payload_parts(self, w: Window) -> list[np.ndarray]:
+        """The tensors averaged over the group for window ``w`` (see the module docstring):
+        ``[A]``, ``[S]`` or ``[S, A]``. Two tensors are averaged separately, so a lossy codec
+        with error feedback (top-k) selects within each one: S and A differ in scale (A is
+        about λ·p·S), and a selection over both together would keep almost only S."""
         if not self.momentum:
-            return w.a
+            return [w.a]
         if w.s is None:
             raise ConfigError("DTS: momentum window without S")
         if w.length == 1:
-            return w.s
-        return np.concatenate([w.s, w.a])
+            return [w.s]
+        return [w.s, w.a]
+
+    def payload(self, w: Window) -> np.ndarray:
+        """The payload parts as one vector (the layout :meth:`correction` takes)."""
+        parts = self.payload_parts(w)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def payload_tensors(self, w: Window) -> int:
         """How many model-sized tensors the window sends (1 or 2)."""
-        return 2 if self.momentum and w.length > 1 else 1
+        return len(self.payload_parts(w))
 
     def correction(self, w: Window, avg: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Apply window ``w``'s average ``avg`` (the mean of every member's payload) after
