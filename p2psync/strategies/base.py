@@ -234,10 +234,21 @@ def parse_options(cls: type[Strategy], raw: Mapping[str, Any]) -> dict[str, Any]
             raise ConfigError(f"--opt {k}: unknown option for strategy {cls.name} (known: {known})")
         typ = cls.options[k][0]
         try:
-            out[k] = typ(v) if typ is not bool else str(v).lower() in ("1", "true", "yes", "on")
+            out[k] = typ(v) if typ is not bool else _parse_bool(v)
         except (TypeError, ValueError):
             raise ConfigError(f"--opt {k}={v}: expected {typ.__name__}") from None
     return out
+
+
+def _parse_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 class FailStop:

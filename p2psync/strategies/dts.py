@@ -12,7 +12,11 @@ Options (``--opt NAME=VALUE``):
 * ``p`` (default 4): the period of the temporally sparse update (windows of p steps).
 * ``momentum_compensation`` (default on): compensate SGD's momentum buffers too (Eqs. 7, 8, 10,
   11, 13 corrected); off is the ablation that corrects the weights as if there were no
-  momentum.
+  momentum: the momentum part of each window's error is never corrected, so with momentum > 0
+  the nodes do not end with one model (the flush aligns only what was compensated).
+
+The momentum must stay constant during the run (a scheduler cycling it, like OneCycleLR's
+default, is refused when it changes); learning rates may follow any schedule (§4 A11).
 
 Only ``torch.optim.SGD`` without Nesterov and with dampening 0 is accepted (Adam is not linear
 in the gradients, so "replace the local gradient by the average" has no closed form for it):
@@ -59,14 +63,16 @@ import numpy as np
 
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
-from p2psync.errors import PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
-from p2psync.strategies.dts_state import DtsState, Window, validate
+from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Adopted, Regroup
 
 log = logging.getLogger("p2psync.dts")
 
 Exchange = tuple[np.ndarray, bool, OpStats]
+#: windows in flight at most (each holds one or two model-sized local copies and an exchange)
+MAX_IN_FLIGHT = 64
 
 
 @dataclass
@@ -97,10 +103,14 @@ class DTS(Strategy):
         self.t = int(self.opts["t"])
         self.p = int(self.opts["p"])
         validate(self.t, self.p, 0.0)
+        if max_in_flight(self.t, self.p) > MAX_IN_FLIGHT:
+            raise ConfigError(f"dts: t={self.t}, p={self.p} would keep {max_in_flight(self.t, self.p)} exchanges "
+                              f"in flight (ceil(t/p)); at most {MAX_IN_FLIGHT}: raise p or lower t")
         self.failstop = FailStop(ctx, "dts", "dts.")
         self.regroup = Regroup(ctx=ctx, name="dts")
         self.elastic = self.regroup.elastic
         self.momentum = 0.0
+        self.opt_momentum = 0.0
         self.state: DtsState | None = None
         self.flights: dict[int, _Flight] = {}
         self.epoch = ctx.epoch if self.elastic else 0
@@ -120,6 +130,7 @@ class DTS(Strategy):
 
     async def start(self) -> None:
         hyper = await self.ctx.replica.sgd_hyper()  # refuses Adam, Nesterov, dampening
+        self.opt_momentum = hyper.momentum
         self.momentum = hyper.momentum if self.opts["momentum_compensation"] else 0.0
         validate(self.t, self.p, self.momentum)
         if self.ctx.joining:  # a live member's state, then its re-sync (which gives the step)
@@ -166,6 +177,10 @@ class DTS(Strategy):
             await self._settle()
             raise
         stepped = await self.ctx.replica.sgd_step(grad)  # the local step (Eq. 2/4)
+        if stepped.hyper.momentum != self.opt_momentum:
+            raise ConfigError(f"dts: the optimizer's momentum changed from {self.opt_momentum} to "
+                              f"{stepped.hyper.momentum} (a scheduler cycling momentum, e.g. OneCycleLR): "
+                              "the compensation assumes a constant momentum (cycle_momentum=False)")
         self._want_stop = self._want_stop or want_stop
         win = self.state.step(step, stepped.grad, stepped.hyper.lr)
         t0 = time.perf_counter()
@@ -177,20 +192,23 @@ class DTS(Strategy):
                 raise _Broken("joined the run, or resumed from a checkpoint taken between syncs")
             if self.elastic and self.ctx.epoch != self.epoch:
                 raise _Broken(f"view {self.ctx.epoch} replaced view {self.epoch}")
+            r = self.state.due(step)
+            # the window due is applied before the one closing now is launched (unless it is
+            # that one, t = 0): at most ceil(t/p) exchanges are ever in flight
+            if r is not None and (win is None or r != win.index):
+                stop = await self._apply_due(r, step, extra) or stop
             if win is not None:
                 self._launch(win)
-            r = self.state.due(step)
-            if r is not None:
-                flag, st = await self._apply(self.flights.pop(r), step)
-                stop = stop or flag
-                extra = {"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes}
+            if r is not None and win is not None and r == win.index:
+                stop = await self._apply_due(r, step, extra) or stop
             if stop:
                 await self._flush(step)
         except _Broken as why:
-            stop = False
             next_step = await self._resync(step, str(why))
+            # every member agreed on the step and holds the same state: stop together there
+            go_on = step + 1 if next_step is None else next_step
+            stop = self.ctx.max_steps is not None and go_on >= self.ctx.max_steps
         wait = time.perf_counter() - t0
-        self.max_flight = max(self.max_flight, len(self.flights))
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={
             **extra, "in_flight": len(self.flights), "windows_sent": self.windows_sent,
             "windows_applied": self.windows_applied, "blocked": self.blocked, "resyncs": self.resyncs,
@@ -198,15 +216,22 @@ class DTS(Strategy):
 
     # -- windows -------------------------------------------------------------------------
 
+    async def _apply_due(self, r: int, step: int, extra: dict[str, Any]) -> bool:
+        flag, st = await self._apply(self.flights.pop(r), step)
+        extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
+        return flag
+
     def _launch(self, win: Window) -> None:
         if self.state is None:
             return
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
-        tag = f"dts.win.{win.index}.e{self.epoch}"
+        # the re-sync count keeps a window's tag unique when windows restart within one view
+        tag = f"dts.win.{self.resyncs}.{win.index}.e{self.epoch}"
         coro = self._exchange(self.state.payload_parts(win), tag, view.members)
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
         self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
         self.windows_sent += 1
+        self.max_flight = max(self.max_flight, len(self.flights))
 
     async def _exchange(self, parts: list[np.ndarray], tag: str, members: tuple[int, ...]) -> Exchange:
         """The mean of each payload part over ``members`` (concurrently: no extra round trip;
@@ -304,10 +329,13 @@ class DTS(Strategy):
         log.warning("node %d: DTS re-synchronizes after step %d (%s)", self.ctx.node_id, step, why)
         await self._drop_flights()
         got = await self.regroup.run(self.resyncs, lambda v: self._mean_state(v, step))
-        if isinstance(got, Adopted):  # a member that missed a re-sync took a peer's state
-            self.resyncs, go_on = got.step, step + 1
-        else:
-            go_on = max(step + 1, int(got) if got is not None else 0)
+        while isinstance(got, Adopted):
+            # this node missed a re-sync (it failed here, succeeded elsewhere) and took the
+            # donor's state and count; the members are averaging under that count, with this
+            # node: join them (the epoch is synced now, so the averaging runs at once)
+            self.resyncs = got.step
+            got = await self.regroup.run(self.resyncs, lambda v: self._mean_state(v, step))
+        go_on = max(step + 1, int(got) if got is not None else 0)
         self.resyncs += 1
         self._resync_due = False
         self.epoch = self.ctx.epoch

@@ -107,6 +107,12 @@ class FlatModel:
                                   f"(got nesterov={g.get('nesterov')}, dampening={g.get('dampening')})")
             if g.get("maximize", False):
                 raise ConfigError("this strategy does not support SGD(maximize=True)")
+        held = {id(p) for g in groups for p in g["params"]}
+        outside = sum(1 for p in self.params if id(p) not in held)
+        if outside:
+            raise ConfigError(f"{outside} trainable parameter tensor(s) of the model are in no parameter group "
+                              "of the optimizer: give the optimizer every trainable parameter, or set "
+                              "requires_grad=False on the frozen ones")
         moms = {float(g.get("momentum", 0.0)) for g in groups}
         if len(moms) != 1:
             raise ConfigError(f"every parameter group must use the same momentum (got {sorted(moms)})")

@@ -163,3 +163,75 @@ async def test_a_failed_peer_ends_the_run_in_bounded_time_under_fail_stop():
         finally:
             await close_strategies(strats)
     assert all(isinstance(r, PeerFailure) and "3" in str(r) for r in results), results
+
+
+async def test_weight_decay_and_parameter_groups_end_with_one_model():
+    """g = grad + weight_decay * w and per-group learning rates (per-element λ)."""
+    topo = ring(4, base_port=free_port())
+
+    def groups(trainers):
+        for tr in trainers.values():
+            params = list(tr.model.parameters())
+            tr.optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.1, "weight_decay": 1e-2},
+                                            {"params": params[1:], "lr": 0.05}], lr=0.1, momentum=0.9)
+            tr.flat.optimizer = tr.optimizer
+
+    got, reps, _, _ = await _run(topo, "dts", 15, options={"t": 2, "p": 3}, setup=groups)
+    for params in got[1:]:
+        np.testing.assert_allclose(params, got[0], rtol=1e-5, atol=1e-6)
+
+
+async def test_windows_restart_after_a_resync_within_one_view():
+    """Regression (review): windows restarted at index 0 after a re-sync reused the tags of the
+    windows just dropped (retired), so their pieces were discarded and the run failed."""
+    topo = ring(4, base_port=free_port())
+    async with zmq_cluster(topo, timeout=5.0) as eps:
+        trainers = {i: make_trainer(topo, i) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "dts", options={"t": 1, "p": 2}, trainers=trainers,
+                                        max_steps=20)
+        try:
+            async def go(s, first, last):
+                for k in range(first, last):
+                    rep = await s.train_step(k, k + 1 >= 20)
+                return rep
+
+            await asyncio.wait_for(asyncio.gather(*(go(s, 0, 6) for s in strats)), 60)
+            for s in strats:  # what a resumed checkpoint or a failed exchange asks for
+                s._resync_due = True
+            reps = await asyncio.wait_for(asyncio.gather(*(go(s, 6, 20) for s in strats)), 60)
+            params = [await s.ctx.replica.get_params() for s in strats]
+        finally:
+            await close_strategies(strats)
+    assert all(r.stop for r in reps)
+    assert all(s.resyncs == 1 and s.windows_applied >= 6 for s in strats)
+    for p in params[1:]:
+        np.testing.assert_allclose(p, params[0], rtol=1e-5, atol=1e-6)
+
+
+async def test_bad_options_and_optimizers_get_clear_errors():
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        for opts, match in [({"t": -1}, "t=-1"), ({"p": 0}, "p=0"), ({"t": 1000, "p": 1}, "in flight"),
+                            ({"momentum_compensation": "ture"}, "expected bool")]:
+            with pytest.raises(ConfigError, match=match):
+                await start_strategies(eps, topo, "dts", options=opts)
+        trainers = {i: make_trainer(topo, i) for i in topo.ids}
+        for tr in trainers.values():  # a frozen-by-omission parameter: not in the optimizer
+            tr.optimizer = torch.optim.SGD(list(tr.model.parameters())[1:], lr=0.1, momentum=0.9)
+            tr.flat.optimizer = tr.optimizer
+        with pytest.raises(ConfigError, match="in no parameter group"):
+            await start_strategies(eps, topo, "dts", trainers=trainers)
+
+
+async def test_a_momentum_that_changes_during_the_run_is_refused():
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "dts", options={"t": 0, "p": 1})
+        try:
+            await asyncio.gather(*(s.train_step(0, False) for s in strats))
+            for s in strats:  # what OneCycleLR(cycle_momentum=True) does
+                s.ctx.replica.optimizer.param_groups[0]["momentum"] = 0.8
+            with pytest.raises(ConfigError, match="momentum changed"):
+                await strats[0].train_step(1, False)
+        finally:
+            await close_strategies(strats)
