@@ -48,7 +48,9 @@ default) a failed exchange or a newer view drops every window in flight *without
 of the new view re-synchronize: they average their whole state, weights and momentum buffers
 (``dts.<k>.e<epoch>``, through :class:`~p2psync.strategies.regroup.Regroup`, which waits for
 the newer view and redoes it over the survivors), and windows restart from the next iteration.
-A joiner takes a live member's state first.
+A joiner takes a live member's state first. Like SSGD's last step, the final flush cannot be
+re-formed: a view change that lands during it ends the run with an error on the nodes whose
+exchanges had not finished.
 """
 
 from __future__ import annotations
