@@ -15,7 +15,7 @@ Issue 10 item 5: a joining node takes its state from a live peer.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -58,36 +58,34 @@ class FlatModel:
         return self._to_host(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                         for p in self.params]))
 
-    def set_grads(self, vec: np.ndarray) -> None:
+    def _per_param(self, vec: np.ndarray, what: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its part of ``vec`` on the parameter's device and dtype) for each one."""
         if vec.size != self.numel:
-            raise ValueError(f"gradient vector has {vec.size} elements, model has {self.numel}")
+            raise ValueError(f"{what} vector has {vec.size} elements, model has {self.numel}")
         src = self._to_device(vec)
         off = 0
         for p in self.params:
             n = p.numel()
-            g = src[off: off + n].view_as(p).to(p.device, p.dtype)
+            yield p, src[off: off + n].view_as(p).to(p.device, p.dtype)
+            off += n
+
+    def set_grads(self, vec: np.ndarray) -> None:
+        for p, g in self._per_param(vec, "gradient"):
             if p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
-            off += n
 
     def get_params(self) -> np.ndarray:
         return self._to_host(torch.nn.utils.parameters_to_vector(self.params))
 
     def set_params(self, vec: np.ndarray) -> None:
-        if vec.size != self.numel:
-            raise ValueError(f"parameter vector has {vec.size} elements, model has {self.numel}")
         # copied into the parameters' own storage: vector_to_parameters would make them views
         # of ``vec`` (on the CPU, of the caller's numpy array: two replicas given the same
         # array, as nodes in one process are, then trained one shared set of weights)
-        src = self._to_device(vec)
-        off = 0
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(src[off: off + n].view_as(p))
-                off += n
+            for p, v in self._per_param(vec, "parameter"):
+                p.copy_(v)
 
     # -- plain SGD's own numbers (DTS) ----------------------------------------------------
 
@@ -139,32 +137,19 @@ class FlatModel:
 
     def add_to_params(self, delta: np.ndarray) -> None:
         """w += delta (flat, float32)."""
-        if delta.size != self.numel:
-            raise ValueError(f"parameter delta has {delta.size} elements, model has {self.numel}")
-        src = self._to_device(delta)
-        off = 0
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.add_(src[off: off + n].view_as(p).to(p.device, p.dtype))
-                off += n
+            for p, d in self._per_param(delta, "parameter delta"):
+                p.add_(d)
 
     def add_to_momentum(self, delta: np.ndarray) -> None:
         """SGD's momentum buffers += delta (a missing buffer starts from zero)."""
-        if delta.size != self.numel:
-            raise ValueError(f"momentum delta has {delta.size} elements, model has {self.numel}")
-        src = self._to_device(delta)
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            d = src[off: off + n].view_as(p).to(p.device, p.dtype)
+        for p, d in self._per_param(delta, "momentum delta"):
             st = self.optimizer.state[p]
             buf = st.get("momentum_buffer")
             if buf is None:
                 st["momentum_buffer"] = d.clone()
             else:
                 buf.add_(d)
-            off += n
 
     # -- whole state (joins) -------------------------------------------------------------
 
