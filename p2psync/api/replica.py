@@ -119,11 +119,7 @@ class HookedReplica:
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers (a compensation:
         the iteration in flight was computed on nearly these parameters and stays valid)."""
-        def go() -> None:
-            self.flat.add_to_params(dw)
-            if du is not None:
-                self.flat.add_to_momentum(du)
-        await self.gate.run(go)
+        await self.gate.run(lambda: self.flat.correct(dw, du))
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
         def go() -> None:

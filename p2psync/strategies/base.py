@@ -281,9 +281,14 @@ class FailStop:
 
 
 async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag: str,
-                         group: Sequence[int] | None = None) -> tuple[np.ndarray, bool, OpStats]:
+                         group: Sequence[int] | None = None,
+                         more: Sequence[np.ndarray] = ()) -> tuple[np.ndarray, bool, OpStats]:
     """The mean of ``vec`` over ``group`` (default every node; through the run's codec, which may be lossy) and
     whether any node raised ``flag``, plus the stats of the vector's allreduce.
+
+    ``more``: further tensors averaged by their own allreduces (``<tag>.m<k>``: a lossy codec
+    with error feedback then selects within each tensor); their means are appended to the
+    result, in order.
 
     Control values (stop flags, counts) never pass through a lossy codec: int8 and sketch8 do
     not map 0 to exactly 0, so a flag riding in the quantized vector reads as "stop" about half
@@ -291,13 +296,17 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
     vector's, so it adds no round trip. If either fails, the other is cancelled.
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
-    main = asyncio.ensure_future(coll.allreduce(vec, group, op="mean", tag=tag))
-    ctl = asyncio.ensure_future(coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none"))
+    ops = [asyncio.ensure_future(coll.allreduce(vec, group, op="mean", tag=tag)),
+           asyncio.ensure_future(coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none")),
+           *(asyncio.ensure_future(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}"))
+             for k, x in enumerate(more))]
     try:
-        mean, flags = await asyncio.gather(main, ctl)
+        mean, flags, *others = await asyncio.gather(*ops)
     except BaseException:
-        for t in (main, ctl):
+        for t in ops:
             t.cancel()
-        await asyncio.gather(main, ctl, return_exceptions=True)
+        await asyncio.gather(*ops, return_exceptions=True)
         raise
+    if others:
+        mean = np.concatenate([mean, *others])
     return mean, bool(flags[0] > 0), coll.stats_for(tag)

@@ -116,7 +116,6 @@ class DTS(Strategy):
         self.state: DtsState | None = None
         self.flights: dict[int, _Flight] = {}
         self.epoch = ctx.epoch if self.elastic else 0
-        self._changed = asyncio.Event()
         self.resyncs = 0  # re-synchronizations done (the same count on every member)
         self._resync_due = False
         self._want_stop = False
@@ -147,8 +146,6 @@ class DTS(Strategy):
 
     def on_view(self, view: View) -> None:
         self.regroup.on_view(view)
-        ev, self._changed = self._changed, asyncio.Event()
-        ev.set()
 
     async def close(self) -> None:
         await self._drop_flights()
@@ -229,28 +226,13 @@ class DTS(Strategy):
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         # the re-sync count keeps a window's tag unique when windows restart within one view
         tag = f"dts.win.{self.resyncs}.{win.index}.e{self.epoch}"
-        coro = self._exchange(self.state.payload_parts(win), tag, view.members)
+        first, *more = self.state.payload_parts(win)
+        coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,
+                              more=more)
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
         self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
         self.windows_sent += 1
         self.max_flight = max(self.max_flight, len(self.flights))
-
-    async def _exchange(self, parts: list[np.ndarray], tag: str, members: tuple[int, ...]) -> Exchange:
-        """The mean of each payload part over ``members`` (concurrently: no extra round trip;
-        the second part under ``<tag>.acc``, its own error-feedback family) and the stop flag."""
-        coll = self.ctx.collectives
-        first = asyncio.ensure_future(mean_and_agree(coll, parts[0], self._want_stop, tag=tag, group=members))
-        rest = [asyncio.ensure_future(coll.allreduce(x, members, op="mean", tag=f"{tag}.acc")) for x in parts[1:]]
-        try:
-            (mean, flag, st), *others = await asyncio.gather(first, *rest)
-        except BaseException:
-            for t in (first, *rest):
-                t.cancel()
-            await asyncio.gather(first, *rest, return_exceptions=True)
-            raise
-        if others:
-            mean = np.concatenate([mean, *others])
-        return mean, flag, st
 
     async def _apply(self, fl: _Flight, step: int, *, flush: bool = False) -> tuple[bool, OpStats]:
         """Wait for a window's average and apply its correction after iteration ``step``."""
@@ -271,7 +253,7 @@ class DTS(Strategy):
     async def _await(self, fl: _Flight) -> Exchange:
         if not self.elastic:  # a failed peer's PeerFailure (FailStop aborts the receives)
             return await fl.task
-        changed = asyncio.ensure_future(self._changed.wait())
+        changed = asyncio.ensure_future(self.regroup.next_view.wait())
         try:
             if self.ctx.epoch == fl.epoch:
                 await asyncio.wait({fl.task, changed}, return_when=asyncio.FIRST_COMPLETED)

@@ -115,6 +115,11 @@ class Regroup:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
+    @property
+    def next_view(self) -> asyncio.Event:
+        """Set when a view newer than the current one arrives (a fresh event per view)."""
+        return self._changed
+
     def check(self) -> None:
         """Fail-stop mode: raise PeerFailure if a peer failed (no-op when re-forming)."""
         if not self.elastic:

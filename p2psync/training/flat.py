@@ -33,6 +33,7 @@ class FlatModel:
         if self.numel == 0:
             raise ConfigError("the model has no trainable parameters")
         self._pinned: torch.Tensor | None = None
+        self._per_element_cache: dict[str, tuple[tuple[object, ...], np.ndarray]] = {}
 
     def _to_host(self, flat: torch.Tensor) -> np.ndarray:
         flat = flat.detach()
@@ -132,8 +133,20 @@ class FlatModel:
         values = {float(g.get(key, 0.0)) for g in groups}
         if len(values) == 1:
             return values.pop()
-        of = {id(p): float(g.get(key, 0.0)) for g in groups for p in g["params"]}
-        return np.concatenate([np.full(p.numel(), of[id(p)], np.float32) for p in self.params])
+        sig = (key, tuple(float(g.get(key, 0.0)) for g in groups))
+        cached = self._per_element_cache.get(key)
+        if cached is None or cached[0] != sig:  # built once per change (a scheduler's step)
+            of = {id(p): float(g.get(key, 0.0)) for g in groups for p in g["params"]}
+            vec = np.concatenate([np.full(p.numel(), of[id(p)], np.float32) for p in self.params])
+            vec.setflags(write=False)
+            cached = self._per_element_cache[key] = (sig, vec)
+        return cached[1]
+
+    def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
+        """A compensation: parameters += dw, SGD momentum buffers += du (if given)."""
+        self.add_to_params(dw)
+        if du is not None:
+            self.add_to_momentum(du)
 
     def add_to_params(self, delta: np.ndarray) -> None:
         """w += delta (flat, float32)."""

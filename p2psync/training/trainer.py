@@ -185,11 +185,7 @@ class Trainer:
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers."""
-        def go() -> None:
-            self.flat.add_to_params(dw)
-            if du is not None:
-                self.flat.add_to_momentum(du)
-        await self.run(go)
+        await self.run(lambda: self.flat.correct(dw, du))
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
         """One optimizer step per gradient in ``vecs``, in order, in a single compute job."""
