@@ -44,7 +44,7 @@ def _final_accuracy(log: Path) -> float:
     return int(right) / int(total)
 
 
-@pytest.mark.parametrize("strategy", ["ssgd", "asgd", "esync", "dts"])
+@pytest.mark.parametrize("strategy", ["ssgd", "asgd", "esync", "dts", "preduce"])
 def test_the_example_trains_under_every_strategy(tmp_path: Path, strategy: str) -> None:
     topo = _topo(tmp_path)
     # ASGD applies every peer's gradient as its own optimizer step (momentum included): three

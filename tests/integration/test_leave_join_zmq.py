@@ -275,3 +275,50 @@ async def test_dts_restarted_node_rejoins_and_ends_with_the_same_model():
     assert len(set(ends)) == 1, ends
     for p in params[1:]:
         np.testing.assert_allclose(p, params[0], rtol=1e-5, atol=1e-6)
+
+
+async def test_preduce_crash_mid_run_survivors_go_on_and_end_with_one_model():
+    """P-Reduce (issue 13): a crashed worker never freezes a group: a reduce it was part of is
+    aborted at its failure (its members keep their own models), the controller drops it at the
+    next view, the survivors keep forming groups, and the final average re-forms over them."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "preduce", options={"P": 2}) as nodes:
+        for n in nodes.values():
+            n.go(60)
+        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
+        await nodes[2].crash()
+        survivors = [nodes[i] for i in (0, 1, 3)]
+        ops_at_crash = [n.strategy.ops for n in survivors]
+        ends = await _finish(survivors)
+        params = [await n.trainer.get_params() for n in survivors]
+        ops = [n.strategy.ops for n in survivors]
+    assert max(ends) == 60 and min(ends) > 6, ends
+    assert all(b > a for a, b in zip(ops_at_crash, ops)), (ops_at_crash, ops)  # grouped after the crash
+    for p in params[1:]:
+        np.testing.assert_allclose(p, params[0], rtol=1e-6, atol=1e-7)
+
+
+async def test_preduce_restarted_node_rejoins_the_queue_and_ends_with_the_same_model():
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "preduce", options={"P": 2}) as nodes:
+        joiner = Node(topo, 3, "preduce", options={"P": 2})
+        for n in nodes.values():
+            n.go(10_000, stop=lambda: joiner.steps >= 10)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[3].crash()
+        survivors = [nodes[i] for i in (0, 1, 2)]
+        await until(lambda: all(n.client.view is not None and n.client.view.members == (0, 1, 2)
+                                for n in survivors), 30, "the view without node 3")
+        try:
+            await joiner.start()
+            await joiner.join_run()
+            assert joiner.strategy.ctx.joining and joiner.strategy.start_step > 0
+            joiner.go(10_000)
+            await _finish([*survivors, joiner])
+            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            joined_ops = joiner.strategy.ops
+        finally:
+            await joiner.close()
+    assert joined_ops >= 1  # the joiner entered the queue and was grouped
+    for p in params[1:]:
+        np.testing.assert_allclose(p, params[0], rtol=1e-6, atol=1e-7)

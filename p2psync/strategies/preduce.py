@@ -1,0 +1,308 @@
+"""P-Reduce: the fastest P workers average their models while the others keep computing
+(issue 13; ../shared/papers/partial-reduce.md, reading notes ../shared/specs/preduce.md).
+
+Worker, Sec. 3.1.1 Algorithm 2 (spec §1.2, §1.6): every step is the user's own local step
+(line 4: the gradient through the user's optimizer, so momentum, weight decay and LR schedules
+behave as configured), then READY with the worker's version ``k`` to the controller (line 5),
+a wait for a group (line 6) and, in a group S, one weighted allreduce of the models over just
+the members (line 7: ``x <- sum_{j in S} w_j x_j``) through the topology's collectives, under
+the tag ``preduce.<controller>.<op>.e<epoch>``. Workers outside the group never take part: they
+go on computing. The controller (:mod:`p2psync.coordinator.preduce`, hosted by the coordinator
+through :mod:`p2psync.coordinator.preduce_service`) forms groups from READY signals in arrival
+order, as soon as P are queued, over members connected by direct links (collectives only move
+tensors between adjacent nodes), with the group-frozen filter of Sec. 4 (spec §1.6, B8).
+
+Options (``--opt NAME=VALUE``):
+
+* ``P``: the group size, 2 <= P <= N. 0 (default) = N // 2 (at least 2): the paper has no
+  default (Sec. 5.2.3: "need to be tuned"; its runs use 3 and 5 of 8 and 4 of 16/32).
+* ``weights``: ``constant`` (1/P, Alg. 2) or ``dynamic`` (Sec. 3.3: EMA of the members'
+  relative iteration numbers, spec §1.4, computed by the controller and sent with the group);
+  ``alpha`` (default 0.5, spec B6) and ``approx`` (``conservative``: the paper's rule, missing
+  versions go to the stalest member; ``nearest``: to the closest one, spec B7).
+* ``avoid_frozen`` (default on), ``window`` (T, 0 = 4 ceil((N-1)/(P-1)), spec B8),
+  ``max_defer`` (seconds; negative = one READY interval of the slowest worker).
+* ``tail``: when fewer than P workers remain (departures), ``stop`` the run (default) or
+  ``shrink`` the groups.
+* ``average_momentum`` (default off): the paper never says what happens to momentum buffers at
+  a P-reduce (spec B2). Off: they stay local (the paper's prototype "aggregates local models";
+  the third-party code does the same). On: the whole optimizer state is averaged with the
+  same weights as the parameters (then P = N is exactly all-reduce model averaging also with
+  momentum).
+* ``group_timeout`` (seconds, default 300): a worker that waited that long for a group fails
+  with PeerTimeout (every wait on peers is bounded).
+
+Versions (spec B11): ``k`` counts the worker's local steps and jumps to the group's maximum
+after a reduce (dynamic weights need it); the training loop's step (data, LR schedule) is
+separate.
+
+Stopping (spec B10, the end-of-training deadlock): the controller decides. The first worker
+that wants to stop (its ``--steps`` budget, ``--time`` or ``p2psync.request_stop()``) tells it
+with its READY; every queued and later READY is then answered STOP, so no worker waits for a
+group that can no longer form. With heterogeneous devices the fast workers therefore end the
+run and the slow ones have run fewer local steps, as in the paper's time-to-accuracy runs.
+Every worker then takes part in one exact allreduce of its whole state (Alg. 2 line 8: "the
+average of the models on all workers"), so every node ends with the same model.
+
+Codecs: the models themselves travel, so dense codecs (fp16, int8, sketch8) apply to model
+values; ``topk`` (a selection of a *gradient's* largest entries) would zero 99 % of a model
+and is refused with a clear error.
+
+Failures: with ``--on-failure stop`` a failed peer ends the run with PeerFailure. With
+``continue`` (default) a group whose reduce fails (a member died: its receives are aborted as
+soon as the failure detector declares it) is abandoned: nothing is applied, every member keeps
+its own model and signals READY again; the controller drops departed workers from its queue at
+the next view and admits joiners, which first copy a live neighbour's state. The final average
+re-forms over the survivors (:class:`~p2psync.strategies.regroup.Regroup`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from p2psync.compress import get_codec
+from p2psync.compress.topk import TopK
+from p2psync.coordinator import View
+from p2psync.coordinator.preduce import APPROX, TAILS, WEIGHTS
+from p2psync.coordinator.preduce_service import PReduceService
+from p2psync.coordinator.rpc import RpcServer
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.regroup import Regroup, fetch_state, serve_state
+from p2psync.topology import Topology
+
+log = logging.getLogger("p2psync.preduce")
+
+
+def group_size(opts: Mapping[str, Any], n: int) -> int:
+    """The option ``P`` (0: N // 2, at least 2), checked against the run's N nodes."""
+    p = int(opts["P"]) or max(2, n // 2)
+    if not 2 <= p <= n:
+        raise ConfigError(f"preduce: P={p} must be between 2 and the number of nodes ({n})")
+    return p
+
+
+def controller_options(opts: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The :class:`~p2psync.coordinator.preduce.Controller` keywords for the strategy options."""
+    for key, allowed in (("weights", WEIGHTS), ("approx", APPROX), ("tail", TAILS)):
+        if opts[key] not in allowed:
+            raise ConfigError(f"preduce: {key}={opts[key]!r}: choose {' or '.join(allowed)}")
+    if not 0.0 <= float(opts["alpha"]) < 1.0:
+        raise ConfigError(f"preduce: alpha={opts['alpha']} must be in [0, 1)")
+    return {"p": group_size(opts, n), "weights": opts["weights"], "alpha": float(opts["alpha"]),
+            "approx": opts["approx"], "avoid_frozen": bool(opts["avoid_frozen"]),
+            "window": int(opts["window"]) or None,
+            "max_defer": None if float(opts["max_defer"]) < 0 else float(opts["max_defer"]),
+            "tail": opts["tail"]}
+
+
+@dataclass(frozen=True)
+class GroupMsg:
+    """A validated group answer from the controller."""
+
+    ctl: int
+    op: int
+    epoch: int
+    members: tuple[int, ...]
+    weights: tuple[float, ...]
+    k: int
+
+    @property
+    def tag(self) -> str:
+        return f"preduce.{self.ctl}.{self.op}.e{self.epoch}"
+
+
+def parse_group(raw: Any, me: int, ids: frozenset[int]) -> GroupMsg:
+    """Check the controller's answer (a malformed one is a ProtocolError naming the field)."""
+    if not isinstance(raw, dict):
+        raise ProtocolError("preduce", "group answer is not a map")
+    ints = {k: raw.get(k) for k in ("ctl", "op", "epoch", "k")}
+    for k, v in ints.items():
+        if type(v) is not int or v < 0:
+            raise ProtocolError("preduce", f"group {k} {v!r}"[:80])
+    members, weights = raw.get("members"), raw.get("weights")
+    if (not isinstance(members, list) or not members or len(set(members)) != len(members)
+            or any(type(m) is not int or m not in ids for m in members) or me not in members):
+        raise ProtocolError("preduce", f"group members {members!r}"[:80])
+    if (not isinstance(weights, list) or len(weights) != len(members)
+            or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+                   for w in weights) or abs(sum(weights) - 1.0) > 1e-6):
+        raise ProtocolError("preduce", f"group weights {weights!r}"[:80])
+    return GroupMsg(ctl=int(raw["ctl"]), op=int(raw["op"]), epoch=int(raw["epoch"]), k=int(raw["k"]),
+                    members=tuple(members), weights=tuple(float(w) for w in weights))
+
+
+@register
+class PReduce(Strategy):
+    name = "preduce"
+    options = {
+        "P": (int, 0, "group size, 2 <= P <= N (0: N // 2)"),
+        "weights": (str, "constant", "constant (1/P) or dynamic (Sec. 3.3, EMA staleness)"),
+        "alpha": (float, 0.5, "EMA decay of the dynamic weights, in [0, 1)"),
+        "approx": (str, "conservative", "dynamic weights: missing versions go to the stalest member "
+                   "(conservative, the paper) or the nearest one"),
+        "avoid_frozen": (bool, True, "group-frozen avoidance (Sec. 4)"),
+        "window": (int, 0, "T, groups in the sync-graph (0: 4 ceil((N-1)/(P-1)))"),
+        "max_defer": (float, -1.0, "seconds the frozen filter may hold a group (negative: automatic)"),
+        "tail": (str, "stop", "fewer than P workers left: stop or shrink the groups"),
+        "average_momentum": (bool, False, "average the optimizer state with the same weights"),
+        "group_timeout": (float, 300.0, "seconds a worker waits for a group before failing"),
+    }
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.p = controller_options(self.opts, ctx.topology.size)["p"]
+        if isinstance(get_codec(ctx.collectives.codec), TopK):
+            raise ConfigError("preduce averages whole models: --codec topk would keep only the largest 1 % of "
+                              "a model's weights; use none, fp16, int8 or sketch8")
+        self.failstop = FailStop(ctx, "preduce", "preduce.")
+        self.final = Regroup(ctx=ctx, name="preduce.end")
+        self.elastic = self.final.elastic
+        self.k = 0  # the version (spec B11)
+        self.steps = 0  # local steps taken (the training loop's counter)
+        self.seq = 0  # READYs sent
+        self.group: GroupMsg | None = None  # the group whose reduce is running
+        self.ops = 0  # groups this worker took part in
+        self.failed_groups = 0
+        self.solo = 0
+        self.last_op = 0
+        self.queue_s = 0.0
+        self.reduce_s = 0.0
+
+    @classmethod
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
+        opts = parse_options(cls, options)
+        PReduceService(server, topology, **controller_options(opts, topology.size))
+
+    async def start(self) -> None:
+        serve_state(self.ctx, "preduce", lambda: self.steps)
+        if self.ctx.joining:
+            self.start_step = self.steps = self.k = await fetch_state(self.ctx, "preduce")
+
+    def on_peer_failure(self, peer: int) -> None:
+        if not self.elastic:
+            self.failstop.on_peer_failure(peer)
+        self.final.on_peer_failure(peer)
+        g = self.group
+        if self.elastic and g is not None and peer in g.members:  # abort the reduce at once
+            self.ctx.transport.mailbox.abort(
+                PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,)),
+                match=lambda tag: tag.startswith(f"{g.tag}."))
+
+    def on_view(self, view: View) -> None:
+        self.final.on_view(view)
+
+    # -- one step ------------------------------------------------------------------------
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        if not self.elastic:
+            self.failstop.check()
+        # (TrainingEnded: the user's loop ended; this node leaves and the others go on)
+        loss, grad = await self.ctx.replica.compute_gradients()
+        await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
+        self.steps, self.k = step + 1, self.k + 1
+        t0 = time.perf_counter()
+        answer = await self._ready(want_stop)  # lines 5-6
+        queued = time.perf_counter() - t0
+        self.queue_s += queued
+        extra: dict[str, Any] = {"queue_s": round(queued, 5), "k": self.k}
+        if answer is None:  # STOP: the run ends with the average of all models (line 8)
+            t1 = time.perf_counter()
+            await self._final_average()
+            wait = queued + time.perf_counter() - t1
+            return StepReport(loss=loss, stop=True, comm_s=wait, wait_s=wait, extra={
+                **extra, **self._totals(), "final_s": round(time.perf_counter() - t1, 4)})
+        t1 = time.perf_counter()
+        applied = await self._reduce(answer)  # line 7
+        reduced = time.perf_counter() - t1
+        self.reduce_s += reduced
+        extra.update(op=answer.op, group=len(answer.members), applied=applied, reduce_s=round(reduced, 5),
+                     weight=round(answer.weights[answer.members.index(self.ctx.node_id)], 5))
+        return StepReport(loss=loss, comm_s=reduced, wait_s=queued + reduced, extra={**extra, **self._totals()})
+
+    def _totals(self) -> dict[str, Any]:
+        return {"ops_joined": self.ops, "last_op": self.last_op, "failed_groups": self.failed_groups,
+                "members": len(self.ctx.group)}
+
+    async def _ready(self, stop: bool) -> GroupMsg | None:
+        """READY to the controller; the group it put this worker in, or None for STOP."""
+        self.seq += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.opts["group_timeout"]
+        ids = frozenset(self.ctx.topology.ids)
+        while True:
+            view = self.ctx.view
+            call = asyncio.ensure_future(self.ctx.membership.call_coordinator("preduce.ready", {
+                "seq": self.seq, "inc": self.ctx.transport.incarnation, "k": self.k, "stop": stop, "epoch": view.epoch, "members": list(view.members)},
+                timeout=self.ctx.peer_timeout + 10.0))
+            changed = asyncio.ensure_future(self.final.next_view.wait())
+            try:
+                await asyncio.wait({call, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                if not call.done():  # a newer view: ask again at once, telling it to the controller
+                    call.cancel()
+                    await asyncio.gather(call, return_exceptions=True)
+            if call.cancelled():
+                continue
+            rep = call.result()
+            if not isinstance(rep, dict):
+                raise ProtocolError("preduce", "controller answer is not a map")
+            if rep.get("stop"):
+                return None
+            if "group" in rep:
+                return parse_group(rep["group"], self.ctx.node_id, ids)
+            if not rep.get("wait"):
+                raise ProtocolError("preduce", f"unexpected controller answer {sorted(rep)!r}"[:80])
+            if loop.time() > deadline:
+                raise PeerTimeout(f"preduce: node {self.ctx.node_id} got no group within "
+                                  f"{self.opts['group_timeout']:g}s (P={self.p}, members {list(self.ctx.group)})")
+
+    async def _reduce(self, g: GroupMsg) -> bool:
+        """The members' weighted average; False when it failed and was abandoned."""
+        self.k = max(self.k, g.k)
+        self.last_op = max(self.last_op, g.op)
+        if len(g.members) == 1:  # a solo (tail=shrink with one worker left): nothing to average
+            self.solo += 1
+            return True
+        rep, coll = self.ctx.replica, self.ctx.collectives
+        whole = bool(self.opts["average_momentum"])
+        self.group = g
+        try:
+            x = await (rep.export_state() if whole else rep.get_params())
+            avg = await coll.allreduce(x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)),
+                                       tag=g.tag)
+        except (PeerFailure, PeerTimeout, ProtocolError) as exc:
+            if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
+                raise
+            self.failed_groups += 1
+            self.ctx.transport.mailbox.retire(f"{g.tag}.")
+            log.warning("node %d: P-reduce group %d %s abandoned (own model kept): %s", self.ctx.node_id,
+                        g.op, list(g.members), exc)
+            return False
+        finally:
+            self.group = None
+        avg = np.asarray(avg, dtype=np.float32)
+        await (rep.import_state(avg) if whole else rep.set_params(avg))
+        self.ops += 1
+        return True
+
+    async def _final_average(self) -> None:
+        """Alg. 2 line 8: every member ends with the exact mean of the members' states."""
+        rep, coll = self.ctx.replica, self.ctx.collectives
+
+        async def mean(view: View) -> np.ndarray:
+            vec = await rep.export_state()
+            return np.asarray(await coll.allreduce(vec, view.members, op="mean", codec="none",
+                                                   tag=f"preduce.end.0.e{view.epoch}"), dtype=np.float32)
+
+        out = await self.final.run(0, mean)
+        if isinstance(out, np.ndarray):
+            await rep.import_state(out)
