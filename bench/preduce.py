@@ -1,0 +1,270 @@
+"""P-Reduce vs all-reduce on a heterogeneous 8-node cluster (issue 13; Sec. 5.2 / Table 1 and
+Fig. 8 of ../shared/papers/partial-reduce.md, reading notes ../shared/specs/preduce.md §3.3).
+
+    python -m bench.preduce [--nodes 8] [--seconds 30] [--target 0.93] [--repeats 2] [--base 0.05]
+                            [--quick] [--mode wait|compute] [--out DIR]
+
+Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh
+(written to a temporary folder), momentum SGD 0.9, the default digits data and MLP, the same
+seed. Configurations: AR (all-reduce: ``ssgd``), P-Reduce CON (constant weights 1/P) and DYN
+(dynamic weights, alpha = 0.5) at P = 3 and 5. Heterogeneity as in the paper's Sec. 5.2: HL
+of the N workers share one device, so their step time is ``base x HL`` (emulated with
+``--step-time``, ``--mode wait`` by default: fixed step times make runs repeatable; ``compute``
+makes the extra time real matrix products); HL = 1 is homogeneous. Each run lasts
+``--seconds`` of training (``--time``), ``--repeats`` times with seeds 1, 2, ...; a row
+reports the medians.
+
+Measured (per run, from every node's node-*.jsonl):
+
+* **time to target**: each node's first evaluation (every ``--eval-every`` local steps) with
+  test accuracy >= ``--target``; the run's time is the median over the nodes (half of the
+  workers hold a model that good; the paper measures the time to its convergence threshold),
+  and the time when every node got there is printed too. Slow workers evaluate less often per
+  second, which delays "every node" for them.
+* **updates to target**: AR: the step count at that time (one allreduce per step); P-Reduce: the
+  controller's P-reduce count at that time (the largest group number any node joined by then,
+  the paper's "#update": one P-reduce = one update, Sec. 3.1.2).
+* **per-update time** = time to target / updates to target (the paper's Table 1 column).
+
+Targets (issue 13): at HL = 3 the best P-Reduce reaches the target >= 1.5x sooner than AR
+(paper: 1.48-2.01x); DYN needs no more updates than CON at P = 3; Fig. 8's shape (per-update
+time rises from P = 3 to P = 5, updates fall). Output: a markdown table and the target lines on
+stdout, bench/out/preduce.png (accuracy against time per HL; per-update time and updates).
+
+Run time: 10 configurations x ``--repeats`` runs of ``--seconds`` plus ~10-20 s of process
+start each (8 Python + torch processes on a 2-core machine): about 15 minutes at the defaults.
+``--quick``: HL = 3 only, AR, CON and DYN at P = 3, one 25 s run each (~2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench._common import markdown_table, save_png
+
+ROOT = Path(__file__).resolve().parent.parent
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    strategy: str
+    p: int = 0
+    weights: str = ""
+
+    def argv(self) -> list[str]:
+        if self.strategy != "preduce":
+            return ["--strategy", self.strategy]
+        return ["--strategy", "preduce", "--opt", f"P={self.p}", "--opt", f"weights={self.weights}"]
+
+
+CONFIGS = (Config("AR", "ssgd"), Config("CON P=3", "preduce", 3, "constant"),
+           Config("DYN P=3", "preduce", 3, "dynamic"), Config("CON P=5", "preduce", 5, "constant"),
+           Config("DYN P=5", "preduce", 5, "dynamic"))
+
+
+@dataclass
+class Outcome:
+    config: Config
+    hl: int
+    to_target: float  # median over the nodes
+    all_target: float  # every node
+    updates: int | None  # at the median time
+    final_acc: float
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def per_update_s(self) -> float | None:
+        if self.updates is None or self.updates <= 0 or self.to_target == INF:
+            return None
+        return self.to_target / self.updates
+
+
+def first_reach(recs: Sequence[dict[str, Any]], target: float) -> float:
+    """The time of a node's first evaluation at or above ``target`` (inf if none)."""
+    for r in recs:
+        acc = r.get("accuracy")
+        if acc is not None and acc >= target:
+            return float(r["time"])
+    return INF
+
+
+def updates_at(nodes: Sequence[Sequence[dict[str, Any]]], t: float, preduce: bool) -> int | None:
+    """Updates done by time ``t``: the largest P-reduce number joined by any node (P-Reduce),
+    or the largest step (AR: one allreduce per step)."""
+    if t == INF:
+        return None
+    key = "last_op" if preduce else "step"
+    seen = [int(r[key]) for recs in nodes for r in recs if r["time"] <= t and r.get(key) is not None]
+    return max(seen) if seen else 0
+
+
+def analyse(cfg: Config, hl: int, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
+    reach = sorted(first_reach(recs, target) for recs in nodes)
+    med = reach[(len(reach) - 1) // 2]  # the lower median: at least half of the nodes got there
+    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
+    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[-1] if r.get("accuracy") is not None]
+    return Outcome(config=cfg, hl=hl, to_target=med, all_target=reach[-1],
+                   updates=updates_at(nodes, med, cfg.strategy == "preduce"),
+                   final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0, curve=curve)
+
+
+def step_times(n: int, hl: int, base: float) -> str:
+    """HL of the N workers share one device (the last HL ids): base x HL each."""
+    return ",".join(f"{i}:{base * (hl if i >= n - hl else 1):g}" for i in range(n))
+
+
+def combine(runs: Sequence[Outcome]) -> Outcome:
+    """The median over repeated runs of one configuration (the curve of the first)."""
+    def med(xs: Sequence[float]) -> float:
+        return float(statistics.median(xs))
+    ups = [o.updates for o in runs if o.updates is not None]
+    return Outcome(config=runs[0].config, hl=runs[0].hl, to_target=med([o.to_target for o in runs]),
+                   all_target=med([o.all_target for o in runs]),
+                   updates=round(med(ups)) if len(ups) == len(runs) else None,
+                   final_acc=med([o.final_acc for o in runs]), curve=runs[0].curve)
+
+
+def run_one(cfg: Config, hl: int, args: argparse.Namespace, topo: Path, out: Path, rep: int) -> Outcome:
+    run_id = f"{cfg.label.replace(' ', '').replace('=', '')}-hl{hl}-r{rep}"
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv(), "--time", str(args.seconds),
+           "--step-time", step_times(args.nodes, hl, args.base), "--slowdown-mode", args.mode,
+           "--lr", str(args.lr), "--momentum", "0.9", "--eval-every", str(args.eval_every),
+           "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 180)
+    if r.returncode != 0:
+        raise SystemExit(f"{run_id} failed:\n{r.stderr[-3000:]}")
+    nodes = [[json.loads(ln) for ln in (out / run_id / f"node-{i}.jsonl").read_text().splitlines() if ln.strip()]
+             for i in range(args.nodes)]
+    return analyse(cfg, hl, nodes, args.target)
+
+
+def cell(v: float | None, fmt: str) -> str:
+    return "not reached" if v is None or v == INF else fmt.format(v)
+
+
+def report(res: Sequence[Outcome], target: float) -> str:
+    ar = {o.hl: o.to_target for o in res if o.config.strategy == "ssgd"}
+    rows = []
+    for o in res:
+        base = ar.get(o.hl, INF)
+        speed = base / o.to_target if o.to_target not in (0.0, INF) and base != INF else None
+        rows.append([o.hl, o.config.label, cell(o.to_target, "{:.1f}"), cell(o.all_target, "{:.1f}"),
+                     cell(speed, "{:.2f}x"), o.updates if o.updates is not None else "-",
+                     cell(None if o.per_update_s is None else o.per_update_s * 1e3, "{:.0f}"), f"{o.final_acc:.3f}"])
+    return markdown_table(["HL", "config", f"time to {target:.0%} (s, median node)", "every node (s)",
+                           "speed-up vs AR", "updates", "per-update (ms)", "final acc"], rows)
+
+
+def targets(res: Sequence[Outcome]) -> list[str]:
+    """The issue's target lines, PASS/FAIL with the figures."""
+    by = {(o.hl, o.config.label): o for o in res}
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    for hl in sorted({o.hl for o in res}):
+        ar = by.get((hl, "AR"))
+        pr = [o for o in res if o.hl == hl and o.config.strategy == "preduce" and o.to_target < INF]
+        if ar is None or not pr:
+            continue
+        best = min(pr, key=lambda o: o.to_target)
+        sp = ar.to_target / best.to_target if ar.to_target < INF else INF
+        if hl > 1:
+            out.append(f"- HL={hl}: best P-Reduce ({best.config.label}) {sp:.2f}x faster than AR to the target "
+                       f"(target >= 1.5x; paper 1.48-2.01x): {verdict(sp >= 1.5)}")
+        else:
+            out.append(f"- HL=1: best P-Reduce ({best.config.label}) {sp:.2f}x vs AR (paper ~1.2-1.5x)")
+        con, dyn = by.get((hl, "CON P=3")), by.get((hl, "DYN P=3"))
+        if con and dyn and con.updates and dyn.updates:
+            out.append(f"- HL={hl}: updates DYN P=3 {dyn.updates} vs CON P=3 {con.updates} (DYN <= CON): "
+                       f"{verdict(dyn.updates <= con.updates)}")
+        c5 = by.get((hl, "CON P=5"))
+        if con and c5 and con.per_update_s and c5.per_update_s and con.updates and c5.updates:
+            shape = c5.per_update_s > con.per_update_s and c5.updates < con.updates
+            out.append(f"- HL={hl}: Fig. 8 shape, CON P=3 -> P=5: per-update {con.per_update_s * 1e3:.0f} -> "
+                       f"{c5.per_update_s * 1e3:.0f} ms (rises), updates {con.updates} -> {c5.updates} (fall): "
+                       f"{verdict(shape)}")
+    return out
+
+
+def plot(res: Sequence[Outcome], target: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hls = sorted({o.hl for o in res})
+    fig, axes = plt.subplots(1, len(hls) + 1, figsize=(5 * (len(hls) + 1), 4))
+    for ax, hl in zip(axes, hls):
+        for o in res:
+            if o.hl == hl and o.curve:
+                ax.plot(*zip(*o.curve), label=o.config.label)
+        ax.axhline(target, color="grey", ls=":")
+        ax.set(title=f"HL={hl}: accuracy (last node)", xlabel="seconds", ylabel="test accuracy", ylim=(0.5, 1.0))
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    labels = [f"{o.config.label}\nHL={o.hl}" for o in res]
+    per = [(o.per_update_s or 0.0) * 1e3 for o in res]
+    ax.bar(range(len(res)), per, color="tab:blue")
+    ax.set_xticks(range(len(res)), labels, fontsize=7, rotation=60)
+    ax.set_ylabel("per-update time (ms)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(range(len(res)), [o.updates or 0 for o in res], "o", color="tab:red")
+    ax2.set_ylabel("updates to target", color="tab:red")
+    ax.set_title("per-update time and updates (Table 1 / Fig. 8)")
+    return save_png(fig, "preduce.png")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--target", type=float, default=0.93)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (seeds 1, 2, ...; medians)")
+    ap.add_argument("--base", type=float, default=0.05, help="step time of a device of its own (s)")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--hl", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
+    args = ap.parse_args(argv)
+    configs = list(CONFIGS)
+    if args.quick:
+        args.seconds, args.hl, args.repeats, configs = 25.0, [3], 1, configs[:3]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp) / "runs"
+        topo = Path(tmp) / f"mesh-{args.nodes}.json"
+        subprocess.run([sys.executable, "-m", "p2psync", "topo", "mesh", "-n", str(args.nodes), "-o", str(topo)],
+                       check=True, capture_output=True)
+        res = []
+        for hl in args.hl:
+            for cfg in configs:
+                runs = []
+                for rep in range(args.repeats):
+                    o = run_one(cfg, hl, args, topo, out, rep)
+                    print(f"  HL={hl} {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, "
+                          f"updates {o.updates}", file=sys.stderr)
+                    runs.append(o)
+                res.append(combine(runs))
+    print(f"\nP-Reduce vs all-reduce: N={args.nodes}, base step {args.base * 1e3:.0f} ms (x HL on HL workers, "
+          f"{args.mode} mode), {args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} "
+          "run(s) per row\n")
+    print(report(res, args.target))
+    print("\n" + "\n".join(targets(res)))
+    print(f"\nplot: {plot(res, args.target)}")
+
+
+if __name__ == "__main__":
+    main()
