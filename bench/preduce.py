@@ -6,7 +6,7 @@ Fig. 8 of ../shared/papers/partial-reduce.md, reading notes ../shared/specs/pred
 
 Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh
 (written to a temporary folder), momentum SGD 0.9, the default digits data and MLP, the same
-seed. Configurations: AR (all-reduce: ``ssgd``), P-Reduce CON (constant weights 1/P) and DYN
+seeds for every configuration. Configurations: AR (all-reduce: ``ssgd``), P-Reduce CON (constant weights 1/P) and DYN
 (dynamic weights, alpha = 0.5) at P = 3 and 5. Heterogeneity as in the paper's Sec. 5.2: HL
 of the N workers share one device, so their step time is ``base x HL`` (emulated with
 ``--step-time``, ``--mode wait`` by default: fixed step times make runs repeatable; ``compute``
