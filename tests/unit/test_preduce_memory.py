@@ -74,6 +74,21 @@ async def test_p_equal_n_is_allreduce_averaging_with_momentum_0():
     assert not np.allclose(want, start[0])  # it trained
 
 
+async def test_p_equal_n_with_averaged_momentum_is_ssgd_with_momentum():
+    """Spec B2: with ``average_momentum`` the buffers are averaged with the same weights, so
+    P = N is all-reduce SGD with momentum too (mean_i(x - lr m_i), mean_i(m_i) with
+    m_i = mu m + g_i is SSGD's step on the mean gradient)."""
+    topo = mesh(3)
+    async with nodes(topo, "preduce", {"P": 3, "average_momentum": True}, momentum=0.9) as pr:
+        await run(pr, 6)
+        got = [await s.ctx.replica.export_state() for s in pr]
+    async with nodes(topo, "ssgd", {}, momentum=0.9) as ss:
+        await run(ss, 6)
+        want = await ss[0].ctx.replica.export_state()
+    for x in got:
+        np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-6)
+
+
 async def test_constant_weights_preserve_the_sum_and_members_end_equal():
     """§2.4 / §5 item 7: x = [1, 2, 3, 10], P = 2 (lr 1e-30: the local step changes nothing): two
     groups of two form from the four READYs; the network-wide sum stays 16 and each pair ends
