@@ -7,7 +7,8 @@ Fig. 8 of ../shared/papers/partial-reduce.md, reading notes ../shared/specs/pred
 Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh
 (written to a temporary folder), momentum SGD 0.9, the default digits data and MLP, the same
 seeds for every configuration. Configurations: AR (all-reduce: ``ssgd``), P-Reduce CON (constant weights 1/P) and DYN
-(dynamic weights, alpha = 0.5) at P = 3 and 5. Heterogeneity as in the paper's Sec. 5.2: HL
+(dynamic weights, alpha = 0.5, the paper's conservative rule) at P = 3 and 5; ``--configs``
+adds DYNn (dynamic, ``approx=nearest``: the monotone reading of spec B7). Heterogeneity as in the paper's Sec. 5.2: HL
 of the N workers share one device, so their step time is ``base x HL`` (emulated with
 ``--step-time``, ``--mode wait`` by default: fixed step times make runs repeatable; ``compute``
 makes the extra time real matrix products); HL = 1 is homogeneous. Each run lasts
@@ -60,16 +61,20 @@ class Config:
     strategy: str
     p: int = 0
     weights: str = ""
+    approx: str = "conservative"
 
     def argv(self) -> list[str]:
         if self.strategy != "preduce":
             return ["--strategy", self.strategy]
-        return ["--strategy", "preduce", "--opt", f"P={self.p}", "--opt", f"weights={self.weights}"]
+        return ["--strategy", "preduce", "--opt", f"P={self.p}", "--opt", f"weights={self.weights}",
+                "--opt", f"approx={self.approx}"]
 
 
 CONFIGS = (Config("AR", "ssgd"), Config("CON P=3", "preduce", 3, "constant"),
            Config("DYN P=3", "preduce", 3, "dynamic"), Config("CON P=5", "preduce", 5, "constant"),
            Config("DYN P=5", "preduce", 5, "dynamic"))
+#: the monotone reading of the dynamic weights (spec B7), run on request (``--configs``)
+EXTRA = (Config("DYNn P=3", "preduce", 3, "dynamic", "nearest"), Config("DYNn P=5", "preduce", 5, "dynamic", "nearest"))
 
 
 @dataclass
@@ -189,6 +194,10 @@ def targets(res: Sequence[Outcome]) -> list[str]:
         if con and dyn and con.updates and dyn.updates:
             out.append(f"- HL={hl}: updates DYN P=3 {dyn.updates} vs CON P=3 {con.updates} (DYN <= CON): "
                        f"{verdict(dyn.updates <= con.updates)}")
+        near = by.get((hl, "DYNn P=3"))
+        if con and near and con.updates and near.updates:
+            out.append(f"- HL={hl}: updates DYNn P=3 (approx=nearest) {near.updates} vs CON P=3 {con.updates} "
+                       f"(DYNn <= CON): {verdict(near.updates <= con.updates)}")
         c5 = by.get((hl, "CON P=5"))
         if con and c5 and con.per_update_s and c5.per_update_s and con.updates and c5.updates:
             shape = c5.per_update_s > con.per_update_s and c5.updates < con.updates
@@ -237,10 +246,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--hl", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--configs", nargs="+", metavar="LABEL",
+                    help=f"run only these (default: {', '.join(c.label for c in CONFIGS)}; also "
+                         f"{', '.join(c.label for c in EXTRA)}: dynamic weights with approx=nearest)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
     args = ap.parse_args(argv)
     configs = list(CONFIGS)
+    if args.configs:
+        known = {c.label: c for c in (*CONFIGS, *EXTRA)}
+        bad = [c for c in args.configs if c not in known]
+        if bad:
+            ap.error(f"unknown --configs {bad}: choose from {', '.join(known)}")
+        configs = [known[c] for c in args.configs]
     if args.quick:
         args.seconds, args.hl, args.repeats, configs = 25.0, [3], 1, configs[:3]
     with tempfile.TemporaryDirectory() as tmp:
