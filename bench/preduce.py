@@ -164,7 +164,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
         base = ar.get(o.hl, INF)
         speed = base / o.to_target if o.to_target not in (0.0, INF) and base != INF else None
         rows.append([o.hl, o.config.label, cell(o.to_target, "{:.1f}"), cell(o.all_target, "{:.1f}"),
-                     cell(speed, "{:.2f}x"), o.updates if o.updates is not None else "-",
+                     cell(speed, "{:.2f}x") if o.hl in ar else "no AR run", o.updates if o.updates is not None else "-",
                      cell(None if o.per_update_s is None else o.per_update_s * 1e3, "{:.0f}"), f"{o.final_acc:.3f}"])
     return markdown_table(["HL", "config", f"time to {target:.0%} (s, median node)", "every node (s)",
                            "speed-up vs AR", "updates", "per-update (ms)", "final acc"], rows)
