@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Collection, Mapping, Sequence
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, ProtocolError
 
 WEIGHTS = ("constant", "dynamic")
 APPROX = ("conservative", "nearest")
@@ -183,17 +183,19 @@ class Controller:
         return tuple(w for w, _ in self._queue)
 
     def ready(self, worker: int, k: int, now: float, *, last: bool = False) -> list[Group]:
-        """READY(worker, k) after a local step (Alg. 2 worker line 5); the groups formed now."""
+        """READY(worker, k) after a local step (Alg. 2 worker line 5); the groups formed now.
+        Remote bad input (not a member, already queued, bad k) is a ProtocolError; the state is
+        unchanged."""
         if self.stopped:
             return []
         if type(worker) is not int or worker not in self.members:
-            raise ConfigError(f"READY from node {worker!r}, not a member of the current view")
+            raise ProtocolError("preduce", f"READY from node {worker!r}, not a member of the current view")
         if type(k) is not int or k < 0:
-            raise ConfigError(f"READY from node {worker}: bad iteration number {k!r}")
+            raise ProtocolError("preduce", f"READY from node {worker}: bad iteration number {k!r}")
         if worker in self.queue:
-            raise ConfigError(f"READY from node {worker}, which is already queued")
+            raise ProtocolError("preduce", f"READY from node {worker}, which is already queued")
         if worker in self.finished:
-            raise ConfigError(f"READY from node {worker} after its last one")
+            raise ProtocolError("preduce", f"READY from node {worker} after its last one")
         if worker in self._last_ready:
             gap = now - self._last_ready[worker]
             self._interval[worker] = max(self._interval.get(worker, 0.0), gap)

@@ -18,7 +18,8 @@ groups from 1 again, and the id keeps the members' collective tags unique.
 Membership: like ESync's State Server the controller learns the view from the workers' calls
 (the newest epoch wins): departed workers leave the queue, joiners are admitted. ``stop`` from
 any worker (its step budget, time limit or ``request_stop``) stops the run: every queued and
-later READY is answered STOP.
+later READY is answered STOP. Malformed or impossible calls (remote input) are ProtocolErrors,
+answered as errors, counted in ``rejected`` and logged once; the controller's state is unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from p2psync.coordinator.preduce import Controller, Group
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import ConfigError
+from p2psync.errors import ProtocolError
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.preduce")
@@ -44,7 +45,7 @@ HOLD_S = 5.0
 def _int(args: Mapping[str, Any], key: str, lo: int = 0) -> int:
     v = args.get(key)
     if type(v) is not int or v < lo:
-        raise ConfigError(f"preduce.ready: {key} must be an integer >= {lo}, not {v!r}"[:120])
+        raise ProtocolError("preduce", f"ready: {key} must be an integer >= {lo}, not {v!r}"[:120])
     return v
 
 
@@ -67,6 +68,7 @@ class PReduceService:
         self._inc: dict[int, int] = {}  # each worker's incarnation (a restarted node counts anew)
         self._timer: asyncio.TimerHandle | None = None
         self.readies = 0
+        self.rejected = 0  # malformed or impossible READYs
         server.register("preduce.ready", self._ready)
 
     # -- answers -------------------------------------------------------------------------
@@ -116,7 +118,7 @@ class PReduceService:
             return
         if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
                 or any(type(m) is not int or m not in self.topology.ids for m in members)):
-            raise ConfigError("preduce.ready: bad view (epoch, members)")
+            raise ProtocolError("preduce", "ready: bad view (epoch, members)")
         if epoch > self.epoch:
             self.epoch = epoch
             self.members = tuple(sorted(set(members)))
@@ -134,17 +136,26 @@ class PReduceService:
             old[1].cancel()
         self._deliver(self.ctl.forget(worker, now))
 
-    async def _ready(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+    async def _ready(self, caller: int, args: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> Any:
+        try:
+            return await self._ready_call(caller, args)
+        except ProtocolError as exc:
+            if not self.rejected:
+                log.warning("preduce controller: rejected a READY from node %d: %s", caller, exc)
+            self.rejected += 1
+            raise
+
+    async def _ready_call(self, caller: int, args: Mapping[str, Any]) -> Any:
         now = asyncio.get_running_loop().time()
         seq, k = _int(args, "seq", 1), _int(args, "k")
         stop = args.get("stop", False)
         if not isinstance(stop, bool):
-            raise ConfigError("preduce.ready: stop must be a boolean")
+            raise ProtocolError("preduce", "ready: stop must be a boolean")
         inc = _int(args, "inc")
         self._view(args, now)
         if inc != self._inc.setdefault(caller, inc):
             if inc < self._inc[caller]:
-                raise ConfigError(f"preduce.ready: node {caller} READY from a previous life")
+                raise ProtocolError("preduce", f"node {caller}: READY from a previous life")
             self._restarted(caller, inc, now)
         if stop and not self.ctl.stopped:
             log.info("preduce controller: node %d asked to stop after %d groups", caller, self.ctl.ops)
@@ -159,9 +170,9 @@ class PReduceService:
         waiting = self._waiting.get(caller)
         if waiting is None or waiting[0] != seq:
             if seq <= self._seq.get(caller, 0):
-                raise ConfigError(f"preduce.ready: node {caller} sent READY {seq} after {self._seq[caller]}")
+                raise ProtocolError("preduce", f"node {caller} sent READY {seq} after {self._seq[caller]}")
             fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            groups = self.ctl.ready(caller, k, now)  # ConfigError: not a member, already queued
+            groups = self.ctl.ready(caller, k, now)  # ProtocolError: not a member, already queued
             self._seq[caller] = seq
             self._waiting[caller] = (seq, fut)
             self.readies += 1

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from p2psync.coordinator.preduce import Controller, constant_weights, dynamic_weights, t_min
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, ProtocolError
 
 HALF = F(1, 2)
 
@@ -109,7 +109,7 @@ def test_validation_errors_leave_the_state_unchanged():
     c.ready(0, 1, 0.0)
     for w, k, msg in ((9, 1, "not a member"), (0, 2, "already queued"), (1, -1, "iteration number"),
                       (1, True, "iteration number")):
-        with pytest.raises(ConfigError, match=msg):
+        with pytest.raises(ProtocolError, match=msg):  # remote input
             c.ready(w, k, 0.0)
     assert c.queue == (0,)
 
@@ -343,7 +343,7 @@ def test_views_drop_departed_workers_and_admit_joiners():
     c.ready(0, 1, 0.0)
     c.ready(3, 1, 0.0)
     assert c.set_members([0, 1, 2], 1.0) == [] and c.queue == (0,)
-    with pytest.raises(ConfigError, match="not a member"):
+    with pytest.raises(ProtocolError, match="not a member"):
         c.ready(3, 1, 1.0)
     c.set_members([0, 1, 2, 3], 2.0)
     c.ready(3, 1, 2.0)

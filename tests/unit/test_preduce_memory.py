@@ -153,3 +153,39 @@ async def test_bad_options_and_topk_are_clear_errors():
     with pytest.raises(ConfigError, match="preduce averages whole models"):
         async with nodes(topo, "preduce", {"P": 2}, codec="topk:0.01"):
             pass
+
+
+async def test_the_controller_rejects_malformed_readies_and_answers_repeated_polls():
+    """Remote bad input is a ProtocolError (answered as an error, counted); a READY is held
+    ``hold`` seconds then answered "wait", and asking again with the same seq neither queues
+    the worker twice nor loses its place."""
+    from p2psync.coordinator import RpcClient, RpcServer
+    from p2psync.coordinator.preduce_service import PReduceService
+    from p2psync.errors import RemoteError
+
+    topo = mesh(2)
+    hub = MemoryHub(topo)
+    eps = {i: hub.endpoint(i, default_timeout=5) for i in topo.ids}
+    for e in eps.values():
+        await e.start()
+    server = RpcServer(eps[0])
+    svc = PReduceService(server, topo, hold=0.05, p=2)
+    server.start()
+    client, local = RpcClient(eps[1]), RpcClient(eps[0], local=server)
+    try:
+        for bad in ({"seq": 0, "inc": 1, "k": 0}, {"seq": 1, "inc": 1, "k": -1},
+                    {"seq": 1, "inc": 1, "k": 1, "stop": "yes"}, {"seq": 1, "inc": 1, "k": 1, "epoch": 0, "members": [7]}):
+            with pytest.raises(RemoteError, match="ProtocolError"):
+                await client.call(0, "preduce.ready", bad, timeout=5)
+        assert svc.rejected == 4 and svc.ctl.queue == ()
+        ready = {"seq": 1, "inc": 1, "k": 3}
+        assert await client.call(0, "preduce.ready", ready, timeout=5) == {"wait": True}
+        assert await client.call(0, "preduce.ready", ready, timeout=5) == {"wait": True}
+        assert svc.ctl.queue == (1,)
+        got = await local.call(0, "preduce.ready", {"seq": 1, "inc": 2, "k": 5}, timeout=5)
+        again = await client.call(0, "preduce.ready", ready, timeout=5)  # its answer, once more
+        assert got == again and got["group"]["members"] == [1, 0] and got["group"]["k"] == 5
+    finally:
+        await server.close()
+        for e in eps.values():
+            await e.close()
