@@ -1,0 +1,263 @@
+"""The parameter-server schedulers of the thesis: BSP, ASP, SSP, Dynamic SSP and ElasticBSP.
+Pure: no I/O, times are arguments (the coordinator's own clock at a push report's arrival).
+
+Paper: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md — §3.1.1-3.1.3 (BSP, ASP, SSP,
+Fig. 3.3), ch. 5 (DSSP: Alg. 1 server part, Alg. 2 synchronization_controller), ch. 6
+(ElasticBSP: prediction §6.3-6.4, ZipLine §6.5). Reading notes with the resolved errata:
+../shared/specs/ssp-dssp-elasticbsp.md §2.2 (the push-count form of SSP, checked against Fig. 3.3),
+§3.4 (Alg. 1-2 as printed do not enforce s_U: the fixed pseudocode implemented here), §4.7 (the
+online ElasticBSP protocol), §9.
+
+A worker's loop (spec §5): wait for OK, pull the weights, compute a gradient, push it, report
+the push to the scheduler (:meth:`StalenessScheduler.push`), which answers with the OKs it grants
+now — the pusher's own and those of held workers the push released.
+
+* :class:`StalenessScheduler`: SSP with threshold ``s`` (``s_lower``; BSP is s = 0, ASP is
+  ``s_lower=None``: never held) and DSSP with ``s_upper > s_lower`` (spec §3.4 fixed: every grant
+  beyond s_L consumes one unit of r_p, and the controller's range is capped at
+  ``s_U - gap + 1``, so no OK is ever granted at a gap above s_U; the printed algorithm reaches
+  gaps of 19 and 51 at s_U = 3).
+* :class:`ElasticScheduler`: ElasticBSP online (§4.7): a monitoring phase (every worker pushes at
+  least twice, ASP-like), then the barrier is chosen by ZipLine over the predicted next R push
+  times and fixed as a per-worker push count; a worker that reaches its count is held until
+  everyone has, then all are released together (they pull identical weights).
+
+"The slowest worker" (spec §9 item 4; the thesis defines it two ways): the worker with the
+fewest pushes — the one a held worker actually waits for — ties broken by the longest latest
+interval. :func:`p2psync.coordinator.zipline.slowest_worker` (longest interval overall) is the
+other reading; test D5 shows they differ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from p2psync.coordinator.zipline import SEARCHERS, dssp_controller, predict
+from p2psync.errors import ConfigError, ProtocolError
+
+
+@dataclass(frozen=True)
+class Grant:
+    """OK for ``worker`` to pull and start its next iteration."""
+
+    worker: int
+    #: the worker's push count when the OK was granted
+    count: int
+    #: t_p - min t at the grant (the staleness the OK allows)
+    gap: int
+    #: extra iterations left from a DSSP controller decision (r_p after this grant)
+    r: int = 0
+    #: ElasticBSP: the barrier this OK releases (0: not a barrier release)
+    barrier: int = 0
+
+
+class _Counts:
+    """Push counts and the last two push times of the current workers."""
+
+    def __init__(self, workers: Sequence[int]) -> None:
+        if not workers or len(set(workers)) != len(workers):
+            raise ConfigError(f"bad worker list {list(workers)}")
+        self.t = {w: 0 for w in workers}
+        self.a: dict[int, tuple[float | None, float | None]] = {w: (None, None) for w in workers}
+
+    def record(self, p: int, now: float) -> None:
+        if p not in self.t:
+            raise ProtocolError("scheduler", f"push from node {p}, not a current worker")
+        if not math.isfinite(now):
+            raise ProtocolError("scheduler", f"push at a non-finite time {now!r}")
+        self.t[p] += 1
+        self.a[p] = (now, self.a[p][0])
+
+    def interval(self, w: int) -> float:
+        last, prev = self.a[w]
+        return last - prev if last is not None and prev is not None else -1.0
+
+    def slowest(self) -> int:
+        """Fewest pushes; ties: the longest latest interval, then the lowest id."""
+        return min(self.t, key=lambda w: (self.t[w], -self.interval(w), w))
+
+    def gap(self, p: int) -> int:
+        return self.t[p] - min(self.t.values())
+
+    def add(self, w: int) -> None:
+        """A joiner starts at the slowest current count (it is not ahead of anyone)."""
+        if w not in self.t:
+            self.t[w] = min(self.t.values(), default=0)
+            self.a[w] = (None, None)
+
+    def remove(self, w: int) -> None:
+        self.t.pop(w, None)
+        self.a.pop(w, None)
+
+
+class StalenessScheduler:
+    """SSP / DSSP (and BSP = SSP(0), ASP = no bound) on push counts (spec §2.2, §3.4)."""
+
+    def __init__(self, *, workers: Sequence[int], s_lower: int | None, s_upper: int | None = None) -> None:
+        if s_lower is not None and (type(s_lower) is not int or s_lower < 0):
+            raise ConfigError(f"staleness s={s_lower!r} must be an integer >= 0")
+        if s_upper is not None and (s_lower is None or type(s_upper) is not int or s_upper < s_lower):
+            raise ConfigError(f"s_upper={s_upper!r} must be an integer >= s_lower={s_lower!r}")
+        self.s_lower = s_lower
+        self.s_upper = s_lower if s_upper is None else s_upper
+        self.c = _Counts(workers)
+        self.r = {w: 0 for w in workers}
+        self.waiting: list[int] = []  # held workers, in order of arrival
+        self.controller_calls = 0
+
+    @property
+    def counts(self) -> dict[int, int]:
+        return dict(self.c.t)
+
+    def push(self, p: int, now: float) -> list[Grant]:
+        """Worker ``p`` pushed (its gradient is applied): the OKs granted now (p's own first
+        only if it is not held; released workers in order of arrival)."""
+        if p in self.waiting:
+            raise ProtocolError("scheduler", f"push from node {p}, which is held (it has no OK)")
+        self.c.record(p, now)
+        out = self._release()
+        own = self._decide(p)
+        if own is None:
+            self.waiting.append(p)
+        else:
+            out.append(own)
+        return out
+
+    def _release(self) -> list[Grant]:
+        """Spec §3.4 line 15: held workers whose gap closed to s_L get their OK."""
+        out = []
+        for q in list(self.waiting):
+            g = self.c.gap(q)
+            if self.s_lower is None or g <= self.s_lower:
+                self.waiting.remove(q)
+                out.append(Grant(worker=q, count=self.c.t[q], gap=g, r=self.r[q]))
+        return out
+
+    def _decide(self, p: int) -> Grant | None:
+        g = self.c.gap(p)
+        if self.s_lower is None:  # ASP
+            return Grant(worker=p, count=self.c.t[p], gap=g)
+        if self.r[p] > 0:  # Alg. 1 lines 3-5: an extra iteration left from an earlier decision
+            self.r[p] -= 1
+            return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+        if g <= self.s_lower:  # lines 7-9
+            return Grant(worker=p, count=self.c.t[p], gap=g)
+        if self.s_upper > self.s_lower and self.c.t[p] == max(self.c.t.values()) and self.c.a[p][1] is not None:
+            slow = self.c.slowest()  # line 11: the fastest asks the controller
+            a_s = self.c.a[slow]
+            if a_s[0] is not None and a_s[1] is not None:
+                a_p = self.c.a[p]
+                self.controller_calls += 1
+                rs = dssp_controller([a_p[0], a_p[1]], [a_s[0], a_s[1]],  # type: ignore[list-item]
+                                     max(0, self.s_upper - g + 1))
+                if rs > 0:  # this grant consumes one unit (fix 1)
+                    self.r[p] = rs - 1
+                    return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+        return None
+
+    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
+        """A new view: departed workers no longer bound anyone; joiners are admitted."""
+        keep = set(workers)
+        for w in [w for w in self.c.t if w not in keep]:
+            self.c.remove(w)
+            self.r.pop(w, None)
+            if w in self.waiting:
+                self.waiting.remove(w)
+        for w in workers:
+            if w not in self.c.t:
+                self.c.add(w)
+                self.r[w] = 0
+        if not self.c.t:
+            raise ConfigError("the scheduler needs at least one worker")
+        return self._release()
+
+
+class ElasticScheduler:
+    """ElasticBSP online (spec §4.7): monitor, predict, ZipLine, barrier by push counts."""
+
+    def __init__(self, *, workers: Sequence[int], R: int, searcher: str = "zipline_opt_bs") -> None:
+        if type(R) is not int or R < 1:
+            raise ConfigError(f"R={R!r} must be an integer >= 1")
+        if searcher not in SEARCHERS:
+            raise ConfigError(f"unknown barrier search {searcher!r} (choose from {', '.join(SEARCHERS)})")
+        self.R = R
+        self.search = SEARCHERS[searcher]
+        self.c = _Counts(workers)
+        self.k = {w: 0 for w in workers}  # pushes since the last barrier
+        self.target: dict[int, int] | None = None  # None: monitoring
+        self.arrived: list[int] = []
+        self.barrier = 0  # barriers released so far
+        #: the last decision: predicted spread d* and barrier time t_sync (coordinator clock)
+        self.last_d: float | None = None
+        self.last_t_sync: float | None = None
+        self.last_j: dict[int, int] = {}
+
+    @property
+    def counts(self) -> dict[int, int]:
+        return dict(self.c.t)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        return tuple(self.arrived)
+
+    def push(self, p: int, now: float) -> list[Grant]:
+        if p in self.arrived:
+            raise ProtocolError("scheduler", f"push from node {p}, which is held at the barrier")
+        self.c.record(p, now)
+        self.k[p] += 1
+        if self.target is None:
+            out = [Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p))]  # ASP-like
+            if all(v >= 2 for v in self.k.values()):
+                self._decide()
+            return out
+        if self.c.t[p] < self.target[p]:
+            return [Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p))]
+        self.arrived.append(p)
+        return self._maybe_release()
+
+    def _decide(self) -> None:
+        """The last monitoring push: predict R pushes per worker, pick the barrier (§6.4-6.5)."""
+        ws = sorted(self.c.t)
+        table = [[self.c.a[w][1], self.c.a[w][0]] for w in ws]
+        choice = self.search(predict(table, self.R))  # type: ignore[arg-type]
+        self.last_j = {w: int(z) + 1 for w, z in zip(ws, choice.z)}
+        self.target = {w: self.c.t[w] + self.last_j[w] for w in ws}
+        self.last_d, self.last_t_sync = float(choice.d), float(choice.t_sync)
+
+    def _maybe_release(self) -> list[Grant]:
+        if self.target is None or set(self.arrived) != set(self.c.t):
+            return []
+        self.barrier += 1
+        out = [Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w), barrier=self.barrier) for w in self.arrived]
+        self.arrived = []
+        self.target = None
+        for w in self.c.t:
+            self.k[w] = 0
+            self.c.a[w] = (None, None)
+        return out
+
+    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
+        """A new view: recompute without a worker that left (§6.4 "taken out of the
+        computation"): a pending barrier keeps its counts for the survivors; a joiner runs one
+        iteration and waits at the barrier in progress, then monitors with everyone."""
+        keep = set(workers)
+        for w in [w for w in self.c.t if w not in keep]:
+            self.c.remove(w)
+            self.k.pop(w, None)
+            if w in self.arrived:
+                self.arrived.remove(w)
+            if self.target is not None:
+                self.target.pop(w, None)
+        joined = [w for w in workers if w not in self.c.t]
+        for w in joined:
+            self.c.add(w)
+            self.k[w] = 0
+            if self.target is not None:  # one iteration (its implicit first OK), then the barrier
+                self.target[w] = self.c.t[w] + 1
+        if not self.c.t:
+            raise ConfigError("the scheduler needs at least one worker")
+        if self.target is None and all(v >= 2 for v in self.k.values()):
+            self._decide()
+        return self._maybe_release()
