@@ -137,21 +137,20 @@ class StalenessScheduler:
 
     def _decide(self, p: int) -> Grant | None:
         g = self.c.gap(p)
-        if self.s_lower is None:  # ASP
+        if self.s_lower is None or self.s_upper is None:  # ASP
             return Grant(worker=p, count=self.c.t[p], gap=g)
         if self.r[p] > 0:  # Alg. 1 lines 3-5: an extra iteration left from an earlier decision
             self.r[p] -= 1
             return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
         if g <= self.s_lower:  # lines 7-9
             return Grant(worker=p, count=self.c.t[p], gap=g)
-        if self.s_upper > self.s_lower and self.c.t[p] == max(self.c.t.values()) and self.c.a[p][1] is not None:
-            slow = self.c.slowest()  # line 11: the fastest asks the controller
-            a_s = self.c.a[slow]
-            if a_s[0] is not None and a_s[1] is not None:
-                a_p = self.c.a[p]
+        p_last, p_prev = self.c.a[p]
+        if self.s_upper > self.s_lower and self.c.t[p] == max(self.c.t.values()) \
+                and p_last is not None and p_prev is not None:
+            s_last, s_prev = self.c.a[self.c.slowest()]  # line 11: the fastest asks the controller
+            if s_last is not None and s_prev is not None:
                 self.controller_calls += 1
-                rs = dssp_controller([a_p[0], a_p[1]], [a_s[0], a_s[1]],  # type: ignore[list-item]
-                                     max(0, self.s_upper - g + 1))
+                rs = dssp_controller([p_last, p_prev], [s_last, s_prev], max(0, self.s_upper - g + 1))
                 if rs > 0:  # this grant consumes one unit (fix 1)
                     self.r[p] = rs - 1
                     return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
