@@ -1,0 +1,282 @@
+"""A parameter server sharded over the peers (../shared/specs/ssp-dssp-elasticbsp.md §6.1).
+
+The flat parameter vector is split into one contiguous shard per member
+(:func:`~p2psync.params.shards.shard_bounds`); the owner of a shard holds its weights **and its
+optimizer state** and runs the update, as the thesis' parameter server does:
+
+* :meth:`ParamStore.push` sends each shard's part of a gradient to its owner as pieces of at most
+  ``piece_bytes``; the owner applies every piece on arrival, summing the pieces of the same range
+  that queued up meanwhile into one update (Alg. 1 server line 2), and acknowledges each piece.
+  ``push`` returns once every piece is acknowledged, so a scheduler told about the push after it
+  returns (the thesis' ``clock_p^push``) only releases workers whose pulls will see it. A piece
+  an owner cannot take (a dead owner, a malformed piece) makes ``push`` raise, naming the owner:
+  a lost push is reported, never silently dropped.
+* :meth:`ParamStore.pull` fetches every shard (its owner sends the current weights as pieces).
+* The update is plain SGD as ``torch.optim.SGD`` does it (momentum buffer ``b = mu b + g + wd w``,
+  ``w -= lr b``) with the learning rate scaled by ``scale`` per push (default 1/N: N pushes of
+  one round move the weights as far as one SGD step on their mean, so SSP(0) with plain SGD is
+  exactly BSP).
+
+Tensors cross direct links only (DESIGN): a piece for an owner that is not adjacent is forwarded
+hop by hop along the transport's shortest live paths (``<name>.fwd``), each hop a flow-controlled
+bulk send counted on the NIC it leaves by. Acknowledgements and pull requests are small control
+messages (relayed by the transport). Every wait on a peer has the store's ``timeout``.
+
+Not yet: moving shard ownership on a view change (a dead owner's shard would be restored from
+the freshest pulled copy); until then a push or pull that needs a dead owner raises PeerFailure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from p2psync.coordinator.rpc import RpcClient, RpcServer
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
+from p2psync.params.shards import piece_ranges, shard_bounds
+from p2psync.transport import Transport
+from p2psync.wire import Message
+
+log = logging.getLogger("p2psync.params")
+
+
+class ShardOptimizer:
+    """SGD (momentum, weight decay) on one shard, ``torch.optim.SGD``'s arithmetic in numpy."""
+
+    def __init__(self, w: np.ndarray, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 scale: float = 1.0) -> None:
+        for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("scale", scale)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{name}={v} must be a finite number >= 0")
+        self.w = np.array(w, dtype=np.float32, copy=True)
+        self.buf = np.zeros_like(self.w) if momentum else None
+        self.lr, self.momentum, self.weight_decay, self.scale = lr, momentum, weight_decay, scale
+        self.version = 0  # pushes applied
+
+    def apply(self, a: int, b: int, g: np.ndarray, pushes: int = 1) -> None:
+        """Apply the sum ``g`` of ``pushes`` gradients of the range ``[a, b)`` (shard offsets)."""
+        d = g.astype(np.float32, copy=True)
+        if self.weight_decay:
+            d += np.float32(self.weight_decay * pushes) * self.w[a:b]
+        if self.buf is not None:
+            self.buf[a:b] *= np.float32(self.momentum)
+            self.buf[a:b] += d
+            d = self.buf[a:b]
+        self.w[a:b] -= np.float32(self.lr * self.scale) * d
+
+
+@dataclass
+class PushStats:
+    pieces: int = 0
+    forwarded: int = 0
+    seconds: float = 0.0
+
+
+class ParamStore:
+    """One peer's part of the store: the owner of its shard, a client of the others."""
+
+    def __init__(self, *, transport: Transport, rpc_server: RpcServer, rpc: RpcClient, members: Sequence[int],
+                 params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
+                 name: str = "ps") -> None:
+        self.transport, self.rpc, self.name, self.timeout = transport, rpc, name, timeout
+        self.me = transport.node_id
+        self.numel = int(params.size)
+        self.bounds = shard_bounds(self.numel, members)
+        if self.me not in self.bounds:
+            raise ConfigError(f"node {self.me} is not a member of the store {sorted(self.bounds)}")
+        self.lo, self.hi = self.bounds[self.me]
+        self.piece = max(1, piece_bytes // 4)
+        self.opt = ShardOptimizer(params[self.lo:self.hi], lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                  scale=1.0 / len(self.bounds) if scale is None else scale)
+        self._seq = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.malformed = 0
+        self.forwarded = 0
+        rpc_server.register(f"{name}.pull", self._serve_pull)
+
+    def start(self) -> None:
+        for coro in (self._serve_pushes(), self._forward_loop()):
+            t = asyncio.get_running_loop().create_task(coro, name=f"{self.name}-{self.me}")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- sending tensors over direct links ------------------------------------------------
+
+    async def _send(self, dst: int, tag: str, arr: np.ndarray, meta: dict[str, Any]) -> bool:
+        """A data message to ``dst``, forwarded through a neighbour when not adjacent; True
+        when it was forwarded."""
+        if self.transport.topology.routes(self.me, dst):
+            await self.transport.send(dst, tag, [arr], meta=meta, timeout=self.timeout)
+            return False
+        hops = self.transport.next_hops(dst)
+        if not hops:
+            raise PeerFailure(f"{self.name}: no live path from node {self.me} to node {dst}", peers=(dst,))
+        await self.transport.send(hops[0], f"{self.name}.fwd", [arr], meta={"to": dst, "tag": tag, "m": meta},
+                          timeout=self.timeout)
+        return True
+
+    async def _forward_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.transport.listen(f"{self.name}.fwd")
+            except TransportError:
+                return
+            to, tag, meta = msg.meta.get("to"), msg.meta.get("tag"), msg.meta.get("m")
+            if (type(to) is not int or to not in self.bounds or to == self.me or not isinstance(tag, str)
+                    or not tag.startswith(f"{self.name}.") or not isinstance(meta, dict) or len(msg.arrays) != 1):
+                self._reject(msg, "bad forward")
+                continue
+            try:
+                await self._send(to, tag, msg.arrays[0], meta)
+                self.forwarded += 1
+            except P2PSyncError as exc:  # the origin's wait for the ack reports it
+                log.info("node %d: %s piece for node %d not forwarded: %s", self.me, self.name, to, exc)
+
+    def _reject(self, msg: Message, why: str) -> None:
+        if not self.malformed:
+            log.warning("node %d: malformed %s message from node %d ignored (%s)", self.me, self.name, msg.src, why)
+        self.malformed += 1
+
+    # -- push -----------------------------------------------------------------------------
+
+    async def push(self, grad: np.ndarray) -> PushStats:
+        """Send ``grad`` to the shard owners; returns once every piece is applied and acked."""
+        if grad.shape != (self.numel,):
+            raise ConfigError(f"{self.name}: gradient has shape {grad.shape}, the store holds {self.numel} values")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        seq = next(self._seq)
+        ack = f"{self.name}.ack.{self.me}.{self.transport.incarnation}.{seq}"
+        st = PushStats()
+        sends = []
+        for owner, (lo, hi) in self.bounds.items():
+            if owner == self.me:
+                self.opt.apply(0, hi - lo, grad[lo:hi])
+                self.opt.version += 1
+                continue
+            for a, b in piece_ranges(lo, hi, self.piece):
+                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b}
+                sends.append((owner, asyncio.ensure_future(self._send(owner, f"{self.name}.push",
+                                                                      grad[a:b].copy(), meta))))
+        st.pieces = len(sends)
+        try:
+            for owner, s in sends:
+                try:
+                    st.forwarded += await s
+                except P2PSyncError as exc:
+                    raise PeerFailure(f"{self.name}: push to the owner of shard {self.bounds[owner]}, node {owner}, "
+                                      f"failed: {exc}", peers=(owner,)) from exc
+            await self._acks(ack, [o for o, _ in sends])
+        finally:
+            for _, s in sends:
+                s.cancel()
+            self.transport.mailbox.retire(ack, exact=True)
+        st.seconds = loop.time() - t0
+        return st
+
+    async def _acks(self, tag: str, owners: list[int]) -> None:
+        missing = {o: owners.count(o) for o in set(owners)}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while any(missing.values()):
+            try:
+                msg = await self.transport.recv(tag, timeout=max(0.001, deadline - loop.time()))
+            except PeerTimeout:
+                late = sorted(o for o, n in missing.items() if n)
+                raise PeerTimeout(f"{self.name}: no acknowledgement from shard owner(s) {late} within "
+                                  f"{self.timeout:g}s: that part of the push may be lost") from None
+            err = msg.meta.get("err")
+            if err is not None:
+                raise ProtocolError("store", f"node {msg.src} refused a piece: {err}"[:200])
+            if missing.get(msg.src, 0) > 0:
+                missing[msg.src] -= 1
+
+    async def _serve_pushes(self) -> None:
+        tag = f"{self.name}.push"
+        while True:
+            try:
+                batch = [await self.transport.listen(tag)]
+            except TransportError:
+                return
+            while (m := self.transport.recv_nowait(tag)) is not None and len(batch) < 256:
+                batch.append(m)
+            sums: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+            acks: list[tuple[int, str, str | None]] = []
+            for m in batch:
+                meta = m.meta
+                o, ack, a, b = meta.get("o"), meta.get("ack"), meta.get("lo"), meta.get("hi")
+                if type(o) is not int or o not in self.bounds or not isinstance(ack, str) \
+                        or not ack.startswith(f"{self.name}.ack."):
+                    self._reject(m, "bad origin or ack tag")
+                    continue
+                arr = m.arrays[0] if len(m.arrays) == 1 else None
+                if (type(a) is not int or type(b) is not int or not self.lo <= a <= b <= self.hi or arr is None
+                        or arr.dtype != np.float32 or arr.shape != (b - a,)):
+                    self._reject(m, "piece outside the shard or of the wrong size")
+                    acks.append((o, ack, f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi})"))
+                    continue
+                g, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
+                sums[(a, b)] = (g + arr, k + 1)
+                acks.append((o, ack, None))
+            for (a, b), (g, k) in sums.items():
+                self.opt.apply(a - self.lo, b - self.lo, g, k)
+            self.opt.version += len({ack for _, ack, e in acks if e is None})
+            for o, ack, err in acks:
+                try:
+                    await self.transport.send(o, ack, kind="event", meta={"err": err} if err else {}, timeout=self.timeout)
+                except P2PSyncError as exc:
+                    log.info("node %d: %s ack to node %d lost: %s", self.me, self.name, o, exc)
+
+    # -- pull -----------------------------------------------------------------------------
+
+    async def pull(self) -> np.ndarray:
+        """Every shard's current weights, as one vector."""
+        out = np.empty(self.numel, np.float32)
+        out[self.lo:self.hi] = self.opt.w
+        others = [o for o in self.bounds if o != self.me]
+        await asyncio.gather(*(self._pull_one(o, out) for o in others))
+        return out
+
+    async def _pull_one(self, owner: int, out: np.ndarray) -> None:
+        lo, hi = self.bounds[owner]
+        tag = f"{self.name}.shard.{self.me}.{self.transport.incarnation}.{next(self._seq)}"
+        try:
+            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag}, timeout=self.timeout)
+            pieces = rep.get("pieces") if isinstance(rep, dict) else None
+            if type(pieces) is not int or pieces != len(piece_ranges(lo, hi, self.piece)):
+                raise ProtocolError("store", f"node {owner} answered a pull with {rep!r}"[:200])
+            for _ in range(pieces):
+                m = await self.transport.recv(tag, timeout=self.timeout)
+                a, b = m.meta.get("lo"), m.meta.get("hi")
+                arr = m.arrays[0] if len(m.arrays) == 1 else None
+                if (type(a) is not int or type(b) is not int or not lo <= a <= b <= hi or arr is None
+                        or arr.dtype != np.float32 or arr.shape != (b - a,)):
+                    raise ProtocolError("store", f"node {owner} sent a malformed shard piece")
+                out[a:b] = arr
+        except (PeerFailure, PeerTimeout) as exc:
+            raise PeerFailure(f"{self.name}: pull of shard [{lo}, {hi}) from node {owner} failed: {exc}",
+                              peers=(owner,)) from exc
+        finally:
+            self.transport.mailbox.retire(tag, exact=True)
+
+    async def _serve_pull(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        tag = args.get("tag")
+        if caller not in self.bounds or not isinstance(tag, str) or not tag.startswith(f"{self.name}.shard."):
+            raise ProtocolError("store", f"bad pull from node {caller}")
+        w = self.opt.w.copy()  # a consistent snapshot; the bytes in flight are never modified
+        ranges = piece_ranges(self.lo, self.hi, self.piece)
+        for a, b in ranges:
+            await self._send(caller, tag, w[a - self.lo:b - self.lo], {"lo": a, "hi": b})
+        return {"pieces": len(ranges), "version": self.opt.version}
