@@ -11,7 +11,9 @@ optimizer state** and runs the update, as the thesis' parameter server does:
   returns (the thesis' ``clock_p^push``) only releases workers whose pulls will see it. A piece
   an owner cannot take (a dead owner, a malformed piece) makes ``push`` raise, naming the owner:
   a lost push is reported, never silently dropped.
-* :meth:`ParamStore.pull` fetches every shard (its owner sends the current weights as pieces).
+* Pushes are gradients, so the run's codec applies to their pieces (with error feedback per
+  piece when asked, always for ``topk``); a piece that does not decode, or is not finite, is
+  refused and counted. :meth:`ParamStore.pull` fetches every shard exactly (its owner sends the current weights as pieces).
 * The update is plain SGD as ``torch.optim.SGD`` does it (momentum buffer ``b = mu b + g + wd w``,
   ``w -= lr b``) with the learning rate scaled by ``scale`` per push (default 1/N: N pushes of
   one round move the weights as far as one SGD step on their mean, so SSP(0) with plain SGD is
@@ -38,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.rpc import RpcClient, RpcServer
+from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.transport import Transport
@@ -57,7 +60,7 @@ class ShardOptimizer:
         self.w = np.array(w, dtype=np.float32, copy=True)
         self.buf = np.zeros_like(self.w) if momentum else None
         self.lr, self.momentum, self.weight_decay, self.scale = lr, momentum, weight_decay, scale
-        self.version = 0  # pushes applied
+        self.version = 0  # gradient pieces applied (the store counts them)
 
     def apply(self, a: int, b: int, g: np.ndarray, pushes: int = 1) -> None:
         """Apply the sum ``g`` of ``pushes`` gradients of the range ``[a, b)`` (shard offsets)."""
@@ -84,7 +87,7 @@ class ParamStore:
     def __init__(self, *, transport: Transport, rpc_server: RpcServer, rpc: RpcClient, members: Sequence[int],
                  params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
-                 name: str = "ps") -> None:
+                 name: str = "ps", codec: str = "none", error_feedback: bool = False) -> None:
         self.transport, self.rpc, self.name, self.timeout = transport, rpc, name, timeout
         self.me = transport.node_id
         self.numel = int(params.size)
@@ -93,13 +96,23 @@ class ParamStore:
             raise ConfigError(f"node {self.me} is not a member of the store {sorted(self.bounds)}")
         self.lo, self.hi = self.bounds[self.me]
         self.piece = max(1, piece_bytes // 4)
+        self.own_pieces = len(piece_ranges(self.lo, self.hi, self.piece))
         self.opt = ShardOptimizer(params[self.lo:self.hi], lr=lr, momentum=momentum, weight_decay=weight_decay,
                                   scale=1.0 / len(self.bounds) if scale is None else scale)
+        self.codec = get_codec(codec)
+        # what a lossy codec dropped from a piece is added to the same piece of the next push
+        self.feedback = (ErrorFeedback() if self.codec.lossy and (error_feedback or self.codec.always_feedback)
+                         else None)
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.malformed = 0
         self.forwarded = 0
         rpc_server.register(f"{name}.pull", self._serve_pull)
+
+    @property
+    def version(self) -> int:
+        """Pushes applied to this node's shard (whole pushes: their pieces all arrived)."""
+        return self.opt.version // self.own_pieces
 
     def start(self) -> None:
         for coro in (self._serve_pushes(), self._forward_loop()):
@@ -114,16 +127,16 @@ class ParamStore:
 
     # -- sending tensors over direct links ------------------------------------------------
 
-    async def _send(self, dst: int, tag: str, arr: np.ndarray, meta: dict[str, Any]) -> bool:
+    async def _send(self, dst: int, tag: str, arrays: Sequence[np.ndarray], meta: dict[str, Any]) -> bool:
         """A data message to ``dst``, forwarded through a neighbour when not adjacent; True
         when it was forwarded."""
         if self.transport.topology.routes(self.me, dst):
-            await self.transport.send(dst, tag, [arr], meta=meta, timeout=self.timeout)
+            await self.transport.send(dst, tag, arrays, meta=meta, timeout=self.timeout)
             return False
         hops = self.transport.next_hops(dst)
         if not hops:
             raise PeerFailure(f"{self.name}: no live path from node {self.me} to node {dst}", peers=(dst,))
-        await self.transport.send(hops[0], f"{self.name}.fwd", [arr], meta={"to": dst, "tag": tag, "m": meta},
+        await self.transport.send(hops[0], f"{self.name}.fwd", arrays, meta={"to": dst, "tag": tag, "m": meta},
                           timeout=self.timeout)
         return True
 
@@ -135,11 +148,11 @@ class ParamStore:
                 return
             to, tag, meta = msg.meta.get("to"), msg.meta.get("tag"), msg.meta.get("m")
             if (type(to) is not int or to not in self.bounds or to == self.me or not isinstance(tag, str)
-                    or not tag.startswith(f"{self.name}.") or not isinstance(meta, dict) or len(msg.arrays) != 1):
+                    or not tag.startswith(f"{self.name}.") or not isinstance(meta, dict) or not msg.arrays):
                 self._reject(msg, "bad forward")
                 continue
             try:
-                await self._send(to, tag, msg.arrays[0], meta)
+                await self._send(to, tag, list(msg.arrays), meta)
                 self.forwarded += 1
             except P2PSyncError as exc:  # the origin's wait for the ack reports it
                 log.info("node %d: %s piece for node %d not forwarded: %s", self.me, self.name, to, exc)
@@ -164,12 +177,12 @@ class ParamStore:
         for owner, (lo, hi) in self.bounds.items():
             if owner == self.me:
                 self.opt.apply(0, hi - lo, grad[lo:hi])
-                self.opt.version += 1
+                self.opt.version += self.own_pieces
                 continue
             for a, b in piece_ranges(lo, hi, self.piece):
-                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b}
+                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec}
                 sends.append((owner, asyncio.ensure_future(self._send(owner, f"{self.name}.push",
-                                                                      grad[a:b].copy(), meta))))
+                                                                      self._encode(grad[a:b], a), meta))))
         st.pieces = len(sends)
         try:
             for owner, s in sends:
@@ -185,6 +198,14 @@ class ParamStore:
             self.transport.mailbox.retire(ack, exact=True)
         st.seconds = loop.time() - t0
         return st
+
+    def _encode(self, x: np.ndarray, at: int) -> list[np.ndarray]:
+        if self.feedback is None:
+            return self.codec.encode(np.array(x, dtype=np.float32, copy=True))
+        x = self.feedback.compensate(at, x)
+        enc = self.codec.encode(x)
+        self.feedback.record(at, x, self.codec.decode(enc, x.size))
+        return enc
 
     async def _acks(self, tag: str, owners: list[int]) -> None:
         missing = {o: owners.count(o) for o in set(owners)}
@@ -202,6 +223,20 @@ class ParamStore:
                 raise ProtocolError("store", f"node {msg.src} refused a piece: {err}"[:200])
             if missing.get(msg.src, 0) > 0:
                 missing[msg.src] -= 1
+
+    def _decode(self, m: Message, a: Any, b: Any) -> np.ndarray | None:
+        """The gradient piece ``[a, b)`` a push message carries, or None if it is not one of
+        this shard's, not in this store's codec, or not finite."""
+        if type(a) is not int or type(b) is not int or not self.lo <= a <= b <= self.hi \
+                or m.meta.get("c") != self.codec.spec:
+            return None
+        try:
+            arr = self.codec.decode(m.arrays, b - a)
+        except ProtocolError:
+            return None
+        if arr.dtype != np.float32 or arr.shape != (b - a,) or not np.isfinite(arr).all():
+            return None
+        return arr
 
     async def _serve_pushes(self) -> None:
         tag = f"{self.name}.push"
@@ -221,18 +256,18 @@ class ParamStore:
                         or not ack.startswith(f"{self.name}.ack."):
                     self._reject(m, "bad origin or ack tag")
                     continue
-                arr = m.arrays[0] if len(m.arrays) == 1 else None
-                if (type(a) is not int or type(b) is not int or not self.lo <= a <= b <= self.hi or arr is None
-                        or arr.dtype != np.float32 or arr.shape != (b - a,)):
-                    self._reject(m, "piece outside the shard or of the wrong size")
-                    acks.append((o, ack, f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi})"))
+                arr = self._decode(m, a, b)
+                if arr is None or type(a) is not int or type(b) is not int:
+                    self._reject(m, "piece outside the shard, of the wrong size or codec, or not finite")
+                    acks.append((o, ack, f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi}) (codec "
+                                         f"{meta.get('c')!r}, this store {self.codec.spec!r})"))
                     continue
                 g, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
                 sums[(a, b)] = (g + arr, k + 1)
                 acks.append((o, ack, None))
             for (a, b), (g, k) in sums.items():
                 self.opt.apply(a - self.lo, b - self.lo, g, k)
-            self.opt.version += len({ack for _, ack, e in acks if e is None})
+            self.opt.version += sum(k for _, k in sums.values())  # pieces applied
             for o, ack, err in acks:
                 try:
                     await self.transport.send(o, ack, kind="event", meta={"err": err} if err else {}, timeout=self.timeout)
@@ -278,5 +313,5 @@ class ParamStore:
         w = self.opt.w.copy()  # a consistent snapshot; the bytes in flight are never modified
         ranges = piece_ranges(self.lo, self.hi, self.piece)
         for a, b in ranges:
-            await self._send(caller, tag, w[a - self.lo:b - self.lo], {"lo": a, "hi": b})
-        return {"pieces": len(ranges), "version": self.opt.version}
+            await self._send(caller, tag, [w[a - self.lo:b - self.lo]], {"lo": a, "hi": b})
+        return {"pieces": len(ranges), "version": self.version}

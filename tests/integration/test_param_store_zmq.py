@@ -46,4 +46,4 @@ async def test_ring_pushes_reach_owners_two_hops_away_and_pulls_agree():
         np.testing.assert_allclose(p, want, rtol=1e-4, atol=1e-5)
         assert p.tobytes() == pulls[0].tobytes()
     assert all(f > 0 for f in forwarded) and relayed > 0  # the opposite node's shard is two hops away
-    assert all(s.opt.version == 12 for s in st.values())
+    assert all(s.version == 12 for s in st.values())

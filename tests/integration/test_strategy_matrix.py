@@ -25,6 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 
 get_strategy("ssgd")  # fills the registry
 STEPS = 40
+#: strategies whose run ends when the first worker reaches its budget (P-Reduce's controller,
+#: the parameter-server scheduler)
+FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp"}
 #: ``topk`` runs at its default, 1 % (the DTS paper's setting, the sparsest common one): k = 97
 #: of the MLP's 9610 entries, the sparse exchange on 4 nodes. With its (always-on) error feedback
 #: the model still learns in 40 steps (measured accuracy: ssgd 0.87, esync 0.95, asgd 0.78-0.86;
@@ -67,10 +70,11 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
         finally:
             await close_strategies(strats)
     steps = [n for n, _ in done]
-    if strategy == "preduce":
-        # asynchronous groups: the first worker to reach its budget stops the run (the
-        # controller tells the others at their next READY), the others end a few steps short
-        assert max(steps) == STEPS and min(steps) >= STEPS - 8, done
+    if strategy in FIRST_WORKER_STOPS:
+        # a coordinator service decides the stop: the first worker to reach its budget stops
+        # the run (the others learn it at their next report), the others end some steps short
+        # (ElasticBSP's supersteps and ASP let workers drift apart by up to R / unboundedly)
+        assert max(steps) == STEPS and min(steps) >= STEPS // 2, done
     else:
         assert steps == [STEPS] * 4, done
     assert min(accs) > 0.4, accs  # 10 classes: chance is 0.1

@@ -73,7 +73,7 @@ async def test_a_round_of_pushes_is_one_sgd_step_on_the_mean_and_every_pull_agre
     async with stores(mesh(3), w0, piece_bytes=256) as st:
         stats = await asyncio.gather(*(st[i].push(grads[i]) for i in range(3)))
         pulls = await asyncio.gather(*(st[i].pull() for i in range(3)))
-        versions = [s.opt.version for s in st.values()]
+        versions = [s.version for s in st.values()]
     want = w0 - 0.1 * np.mean(list(grads.values()), axis=0)
     for p in pulls:
         np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6)
@@ -98,4 +98,4 @@ async def test_a_malformed_piece_is_refused_counted_and_answered():
         await ep0.send(1, "ps.push", [np.zeros(3, np.float32)], meta={"o": 0, "ack": "ps.ack.x", "lo": -5, "hi": -2})
         ack = await ep0.recv("ps.ack.x", timeout=2)
         assert "bad piece" in ack.meta["err"] and st[1].malformed == 1
-        assert st[1].opt.version == 0 and not st[1].opt.w.any()
+        assert st[1].version == 0 and not st[1].opt.w.any()

@@ -1,0 +1,118 @@
+"""The parameter-server scheduler's RPC shell (decision logic: :mod:`p2psync.coordinator.ssp`).
+
+One method, ``<name>.pushed``, a bounded long poll: a worker whose push was applied and acked by
+every shard owner reports ``{count, inc, stop, epoch, members}``; the coordinator timestamps the
+report on arrival with its own clock (the thesis' ``clock_p^push``, spec §6.1: no clock sync)
+and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, barrier}}``, or
+the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
+worker asks again with the same ``count``, which is then not counted twice). Messages are a few
+bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from p2psync.coordinator.rpc import RpcServer
+from p2psync.coordinator.ssp import ElasticScheduler, Grant, StalenessScheduler
+from p2psync.errors import ProtocolError
+
+log = logging.getLogger("p2psync.scheduler")
+
+HOLD_S = 5.0
+
+
+def _int(args: Mapping[str, Any], key: str, lo: int = 0) -> int:
+    v = args.get(key)
+    if type(v) is not int or v < lo:
+        raise ProtocolError("scheduler", f"{key} must be an integer >= {lo}, not {v!r}"[:120])
+    return v
+
+
+class SchedulerService:
+    def __init__(self, server: RpcServer, members: Sequence[int], sched: StalenessScheduler | ElasticScheduler, *,
+                 name: str, hold: float = HOLD_S) -> None:
+        self.sched, self.name, self.hold = sched, name, hold
+        self.ids = frozenset(members)
+        self.epoch = -1
+        self.stopped = False
+        self._recorded: dict[int, int] = {}  # pushes counted per worker
+        self._inc: dict[int, int] = {}
+        self._granted: dict[int, tuple[int, dict[str, Any]]] = {}  # worker -> (count, answer)
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.rejected = 0
+        server.register(f"{name}.pushed", self._pushed)
+
+    def _grant(self, grants: Sequence[Grant]) -> None:
+        for g in grants:
+            ans = {"ok": {"count": g.count, "gap": g.gap, "r": g.r, "barrier": g.barrier}}
+            self._granted[g.worker] = (g.count, ans)
+            fut = self._waiting.pop(g.worker, None)
+            if fut is not None and not fut.done():
+                fut.set_result(ans)
+
+    def _stop(self) -> None:
+        self.stopped = True
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_result({"stop": True})
+        self._waiting.clear()
+
+    def _view(self, args: Mapping[str, Any]) -> None:
+        epoch, members = args.get("epoch"), args.get("members")
+        if epoch is None:
+            return
+        if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
+                or any(type(m) is not int or m not in self.ids for m in members)):
+            raise ProtocolError("scheduler", "bad view (epoch, members)")
+        if epoch > self.epoch:
+            self.epoch = epoch
+            for w in [w for w in self._waiting if w not in members]:
+                self._waiting.pop(w).set_result({"stop": True, "left": True})
+            self._grant(self.sched.set_workers(sorted(set(members))))
+
+    async def _pushed(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        try:
+            return await self._pushed_call(caller, args)
+        except ProtocolError as exc:
+            if not self.rejected:
+                log.warning("%s scheduler: rejected a report from node %d: %s", self.name, caller, exc)
+            self.rejected += 1
+            raise
+
+    async def _pushed_call(self, caller: int, args: Mapping[str, Any]) -> Any:
+        count, inc = _int(args, "count", 1), _int(args, "inc")
+        stop = args.get("stop", False)
+        if not isinstance(stop, bool):
+            raise ProtocolError("scheduler", "stop must be a boolean")
+        self._view(args)
+        if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
+            self._inc[caller] = inc
+            self._recorded.pop(caller, None)
+            self._granted.pop(caller, None)
+        if stop and not self.stopped:
+            log.info("%s scheduler: node %d asked to stop", self.name, caller)
+            self._stop()
+        if self.stopped:
+            return {"stop": True}
+        done = self._granted.get(caller)
+        if done is not None and done[0] == count:
+            return done[1]
+        have = self._recorded.get(caller, 0)
+        if count == have + 1:
+            now = asyncio.get_running_loop().time()
+            self._recorded[caller] = count
+            fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
+            self._grant(self.sched.push(caller, now))  # ProtocolError: not a worker, held
+        elif count == have and caller in self._waiting:
+            fut = self._waiting[caller]
+        else:
+            raise ProtocolError("scheduler", f"node {caller} reported push {count} after {have}")
+        try:
+            return dict(await asyncio.wait_for(asyncio.shield(fut), self.hold))
+        except asyncio.TimeoutError:
+            return {"wait": True}

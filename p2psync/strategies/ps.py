@@ -1,0 +1,186 @@
+"""BSP, ASP, SSP, Dynamic SSP and ElasticBSP on the sharded parameter store (issue 14).
+
+Thesis: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md §3.1 (BSP, ASP, SSP), ch. 5
+(DSSP), ch. 6 (ElasticBSP); reading notes ../shared/specs/ssp-dssp-elasticbsp.md, whose §6.1
+mapping this is: a scheduler on the coordinator (:mod:`p2psync.coordinator.ssp`, the fixed DSSP
+of §3.4, the online ElasticBSP of §4.7) plus a parameter store sharded over the peers
+(:mod:`p2psync.params`), so that all five run on one mechanism and compare honestly.
+
+A worker's step (spec §5): the user's iteration computes a gradient on the weights it holds
+(the first on the run's identical initial weights), the gradient is pushed to the shard owners
+(applied on arrival, acknowledged), the push is reported to the scheduler, which answers OK
+(now or when the slowest worker catches up; at an ElasticBSP barrier when everyone arrived),
+then the weights are pulled and become the replica's for the next iteration. The user's
+optimizer does not step (the owners run SGD, with the optimizer's lr, momentum and weight
+decay, lr/N per push); its state is not used.
+
+Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_upper`` (15);
+``elastic_bsp``: ``R`` (15), ``search`` (``zipline_opt_bs``). ``bsp`` is SSP(0), ``asp`` never
+waits.
+
+Stopping: the first worker that wants to stop tells the scheduler; every held and later report
+is answered STOP. Each worker then waits (an exact allreduce barrier over the group) until
+every worker's last push is applied, and pulls: every node ends with the same weights.
+
+Codecs: pushes are gradients, so every codec applies to their pieces (error feedback per
+shard piece with ``--error-feedback``, always for ``topk``); pulls are exact.
+
+Not yet (issue 14 open items): moving shard ownership when a member leaves (a dead owner ends
+the run with PeerFailure naming it), the owners following an LR schedule (they use the
+optimizer's lr at the start), bench/elastic.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+
+from p2psync.coordinator.rpc import RpcServer
+from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
+from p2psync.coordinator.ssp_service import SchedulerService
+from p2psync.coordinator.zipline import SEARCHERS
+from p2psync.errors import ConfigError, ProtocolError
+from p2psync.params import ParamStore
+from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.topology import Topology
+
+
+class _StoreStrategy(Strategy):
+    """The worker loop shared by the five (spec §5)."""
+
+    kind: ClassVar[str] = ""
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler | ElasticScheduler:
+        raise NotImplementedError
+
+    @classmethod
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
+        opts = parse_options(cls, options)
+        SchedulerService(server, topology.ids, cls.scheduler(opts, topology.ids), name=cls.name)
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.scheduler(self.opts, list(ctx.topology.ids))  # validates the options on every node
+        self.failstop = FailStop(ctx, self.name, f"{self.name}.")
+        self.store: ParamStore | None = None
+        self.count = 0
+
+    async def start(self) -> None:
+        if self.ctx.joining:
+            raise ConfigError(f"{self.name}: joining a running run is not supported yet (the parameter store "
+                              "does not move shards between members)")
+        hyper = await self.ctx.replica.sgd_hyper()
+        if not isinstance(hyper.lr, float) or not isinstance(hyper.weight_decay, float):
+            raise ConfigError(f"{self.name}: the parameter store runs one SGD for all parameters: parameter groups "
+                              "with different learning rates or weight decays are not supported")
+        self.store = ParamStore(transport=self.ctx.transport, rpc_server=self.ctx.rpc_server, rpc=self.ctx.rpc,
+                                members=self.ctx.group, params=await self.ctx.replica.get_params(),
+                                lr=hyper.lr, momentum=hyper.momentum, weight_decay=hyper.weight_decay,
+                                piece_bytes=self.ctx.collectives.piece_bytes, timeout=self.ctx.peer_timeout,
+                                name=f"{self.name}.ps", codec=self.ctx.collectives.codec,
+                                error_feedback=self.ctx.collectives.feedback is not None)
+        self.store.start()
+
+    def on_peer_failure(self, peer: int) -> None:
+        self.failstop.on_peer_failure(peer)
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        self.failstop.check()
+        if self.store is None:
+            raise ConfigError(f"{self.name}: not started")
+        loss, grad = await self.ctx.replica.compute_gradients()
+        t0 = time.perf_counter()
+        pushed = await self.store.push(grad)
+        self.count += 1
+        t1 = time.perf_counter()
+        ok = await self._report(want_stop)
+        t2 = time.perf_counter()
+        extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
+                                 "forwarded": pushed.forwarded}
+        if ok is None:  # STOP: every worker's last push is applied before anyone's final pull
+            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), self.ctx.group, codec="none",
+                                                 tag=f"{self.name}.end")
+        else:
+            extra.update(ok)
+        w = await self.store.pull()
+        await self.ctx.replica.set_params(w)
+        wait = time.perf_counter() - t1
+        return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
+                          extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
+
+    async def _report(self, stop: bool) -> dict[str, Any] | None:
+        """PUSHED to the scheduler; its grant, or None for STOP."""
+        view = self.ctx.view
+        while True:
+            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", {
+                "count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop,
+                "epoch": view.epoch, "members": list(view.members)}, timeout=self.ctx.peer_timeout + 10.0)
+            if not isinstance(rep, dict):
+                raise ProtocolError("scheduler", "answer is not a map")
+            if rep.get("stop"):
+                return None
+            ok = rep.get("ok")
+            if isinstance(ok, dict):
+                return {k: ok.get(k) for k in ("gap", "r", "barrier")}
+            if not rep.get("wait"):
+                raise ProtocolError("scheduler", f"unexpected answer {sorted(rep)!r}"[:80])
+            self.failstop.check()
+            await asyncio.sleep(0)
+
+
+@register
+class BSP(_StoreStrategy):
+    name = "bsp"
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=0)
+
+
+@register
+class ASP(_StoreStrategy):
+    name = "asp"
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=None)
+
+
+@register
+class SSP(_StoreStrategy):
+    name = "ssp"
+    options = {"s": (int, 3, "staleness threshold: no worker runs more than s pushes ahead of the slowest")}
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=int(opts["s"]))
+
+
+@register
+class DSSP(_StoreStrategy):
+    name = "dssp"
+    options = {"s_lower": (int, 3, "s_L: the staleness always allowed"),
+               "s_upper": (int, 15, "s_U: the most the controller may allow")}
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=int(opts["s_lower"]), s_upper=int(opts["s_upper"]))
+
+
+@register
+class ElasticBSP(_StoreStrategy):
+    name = "elastic_bsp"
+    options = {"R": (int, 15, "predicted future pushes per worker the barrier search considers"),
+               "search": (str, "zipline_opt_bs", f"barrier search: {', '.join(SEARCHERS)}")}
+
+    @classmethod
+    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> ElasticScheduler:
+        return ElasticScheduler(workers=ids, R=int(opts["R"]), searcher=str(opts["search"]))
