@@ -32,9 +32,11 @@ Targets (issue 13): at HL = 3 the best P-Reduce reaches the target >= 1.5x soone
 time rises from P = 3 to P = 5, updates fall). Output: a markdown table and the target lines on
 stdout, bench/out/preduce.png (accuracy against time per HL; per-update time and updates).
 
-Run time: 10 configurations x ``--repeats`` runs of ``--seconds`` plus ~10-20 s of process
-start each (8 Python + torch processes on a 2-core machine): about 15 minutes at the defaults.
-``--quick``: HL = 3 only, AR, CON and DYN at P = 3, one 25 s run each (~2 minutes).
+Run time: 10 configurations x ``--repeats`` runs of ``--seconds`` plus the start of 8 Python +
+torch processes each: ~10-20 s on an idle 2-core machine (about 15 minutes at the defaults), but
+~60-90 s measured while other tests kept the 2 cores busy (load 3-9): then 30-40 minutes.
+``--quick``: HL = 3 only, AR, CON and DYN at P = 3, one run each of 25 s (or ``--seconds``): 2-6
+minutes depending on the load.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ def updates_at(nodes: Sequence[Sequence[dict[str, Any]]], t: float, preduce: boo
     or the largest step (AR: one allreduce per step)."""
     if t == INF:
         return None
-    key = "last_op" if preduce else "step"
-    seen = [int(r[key]) for recs in nodes for r in recs if r["time"] <= t and r.get(key) is not None]
+    keys = ("op", "last_op") if preduce else ("step",)
+    seen = [int(r[k]) for recs in nodes for r in recs if r["time"] <= t for k in keys if r.get(k) is not None]
     return max(seen) if seen else 0
 
 
@@ -238,7 +240,7 @@ def plot(res: Sequence[Outcome], target: float) -> Path:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--seconds", type=float, default=None, help="training time per run (default 30; --quick: 25)")
     ap.add_argument("--target", type=float, default=0.93)
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (seeds 1, 2, ...; medians)")
     ap.add_argument("--base", type=float, default=0.05, help="step time of a device of its own (s)")
@@ -260,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             ap.error(f"unknown --configs {bad}: choose from {', '.join(known)}")
         configs = [known[c] for c in args.configs]
     if args.quick:
-        args.seconds, args.hl, args.repeats, configs = 25.0, [3], 1, configs[:3]
+        args.hl, args.repeats, configs = [3], 1, configs[:3]
+    if args.seconds is None:
+        args.seconds = 25.0 if args.quick else 30.0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "runs"
         topo = Path(tmp) / f"mesh-{args.nodes}.json"

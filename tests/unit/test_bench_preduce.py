@@ -21,6 +21,9 @@ def test_first_reach_and_updates_at():
     assert b.updates_at(nodes, 2.6, preduce=True) == 14  # the largest P-reduce number joined by then
     assert b.updates_at(nodes, 2.6, preduce=False) == 2  # AR: steps
     assert b.updates_at(nodes, math.inf, preduce=True) is None
+    # a record's "op" (the group it just joined) counts even where "last_op" lags or is absent
+    assert b.updates_at([[{"time": 1.0, "step": 1, "op": 7}], [{"time": 1.0, "step": 1, "last_op": 5}]],
+                        1.0, preduce=True) == 7
 
 
 def test_analyse_takes_the_lower_median_node_and_per_update_time():
