@@ -127,3 +127,47 @@ async def memory_collectives(topo: Topology, **kw: Any) -> AsyncIterator[dict[in
     finally:
         for e in eps.values():
             await e.close()
+
+
+@contextlib.asynccontextmanager
+async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], *, codec: str = "none",
+                            step_times: str = "", **trainer: Any) -> AsyncIterator[list[Any]]:
+    """Started strategies for every node over the in-memory transport, with real trainers
+    (``trainer``: make_trainer keywords; ``step_times``: emulated ``NODE:SECONDS,...``)."""
+    from p2psync.training.hetero import parse_profiles
+    from p2psync.transport.memory import MemoryHub
+
+    hub = MemoryHub(topo)
+    eps = {i: hub.endpoint(i, default_timeout=10) for i in topo.ids}
+    for e in eps.values():
+        await e.start()
+    trainers = {i: make_trainer(topo, i, **trainer) for i in topo.ids}
+    if step_times:
+        prof = parse_profiles(step_time=step_times)
+        for i, tr in trainers.items():
+            tr.slowdown = prof[i]
+    try:
+        strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, codec=codec)
+        try:
+            yield strats
+        finally:
+            await close_strategies(strats)
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+async def run_until_stop(strats: Any, steps: int) -> list[list[dict[str, Any]]]:
+    """Every node's loop (``want_stop`` from the last requested step on) until its strategy
+    reports ``stop`` (bounded: 3x the steps); each node's step reports' ``extra``."""
+    import asyncio
+
+    async def loop(s: Any) -> list[dict[str, Any]]:
+        step, reps = 0, []
+        while True:
+            rep = await s.train_step(step, step + 1 >= steps)
+            reps.append(rep.extra)
+            step += 1
+            if rep.stop or step >= 3 * steps:
+                return reps
+    return list(await asyncio.gather(*(loop(s) for s in strats)))

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from p2psync.coordinator.calls import HOLD_S, bool_arg, hold, int_arg, view_arg
 from p2psync.coordinator.preduce import Controller, Group
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ProtocolError
@@ -38,15 +39,6 @@ from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.preduce")
 
-#: seconds the controller holds a READY before answering "wait" (the worker asks again)
-HOLD_S = 5.0
-
-
-def _int(args: Mapping[str, Any], key: str, lo: int = 0) -> int:
-    v = args.get(key)
-    if type(v) is not int or v < lo:
-        raise ProtocolError("preduce", f"ready: {key} must be an integer >= {lo}, not {v!r}"[:120])
-    return v
 
 
 class PReduceService:
@@ -113,15 +105,9 @@ class PReduceService:
     # -- the RPC -------------------------------------------------------------------------
 
     def _view(self, args: Mapping[str, Any], now: float) -> None:
-        epoch, members = args.get("epoch"), args.get("members")
-        if epoch is None:
-            return
-        if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
-                or any(type(m) is not int or m not in self.topology.ids for m in members)):
-            raise ProtocolError("preduce", "ready: bad view (epoch, members)")
-        if epoch > self.epoch:
-            self.epoch = epoch
-            self.members = tuple(sorted(set(members)))
+        view = view_arg(args, self.topology.ids, who="preduce")
+        if view is not None and view[0] > self.epoch:
+            self.epoch, self.members = view
             for w in [w for w in self._waiting if w not in self.members]:
                 self._answer(w, {"stop": True, "left": True, "ops": self.ctl.ops})
             self._deliver(self.ctl.set_members(self.members, now))
@@ -147,11 +133,9 @@ class PReduceService:
 
     async def _ready_call(self, caller: int, args: Mapping[str, Any]) -> Any:
         now = asyncio.get_running_loop().time()
-        seq, k = _int(args, "seq", 1), _int(args, "k")
-        stop = args.get("stop", False)
-        if not isinstance(stop, bool):
-            raise ProtocolError("preduce", "ready: stop must be a boolean")
-        inc = _int(args, "inc")
+        seq, k = int_arg(args, "seq", who="preduce", lo=1), int_arg(args, "k", who="preduce")
+        stop = bool_arg(args, "stop", who="preduce")
+        inc = int_arg(args, "inc", who="preduce")
         self._view(args, now)
         if inc != self._inc.setdefault(caller, inc):
             if inc < self._inc[caller]:
@@ -178,7 +162,4 @@ class PReduceService:
             self.readies += 1
             self._deliver(groups)
             waiting = self._waiting.get(caller, (seq, fut))
-        try:
-            return dict(await asyncio.wait_for(asyncio.shield(waiting[1]), self.hold))
-        except asyncio.TimeoutError:
-            return {"wait": True}
+        return await hold(waiting[1], self.hold)

@@ -17,20 +17,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from p2psync.coordinator.calls import HOLD_S, bool_arg, hold, int_arg, view_arg
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.ssp import ElasticScheduler, Grant, StalenessScheduler
 from p2psync.errors import ProtocolError
 
 log = logging.getLogger("p2psync.scheduler")
 
-HOLD_S = 5.0
-
-
-def _int(args: Mapping[str, Any], key: str, lo: int = 0) -> int:
-    v = args.get(key)
-    if type(v) is not int or v < lo:
-        raise ProtocolError("scheduler", f"{key} must be an integer >= {lo}, not {v!r}"[:120])
-    return v
 
 
 class SchedulerService:
@@ -63,17 +56,12 @@ class SchedulerService:
         self._waiting.clear()
 
     def _view(self, args: Mapping[str, Any]) -> None:
-        epoch, members = args.get("epoch"), args.get("members")
-        if epoch is None:
-            return
-        if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
-                or any(type(m) is not int or m not in self.ids for m in members)):
-            raise ProtocolError("scheduler", "bad view (epoch, members)")
-        if epoch > self.epoch:
-            self.epoch = epoch
+        view = view_arg(args, self.ids, who="scheduler")
+        if view is not None and view[0] > self.epoch:
+            self.epoch, members = view
             for w in [w for w in self._waiting if w not in members]:
                 self._waiting.pop(w).set_result({"stop": True, "left": True})
-            self._grant(self.sched.set_workers(sorted(set(members))))
+            self._grant(self.sched.set_workers(members))
 
     async def _pushed(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         try:
@@ -85,10 +73,8 @@ class SchedulerService:
             raise
 
     async def _pushed_call(self, caller: int, args: Mapping[str, Any]) -> Any:
-        count, inc = _int(args, "count", 1), _int(args, "inc")
-        stop = args.get("stop", False)
-        if not isinstance(stop, bool):
-            raise ProtocolError("scheduler", "stop must be a boolean")
+        count, inc = int_arg(args, "count", who="scheduler", lo=1), int_arg(args, "inc", who="scheduler")
+        stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
         if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
             self._inc[caller] = inc
@@ -112,7 +98,4 @@ class SchedulerService:
             fut = self._waiting[caller]
         else:
             raise ProtocolError("scheduler", f"node {caller} reported push {count} after {have}")
-        try:
-            return dict(await asyncio.wait_for(asyncio.shield(fut), self.hold))
-        except asyncio.TimeoutError:
-            return {"wait": True}
+        return await hold(fut, self.hold)

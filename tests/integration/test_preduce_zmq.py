@@ -11,29 +11,18 @@ step). The run converges and ends with one model on every node (Alg. 2 line 8).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import numpy as np
 import pytest
 
 from p2psync.topology import mesh
 from p2psync.training.hetero import parse_profiles
-from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, free_port, make_trainer, run_until_stop, start_strategies, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
 FAST, SLOW = 0.02, 0.12  # emulated seconds per step
 STEPS = 60
-
-
-async def _loop(s: Any, steps: int) -> tuple[int, list[dict[str, Any]]]:
-    step, reps = 0, []
-    while True:
-        rep = await s.train_step(step, step + 1 >= steps)
-        reps.append(rep.extra)
-        step += 1
-        if rep.stop or step >= 3 * steps:
-            return step, reps
 
 
 @pytest.mark.parametrize("weights", ["constant", "dynamic"])
@@ -49,7 +38,8 @@ async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights):
         strats = await start_strategies(eps, topo, "preduce", options={"P": 3, "weights": weights},
                                         trainers=trainers)
         try:
-            out = await asyncio.wait_for(asyncio.gather(*(_loop(s, STEPS) for s in strats)), 90)
+            reps = await asyncio.wait_for(run_until_stop(strats, STEPS), 90)
+            out = [(len(r), r) for r in reps]
             accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
             params = [await s.ctx.replica.get_params() for s in strats]
         finally:

@@ -5,8 +5,7 @@ controller service and RPC, no sockets): the numerical invariants of
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,40 +14,14 @@ from p2psync.errors import ConfigError
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
-from tests.helpers import close_strategies, make_trainer, start_strategies
+from tests.helpers import memory_strategies, run_until_stop
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@contextlib.asynccontextmanager
-async def nodes(topo: Any, name: str, options: dict[str, Any], *, codec: str = "none",
-                **trainer: Any) -> AsyncIterator[list[Any]]:
-    hub = MemoryHub(topo)
-    eps = {i: hub.endpoint(i, default_timeout=10) for i in topo.ids}
-    for e in eps.values():
-        await e.start()
-    trainers = {i: make_trainer(topo, i, **trainer) for i in topo.ids}
-    try:
-        strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, codec=codec)
-        try:
-            yield strats
-        finally:
-            await close_strategies(strats)
-    finally:
-        for e in eps.values():
-            await e.close()
-
-
 async def run(strats: list[Any], steps: int) -> list[int]:
-    """Every node's loop until the run stops (want_stop on the last requested step)."""
-    async def loop(s: Any) -> int:
-        step = 0
-        while True:
-            rep = await s.train_step(step, step + 1 >= steps)
-            step += 1
-            if rep.stop or step >= 3 * steps:
-                return step
-    return list(await asyncio.gather(*(loop(s) for s in strats)))
+    """Every node's loop until the run stops; the steps each ran."""
+    return [len(r) for r in await run_until_stop(strats, steps)]
 
 
 async def set_all(strats: list[Any], values: list[float]) -> None:
@@ -60,13 +33,13 @@ async def test_p_equal_n_is_allreduce_averaging_with_momentum_0():
     """§5 item 8: P = N, constant weights, momentum 0: every step is x <- mean_i(x - lr g_i),
     which is SSGD's x - lr mean_i(g_i) from the same start and data."""
     topo = mesh(4)
-    async with nodes(topo, "preduce", {"P": 4}, momentum=0.0) as pr:
+    async with memory_strategies(topo, "preduce", {"P": 4}, momentum=0.0) as pr:
         start = [await s.ctx.replica.get_params() for s in pr]
         assert all(np.array_equal(start[0], x) for x in start)  # same initialization
         assert await run(pr, 6) == [6] * 4
         got = [await s.ctx.replica.get_params() for s in pr]
         assert all(s.p == 4 for s in pr) and all(s.ops == 5 for s in pr)  # 5 groups + the final average
-    async with nodes(topo, "ssgd", {}, momentum=0.0) as ss:
+    async with memory_strategies(topo, "ssgd", {}, momentum=0.0) as ss:
         await run(ss, 6)
         want = await ss[0].ctx.replica.get_params()
     for x in got:
@@ -79,10 +52,10 @@ async def test_p_equal_n_with_averaged_momentum_is_ssgd_with_momentum():
     P = N is all-reduce SGD with momentum too (mean_i(x - lr m_i), mean_i(m_i) with
     m_i = mu m + g_i is SSGD's step on the mean gradient)."""
     topo = mesh(3)
-    async with nodes(topo, "preduce", {"P": 3, "average_momentum": True}, momentum=0.9) as pr:
+    async with memory_strategies(topo, "preduce", {"P": 3, "average_momentum": True}, momentum=0.9) as pr:
         await run(pr, 6)
         got = [await s.ctx.replica.export_state() for s in pr]
-    async with nodes(topo, "ssgd", {}, momentum=0.9) as ss:
+    async with memory_strategies(topo, "ssgd", {}, momentum=0.9) as ss:
         await run(ss, 6)
         want = await ss[0].ctx.replica.export_state()
     for x in got:
@@ -93,7 +66,7 @@ async def test_constant_weights_preserve_the_sum_and_members_end_equal():
     """§2.4 / §5 item 7: x = [1, 2, 3, 10], P = 2 (lr 1e-30: the local step changes nothing): two
     groups of two form from the four READYs; the network-wide sum stays 16 and each pair ends
     with the same model."""
-    async with nodes(mesh(4), "preduce", {"P": 2}, lr=1e-30, momentum=0.0) as pr:
+    async with memory_strategies(mesh(4), "preduce", {"P": 2}, lr=1e-30, momentum=0.0) as pr:
         await set_all(pr, [1.0, 2.0, 3.0, 10.0])
         reps = await asyncio.gather(*(s.train_step(0, False) for s in pr))
         xs = [await s.ctx.replica.get_params() for s in pr]
@@ -109,7 +82,7 @@ async def test_constant_weights_preserve_the_sum_and_members_end_equal():
 async def test_dynamic_weights_applied_by_the_members():
     """§2.3 application example: models 1 and 4 with k = 12 and 10, alpha = 1/2: weights 4/7,
     3/7, both members end at 16/7 and version 12."""
-    async with nodes(mesh(2), "preduce", {"P": 2, "weights": "dynamic", "alpha": 0.5},
+    async with memory_strategies(mesh(2), "preduce", {"P": 2, "weights": "dynamic", "alpha": 0.5},
                      lr=1e-30, momentum=0.0) as pr:
         await set_all(pr, [1.0, 4.0])
         pr[0].k, pr[1].k = 11, 9  # the local step makes them 12 and 10
@@ -125,7 +98,7 @@ async def test_one_nodes_stop_ends_the_run_and_every_node_ends_with_one_model():
     """The controller decides the stop (spec B10): one worker's stop is told to every other
     worker at its next READY (nobody waits for a group that cannot form), and the final
     average (Alg. 2 line 8) leaves every node with the same model."""
-    async with nodes(mesh(3), "preduce", {"P": 2}) as pr:
+    async with memory_strategies(mesh(3), "preduce", {"P": 2}) as pr:
         async def loop(s: Any) -> int:
             step = 0
             while True:
@@ -144,14 +117,14 @@ async def test_bad_options_and_topk_are_clear_errors():
     topo = mesh(3)
     cls = get_strategy("preduce")
     with pytest.raises(ConfigError, match="P=4 must be between 2 and the number of nodes"):
-        async with nodes(topo, "preduce", {"P": 4}):
+        async with memory_strategies(topo, "preduce", {"P": 4}):
             pass
     for opts, msg in (({"weights": "dyn"}, "weights='dyn'"), ({"alpha": 1.0}, "alpha=1.0"),
                       ({"tail": "wait"}, "tail='wait'"), ({"P": 1}, "P=1")):
         with pytest.raises(ConfigError, match=msg):
             cls.coordinator_services(None, topo, opts)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="preduce averages whole models"):
-        async with nodes(topo, "preduce", {"P": 2}, codec="topk:0.01"):
+        async with memory_strategies(topo, "preduce", {"P": 2}, codec="topk:0.01"):
             pass
 
 

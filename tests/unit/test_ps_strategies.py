@@ -5,64 +5,23 @@ baseline")."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from typing import Any, AsyncIterator
-
 import numpy as np
 import pytest
 
 from p2psync.topology import mesh
-from p2psync.training.hetero import parse_profiles
-from p2psync.transport import MemoryHub
-from tests.helpers import close_strategies, make_trainer, start_strategies
+from tests.helpers import memory_strategies, run_until_stop
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@contextlib.asynccontextmanager
-async def nodes(topo: Any, name: str, options: dict[str, Any], *, step_times: str = "",
-                **trainer: Any) -> AsyncIterator[list[Any]]:
-    hub = MemoryHub(topo)
-    eps = {i: hub.endpoint(i, default_timeout=10) for i in topo.ids}
-    for e in eps.values():
-        await e.start()
-    trainers = {i: make_trainer(topo, i, **trainer) for i in topo.ids}
-    if step_times:
-        prof = parse_profiles(step_time=step_times)
-        for i, tr in trainers.items():
-            tr.slowdown = prof[i]
-    try:
-        strats = await start_strategies(eps, topo, name, options=options, trainers=trainers)
-        try:
-            yield strats
-        finally:
-            await close_strategies(strats)
-    finally:
-        for e in eps.values():
-            await e.close()
-
-
-async def run(strats: list[Any], steps: int) -> list[list[dict[str, Any]]]:
-    async def loop(s: Any) -> list[dict[str, Any]]:
-        step, reps = 0, []
-        while True:
-            rep = await s.train_step(step, step + 1 >= steps)
-            reps.append(rep.extra)
-            step += 1
-            if rep.stop or step >= 3 * steps:
-                return reps
-    return list(await asyncio.gather(*(loop(s) for s in strats)))
 
 
 @pytest.mark.parametrize("name,opts", [("bsp", {}), ("ssp", {"s": 0}), ("dssp", {"s_lower": 0, "s_upper": 0})])
 async def test_store_bsp_ssp0_dssp00_equal_ssgd_with_plain_sgd(name, opts):
     topo = mesh(3)
-    async with nodes(topo, name, opts, momentum=0.0) as st:
-        reps = await run(st, 6)
+    async with memory_strategies(topo, name, opts, momentum=0.0) as st:
+        reps = await run_until_stop(st, 6)
         got = [await s.ctx.replica.get_params() for s in st]
-    async with nodes(topo, "ssgd", {}, momentum=0.0) as ss:
-        await run(ss, 6)
+    async with memory_strategies(topo, "ssgd", {}, momentum=0.0) as ss:
+        await run_until_stop(ss, 6)
         want = await ss[0].ctx.replica.get_params()
     assert [len(r) for r in reps] == [6, 6, 6]
     for x in got:
@@ -73,8 +32,8 @@ async def test_store_bsp_ssp0_dssp00_equal_ssgd_with_plain_sgd(name, opts):
 async def test_ssp_bounds_the_staleness_the_fast_worker_runs_ahead_and_everyone_ends_equal():
     """Worker 0 is 4x faster: it runs ahead by at most s pushes at every OK (spec §2.2), more
     than BSP would let it, and the stop barrier leaves every node with the same weights."""
-    async with nodes(mesh(3), "ssp", {"s": 2}, step_times="0:0.005,1:0.02,2:0.02") as st:
-        reps = await run(st, 30)
+    async with memory_strategies(mesh(3), "ssp", {"s": 2}, step_times="0:0.005,1:0.02,2:0.02") as st:
+        reps = await run_until_stop(st, 30)
         got = [await s.ctx.replica.get_params() for s in st]
     gaps = [r["gap"] for rs in reps for r in rs if "gap" in r]
     assert max(gaps) <= 2 and max(gaps) >= 1, gaps
@@ -84,8 +43,8 @@ async def test_ssp_bounds_the_staleness_the_fast_worker_runs_ahead_and_everyone_
 
 
 async def test_elastic_bsp_releases_barriers_and_everyone_pulls_identical_weights():
-    async with nodes(mesh(3), "elastic_bsp", {"R": 4}, step_times="0:0.004,1:0.01,2:0.016") as st:
-        reps = await run(st, 40)
+    async with memory_strategies(mesh(3), "elastic_bsp", {"R": 4}, step_times="0:0.004,1:0.01,2:0.016") as st:
+        reps = await run_until_stop(st, 40)
         got = [await s.ctx.replica.get_params() for s in st]
     barriers = [r["barrier"] for rs in reps for r in rs if r.get("barrier")]
     assert barriers and min(barriers) == 1  # at least one superstep ended with a barrier
