@@ -173,8 +173,6 @@ class PReduce(Strategy):
         self.failed_groups = 0
         self.solo = 0
         self.last_op = 0
-        self.queue_s = 0.0
-        self.reduce_s = 0.0
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
@@ -211,7 +209,6 @@ class PReduce(Strategy):
         t0 = time.perf_counter()
         answer = await self._ready(want_stop)  # lines 5-6
         queued = time.perf_counter() - t0
-        self.queue_s += queued
         extra: dict[str, Any] = {"queue_s": round(queued, 5), "k": self.k}
         if answer is None:  # STOP: the run ends with the average of all models (line 8)
             t1 = time.perf_counter()
@@ -222,14 +219,13 @@ class PReduce(Strategy):
         t1 = time.perf_counter()
         applied = await self._reduce(answer)  # line 7
         reduced = time.perf_counter() - t1
-        self.reduce_s += reduced
         extra.update(op=answer.op, group=len(answer.members), applied=applied, reduce_s=round(reduced, 5),
                      weight=round(answer.weights[answer.members.index(self.ctx.node_id)], 5))
         return StepReport(loss=loss, comm_s=reduced, wait_s=queued + reduced, extra={**extra, **self._totals()})
 
     def _totals(self) -> dict[str, Any]:
         return {"ops_joined": self.ops, "last_op": self.last_op, "failed_groups": self.failed_groups,
-                "members": len(self.ctx.group)}
+                "solo": self.solo, "members": len(self.ctx.group)}
 
     async def _ready(self, stop: bool) -> GroupMsg | None:
         """READY to the controller; the group it put this worker in, or None for STOP."""

@@ -32,7 +32,6 @@ optimizer's lr at the start), bench/elastic.py.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, ClassVar
 
@@ -133,7 +132,6 @@ class _StoreStrategy(Strategy):
             if not rep.get("wait"):
                 raise ProtocolError("scheduler", f"unexpected answer {sorted(rep)!r}"[:80])
             self.failstop.check()
-            await asyncio.sleep(0)
 
 
 @register
