@@ -117,8 +117,8 @@ class _StoreStrategy(Strategy):
 
     async def _report(self, stop: bool) -> dict[str, Any] | None:
         """PUSHED to the scheduler; its grant, or None for STOP."""
-        view = self.ctx.view
         while True:
+            view = self.ctx.view  # the newest, at every poll
             rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", {
                 "count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop,
                 "epoch": view.epoch, "members": list(view.members)}, timeout=self.ctx.peer_timeout + 10.0)
