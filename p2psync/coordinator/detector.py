@@ -28,6 +28,9 @@ suspected after ~2 s of silence; on a 1.2 s-RTT link after ``max(2, 2.4 + 4 * rt
 inside the ``3 s + 2 x RTT`` bound.
 
 :class:`FailureDetector` holds one :class:`PeerDetector` per watched peer.
+
+:class:`StallMeter` measures how long this process's own event loop could not run; that time
+is credited to every peer (a stalled process must not blame its peers for its own silence).
 """
 
 from __future__ import annotations
@@ -163,6 +166,33 @@ class PeerDetector:
     def suspect(self, now: float) -> bool:
         return now - self.last > self.timeout()
 
+    def pause(self, seconds: float) -> None:
+        """This process could not receive for ``seconds`` (its event loop stalled): that time
+        is not the peer's silence, nor part of a heartbeat inter-arrival sample."""
+        self.last += seconds
+        if self.last_heartbeat is not None:
+            self.last_heartbeat += seconds
+
+
+class StallMeter:
+    """How long this process's event loop was stalled, measured on a periodic task.
+
+    A check loop that sleeps ``interval`` and wakes ``elapsed`` later was unable to run for
+    ``elapsed - interval``; during that time no arrival could be recorded either (messages wait
+    in the sockets and get their arrival time when read, after the check). Without crediting
+    that time, a process stalled longer than the floor (a loaded machine, a long synchronous
+    call) wakes up to stale arrival times and declares its live peers, even its own host,
+    failed. :meth:`tick` returns the stall to credit (:meth:`FailureDetector.pause`)."""
+
+    def __init__(self, interval: float, now: float) -> None:
+        self.interval = interval
+        self.prev = now
+
+    def tick(self, now: float) -> float:
+        stall = max(0.0, now - self.prev - self.interval)
+        self.prev = now
+        return stall
+
 
 class FailureDetector:
     """One :class:`PeerDetector` per watched peer."""
@@ -196,10 +226,16 @@ class FailureDetector:
     def suspects(self, now: float) -> list[int]:
         return sorted(p for p, d in self.peers.items() if d.suspect(now))
 
+    def pause(self, seconds: float) -> None:
+        """Credit a stall of this process to every peer (see :class:`StallMeter`)."""
+        if seconds > 0:
+            for d in self.peers.values():
+                d.pause(seconds)
+
     def silence(self, peer: int, now: float) -> float:
         d = self.peers.get(peer)
         return 0.0 if d is None else now - d.last
 
 
 __all__ = ["DEFAULT_FLOOR", "DEFAULT_INTERVAL", "DEFAULT_THRESHOLD", "DetectorParams",
-           "FailureDetector", "PeerDetector", "RttEstimator"]
+           "FailureDetector", "PeerDetector", "RttEstimator", "StallMeter"]

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.coordinator.detector import DetectorParams, FailureDetector
+from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError
@@ -169,6 +169,7 @@ class MembershipState:
     def check(self, now: float) -> list[int]:
         """Nodes newly declared failed: registered, not finished, suspected by the detector.
 
+        The node hosting this state is never declared failed (this code runs on it).
         Nothing is declared before the rendezvous completes: a registered node only starts
         heartbeating once every node has registered (its register call is the server's own
         long poll until then), and missing nodes are the start timeout's business. The
@@ -176,7 +177,7 @@ class MembershipState:
         if not self.complete:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
-               and self.join_grace.get(n, now) <= now]
+               and n != self.coordinator and self.join_grace.get(n, now) <= now]
         if new:
             self.failed.update(new)
             for n in new:
@@ -353,8 +354,10 @@ class MembershipService:
 
     async def _monitor(self) -> None:
         me = self.transport.node_id
+        stalls = StallMeter(self.check_interval, time.monotonic())
         while True:
             await asyncio.sleep(self.check_interval)
+            self.state.detector.pause(stalls.tick(time.monotonic()))
             for n, at in list(self.transport.last_arrival.items()):
                 if n != me:
                     self.state.alive(n, at)

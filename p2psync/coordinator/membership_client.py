@@ -30,7 +30,7 @@ import socket
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from p2psync.coordinator.detector import DetectorParams, FailureDetector
+from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
@@ -328,9 +328,11 @@ class MembershipClient:
 
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
+        stalls = StallMeter(self.interval, time.monotonic())
         while True:
             self._send_beat()
             await asyncio.sleep(self.interval)
+            self.detector.pause(stalls.tick(time.monotonic()))
             c = self.coordinator
             if c == me:
                 continue

@@ -39,6 +39,12 @@ def wait_for(pred, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def node_logs(run_dir):
+    """Every node's log, for an assertion message (a CI failure must be diagnosable)."""
+    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+                   for p in sorted(Path(run_dir).glob("node-*.log")))
+
+
 def lines(path):
     try:
         return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
@@ -184,7 +190,7 @@ def test_lossy_codec_runs_every_requested_step(tmp_path):
     r = cli("run", "topologies/ring-4.json", "--strategy", "ssgd", "--codec", "int8", "--error-feedback",
             "--steps", "30", "--slowdown", "3:2", "--slowdown-mode", "compute", "--out", tmp_path,
             "--run-id", "q")
-    assert r.returncode == 0, r.stderr + r.stdout
+    assert r.returncode == 0, r.stderr + r.stdout + node_logs(tmp_path / "q")
     summary = json.loads((tmp_path / "q" / "summary.json").read_text())
     assert summary["accuracy_mean"] > 0.5
     for i in range(4):

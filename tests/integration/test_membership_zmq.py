@@ -181,3 +181,20 @@ async def test_rpc_retried_around_a_dead_relay():
         assert await client.call(0, "echo", {"a": 3}, timeout=5) == {"a": 3}
         assert time.monotonic() - t0 < 0.5  # the working first hop is remembered
         await server.close()
+
+
+async def test_a_stalled_process_declares_nobody_failed():
+    """CI failure (test_lossy_codec_runs_every_requested_step): a process whose event loop
+    stalled for longer than the failure timeout (a loaded machine, a long synchronous call) woke
+    up to stale arrival times and declared its peers, and even its own host, failed. Here every
+    node shares one loop, so a 3 s synchronous stall (> the 2 s floor) stalls all of them: the
+    silence was this process's, not the peers', and nobody may be declared failed."""
+    async with cluster(mesh(3, base_port=free_port())) as nodes:
+        await asyncio.sleep(1.5)  # detectors have samples
+        time.sleep(3.0)  # the whole process stalls
+        await asyncio.sleep(2.0)
+        service = nodes[0].service
+        assert service is not None and service.state.failed == set()
+        for n in nodes.values():
+            assert n.client.failed == set() and not n.client.coordinator_suspected
+            assert n.client.view is not None and n.client.view.members == (0, 1, 2)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from p2psync.coordinator import MembershipState
-from p2psync.coordinator.detector import DetectorParams, FailureDetector, PeerDetector, RttEstimator
+from p2psync.coordinator.detector import DetectorParams, FailureDetector, PeerDetector, RttEstimator, StallMeter
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import ConfigError, ProtocolError
 
@@ -134,11 +134,11 @@ def test_second_registration_of_a_live_node_is_rejected_naming_both():
     msg = str(ei.value)
     assert "111" in msg and "222" in msg and "hostA" in msg and "hostB" in msg
     st.register(0, "f", 0.0, incarnation=5)
-    assert st.check(10.0) == [0, 1]
+    assert st.check(10.0) == [1]  # never the host (node 0)
     closed = MembershipState(expected=frozenset({0, 1}), allow_join=False)
     closed.register(0, "f", 0.0, incarnation=5)
     closed.register(1, "f", 0.0, incarnation=111)
-    assert closed.check(10.0) == [0, 1]
+    assert closed.check(10.0) == [1]
     with pytest.raises(ConfigError, match="declared failed"):  # --on-failure stop: no joins
         closed.register(1, "f", 10.1, incarnation=333)
 
@@ -229,3 +229,29 @@ async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
     st.register(1, "f", 0.0, incarnation=1)
     with pytest.raises(DuplicateNode):  # retried by the registering node until its start timeout
         st.register(1, "f", 0.1, incarnation=2)
+
+
+def test_the_coordinator_never_declares_its_own_host_failed():
+    """CI regression: a stalled coordinator process declared its own host (node 0) failed."""
+    st = MembershipState(expected=frozenset({0, 1}), failure_timeout=2.0, heartbeat_interval=0.5)
+    st.register(0, "fp", 0.0, incarnation=1)
+    st.register(1, "fp", 0.0, incarnation=1)
+    assert st.check(10.0) == [1]  # both silent for 10 s: only the other node is declared
+
+
+def test_a_local_stall_is_credited_not_blamed_on_peers():
+    det = FailureDetector(params=DetectorParams(interval=0.5, floor=2.0))
+    meter = StallMeter(0.5, 0.0)
+    det.watch(1, 0.0)
+    for t in (0.5, 1.0, 1.5):
+        det.heartbeat(1, t)
+        assert meter.tick(t) == 0.0
+    # this process stalls from 1.5 to 5.0: its next tick comes 3.0 s late
+    stall = meter.tick(5.0)
+    assert stall == pytest.approx(3.0)
+    assert det.suspects(5.0) == [1]  # without the credit: a false failure
+    det.pause(stall)
+    assert det.suspects(5.0) == [] and det.silence(1, 5.0) == pytest.approx(0.5)
+    det.heartbeat(1, 5.01)  # the heartbeats queued in the socket are read after the stall
+    assert max(det.peers[1].intervals) < 1.0  # the stall is not an inter-arrival sample
+    assert det.suspects(5.0 + 2.1) == [1]  # a peer silent after the stall is still detected
