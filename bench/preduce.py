@@ -42,7 +42,6 @@ minutes depending on the load.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -51,10 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import markdown_table, save_png
+from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
 
 ROOT = Path(__file__).resolve().parent.parent
-INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -94,15 +92,6 @@ class Outcome:
         if self.updates is None or self.updates <= 0 or self.to_target == INF:
             return None
         return self.to_target / self.updates
-
-
-def first_reach(recs: Sequence[dict[str, Any]], target: float) -> float:
-    """The time of a node's first evaluation at or above ``target`` (inf if none)."""
-    for r in recs:
-        acc = r.get("accuracy")
-        if acc is not None and acc >= target:
-            return float(r["time"])
-    return INF
 
 
 def updates_at(nodes: Sequence[Sequence[dict[str, Any]]], t: float, preduce: bool) -> int | None:
@@ -147,16 +136,8 @@ def run_one(cfg: Config, hl: int, args: argparse.Namespace, topo: Path, out: Pat
            "--step-time", step_times(args.nodes, hl, args.base), "--slowdown-mode", args.mode,
            "--lr", str(args.lr), "--momentum", "0.9", "--eval-every", str(args.eval_every),
            "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 180)
-    if r.returncode != 0:
-        raise SystemExit(f"{run_id} failed:\n{r.stderr[-3000:]}")
-    nodes = [[json.loads(ln) for ln in (out / run_id / f"node-{i}.jsonl").read_text().splitlines() if ln.strip()]
-             for i in range(args.nodes)]
+    nodes = run_nodes(cmd, out, run_id, args.nodes, timeout=args.seconds * 4 + 180)
     return analyse(cfg, hl, nodes, args.target)
-
-
-def cell(v: float | None, fmt: str) -> str:
-    return "not reached" if v is None or v == INF else fmt.format(v)
 
 
 def report(res: Sequence[Outcome], target: float) -> str:

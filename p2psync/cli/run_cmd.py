@@ -81,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="change a node's slowdown during training, e.g. 2:30:4")
     p.add_argument("--step-time", default="", metavar="NODE:SECONDS,...",
                    help="fixed emulated step time per node (deterministic runs)")
+    p.add_argument("--step-jitter", type=float, default=0.0, metavar="FRACTION",
+                   help="every node's emulated step time varies by up to +-FRACTION per step "
+                        "(uniform, seeded), e.g. 0.2")
     p.add_argument("--slowdown-mode", default="wait", choices=("wait", "compute"),
                    help="how a slower device is emulated: wait (the compute thread idles, CPU free) "
                         "or compute (real extra matrix products on the compute thread)")
@@ -157,7 +160,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
         wan=args.wan, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
-        slowdown_mode=args.slowdown_mode, codec=args.codec, piece_kib=args.piece_kib,
+        slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure)
     from p2psync.strategies.base import get_strategy, parse_options

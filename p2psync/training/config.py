@@ -53,6 +53,7 @@ class RunConfig:
     slowdown_schedule: str = ""
     step_time: str = ""
     slowdown_mode: str = "wait"
+    step_jitter: float = 0.0
     codec: str = "none"
     piece_kib: int = 1024
     error_feedback: bool = False
@@ -86,7 +87,8 @@ class RunConfig:
         from p2psync.training.hetero import parse_profiles
 
         get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
-        parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode)  # validate
+        parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode,
+                       self.step_jitter)  # validate
         if self.shaper not in ("none", "inproc", "netem"):
             raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
         if self.wan and self.shaper == "none":

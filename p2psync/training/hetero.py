@@ -18,7 +18,11 @@ Either way the pad can be cut short by an abort (ESync abandoning an iteration).
 * schedule: ``--slowdown-schedule 2:30:4`` (node 2 becomes 4x slower 30 s into training;
   several entries per node allowed);
 * fixed emulated step time: ``--step-time 0:0.05,3:0.4`` (a step takes exactly that long, or
-  its real time if longer) for deterministic runs.
+  its real time if longer) for deterministic runs;
+* jitter: ``--step-jitter 0.2`` makes every node's emulated step time vary by up to +-20 %
+  (uniform, drawn per step from the node's seed, so runs stay repeatable): the natural
+  variation of real devices, which barrier placement (ElasticBSP) and grouping (P-Reduce)
+  react to.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Slowdown:
     schedule: tuple[tuple[float, float], ...] = ()
     step_time: float | None = None
     mode: SlowdownMode = "wait"
+    #: the emulated step time is multiplied by ``1 + jitter * u``, ``u`` uniform in [-1, 1]
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in SLOWDOWN_MODES:
@@ -47,6 +53,8 @@ class Slowdown:
             raise ConfigError("slowdown factors must be >= 1 and schedule times >= 0")
         if self.step_time is not None and self.step_time <= 0:
             raise ConfigError("--step-time must be > 0")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ConfigError(f"--step-jitter must be in [0, 1), got {self.jitter}")
 
     def factor_at(self, elapsed: float) -> float:
         f = self.factor
@@ -55,16 +63,17 @@ class Slowdown:
                 f = g
         return f
 
-    def pad(self, compute_s: float, elapsed: float) -> float:
-        """Seconds to wait after a step whose real compute took ``compute_s``."""
-        f = self.factor_at(elapsed)
+    def pad(self, compute_s: float, elapsed: float, u: float = 0.0) -> float:
+        """Seconds to wait after a step whose real compute took ``compute_s``; ``u`` in [-1, 1]
+        draws the jitter (a step cannot take less than its real compute)."""
+        f = self.factor_at(elapsed) * (1.0 + self.jitter * u)
         if self.step_time is not None:
             return max(0.0, self.step_time * f - compute_s)
-        return (f - 1.0) * compute_s
+        return max(0.0, (f - 1.0) * compute_s)
 
     @property
     def trivial(self) -> bool:
-        return self.factor == 1 and not self.schedule and self.step_time is None
+        return self.factor == 1 and not self.schedule and self.step_time is None and self.jitter == 0
 
 
 def _pairs(text: str, what: str, parts: int) -> list[list[str]]:
@@ -78,8 +87,9 @@ def _pairs(text: str, what: str, parts: int) -> list[list[str]]:
 
 
 def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "",
-                   mode: str = "wait") -> dict[int, Slowdown]:
-    """Profiles per node id from the CLI option strings."""
+                   mode: str = "wait", jitter: float = 0.0) -> dict[int, Slowdown]:
+    """Profiles per node id from the CLI option strings (nodes not named get
+    :func:`default_profile`)."""
     if mode not in SLOWDOWN_MODES:
         raise ConfigError(f"--slowdown-mode {mode!r}: choose from {', '.join(SLOWDOWN_MODES)}")
     try:
@@ -91,6 +101,12 @@ def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "",
     except ValueError as exc:
         raise ConfigError(f"bad slowdown profile: {exc}") from None
     nodes = set(factors) | set(steps) | set(sched)
+    default_profile(mode, jitter)  # validate
     return {n: Slowdown(factor=factors.get(n, 1.0), schedule=tuple(sorted(sched.get(n, []))),
-                        step_time=steps.get(n), mode=mode)  # type: ignore[arg-type]
+                        step_time=steps.get(n), mode=mode, jitter=jitter)  # type: ignore[arg-type]
             for n in nodes}
+
+
+def default_profile(mode: str = "wait", jitter: float = 0.0) -> Slowdown:
+    """The profile of a node no option names: its own speed, with the run's jitter."""
+    return Slowdown(mode=mode, jitter=jitter)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import torch
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.data import load_dataset
-from p2psync.training.hetero import parse_profiles
+from p2psync.training.hetero import default_profile, parse_profiles
 from p2psync.training.models import build_model
 from p2psync.training.partition import partition
 from p2psync.training.trainer import Trainer, make_optimizer, resolve_device
@@ -26,8 +26,8 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     device = resolve_device(cfg.device)
     model.to(device)  # before the optimizer takes the parameters (Trainer keeps it there)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time,
-                             cfg.slowdown_mode).get(node_id)
+    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
+                             cfg.step_jitter).get(node_id) or default_profile(cfg.slowdown_mode, cfg.step_jitter)
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
                    batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
                    slowdown=profile)

@@ -23,6 +23,7 @@ a joining node takes its state from a live peer.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,7 @@ class Trainer:
         self.samples = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.slowdown = slowdown or Slowdown()
+        self._jitter = random.Random(seed)  # the emulated device's step-time variation
         self.t0 = time.monotonic()
         self.padded_s = 0.0
         self._burn: torch.Tensor | None = None
@@ -148,7 +150,8 @@ class Trainer:
         check()
         loss.backward()
         check()
-        pad = self.slowdown.pad(time.perf_counter() - t0, time.monotonic() - self.t0)
+        pad = self.slowdown.pad(time.perf_counter() - t0, time.monotonic() - self.t0,
+                                self._jitter.uniform(-1.0, 1.0))
         if pad > 0:
             p0 = time.perf_counter()
             try:

@@ -13,7 +13,7 @@ from p2psync.coordinator.state_server import StateServer
 from p2psync.errors import ConfigError
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
-from p2psync.training.hetero import Slowdown, parse_profiles
+from p2psync.training.hetero import Slowdown, default_profile, parse_profiles
 from p2psync.transport import MemoryHub
 from tests.helpers import make_context, make_trainer
 
@@ -139,6 +139,17 @@ def test_slowdown_profiles():
     for bad in (("0:0.5", "", ""), ("x", "", ""), ("", "1:2", ""), ("", "", "0:-1")):
         with pytest.raises(ConfigError):
             parse_profiles(*bad)
+
+
+def test_step_jitter():
+    j = parse_profiles(step_time="1:0.1", jitter=0.2)[1]
+    assert j.pad(0.01, 0, u=1.0) == pytest.approx(0.11) and j.pad(0.01, 0, u=-1.0) == pytest.approx(0.07)
+    assert j.pad(0.01, 0) == pytest.approx(0.09) and not j.trivial
+    own = default_profile(jitter=0.5)  # a node of its own speed: never faster than its real compute
+    assert own.pad(0.1, 0, u=1.0) == pytest.approx(0.05) and own.pad(0.1, 0, u=-1.0) == 0.0
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="step-jitter"):
+            parse_profiles(jitter=bad)
 
 
 async def test_factor_four_node_takes_four_times_longer():

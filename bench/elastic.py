@@ -1,0 +1,224 @@
+"""BSP, ASP, SSP, DSSP and ElasticBSP on the sharded parameter store, heterogeneous cluster
+(issue 14; thesis ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md §5.4 / Table 5.1 and
+§6.6 / Fig. 6.13, reading notes ../shared/specs/ssp-dssp-elasticbsp.md §8).
+
+    python -m bench.elastic [--nodes 4] [--seconds 20] [--target 0.93] [--repeats 2]
+                            [--speeds 1,1,2,3] [--base 0.04] [--jitter 0.2] [--mode wait|compute]
+                            [--quick] [--out DIR]
+
+Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh, plain
+SGD on the parameter store (the owners apply lr/N per push), the default digits data and MLP,
+the same seeds for every configuration. Configurations: BSP, ASP, SSP (s = 3), DSSP ([3, 15]),
+ElasticBSP (R = 15 and 150; ZipLineOptBS). Heterogeneity "mixed devices with jitter" (the
+thesis' DSSP cluster mixes device generations; its ElasticBSP cluster varies naturally): node i
+has the step time ``base x speeds[i mod len]`` (``--speeds``, default 1, 1, 2, 3: two fast
+devices, one 2x and one 3x slower), each step varied by +-``--jitter`` (uniform, seeded;
+``p2psync run --step-jitter``). ``--mode wait`` (default) idles for the emulated device time,
+``compute`` fills it with real matrix products.
+
+Measured (per run, from every node's node-*.jsonl):
+
+* **time to target**: each node's first evaluation (every ``--eval-every`` local pushes) with
+  test accuracy >= ``--target``; the run's time is the lower median over the nodes (half of the
+  workers hold a model that good), as in bench/preduce.py;
+* **final accuracy**: the mean of the nodes' last evaluations (at the end every node pulls the
+  same weights);
+* **wait per iteration**: a node's time between its push and the weights of its next iteration
+  (the scheduler's hold plus the pull), mean over the nodes, in ms;
+* **pushes**: all the gradients the store applied (updates), and **traffic**: MB sent by all the
+  nodes per second of training.
+
+Targets (issue 14): ElasticBSP (the faster R) reaches the target >= 1.5x sooner than BSP (thesis
+1.77x, VGG-16/ImageNet); DSSP reaches it sooner than SSP (thesis 1.84-1.88x, Table 5.1).
+Output: a markdown table and the target lines on stdout, bench/out/elastic.png (accuracy against
+time; wait per iteration and pushes per configuration).
+
+Run time: 6 configurations x ``--repeats`` runs of ``--seconds`` plus ~10 s of process start
+each: about 6 minutes at the defaults on an idle 2-core machine. ``--quick``: BSP, SSP, DSSP and
+ElasticBSP R=15, one run each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    strategy: str
+    opts: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        out = ["--strategy", self.strategy]
+        for o in self.opts:
+            out += ["--opt", o]
+        return out
+
+
+CONFIGS = (Config("BSP", "bsp"), Config("ASP", "asp"), Config("SSP s=3", "ssp", ("s=3",)),
+           Config("DSSP [3,15]", "dssp", ("s_lower=3", "s_upper=15")),
+           Config("EBSP R=15", "elastic_bsp", ("R=15",)), Config("EBSP R=150", "elastic_bsp", ("R=150",)))
+
+
+@dataclass
+class Outcome:
+    config: Config
+    to_target: float  # lower median over the nodes
+    final_acc: float
+    wait_ms: float  # per iteration, mean over the nodes
+    pushes: int
+    mb_per_s: float
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+def analyse(cfg: Config, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
+    reach = sorted(first_reach(recs, target) for recs in nodes)
+    med = reach[(len(reach) - 1) // 2]
+    lasts = [recs[-1] for recs in nodes if recs]
+    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
+    waits = [1e3 * float(r.get("wait_s", 0.0)) / max(1, int(r["step"])) for r in lasts]
+    seconds = max(float(r["time"]) for r in lasts) if lasts else 0.0
+    sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
+    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
+    return Outcome(config=cfg, to_target=med, final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals)
+                   else 0.0, wait_ms=statistics.mean(waits) if waits else 0.0,
+                   pushes=sum(int(r["step"]) for r in lasts), mb_per_s=sent / 1e6 / seconds if seconds else 0.0,
+                   curve=curve)
+
+
+def combine(runs: Sequence[Outcome]) -> Outcome:
+    """The median over repeated runs of one configuration (the curve of the first)."""
+    def med(xs: Sequence[float]) -> float:
+        return float(statistics.median(xs))
+    return Outcome(config=runs[0].config, to_target=med([o.to_target for o in runs]),
+                   final_acc=med([o.final_acc for o in runs]), wait_ms=med([o.wait_ms for o in runs]),
+                   pushes=round(med([o.pushes for o in runs])), mb_per_s=med([o.mb_per_s for o in runs]),
+                   curve=runs[0].curve)
+
+
+def step_times(n: int, speeds: Sequence[float], base: float) -> str:
+    """Node i's emulated step time: base x speeds[i mod len(speeds)]."""
+    return ",".join(f"{i}:{base * speeds[i % len(speeds)]:g}" for i in range(n))
+
+
+def run_one(cfg: Config, args: argparse.Namespace, topo: Path, out: Path, rep: int) -> Outcome:
+    run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-r{rep}"
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv(), "--time", str(args.seconds),
+           "--step-time", step_times(args.nodes, args.speeds, args.base), "--step-jitter", str(args.jitter),
+           "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0", "--eval-every",
+           str(args.eval_every), "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress"]
+    return analyse(cfg, run_nodes(cmd, out, run_id, args.nodes, timeout=args.seconds * 4 + 180), args.target)
+
+
+def report(res: Sequence[Outcome], target: float) -> str:
+    bsp = next((o.to_target for o in res if o.config.strategy == "bsp"), INF)
+    rows = []
+    for o in res:
+        speed = bsp / o.to_target if o.to_target not in (0.0, INF) and bsp != INF else None
+        rows.append([o.config.label, cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}",
+                     f"{o.wait_ms:.1f}", o.pushes, f"{o.mb_per_s:.2f}"])
+    return markdown_table([f"config", f"time to {target:.0%} (s, median node)", "speed-up vs BSP", "final acc",
+                           "wait / iteration (ms)", "pushes", "traffic (MB/s, all nodes)"], rows)
+
+
+def targets(res: Sequence[Outcome]) -> list[str]:
+    """The issue's target lines, PASS/FAIL with the figures."""
+    by = {o.config.label: o for o in res}
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    bsp = by.get("BSP")
+    eb = [o for o in res if o.config.strategy == "elastic_bsp" and o.to_target < INF]
+    if bsp is not None and eb:
+        best = min(eb, key=lambda o: o.to_target)
+        sp = bsp.to_target / best.to_target
+        out.append(f"- {best.config.label} {sp:.2f}x faster than BSP to the target (target >= 1.5x; thesis 1.77x): "
+                   f"{verdict(sp >= 1.5)}")
+    ssp, dssp = by.get("SSP s=3"), by.get("DSSP [3,15]")
+    if ssp is not None and dssp is not None and dssp.to_target < INF:
+        sp = ssp.to_target / dssp.to_target
+        out.append(f"- DSSP [3,15] {sp:.2f}x vs SSP s=3 to the target (DSSP faster; thesis 1.84-1.88x): "
+                   f"{verdict(sp > 1.0)}")
+    return out
+
+
+def plot(res: Sequence[Outcome], target: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for o in res:
+        if o.curve:
+            a1.plot(*zip(*o.curve), label=o.config.label)
+    a1.axhline(target, color="grey", ls=":")
+    a1.set(title="test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
+    a1.legend(fontsize=8)
+    xs = range(len(res))
+    a2.bar(xs, [o.wait_ms for o in res], color="tab:blue")
+    a2.set_xticks(xs, [o.config.label for o in res], fontsize=8, rotation=40)
+    a2.set_ylabel("wait per iteration (ms)", color="tab:blue")
+    t = a2.twinx()
+    t.plot(xs, [o.pushes for o in res], "o", color="tab:red")
+    t.set_ylabel("pushes in the run", color="tab:red")
+    a2.set_title("waiting and updates")
+    return save_png(fig, "elastic.png")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=20.0, help="training time per run")
+    ap.add_argument("--target", type=float, default=0.93)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (seeds 1, 2, ...; medians)")
+    ap.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.0, 2.0, 3.0],
+                    help="step-time multiples of the devices, cycled over the nodes (default 1,1,2,3)")
+    ap.add_argument("--base", type=float, default=0.04, help="step time of the fastest device (s)")
+    ap.add_argument("--jitter", type=float, default=0.2, help="per-step variation (+-fraction)")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
+    args = ap.parse_args(argv)
+    configs = list(CONFIGS)
+    if args.quick:
+        args.repeats = 1
+        configs = [c for c in configs if c.label in ("BSP", "SSP s=3", "DSSP [3,15]", "EBSP R=15")]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp) / "runs"
+        topo = Path(tmp) / f"mesh-{args.nodes}.json"
+        subprocess.run([sys.executable, "-m", "p2psync", "topo", "mesh", "-n", str(args.nodes), "-o", str(topo)],
+                       check=True, capture_output=True)
+        res = []
+        for cfg in configs:
+            runs = []
+            for rep in range(args.repeats):
+                o = run_one(cfg, args, topo, out, rep)
+                print(f"  {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, "
+                      f"wait {o.wait_ms:.0f} ms/it, {o.pushes} pushes", file=sys.stderr)
+                runs.append(o)
+            res.append(combine(runs))
+    print(f"\nParameter-store family: N={args.nodes}, step times {step_times(args.nodes, args.speeds, args.base)} s "
+          f"+-{args.jitter:.0%} ({args.mode} mode), {args.seconds:g} s runs, target {args.target:.0%}, "
+          f"medians of {args.repeats} run(s) per row\n")
+    print(report(res, args.target))
+    print("\n" + "\n".join(targets(res)))
+    print(f"\nplot: {plot(res, args.target)}")
+
+
+if __name__ == "__main__":
+    main()
