@@ -9,12 +9,19 @@
 Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh, plain
 SGD on the parameter store (the owners apply lr/N per push), the default digits data and MLP,
 the same seeds for every configuration. Configurations: BSP, ASP, SSP (s = 3), DSSP ([3, 15]),
-ElasticBSP (R = 15 and 150; ZipLineOptBS). Heterogeneity "mixed devices with jitter" (the
-thesis' DSSP cluster mixes device generations; its ElasticBSP cluster varies naturally): node i
-has the step time ``base x speeds[i mod len]`` (``--speeds``, default 1, 1, 2, 3: two fast
-devices, one 2x and one 3x slower), each step varied by +-``--jitter`` (uniform, seeded;
-``p2psync run --step-jitter``). ``--mode wait`` (default) idles for the emulated device time,
-``compute`` fills it with real matrix products.
+ElasticBSP (R = 15 and 150; ZipLineOptBS). Two kinds of heterogeneity (``--scenarios``), each
+step varied by +-``--jitter`` (uniform, seeded; ``p2psync run --step-jitter``):
+
+* ``mixed`` devices (the thesis' DSSP cluster mixes device generations): node i has the step
+  time ``base x speeds[i mod len]`` (``--speeds``, default 1, 1, 2, 3: two fast devices, one 2x
+  and one 3x slower). Under a *persistent* speed ratio every bounded-staleness scheme (SSP,
+  DSSP) runs at the slowest worker's pace once the fast ones are s ahead, like BSP;
+* ``rotating`` slowness (equal devices, one at a time ``max(speeds)`` times slower for
+  ``--period`` s, in turn; contention from other jobs): every worker has the same long-run
+  pace, the gaps oscillate, and a larger staleness bound absorbs them: where DSSP's s_U pays.
+
+``--mode wait`` (default) idles for the emulated device time, ``compute`` fills it with real
+matrix products.
 
 Measured (per run, from every node's node-*.jsonl):
 
@@ -33,9 +40,9 @@ Targets (issue 14): ElasticBSP (the faster R) reaches the target >= 1.5x sooner 
 Output: a markdown table and the target lines on stdout, bench/out/elastic.png (accuracy against
 time; wait per iteration and pushes per configuration).
 
-Run time: 6 configurations x ``--repeats`` runs of ``--seconds`` plus ~10 s of process start
-each: about 6 minutes at the defaults on an idle 2-core machine. ``--quick``: BSP, SSP, DSSP and
-ElasticBSP R=15, one run each.
+Run time: 2 scenarios x 6 configurations x ``--repeats`` runs of ``--seconds`` plus ~10 s of
+process start each: about 13 minutes at the defaults on an idle 2-core machine. ``--quick``: BSP,
+SSP, DSSP and ElasticBSP R=15, one run each (about 5 minutes).
 """
 
 from __future__ import annotations
@@ -70,9 +77,14 @@ CONFIGS = (Config("BSP", "bsp"), Config("ASP", "asp"), Config("SSP s=3", "ssp", 
            Config("EBSP R=15", "elastic_bsp", ("R=15",)), Config("EBSP R=150", "elastic_bsp", ("R=150",)))
 
 
+#: mixed: devices of fixed different speeds; rotating: equal devices, one at a time slowed down
+SCENARIOS = ("mixed", "rotating")
+
+
 @dataclass
 class Outcome:
     config: Config
+    scenario: str
     to_target: float  # lower median over the nodes
     final_acc: float
     wait_ms: float  # per iteration, mean over the nodes
@@ -81,7 +93,7 @@ class Outcome:
     curve: list[tuple[float, float]] = field(default_factory=list)
 
 
-def analyse(cfg: Config, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
+def analyse(cfg: Config, scenario: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
     reach = sorted(first_reach(recs, target) for recs in nodes)
     med = reach[(len(reach) - 1) // 2]
     lasts = [recs[-1] for recs in nodes if recs]
@@ -90,7 +102,7 @@ def analyse(cfg: Config, nodes: Sequence[Sequence[dict[str, Any]]], target: floa
     seconds = max(float(r["time"]) for r in lasts) if lasts else 0.0
     sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
     curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
-    return Outcome(config=cfg, to_target=med, final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals)
+    return Outcome(config=cfg, scenario=scenario, to_target=med, final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals)
                    else 0.0, wait_ms=statistics.mean(waits) if waits else 0.0,
                    pushes=sum(int(r["step"]) for r in lasts), mb_per_s=sent / 1e6 / seconds if seconds else 0.0,
                    curve=curve)
@@ -100,7 +112,7 @@ def combine(runs: Sequence[Outcome]) -> Outcome:
     """The median over repeated runs of one configuration (the curve of the first)."""
     def med(xs: Sequence[float]) -> float:
         return float(statistics.median(xs))
-    return Outcome(config=runs[0].config, to_target=med([o.to_target for o in runs]),
+    return Outcome(config=runs[0].config, scenario=runs[0].scenario, to_target=med([o.to_target for o in runs]),
                    final_acc=med([o.final_acc for o in runs]), wait_ms=med([o.wait_ms for o in runs]),
                    pushes=round(med([o.pushes for o in runs])), mb_per_s=med([o.mb_per_s for o in runs]),
                    curve=runs[0].curve)
@@ -111,46 +123,66 @@ def step_times(n: int, speeds: Sequence[float], base: float) -> str:
     return ",".join(f"{i}:{base * speeds[i % len(speeds)]:g}" for i in range(n))
 
 
-def run_one(cfg: Config, args: argparse.Namespace, topo: Path, out: Path, rep: int) -> Outcome:
-    run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-r{rep}"
+def rotation(n: int, factor: float, period: float, seconds: float) -> str:
+    """``--slowdown-schedule`` where the slow role rotates: node i is ``factor`` times slower in
+    the periods k with k mod n == i (k = 0, 1, ... of ``period`` seconds), its own speed otherwise."""
+    entries = []
+    for k in range(int(seconds / period) + 2):
+        for i in range(n):
+            entries.append(f"{i}:{k * period:g}:{factor if k % n == i else 1:g}")
+    return ",".join(entries)
+
+
+def heterogeneity(scenario: str, args: argparse.Namespace) -> list[str]:
+    """The CLI options that emulate a scenario's devices."""
+    if scenario == "mixed":
+        return ["--step-time", step_times(args.nodes, args.speeds, args.base), "--step-jitter", str(args.jitter)]
+    return ["--step-time", step_times(args.nodes, [1.0], args.base), "--step-jitter", str(args.jitter),
+            "--slowdown-schedule", rotation(args.nodes, max(args.speeds), args.period, args.seconds + 30)]
+
+
+def run_one(cfg: Config, scenario: str, args: argparse.Namespace, topo: Path, out: Path, rep: int) -> Outcome:
+    run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{scenario}-r{rep}"
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv(), "--time", str(args.seconds),
-           "--step-time", step_times(args.nodes, args.speeds, args.base), "--step-jitter", str(args.jitter),
-           "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0", "--eval-every",
+           *heterogeneity(scenario, args), "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0", "--eval-every",
            str(args.eval_every), "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress"]
-    return analyse(cfg, run_nodes(cmd, out, run_id, args.nodes, timeout=args.seconds * 4 + 180), args.target)
+    return analyse(cfg, scenario, run_nodes(cmd, out, run_id, args.nodes, timeout=args.seconds * 4 + 180),
+                   args.target)
 
 
 def report(res: Sequence[Outcome], target: float) -> str:
-    bsp = next((o.to_target for o in res if o.config.strategy == "bsp"), INF)
+    bsp = {o.scenario: o.to_target for o in res if o.config.strategy == "bsp"}
     rows = []
     for o in res:
-        speed = bsp / o.to_target if o.to_target not in (0.0, INF) and bsp != INF else None
-        rows.append([o.config.label, cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}",
+        b = bsp.get(o.scenario, INF)
+        speed = b / o.to_target if o.to_target not in (0.0, INF) and b != INF else None
+        rows.append([o.scenario, o.config.label, cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}",
                      f"{o.wait_ms:.1f}", o.pushes, f"{o.mb_per_s:.2f}"])
-    return markdown_table([f"config", f"time to {target:.0%} (s, median node)", "speed-up vs BSP", "final acc",
+    return markdown_table(["devices", "config", f"time to {target:.0%} (s, median node)", "speed-up vs BSP", "final acc",
                            "wait / iteration (ms)", "pushes", "traffic (MB/s, all nodes)"], rows)
 
 
 def targets(res: Sequence[Outcome]) -> list[str]:
     """The issue's target lines, PASS/FAIL with the figures."""
-    by = {o.config.label: o for o in res}
     out = []
 
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "FAIL"
 
-    bsp = by.get("BSP")
-    eb = [o for o in res if o.config.strategy == "elastic_bsp" and o.to_target < INF]
-    if bsp is not None and eb:
-        best = min(eb, key=lambda o: o.to_target)
-        sp = bsp.to_target / best.to_target
-        out.append(f"- {best.config.label} {sp:.2f}x faster than BSP to the target (target >= 1.5x; thesis 1.77x): "
-                   f"{verdict(sp >= 1.5)}")
-    ssp, dssp = by.get("SSP s=3"), by.get("DSSP [3,15]")
-    if ssp is not None and dssp is not None and dssp.to_target < INF:
-        sp = ssp.to_target / dssp.to_target
-        out.append(f"- DSSP [3,15] {sp:.2f}x vs SSP s=3 to the target (DSSP faster; thesis 1.84-1.88x): "
-                   f"{verdict(sp > 1.0)}")
+    for sc in dict.fromkeys(o.scenario for o in res):
+        by = {o.config.label: o for o in res if o.scenario == sc}
+        bsp = by.get("BSP")
+        eb = [o for o in by.values() if o.config.strategy == "elastic_bsp" and o.to_target < INF]
+        if bsp is not None and eb:
+            best = min(eb, key=lambda o: o.to_target)
+            sp = bsp.to_target / best.to_target
+            out.append(f"- {sc}: {best.config.label} {sp:.2f}x faster than BSP to the target (target >= 1.5x; "
+                       f"thesis 1.77x): {verdict(sp >= 1.5)}")
+        ssp, dssp = by.get("SSP s=3"), by.get("DSSP [3,15]")
+        if ssp is not None and dssp is not None and dssp.to_target < INF:
+            sp = ssp.to_target / dssp.to_target
+            out.append(f"- {sc}: DSSP [3,15] {sp:.2f}x vs SSP s=3 to the target (DSSP faster; thesis 1.84-1.88x): "
+                       f"{verdict(sp > 1.0)}")
     return out
 
 
@@ -160,16 +192,19 @@ def plot(res: Sequence[Outcome], target: float) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for o in res:
-        if o.curve:
-            a1.plot(*zip(*o.curve), label=o.config.label)
-    a1.axhline(target, color="grey", ls=":")
-    a1.set(title="test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
-    a1.legend(fontsize=8)
+    scenarios = list(dict.fromkeys(o.scenario for o in res))
+    fig, axes = plt.subplots(1, len(scenarios) + 1, figsize=(5.5 * (len(scenarios) + 1), 4))
+    for a1, sc in zip(axes, scenarios):
+        for o in res:
+            if o.curve and o.scenario == sc:
+                a1.plot(*zip(*o.curve), label=o.config.label)
+        a1.axhline(target, color="grey", ls=":")
+        a1.set(title=f"{sc} devices: test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
+        a1.legend(fontsize=8)
+    a2 = axes[-1]
     xs = range(len(res))
     a2.bar(xs, [o.wait_ms for o in res], color="tab:blue")
-    a2.set_xticks(xs, [o.config.label for o in res], fontsize=8, rotation=40)
+    a2.set_xticks(xs, [f"{o.config.label}\n{o.scenario}" for o in res], fontsize=7, rotation=60)
     a2.set_ylabel("wait per iteration (ms)", color="tab:blue")
     t = a2.twinx()
     t.plot(xs, [o.pushes for o in res], "o", color="tab:red")
@@ -188,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="step-time multiples of the devices, cycled over the nodes (default 1,1,2,3)")
     ap.add_argument("--base", type=float, default=0.04, help="step time of the fastest device (s)")
     ap.add_argument("--jitter", type=float, default=0.2, help="per-step variation (+-fraction)")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--period", type=float, default=1.0, help="rotating: seconds each node stays slow")
+    ap.add_argument("--lr", type=float, default=0.2, help="the owners apply lr/N per push")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
     ap.add_argument("--quick", action="store_true")
@@ -204,17 +241,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         subprocess.run([sys.executable, "-m", "p2psync", "topo", "mesh", "-n", str(args.nodes), "-o", str(topo)],
                        check=True, capture_output=True)
         res = []
-        for cfg in configs:
+        for sc, cfg in ((sc, cfg) for sc in args.scenarios for cfg in configs):
             runs = []
             for rep in range(args.repeats):
-                o = run_one(cfg, args, topo, out, rep)
-                print(f"  {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, "
+                o = run_one(cfg, sc, args, topo, out, rep)
+                print(f"  {sc} {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, "
                       f"wait {o.wait_ms:.0f} ms/it, {o.pushes} pushes", file=sys.stderr)
                 runs.append(o)
             res.append(combine(runs))
-    print(f"\nParameter-store family: N={args.nodes}, step times {step_times(args.nodes, args.speeds, args.base)} s "
-          f"+-{args.jitter:.0%} ({args.mode} mode), {args.seconds:g} s runs, target {args.target:.0%}, "
-          f"medians of {args.repeats} run(s) per row\n")
+    print(f"\nParameter-store family: N={args.nodes}; mixed devices: step times "
+          f"{step_times(args.nodes, args.speeds, args.base)} s; rotating: {args.base:g} s, one node at a time "
+          f"{max(args.speeds):g}x slower for {args.period:g} s; +-{args.jitter:.0%} jitter per step ({args.mode} "
+          f"mode), {args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s) per row\n")
     print(report(res, args.target))
     print("\n" + "\n".join(targets(res)))
     print(f"\nplot: {plot(res, args.target)}")
