@@ -24,8 +24,30 @@ hop by hop along the transport's shortest live paths (``<name>.fwd``), each hop 
 bulk send counted on the NIC it leaves by. Acknowledgements and pull requests are small control
 messages (relayed by the transport). Every wait on a peer has the store's ``timeout``.
 
-Not yet: moving shard ownership on a view change (a dead owner's shard would be restored from
-the freshest pulled copy); until then a push or pull that needs a dead owner raises PeerFailure.
+**Moving shards on a view change** (:meth:`ParamStore.reshard`): when members leave, the
+survivors re-split the vector among themselves (:func:`shard_bounds` of the new member list) in
+two exact allreduces over the survivors (the store epoch is the view epoch, and every tag
+carries it):
+
+1. *which copy of a lost shard is freshest*: every worker keeps the vector it pulled last and,
+   per owner, the version (pushes applied) the owner's shard had when it was served; the
+   versions of the lost shards are gathered, and for each lost shard the holder of the highest
+   version (the lowest id among equals) supplies it;
+2. *the whole state*: each survivor contributes its own shard's weights and momentum, the chosen
+   holders the lost shards' weights, zeros elsewhere; the sum is the exact state (x + 0 = x),
+   every survivor takes its new shard (weights and momentum) and continues from those weights.
+
+What is lost with a dead owner: the pushes its shard applied after the freshest copy was pulled
+(at most the pushes one pull interval holds), and its shard's momentum (restarted at zero); both
+are logged. A push that did not complete (a piece for the dead owner, or one that arrived at an
+owner after it moved on) is *lost*, counted in :attr:`ParamStore.lost_pushes` and reported by
+the push raising :class:`~p2psync.errors.PeerFailure`; its other pieces stay applied (a partial
+gradient). Pieces and pulls carry the store epoch: an owner refuses older epochs' pieces, and
+its current epoch's once its own re-shard has begun (the snapshot it contributes is taken then;
+the sender's push fails, is counted, and the sender re-shards), and keeps newer ones until it
+has re-sharded itself; a pull of a newer epoch waits the same way. A second failure during a re-shard makes it raise
+PeerFailure; the caller re-shards again over the newer view. Members joining the store are not
+supported (a joiner would need a shard: the strategies refuse joins).
 """
 
 from __future__ import annotations
@@ -35,7 +57,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -97,6 +119,7 @@ class ParamStore:
         self.lo, self.hi = self.bounds[self.me]
         self.piece = max(1, piece_bytes // 4)
         self.own_pieces = len(piece_ranges(self.lo, self.hi, self.piece))
+        self._scale = scale  # None: 1/N, N the members of the current split
         self.opt = ShardOptimizer(params[self.lo:self.hi], lr=lr, momentum=momentum, weight_decay=weight_decay,
                                   scale=1.0 / len(self.bounds) if scale is None else scale)
         self.codec = get_codec(codec)
@@ -107,7 +130,21 @@ class ParamStore:
         self._tasks: set[asyncio.Task[None]] = set()
         self.malformed = 0
         self.forwarded = 0
+        #: pushes that did not reach every owner (a dead owner, an owner that had moved on)
+        self.lost_pushes = 0
+        #: the view epoch of the current shard split, and an event set whenever it changes
+        self.epoch = 0
+        self._moved = asyncio.Event()
+        self._later: list[Message] = []  # pieces of a newer epoch, applied once this node re-sharded
+        self._moving: int | None = None  # the epoch a re-shard under way moves to
+        #: the vector this worker pulled last and each owner's version in it (a lost shard's replica)
+        self.pulled = np.array(params, dtype=np.float32, copy=True)
+        self.pulled_versions = {o: 0 for o in self.bounds}
         rpc_server.register(f"{name}.pull", self._serve_pull)
+
+    @property
+    def members(self) -> list[int]:
+        return sorted(self.bounds)
 
     @property
     def version(self) -> int:
@@ -124,6 +161,12 @@ class ParamStore:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def abort_waits(self, exc: P2PSyncError) -> int:
+        """Fail this store's pending client waits (acknowledgements, shard pieces of a pull,
+        a re-shard's allreduces) with ``exc`` now; its serving loops keep running."""
+        waits = tuple(f"{self.name}.{k}" for k in ("ack.", "shard.", "rs"))
+        return self.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(waits))
 
     # -- sending tensors over direct links ------------------------------------------------
 
@@ -180,7 +223,7 @@ class ParamStore:
                 self.opt.version += self.own_pieces
                 continue
             for a, b in piece_ranges(lo, hi, self.piece):
-                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec}
+                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch}
                 sends.append((owner, asyncio.ensure_future(self._send(owner, f"{self.name}.push",
                                                                       self._encode(grad[a:b], a), meta))))
         st.pieces = len(sends)
@@ -189,9 +232,14 @@ class ParamStore:
                 try:
                     st.forwarded += await s
                 except P2PSyncError as exc:
+                    self.lost_pushes += 1
                     raise PeerFailure(f"{self.name}: push to the owner of shard {self.bounds[owner]}, node {owner}, "
                                       f"failed: {exc}", peers=(owner,)) from exc
-            await self._acks(ack, [o for o, _ in sends])
+            try:
+                await self._acks(ack, [o for o, _ in sends])
+            except (PeerFailure, PeerTimeout):
+                self.lost_pushes += 1
+                raise
         finally:
             for _, s in sends:
                 s.cancel()
@@ -219,6 +267,9 @@ class ParamStore:
                 raise PeerTimeout(f"{self.name}: no acknowledgement from shard owner(s) {late} within "
                                   f"{self.timeout:g}s: that part of the push may be lost") from None
             err = msg.meta.get("err")
+            if msg.meta.get("moved"):  # the owner re-sharded already: this push is lost
+                raise PeerFailure(f"{self.name}: node {msg.src} moved to store epoch {msg.meta.get('moved')!r} "
+                                  f"(this node is at {self.epoch}): the push is lost", peers=(msg.src,))
             if err is not None:
                 raise ProtocolError("store", f"node {msg.src} refused a piece: {err}"[:200])
             if missing.get(msg.src, 0) > 0:
@@ -247,50 +298,70 @@ class ParamStore:
                 return
             while (m := self.transport.recv_nowait(tag)) is not None and len(batch) < 256:
                 batch.append(m)
-            sums: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
-            acks: list[tuple[int, str, str | None]] = []
-            for m in batch:
-                meta = m.meta
-                o, ack, a, b = meta.get("o"), meta.get("ack"), meta.get("lo"), meta.get("hi")
-                if type(o) is not int or o not in self.bounds or not isinstance(ack, str) \
-                        or not ack.startswith(f"{self.name}.ack."):
-                    self._reject(m, "bad origin or ack tag")
-                    continue
-                arr = self._decode(m, a, b)
-                if arr is None or type(a) is not int or type(b) is not int:
-                    self._reject(m, "piece outside the shard, of the wrong size or codec, or not finite")
-                    acks.append((o, ack, f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi}) (codec "
-                                         f"{meta.get('c')!r}, this store {self.codec.spec!r})"))
-                    continue
-                g, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
-                sums[(a, b)] = (g + arr, k + 1)
-                acks.append((o, ack, None))
-            for (a, b), (g, k) in sums.items():
-                self.opt.apply(a - self.lo, b - self.lo, g, k)
-            self.opt.version += sum(k for _, k in sums.values())  # pieces applied
-            for o, ack, err in acks:
-                try:
-                    await self.transport.send(o, ack, kind="event", meta={"err": err} if err else {}, timeout=self.timeout)
-                except P2PSyncError as exc:
-                    log.info("node %d: %s ack to node %d lost: %s", self.me, self.name, o, exc)
+            await self._apply(batch)
+
+    async def _apply(self, batch: Sequence[Message]) -> None:
+        """Apply a batch of push pieces (summing those of the same range) and acknowledge them."""
+        sums: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        acks: list[tuple[int, str, dict[str, Any]]] = []
+        for m in batch:
+            meta = m.meta
+            o, ack, a, b, e = meta.get("o"), meta.get("ack"), meta.get("lo"), meta.get("hi"), meta.get("e")
+            if type(o) is not int or not isinstance(ack, str) or not ack.startswith(f"{self.name}.ack.") \
+                    or type(e) is not int:
+                self._reject(m, "bad origin, ack tag or epoch")
+                continue
+            if e > self.epoch:  # the sender re-sharded first: apply once this node has too
+                self._later.append(m)
+                continue
+            if e < self.epoch or self._moving is not None:  # an older split (or this one, being left):
+                acks.append((o, ack, {"moved": self._moving or self.epoch}))  # the sender's push is lost
+                continue
+            if o not in self.bounds:
+                self._reject(m, "origin is not a member")
+                continue
+            arr = self._decode(m, a, b)
+            if arr is None or type(a) is not int or type(b) is not int:
+                self._reject(m, "piece outside the shard, of the wrong size or codec, or not finite")
+                acks.append((o, ack, {"err": f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi}) (codec "
+                                             f"{meta.get('c')!r}, this store {self.codec.spec!r})"}))
+                continue
+            g, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
+            sums[(a, b)] = (g + arr, k + 1)
+            acks.append((o, ack, {}))
+        for (a, b), (g, k) in sums.items():
+            self.opt.apply(a - self.lo, b - self.lo, g, k)
+        self.opt.version += sum(k for _, k in sums.values())  # pieces applied
+        for o, ack, meta in acks:
+            try:
+                await self.transport.send(o, ack, kind="event", meta=meta, timeout=self.timeout)
+            except P2PSyncError as exc:
+                log.info("node %d: %s ack to node %d lost: %s", self.me, self.name, o, exc)
 
     # -- pull -----------------------------------------------------------------------------
 
     async def pull(self) -> np.ndarray:
-        """Every shard's current weights, as one vector."""
+        """Every shard's current weights, as one vector (kept as the replica of lost shards)."""
         out = np.empty(self.numel, np.float32)
         out[self.lo:self.hi] = self.opt.w
         others = [o for o in self.bounds if o != self.me]
-        await asyncio.gather(*(self._pull_one(o, out) for o in others))
+        versions = await asyncio.gather(*(self._pull_one(o, out) for o in others))
+        self.pulled[:] = out
+        self.pulled_versions = {self.me: self.version, **dict(zip(others, versions))}
         return out
 
-    async def _pull_one(self, owner: int, out: np.ndarray) -> None:
+    async def _pull_one(self, owner: int, out: np.ndarray) -> int:
+        """Fetch ``owner``'s shard into ``out``; returns its version."""
         lo, hi = self.bounds[owner]
         tag = f"{self.name}.shard.{self.me}.{self.transport.incarnation}.{next(self._seq)}"
         try:
-            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag}, timeout=self.timeout)
+            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag, "e": self.epoch}, timeout=self.timeout)
             pieces = rep.get("pieces") if isinstance(rep, dict) else None
-            if type(pieces) is not int or pieces != len(piece_ranges(lo, hi, self.piece)):
+            version = rep.get("version") if isinstance(rep, dict) else None
+            if isinstance(rep, dict) and rep.get("moved") is not None:
+                raise PeerFailure(f"{self.name}: node {owner} moved to store epoch {rep['moved']!r} (this node is at "
+                                  f"{self.epoch})", peers=(owner,))
+            if type(pieces) is not int or pieces != len(piece_ranges(lo, hi, self.piece)) or type(version) is not int:
                 raise ProtocolError("store", f"node {owner} answered a pull with {rep!r}"[:200])
             for _ in range(pieces):
                 m = await self.transport.recv(tag, timeout=self.timeout)
@@ -300,6 +371,7 @@ class ParamStore:
                         or arr.dtype != np.float32 or arr.shape != (b - a,)):
                     raise ProtocolError("store", f"node {owner} sent a malformed shard piece")
                 out[a:b] = arr
+            return version
         except (PeerFailure, PeerTimeout) as exc:
             raise PeerFailure(f"{self.name}: pull of shard [{lo}, {hi}) from node {owner} failed: {exc}",
                               peers=(owner,)) from exc
@@ -307,11 +379,91 @@ class ParamStore:
             self.transport.mailbox.retire(tag, exact=True)
 
     async def _serve_pull(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        tag = args.get("tag")
-        if caller not in self.bounds or not isinstance(tag, str) or not tag.startswith(f"{self.name}.shard."):
+        tag, e = args.get("tag"), args.get("e")
+        if not isinstance(tag, str) or not tag.startswith(f"{self.name}.shard.") or type(e) is not int:
             raise ProtocolError("store", f"bad pull from node {caller}")
+        if e > self.epoch:  # the caller re-sharded first: serve the new split once this node has too
+            await self._until_epoch(e)
+        if e < self.epoch or self._moving is not None:
+            return {"moved": self._moving or self.epoch}
+        if caller not in self.bounds:
+            raise ProtocolError("store", f"pull from node {caller}, not a member")
         w = self.opt.w.copy()  # a consistent snapshot; the bytes in flight are never modified
         ranges = piece_ranges(self.lo, self.hi, self.piece)
         for a, b in ranges:
             await self._send(caller, tag, [w[a - self.lo:b - self.lo]], {"lo": a, "hi": b})
         return {"pieces": len(ranges), "version": self.version}
+
+    # -- moving shards ---------------------------------------------------------------------
+
+    async def _until_epoch(self, e: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while self.epoch < e:
+            self._moved.clear()
+            try:
+                await asyncio.wait_for(self._moved.wait(), max(0.001, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise PeerTimeout(f"{self.name}: node {self.me} did not reach store epoch {e} within "
+                                  f"{self.timeout:g}s") from None
+
+    async def reshard(self, members: Sequence[int], epoch: int, allreduce: Allreduce) -> np.ndarray:
+        """Re-split the store over ``members`` (the survivors, the view of ``epoch``); every
+        survivor calls it with the same arguments. Returns the weights to continue from (the
+        whole restored vector). ``allreduce(vec, group, tag)`` sums exactly over the group."""
+        new = sorted(set(members))
+        if epoch <= self.epoch:
+            raise ConfigError(f"{self.name}: re-shard to epoch {epoch}, the store is at epoch {self.epoch}")
+        joined = [m for m in new if m not in self.bounds]
+        if joined or self.me not in new:
+            raise ConfigError(f"{self.name}: members {joined or [self.me]} cannot take a shard (joining the "
+                              "parameter store is not supported)")
+        lost = [o for o in self.members if o not in new]
+        rank = new.index(self.me)
+        self._moving = epoch  # from now on pieces and pulls of the current split are refused (moved)
+        # 1. the freshest copy of every lost shard (version + 1: 0 means "no copy")
+        v = np.zeros(len(new) * max(1, len(lost)), np.float32)
+        for j, o in enumerate(lost):
+            v[rank * len(lost) + j] = self.pulled_versions.get(o, -1) + 1
+        if lost:
+            v = await allreduce(v, new, f"{self.name}.rs{epoch}.v")
+        holders = {o: int(np.argmax(v[j::len(lost)])) for j, o in enumerate(lost)}  # first max: lowest id
+        # 2. the whole state: own shard (weights, momentum), the chosen replicas of lost shards
+        n = self.numel
+        x = np.zeros(2 * n, np.float32)
+        x[self.lo:self.hi] = self.opt.w
+        if self.opt.buf is not None:
+            x[n + self.lo:n + self.hi] = self.opt.buf
+        for o, h in holders.items():
+            if h == rank:
+                a, b = self.bounds[o]
+                x[a:b] = self.pulled[a:b]
+        full = await allreduce(x, new, f"{self.name}.rs{epoch}.w")
+        for o, h in holders.items():
+            log.warning("node %d: %s shard %s of node %d (gone) restored from node %d's copy at version %d; its "
+                        "momentum restarts at zero", self.me, self.name, self.bounds[o], o, new[h],
+                        int(v[h * len(lost) + lost.index(o)]) - 1)
+        self.bounds = shard_bounds(n, new)
+        self.lo, self.hi = self.bounds[self.me]
+        self.own_pieces = len(piece_ranges(self.lo, self.hi, self.piece))
+        opt = self.opt
+        self.opt = ShardOptimizer(full[self.lo:self.hi], lr=opt.lr, momentum=opt.momentum,
+                                  weight_decay=opt.weight_decay,
+                                  scale=1.0 / len(new) if self._scale is None else self._scale)
+        if self.opt.buf is not None:
+            self.opt.buf[:] = full[n + self.lo:n + self.hi]
+        if self.feedback is not None:
+            self.feedback = ErrorFeedback()  # residues were kept per piece of the old split
+        self.pulled[:] = full[:n]
+        self.pulled_versions = {o: 0 for o in new}
+        self.epoch = epoch
+        self._moving = None
+        self._moved.set()
+        later, self._later = self._later, []
+        if later:
+            await self._apply(later)
+        return full[:n].copy()
+
+
+#: ``allreduce(vec, group, tag)``: the exact sum of ``vec`` over ``group`` (every member calls it)
+Allreduce = Callable[[np.ndarray, list[int], str], Awaitable[np.ndarray]]

@@ -25,13 +25,22 @@ every worker's last push is applied, and pulls: every node ends with the same we
 Codecs: pushes are gradients, so every codec applies to their pieces (error feedback per
 shard piece with ``--error-feedback``, always for ``topk``); pulls are exact.
 
-Not yet (issue 14 open items): moving shard ownership when a member leaves (a dead owner ends
-the run with PeerFailure naming it), the owners following an LR schedule (they use the
-optimizer's lr at the start), bench/elastic.py.
+Failures: a worker that dies (or leaves) is dropped by the scheduler (its count no longer holds
+anyone back; ElasticBSP recomputes its barrier without it) and by the store: the survivors
+re-split the shards over themselves, restoring the dead owner's shard from the freshest pulled
+copy (:meth:`p2psync.params.ParamStore.reshard`), and go on. A worker notices the new view at
+the start of a step, while the scheduler holds it, or when a push or pull fails (the failed
+peer's pending receives are aborted at once); a push lost that way is counted (``lost_pushes``
+in the step metrics). Joining a running store is not supported (a joiner is refused with a
+clear error).
+
+Not yet: the owners following an LR schedule (they use the optimizer's lr at the start).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any, ClassVar
 
@@ -41,10 +50,12 @@ from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
-from p2psync.errors import ConfigError, ProtocolError
+from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.params import ParamStore
-from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.topology import Topology
+
+log = logging.getLogger("p2psync.strategies")
 
 
 class _StoreStrategy(Strategy):
@@ -64,9 +75,9 @@ class _StoreStrategy(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.scheduler(self.opts, list(ctx.topology.ids))  # validates the options on every node
-        self.failstop = FailStop(ctx, self.name, f"{self.name}.")
         self.store: ParamStore | None = None
         self.count = 0
+        self.reshards = 0
 
     async def start(self) -> None:
         if self.ctx.joining:
@@ -85,38 +96,103 @@ class _StoreStrategy(Strategy):
         self.store.start()
 
     def on_peer_failure(self, peer: int) -> None:
-        self.failstop.on_peer_failure(peer)
+        """A pending push, pull or re-shard waiting on ``peer`` fails now, not at its timeout.
+        A peer that finished and left is not a failure: it serves its shard until every node
+        has finished (the membership's finish barrier), and the store is not re-split."""
+        if peer in self.ctx.membership.departed:
+            return
+        exc = PeerFailure(f"{self.name}: peer {peer} failed", peers=(peer,))
+        if self.store is not None:
+            self.store.abort_waits(exc)
+        self.ctx.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.end"))
+
+    def _store(self) -> ParamStore:
+        if self.store is None:
+            raise ConfigError(f"{self.name}: not started")
+        return self.store
+
+    async def _allreduce(self, vec: np.ndarray, group: list[int], tag: str) -> np.ndarray:
+        out: np.ndarray = await self.ctx.collectives.allreduce(vec, group, codec="none", tag=tag)
+        return out
+
+    async def _follow_view(self, failure: PeerFailure | None = None) -> np.ndarray | None:
+        """Re-shard the store when the view dropped some of its members; returns the weights to
+        continue from, or None if nothing changed. After ``failure`` (a push or pull that
+        failed), wait for the view that drops the peer (bounded by the peer timeout)."""
+        store = self._store()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ctx.peer_timeout
+        while True:
+            view = self.ctx.view
+            gone = [m for m in store.members if m not in view.members and m not in view.departed]
+            if not gone:
+                if failure is None:
+                    return None
+                if loop.time() > deadline:
+                    raise failure
+                await asyncio.sleep(0.05)
+                continue
+            members = [m for m in view.members if m in store.bounds]
+            try:
+                w = await store.reshard(members, view.epoch, self._allreduce)
+            except PeerFailure as exc:  # another member failed meanwhile: over the next view
+                if loop.time() > deadline:
+                    raise
+                failure = exc
+                await asyncio.sleep(0.05)
+                continue
+            self.reshards += 1
+            log.warning("node %d: %s store re-sharded over %s (view %d; gone: %s)", self.ctx.transport.node_id,
+                        self.name, members, view.epoch, gone)
+            return w
 
     async def close(self) -> None:
         if self.store is not None:
             await self.store.close()
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.failstop.check()
-        if self.store is None:
-            raise ConfigError(f"{self.name}: not started")
+        store = self._store()
+        moved = await self._follow_view()
+        if moved is not None:  # the weights this iteration starts from: the restored state
+            await self.ctx.replica.set_params(moved)
         loss, grad = await self.ctx.replica.compute_gradients()
         t0 = time.perf_counter()
-        pushed = await self.store.push(grad)
+        forwarded = 0
+        try:
+            forwarded = (await store.push(grad)).forwarded
+        except PeerFailure as exc:  # reported (lost_pushes), then the store follows the view
+            log.warning("node %d: %s push lost: %s", self.ctx.transport.node_id, self.name, exc)
+            await self._follow_view(exc)
         self.count += 1
         t1 = time.perf_counter()
         ok = await self._report(want_stop)
         t2 = time.perf_counter()
         extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
-                                 "forwarded": pushed.forwarded}
+                                 "forwarded": forwarded, "lost_pushes": store.lost_pushes, "reshards": self.reshards}
         if ok is None:  # STOP: every worker's last push is applied before anyone's final pull
             await self.ctx.collectives.allreduce(np.zeros(1, np.float32), self.ctx.group, codec="none",
                                                  tag=f"{self.name}.end")
         else:
             extra.update(ok)
-        w = await self.store.pull()
+        w = await self._pull()
         await self.ctx.replica.set_params(w)
         wait = time.perf_counter() - t1
         return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
                           extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
 
+    async def _pull(self) -> np.ndarray:
+        store = self._store()
+        while True:
+            try:
+                return await store.pull()
+            except PeerFailure as exc:
+                moved = await self._follow_view(exc)
+                if moved is not None:
+                    return moved
+
     async def _report(self, stop: bool) -> dict[str, Any] | None:
-        """PUSHED to the scheduler; its grant, or None for STOP."""
+        """PUSHED to the scheduler; its grant, or None for STOP. While held, a view that drops
+        store members is followed at once (the others may be re-sharding, waiting for this one)."""
         while True:
             view = self.ctx.view  # the newest, at every poll
             rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", {
@@ -131,7 +207,9 @@ class _StoreStrategy(Strategy):
                 return {k: ok.get(k) for k in ("gap", "r", "barrier")}
             if not rep.get("wait"):
                 raise ProtocolError("scheduler", f"unexpected answer {sorted(rep)!r}"[:80])
-            self.failstop.check()
+            moved = await self._follow_view()
+            if moved is not None:
+                await self.ctx.replica.set_params(moved)
 
 
 @register

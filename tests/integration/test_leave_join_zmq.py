@@ -322,3 +322,28 @@ async def test_preduce_restarted_node_rejoins_the_queue_and_ends_with_the_same_m
     assert joined_ops >= 1  # the joiner entered the queue and was grouped
     for p in params[1:]:
         np.testing.assert_allclose(p, params[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("strategy", ["ssp", "elastic_bsp"])
+async def test_store_crash_survivors_reshard_and_end_with_one_model(strategy):
+    """The parameter-store family (issue 14): a crashed worker's shard is restored from the
+    freshest pulled copy and re-split over the survivors (exact allreduces), the scheduler drops
+    it (nobody is held back by its count, ElasticBSP's barrier is recomputed), the survivors go
+    on and end with identical weights."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, strategy) as nodes:
+        for n in nodes.values():
+            n.go(60)
+        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
+        await nodes[2].crash()
+        survivors = [nodes[i] for i in (0, 1, 3)]
+        counts_at_crash = [n.strategy.count for n in survivors]
+        ends = await _finish(survivors)
+        params = [await n.trainer.get_params() for n in survivors]
+        stores = [n.strategy.store for n in survivors]
+    assert max(ends) == 60 and all(e > c for e, c in zip(ends, counts_at_crash)), (counts_at_crash, ends)
+    assert all(n.strategy.reshards == 1 for n in survivors)
+    assert all(s.members == [0, 1, 3] and s.epoch > 0 for s in stores)
+    for p in params[1:]:
+        assert p.tobytes() == params[0].tobytes()
+    assert np.isfinite(params[0]).all()

@@ -17,6 +17,8 @@ from p2psync.params import ParamStore, ShardOptimizer, piece_ranges, shard_bound
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
 
+from tests.helpers import until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -95,7 +97,94 @@ async def test_a_push_to_a_dead_owner_is_reported_not_dropped():
 async def test_a_malformed_piece_is_refused_counted_and_answered():
     async with stores(mesh(2), np.zeros(8, np.float32)) as st:
         ep0 = st[0].transport
-        await ep0.send(1, "ps.push", [np.zeros(3, np.float32)], meta={"o": 0, "ack": "ps.ack.x", "lo": -5, "hi": -2})
+        await ep0.send(1, "ps.push", [np.zeros(3, np.float32)], meta={"o": 0, "ack": "ps.ack.x", "lo": -5, "hi": -2, "e": 0})
         ack = await ep0.recv("ps.ack.x", timeout=2)
         assert "bad piece" in ack.meta["err"] and st[1].malformed == 1
         assert st[1].version == 0 and not st[1].opt.w.any()
+
+
+class SumOver:
+    """The exact sum over a group for the stores' re-shard, in one process (a unit test of the
+    store's logic; the ZeroMQ test uses the real collectives)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[int, np.ndarray]] = {}
+        self.done: dict[str, asyncio.Event] = {}
+
+    def for_node(self, me: int) -> Any:
+        async def allreduce(vec: np.ndarray, group: list[int], tag: str) -> np.ndarray:
+            got = self.calls.setdefault(tag, {})
+            ev = self.done.setdefault(tag, asyncio.Event())
+            got[me] = vec.copy()
+            if set(got) == set(group):
+                ev.set()
+            await asyncio.wait_for(ev.wait(), 5)
+            return np.sum([got[g] for g in sorted(group)], axis=0).astype(vec.dtype)
+        return allreduce
+
+
+async def test_reshard_restores_a_dead_owners_shard_from_the_freshest_copy():
+    rng = np.random.default_rng(3)
+    n = 30
+    w0 = rng.standard_normal(n).astype(np.float32)
+    sums = SumOver()
+    async with stores(mesh(3), w0, momentum=0.9, piece_bytes=16) as st:
+        for _ in range(2):
+            await asyncio.gather(*(st[i].push(rng.standard_normal(n).astype(np.float32)) for i in range(3)))
+        await asyncio.gather(*(st[i].pull() for i in range(3)))
+        await st[1].push(rng.standard_normal(n).astype(np.float32))
+        fresh = await st[0].pull()  # node 0 holds the freshest copy of node 2's shard (version 7)
+        lo2, hi2 = st[2].bounds[2]
+        assert st[0].pulled_versions[2] == 7 and st[1].pulled_versions[2] == 6
+        own = {i: (st[i].opt.w.copy(), st[i].opt.buf.copy()) for i in (0, 1)}  # type: ignore[union-attr]
+        await st[2].close()
+        await st[2].transport.close()
+        ws = await asyncio.gather(*(st[i].reshard([0, 1], 5, sums.for_node(i)) for i in (0, 1)))
+        want = fresh.copy()
+        for i in (0, 1):
+            a, b = shard_bounds(n, [0, 1, 2])[i]
+            want[a:b] = own[i][0]
+        for w in ws:
+            assert w.tobytes() == want.tobytes()  # exact: own shards and node 0's copy of node 2's
+        assert [st[i].bounds for i in (0, 1)] == [shard_bounds(n, [0, 1])] * 2 and st[0].epoch == 5
+        mom = np.zeros(n, np.float32)
+        for i in (0, 1):
+            a, b = shard_bounds(n, [0, 1, 2])[i]
+            mom[a:b] = own[i][1]
+        for i in (0, 1):  # momentum of the live shards moved with them; the lost one restarts at 0
+            a, b = st[i].bounds[i]
+            assert st[i].opt.buf.tobytes() == mom[a:b].tobytes()  # type: ignore[union-attr]
+        assert not mom[lo2:hi2].any()
+        # the store goes on over two owners: a round of pushes is one SGD step (lr/2 each) on the mean
+        g = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+        await asyncio.gather(*(st[i].push(g[i]) for i in (0, 1)))
+        pulls = await asyncio.gather(*(st[i].pull() for i in (0, 1)))
+        assert pulls[0].tobytes() == pulls[1].tobytes()
+        assert st[0].lost_pushes == 0
+
+
+async def test_pieces_and_pulls_of_another_store_epoch():
+    """An owner refuses a piece of an older epoch (the sender's push is lost and reported) and
+    applies a newer epoch's piece only once it has re-sharded itself; a pull waits likewise."""
+    sums = SumOver()
+    async with stores(mesh(2), np.zeros(8, np.float32)) as st:
+        ep0 = st[0].transport
+        # node 0 re-shards first (epoch 3, same members); node 1 has not yet
+        st0 = asyncio.ensure_future(st[0].reshard([0, 1], 3, sums.for_node(0)))
+        await until(lambda: st[0]._moving == 3, 5, "node 0 to begin its re-shard")
+        await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.y", "lo": 4, "hi": 8,
+                                                                     "c": "none", "e": 3})
+        await until(lambda: len(st[1]._later) == 1, 5, "node 1 to keep the newer epoch's piece")
+        assert st[1].version == 0  # kept for later, not applied
+        await asyncio.gather(st0, st[1].reshard([0, 1], 3, sums.for_node(1)))
+        ack = await ep0.recv("ps.ack.y", timeout=2)
+        assert ack.meta == {} and st[1].opt.w.tolist() == [float(np.float32(-0.05))] * 4  # applied after the move (lr 0.1 / 2)
+        await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.z", "lo": 4, "hi": 8,
+                                                                     "c": "none", "e": 1})
+        assert (await ep0.recv("ps.ack.z", timeout=2)).meta == {"moved": 3}
+        st[0].epoch = 1  # a stale caller: its push is reported lost, its pull told to move
+        with pytest.raises(PeerFailure, match="moved to store epoch 3"):
+            await st[0].push(np.ones(8, np.float32))
+        assert st[0].lost_pushes == 1
+        with pytest.raises(PeerFailure, match="moved to store epoch 3"):
+            await st[0].pull()
