@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from p2psync.strategies.base import SgdHyper, SgdStep
+from p2psync.strategies.canary_colayers import Layer
 from p2psync.training.flat import FlatModel
 from p2psync.api.gate import StepGate
 
@@ -150,6 +151,9 @@ class HookedReplica:
 
     def state_size(self) -> int:
         return self.flat.state_size()
+
+    def layers(self) -> list[Layer]:
+        return self.flat.layers()
 
 
 __all__ = ["HookedReplica"]

@@ -96,7 +96,8 @@ class NodeRuntime:
         if cfg.wan:
             load_wan_profile(cfg.wan, topo)  # validate before starting anything
         self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
-        self.transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed)
+        self.transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
+                                             nic_mbps=cfg.nic_mbps)
         self.transport.run_id = wire_run_id(topo, cfg.run_id)
         self.server = RpcServer(self.transport)
         self.rpc = RpcClient(self.transport, local=self.server)

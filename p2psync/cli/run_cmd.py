@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", type=float, dest="time_limit", metavar="SECONDS",
                    help="stop after this many seconds of training (with or instead of a step budget)")
     p.add_argument("--model", default=d.model, choices=MODELS)
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of --model mlp")
     p.add_argument("--data", default=d.data, choices=DATASETS,
                    help="digits: embedded (no download); idx: MNIST-format files in --data-dir")
     p.add_argument("--data-dir", help="directory with train/t10k IDX files (for --data idx)")
@@ -73,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shaper", default="none", choices=("none", "inproc", "netem"),
                    help="link emulation: inproc (delay/bandwidth/jitter/loss in process) or netem "
                         "(network namespaces + tc; root and the netem qdisc needed)")
+    p.add_argument("--nic-mbps", type=float, metavar="MBPS",
+                   help="with --shaper inproc: every NIC sends at most this many Mb/s (one token bucket "
+                        "per NIC, shared by its links)")
     p.add_argument("--wan", metavar="PROFILE.json",
                    help="latency profile (regions and RTTs), e.g. topologies/wan-4-regions.json")
     p.add_argument("--slowdown", default="", metavar="NODE:FACTOR,...",
@@ -159,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         run_id=args.run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
-        wan=args.wan, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
+        wan=args.wan, nic_mbps=args.nic_mbps, hidden=args.hidden, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure)

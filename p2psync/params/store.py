@@ -66,6 +66,7 @@ from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.transport import Transport
+from p2psync.transport.forward import Forwarder
 from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.params")
@@ -129,7 +130,10 @@ class ParamStore:
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.malformed = 0
-        self.forwarded = 0
+        prefix = f"{name}."
+        self.fwd = Forwarder(transport=transport, name=name, timeout=timeout,
+                             accept=lambda to, tag: to in self.bounds and tag.startswith(prefix),
+                             on_reject=self._reject)
         #: pushes that did not reach every owner (a dead owner, an owner that had moved on)
         self.lost_pushes = 0
         #: the view epoch of the current shard split, and an event set whenever it changes
@@ -152,15 +156,16 @@ class ParamStore:
         return self.opt.version // self.own_pieces
 
     def start(self) -> None:
-        for coro in (self._serve_pushes(), self._forward_loop()):
-            t = asyncio.get_running_loop().create_task(coro, name=f"{self.name}-{self.me}")
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+        self.fwd.start()
+        t = asyncio.get_running_loop().create_task(self._serve_pushes(), name=f"{self.name}-{self.me}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.fwd.close()
 
     def abort_waits(self, exc: P2PSyncError) -> int:
         """Fail this store's pending client waits (acknowledgements, shard pieces of a pull,
@@ -170,35 +175,10 @@ class ParamStore:
 
     # -- sending tensors over direct links ------------------------------------------------
 
-    async def _send(self, dst: int, tag: str, arrays: Sequence[np.ndarray], meta: dict[str, Any]) -> bool:
-        """A data message to ``dst``, forwarded through a neighbour when not adjacent; True
-        when it was forwarded."""
-        if self.transport.topology.routes(self.me, dst):
-            await self.transport.send(dst, tag, arrays, meta=meta, timeout=self.timeout)
-            return False
-        hops = self.transport.next_hops(dst)
-        if not hops:
-            raise PeerFailure(f"{self.name}: no live path from node {self.me} to node {dst}", peers=(dst,))
-        await self.transport.send(hops[0], f"{self.name}.fwd", arrays, meta={"to": dst, "tag": tag, "m": meta},
-                          timeout=self.timeout)
-        return True
-
-    async def _forward_loop(self) -> None:
-        while True:
-            try:
-                msg = await self.transport.listen(f"{self.name}.fwd")
-            except TransportError:
-                return
-            to, tag, meta = msg.meta.get("to"), msg.meta.get("tag"), msg.meta.get("m")
-            if (type(to) is not int or to not in self.bounds or to == self.me or not isinstance(tag, str)
-                    or not tag.startswith(f"{self.name}.") or not isinstance(meta, dict) or not msg.arrays):
-                self._reject(msg, "bad forward")
-                continue
-            try:
-                await self._send(to, tag, list(msg.arrays), meta)
-                self.forwarded += 1
-            except P2PSyncError as exc:  # the origin's wait for the ack reports it
-                log.info("node %d: %s piece for node %d not forwarded: %s", self.me, self.name, to, exc)
+    @property
+    def forwarded(self) -> int:
+        """Pieces this node passed on for others."""
+        return self.fwd.forwarded
 
     def _reject(self, msg: Message, why: str) -> None:
         if not self.malformed:
@@ -224,7 +204,7 @@ class ParamStore:
                 continue
             for a, b in piece_ranges(lo, hi, self.piece):
                 meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch}
-                sends.append((owner, asyncio.ensure_future(self._send(owner, f"{self.name}.push",
+                sends.append((owner, asyncio.ensure_future(self.fwd.send(owner, f"{self.name}.push",
                                                                       self._encode(grad[a:b], a), meta))))
         st.pieces = len(sends)
         try:
@@ -391,7 +371,7 @@ class ParamStore:
         w = self.opt.w.copy()  # a consistent snapshot; the bytes in flight are never modified
         ranges = piece_ranges(self.lo, self.hi, self.piece)
         for a, b in ranges:
-            await self._send(caller, tag, [w[a - self.lo:b - self.lo]], {"lo": a, "hi": b})
+            await self.fwd.send(caller, tag, [w[a - self.lo:b - self.lo]], {"lo": a, "hi": b})
         return {"pieces": len(ranges), "version": self.version}
 
     # -- moving shards ---------------------------------------------------------------------

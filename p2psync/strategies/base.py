@@ -34,6 +34,7 @@ import numpy as np
 from p2psync.collectives import Collectives, OpStats
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
+from p2psync.strategies.canary_colayers import Layer
 from p2psync.topology import Topology
 from p2psync.transport import Transport
 
@@ -85,6 +86,8 @@ class Replica(Protocol):
     async def export_state(self) -> np.ndarray: ...
     async def import_state(self, vec: np.ndarray) -> None: ...
     def state_size(self) -> int: ...
+    #: the modules with trainable parameters, in the flat vector's order (Canary's colayers)
+    def layers(self) -> list[Layer]: ...
 
 
 ON_FAILURE = ("continue", "stop")

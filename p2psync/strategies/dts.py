@@ -68,7 +68,7 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
-from p2psync.strategies.regroup import Adopted, Regroup
+from p2psync.strategies.regroup import Regroup
 
 log = logging.getLogger("p2psync.dts")
 
@@ -312,32 +312,8 @@ class DTS(Strategy):
         the loop goes on at when it is not ``step + 1``."""
         log.warning("node %d: DTS re-synchronizes after step %d (%s)", self.ctx.node_id, step, why)
         await self._drop_flights()
-        got = await self.regroup.run(self.resyncs, lambda v: self._mean_state(v, step))
-        while isinstance(got, Adopted):
-            # this node missed a re-sync (it failed here, succeeded elsewhere) and took the
-            # donor's state and count; the members are averaging under that count, with this
-            # node: join them (the epoch is synced now, so the averaging runs at once)
-            self.resyncs = got.step
-            got = await self.regroup.run(self.resyncs, lambda v: self._mean_state(v, step))
-        go_on = max(step + 1, int(got) if got is not None else 0)
-        self.resyncs += 1
+        self.resyncs, go_on = await self.regroup.average_state(self.resyncs, step)
         self._resync_due = False
         self.epoch = self.ctx.epoch
         self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=go_on)
         return go_on if go_on != step + 1 else None
-
-    async def _mean_state(self, view: View, step: int) -> int:
-        """Average the whole state over ``view``; returns the step every member goes on at."""
-        rep, coll = self.ctx.replica, self.ctx.collectives
-        tag = f"dts.{self.resyncs}.e{view.epoch}"
-        steps = asyncio.ensure_future(coll.allgather(np.array([step], np.int64), view.members, tag=f"{tag}.steps"))
-        try:
-            vec = await rep.export_state()
-            mean = await coll.allreduce(vec, view.members, op="mean", codec="none", tag=tag)
-            top = max(int(a[0]) for a in await steps)
-        finally:
-            if not steps.done():
-                steps.cancel()
-                await asyncio.gather(steps, return_exceptions=True)
-        await rep.import_state(np.asarray(mean, dtype=np.float32))
-        return top + 1

@@ -24,6 +24,8 @@ class RunConfig:
     epochs: float | None = None
     time_limit: float | None = None
     model: str = "mlp"
+    #: the MLP's hidden width (a wider one makes the network matter at a given bandwidth)
+    hidden: int = 128
     data: str = "digits"
     data_dir: str | None = None
     synthetic_size: int = 20000
@@ -49,6 +51,8 @@ class RunConfig:
     phi_threshold: float = 8.0
     shaper: str = "none"
     wan: str | None = None
+    #: bandwidth of every NIC for the inproc shaper (Mb/s; one token bucket per NIC)
+    nic_mbps: float | None = None
     slowdown: str = ""
     slowdown_schedule: str = ""
     step_time: str = ""
@@ -71,11 +75,11 @@ class RunConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
 
-        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds"):
+        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds", "nic_mbps"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
                      "failure_timeout", "phi_threshold", "dirichlet_alpha", "synthetic_size", "shards_per_node",
-                     "piece_kib"):
+                     "piece_kib", "hidden"):
             positive(name, allow_none=False)
         if not 0 <= self.momentum < 1:
             raise ConfigError("--momentum must be in [0, 1)")
@@ -93,6 +97,8 @@ class RunConfig:
             raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
         if self.wan and self.shaper == "none":
             raise ConfigError("--wan needs --shaper inproc or netem")
+        if self.nic_mbps is not None and self.shaper != "inproc":
+            raise ConfigError("--nic-mbps needs --shaper inproc")
         if self.on_failure not in ("continue", "stop"):
             raise ConfigError(f"--on-failure {self.on_failure!r}: choose continue or stop")
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):

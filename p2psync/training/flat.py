@@ -23,6 +23,7 @@ from torch import nn
 
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
+from p2psync.strategies.canary_colayers import Layer
 
 class FlatModel:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -34,6 +35,25 @@ class FlatModel:
             raise ConfigError("the model has no trainable parameters")
         self._pinned: torch.Tensor | None = None
         self._per_element_cache: dict[str, tuple[tuple[object, ...], np.ndarray]] = {}
+
+    def layers(self) -> list[Layer]:
+        """The modules with trainable parameters of their own, in the flat vector's order
+        (Canary's colayers group them)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        offsets = np.concatenate([[0], np.cumsum([p.numel() for p in self.params])]).tolist()
+        out: list[Layer] = []
+        for name, mod in self.model.named_modules():
+            own = [index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index]
+            own = [i for i in own if not any(i in layer.params for layer in out)]  # tied weights: once
+            if own:
+                kind = "fc" if isinstance(mod, nn.Linear) else "conv"
+                out.append(Layer(name=name or type(mod).__name__, kind=kind, offset=int(offsets[min(own)]),
+                                 numel=sum(self.params[i].numel() for i in own), params=tuple(own)))
+        if sorted(i for layer in out for i in layer.params) != list(range(len(self.params))) \
+                or any(b.offset != a.offset + a.numel for a, b in zip(out, out[1:])):
+            raise ConfigError("the model's parameters are not laid out module by module (parameters "
+                              "registered outside modules?): layer groups need them consecutive")
+        return out
 
     def _to_host(self, flat: torch.Tensor) -> np.ndarray:
         flat = flat.detach()

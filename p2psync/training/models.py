@@ -52,8 +52,11 @@ def resnet18(input_shape: tuple[int, ...], classes: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module:
-    builders = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18}
+def build_model(name: str, input_shape: tuple[int, ...], classes: int, *, hidden: int = 128) -> nn.Module:
+    """``hidden``: the MLP's width (the other models ignore it)."""
+    if name == "mlp":
+        return mlp(input_shape, classes, hidden)
+    builders = {"cnn": cnn, "resnet18": resnet18}
     if name not in builders:
         raise ConfigError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
     return builders[name](input_shape, classes)

@@ -22,7 +22,7 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
                       alpha=cfg.dirichlet_alpha, shards_per_part=cfg.shards_per_node)
     rank = topo.ids.index(node_id)
     torch.manual_seed(cfg.seed)  # identical initial weights on every node
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, hidden=cfg.hidden)
     device = resolve_device(cfg.device)
     model.to(device)  # before the optimizer takes the parameters (Trainer keeps it there)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)

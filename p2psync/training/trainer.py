@@ -35,6 +35,7 @@ from torch import nn
 
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
+from p2psync.strategies.canary_colayers import Layer
 from p2psync.errors import Aborted, ConfigError
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
@@ -203,6 +204,9 @@ class Trainer:
 
     def state_size(self) -> int:
         return self.flat.state_size()
+
+    def layers(self) -> list[Layer]:
+        return self.flat.layers()
 
     async def export_state(self) -> np.ndarray:
         """Parameters + optimizer state as one float32 vector (see the module docstring)."""

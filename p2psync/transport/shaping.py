@@ -278,8 +278,9 @@ def load_wan_profile(path: str | Path, topo: Topology) -> dict[tuple[int, int], 
 
 
 def make_shaper(kind: str, topo: Topology, node_id: int, *, wan: str | None = None,
-                seed: int = 0) -> Shaper | None:
-    """The shaper for ``node_id``'s outgoing links (None: send directly)."""
+                seed: int = 0, nic_mbps: float | None = None) -> Shaper | None:
+    """The shaper for ``node_id``'s outgoing links (None: send directly); ``nic_mbps``: every
+    NIC of the node sends at most that many Mb/s (inproc only)."""
     if kind not in SHAPERS:
         raise ConfigError(f"unknown shaper {kind!r} (choose from {', '.join(SHAPERS)})")
     if kind in ("none", "netem"):
@@ -289,4 +290,5 @@ def make_shaper(kind: str, topo: Topology, node_id: int, *, wan: str | None = No
         specs = {dst: pairs[(node_id, dst)] for dst in topo.ids if dst != node_id}
     else:
         specs = {dst: LinkSpec.from_attrs(topo.link(node_id, dst)) for dst in topo.ids if dst != node_id}
-    return InprocShaper(specs, seed=seed * 7919 + node_id)
+    nics = {n.name: nic_mbps * 1e6 for n in topo.node(node_id).nics} if nic_mbps else None
+    return InprocShaper(specs, seed=seed * 7919 + node_id, nic_bandwidth_bps=nics)

@@ -10,6 +10,7 @@ backward passes per step), and ``state_dict()`` of the optimizer and of the sess
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,51 @@ def _load(ckpt: dict[str, Any]) -> tuple[nn.Module, Any]:
     model = nn.Linear(4, 3)
     model.load_state_dict(ckpt["model"])
     return model, ckpt["opt"]
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def test_canary_colayer_exchanges_start_before_backward_ends(tmp_path: Path) -> None:
+    """Issue 15: colayers leave as backward produces them (pipelining, Canary §4.3.2): the
+    output colayer's exchange starts before the user's ``loss.backward()`` has returned."""
+    models = {i: _wide_mlp() for i in (0, 1)}
+
+    def body(s: Session, i: int) -> Any:
+        model = models[i]
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        g = torch.Generator().manual_seed(i)
+        ends = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            x, y = torch.randn(512, 256, generator=g), torch.randint(0, 10, (512,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            ends.append(time.perf_counter())
+            opt.step()
+        starts = list(s.strategy.timeline)
+        s.close()
+        return ends, starts
+
+    out = _two_nodes(tmp_path, "canary", body, strategy_options=(("colayers", "4"),), max_steps=STEPS)
+    for i in (0, 1):
+        ends, starts = out[i]
+        first = {t: started for t, z, started in starts if z == 0}
+        early = [t for t, started in first.items() if t < len(ends) and started < ends[t]]
+        assert len(first) == STEPS and len(early) > STEPS // 2, (first, ends)
+
+
+def test_canary_gradient_accumulation_needs_pipeline_off(tmp_path: Path) -> None:
+    def body(s: Session, i: int) -> Any:
+        model = _model(0)
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        _loop(model, opt, _batches(i))  # two backward passes per step
+        s.close()
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+
+    with pytest.raises(ConfigError, match="pipeline=false"):
+        _two_nodes(tmp_path, "canary", body, tag="a")
+    out = _two_nodes(tmp_path, "canary", body, strategy_options=(("pipeline", "false"),), max_steps=STEPS, tag="b")
+    assert out[0].tobytes() == out[1].tobytes()  # the final average

@@ -347,3 +347,32 @@ async def test_store_crash_survivors_reshard_and_end_with_one_model(strategy):
     for p in params[1:]:
         assert p.tobytes() == params[0].tobytes()
     assert np.isfinite(params[0]).all()
+
+
+async def test_canary_crash_survivors_replan_and_a_restarted_node_rejoins():
+    """Issue 15: a dead worker's bits never block a colayer (its pending answers are aborted,
+    native mode takes them as empty packets); the survivors average their state and re-plan
+    the exchange over the new view; a restarted node joins with a member's state; everyone
+    ends with one model."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "canary") as nodes:
+        joiner = Node(topo, 2, "canary")
+        for n in nodes.values():
+            n.go(10_000, stop=lambda: joiner.steps >= 8)
+        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await nodes[2].crash()
+        survivors = [nodes[i] for i in (0, 1, 3)]
+        await until(lambda: all(n.strategy.resyncs >= 1 and n.strategy.exchange is not None
+                                and n.strategy.exchange.layout.group == (0, 1, 3) for n in survivors),
+                    30, "the survivors to re-plan")
+        try:
+            await joiner.start()
+            await joiner.join_run()
+            assert joiner.strategy.ctx.joining
+            joiner.go(10_000)
+            await _finish([*survivors, joiner])
+            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+        finally:
+            await joiner.close()
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    assert np.isfinite(params[0]).all()

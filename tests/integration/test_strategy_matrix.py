@@ -25,9 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 
 get_strategy("ssgd")  # fills the registry
 STEPS = 40
-#: strategies whose run ends when the first worker reaches its budget (P-Reduce's controller,
+#: strategies whose run ends when the first worker reaches its budget (P-Reduce's controller, Canary's stop flag,
 #: the parameter-server scheduler)
-FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp"}
+FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "canary"}
 #: ``topk`` runs at its default, 1 % (the DTS paper's setting, the sparsest common one): k = 97
 #: of the MLP's 9610 entries, the sparse exchange on 4 nodes. With its (always-on) error feedback
 #: the model still learns in 40 steps (measured accuracy: ssgd 0.87, esync 0.95, asgd 0.78-0.86;

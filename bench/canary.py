@@ -1,0 +1,241 @@
+"""Canary vs BSP on multi-NIC BCube with bandwidth-limited NICs (issue 15; paper
+../shared/papers/canary.md §6.4 Fig. 21 (traffic, peak utilisation) and §6.6 Fig. 23
+(convergence time), reading notes ../shared/specs/canary.md §7).
+
+    python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
+                           [--speeds 1,1,2,3] [--base 0.05] [--target 0.93] [--repeats 1]
+                           [--mode wait|compute] [--quick]
+
+Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
+topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-mbps`` (one
+token bucket per NIC, shared by its links), the digits data with a wide MLP (``--hidden``: the
+model's size makes the links matter: 4096 -> 0.3 M parameters, 1.2 MB per gradient),
+heterogeneous emulated step times (node i: ``base x speeds[i mod len]``, +-``--jitter``),
+momentum SGD, the same seeds for every configuration. Configurations:
+
+* **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
+  NIC per node busy, as the paper's BSP baselines);
+* **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
+  during backward) with the sketch (sketch8, its default) and without (``--opt sketch=false``).
+
+Measured per run (every node's node-*.jsonl):
+
+* **bytes per iteration**: every NIC's sent bytes at the end / every node's iterations;
+* **peak NIC utilisation**: the largest rate any NIC sent at over any window of >= 1 s (from
+  the cumulative per-NIC byte counts of the step records), over the NIC's capacity;
+* **time to target**: the lower median over the nodes of the first evaluation (every
+  ``--eval-every`` steps) at >= ``--target`` (half the workers hold a model that good);
+* **final accuracy**: the mean of the nodes' last evaluations (every node ends with the same
+  model: Canary averages at the stop, BSP replicas are identical).
+
+Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" and "on
+average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
+Output: a markdown table and the target lines on stdout, bench/out/canary.png.
+
+Run time: per BCube, 3 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 6 minutes at the defaults.
+``--quick``: BCube(2,2) only, 20 s runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    argv: tuple[str, ...]
+
+
+CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ring")),
+           Config("Canary (sketch)", ("--strategy", "canary")),
+           Config("Canary (fp32)", ("--strategy", "canary", "--opt", "sketch=false")))
+
+
+@dataclass
+class Outcome:
+    config: Config
+    cube: str
+    to_target: float
+    final_acc: float
+    bytes_per_iter: float
+    peak_util: float
+    iterations: int
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+def peak_rate(recs: Sequence[dict[str, Any]], window: float = 1.0) -> float:
+    """The highest bytes/s any NIC of one node sent over a window of at least ``window`` s."""
+    best = 0.0
+    pts = [(float(r["time"]), {k: int(v.get("sent", 0)) for k, v in r.get("nics", {}).items()}) for r in recs]
+    j = 0
+    for i in range(len(pts)):
+        while j < i and pts[i][0] - pts[j + 1][0] >= window:
+            j += 1
+        dt = pts[i][0] - pts[j][0]
+        if dt >= window:
+            for nic, b in pts[i][1].items():
+                best = max(best, (b - pts[j][1].get(nic, 0)) / dt)
+    return best
+
+
+def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float,
+            nic_mbps: float) -> Outcome:
+    reach = sorted(first_reach(recs, target) for recs in nodes)
+    lasts = [recs[-1] for recs in nodes if recs]
+    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
+    sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
+    iters = sum(int(r["step"]) + 1 for r in lasts)
+    peak = max(peak_rate(recs) for recs in nodes) * 8 / (nic_mbps * 1e6)
+    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
+    return Outcome(cfg, cube, reach[(len(reach) - 1) // 2],
+                   statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0,
+                   sent / max(1, iters), peak, iters, curve)
+
+
+def combine(runs: Sequence[Outcome]) -> Outcome:
+    def med(xs: Sequence[float]) -> float:
+        return float(statistics.median(xs))
+    return Outcome(runs[0].config, runs[0].cube, med([o.to_target for o in runs]), med([o.final_acc for o in runs]),
+                   med([o.bytes_per_iter for o in runs]), med([o.peak_util for o in runs]),
+                   round(med([o.iterations for o in runs])), runs[0].curve)
+
+
+def step_times(n: int, speeds: Sequence[float], base: float) -> str:
+    return ",".join(f"{i}:{base * speeds[i % len(speeds)]:g}" for i in range(n))
+
+
+def run_one(cfg: Config, cube: str, args: argparse.Namespace, topo: Path, n: int, out: Path, rep: int) -> Outcome:
+    run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{cube}-r{rep}"
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, "--time", str(args.seconds),
+           "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps), "--hidden", str(args.hidden),
+           "--step-time", step_times(n, args.speeds, args.base), "--step-jitter", str(args.jitter),
+           "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0.9", "--eval-every",
+           str(args.eval_every), "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress",
+           "--start-timeout", "180"]
+    return analyse(cfg, cube, run_nodes(cmd, out, run_id, n, timeout=args.seconds * 4 + 300), args.target,
+                   args.nic_mbps)
+
+
+def report(res: Sequence[Outcome], target: float) -> str:
+    base = {o.cube: o for o in res if o.config is CONFIGS[0]}
+    rows = []
+    for o in res:
+        b = base.get(o.cube)
+        speed = b.to_target / o.to_target if b and o.to_target not in (0.0, INF) and b.to_target != INF else None
+        traffic = o.bytes_per_iter / b.bytes_per_iter if b and b.bytes_per_iter else None
+        rows.append([f"BCube({o.cube})", o.config.label, f"{o.bytes_per_iter / 1e6:.2f}",
+                     cell(traffic, "{:.2f}"), f"{o.peak_util:.0%}", cell(o.to_target, "{:.1f}"),
+                     cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}", o.iterations])
+    return markdown_table(["topology", "config", "MB sent per iteration", "traffic vs BSP", "peak NIC utilisation",
+                           f"time to {target:.0%} (s)", "speed-up vs BSP", "final acc", "iterations (all nodes)"], rows)
+
+
+def targets(res: Sequence[Outcome]) -> list[str]:
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    for cube in dict.fromkeys(o.cube for o in res):
+        by = {o.config.label: o for o in res if o.cube == cube}
+        bsp, can = by.get(CONFIGS[0].label), by.get(CONFIGS[1].label)
+        if bsp is None or can is None:
+            continue
+        cut = 1 - can.bytes_per_iter / bsp.bytes_per_iter if bsp.bytes_per_iter else 0.0
+        out.append(f"- BCube({cube}): Canary's traffic per iteration {cut:.0%} below BSP's (target >= 70 %; "
+                   f"paper 56 %): {verdict(cut >= 0.7)}")
+        if can.to_target < INF and bsp.to_target < INF:
+            sp = bsp.to_target / can.to_target
+            out.append(f"- BCube({cube}): Canary {sp:.2f}x sooner to the target than BSP (target >= 1.5x): "
+                       f"{verdict(sp >= 1.5)}")
+        else:
+            out.append(f"- BCube({cube}): the target was not reached by {'BSP' if bsp.to_target == INF else 'Canary'}")
+        gap = (bsp.final_acc - can.final_acc) * 100
+        out.append(f"- BCube({cube}): final accuracy {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({gap:+.1f} points "
+                   f"below BSP; target within 1 point): {verdict(gap <= 1.0)}")
+    return out
+
+
+def plot(res: Sequence[Outcome], target: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cubes = list(dict.fromkeys(o.cube for o in res))
+    fig, axes = plt.subplots(1, len(cubes) + 1, figsize=(5.5 * (len(cubes) + 1), 4))
+    for ax, cube in zip(axes, cubes):
+        for o in res:
+            if o.cube == cube and o.curve:
+                ax.plot(*zip(*o.curve), label=o.config.label)
+        ax.axhline(target, color="grey", ls=":")
+        ax.set(title=f"BCube({cube}): test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    xs = range(len(res))
+    ax.bar(xs, [o.bytes_per_iter / 1e6 for o in res], color="tab:blue")
+    ax.set_xticks(xs, [f"{o.config.label}\n{o.cube}" for o in res], fontsize=7, rotation=60)
+    ax.set_ylabel("MB sent per iteration", color="tab:blue")
+    tw = ax.twinx()
+    tw.plot(xs, [100 * o.peak_util for o in res], "o", color="tab:red")
+    tw.set_ylabel("peak NIC utilisation (%)", color="tab:red")
+    ax.set_title("traffic")
+    return save_png(fig, "canary.png")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cubes", nargs="+", default=["2x2", "3x2"], help="BCube sizes ALPHAxBETA")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--nic-mbps", type=float, default=1000.0)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.0, 2.0, 3.0])
+    ap.add_argument("--base", type=float, default=0.05, help="step time of the fastest device (s)")
+    ap.add_argument("--jitter", type=float, default=0.2)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--target", type=float, default=0.93)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.cubes, args.seconds = ["2x2"], 20.0
+    res = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "runs"
+        for cube in args.cubes:
+            alpha, beta = (int(x) for x in cube.split("x"))
+            topo = Path(tmp) / f"bcube-{cube}.json"
+            subprocess.run([sys.executable, "-m", "p2psync", "topo", "bcube", "--alpha", str(alpha), "--beta",
+                            str(beta), "-o", str(topo)], check=True, capture_output=True)
+            for cfg in CONFIGS:
+                runs = []
+                for rep in range(args.repeats):
+                    o = run_one(cfg, cube, args, topo, alpha**beta, out, rep)
+                    print(f"  BCube({cube}) {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final "
+                          f"{o.final_acc:.3f}, {o.bytes_per_iter / 1e6:.2f} MB/iteration, peak NIC "
+                          f"{o.peak_util:.0%}, {o.iterations} iterations", file=sys.stderr)
+                    runs.append(o)
+                res.append(combine(runs))
+    print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "
+          f"step times base {args.base:g} s x {args.speeds} (+-{args.jitter:.0%}, {args.mode} mode), "
+          f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s)\n")
+    print(report(res, args.target))
+    print("\n" + "\n".join(targets(res)))
+    print(f"\nplot: {plot(res, args.target)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Canary: colayers exchanged during backward over multi-NIC BCube, GEI bitmaps, staleness
+bounding (paper ../shared/papers/canary.md §4.3-§5; reading notes ../shared/specs/canary.md).
+
+What a node does per iteration ``t`` (spec §6.6):
+
+1. Backward produces the colayers' gradients output layer first (§4.3.2; grouping:
+   :mod:`~p2psync.strategies.canary_colayers`). As soon as the last parameter of colayer
+   ``c^[z]`` has its gradient (``register_post_accumulate_grad_hook``, through the one training
+   path's gradient-ready hook) its exchange starts, overlapping the rest of backward (and, in
+   the built-in job, the emulated device time): pipelining, §4.3.2 advantage 2.
+2. The exchange (:mod:`~p2psync.strategies.canary_exchange`) runs the §6.3 BCube schedule (α·β
+   slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
+   Fig. 14), every payload through the gradient sketch by default (``sketch8``, §4.3.1; the
+   paper-exact variant is ``--codec`` with options of :mod:`p2psync.compress.codecs`). In
+   ``native`` mode nobody waits for anyone's computation: a peer answers every push at once,
+   with an empty packet when it has nothing for this node (§4.4.2), and data a slow node could
+   not take part in leaves with its next exchange.
+3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
+   its slots' masks; :mod:`~p2psync.strategies.canary_gei`); ``ζ`` (the fastest worker's
+   iteration) rides in every message header.
+4. The end-of-iteration decision (§5.4): within ``s`` of ζ, or beyond it with at least ``p``
+   complete colayers: apply the aggregate through the user's optimizer step; else *overtime*:
+   drop the iteration's gradients, pull the model (parameters) of the fastest worker (the lowest
+   id at ζ) and adopt ``t = ζ``.
+
+Choices where the paper is silent or wrong (the spec's resolutions unless said):
+
+* **Divisor** (``divisor=members``, default): the aggregate is divided by the number of
+  members, not by its contributors (the spec's default, §5.4). In native mode every
+  contribution reaches every node exactly once, but not in the same iteration: a slow node's
+  round sums several iterations of its fast peers. Dividing by the contributors would make a
+  slow node's replica move less per second than a fast one's and the replicas drift apart;
+  dividing by n applies every gradient with weight 1/n everywhere, so with plain SGD the
+  replicas differ only by what is still in flight (ASGD's property, at Canary's traffic).
+  ``divisor=contributors`` is the spec's reading.
+* **Staleness**: a contribution whose iteration is older than ``ζ − s`` is dropped where it is
+  (the sender's own gradient is not sent at all), so a node that falls more than ``s``
+  iterations behind has incomplete colayers (its own bit is missing) and is reset by branch C.
+  Canary's bounding never blocks the fast workers (spec §5.5).
+* ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
+  empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
+  schedule (equal to ``ssgd`` with the sketch off).
+* **Stop**: a node that wants to stop (``--steps``, ``--time``, ``request_stop``) says so in
+  every message it sends; every node stops at the end of the iteration in which it learns it,
+  and the members then average their whole state once (exact), so the run ends with one model
+  (as P-Reduce and DTS do).
+* **Views**: a failed peer's pending answers are aborted at once (native: empty packets; bsp:
+  the round is abandoned); at the next step the members of the new view average their state
+  (exact, :meth:`~p2psync.strategies.regroup.Regroup.average_state`) and the exchange is
+  re-planned over them (the BCube layout needs the whole BCube; any other group uses the mesh
+  layout, relaying over direct links). Data in flight at that moment is dropped. A joiner
+  takes a live member's state and joins that average.
+* **Gradient accumulation** (several backward passes per step) cannot be pipelined (the first
+  pass's colayers would already be on their way): ``pipeline=false`` sends the colayers at the
+  step; with ``pipeline=true`` it is a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from p2psync.collectives.canary_plan import layout_for
+from p2psync.compress import Codec, get_codec
+from p2psync.coordinator import View
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
+from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
+from p2psync.strategies.canary_exchange import MODES, Exchange, RoundResult
+from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
+from p2psync.strategies.regroup import Regroup
+from p2psync.transport.forward import Forwarder
+
+log = logging.getLogger("p2psync.canary")
+
+DIVISORS = ("members", "contributors")
+PROPORTION_MASKS = ("full", "own")
+
+
+@register
+class Canary(Strategy):
+    name = "canary"
+    grad_ready = True
+    options = {
+        "mode": (str, "native", "native (asynchronous, empty packets) or bsp (every colayer complete every iteration)"),
+        "s": (float, 18.0, "staleness threshold: iterations behind the fastest worker (inf: never stale)"),
+        "p": (int, -1, "colayers that must be complete once s is exceeded (-1: 60 % of them, the paper's 6 of 10)"),
+        "colayers": (int, 0, "number of colayers of nearly equal size (0: the automatic rule)"),
+        "colayer_layers": (str, "", "layers per colayer, output to input (e.g. 3,4,4,8)"),
+        "colayer_kib": (int, 4096, "automatic rule: largest colayer, KiB"),
+        "sketch": (bool, True, "without --codec: every payload through the gradient sketch (sketch8), else none"),
+        "sketch_fraction": (float, 1.0, "sketch while step/--steps is below this (Fig. 22a)"),
+        "divisor": (str, "members", "members (sum / n) or contributors"),
+        "proportion_mask": (str, "full", "a colayer is complete with every member's bit (full) or its own (own)"),
+        "pipeline": (bool, True, "send each colayer as soon as backward produced it"),
+    }
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        o = self.opts
+        if o["mode"] not in MODES:
+            raise ConfigError(f"canary: --opt mode={o['mode']}: choose from {', '.join(MODES)}")
+        if o["divisor"] not in DIVISORS:
+            raise ConfigError(f"canary: --opt divisor={o['divisor']}: choose from {', '.join(DIVISORS)}")
+        if o["proportion_mask"] not in PROPORTION_MASKS:
+            raise ConfigError(f"canary: --opt proportion_mask={o['proportion_mask']}: choose full or own")
+        if not (o["s"] >= 0) or not 0.0 <= o["sketch_fraction"] <= 1.0 or o["colayer_kib"] < 1:
+            raise ConfigError("canary: s must be >= 0, sketch_fraction in [0, 1], colayer_kib >= 1")
+        self.layer_counts = parse_counts(o["colayer_layers"])
+        run_codec = ctx.collectives.codec
+        self.codec: Codec = get_codec(run_codec if run_codec != "none" else "sketch8" if o["sketch"] else "none")
+        self.plain = get_codec("none")
+        self.regroup = Regroup(ctx=ctx, name="canary")
+        self.fwd = Forwarder(transport=ctx.transport, name="canary", timeout=ctx.peer_timeout,
+                             accept=lambda to, tag: to in ctx.topology.ids and tag.startswith("canary."))
+        self.exchange: Exchange | None = None
+        self.colayers: tuple[Colayer, ...] = ()
+        self.t = 0  # this node's iteration (Canary's ⟨t⟩)
+        self.last_iter: dict[int, int] = {}  # the newest iteration each peer told us
+        self.stopping = False
+        self.next_step = 0  # the loop step the next rounds belong to
+        self.resyncs = 0
+        self._resync_due = False
+        self._rounds: dict[int, tuple[asyncio.Task[RoundResult], np.ndarray]] = {}
+        self._pending: dict[int, dict[int, np.ndarray]] = {}
+        self._double = False
+        self.counts = {b.value: 0 for b in Branch}
+        #: (iteration, colayer, perf_counter when its exchange started) of the last rounds
+        self.timeline: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=256)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        layers = self.ctx.replica.layers()
+        self.colayers = group(layers, count=self.opts["colayers"], layers_per_colayer=self.layer_counts,
+                              max_bytes=self.opts["colayer_kib"] << 10)
+        self.param_colayer = {p: c.index for c in self.colayers for p in c.params}
+        self.p = self.opts["p"] if self.opts["p"] >= 0 else math.ceil(0.6 * len(self.colayers))
+        try:
+            validate(s=self.opts["s"], p=self.p, colayers=len(self.colayers))
+        except ValueError as exc:
+            raise ConfigError(f"canary: {exc}") from None
+        self.gei = GEIMatrix(len(self.colayers))
+        self.fwd.start()
+        self.ctx.rpc_server.register("canary.model", self._serve_model)
+        self.t = self.next_step = self.start_step
+        if self.ctx.joining:
+            self.resyncs = await self.regroup.join()
+            self._resync_due = True
+        self._plan(self.ctx.view)
+
+    def _plan(self, view: View) -> None:
+        layout = layout_for(self.ctx.topology, view.members)
+        self.exchange = Exchange(
+            transport=self.ctx.transport, fwd=self.fwd, layout=layout,
+            sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts["mode"],
+            staleness=self.opts["s"], timeout=self.ctx.peer_timeout, epoch=view.epoch,
+            piece=max(1, self.ctx.collectives.piece_bytes // 4), iteration=lambda: self.t, zeta=lambda: self.gei.zeta,
+            stopping=self._stop_flag, on_header=self._header)
+        self.exchange.start()
+        self.epoch = view.epoch
+
+    async def close(self) -> None:
+        await self._cancel_rounds()
+        if self.exchange is not None:
+            await self.exchange.close()
+        await self.fwd.close()
+
+    def on_peer_failure(self, peer: int) -> None:
+        self.regroup.on_peer_failure(peer)
+        if self.exchange is not None:
+            self.exchange.abort_waits(PeerFailure(f"canary: peer {peer} failed", peers=(peer,)))
+
+    def on_view(self, view: View) -> None:
+        self.regroup.on_view(view)
+        if self.exchange is not None and view.epoch != self.exchange.epoch:
+            self._resync_due = True
+            self.exchange.retire(PeerFailure(f"canary: view {view.epoch} replaced view {self.exchange.epoch}"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "resyncs": self.resyncs}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A resumed run: the nodes' checkpoints hold different replicas (asynchronous), so the
+        members average their state first."""
+        if isinstance(state.get("t"), int):
+            self.t = state["t"]
+        self._resync_due = True
+
+    # -- colayers launched during backward ------------------------------------------------
+
+    def on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
+        if not self.opts["pipeline"] or self.exchange is None or self._resync_due or not self.colayers:
+            return
+        z = self.param_colayer[index]
+        buf = self._pending.setdefault(z, {})
+        if index in buf or z in self._rounds:
+            self._double = True  # a second backward pass before the step
+            return
+        buf[index] = grad
+        col = self.colayers[z]
+        if len(buf) == len(col.params):
+            del self._pending[z]
+            vec = np.concatenate([buf[i] for i in sorted(buf)]).astype(np.float32, copy=False)
+            self._launch(z, vec)
+
+    def _launch(self, z: int, vec: np.ndarray) -> None:
+        if self.exchange is None:
+            raise ConfigError("canary: not started")
+        task = asyncio.get_running_loop().create_task(self.exchange.round(z, self.t, vec), name=f"canary-c{z}")
+        self._rounds[z] = (task, vec)
+
+    async def _cancel_rounds(self) -> None:
+        rounds, self._rounds = self._rounds, {}
+        self._pending.clear()
+        for task, _ in rounds.values():
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
+
+    # -- one iteration -------------------------------------------------------------------
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        self.next_step = step
+        self.regroup.check()
+        if self._resync_due:
+            await self._resync(step)
+        loss, grad = await self.ctx.replica.compute_gradients()
+        t0 = time.perf_counter()
+        self._use_codec(step)
+        for c in self.colayers:
+            got = self._rounds.get(c.index)
+            if got is None:
+                self._launch(c.index, grad[c.lo:c.hi].copy())
+            elif self._double or not np.array_equal(got[1], grad[c.lo:c.hi]):
+                await self._cancel_rounds()
+                raise ConfigError("canary: the gradient at optimizer.step() is not the one backward produced "
+                                  "colayer by colayer (several backward passes per step, i.e. gradient "
+                                  "accumulation?): use --opt pipeline=false")
+        rounds, self._rounds = self._rounds, {}
+        t = self.t
+        extra: dict[str, Any] = {}
+        try:
+            results = [await rounds[c.index][0] for c in self.colayers]
+        except PeerFailure as exc:  # bsp: a member failed mid-round; nothing applied
+            for task, _ in rounds.values():
+                task.cancel()
+            await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
+            log.warning("node %d: canary round of iteration %d abandoned: %s", self.ctx.node_id, t, exc)
+            self._resync_due = True
+            extra["abandoned"] = True
+            results = []
+        if results:
+            extra.update(await self._decide(t, grad, results))
+        # bsp: stop where any contribution of this round asked to (every node saw all of them);
+        # native: as soon as this node wants to or heard of it
+        seen = any(r.stop for r in results)
+        stop = seen if self.opts["mode"] == "bsp" else self.stopping or want_stop or seen
+        self.stopping = self.stopping or want_stop or seen
+        self.next_step = step + 1
+        if stop:
+            await self._finish(step)
+        wait = time.perf_counter() - t0
+        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={**extra, **self._metrics()})
+
+    async def _decide(self, t: int, grad: np.ndarray, results: list[RoundResult]) -> dict[str, Any]:
+        members = self.exchange.layout.group if self.exchange is not None else (self.ctx.node_id,)
+        for c, r in zip(self.colayers, results):
+            self.gei.record(t, c.index, r.mask)
+            self.timeline.append((t, c.index, r.started))
+        need = members_mask(members) if self.opts["proportion_mask"] == "full" else node_bit(self.ctx.node_id)
+        d = decide(zeta=self.gei.zeta, t=t, row=self.gei.row(t), mask=need, s=self.opts["s"], p=self.p)
+        if self.opts["mode"] == "bsp":
+            d = dataclasses.replace(d, branch=Branch.APPLY)  # every colayer is complete by construction
+        self.counts[d.branch.value] += 1
+        if d.branch is Branch.OVERTIME:
+            source = await self._pull_fastest(members)
+            self.t = max(self.t, self.gei.zeta) if source is not None else t + 1
+        else:
+            vec = np.empty_like(grad)
+            for c, r in zip(self.colayers, results):
+                if self.opts["divisor"] == "members":
+                    vec[c.lo:c.hi] = r.sums / np.float32(len(members))
+                else:
+                    vec[c.lo:c.hi] = np.divide(r.sums, r.counts, out=np.zeros_like(r.sums), where=r.counts > 0)
+            await self.ctx.replica.apply_gradients(vec)
+            self.t = t + 1
+        self.gei.see(self.t)
+        self.gei.forget_before(t - 1 - int(min(self.opts["s"], 1 << 20)))
+        return {"t": t, "zeta": self.gei.zeta, "staleness": d.staleness, "branch": d.branch.value,
+                "complete": d.complete, "gei": [int(m) for m in self.gei.row(t)][:16] if len(members) <= 62 else [],
+                "round_s": round(max(r.seconds for r in results), 5)}
+
+    def _use_codec(self, step: int) -> None:
+        frac, total = self.opts["sketch_fraction"], self.ctx.max_steps
+        sketching = frac >= 1.0 or (total is not None and step < frac * total)
+        if self.exchange is not None:
+            self.exchange.codec = self.codec if sketching else self.plain
+
+    def _stop_flag(self) -> bool:
+        """What this node's messages and contributions say: it stops (or the run's step
+        budget ends with the step the next rounds belong to)."""
+        last = self.ctx.max_steps is not None and self.next_step + 1 >= self.ctx.max_steps
+        return self.stopping or last
+
+    def _header(self, peer: int, iteration: int, stop: bool) -> None:
+        if iteration > self.last_iter.get(peer, -1):
+            self.last_iter[peer] = iteration
+        self.gei.see(iteration)
+        if stop and not self.stopping:
+            self.stopping = True
+
+    def _metrics(self) -> dict[str, Any]:
+        st = self.exchange.stats if self.exchange is not None else None
+        out: dict[str, Any] = {"branches": dict(self.counts), "resyncs": self.resyncs,
+                               "colayers": len(self.colayers)}
+        if st is not None:
+            out.update(empties_sent=st.empties_sent, empties_recv=st.empties_recv, stale=st.stale, lost=st.lost,
+                       malformed=st.malformed, wire_bytes=st.wire_bytes, raw_bytes=st.raw_bytes,
+                       level_bytes={str(k): v for k, v in sorted(st.by_level.items())})
+        return out
+
+    # -- overtime: the fastest worker's model ---------------------------------------------
+
+    async def _pull_fastest(self, members: tuple[int, ...]) -> int | None:
+        """Branch C: copy the parameters of the fastest live worker (the lowest id at ζ).
+        Returns its id, or None when no peer could give its model (the node then goes on)."""
+        me = self.ctx.node_id
+        zeta = self.gei.zeta
+        ahead = sorted((-it, n) for n, it in self.last_iter.items() if n in members and n != me)
+        candidates = [n for _, n in ahead if self.last_iter[n] >= zeta] + [n for _, n in ahead]
+        for n in dict.fromkeys(candidates):
+            tag = f"canary.m.{me}.{self.ctx.transport.incarnation}.{self.t}"
+            try:
+                rep = await self.ctx.rpc.call(n, "canary.model", {"tag": tag}, timeout=self.ctx.peer_timeout)
+                msg = await self.ctx.transport.recv(tag, timeout=self.ctx.peer_timeout)
+                vec = msg.arrays[0] if len(msg.arrays) == 1 else None
+                it = rep.get("it") if isinstance(rep, dict) else None
+                if vec is None or vec.dtype != np.float32 or vec.size != self.ctx.replica.numel \
+                        or type(it) is not int or not np.all(np.isfinite(vec)):
+                    raise ProtocolError("canary", f"node {n} sent a malformed model")
+            except P2PSyncError as exc:
+                log.warning("node %d: canary overtime: no model from node %d: %s", me, n, exc)
+                continue
+            finally:
+                self.ctx.transport.mailbox.retire(tag, exact=True)
+            await self.ctx.replica.set_params(np.array(vec, copy=True))
+            self.gei.see(it)
+            log.info("node %d: canary overtime at iteration %d (ζ %d): took node %d's model (its iteration %d)",
+                     me, self.t, zeta, n, it)
+            return n
+        return None
+
+    async def _serve_model(self, caller: int, args: Mapping[str, Any], _: Any) -> Any:
+        tag = args.get("tag")
+        if not isinstance(tag, str) or not tag.startswith(f"canary.m.{caller}."):
+            raise ProtocolError("canary", f"bad model request from node {caller}")
+        it = self.t
+        vec = await self.ctx.replica.get_params()
+        await self.fwd.send(caller, tag, [vec], {"it": it})
+        return {"it": it}
+
+    # -- views and the end -----------------------------------------------------------------
+
+    async def _resync(self, step: int) -> None:
+        """The members of the current view average their state and the exchange is re-planned
+        over them (see the module docstring)."""
+        await self._cancel_rounds()
+        if self.exchange is not None:
+            await self.exchange.close()
+            self.exchange = None
+        # every member goes on at the newest member's iteration (bsp rounds are keyed by it)
+        self.resyncs, go_on = await self.regroup.average_state(self.resyncs, self.t)
+        self.t = go_on - 1
+        self.gei.see(self.t)
+        self._resync_due = False
+        self._plan(self.ctx.view)
+
+    async def _finish(self, step: int) -> None:
+        """Stop: every member averages its whole state once, so the run ends with one model."""
+        await self._cancel_rounds()
+        self.resyncs, _ = await self.regroup.average_state(self.resyncs, self.t)

@@ -1,0 +1,40 @@
+"""bench/canary.py's pure parts: peak NIC rate, bytes per iteration, the target lines."""
+
+from __future__ import annotations
+
+import math
+
+from bench import canary as b
+
+
+def _node(points, accs=None):
+    """points: (time, {nic: sent bytes}) cumulative."""
+    accs = accs or {}
+    return [{"time": t, "step": i, "nics": {k: {"sent": v} for k, v in nics.items()},
+             **({"accuracy": accs[i]} if i in accs else {})} for i, (t, nics) in enumerate(points)]
+
+
+def test_peak_rate_takes_the_busiest_nic_over_one_second_windows():
+    recs = _node([(0.0, {"l0": 0, "l1": 0}), (0.5, {"l0": 100, "l1": 0}), (1.0, {"l0": 100, "l1": 50}),
+                  (2.0, {"l0": 100, "l1": 1050}), (3.0, {"l0": 2100, "l1": 1050})])
+    assert b.peak_rate(recs) == 2000.0  # l0 between 2.0 s and 3.0 s
+    assert b.peak_rate(recs[:2]) == 0.0  # no window of a second yet
+
+
+def test_analyse_counts_bytes_per_iteration_and_the_median_node():
+    nodes = [_node([(0.0, {"l0": 0}), (1.0, {"l0": 1000}), (2.0, {"l0": 2000})], {2: 0.95}) for _ in range(3)]
+    nodes.append(_node([(0.0, {"l0": 0}), (1.0, {"l0": 1000}), (9.0, {"l0": 2000})], {2: 0.5}))
+    o = b.analyse(b.CONFIGS[1], "2x2", nodes, 0.9, nic_mbps=0.008)  # 1000 bytes/s capacity
+    assert o.to_target == 2.0 and o.iterations == 12 and o.bytes_per_iter == 8000 / 12
+    assert o.peak_util == 1.0 and math.isclose(o.final_acc, (0.95 * 3 + 0.5) / 4)
+
+
+def test_target_lines():
+    bsp = b.Outcome(b.CONFIGS[0], "2x2", 10.0, 0.95, 1e6, 0.9, 100)
+    can = b.Outcome(b.CONFIGS[1], "2x2", 5.0, 0.948, 2e5, 0.3, 300)
+    lines = b.targets([bsp, can])
+    assert "80% below" in lines[0] and lines[0].endswith("PASS")
+    assert "2.00x sooner" in lines[1] and lines[1].endswith("PASS")
+    assert "+0.2 points" in lines[2] and lines[2].endswith("PASS")
+    slow = b.Outcome(b.CONFIGS[1], "2x2", math.inf, 0.90, 9e5, 0.3, 300)
+    assert b.targets([bsp, slow])[0].endswith("FAIL") and "not reached by Canary" in b.targets([bsp, slow])[1]
