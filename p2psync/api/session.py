@@ -318,7 +318,10 @@ class Session:
             "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self._comm, 4),
             "wait_s": round(self._wait, 4), "samples": self.gate.samples,
             "samples_per_s": self.gate.samples / now if now > 0 else 0.0,
-            "nics": self.runtime.nic_bytes(), **rep.extra}
+            "nics": self.runtime.nic_bytes(), **rep.extra,
+            # nodes whose non-finite tensor pieces this node rejected (they are excluded)
+            **({"offences": {str(n): c for n, c in sorted(self.runtime.transport.offences.items())}}
+               if self.runtime.transport.offences else {})}
 
     def _write(self, rec: dict[str, Any]) -> None:
         """Write a step's record with the values logged since the last one."""

@@ -324,6 +324,8 @@ class Transport(Relaying, ABC):
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
+            if h.kind == "data" and not self._finite(msg, peer_id):
+                return
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
                 return
@@ -333,13 +335,31 @@ class Transport(Relaying, ABC):
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
 
-    def check_finite(self, src: int, arr: np.ndarray, what: str) -> None:
-        """Raise :class:`NonFinitePiece` (and count an offence of ``src``) if the floating-point
-        array ``arr`` that node ``src`` sent holds NaN or infinity; other dtypes pass."""
-        if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
-            self.offence(src, "non_finite", f"{what}: NaN or infinity in a piece")
-            raise NonFinitePiece(f"node {self.node_id}: {what} from node {src} holds non-finite values "
-                                 "(rejected; the node is reported for exclusion)", peer=src)
+    def _finite(self, msg: Message, sender: int) -> bool:
+        """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
+        here, for every consumer: counted as an offence of the neighbour that sent it (tensors
+        only ever cross one link, so that is where the value came from), and a consumer already
+        waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
+        for a in msg.arrays:
+            if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
+                exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)
+                if exc is not None:
+                    self.mailbox.abort(exc, match=lambda t: t == msg.tag)
+                return False
+        return True
+
+    def check_finite(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
+        """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
+        an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
+        finite values and other dtypes pass (None)."""
+        if arr.dtype.kind != "f" or not arr.size or np.isfinite(arr).all():
+            return None
+        self.offence(src, "non_finite", f"{what}: NaN or infinity in a tensor piece")
+        exc = NonFinitePiece(f"node {self.node_id}: {what} from node {src} holds non-finite values "
+                             "(rejected; the node is reported for exclusion)", peer=src)
+        if raise_:
+            raise exc
+        return exc
 
     def offence(self, peer: int, reason: str, detail: str) -> None:
         """Node ``peer`` sent a value this node rejected (counted, logged once, reported)."""

@@ -149,6 +149,21 @@ def _parse(doc: Any, path: Path, topo: Topology, node: int) -> NodeKeys:
     return NodeKeys(node=node, public=pub.encode(), secret=sec.encode(), relay=relay)
 
 
+def node_keys(directory: str | None, topo: Topology, node: int, *, topo_path: str) -> NodeKeys | None:
+    """Node ``node``'s keys for a run: required (and checked) when the topology lists public
+    keys, refused when it does not; None for an unkeyed cluster, which is said once."""
+    if topo.keyed:
+        if not directory:
+            raise ConfigError(f"{topo_path} lists public keys (a keyed cluster): give --keys DIR with the "
+                              f"nodes' key files (or set {ENV_KEYS})")
+        return load_node_keys(directory, topo, node)
+    if directory:
+        raise ConfigError(f"--keys {directory}: {topo_path} lists no public keys; write them with "
+                          f"'p2psync keys gen {topo_path} --dir {directory}'")
+    warn_unauthenticated(topo_path)
+    return None
+
+
 _warned_unauthenticated = False
 
 
@@ -161,5 +176,5 @@ def warn_unauthenticated(topo_path: str) -> None:
               "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
 
 
-__all__ = ["ENV_KEYS", "NodeKeys", "generate", "key_file", "load_node_keys", "warn_unauthenticated",
+__all__ = ["ENV_KEYS", "NodeKeys", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
            "with_public_keys", "write_key_dir"]
