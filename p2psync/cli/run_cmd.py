@@ -129,8 +129,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
     p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints, up to "
-                        "--steps/--epochs/--time of the whole run")
+                   help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
+                        "topology and options; --steps/--epochs count the whole run, --time this part)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
