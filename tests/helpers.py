@@ -97,6 +97,29 @@ async def close_strategies(strats) -> None:
         s.ctx.replica.close()
 
 
+def in_threads(fn: Any, ids: Any, timeout: float) -> dict[int, Any]:
+    """``fn(i)`` for every id on a thread of its own (nodes of one run in one process); each
+    node's result, or the exception it raised, by id (joined within ``timeout`` in all)."""
+    import threading
+    import time
+
+    out: dict[int, Any] = {}
+
+    def node(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except BaseException as exc:  # the test decides
+            out[i] = exc
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return out
+
+
 async def until(pred, timeout: float, what: str) -> None:
     """Wait (bounded) until ``pred()`` holds; polls the condition, fails naming ``what``."""
     import asyncio

@@ -52,8 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.errors import (NonFinitePiece, P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError,
-                            TransportError)
+from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox

@@ -3,7 +3,6 @@ process (each with its own training thread and node runtime), SSGD on CPU."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from p2psync.topology import load as load_topology
 from p2psync.topology import mesh, save
 from p2psync.training.config import RunConfig
 from p2psync.training.node import build_trainer
-from tests.helpers import free_port
+from tests.helpers import free_port, in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,19 +25,7 @@ def _run(tmp_path: Path, topo: Path, run_id: str, steps: int, **opts: Any) -> di
                     device="cpu", threads=1, start_timeout=30, peer_timeout=15, eval_every=1000, **opts)
     t = load_topology(topo)
     trainers = {i: build_trainer(cfg, t, i) for i in t.ids}  # in turn: torch's generator is global
-    out: dict[int, Any] = {}
-
-    def node(i: int) -> None:
-        try:
-            out[i] = run_builtin(cfg, i, trainers[i])
-        except BaseException as exc:  # reported below
-            out[i] = exc
-
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in t.ids]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(100)
+    out = in_threads(lambda i: run_builtin(cfg, i, trainers[i]), t.ids, 100)
     for i in t.ids:
         if not isinstance(out.get(i), dict):
             raise AssertionError(f"node {i}: {out.get(i)!r}")

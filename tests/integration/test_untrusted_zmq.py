@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from p2psync.api.session import Session
 from p2psync.errors import PeerFailure, ProtocolError
 from p2psync.topology import mesh, save
 from p2psync.training.config import RunConfig
-from tests.helpers import free_port
+from tests.helpers import free_port, in_threads
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -63,34 +61,25 @@ def test_a_node_sending_nan_gradients_is_excluded_and_the_others_stay_finite(tmp
     g = torch.Generator().manual_seed(1)
     batches = {i: [(torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g))
                    for _ in range(STEPS)] for i in range(3)}
-    out: dict[int, Any] = {}
-
-    def node(i: int) -> None:
+    def node(i: int) -> np.ndarray:
         model = models[i]
-        try:
-            with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="nan", steps=STEPS, start_timeout=30,
-                         peer_timeout=15) as s:
-                opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
-                k = 0
-                while not s.should_stop:
-                    opt.zero_grad()
-                    x, y = batches[i][k % STEPS]
-                    nn.functional.cross_entropy(model(x), y).backward()
-                    if i == 2 and k >= POISON_FROM:
-                        for p in model.parameters():
-                            assert p.grad is not None
-                            p.grad.fill_(float("nan"))
-                    opt.step()
-                    k += 1
-            out[i] = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
-        except BaseException as exc:  # node 2 ends with its exclusion
-            out[i] = exc
+        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="nan", steps=STEPS, start_timeout=30,
+                     peer_timeout=15) as s:
+            opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            k = 0
+            while not s.should_stop:
+                opt.zero_grad()
+                x, y = batches[i][k % STEPS]
+                nn.functional.cross_entropy(model(x), y).backward()
+                if i == 2 and k >= POISON_FROM:
+                    for p in model.parameters():
+                        assert p.grad is not None
+                        p.grad.fill_(float("nan"))
+                opt.step()  # node 2: raises once it is excluded
+                k += 1
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(80)
+    out = in_threads(node, range(3), 80)
     assert isinstance(out.get(2), PeerFailure), out.get(2)
     for i in (0, 1):
         assert isinstance(out.get(i), np.ndarray), out.get(i)
