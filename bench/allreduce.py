@@ -1,11 +1,15 @@
 """Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
 
-    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3]
+    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--curve-only]
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
 slowest node's mean over ``--reps`` timed operations after one warm-up. Bus bandwidth =
 2(N-1)/N * bytes / time (the traffic each node must move in an optimal allreduce). For
 compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
+
+The CURVE row (issue 16) is the plain p2psync ring again with a keyed cluster: every socket runs
+CurveZMQ (encrypted and authenticated), so its ratio to the plain ring row of the same run is
+the cost of authentication; ``--curve-only`` measures just those two rows.
 """
 
 from __future__ import annotations
@@ -38,16 +42,20 @@ def _topology(algo: str, n: int, port: int):
 
 
 def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: int, reps: int,
-                   q: Any, piece_kib: int = 1024, sockbuf: int = 0) -> None:
+                   q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None) -> None:
     import uvloop
 
     from p2psync.collectives import Collectives
     from p2psync.transport import SocketOptions, ZmqEndpoint
+    from p2psync.transport.keys import with_public_keys
 
     async def run() -> None:
         topo = _topology(algo, n, port)
+        if keys is not None:  # a keyed cluster: CurveZMQ on every socket
+            topo = with_public_keys(topo, keys)
         ep = ZmqEndpoint(topology=topo, node_id=rank, default_timeout=120,
-                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf))
+                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf),
+                         keys=keys[rank] if keys is not None else None)
         await ep.start()
         coll = Collectives(ep, timeout=120, codec=codec, algo=algo, piece_bytes=piece_kib << 10)
         x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
@@ -82,7 +90,7 @@ def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any) -> 
 
 
 def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: str = "none",
-            piece_kib: int = 1024, sockbuf: int = 0) -> float:
+            piece_kib: int = 1024, sockbuf: int = 0, curve: bool = False) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     elems = int(mb * 1e6 / 4)
@@ -90,8 +98,13 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     if kind == "gloo":
         procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
     else:
+        keys = None
+        if curve:
+            from p2psync.transport.keys import generate
+
+            keys = generate(_topology(algo, n, port))
         procs = [ctx.Process(target=p2psync_worker,
-                             args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf))
+                             args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf, keys))
                  for r in range(n)]
     for p in procs:
         p.start()
@@ -106,25 +119,39 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mb", type=float, nargs="+", default=[4, 100])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--curve-only", action="store_true",
+                    help="only the plain p2psync ring and the same ring with CURVE on every socket")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    configs = [("gloo", "ring", "none"), ("p2psync", "ring", "none"), ("p2psync", "mesh", "none"),
-               ("p2psync", "bcube", "none"), ("p2psync", "ring", "sketch8")]
-    rows, plot = [], {}
+    configs = [("gloo", "ring", "none", False), ("p2psync", "ring", "none", False),
+               ("p2psync", "mesh", "none", False), ("p2psync", "bcube", "none", False),
+               ("p2psync", "ring", "sketch8", False), ("p2psync", "ring", "none", True)]
+    if args.curve_only:
+        configs = [c for c in configs if c[0] == "p2psync" and c[1] == "ring" and c[2] == "none"]
+    rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = None
-            for kind, algo, codec in configs:
-                secs = measure(kind, n, mb, args.reps, algo, codec)
+            base = plain = None
+            for kind, algo, codec, curve in configs:
+                secs = measure(kind, n, mb, args.reps, algo, codec, curve=curve)
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
                 label = "gloo" if kind == "gloo" else f"p2psync {algo}" + (f" + {codec}" if codec != "none" else "")
-                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base])
+                label += " + CURVE" if curve else ""
+                if kind == "p2psync" and algo == "ring" and codec == "none":
+                    if curve and plain:
+                        curve_rows.append([n, f"{mb:g} MB", plain, busbw, busbw / plain])
+                    elif not curve:
+                        plain = busbw
+                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))
                 print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
     print("\n## Allreduce bus bandwidth (loopback, 2 cores)\n")
     print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo"], rows))
+    if curve_rows:
+        print("\n## CURVE on every socket vs off (p2psync ring, same run; target >= 0.7x)\n")
+        print(markdown_table(["nodes", "size", "off: bus GB/s", "CURVE: bus GB/s", "× off"], curve_rows))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

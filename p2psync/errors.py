@@ -51,6 +51,18 @@ class PeerUnreachable(PeerFailure, TransportError):
     """A send could not reach its peer within the timeout."""
 
 
+class NonFinitePiece(PeerFailure, ProtocolError):
+    """A peer sent a tensor piece with NaN or infinity: remote bad input (a ProtocolError,
+    reason ``non_finite``) attributed to that peer (a PeerFailure naming it: synchronous
+    strategies wait for the view that excludes it and redo the step without it)."""
+
+    def __init__(self, message: str, *, peer: int) -> None:
+        self.peers = (peer,)
+        self.reason = "non_finite"
+        self.detail = message
+        Exception.__init__(self, message)
+
+
 class RemoteError(P2PSyncError):
     """An RPC handler on another node raised; carries its error type name and message."""
 

@@ -17,11 +17,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def keyed(topo: Topology) -> tuple[Topology, dict[int, Any]]:
+    """``topo`` with fresh public keys on every node, and every node's keys (a keyed cluster)."""
+    from p2psync.transport.keys import generate, with_public_keys
+
+    keys = generate(topo)
+    return with_public_keys(topo, keys), keys
+
+
 @contextlib.asynccontextmanager
-async def zmq_cluster(topo: Topology, *, timeout: float = 10.0,
+async def zmq_cluster(topo: Topology, *, timeout: float = 10.0, keys: dict[int, Any] | None = None,
                       **options: Any) -> AsyncIterator[dict[int, ZmqEndpoint]]:
-    """Started endpoints for every node (``options``: ZmqEndpoint/Transport keywords)."""
-    eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout, **options) for i in topo.ids}
+    """Started endpoints for every node (``options``: ZmqEndpoint/Transport keywords; ``keys``:
+    every node's keys, from :func:`keyed`)."""
+    eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout,
+                          keys=keys[i] if keys is not None else None, **options) for i in topo.ids}
     try:
         for e in eps.values():
             await e.start()
@@ -85,6 +95,29 @@ async def close_strategies(strats) -> None:
         await s.close()
         await s.ctx.rpc_server.close()
         s.ctx.replica.close()
+
+
+def in_threads(fn: Any, ids: Any, timeout: float) -> dict[int, Any]:
+    """``fn(i)`` for every id on a thread of its own (nodes of one run in one process); each
+    node's result, or the exception it raised, by id (joined within ``timeout`` in all)."""
+    import threading
+    import time
+
+    out: dict[int, Any] = {}
+
+    def node(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except BaseException as exc:  # the test decides
+            out[i] = exc
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return out
 
 
 async def until(pred, timeout: float, what: str) -> None:

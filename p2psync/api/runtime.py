@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,11 +32,13 @@ import numpy as np
 from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
-from p2psync.errors import P2PSyncError
+from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.transport import ZmqEndpoint
+from p2psync.transport.keys import node_keys
+from p2psync.wire.schema import valid_run_id
 from p2psync.transport.shaping import load_wan_profile, make_shaper
 
 log = logging.getLogger("p2psync.node")
@@ -67,7 +70,18 @@ def wire_run_id(topo: Topology, run_id: str | None) -> int:
 
 
 def default_run_id(topo: Topology, strategy: str) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{topo.name}-{strategy}"
+    """``<time>-<topology name>-<strategy>``, the name reduced to the run id's safe characters."""
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "-", topo.name).strip(".-") or "topology"
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{strategy}"[:128]
+
+
+def checked_run_id(value: Any, coordinator: int) -> str:
+    """The run id the coordinator's registration reply names: it becomes a folder name, so
+    it must be a plain one (``valid_run_id``); anything else is remote bad input."""
+    if not valid_run_id(value):
+        raise ProtocolError("run_id", f"coordinator {coordinator} named the run {str(value)[:140]!r}: not a "
+                            "plain folder name (1-128 characters of A-Z a-z 0-9 _ . + -, no '/', no '..')")
+    return str(value)
 
 
 def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
@@ -95,7 +109,8 @@ class NodeRuntime:
         self.strategy_cls = get_strategy(cfg.strategy)
         if cfg.wan:
             load_wan_profile(cfg.wan, topo)  # validate before starting anything
-        self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout)
+        keys = node_keys(cfg.keys, topo, node_id, topo_path=cfg.topology)
+        self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout, keys=keys)
         self.transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
                                              nic_mbps=cfg.nic_mbps)
         self.transport.run_id = wire_run_id(topo, cfg.run_id)
@@ -139,7 +154,7 @@ class NodeRuntime:
         if running is None and self.node_id == self.topo.coordinator:
             self.host.host()
         self.info = await self.membership.register(self.cfg.fingerprint(), timeout=self.cfg.start_timeout + 5)
-        self.run_id = self.cfg.run_id or str(self.info["run_id"])
+        self.run_id = self.cfg.run_id or checked_run_id(self.info.get("run_id"), self.membership.coordinator)
         self.host.run_info["run_id"] = self.run_id  # a node that takes over answers with the run's id
         self.run_dir = Path(self.cfg.out) / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +189,7 @@ class NodeRuntime:
         """The finish barrier (``depart``: this node leaves the view, the others re-form
         without it); the node coordinating then writes ``summary.json``."""
         stats["rejected"] = dict(self.transport.rejected)
+        stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
         await self.membership.finish(stats, timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
         if relays_for_others(self.topo, self.node_id, self.membership.coordinator):
             # the coordinator's finish replies to nodes behind this one pass through it
@@ -185,6 +201,7 @@ class NodeRuntime:
             summary = summarize(self.run_id, self.topo, self.cfg, service.state.finished,
                                 sorted(service.state.failed))
             summary["coordinator"] = self.node_id  # not the topology's when it took over
+            summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     async def close(self) -> None:
@@ -199,4 +216,4 @@ class NodeRuntime:
         await self.transport.close()
 
 
-__all__ = ["DISCOVER_S", "NodeRuntime", "default_run_id", "relays_for_others", "summarize", "wire_run_id"]
+__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "relays_for_others", "summarize", "wire_run_id"]

@@ -44,6 +44,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 import numpy as np
 import torch
 
+from p2psync.api import checkpoint
 from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
@@ -118,6 +119,10 @@ class Session:
         self._resume_step = 0
         self._strategy_state: dict[str, Any] = {}
         self._ended_by_loop = False
+        #: a checkpoint loaded before attach (load_state_dict, or --resume), applied by attach
+        self._loaded: dict[str, Any] | None = None
+        #: name -> (get, set) of script state that checkpoints carry (register_state)
+        self._extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -144,6 +149,16 @@ class Session:
             raise ConfigError(f"node {self.node_id}: attach() was called twice (one model per node)")
         if getattr(optimizer, "_p2psync_session", None) is not None:
             raise ConfigError(f"node {self.node_id}: this optimizer is already attached to a session")
+        if self.cfg.resume is not None and self._loaded is None:  # --resume: this node's checkpoint
+            self.load_state_dict(checkpoint.load(checkpoint.node_checkpoint(self.cfg.resume, self.node_id)))
+        if self._loaded is not None:
+            if self._resume_step + 1 > self.max_steps:
+                raise ConfigError(f"node {self.node_id}: the checkpoint is at step {self._resume_step}, the run's "
+                                  f"budget of {self.max_steps} steps is spent (raise --steps or --epochs)")
+            checkpoint.restore_local(self._loaded, model, optimizer)
+            self._restore_extras(self._loaded.get("extra", {}))
+            samples = self._loaded.get("samples")
+            self.gate.samples = samples if type(samples) is int and samples >= 0 else 0
         flat = FlatModel(model=model, optimizer=optimizer)
         own_step = optimizer.step
         self.replica = HookedReplica(flat=flat, gate=self.gate, step=own_step)
@@ -229,15 +244,37 @@ class Session:
         return self.stats
 
     def state_dict(self) -> dict[str, Any]:
-        """p2psync's own state for the user's checkpoints (the model and optimizer have their
-        own state dicts): the step reached, the run it belongs to and the strategy's state."""
-        return {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
-                "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
-                "node": self.node_id,
-                "strategy_state": self.strategy.state_dict() if self.strategy is not None else {}}
+        """This node's whole state, what ``--checkpoint-every`` writes (see
+        :mod:`p2psync.api.checkpoint`): the step reached, the run it belongs to, the strategy's
+        state, copies of the attached model's and optimizer's state, error feedback residuals,
+        the RNG states and what :meth:`register_state` added. Call it on the training thread
+        (between steps); save it with ``torch.save`` and load it with ``weights_only=True``."""
+        own = {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
+               "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
+               "node": self.node_id,
+               "strategy_state": self.strategy.state_dict() if self.strategy is not None else {}}
+        flat = self.replica.flat if self.replica is not None else None
+        coll = self.runtime.collectives if self.runtime is not None else None
+        return checkpoint.snapshot(p2psync=own, model=flat.model if flat else None,
+                                   optimizer=flat.optimizer if flat else None,
+                                   feedback=(coll.feedback, coll.sparse_feedback) if coll else (None, None),
+                                   extra={name: get() for name, (get, _) in self._extras.items()})
+
+    def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Script state that checkpoints carry under ``extra[name]`` (tensors, numbers, strings,
+        lists, dicts), e.g. the data sampler's position: ``get()`` when one is written,
+        ``set_(value)`` at :meth:`attach` when resuming. Register before :meth:`attach`."""
+        self._extras[name] = (get, set_)
+
+    def _restore_extras(self, extra: Any) -> None:
+        if isinstance(extra, dict):
+            for name, (_, set_) in self._extras.items():
+                if name in extra:
+                    set_(extra[name])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before :meth:`attach`): training resumes at its step."""
+        """Restore :meth:`state_dict` (before :meth:`attach`, which puts the model, optimizer,
+        RNG and registered state back): training resumes at its step."""
         if self.replica is not None:
             raise ConfigError("Session.load_state_dict: call it before attach()")
         step = state.get("step")
@@ -251,6 +288,7 @@ class Session:
         if not isinstance(st, dict):
             raise ConfigError(f"Session.load_state_dict: bad strategy_state {type(st).__name__}")
         self._strategy_state = st
+        self._loaded = state
 
     def __enter__(self) -> "Session":
         return self
@@ -279,8 +317,10 @@ class Session:
             await rt.rendezvous()
             if not (self.replica is not None):
                 raise TrainingError("the session is not started (attach() first)")
+            if self._loaded is not None:
+                checkpoint.restore_feedback(self._loaded, (rt.collectives.feedback, rt.collectives.sparse_feedback))
             if not rt.joined:
-                await self._identical_start(rt)
+                await self._identical_start(rt, resumed=self._loaded is not None)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
@@ -289,8 +329,9 @@ class Session:
             await rt.close()
             raise
 
-    async def _identical_start(self, rt: NodeRuntime) -> None:
-        """Same parameter count everywhere, then the coordinator's initial parameters."""
+    async def _identical_start(self, rt: NodeRuntime, *, resumed: bool = False) -> None:
+        """Same parameter count everywhere, then the coordinator's initial parameters (not when
+        resuming: every node continues from its own checkpoint)."""
         if not (self.replica is not None):
             raise TrainingError("the session is not started (attach() first)")
         c = rt.collectives
@@ -300,6 +341,8 @@ class Session:
             detail = ", ".join(f"node {n}: {int(x[0])}" for n, x in zip(sorted(members), counts))
             raise ConfigError(f"node {self.node_id}: the attached models differ in their number of "
                               f"trainable parameters ({detail}); every node must train the same model")
+        if resumed:
+            return
         root = min(members)
         params = await self.replica.get_params()
         params = await c.broadcast(params, root, members, tag="attach.params")
@@ -318,7 +361,10 @@ class Session:
             "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self._comm, 4),
             "wait_s": round(self._wait, 4), "samples": self.gate.samples,
             "samples_per_s": self.gate.samples / now if now > 0 else 0.0,
-            "nics": self.runtime.nic_bytes(), **rep.extra}
+            "nics": self.runtime.nic_bytes(), **rep.extra,
+            # nodes whose non-finite tensor pieces this node rejected (they are excluded)
+            **({"offences": {str(n): c for n, c in sorted(self.runtime.transport.offences.items())}}
+               if self.runtime.transport.offences else {})}
 
     def _write(self, rec: dict[str, Any]) -> None:
         """Write a step's record with the values logged since the last one."""
@@ -350,6 +396,10 @@ class Session:
                 self.step = self.step + 1 if rep.next_step is None else rep.next_step
                 self._comm += rep.comm_s
                 self._wait += rep.wait_s
+                every = self.cfg.checkpoint_every
+                if every and self.step % every == 0:  # the training thread is parked: a consistent state
+                    path = checkpoint.node_checkpoint(rt.run_dir, self.node_id)
+                    await gate.run(lambda: checkpoint.save_atomic(path, self.state_dict()))
                 rec = self._record(rep)
                 if rep.stop:  # written at close, with the final evaluation the loop logs
                     self._last_record = rec

@@ -6,7 +6,8 @@ Why: there is one training path (DESIGN). The job builds its model, optimizer an
 ``--epochs``), evaluating every ``--eval-every`` strategy steps (and every ``--eval-seconds``).
 The emulated device time (``--slowdown``, ``--step-time``) runs after backward and ends early
 when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
-``optimizer.step()``, which the strategy skips.
+``optimizer.step()``, which the strategy skips. Checkpoints (``--checkpoint-every``) also carry
+the job's data position and step-time generator, so ``--resume`` continues exactly.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from p2psync.errors import Aborted
 from p2psync.topology import load
 from p2psync.training.config import RunConfig
 from p2psync.training.node import build_trainer
+from p2psync.training.trainer import Trainer
 
 
-def run_builtin(cfg: RunConfig, node_id: int) -> dict[str, Any]:
-    """Train node ``node_id`` to the end of the run; returns its final stats."""
+def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) -> dict[str, Any]:
+    """Train node ``node_id`` to the end of the run; returns its final stats. ``trainer``: one
+    built already (:func:`~p2psync.training.node.build_trainer`; tests build them in turn)."""
     topo = load(cfg.topology)
-    trainer = build_trainer(cfg, topo, node_id)
+    trainer = trainer if trainer is not None else build_trainer(cfg, topo, node_id)
     try:
         session = Session(config=cfg, node=node_id, topo=topo,
                           max_steps=cfg.max_steps(len(trainer.data.y_train), topo.size))
+        register_trainer_state(session, trainer)
         with session:
             opt = session.attach(trainer.model, trainer.optimizer)
             trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
@@ -50,4 +54,24 @@ def run_builtin(cfg: RunConfig, node_id: int) -> dict[str, Any]:
         trainer.close()
 
 
-__all__ = ["run_builtin"]
+def register_trainer_state(session: Session, trainer: Trainer) -> None:
+    """Checkpoints of the built-in job carry its data position (completed iterations: the
+    sampler's batches are a function of it) and the emulated device's step-time generator."""
+
+    def set_sampler(v: Any) -> None:
+        if isinstance(v, dict) and type(v.get("batches_done")) is int and v["batches_done"] >= 0:
+            trainer.batches_done = v["batches_done"]
+
+    def set_jitter(v: Any) -> None:
+        if isinstance(v, dict) and isinstance(v.get("internal"), list):
+            trainer._jitter.setstate((v["version"], tuple(v["internal"]), v["gauss_next"]))
+
+    def get_jitter() -> dict[str, Any]:
+        version, internal, gauss_next = trainer._jitter.getstate()
+        return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+
+    session.register_state("sampler", lambda: {"batches_done": trainer.batches_done}, set_sampler)
+    session.register_state("jitter", get_jitter, set_jitter)
+
+
+__all__ = ["register_trainer_state", "run_builtin"]

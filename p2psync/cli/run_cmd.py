@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Sequence
 
 from p2psync.collectives.plan import ALGOS
@@ -19,6 +20,7 @@ from p2psync.training.config import RunConfig
 from p2psync.training.data import DATASETS
 from p2psync.training.models import MODELS
 from p2psync.training.partition import SCHEMES
+from p2psync.transport.keys import ENV_KEYS
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -124,6 +126,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a node fails: ssgd/esync re-form over the survivors at the next step "
                         "(continue) or stop the run naming it (stop); asgd always continues. With "
                         "continue, a node restarted with the same --node and --run-id rejoins")
+    p.add_argument("--keys", default=os.environ.get(ENV_KEYS) or None, metavar="DIR",
+                   help=f"folder of this host's node key files ('p2psync keys gen'; default ${ENV_KEYS}): "
+                        "needed when the topology lists public keys; every connection then runs CurveZMQ")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="write every node's state (parameters, optimizer, strategy, step, data position, "
+                        "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
+                        "topology and options; --steps/--epochs count the whole run, --time this part)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
@@ -148,6 +159,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if args.strategy != "esync":
             raise ConfigError("--esync-mode needs --strategy esync")
         opts.append(("mode", args.esync_mode))
+    out, run_id = args.out, args.run_id
+    if args.resume is not None:  # the run folder names both
+        folder = Path(args.resume)
+        if not folder.is_dir():
+            raise ConfigError(f"--resume {args.resume}: no such run folder")
+        if run_id is not None and run_id != folder.name:
+            raise ConfigError(f"--resume {args.resume} continues run {folder.name!r}, not --run-id {run_id!r}")
+        out, run_id = str(folder.parent), folder.name
     epochs = args.epochs
     # the built-in job needs a budget; a script's own loop decides when it is done
     if args.steps is None and epochs is None and args.time_limit is None and args.cmd is None:
@@ -159,14 +178,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         dirichlet_alpha=args.dirichlet_alpha, shards_per_node=args.shards_per_node,
         optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
-        eval_seconds=args.eval_seconds, out=args.out,
-        run_id=args.run_id, device=args.device, threads=args.threads,
+        eval_seconds=args.eval_seconds, out=out,
+        run_id=run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
         wan=args.wan, nic_mbps=args.nic_mbps, hidden=args.hidden, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
-        progress=not args.no_progress, on_failure=args.on_failure)
+        progress=not args.no_progress, on_failure=args.on_failure,
+        keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
+        resume=str(Path(args.resume).absolute()) if args.resume else None)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early
@@ -178,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     topo = load(cfg.topology)  # validate before starting anything
+    check_keys(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)
     if args.node is None:
@@ -187,6 +209,15 @@ def run(args: argparse.Namespace) -> int:
     if args.node not in topo.ids:
         raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
+
+
+def check_keys(cfg: RunConfig, topo: Topology, node: int | None) -> None:
+    """Keys given exactly when the topology lists them (each node's file checked before any
+    process starts); a run without keys says once that nobody is authenticated."""
+    from p2psync.transport.keys import node_keys
+
+    for i in ([node] if node is not None and node in topo.ids else topo.ids):
+        node_keys(cfg.keys, topo, i, topo_path=cfg.topology)
 
 
 def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[str]) -> int:

@@ -164,7 +164,10 @@ class CoordinatorHost:
 
     def _dispatcher(self, method: str) -> Handler:
         async def dispatch(caller: int, args: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> Any:
-            if self.service is None and method != "membership.register" and self.membership.view is not None:
+            view = self.membership.view
+            # only a member of this node's view may bring it in (not a node excluded or failed)
+            if self.service is None and method != "membership.register" and view is not None \
+                    and caller in view.members:
                 theirs = _ids(args.get("deposed"))
                 if theirs and self.membership.take_over(theirs):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",

@@ -85,6 +85,8 @@ class MembershipState:
     joined_epoch: dict[int, int] = field(default_factory=dict)
     #: nodes that finished and left the view gracefully
     departed: set[int] = field(default_factory=set)
+    #: nodes excluded for what they sent (node -> why), also in ``failed``
+    excluded: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -331,15 +333,33 @@ class MembershipService:
             # move past it so every member takes ours
             self.state.epoch = epoch + 1
         failed = args.get("failed")
+        seen = epoch if type(epoch) is int else -1  # a report without an epoch: oldest
         if self.rebuilt and isinstance(failed, list) and all(type(n) is int for n in failed):
-            seen = epoch if type(epoch) is int else -1  # a report without an epoch: oldest
             self._failed(self.state.declare_failed(failed, seen_epoch=seen), f"reported failed by node {caller}")
+        await self._offenders(caller, args.get("offenders"), seen)
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
         if isinstance(srtt, float) and isinstance(rttvar, float):
             self.state.heartbeat(caller, time.monotonic(), srtt=srtt, rttvar=rttvar)
         else:
             self.state.heartbeat(caller, time.monotonic())
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
+
+    async def _offenders(self, caller: int, offenders: Any, seen: int) -> None:
+        """Exclude the nodes a member reports for sending non-finite tensor values (first
+        offence). Tensors only cross direct links, so only a neighbour of a node can have
+        received one from it: reports from anyone else are ignored. The excluded node is told
+        (the view without it) before it is cut off, so it stops instead of waiting for peers."""
+        if not isinstance(offenders, list) or not all(type(n) is int for n in offenders) \
+                or caller not in self.state.alive_nodes:
+            return
+        near = [n for n in offenders if n != caller and n in self.transport.topology.ids
+                and caller in self.transport.topology.neighbors(n)]
+        new = self.state.declare_failed(near, seen_epoch=seen)
+        why = f"sent non-finite tensor values (reported by node {caller})"
+        for n in new:
+            self.state.excluded[n] = why
+            await self._tell(n, self.state.view())
+        self._failed(new, f"excluded: {why}")
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True):

@@ -83,6 +83,9 @@ class MembershipClient:
         self.info: dict[str, Any] = {}
         #: the view of a running run that :meth:`discover` found (this node joins it), or None
         self.discovered: View | None = None
+        #: members this node reports for exclusion (they sent it non-finite tensor values)
+        self.offenders: set[int] = set()
+        transport.offence_listeners.append(self._offence)
 
     @property
     def coordinator(self) -> int:
@@ -186,6 +189,21 @@ class MembershipClient:
             for cb in list(self.listeners):
                 cb(p)
 
+    def _offence(self, peer: int, reason: str) -> None:
+        """A member sent this node a value it rejected (transport): report it to the coordinator
+        at once and in every heartbeat until a view drops it; an offending coordinator is
+        deposed like a silent one (the next one excludes it)."""
+        view = self.view
+        if peer == self.transport.node_id or peer in self.offenders or (view is not None and peer not in view.members):
+            return
+        self.offenders.add(peer)
+        log.warning("node %d: node %d sent %s values: reporting it to coordinator %d for exclusion",
+                    self.transport.node_id, peer, reason, self.coordinator)
+        if peer == self.coordinator:
+            self._suspect(peer, f"it sent {reason} values")
+        elif self._tasks:
+            self._send_beat()
+
     def _depart(self, peers: Sequence[int]) -> None:
         """``peers`` finished and left the run (graceful, not failures): the listeners drop
         them from the training groups, as for a failure, but nothing is declared dead."""
@@ -233,6 +251,7 @@ class MembershipClient:
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
             self.succession.deposed.discard(n)
+        self.offenders &= set(view.members)  # reported until excluded
         departed = set(view.departed)
         self._depart([n for n in change.left if n in departed])
         self._declare([n for n in change.left if n not in departed])
@@ -293,6 +312,8 @@ class MembershipClient:
             args["deposed"] = sorted(self.succession.deposed)
         if self.failed:
             args["failed"] = sorted(self.failed)
+        if self.offenders:
+            args["offenders"] = sorted(self.offenders)
         return args
 
     async def _beat(self) -> None:

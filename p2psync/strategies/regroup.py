@@ -164,8 +164,9 @@ class Regroup:
                 self._reformed(failed_at)
                 return out
             except (PeerFailure, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch":
-                    raise
+                if isinstance(exc, ProtocolError) and not isinstance(exc, PeerFailure) \
+                        and exc.reason != "collective_mismatch":
+                    raise  # (a NonFinitePiece is both: its sender is being excluded, wait for that view)
                 # collective_mismatch: a member runs this epoch's operation over another group.
                 # Two coordinators can publish views with the same epoch around a takeover (the
                 # new one moves past the old one's epoch once a member reports it), so the

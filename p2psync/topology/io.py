@@ -7,10 +7,14 @@ File format (version 1)::
      "networks": [{"name": "ring-0-1", "level": null}, ...],
      "nodes": [{"id": 0, "host": "localhost",
                 "nics": [{"name": "eth0", "address": "127.0.1.1", "port": 29500,
-                          "network": "ring-0-1"}, ...]}, ...],
+                          "network": "ring-0-1"}, ...],
+                "curve_public": "<40 Z85 characters>"}, ...],
      "default_link": {"latency_ms": 0, "jitter_ms": 0, "bandwidth_mbps": null, "loss": 0},
      "links": [{"a": 0, "b": 1, "latency_ms": 50.0, ...}],
      "metadata": {}}
+
+``curve_public`` (optional, all nodes or none): the node's CurveZMQ public key, written by
+``p2psync keys gen``; a topology with keys is a keyed cluster (see :mod:`p2psync.transport.keys`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,6 +33,8 @@ FORMAT_VERSION = 1
 _TOP_KEYS = {"version", "name", "kind", "params", "coordinator", "networks", "nodes", "links",
              "default_link", "metadata"}
 _LINK_KEYS = {"latency_ms", "jitter_ms", "bandwidth_mbps", "loss"}
+#: a CurveZMQ key in Z85: 40 characters of the Z85 alphabet
+_Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
 
 def _req(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...], path: str) -> Any:
@@ -89,6 +96,21 @@ def _nic(obj: Any, path: str, networks: set[str]) -> Nic:
     return Nic(name=name, address=address, port=port, network=network)
 
 
+def _check_keys(nodes: list[Node]) -> None:
+    """Public keys: on every node or on none, and no key twice."""
+    keyed = [i for i, n in enumerate(nodes) if n.curve_public is not None]
+    if keyed and len(keyed) != len(nodes):
+        missing = next(i for i, n in enumerate(nodes) if n.curve_public is None)
+        raise ConfigError("missing: every node of a keyed cluster needs a public key "
+                          "(p2psync keys gen)", field=f"nodes[{missing}].curve_public")
+    seen: dict[str, int] = {}
+    for i in keyed:
+        key = nodes[i].curve_public or ""
+        if key in seen:
+            raise ConfigError(f"duplicate of nodes[{seen[key]}].curve_public", field=f"nodes[{i}].curve_public")
+        seen[key] = i
+
+
 def topology_from_dict(doc: Any) -> Topology:
     """Validate a parsed JSON document and build a :class:`Topology`."""
     _typed(doc, dict, "<root>")
@@ -126,7 +148,7 @@ def topology_from_dict(doc: Any) -> Topology:
     for i, n in enumerate(nodes_raw):
         p = f"nodes[{i}]"
         _typed(n, dict, p)
-        _no_extra(n, {"id", "host", "nics"}, p)
+        _no_extra(n, {"id", "host", "nics", "curve_public"}, p)
         nid = _req(n, "id", int, p)
         if nid < 0 or nid > (1 << 20) - 1:
             raise ConfigError("must be in 0..1048575", field=f"{p}.id")
@@ -151,8 +173,13 @@ def topology_from_dict(doc: Any) -> Topology:
                                   field=f"{p}.nics[{j}].port")
             endpoints[key] = f"{p}.nics[{j}]"
             nics.append(nic)
-        nodes.append(Node(id=nid, host=host, nics=tuple(nics)))
+        key = n.get("curve_public")
+        if key is not None and (not isinstance(key, str) or not _Z85_KEY.match(key)):
+            raise ConfigError("must be a CurveZMQ public key: 40 Z85 characters (p2psync keys gen)",
+                              field=f"{p}.curve_public")
+        nodes.append(Node(id=nid, host=host, nics=tuple(nics), curve_public=key))
 
+    _check_keys(nodes)
     coordinator = doc.get("coordinator", min(ids))
     _typed(coordinator, int, "coordinator")
     if coordinator not in ids:
@@ -205,7 +232,8 @@ def topology_to_dict(topo: Topology) -> dict[str, Any]:
         "nodes": [
             {"id": n.id, "host": n.host,
              "nics": [{"name": c.name, "address": c.address, "port": c.port, "network": c.network}
-                      for c in n.nics]}
+                      for c in n.nics],
+             **({"curve_public": n.curve_public} if n.curve_public is not None else {})}
             for n in topo.nodes
         ],
         "default_link": link_dict(topo.default_link),

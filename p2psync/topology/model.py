@@ -29,6 +29,9 @@ class Node:
     id: int
     nics: tuple[Nic, ...]
     host: str = "localhost"
+    #: the node's CurveZMQ public key (Z85, 40 characters) in a keyed cluster, else None
+    #: (``p2psync keys gen`` writes them; the secret keys never appear in a topology)
+    curve_public: str | None = None
 
     def nic(self, name: str) -> Nic:
         for n in self.nics:
@@ -86,6 +89,16 @@ class Topology:
     @property
     def size(self) -> int:
         return len(self.nodes)
+
+    @property
+    def keyed(self) -> bool:
+        """Every node has a CurveZMQ public key: the cluster authenticates its peers."""
+        return all(n.curve_public is not None for n in self.nodes)
+
+    @cached_property
+    def node_by_key(self) -> dict[str, int]:
+        """Z85 public key -> node id (empty for a cluster without keys)."""
+        return {n.curve_public: n.id for n in self.nodes if n.curve_public is not None}
 
     def node(self, node_id: int) -> Node:
         try:

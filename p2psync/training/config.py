@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from p2psync.errors import ConfigError
+from p2psync.wire.schema import valid_run_id
 
 #: fields that only concern the local process; every other field must agree across nodes
-LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress"})
+LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume"})
 UNBOUNDED_STEPS = 1 << 62
 
 
@@ -66,6 +67,12 @@ class RunConfig:
     progress: bool = False
     #: a peer fails: synchronous strategies re-form over the survivors (continue) or stop
     on_failure: str = "continue"
+    #: folder of this host's key files (a keyed cluster: the topology lists public keys)
+    keys: str | None = None
+    #: write every node's state every N steps into its run folder (None: never)
+    checkpoint_every: int | None = None
+    #: the run folder (``<out>/<run_id>``) whose checkpoints this run continues
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -75,7 +82,7 @@ class RunConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
 
-        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds", "nic_mbps"):
+        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds", "checkpoint_every", "nic_mbps"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
                      "failure_timeout", "phi_threshold", "dirichlet_alpha", "synthetic_size", "shards_per_node",
@@ -101,8 +108,11 @@ class RunConfig:
             raise ConfigError("--nic-mbps needs --shaper inproc")
         if self.on_failure not in ("continue", "stop"):
             raise ConfigError(f"--on-failure {self.on_failure!r}: choose continue or stop")
-        if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
-            raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name")
+        if self.run_id is not None and not valid_run_id(self.run_id):
+            raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name (1-128 characters "
+                              "of A-Z a-z 0-9 _ . + -, not starting with a dot, no '..')")
+        if self.checkpoint_every is not None and isinstance(self.checkpoint_every, float):
+            raise ConfigError(f"--checkpoint-every must be a whole number of steps, got {self.checkpoint_every!r}")
 
     def agreed(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in LOCAL_FIELDS and k != "topology"}

@@ -29,6 +29,15 @@ the socket; control sends take none, skip the shaper's bulk queue and go out on 
 control channel (see :mod:`p2psync.transport.zmq_endpoint`). The mailbox has byte budgets per
 peer, a control cap, a TTL and retired tags (:mod:`p2psync.transport.mailbox`); what it drops
 is counted by reason in :attr:`Transport.rejected` like every other rejected message.
+
+Keyed clusters (issue 16): with ``relay_keys`` (this node's key shared with each other node,
+:mod:`p2psync.transport.keys`) a control message this node relays for itself carries its
+digest (:mod:`p2psync.transport.relay_auth`); a relayed message without one is dropped at the
+first hop and one whose digest does not verify at its destination (``relay_auth``), and only a
+verified one is proof of life of its origin. Untrusted values: :meth:`Transport.check_finite`
+rejects a tensor piece holding NaN or infinity, counts it against the node that sent it
+(:attr:`Transport.offences`) and tells :attr:`Transport.offence_listeners` (the membership
+client reports the offender to the coordinator, which excludes it).
 """
 
 from __future__ import annotations
@@ -39,15 +48,17 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+import numpy as np
+
+from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
+from p2psync.transport.relay import Relaying
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import (DEFAULT_LIMITS, MAX_HOPS, RELAY_KINDS, Message, WireLimits, decode,
-                          encode)
+from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode
 from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
@@ -73,12 +84,19 @@ def _frame_len(f: Any) -> int:
     return f.nbytes if isinstance(f, memoryview) else len(f)
 
 
-class Transport(ABC):
+class Transport(Relaying, ABC):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
                  mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
-                 max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+                 max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES,
+                 relay_keys: Mapping[int, bytes] | None = None) -> None:
         self.topology = topology
+        #: keyed cluster: the key this node shares with each other node (relayed messages)
+        self.relay_keys = dict(relay_keys) if relay_keys is not None else None
+        #: node -> tensor pieces with non-finite values it sent (rejected)
+        self.offences: Counter[int] = Counter()
+        #: called with (node, reason) for every offence (the membership client reports it)
+        self.offence_listeners: list[Callable[[int, str], None]] = []
         self.node_id = node_id
         self.node = topology.node(node_id)
         self.limits = limits
@@ -141,66 +159,6 @@ class Transport(ABC):
                 return r
         raise TransportError(f"node {self.node_id} cannot reach node {peer} over NIC {nic!r}")
 
-    def mark_dead(self, peer: int) -> None:
-        """``peer`` failed: sends to it fail at once (also those already retrying), and control
-        traffic is routed around it (routes are recomputed over the live nodes)."""
-        if peer not in self.dead:
-            self.dead.add(peer)
-            self._dist.clear()
-
-    def revive(self, peer: int) -> None:
-        """``peer`` is a member again (a new view): route through it again."""
-        if peer in self.dead:
-            self.dead.discard(peer)
-            self._dist.clear()
-
-    def _distances(self, src: int) -> dict[int, int]:
-        """Hop counts from ``src`` over the live nodes (dead ones are not traversed)."""
-        if src not in self._dist:
-            dist: dict[int, int] = {} if src in self.dead else {src: 0}
-            frontier = list(dist)
-            while frontier:
-                nxt = []
-                for a in frontier:
-                    for b in self.topology.neighbors(a):
-                        if b not in dist and b not in self.dead:
-                            dist[b] = dist[a] + 1
-                            nxt.append(b)
-                frontier = nxt
-            self._dist[src] = dist
-        return self._dist[src]
-
-    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
-        """Neighbours to relay through towards ``dst``: shortest live path first, alive only.
-
-        ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over another
-        first hop)."""
-        cands = [b for b in self.topology.neighbors(self.node_id)
-                 if b not in self.dead and b != exclude and dst in self._distances(b)]
-        cands.sort(key=lambda b: (self._distances(b)[dst], b))
-        if rotate and cands:
-            k = rotate % len(cands)
-            cands = cands[k:] + cands[:k]
-        return cands
-
-    async def send_control(self, peer: int, tag: str, *, kind: str, meta: Mapping[str, Any] | None = None,
-                           arrays: Sequence[Any] = (), timeout: float | None = None,
-                           attempt: int = 0) -> None:
-        """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
-        the k-th candidate first hop (so a retry goes around a relay that died)."""
-        if kind not in RELAY_KINDS:
-            raise ValueError(f"{kind!r} is not a control kind")
-        if attempt == 0 or peer == self.node_id or peer not in self.topology.ids \
-                or self.topology.routes(self.node_id, peer):
-            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout)
-            return
-        if self._closed:
-            raise TransportError("transport is closed")
-        budget = self.default_timeout if timeout is None else timeout
-        await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=0, arrays=arrays,
-                          codecs=None, meta=meta, run=self.run_id, inc=self.incarnation),
-                          budget, rotate=attempt)
-
     # -- send / receive ------------------------------------------------------------------
 
     @abstractmethod
@@ -230,24 +188,6 @@ class Transport(ABC):
         await self._send_direct(peer, self.route(peer, nic), budget, encode(
             kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
             run=self.run_id, inc=self.incarnation), bulk=kind not in RELAY_KINDS)
-
-    async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
-                     budget: float, came_from: int | None = None, rotate: int = 0) -> None:
-        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate)
-        if not hops_list:
-            raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
-        frames = encode(src=origin, dst=dst, hops=hops, **fields)
-        last: PeerFailure | None = None
-        # first pass: one immediate try per hop, so a neighbour whose connection is gone (a
-        # relay that died but is not yet declared dead) costs nothing; then share the budget
-        for share in (0.0, budget / len(hops_list)):
-            for nb in hops_list:
-                try:
-                    await self._send_direct(nb, self.route(nb), share, frames)
-                    return
-                except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
-                    last = exc
-        raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""
@@ -365,6 +305,7 @@ class Transport(ABC):
             h = msg.header
             if h.src != peer_id and (h.dst is None or h.hops == 0):
                 raise ProtocolError("src_mismatch", f"header src {h.src} on connection of {peer_id}")
+            origin_ok = h.src == peer_id or self._relayed_ok(msg, frames)
             if h.run != self.run_id:
                 raise ProtocolError("wrong_run", f"run id {h.run:#x} is not this run's ({self.run_id:#x})")
             known = self.peer_incarnations.get(h.src)
@@ -377,11 +318,13 @@ class Transport(ABC):
                 self.peer_incarnations[h.src] = h.inc
                 self.revive(h.src)
             now = time.monotonic()
-            if known is None or h.inc == known:  # a newer, unregistered life proves nothing
-                self.last_arrival[h.src] = now  # about the registered process
+            if origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
+                self.last_arrival[h.src] = now  # proves nothing about the registered process
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
+            if h.kind == "data" and not self._finite(msg, peer_id):
+                return
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
                 return
@@ -391,37 +334,45 @@ class Transport(ABC):
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
 
-    def _forward(self, msg: Message, came_from: int) -> None:
-        h = msg.header
-        if h.hops + 1 > MAX_HOPS:
-            raise ProtocolError("relay", f"hop limit reached for message to node {h.dst}")
-        if h.dst not in self.topology.ids:
-            raise ProtocolError("relay", f"unknown destination {h.dst}")
-        fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
-                      codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc)
+    def _finite(self, msg: Message, sender: int) -> bool:
+        """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
+        here, for every consumer: counted as an offence of the neighbour that sent it (tensors
+        only ever cross one link, so that is where the value came from), and a consumer already
+        waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
+        for a in msg.arrays:
+            if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
+                exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)
+                if exc is not None:
+                    self.mailbox.abort(exc, match=lambda t: t == msg.tag)
+                return False
+        return True
 
-        async def go() -> None:
-            try:
-                await self._relay(h.src, h.dst, h.hops + 1, fields,  # type: ignore[arg-type]
-                                  min(self.default_timeout, 5.0), came_from)
-                self.relayed += 1
-            except P2PSyncError as exc:
-                log.info("node %d: dropped relayed message for node %s: %s", self.node_id, h.dst, exc)
+    def check_finite(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
+        """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
+        an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
+        finite values and other dtypes pass (None)."""
+        if arr.dtype.kind != "f" or not arr.size or np.isfinite(arr).all():
+            return None
+        self.offence(src, "non_finite", f"{what}: NaN or infinity in a tensor piece")
+        exc = NonFinitePiece(f"node {self.node_id}: {what} from node {src} holds non-finite values "
+                             "(rejected; the node is reported for exclusion)", peer=src)
+        if raise_:
+            raise exc
+        return exc
 
-        task = asyncio.get_running_loop().create_task(go())
-        self._relay_tasks.add(task)
-        task.add_done_callback(self._relay_tasks.discard)
+    def offence(self, peer: int, reason: str, detail: str) -> None:
+        """Node ``peer`` sent a value this node rejected (counted, logged once, reported)."""
+        self.offences[peer] += 1
+        self._reject("", str(peer), reason, detail)
+        for cb in list(self.offence_listeners):
+            cb(peer, reason)
 
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         return {"nics": {k: asdict(v) for k, v in self.nic_stats.items()},
-                "rejected": dict(self.rejected), "relayed": self.relayed}
-
-    async def _drain_relays(self, timeout: float = 1.0) -> None:
-        """Let control messages this node is relaying for others go out before closing."""
-        if self._relay_tasks:
-            await asyncio.wait(set(self._relay_tasks), timeout=timeout)
+                "rejected": dict(self.rejected), "relayed": self.relayed,
+                "offences": {str(k): v for k, v in sorted(self.offences.items())}}
 
     async def _close_shaper(self) -> None:
         if self.shaper is not None:

@@ -42,6 +42,25 @@ Both connections are watched by the socket monitor (``down`` / ``control_down``)
 pieces could sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
 8 MiB; :mod:`p2psync.transport.flow`) bounds what waits to enter it. The control socket has its
 own ``control_sndhwm`` (1000 messages; control messages are small).
+
+**Routing ids of outgoing connections are ours.** Every connect names the routing id of the
+peer it reaches (``CONNECT_ROUTING_ID``), so a peer cannot choose under which id its
+connection is filed, and all connects happen before the NIC sockets bind, so no incoming
+connection can take one of those ids first. Such a connection is usable at once for ZeroMQ;
+the endpoint treats it as down until its first handshake completes (the monitor), so a send
+to a peer that is not up yet is retried and then fails, as before.
+
+**Keys** (issue 16; :mod:`p2psync.transport.keys`). With ``keys`` every ROUTER socket runs
+CurveZMQ: a socket is a CURVE client on each connect (with the server key of the node it
+connects to, from the topology) and a CURVE server on its bind, with the ZAP handler of
+:mod:`p2psync.transport.zap` (one per endpoint, on the endpoint's own context) accepting only
+the topology's keys. The identity check sits in :meth:`ZmqEndpoint._drain`, before a message
+is decoded: on an incoming connection the ``User-Id`` that ZAP gave its key must be the node
+of the routing id the peer claims (else ``identity_mismatch``); on our own connections the
+routing id is the one we set and CURVE proved the server's key. A peer with an unknown key
+never completes a handshake, so it delivers nothing; each refused attempt is counted
+(``unknown_key``) and logged once per key. Relayed control messages are checked end to end
+by :mod:`p2psync.transport.relay_auth`.
 """
 
 from __future__ import annotations
@@ -55,9 +74,11 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import TransportError
+from p2psync.errors import ConfigError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.base import NotReady, Transport
+from p2psync.transport.keys import NodeKeys
+from p2psync.transport.zap import DOMAIN_PREFIX, ZapHandler
 from p2psync.wire import DEFAULT_LIMITS, WireLimits
 
 log = logging.getLogger("p2psync.transport")
@@ -71,6 +92,8 @@ _get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on eve
 def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
     return cast(int, _get(sock, opt))
 _DRAIN_BATCH = 256  # messages handled per callback before yielding to the loop
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 @dataclass(frozen=True)
@@ -105,11 +128,23 @@ def routing_id(node: int, nic: str) -> bytes:
 class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
-                 context: "zmq.Context[Any] | None" = None, **transport_options: Any) -> None:
+                 context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
+                 **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
-        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``)."""
+        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``).
+        ``keys``: this node's keys in a keyed cluster (every socket runs CurveZMQ)."""
+        if keys is not None:
+            if keys.node != node_id or topology.node(node_id).curve_public != keys.public.decode():
+                raise ConfigError(f"node {node_id}: its key pair is not the one the topology lists")
+            if context is not None:
+                raise ConfigError("a keyed endpoint needs a ZeroMQ context of its own (for its ZAP handler)")
         super().__init__(topology=topology, node_id=node_id, limits=limits,
-                         default_timeout=default_timeout, **transport_options)
+                         default_timeout=default_timeout,
+                         relay_keys=keys.relay if keys is not None else None, **transport_options)
+        self.keys = keys
+        self._zap: ZapHandler | None = None
+        #: per socket (NIC name, control): routing ids of the connections we made
+        self._own_rids: dict[tuple[str, bool], set[bytes]] = {}
         self.options = options
         self._own_ctx = context is None
         self._ctx = context
@@ -138,29 +173,24 @@ class ZmqEndpoint(Transport):
         self._loop = asyncio.get_running_loop()
         o = self.options
         try:
+            if self.keys is not None:  # before any socket can see a handshake
+                self._zap = ZapHandler(context=ctx, nodes=self.topology.node_by_key, on_refused=self._refused)
+                self._zap.start(self._loop)
             for nic in self.node.nics:
-                s = self._socket(ctx, routing_id(self.node_id, nic.name), o.sndhwm, bulk=True)
-                self._socks[nic.name] = s
+                self._socks[nic.name] = self._socket(ctx, routing_id(self.node_id, nic.name), o.sndhwm, bulk=True)
+            self._connect_all(ctx)
+            for nic in self.node.nics:  # bind after every connect: our routing ids are taken
+                s = self._socks[nic.name]
+                if self.keys is not None:
+                    s.setsockopt(zmq.CURVE_SERVER, 1)
+                    s.setsockopt(zmq.ZAP_DOMAIN, f"{DOMAIN_PREFIX}{nic.name}".encode())
+                    s.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
                 try:
                     s.bind(nic.endpoint)
                 except zmq.ZMQError as exc:
                     raise TransportError(
                         f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {exc.strerror}"
                     ) from None
-            events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            for nic in self.node.nics:
-                for peer in self.topology.members(nic.network):
-                    if peer > self.node_id:
-                        if nic.name not in self._monitors:
-                            self._monitors[nic.name] = self._socks[nic.name].get_monitor_socket(events)
-                            c = self._socket(ctx, control_routing_id(self.node_id, nic.name),
-                                             o.control_sndhwm, bulk=False)
-                            self._ctl_socks[nic.name] = c
-                            self._ctl_monitors[nic.name] = c.get_monitor_socket(events)
-                        remote = next(c for c in self.topology.node(peer).nics if c.network == nic.network)
-                        self._endpoint_peer[remote.endpoint] = peer
-                        self._socks[nic.name].connect(remote.endpoint)
-                        self._ctl_socks[nic.name].connect(remote.endpoint)
         except BaseException:
             await self.close()
             raise
@@ -176,6 +206,33 @@ class ZmqEndpoint(Transport):
                 self._fds.append(fd)
                 self._loop.add_reader(fd, self._watch, name, control)
                 self._loop.call_soon(self._watch, name, control)
+
+    def _connect_all(self, ctx: "zmq.Context[Any]") -> None:
+        """Connect the NIC sockets (bulk) and control sockets to every higher id on their
+        network, naming each connection's routing id; the peers count as down until their
+        first handshake completes (see the module docstring)."""
+        o = self.options
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+        for nic in self.node.nics:
+            for peer in self.topology.members(nic.network):
+                if peer <= self.node_id:
+                    continue
+                if nic.name not in self._monitors:
+                    self._monitors[nic.name] = self._socks[nic.name].get_monitor_socket(events)
+                    c = self._socket(ctx, control_routing_id(self.node_id, nic.name), o.control_sndhwm, bulk=False)
+                    self._ctl_socks[nic.name] = c
+                    self._ctl_monitors[nic.name] = c.get_monitor_socket(events)
+                remote = next(c for c in self.topology.node(peer).nics if c.network == nic.network)
+                self._endpoint_peer[remote.endpoint] = peer
+                rid = routing_id(peer, remote.name)
+                for control, s in ((False, self._socks[nic.name]), (True, self._ctl_socks[nic.name])):
+                    if self.keys is not None:
+                        s.setsockopt(zmq.CURVE_SERVERKEY, (self.topology.node(peer).curve_public or "").encode())
+                    s.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
+                    s.connect(remote.endpoint)
+                    self._own_rids.setdefault((nic.name, control), set()).add(rid)
+                self.down.add(peer)
+                self.control_down.add(peer)
 
     def _socket(self, ctx: "zmq.Context[Any]", rid: bytes, sndhwm: int, *, bulk: bool) -> "zmq.Socket[Any]":
         o = self.options
@@ -195,7 +252,22 @@ class ZmqEndpoint(Transport):
             s.setsockopt(zmq.SNDBUF, o.sndbuf)
         if bulk and o.rcvbuf:
             s.setsockopt(zmq.RCVBUF, o.rcvbuf)
+        if self.keys is not None:
+            s.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public)
+            s.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret)
         return s
+
+    def _refused(self, nic: str, address: str, key: str) -> None:
+        """The ZAP handler refused a handshake (a key that is not in the topology)."""
+        self._reject(nic, f"key {key[:12]}...", "unknown_key",
+                     f"from {address}: its CurveZMQ key is not in the topology; handshake refused "
+                     "(counted; logged once per key)")
+
+    def socket_mechanisms(self) -> dict[str, int]:
+        """Security mechanism (``zmq.CURVE``, ``zmq.NULL``) of every network socket, by label."""
+        out = {f"{n}": _get_int(s, zmq.MECHANISM) for n, s in self._socks.items()}
+        out.update({f"{n}/c": _get_int(s, zmq.MECHANISM) for n, s in self._ctl_socks.items()})
+        return out
 
     def _watch(self, nic: str, control: bool = False) -> None:
         """Connection events of our outgoing connections on ``nic`` (loop callback)."""
@@ -215,6 +287,10 @@ class ZmqEndpoint(Transport):
                 down.add(peer)
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 down.discard(peer)
+            elif ev["event"] & _HANDSHAKE_FAILED:
+                self._reject(nic, str(peer), "handshake_failed",
+                             f"handshake with node {peer} failed (event {ev['event']:#x}; with keys: "
+                             "its key is not the one the topology lists, or it refused ours)")
 
     def _drain(self, nic: str, control: bool = False) -> None:
         """Receive every message waiting on ``nic``'s socket (loop callback; never raises)."""
@@ -234,12 +310,31 @@ class ZmqEndpoint(Transport):
                 return
             rid = frames[0].bytes
             known = self._peers_by_rid.get(rid)
+            if known is not None and self.keys is not None and not self._authentic(frames[0], rid, known[0], nic,
+                                                                                  control):
+                self._reject(nic, known[1], "identity_mismatch",
+                             f"routing id {rid!r} on a connection authenticated as node {self._user_id(frames[0])}")
+                continue
             if known is None:
                 self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
             else:
                 self._ingest(nic, known[0], known[1], [f.buffer for f in frames[1:]])
         if self._loop is not None:  # more may be waiting: continue after other callbacks ran
             self._loop.call_soon(self._drain, nic, control)
+
+    def _authentic(self, frame: "zmq.Frame", rid: bytes, node: int, nic: str, control: bool) -> bool:
+        """Does the connection a message came on belong to ``node``, whose routing id it bears?
+        Ours: we set that routing id and CURVE proved the server's key. Incoming: ZAP's user id."""
+        if rid in self._own_rids.get((nic, control), ()):
+            return True
+        return self._user_id(frame) == str(node)
+
+    @staticmethod
+    def _user_id(frame: "zmq.Frame") -> str | None:
+        try:
+            return cast(str, frame.get("User-Id"))
+        except zmq.ZMQError:
+            return None
 
     async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
         own_ctl = not bulk and peer > self.node_id  # control to a higher id: our control socket
@@ -284,6 +379,9 @@ class ZmqEndpoint(Transport):
             s.close(linger=self.options.close_linger_ms)
         self._ctl_socks.clear()
         self._socks.clear()
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -18,6 +18,7 @@ import numpy as np
 
 from p2psync.errors import ProtocolError
 from p2psync.wire.schema import (
+    AUTH_BYTES,
     CODECS,
     DEFAULT_LIMITS,
     DTYPES,
@@ -107,6 +108,7 @@ def encode(
     hops: int = 0,
     run: int = 0,
     inc: int = 0,
+    auth: bytes | None = None,
 ) -> list[Buffer]:
     """Build the frames of one message. Raises ``ValueError`` for a bad local argument.
 
@@ -149,6 +151,10 @@ def encode(
             raise ValueError(f"{kind!r} messages are never relayed")
         header["dst"] = int(dst)
         header["hops"] = int(hops)
+    if auth is not None:
+        if dst is None or len(auth) != AUTH_BYTES:
+            raise ValueError(f"auth is a {AUTH_BYTES}-byte digest of a relayed message")
+        header["auth"] = bytes(auth)
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -278,8 +284,11 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
             raise ProtocolError("relay", f"bad hops {hops!r}"[:100])
         if kind not in RELAY_KINDS:
             raise ProtocolError("relay", f"{kind} messages are never relayed")
+    auth = obj.get("auth")
+    if auth is not None and (dst is None or not isinstance(auth, bytes) or len(auth) != AUTH_BYTES):
+        raise ProtocolError("relay", f"auth must be a {AUTH_BYTES}-byte digest on a relayed message")
     return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta,
-                  dst=dst, hops=hops, run=run, inc=inc)
+                  dst=dst, hops=hops, run=run, inc=inc, auth=auth)
 
 
 def _frame_len(buf: Any) -> int:

@@ -7,7 +7,10 @@ map with exactly these keys (``meta`` optional)::
      "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value},
      "dst": int, "hops": int}
 
-``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent.
+``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent;
+``auth`` (32 bytes, only with ``dst``) is the origin's HMAC of a relayed message in a keyed
+cluster (see :mod:`p2psync.transport.relay_auth`): the destination checks it, so a relay
+cannot forge or alter what it forwards.
 
 Version 2 (issue 10) added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
@@ -57,7 +60,9 @@ DTYPES: frozenset[str] = frozenset(
 CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "topk", "raw"})
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
-HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops"})
+HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth"})
+#: length of the ``auth`` digest (HMAC-SHA256)
+AUTH_BYTES = 32
 
 #: kinds that may be relayed hop by hop to a node that is not adjacent (control traffic only;
 #: tensors always move between adjacent peers)
@@ -67,6 +72,8 @@ MAX_HOPS = 16
 MAX_U64 = (1 << 64) - 1
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:/@#\-]{1,128}$")
+#: run ids name folders: a short safe charset, no separators, no leading dot
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+\-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,15 @@ class Header:
     #: run id of the sender's run and the sender's incarnation (of the origin when relayed)
     run: int = 0
     inc: int = 0
+    #: the origin's digest of a relayed message (keyed clusters), else None
+    auth: bytes | None = None
 
 
 def valid_tag(tag: object) -> bool:
     return isinstance(tag, str) and _TAG_RE.match(tag) is not None
+
+
+def valid_run_id(run_id: object) -> bool:
+    """A run id that is safe as one folder name: 1-128 characters of ``A-Z a-z 0-9 _ . + -``,
+    not starting with a dot, never ``..``, so no path separator, no absolute path, no parent."""
+    return isinstance(run_id, str) and _RUN_ID_RE.match(run_id) is not None and ".." not in run_id

@@ -64,6 +64,7 @@ def test_readme_main_job_shipped_ring4(tmp_path):
         assert recs[-1]["step"] == 40 and "accuracy" in recs[-1]
         assert {"loss", "compute_s", "comm_s", "wait_s", "nics", "samples_per_s"} <= set(recs[-1])
     assert "final accuracy" in r.stdout and str(run) in r.stdout
+    assert r.stderr.count("is unauthenticated") == 1, r.stderr  # no keys: said once (issue 16)
 
 
 def test_bcube_traffic_on_every_nic(tmp_path):

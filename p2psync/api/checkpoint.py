@@ -1,0 +1,168 @@
+"""Checkpoints of one node: written atomically, read back without pickle (issue 16).
+
+What a checkpoint holds (:meth:`p2psync.api.session.Session.state_dict`): the step reached and
+the samples seen, the run and node, the model's and the optimizer's ``state_dict()``, the
+strategy's state (JSON values), the residuals of error feedback (lossy codecs), the RNG states
+(torch CPU and CUDA, numpy's global generator, Python's ``random``) and ``extra`` state that the
+training script registers (the built-in job: its data sampler's position and its emulated
+device's step-time generator).
+
+Format: one ``torch.save`` file, ``<run>/node-<id>/checkpoint.pt``, a dict of tensors, numbers,
+strings, lists and dicts only, so :func:`load` reads it with ``torch.load(weights_only=True)``
+(no code runs while loading; checkpoints never travel over the network). RNG states that are
+not tensors are stored as plain lists.
+
+Atomic: :func:`save_atomic` writes a temporary file in the same folder, flushes and fsyncs it,
+renames it over the checkpoint (``os.replace``, atomic on POSIX) and fsyncs the folder. A
+process killed at any moment leaves either the previous checkpoint or the new one, never a
+torn file; a stale temporary file is overwritten by the next save.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from p2psync.compress import ErrorFeedback
+from p2psync.errors import ConfigError
+
+FORMAT = 1
+CHECKPOINT = "checkpoint.pt"
+
+
+def node_checkpoint(run_dir: str | Path, node: int) -> Path:
+    """Where node ``node`` of the run in ``run_dir`` keeps its checkpoint."""
+    return Path(run_dir) / f"node-{node}" / CHECKPOINT
+
+
+def save_atomic(path: str | Path, state: Mapping[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync folder)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(dict(state), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    fd = os.open(p.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """A checkpoint :func:`save_atomic` wrote (ConfigError if missing or not one)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no checkpoint at {p}")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a file that is not its format
+        raise ConfigError(f"{p} is not a readable checkpoint: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ConfigError(f"{p} is not a p2psync checkpoint (format {FORMAT})")
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        raise ConfigError(f"{p}: bad step {step!r}")
+    return state
+
+
+# -- RNG states --------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """Every global random generator a training loop may draw from."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": int(version), "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture_rng` captured (ConfigError if it is malformed)."""
+    try:
+        torch.set_rng_state(state["torch"])
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise ConfigError(f"checkpoint: malformed RNG state ({type(exc).__name__}: {exc})") from None
+
+
+# -- error feedback residuals ------------------------------------------------------------------
+
+def feedback_state(fb: ErrorFeedback | None) -> dict[str, torch.Tensor]:
+    """The residuals of an :class:`ErrorFeedback`, keys as JSON text (they are tuples)."""
+    if fb is None:
+        return {}
+    return {json.dumps(list(k) if isinstance(k, tuple) else k): torch.from_numpy(v.copy())
+            for k, v in fb.residual.items()}
+
+
+def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
+    if fb is None:
+        return
+    for k, v in state.items():
+        key = json.loads(k)
+        fb.residual[tuple(key) if isinstance(key, list) else key] = v.numpy().copy()
+
+
+
+
+# -- a node's state as one dict ----------------------------------------------------------------
+
+def snapshot(*, p2psync: Mapping[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+             feedback: tuple[ErrorFeedback | None, ErrorFeedback | None], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything of a node a checkpoint holds (call on the thread that owns the model):
+    ``p2psync`` (step, samples, strategy, run, node, strategy state) plus copies of the model's
+    and optimizer's state, the error feedback residuals, the RNG states and ``extra``."""
+    state: dict[str, Any] = {"format": FORMAT, **p2psync, "rng": capture_rng(), "extra": dict(extra),
+                             "feedback": {"ef": feedback_state(feedback[0]), "sparse": feedback_state(feedback[1])}}
+    if model is not None:
+        state["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        state["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    return state
+
+
+def restore_local(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Put a checkpoint's model, optimizer and RNG states back (before training resumes)."""
+    try:
+        if "model" in state:
+            model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"checkpoint: does not fit this model or optimizer ({type(exc).__name__}: "
+                          f"{str(exc)[:300]})") from None
+    if "rng" in state:
+        restore_rng(state["rng"])
+
+
+def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> None:
+    fb = state.get("feedback")
+    if isinstance(fb, dict):
+        load_feedback(feedback[0], fb.get("ef", {}))
+        load_feedback(feedback[1], fb.get("sparse", {}))
+
+
+__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "load", "load_feedback", "node_checkpoint",
+           "restore_feedback", "restore_local", "restore_rng", "save_atomic", "snapshot"]

@@ -1,0 +1,180 @@
+"""Keys of a keyed cluster: one CurveZMQ key pair per node, plus pairwise relay keys.
+
+Why: without keys anyone who can reach a port is a peer (DESIGN, "Identity is a key"). With
+keys, every socket runs CurveZMQ (pyzmq's own CURVE and ZAP support, no custom crypto): the
+topology lists every node's public key, a ZAP handler maps the key that completed a handshake to
+a node id (:mod:`p2psync.transport.zap`) and a message's claimed source must match it.
+
+Files, written by ``p2psync keys gen cluster.json --dir keys/`` (:func:`generate`,
+:func:`write_key_dir`): ``keys/node-<id>.key``, mode 0600 in a 0700 folder, one JSON object::
+
+    {"format": 1, "node": 3, "public": "<Z85>", "secret": "<Z85>",
+     "relay": {"0": "<64 hex>", "1": "<64 hex>", ...}}
+
+The public keys go into the topology (``nodes[i].curve_public``); a secret key never does.
+``relay`` holds one random 32-byte key per other node, shared by exactly that pair: a control
+message relayed through other nodes carries its origin's HMAC under the key it shares with the
+destination (:mod:`p2psync.transport.relay_auth`), so the destination verifies the origin even
+though CURVE only authenticates the last hop. :func:`load_node_keys` refuses a file that others
+can read, that belongs to another node, or whose public key is not the topology's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import zmq
+
+from p2psync.errors import ConfigError
+from p2psync.topology import Topology
+
+FORMAT = 1
+RELAY_KEY_BYTES = 32
+ENV_KEYS = "P2PSYNC_KEYS"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeKeys:
+    """One node's CurveZMQ key pair (Z85) and its relay key with every other node."""
+
+    node: int
+    public: bytes
+    secret: bytes = field(repr=False)
+    relay: Mapping[int, bytes] = field(default_factory=dict, repr=False)
+
+
+def key_file(directory: str | Path, node: int) -> Path:
+    return Path(directory) / f"node-{node}.key"
+
+
+def generate(topo: Topology) -> dict[int, NodeKeys]:
+    """Fresh keys for every node of ``topo``: a CURVE key pair each, a relay key per pair."""
+    pairs = {n: zmq.curve_keypair() for n in topo.ids}
+    relay: dict[int, dict[int, bytes]] = {n: {} for n in topo.ids}
+    for a in topo.ids:
+        for b in topo.ids:
+            if a < b:
+                relay[a][b] = relay[b][a] = secrets.token_bytes(RELAY_KEY_BYTES)
+    return {n: NodeKeys(node=n, public=pub, secret=sec, relay=relay[n]) for n, (pub, sec) in pairs.items()}
+
+
+def with_public_keys(topo: Topology, keys: Mapping[int, NodeKeys]) -> Topology:
+    """``topo`` with every node's public key (the file ``p2psync keys gen`` rewrites)."""
+    return replace(topo, nodes=tuple(replace(n, curve_public=keys[n.id].public.decode()) for n in topo.nodes))
+
+
+def write_key_dir(directory: str | Path, keys: Mapping[int, NodeKeys], *, force: bool = False) -> list[Path]:
+    """One secret file per node (mode 0600, written to a temporary file and renamed); the
+    folder is created with mode 0700. Existing key files are kept unless ``force``."""
+    d = Path(directory)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = [key_file(d, n) for n in sorted(keys)]
+    existing = [p for p in paths if p.exists()]
+    if existing and not force:
+        raise ConfigError(f"{existing[0]} exists: keys are not overwritten (--force replaces them)")
+    for n, path in zip(sorted(keys), paths):
+        k = keys[n]
+        doc = {"format": FORMAT, "node": n, "public": k.public.decode(), "secret": k.secret.decode(),
+               "relay": {str(p): v.hex() for p, v in sorted(k.relay.items())}}
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return paths
+
+
+def load_node_keys(directory: str | Path, topo: Topology, node: int) -> NodeKeys:
+    """Node ``node``'s keys from ``directory``, checked against the topology (ConfigError)."""
+    if not topo.keyed:
+        raise ConfigError(f"--keys {directory}: the topology lists no public keys (write them with "
+                          "'p2psync keys gen TOPOLOGY --dir DIR')")
+    path = key_file(directory, node)
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read node {node}'s key file {path}: {exc.strerror}") from None
+    if st.st_mode & 0o077:
+        raise ConfigError(f"{path}: a secret key must be readable by its owner only "
+                          f"(mode {st.st_mode & 0o777:o}; chmod 600 {path})")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not a key file (invalid JSON: {exc.msg})") from None
+    return _parse(doc, path, topo, node)
+
+
+def _parse(doc: Any, path: Path, topo: Topology, node: int) -> NodeKeys:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a p2psync key file (format {FORMAT})")
+    if doc.get("node") != node:
+        raise ConfigError(f"{path}: holds the keys of node {doc.get('node')!r}, not of node {node}")
+    pub, sec = doc.get("public"), doc.get("secret")
+    if not isinstance(pub, str) or not isinstance(sec, str) or len(pub) != 40 or len(sec) != 40:
+        raise ConfigError(f"{path}: public and secret must be 40-character Z85 keys")
+    try:
+        derived = zmq.curve_public(sec.encode())
+    except (zmq.ZMQError, ValueError):
+        raise ConfigError(f"{path}: the secret key is not a valid Z85 CurveZMQ key") from None
+    if derived != pub.encode():
+        raise ConfigError(f"{path}: the secret key does not belong to its public key")
+    if topo.node(node).curve_public != pub:
+        raise ConfigError(f"{path}: node {node}'s public key in the topology is another one "
+                          "(keys and topology from different 'p2psync keys gen' runs?)")
+    raw = doc.get("relay")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: missing relay keys")
+    relay: dict[int, bytes] = {}
+    for peer in topo.ids:
+        if peer == node:
+            continue
+        value = raw.get(str(peer))
+        try:
+            key = bytes.fromhex(value) if isinstance(value, str) else b""
+        except ValueError:
+            key = b""
+        if len(key) != RELAY_KEY_BYTES:
+            raise ConfigError(f"{path}: no valid relay key for node {peer}")
+        relay[peer] = key
+    return NodeKeys(node=node, public=pub.encode(), secret=sec.encode(), relay=relay)
+
+
+def node_keys(directory: str | None, topo: Topology, node: int, *, topo_path: str) -> NodeKeys | None:
+    """Node ``node``'s keys for a run: required (and checked) when the topology lists public
+    keys, refused when it does not; None for an unkeyed cluster, which is said once."""
+    if topo.keyed:
+        if not directory:
+            raise ConfigError(f"{topo_path} lists public keys (a keyed cluster): give --keys DIR with the "
+                              f"nodes' key files (or set {ENV_KEYS})")
+        return load_node_keys(directory, topo, node)
+    if directory:
+        raise ConfigError(f"--keys {directory}: {topo_path} lists no public keys; write them with "
+                          f"'p2psync keys gen {topo_path} --dir {directory}'")
+    warn_unauthenticated(topo_path)
+    return None
+
+
+_warned_unauthenticated = False
+
+
+def warn_unauthenticated(topo_path: str) -> None:
+    """Say once per process that a run without keys authenticates nobody."""
+    global _warned_unauthenticated
+    if not _warned_unauthenticated:
+        _warned_unauthenticated = True
+        print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
+              "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
+
+
+__all__ = ["ENV_KEYS", "NodeKeys", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
+           "with_public_keys", "write_key_dir"]

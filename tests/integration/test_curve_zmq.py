@@ -1,0 +1,138 @@
+"""Keyed clusters over real ZeroMQ on loopback (issue 16): CurveZMQ on every socket, a ZAP
+handler mapping keys to node ids, claimed sources checked against them, relayed messages
+verified end to end, impostors refused and counted."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from p2psync.collectives import Collectives
+from p2psync.topology import Topology, mesh, ring
+from p2psync.transport import ZmqEndpoint
+from p2psync.wire import encode
+from tests.helpers import free_port, keyed, until, zmq_cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _impostor(ctx: "zmq.Context[Any]", topo: Topology, *, claims: str, target: int,
+              key: tuple[bytes, bytes] | None = None) -> "zmq.Socket[Any]":
+    """A raw ROUTER socket that claims the routing id ``claims`` and connects to node
+    ``target``'s first NIC as a CURVE client (a random key pair unless ``key``)."""
+    pub, sec = key if key is not None else zmq.curve_keypair()
+    s: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, claims.encode())
+    s.setsockopt(zmq.RECONNECT_IVL, -1)  # one attempt: a deterministic number of handshakes
+    s.setsockopt(zmq.CURVE_PUBLICKEY, pub)
+    s.setsockopt(zmq.CURVE_SECRETKEY, sec)
+    s.setsockopt(zmq.CURVE_SERVERKEY, (topo.node(target).curve_public or "").encode())
+    nic = topo.node(target).nics[0]
+    s.setsockopt(zmq.CONNECT_ROUTING_ID, f"{target}/{nic.name}".encode())
+    s.connect(nic.endpoint)
+    return s
+
+
+def _forged(run: int, tag: str, *, kind: str = "data", arrays: Any = (), **kw: Any) -> list[Any]:
+    return encode(kind=kind, src=0, tag=tag, arrays=arrays, run=run, inc=1, **kw)
+
+
+async def test_every_socket_runs_curve_and_relayed_control_is_signed() -> None:
+    topo, keys = keyed(ring(4, base_port=free_port()))
+    async with zmq_cluster(topo, keys=keys) as eps:
+        for ep in eps.values():
+            mech = ep.socket_mechanisms()
+            assert mech and set(mech.values()) == {zmq.CURVE}, mech
+        x = np.arange(1000, dtype=np.float32)
+        await eps[0].send(1, "bulk", [x])
+        np.testing.assert_array_equal((await eps[1].recv("bulk", timeout=10)).arrays[0], x)
+        await eps[0].send(2, "ctl", kind="event", meta={"hello": 2})  # 0 and 2 are not adjacent
+        msg = await eps[2].recv("ctl", timeout=10)
+        assert msg.src == 0 and msg.header.hops == 1 and msg.header.auth is not None
+        await eps[3].send(1, "back", kind="rpc", meta={"n": 1})
+        assert (await eps[1].recv("back", timeout=10)).src == 3
+        await until(lambda: sum(ep.relayed for ep in eps.values()) == 2, 10, "two relayed messages")
+        assert not any(ep.rejected for ep in eps.values()), [ep.rejected for ep in eps.values()]
+
+
+async def test_routing_id_impostor_with_unknown_key_delivers_nothing() -> None:
+    """The issue's impostor: a socket claiming node 0's routing id connects to node 1 before the
+    real node 0 and sends a forged piece and a forged failure event. Keyed, its handshake is
+    refused (counted), nothing of it is delivered, and the real node 0 then gets node 1's
+    traffic and is believed; a collective under the forged tag sums the real values only."""
+    topo, keys = keyed(mesh(2, base_port=free_port()))
+    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    ctx: zmq.Context[Any] = zmq.Context()
+    node0: ZmqEndpoint | None = None
+    try:
+        await node1.start()
+        imp = _impostor(ctx, topo, claims="0/eth0", target=1)
+        forged_piece = _forged(node1.run_id, "ssgd.7.rs0.0.0", arrays=[np.full(4, np.nan, np.float32)])
+        imp.send_multipart([b"1/eth0", *forged_piece])
+        imp.send_multipart([b"1/eth0", *_forged(node1.run_id, "event.peer_failed", kind="event",
+                                                meta={"failed": [1]})])
+        await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the impostor's handshake refused")
+        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
+        await node0.start()
+        await node1.send(0, "for-0", [np.ones(3, np.float32)])
+        got = await node0.recv("for-0", timeout=10)  # the real node 0 gets node 1's traffic
+        assert got.src == 1
+        colls = [Collectives(ep, timeout=10, piece_bytes=16) for ep in (node0, node1)]
+        vals = [np.arange(8, dtype=np.float32), np.full(8, 2.0, np.float32)]
+        out = await asyncio.gather(*(c.allreduce(v, tag="ssgd.7") for c, v in zip(colls, vals)))
+        for o in out:  # exactly the real sum: the forged piece never reached the collective
+            np.testing.assert_array_equal(o, vals[0] + vals[1])
+        assert node1.recv_nowait("event.peer_failed") is None
+        assert node1.rejected["unknown_key"] == 1 and not node1.offences
+        assert imp.poll(0) == 0  # and nothing went to the impostor
+    finally:
+        if node0 is not None:
+            await node0.close()
+        await node1.close()
+        ctx.destroy(linger=0)
+
+
+async def test_member_claiming_another_nodes_routing_id_is_rejected() -> None:
+    """A process holding node 2's valid key that claims node 0's routing id: its handshake
+    passes (the key is known), but every message is rejected (identity mismatch)."""
+    topo, keys = keyed(mesh(3, base_port=free_port()))
+    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        await node1.start()
+        imp = _impostor(ctx, topo, claims="0/eth0", target=1, key=(keys[2].public, keys[2].secret))
+        for tag in ("x.1", "x.2"):
+            imp.send_multipart([b"1/eth0", *_forged(node1.run_id, tag, kind="event")])
+        await until(lambda: node1.rejected["identity_mismatch"] >= 2, 10, "both forged messages rejected")
+        assert node1.recv_nowait("x.1") is None and node1.recv_nowait("x.2") is None
+    finally:
+        await node1.close()
+        ctx.destroy(linger=0)
+
+
+async def test_forged_relayed_failure_event_is_rejected() -> None:
+    """Node 2, a member with a valid key, hands node 1 a message claiming to be relayed from
+    node 0 (a forged ``event.peer_failed``): without node 0's digest, or with a wrong one, it
+    is rejected; without keys the same message is accepted, which is what the issue found."""
+    topo, keys = keyed(ring(4, base_port=free_port()))
+    async with zmq_cluster(topo, keys=keys) as eps:
+        two = eps[2]
+        for auth in (None, b"\0" * 32):
+            frames = encode(kind="event", src=0, dst=1, hops=1, tag="event.peer_failed", meta={"failed": [3]},
+                            run=two.run_id, inc=1, auth=auth)
+            await two._send_direct(1, two.route(1), 5.0, frames)
+        await until(lambda: eps[1].rejected["relay_auth"] >= 2, 10, "both forged events rejected")
+        assert eps[1].recv_nowait("event.peer_failed") is None
+        # the genuine article: node 3 relays node 0's signed event... to node 2 (not adjacent)
+        await eps[0].send(2, "event.peer_failed", kind="event", meta={"failed": []})
+        assert (await eps[2].recv("event.peer_failed", timeout=10)).src == 0
+    plain = ring(4, base_port=free_port())
+    async with zmq_cluster(plain) as eps:
+        frames = encode(kind="event", src=0, dst=1, hops=1, tag="event.peer_failed", meta={}, run=0, inc=1)
+        await eps[2]._send_direct(1, eps[2].route(1), 5.0, frames)
+        assert (await eps[1].recv("event.peer_failed", timeout=10)).src == 0  # unkeyed: believed

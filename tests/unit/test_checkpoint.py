@@ -1,0 +1,91 @@
+"""Checkpoint files (issue 16): what they hold, read back without pickle, written atomically
+(a process killed while writing one leaves the previous one loadable)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.api import checkpoint
+from p2psync.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+def _state(step: int) -> dict:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return checkpoint.snapshot(p2psync={"step": step, "samples": 7 * step, "strategy": "ssgd", "run_id": "r",
+                                        "node": 0, "strategy_state": {"in_sync": True}},
+                               model=model, optimizer=opt, feedback=(None, None), extra={"sampler": {"batches_done": step}})
+
+
+def test_round_trip_and_rng_states(tmp_path: Path) -> None:
+    path = checkpoint.node_checkpoint(tmp_path, 3)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    st = _state(5)
+    checkpoint.save_atomic(path, st)
+    assert path == tmp_path / "node-3" / "checkpoint.pt"
+    expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    back = checkpoint.load(path)
+    assert back["step"] == 5 and back["extra"] == {"sampler": {"batches_done": 5}}
+    torch.testing.assert_close(back["model"]["weight"], st["model"]["weight"])
+    checkpoint.restore_rng(back["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
+
+
+def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        checkpoint.load(tmp_path / "missing.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+        checkpoint.load(bad)
+    torch.save({"format": 99, "step": 1}, bad)
+    with pytest.raises(ConfigError, match="not a p2psync checkpoint"):
+        checkpoint.load(bad)
+
+
+def test_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "node-0" / "checkpoint.pt"
+    checkpoint.save_atomic(path, _state(1))
+    # a writer that stops (and is killed) after the new checkpoint's bytes went out, before
+    # they were synced and renamed into place
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.unit.test_checkpoint import _state
+        from p2psync.api import checkpoint
+        def stuck(fd):
+            print("writing", flush=True)
+            sys.stdin.read()
+        os.fsync = stuck
+        checkpoint.save_atomic({str(path)!r}, _state(2))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        assert (path.parent / ".checkpoint.pt.tmp").stat().st_size > 0
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert checkpoint.load(path)["step"] == 1
+    checkpoint.save_atomic(path, _state(3))  # the stale temporary file is simply replaced
+    assert checkpoint.load(path)["step"] == 3 and not (path.parent / ".checkpoint.pt.tmp").exists()

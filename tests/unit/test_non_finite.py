@@ -1,0 +1,79 @@
+"""Non-finite tensor pieces (issue 16), pure parts over the in-memory transport: rejected at
+ingest for every consumer, counted against the sender, a waiting consumer fails at once naming
+it, and a synchronous step that fails that way waits for the view that excludes the sender."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from p2psync.collectives import Collectives
+from p2psync.coordinator import View
+from p2psync.errors import NonFinitePiece, PeerFailure, ProtocolError
+from p2psync.strategies.regroup import Regroup
+from p2psync.topology import mesh
+from p2psync.transport.memory import MemoryHub
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> None:
+    hub = MemoryHub(mesh(3))
+    eps = {i: hub.endpoint(i) for i in range(3)}
+    for e in eps.values():
+        await e.start()
+    reported: list[tuple[int, str]] = []
+    eps[0].offence_listeners.append(lambda n, why: reported.append((n, why)))
+    try:
+        await eps[1].send(0, "early", [np.array([1.0, np.inf], np.float32)])  # nobody waits yet
+        waiting = asyncio.ensure_future(eps[0].recv("piece", timeout=10))
+        await asyncio.sleep(0)  # one loop turn (not a delay): the receive registers its waiter
+        await eps[1].send(0, "piece", [np.array([np.nan], np.float16)])
+        with pytest.raises(NonFinitePiece) as err:
+            await waiting
+        assert isinstance(err.value, PeerFailure) and err.value.peers == (1,)
+        assert isinstance(err.value, ProtocolError) and err.value.reason == "non_finite"
+        assert eps[0].recv_nowait("early") is None and eps[0].recv_nowait("piece") is None
+        assert eps[0].offences == {1: 2} and reported == [(1, "non_finite"), (1, "non_finite")]
+        await eps[2].send(0, "fine", [np.arange(3, dtype=np.float64), np.array([7], np.int64)])
+        assert (await eps[0].recv("fine", timeout=5)).src == 2  # finite and integer data pass
+        assert eps[0].stats()["offences"] == {"1": 2}
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+async def test_a_step_failing_on_a_non_finite_piece_waits_for_the_next_view() -> None:
+    """Regroup treats a NonFinitePiece like a failed peer (its sender is being excluded):
+    the step is redone over the next view, instead of ending the run as other protocol errors do."""
+    topo = mesh(2)
+    t = MemoryHub(topo).endpoint(0)
+    await t.start()
+    view = View(epoch=1, members=(0,))
+    membership = SimpleNamespace(view=view, failure_timeout=0.2, interval=0.05)
+    ctx = SimpleNamespace(node_id=0, topology=topo, transport=t, collectives=Collectives(t), membership=membership,
+                          on_failure="continue", view=view, epoch=1, group=(0,),
+                          replica=SimpleNamespace(export_state=None, import_state=None, state_size=lambda: 1))
+    regroup = Regroup(ctx=ctx, name="ssgd")  # type: ignore[arg-type]
+    calls: list[int] = []
+
+    async def op(v: View) -> str:
+        calls.append(v.epoch)
+        if v.epoch == 1:
+            asyncio.get_running_loop().call_soon(new_view)
+            raise NonFinitePiece("a piece from node 1 holds NaN", peer=1)
+        return "done"
+
+    def new_view() -> None:
+        v2 = View(epoch=2, members=(0,))
+        ctx.view, ctx.epoch = v2, 2
+        regroup.on_view(v2)
+
+    try:
+        assert await asyncio.wait_for(regroup.run(3, op), 10) == "done"
+        assert calls == [1, 2] and regroup.reforms == 1
+    finally:
+        await t.close()
