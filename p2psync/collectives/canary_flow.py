@@ -84,7 +84,21 @@ class Flow:
                 held.merge(d)
 
     def take_outbox(self, step: int, peer: int, slot: Slot) -> Datum | None:
-        return self.outbox.pop((step, peer, slot.index), None)
+        """The outbox for ``peer`` at ``step`` when it holds a contribution (None when it is
+        empty or holds only a codec's residue, which waits for the next contribution)."""
+        d = self.outbox.get((step, peer, slot.index))
+        if d is None or d.count == 0:
+            return None
+        return self.outbox.pop((step, peer, slot.index))
+
+    def put_back(self, step: int, peer: int, slot: Slot, d: Datum) -> None:
+        """Return ``d`` (a codec's residue: count 0, no contributor) to an outbox: it leaves
+        with the next data for that peer, so what a lossy codec drops is delayed, not lost."""
+        held = self.outbox.get((step, peer, slot.index))
+        if held is None:
+            self.outbox[(step, peer, slot.index)] = d
+        else:
+            held.merge(d)
 
     def take_result(self, slot: Slot) -> Datum | None:
         return self.result.pop(slot.index, None)

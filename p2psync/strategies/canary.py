@@ -10,49 +10,61 @@ What a node does per iteration ``t`` (spec §6.6):
    the built-in job, the emulated device time): pipelining, §4.3.2 advantage 2.
 2. The exchange (:mod:`~p2psync.strategies.canary_exchange`) runs the §6.3 BCube schedule (α·β
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
-   Fig. 14), every payload through the gradient sketch by default (``sketch8``, §4.3.1; the
-   paper-exact variant is ``--codec`` with options of :mod:`p2psync.compress.codecs`). In
-   ``native`` mode nobody waits for anyone's computation: a peer answers every push at once,
-   with an empty packet when it has nothing for this node (§4.4.2), and data a slow node could
-   not take part in leaves with its next exchange.
+   Fig. 14), every payload through the gradient sketch by default (``sketch8``, §4.3.1; what
+   an encoding drops leaves with the next data, never lost). In ``native`` mode nobody waits
+   for anyone's computation: a peer answers every push at once, with an empty packet when it
+   has nothing for this node (§4.4.2), and data a slow node could not take part in leaves with
+   its next exchange.
 3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
-   its slots' masks; :mod:`~p2psync.strategies.canary_gei`); ``ζ`` (the fastest worker's
-   iteration) rides in every message header.
+   its slots' masks; :mod:`~p2psync.strategies.canary_gei`). ``ζ`` (the newest iteration any
+   worker reported) and the node that reported it ride in every message header, so ζ spreads
+   to every worker hop by hop (§4.3).
 4. The end-of-iteration decision (§5.4): within ``s`` of ζ, or beyond it with at least ``p``
    complete colayers: apply the aggregate through the user's optimizer step; else *overtime*:
-   drop the iteration's gradients, pull the model (parameters) of the fastest worker (the lowest
-   id at ζ) and adopt ``t = ζ``.
+   drop the iteration's gradients, pull the model (parameters) of the fastest worker (the node
+   that reported ζ, reached hop by hop; else the freshest one heard from) and adopt ``t = ζ``.
 
 Choices where the paper is silent or wrong (the spec's resolutions unless said):
 
 * **Divisor** (``divisor=members``, default): the aggregate is divided by the number of
   members, not by its contributors (the spec's default, §5.4). In native mode every
-  contribution reaches every node exactly once, but not in the same iteration: a slow node's
-  round sums several iterations of its fast peers. Dividing by the contributors would make a
-  slow node's replica move less per second than a fast one's and the replicas drift apart;
-  dividing by n applies every gradient with weight 1/n everywhere, so with plain SGD the
-  replicas differ only by what is still in flight (ASGD's property, at Canary's traffic).
-  ``divisor=contributors`` is the spec's reading.
+  contribution reaches every node once, but not in the same iteration: a slow node's round
+  sums several iterations of its fast peers. Dividing by the contributors would make a slow
+  node's replica move less per second than a fast one's, and the replicas drift apart;
+  dividing by n applies every gradient with weight 1/n on every replica. With plain SGD and no
+  codec the replicas then differ only by what is still in flight; a lossy codec's residue is
+  delivered later (bounded, not a random walk), and data lost with a failed peer, dropped as
+  stale at some nodes only, or overwritten by an overtime pull makes them differ more (the
+  stop's final average ends the run with one model). ``divisor=contributors``: the spec's
+  reading.
 * **Staleness**: a contribution whose iteration is older than ``ζ − s`` is dropped where it is
   (the sender's own gradient is not sent at all), so a node that falls more than ``s``
   iterations behind has incomplete colayers (its own bit is missing) and is reset by branch C.
-  Canary's bounding never blocks the fast workers (spec §5.5).
+  Canary's bounding never blocks the fast workers (spec §5.5). The own GEI bit of a slot this
+  node does not own is set when the owner's total comes back (it is in the aggregate then),
+  not when the piece leaves (spec §4.4 item 4). Branch C drops the aggregate; pieces of the
+  node's own gradient still waiting in outboxes leave anyway (the others may use them).
 * ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
   empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
   schedule (equal to ``ssgd`` with the sketch off).
 * **Stop**: a node that wants to stop (``--steps``, ``--time``, ``request_stop``) says so in
-  every message it sends; every node stops at the end of the iteration in which it learns it,
-  and the members then average their whole state once (exact), so the run ends with one model
-  (as P-Reduce and DTS do).
+  every message and contribution it sends; in native mode every node stops at the end of the
+  iteration in which it learns it, in bsp mode where any contribution of a round asked to (the
+  same round on every node); the members then average their whole state once (exact), so the
+  run ends with one model (as P-Reduce and DTS do). A member that is re-synchronizing when
+  another stops learns it in that averaging and stops too.
 * **Views**: a failed peer's pending answers are aborted at once (native: empty packets; bsp:
   the round is abandoned); at the next step the members of the new view average their state
   (exact, :meth:`~p2psync.strategies.regroup.Regroup.average_state`) and the exchange is
   re-planned over them (the BCube layout needs the whole BCube; any other group uses the mesh
   layout, relaying over direct links). Data in flight at that moment is dropped. A joiner
   takes a live member's state and joins that average.
-* **Gradient accumulation** (several backward passes per step) cannot be pipelined (the first
-  pass's colayers would already be on their way): ``pipeline=false`` sends the colayers at the
-  step; with ``pipeline=true`` it is a clear error.
+* **Pipelining** sends the gradients backward produced. Several backward passes per step
+  (gradient accumulation) is a clear error with ``pipeline=true`` (the first pass's colayers
+  are already on their way; ``pipeline=false`` sends them at the step); a ``.grad`` changed
+  after backward (clipping, ``GradScaler.unscale_``) is warned about once: the peers got the
+  unchanged gradient (use ``pipeline=false`` to send what the step sees). A colayer whose
+  parameters did not all get a gradient in backward (an unused branch) is sent at the step.
 """
 
 from __future__ import annotations
@@ -73,8 +85,9 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
-from p2psync.strategies.canary_exchange import MODES, Exchange, RoundResult
+from p2psync.strategies.canary_exchange import MODES, Exchange, Progress, RoundResult
 from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
+from p2psync.strategies.canary_wire import Header
 from p2psync.strategies.regroup import Regroup
 from p2psync.transport.forward import Forwarder
 
@@ -123,6 +136,7 @@ class Canary(Strategy):
         self.exchange: Exchange | None = None
         self.colayers: tuple[Colayer, ...] = ()
         self.t = 0  # this node's iteration (Canary's ⟨t⟩)
+        self.zeta_node = ctx.node_id  # the node that reported ζ
         self.last_iter: dict[int, int] = {}  # the newest iteration each peer told us
         self.stopping = False
         self.next_step = 0  # the loop step the next rounds belong to
@@ -131,6 +145,8 @@ class Canary(Strategy):
         self._rounds: dict[int, tuple[asyncio.Task[RoundResult], np.ndarray]] = {}
         self._pending: dict[int, dict[int, np.ndarray]] = {}
         self._double = False
+        self._warned_grad = False
+        self._pulls = 0
         self.counts = {b.value: 0 for b in Branch}
         #: (iteration, colayer, perf_counter when its exchange started) of the last rounds
         self.timeline: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=256)
@@ -151,21 +167,21 @@ class Canary(Strategy):
         self.fwd.start()
         self.ctx.rpc_server.register("canary.model", self._serve_model)
         self.t = self.next_step = self.start_step
+        self._see(self.t, self.ctx.node_id)
         if self.ctx.joining:
             self.resyncs = await self.regroup.join()
             self._resync_due = True
         self._plan(self.ctx.view)
 
     def _plan(self, view: View) -> None:
-        layout = layout_for(self.ctx.topology, view.members)
         self.exchange = Exchange(
-            transport=self.ctx.transport, fwd=self.fwd, layout=layout,
+            transport=self.ctx.transport, fwd=self.fwd, layout=layout_for(self.ctx.topology, view.members),
             sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts["mode"],
-            staleness=self.opts["s"], timeout=self.ctx.peer_timeout, epoch=view.epoch,
-            piece=max(1, self.ctx.collectives.piece_bytes // 4), iteration=lambda: self.t, zeta=lambda: self.gei.zeta,
-            stopping=self._stop_flag, on_header=self._header)
+            staleness=self.opts["s"], timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
+            piece=max(1, self.ctx.collectives.piece_bytes // 4),
+            progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.zeta_node),
+                              stopping=self._stop_flag, on_header=self._header))
         self.exchange.start()
-        self.epoch = view.epoch
 
     async def close(self) -> None:
         await self._cancel_rounds()
@@ -176,7 +192,7 @@ class Canary(Strategy):
     def on_peer_failure(self, peer: int) -> None:
         self.regroup.on_peer_failure(peer)
         if self.exchange is not None:
-            self.exchange.abort_waits(PeerFailure(f"canary: peer {peer} failed", peers=(peer,)))
+            self.exchange.abort_waits(PeerFailure(f"canary: peer {peer} failed", peers=(peer,)), peer)
 
     def on_view(self, view: View) -> None:
         self.regroup.on_view(view)
@@ -205,11 +221,9 @@ class Canary(Strategy):
             self._double = True  # a second backward pass before the step
             return
         buf[index] = grad
-        col = self.colayers[z]
-        if len(buf) == len(col.params):
+        if len(buf) == len(self.colayers[z].params):
             del self._pending[z]
-            vec = np.concatenate([buf[i] for i in sorted(buf)]).astype(np.float32, copy=False)
-            self._launch(z, vec)
+            self._launch(z, np.concatenate([buf[i] for i in sorted(buf)]).astype(np.float32, copy=False))
 
     def _launch(self, z: int, vec: np.ndarray) -> None:
         if self.exchange is None:
@@ -220,44 +234,62 @@ class Canary(Strategy):
     async def _cancel_rounds(self) -> None:
         rounds, self._rounds = self._rounds, {}
         self._pending.clear()
+        self._double = False
         for task, _ in rounds.values():
             task.cancel()
         await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
+
+    def _launch_all(self, grad: np.ndarray) -> None:
+        """Every colayer backward did not launch goes now; a launched one must be what the step
+        sees (see the module docstring)."""
+        if self._double:
+            raise ConfigError("canary: several backward passes per optimizer.step() (gradient accumulation): "
+                              "colayers leave during the first one; use --opt pipeline=false")
+        for c in self.colayers:
+            got = self._rounds.get(c.index)
+            if got is None:
+                self._launch(c.index, grad[c.lo:c.hi].copy())
+            elif not self._warned_grad and not np.array_equal(got[1], grad[c.lo:c.hi]):
+                self._warned_grad = True
+                log.warning("node %d: canary: the gradient changed after backward (clipping, scaling?): the "
+                            "peers got backward's gradient; --opt pipeline=false sends the one optimizer.step() "
+                            "sees", self.ctx.node_id)
+        self._pending.clear()
 
     # -- one iteration -------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.next_step = step
         self.regroup.check()
+        stop_now = False
         if self._resync_due:
-            await self._resync(step)
+            stop_now = await self._resync()
         loss, grad = await self.ctx.replica.compute_gradients()
         t0 = time.perf_counter()
+        if stop_now:  # a member stopped during the re-synchronization: nothing more to send
+            await self._cancel_rounds()
+            return StepReport(loss=loss, stop=True, extra=self._metrics())
         self._use_codec(step)
-        for c in self.colayers:
-            got = self._rounds.get(c.index)
-            if got is None:
-                self._launch(c.index, grad[c.lo:c.hi].copy())
-            elif self._double or not np.array_equal(got[1], grad[c.lo:c.hi]):
-                await self._cancel_rounds()
-                raise ConfigError("canary: the gradient at optimizer.step() is not the one backward produced "
-                                  "colayer by colayer (several backward passes per step, i.e. gradient "
-                                  "accumulation?): use --opt pipeline=false")
-        rounds, self._rounds = self._rounds, {}
-        t = self.t
-        extra: dict[str, Any] = {}
+        rounds: dict[int, tuple[asyncio.Task[RoundResult], np.ndarray]] = {}
         try:
-            results = [await rounds[c.index][0] for c in self.colayers]
-        except PeerFailure as exc:  # bsp: a member failed mid-round; nothing applied
+            self._launch_all(grad)
+            rounds, self._rounds = self._rounds, {}
+            t = self.t
+            extra: dict[str, Any] = {}
+            try:
+                results = [await rounds[c.index][0] for c in self.colayers]
+            except PeerFailure as exc:  # bsp: a member failed, or an answer never came: nothing applied
+                log.warning("node %d: canary round of iteration %d abandoned: %s", self.ctx.node_id, t, exc)
+                self._resync_due = True
+                extra["abandoned"] = True
+                results = []
+            if results:
+                extra.update(await self._decide(t, grad, results))
+        finally:
             for task, _ in rounds.values():
                 task.cancel()
             await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
-            log.warning("node %d: canary round of iteration %d abandoned: %s", self.ctx.node_id, t, exc)
-            self._resync_due = True
-            extra["abandoned"] = True
-            results = []
-        if results:
-            extra.update(await self._decide(t, grad, results))
+            self._double = False
         # bsp: stop where any contribution of this round asked to (every node saw all of them);
         # native: as soon as this node wants to or heard of it
         seen = any(r.stop for r in results)
@@ -265,7 +297,7 @@ class Canary(Strategy):
         self.stopping = self.stopping or want_stop or seen
         self.next_step = step + 1
         if stop:
-            await self._finish(step)
+            await self._finish()
         wait = time.perf_counter() - t0
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={**extra, **self._metrics()})
 
@@ -279,9 +311,10 @@ class Canary(Strategy):
         if self.opts["mode"] == "bsp":
             d = dataclasses.replace(d, branch=Branch.APPLY)  # every colayer is complete by construction
         self.counts[d.branch.value] += 1
+        row = list(self.gei.row(t))
         if d.branch is Branch.OVERTIME:
-            source = await self._pull_fastest(members)
-            self.t = max(self.t, self.gei.zeta) if source is not None else t + 1
+            got = await self._pull_fastest(members)
+            self.t = max(t + 1, got) if got is not None else t + 1
         else:
             vec = np.empty_like(grad)
             for c, r in zip(self.colayers, results):
@@ -291,10 +324,10 @@ class Canary(Strategy):
                     vec[c.lo:c.hi] = np.divide(r.sums, r.counts, out=np.zeros_like(r.sums), where=r.counts > 0)
             await self.ctx.replica.apply_gradients(vec)
             self.t = t + 1
-        self.gei.see(self.t)
-        self.gei.forget_before(t - 1 - int(min(self.opts["s"], 1 << 20)))
+        self._see(self.t, self.ctx.node_id)
+        self.gei.forget_before(self.t)  # only the current row decides
         return {"t": t, "zeta": self.gei.zeta, "staleness": d.staleness, "branch": d.branch.value,
-                "complete": d.complete, "gei": [int(m) for m in self.gei.row(t)][:16] if len(members) <= 62 else [],
+                "complete": d.complete, "gei": row[:16] if len(members) <= 62 else [],
                 "round_s": round(max(r.seconds for r in results), 5)}
 
     def _use_codec(self, step: int) -> None:
@@ -309,11 +342,19 @@ class Canary(Strategy):
         last = self.ctx.max_steps is not None and self.next_step + 1 >= self.ctx.max_steps
         return self.stopping or last
 
-    def _header(self, peer: int, iteration: int, stop: bool) -> None:
-        if iteration > self.last_iter.get(peer, -1):
-            self.last_iter[peer] = iteration
+    def _see(self, iteration: int, node: int) -> None:
+        """An iteration ``node`` reached: ζ and the node that reported it first."""
+        if iteration > self.gei.zeta:
+            self.zeta_node = node
         self.gei.see(iteration)
-        if stop and not self.stopping:
+
+    def _header(self, h: Header) -> None:
+        if h.it > self.last_iter.get(h.origin, -1):
+            self.last_iter[h.origin] = h.it
+        self._see(h.it, h.origin)
+        if h.zeta > self.gei.zeta:
+            self._see(h.zeta, h.zeta_node)
+        if h.stop and not self.stopping:
             self.stopping = True
 
     def _metrics(self) -> dict[str, Any]:
@@ -322,21 +363,22 @@ class Canary(Strategy):
                                "colayers": len(self.colayers)}
         if st is not None:
             out.update(empties_sent=st.empties_sent, empties_recv=st.empties_recv, stale=st.stale, lost=st.lost,
-                       malformed=st.malformed, wire_bytes=st.wire_bytes, raw_bytes=st.raw_bytes,
+                       moved=st.moved, malformed=st.malformed, wire_bytes=st.wire_bytes, raw_bytes=st.raw_bytes,
                        level_bytes={str(k): v for k, v in sorted(st.by_level.items())})
         return out
 
     # -- overtime: the fastest worker's model ---------------------------------------------
 
     async def _pull_fastest(self, members: tuple[int, ...]) -> int | None:
-        """Branch C: copy the parameters of the fastest live worker (the lowest id at ζ).
-        Returns its id, or None when no peer could give its model (the node then goes on)."""
+        """Branch C: copy the parameters of the fastest worker (the node that reported ζ, then
+        the freshest peers heard from). Returns the iteration of the model taken, or None when
+        no peer gave one (the node then goes on with its own)."""
         me = self.ctx.node_id
-        zeta = self.gei.zeta
-        ahead = sorted((-it, n) for n, it in self.last_iter.items() if n in members and n != me)
-        candidates = [n for _, n in ahead if self.last_iter[n] >= zeta] + [n for _, n in ahead]
-        for n in dict.fromkeys(candidates):
-            tag = f"canary.m.{me}.{self.ctx.transport.incarnation}.{self.t}"
+        heard = sorted((n for n in self.last_iter if n in members and n != me), key=lambda n: -self.last_iter[n])
+        first = [self.zeta_node] if self.zeta_node in members and self.zeta_node != me else []
+        for n in dict.fromkeys([*first, *heard]):
+            self._pulls += 1
+            tag = f"canary.m.{me}.{self.ctx.transport.incarnation}.{self._pulls}"
             try:
                 rep = await self.ctx.rpc.call(n, "canary.model", {"tag": tag}, timeout=self.ctx.peer_timeout)
                 msg = await self.ctx.transport.recv(tag, timeout=self.ctx.peer_timeout)
@@ -351,10 +393,10 @@ class Canary(Strategy):
             finally:
                 self.ctx.transport.mailbox.retire(tag, exact=True)
             await self.ctx.replica.set_params(np.array(vec, copy=True))
-            self.gei.see(it)
+            self._see(it, n)
             log.info("node %d: canary overtime at iteration %d (ζ %d): took node %d's model (its iteration %d)",
-                     me, self.t, zeta, n, it)
-            return n
+                     me, self.t, self.gei.zeta, n, it)
+            return int(it)
         return None
 
     async def _serve_model(self, caller: int, args: Mapping[str, Any], _: Any) -> Any:
@@ -362,27 +404,31 @@ class Canary(Strategy):
         if not isinstance(tag, str) or not tag.startswith(f"canary.m.{caller}."):
             raise ProtocolError("canary", f"bad model request from node {caller}")
         it = self.t
-        vec = await self.ctx.replica.get_params()
+        vec = await asyncio.wait_for(self.ctx.replica.get_params(), self.ctx.peer_timeout)
         await self.fwd.send(caller, tag, [vec], {"it": it})
         return {"it": it}
 
     # -- views and the end -----------------------------------------------------------------
 
-    async def _resync(self, step: int) -> None:
-        """The members of the current view average their state and the exchange is re-planned
-        over them (see the module docstring)."""
+    async def _resync(self) -> bool:
+        """The members of the current view average their state (every member goes on at the
+        newest member's iteration: bsp rounds are keyed by it) and the exchange is re-planned
+        over them. True when a member stopped in that averaging."""
         await self._cancel_rounds()
         if self.exchange is not None:
             await self.exchange.close()
             self.exchange = None
-        # every member goes on at the newest member's iteration (bsp rounds are keyed by it)
-        self.resyncs, go_on = await self.regroup.average_state(self.resyncs, self.t)
+        self.resyncs, go_on, stopped = await self.regroup.average_state(self.resyncs, self.t, self.stopping)
         self.t = go_on - 1
-        self.gei.see(self.t)
+        self._see(self.t, self.ctx.node_id)
         self._resync_due = False
+        if stopped:
+            self.stopping = True
+            return True
         self._plan(self.ctx.view)
+        return False
 
-    async def _finish(self, step: int) -> None:
+    async def _finish(self) -> None:
         """Stop: every member averages its whole state once, so the run ends with one model."""
         await self._cancel_rounds()
-        self.resyncs, _ = await self.regroup.average_state(self.resyncs, self.t)
+        self.resyncs, _, _ = await self.regroup.average_state(self.resyncs, self.t, True)

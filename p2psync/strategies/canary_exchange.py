@@ -5,28 +5,34 @@ without a synchronized barrier … a worker will send an empty packet when it is
 computation or has exchanged current gradient in prior communication"); reading notes
 ../shared/specs/canary.md §6.5 (the push / immediate-reply protocol) and §6.6.
 
-One :class:`Exchange` per node and view: a :class:`~p2psync.collectives.canary_flow.Flow` per
-colayer (results and outboxes, routed as :mod:`~p2psync.collectives.canary_plan` says), and the
-wire protocol of a *round* (one colayer of one iteration): the node adds its own gradient,
-then each thread (one per BCube level, so one per NIC) walks its steps; at a step it sends each
-peer of that step its outbox for that peer and awaits the peer's answer.
+One :class:`Exchange` per node and *plan* (a view's members, re-planned after every
+re-synchronization): a :class:`~p2psync.collectives.canary_flow.Flow` per colayer (results
+and outboxes, routed as :mod:`~p2psync.collectives.canary_plan` says), and the wire protocol
+of a *round* (one colayer of one iteration): the node adds its own gradient, then each thread
+(one per BCube level, so one per NIC) walks its steps; at a step it sends each peer of that
+step its outbox for that peer and awaits the peer's answer. Messages:
+:mod:`~p2psync.strategies.canary_wire`.
 
 * ``native`` mode (Canary's asynchronous exchange): the answer is the peer's *reply*, sent at
   once by the peer's receive task with whatever the peer's outbox holds for this node at that
   step: its data, or an empty packet when it has nothing (still computing, or it sent it
   before). Nobody waits for anyone's computation; data a slow node could not take part in
   stays in an outbox and leaves with its next exchange (exactly once, see canary_plan). A
-  peer that fails to answer within the timeout counts as an empty packet (its data in that
-  exchange is lost, counted in ``lost``).
+  peer that does not answer within the timeout, or answers from another plan, counts as an
+  empty packet (its data in that exchange is lost, counted in ``lost`` / ``moved``).
 * ``bsp`` mode (§5.3's BSP restriction: every ``r^[z] = 2^n − 1``): the answer is the peer's
   own push for the same iteration, colayer, thread and step (exact tags, no empty packets), so
-  every node ends every round with the exact sum over all members: the synchronous schedule.
+  every node ends every round with every member's contribution (the exact sum without a
+  lossy codec). A missing, late or malformed answer abandons the round (PeerFailure).
 
-Every message carries the sender's iteration (it raises the receiver's ``ζ``) and whether the
-sender has stopped. Data whose newest contribution is older than ``ζ − s`` is dropped on receipt
-and not sent (spec §6.5; counted in ``stale``). Payloads go through the codec (the sketch by
-default), re-encoded at every hop after summing in float32 (spec §2.2: partial sums are
-re-sketched). Masks ride as little-endian bytes (any number of nodes).
+Every message carries the sender's iteration and the newest iteration it knows of (ζ spreads
+hop by hop), and whether the sender stops. Data whose newest contribution is older than
+``ζ − s`` is dropped on receipt and not sent (spec §6.5; counted in ``stale``). Payloads go
+through the codec (the sketch by default), re-encoded at every hop after summing in float32
+(spec §2.2: partial sums are re-sketched); what an encoding drops stays in the outbox and
+leaves with the next data for that peer and step (error feedback inside the flow: a lossy
+codec delays part of a contribution, it never loses it, so replicas do not drift apart by
+quantization noise).
 """
 
 from __future__ import annotations
@@ -36,15 +42,16 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from p2psync.collectives.canary_flow import Datum, Flow
 from p2psync.collectives.canary_plan import Layout
-from p2psync.compress import Codec
+from p2psync.compress import Codec, get_codec
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.strategies.canary_gei import node_bit
+from p2psync.strategies.canary_wire import Header, pack, parse_header, unpack
 from p2psync.transport import Transport
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import Message
@@ -52,6 +59,8 @@ from p2psync.wire import Message
 log = logging.getLogger("p2psync.canary")
 
 MODES = ("native", "bsp")
+#: node-local numbers of exchanges (reply tags of a closed exchange are never reused)
+_UIDS = itertools.count(1)
 
 
 @dataclass
@@ -77,7 +86,7 @@ class ExchangeStats:
     stale: int = 0
     lost: int = 0
     malformed: int = 0
-    moved: int = 0  # messages of another view
+    moved: int = 0  # answers from, or pushes for, another plan
     wire_bytes: int = 0
     raw_bytes: int = 0
     #: payload bytes, and messages that carried data, sent per level (NIC)
@@ -85,27 +94,41 @@ class ExchangeStats:
     msgs_by_level: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass
+class Progress:
+    """What the strategy tells the exchange, read at every send."""
+
+    iteration: Callable[[], int]
+    zeta: Callable[[], tuple[int, int]]  # ζ and the node that reported it
+    stopping: Callable[[], bool]
+    on_header: Callable[[Header], None]
+
+
 class Exchange:
-    """The colayer exchanges of one node over one view."""
+    """The colayer exchanges of one node over one plan."""
 
     def __init__(self, *, transport: Transport, fwd: Forwarder, layout: Layout, sizes: Sequence[int],
-                 codec: Codec, mode: str, staleness: float, timeout: float, epoch: int, name: str = "canary",
-                 piece: int = 1 << 18, iteration: Callable[[], int], zeta: Callable[[], int],
-                 stopping: Callable[[], bool], on_header: Callable[[int, int, bool], None]) -> None:
+                 codec: Codec, mode: str, staleness: float, timeout: float, epoch: int, plan: int,
+                 progress: Progress, name: str = "canary", piece: int = 1 << 18) -> None:
         if mode not in MODES:
             raise ValueError(f"canary mode {mode!r}: choose from {', '.join(MODES)}")
-        self.tr, self.fwd, self.layout, self.codec, self.mode = transport, fwd, layout, codec, mode
+        self.tr, self.fwd, self.layout, self.mode = transport, fwd, layout, mode
         self.me = transport.node_id
-        self.s, self.timeout, self.epoch, self.name = staleness, timeout, epoch, name
-        self.iteration, self.zeta, self.stopping, self.on_header = iteration, zeta, stopping, on_header
+        self.s, self.timeout, self.epoch, self.plan, self.name = staleness, timeout, epoch, plan, name
+        self.progress = progress
+        self.codec = codec  # what this node sends with (the strategy may switch it, sketch_fraction)
+        self.codecs: Mapping[str, Codec] = {codec.spec: codec, "none": get_codec("none")}
         self.flows = [Flow(layout, self.me, layout.slots(n, max(piece, -(-n // max(1, layout.levels * layout.alpha * 8)))))
                       for n in sizes]
         self.sizes = list(sizes)
         self.stats = ExchangeStats()
+        self.uid = next(_UIDS)
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._rx: asyncio.Task[None] | None = None
         self.push_tag = f"{name}.p"
+        self._reply_prefix = f"{name}.r.{self.me}.{transport.incarnation}.{self.uid}."
+        self._bsp_prefix = f"{name}.b.{epoch}.{plan}."
         #: a newer view replaced this exchange's: rounds in progress end at once (no new waits)
         self.retired = False
 
@@ -116,13 +139,14 @@ class Exchange:
             self._rx = asyncio.get_running_loop().create_task(self._serve(), name=f"{self.name}-rx-{self.me}")
 
     async def close(self) -> None:
+        self.retired = True
         tasks = [t for t in (self._rx, *self._tasks) if t is not None]
         self._rx = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.tr.mailbox.retire(f"{self.name}.r.{self.me}.")
-        self.tr.mailbox.retire(f"{self.name}.b.{self.epoch}.")
+        self.tr.mailbox.retire(self._reply_prefix)
+        self.tr.mailbox.retire(self._bsp_prefix)
 
     def retire(self, exc: P2PSyncError) -> None:
         """A newer view: pending answers fail with ``exc`` and the rounds in progress take no
@@ -131,11 +155,14 @@ class Exchange:
         self.retired = True
         self.abort_waits(exc)
 
-    def abort_waits(self, exc: P2PSyncError) -> None:
-        """Fail the pending answers (a peer failed or the view changed): native rounds take
-        them as empty packets, bsp rounds raise."""
-        self.tr.mailbox.abort(exc, match=lambda tag: tag.startswith((f"{self.name}.r.{self.me}.",
-                                                                     f"{self.name}.b.{self.epoch}.")))
+    def abort_waits(self, exc: P2PSyncError, peer: int | None = None) -> None:
+        """Fail the pending answers (of ``peer``, or all): native rounds take them as empty
+        packets, bsp rounds are abandoned."""
+        def hit(tag: str) -> bool:
+            if tag.startswith(self._bsp_prefix):
+                return peer is None or tag.endswith(f".{peer}")
+            return tag.startswith(self._reply_prefix) and (peer is None or tag.endswith(f".p{peer}"))
+        self.tr.mailbox.abort(exc, match=hit)
 
     # -- one round -------------------------------------------------------------------------
 
@@ -148,7 +175,7 @@ class Exchange:
         if not self._is_stale(t):
             bit = node_bit(self.me)
             g = np.asarray(grad, dtype=np.float32)
-            stop = self.stopping()
+            stop = self.progress.stopping()
             for s in flow.slots:
                 flow.add(s, 0, Datum(g[s.lo:s.hi].copy(), 1, bit, t, t, stop))
         else:
@@ -174,19 +201,16 @@ class Exchange:
             await _all(self._step(z, th, k, y, t) for y in peers)
 
     async def _step(self, z: int, th: int, k: int, y: int, t: int) -> None:
-        flow = self.flows[z]
-        if self.retired:
-            if self.mode == "bsp":
-                raise PeerFailure(f"{self.name}: view {self.epoch} was replaced during the round")
-            return
         if self.mode == "bsp":
-            await self._send(y, self._bsp_tag(t, z, th, k, self.me), z, th, k, flow, t, reply_to=None)
-            msg = await self.tr.recv(self._bsp_tag(t, z, th, k, y), timeout=self.timeout)
-            self._ingest(msg, z, th, k, y)
+            await self._bsp_step(z, th, k, y, t)
             return
-        rq = f"{self.name}.r.{self.me}.{self.tr.incarnation}.{next(self._seq)}"
+        if self.retired:
+            return
+        rq = f"{self._reply_prefix}{next(self._seq)}.p{y}"
         try:
-            await self._send(y, self.push_tag, z, th, k, flow, t, reply_to=rq)
+            await self._send(y, self.push_tag, z, th, k, reply_to=rq)
+            if self.retired:  # replaced while the push was on its way out
+                return
             msg = await self.tr.recv(rq, timeout=self.timeout)
             self._ingest(msg, z, th, k, y)
         except ProtocolError as exc:  # native: a malformed answer counts as an empty packet
@@ -198,81 +222,91 @@ class Exchange:
         finally:
             self.tr.mailbox.retire(rq, exact=True)
 
-    def _bsp_tag(self, t: int, z: int, th: int, k: int, src: int) -> str:
-        return f"{self.name}.b.{self.epoch}.{t}.{z}.{th}.{k}.{src}"
+    async def _bsp_step(self, z: int, th: int, k: int, y: int, t: int) -> None:
+        def abandoned(why: str) -> PeerFailure:
+            return PeerFailure(f"{self.name}: round of iteration {t} abandoned at step {k} with node {y}: {why}",
+                               peers=(y,))
+        if self.retired:
+            raise abandoned(f"view {self.epoch} was replaced")
+        tag = f"{self._bsp_prefix}{t}.{z}.{th}.{k}."
+        try:
+            await self._send(y, f"{tag}{self.me}", z, th, k, reply_to=None)
+            if self.retired:
+                raise abandoned(f"view {self.epoch} was replaced")
+            msg = await self.tr.recv(f"{tag}{y}", timeout=self.timeout)
+            self._ingest(msg, z, th, k, y)
+        except (PeerTimeout, ProtocolError) as exc:  # the round cannot complete: abandoned
+            raise abandoned(str(exc)) from exc
 
     # -- messages ----------------------------------------------------------------------------
 
     def _is_stale(self, newest: int) -> bool:
-        return newest < self.zeta() - self.s
+        return newest < self.progress.zeta()[0] - self.s
 
-    def _outgoing(self, flow: Flow, th: int, k: int, y: int) -> tuple[list[list[Any]], list[np.ndarray]]:
-        """Take this node's outbox for ``y`` at step ``k``: (entries, arrays)."""
-        entries: list[list[Any]] = []
-        arrays: list[np.ndarray] = []
-        for s in flow.send_slots(th, k, y):
-            d = flow.take_outbox(k, y, s)
-            if d is None:
-                continue
-            if self._is_stale(d.newest):
-                self.stats.stale += 1
-                continue
-            enc = self.codec.encode(np.ascontiguousarray(d.vec, dtype=np.float32))
-            entries.append([s.index, d.count, _mask_bytes(d.mask), d.newest, d.oldest, d.stop, len(enc)])
-            arrays += enc
-            self.stats.raw_bytes += s.size * 4
-            self.stats.wire_bytes += sum(a.nbytes for a in enc)
-        return entries, arrays
-
-    async def _send(self, y: int, tag: str, z: int, th: int, k: int, flow: Flow, t: int,
-                    reply_to: str | None) -> None:
-        entries, arrays = self._outgoing(flow, th, k, y)
-        meta: dict[str, Any] = {"o": self.me, "e": self.epoch, "z": z, "th": th, "k": k, "it": t,
-                                "st": self.stopping(), "d": entries}
+    async def _send(self, y: int, tag: str, z: int, th: int, k: int, reply_to: str | None,
+                    moved: bool = False) -> None:
+        """Send ``y`` this node's outbox for step ``k`` (nothing when ``moved``: an empty
+        packet saying this node is on another plan)."""
+        items = []
+        flow = None if moved else self.flows[z]
+        if flow is not None:
+            for s in flow.send_slots(th, k, y):
+                d = flow.take_outbox(k, y, s)
+                if d is None:
+                    continue
+                if self._is_stale(d.newest):
+                    self.stats.stale += 1
+                    continue
+                items.append((s, d))
+        codec = self.codec
+        entries, arrays, residuals = pack(items, codec)
+        for (s, d), (_, r) in zip(items, residuals):  # error feedback: the residue goes with the next data
+            if flow is not None:
+                flow.put_back(k, y, s, Datum(r, 0, 0, d.newest, d.oldest))
+        zeta, zn = self.progress.zeta()
+        meta = Header(self.me, self.epoch, self.plan, z, th, k, self.progress.iteration(), zeta, zn,
+                      self.progress.stopping(), codec.spec).meta()
+        meta["d"] = entries
         if reply_to is not None:
             meta["rq"] = reply_to
+        if moved:
+            meta["mv"] = True
+        nbytes = sum(a.nbytes for a in arrays)
         self.stats.pushes += 1
+        self.stats.raw_bytes += sum(s.size * 4 for s, _ in items)
+        self.stats.wire_bytes += nbytes
+        if flow is not None:
+            level = self.layout.level(th, k)
+            self.stats.by_level[level] = self.stats.by_level.get(level, 0) + nbytes
+            if entries:
+                self.stats.msgs_by_level[level] = self.stats.msgs_by_level.get(level, 0) + 1
         if not entries:
             self.stats.empties_sent += 1
-        level = self.layout.level(th, k)
-        self.stats.by_level[level] = self.stats.by_level.get(level, 0) + sum(a.nbytes for a in arrays)
-        if entries:
-            self.stats.msgs_by_level[level] = self.stats.msgs_by_level.get(level, 0) + 1
         await self.fwd.send(y, tag, arrays, meta, timeout=self.timeout)
 
     def _ingest(self, msg: Message, z: int, th: int, k: int, y: int) -> None:
         """Take the data of an answer (or a push) from ``y`` for step ``k`` of thread ``th``."""
-        meta = msg.meta
-        entries = meta.get("d")
-        it, stop = meta.get("it"), meta.get("st")
-        if type(it) is not int or not isinstance(stop, bool) or not isinstance(entries, list):
-            raise ProtocolError("canary", f"node {y}: malformed header {sorted(meta)!r}"[:120])
-        self.on_header(y, it, stop)
-        if not entries:
-            self.stats.empties_recv += 1
+        h = parse_header(msg.meta, msg.src)
+        if h.origin != y or (h.z, h.th, h.k) != (z, th, k):
+            raise ProtocolError("canary", f"node {msg.src}: answer for another exchange "
+                                          f"(node {h.origin}, colayer {h.z}, thread {h.th}, step {h.k})")
+        self.progress.on_header(h)
+        if msg.meta.get("mv") or (h.epoch, h.plan) != (self.epoch, self.plan):
+            self.stats.moved += 1
             return
+        codec = self.codecs.get(h.codec)
+        if codec is None:
+            raise ProtocolError("canary", f"node {y}: codec {h.codec!r} (this exchange: {self.codec.spec!r})")
         flow = self.flows[z]
         allowed = {s.index: s for s in flow.recv_slots(th, k, y)}
-        pos = 0
-        for e in entries:
-            if not (isinstance(e, list) and len(e) == 7 and all(type(v) is int for v in (*e[:2], *e[3:5], e[6]))
-                    and isinstance(e[2], bytes) and isinstance(e[5], bool)):
-                raise ProtocolError("canary", f"node {y}: malformed slot entry")
-            idx, count, mask_b, newest, oldest, stop_flag, narr = e
-            slot = allowed.get(idx)
-            if slot is None or count < 1 or narr < 1 or pos + narr > len(msg.arrays):
-                raise ProtocolError("canary", f"node {y}: slot {idx} is not one it sends this node at step {k}")
-            vec = self.codec.decode(msg.arrays[pos:pos + narr], slot.size)
-            pos += narr
-            if not np.all(np.isfinite(vec)):
-                raise ProtocolError("canary", f"node {y}: non-finite values in slot {idx}")
-            if self._is_stale(newest):
+        items = unpack(msg.meta.get("d"), msg.arrays, allowed, codec, y)
+        if not items:
+            self.stats.empties_recv += 1
+        for slot, d in items:
+            if self._is_stale(d.newest):
                 self.stats.stale += 1
                 continue
-            flow.add(slot, k + 1, Datum(np.array(vec, dtype=np.float32, copy=True), count,
-                                        int.from_bytes(mask_b, "little"), newest, oldest, stop_flag))
-        if pos != len(msg.arrays):
-            raise ProtocolError("canary", f"node {y}: {len(msg.arrays) - pos} arrays too many")
+            flow.add(slot, k + 1, d)
 
     # -- the receive task (native) -------------------------------------------------------
 
@@ -282,34 +316,37 @@ class Exchange:
                 msg = await self.tr.listen(self.push_tag)
             except TransportError:
                 return
+            except P2PSyncError as exc:  # e.g. a piece refused at ingest (non-finite): go on
+                self._malformed(exc)
+                continue
             try:
                 self._answer(msg)
             except ProtocolError as exc:
                 self._malformed(exc)
 
-    def _malformed(self, exc: ProtocolError) -> None:
+    def _malformed(self, exc: P2PSyncError) -> None:
         if not self.stats.malformed:
             log.warning("node %d: malformed canary message ignored: %s", self.me, exc)
         self.stats.malformed += 1
 
     def _answer(self, msg: Message) -> None:
-        meta = msg.meta
-        y, e, z, th, k, rq = (meta.get(f) for f in ("o", "e", "z", "th", "k", "rq"))
-        if not (type(y) is int and type(e) is int and type(z) is int and type(th) is int and type(k) is int
-                and isinstance(rq, str) and rq.startswith(f"{self.name}.r.{y}.")):
+        h = parse_header(msg.meta, msg.src)
+        rq, y = msg.meta.get("rq"), h.origin
+        if not (isinstance(rq, str) and rq.startswith(f"{self.name}.r.{y}.") and rq.endswith(f".p{self.me}")):
             raise ProtocolError("canary", f"node {msg.src}: malformed push")
         if msg.src != y and self.tr.topology.routes(self.me, y):  # a neighbour's push comes directly
             raise ProtocolError("canary", f"node {msg.src} pushed as node {y}")
-        if e != self.epoch:  # another view's layout: nothing of it can be routed here
+        if (h.epoch, h.plan) != (self.epoch, self.plan):  # another plan: nothing of it routes here
             self.stats.moved += 1
+            self.progress.on_header(h)
+            self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None, moved=True))
             return
-        if not (0 <= z < len(self.flows) and 0 <= th < self.layout.levels and 0 <= k < self.layout.steps
-                and y in self.layout.peers(self.me, th, k)):
-            raise ProtocolError("canary", f"node {y}: push for colayer {z}, thread {th}, step {k} "
+        if not (h.z < len(self.flows) and h.th < self.layout.levels and h.k < self.layout.steps
+                and y in self.layout.peers(self.me, h.th, h.k)):
+            raise ProtocolError("canary", f"node {y}: push for colayer {h.z}, thread {h.th}, step {h.k} "
                                           "is not one of its exchanges with this node")
-        self._ingest(msg, z, th, k, y)
-        flow = self.flows[z]
-        self._spawn(self._send(y, rq, z, th, k, flow, self.iteration(), reply_to=None))
+        self._ingest(msg, h.z, h.th, h.k, y)
+        self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(self._guard(coro))
@@ -335,8 +372,4 @@ async def _all(coros: Any) -> list[Any]:
         raise
 
 
-def _mask_bytes(mask: int) -> bytes:
-    return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
-
-
-__all__ = ["Exchange", "ExchangeStats", "MODES", "RoundResult"]
+__all__ = ["Exchange", "ExchangeStats", "MODES", "Progress", "RoundResult"]

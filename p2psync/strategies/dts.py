@@ -312,7 +312,7 @@ class DTS(Strategy):
         the loop goes on at when it is not ``step + 1``."""
         log.warning("node %d: DTS re-synchronizes after step %d (%s)", self.ctx.node_id, step, why)
         await self._drop_flights()
-        self.resyncs, go_on = await self.regroup.average_state(self.resyncs, step)
+        self.resyncs, go_on, _ = await self.regroup.average_state(self.resyncs, step)
         self._resync_due = False
         self.epoch = self.ctx.epoch
         self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=go_on)

@@ -179,33 +179,36 @@ class Regroup:
                 err = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc))
                 await self._await_newer(view, err)
 
-    async def average_state(self, count: int, step: int) -> tuple[int, int]:
+    async def average_state(self, count: int, step: int, flag: bool = False) -> tuple[int, int, bool]:
         """Every member of the current view averages its whole state (weights and optimizer
         state, one exact allreduce) and they agree on the step to go on at: the highest
         member's next, so a joiner or a node that ran ahead lines up. ``count`` numbers these
         averagings (the same on every member: it keys their tags); a node that missed one
         (it failed here, succeeded elsewhere) adopts a member's state and count and joins
-        the next. Returns (the next count, the step to go on at)."""
-        got = await self.run(count, lambda v: self._mean_state(v, count, step))
+        the next. ``flag`` rides along (a member that averages because it stops makes the
+        others stop with it). Returns (the next count, the step to go on at, any flag)."""
+        got = await self.run(count, lambda v: self._mean_state(v, count, step, flag))
         while isinstance(got, Adopted):
             count = got.step
-            got = await self.run(count, lambda v: self._mean_state(v, count, step))
-        return count + 1, max(step + 1, int(got) if got is not None else 0)
+            got = await self.run(count, lambda v: self._mean_state(v, count, step, flag))
+        top, any_flag = got if got is not None else (0, flag)
+        return count + 1, max(step + 1, top), any_flag
 
-    async def _mean_state(self, view: View, count: int, step: int) -> int:
+    async def _mean_state(self, view: View, count: int, step: int, flag: bool) -> tuple[int, bool]:
         coll = self.ctx.collectives
         tag = f"{self.name}.{count}.e{view.epoch}"
-        steps = asyncio.ensure_future(coll.allgather(np.array([step], np.int64), view.members, tag=f"{tag}.steps"))
+        steps = asyncio.ensure_future(coll.allgather(np.array([step, int(flag)], np.int64), view.members,
+                                                     tag=f"{tag}.steps"))
         try:
             vec = await self.snapshot()
             mean = await coll.allreduce(vec, view.members, op="mean", codec="none", tag=tag)
-            top = max(int(a[0]) for a in await steps)
+            rows = await steps
         finally:
             if not steps.done():
                 steps.cancel()
                 await asyncio.gather(steps, return_exceptions=True)
         await self.restore(np.asarray(mean, dtype=np.float32))
-        return top + 1
+        return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
 
     def _reformed(self, failed_at: float | None) -> None:
         if failed_at is not None:

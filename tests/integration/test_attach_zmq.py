@@ -298,3 +298,46 @@ def test_canary_gradient_accumulation_needs_pipeline_off(tmp_path: Path) -> None
         _two_nodes(tmp_path, "canary", body, tag="a")
     out = _two_nodes(tmp_path, "canary", body, strategy_options=(("pipeline", "false"),), max_steps=STEPS, tag="b")
     assert out[0].tobytes() == out[1].tobytes()  # the final average
+
+
+class _TwoHeads(nn.Module):
+    """A model whose second head gets no gradient (an unused branch) in one colayer with the
+    first head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+        self.unused = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_canary_pipelining_with_an_unused_branch_and_gradient_clipping(tmp_path: Path) -> None:
+    """Review H3: a colayer with a parameter that got no gradient is sent at the step (it made
+    the next step fail as "gradient accumulation"), and clipping after backward only warns."""
+    models = {}
+    for i in (0, 1):
+        torch.manual_seed(5)
+        models[i] = _TwoHeads()
+
+    def body(s: Session, i: int) -> Any:
+        model = models[i]
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        steps = 0
+        for batches in _batches(i):
+            opt.zero_grad()
+            x, y = batches[0]
+            nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            steps += 1
+            if s.should_stop:
+                break
+        s.close()
+        return steps, torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+
+    out = _two_nodes(tmp_path, "canary", body, strategy_options=(("colayers", "2"),), max_steps=STEPS)
+    assert max(out[0][0], out[1][0]) == STEPS
+    assert out[0][1].tobytes() == out[1][1].tobytes()

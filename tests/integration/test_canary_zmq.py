@@ -12,7 +12,7 @@ import pytest
 
 from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import get_codec
-from p2psync.strategies.canary_exchange import Exchange
+from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
 from p2psync.training.hetero import parse_profiles
 from p2psync.transport.forward import Forwarder
@@ -29,9 +29,10 @@ async def test_bcube_3x2_schedule_over_zeromq_every_nic_carries_6_slots_and_ever
     async with zmq_cluster(topo) as eps:
         fwds = {i: Forwarder(transport=eps[i], name="canary", timeout=10, accept=lambda to, tag: True)
                 for i in topo.ids}
+        progress = Progress(iteration=lambda: 0, zeta=lambda: (0, 0), stopping=lambda: False,
+                            on_header=lambda h: None)
         exes = {i: Exchange(transport=eps[i], fwd=fwds[i], layout=layout, sizes=[n], codec=get_codec("none"),
-                            mode="bsp", staleness=float("inf"), timeout=10, epoch=0, iteration=lambda: 0,
-                            zeta=lambda: 0, stopping=lambda: False, on_header=lambda *a: None)
+                            mode="bsp", staleness=float("inf"), timeout=10, epoch=0, plan=0, progress=progress)
                 for i in topo.ids}
         rng = np.random.default_rng(5)
         grads = {i: rng.integers(-100, 100, n).astype(np.float32) for i in topo.ids}
@@ -143,16 +144,65 @@ async def test_a_worker_more_than_s_behind_is_reset_to_the_fastest_model():
 
 
 async def test_malformed_pushes_are_counted_and_the_exchange_goes_on():
+    """A push for a colayer that does not exist, one posing as another node, and one carrying a
+    NaN: each is counted and ignored (the NaN is refused at ingest); the receive task and the
+    forwarder keep serving and the run ends normally."""
     topo = ring(3, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        strats = await start_strategies(eps, topo, "canary", max_steps=6)
+        strats = await start_strategies(eps, topo, "canary", max_steps=8)
         try:
             ep1 = eps[1]
-            await ep1.send(0, "canary.p", [np.zeros(3, np.float32)], meta={"o": 1, "e": 0, "z": 9, "th": 0, "k": 0,
-                                                                           "rq": "canary.r.1.x", "it": 0, "st": False,
-                                                                           "d": []})
-            await ep1.send(0, "canary.p", [], meta={"o": 2, "e": 0})  # posing as node 2
-            await _run(strats, 6)
+            head = {"o": 1, "e": 0, "pl": 0, "th": 0, "k": 0, "it": 0, "zt": 0, "zn": 1, "st": False, "c": "none",
+                    "d": []}
+            await ep1.send(0, "canary.p", [], meta={**head, "z": 9, "rq": "canary.r.1.x.p0"})
+            await ep1.send(0, "canary.p", [], meta={**head, "o": 2, "z": 0, "rq": "canary.r.2.x.p0"})
+            await ep1.send(0, "canary.p", [np.full(4, np.nan, np.float32)],
+                           meta={**head, "z": 0, "rq": "canary.r.1.y.p0",
+                                 "d": [[0, 1, b"\x02", 0, 0, False, 1]]})
+            reps = await _run(strats, 8)
         finally:
             await close_strategies(strats)
-    assert strats[0].exchange is None or strats[0].exchange.stats.malformed >= 1
+    ex = strats[0].exchange
+    assert ex is not None and ex.stats.malformed >= 2, ex.stats
+    assert eps[0].offences[1] == 1  # the NaN piece: refused at ingest, attributed to node 1
+    assert all(len(r) >= 4 for r in reps)  # node 0 kept answering: nobody waited out a timeout
+    assert all(r[-1].extra["lost"] == 0 for r in reps)
+
+
+async def test_bsp_rounds_after_a_replan_in_the_same_view():
+    """Review H1: a re-synchronization without a view change (a resumed run) re-plans at the
+    same epoch; the new plan's bsp messages must not fall into the closed plan's retired tags
+    (they did: every node waited out the timeout)."""
+    topo = bcube(2, 2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "canary", options={"mode": "bsp"}, max_steps=6)
+        try:
+            for s in strats:
+                s.load_state_dict({"t": 0})  # as a resumed run: average first, then a new plan
+            reps = await asyncio.wait_for(_run(strats, 6), 60)
+        finally:
+            await close_strategies(strats)
+    assert [len(r) for r in reps] == [6] * 4
+    assert all(s.resyncs == 2 for s in strats)  # the re-sync and the final average
+    assert not any(r.extra.get("abandoned") for rs in reps for r in rs)
+
+
+async def test_overtime_pull_falls_back_to_the_next_candidate():
+    """Review H4: when the node that reported ζ cannot give its model, the next freshest does
+    (the model arrives under a tag of its own for every candidate)."""
+    topo = ring(3, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "canary", max_steps=4)
+        try:
+            await _run(strats, 4)
+            await strats[2].close()
+            await strats[2].ctx.rpc_server.close()
+            eps[0].mark_dead(2)
+            s0 = strats[0]
+            s0.last_iter, s0.zeta_node, s0.t = {2: 90, 1: 50}, 2, 10
+            strats[1].t = 57
+            got = await asyncio.wait_for(s0._pull_fastest((0, 1, 2)), 30)
+            mine, theirs = await s0.ctx.replica.get_params(), await strats[1].ctx.replica.get_params()
+        finally:
+            await close_strategies(strats[:2])
+    assert got == 57 and mine.tobytes() == theirs.tobytes()

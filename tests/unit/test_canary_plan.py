@@ -159,13 +159,13 @@ def test_groups_that_are_not_a_whole_bcube_use_the_mesh_layout():
     assert layout_for(ring(4), [2]).peers(2, 0, 0) == ()
 
 
-@pytest.mark.parametrize("kind", ["bcube32", "bcube22", "mesh5"])
+@pytest.mark.parametrize("kind", ["bcube32", "bcube22", "bcube23", "mesh5"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_asynchronous_interleavings_deliver_every_contribution_exactly_once(kind, seed):
     """Nodes run their steps in a random order, some add their gradient late (after others
     finished their round), results are taken at random times: summed over all the rounds a
     node takes, every contribution arrives exactly once (no loss, no double count)."""
-    topo = {"bcube32": bcube(3, 2), "bcube22": bcube(2, 2), "mesh5": mesh(5)}[kind]
+    topo = {"bcube32": bcube(3, 2), "bcube22": bcube(2, 2), "bcube23": bcube(2, 3), "mesh5": mesh(5)}[kind]
     layout = layout_for(topo, topo.ids)
     rng = random.Random(seed)
     n = 23
