@@ -72,6 +72,10 @@ class Forwarder:
                 msg = await self.transport.listen(self.tag)
             except TransportError:
                 return
+            except P2PSyncError as exc:  # a message refused at ingest (e.g. non-finite): go on relaying
+                self.malformed += 1
+                log.info("node %d: %s: forwarded message refused: %s", self.transport.node_id, self.name, exc)
+                continue
             to, tag, meta = msg.meta.get("to"), msg.meta.get("tag"), msg.meta.get("m")
             if (type(to) is not int or to == self.transport.node_id or not isinstance(tag, str)
                     or not isinstance(meta, dict) or not self.accept(to, tag)):
