@@ -65,11 +65,11 @@ class Flow:
     def recv_slots(self, thread: int, step: int, peer: int) -> tuple[Slot, ...]:
         return self._recv[(thread, step, peer)]
 
-    def add(self, slot: Slot, stage: int, d: Datum) -> None:
+    def add(self, slot: Slot, stage: int, d: Datum, source: int | None = None) -> None:
         """Data for ``slot`` reached this node at ``stage`` (0: own, k + 1: received at step
-        k): into the result and/or the outboxes the routing rules name. Takes ownership of
-        ``d.vec``."""
-        into_result, outs = self.layout.route(self.me, slot, stage)
+        k, from ``source``): into the result and/or the outboxes the routing rules name. Takes
+        ownership of ``d.vec``."""
+        into_result, outs = self.layout.route(self.me, slot, stage, source)
         for k, y in outs:
             held = self.outbox.get((k, y, slot.index))
             if held is None:

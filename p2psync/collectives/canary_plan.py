@@ -34,8 +34,14 @@ an *outbox* of data not yet sent there. Data for a slot that reaches a node at *
 
 * if the node owns the slot: into the result, and into the outboxes of every later allgather
   step ``k' >= max(1, s)`` and of the allreduce step (every peer of those steps);
-* if not: its own contribution goes into the step-0 outbox of the slot's owner in its level-t
-  cube; what arrives at the allreduce step goes into the result.
+* if not: its own contribution goes into its result and the step-0 outbox of the slot's owner
+  in its level-t cube; what arrives at the allreduce step goes into the result.
+
+A step-0 receipt is the sender's own gradient, which the sender keeps in its own result: the
+owner's allreduce-step outbox for that sender leaves it out (the synchronous schedule sends the
+total back, the sender replacing its own copy; here nobody gets its own gradient back, which is
+the same sum and, asynchronously, fewer messages: an owner has data for a fast peer only when
+*other* nodes' gradients came in, not merely the peer's own).
 
 Every contribution then reaches every node's result exactly once, along one path, whatever the
 order in which the nodes run their steps; run in lockstep it is exactly the schedule above
@@ -130,19 +136,22 @@ class Layout:
                     out.append(Slot(len(out), t, j, c, min(hi, c + piece)))
         return tuple(out)
 
-    def route(self, x: int, slot: Slot, stage: int) -> tuple[bool, tuple[tuple[int, int], ...]]:
-        """Where data for ``slot`` that reached ``x`` at ``stage`` goes: (into the result?,
-        the (step, peer) outboxes). Stage 0 is x's own gradient, ``k + 1`` a receipt at step
-        ``k``. ValueError for data that cannot arrive there (a peer sent the wrong slot)."""
+    def route(self, x: int, slot: Slot, stage: int, source: int | None = None) -> tuple[bool, tuple[tuple[int, int], ...]]:
+        """Where data for ``slot`` that reached ``x`` at ``stage`` (from ``source``) goes: (into
+        the result?, the (step, peer) outboxes). Stage 0 is x's own gradient, ``k + 1`` a
+        receipt at step ``k``. ValueError for data that cannot arrive there (a peer sent the
+        wrong slot)."""
         t, beta = slot.thread, self.levels
         if self.owns(x, slot):
             if stage > beta:
                 raise ValueError(f"node {x} owns slot {slot.index}: it receives it in the allgather stage only")
-            out = [(k, y) for k in range(max(1, stage), beta + 1) for y in self.peers(x, t, k)]
+            # a step-0 receipt is its sender's own gradient, which the sender keeps: no echo
+            out = [(k, y) for k in range(max(1, stage), beta + 1) for y in self.peers(x, t, k)
+                   if not (stage == 1 and k == beta and y == source)]
             return True, tuple(out)
         if stage == 0:
             (owner,) = [y for y in self.peers(x, t, 0) if self.digits[y][t] == slot.owner]
-            return False, ((0, owner),)
+            return True, ((0, owner),)
         if stage == beta + 1:
             return True, ()
         raise ValueError(f"node {x} does not own slot {slot.index}: it receives it in the allreduce step only")

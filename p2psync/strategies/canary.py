@@ -47,10 +47,11 @@ Choices where the paper is silent or wrong (the spec's resolutions unless said):
 * ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
   empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
   schedule (equal to ``ssgd`` with the sketch off).
-* **Stop**: a node that wants to stop (``--steps``, ``--time``, ``request_stop``) says so in
-  every message and contribution it sends; in native mode every node stops at the end of the
-  iteration in which it learns it, in bsp mode where any contribution of a round asked to (the
-  same round on every node); the members then average their whole state once (exact), so the
+* **Stop**: a node that has stopped (``--steps``, ``--time``, ``request_stop``) says so in
+  every message it sends and every node stops at the end of the iteration in which it learns
+  it (native: the first node at its budget ends the run); in bsp mode the flag rides in the
+  contributions of the last round (with ``--steps`` known in advance) and every node stops
+  after the same round; the members then average their whole state once (exact), so the
   run ends with one model (as P-Reduce and DTS do). A member that is re-synchronizing when
   another stops learns it in that averaging and stops too.
 * **Views**: a failed peer's pending answers are aborted at once (native: empty packets; bsp:
@@ -180,7 +181,8 @@ class Canary(Strategy):
             staleness=self.opts["s"], timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
             piece=max(1, self.ctx.collectives.piece_bytes // 4),
             progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.zeta_node),
-                              stopping=self._stop_flag, on_header=self._header))
+                              stopping=lambda: self.stopping, on_header=self._header,
+                              last=self._stop_flag if self.opts["mode"] == "bsp" else None))
         self.exchange.start()
 
     async def close(self) -> None:
@@ -337,8 +339,8 @@ class Canary(Strategy):
             self.exchange.codec = self.codec if sketching else self.plain
 
     def _stop_flag(self) -> bool:
-        """What this node's messages and contributions say: it stops (or the run's step
-        budget ends with the step the next rounds belong to)."""
+        """bsp: what this node's contributions say: it stops, or the run's step budget ends
+        with the step the next rounds belong to (every node then stops after that round)."""
         last = self.ctx.max_steps is not None and self.next_step + 1 >= self.ctx.max_steps
         return self.stopping or last
 

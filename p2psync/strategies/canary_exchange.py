@@ -100,8 +100,11 @@ class Progress:
 
     iteration: Callable[[], int]
     zeta: Callable[[], tuple[int, int]]  # ζ and the node that reported it
-    stopping: Callable[[], bool]
+    stopping: Callable[[], bool]  # in every header: this node has stopped
     on_header: Callable[[Header], None]
+    #: in this node's own contributions: the run stops after this round (bsp: every node
+    #: sees every contribution of a round, so all stop after the same one); default: stopping
+    last: Callable[[], bool] | None = None
 
 
 class Exchange:
@@ -175,7 +178,7 @@ class Exchange:
         if not self._is_stale(t):
             bit = node_bit(self.me)
             g = np.asarray(grad, dtype=np.float32)
-            stop = self.progress.stopping()
+            stop = (self.progress.last or self.progress.stopping)()
             for s in flow.slots:
                 flow.add(s, 0, Datum(g[s.lo:s.hi].copy(), 1, bit, t, t, stop))
         else:
@@ -306,7 +309,7 @@ class Exchange:
             if self._is_stale(d.newest):
                 self.stats.stale += 1
                 continue
-            flow.add(slot, k + 1, d)
+            flow.add(slot, k + 1, d, y)
 
     # -- the receive task (native) -------------------------------------------------------
 

@@ -31,11 +31,11 @@ def exchange(flows: dict[int, Flow], x: int, thread: int, step: int, y: int) -> 
     for s in fx.send_slots(thread, step, y):
         d = fx.take_outbox(step, y, s)
         if d is not None:
-            fy.add(s, step + 1, d)
+            fy.add(s, step + 1, d, x)
     for s in fy.send_slots(thread, step, x):
         d = fy.take_outbox(step, x, s)
         if d is not None:
-            fx.add(s, step + 1, d)
+            fx.add(s, step + 1, d, y)
 
 
 def lockstep(flows: dict[int, Flow], layout: Layout) -> None:
