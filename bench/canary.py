@@ -3,7 +3,7 @@
 (convergence time), reading notes ../shared/specs/canary.md §7).
 
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
-                           [--speeds 1,1,2,3] [--base 0.05] [--target 0.93] [--repeats 1]
+                           [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
                            [--mode wait|compute] [--quick]
 
 Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
@@ -11,12 +11,19 @@ topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-m
 token bucket per NIC, shared by its links), the digits data with a wide MLP (``--hidden``: the
 model's size makes the links matter: 4096 -> 0.3 M parameters, 1.2 MB per gradient),
 heterogeneous emulated step times (node i: ``base x speeds[i mod len]``, +-``--jitter``),
-momentum SGD, the same seeds for every configuration. Configurations:
+momentum SGD, the same seeds for every configuration. The defaults (0.1 s for the fastest
+device, lr 0.02, target 95 %) put the runs in the regime the paper measures — time to accuracy
+bound by how many gradients the cluster turns out per second — rather than in the first few
+seconds where any method reaches an easy target: at lr 0.05 every configuration passes 93 %
+within 3-4 s and the ratios are noise; at 0.05 s per step nine node processes saturate this
+machine's 2 cores (Canary then measures the CPU, not the exchange). Configurations:
 
 * **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
   NIC per node busy, as the paper's BSP baselines);
 * **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
-  during backward) with the sketch (sketch8, its default) and without (``--opt sketch=false``).
+  during backward) with the sketch (sketch8, its default), without (``--opt sketch=false``), and
+  with the sketch at 6 bits per value (``--opt sketch_bits=6``, §4.3.1's "fewer and flexible
+  bits").
 
 Measured per run (every node's node-*.jsonl):
 
@@ -32,7 +39,7 @@ Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" 
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
-Run time: per BCube, 3 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+Run time: per BCube, 4 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
 the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 6 minutes at the defaults.
 ``--quick``: BCube(2,2) only, 20 s runs.
 """
@@ -59,7 +66,8 @@ class Config:
 
 CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ring")),
            Config("Canary (sketch)", ("--strategy", "canary")),
-           Config("Canary (fp32)", ("--strategy", "canary", "--opt", "sketch=false")))
+           Config("Canary (fp32)", ("--strategy", "canary", "--opt", "sketch=false")),
+           Config("Canary (6-bit sketch)", ("--strategy", "canary", "--opt", "sketch_bits=6")))
 
 
 @dataclass
@@ -149,21 +157,24 @@ def targets(res: Sequence[Outcome]) -> list[str]:
 
     for cube in dict.fromkeys(o.cube for o in res):
         by = {o.config.label: o for o in res if o.cube == cube}
-        bsp, can = by.get(CONFIGS[0].label), by.get(CONFIGS[1].label)
-        if bsp is None or can is None:
-            continue
-        cut = 1 - can.bytes_per_iter / bsp.bytes_per_iter if bsp.bytes_per_iter else 0.0
-        out.append(f"- BCube({cube}): Canary's traffic per iteration {cut:.0%} below BSP's (target >= 70 %; "
-                   f"paper 56 %): {verdict(cut >= 0.7)}")
-        if can.to_target < INF and bsp.to_target < INF:
-            sp = bsp.to_target / can.to_target
-            out.append(f"- BCube({cube}): Canary {sp:.2f}x sooner to the target than BSP (target >= 1.5x): "
-                       f"{verdict(sp >= 1.5)}")
-        else:
-            out.append(f"- BCube({cube}): the target was not reached by {'BSP' if bsp.to_target == INF else 'Canary'}")
-        gap = (bsp.final_acc - can.final_acc) * 100
-        out.append(f"- BCube({cube}): final accuracy {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({gap:+.1f} points "
-                   f"below BSP; target within 1 point): {verdict(gap <= 1.0)}")
+        bsp = by.get(CONFIGS[0].label)
+        for cfg in CONFIGS[1:]:
+            can = by.get(cfg.label)
+            if bsp is None or can is None:
+                continue
+            name = f"BCube({cube}) {cfg.label}"
+            cut = 1 - can.bytes_per_iter / bsp.bytes_per_iter if bsp.bytes_per_iter else 0.0
+            out.append(f"- {name}: traffic per iteration {cut:.0%} below BSP's (target >= 70 %; paper 56 %): "
+                       f"{verdict(cut >= 0.7)}")
+            if can.to_target < INF and bsp.to_target < INF:
+                sp = bsp.to_target / can.to_target
+                out.append(f"- {name}: {sp:.2f}x sooner to the target than BSP (target >= 1.5x): {verdict(sp >= 1.5)}")
+            else:
+                out.append(f"- {name}: the target was not reached by "
+                           f"{'BSP' if bsp.to_target == INF else 'Canary'}")
+            gap = (bsp.final_acc - can.final_acc) * 100
+            out.append(f"- {name}: final accuracy {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({gap:+.1f} points "
+                       f"below BSP; target within 1 point): {verdict(gap <= 1.0)}")
     return out
 
 
@@ -201,10 +212,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--nic-mbps", type=float, default=1000.0)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.0, 2.0, 3.0])
-    ap.add_argument("--base", type=float, default=0.05, help="step time of the fastest device (s)")
+    ap.add_argument("--base", type=float, default=0.1, help="step time of the fastest device (s)")
     ap.add_argument("--jitter", type=float, default=0.2)
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--target", type=float, default=0.93)
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")

@@ -106,12 +106,21 @@ def _lookup(codes: np.ndarray, table: np.ndarray, use_numba: bool) -> np.ndarray
 
 
 class Sketch8(Codec):
-    """Canary's gradient sketch: 256 equal-mass quantile buckets, one byte per value."""
+    """Canary's gradient sketch: 256 equal-mass quantile buckets, one byte per value.
+
+    ``sketch8:BITS`` (1..8) uses ``2**BITS`` buckets and packs the codes into BITS bits each
+    (the paper's "fewer and flexible bits (instead of the fixed 8 bits)", §4.3.1): 6 bits send
+    0.75 byte per value; the representatives table has 2**BITS floats."""
 
     name = "sketch8"
+    usage = "sketch8[:BITS]"
 
     def __init__(self, *, sample: int = 16384, boundaries: str = "hybrid",
-                 representative: str = "mean", use_numba: bool = True) -> None:
+                 representative: str = "mean", use_numba: bool = True, bits: int = 8) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ConfigError(f"codec sketch8: the bit width must be 1 to 8, got {bits!r}")
+        self.bits = bits
+        self.buckets = 1 << bits
         if sample < 256:
             raise ConfigError("sketch8 needs a sample of at least 256 values")
         if representative not in ("mean", "mid"):
@@ -123,42 +132,78 @@ class Sketch8(Codec):
         self.representative = representative
         self.use_numba = use_numba
 
+    @classmethod
+    def with_param(cls, param: str) -> Sketch8:
+        try:
+            bits = int(param)
+        except ValueError:
+            raise ConfigError(f"codec sketch8:{param}: the bit width must be a whole number 1 to 8") from None
+        return cls(bits=bits)
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.bits == 8 else f"{self.name}:{self.bits}"
+
     def quantiles(self, x: np.ndarray) -> np.ndarray:
-        """257 boundaries q_0 = min <= q_1 <= ... <= q_256 = max (Step 1)."""
+        """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max (Step 1; B = 2**bits)."""
         lo, hi = K.minmax(x) if self.use_numba else (float(x.min()), float(x.max()))
         stride = max(1, x.size // self.sample)
         s = np.sort(x[::stride])
-        if self.boundaries == "quantile":
-            inner = s[(np.arange(1, 256) * s.size) // 256]
+        b = self.buckets
+        if self.boundaries == "quantile" or b < 4:
+            inner = s[(np.arange(1, b) * s.size) // b]
         else:
-            q = s[(np.arange(1, 128) * s.size) // 128]
-            inner = np.sort(np.concatenate([q, np.linspace(lo, hi, 130, dtype=np.float32)[1:-1]]))
+            half = b // 2
+            q = s[(np.arange(1, half) * s.size) // half]
+            inner = np.sort(np.concatenate([q, np.linspace(lo, hi, half + 2, dtype=np.float32)[1:-1]]))
         return np.concatenate([[lo], inner, [hi]]).astype(np.float32)
 
+    def _nbytes(self, n: int) -> int:
+        return (n * self.bits + 7) // 8
+
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        b = self.buckets
         if x.size == 0:
-            return [np.empty(0, np.uint8), np.zeros(256, np.float32)]
+            return [np.empty(0, np.uint8), np.zeros(b, np.float32)]
         q = self.quantiles(x)
-        bounds = np.empty(256, np.float32)
-        bounds[:255] = q[1:-1]
-        bounds[255] = np.inf
-        if self.use_numba:  # Step 3: one-byte bucket index (and bucket sums for Step 2)
+        bounds = np.empty(b, np.float32)
+        bounds[:b - 1] = q[1:-1]
+        bounds[b - 1] = np.inf
+        if self.use_numba:  # Step 3: the bucket index (and bucket sums for Step 2)
             codes = np.empty(x.size, np.uint8)
             sums = np.zeros(256, np.float64)
             counts = np.zeros(256, np.int64)
-            K.bucketize(x, bounds, codes, sums, counts)
+            if b == 256:
+                K.bucketize(x, bounds, codes, sums, counts)
+            else:  # the 8-halving search over each boundary repeated 256/B times: index = 256/B x bucket
+                r = 256 // b
+                wide = np.full(256, np.inf, np.float32)
+                wide[:(b - 1) * r] = np.repeat(bounds[:b - 1], r)
+                K.bucketize(x, wide, codes, sums, counts)
+                codes >>= 8 - self.bits
+                sums, counts = sums[::r], counts[::r]
         else:
-            codes, sums, counts = K.bucketize_np(x, bounds)
+            codes = np.searchsorted(bounds[:b - 1], x, side="right").astype(np.uint8)
+            counts = np.bincount(codes, minlength=b).astype(np.int64)
+            sums = np.bincount(codes, weights=x.astype(np.float64), minlength=b)
         mid = (q[:-1] + q[1:]) * 0.5  # Step 2 as in the paper
         if self.representative == "mid":
             reps = mid
         else:
             reps = np.where(counts > 0, sums / np.maximum(counts, 1), mid)
+        if self.bits < 8:
+            packed = np.zeros(self._nbytes(x.size), np.uint8)
+            K.pack_bits(codes, self.bits, packed)
+            codes = packed
         return [codes, reps.astype(np.float32)]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
-        _expect(arrays, [(np.dtype(np.uint8), n), (np.dtype(np.float32), 256)], self.name)
-        return _lookup(arrays[0], arrays[1], self.use_numba)
+        _expect(arrays, [(np.dtype(np.uint8), self._nbytes(n)), (np.dtype(np.float32), self.buckets)], self.spec)
+        if self.bits == 8:
+            return _lookup(arrays[0], arrays[1], self.use_numba)
+        out = np.empty(n, np.float32)
+        K.unpack_lookup(np.ascontiguousarray(arrays[0]), self.bits, np.ascontiguousarray(arrays[1]), out)
+        return out
 
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, TopK)}

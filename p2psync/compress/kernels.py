@@ -76,3 +76,32 @@ def lookup(codes: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
 
 def lookup_np(codes: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[codes]
+
+
+@njit(cache=True, nogil=True)
+def pack_bits(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """``codes`` (each < 2**bits) into ``out`` (zeroed, ceil(n*bits/8) bytes), little-endian."""
+    pos = 0
+    for i in range(codes.shape[0]):
+        c = np.uint32(codes[i])
+        byte = pos >> 3
+        shift = pos & 7
+        out[byte] |= np.uint8((c << shift) & 0xFF)
+        if shift + bits > 8:
+            out[byte + 1] |= np.uint8(c >> (8 - shift))
+        pos += bits
+
+
+@njit(cache=True, nogil=True)
+def unpack_lookup(packed: np.ndarray, bits: int, table: np.ndarray, out: np.ndarray) -> None:
+    """Decode :func:`pack_bits` output straight through ``table`` into ``out``."""
+    mask = (1 << bits) - 1
+    pos = 0
+    for i in range(out.shape[0]):
+        byte = pos >> 3
+        shift = pos & 7
+        v = np.uint32(packed[byte]) >> shift
+        if shift + bits > 8:
+            v |= np.uint32(packed[byte + 1]) << (8 - shift)
+        out[i] = table[v & mask]
+        pos += bits

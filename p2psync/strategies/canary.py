@@ -110,6 +110,7 @@ class Canary(Strategy):
         "colayer_layers": (str, "", "layers per colayer, output to input (e.g. 3,4,4,8)"),
         "colayer_kib": (int, 4096, "automatic rule: largest colayer, KiB"),
         "sketch": (bool, True, "without --codec: every payload through the gradient sketch (sketch8), else none"),
+        "sketch_bits": (int, 8, "the sketch's bits per value, 1-8 (2**bits buckets; §4.3.1 'fewer and flexible bits')"),
         "sketch_fraction": (float, 1.0, "sketch while step/--steps is below this (Fig. 22a)"),
         "divisor": (str, "members", "members (sum / n) or contributors"),
         "proportion_mask": (str, "full", "a colayer is complete with every member's bit (full) or its own (own)"),
@@ -129,7 +130,8 @@ class Canary(Strategy):
             raise ConfigError("canary: s must be >= 0, sketch_fraction in [0, 1], colayer_kib >= 1")
         self.layer_counts = parse_counts(o["colayer_layers"])
         run_codec = ctx.collectives.codec
-        self.codec: Codec = get_codec(run_codec if run_codec != "none" else "sketch8" if o["sketch"] else "none")
+        sketch = "sketch8" if o["sketch_bits"] == 8 else f"sketch8:{o['sketch_bits']}"
+        self.codec: Codec = get_codec(run_codec if run_codec != "none" else sketch if o["sketch"] else "none")
         self.plain = get_codec("none")
         self.regroup = Regroup(ctx=ctx, name="canary")
         self.fwd = Forwarder(transport=ctx.transport, name="canary", timeout=ctx.peer_timeout,

@@ -33,8 +33,10 @@ def test_target_lines():
     bsp = b.Outcome(b.CONFIGS[0], "2x2", 10.0, 0.95, 1e6, 0.9, 100)
     can = b.Outcome(b.CONFIGS[1], "2x2", 5.0, 0.948, 2e5, 0.3, 300)
     lines = b.targets([bsp, can])
-    assert "80% below" in lines[0] and lines[0].endswith("PASS")
+    assert "Canary (sketch): traffic per iteration 80% below" in lines[0] and lines[0].endswith("PASS")
     assert "2.00x sooner" in lines[1] and lines[1].endswith("PASS")
     assert "+0.2 points" in lines[2] and lines[2].endswith("PASS")
     slow = b.Outcome(b.CONFIGS[1], "2x2", math.inf, 0.90, 9e5, 0.3, 300)
     assert b.targets([bsp, slow])[0].endswith("FAIL") and "not reached by Canary" in b.targets([bsp, slow])[1]
+    six = b.Outcome(b.CONFIGS[3], "2x2", 6.0, 0.95, 1e5, 0.2, 280)
+    assert [ln.split(":")[0] for ln in b.targets([bsp, can, six])][3:] == ["- BCube(2x2) Canary (6-bit sketch)"] * 3

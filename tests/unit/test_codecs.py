@@ -124,3 +124,30 @@ def test_decode_rejects_wrong_payloads_and_bad_names():
         get_codec("zip")
     with pytest.raises(ConfigError):
         Sketch8(sample=10)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_sketch_with_fewer_bits(bits):
+    """Canary §4.3.1's "fewer and flexible bits": 2**bits buckets, codes packed into bits bits,
+    order-preserving, every value decoded to its bucket's representative within [min, max]."""
+    rng = np.random.default_rng(bits)
+    x = rng.standard_t(3, 1001).astype(np.float32)
+    c = get_codec(f"sketch8:{bits}")
+    enc = c.encode(x)
+    assert enc[0].nbytes == (x.size * bits + 7) // 8 and enc[1].size == 2 ** bits
+    y = c.decode(enc, x.size)
+    assert y.min() >= x.min() and y.max() <= x.max()
+    order = np.argsort(x, kind="stable")
+    assert (np.diff(y[order]) >= 0).all()  # order-preserving
+    assert len(np.unique(y)) <= 2 ** bits
+    assert c.spec == ("sketch8" if bits == 8 else f"sketch8:{bits}")
+    if bits == 8:
+        assert np.array_equal(y, Sketch8().roundtrip(x))
+
+
+def test_sketch_bit_widths_are_checked():
+    for bad in ("0", "9", "x", "4.5"):
+        with pytest.raises(ConfigError, match="bit width"):
+            get_codec(f"sketch8:{bad}")
+    with pytest.raises(ProtocolError):
+        get_codec("sketch8:4").decode([np.zeros(3, np.uint8), np.zeros(16, np.float32)], 10)  # 10 x 4 bits = 5 bytes
