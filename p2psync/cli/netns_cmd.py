@@ -10,7 +10,7 @@ from p2psync.transport import netem
 from p2psync.transport.shaping import LinkSpec, load_wan_profile
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("netns", help="build/remove network namespaces + tc shaping for a topology",
                        description="One namespace per node, a veth per NIC, a bridge per network, "
                                    "tc netem/tbf per link (root; netem qdisc for delay).")

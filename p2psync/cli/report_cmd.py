@@ -11,7 +11,7 @@ from p2psync.errors import ConfigError
 from p2psync.training.metrics import bytes_sent, read_jsonl
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="summarize a run folder: table + PNG plots",
                        description="Reads runs/<run-id>/node-*.jsonl and writes report.png "
                                    "(loss, accuracy, bytes per NIC over time) into the folder.")

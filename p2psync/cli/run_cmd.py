@@ -30,7 +30,7 @@ DEFAULT_EPOCHS = 20.0
 log = logging.getLogger("p2psync.cli")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from p2psync.strategies import REGISTRY
 
     d = RunConfig(topology="")

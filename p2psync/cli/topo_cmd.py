@@ -9,7 +9,7 @@ from p2psync.topology import bcube, dumps, load, mesh, ring, save, star
 from p2psync.topology.builders import DEFAULT_PORT
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("topo", help="write a ring/mesh/star/bcube topology, or check a file",
                        description="Write a topology JSON file (stdout unless -o), or check one.")
     tsub = p.add_subparsers(dest="topo_kind", required=True, metavar="KIND")

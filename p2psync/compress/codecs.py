@@ -85,9 +85,9 @@ class Int8Uniform(Codec):
         inv = 1.0 / scale if scale > 0 else 0.0
         if self.use_numba:
             codes = np.empty(x.size, np.uint8)
-            K.quantize_uniform(x, np.float32(lo), np.float32(inv), codes)
+            K.quantize_uniform(x, float(lo), float(inv), codes)
         else:
-            codes = K.quantize_uniform_np(x, np.float32(lo), np.float32(inv))
+            codes = K.quantize_uniform_np(x, float(lo), float(inv))
         return [codes, np.array([lo, scale], dtype=np.float32)]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -169,6 +169,8 @@ class Sketch8(Codec):
         bounds = np.empty(b, np.float32)
         bounds[:b - 1] = q[1:-1]
         bounds[b - 1] = np.inf
+        sums: np.ndarray
+        counts: np.ndarray
         if self.use_numba:  # Step 3: the bucket index (and bucket sums for Step 2)
             codes = np.empty(x.size, np.uint8)
             sums = np.zeros(256, np.float64)

@@ -75,7 +75,8 @@ def lookup(codes: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
 
 
 def lookup_np(codes: np.ndarray, table: np.ndarray) -> np.ndarray:
-    return table[codes]
+    out: np.ndarray = table[codes]
+    return out
 
 
 @njit(cache=True, nogil=True)

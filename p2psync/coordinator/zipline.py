@@ -70,7 +70,7 @@ def predict(pushes: Sequence[Sequence[float]], R: int) -> np.ndarray:
     return np.array(rows, dtype=np.float64)
 
 
-def _choice(M: np.ndarray, z: Sequence[int]) -> BarrierChoice:
+def _choice(M: np.ndarray, z: Sequence[int] | np.ndarray) -> BarrierChoice:
     vals = M[np.arange(M.shape[0]), np.asarray(z)]
     return BarrierChoice(tuple(int(i) for i in z), float(vals.max() - vals.min()), float(vals.max()))
 

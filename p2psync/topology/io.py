@@ -58,10 +58,10 @@ def _no_extra(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
 
 
 def _name(value: Any, path: str) -> str:
-    _typed(value, str, path)
-    if not value or len(value) > 64 or any(c.isspace() for c in value):
+    text: str = _typed(value, str, path)
+    if not text or len(text) > 64 or any(c.isspace() for c in text):
         raise ConfigError("must be 1-64 characters without spaces", field=path)
-    return value
+    return text
 
 
 def _link_attrs(obj: Any, path: str, extra: set[str] = frozenset()) -> LinkAttrs:  # type: ignore[assignment]
@@ -167,11 +167,11 @@ def topology_from_dict(doc: Any) -> Topology:
                 raise ConfigError(f"duplicate of {p}.nics[{nic_names[nic.name]}]",
                                   field=f"{p}.nics[{j}].name")
             nic_names[nic.name] = j
-            key = (nic.address, nic.port)
-            if key in endpoints:
-                raise ConfigError(f"duplicate of {endpoints[key]} ({nic.address}:{nic.port})",
+            where = (nic.address, nic.port)
+            if where in endpoints:
+                raise ConfigError(f"duplicate of {endpoints[where]} ({nic.address}:{nic.port})",
                                   field=f"{p}.nics[{j}].port")
-            endpoints[key] = f"{p}.nics[{j}]"
+            endpoints[where] = f"{p}.nics[{j}]"
             nics.append(nic)
         key = n.get("curve_public")
         if key is not None and (not isinstance(key, str) or not _Z85_KEY.match(key)):

@@ -87,7 +87,7 @@ class BatchSampler:
     def batch(self, k: int) -> np.ndarray:
         n = len(self.indices)
         start = k * self.batch_size
-        out = []
+        out: list[int] = []
         while len(out) < self.batch_size:
             epoch, pos = divmod(start + len(out), n)
             perm = self._perm(epoch)

@@ -133,7 +133,7 @@ def encode(
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}")
         specs.append([dname, list(arr.shape), codec, arr.nbytes])
-        payload.append(memoryview(arr.reshape(-1)).cast("B") if arr.size else b"")
+        payload.append(arr.reshape(-1).data.cast("B") if arr.size else b"")
     header: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "kind": kind,
