@@ -43,6 +43,7 @@ client reports the offender to the coordinator, which excludes it).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -57,6 +58,7 @@ from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
+from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
 from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode
 from p2psync.wire.schema import MAX_U64
@@ -115,6 +117,8 @@ class Transport(Relaying, ABC):
         self.relayed = 0
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
+        self._relay_ctr = itertools.count(1)
+        self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = None
         #: run id stamped on every header and required on every incoming one (set before start)
@@ -312,13 +316,16 @@ class Transport(Relaying, ABC):
             if known is not None and h.inc < known:
                 raise ProtocolError("stale_incarnation",
                                     f"node {h.src} incarnation {h.inc} < registered {known}")
-            if known is not None and h.inc > known and h.src in self.dead:
+            now = time.monotonic()
+            # what a message says about its origin is recorded only when the origin is proven
+            # (received from it, or a relayed message whose digest this node verified): a relay
+            # must not let a forged "new life" of a dead node outrank its real restart
+            if origin_ok and known is not None and h.inc > known and h.src in self.dead:
                 # a new life of a node declared dead (restarted to rejoin): reachable again, so
                 # it can be answered; the membership view decides whether it is a member
                 self.peer_incarnations[h.src] = h.inc
                 self.revive(h.src)
-            now = time.monotonic()
-            if origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
+            elif origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
                 self.last_arrival[h.src] = now  # proves nothing about the registered process
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
