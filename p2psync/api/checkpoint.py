@@ -117,6 +117,12 @@ def feedback_state(fb: ErrorFeedback | None) -> dict[str, torch.Tensor]:
             for k, v in fb.residual.items()}
 
 
+def feedback_states(feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> dict[str, Any]:
+    """Copies of the residuals of the collectives' two error feedbacks (call where they
+    change: on the event loop)."""
+    return {"ef": feedback_state(feedback[0]), "sparse": feedback_state(feedback[1])}
+
+
 def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
     if fb is None:
         return
@@ -130,12 +136,12 @@ def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
 # -- a node's state as one dict ----------------------------------------------------------------
 
 def snapshot(*, p2psync: Mapping[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-             feedback: tuple[ErrorFeedback | None, ErrorFeedback | None], extra: Mapping[str, Any]) -> dict[str, Any]:
+             extra: Mapping[str, Any]) -> dict[str, Any]:
     """Everything of a node a checkpoint holds (call on the thread that owns the model):
-    ``p2psync`` (step, samples, strategy, run, node, strategy state) plus copies of the model's
-    and optimizer's state, the error feedback residuals, the RNG states and ``extra``."""
-    state: dict[str, Any] = {"format": FORMAT, **p2psync, "rng": capture_rng(), "extra": dict(extra),
-                             "feedback": {"ef": feedback_state(feedback[0]), "sparse": feedback_state(feedback[1])}}
+    ``p2psync`` (step, samples, strategy, run, node, strategy state, error feedback residuals:
+    copied on the event loop, see :func:`feedback_states`) plus copies of the model's and
+    optimizer's state, the RNG states and ``extra``."""
+    state: dict[str, Any] = {"format": FORMAT, **p2psync, "rng": capture_rng(), "extra": dict(extra)}
     if model is not None:
         state["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if optimizer is not None:
@@ -164,5 +170,6 @@ def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | N
         load_feedback(feedback[1], fb.get("sparse", {}))
 
 
-__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "load", "load_feedback", "node_checkpoint",
+__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "feedback_states", "load", "load_feedback",
+           "node_checkpoint",
            "restore_feedback", "restore_local", "restore_rng", "save_atomic", "snapshot"]

@@ -30,7 +30,7 @@ def _state(step: int) -> dict:
     opt.step()
     return checkpoint.snapshot(p2psync={"step": step, "samples": 7 * step, "strategy": "ssgd", "run_id": "r",
                                         "node": 0, "strategy_state": {"in_sync": True}},
-                               model=model, optimizer=opt, feedback=(None, None), extra={"sampler": {"batches_done": step}})
+                               model=model, optimizer=opt, extra={"sampler": {"batches_done": step}})
 
 
 def test_round_trip_and_rng_states(tmp_path: Path) -> None:
