@@ -85,7 +85,10 @@ class SessionState:
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Script state that checkpoints carry under ``extra[name]`` (tensors, numbers, strings,
         lists, dicts), e.g. the data sampler's position: ``get()`` when one is written,
-        ``set_(value)`` at :meth:`attach` when resuming. Register before :meth:`attach`."""
+        ``set_(value)`` at :meth:`attach` when resuming. Register before :meth:`attach`.
+        ``--checkpoint-every`` calls ``get()`` while the training thread is inside the
+        ``optimizer.step()`` of the step it saves: count a batch as consumed when it is taken,
+        before that call, so a resumed script does not take it again."""
         self._extras[name] = (get, set_)
 
     def _restore_extras(self, extra: Any) -> None:
