@@ -75,6 +75,12 @@ class TrainingError(P2PSyncError):
     """The training loop or a strategy failed in a way that ends the run."""
 
 
+class Diverged(TrainingError):
+    """Training produced NaN or infinity: this node's own gradient or a tensor it was about to
+    send holds one, or the coordinator ended the run because most members were reported for
+    sending them. The run cannot go on; no peer is blamed for it."""
+
+
 class Aborted(P2PSyncError):
     """A local computation was abandoned on request (e.g. ESync's READY arrived mid-iteration)."""
 

@@ -3,7 +3,7 @@
 What a checkpoint holds (:meth:`p2psync.api.session.Session.state_dict`): the step reached and
 the samples seen, the run and node, the model's and the optimizer's ``state_dict()``, the
 strategy's state (JSON values), the residuals of error feedback (lossy codecs), the RNG states
-(torch CPU and CUDA, numpy's global generator, Python's ``random``) and ``extra`` state that the
+(torch CPU and the CUDA device the model is on, numpy's global generator, Python's ``random``) and ``extra`` state that the
 training script registers (the built-in job: its data sampler's position and its emulated
 device's step-time generator).
 
@@ -15,7 +15,8 @@ not tensors are stored as plain lists.
 Atomic: :func:`save_atomic` writes a temporary file in the same folder, flushes and fsyncs it,
 renames it over the checkpoint (``os.replace``, atomic on POSIX) and fsyncs the folder. A
 process killed at any moment leaves either the previous checkpoint or the new one, never a
-torn file; a stale temporary file is overwritten by the next save.
+torn file; a stale temporary file is removed by the next save, which creates its own
+exclusively (``O_EXCL | O_NOFOLLOW``: never through a link planted in the folder).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from p2psync.compress import ErrorFeedback
 from p2psync.errors import ConfigError
+from p2psync.files import open_new
 
 FORMAT = 1
 CHECKPOINT = "checkpoint.pt"
@@ -47,7 +49,7 @@ def save_atomic(path: str | Path, state: Mapping[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open_new(tmp, 0o600) as f:
         torch.save(dict(state), f)
         f.flush()
         os.fsync(f.fileno())
@@ -78,8 +80,16 @@ def load(path: str | Path) -> dict[str, Any]:
 
 # -- RNG states --------------------------------------------------------------------------------
 
-def capture_rng() -> dict[str, Any]:
-    """Every global random generator a training loop may draw from."""
+def model_device(model: torch.nn.Module | None) -> torch.device:
+    """The device of the model's first parameter (CPU without parameters or model)."""
+    p = next(model.parameters(), None) if model is not None else None
+    return p.device if p is not None else torch.device("cpu")
+
+
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """Every global random generator a training loop may draw from: torch's CPU generator,
+    numpy's, Python's, and the generator of the CUDA device ``device`` if it is one (only that
+    one: a CPU run never initialises CUDA)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     version, internal, gauss_next = random.getstate()
     out: dict[str, Any] = {
@@ -88,21 +98,24 @@ def capture_rng() -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "python": {"version": int(version), "internal": list(internal), "gauss_next": gauss_next},
     }
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out["cuda"] = {"device": int(index), "state": torch.cuda.get_rng_state(index)}
     return out
 
 
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Put back what :func:`capture_rng` captured (ConfigError if it is malformed)."""
+def restore_rng(state: Mapping[str, Any], device: torch.device | None = None) -> None:
+    """Put back what :func:`capture_rng` captured (ConfigError if it is malformed); a CUDA
+    generator's state goes to ``device`` (the model's, which may differ from the writer's)."""
     try:
         torch.set_rng_state(state["torch"])
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
         py = state["python"]
         random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state.get("cuda")
+        if isinstance(cuda, dict) and device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda["state"], device)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise ConfigError(f"checkpoint: malformed RNG state ({type(exc).__name__}: {exc})") from None
 
@@ -115,6 +128,12 @@ def feedback_state(fb: ErrorFeedback | None) -> dict[str, torch.Tensor]:
         return {}
     return {json.dumps(list(k) if isinstance(k, tuple) else k): torch.from_numpy(v.copy())
             for k, v in fb.residual.items()}
+
+
+def feedback_states(feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> dict[str, Any]:
+    """Copies of the residuals of the collectives' two error feedbacks (call where they
+    change: on the event loop)."""
+    return {"ef": feedback_state(feedback[0]), "sparse": feedback_state(feedback[1])}
 
 
 def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
@@ -130,12 +149,12 @@ def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
 # -- a node's state as one dict ----------------------------------------------------------------
 
 def snapshot(*, p2psync: Mapping[str, Any], model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-             feedback: tuple[ErrorFeedback | None, ErrorFeedback | None], extra: Mapping[str, Any]) -> dict[str, Any]:
+             extra: Mapping[str, Any]) -> dict[str, Any]:
     """Everything of a node a checkpoint holds (call on the thread that owns the model):
-    ``p2psync`` (step, samples, strategy, run, node, strategy state) plus copies of the model's
-    and optimizer's state, the error feedback residuals, the RNG states and ``extra``."""
-    state: dict[str, Any] = {"format": FORMAT, **p2psync, "rng": capture_rng(), "extra": dict(extra),
-                             "feedback": {"ef": feedback_state(feedback[0]), "sparse": feedback_state(feedback[1])}}
+    ``p2psync`` (step, samples, strategy, run, node, strategy state, error feedback residuals:
+    copied on the event loop, see :func:`feedback_states`) plus copies of the model's and
+    optimizer's state, the RNG states and ``extra``."""
+    state: dict[str, Any] = {"format": FORMAT, **p2psync, "rng": capture_rng(model_device(model)), "extra": dict(extra)}
     if model is not None:
         state["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if optimizer is not None:
@@ -154,7 +173,7 @@ def restore_local(state: Mapping[str, Any], model: torch.nn.Module, optimizer: t
         raise ConfigError(f"checkpoint: does not fit this model or optimizer ({type(exc).__name__}: "
                           f"{str(exc)[:300]})") from None
     if "rng" in state:
-        restore_rng(state["rng"])
+        restore_rng(state["rng"], model_device(model))
 
 
 def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> None:
@@ -164,5 +183,6 @@ def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | N
         load_feedback(feedback[1], fb.get("sparse", {}))
 
 
-__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "load", "load_feedback", "node_checkpoint",
+__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "feedback_states", "load", "load_feedback",
+           "node_checkpoint",
            "restore_feedback", "restore_local", "restore_rng", "save_atomic", "snapshot"]

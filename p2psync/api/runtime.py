@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import asdict
@@ -82,6 +83,18 @@ def checked_run_id(value: Any, coordinator: int) -> str:
         raise ProtocolError("run_id", f"coordinator {coordinator} named the run {str(value)[:140]!r}: not a "
                             "plain folder name (1-128 characters of A-Z a-z 0-9 _ . + -, no '/', no '..')")
     return str(value)
+
+
+def finite_values(obj: Any) -> Any:
+    """``obj`` with NaN and infinite floats replaced by None (the wire refuses them, and JSON
+    has no such numbers), in nested dicts and lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_values(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite_values(v) for v in obj]
+    return obj
 
 
 def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
@@ -190,7 +203,7 @@ class NodeRuntime:
         without it); the node coordinating then writes ``summary.json``."""
         stats["rejected"] = dict(self.transport.rejected)
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
-        await self.membership.finish(stats, timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
+        await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
         if relays_for_others(self.topo, self.node_id, self.membership.coordinator):
             # the coordinator's finish replies to nodes behind this one pass through it
             await asyncio.sleep(RELAY_LINGER_S)
@@ -216,4 +229,5 @@ class NodeRuntime:
         await self.transport.close()
 
 
-__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "relays_for_others", "summarize", "wire_run_id"]
+__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relays_for_others", "summarize",
+           "wire_run_id"]

@@ -15,10 +15,16 @@ step, replace parameters and optimizer state). The strategy is driven on the eve
 its ``train_step`` takes the user's iterations through the replica
 (:class:`~p2psync.api.replica.HookedReplica`), so every strategy is written once.
 
-Identical start: after the rendezvous every member compares its trainable parameter count with
-the others (a mismatch is a :class:`ConfigError` naming every node's count) and takes the
-coordinator's initial parameters (a broadcast), so a script seeded differently on one node does
-not silently diverge. A node that joins a running run takes its state from a live peer instead.
+Identical start (:mod:`p2psync.api.start`): after the rendezvous every member compares its
+trainable parameter count and whether (and at which step) it resumes with the others (a
+mismatch is a :class:`ConfigError` naming every node's values) and, on a fresh start, takes
+the coordinator's initial parameters. A node that joins a running run takes its state from a
+live peer instead.
+
+Divergence: a gradient holding NaN or infinity ends the run on this node with
+:class:`~p2psync.errors.Diverged` ("training diverged at step k on node i") before anything is
+sent, as does a view by which the coordinator ended the run (most members were reported for
+non-finite values, :mod:`p2psync.coordinator.membership`).
 
 Stopping: the run stops when the strategy agrees on it (synchronous strategies stop every node
 at the same step): the ``--time`` / ``--steps`` budget of the configuration, or
@@ -48,12 +54,16 @@ from p2psync.api import checkpoint
 from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
-from p2psync.errors import ConfigError, P2PSyncError, TrainingEnded, TrainingError
+from p2psync.api.session_state import SessionState
+from p2psync.api.start import identical_start
+from p2psync.coordinator import View
+from p2psync.errors import ConfigError, Diverged, P2PSyncError, TrainingEnded, TrainingError
 from p2psync.strategies.base import Strategy
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
 from p2psync.training.flat import FlatModel
 from p2psync.training.metrics import MetricsWriter, bytes_sent
+from p2psync.transport import all_finite
 
 log = logging.getLogger("p2psync.session")
 
@@ -63,7 +73,7 @@ T = TypeVar("T")
 CANCEL_GRACE_S = 10.0
 
 
-class Session:
+class Session(SessionState):
     """One node of a run in this process. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, topology: str | Path | None = None, node: int | None = None,
@@ -196,8 +206,12 @@ class Session:
         samples, self._pending_samples = self._pending_samples, 0
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
             raise TrainingError("optimizer.step() hooked without a replica")
-        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=self.replica.flat.grads(),
-                         params_gen=self.replica.params_gen)
+        grads = self.replica.flat.grads()
+        if not all_finite(grads):  # before any strategy can send it: this node's own divergence
+            self._fail(Diverged(f"training diverged at step {self.step} on node {self.node_id}: its gradient "
+                                "holds NaN or infinity (nothing was sent; no peer is blamed)"))
+            raise self._error  # type: ignore[misc]
+        self.gate.arrive(loss=self._pending_loss, samples=samples, grads=grads, params_gen=self.replica.params_gen)
         if self._error is not None:
             raise self._error
         return loss
@@ -243,53 +257,6 @@ class Session:
             raise self._error
         return self.stats
 
-    def state_dict(self) -> dict[str, Any]:
-        """This node's whole state, what ``--checkpoint-every`` writes (see
-        :mod:`p2psync.api.checkpoint`): the step reached, the run it belongs to, the strategy's
-        state, copies of the attached model's and optimizer's state, error feedback residuals,
-        the RNG states and what :meth:`register_state` added. Call it on the training thread
-        (between steps); save it with ``torch.save`` and load it with ``weights_only=True``."""
-        own = {"step": self.step, "samples": self.gate.samples, "strategy": self.cfg.strategy,
-               "run_id": self.runtime.run_id if self.runtime is not None else self.cfg.run_id,
-               "node": self.node_id,
-               "strategy_state": self.strategy.state_dict() if self.strategy is not None else {}}
-        flat = self.replica.flat if self.replica is not None else None
-        coll = self.runtime.collectives if self.runtime is not None else None
-        return checkpoint.snapshot(p2psync=own, model=flat.model if flat else None,
-                                   optimizer=flat.optimizer if flat else None,
-                                   feedback=(coll.feedback, coll.sparse_feedback) if coll else (None, None),
-                                   extra={name: get() for name, (get, _) in self._extras.items()})
-
-    def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
-        """Script state that checkpoints carry under ``extra[name]`` (tensors, numbers, strings,
-        lists, dicts), e.g. the data sampler's position: ``get()`` when one is written,
-        ``set_(value)`` at :meth:`attach` when resuming. Register before :meth:`attach`."""
-        self._extras[name] = (get, set_)
-
-    def _restore_extras(self, extra: Any) -> None:
-        if isinstance(extra, dict):
-            for name, (_, set_) in self._extras.items():
-                if name in extra:
-                    set_(extra[name])
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before :meth:`attach`, which puts the model, optimizer,
-        RNG and registered state back): training resumes at its step."""
-        if self.replica is not None:
-            raise ConfigError("Session.load_state_dict: call it before attach()")
-        step = state.get("step")
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"Session.load_state_dict: bad step {step!r}")
-        if state.get("strategy") not in (None, self.cfg.strategy):
-            raise ConfigError(f"Session.load_state_dict: the checkpoint is of strategy {state.get('strategy')!r}, "
-                              f"this run uses {self.cfg.strategy!r}")
-        self._resume_step = step
-        st = state.get("strategy_state", {})
-        if not isinstance(st, dict):
-            raise ConfigError(f"Session.load_state_dict: bad strategy_state {type(st).__name__}")
-        self._strategy_state = st
-        self._loaded = state
-
     def __enter__(self) -> "Session":
         return self
 
@@ -301,6 +268,23 @@ class Session:
             self.close(graceful=False)
         except P2PSyncError:
             pass  # the user's exception is the one to report
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the run on this node with ``exc`` (any thread): the training thread raises it at
+        its next step, the strategy's driver stops."""
+        if self._error is not None:
+            return
+        self._error = exc
+        self.gate.fail(exc)
+        driver = self._driver
+        if driver is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(driver.cancel)
+
+    def _on_view(self, view: View) -> None:
+        """A view that ends the run (most members were reported for non-finite values)."""
+        if view.ended:
+            self._fail(Diverged(f"training diverged at step {self.step}: coordinator {view.coordinator} ended "
+                                f"the run on node {self.node_id}'s view {view.epoch} ({view.ended})"))
 
     def _shutdown_loop(self) -> None:
         if not self._loop.is_closed():
@@ -320,7 +304,8 @@ class Session:
             if self._loaded is not None:
                 checkpoint.restore_feedback(self._loaded, (rt.collectives.feedback, rt.collectives.sparse_feedback))
             if not rt.joined:
-                await self._identical_start(rt, resumed=self._loaded is not None)
+                await identical_start(rt, self.replica, resumed_at=self._resume_step if self._loaded is not None else None)
+            rt.membership.view_listeners.append(self._on_view)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
@@ -328,25 +313,6 @@ class Session:
         except BaseException:
             await rt.close()
             raise
-
-    async def _identical_start(self, rt: NodeRuntime, *, resumed: bool = False) -> None:
-        """Same parameter count everywhere, then the coordinator's initial parameters (not when
-        resuming: every node continues from its own checkpoint)."""
-        if not (self.replica is not None):
-            raise TrainingError("the session is not started (attach() first)")
-        c = rt.collectives
-        members = list(rt.membership.view.members) if rt.membership.view is not None else list(self.topo.ids)
-        counts = await c.allgather(np.array([self.replica.numel], np.int64), members, tag="attach.numel")
-        if len({int(x[0]) for x in counts}) > 1:
-            detail = ", ".join(f"node {n}: {int(x[0])}" for n, x in zip(sorted(members), counts))
-            raise ConfigError(f"node {self.node_id}: the attached models differ in their number of "
-                              f"trainable parameters ({detail}); every node must train the same model")
-        if resumed:
-            return
-        root = min(members)
-        params = await self.replica.get_params()
-        params = await c.broadcast(params, root, members, tag="attach.params")
-        await self.replica.set_params(params)
 
     def _on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
         if self.strategy is not None:
@@ -399,7 +365,8 @@ class Session:
                 every = self.cfg.checkpoint_every
                 if every and self.step % every == 0:  # the training thread is parked: a consistent state
                     path = checkpoint.node_checkpoint(rt.run_dir, self.node_id)
-                    await gate.run(lambda: checkpoint.save_atomic(path, self.state_dict()))
+                    own = self._loop_state_now()  # here, before background exchanges go on
+                    await gate.run(lambda: checkpoint.save_atomic(path, self._snapshot(own)))
                 rec = self._record(rep)
                 if rep.stop:  # written at close, with the final evaluation the loop logs
                     self._last_record = rec
@@ -408,11 +375,14 @@ class Session:
                 gate.release()
         except TrainingEnded:  # the user's loop ended before the run agreed to stop
             self._ended_by_loop = True
-        except asyncio.CancelledError:  # close(graceful=False): not a failure of the run
+        except asyncio.CancelledError:  # close(graceful=False), or _fail: not a failure here
+            raise
+        except Diverged as exc:  # a tensor this node was about to send: name the step
+            self._fail(exc if "diverged at step" in str(exc) else
+                       Diverged(f"training diverged at step {self.step} on node {self.node_id}: {exc}"))
             raise
         except BaseException as exc:
-            self._error = exc
-            gate.fail(exc)
+            self._fail(exc)
             raise
         finally:
             self._stopped = True

@@ -63,7 +63,7 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -74,6 +74,10 @@ from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import Transport
 from p2psync.wire import Message
 from p2psync.wire.schema import valid_tag
+
+#: ``check(lo, hi, piece, src)``: validates a received piece (buffer elements ``lo:hi``) that
+#: neighbour ``src`` delivered, before it is used or passed on; raises to reject it
+PieceCheck = Callable[[int, int, np.ndarray, int], None]
 
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
@@ -204,9 +208,10 @@ class Collectives:
         rows, _ = await self._gather(tensor, self._group(group), tag)
         return rows
 
-    async def _gather(self, tensor: Any, g: tuple[int, ...], tag: str, *,
-                      record: bool = True) -> tuple[list[np.ndarray], OpStats]:
-        """:meth:`allgather` and its stats (kept in the history only with ``record``)."""
+    async def _gather(self, tensor: Any, g: tuple[int, ...], tag: str, *, record: bool = True,
+                      check: PieceCheck | None = None) -> tuple[list[np.ndarray], OpStats]:
+        """:meth:`allgather` and its stats (kept in the history only with ``record``). Each
+        piece lies within one member's slot; ``check`` validates every piece at every hop."""
         mine = np.array(tensor, copy=True).reshape(-1) if isinstance(tensor, np.ndarray) else _to_numpy(tensor)[0]
         m = mine.size
         ppn = max(1, -(-m * mine.itemsize // self.piece_bytes))  # pieces per member
@@ -219,7 +224,7 @@ class Collectives:
                                  for s in range(len(g))] + [np.array([m * len(g)])])
         phases = ("ag",) if plan.algo in ("ring", "mesh") else ("rs", "ag")
         stats = await self._execute("allgather", plan, buf, tag, "none", phases=phases, bounds=bounds,
-                                    record=record)
+                                    record=record, check=check)
         shape = np.shape(tensor)
         return [buf[order.index(n) * m:(order.index(n) + 1) * m].reshape(shape).copy() for n in g], stats
 
@@ -287,7 +292,7 @@ class Collectives:
 
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
                        *, phases: tuple[str, ...], bounds: np.ndarray | None = None,
-                       record: bool = True) -> OpStats:
+                       record: bool = True, check: PieceCheck | None = None) -> OpStats:
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:
@@ -299,7 +304,7 @@ class Collectives:
                 bounds = self._bounds(buf, len(plan.group))
             sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
                                    len(bounds))).encode())
-            run = _Run(self, plan, buf, bounds, c, tag, stats, sig)
+            run = _Run(self, plan, buf, bounds, c, tag, stats, sig, check)
             await run.execute(phases)
         stats.seconds = time.perf_counter() - t0
         if record:
@@ -311,7 +316,7 @@ class _Run:
     """State of one collective on one node: the working buffer and the encoded-piece cache."""
 
     def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
-                 codec: Codec, tag: str, stats: OpStats, sig: int) -> None:
+                 codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None) -> None:
         self.o = owner
         self.me = owner.t.node_id
         self.plan = plan
@@ -325,6 +330,7 @@ class _Run:
         self.family = feedback_family(tag)
         self.cache: dict[int, list[np.ndarray]] = {}
         self.fb = owner.feedback if codec.lossy else None
+        self.check = check
 
     def piece(self, k: int) -> np.ndarray:
         return self.buf[self.b[k]:self.b[k + 1]]
@@ -414,6 +420,8 @@ class _Run:
             msgs = cast("list[Message]", results[len(sends):])
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                 vals = self._decode(msg, k)
+                if self.check is not None:
+                    self.check(int(self.b[k]), int(self.b[k + 1]), vals, msg.src)
                 if reduce:
                     self.piece(k)[...] += vals
                 else:

@@ -15,12 +15,22 @@ does that:
    residual. ``topk`` always uses error feedback, whatever ``error_feedback`` says;
 3. allgather (indices, values) with :meth:`Collectives.allgather <p2psync.collectives.Collectives.allgather>`
    (exact, over the topology's plans): k * 8 bytes per node (int32 indices + float32 values;
-   int64 indices for n >= 2**31), packed into one byte array so it is one message per piece;
+   int64 indices for n >= 2**31), packed into one array of 32-bit words (:func:`pack`: the
+   indices, then the values' bits) so it is one message per piece;
 4. check every node's part (:func:`~p2psync.compress.topk.check_sparse`: a malformed one is a
    :class:`~p2psync.errors.ProtocolError`, never an out-of-bounds write) and add the parts into
    a dense float32 zero vector in group order. Every node adds the same float32 values in the
    same order, so the result is bitwise identical everywhere. ``op="mean"`` divides by the
    group size afterwards, as the dense path does.
+
+**Untrusted rows.** A ring (or tree) allgather passes other members' rows on hop by hop, as
+words the transport's check of float frames cannot see. So every piece is checked at every hop
+as it arrives (:func:`row_check`, the allgather's ``check``): values must be finite and 32-bit
+indices below n, and a piece that is not is blamed on the neighbour that delivered it (a
+:class:`~p2psync.errors.NonFinitePiece` naming it, counted as its offence and reported), never
+on the row's origin, which a malicious relay could otherwise get excluded. This node's own
+contribution is checked before it is sent: NaN or infinity in it is
+:class:`~p2psync.errors.Diverged`.
 
 The residual is committed only when the exchange succeeds: an aborted allreduce (a peer failed,
 the strategy drops the step) leaves the previous residual in place.
@@ -49,10 +59,11 @@ import numpy as np
 
 from p2psync.compress import TopK
 from p2psync.compress.topk import check_sparse, index_dtype
-from p2psync.errors import ConfigError, ProtocolError
+from p2psync.errors import ConfigError, Diverged, ProtocolError
+from p2psync.transport import all_finite
 
 if TYPE_CHECKING:
-    from p2psync.collectives.executor import Collectives, OpStats
+    from p2psync.collectives.executor import Collectives, OpStats, PieceCheck
 
 #: vectors at least this long are sparsified in a worker thread (numpy releases the GIL), so a
 #: large selection does not stall the event loop (heartbeats, other transfers)
@@ -67,22 +78,47 @@ def use_sparse(n: int, k: int, members: int) -> bool:
 
 
 def pack(idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    """(indices, values) as one little-endian byte array: the indices, then the values."""
-    ib = idx.astype(idx.dtype.newbyteorder("<"), copy=False).view(np.uint8)
-    vb = vals.astype("<f4", copy=False).view(np.uint8)
-    return np.concatenate([ib, vb])
+    """(indices, values) as one array of little-endian 32-bit words: the indices (one word
+    each, two for int64), then the values' float32 bits."""
+    iw = idx.astype(idx.dtype.newbyteorder("<"), copy=False).view("<u4")
+    vw = vals.astype("<f4", copy=False).view("<u4")
+    return np.concatenate([iw, vw])
+
+
+def _cut(n: int, k: int) -> int:
+    """Words of indices in a packed row of k entries of an n-vector."""
+    return k * index_dtype(n).itemsize // 4
 
 
 def unpack(row: np.ndarray, n: int, k: int, who: str) -> tuple[np.ndarray, np.ndarray]:
     """The (indices, values) in a packed row, checked (ProtocolError if malformed)."""
     dt = index_dtype(n)
-    cut = k * dt.itemsize
-    if row.dtype != np.uint8 or row.size != cut + 4 * k:
-        raise ProtocolError("sparse", f"{who}: expected {cut + 4 * k} bytes, got {row.nbytes}")
+    cut = _cut(n, k)
+    if row.dtype != np.uint32 or row.size != cut + k:
+        raise ProtocolError("sparse", f"{who}: expected {cut + k} 32-bit words, got {row.size} of {row.dtype}")
     idx = np.ascontiguousarray(row[:cut]).view(dt.newbyteorder("<")).astype(dt, copy=False)
     vals = np.ascontiguousarray(row[cut:]).view("<f4").astype(np.float32, copy=False)
     check_sparse(idx, vals, n, k, who)
     return idx, vals
+
+
+def row_check(coll: Collectives, n: int, k: int, tag: str) -> PieceCheck:
+    """The allgather's per-hop check of packed rows (see the module docstring): a piece holds
+    the words ``lo:hi`` of the gathered buffer, within one row of ``cut + k`` words."""
+    cut, m = _cut(n, k), _cut(n, k) + k
+    small = index_dtype(n).itemsize == 4
+
+    def check(lo: int, hi: int, piece: np.ndarray, src: int) -> None:
+        start = lo - lo % m  # the row's first word
+        r_lo, r_hi = lo - start, hi - start
+        if r_hi > cut:
+            coll.t.check_finite(src, piece[max(0, cut - r_lo):].view("<f4"),
+                                f"{tag}: sparse values delivered by node {src}")
+        if small and r_lo < cut:
+            words = piece[:min(cut, r_hi) - r_lo]
+            if words.size and int(words.max()) >= n:
+                raise ProtocolError("sparse", f"{tag}: node {src} delivered indices out of range (n = {n})")
+    return check
 
 
 def _split(codec: TopK, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,12 +133,10 @@ async def gather_sum(coll: Collectives, idx: np.ndarray, vals: np.ndarray, g: tu
     """Allgather every member's k-of-n sparse vector and sum them densely in group order;
     returns the float32 sum and the allgather's stats (not recorded in the history)."""
     k = idx.size
-    rows, stats = await coll._gather(pack(idx, vals), g, tag, record=False)
+    rows, stats = await coll._gather(pack(idx, vals), g, tag, record=False, check=row_check(coll, n, k, tag))
     out = np.zeros(n, np.float32)
     for src, row in zip(g, rows, strict=True):
         i, v = unpack(row, n, k, f"{tag}: sparse part of node {src}")
-        if src != coll.t.node_id:  # packed bytes: the transport's check cannot see the values
-            coll.t.check_finite(src, v, f"{tag}: sparse part")
         out[i] += v  # indices are unique within a part: no lost updates
     return out, stats
 
@@ -119,6 +153,8 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     key = ("topk", family, n)
     r = coll.sparse_feedback.residual.get(key)
     x = buf + r if r is not None and r.shape == buf.shape else buf
+    if not all_finite(x):  # packed as words, the transport's own check would not see it
+        raise Diverged(f"node {coll.t.node_id}'s contribution to {stats.tag!r} holds NaN or infinity (not sent)")
     if not use_sparse(n, k, len(g)):
         await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
         coll.sparse_feedback.residual.pop(key, None)  # sent in full

@@ -27,6 +27,26 @@ publishes the new view to every member at once and answers ``joined: true`` so t
 fetches its state from live peers before training. A run still starts only once every node
 has registered (``--start-timeout``); joins come after that. ``allow_join=False``
 (``--on-failure stop``) keeps rejecting them.
+
+Non-finite tensor values (issue 16 and its review). A node whose own gradient, or any tensor it
+is about to send, holds NaN or infinity stops with :class:`~p2psync.errors.Diverged` ("training
+diverged at step k on node i") before sending it, blaming nobody: an honest run that diverges
+ends on every node that way. A receiver rejects a piece holding such values and reports the
+neighbour that delivered it (tensors only cross direct links) in its heartbeats. The
+coordinator (:meth:`MembershipState.report_offences`) counts reports only from members about
+their own neighbours, and
+
+* excludes a node once **two distinct members** reported it, or all of its live neighbours when
+  it has fewer than two: one key holder reporting all its neighbours excludes nobody (on a ring
+  path only one neighbour ever receives from an offender, so such an offender is not excluded:
+  that neighbour's step fails after the regroup bound with the offence named);
+* ends the run as **diverged** when most members are reported (the view then carries ``end``
+  and every node stops with :class:`~p2psync.errors.Diverged`): that is not one bad node;
+* never excludes or deposes the coordinator for an offence alone (a coordinator is deposed only
+  when it falls silent).
+
+The excluded node is told (the view without it) before it is cut off, so it stops instead of
+waiting for peers.
 """
 
 from __future__ import annotations
@@ -87,6 +107,10 @@ class MembershipState:
     departed: set[int] = field(default_factory=set)
     #: nodes excluded for what they sent (node -> why), also in ``failed``
     excluded: dict[int, str] = field(default_factory=dict)
+    #: node -> the members that reported it for sending non-finite tensor values
+    reports: dict[int, set[int]] = field(default_factory=dict)
+    #: why the run ended as diverged (most members reported), or ""
+    diverged: str = ""
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -121,6 +145,7 @@ class MembershipState:
                 self.detector.watch(node, now)
                 self.join_grace[node] = now + 3 * self.failure_timeout + 10 * self.heartbeat_interval
                 self.rejoined[node] = self.rejoined.get(node, 0) + 1
+                self.reports.pop(node, None)  # reports concerned its previous life
                 self.epoch += 1
                 self.joined_epoch[node] = self.epoch
                 return True
@@ -205,6 +230,31 @@ class MembershipState:
             self.epoch += 1
         return new
 
+    def report_offences(self, reporter: int, offenders: Sequence[int], neighbors: Callable[[int], Sequence[int]],
+                        *, seen_epoch: int | None = None) -> list[int]:
+        """Member ``reporter`` received non-finite tensor values from ``offenders`` (the policy
+        is in the module docstring). Returns the nodes newly excluded; sets :attr:`diverged`
+        (and bumps the epoch) when most members are reported."""
+        members = set(self.alive_nodes)
+        if reporter not in members or self.diverged:
+            return []
+        for n in offenders:
+            if n != reporter and n in members and reporter in neighbors(n):
+                self.reports.setdefault(n, set()).add(reporter)
+        reported = sorted(n for n, who in self.reports.items() if n in members and who & members)
+        if 2 * len(reported) > len(members) > 1:
+            who = sorted(set().union(*(self.reports[n] for n in reported)) & members)
+            self.diverged = (f"{len(reported)} of {len(members)} members {reported} were reported for sending "
+                             f"non-finite tensor values (reported by nodes {who})")
+            self.epoch += 1
+            return []
+        due = [n for n in reported if n != self.coordinator
+               and len(self.reports[n] & members) >= min(2, len((set(neighbors(n)) & members) - {n}))]
+        new = self.declare_failed(due, seen_epoch=seen_epoch)
+        for n in new:
+            self.excluded[n] = f"sent non-finite tensor values (reported by nodes {sorted(self.reports[n])})"
+        return new
+
     def finish(self, node: int, stats: Any, *, depart: bool = True) -> bool:
         """``node`` finished: record its stats; with ``depart`` it leaves the view (not a
         failure: its loop ended while the others go on). Returns True when the view changed."""
@@ -228,7 +278,7 @@ class MembershipState:
         members = self.alive_nodes
         return View(epoch=self.epoch, members=tuple(members),
                     incarnations={n: self.incarnations.get(n, 0) for n in members},
-                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)))
+                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)), ended=self.diverged)
 
 
 class MembershipService:
@@ -345,21 +395,23 @@ class MembershipService:
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
 
     async def _offenders(self, caller: int, offenders: Any, seen: int) -> None:
-        """Exclude the nodes a member reports for sending non-finite tensor values (first
-        offence). Tensors only cross direct links, so only a neighbour of a node can have
-        received one from it: reports from anyone else are ignored. The excluded node is told
-        (the view without it) before it is cut off, so it stops instead of waiting for peers."""
-        if not isinstance(offenders, list) or not all(type(n) is int for n in offenders) \
-                or caller not in self.state.alive_nodes:
+        """A member's report of the nodes that sent it non-finite tensor values: exclude them
+        or end the run as diverged (:meth:`MembershipState.report_offences`)."""
+        if not isinstance(offenders, list) or not all(type(n) is int for n in offenders):
             return
-        near = [n for n in offenders if n != caller and n in self.transport.topology.ids
-                and caller in self.transport.topology.neighbors(n)]
-        new = self.state.declare_failed(near, seen_epoch=seen)
-        why = f"sent non-finite tensor values (reported by node {caller})"
-        for n in new:
-            self.state.excluded[n] = why
+        topo = self.transport.topology
+        ended = self.state.diverged
+        new = self.state.report_offences(caller, offenders, lambda n: topo.neighbors(n) if n in topo.ids else [],
+                                         seen_epoch=seen)
+        for n in new:  # told first, so it stops instead of waiting for peers
             await self._tell(n, self.state.view())
-        self._failed(new, f"excluded: {why}")
+        self._failed(new, "excluded: sent non-finite tensor values")
+        if self.state.diverged and not ended:
+            view = self.state.view()
+            log.error("coordinator %d: the run ends: training diverged (%s); view epoch %d",
+                      self.transport.node_id, self.state.diverged, view.epoch)
+            self._notify()
+            self._publish(view)
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True):

@@ -191,17 +191,15 @@ class MembershipClient:
 
     def _offence(self, peer: int, reason: str) -> None:
         """A member sent this node a value it rejected (transport): report it to the coordinator
-        at once and in every heartbeat until a view drops it; an offending coordinator is
-        deposed like a silent one (the next one excludes it)."""
+        at once and in every heartbeat until a view drops it (the coordinator decides, see
+        :mod:`p2psync.coordinator.membership`; an offence never deposes a coordinator)."""
         view = self.view
         if peer == self.transport.node_id or peer in self.offenders or (view is not None and peer not in view.members):
             return
         self.offenders.add(peer)
-        log.warning("node %d: node %d sent %s values: reporting it to coordinator %d for exclusion",
+        log.warning("node %d: node %d sent %s values: reporting it to coordinator %d",
                     self.transport.node_id, peer, reason, self.coordinator)
-        if peer == self.coordinator:
-            self._suspect(peer, f"it sent {reason} values")
-        elif self._tasks:
+        if self._tasks:
             self._send_beat()
 
     def _depart(self, peers: Sequence[int]) -> None:
@@ -252,6 +250,8 @@ class MembershipClient:
             # restarted process starts with nobody deposed)
             self.succession.deposed.discard(n)
         self.offenders &= set(view.members)  # reported until excluded
+        if view.ended:
+            log.error("node %d: coordinator %d ended the run: %s", me, view.coordinator, view.ended)
         departed = set(view.departed)
         self._depart([n for n in change.left if n in departed])
         self._declare([n for n in change.left if n not in departed])

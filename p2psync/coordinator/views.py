@@ -8,7 +8,11 @@ event. The view names the coordinator that published it: after a failover (see
 view. Wire form (message meta)::
 
     {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...], "coord": int,
-     "dep": [int, ...]}
+     "dep": [int, ...], "end": str}
+
+``end`` (optional) is set when the coordinator ended the run as diverged (most members were
+reported for sending non-finite tensor values, see :mod:`p2psync.coordinator.membership`): every
+node that applies such a view stops with :class:`~p2psync.errors.Diverged`.
 
 A node that finishes (its training loop ended and it entered the finish barrier) *departs*:
 the coordinator publishes a view without it that lists it in ``departed``, so the others re-form
@@ -27,6 +31,9 @@ from typing import Any, Mapping
 from p2psync.errors import ProtocolError
 from p2psync.wire.schema import MAX_U64
 
+#: longest reason a view may give for ending the run
+MAX_END_CHARS = 400
+
 
 @dataclass(frozen=True)
 class View:
@@ -38,11 +45,16 @@ class View:
     coordinator: int = 0
     #: nodes that left the run gracefully (finished; no longer members); not failures
     departed: tuple[int, ...] = ()
+    #: why the coordinator ended the run (diverged), or ""
+    ended: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "members": list(self.members),
-                "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
-                "coord": self.coordinator, "dep": list(self.departed)}
+        out: dict[str, Any] = {"epoch": self.epoch, "members": list(self.members),
+                               "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
+                               "coord": self.coordinator, "dep": list(self.departed)}
+        if self.ended:
+            out["end"] = self.ended
+        return out
 
     @staticmethod
     def from_wire(obj: Any) -> "View":
@@ -62,6 +74,9 @@ class View:
         dep = obj.get("dep", [])
         if not isinstance(dep, list) or any(type(m) is not int or m < 0 for m in dep):
             raise ProtocolError("view", "dep must be a list of node ids")
+        ended = obj.get("end", "")
+        if not isinstance(ended, str) or len(ended) > MAX_END_CHARS:
+            raise ProtocolError("view", f"end must be a text of at most {MAX_END_CHARS} characters")
         incs: dict[int, int] = {}
         for pair in inc:
             if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
@@ -69,7 +84,7 @@ class View:
                 raise ProtocolError("view", "inc must be a list of [node, incarnation]")
             incs[pair[0]] = pair[1]
         return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs,
-                    coordinator=coord, departed=tuple(sorted(set(dep))))
+                    coordinator=coord, departed=tuple(sorted(set(dep))), ended=ended)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ import numpy as np
 
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
-from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
+from p2psync.errors import ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.transport import Transport
 from p2psync.transport.forward import Forwarder
@@ -211,6 +211,8 @@ class ParamStore:
             for owner, s in sends:
                 try:
                     st.forwarded += await s
+                except Diverged:  # this node's own values: nobody else to blame
+                    raise
                 except P2PSyncError as exc:
                     self.lost_pushes += 1
                     raise PeerFailure(f"{self.name}: push to the owner of shard {self.bounds[owner]}, node {owner}, "

@@ -36,7 +36,8 @@ from torch import nn
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.strategies.canary_colayers import Layer
-from p2psync.errors import Aborted, ConfigError
+from p2psync.errors import Aborted, ConfigError, Diverged
+from p2psync.transport import all_finite
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
 from p2psync.training.partition import BatchSampler
@@ -165,7 +166,11 @@ class Trainer:
 
     def _iteration(self, abort: threading.Event | None) -> tuple[float, np.ndarray]:
         loss, _ = self.forward_backward(abort)
-        return loss, self.flat.grads()
+        grad = self.flat.grads()
+        if not all_finite(grad):  # checked before any strategy can send it
+            raise Diverged(f"training diverged after {self.batches_done} batches: the gradient holds NaN or "
+                           "infinity (nothing was sent; no peer is blamed)")
+        return loss, grad
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
         """Next batch: forward + backward (+ emulated device time). Returns (loss, flat gradient

@@ -32,17 +32,23 @@ is counted by reason in :attr:`Transport.rejected` like every other rejected mes
 
 Keyed clusters (issue 16): with ``relay_keys`` (this node's key shared with each other node,
 :mod:`p2psync.transport.keys`) a control message this node relays for itself carries its
-digest (:mod:`p2psync.transport.relay_auth`); a relayed message without one is dropped at the
-first hop and one whose digest does not verify at its destination (``relay_auth``), and only a
-verified one is proof of life of its origin. Untrusted values: :meth:`Transport.check_finite`
-rejects a tensor piece holding NaN or infinity, counts it against the node that sent it
+digest and counter (:mod:`p2psync.transport.relay_auth`); a relayed message without them is
+dropped at the first hop, one whose digest does not verify at its destination
+(``relay_auth``), and a replay (``relay_replay``). Only a message whose origin is proven
+(received from it, or relayed and verified here) is proof of life of its origin or revives a
+node declared dead under a newer incarnation: a relay never records what an unverifiable
+message claims about its origin. Untrusted values: :meth:`Transport.check_finite` rejects a
+tensor piece holding NaN or infinity, counts it against the neighbour that sent it
 (:attr:`Transport.offences`) and tells :attr:`Transport.offence_listeners` (the membership
-client reports the offender to the coordinator, which excludes it).
+client reports it to the coordinator; see :mod:`p2psync.coordinator.membership` for when a
+node is excluded). A node never sends such a piece itself: :meth:`Transport.send` raises
+:class:`~p2psync.errors.Diverged` instead (its training diverged; nobody else is blamed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -52,11 +58,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
+from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
 from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode
 from p2psync.wire.schema import MAX_U64
@@ -82,6 +89,15 @@ class NotReady(Exception):
 
 def _frame_len(f: Any) -> int:
     return f.nbytes if isinstance(f, memoryview) else len(f)
+
+
+def all_finite(a: Any) -> bool:
+    """True unless ``a`` (a numpy array or CPU torch tensor) is floating-point and holds NaN or
+    infinity."""
+    if not isinstance(a, np.ndarray):
+        detach = getattr(a, "detach", None)
+        a = np.asarray(detach() if detach is not None else a)
+    return a.dtype.kind != "f" or not a.size or bool(np.isfinite(a).all())
 
 
 class Transport(Relaying, ABC):
@@ -115,6 +131,8 @@ class Transport(Relaying, ABC):
         self.relayed = 0
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
+        self._relay_ctr = itertools.count(1)
+        self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = None
         #: run id stamped on every header and required on every incoming one (set before start)
@@ -178,6 +196,9 @@ class Transport(Relaying, ABC):
         """
         if self._closed:
             raise TransportError("transport is closed")
+        if kind == "data" and not all(all_finite(a) for a in arrays):
+            raise Diverged(f"node {self.node_id} was about to send a tensor piece {tag!r} holding NaN or "
+                           "infinity (not sent; nobody else is blamed)")
         budget = self.default_timeout if timeout is None else timeout
         if kind in RELAY_KINDS and nic is None and peer != self.node_id \
                 and peer in self.topology.ids and not self.topology.routes(self.node_id, peer):
@@ -312,13 +333,16 @@ class Transport(Relaying, ABC):
             if known is not None and h.inc < known:
                 raise ProtocolError("stale_incarnation",
                                     f"node {h.src} incarnation {h.inc} < registered {known}")
-            if known is not None and h.inc > known and h.src in self.dead:
+            now = time.monotonic()
+            # what a message says about its origin is recorded only when the origin is proven
+            # (received from it, or a relayed message whose digest this node verified): a relay
+            # must not let a forged "new life" of a dead node outrank its real restart
+            if origin_ok and known is not None and h.inc > known and h.src in self.dead:
                 # a new life of a node declared dead (restarted to rejoin): reachable again, so
                 # it can be answered; the membership view decides whether it is a member
                 self.peer_incarnations[h.src] = h.inc
                 self.revive(h.src)
-            now = time.monotonic()
-            if origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
+            elif origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
                 self.last_arrival[h.src] = now  # proves nothing about the registered process
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
@@ -340,7 +364,7 @@ class Transport(Relaying, ABC):
         only ever cross one link, so that is where the value came from), and a consumer already
         waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
         for a in msg.arrays:
-            if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
+            if not all_finite(a):
                 exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)
                 if exc is not None:
                     self.mailbox.abort(exc, match=lambda t: t == msg.tag)
@@ -351,7 +375,7 @@ class Transport(Relaying, ABC):
         """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
         an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
         finite values and other dtypes pass (None)."""
-        if arr.dtype.kind != "f" or not arr.size or np.isfinite(arr).all():
+        if all_finite(arr):
             return None
         self.offence(src, "non_finite", f"{what}: NaN or infinity in a tensor piece")
         exc = NonFinitePiece(f"node {self.node_id}: {what} from node {src} holds non-finite values "
@@ -385,4 +409,4 @@ class Transport(Relaying, ABC):
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
 
 
-__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport"]
+__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport", "all_finite"]

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import zmq
 
 from p2psync.errors import ConfigError
+from p2psync.files import open_new
 from p2psync.topology import Topology
 
 FORMAT = 1
@@ -83,10 +84,8 @@ def write_key_dir(directory: str | Path, keys: Mapping[int, NodeKeys], *, force:
         doc = {"format": FORMAT, "node": n, "public": k.public.decode(), "secret": k.secret.decode(),
                "relay": {str(p): v.hex() for p, v in sorted(k.relay.items())}}
         tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
-            json.dump(doc, f, indent=1)
+        with open_new(tmp, 0o600) as f:
+            f.write(json.dumps(doc, indent=1).encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -4,19 +4,27 @@
 messages (``rpc``, ``reply``, ``event``, ``hb``) to nodes that are not adjacent: shortest paths
 over the nodes not marked dead (a distance cache dropped whenever that set changes),
 ``send_control`` retries over another first hop, forwarding of what passes through this node
-(owned tasks, drained on close), and, in a keyed cluster, the origin's digest on what this node
-relays for itself and its check at the destination (:mod:`p2psync.transport.relay_auth`).
+(owned tasks, drained on close), and, in a keyed cluster, the origin's digest and counter on
+what this node relays for itself and their check at the destination
+(:mod:`p2psync.transport.relay_auth`).
+
+A message passing through this node towards a node it has declared dead is still forwarded,
+to a live neighbour of that node: in a keyed cluster a relay cannot verify the origin of what
+it forwards, so it does not revive a node on a relayed message's word (see
+:meth:`p2psync.transport.base.Transport._ingest`), yet a restarted node's registration reply
+must reach it before the view that readmits it does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any, Mapping, Sequence
 
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
-from p2psync.transport.relay_auth import relay_digest, verify
+from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
 from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, WireLimits, encode, parse_header
 
 log = logging.getLogger("p2psync.transport")
@@ -37,6 +45,9 @@ class Relaying:
     _dist: dict[int, dict[int, int]]
     _relay_tasks: set[asyncio.Task[None]]
     _closed: bool
+    #: counters of the relayed messages this node signs, and the ones it accepted (keyed)
+    _relay_ctr: "itertools.count[int]"
+    _replays: ReplayWindow
 
     def route(self, peer: int, nic: str | None = None) -> Route:
         raise NotImplementedError
@@ -80,14 +91,23 @@ class Relaying:
             self._dist[src] = dist
         return self._dist[src]
 
-    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
+    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
+                  to_dead: bool = False) -> list[int]:
         """Neighbours to relay through towards ``dst``: shortest live path first, alive only.
 
         ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over another
-        first hop)."""
-        cands = [b for b in self.topology.neighbors(self.node_id)
-                 if b not in self.dead and b != exclude and dst in self._distances(b)]
-        cands.sort(key=lambda b: (self._distances(b)[dst], b))
+        first hop). ``to_dead``: when ``dst`` is dead here, aim at its live neighbours (a
+        forwarded message; see the module docstring)."""
+        goals = {dst: 0}
+        if to_dead and dst in self.dead:
+            goals = {nb: 1 for nb in self.topology.neighbors(dst) if nb not in self.dead and nb != self.node_id}
+
+        def cost(b: int) -> int | None:
+            d = self._distances(b)
+            return min((d[g] + c for g, c in goals.items() if g in d), default=None)
+
+        costs = {b: cost(b) for b in self.topology.neighbors(self.node_id) if b not in self.dead and b != exclude}
+        cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
         if rotate and cands:
             k = rotate % len(cands)
             cands = cands[k:] + cands[:k]
@@ -113,13 +133,16 @@ class Relaying:
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
                      budget: float, came_from: int | None = None, rotate: int = 0) -> None:
-        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate)
+        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
-        frames = encode(src=origin, dst=dst, hops=hops, **fields)
-        if origin == self.node_id and self.relay_keys is not None:  # sign it for the destination
+        if origin == self.node_id and self.relay_keys is not None:  # number and sign it for the destination
+            fields = {**fields, "ctr": next(self._relay_ctr)}
+            frames = encode(src=origin, dst=dst, hops=hops, **fields)
             digest = relay_digest(self.relay_keys[dst], parse_header(frames[0], self.limits), frames[1:])
             frames = encode(src=origin, dst=dst, hops=hops, auth=digest, **fields)
+        else:
+            frames = encode(src=origin, dst=dst, hops=hops, **fields)
         last: PeerFailure | None = None
         # first pass: one immediate try per hop, so a neighbour whose connection is gone (a
         # relay that died but is not yet declared dead) costs nothing; then share the budget
@@ -134,12 +157,13 @@ class Relaying:
 
     def _relayed_ok(self, msg: Message, frames: Sequence[Any]) -> bool:
         """A relayed message (its origin is not the neighbour that handed it over): in a keyed
-        cluster it must carry its origin's digest, verified here if it is for this node.
-        Returns whether its origin is proven (it then counts as proof of the origin's life)."""
+        cluster it must carry its origin's digest and counter, verified here if it is for this
+        node (a counter seen before is a replay). Returns whether its origin is proven: only
+        then may it count as proof of the origin's life or revive it."""
         if self.relay_keys is None:
             return True
         h = msg.header
-        if h.auth is None:
+        if h.auth is None or h.ctr is None:
             raise ProtocolError("relay_auth", f"relayed message from node {h.src} without its origin's digest")
         if h.dst != self.node_id:
             return False  # for another node: its destination checks it
@@ -147,6 +171,9 @@ class Relaying:
         if key is None or not verify(key, h, frames[1:]):
             raise ProtocolError("relay_auth", f"relayed message claiming origin node {h.src}: its digest "
                                 "does not verify (forged or altered on the way)")
+        if not self._replays.accept(h.src, h.inc, h.ctr):
+            raise ProtocolError("relay_replay", f"relayed message {h.tag!r} from node {h.src} (incarnation "
+                                f"{h.inc}, counter {h.ctr}) was delivered before, or is too old")
         return True
 
     def _forward(self, msg: Message, came_from: int) -> None:
@@ -156,7 +183,8 @@ class Relaying:
         if h.dst not in self.topology.ids:
             raise ProtocolError("relay", f"unknown destination {h.dst}")
         fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
-                      codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc, auth=h.auth)
+                      codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc, auth=h.auth,
+                      ctr=h.ctr)
 
         async def go() -> None:
             try:

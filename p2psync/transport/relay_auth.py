@@ -5,11 +5,19 @@ hop by hop the destination only knows which neighbour handed it over; a relay (o
 message claiming to be relayed) could name any origin. The origin therefore signs what it
 sends: an HMAC-SHA256 (Python's ``hmac``, no custom crypto) under the 32-byte key it shares with
 the destination alone (``relay`` keys, :mod:`p2psync.transport.keys`), over every header field a
-relay must not change (kind, origin, destination, tag, step, run id, incarnation, frame specs,
-meta) and the payload bytes; the hop count is left out (relays increment it). Relays forward
-the digest unchanged (header ``auth``); the destination recomputes it and rejects a mismatch
-(``relay_auth``). The digest is computed from the decoded header on both sides, so it does
-not depend on how msgpack laid the bytes out.
+relay must not change (kind, origin, destination, tag, step, run id, incarnation, counter,
+frame specs, meta) and the payload bytes; the hop count is left out (relays increment it).
+Relays forward the digest unchanged (header ``auth``); the destination recomputes it and
+rejects a mismatch (``relay_auth``). The digest is computed from the decoded header on both
+sides, so it does not depend on how msgpack laid the bytes out.
+
+Replays: a valid signed message could be captured by a relay and handed over again (a second
+``peer_failed`` event, a second RPC). The origin numbers what it signs (header ``ctr``, one
+counter per process, so per incarnation) and the destination keeps a :class:`ReplayWindow` per
+origin: the highest counter seen and a bitmap of the :data:`WINDOW` counters below it, so a
+counter seen before, or older than the window, is dropped (``relay_replay``) while messages
+that overtake each other on different paths still pass. Memory: one entry per origin node whose
+digest verified (at most the topology's nodes), whatever a peer sends.
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ import msgpack  # type: ignore[import-untyped]
 
 from p2psync.wire import Header
 
+#: counters below the highest one seen from an origin that are still accepted once each
+WINDOW = 1024
+
 
 def relay_digest(key: bytes, header: Header, payload: Sequence[Any]) -> bytes:
     """The origin's digest of a relayed message (``payload``: the raw payload frames)."""
-    fields = [header.kind, header.src, header.dst, header.tag, header.step, header.run, header.inc,
+    fields = [header.kind, header.src, header.dst, header.tag, header.step, header.run, header.inc, header.ctr,
               [[f.dtype, list(f.shape), f.codec, f.nbytes] for f in header.frames], dict(header.meta)]
     mac = hmac.new(key, msgpack.packb(fields, use_bin_type=True), hashlib.sha256)
     for frame in payload:
@@ -37,4 +48,34 @@ def verify(key: bytes, header: Header, payload: Sequence[Any]) -> bool:
     return header.auth is not None and hmac.compare_digest(header.auth, relay_digest(key, header, payload))
 
 
-__all__ = ["relay_digest", "verify"]
+class ReplayWindow:
+    """Which (origin, incarnation, counter) a destination has accepted, within a window."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.window = window
+        #: origin -> (incarnation, highest counter, bitmap: bit i = counter highest - i seen)
+        self._seen: dict[int, tuple[int, int, int]] = {}
+
+    def accept(self, origin: int, inc: int, ctr: int) -> bool:
+        """True (and remembered) the first time; False for a replay, a counter older than the
+        window, or an incarnation older than the newest one seen from ``origin``."""
+        cur = self._seen.get(origin)
+        if cur is None or inc > cur[0]:
+            self._seen[origin] = (inc, ctr, 1)
+            return True
+        known_inc, top, bits = cur
+        if inc < known_inc:
+            return False
+        if ctr > top:
+            shift = ctr - top
+            bits = ((bits << shift) | 1) & ((1 << self.window) - 1) if shift < self.window else 1
+            self._seen[origin] = (inc, ctr, bits)
+            return True
+        back = top - ctr
+        if back >= self.window or bits >> back & 1:
+            return False
+        self._seen[origin] = (inc, top, bits | 1 << back)
+        return True
+
+
+__all__ = ["WINDOW", "ReplayWindow", "relay_digest", "verify"]

@@ -1,19 +1,22 @@
 """ZeroMQ endpoint: one ROUTER socket bound per NIC, peers reached over the NIC they share.
 
-Each NIC socket has the routing id ``"<node>/<nic>"``. For every pair of nodes sharing a network,
-the lower id's socket connects to the higher id's socket on that network; the single ZMTP
-connection then carries traffic both ways (ROUTER-to-ROUTER), and each side addresses the other
-by its routing id. ``ROUTER_MANDATORY`` turns a send to a peer that is not connected (not yet,
-or no longer) into an error that :class:`~p2psync.transport.base.Transport` retries until the
-timeout, so a dead peer surfaces as :class:`~p2psync.errors.PeerUnreachable`, never a hang or
-a silent drop. ZMTP heartbeats detect a silent peer; ``MAXMSGSIZE`` caps every frame.
+**Connections.** Every node connects out to every neighbour, over the NIC they share, and
+*sends only on its own outgoing connections*: a message to node ``j`` leaves on the pipe this
+node opened to ``j``'s address from the topology, under a routing id this node chose
+(``CONNECT_ROUTING_ID``, :func:`routing_id`). Incoming connections (the neighbours' outgoing
+ones, accepted by the bound socket) only ever deliver. Nothing a peer claims therefore decides
+where this node's messages go (issue 16 review: a peer that claimed another node's routing id
+used to receive that node's traffic). Each direction of a pair has its own TCP connection.
 
-On the connecting side ZeroMQ keeps a pipe across a disconnect (to reconnect later), so
-``ROUTER_MANDATORY`` alone would let sends to a dead peer queue silently. ``ZMQ_IMMEDIATE``
-would prevent that, but it also drops the inbound messages of that pipe that the application
-has not read yet when the peer disconnects (a peer that sends its last message and exits
-loses it). Instead a socket monitor watches the connecting side: ``DISCONNECTED`` marks the
-peer down (sends to it are retried and then fail), a completed handshake marks it up again.
+``ROUTER_MANDATORY`` turns a send to a peer whose pipe does not exist into an error that
+:class:`~p2psync.transport.base.Transport` retries until the timeout, so a dead peer surfaces
+as :class:`~p2psync.errors.PeerUnreachable`, never a hang or a silent drop. ZeroMQ keeps an
+outgoing pipe across a disconnect (to reconnect later), so ``ROUTER_MANDATORY`` alone would let
+sends to a dead peer queue silently; ``ZMQ_IMMEDIATE`` would prevent that but also drop the
+inbound messages of that pipe that the application has not read yet. Instead a socket monitor
+watches the outgoing connections: ``DISCONNECTED`` marks the peer down (sends to it are retried
+and then fail), a completed handshake marks it up again; a peer is down until its first
+handshake completes. ZMTP heartbeats detect a silent peer; ``MAXMSGSIZE`` caps every frame.
 
 The sockets are plain (synchronous) ZeroMQ sockets driven by the event loop: the loop watches
 each socket's file descriptor (``add_reader``) and the callback drains every waiting message with
@@ -22,45 +25,40 @@ socket's ``EVENTS`` are checked again and a drain is scheduled when input is wai
 ``zmq.asyncio``'s per-message futures (about half the per-message cost).
 
 **Control channel** (issue 10 item 1). Control messages (``rpc``, ``reply``, ``event``, ``hb``)
-travel on a second TCP connection per pair and NIC, so they never queue behind tensor bytes in
-a ZeroMQ pipe or a kernel socket buffer. Choice: the lower id opens a *second* ROUTER socket per
-NIC (routing id ``"<node>/<nic>/c"``) that connects to the *same* port of the higher id's NIC
-socket; no second port is bound, so the topology format, port plans and firewalls are unchanged
-(a derived ``port + k`` would collide with the consecutive ports of multi-host plans). On the
-higher id, the NIC socket then holds two pipes from the lower id: ``"<lo>/<nic>"`` (bulk) and
-``"<lo>/<nic>/c"`` (control); ZeroMQ keeps one queue (and HWM) per pipe, sends to the ``/c``
-routing id use only the control connection, and its input is fair-queued per pipe, so a control
-message waits behind at most one bulk message per pipe on receive. Directions:
+travel on a second TCP connection per peer and NIC, so they never queue behind tensor bytes in a
+ZeroMQ pipe or a kernel socket buffer: each node opens a second ROUTER socket per NIC (the
+control socket) that connects to the *same* port of every neighbour's NIC socket; no second
+port is bound, so the topology format, port plans and firewalls are unchanged. On the
+receiving NIC socket a neighbour thus has two incoming pipes, bulk and control; ZeroMQ keeps one
+queue (and HWM) per pipe and fair-queues input per pipe, so a control message waits behind at
+most one bulk message per pipe on receive.
 
-* bulk, both ways: the NIC sockets, as before;
-* control lower -> higher: lower's control socket to ``"<hi>/<nic>"``;
-* control higher -> lower: higher's NIC socket to ``"<lo>/<nic>/c"``.
-
-Both connections are watched by the socket monitor (``down`` / ``control_down``).
+**Routing ids.** An outgoing pipe is named ``"<peer>/<nic>"`` on the socket that opened it. An
+incoming pipe is filed under the id its opener claims: ``"<node>/<nic>/b"`` (bulk) or
+``"<node>/<nic>/c"`` (control), which tells the receiver the sender (unkeyed) and never equals
+one of the receiver's own names. All connects happen before the NIC sockets bind, so no incoming
+connection can take the name of an outgoing pipe first.
 
 **Queues.** ``SocketOptions.sndhwm`` (bulk pipes) defaults to 64 messages (was 1000: 1000 x 1 MiB
 pieces could sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
 8 MiB; :mod:`p2psync.transport.flow`) bounds what waits to enter it. The control socket has its
 own ``control_sndhwm`` (1000 messages; control messages are small).
 
-**Routing ids of outgoing connections are ours.** Every connect names the routing id of the
-peer it reaches (``CONNECT_ROUTING_ID``), so a peer cannot choose under which id its
-connection is filed, and all connects happen before the NIC sockets bind, so no incoming
-connection can take one of those ids first. Such a connection is usable at once for ZeroMQ;
-the endpoint treats it as down until its first handshake completes (the monitor), so a send
-to a peer that is not up yet is retried and then fails, as before.
-
 **Keys** (issue 16; :mod:`p2psync.transport.keys`). With ``keys`` every ROUTER socket runs
 CurveZMQ: a socket is a CURVE client on each connect (with the server key of the node it
-connects to, from the topology) and a CURVE server on its bind, with the ZAP handler of
-:mod:`p2psync.transport.zap` (one per endpoint, on the endpoint's own context) accepting only
-the topology's keys. The identity check sits in :meth:`ZmqEndpoint._drain`, before a message
-is decoded: on an incoming connection the ``User-Id`` that ZAP gave its key must be the node
-of the routing id the peer claims (else ``identity_mismatch``); on our own connections the
-routing id is the one we set and CURVE proved the server's key. A peer with an unknown key
-never completes a handshake, so it delivers nothing; each refused attempt is counted
-(``unknown_key``) and logged once per key. Relayed control messages are checked end to end
-by :mod:`p2psync.transport.relay_auth`.
+connects to, from the topology, so an outgoing pipe provably reaches that node) and a CURVE
+server on its bind, with the ZAP handler of :mod:`p2psync.transport.zap` (one per endpoint, on
+the endpoint's own context) accepting only the topology's keys. The identity check sits in
+:meth:`ZmqEndpoint._drain`, before a message is decoded: on an incoming connection the
+``User-Id`` that ZAP gave its key must be the node of the routing id the peer claims (else
+``identity_mismatch``); a message without a ``User-Id`` must come on one of our own outgoing
+pipes. Each keyed connection claims its id with a secret random suffix (``"...#<16 hex>"``,
+sent only inside the CURVE handshake to the node it connects to), so another key holder cannot
+take a node's id at a receiver before that node connects (or while it reconnects) and have the
+real connection ignored as a duplicate. A peer with an unknown key never completes a
+handshake, so it delivers nothing; each refused attempt is counted (``unknown_key``) and logged
+once per key. Relayed control messages are checked end to end by
+:mod:`p2psync.transport.relay_auth`.
 """
 
 from __future__ import annotations
@@ -68,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -116,13 +115,15 @@ class SocketOptions:
     control_sndhwm: int = 1000
 
 
-def control_routing_id(node: int, nic: str) -> bytes:
-    """Routing id of the lower node's control socket on ``nic``."""
-    return f"{node}/{nic}/c".encode()
-
-
 def routing_id(node: int, nic: str) -> bytes:
+    """The name of an outgoing pipe to ``node``'s NIC ``nic`` (on the socket that opened it)."""
     return f"{node}/{nic}".encode()
+
+
+def claimed_id(node: int, nic: str, *, control: bool) -> bytes:
+    """The routing id under which ``node``'s connection from its NIC ``nic`` (bulk or control
+    socket) is filed by the node it connects to (keyed: plus a random ``#`` suffix)."""
+    return f"{node}/{nic}/{'c' if control else 'b'}".encode()
 
 
 class ZmqEndpoint(Transport):
@@ -157,12 +158,16 @@ class ZmqEndpoint(Transport):
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
         self.down: set[int] = set()  # peers whose connection (from our side) is down
         self.control_down: set[int] = set()  # same for our control connections
-        # routing ids of every NIC in the topology -> (node, label); anything else is unknown
-        self._peers_by_rid = {routing_id(n.id, c.name): (n.id, f"{n.id}/{c.name}")
-                              for n in topology.nodes for c in n.nics}
-        self._peers_by_rid.update({control_routing_id(n.id, c.name): (n.id, f"{n.id}/{c.name}/c")
-                                   for n in topology.nodes for c in n.nics})
-        self._rid_cache: dict[tuple[int, str, bool], bytes] = {}
+        # routing ids (without a keyed ``#`` suffix) of every NIC in the topology -> (node,
+        # label): our outgoing pipes' names and the ids incoming connections claim
+        self._peers_by_rid: dict[bytes, tuple[int, str]] = {}
+        for n in topology.nodes:
+            for c in n.nics:
+                label = f"{n.id}/{c.name}"
+                self._peers_by_rid[routing_id(n.id, c.name)] = (n.id, label)
+                self._peers_by_rid[claimed_id(n.id, c.name, control=False)] = (n.id, label)
+                self._peers_by_rid[claimed_id(n.id, c.name, control=True)] = (n.id, f"{label}/c")
+        self._rid_cache: dict[tuple[int, str], bytes] = {}
 
     async def start(self) -> None:
         if self._socks:
@@ -177,7 +182,8 @@ class ZmqEndpoint(Transport):
                 self._zap = ZapHandler(context=ctx, nodes=self.topology.node_by_key, on_refused=self._refused)
                 self._zap.start(self._loop)
             for nic in self.node.nics:
-                self._socks[nic.name] = self._socket(ctx, routing_id(self.node_id, nic.name), o.sndhwm, bulk=True)
+                self._socks[nic.name] = self._socket(ctx, claimed_id(self.node_id, nic.name, control=False), o.sndhwm,
+                                                     bulk=True)
             self._connect_all(ctx)
             for nic in self.node.nics:  # bind after every connect: our routing ids are taken
                 s = self._socks[nic.name]
@@ -208,26 +214,30 @@ class ZmqEndpoint(Transport):
                 self._loop.call_soon(self._watch, name, control)
 
     def _connect_all(self, ctx: "zmq.Context[Any]") -> None:
-        """Connect the NIC sockets (bulk) and control sockets to every higher id on their
-        network, naming each connection's routing id; the peers count as down until their
-        first handshake completes (see the module docstring)."""
+        """Connect the NIC sockets (bulk) and control sockets to every neighbour on their
+        network, naming each outgoing pipe; the peers count as down until their first
+        handshake completes (see the module docstring)."""
         o = self.options
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
         for nic in self.node.nics:
             for peer in self.topology.members(nic.network):
-                if peer <= self.node_id:
+                if peer == self.node_id:
                     continue
                 if nic.name not in self._monitors:
                     self._monitors[nic.name] = self._socks[nic.name].get_monitor_socket(events)
-                    c = self._socket(ctx, control_routing_id(self.node_id, nic.name), o.control_sndhwm, bulk=False)
+                    c = self._socket(ctx, claimed_id(self.node_id, nic.name, control=True), o.control_sndhwm,
+                                     bulk=False)
                     self._ctl_socks[nic.name] = c
                     self._ctl_monitors[nic.name] = c.get_monitor_socket(events)
                 remote = next(c for c in self.topology.node(peer).nics if c.network == nic.network)
                 self._endpoint_peer[remote.endpoint] = peer
                 rid = routing_id(peer, remote.name)
                 for control, s in ((False, self._socks[nic.name]), (True, self._ctl_socks[nic.name])):
-                    if self.keys is not None:
+                    claim = claimed_id(self.node_id, nic.name, control=control)
+                    if self.keys is not None:  # secret per connection: nobody can claim it first
                         s.setsockopt(zmq.CURVE_SERVERKEY, (self.topology.node(peer).curve_public or "").encode())
+                        claim += b"#" + secrets.token_hex(8).encode()
+                    s.setsockopt(zmq.ROUTING_ID, claim)  # read by this connect only
                     s.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
                     s.connect(remote.endpoint)
                     self._own_rids.setdefault((nic.name, control), set()).add(rid)
@@ -309,7 +319,7 @@ class ZmqEndpoint(Transport):
                     log.warning("node %d NIC %s: receive error %s", self.node_id, nic, exc)
                 return
             rid = frames[0].bytes
-            known = self._peers_by_rid.get(rid)
+            known = self._peers_by_rid.get(rid.partition(b"#")[0])
             if known is not None and self.keys is not None and not self._authentic(frames[0], rid, known[0], nic,
                                                                                   control):
                 self._reject(nic, known[1], "identity_mismatch",
@@ -324,10 +334,13 @@ class ZmqEndpoint(Transport):
 
     def _authentic(self, frame: "zmq.Frame", rid: bytes, node: int, nic: str, control: bool) -> bool:
         """Does the connection a message came on belong to ``node``, whose routing id it bears?
-        Ours: we set that routing id and CURVE proved the server's key. Incoming: ZAP's user id."""
-        if rid in self._own_rids.get((nic, control), ()):
-            return True
-        return self._user_id(frame) == str(node)
+        Incoming (ZAP gave it a user id): that user id must be ``node``, whatever the routing id.
+        Without one it must be one of our own connections: we named it, and CURVE proved the
+        server's key."""
+        uid = self._user_id(frame)
+        if uid is not None:
+            return uid == str(node)
+        return rid in self._own_rids.get((nic, control), ())
 
     @staticmethod
     def _user_id(frame: "zmq.Frame") -> str | None:
@@ -337,17 +350,16 @@ class ZmqEndpoint(Transport):
             return None
 
     async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
-        own_ctl = not bulk and peer > self.node_id  # control to a higher id: our control socket
-        sock = (self._ctl_socks if own_ctl else self._socks).get(route.local_nic)
+        """Send on our own outgoing pipe to ``peer`` (the control socket's for control)."""
+        sock = (self._socks if bulk else self._ctl_socks).get(route.local_nic)
         if sock is None:
             raise TransportError("endpoint is not started")
-        if peer in (self.control_down if own_ctl else self.down):
+        if peer in (self.down if bulk else self.control_down):
             raise NotReady
-        to_ctl = not bulk and peer < self.node_id  # control to a lower id: its control pipe
-        key = (peer, route.remote_nic, to_ctl)
+        key = (peer, route.remote_nic)
         rid = self._rid_cache.get(key)
         if rid is None:
-            rid = self._rid_cache[key] = (control_routing_id if to_ctl else routing_id)(peer, route.remote_nic)
+            rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
         try:
             sock.send_multipart([rid, *frames], _NOBLOCK, copy=False)
         except zmq.Again:
@@ -359,7 +371,7 @@ class ZmqEndpoint(Transport):
         finally:
             # the FD is edge-triggered: a send may have consumed the readable edge
             if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
-                self._loop.call_soon(self._drain, route.local_nic, own_ctl)
+                self._loop.call_soon(self._drain, route.local_nic, not bulk)
 
     async def close(self) -> None:
         await self._drain_relays()

@@ -109,6 +109,7 @@ def encode(
     run: int = 0,
     inc: int = 0,
     auth: bytes | None = None,
+    ctr: int | None = None,
 ) -> list[Buffer]:
     """Build the frames of one message. Raises ``ValueError`` for a bad local argument.
 
@@ -155,6 +156,10 @@ def encode(
         if dst is None or len(auth) != AUTH_BYTES:
             raise ValueError(f"auth is a {AUTH_BYTES}-byte digest of a relayed message")
         header["auth"] = bytes(auth)
+    if ctr is not None:
+        if dst is None or type(ctr) is not int or not 0 <= ctr <= MAX_U64:
+            raise ValueError("ctr is an unsigned 64-bit counter of a relayed message")
+        header["ctr"] = ctr
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -193,6 +198,8 @@ def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
     if value is None or isinstance(value, (bool, int, str, bytes)):
         return
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ProtocolError("meta_float", f"{path}: {value!r} (NaN and infinity are refused)")
         return
     if isinstance(value, list):
         for i, v in enumerate(value):
@@ -287,8 +294,11 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     auth = obj.get("auth")
     if auth is not None and (dst is None or not isinstance(auth, bytes) or len(auth) != AUTH_BYTES):
         raise ProtocolError("relay", f"auth must be a {AUTH_BYTES}-byte digest on a relayed message")
+    ctr = obj.get("ctr")
+    if ctr is not None and (dst is None or not _is_int(ctr) or not 0 <= ctr <= MAX_U64):
+        raise ProtocolError("relay", f"ctr must be an unsigned 64-bit counter on a relayed message, got {ctr!r}"[:120])
     return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta,
-                  dst=dst, hops=hops, run=run, inc=inc, auth=auth)
+                  dst=dst, hops=hops, run=run, inc=inc, auth=auth, ctr=ctr)
 
 
 def _frame_len(buf: Any) -> int:

@@ -10,7 +10,9 @@ map with exactly these keys (``meta`` optional)::
 ``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent;
 ``auth`` (32 bytes, only with ``dst``) is the origin's HMAC of a relayed message in a keyed
 cluster (see :mod:`p2psync.transport.relay_auth`): the destination checks it, so a relay
-cannot forge or alter what it forwards.
+cannot forge or alter what it forwards. ``ctr`` (only with ``dst``; signed with the rest) is
+the origin's message counter, increasing within one incarnation: the destination drops a
+counter it has already seen (a replay).
 
 Version 2 (issue 10) added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
@@ -60,7 +62,7 @@ DTYPES: frozenset[str] = frozenset(
 CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "topk", "raw"})
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
-HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth"})
+HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth", "ctr"})
 #: length of the ``auth`` digest (HMAC-SHA256)
 AUTH_BYTES = 32
 
@@ -128,6 +130,8 @@ class Header:
     inc: int = 0
     #: the origin's digest of a relayed message (keyed clusters), else None
     auth: bytes | None = None
+    #: the origin's counter of a signed relayed message (per incarnation), else None
+    ctr: int | None = None
 
 
 def valid_tag(tag: object) -> bool:

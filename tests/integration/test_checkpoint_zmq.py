@@ -1,15 +1,22 @@
-"""Checkpoint and resume of the built-in job over real ZeroMQ (issue 16): two nodes in one
-process (each with its own training thread and node runtime), SSGD on CPU."""
+"""Checkpoint and resume over real ZeroMQ (issue 16 and its review): two nodes in one process
+(each with its own training thread and node runtime), SSGD on CPU. The built-in job draws no
+global random numbers after initialisation, so the RNG restore is checked by
+tests/e2e/test_resume_script.py (one process per node, with dropout)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
-from p2psync.api.checkpoint import load, node_checkpoint
+from p2psync.api.checkpoint import load, node_checkpoint, snapshot
+from p2psync.api.session import Session
 from p2psync.cli.builtin_job import run_builtin
+from p2psync.errors import ConfigError
 from p2psync.topology import load as load_topology
 from p2psync.topology import mesh, save
 from p2psync.training.config import RunConfig
@@ -48,3 +55,67 @@ def test_ssgd_100_steps_equal_50_then_resume_50_bitwise(tmp_path: Path) -> None:
         assert resumed[i]["steps"] == 100
         assert resumed[i]["params_sha1"] == straight[i]["params_sha1"] == straight[0]["params_sha1"]
     assert load(node_checkpoint(tmp_path / "first", 0))["step"] == 50  # no --checkpoint-every: kept
+
+
+def _models(n: int) -> dict[int, tuple[nn.Module, torch.optim.Optimizer]]:
+    out = {}
+    for i in range(n):  # built here: torch's global generator is shared by threads
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        out[i] = (model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return out
+
+
+@pytest.mark.parametrize("steps", [{0: 4, 1: None}, {0: 4, 1: 6}], ids=["fresh-and-resumed", "other-steps"])
+def test_nodes_that_do_not_agree_on_resuming_stop_at_start_with_one_clear_error(
+        tmp_path: Path, steps: dict[int, int | None]) -> None:
+    """Node 0 resumes from a checkpoint, node 1 starts fresh (or resumes another step): both
+    stop at attach with a ConfigError naming what each does, instead of node 1 waiting for the
+    initial parameters node 0 never sends."""
+    topo = tmp_path / "mesh2.json"
+    save(mesh(2, base_port=free_port()), topo)
+    models = _models(2)
+    ckpt = {i: snapshot(p2psync={"step": s, "samples": 0, "strategy": "ssgd", "run_id": "r", "node": i,
+                                 "strategy_state": {}}, model=models[i][0], optimizer=models[i][1], extra={})
+            for i, s in steps.items() if s is not None}
+
+    def node(i: int) -> None:
+        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="r", steps=10, start_timeout=30,
+                     peer_timeout=5) as s:
+            if i in ckpt:
+                s.load_state_dict(ckpt[i])
+            s.attach(*models[i])
+
+    out = in_threads(node, (0, 1), 60)
+    for i in (0, 1):
+        assert isinstance(out.get(i), ConfigError) and "do not agree on how the run starts" in str(out[i]), out
+        assert "node 0: resumed at step 4" in str(out[i])
+
+
+def test_state_dict_takes_the_event_loops_parts_on_the_event_loop(tmp_path: Path) -> None:
+    """Background exchanges change the strategy's state and the error-feedback residuals on the
+    event loop, so a checkpoint copies them there, not on the training thread."""
+    topo = tmp_path / "mesh2.json"
+    save(mesh(2, base_port=free_port()), topo)
+    models = _models(2)
+    seen: dict[int, list[str]] = {0: [], 1: []}
+
+    def node(i: int) -> dict[str, Any]:
+        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="sd", steps=2, start_timeout=30,
+                     peer_timeout=15, codec="int8", error_feedback=True) as s:
+            model, opt = models[i]
+            opt = s.attach(model, opt)
+            while not s.should_stop:
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+            assert s.strategy is not None
+            real = s.strategy.state_dict
+            s.strategy.state_dict = lambda: seen[i].append(threading.current_thread().name) or real()  # type: ignore[method-assign]
+            return s.state_dict()
+
+    out = in_threads(node, (0, 1), 60)
+    for i in (0, 1):
+        assert isinstance(out.get(i), dict), out.get(i)
+        assert seen[i] == [f"p2psync-node-{i}"]
+        assert out[i]["feedback"]["ef"] and out[i]["step"] == 2

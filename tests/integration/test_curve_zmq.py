@@ -97,20 +97,41 @@ async def test_routing_id_impostor_with_unknown_key_delivers_nothing() -> None:
         ctx.destroy(linger=0)
 
 
-async def test_member_claiming_another_nodes_routing_id_is_rejected() -> None:
-    """A process holding node 2's valid key that claims node 0's routing id: its handshake
-    passes (the key is known), but every message is rejected (identity mismatch)."""
+async def test_member_claiming_another_nodes_routing_ids_gets_nothing_and_blocks_nothing() -> None:
+    """A process holding node 2's valid key connects to node 1 before the real node 0, claiming
+    node 0's routing ids (bulk and control). Its handshakes pass (the key is known) but every
+    message it sends is rejected (identity mismatch); node 1's traffic for node 0, bulk and
+    control, reaches the real node 0 and never the impostor, and the real node 0's traffic
+    still reaches node 1 (its connection is not shadowed by the impostor's)."""
     topo, keys = keyed(mesh(3, base_port=free_port()))
     node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
     ctx: zmq.Context[Any] = zmq.Context()
+    node0: ZmqEndpoint | None = None
     try:
         await node1.start()
-        imp = _impostor(ctx, topo, claims="0/eth0", target=1, key=(keys[2].public, keys[2].secret))
-        for tag in ("x.1", "x.2"):
-            imp.send_multipart([b"1/eth0", *_forged(node1.run_id, tag, kind="event")])
-        await until(lambda: node1.rejected["identity_mismatch"] >= 2, 10, "both forged messages rejected")
-        assert node1.recv_nowait("x.1") is None and node1.recv_nowait("x.2") is None
+        claims = ("0/eth0", "0/eth0/c", "0/eth0/b", "0/eth0/c#0", "1/eth0")
+        imps = [_impostor(ctx, topo, claims=c, target=1, key=(keys[2].public, keys[2].secret)) for c in claims]
+        for i, imp in enumerate(imps):
+            imp.send_multipart([b"1/eth0", *_forged(node1.run_id, f"x.{i}", kind="event")])
+        # a claim that is the name of one of node 1's own connections is ignored by ZeroMQ (a
+        # duplicate routing id); the others are read, and rejected
+        await until(lambda: node1.rejected["identity_mismatch"] >= 3, 10, "the forged messages rejected")
+        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
+        await node0.start()
+        for kind in ("data", "event"):
+            arrays = [np.ones(3, np.float32)] if kind == "data" else []
+            await node1.send(0, f"to-0.{kind}", arrays, kind=kind)
+            await node0.send(1, f"to-1.{kind}", arrays, kind=kind)
+        for kind in ("data", "event"):
+            assert (await node0.recv(f"to-0.{kind}", timeout=10)).src == 1
+            assert (await node1.recv(f"to-1.{kind}", timeout=10)).src == 0
+        assert all(node1.recv_nowait(f"x.{i}") is None for i in range(len(imps)))
+        assert not node0.rejected
+        for imp in imps:  # node 1 sent nothing on the impostors' connections
+            assert imp.poll(50) == 0
     finally:
+        if node0 is not None:
+            await node0.close()
         await node1.close()
         ctx.destroy(linger=0)
 

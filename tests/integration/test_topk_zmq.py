@@ -14,8 +14,9 @@ import torch
 from p2psync.collectives import Collectives
 from p2psync.collectives.sparse import gather_sum
 from p2psync.compress import TopK
-from p2psync.errors import PeerFailure, ProtocolError
+from p2psync.errors import NonFinitePiece, PeerFailure, ProtocolError
 from p2psync.topology import bcube, mesh, ring
+from p2psync.wire import parse_header
 from tests.helpers import free_port, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,3 +146,36 @@ async def test_malformed_part_from_a_peer_is_rejected_everywhere(fault):
         x = np.arange(n, dtype=np.float32)
         outs = await asyncio.gather(*(cs[i].allreduce(x, tag="after", codec="topk:0.01") for i in g))
         assert outs[0].tobytes() == outs[3].tobytes() and np.count_nonzero(outs[0]) == 100
+
+
+def _corrupt_forwarded_rows(ep) -> None:
+    """Make ``ep`` a malicious relay: the sparse rows it passes on in the allgather (rounds
+    after the first, which carry other members' rows) get NaN in their values half."""
+    real = ep._transmit
+
+    async def transmit(peer, route, frames, *, bulk=False):
+        h = parse_header(bytes(frames[0]))
+        if h.kind == "data" and ".ag" in h.tag and ".ag0." not in h.tag:
+            payload = bytearray(bytes(frames[1]))
+            half = len(payload) // 2
+            payload[half:] = np.full((len(payload) - half) // 4, np.nan, "<f4").tobytes()
+            frames = [frames[0], bytes(payload)]
+        await real(peer, route, frames, bulk=bulk)
+
+    ep._transmit = transmit
+
+
+async def test_a_relay_corrupting_sparse_rows_is_blamed_not_their_origin():
+    """On a ring, rows reach most members through other members. Node 1 poisons the rows it
+    passes on (not its own): the node it hands them to rejects them at once and blames node 1,
+    the neighbour that delivered them, never the rows' honest origin."""
+    bad = 1
+    async with cluster(TOPOS["ring4"], timeout=3.0) as (topo, cs):
+        _corrupt_forwarded_rows(cs[bad].t)
+        x = np.arange(10_000, dtype=np.float32)
+        res = await asyncio.gather(*(cs[i].allreduce(x, tag="sp", codec="topk:0.01") for i in topo.ids),
+                                   return_exceptions=True)
+        caught = [r for r in res if isinstance(r, NonFinitePiece)]
+        assert caught and all(r.peers == (bad,) for r in caught), res
+        offences = {i: dict(cs[i].t.offences) for i in topo.ids}
+        assert all(set(o) <= {bad} for o in offences.values()) and sum(o.get(bad, 0) for o in offences.values()), offences

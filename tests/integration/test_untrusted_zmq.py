@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -14,9 +16,10 @@ from torch import nn
 
 from p2psync.api.runtime import NodeRuntime
 from p2psync.api.session import Session
-from p2psync.errors import PeerFailure, ProtocolError
+from p2psync.errors import Diverged, PeerFailure, ProtocolError
 from p2psync.topology import mesh, save
 from p2psync.training.config import RunConfig
+from p2psync.wire import parse_header
 from tests.helpers import free_port, in_threads
 
 pytestmark = pytest.mark.timeout(90)
@@ -47,11 +50,10 @@ async def test_a_run_id_that_is_a_path_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_node_sending_nan_gradients_is_excluded_and_the_others_stay_finite(tmp_path: Path) -> None:
-    """Node 2 poisons its gradients from step 2 on. Its pieces are rejected by the nodes that
-    receive them, counted against it and reported; the coordinator excludes it (first offence)
-    and the others redo the step without it: their parameters stay finite and bitwise equal,
-    and node 2 is named in their metrics and in the run's summary."""
+def _run(tmp_path: Path, run_id: str, bad: Callable[[int, int, Session], bool]) -> tuple[dict[int, Any], Path]:
+    """SSGD on mesh(3), three nodes (sessions in threads) for STEPS steps; ``bad(i, k, s)`` is
+    called before node i's step k and says whether its gradient is NaN. Each node's final
+    parameters or error, and the run folder."""
     topo = tmp_path / "mesh3.json"
     save(mesh(3, base_port=free_port()), topo)
     models = {}
@@ -61,9 +63,10 @@ def test_a_node_sending_nan_gradients_is_excluded_and_the_others_stay_finite(tmp
     g = torch.Generator().manual_seed(1)
     batches = {i: [(torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g))
                    for _ in range(STEPS)] for i in range(3)}
+
     def node(i: int) -> np.ndarray:
         model = models[i]
-        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="nan", steps=STEPS, start_timeout=30,
+        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id=run_id, steps=STEPS, start_timeout=30,
                      peer_timeout=15) as s:
             opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
             k = 0
@@ -71,23 +74,84 @@ def test_a_node_sending_nan_gradients_is_excluded_and_the_others_stay_finite(tmp
                 opt.zero_grad()
                 x, y = batches[i][k % STEPS]
                 nn.functional.cross_entropy(model(x), y).backward()
-                if i == 2 and k >= POISON_FROM:
+                if bad(i, k, s):
                     for p in model.parameters():
                         assert p.grad is not None
                         p.grad.fill_(float("nan"))
-                opt.step()  # node 2: raises once it is excluded
+                opt.step()
                 k += 1
         return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
 
-    out = in_threads(node, range(3), 80)
+    return in_threads(node, range(3), 80), tmp_path / run_id
+
+
+def _offences(run: Path) -> list[Any]:
+    return [json.loads(line).get("offences") for i in (0, 1)
+            for line in (run / f"node-{i}.jsonl").read_text().splitlines()]
+
+
+def test_a_node_whose_gradient_diverges_stops_itself_and_blames_nobody(tmp_path: Path) -> None:
+    """Node 2's gradient turns NaN at step 2: node 2 stops with "training diverged at step 2
+    on node 2" before sending anything, nobody reports or excludes anyone, and the others go on
+    without it (its departure is a failure) and stay finite and bitwise equal."""
+    out, run = _run(tmp_path, "div1", lambda i, k, s: i == 2 and k >= POISON_FROM)
+    assert isinstance(out.get(2), Diverged) and "training diverged at step 2 on node 2" in str(out[2]), out.get(2)
+    for i in (0, 1):
+        assert isinstance(out.get(i), np.ndarray), out.get(i)
+        assert np.isfinite(out[i]).all()
+    np.testing.assert_array_equal(out[0], out[1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert 2 in summary["failed"] and not summary["excluded"] and summary["nodes"]["0"]["steps"] == STEPS
+    assert not any(_offences(run))
+
+
+def test_a_run_that_diverges_everywhere_ends_on_every_node_as_diverged(tmp_path: Path) -> None:
+    """Every node's gradient turns NaN at step 2 (an honest run diverging): every node ends
+    with its own "training diverged" error; no node is excluded, no coordinator deposed."""
+    out, run = _run(tmp_path, "div3", lambda i, k, s: k >= POISON_FROM)
+    for i in range(3):
+        assert isinstance(out.get(i), Diverged) and f"at step 2 on node {i}" in str(out[i]), out.get(i)
+    assert not any(_offences(run))
+
+
+def _poison_after_checks(s: Session, on: threading.Event) -> None:
+    """Make node ``s`` malicious: once ``on`` is set, every float32 tensor piece it sends holds
+    NaN, written into the frames after its own checks (as a modified node would)."""
+    assert s.runtime is not None
+    t = s.runtime.transport
+    real = t._transmit
+
+    async def transmit(peer: int, route: Any, frames: list[Any], *, bulk: bool = False) -> None:
+        h = parse_header(bytes(frames[0]))
+        if on.is_set() and h.kind == "data":
+            frames = [frames[0], *(np.full(f.nbytes // 4, np.nan, "<f4").tobytes() if f.dtype == "float32"
+                                   else frame for f, frame in zip(h.frames, frames[1:]))]
+        await real(peer, route, frames, bulk=bulk)
+
+    t._transmit = transmit  # type: ignore[method-assign]
+
+
+def test_a_node_sending_nan_pieces_is_excluded_on_two_reports(tmp_path: Path) -> None:
+    """Node 2 sends NaN pieces from step 2 on (a modified node: its own checks bypassed). Both
+    nodes that receive them reject them and report node 2; two reports exclude it; the others
+    redo the step without it, stay finite and bitwise equal, and name node 2 in their metrics
+    and the run's summary."""
+    on = threading.Event()
+
+    def bad(i: int, k: int, s: Session) -> bool:
+        if i == 2 and k == 0:
+            _poison_after_checks(s, on)
+        if i == 2 and k >= POISON_FROM:
+            on.set()
+        return False
+
+    out, run = _run(tmp_path, "nan", bad)
     assert isinstance(out.get(2), PeerFailure), out.get(2)
     for i in (0, 1):
         assert isinstance(out.get(i), np.ndarray), out.get(i)
         assert np.isfinite(out[i]).all()
     np.testing.assert_array_equal(out[0], out[1])
-    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
-    assert 2 in summary["failed"] and "non-finite" in summary["excluded"]["2"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 2 in summary["failed"] and "reported by nodes [0, 1]" in summary["excluded"]["2"], summary["excluded"]
     assert summary["nodes"]["0"]["steps"] == STEPS
-    named = [json.loads(line).get("offences") for i in (0, 1)
-             for line in (tmp_path / "nan" / f"node-{i}.jsonl").read_text().splitlines()]
-    assert any(o and o.get("2", 0) >= 1 for o in named), named
+    assert any(o and o.get("2", 0) >= 1 for o in _offences(run))

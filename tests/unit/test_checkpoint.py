@@ -30,7 +30,7 @@ def _state(step: int) -> dict:
     opt.step()
     return checkpoint.snapshot(p2psync={"step": step, "samples": 7 * step, "strategy": "ssgd", "run_id": "r",
                                         "node": 0, "strategy_state": {"in_sync": True}},
-                               model=model, optimizer=opt, feedback=(None, None), extra={"sampler": {"batches_done": step}})
+                               model=model, optimizer=opt, extra={"sampler": {"batches_done": step}})
 
 
 def test_round_trip_and_rng_states(tmp_path: Path) -> None:
@@ -89,3 +89,28 @@ def test_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: P
     assert checkpoint.load(path)["step"] == 1
     checkpoint.save_atomic(path, _state(3))  # the stale temporary file is simply replaced
     assert checkpoint.load(path)["step"] == 3 and not (path.parent / ".checkpoint.pt.tmp").exists()
+
+
+def test_a_link_planted_at_the_temporary_name_is_not_followed(tmp_path: Path) -> None:
+    """Checkpoints and key files are written through a temporary file created exclusively,
+    never through a link someone left at its name (it would overwrite the link's target)."""
+    from p2psync.transport.keys import generate, key_file, write_key_dir
+    from p2psync.topology import mesh
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path = checkpoint.node_checkpoint(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    (path.parent / ".checkpoint.pt.tmp").symlink_to(victim)
+    checkpoint.save_atomic(path, _state(1))
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / f".{key_file(keys, 0).name}.tmp").symlink_to(victim)
+    write_key_dir(keys, generate(mesh(2)))
+    assert victim.read_text() == "keep" and checkpoint.load(path)["step"] == 1
+    assert oct(key_file(keys, 0).stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_cpu_model_captures_no_cuda_generator() -> None:
+    st = _state(1)
+    assert "cuda" not in st["rng"] and not torch.cuda.is_initialized()

@@ -16,6 +16,7 @@ from p2psync.errors import ConfigError, ProtocolError
 from p2psync.topology import load, loads, mesh, ring, save, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.transport.keys import generate, key_file, load_node_keys, with_public_keys, write_key_dir
+from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.wire.schema import valid_run_id
 
 
@@ -103,3 +104,13 @@ def test_good_run_ids_and_default_names_pass() -> None:
     assert valid_run_id(default_run_id(replace(odd, name="../../etc/x y"), "ssgd"))
     with pytest.raises(ProtocolError):
         checked_run_id(42, 0)
+
+
+def test_replay_window_takes_each_counter_once_in_any_order_and_forgets_old_lives() -> None:
+    w = ReplayWindow(window=8)
+    assert [w.accept(1, 5, c) for c in (3, 1, 2, 3, 1)] == [True, True, True, False, False]
+    assert w.accept(1, 5, 20) and not w.accept(1, 5, 12)  # older than the window: refused
+    assert w.accept(1, 5, 13) and not w.accept(1, 5, 13)  # inside it: once
+    assert w.accept(2, 1, 3)  # origins are independent
+    assert not w.accept(1, 4, 100)  # an older incarnation
+    assert w.accept(1, 6, 1) and not w.accept(1, 5, 21)  # a new life starts afresh

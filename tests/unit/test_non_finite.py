@@ -12,12 +12,21 @@ import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.coordinator import View
-from p2psync.errors import NonFinitePiece, PeerFailure, ProtocolError
+from p2psync.coordinator.membership import MembershipState
+from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError
 from p2psync.strategies.regroup import Regroup
-from p2psync.topology import mesh
+from p2psync.topology import mesh, ring
+from p2psync.transport import Transport
 from p2psync.transport.memory import MemoryHub
+from p2psync.wire import encode
 
 pytestmark = pytest.mark.timeout(30)
+
+
+async def _forge(ep: Transport, peer: int, tag: str, arr: np.ndarray) -> None:
+    """What a modified node sends: a tensor piece past its own checks."""
+    frames = encode(kind="data", src=ep.node_id, tag=tag, arrays=[arr], run=ep.run_id, inc=ep.incarnation)
+    await ep._send_direct(peer, ep.route(peer), 5.0, frames, bulk=True)
 
 
 async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> None:
@@ -28,10 +37,12 @@ async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> N
     reported: list[tuple[int, str]] = []
     eps[0].offence_listeners.append(lambda n, why: reported.append((n, why)))
     try:
-        await eps[1].send(0, "early", [np.array([1.0, np.inf], np.float32)])  # nobody waits yet
+        with pytest.raises(Diverged, match="node 1 was about to send"):  # never by an honest sender
+            await eps[1].send(0, "early", [np.array([1.0, np.inf], np.float32)])
+        await _forge(eps[1], 0, "early", np.array([1.0, np.inf], np.float32))  # nobody waits yet
         waiting = asyncio.ensure_future(eps[0].recv("piece", timeout=10))
         await asyncio.sleep(0)  # one loop turn (not a delay): the receive registers its waiter
-        await eps[1].send(0, "piece", [np.array([np.nan], np.float16)])
+        await _forge(eps[1], 0, "piece", np.array([np.nan], np.float16))
         with pytest.raises(NonFinitePiece) as err:
             await waiting
         assert isinstance(err.value, PeerFailure) and err.value.peers == (1,)
@@ -77,3 +88,48 @@ async def test_a_step_failing_on_a_non_finite_piece_waits_for_the_next_view() ->
         assert calls == [1, 2] and regroup.reforms == 1
     finally:
         await t.close()
+
+
+def _state(n: int) -> MembershipState:
+    st = MembershipState(expected=frozenset(range(n)))
+    for i in range(n):
+        st.register(i, "fp", 0.0, incarnation=1)
+    return st
+
+
+def test_exclusion_needs_two_reporters_and_never_takes_the_coordinator() -> None:
+    topo = mesh(5)
+    st = _state(5)
+    assert st.report_offences(1, [2], topo.neighbors) == [] and 2 not in st.failed  # one report
+    assert st.report_offences(1, [2], topo.neighbors) == []  # the same reporter again
+    assert st.report_offences(3, [2], topo.neighbors) == [2] and 2 in st.failed
+    assert "reported by nodes [1, 3]" in st.excluded[2]
+    st.report_offences(1, [0], topo.neighbors)
+    assert st.report_offences(3, [0], topo.neighbors) == [] and 0 not in st.failed  # the coordinator
+    assert st.report_offences(2, [4], topo.neighbors) == []  # an excluded node reports nothing
+    assert not st.diverged
+
+
+def test_reports_only_count_from_members_about_their_neighbours() -> None:
+    topo = ring(4)  # 0-1-2-3-0
+    st = _state(4)
+    assert st.report_offences(1, [3, 1, 9], topo.neighbors) == [] and not st.reports  # not neighbours, self, unknown
+    assert st.report_offences(0, [1], topo.neighbors) == [] and st.reports == {1: {0}}
+
+
+def test_a_node_with_one_live_neighbour_is_excluded_on_its_report() -> None:
+    st = _state(2)
+    assert st.report_offences(0, [1], mesh(2).neighbors) == [1]
+
+
+def test_one_member_reporting_most_members_ends_the_run_as_diverged_excluding_nobody() -> None:
+    """One key holder listing all its neighbours in one heartbeat used to exclude them all."""
+    topo = mesh(5)
+    st = _state(5)
+    epoch = st.epoch
+    assert st.report_offences(4, [0, 1, 2, 3], topo.neighbors) == []
+    assert not st.failed and st.epoch == epoch + 1
+    view = st.view()
+    assert view.ended == st.diverged and "4 of 5 members" in view.ended and "reported by nodes [4]" in view.ended
+    assert View.from_wire(view.to_wire()).ended == view.ended
+    assert st.report_offences(1, [2], topo.neighbors) == []  # nothing more once the run ended

@@ -95,6 +95,11 @@ PAYLOAD = np.arange(6, dtype=np.float32).tobytes()
         ([_header(), PAYLOAD[:-4]], "nbytes_mismatch"),
         ([_header(meta=[1])], "meta_type"),
         ([_header(meta={"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}), PAYLOAD], "meta_too_deep"),
+        ([_header(meta={"srtt": float("nan")}), PAYLOAD], "meta_float"),
+        ([_header(meta={"w": [1.0, float("-inf")]}), PAYLOAD], "meta_float"),
+        ([_header(kind="event", frames=[], dst=2, hops=1, ctr=-1)], "relay"),
+        ([_header(kind="event", frames=[], dst=2, hops=1, ctr=1.5)], "relay"),
+        ([_header(kind="event", frames=[], ctr=3)], "relay"),  # a counter only on a relayed message
     ],
 )
 def test_rejects_with_reason(frames, reason):
