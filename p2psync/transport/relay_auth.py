@@ -26,7 +26,7 @@ import hashlib
 import hmac
 from typing import Any, Sequence
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 
 from p2psync.wire import Header
 
