@@ -16,6 +16,7 @@ from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
 from p2psync.training.hetero import parse_profiles
 from p2psync.transport.forward import Forwarder
+from p2psync.wire import encode
 from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,9 +157,12 @@ async def test_malformed_pushes_are_counted_and_the_exchange_goes_on():
                     "d": []}
             await ep1.send(0, "canary.p", [], meta={**head, "z": 9, "rq": "canary.r.1.x.p0"})
             await ep1.send(0, "canary.p", [], meta={**head, "o": 2, "z": 0, "rq": "canary.r.2.x.p0"})
-            await ep1.send(0, "canary.p", [np.full(4, np.nan, np.float32)],
-                           meta={**head, "z": 0, "rq": "canary.r.1.y.p0",
-                                 "d": [[0, 1, b"\x02", 0, 0, False, 1]]})
+            # an honest endpoint refuses to send NaN (Diverged): forge the frames below that check
+            await ep1._send_direct(0, ep1.route(0, None), 5.0, encode(
+                kind="data", src=1, tag="canary.p", step=0, arrays=[np.full(4, np.nan, np.float32)],
+                codecs=None, meta={**head, "z": 0, "rq": "canary.r.1.y.p0",
+                                   "d": [[0, 1, b"\x02", 0, 0, False, 1]]},
+                run=ep1.run_id, inc=ep1.incarnation), bulk=True)
             reps = await _run(strats, 8)
         finally:
             await close_strategies(strats)
