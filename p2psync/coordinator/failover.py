@@ -33,6 +33,7 @@ from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
 from p2psync.errors import RemoteError
+from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.failover")
 
@@ -103,7 +104,8 @@ class CoordinatorHost:
         self.service: MembershipService | None = None
         #: services started here and closed since (a newer view deposed this node)
         self._retired: list[MembershipService] = []
-        self._closing: set[asyncio.Task[None]] = set()
+        #: deposed services still closing
+        self._closing = TaskSet("close-deposed-service")
         self._services_registered = False
         self.took_over_at: float | None = None
         for method in METHODS:
@@ -158,9 +160,7 @@ class CoordinatorHost:
         log.warning("node %d: deposed as coordinator by a newer view naming node %d", self.me, coordinator)
         self.service = None
         self._retired.append(svc)
-        t = asyncio.get_running_loop().create_task(svc.close(), name="close-deposed-service")
-        self._closing.add(t)
-        t.add_done_callback(self._closing.discard)
+        self._closing.spawn(svc.close())
 
     def _dispatcher(self, method: str) -> Handler:
         async def dispatch(caller: int, args: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> Any:
@@ -188,8 +188,8 @@ class CoordinatorHost:
         self._retired = []
         for s in svcs:
             await s.close()
-        if self._closing:
-            await asyncio.gather(*list(self._closing), return_exceptions=True)
+        await self._closing.wait()  # their own close is bounded
+        await self._closing.close()
 
 
 __all__ = ["CoordinatorHost", "rebuild_state"]

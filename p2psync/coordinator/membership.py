@@ -63,7 +63,7 @@ from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallM
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError
-from p2psync.tasks import cancel_all
+from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.membership")
 
@@ -305,8 +305,8 @@ class MembershipService:
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
         self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._tells: set[asyncio.Task[None]] = set()
+        #: the failure monitor and the view pushes (``event.view``) in flight
+        self._tasks = TaskSet("membership-service")
         self._t0 = time.monotonic()
         #: when the rendezvous completed (this node's clock); a rebuilt service is given it
         self.run_started: float | None = None
@@ -318,15 +318,14 @@ class MembershipService:
 
     def start(self) -> None:
         self._t0 = time.monotonic()
-        self._task = asyncio.create_task(self._monitor(), name="membership-monitor")
+        self._tasks.spawn(self._monitor(), name="membership-monitor")
         if self.rebuilt:
             for n in self.state.failed:
                 self.transport.mark_dead(n)
             self._publish(self.state.view())
 
     async def close(self) -> None:
-        await cancel_all([self._task, *self._tells])
-        self._task = None
+        await self._tasks.close()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -454,9 +453,7 @@ class MembershipService:
         coordinator's own client learns it from its (local) heartbeat reply."""
         for peer in view.members:
             if peer not in (self.transport.node_id, skip):
-                t = asyncio.create_task(self._tell(peer, view), name=f"view-to-{peer}")
-                self._tells.add(t)
-                t.add_done_callback(self._tells.discard)
+                self._tasks.spawn(self._tell(peer, view), name=f"view-to-{peer}")
 
     async def _tell(self, peer: int, view: View) -> None:
         try:

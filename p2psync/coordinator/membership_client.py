@@ -36,7 +36,7 @@ from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError, TransportError
-from p2psync.tasks import cancel_all
+from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 
 log = logging.getLogger("p2psync.membership")
@@ -77,8 +77,11 @@ class MembershipClient:
         self.coordinator_suspected = False
         self.run_started: float | None = None
         self.fingerprint = ""
-        self._tasks: list[asyncio.Task[None]] = []
-        self._beats: set[asyncio.Task[None]] = set()
+        #: the heartbeat loop and the view listener (started by :meth:`start`)
+        self._tasks = TaskSet("membership-client")
+        #: heartbeats in flight (pipelined, at most MAX_HEARTBEATS_IN_FLIGHT)
+        self._beats = TaskSet("heartbeat")
+        self._started = False
         self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
         self.info: dict[str, Any] = {}
         #: the view of a running run that :meth:`discover` found (this node joins it), or None
@@ -168,12 +171,14 @@ class MembershipClient:
     def start(self) -> None:
         if self.coordinator != self.transport.node_id:
             self.detector.watch(self.coordinator, time.monotonic())
-        self._tasks = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
-                       asyncio.create_task(self._events(), name="membership-events")]
+        self._started = True
+        self._tasks.spawn(self._heartbeats(), name="heartbeats")
+        self._tasks.spawn(self._events(), name="membership-events")
 
     async def close(self) -> None:
-        await cancel_all([*self._tasks, *self._beats])
-        self._tasks = []
+        self._started = False
+        await self._tasks.close()
+        await self._beats.close()
 
     def _declare(self, peers: Sequence[int]) -> None:
         for p in peers:
@@ -199,7 +204,7 @@ class MembershipClient:
         self.offenders.add(peer)
         log.warning("node %d: node %d sent %s values: reporting it to coordinator %d",
                     self.transport.node_id, peer, reason, self.coordinator)
-        if self._tasks:
+        if self._started:
             self._send_beat()
 
     def _depart(self, peers: Sequence[int]) -> None:
@@ -276,7 +281,7 @@ class MembershipClient:
             self.on_takeover(sorted(self.succession.deposed))
         for cb in list(self.coordinator_listeners):
             cb(new)
-        if self._tasks:  # started: tell the new coordinator at once that we follow it
+        if self._started:  # tell the new coordinator at once that we follow it
             self._send_beat()
 
     def _suspect(self, c: int, why: str) -> None:
@@ -343,9 +348,7 @@ class MembershipClient:
 
     def _send_beat(self) -> None:
         if len(self._beats) < MAX_HEARTBEATS_IN_FLIGHT:
-            t = asyncio.create_task(self._beat(), name="heartbeat")
-            self._beats.add(t)
-            t.add_done_callback(self._beats.discard)
+            self._beats.spawn(self._beat())
 
     async def _heartbeats(self) -> None:
         me = self.transport.node_id

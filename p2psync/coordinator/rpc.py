@@ -34,6 +34,7 @@ import numpy as np
 
 from p2psync.coordinator.detector import RttEstimator
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, RemoteError, TransportError
+from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 from p2psync.wire import Message
 
@@ -51,8 +52,10 @@ class RpcServer:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.handlers: dict[str, Handler] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._serving = TaskSet(f"rpc-server-{transport.node_id}")
+        #: requests being handled (each in its own task: handlers may wait)
+        self._inflight = TaskSet("rpc-request")
+        self._started = False
         self.bad_requests = 0
         self.duplicates = 0
         #: (caller, incarnation, request id) -> reply (None while the handler runs)
@@ -64,8 +67,10 @@ class RpcServer:
         self.handlers[method] = handler
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._serve(), name=f"rpc-server-{self.transport.node_id}")
+        """Serve requests until :meth:`close` (once; a closed server stays closed)."""
+        if not self._started:
+            self._started = True
+            self._serving.spawn(self._serve())
 
     async def invoke(self, caller: int, method: str, args: Mapping[str, Any],
                      arrays: Sequence[np.ndarray] = ()) -> Any:
@@ -80,9 +85,7 @@ class RpcServer:
                 msg = await self.transport.listen(CALL_TAG)
             except TransportError:
                 return  # transport closed
-            t = asyncio.create_task(self._handle(msg))
-            self._inflight.add(t)
-            t.add_done_callback(self._inflight.discard)
+            self._inflight.spawn(self._handle(msg))
 
     async def _handle(self, msg: Message) -> None:
         meta = msg.meta
@@ -131,20 +134,8 @@ class RpcServer:
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop serving; replies already being computed get ``grace`` seconds to go out."""
-        if self._task is not None:
-            self._task.cancel()
-        if self._inflight:
-            await asyncio.wait(set(self._inflight), timeout=grace)
-        for t in [self._task, *self._inflight]:
-            if t is not None:
-                t.cancel()
-        for t in [self._task, *self._inflight]:
-            if t is not None:
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):
-                    pass
-        self._task = None
+        await self._serving.close()
+        await self._inflight.close(grace=grace)
 
 
 class RpcClient:

@@ -65,6 +65,7 @@ from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.params.shards import piece_ranges, shard_bounds
+from p2psync.tasks import TaskSet, cancel_all
 from p2psync.transport import Transport
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import Message
@@ -128,7 +129,7 @@ class ParamStore:
         self.feedback = (ErrorFeedback() if self.codec.lossy and (error_feedback or self.codec.always_feedback)
                          else None)
         self._seq = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(f"{name}-{self.me}")
         self.malformed = 0
         prefix = f"{name}."
         self.fwd = Forwarder(transport=transport, name=name, timeout=timeout,
@@ -157,14 +158,10 @@ class ParamStore:
 
     def start(self) -> None:
         self.fwd.start()
-        t = asyncio.get_running_loop().create_task(self._serve_pushes(), name=f"{self.name}-{self.me}")
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._serve_pushes())
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         await self.fwd.close()
 
     def abort_waits(self, exc: P2PSyncError) -> int:
@@ -223,8 +220,7 @@ class ParamStore:
                 self.lost_pushes += 1
                 raise
         finally:
-            for _, s in sends:
-                s.cancel()
+            await cancel_all(s for _, s in sends)  # done ones are left as they are
             self.transport.mailbox.retire(ack, exact=True)
         st.seconds = loop.time() - t0
         return st

@@ -36,8 +36,9 @@ import numpy as np
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, ProtocolError, TransportError
-from p2psync.strategies.base import StepReport, Strategy, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.regroup import fetch_state, serve_state
+from p2psync.tasks import TaskSet
 from p2psync.topology.paths import spanning_tree
 from p2psync.wire import Message
 
@@ -54,6 +55,12 @@ class ASGD(Strategy):
                "send_timeout": (float, 5.0, "seconds before a send to a silent peer is dropped"),
                "average": (bool, True, "apply every gradient with weight 1/N")}
 
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self._rx = TaskSet("asgd-receive")
+        #: gradient sends in flight (a step waits while there are more than max_inflight)
+        self._sends = TaskSet("asgd-send")
+
     async def start(self) -> None:
         self.alive = set(self.ctx.topology.ids)
         self._trees: dict[tuple[int, frozenset[int]], dict[int, list[int]]] = {}
@@ -61,7 +68,6 @@ class ASGD(Strategy):
         self._staleness: list[int] = []
         self.applied_remote = 0
         self.dropped_sends = 0
-        self._sends: set[asyncio.Task[None]] = set()
         self.scale = 1.0 / self.ctx.topology.size if self.opts["average"] else 1.0
         self.codec = get_codec(self.ctx.collectives.codec)
         wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
@@ -71,7 +77,7 @@ class ASGD(Strategy):
         if self.ctx.joining:
             self.alive = set(self.ctx.group)
             self.start_step = self.local_step = await fetch_state(self.ctx, "asgd")
-        self._rx = asyncio.create_task(self._receive(), name="asgd-receive")
+        self._rx.spawn(self._receive())
 
     def on_peer_failure(self, peer: int) -> None:
         self.alive.discard(peer)
@@ -99,9 +105,7 @@ class ASGD(Strategy):
 
     def _forward(self, origin: int, arrays: list[np.ndarray], step: int) -> None:
         for child in self._children(origin):
-            t = asyncio.create_task(self._send(child, origin, arrays, step))
-            self._sends.add(t)
-            t.add_done_callback(self._sends.discard)
+            self._sends.spawn(self._send(child, origin, arrays, step))
 
     async def _send(self, peer: int, origin: int, arrays: list[np.ndarray], step: int) -> None:
         try:
@@ -155,7 +159,7 @@ class ASGD(Strategy):
         loop = asyncio.get_running_loop()
         while len(self._sends) > self.opts["max_inflight"]:
             t0 = loop.time()
-            await asyncio.wait(set(self._sends), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(list(self._sends), return_when=asyncio.FIRST_COMPLETED)
             wait += loop.time() - t0
         st, self._staleness = self._staleness, []
         return StepReport(loss=loss, stop=want_stop, wait_s=wait, extra={
@@ -164,8 +168,6 @@ class ASGD(Strategy):
             "applied_remote": self.applied_remote, "alive": len(self.alive)})
 
     async def close(self) -> None:
-        self._rx.cancel()
-        pending = [self._rx, *self._sends]
-        await asyncio.wait(pending, timeout=self.opts["send_timeout"])
-        for t in pending:
-            t.cancel()
+        """Stop receiving; sends in flight get ``send_timeout`` to go out, then are cancelled."""
+        await self._rx.close()
+        await self._sends.close(grace=self.opts["send_timeout"])

@@ -35,6 +35,7 @@ from p2psync.collectives import Collectives, OpStats
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.strategies.canary_colayers import Layer
+from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
 
@@ -299,17 +300,10 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
     vector's, so it adds no round trip. If either fails, the other is cancelled.
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
-    ops = [asyncio.ensure_future(coll.allreduce(vec, group, op="mean", tag=tag)),
-           asyncio.ensure_future(coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none")),
-           *(asyncio.ensure_future(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}"))
-             for k, x in enumerate(more))]
-    try:
-        mean, flags, *others = await asyncio.gather(*ops)
-    except BaseException:
-        for t in ops:
-            t.cancel()
-        await asyncio.gather(*ops, return_exceptions=True)
-        raise
+    mean, flags, *others = await gather_or_cancel([
+        coll.allreduce(vec, group, op="mean", tag=tag),
+        coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none"),
+        *(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}") for k, x in enumerate(more))])
     if others:
         mean = np.concatenate([mean, *others])
     return mean, bool(flags[0] > 0), coll.stats_for(tag)

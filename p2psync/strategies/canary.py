@@ -90,6 +90,7 @@ from p2psync.strategies.canary_exchange import MODES, Exchange, Progress, RoundR
 from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
 from p2psync.strategies.canary_wire import Header
 from p2psync.strategies.regroup import Regroup
+from p2psync.tasks import cancel_all
 from p2psync.transport.forward import Forwarder
 
 log = logging.getLogger("p2psync.canary")
@@ -239,9 +240,7 @@ class Canary(Strategy):
         rounds, self._rounds = self._rounds, {}
         self._pending.clear()
         self._double = False
-        for task, _ in rounds.values():
-            task.cancel()
-        await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
+        await cancel_all(task for task, _ in rounds.values())
 
     def _launch_all(self, grad: np.ndarray) -> None:
         """Every colayer backward did not launch goes now; a launched one must be what the step
@@ -290,9 +289,7 @@ class Canary(Strategy):
             if results:
                 extra.update(await self._decide(t, grad, results))
         finally:
-            for task, _ in rounds.values():
-                task.cancel()
-            await asyncio.gather(*(task for task, _ in rounds.values()), return_exceptions=True)
+            await cancel_all(task for task, _ in rounds.values())
             self._double = False
         # bsp: stop where any contribution of this round asked to (every node saw all of them);
         # native: as soon as this node wants to or heard of it

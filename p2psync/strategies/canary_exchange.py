@@ -52,6 +52,7 @@ from p2psync.compress import Codec, get_codec
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
 from p2psync.strategies.canary_gei import node_bit
 from p2psync.strategies.canary_wire import Header, pack, parse_header, unpack
+from p2psync.tasks import TaskSet, gather_or_cancel
 from p2psync.transport import Transport
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import Message
@@ -127,8 +128,9 @@ class Exchange:
         self.stats = ExchangeStats()
         self.uid = next(_UIDS)
         self._seq = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._rx: asyncio.Task[None] | None = None
+        #: the push listener (native mode) and the replies being sent
+        self._tasks = TaskSet(f"{name}-exchange")
+        self._listening = False
         self.push_tag = f"{name}.p"
         self._reply_prefix = f"{name}.r.{self.me}.{transport.incarnation}.{self.uid}."
         self._bsp_prefix = f"{name}.b.{epoch}.{plan}."
@@ -138,16 +140,13 @@ class Exchange:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.mode == "native" and self._rx is None:
-            self._rx = asyncio.get_running_loop().create_task(self._serve(), name=f"{self.name}-rx-{self.me}")
+        if self.mode == "native" and not self._listening:
+            self._listening = True
+            self._tasks.spawn(self._serve(), name=f"{self.name}-rx-{self.me}")
 
     async def close(self) -> None:
         self.retired = True
-        tasks = [t for t in (self._rx, *self._tasks) if t is not None]
-        self._rx = None
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
         self.tr.mailbox.retire(self._reply_prefix)
         self.tr.mailbox.retire(self._bsp_prefix)
 
@@ -183,7 +182,7 @@ class Exchange:
                 flow.add(s, 0, Datum(g[s.lo:s.hi].copy(), 1, bit, t, t, stop))
         else:
             self.stats.stale += 1
-        await _all(self._thread(z, th, t) for th in range(self.layout.levels))
+        await gather_or_cancel(self._thread(z, th, t) for th in range(self.layout.levels))
         sums = np.zeros(self.sizes[z], np.float32)
         counts = np.zeros(self.sizes[z], np.float32)
         mask, stop = -1, False
@@ -201,7 +200,7 @@ class Exchange:
     async def _thread(self, z: int, th: int, t: int) -> None:
         for k in range(self.layout.steps):
             peers = self.layout.peers(self.me, th, k)
-            await _all(self._step(z, th, k, y, t) for y in peers)
+            await gather_or_cancel(self._step(z, th, k, y, t) for y in peers)
 
     async def _step(self, z: int, th: int, k: int, y: int, t: int) -> None:
         if self.mode == "bsp":
@@ -352,27 +351,13 @@ class Exchange:
         self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None))
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(self._guard(coro))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._guard(coro))
 
     async def _guard(self, coro: Any) -> None:
         try:
             await coro
         except P2PSyncError as exc:  # the pusher counts a missing reply as an empty packet
             log.info("node %d: canary reply lost: %s", self.me, exc)
-
-
-async def _all(coros: Any) -> list[Any]:
-    """Await every coroutine; when one fails, cancel the others (no orphan waits)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 __all__ = ["Exchange", "ExchangeStats", "MODES", "Progress", "RoundResult"]

@@ -69,6 +69,7 @@ from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError,
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Regroup
+from p2psync.tasks import cancel_all, wait_or_event
 
 log = logging.getLogger("p2psync.dts")
 
@@ -253,12 +254,8 @@ class DTS(Strategy):
     async def _await(self, fl: _Flight) -> Exchange:
         if not self.elastic:  # a failed peer's PeerFailure (FailStop aborts the receives)
             return await fl.task
-        changed = asyncio.ensure_future(self.regroup.next_view.wait())
-        try:
-            if self.ctx.epoch == fl.epoch:
-                await asyncio.wait({fl.task, changed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            changed.cancel()
+        if self.ctx.epoch == fl.epoch:
+            await wait_or_event(fl.task, self.regroup.next_view)
         if not fl.task.done():
             raise _Broken(f"view {self.ctx.epoch} replaced view {fl.epoch} during window {fl.win.index}")
         exc = fl.task.exception()
@@ -297,9 +294,7 @@ class DTS(Strategy):
         steps for them) and their pieces still on their way are dropped."""
         flights = list(self.flights.values())
         self.flights.clear()
-        for fl in flights:
-            fl.task.cancel()
-        await asyncio.gather(*(fl.task for fl in flights), return_exceptions=True)
+        await cancel_all(fl.task for fl in flights)
         for fl in flights:
             self.ctx.transport.mailbox.retire(f"{fl.tag}.")  # the payload's and the flag's
         if self.state is not None:

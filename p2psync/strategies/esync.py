@@ -50,6 +50,7 @@ from p2psync.coordinator.state_server import StateServerService
 from p2psync.errors import Aborted, ConfigError, P2PSyncError
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.regroup import Adopted, Regroup
+from p2psync.tasks import TaskSet, wait_or_event
 from p2psync.topology import Topology
 
 
@@ -63,7 +64,8 @@ class ESync(Strategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self._queries: set[asyncio.Task[None]] = set()
+        #: State Server queries in flight (non-blocking mode, §4.2)
+        self._queries = TaskSet("esync-query")
         self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
@@ -149,9 +151,7 @@ class ESync(Strategy):
                 errors.append(exc)
             finally:
                 signal.set()
-        task = asyncio.ensure_future(ask())
-        self._queries.add(task)
-        task.add_done_callback(self._queries.discard)
+        self._queries.spawn(ask())
 
     async def _nonblocking(self) -> tuple[list[float], int]:
         """Local iterations until a READY answer; returns (losses, abandoned iterations)."""
@@ -172,11 +172,7 @@ class ESync(Strategy):
             try:
                 while not it.done() and not ready and not errors:
                     signal.clear()
-                    woke = asyncio.ensure_future(signal.wait())
-                    try:
-                        await asyncio.wait({it, woke}, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        woke.cancel()
+                    await wait_or_event(it, signal)
             except BaseException:  # cancelled (run ending): do not leave the compute job running
                 abort.set()
                 it.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -196,8 +192,7 @@ class ESync(Strategy):
 
     async def _collect_queries(self) -> None:
         """Wait for the answers still in flight (bounded by the query timeout)."""
-        if self._queries:
-            await asyncio.gather(*list(self._queries), return_exceptions=True)
+        await self._queries.wait()
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.regroup.check()
@@ -243,6 +238,4 @@ class ESync(Strategy):
                           extra={"adopted": True, "round": self.round, "members": len(self.ctx.group)})
 
     async def close(self) -> None:
-        for q in list(self._queries):
-            q.cancel()
-        await asyncio.gather(*list(self._queries), return_exceptions=True)
+        await self._queries.close()

@@ -76,6 +76,7 @@ from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.strategies.regroup import Regroup, fetch_state, serve_state
+from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.preduce")
@@ -238,14 +239,10 @@ class PReduce(Strategy):
             call = asyncio.ensure_future(self.ctx.membership.call_coordinator("preduce.ready", {
                 "seq": self.seq, "inc": self.ctx.transport.incarnation, "k": self.k, "stop": stop, "epoch": view.epoch, "members": list(view.members)},
                 timeout=self.ctx.peer_timeout + 10.0))
-            changed = asyncio.ensure_future(self.final.next_view.wait())
             try:
-                await asyncio.wait({call, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed.cancel()
-                if not call.done():  # a newer view: ask again at once, telling it to the controller
-                    call.cancel()
-                    await asyncio.gather(call, return_exceptions=True)
+                await wait_or_event(call, self.final.next_view)
+            finally:  # a newer view: ask again at once, telling it to the controller
+                await cancel_all([call])
             if call.cancelled():
                 continue
             rep = call.result()

@@ -45,6 +45,7 @@ import numpy as np
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import FailStop, StrategyContext
+from p2psync.tasks import cancel_all, wait_or_event
 
 log = logging.getLogger("p2psync.regroup")
 
@@ -204,9 +205,7 @@ class Regroup:
             mean = await coll.allreduce(vec, view.members, op="mean", codec="none", tag=tag)
             rows = await steps
         finally:
-            if not steps.done():
-                steps.cancel()
-                await asyncio.gather(steps, return_exceptions=True)
+            await cancel_all([steps])  # when the average failed first
         await self.restore(np.asarray(mean, dtype=np.float32))
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
 
@@ -220,15 +219,11 @@ class Regroup:
     async def _race(self, coro: Awaitable[T], view: View) -> T:
         """``coro``, abandoned (PeerFailure) as soon as a view newer than ``view`` arrives."""
         task = asyncio.ensure_future(coro)
-        changed = asyncio.ensure_future(self._changed.wait())
         try:
             if self.ctx.epoch == view.epoch:
-                await asyncio.wait({task, changed}, return_when=asyncio.FIRST_COMPLETED)
+                await wait_or_event(task, self._changed)
         finally:
-            changed.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await cancel_all([task])  # a newer view (or this call cancelled): abandoned
         if task.cancelled():
             self._retire(view)
             now = self.ctx.view
