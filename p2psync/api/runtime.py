@@ -18,6 +18,7 @@ peers in ``start()`` before training (issue 10 item 5).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -148,6 +149,10 @@ class NodeRuntime:
         self.run_id = cfg.run_id or ""
         self.run_dir = Path(cfg.out)
         self._started = False
+        #: what :meth:`close` closes, last opened first (the strategy joins it when started)
+        self._resources = contextlib.AsyncExitStack()
+        for closing in (self.transport.close, self.server.close, self.host.close, self.membership.close):
+            self._resources.push_async_callback(closing)
 
     @property
     def joined(self) -> bool:
@@ -183,6 +188,7 @@ class NodeRuntime:
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
                               on_failure=cfg.on_failure, joining=self.joined, max_steps=max_steps)
         strategy = self.strategy = self.strategy_cls(ctx)
+        self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)
         self.membership.view_listeners.append(strategy.on_view)
         await strategy.start()
@@ -217,16 +223,17 @@ class NodeRuntime:
             summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
+    @staticmethod
+    async def _close_strategy(strategy: Strategy) -> None:
+        try:
+            await strategy.close()
+        except P2PSyncError:  # the run is over: a peer gone meanwhile changes nothing
+            pass
+
     async def close(self) -> None:
-        if self.strategy is not None:
-            try:
-                await self.strategy.close()
-            except P2PSyncError:
-                pass
-        await self.membership.close()
-        await self.host.close()
-        await self.server.close()
-        await self.transport.close()
+        """Close the strategy, membership, coordinator host, RPC server and transport, in
+        that order; each one is closed even when one before it fails. Safe to call twice."""
+        await self._resources.aclose()
 
 
 __all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relays_for_others", "summarize",

@@ -58,6 +58,7 @@ from p2psync.api.session_state import SessionState
 from p2psync.api.start import identical_start
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, Diverged, P2PSyncError, TrainingEnded, TrainingError
+from p2psync.tasks import cancel_all
 from p2psync.strategies.base import Strategy
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
@@ -394,9 +395,7 @@ class Session(SessionState):
             raise TrainingError("the session is not started (attach() first)")
         try:
             if not graceful:
-                if self._driver is not None:
-                    self._driver.cancel()
-                    await asyncio.gather(self._driver, return_exceptions=True)
+                await cancel_all([self._driver])
                 return
             if self._driver is not None:
                 try:
