@@ -63,11 +63,22 @@ class NonFinitePiece(PeerFailure, ProtocolError):
         Exception.__init__(self, message)
 
 
+class BadRequest(ProtocolError):
+    """A peer's request carries arguments that are out of range or of the wrong type (remote
+    bad input: the handler refuses it, its caller gets a :class:`RemoteError` of this kind)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("bad_request", detail)
+
+
 class RemoteError(P2PSyncError):
-    """An RPC handler on another node raised; carries its error type name and message."""
+    """An RPC handler on another node raised: ``kind`` is its error type name
+    (``"ConfigError"``, ``"NotCoordinator"``, ...), ``message`` its message as the remote node
+    wrote it."""
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
+        self.message = message
         super().__init__(f"{kind}: {message}")
 
 

@@ -1,4 +1,5 @@
-"""``p2psync`` entry point: subcommands, and one line + exit code 2 for any bad input."""
+"""``p2psync`` entry point: subcommands, and one line + exit code 2 for any bad input (a
+:class:`~p2psync.errors.ConfigError`, raised where the input is read)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:  # p2psync's usage and configuration errors; anything else is a bug
         print(f"p2psync {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

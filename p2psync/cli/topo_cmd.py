@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from p2psync.errors import ConfigError
 from p2psync.topology import bcube, dumps, load, mesh, ring, save, star
 from p2psync.topology.builders import DEFAULT_PORT
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         topo = {"ring": ring, "mesh": mesh, "star": star}[args.topo_kind](args.nodes, **kw)
     if args.coordinator not in topo.ids:
-        raise ValueError(f"--coordinator {args.coordinator}: no such node")
+        raise ConfigError(f"--coordinator {args.coordinator}: no such node")
     if args.coordinator != topo.coordinator:
         from dataclasses import replace
         topo = replace(topo, coordinator=args.coordinator)

@@ -35,7 +35,7 @@ from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT,
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
-from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError, TransportError
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError, TransportError
 from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 
@@ -134,7 +134,12 @@ class MembershipClient:
             raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
                               f"{self.coordinator} failed: {exc}") from None
         except RemoteError as exc:
-            raise PeerTimeout(f"rendezvous failed: {exc}") from None
+            who = f"node {self.transport.node_id}: coordinator {self.coordinator}"
+            if exc.kind == "NotCoordinator":  # never started hosting within the start timeout
+                raise PeerTimeout(f"{who} did not host the run in time: {exc.message}") from None
+            if exc.kind in ("ConfigError", "DuplicateNode"):  # e.g. a different configuration
+                raise ConfigError(f"{who} refused the registration: {exc.message}") from exc
+            raise
         self.info = dict(info)
         elapsed = self.info.get("elapsed", 0.0)
         elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and 0 <= elapsed < 1e9 else 0.0

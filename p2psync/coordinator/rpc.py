@@ -122,7 +122,7 @@ class RpcServer:
         try:
             reply: dict[str, Any] = {"ok": await self.invoke(msg.src, method, args, msg.arrays)}
         except RemoteError as exc:
-            reply = {"err": {"kind": exc.kind, "message": str(exc).split(": ", 1)[-1]}}
+            reply = {"err": {"kind": exc.kind, "message": exc.message}}
         except P2PSyncError as exc:
             reply = {"err": {"kind": type(exc).__name__, "message": str(exc)}}
         except asyncio.CancelledError:

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import ConfigError
+from p2psync.errors import BadRequest, ConfigError
 
 #: seconds after its first call during which a State Server waits for devices it never heard from
 UNHEARD_GRACE_S = 5.0
@@ -72,7 +72,7 @@ class StateServer:
 
     def _record(self, r: int) -> DeviceRecord:
         if r not in self.records:
-            raise ConfigError(f"device {r} is not registered with the State Server")
+            raise BadRequest(f"device {r} is not registered with the State Server")
         return self.records[r]
 
     def slowest(self, now: float | None = None) -> DeviceRecord:
@@ -94,7 +94,7 @@ class StateServer:
         """QUERY-STATE(r, k, c, t_e), Alg. 2 lines 1-12. ``round_``: the device's round, adopted
         by a record not heard from yet (a server rebuilt after a coordinator takeover)."""
         if k < 0 or not c > 0 or not math.isfinite(c):
-            raise ConfigError(f"bad state query from device {r}: k={k}, c={c}")
+            raise BadRequest(f"bad state query from device {r}: k={k}, c={c}")
         cur = self._record(r)
         if self.first_call is None:
             self.first_call = now
@@ -148,7 +148,7 @@ class StateServerService:
     def _num(args: Mapping[str, Any], key: str, default: float = 0.0) -> float:
         v = args.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"esync: bad {key} {v!r}")
+            raise BadRequest(f"esync: bad {key} {v!r}")
         return float(v)
 
     def _view(self, args: Mapping[str, Any], now: float) -> None:
@@ -158,7 +158,7 @@ class StateServerService:
             return
         if (type(epoch) is not int or epoch < 0 or not isinstance(members, list) or not members
                 or any(type(m) is not int or m not in self.ranks for m in members)):
-            raise ConfigError("esync: bad view (epoch, members)")
+            raise BadRequest("esync: bad view (epoch, members)")
         if epoch > self.epoch:
             self.epoch = epoch
             self.state.set_members(members, now)
@@ -168,10 +168,10 @@ class StateServerService:
         self._view(args, now)
         k = args.get("k")
         if type(k) is not int:
-            raise ConfigError("esync.query: k must be an integer")
+            raise BadRequest("esync.query: k must be an integer")
         rnd = args.get("round")
         if rnd is not None and (type(rnd) is not int or rnd < 0):
-            raise ConfigError("esync.query: round must be a non-negative integer")
+            raise BadRequest("esync.query: round must be a non-negative integer")
         t_e = now - self._num(args, "age") - self._num(args, "rtt") / 2
         self.queries += 1
         ready = self.state.query_state(caller, k, self._num(args, "c", 1e-9), t_e, now, round_=rnd)
@@ -180,7 +180,7 @@ class StateServerService:
     async def _reset(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         rnd = args.get("round")
         if type(rnd) is not int or rnd < 0:
-            raise ConfigError("esync.reset: round must be a non-negative integer")
+            raise BadRequest("esync.reset: round must be a non-negative integer")
         self._view(args, time.monotonic())
         self.state.reset(caller, rnd, time.monotonic() - self._num(args, "rtt") / 2)
         return {}

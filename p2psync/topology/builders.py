@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from p2psync.errors import ConfigError
 from p2psync.topology.io import loopback_address
 from p2psync.topology.model import Network, Nic, Node, Topology
 
@@ -34,13 +35,13 @@ class AddressPlan:
 
     def __post_init__(self) -> None:
         if not 1 <= self.base_port <= 65535:
-            raise ValueError("base_port must be in 1..65535")
+            raise ConfigError("base_port must be in 1..65535")
         if self.subnet is not None:
             net = ipaddress.ip_network(self.subnet, strict=False)
             if net.version != 4 or net.prefixlen > 16:
-                raise ValueError("--subnet must be an IPv4 network of /16 or larger")
+                raise ConfigError("--subnet must be an IPv4 network of /16 or larger")
         if self.subnet and self.hosts:
-            raise ValueError("--subnet and --hosts are exclusive")
+            raise ConfigError("--subnet and --hosts are exclusive")
 
 
 class _Assembler:
@@ -73,7 +74,7 @@ class _Assembler:
                     base = ipaddress.ip_network(self.plan.subnet, strict=False).network_address
                     k, members[net] = net_index[net], members[net] + 1
                     if k > 255 or members[net] > 254:
-                        raise ValueError("subnet plan: at most 256 networks of 254 members")
+                        raise ConfigError("subnet plan: at most 256 networks of 254 members")
                     address = str(base + (k << 8) + members[net])
                     port = self.plan.base_port
                 elif self.plan.hosts:
@@ -82,7 +83,7 @@ class _Assembler:
                     port = self.plan.base_port + host_ports[host]
                     host_ports[host] += 1
                     if port > 65535:
-                        raise ValueError("port range exhausted; use fewer nodes per host")
+                        raise ConfigError("port range exhausted; use fewer nodes per host")
                 else:
                     address = loopback_address(nic_index)
                     port = self.plan.base_port
@@ -101,7 +102,7 @@ def ring(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None =
          subnet: str | None = None) -> Topology:
     """``n`` nodes in a ring of point-to-point links; node i's ``right`` NIC reaches i+1."""
     if n < 2:
-        raise ValueError("a ring needs at least 2 nodes")
+        raise ConfigError("a ring needs at least 2 nodes")
     asm = _Assembler(n, _plan(base_port, hosts, subnet))
     edges = sorted({(min(i, (i + 1) % n), max(i, (i + 1) % n)) for i in range(n)})
     for a, b in edges:
@@ -120,7 +121,7 @@ def mesh(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None =
          subnet: str | None = None) -> Topology:
     """``n`` nodes on one switch: everyone reaches everyone over its single NIC ``eth0``."""
     if n < 1:
-        raise ValueError("a mesh needs at least 1 node")
+        raise ConfigError("a mesh needs at least 1 node")
     asm = _Assembler(n, _plan(base_port, hosts, subnet))
     net = asm.network("mesh")
     for i in range(n):
@@ -132,7 +133,7 @@ def star(n: int, *, base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None =
          subnet: str | None = None) -> Topology:
     """Hub 0 with one link (and NIC ``leaf<k>``) to each leaf 1..n-1; leaves reach only the hub."""
     if n < 2:
-        raise ValueError("a star needs at least 2 nodes")
+        raise ConfigError("a star needs at least 2 nodes")
     asm = _Assembler(n, _plan(base_port, hosts, subnet))
     for leaf in range(1, n):
         net = asm.network(f"star-{leaf}")
@@ -157,10 +158,10 @@ def bcube(alpha: int, beta: int, *, base_port: int = DEFAULT_PORT,
           hosts: Sequence[str] | None = None, subnet: str | None = None) -> Topology:
     """BCube(alpha, beta): alpha**beta nodes, beta levels of alpha-port switches."""
     if alpha < 2 or beta < 1:
-        raise ValueError("bcube needs alpha >= 2 and beta >= 1")
+        raise ConfigError("bcube needs alpha >= 2 and beta >= 1")
     n = alpha**beta
     if n > 4096:
-        raise ValueError("bcube larger than 4096 nodes is not supported")
+        raise ConfigError("bcube larger than 4096 nodes is not supported")
     asm = _Assembler(n, _plan(base_port, hosts, subnet))
     for level in range(beta):
         for s in range(alpha ** (beta - 1)):

@@ -273,7 +273,7 @@ def save(topo: Topology, path: str | Path) -> None:
 def loopback_address(index: int) -> str:
     """The ``index``-th distinct loopback address: 127.0.1.1, 127.0.1.2, ... (skipping .0/.255)."""
     if index < 0 or index >= 254 * 254 * 254:
-        raise ValueError("loopback address pool exhausted")
+        raise ConfigError("loopback address pool exhausted")
     a, rest = divmod(index, 254 * 254)
     b, c = divmod(rest, 254)
     return str(ipaddress.IPv4Address(f"127.{a}.{b + 1}.{c + 1}"))

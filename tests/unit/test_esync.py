@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from p2psync.coordinator.state_server import StateServer
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
 from p2psync.training.hetero import Slowdown, default_profile, parse_profiles
@@ -86,9 +86,9 @@ def test_a_device_never_heard_from_blocks_only_during_the_grace_period():
 
 def test_bad_queries_rejected():
     s = StateServer([0])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ProtocolError):  # remote input
         s.query_state(0, -1, 0.1, 0, 0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ProtocolError):  # remote input
         s.query_state(3, 1, 0.1, 0, 0)
     with pytest.raises(ConfigError):
         StateServer([])

@@ -201,7 +201,7 @@ async def test_state_server_service_started_at_takeover_rebuilds_from_queries():
     assert await server.invoke(2, "esync.query", ask[2]) == {"ready": True, "round": 4}  # slowest
     assert await server.invoke(0, "esync.query", {**ask[0], "k": 3}) == {"ready": True, "round": 4}
     assert await server.invoke(0, "esync.reset", {"round": 5, "rtt": 0.0}) == {}
-    with pytest.raises(ConfigError, match="round"):
+    with pytest.raises(ProtocolError, match="round"):  # remote input
         await server.invoke(1, "esync.query", {**ask[1], "round": -1})
 
 
