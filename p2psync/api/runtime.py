@@ -35,7 +35,7 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
-from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy
+from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.transport import ZmqEndpoint
@@ -121,6 +121,7 @@ class NodeRuntime:
         self.topo = topo
         self.node_id = node_id
         self.strategy_cls = get_strategy(cfg.strategy)
+        parse_options(self.strategy_cls, dict(cfg.strategy_options), topology=topo)  # before anything starts
         if cfg.wan:
             load_wan_profile(cfg.wan, topo)  # validate before starting anything
         keys = node_keys(cfg.keys, topo, node_id, topo_path=cfg.topology)

@@ -59,7 +59,7 @@ from p2psync.api.start import identical_start
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, Diverged, P2PSyncError, TrainingEnded, TrainingError
 from p2psync.tasks import cancel_all
-from p2psync.strategies.base import Strategy
+from p2psync.strategies.base import Strategy, get_strategy, parse_options
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
 from p2psync.training.flat import FlatModel
@@ -100,6 +100,8 @@ class Session(SessionState):
         self.topo = topo if topo is not None else load(config.topology)
         if node not in self.topo.ids:
             raise ConfigError(f"node {node}: no such node in {config.topology} (ids {self.topo.ids})")
+        # the strategy and its options, checked here: a bad one never reaches the rendezvous
+        parse_options(get_strategy(config.strategy), dict(config.strategy_options), topology=self.topo)
         self.node_id = node
         self.max_steps = max_steps if max_steps is not None else (config.steps or UNBOUNDED_STEPS)
         self._loop = _new_loop()

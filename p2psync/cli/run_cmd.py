@@ -197,8 +197,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def run(args: argparse.Namespace) -> int:
     from p2psync.topology import load
 
+    from p2psync.strategies.base import get_strategy, parse_options
+
     cfg = config_from_args(args)
     topo = load(cfg.topology)  # validate before starting anything
+    # the strategy's options, also those checked against the topology (a group size vs N)
+    parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
     check_keys(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)

@@ -33,13 +33,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Literal, Mapping, Sequence, get_args
 
 from p2psync.errors import ConfigError, ProtocolError
 
-WEIGHTS = ("constant", "dynamic")
-APPROX = ("conservative", "nearest")
-TAILS = ("stop", "shrink")
+Weights = Literal["constant", "dynamic"]
+Approx = Literal["conservative", "nearest"]
+Tail = Literal["stop", "shrink"]
+WEIGHTS: tuple[str, ...] = get_args(Weights)
+APPROX: tuple[str, ...] = get_args(Approx)
+TAILS: tuple[str, ...] = get_args(Tail)
 
 Weight = Fraction | float
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ import numpy as np
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, ProtocolError, TransportError
+from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.regroup import fetch_state, serve_state
 from p2psync.tasks import TaskSet
@@ -48,12 +50,22 @@ TAG = "asgd.g"
 MAX_BATCH = 256
 
 
+@dataclass(frozen=True)
+class ASGDOptions(StrategyOptions):
+    max_inflight: int = option(16, "gradient sends in flight before a step waits")
+    send_timeout: float = option(5.0, "seconds before a send to a silent peer is dropped")
+    average: bool = option(True, "apply every gradient with weight 1/N")
+
+    def __post_init__(self) -> None:
+        non_negative(self, "max_inflight")
+        positive(self, "send_timeout")
+
+
 @register
 class ASGD(Strategy):
     name = "asgd"
-    options = {"max_inflight": (int, 16, "gradient sends in flight before a step waits"),
-               "send_timeout": (float, 5.0, "seconds before a send to a silent peer is dropped"),
-               "average": (bool, True, "apply every gradient with weight 1/N")}
+    Options = ASGDOptions
+    opts: ASGDOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -68,7 +80,7 @@ class ASGD(Strategy):
         self._staleness: list[int] = []
         self.applied_remote = 0
         self.dropped_sends = 0
-        self.scale = 1.0 / self.ctx.topology.size if self.opts["average"] else 1.0
+        self.scale = 1.0 / self.ctx.topology.size if self.opts.average else 1.0
         self.codec = get_codec(self.ctx.collectives.codec)
         wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
         self.feedback = ErrorFeedback() if wants_feedback and self.codec.lossy else None
@@ -111,7 +123,7 @@ class ASGD(Strategy):
         try:
             await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin},
                                           codecs=[self.codec.name] * len(arrays),
-                                          timeout=self.opts["send_timeout"])
+                                          timeout=self.opts.send_timeout)
         except P2PSyncError as exc:
             self.dropped_sends += 1
             log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)
@@ -157,7 +169,7 @@ class ASGD(Strategy):
         self._forward(self.ctx.node_id, self._encode(grad), step)
         wait = 0.0
         loop = asyncio.get_running_loop()
-        while len(self._sends) > self.opts["max_inflight"]:
+        while len(self._sends) > self.opts.max_inflight:
             t0 = loop.time()
             await asyncio.wait(list(self._sends), return_when=asyncio.FIRST_COMPLETED)
             wait += loop.time() - t0
@@ -170,4 +182,4 @@ class ASGD(Strategy):
     async def close(self) -> None:
         """Stop receiving; sends in flight get ``send_timeout`` to go out, then are cancelled."""
         await self._rx.close()
-        await self._sends.close(grace=self.opts["send_timeout"])
+        await self._sends.close(grace=self.opts.send_timeout)

@@ -35,6 +35,7 @@ from p2psync.collectives import Collectives, OpStats
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.strategies.canary_colayers import Layer
+from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
@@ -161,17 +162,22 @@ class StepReport:
 
 class Strategy(ABC):
     name: ClassVar[str] = ""
-    #: option name -> (type, default, help) accepted via --opt NAME=VALUE
-    options: ClassVar[Mapping[str, tuple[type, Any, str]]] = {}
+    #: the options accepted via --opt NAME=VALUE (a frozen dataclass; see strategies/options.py)
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
-        self.opts = parse_options(type(self), ctx.options)
+        self.opts: StrategyOptions = parse_options(type(self), ctx.options, topology=ctx.topology)
         #: the first step the training loop runs (a joiner sets it to the step it joined at)
         self.start_step = 0
 
     @classmethod
-    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
+    def check_options(cls, opts: Any, topology: Topology) -> None:
+        """Checks of ``opts`` (this strategy's :attr:`Options`) that need the topology (a
+        group size against N); ConfigError naming the option."""
+
+    @classmethod
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
         """Register this strategy's coordinator services (called on the coordinator node before
         rendezvous, so they exist before any node can call them, and on the node that takes over
         when the coordinator dies: the services start empty and rebuild their state from the
@@ -230,29 +236,16 @@ def get_strategy(name: str) -> type[Strategy]:
     return REGISTRY[name]
 
 
-def parse_options(cls: type[Strategy], raw: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: default for k, (_, default, _) in cls.options.items()}
-    for k, v in raw.items():
-        if k not in cls.options:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise ConfigError(f"--opt {k}: unknown option for strategy {cls.name} (known: {known})")
-        typ = cls.options[k][0]
-        try:
-            out[k] = typ(v) if typ is not bool else _parse_bool(v)
-        except (TypeError, ValueError):
-            raise ConfigError(f"--opt {k}={v}: expected {typ.__name__}") from None
-    return out
-
-
-def _parse_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    text = str(v).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
+def parse_options(cls: type[Strategy], raw: Mapping[str, Any], *,
+                  topology: Topology | None = None) -> Any:
+    """``cls.Options`` built from the user's ``raw`` options and checked (against ``topology``
+    too when given): the one place a strategy's options are validated, called at the CLI edge
+    (``p2psync run``: exit 2), by ``Session``/``NodeRuntime`` before the rendezvous, and by the
+    strategy itself. Typed ``Any`` so each strategy reads its own dataclass's fields."""
+    opts = build_options(cls.Options, raw, strategy=cls.name)
+    if topology is not None:
+        cls.check_options(opts, topology)
+    return opts
 
 
 class FailStop:

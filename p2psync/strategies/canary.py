@@ -76,7 +76,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
@@ -84,9 +84,10 @@ from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import Codec, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
-from p2psync.strategies.canary_exchange import MODES, Exchange, Progress, RoundResult
+from p2psync.strategies.canary_exchange import CanaryMode, Exchange, Progress, RoundResult
 from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
 from p2psync.strategies.canary_wire import Header
 from p2psync.strategies.regroup import Regroup
@@ -95,44 +96,50 @@ from p2psync.transport.forward import Forwarder
 
 log = logging.getLogger("p2psync.canary")
 
-DIVISORS = ("members", "contributors")
-PROPORTION_MASKS = ("full", "own")
+Divisor = Literal["members", "contributors"]
+ProportionMask = Literal["full", "own"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryOptions(StrategyOptions):
+    mode: CanaryMode = option("native", "native (asynchronous, empty packets) or bsp (every colayer complete "
+                              "every iteration)")
+    s: float = option(18.0, "staleness threshold: iterations behind the fastest worker (inf: never stale)")
+    p: int = option(-1, "colayers that must be complete once s is exceeded (-1: 60 % of them, the paper's 6 of 10)")
+    colayers: int = option(0, "number of colayers of nearly equal size (0: the automatic rule)")
+    colayer_layers: str = option("", "layers per colayer, output to input (e.g. 3,4,4,8)")
+    colayer_kib: int = option(4096, "automatic rule: largest colayer, KiB")
+    sketch: bool = option(True, "without --codec: every payload through the gradient sketch (sketch8), else none")
+    sketch_bits: int = option(8, "the sketch's bits per value, 1-8 (2**bits buckets; §4.3.1 'fewer and flexible bits')")
+    sketch_fraction: float = option(1.0, "sketch while step/--steps is below this (Fig. 22a)")
+    divisor: Divisor = option("members", "members (sum / n) or contributors")
+    proportion_mask: ProportionMask = option("full", "a colayer is complete with every member's bit (full) or its "
+                                                     "own (own)")
+    pipeline: bool = option(True, "send each colayer as soon as backward produced it")
+
+    def __post_init__(self) -> None:
+        require(self.s >= 0, self, "s", "must be >= 0")
+        require(0.0 <= self.sketch_fraction <= 1.0, self, "sketch_fraction", "must be in [0, 1]")
+        require(self.colayer_kib >= 1, self, "colayer_kib", "must be >= 1")
+        require(1 <= self.sketch_bits <= 8, self, "sketch_bits", "must be between 1 and 8")
+        require(self.colayers >= 0, self, "colayers", "must be >= 0 (0: the automatic rule)")
+        parse_counts(self.colayer_layers)
 
 
 @register
 class Canary(Strategy):
     name = "canary"
     grad_ready = True
-    options = {
-        "mode": (str, "native", "native (asynchronous, empty packets) or bsp (every colayer complete every iteration)"),
-        "s": (float, 18.0, "staleness threshold: iterations behind the fastest worker (inf: never stale)"),
-        "p": (int, -1, "colayers that must be complete once s is exceeded (-1: 60 % of them, the paper's 6 of 10)"),
-        "colayers": (int, 0, "number of colayers of nearly equal size (0: the automatic rule)"),
-        "colayer_layers": (str, "", "layers per colayer, output to input (e.g. 3,4,4,8)"),
-        "colayer_kib": (int, 4096, "automatic rule: largest colayer, KiB"),
-        "sketch": (bool, True, "without --codec: every payload through the gradient sketch (sketch8), else none"),
-        "sketch_bits": (int, 8, "the sketch's bits per value, 1-8 (2**bits buckets; §4.3.1 'fewer and flexible bits')"),
-        "sketch_fraction": (float, 1.0, "sketch while step/--steps is below this (Fig. 22a)"),
-        "divisor": (str, "members", "members (sum / n) or contributors"),
-        "proportion_mask": (str, "full", "a colayer is complete with every member's bit (full) or its own (own)"),
-        "pipeline": (bool, True, "send each colayer as soon as backward produced it"),
-    }
+    Options = CanaryOptions
+    opts: CanaryOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         o = self.opts
-        if o["mode"] not in MODES:
-            raise ConfigError(f"canary: --opt mode={o['mode']}: choose from {', '.join(MODES)}")
-        if o["divisor"] not in DIVISORS:
-            raise ConfigError(f"canary: --opt divisor={o['divisor']}: choose from {', '.join(DIVISORS)}")
-        if o["proportion_mask"] not in PROPORTION_MASKS:
-            raise ConfigError(f"canary: --opt proportion_mask={o['proportion_mask']}: choose full or own")
-        if not (o["s"] >= 0) or not 0.0 <= o["sketch_fraction"] <= 1.0 or o["colayer_kib"] < 1:
-            raise ConfigError("canary: s must be >= 0, sketch_fraction in [0, 1], colayer_kib >= 1")
-        self.layer_counts = parse_counts(o["colayer_layers"])
+        self.layer_counts = parse_counts(o.colayer_layers)
         run_codec = ctx.collectives.codec
-        sketch = "sketch8" if o["sketch_bits"] == 8 else f"sketch8:{o['sketch_bits']}"
-        self.codec: Codec = get_codec(run_codec if run_codec != "none" else sketch if o["sketch"] else "none")
+        sketch = "sketch8" if o.sketch_bits == 8 else f"sketch8:{o.sketch_bits}"
+        self.codec: Codec = get_codec(run_codec if run_codec != "none" else sketch if o.sketch else "none")
         self.plain = get_codec("none")
         self.regroup = Regroup(ctx=ctx, name="canary")
         self.fwd = Forwarder(transport=ctx.transport, name="canary", timeout=ctx.peer_timeout,
@@ -159,12 +166,12 @@ class Canary(Strategy):
 
     async def start(self) -> None:
         layers = self.ctx.replica.layers()
-        self.colayers = group(layers, count=self.opts["colayers"], layers_per_colayer=self.layer_counts,
-                              max_bytes=self.opts["colayer_kib"] << 10)
+        self.colayers = group(layers, count=self.opts.colayers, layers_per_colayer=self.layer_counts,
+                              max_bytes=self.opts.colayer_kib << 10)
         self.param_colayer = {p: c.index for c in self.colayers for p in c.params}
-        self.p = self.opts["p"] if self.opts["p"] >= 0 else math.ceil(0.6 * len(self.colayers))
+        self.p = self.opts.p if self.opts.p >= 0 else math.ceil(0.6 * len(self.colayers))
         try:
-            validate(s=self.opts["s"], p=self.p, colayers=len(self.colayers))
+            validate(s=self.opts.s, p=self.p, colayers=len(self.colayers))
         except ValueError as exc:
             raise ConfigError(f"canary: {exc}") from None
         self.gei = GEIMatrix(len(self.colayers))
@@ -180,12 +187,12 @@ class Canary(Strategy):
     def _plan(self, view: View) -> None:
         self.exchange = Exchange(
             transport=self.ctx.transport, fwd=self.fwd, layout=layout_for(self.ctx.topology, view.members),
-            sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts["mode"],
-            staleness=self.opts["s"], timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
+            sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts.mode,
+            staleness=self.opts.s, timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
             piece=max(1, self.ctx.collectives.piece_bytes // 4),
             progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.zeta_node),
                               stopping=lambda: self.stopping, on_header=self._header,
-                              last=self._stop_flag if self.opts["mode"] == "bsp" else None))
+                              last=self._stop_flag if self.opts.mode == "bsp" else None))
         self.exchange.start()
 
     async def close(self) -> None:
@@ -218,7 +225,7 @@ class Canary(Strategy):
     # -- colayers launched during backward ------------------------------------------------
 
     def on_grad_ready(self, index: int, offset: int, grad: np.ndarray) -> None:
-        if not self.opts["pipeline"] or self.exchange is None or self._resync_due or not self.colayers:
+        if not self.opts.pipeline or self.exchange is None or self._resync_due or not self.colayers:
             return
         z = self.param_colayer[index]
         buf = self._pending.setdefault(z, {})
@@ -294,7 +301,7 @@ class Canary(Strategy):
         # bsp: stop where any contribution of this round asked to (every node saw all of them);
         # native: as soon as this node wants to or heard of it
         seen = any(r.stop for r in results)
-        stop = seen if self.opts["mode"] == "bsp" else self.stopping or want_stop or seen
+        stop = seen if self.opts.mode == "bsp" else self.stopping or want_stop or seen
         self.stopping = self.stopping or want_stop or seen
         self.next_step = step + 1
         if stop:
@@ -307,9 +314,9 @@ class Canary(Strategy):
         for c, r in zip(self.colayers, results):
             self.gei.record(t, c.index, r.mask)
             self.timeline.append((t, c.index, r.started))
-        need = members_mask(members) if self.opts["proportion_mask"] == "full" else node_bit(self.ctx.node_id)
-        d = decide(zeta=self.gei.zeta, t=t, row=self.gei.row(t), mask=need, s=self.opts["s"], p=self.p)
-        if self.opts["mode"] == "bsp":
+        need = members_mask(members) if self.opts.proportion_mask == "full" else node_bit(self.ctx.node_id)
+        d = decide(zeta=self.gei.zeta, t=t, row=self.gei.row(t), mask=need, s=self.opts.s, p=self.p)
+        if self.opts.mode == "bsp":
             d = dataclasses.replace(d, branch=Branch.APPLY)  # every colayer is complete by construction
         self.counts[d.branch.value] += 1
         row = list(self.gei.row(t))
@@ -319,7 +326,7 @@ class Canary(Strategy):
         else:
             vec = np.empty_like(grad)
             for c, r in zip(self.colayers, results):
-                if self.opts["divisor"] == "members":
+                if self.opts.divisor == "members":
                     vec[c.lo:c.hi] = r.sums / np.float32(len(members))
                 else:
                     vec[c.lo:c.hi] = np.divide(r.sums, r.counts, out=np.zeros_like(r.sums), where=r.counts > 0)
@@ -332,7 +339,7 @@ class Canary(Strategy):
                 "round_s": round(max(r.seconds for r in results), 5)}
 
     def _use_codec(self, step: int) -> None:
-        frac, total = self.opts["sketch_fraction"], self.ctx.max_steps
+        frac, total = self.opts.sketch_fraction, self.ctx.max_steps
         sketching = frac >= 1.0 or (total is not None and step < frac * total)
         if self.exchange is not None:
             self.exchange.codec = self.codec if sketching else self.plain

@@ -42,7 +42,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
@@ -59,7 +59,9 @@ from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.canary")
 
-MODES = ("native", "bsp")
+#: native: asynchronous, empty packets; bsp: every colayer complete every iteration
+CanaryMode = Literal["native", "bsp"]
+MODES: tuple[str, ...] = get_args(CanaryMode)
 #: node-local numbers of exchanges (reply tags of a closed exchange are never reused)
 _UIDS = itertools.count(1)
 
@@ -112,7 +114,7 @@ class Exchange:
     """The colayer exchanges of one node over one plan."""
 
     def __init__(self, *, transport: Transport, fwd: Forwarder, layout: Layout, sizes: Sequence[int],
-                 codec: Codec, mode: str, staleness: float, timeout: float, epoch: int, plan: int,
+                 codec: Codec, mode: CanaryMode, staleness: float, timeout: float, epoch: int, plan: int,
                  progress: Progress, name: str = "canary", piece: int = 1 << 18) -> None:
         if mode not in MODES:
             raise ValueError(f"canary mode {mode!r}: choose from {', '.join(MODES)}")
@@ -360,4 +362,4 @@ class Exchange:
             log.info("node %d: canary reply lost: %s", self.me, exc)
 
 
-__all__ = ["Exchange", "ExchangeStats", "MODES", "Progress", "RoundResult"]
+__all__ = ["CanaryMode", "Exchange", "ExchangeStats", "MODES", "Progress", "RoundResult"]

@@ -67,6 +67,7 @@ from p2psync.collectives import OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all, wait_or_event
@@ -92,23 +93,29 @@ class _Broken(Exception):
     """A window's exchange failed or the view changed: re-synchronize."""
 
 
-@register
-class DTS(Strategy):
-    name = "dts"
-    options = {
-        "t": (int, 4, "delay in steps: a window's average is applied t steps after it closes (0: no delay)"),
-        "p": (int, 4, "temporal sparsity: average once per window of p steps"),
-        "momentum_compensation": (bool, True, "correct SGD's momentum buffers too (off: ablation)"),
-    }
+@dataclass(frozen=True)
+class DTSOptions(StrategyOptions):
+    t: int = option(4, "delay in steps: a window's average is applied t steps after it closes (0: no delay)")
+    p: int = option(4, "temporal sparsity: average once per window of p steps")
+    momentum_compensation: bool = option(True, "correct SGD's momentum buffers too (off: ablation)")
 
-    def __init__(self, ctx: StrategyContext) -> None:
-        super().__init__(ctx)
-        self.t = int(self.opts["t"])
-        self.p = int(self.opts["p"])
+    def __post_init__(self) -> None:
         validate(self.t, self.p, 0.0)
         if max_in_flight(self.t, self.p) > MAX_IN_FLIGHT:
             raise ConfigError(f"dts: t={self.t}, p={self.p} would keep {max_in_flight(self.t, self.p)} exchanges "
                               f"in flight (ceil(t/p)); at most {MAX_IN_FLIGHT}: raise p or lower t")
+
+
+@register
+class DTS(Strategy):
+    name = "dts"
+    Options = DTSOptions
+    opts: DTSOptions
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.t = self.opts.t
+        self.p = self.opts.p
         self.failstop = FailStop(ctx, "dts", "dts.")
         self.regroup = Regroup(ctx=ctx, name="dts")
         self.elastic = self.regroup.elastic
@@ -133,7 +140,7 @@ class DTS(Strategy):
     async def start(self) -> None:
         hyper = await self.ctx.replica.sgd_hyper()  # refuses Adam, Nesterov, dampening
         self.opt_momentum = hyper.momentum
-        self.momentum = hyper.momentum if self.opts["momentum_compensation"] else 0.0
+        self.momentum = hyper.momentum if self.opts.momentum_compensation else 0.0
         validate(self.t, self.p, self.momentum)
         if self.ctx.joining:  # a live member's state, then its re-sync (which gives the step)
             self.resyncs = await self.regroup.join()

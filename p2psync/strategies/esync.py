@@ -40,7 +40,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
@@ -48,19 +49,30 @@ from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
 from p2psync.errors import Aborted, ConfigError, P2PSyncError
-from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, parse_options, register
 from p2psync.strategies.regroup import Adopted, Regroup
 from p2psync.tasks import TaskSet, wait_or_event
 from p2psync.topology import Topology
 
 
+@dataclass(frozen=True)
+class ESyncOptions(StrategyOptions):
+    mode: Literal["blocking", "nonblocking"] = option("nonblocking", "blocking or nonblocking (delayed ACK, §4.2)")
+    global_lr: float = option(1.0, "eps of Eq. 8")
+    margin: float = option(0.002, "State Server boundary constant (s), Alg. 2 line 9")
+    query_timeout: float = option(10.0, "seconds before a State Server query fails")
+
+    def __post_init__(self) -> None:
+        non_negative(self, "margin")
+        positive(self, "query_timeout")
+
+
 @register
 class ESync(Strategy):
     name = "esync"
-    options = {"mode": (str, "nonblocking", "blocking or nonblocking (delayed ACK, §4.2)"),
-               "global_lr": (float, 1.0, "eps of Eq. 8"),
-               "margin": (float, 0.002, "State Server boundary constant (s), Alg. 2 line 9"),
-               "query_timeout": (float, 10.0, "seconds before a State Server query fails")}
+    Options = ESyncOptions
+    opts: ESyncOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -70,13 +82,11 @@ class ESync(Strategy):
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
     @classmethod
-    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
-        margin = float(options.get("margin", cls.options["margin"][1]))
-        StateServerService(server, topology.ids, epsilon=margin)
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
+        opts: ESyncOptions = parse_options(cls, options)
+        StateServerService(server, topology.ids, epsilon=opts.margin)
 
     async def start(self) -> None:
-        if self.opts["mode"] not in ("blocking", "nonblocking"):
-            raise ConfigError(f"esync mode must be blocking or nonblocking, not {self.opts['mode']!r}")
         self.round = 0
         self.rtt = 0.0
         # Alg. 1 line 3: RUN-BATCH-DATA-TEST measures the capability (gradient discarded)
@@ -108,7 +118,7 @@ class ESync(Strategy):
         t_r = time.monotonic()
         await self.ctx.membership.call_coordinator("esync.reset", {"round": self.round, "rtt": self.rtt,
                                                                    **self._view_args()},
-                                                   timeout=self.opts["query_timeout"])
+                                                   timeout=self.opts.query_timeout)
         self.t_e = t_r
 
     def _view_args(self) -> dict[str, object]:
@@ -119,9 +129,9 @@ class ESync(Strategy):
         # at the current coordinator (ctx.coordinator), retried there if it moves; "round" lets
         # a State Server rebuilt after a takeover learn where this device is
         rep = await self.ctx.membership.call_coordinator("esync.query", {
-            "k": k, "c": self.c + (self.rtt if self.opts["mode"] == "nonblocking" else 0.0),
+            "k": k, "c": self.c + (self.rtt if self.opts.mode == "nonblocking" else 0.0),
             "age": max(0.0, t0 - self.t_e), "rtt": self.rtt, "round": self.round, **self._view_args()},
-            timeout=self.opts["query_timeout"])
+            timeout=self.opts.query_timeout)
         self.rtt = time.monotonic() - t0
         return bool(rep["ready"])
 
@@ -201,7 +211,7 @@ class ESync(Strategy):
         if isinstance(early, Adopted):
             return await self._adopted(early, 0.0)
         t0 = time.monotonic()
-        if self.opts["mode"] == "blocking":
+        if self.opts.mode == "blocking":
             losses, abandoned = await self._blocking()
         else:
             losses, abandoned = await self._nonblocking()
@@ -215,7 +225,7 @@ class ESync(Strategy):
         if out is None or isinstance(out, Adopted):
             return await self._adopted(out or Adopted(step + 1), blocking)
         mean, stop, st = out
-        await self.ctx.replica.set_params(w_t + np.float32(self.opts["global_lr"]) * mean)  # Eq. 8
+        await self.ctx.replica.set_params(w_t + np.float32(self.opts.global_lr) * mean)  # Eq. 8
         self.w_round = None
         await self._collect_queries()
         self.round += 1

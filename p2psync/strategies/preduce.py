@@ -70,10 +70,11 @@ import numpy as np
 from p2psync.compress import get_codec
 from p2psync.compress.topk import TopK
 from p2psync.coordinator import View
-from p2psync.coordinator.preduce import APPROX, TAILS, WEIGHTS
+from p2psync.coordinator.preduce import Approx, Controller, Tail, Weights
 from p2psync.coordinator.preduce_service import PReduceService
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.strategies.regroup import Regroup, fetch_state, serve_state
 from p2psync.tasks import cancel_all, wait_or_event
@@ -82,26 +83,42 @@ from p2psync.topology import Topology
 log = logging.getLogger("p2psync.preduce")
 
 
-def group_size(opts: Mapping[str, Any], n: int) -> int:
+@dataclass(frozen=True)
+class PReduceOptions(StrategyOptions):
+    P: int = option(0, "group size, 2 <= P <= N (0: N // 2)")
+    weights: Weights = option("constant", "constant (1/P) or dynamic (Sec. 3.3, EMA staleness)")
+    alpha: float = option(0.5, "EMA decay of the dynamic weights, in [0, 1)")
+    approx: Approx = option("conservative", "dynamic weights: missing versions go to the stalest member "
+                            "(conservative, the paper) or the nearest one")
+    avoid_frozen: bool = option(True, "group-frozen avoidance (Sec. 4)")
+    window: int = option(0, "T, groups in the sync-graph (0: 4 ceil((N-1)/(P-1)))")
+    max_defer: float = option(-1.0, "seconds the frozen filter may hold a group (negative: automatic)")
+    tail: Tail = option("stop", "fewer than P workers left: stop or shrink the groups")
+    average_momentum: bool = option(False, "average the optimizer state with the same weights")
+    group_timeout: float = option(300.0, "seconds a worker waits for a group before failing")
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.alpha < 1.0, self, "alpha", "must be in [0, 1)")
+        require(self.P >= 0, self, "P", "must be >= 2 (0: N // 2)")
+        require(self.window >= 0, self, "window", "must be >= 0 (0: automatic)")
+        positive(self, "group_timeout")
+
+
+def group_size(opts: PReduceOptions, n: int) -> int:
     """The option ``P`` (0: N // 2, at least 2), checked against the run's N nodes."""
-    p = int(opts["P"]) or max(2, n // 2)
+    p = opts.P or max(2, n // 2)
     if not 2 <= p <= n:
-        raise ConfigError(f"preduce: P={p} must be between 2 and the number of nodes ({n})")
+        raise ConfigError(f"preduce: --opt P={p} must be between 2 and the number of nodes ({n})")
     return p
 
 
-def controller_options(opts: Mapping[str, Any], n: int) -> dict[str, Any]:
+def controller_options(opts: PReduceOptions, n: int) -> dict[str, Any]:
     """The :class:`~p2psync.coordinator.preduce.Controller` keywords for the strategy options."""
-    for key, allowed in (("weights", WEIGHTS), ("approx", APPROX), ("tail", TAILS)):
-        if opts[key] not in allowed:
-            raise ConfigError(f"preduce: {key}={opts[key]!r}: choose {' or '.join(allowed)}")
-    if not 0.0 <= float(opts["alpha"]) < 1.0:
-        raise ConfigError(f"preduce: alpha={opts['alpha']} must be in [0, 1)")
-    return {"p": group_size(opts, n), "weights": opts["weights"], "alpha": float(opts["alpha"]),
-            "approx": opts["approx"], "avoid_frozen": bool(opts["avoid_frozen"]),
-            "window": int(opts["window"]) or None,
-            "max_defer": None if float(opts["max_defer"]) < 0 else float(opts["max_defer"]),
-            "tail": opts["tail"]}
+    return {"p": group_size(opts, n), "weights": opts.weights, "alpha": opts.alpha,
+            "approx": opts.approx, "avoid_frozen": opts.avoid_frozen,
+            "window": opts.window or None,
+            "max_defer": None if opts.max_defer < 0 else opts.max_defer,
+            "tail": opts.tail}
 
 
 @dataclass(frozen=True)
@@ -143,19 +160,12 @@ def parse_group(raw: Any, me: int, ids: frozenset[int]) -> GroupMsg:
 @register
 class PReduce(Strategy):
     name = "preduce"
-    options = {
-        "P": (int, 0, "group size, 2 <= P <= N (0: N // 2)"),
-        "weights": (str, "constant", "constant (1/P) or dynamic (Sec. 3.3, EMA staleness)"),
-        "alpha": (float, 0.5, "EMA decay of the dynamic weights, in [0, 1)"),
-        "approx": (str, "conservative", "dynamic weights: missing versions go to the stalest member "
-                   "(conservative, the paper) or the nearest one"),
-        "avoid_frozen": (bool, True, "group-frozen avoidance (Sec. 4)"),
-        "window": (int, 0, "T, groups in the sync-graph (0: 4 ceil((N-1)/(P-1)))"),
-        "max_defer": (float, -1.0, "seconds the frozen filter may hold a group (negative: automatic)"),
-        "tail": (str, "stop", "fewer than P workers left: stop or shrink the groups"),
-        "average_momentum": (bool, False, "average the optimizer state with the same weights"),
-        "group_timeout": (float, 300.0, "seconds a worker waits for a group before failing"),
-    }
+    Options = PReduceOptions
+    opts: PReduceOptions
+
+    @classmethod
+    def check_options(cls, opts: PReduceOptions, topology: Topology) -> None:
+        Controller(members=list(topology.ids), **controller_options(opts, topology.size))  # window T vs N
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -176,8 +186,8 @@ class PReduce(Strategy):
         self.last_op = 0
 
     @classmethod
-    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
-        opts = parse_options(cls, options)
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
+        opts: PReduceOptions = parse_options(cls, options)
         PReduceService(server, topology, **controller_options(opts, topology.size))
 
     async def start(self) -> None:
@@ -232,7 +242,7 @@ class PReduce(Strategy):
         """READY to the controller; the group it put this worker in, or None for STOP."""
         self.seq += 1
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.opts["group_timeout"]
+        deadline = loop.time() + self.opts.group_timeout
         ids = frozenset(self.ctx.topology.ids)
         while True:
             view = self.ctx.view
@@ -256,7 +266,7 @@ class PReduce(Strategy):
                 raise ProtocolError("preduce", f"unexpected controller answer {sorted(rep)!r}"[:80])
             if loop.time() > deadline:
                 raise PeerTimeout(f"preduce: node {self.ctx.node_id} got no group within "
-                                  f"{self.opts['group_timeout']:g}s (P={self.p}, members {list(self.ctx.group)})")
+                                  f"{self.opts.group_timeout:g}s (P={self.p}, members {list(self.ctx.group)})")
 
     async def _reduce(self, g: GroupMsg) -> bool:
         """The members' weighted average; False when it failed and was abandoned."""
@@ -266,7 +276,7 @@ class PReduce(Strategy):
             self.solo += 1
             return True
         rep, coll = self.ctx.replica, self.ctx.collectives
-        whole = bool(self.opts["average_momentum"])
+        whole = self.opts.average_momentum
         self.group = g
         try:
             x = await (rep.export_state() if whole else rep.get_params())

@@ -42,7 +42,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
@@ -52,6 +53,7 @@ from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.params import ParamStore
+from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.topology import Topology
 
@@ -64,17 +66,20 @@ class _StoreStrategy(Strategy):
     kind: ClassVar[str] = ""
 
     @classmethod
-    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler | ElasticScheduler:
+    def scheduler(cls, opts: Any, ids: list[int]) -> StalenessScheduler | ElasticScheduler:
         raise NotImplementedError
 
     @classmethod
-    def coordinator_services(cls, server: RpcServer, topology: Topology, options: dict[str, Any]) -> None:
+    def check_options(cls, opts: Any, topology: Topology) -> None:
+        cls.scheduler(opts, list(topology.ids))  # the scheduler's own checks (s_upper >= s_lower, R, ...)
+
+    @classmethod
+    def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
         opts = parse_options(cls, options)
         SchedulerService(server, topology.ids, cls.scheduler(opts, topology.ids), name=cls.name)
 
     def __init__(self, ctx: StrategyContext) -> None:
-        super().__init__(ctx)
-        self.scheduler(self.opts, list(ctx.topology.ids))  # validates the options on every node
+        super().__init__(ctx)  # the options are checked there (check_options) on every node
         self.store: ParamStore | None = None
         self.count = 0
         self.reshards = 0
@@ -221,42 +226,60 @@ class BSP(_StoreStrategy):
         return StalenessScheduler(workers=ids, s_lower=0)
 
 
+@dataclass(frozen=True)
+class SSPOptions(StrategyOptions):
+    s: int = option(3, "staleness threshold: no worker runs more than s pushes ahead of the slowest")
+
+
+@dataclass(frozen=True)
+class DSSPOptions(StrategyOptions):
+    s_lower: int = option(3, "s_L: the staleness always allowed")
+    s_upper: int = option(15, "s_U: the most the controller may allow")
+
+
+@dataclass(frozen=True)
+class ElasticBSPOptions(StrategyOptions):
+    R: int = option(15, "predicted future pushes per worker the barrier search considers")
+    search: str = option("zipline_opt_bs", f"barrier search: {', '.join(SEARCHERS)}")
+
+    def __post_init__(self) -> None:
+        require(self.search in SEARCHERS, self, "search", f"choose from {', '.join(SEARCHERS)}")
+
+
 @register
 class ASP(_StoreStrategy):
     name = "asp"
 
     @classmethod
-    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
+    def scheduler(cls, opts: StrategyOptions, ids: list[int]) -> StalenessScheduler:
         return StalenessScheduler(workers=ids, s_lower=None)
 
 
 @register
 class SSP(_StoreStrategy):
     name = "ssp"
-    options = {"s": (int, 3, "staleness threshold: no worker runs more than s pushes ahead of the slowest")}
+    Options = SSPOptions
 
     @classmethod
-    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
-        return StalenessScheduler(workers=ids, s_lower=int(opts["s"]))
+    def scheduler(cls, opts: SSPOptions, ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=opts.s)
 
 
 @register
 class DSSP(_StoreStrategy):
     name = "dssp"
-    options = {"s_lower": (int, 3, "s_L: the staleness always allowed"),
-               "s_upper": (int, 15, "s_U: the most the controller may allow")}
+    Options = DSSPOptions
 
     @classmethod
-    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> StalenessScheduler:
-        return StalenessScheduler(workers=ids, s_lower=int(opts["s_lower"]), s_upper=int(opts["s_upper"]))
+    def scheduler(cls, opts: DSSPOptions, ids: list[int]) -> StalenessScheduler:
+        return StalenessScheduler(workers=ids, s_lower=opts.s_lower, s_upper=opts.s_upper)
 
 
 @register
 class ElasticBSP(_StoreStrategy):
     name = "elastic_bsp"
-    options = {"R": (int, 15, "predicted future pushes per worker the barrier search considers"),
-               "search": (str, "zipline_opt_bs", f"barrier search: {', '.join(SEARCHERS)}")}
+    Options = ElasticBSPOptions
 
     @classmethod
-    def scheduler(cls, opts: dict[str, Any], ids: list[int]) -> ElasticScheduler:
-        return ElasticScheduler(workers=ids, R=int(opts["R"]), searcher=str(opts["search"]))
+    def scheduler(cls, opts: ElasticBSPOptions, ids: list[int]) -> ElasticScheduler:
+        return ElasticScheduler(workers=ids, R=opts.R, searcher=opts.search)
