@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, default_threads
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
@@ -35,6 +35,11 @@ NodeSpec = Callable[[int], "tuple[list[str], dict[str, str] | None]"]
 
 STOP_GRACE_S = 4.0
 POLL_S = 0.25
+
+
+def default_threads(local_nodes: int) -> int:
+    """Torch threads per node when ``local_nodes`` share this host's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_nodes))
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec

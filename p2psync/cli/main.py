@@ -10,9 +10,8 @@ from typing import Sequence
 
 from p2psync import __version__
 from p2psync.cli import topo_cmd
+from p2psync.cli.exit_codes import EXIT_USAGE
 from p2psync.errors import ConfigError
-
-EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, P2PSyncError
@@ -21,10 +22,8 @@ from p2psync.training.data import DATASETS
 from p2psync.training.models import MODELS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
+from p2psync.transport.shaping import SHAPERS
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 DEFAULT_EPOCHS = 20.0
 
 log = logging.getLogger("p2psync.cli")
@@ -73,7 +72,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
     p.add_argument("--eval-seconds", type=float, help="also evaluate every S seconds")
-    p.add_argument("--shaper", default="none", choices=("none", "inproc", "netem"),
+    p.add_argument("--shaper", default="none", choices=SHAPERS,
                    help="link emulation: inproc (delay/bandwidth/jitter/loss in process) or netem "
                         "(network namespaces + tc; root and the netem qdisc needed)")
     p.add_argument("--nic-mbps", type=float, metavar="MBPS",
@@ -279,7 +278,3 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
     return 0
 
 
-
-
-def default_threads(local_nodes: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, local_nodes))

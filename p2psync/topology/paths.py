@@ -7,7 +7,7 @@ a spanning tree rooted at the best-connected node is used instead.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from p2psync.errors import ConfigError
 from p2psync.topology.model import Topology
@@ -99,3 +99,43 @@ def tree_parent(children: dict[int, list[int]], node: int) -> int | None:
         if node in cs:
             return p
     return None
+
+
+def hop_distances(topo: Topology, src: int, *, avoid: Collection[int] = ()) -> dict[int, int]:
+    """Hop counts from ``src`` over direct links (breadth first), never entering a node of
+    ``avoid`` (dead nodes); empty when ``src`` itself is avoided. A relaying transport caches
+    one per source: ``hop_distances(topo, 3, avoid={5})[7]`` is 3's distance to 7 around 5."""
+    dist: dict[int, int] = {} if src in avoid else {src: 0}
+    frontier = list(dist)
+    while frontier:
+        nxt = []
+        for a in frontier:
+            for b in topo.neighbors(a):
+                if b not in dist and b not in avoid:
+                    dist[b] = dist[a] + 1
+                    nxt.append(b)
+        frontier = nxt
+    return dist
+
+
+def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
+              distances: Callable[[int], Mapping[int, int]], exclude: int | None = None,
+              rotate: int = 0, to_dead: bool = False) -> list[int]:
+    """Neighbours of ``me`` to relay through towards ``dst``: shortest live path first, live
+    ones only (``distances(b)``: :func:`hop_distances` from ``b`` around ``dead``, cached by the
+    caller). ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over
+    another first hop); ``to_dead``: when ``dst`` is dead, aim at its live neighbours."""
+    goals = {dst: 0}
+    if to_dead and dst in dead:
+        goals = {nb: 1 for nb in topo.neighbors(dst) if nb not in dead and nb != me}
+
+    def cost(b: int) -> int | None:
+        d = distances(b)
+        return min((d[g] + c for g, c in goals.items() if g in d), default=None)
+
+    costs = {b: cost(b) for b in topo.neighbors(me) if b not in dead and b != exclude}
+    cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
+    if rotate and cands:
+        k = rotate % len(cands)
+        cands = cands[k:] + cands[:k]
+    return cands

@@ -96,12 +96,13 @@ class RunConfig:
             raise ConfigError("--failure-timeout must be longer than --heartbeat")
         from p2psync.compress import get_codec
         from p2psync.training.hetero import parse_profiles
+        from p2psync.transport.shaping import SHAPERS
 
         get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode,
                        self.step_jitter)  # validate
-        if self.shaper not in ("none", "inproc", "netem"):
-            raise ConfigError(f"--shaper {self.shaper!r}: choose none, inproc or netem")
+        if self.shaper not in SHAPERS:
+            raise ConfigError(f"--shaper {self.shaper!r}: choose from {', '.join(SHAPERS)}")
         if self.wan and self.shaper == "none":
             raise ConfigError("--wan needs --shaper inproc or netem")
         if self.nic_mbps is not None and self.shaper != "inproc":

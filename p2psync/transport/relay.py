@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
+from p2psync.topology.paths import hop_distances, next_hops
 from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
 from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, WireLimits, encode, parse_header
 
@@ -76,42 +77,16 @@ class Relaying:
             self._dist.clear()
 
     def _distances(self, src: int) -> dict[int, int]:
-        """Hop counts from ``src`` over the live nodes (dead ones are not traversed)."""
+        """Hop counts from ``src`` over the live nodes (cached until a node dies or revives)."""
         if src not in self._dist:
-            dist: dict[int, int] = {} if src in self.dead else {src: 0}
-            frontier = list(dist)
-            while frontier:
-                nxt = []
-                for a in frontier:
-                    for b in self.topology.neighbors(a):
-                        if b not in dist and b not in self.dead:
-                            dist[b] = dist[a] + 1
-                            nxt.append(b)
-                frontier = nxt
-            self._dist[src] = dist
+            self._dist[src] = hop_distances(self.topology, src, avoid=self.dead)
         return self._dist[src]
 
     def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
                   to_dead: bool = False) -> list[int]:
-        """Neighbours to relay through towards ``dst``: shortest live path first, alive only.
-
-        ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over another
-        first hop). ``to_dead``: when ``dst`` is dead here, aim at its live neighbours (a
-        forwarded message; see the module docstring)."""
-        goals = {dst: 0}
-        if to_dead and dst in self.dead:
-            goals = {nb: 1 for nb in self.topology.neighbors(dst) if nb not in self.dead and nb != self.node_id}
-
-        def cost(b: int) -> int | None:
-            d = self._distances(b)
-            return min((d[g] + c for g, c in goals.items() if g in d), default=None)
-
-        costs = {b: cost(b) for b in self.topology.neighbors(self.node_id) if b not in self.dead and b != exclude}
-        cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
-        if rotate and cands:
-            k = rotate % len(cands)
-            cands = cands[k:] + cands[:k]
-        return cands
+        """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
+        return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self._distances,
+                         exclude=exclude, rotate=rotate, to_dead=to_dead)
 
     async def send_control(self, peer: int, tag: str, *, kind: str, meta: Mapping[str, Any] | None = None,
                            arrays: Sequence[Any] = (), timeout: float | None = None,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from p2psync.cli.run_cmd import EXIT_FAILED
+from p2psync.cli.exit_codes import EXIT_FAILED
 from p2psync.topology import ring, save
 from tests.helpers import free_port
 

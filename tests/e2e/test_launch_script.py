@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from p2psync.api.env import from_env
-from p2psync.cli.launch import STOP_GRACE_S
+from p2psync.cli.launch import STOP_GRACE_S, default_threads
 from p2psync.cli.main import build_parser, parse_args
-from p2psync.cli.run_cmd import EXIT_FAILED, EXIT_INTERRUPTED, config_from_args, default_threads
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
+from p2psync.cli.run_cmd import config_from_args
 from p2psync.topology import ring, save
 from tests.e2e.test_cli_run import cli as _cli
 from tests.e2e.test_cli_run import spawn, wait_for

@@ -151,3 +151,14 @@ def test_sketch_bit_widths_are_checked():
             get_codec(f"sketch8:{bad}")
     with pytest.raises(ProtocolError):
         get_codec("sketch8:4").decode([np.zeros(3, np.uint8), np.zeros(16, np.float32)], 10)  # 10 x 4 bits = 5 bytes
+
+
+def test_the_wire_accepts_exactly_the_codecs_the_compress_registry_knows():
+    """One vocabulary, two homes that must agree: a codec added to p2psync.compress without the
+    wire's CODECS would have its frames refused on receipt, and the reverse accepts frames
+    nobody can decode. ``raw`` is the wire's marker for frames that are not a tensor codec's."""
+    from p2psync.compress import CODECS as COMPRESS_CODECS
+    from p2psync.wire import CODECS as WIRE_CODECS
+
+    assert set(COMPRESS_CODECS) == WIRE_CODECS - {"raw"}
+    assert "raw" not in COMPRESS_CODECS

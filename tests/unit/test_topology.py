@@ -179,3 +179,20 @@ def test_cli_topo_writes_and_checks(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nodes[1].nics[0].port" in err[0]
     assert main(["topo", "ring", "-n", "1"]) == 2
+
+
+def test_hop_distances_and_next_hops_route_around_dead_nodes():
+    from p2psync.topology.paths import hop_distances, next_hops
+
+    t = ring(6)
+    assert hop_distances(t, 0) == {0: 0, 1: 1, 5: 1, 2: 2, 4: 2, 3: 3}
+    assert hop_distances(t, 0, avoid={1})[2] == 4  # the long way round
+    assert hop_distances(t, 1, avoid={1}) == {}
+
+    def hops(dst, dead=(), **kw):
+        return next_hops(t, 0, dst, dead=set(dead), distances=lambda b: hop_distances(t, b, avoid=set(dead)), **kw)
+
+    assert hops(3) == [1, 5]  # equal cost: lower id first
+    assert hops(2) == [1, 5] and hops(2, rotate=1) == [5, 1]
+    assert hops(2, dead={1}) == [5]
+    assert hops(3, dead={3}) == [] and hops(3, dead={3}, to_dead=True) == [1, 5]  # its live neighbours
