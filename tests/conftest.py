@@ -1,4 +1,56 @@
-import sys
-from pathlib import Path
+"""Fixtures that track what they create and close it at teardown (as pyzmq's do), whatever the
+test did: a test asks for a factory, calls it as often as it needs, and never writes the
+cleanup itself::
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    async def test_something(zmq_endpoints, strategies):
+        topo = ring(3, base_port=free_port())
+        eps = await zmq_endpoints(topo)
+        strats = await strategies(eps, topo, "ssgd")
+        ...  # strategies, their RPC servers and replicas, then the endpoints close afterwards
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from p2psync.topology import Topology
+from p2psync.transport import ZmqEndpoint
+from tests.helpers import close_strategies, start_strategies
+
+
+@pytest.fixture
+async def zmq_endpoints() -> AsyncIterator[Callable[..., Awaitable[dict[int, ZmqEndpoint]]]]:
+    """``await zmq_endpoints(topo, timeout=10.0, keys=None, **options)``: a started endpoint per
+    node of ``topo`` (the keywords of :func:`tests.helpers.zmq_cluster`); all closed at teardown."""
+    made: list[ZmqEndpoint] = []
+
+    async def make(topo: Topology, *, timeout: float = 10.0, keys: dict[int, Any] | None = None,
+                   **options: Any) -> dict[int, ZmqEndpoint]:
+        eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout,
+                              keys=keys[i] if keys is not None else None, **options) for i in topo.ids}
+        made.extend(eps.values())
+        for e in eps.values():
+            await e.start()
+        return eps
+
+    yield make
+    for e in made:
+        await e.close()
+
+
+@pytest.fixture
+async def strategies() -> AsyncIterator[Callable[..., Awaitable[list[Any]]]]:
+    """``await strategies(transports, topo, name, **kw)``: :func:`tests.helpers.start_strategies`,
+    whose strategies (RPC servers and replicas included) are closed at teardown."""
+    made: list[list[Any]] = []
+
+    async def make(*args: Any, **kw: Any) -> list[Any]:
+        strats = await start_strategies(*args, **kw)
+        made.append(strats)
+        return strats
+
+    yield make
+    for strats in made:
+        await close_strategies(strats)

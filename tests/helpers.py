@@ -1,4 +1,5 @@
-"""Shared test helpers (not fixtures): free ports, endpoint groups."""
+"""Shared test helpers: free ports, endpoint groups, strategies (the fixtures that track and close
+what these create are in conftest.py)."""
 
 from __future__ import annotations
 
@@ -77,16 +78,29 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
     from p2psync.strategies import get_strategy
 
     cls = get_strategy(name)
-    strats = []
-    for i in topo.ids:
-        tr = trainers[i] if trainers is not None else make_trainer(topo, i)
-        ctx = make_context(topo, transports[i], tr, options=options, codec=codec, error_feedback=error_feedback,
-                           max_steps=max_steps)
-        if i == topo.coordinator:
-            cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
-        ctx.rpc_server.start()
-        strats.append(cls(ctx))
-    await asyncio.gather(*(s.start() for s in strats))
+    strats: list[Any] = []
+    servers, replicas = [], []
+    try:
+        for i in topo.ids:
+            tr = trainers[i] if trainers is not None else make_trainer(topo, i)
+            replicas.append(tr)
+            ctx = make_context(topo, transports[i], tr, options=options, codec=codec,
+                               error_feedback=error_feedback, max_steps=max_steps)
+            servers.append(ctx.rpc_server)
+            if i == topo.coordinator:
+                cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
+            ctx.rpc_server.start()
+            strats.append(cls(ctx))
+        await asyncio.gather(*(s.start() for s in strats))
+    except BaseException:  # a bad option or a failed start: nothing created here outlives the call
+        for s in strats:
+            await s.close()
+        for srv in servers:
+            await srv.close()
+        if trainers is None:  # the caller's own trainers are the caller's to close
+            for tr in replicas:
+                tr.close()
+        raise
     return strats
 
 

@@ -12,7 +12,7 @@ import torch
 from p2psync.collectives import Collectives
 from p2psync.errors import PeerFailure
 from p2psync.topology import bcube, mesh, ring, star
-from tests.helpers import free_port, zmq_cluster
+from tests.helpers import free_port, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,9 @@ async def test_peer_killed_mid_allreduce():
     async with cluster(TOPOS["ring4"], timeout=2.0, piece_bytes=64 << 10) as (topo, cs):
         x = {i: np.ones(4_000_000, dtype=np.float32) for i in topo.ids}
         tasks = {i: asyncio.create_task(cs[i].allreduce(x[i], tag="mid")) for i in topo.ids}
-        await asyncio.sleep(0.02)  # pieces are in flight
+        # pieces are in flight: node 3 has received some
+        await until(lambda: sum(v["bytes_recv"] for v in cs[3].t.stats()["nics"].values()) > 0, 5.0,
+                    "node 3 receiving pieces")
         tasks[3].cancel()
         await cs[3].t.close()
         t0 = asyncio.get_running_loop().time()

@@ -223,15 +223,11 @@ async def test_bad_options_and_optimizers_get_clear_errors():
             await start_strategies(eps, topo, "dts", trainers=trainers)
 
 
-async def test_a_momentum_that_changes_during_the_run_is_refused():
+async def test_a_momentum_that_changes_during_the_run_is_refused(zmq_endpoints, strategies):
     topo = ring(2, base_port=free_port())
-    async with zmq_cluster(topo) as eps:
-        strats = await start_strategies(eps, topo, "dts", options={"t": 0, "p": 1})
-        try:
-            await asyncio.gather(*(s.train_step(0, False) for s in strats))
-            for s in strats:  # what OneCycleLR(cycle_momentum=True) does
-                s.ctx.replica.optimizer.param_groups[0]["momentum"] = 0.8
-            with pytest.raises(ConfigError, match="momentum changed"):
-                await strats[0].train_step(1, False)
-        finally:
-            await close_strategies(strats)
+    strats = await strategies(await zmq_endpoints(topo), topo, "dts", options={"t": 0, "p": 1})
+    await asyncio.gather(*(s.train_step(0, False) for s in strats))
+    for s in strats:  # what OneCycleLR(cycle_momentum=True) does
+        s.ctx.replica.optimizer.param_groups[0]["momentum"] = 0.8
+    with pytest.raises(ConfigError, match="momentum changed"):
+        await strats[0].train_step(1, False)

@@ -10,7 +10,7 @@ from p2psync.errors import PeerFailure
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh, ring
 from p2psync.transport import MemoryHub
-from tests.helpers import make_context, make_trainer
+from tests.helpers import make_context, make_trainer, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,8 +49,10 @@ async def test_ssgd_keeps_replicas_identical_and_agrees_on_stop():
 async def test_ssgd_peer_failure_aborts_with_named_peer():
     strats = await _nodes(mesh(3), "ssgd")
     await strats[2].ctx.transport.close()  # node 2 is gone
+    idle = [s.ctx.transport.mailbox.waiting for s in strats[:2]]
     task = asyncio.gather(strats[0].train_step(0, False), strats[1].train_step(0, False))
-    await asyncio.sleep(0.05)
+    await until(lambda: all(s.ctx.transport.mailbox.waiting > n for s, n in zip(strats, idle)), 5.0,
+                "both survivors waiting for the step's pieces")
     for s in strats[:2]:  # what the membership client does on a failure event
         s.ctx.transport.mark_dead(2)
         s.on_peer_failure(2)
@@ -68,10 +70,7 @@ async def test_asgd_applies_every_gradient_once_everywhere():
     steps = 6
     await asyncio.gather(*(_run(s, steps) for s in strats))
     expected = (topo.size - 1) * steps
-    for _ in range(400):
-        if all(s.applied_remote == expected for s in strats):
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: all(s.applied_remote == expected for s in strats), 4.0, "every gradient applied")
     assert [s.applied_remote for s in strats] == [expected] * topo.size
     await _close(strats)
 
