@@ -4,6 +4,7 @@ what these create are in conftest.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from typing import Any, AsyncIterator
 
@@ -11,11 +12,41 @@ from p2psync.topology import Topology
 from p2psync.transport import ZmqEndpoint
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+#: free_port's range: just below the kernel's ephemeral ports, which it hands to sockets bound to
+#: port 0 and to outgoing connections (the ZeroMQ connects of every test in this run included)
+_PORTS_HIGH = _ephemeral_low()
+_PORTS_LOW = max(1024, _PORTS_HIGH - 12000)
+_next_port = _PORTS_LOW + (os.getpid() * 211) % (_PORTS_HIGH - _PORTS_LOW)  # runs side by side differ
+
+
 def free_port() -> int:
-    """A TCP port that is free on loopback right now (each NIC has its own 127.x address)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on every local address now (each NIC of a loopback topology binds it on
+    its own 127.x address), for ``ring(4, base_port=free_port())``.
+
+    Not one the kernel chose (bind to port 0, then released, as this used to be): the kernel
+    may hand that very port to the next outgoing connection before the test binds it. These
+    come from below the ephemeral range, which the kernel never assigns by itself, and
+    successive calls in this process never repeat one until the range wraps."""
+    global _next_port
+    span = _PORTS_HIGH - _PORTS_LOW
+    for _ in range(span):
+        port = _next_port
+        _next_port = _PORTS_LOW + (port - _PORTS_LOW + 1) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # taken (or in TIME_WAIT): the next one
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {_PORTS_LOW}..{_PORTS_HIGH - 1}")
 
 
 def keyed(topo: Topology) -> tuple[Topology, dict[int, Any]]:

@@ -72,6 +72,11 @@ class RpcServer:
             self._started = True
             self._serving.spawn(self._serve())
 
+    @property
+    def serving(self) -> bool:
+        """True while the receive loop runs (from :meth:`start` until :meth:`close`)."""
+        return any(not t.done() for t in self._serving)
+
     async def invoke(self, caller: int, method: str, args: Mapping[str, Any],
                      arrays: Sequence[np.ndarray] = ()) -> Any:
         handler = self.handlers.get(method)

@@ -1,0 +1,40 @@
+"""Membership decision logic (pure state): registration, fingerprints, failure detection, finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2psync.coordinator import MembershipState
+from p2psync.errors import ConfigError
+
+
+def test_membership_state_register_and_fingerprints():
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0)
+    st.register(0, "abc", now=0.0)
+    assert st.missing == [1, 2] and not st.complete
+    with pytest.raises(ConfigError, match="different configuration"):
+        st.register(1, "xyz", now=0.1)
+    with pytest.raises(ConfigError, match="not in the topology"):
+        st.register(7, "abc", now=0.1)
+    st.register(1, "abc", now=0.1)
+    st.register(2, "abc", now=0.1)
+    assert st.complete
+
+
+def test_membership_state_failure_detection_and_finish():
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0)
+    for n in (0, 1, 2):
+        st.register(n, "f", now=0.0)
+    st.heartbeat(0, 1.9)
+    st.heartbeat(1, 1.9)
+    assert st.check(2.0) == []
+    assert st.check(2.01) == [2]  # silent for more than 2 s
+    assert st.check(5.0) == [1]  # everyone silent now; 2 is not reported twice, 0 hosts the state
+    st2 = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0)
+    for n in (0, 1, 2):
+        st2.register(n, "f", 0.0)
+    st2.finish(1, {"acc": 1})
+    assert st2.check(10.0) == [2]  # a finished node is never declared failed
+    assert not st2.all_finished
+    st2.finish(0, {"acc": 1})
+    assert st2.all_finished  # finished or failed: the barrier can release

@@ -1,0 +1,64 @@
+"""RPC over the in-memory transport: calls, relayed calls, remote errors, timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2psync.coordinator import RpcClient, RpcServer
+from p2psync.errors import ConfigError, PeerTimeout, RemoteError
+from p2psync.topology import ring
+from p2psync.transport import MemoryHub
+
+
+async def test_rpc_over_memory_transport():
+    hub = MemoryHub(ring(4))
+    eps = {i: hub.endpoint(i) for i in range(4)}
+    for e in eps.values():
+        await e.start()
+    server = RpcServer(eps[0])
+
+    async def add(caller, args, arrays):
+        if args.get("fail"):
+            raise ConfigError("bad args")
+        return {"sum": args["a"] + args["b"], "caller": caller}
+
+    server.register("math.add", add)
+    server.start()
+    client = RpcClient(eps[2])  # not adjacent to 0 on a ring: relayed
+    assert await client.call(0, "math.add", {"a": 2, "b": 3}) == {"sum": 5, "caller": 2}
+    with pytest.raises(RemoteError, match="bad args"):
+        await client.call(0, "math.add", {"fail": True})
+    with pytest.raises(RemoteError, match="UnknownMethod"):
+        await client.call(0, "nope")
+    with pytest.raises(PeerTimeout):
+        await RpcClient(eps[1]).call(3, "math.add", {"a": 1, "b": 1}, timeout=0.2)  # no server on 3
+    local = RpcClient(eps[0], local=server)
+    assert (await local.call(0, "math.add", {"a": 1, "b": 1}))["sum"] == 2
+    with pytest.raises(ValueError):
+        server.register("math.add", add)
+    await server.close()
+    for e in eps.values():
+        await e.close()
+
+
+async def test_remote_error_keeps_the_remote_type_name_and_message_as_fields():
+    hub = MemoryHub(ring(2))
+    eps = {i: hub.endpoint(i) for i in range(2)}
+    for e in eps.values():
+        await e.start()
+    server = RpcServer(eps[0])
+
+    async def fail(caller, args, arrays):
+        raise ConfigError("a: b: c")  # colons in the message survive the round trip
+
+    server.register("t.fail", fail)
+    server.start()
+    try:
+        with pytest.raises(RemoteError) as got:
+            await RpcClient(eps[1]).call(0, "t.fail", {})
+        assert (got.value.kind, got.value.message) == ("ConfigError", "a: b: c")
+        assert str(got.value) == "ConfigError: a: b: c"
+    finally:
+        await server.close()
+        for e in eps.values():
+            await e.close()
