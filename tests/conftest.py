@@ -11,6 +11,7 @@ cleanup itself::
 
 from __future__ import annotations
 
+import os
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -18,6 +19,22 @@ import pytest
 from p2psync.topology import Topology
 from p2psync.transport import ZmqEndpoint
 from tests.helpers import close_strategies, start_strategies
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (soaks; P2PSYNC_SLOW=1 does the same)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (long soaks, each with a shorter equivalent that runs by default)
+    are skipped unless asked for: the default suite stays within its time budget."""
+    if config.getoption("--slow") or os.environ.get("P2PSYNC_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture
