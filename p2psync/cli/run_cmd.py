@@ -23,6 +23,7 @@ from p2psync.training.models import MODELS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
 from p2psync.transport.shaping import SHAPERS
+from p2psync.vocab import ON_FAILURE
 
 DEFAULT_EPOCHS = 20.0
 
@@ -121,7 +122,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--phi-threshold", type=float, default=d.phi_threshold,
                    help="phi-accrual suspicion level (-log10 of the probability that a live node "
                         "is this late); higher = fewer false failures, slower detection")
-    p.add_argument("--on-failure", default=d.on_failure, choices=("continue", "stop"),
+    p.add_argument("--on-failure", default=d.on_failure, choices=ON_FAILURE,
                    help="a node fails: ssgd/esync re-form over the survivors at the next step "
                         "(continue) or stop the run naming it (stop); asgd always continues. With "
                         "continue, a node restarted with the same --node and --run-id rejoins")

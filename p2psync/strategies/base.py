@@ -39,6 +39,7 @@ from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
+from p2psync.vocab import ON_FAILURE, OnFailure
 
 
 #: a learning rate or weight decay: one number, or one value per parameter element when the
@@ -92,7 +93,6 @@ class Replica(Protocol):
     def layers(self) -> list[Layer]: ...
 
 
-ON_FAILURE = ("continue", "stop")
 
 
 @dataclass
@@ -109,7 +109,7 @@ class StrategyContext:
     peer_timeout: float = 30.0
     options: Mapping[str, Any] = field(default_factory=dict)
     #: ``continue``: synchronous strategies re-form over the survivors; ``stop``: PeerFailure
-    on_failure: str = "continue"
+    on_failure: OnFailure = "continue"
     #: this node registered after the run started: fetch the state from live peers first
     joining: bool = False
     #: the run's step budget when it has one (``--steps``): every node stops after step

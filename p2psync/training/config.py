@@ -7,9 +7,12 @@ import json
 import math
 import types
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from p2psync.errors import ConfigError
+from p2psync.training.hetero import SlowdownMode
+from p2psync.transport.shaping import SHAPERS, ShaperName
+from p2psync.vocab import ON_FAILURE, OnFailure
 from p2psync.wire.schema import valid_run_id
 
 #: fields that only concern the local process; every other field must agree across nodes
@@ -50,14 +53,14 @@ class RunConfig:
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
     phi_threshold: float = 8.0
-    shaper: str = "none"
+    shaper: ShaperName = "none"
     wan: str | None = None
     #: bandwidth of every NIC for the inproc shaper (Mb/s; one token bucket per NIC)
     nic_mbps: float | None = None
     slowdown: str = ""
     slowdown_schedule: str = ""
     step_time: str = ""
-    slowdown_mode: str = "wait"
+    slowdown_mode: SlowdownMode = "wait"
     step_jitter: float = 0.0
     codec: str = "none"
     piece_kib: int = 1024
@@ -66,7 +69,7 @@ class RunConfig:
     strategy_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     progress: bool = False
     #: a peer fails: synchronous strategies re-form over the survivors (continue) or stop
-    on_failure: str = "continue"
+    on_failure: OnFailure = "continue"
     #: folder of this host's key files (a keyed cluster: the topology lists public keys)
     keys: str | None = None
     #: write every node's state every N steps into its run folder (None: never)
@@ -96,7 +99,6 @@ class RunConfig:
             raise ConfigError("--failure-timeout must be longer than --heartbeat")
         from p2psync.compress import get_codec
         from p2psync.training.hetero import parse_profiles
-        from p2psync.transport.shaping import SHAPERS
 
         get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode,
@@ -107,8 +109,8 @@ class RunConfig:
             raise ConfigError("--wan needs --shaper inproc or netem")
         if self.nic_mbps is not None and self.shaper != "inproc":
             raise ConfigError("--nic-mbps needs --shaper inproc")
-        if self.on_failure not in ("continue", "stop"):
-            raise ConfigError(f"--on-failure {self.on_failure!r}: choose continue or stop")
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(f"--on-failure {self.on_failure!r}: choose from {', '.join(ON_FAILURE)}")
         if self.run_id is not None and not valid_run_id(self.run_id):
             raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name (1-128 characters "
                               "of A-Z a-z 0-9 _ . + -, not starting with a dot, no '..')")
@@ -183,8 +185,8 @@ def _json_value(name: str, hint: Any, v: Any) -> Any:
         (hint,) = args
     if hint is bool and isinstance(v, bool):
         return v
-    if hint is str and isinstance(v, str):
-        return v
+    if (hint is str or get_origin(hint) is Literal) and isinstance(v, str):
+        return v  # a Literal's value is checked by the config's own checks, naming the option
     if hint is int and isinstance(v, int) and not isinstance(v, bool):
         return v
     if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -42,14 +42,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Literal, Mapping, get_args
 
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.topology import LinkAttrs, Topology
 
 log = logging.getLogger("p2psync.shaping")
 
-SHAPERS = ("none", "inproc", "netem")
+ShaperName = Literal["none", "inproc", "netem"]
+SHAPERS: tuple[str, ...] = get_args(ShaperName)
 
 
 @dataclass(frozen=True)
