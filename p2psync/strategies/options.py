@@ -44,11 +44,6 @@ def option(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-def describe(cls: type[StrategyOptions]) -> dict[str, tuple[Any, str]]:
-    """Option name -> (default, help), e.g. for a usage listing."""
-    return {f.name: (f.default, str(f.metadata.get("help", ""))) for f in fields(cls)}
-
-
 def build_options(cls: type[O], raw: Mapping[str, Any], *, strategy: str) -> O:
     """``cls`` from ``raw`` (name -> value, values as typed or as text)."""
     hints = typing.get_type_hints(cls)
@@ -109,4 +104,4 @@ def non_negative(opts: StrategyOptions, *names: str) -> None:
         require(v >= 0, opts, n, "must be >= 0")
 
 
-__all__ = ["StrategyOptions", "build_options", "describe", "non_negative", "option", "positive", "require"]
+__all__ = ["StrategyOptions", "build_options", "non_negative", "option", "positive", "require"]

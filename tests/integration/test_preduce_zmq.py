@@ -17,7 +17,7 @@ import pytest
 
 from p2psync.topology import mesh
 from p2psync.training.hetero import parse_profiles
-from tests.helpers import close_strategies, free_port, make_trainer, run_until_stop, start_strategies, zmq_cluster
+from tests.helpers import free_port, make_trainer, run_until_stop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +26,7 @@ STEPS = 60
 
 
 @pytest.mark.parametrize("weights", ["constant", "dynamic"])
-async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights):
+async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights, zmq_endpoints, strategies):
     topo = mesh(6, base_port=free_port())
     times = ",".join(f"{i}:{FAST if i < 3 else SLOW}" for i in topo.ids)
     prof = parse_profiles(step_time=times)
@@ -34,16 +34,12 @@ async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights):
     for i in topo.ids:
         trainers[i] = make_trainer(topo, i)
         trainers[i].slowdown = prof[i]
-    async with zmq_cluster(topo) as eps:
-        strats = await start_strategies(eps, topo, "preduce", options={"P": 3, "weights": weights},
-                                        trainers=trainers)
-        try:
-            reps = await asyncio.wait_for(run_until_stop(strats, STEPS), 90)
-            out = [(len(r), r) for r in reps]
-            accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
-            params = [await s.ctx.replica.get_params() for s in strats]
-        finally:
-            await close_strategies(strats)
+    strats = await strategies(await zmq_endpoints(topo), topo, "preduce", options={"P": 3, "weights": weights},
+                              trainers=trainers)
+    reps = await asyncio.wait_for(run_until_stop(strats, STEPS), 90)
+    out = [(len(r), r) for r in reps]
+    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    params = [await s.ctx.replica.get_params() for s in strats]
     steps = [n for n, _ in out]
     groups = [r for _, reps in out for r in reps if "op" in r]
     assert groups and all(r["group"] == 3 and r["applied"] for r in groups)

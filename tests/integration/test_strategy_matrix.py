@@ -18,8 +18,7 @@ from p2psync.compress.codecs import CODECS
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import REGISTRY, get_strategy
 from p2psync.topology import ring
-from tests.helpers import (close_strategies, free_port, make_trainer, start_strategies, until,
-                           zmq_cluster)
+from tests.helpers import free_port, make_trainer, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,28 +49,24 @@ async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
 
 
 @pytest.mark.parametrize("strategy,codec,feedback", CASES, ids=[f"{s}-{c}{'+ef' if f else ''}" for s, c, f in CASES])
-async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, feedback):
+async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, feedback, zmq_endpoints, strategies):
     topo = ring(4, base_port=free_port())
-    if strategy == "preduce" and codec == "topk":
-        async with zmq_cluster(topo) as eps:  # a top-k selection of a model: refused, clearly
-            with pytest.raises(ConfigError, match="preduce averages whole models"):
-                await start_strategies(eps, topo, strategy, codec=codec, max_steps=STEPS)
+    eps = await zmq_endpoints(topo)
+    if strategy == "preduce" and codec == "topk":  # a top-k selection of a model: refused, clearly
+        with pytest.raises(ConfigError, match="preduce averages whole models"):
+            await strategies(eps, topo, strategy, codec=codec, max_steps=STEPS)
         return
-    async with zmq_cluster(topo) as eps:
-        # ASGD applies stale gradients with momentum: a smaller step keeps 40 steps stable
-        trainers = {i: make_trainer(topo, i, lr=0.05 if strategy == "asgd" else 0.1) for i in topo.ids}
-        # the step budget is known in advance (as --steps gives it): DTS, which agrees on
-        # stopping only once per window, stops exactly at the last step too
-        strats = await start_strategies(eps, topo, strategy, codec=codec, error_feedback=feedback,
-                                        trainers=trainers, max_steps=STEPS)
-        try:
-            done = await asyncio.gather(*(_run_until_stop(s, STEPS) for s in strats))
-            if strategy == "asgd":  # no barrier: remote gradients are still trickling in
-                await until(lambda: all(s.applied_remote == 3 * STEPS for s in strats), 20,
-                            "every gradient applied everywhere")
-            accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
-        finally:
-            await close_strategies(strats)
+    # ASGD applies stale gradients with momentum: a smaller step keeps 40 steps stable
+    trainers = {i: make_trainer(topo, i, lr=0.05 if strategy == "asgd" else 0.1) for i in topo.ids}
+    # the step budget is known in advance (as --steps gives it): DTS, which agrees on
+    # stopping only once per window, stops exactly at the last step too
+    strats = await strategies(eps, topo, strategy, codec=codec, error_feedback=feedback,
+                              trainers=trainers, max_steps=STEPS)
+    done = await asyncio.gather(*(_run_until_stop(s, STEPS) for s in strats))
+    if strategy == "asgd":  # no barrier: remote gradients are still trickling in
+        await until(lambda: all(s.applied_remote == 3 * STEPS for s in strats), 20,
+                    "every gradient applied everywhere")
+    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
     steps = [n for n, _ in done]
     if strategy in FIRST_WORKER_STOPS:
         # a coordinator service decides the stop: the first worker to reach its budget stops
