@@ -17,9 +17,8 @@ from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.topology import Topology
-from p2psync.training.config import RunConfig
+from p2psync.training.config import MODELS, RunConfig
 from p2psync.training.data import DATASETS
-from p2psync.training.models import MODELS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
 from p2psync.transport.shaping import SHAPERS

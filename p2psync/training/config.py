@@ -15,6 +15,11 @@ from p2psync.transport.shaping import SHAPERS, ShaperName
 from p2psync.vocab import ON_FAILURE, OnFailure
 from p2psync.wire.schema import valid_run_id
 
+#: the built-in job's models (p2psync.training.models builds them; named here, without torch,
+#: so the CLI parses its options without importing it)
+ModelName = Literal["mlp", "cnn", "resnet18"]
+MODELS: tuple[str, ...] = get_args(ModelName)
+
 #: fields that only concern the local process; every other field must agree across nodes
 LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume"})
 UNBOUNDED_STEPS = 1 << 62
@@ -27,7 +32,7 @@ class RunConfig:
     steps: int | None = None
     epochs: float | None = None
     time_limit: float | None = None
-    model: str = "mlp"
+    model: ModelName = "mlp"
     #: the MLP's hidden width (a wider one makes the network matter at a given bandwidth)
     hidden: int = 128
     data: str = "digits"
@@ -103,6 +108,8 @@ class RunConfig:
         get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode,
                        self.step_jitter)  # validate
+        if self.model not in MODELS:
+            raise ConfigError(f"--model {self.model!r}: choose from {', '.join(MODELS)}")
         if self.shaper not in SHAPERS:
             raise ConfigError(f"--shaper {self.shaper!r}: choose from {', '.join(SHAPERS)}")
         if self.wan and self.shaper == "none":

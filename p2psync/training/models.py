@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from p2psync.errors import ConfigError
+from p2psync.training.config import MODELS
 
-MODELS = ("mlp", "cnn", "resnet18")
 
 
 def mlp(input_shape: tuple[int, ...], classes: int, hidden: int = 128) -> nn.Module:

@@ -1,0 +1,125 @@
+"""The user-facing functions behind :mod:`p2psync.api` (imported on first use: they need torch,
+the launcher and the CLI do not). ``p2psync.attach(model, optimizer)`` in a user's script lands
+here; the process's one :class:`~p2psync.api.session.Session` lives in this module."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from p2psync.api.env import from_env
+from p2psync.api.session import Session
+from p2psync.errors import ConfigError
+
+log = logging.getLogger("p2psync")
+
+_lock = threading.Lock()
+_current: Session | None = None
+_warned_single = False
+_crashed = False
+
+
+def session() -> Session | None:
+    """The session ``attach`` started in this process (None before, or as a single node)."""
+    return _current
+
+
+def _single_node_warning() -> None:
+    global _warned_single
+    if not _warned_single:
+        _warned_single = True
+        log.warning("p2psync: P2PSYNC_NODE is not set: running as a single node "
+                    "(start the script with 'p2psync run TOPOLOGY -- python SCRIPT' to train on several)")
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Join the run this process was started for; returns ``optimizer`` with its step hooked."""
+    global _current
+    with _lock:
+        env = from_env(os.environ)
+        if env is None:
+            _single_node_warning()
+            return optimizer
+        if _current is not None:
+            raise ConfigError(f"node {env.node_id}: p2psync.attach() was called twice; a node trains one "
+                              "model (attach it once)")
+        s = Session(config=env.config, node=env.node_id)
+        s.attach(model, optimizer)
+        _current = s
+        _install_exit_hooks()
+        return optimizer
+
+
+def shard(dataset: Any, *, labels: Sequence[int] | np.ndarray | None = None) -> Any:
+    """This node's part of ``dataset`` (a ``torch.utils.data.Subset``), split as the run's
+    ``--partition`` says (iid, shards, dirichlet; the non-iid schemes need the labels: taken
+    from ``dataset.targets`` when present, else pass ``labels=``). As a single node: the whole
+    dataset."""
+    from p2psync.training.partition import partition
+
+    env = from_env(os.environ)
+    if env is None:
+        _single_node_warning()
+        return dataset
+    cfg = env.config
+    n = len(dataset)
+    if labels is None:
+        labels = getattr(dataset, "targets", None)
+    if labels is None:
+        if cfg.partition != "iid":
+            raise ConfigError(f"--partition {cfg.partition} needs the labels: pass "
+                              "p2psync.shard(dataset, labels=...)")
+        labels = np.zeros(n, np.int64)
+    y = np.asarray(labels if not isinstance(labels, torch.Tensor) else labels.cpu().numpy())
+    if y.shape[0] != n:
+        raise ConfigError(f"p2psync.shard: {y.shape[0]} labels for {n} samples")
+    parts = partition(y.astype(np.int64), env.world_size, cfg.partition, seed=cfg.seed,
+                      alpha=cfg.dirichlet_alpha, shards_per_part=cfg.shards_per_node)
+    return torch.utils.data.Subset(dataset, parts[env.rank].tolist())
+
+
+def log_values(**values: Any) -> None:
+    """Add values (``loss``, ``samples``, ``accuracy``, ...) to this node's metrics."""
+    if _current is not None:
+        _current.log(**values)
+
+
+def should_stop() -> bool:
+    """True once the run agreed to stop: end the training loop."""
+    return _current is not None and _current.should_stop
+
+
+def _install_exit_hooks() -> None:
+    # atexit runs handlers last-registered first: pyzmq's garbage collector (zero-copy sends)
+    # registers its own shutdown when first imported, which may be after attach; import it now
+    # so that the session closes (and still sends) before pyzmq's handler runs
+    import zmq.utils.garbage  # noqa: F401
+
+    previous = sys.excepthook
+
+    def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+        global _crashed
+        _crashed = True
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    s = _current
+    if s is not None:
+        try:
+            s.close(graceful=not _crashed)
+        except Exception as exc:  # the process is exiting: report, do not raise
+            print(f"p2psync: node {s.node_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+__all__ = ["Session", "attach", "log_values", "session", "shard", "should_stop"]
