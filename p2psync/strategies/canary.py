@@ -315,7 +315,8 @@ class Canary(Strategy):
             self.gei.record(t, c.index, r.mask)
             self.timeline.append((t, c.index, r.started))
         need = members_mask(members) if self.opts.proportion_mask == "full" else node_bit(self.ctx.node_id)
-        d = decide(zeta=self.gei.zeta, t=t, row=self.gei.row(t), mask=need, s=self.opts.s, p=self.p)
+        zeta = self.gei.zeta  # at the decision (headers arriving during a pull may raise it)
+        d = decide(zeta=zeta, t=t, row=self.gei.row(t), mask=need, s=self.opts.s, p=self.p)
         if self.opts.mode == "bsp":
             d = dataclasses.replace(d, branch=Branch.APPLY)  # every colayer is complete by construction
         self.counts[d.branch.value] += 1
@@ -334,7 +335,7 @@ class Canary(Strategy):
             self.t = t + 1
         self._see(self.t, self.ctx.node_id)
         self.gei.forget_before(self.t)  # only the current row decides
-        return {"t": t, "zeta": self.gei.zeta, "staleness": d.staleness, "branch": d.branch.value,
+        return {"t": t, "zeta": zeta, "staleness": d.staleness, "branch": d.branch.value,
                 "complete": d.complete, "gei": row[:16] if len(members) <= 62 else [],
                 "round_s": round(max(r.seconds for r in results), 5)}
 
