@@ -1,11 +1,16 @@
 """Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
 
-    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--curve-only]
+    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--rows ROW ...] [--curve-only]
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
 slowest node's mean over ``--reps`` timed operations after one warm-up. Bus bandwidth =
 2(N-1)/N * bytes / time (the traffic each node must move in an optimal allreduce). For
 compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
+
+The floor rows (issue 17) are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
+same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127.0.0.x as the
+p2psync rows: what ZeroMQ and numpy alone need. ``× floor`` is a row's bus bandwidth over the
+tcp floor's in the same run.
 
 The CURVE row (issue 16) is the plain p2psync ring again with a keyed cluster: every socket runs
 CurveZMQ (encrypted and authenticated), so its ratio to the plain ring row of the same run is
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import time
 from typing import Any
@@ -24,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import markdown_table, save_png
+from bench._floor import floor_endpoints, floor_worker
 
 
 def _port() -> int:
@@ -97,6 +104,10 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     port = _port()
     if kind == "gloo":
         procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
+    elif kind.startswith("floor"):
+        eps = floor_endpoints(kind.partition("-")[2] or "tcp", n, port)
+        procs = [ctx.Process(target=floor_worker, args=(r, n, elems, eps, reps, q, piece_kib << 10))
+                 for r in range(n)]
     else:
         keys = None
         if curve:
@@ -111,7 +122,20 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     times = [q.get(timeout=900)[1] for _ in procs]
     for p in procs:
         p.join(timeout=60)
+    if kind == "floor-ipc":
+        shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
     return max(times)
+
+
+#: (row name for --rows, label, kind, algo, codec, curve)
+CONFIGS = [("gloo", "gloo", "gloo", "ring", "none", False),
+           ("floor-ipc", "zmq floor (ipc)", "floor-ipc", "ring", "none", False),
+           ("floor-tcp", "zmq floor (tcp)", "floor-tcp", "ring", "none", False),
+           ("ring", "p2psync ring", "p2psync", "ring", "none", False),
+           ("mesh", "p2psync mesh", "p2psync", "mesh", "none", False),
+           ("bcube", "p2psync bcube", "p2psync", "bcube", "none", False),
+           ("ring+sketch8", "p2psync ring + sketch8", "p2psync", "ring", "sketch8", False),
+           ("ring+curve", "p2psync ring + CURVE", "p2psync", "ring", "none", True)]
 
 
 def main() -> None:
@@ -119,36 +143,38 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mb", type=float, nargs="+", default=[4, 100])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rows", nargs="+", choices=[c[0] for c in CONFIGS],
+                    help="measure only these rows (default: all but the kernel-shaped ones)")
     ap.add_argument("--curve-only", action="store_true",
                     help="only the plain p2psync ring and the same ring with CURVE on every socket")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    configs = [("gloo", "ring", "none", False), ("p2psync", "ring", "none", False),
-               ("p2psync", "mesh", "none", False), ("p2psync", "bcube", "none", False),
-               ("p2psync", "ring", "sketch8", False), ("p2psync", "ring", "none", True)]
+    configs = [c for c in CONFIGS if args.rows is None or c[0] in args.rows]
     if args.curve_only:
-        configs = [c for c in configs if c[0] == "p2psync" and c[1] == "ring" and c[2] == "none"]
+        configs = [c for c in CONFIGS if c[0] in ("ring", "ring+curve")]
     rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = plain = None
-            for kind, algo, codec, curve in configs:
+            base = plain = floor = None
+            for _name, label, kind, algo, codec, curve in configs:
                 secs = measure(kind, n, mb, args.reps, algo, codec, curve=curve)
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
-                label = "gloo" if kind == "gloo" else f"p2psync {algo}" + (f" + {codec}" if codec != "none" else "")
-                label += " + CURVE" if curve else ""
+                if kind == "floor-tcp":
+                    floor = busbw
                 if kind == "p2psync" and algo == "ring" and codec == "none":
                     if curve and plain:
                         curve_rows.append([n, f"{mb:g} MB", plain, busbw, busbw / plain])
                     elif not curve:
                         plain = busbw
-                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-"])
+                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-",
+                             busbw / floor if floor else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))
                 print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
     print("\n## Allreduce bus bandwidth (loopback, 2 cores)\n")
-    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo"], rows))
+    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo", "× floor (tcp)"],
+                         rows))
     if curve_rows:
         print("\n## CURVE on every socket vs off (p2psync ring, same run; target >= 0.7x)\n")
         print(markdown_table(["nodes", "size", "off: bus GB/s", "CURVE: bus GB/s", "× off"], curve_rows))
