@@ -65,7 +65,7 @@ from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
 from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode
+from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode, frame_len
 from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
@@ -85,10 +85,6 @@ class NicStats:
 
 class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
-
-
-def _frame_len(f: Any) -> int:
-    return f.nbytes if isinstance(f, memoryview) else len(f)
 
 
 def all_finite(a: Any) -> bool:
@@ -224,7 +220,7 @@ class Transport(Relaying, ABC):
         if not bulk:
             await self._shape_and_deliver(peer, route, budget, frames, False)
             return
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         win = self.window(peer)
@@ -246,13 +242,13 @@ class Transport(Relaying, ABC):
             return
         # a shaped message leaves later: capture its bytes now, as a real NIC would
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in frames]
-        await self.shaper.submit(peer, sum(_frame_len(f) for f in frames),
+        await self.shaper.submit(peer, sum(frame_len(f) for f in frames),
                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
                                  control=not bulk, nic=route.local_nic)
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False) -> None:
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
         while True:
@@ -314,7 +310,7 @@ class Transport(Relaying, ABC):
 
     def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any]) -> None:
         """Decode and deliver one received message; never raises."""
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         st = self.nic_stats[nic]
         st.bytes_recv += nbytes
         st.msgs_recv += 1
