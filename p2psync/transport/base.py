@@ -101,7 +101,9 @@ class Transport(Relaying, ABC):
                  default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
                  mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
                  max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 relay_keys: Mapping[int, bytes] | None = None) -> None:
+                 relay_keys: Mapping[int, bytes] | None = None, shaper: Shaper | None = None) -> None:
+        """``shaper``: link shaping on the send path (:mod:`p2psync.transport.shaping`); None is
+        the real network. The transport owns it and closes it on :meth:`close`."""
         self.topology = topology
         #: keyed cluster: the key this node shares with each other node (relayed messages)
         self.relay_keys = dict(relay_keys) if relay_keys is not None else None
@@ -130,7 +132,7 @@ class Transport(Relaying, ABC):
         self._relay_ctr = itertools.count(1)
         self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
-        self.shaper: Shaper | None = None
+        self.shaper: Shaper | None = shaper
         #: run id stamped on every header and required on every incoming one (set before start)
         self.run_id = 0
         #: this process's incarnation: its start time in ns (a restarted node has a larger one)
@@ -145,8 +147,20 @@ class Transport(Relaying, ABC):
     @abstractmethod
     async def start(self) -> None: ...
 
+    async def close(self) -> None:
+        """Close in the one safe order: let relayed control messages go out, flush and close the
+        shaper, fail every waiter (the transport is closed from here on), then release the
+        subclass's IO (:meth:`_close_io`). Idempotent."""
+        if not self._closed:
+            await self._drain_relays()
+            await self._close_shaper()
+            self._closing()
+        await self._close_io()
+
     @abstractmethod
-    async def close(self) -> None: ...
+    async def _close_io(self) -> None:
+        """Release sockets / registrations (after :meth:`close` failed every waiter); must be
+        idempotent and must not raise for a transport that never started."""
 
     async def __aenter__(self) -> "Transport":
         await self.start()

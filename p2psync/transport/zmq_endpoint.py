@@ -132,7 +132,8 @@ class ZmqEndpoint(Transport):
                  context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
                  **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
-        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``).
+        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``,
+        ``shaper``).
         ``keys``: this node's keys in a keyed cluster (every socket runs CurveZMQ)."""
         if keys is not None:
             if keys.node != node_id or topology.node(node_id).curve_public != keys.public.decode():
@@ -373,10 +374,7 @@ class ZmqEndpoint(Transport):
             if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
                 self._loop.call_soon(self._drain, route.local_nic, not bulk)
 
-    async def close(self) -> None:
-        await self._drain_relays()
-        await self._close_shaper()
-        self._closing()
+    async def _close_io(self) -> None:
         if self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
