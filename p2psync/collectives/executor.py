@@ -143,7 +143,7 @@ class Collectives:
                  codec: str = "none", error_feedback: bool = False, algo: str = "auto") -> None:
         if piece_bytes < 4:
             raise ConfigError("piece size must be at least 4 bytes")
-        self.t = transport
+        self.transport = transport
         self.topo = transport.topology
         self.piece_bytes = piece_bytes
         self.timeout = timeout
@@ -173,7 +173,7 @@ class Collectives:
         if op == "weighted":
             if weights is None or set(weights) != set(g):
                 raise ConfigError("weighted allreduce needs one weight per group member")
-            buf *= buf.dtype.type(weights[self.t.node_id])
+            buf *= buf.dtype.type(weights[self.transport.node_id])
         c = get_codec(codec or self.codec)
         if isinstance(c, TopK):
             _check_tag(tag)
@@ -200,7 +200,7 @@ class Collectives:
         await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
         bounds = self._bounds(buf, len(g))
         return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].astype(dtype or buf.dtype)
-                for lo, hi in plan.owner[self.t.node_id]}
+                for lo, hi in plan.owner[self.transport.node_id]}
 
     async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
                         tag: str) -> list[np.ndarray]:
@@ -218,7 +218,7 @@ class Collectives:
         plan = self._slot_plan(g, ppn)
         order = self._slot_order(plan, g)
         buf = np.zeros(m * len(g), dtype=mine.dtype)
-        slot = order.index(self.t.node_id)
+        slot = order.index(self.transport.node_id)
         buf[slot * m:(slot + 1) * m] = mine
         bounds = np.concatenate([np.linspace(s * m, (s + 1) * m, ppn + 1).astype(np.int64)[:-1]
                                  for s in range(len(g))] + [np.array([m * len(g)])])
@@ -250,8 +250,8 @@ class Collectives:
 
     def _group(self, group: Sequence[int] | None) -> tuple[int, ...]:
         g = tuple(sorted(self.topo.ids if group is None else group))
-        if self.t.node_id not in g:
-            raise ConfigError(f"node {self.t.node_id} is not in the group {list(g)}")
+        if self.transport.node_id not in g:
+            raise ConfigError(f"node {self.transport.node_id} is not in the group {list(g)}")
         return g
 
     def _per_piece(self, buf: np.ndarray, members: int) -> int:
@@ -317,11 +317,11 @@ class _Run:
 
     def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
                  codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None) -> None:
-        self.o = owner
-        self.me = owner.t.node_id
+        self.owner = owner
+        self.me = owner.transport.node_id
         self.plan = plan
         self.buf = buf
-        self.b = bounds
+        self.bounds = bounds
         self.codec = codec
         self.tag = tag
         self.stats = stats
@@ -333,7 +333,7 @@ class _Run:
         self.check = check
 
     def piece(self, k: int) -> np.ndarray:
-        return self.buf[self.b[k]:self.b[k + 1]]
+        return self.buf[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
         x = self.piece(k)
@@ -357,7 +357,7 @@ class _Run:
             raise ProtocolError("collective_mismatch",
                                 f"{self.tag}: node {msg.src} runs a different operation under this tag "
                                 f"(signature {msg.meta.get('sig')!r} != {self.sig})")
-        n = int(self.b[k + 1] - self.b[k])
+        n = int(self.bounds[k + 1] - self.bounds[k])
         if not self.codec.lossy:
             a = msg.arrays[0] if len(msg.arrays) == 1 else None
             if a is None or a.dtype != self.buf.dtype or a.size != n:
@@ -369,9 +369,9 @@ class _Run:
 
     async def _recv(self, src: int, tag: str) -> Message:
         try:
-            return await self.o.t.recv(tag, timeout=self.o.timeout)
+            return await self.owner.transport.recv(tag, timeout=self.owner.timeout)
         except PeerTimeout:
-            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.o.timeout:g}s",
+            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
                               peers=(src,)) from None
 
     async def execute(self, phases: tuple[str, ...]) -> None:
@@ -381,7 +381,7 @@ class _Run:
         owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
         seal = self.codec.lossy and "ag" in phases
         tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
-                 for k in range(len(self.b) - 1)]
+                 for k in range(len(self.bounds) - 1)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -410,10 +410,10 @@ class _Run:
                 self.stats.wire_bytes += nbytes
                 self.stats.raw_bytes += self.piece(k).nbytes
                 self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
-                sends.append(self.o.t.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
+                sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
                                            codecs=[self.codec.name] * len(arrays), nic=t.nic,
                                            meta=self.meta,
-                                           timeout=self.o.timeout))
+                                           timeout=self.owner.timeout))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
             results = await asyncio.gather(*sends, *recvs)  # sends return None
@@ -421,7 +421,7 @@ class _Run:
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                 vals = self._decode(msg, k)
                 if self.check is not None:
-                    self.check(int(self.b[k]), int(self.b[k + 1]), vals, msg.src)
+                    self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
                 if reduce:
                     self.piece(k)[...] += vals
                 else:
