@@ -71,7 +71,7 @@ from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
-from p2psync.transport import Transport
+from p2psync.transport import Transport, all_finite
 from p2psync.wire import Message
 from p2psync.wire.schema import valid_tag
 
@@ -331,6 +331,10 @@ class _Run:
         self.cache: dict[int, list[np.ndarray]] = {}
         self.fb = owner.feedback if codec.lossy else None
         self.check = check
+        #: pieces whose current values are known finite: copied from a received piece (the
+        #: transport rejects non-finite ones on arrival) or checked here since the last add;
+        #: their sends skip the transport's own scan (``checked=True``)
+        self.clean: set[int] = set()
 
     def piece(self, k: int) -> np.ndarray:
         return self.buf[self.bounds[k]:self.bounds[k + 1]]
@@ -410,10 +414,15 @@ class _Run:
                 self.stats.wire_bytes += nbytes
                 self.stats.raw_bytes += self.piece(k).nbytes
                 self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
+                checked = False
+                if not self.codec.lossy:  # sent as is: check once, here, while the piece is hot
+                    checked = k in self.clean or all_finite(arrays[0])
+                    if checked:  # (if not, the transport's scan raises Diverged)
+                        self.clean.add(k)
                 sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
-                                           codecs=[self.codec.name] * len(arrays), nic=t.nic,
-                                           meta=self.meta,
-                                           timeout=self.owner.timeout))
+                                                       codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                                       meta=self.meta, timeout=self.owner.timeout,
+                                                       checked=checked))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
             results = await asyncio.gather(*sends, *recvs)  # sends return None
@@ -423,9 +432,12 @@ class _Run:
                 if self.check is not None:
                     self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
                 if reduce:
-                    self.piece(k)[...] += vals
+                    piece = self.piece(k)
+                    np.add(piece, vals, out=piece)
+                    self.clean.discard(k)
                 else:
                     self.piece(k)[...] = vals
+                    self.clean.add(k)
                     if self.codec.lossy:
                         self.cache[k] = list(msg.arrays)
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)

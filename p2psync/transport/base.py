@@ -87,13 +87,36 @@ class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
 
 
+_ZEROS: dict[np.dtype[Any], np.ndarray] = {}
+_DOT_MIN = 4096  # below this np.isfinite(a).all() is as fast
+
+
+def _zeros(dtype: np.dtype[Any], n: int) -> np.ndarray:
+    z = _ZEROS.get(dtype)
+    if z is None or z.size < n:
+        z = _ZEROS[dtype] = np.zeros(max(n, 1 << 18), dtype)
+        z.flags.writeable = False
+    return z[:n]
+
+
 def all_finite(a: Any) -> bool:
     """True unless ``a`` (a numpy array or CPU torch tensor) is floating-point and holds NaN or
-    infinity."""
+    infinity.
+
+    A large float32/float64 vector is checked as ``dot(a, zeros) == 0`` (BLAS, one read of
+    ``a``, no temporary): ``x * 0`` is 0 for every finite x and NaN for NaN and +-inf, and a sum
+    of zeros cannot overflow. That is 1.3x (cold) to 1.5x (in cache) faster than
+    ``np.isfinite(a).all()``, which also writes and re-reads a boolean array; other inputs take
+    that exact path."""
     if not isinstance(a, np.ndarray):
         detach = getattr(a, "detach", None)
         a = np.asarray(detach() if detach is not None else a)
-    return a.dtype.kind != "f" or not a.size or bool(np.isfinite(a).all())
+    if a.dtype.kind != "f" or not a.size:
+        return True
+    if a.size >= _DOT_MIN and a.ndim == 1 and a.dtype.char in "fd" and a.flags.c_contiguous:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return bool(np.dot(a, _zeros(a.dtype, a.size)) == 0)
+    return bool(np.isfinite(a).all())
 
 
 class Transport(Relaying, ABC):
@@ -197,16 +220,20 @@ class Transport(Relaying, ABC):
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, checked: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
         transmitted: ZeroMQ's IO thread may read the arrays later, so never modify an array
         after sending it (send a copy if you must reuse the buffer).
+
+        ``checked``: the caller has verified that every floating-point array is finite (e.g. a
+        piece it received, which this transport checked on arrival, or one it just checked
+        itself), so the scan that raises :class:`~p2psync.errors.Diverged` is skipped.
         """
         if self._closed:
             raise TransportError("transport is closed")
-        if kind == "data" and not all(all_finite(a) for a in arrays):
+        if kind == "data" and not checked and not all(all_finite(a) for a in arrays):
             raise Diverged(f"node {self.node_id} was about to send a tensor piece {tag!r} holding NaN or "
                            "infinity (not sent; nobody else is blamed)")
         budget = self.default_timeout if timeout is None else timeout
