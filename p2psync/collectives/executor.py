@@ -58,6 +58,7 @@ be silent surprises; convert to float first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import zlib
@@ -335,6 +336,8 @@ class _Run:
         #: transport rejects non-finite ones on arrival) or checked here since the last add;
         #: their sends skip the transport's own scan (``checked=True``)
         self.clean: set[int] = set()
+        #: the arrival check of lossless pieces happens here, fused with their use (_use)
+        self.fused_check = not codec.lossy and check is None
 
     def piece(self, k: int) -> np.ndarray:
         return self.buf[self.bounds[k]:self.bounds[k + 1]]
@@ -378,21 +381,49 @@ class _Run:
             raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
                               peers=(src,)) from None
 
+    def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
+        """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
+        transport has not scanned ``vals``: the piece is checked right after, while hot, and a
+        non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
+        the sum overflowed here, and sending it raises Diverged as usual)."""
+        piece = self.piece(k)
+        if reduce:
+            np.add(piece, vals, out=piece)
+        else:
+            piece[...] = vals
+            if self.codec.lossy:
+                self.cache[k] = list(msg.arrays)
+        if not self.fused_check:
+            if reduce:
+                self.clean.discard(k)
+            else:
+                self.clean.add(k)  # the transport checked it on arrival
+        elif all_finite(piece):
+            self.clean.add(k)
+        else:
+            self.clean.discard(k)
+            self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
+
     async def execute(self, phases: tuple[str, ...]) -> None:
         rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
                   for ph in ("rs", "ag") if ph in phases
                   for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
         owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
         seal = self.codec.lossy and "ag" in phases
-        tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
-                 for k in range(len(self.bounds) - 1)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        # lossless pieces: the finiteness check of what arrives is fused with the add / copy
+        # into the working buffer (one read of the piece instead of two; see _use)
+        defer = (self.owner.transport.defer_finite(f"{self.tag}.") if self.fused_check
+                 else contextlib.nullcontext())
+        with defer:
+            tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
+                     for k in range(len(self.bounds) - 1)]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
     async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
         for phase, transfers in rounds:
@@ -431,14 +462,6 @@ class _Run:
                 vals = self._decode(msg, k)
                 if self.check is not None:
                     self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-                if reduce:
-                    piece = self.piece(k)
-                    np.add(piece, vals, out=piece)
-                    self.clean.discard(k)
-                else:
-                    self.piece(k)[...] = vals
-                    self.clean.add(k)
-                    if self.codec.lossy:
-                        self.cache[k] = list(msg.arrays)
+                self._use(k, vals, msg, reduce)
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
             self.seal(k)

@@ -48,13 +48,14 @@ node is excluded). A node never sends such a piece itself: :meth:`Transport.send
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -153,6 +154,8 @@ class Transport(Relaying, ABC):
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
         self._relay_ctr = itertools.count(1)
+        #: tag prefix -> consumers that check the finiteness of these data messages themselves
+        self._deferred_finite: Counter[str] = Counter()
         self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = shaper
@@ -384,7 +387,7 @@ class Transport(Relaying, ABC):
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
-            if h.kind == "data" and not self._finite(msg, peer_id):
+            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
                 return
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
@@ -394,6 +397,24 @@ class Transport(Relaying, ABC):
             self._reject(nic, peer_label, exc.reason, exc.detail)
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
+
+    @contextlib.contextmanager
+    def defer_finite(self, prefix: str) -> Iterator[None]:
+        """While open, ``data`` messages whose tag starts with ``prefix`` are delivered without
+        the NaN / infinity scan of :meth:`_finite`: the consumer (the collectives, which fuse the
+        check with the add that reads the piece anyway) promises to call :meth:`check_finite`
+        (offence, :class:`NonFinitePiece`) on every one it uses. Messages arriving before or
+        after are scanned as usual."""
+        self._deferred_finite[prefix] += 1
+        try:
+            yield
+        finally:
+            self._deferred_finite[prefix] -= 1
+            if not self._deferred_finite[prefix]:
+                del self._deferred_finite[prefix]
+
+    def _finite_deferred(self, tag: str) -> bool:
+        return bool(self._deferred_finite) and any(tag.startswith(p) for p in self._deferred_finite)
 
     def _finite(self, msg: Message, sender: int) -> bool:
         """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
