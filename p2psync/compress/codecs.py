@@ -28,7 +28,9 @@ paper's three steps:
 3. *Each value is sent as its one-byte bucket index*, with the 256 float32 representatives
    (1 KiB) alongside: 4x less traffic for a 1 MiB piece.
 
-Decoding is a table lookup. All hot loops are numba kernels (``kernels.py``).
+Decoding is a table lookup. All hot loops are numba kernels (``kernels.py``); the bucket search
+goes through a per-piece table indexed by the value's float32 bit pattern
+(:func:`~p2psync.compress.kernels.bucketize_keyed`), exactly the 8-step search's codes.
 """
 
 from __future__ import annotations
@@ -186,13 +188,14 @@ class Sketch8(Codec):
             codes = np.empty(x.size, np.uint8)
             sums = np.zeros(256, np.float64)
             counts = np.zeros(256, np.int64)
+            lo, hi = float(q[0]), float(q[-1])
             if b == 256:
-                K.bucketize(x, bounds, codes, sums, counts)
+                K.bucketize_keyed(x, bounds, lo, hi, codes, sums, counts)
             else:  # the 8-halving search over each boundary repeated 256/B times: index = 256/B x bucket
                 r = 256 // b
                 wide = np.full(256, np.inf, np.float32)
                 wide[:(b - 1) * r] = np.repeat(bounds[:b - 1], r)
-                K.bucketize(x, wide, codes, sums, counts)
+                K.bucketize_keyed(x, wide, lo, hi, codes, sums, counts)
                 codes >>= 8 - self.bits
                 sums, counts = sums[::r], counts[::r]
         else:
