@@ -120,7 +120,7 @@ def _key(bits: int) -> int:
     lies beyond +-inf."""
     j = np.int64(bits)
     neg = j >> 63  # 0 or -1
-    return 0x80000000 + (((j & 0x7FFFFFFF) ^ neg) - neg)
+    return int(0x80000000 + (((j & 0x7FFFFFFF) ^ neg) - neg))
 
 
 @njit(cache=True, nogil=True)
@@ -172,10 +172,9 @@ def bucketize_keyed(x: np.ndarray, bounds: np.ndarray, lo: float, hi: float, out
         if c < 0 or c >= ncell:  # outside [lo, hi]: NaN (its key lies beyond +-inf, and the
             p = 0                  # search's comparisons are all false: 0, as bucketize's)
             e = 255
-            e = 255
         else:
-            p = np.int32(first[c])
-            e = np.int32(last[c])
+            p = int(first[c])
+            e = int(last[c])
         if e != p:  # the cell holds bounds
             while p < e:
                 mid = (p + e) >> 1
