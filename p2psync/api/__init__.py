@@ -26,12 +26,25 @@ import sys
 import threading
 from typing import Any, Sequence
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from p2psync.api.env import from_env
-from p2psync.api.session import Session
 from p2psync.errors import ConfigError
+
+if TYPE_CHECKING:  # imported on first use: the launcher imports p2psync.api.* and needs neither
+    import torch
+
+    from p2psync.api.session import Session
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Session":
+        from p2psync.api.session import Session
+
+        return Session
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 log = logging.getLogger("p2psync")
 
@@ -65,6 +78,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.op
         if _current is not None:
             raise ConfigError(f"node {env.node_id}: p2psync.attach() was called twice; a node trains one "
                               "model (attach it once)")
+        from p2psync.api.session import Session
+
         s = Session(config=env.config, node=env.node_id)
         s.attach(model, optimizer)
         _current = s
@@ -77,6 +92,8 @@ def shard(dataset: Any, *, labels: Sequence[int] | np.ndarray | None = None) -> 
     ``--partition`` says (iid, shards, dirichlet; the non-iid schemes need the labels: taken
     from ``dataset.targets`` when present, else pass ``labels=``). As a single node: the whole
     dataset."""
+    import torch
+
     from p2psync.training.partition import partition
 
     env = from_env(os.environ)
