@@ -156,7 +156,8 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     if not all_finite(x):  # packed as words, the transport's own check would not see it
         raise Diverged(f"node {coll.transport.node_id}'s contribution to {stats.tag!r} holds NaN or infinity (not sent)")
     if not use_sparse(n, k, len(g)):
-        await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
+        dense = await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
+        vars(stats).update(vars(dense))  # the caller's stats describe what ran (a dense allreduce)
         coll.sparse_feedback.residual.pop(key, None)  # sent in full
         return x.copy()  # never hand out ``x``: ZeroMQ may still be reading the last pieces
     if n >= THREAD_MIN:

@@ -299,12 +299,12 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
     vector's, so it adds no round trip. If either fails, the other is cancelled.
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
-    ops = [asyncio.ensure_future(coll.allreduce(vec, group, op="mean", tag=tag)),
+    ops = [asyncio.ensure_future(coll.allreduce_with_stats(vec, group, op="mean", tag=tag)),
            asyncio.ensure_future(coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none")),
            *(asyncio.ensure_future(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}"))
              for k, x in enumerate(more))]
     try:
-        mean, flags, *others = await asyncio.gather(*ops)
+        (mean, stats), flags, *others = await asyncio.gather(*ops)
     except BaseException:
         for t in ops:
             t.cancel()
@@ -312,4 +312,4 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
         raise
     if others:
         mean = np.concatenate([mean, *others])
-    return mean, bool(flags[0] > 0), coll.stats_for(tag)
+    return mean, bool(flags[0] > 0), stats

@@ -1,6 +1,6 @@
-"""The collectives check arriving lossless pieces themselves, fused with the add (issue 17): a
-NaN from a peer is still rejected and blamed on that peer, and a node's own NaN still raises
-Diverged before it is sent."""
+"""Collectives: the arrival check of lossless pieces is fused with the add (issue 17): a NaN
+from a peer is still rejected and blamed on that peer, and a node's own NaN still raises
+Diverged before it is sent; allreduce_with_stats returns the operation's own stats (issue 18b)."""
 
 import asyncio
 from typing import Any
@@ -61,6 +61,27 @@ async def test_finite_results_are_unchanged() -> None:
         res = await asyncio.gather(*(c.allreduce(x, tag="t.2") for c, x in zip(cs, xs)))
         for r in res:
             np.testing.assert_allclose(r, sum(xs), rtol=1e-5, atol=1e-6)
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+async def test_allreduce_with_stats_returns_this_operations_stats() -> None:
+    hub = MemoryHub(ring(3))
+    eps = {i: hub.endpoint(i) for i in range(3)}
+    for e in eps.values():
+        await e.start()
+    try:
+        cs = [Collectives(eps[i], timeout=5, piece_bytes=64) for i in range(3)]
+        xs = [np.full(100, float(i), np.float32) for i in range(3)]
+        res = await asyncio.gather(*(c.allreduce_with_stats(x, tag="s.1", codec="fp16") for c, x in zip(cs, xs)))
+        for (out, st), c in zip(res, cs):
+            np.testing.assert_allclose(out, 3.0)
+            assert st is c.stats_for("s.1") and st.tag == "s.1" and st.codec == "fp16"
+            assert st.wire_bytes > 0 and st.compression > 1.9
+        res = await asyncio.gather(*(c.allreduce_with_stats(x, tag="s.2", codec="topk:0.9") for c, x in zip(cs, xs)))
+        for (_out, st), c in zip(res, cs):  # top-k that would not save traffic runs dense
+            assert st.tag == "s.2" and st.wire_bytes == c.stats_for("s.2").wire_bytes > 0
     finally:
         for e in eps.values():
             await e.close()
