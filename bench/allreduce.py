@@ -1,11 +1,24 @@
 """Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
 
-    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--curve-only]
+    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--rows ROW ...] [--curve-only]
+    python -m bench.allreduce --shaped [--nodes 4] [--mb 25] [--rate-mbit 1000]   # as root
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
 slowest node's mean over ``--reps`` timed operations after one warm-up. Bus bandwidth =
 2(N-1)/N * bytes / time (the traffic each node must move in an optimal allreduce). For
 compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
+
+The floor rows (issue 17) are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
+same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127.0.0.x as the
+p2psync rows: what ZeroMQ and numpy alone need. ``× floor`` is a row's bus bandwidth over the
+tcp floor's in the same run.
+
+``--shaped`` (issue 17) measures on kernel-shaped links instead (:mod:`bench._netns`): every
+node in its own network namespace, veth pairs to one bridge per network, a ``tbf`` of
+``--rate-mbit`` on every NIC, addresses from the benchmarking range 198.18.0.0/15. gloo, the
+floor and the p2psync ring run on a one-NIC topology (all nodes on one network, as gloo needs
+one interface); p2psync BCube(2, 2) stripes over two NICs per node. Link utilisation = bytes
+each NIC must send / time / rate (the ring: busbw / rate; BCube: busbw / (2 rate)).
 
 The CURVE row (issue 16) is the plain p2psync ring again with a keyed cluster: every socket runs
 CurveZMQ (encrypted and authenticated), so its ratio to the plain ring row of the same run is
@@ -17,6 +30,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import time
 from typing import Any
@@ -24,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import markdown_table, save_png
+from bench._floor import floor_endpoints, floor_worker
 
 
 def _port() -> int:
@@ -42,7 +57,7 @@ def _topology(algo: str, n: int, port: int):
 
 
 def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: int, reps: int,
-                   q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None) -> None:
+                   q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None, topo: Any = None) -> None:
     import uvloop
 
     from p2psync.collectives import Collectives
@@ -50,7 +65,8 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
     from p2psync.transport.keys import with_public_keys
 
     async def run() -> None:
-        topo = _topology(algo, n, port)
+        nonlocal topo
+        topo = topo if topo is not None else _topology(algo, n, port)
         if keys is not None:  # a keyed cluster: CurveZMQ on every socket
             topo = with_public_keys(topo, keys)
         ep = ZmqEndpoint(topology=topo, node_id=rank, default_timeout=120,
@@ -72,12 +88,12 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
     uvloop.run(run())
 
 
-def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any) -> None:
+def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any, addr: str = "127.0.0.1") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n)
     x = torch.randn(elems)
     dist.all_reduce(x)
     dist.barrier()
@@ -97,6 +113,10 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     port = _port()
     if kind == "gloo":
         procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
+    elif kind.startswith("floor"):
+        eps = floor_endpoints(kind.partition("-")[2] or "tcp", n, port)
+        procs = [ctx.Process(target=floor_worker, args=(r, n, elems, eps, reps, q, piece_kib << 10))
+                 for r in range(n)]
     else:
         keys = None
         if curve:
@@ -111,7 +131,106 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     times = [q.get(timeout=900)[1] for _ in procs]
     for p in procs:
         p.join(timeout=60)
+    if kind == "floor-ipc":
+        shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
     return max(times)
+
+
+#: (row name for --rows, label, kind, algo, codec, curve)
+CONFIGS = [("gloo", "gloo", "gloo", "ring", "none", False),
+           ("floor-ipc", "zmq floor (ipc)", "floor-ipc", "ring", "none", False),
+           ("floor-tcp", "zmq floor (tcp)", "floor-tcp", "ring", "none", False),
+           ("ring", "p2psync ring", "p2psync", "ring", "none", False),
+           ("mesh", "p2psync mesh", "p2psync", "mesh", "none", False),
+           ("bcube", "p2psync bcube", "p2psync", "bcube", "none", False),
+           ("ring+sketch8", "p2psync ring + sketch8", "p2psync", "ring", "sketch8", False),
+           ("ring+curve", "p2psync ring + CURVE", "p2psync", "ring", "none", True)]
+
+
+def measure_shaped(kind: str, topo: Any, net: Any, prefix: str, mb: float, reps: int, algo: str = "ring",
+                   codec: str = "none") -> float:
+    """One configuration with every node in its own network namespace (kernel-shaped NICs)."""
+    from bench._netns import nic_device, run_in_netns
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n = len(topo.nodes)
+    elems = int(mb * 1e6 / 4)
+    port = _port()
+    addr = [node.nics[0].address for node in topo.nodes]
+    procs = []
+    for r in range(n):
+        env = {"GLOO_SOCKET_IFNAME": nic_device(prefix, r, 0)}
+        if kind == "gloo":
+            target, args = gloo_worker, (r, n, elems, port, reps, q, addr[0])
+        elif kind == "floor-tcp":
+            eps = [f"tcp://{a}:{port + i}" for i, a in enumerate(addr)]
+            target, args = floor_worker, (r, n, elems, eps, reps, q, 1 << 20)
+        else:
+            target, args = p2psync_worker, (r, n, elems, algo, codec, port, reps, q, 1024, 0, None, topo)
+        procs.append(ctx.Process(target=run_in_netns, args=(net.namespaces[r], env, target, *args)))
+    for p in procs:
+        p.start()
+    times = [q.get(timeout=900)[1] for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return max(times)
+
+
+#: kernel-shaped rows: (label, kind, topology, algo, codec); "one" = mesh(N) (one NIC per node,
+#: one network: what gloo needs), "bcube" = BCube(2, log2 N) (one NIC per level)
+SHAPED = [("gloo (1 NIC)", "gloo", "one", "ring", "none"),
+          ("zmq floor tcp (1 NIC)", "floor-tcp", "one", "ring", "none"),
+          ("p2psync ring (1 NIC)", "p2psync", "one", "ring", "none"),
+          ("p2psync ring + sketch8 (1 NIC)", "p2psync", "one", "ring", "sketch8"),
+          ("p2psync bcube (2 NICs)", "p2psync", "bcube", "bcube", "none"),
+          ("p2psync bcube + sketch8 (2 NICs)", "p2psync", "bcube", "bcube", "sketch8")]
+
+
+def shaped(nodes: int, sizes: list[float], reps: int, rate_mbit: float) -> None:
+    """Kernel-shaped links: veth pairs in network namespaces, tbf at ``rate_mbit`` per NIC."""
+    from bench._netns import shaped_network
+    from p2psync.topology import bcube, mesh
+
+    rate = rate_mbit * 1e6
+    topos = {"one": mesh(nodes, subnet="198.18.0.0/16"),
+             "bcube": bcube(2, int(round(np.log2(nodes))), subnet="198.19.0.0/16")}
+    rows, plot = [], {}
+    for mb in sizes:
+        base, plain = None, {}
+        for which in ("one", "bcube"):
+            topo = topos[which]
+            nics = len(topo.nodes[0].nics)
+            with shaped_network(topo, rate, prefix="bk") as net:
+                for label, kind, t, algo, codec in SHAPED:
+                    if t != which:
+                        continue
+                    secs = measure_shaped(kind, topo, net, "bk", mb, reps, algo, codec)
+                    busbw = 2 * (nodes - 1) / nodes * mb * 1e6 / secs / 1e9
+                    base = busbw if kind == "gloo" else base
+                    if kind == "p2psync" and codec == "none":
+                        plain[algo] = busbw
+                    util = busbw * 8e9 / (nics * rate)
+                    rows.append([f"{mb:g} MB", label, secs * 1e3, busbw, util if codec == "none" else "-",
+                                 busbw / base if base else "-",
+                                 busbw / plain[algo] if algo in plain and codec != "none" else "-"])
+                    plot.setdefault(label, []).append((mb, busbw))
+                    print(f"  shaped {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
+    print(f"\n## Allreduce over kernel-shaped links (N={nodes}; veth + tbf {rate_mbit:g} Mb/s per NIC, "
+          "addresses from 198.18.0.0/15)\n")
+    print(markdown_table(["size", "implementation", "ms / op", "(effective) bus GB/s", "link utilisation",
+                          "× gloo", "× uncompressed (same algo)"], rows))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for j, (label, vals) in enumerate(plot.items()):
+        ax.bar(np.arange(len(vals)) + j * 0.8 / len(plot), [v for _, v in vals], 0.8 / len(plot), label=label)
+    ax.set_xticks(np.arange(len(sizes)) + 0.4 - 0.4 / len(plot), [f"{mb:g} MB" for mb in sizes])
+    ax.set_ylabel("(effective) bus bandwidth GB/s")
+    ax.set_title(f"N={nodes}, tbf {rate_mbit:g} Mb/s per NIC")
+    ax.legend(fontsize=7)
+    print("\nplot:", save_png(fig, "allreduce_shaped.png"))
 
 
 def main() -> None:
@@ -119,36 +238,44 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mb", type=float, nargs="+", default=[4, 100])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rows", nargs="+", choices=[c[0] for c in CONFIGS],
+                    help="measure only these rows (default: all but the kernel-shaped ones)")
     ap.add_argument("--curve-only", action="store_true",
                     help="only the plain p2psync ring and the same ring with CURVE on every socket")
+    ap.add_argument("--shaped", action="store_true",
+                    help="instead: kernel-shaped links (network namespaces, veth, tbf per NIC; needs root)")
+    ap.add_argument("--rate-mbit", type=float, default=1000, help="--shaped: tbf rate per NIC (Mb/s)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    configs = [("gloo", "ring", "none", False), ("p2psync", "ring", "none", False),
-               ("p2psync", "mesh", "none", False), ("p2psync", "bcube", "none", False),
-               ("p2psync", "ring", "sketch8", False), ("p2psync", "ring", "none", True)]
+    if args.shaped:
+        shaped(args.nodes[0], args.mb, args.reps, args.rate_mbit)
+        return
+    configs = [c for c in CONFIGS if args.rows is None or c[0] in args.rows]
     if args.curve_only:
-        configs = [c for c in configs if c[0] == "p2psync" and c[1] == "ring" and c[2] == "none"]
+        configs = [c for c in CONFIGS if c[0] in ("ring", "ring+curve")]
     rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = plain = None
-            for kind, algo, codec, curve in configs:
+            base = plain = floor = None
+            for _name, label, kind, algo, codec, curve in configs:
                 secs = measure(kind, n, mb, args.reps, algo, codec, curve=curve)
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
-                label = "gloo" if kind == "gloo" else f"p2psync {algo}" + (f" + {codec}" if codec != "none" else "")
-                label += " + CURVE" if curve else ""
+                if kind == "floor-tcp":
+                    floor = busbw
                 if kind == "p2psync" and algo == "ring" and codec == "none":
                     if curve and plain:
                         curve_rows.append([n, f"{mb:g} MB", plain, busbw, busbw / plain])
                     elif not curve:
                         plain = busbw
-                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-"])
+                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-",
+                             busbw / floor if floor else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))
                 print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
     print("\n## Allreduce bus bandwidth (loopback, 2 cores)\n")
-    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo"], rows))
+    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo", "× floor (tcp)"],
+                         rows))
     if curve_rows:
         print("\n## CURVE on every socket vs off (p2psync ring, same run; target >= 0.7x)\n")
         print(markdown_table(["nodes", "size", "off: bus GB/s", "CURVE: bus GB/s", "× off"], curve_rows))

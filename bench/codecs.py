@@ -50,6 +50,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--elements", type=int, default=1 << 22)
     args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # one core: torch's casts (fp16) would otherwise use every core
     rng = np.random.default_rng(0)
     t2 = (rng.standard_t(2, args.elements) * 1e-3).astype(np.float32)
     inputs = {"student-t(2)": t2, "mlp grad": real_gradient("mlp"), "cnn grad": real_gradient("cnn"),

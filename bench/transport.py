@@ -6,7 +6,10 @@ for throughput both ends share one ZeroMQ context (one IO thread) as the raw bas
 the ratio compares software overhead, not thread scheduling on a 2-core machine. Round trip:
 the responder runs in a second process, as a peer node would.
 
-    python -m bench.transport [--total-mib 512] [--rtt-count 2000]
+    python -m bench.transport [--total-mib 512] [--rtt-count 2000] [--rtt-only]
+
+The round-trip table has a full RPC row (RpcClient.call to an RpcServer handler in the peer
+process) next to the endpoint's own send/recv ping-pong and raw pyzmq (issue 17 item 5).
 """
 
 from __future__ import annotations
@@ -101,6 +104,26 @@ def _rtt_server(port: int, count: int) -> None:
     _run(run())
 
 
+def _rpc_server(port: int, seconds: float) -> None:
+    from p2psync.coordinator import RpcServer
+
+    async def run() -> None:
+        b = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=1)
+        await b.start()
+        srv = RpcServer(b)
+
+        async def echo(_caller: int, args: Any, _arrays: Any) -> Any:
+            return args
+
+        srv.register("echo", echo)
+        srv.start()
+        await asyncio.sleep(seconds)  # the client is done long before; then leave
+        await srv.close()
+        await b.close()
+
+    _run(run())
+
+
 def _raw_rtt_server(addr: str, count: int) -> None:
     async def run() -> None:
         ctx = zmq.asyncio.Context()
@@ -131,6 +154,29 @@ async def p2psync_rtt(count: int) -> list[float]:
         if i >= 10:
             out.append(time.perf_counter() - t0)
     await a.close()
+    proc.join()
+    return out
+
+
+async def rpc_rtt(count: int) -> list[float]:
+    """Full RPC calls (RpcClient.call -> RpcServer handler -> reply) to a node in a second
+    process: request ids, duplicate cache, RTT estimate, what the coordinator services pay."""
+    from p2psync.coordinator import RpcClient
+
+    port = _port()
+    proc = mp.get_context("spawn").Process(target=_rpc_server, args=(port, 30 + count * 0.01))
+    proc.start()
+    a = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=0)
+    await a.start()
+    cli = RpcClient(a)
+    out = []
+    for i in range(count + 10):
+        t0 = time.perf_counter()
+        await cli.call(1, "echo", {"i": i}, timeout=30)
+        if i >= 10:
+            out.append(time.perf_counter() - t0)
+    await a.close()
+    proc.kill()
     proc.join()
     return out
 
@@ -168,6 +214,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    if args.rtt_only:
+        await rtt_table(args)
+        return
     rows = []
     ours, raws = [], []
     for size in SIZES:
@@ -180,12 +229,7 @@ async def main_async(args: argparse.Namespace) -> None:
                      best_o / 1e9, best_r / 1e9, best_o / best_r])
     print("## Point-to-point throughput (loopback, one process, best of", args.repeat, ")\n")
     print(markdown_table(["message", "count", "p2psync GB/s", "raw pyzmq GB/s", "ratio"], rows))
-    o = await p2psync_rtt(args.rtt_count)
-    r = await raw_rtt(args.rtt_count)
-    print("\n## Small-message round trip (request/response, loopback, two processes)\n")
-    print(markdown_table(["", "p50 µs", "p99 µs", "mean µs"],
-                         [["p2psync", pct(o, 50), pct(o, 99), statistics.mean(o) * 1e6],
-                          ["raw pyzmq", pct(r, 50), pct(r, 99), statistics.mean(r) * 1e6]]))
+    await rtt_table(args)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -201,11 +245,25 @@ async def main_async(args: argparse.Namespace) -> None:
     print("\nplot:", save_png(fig, "transport.png"))
 
 
+async def rtt_table(args: argparse.Namespace) -> None:
+    r = await raw_rtt(args.rtt_count)
+    o = await p2psync_rtt(args.rtt_count)
+    c = await rpc_rtt(args.rtt_count)
+    base = pct(r, 50)
+    print("\n## Small-message round trip (request/response, loopback, two processes)\n")
+    print(markdown_table(["", "p50 µs", "p99 µs", "mean µs", "p50 × raw"],
+                         [["raw pyzmq (DEALER/ROUTER)", base, pct(r, 99), statistics.mean(r) * 1e6, 1.0],
+                          ["p2psync endpoint send/recv", pct(o, 50), pct(o, 99), statistics.mean(o) * 1e6,
+                           pct(o, 50) / base],
+                          ["p2psync RPC call", pct(c, 50), pct(c, 99), statistics.mean(c) * 1e6, pct(c, 50) / base]]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--total-mib", type=int, default=512, help="bytes per throughput measurement")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rtt-count", type=int, default=2000)
+    p.add_argument("--rtt-only", action="store_true", help="only the round-trip table (no plot)")
     _run(main_async(p.parse_args()))
 
 

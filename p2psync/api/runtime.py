@@ -125,9 +125,9 @@ class NodeRuntime:
         if cfg.wan:
             load_wan_profile(cfg.wan, topo)  # validate before starting anything
         keys = node_keys(cfg.keys, topo, node_id, topo_path=cfg.topology)
-        self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout, keys=keys)
-        self.transport.shaper = make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
-                                             nic_mbps=cfg.nic_mbps)
+        self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout, keys=keys,
+                                     shaper=make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
+                                                        nic_mbps=cfg.nic_mbps))
         self.transport.run_id = wire_run_id(topo, cfg.run_id)
         self.server = RpcServer(self.transport)
         self.rpc = RpcClient(self.transport, local=self.server)

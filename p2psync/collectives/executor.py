@@ -58,6 +58,7 @@ be silent surprises; convert to float first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import zlib
@@ -71,7 +72,7 @@ from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
-from p2psync.transport import Transport
+from p2psync.transport import Transport, all_finite
 from p2psync.wire import Message
 from p2psync.wire.schema import valid_tag
 
@@ -143,7 +144,7 @@ class Collectives:
                  codec: str = "none", error_feedback: bool = False, algo: str = "auto") -> None:
         if piece_bytes < 4:
             raise ConfigError("piece size must be at least 4 bytes")
-        self.t = transport
+        self.transport = transport
         self.topo = transport.topology
         self.piece_bytes = piece_bytes
         self.timeout = timeout
@@ -162,7 +163,17 @@ class Collectives:
                         op: str = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
-        codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`."""
+        codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`.
+        :meth:`allreduce_with_stats` also returns the operation's :class:`OpStats`."""
+        result, _ = await self.allreduce_with_stats(tensor, group, tag=tag, op=op, weights=weights, algo=algo,
+                                                    codec=codec)
+        return result
+
+    async def allreduce_with_stats(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
+                                   op: str = "sum", weights: Mapping[int, float] | None = None,
+                                   algo: str | None = None, codec: str | None = None) -> tuple[Any, OpStats]:
+        """:meth:`allreduce` and the stats of this very operation (bytes per NIC, compression,
+        seconds), without looking them up in :attr:`history` by tag."""
         if op not in ("sum", "mean", "weighted"):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
@@ -173,17 +184,17 @@ class Collectives:
         if op == "weighted":
             if weights is None or set(weights) != set(g):
                 raise ConfigError("weighted allreduce needs one weight per group member")
-            buf *= buf.dtype.type(weights[self.t.node_id])
+            buf *= buf.dtype.type(weights[self.transport.node_id])
         c = get_codec(codec or self.codec)
         if isinstance(c, TopK):
             _check_tag(tag)
-            out = await sparse_allreduce(self, buf, g, c, stats=OpStats(f"allreduce:{op}", "topk", c.spec, tag),
-                                         family=feedback_family(tag), algo=algo)
-            return back(out / out.dtype.type(len(g)) if op == "mean" else out)
+            stats = OpStats(f"allreduce:{op}", "topk", c.spec, tag)
+            out = await sparse_allreduce(self, buf, g, c, stats=stats, family=feedback_family(tag), algo=algo)
+            return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
-        await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
+        stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
         # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
-        return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy())
+        return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
 
     async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                              algo: str | None = None,
@@ -200,7 +211,7 @@ class Collectives:
         await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
         bounds = self._bounds(buf, len(g))
         return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].astype(dtype or buf.dtype)
-                for lo, hi in plan.owner[self.t.node_id]}
+                for lo, hi in plan.owner[self.transport.node_id]}
 
     async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
                         tag: str) -> list[np.ndarray]:
@@ -218,7 +229,7 @@ class Collectives:
         plan = self._slot_plan(g, ppn)
         order = self._slot_order(plan, g)
         buf = np.zeros(m * len(g), dtype=mine.dtype)
-        slot = order.index(self.t.node_id)
+        slot = order.index(self.transport.node_id)
         buf[slot * m:(slot + 1) * m] = mine
         bounds = np.concatenate([np.linspace(s * m, (s + 1) * m, ppn + 1).astype(np.int64)[:-1]
                                  for s in range(len(g))] + [np.array([m * len(g)])])
@@ -250,8 +261,8 @@ class Collectives:
 
     def _group(self, group: Sequence[int] | None) -> tuple[int, ...]:
         g = tuple(sorted(self.topo.ids if group is None else group))
-        if self.t.node_id not in g:
-            raise ConfigError(f"node {self.t.node_id} is not in the group {list(g)}")
+        if self.transport.node_id not in g:
+            raise ConfigError(f"node {self.transport.node_id} is not in the group {list(g)}")
         return g
 
     def _per_piece(self, buf: np.ndarray, members: int) -> int:
@@ -317,11 +328,11 @@ class _Run:
 
     def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
                  codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None) -> None:
-        self.o = owner
-        self.me = owner.t.node_id
+        self.owner = owner
+        self.me = owner.transport.node_id
         self.plan = plan
         self.buf = buf
-        self.b = bounds
+        self.bounds = bounds
         self.codec = codec
         self.tag = tag
         self.stats = stats
@@ -331,9 +342,15 @@ class _Run:
         self.cache: dict[int, list[np.ndarray]] = {}
         self.fb = owner.feedback if codec.lossy else None
         self.check = check
+        #: pieces whose current values are known finite: copied from a received piece (the
+        #: transport rejects non-finite ones on arrival) or checked here since the last add;
+        #: their sends skip the transport's own scan (``checked=True``)
+        self.clean: set[int] = set()
+        #: the arrival check of lossless pieces happens here, fused with their use (_use)
+        self.fused_check = not codec.lossy and check is None
 
     def piece(self, k: int) -> np.ndarray:
-        return self.buf[self.b[k]:self.b[k + 1]]
+        return self.buf[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
         x = self.piece(k)
@@ -357,7 +374,7 @@ class _Run:
             raise ProtocolError("collective_mismatch",
                                 f"{self.tag}: node {msg.src} runs a different operation under this tag "
                                 f"(signature {msg.meta.get('sig')!r} != {self.sig})")
-        n = int(self.b[k + 1] - self.b[k])
+        n = int(self.bounds[k + 1] - self.bounds[k])
         if not self.codec.lossy:
             a = msg.arrays[0] if len(msg.arrays) == 1 else None
             if a is None or a.dtype != self.buf.dtype or a.size != n:
@@ -369,10 +386,33 @@ class _Run:
 
     async def _recv(self, src: int, tag: str) -> Message:
         try:
-            return await self.o.t.recv(tag, timeout=self.o.timeout)
+            return await self.owner.transport.recv(tag, timeout=self.owner.timeout)
         except PeerTimeout:
-            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.o.timeout:g}s",
+            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
                               peers=(src,)) from None
+
+    def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
+        """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
+        transport has not scanned ``vals``: the piece is checked right after, while hot, and a
+        non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
+        the sum overflowed here, and sending it raises Diverged as usual)."""
+        piece = self.piece(k)
+        if reduce:
+            np.add(piece, vals, out=piece)
+        else:
+            piece[...] = vals
+            if self.codec.lossy:
+                self.cache[k] = list(msg.arrays)
+        if not self.fused_check:
+            if reduce:
+                self.clean.discard(k)
+            else:
+                self.clean.add(k)  # the transport checked it on arrival
+        elif all_finite(piece):
+            self.clean.add(k)
+        else:
+            self.clean.discard(k)
+            self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
 
     async def execute(self, phases: tuple[str, ...]) -> None:
         rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
@@ -380,15 +420,20 @@ class _Run:
                   for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
         owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
         seal = self.codec.lossy and "ag" in phases
-        tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
-                 for k in range(len(self.b) - 1)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        # lossless pieces: the finiteness check of what arrives is fused with the add / copy
+        # into the working buffer (one read of the piece instead of two; see _use)
+        defer = (self.owner.transport.defer_finite(f"{self.tag}.") if self.fused_check
+                 else contextlib.nullcontext())
+        with defer:
+            tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
+                     for k in range(len(self.bounds) - 1)]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
     async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
         for phase, transfers in rounds:
@@ -410,10 +455,15 @@ class _Run:
                 self.stats.wire_bytes += nbytes
                 self.stats.raw_bytes += self.piece(k).nbytes
                 self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
-                sends.append(self.o.t.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
-                                           codecs=[self.codec.name] * len(arrays), nic=t.nic,
-                                           meta=self.meta,
-                                           timeout=self.o.timeout))
+                checked = False
+                if not self.codec.lossy:  # sent as is: check once, here, while the piece is hot
+                    checked = k in self.clean or all_finite(arrays[0])
+                    if checked:  # (if not, the transport's scan raises Diverged)
+                        self.clean.add(k)
+                sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
+                                                       codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                                       meta=self.meta, timeout=self.owner.timeout,
+                                                       checked=checked))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
             results = await asyncio.gather(*sends, *recvs)  # sends return None
@@ -421,12 +471,7 @@ class _Run:
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                 vals = self._decode(msg, k)
                 if self.check is not None:
-                    self.check(int(self.b[k]), int(self.b[k + 1]), vals, msg.src)
-                if reduce:
-                    self.piece(k)[...] += vals
-                else:
-                    self.piece(k)[...] = vals
-                    if self.codec.lossy:
-                        self.cache[k] = list(msg.arrays)
+                    self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
+                self._use(k, vals, msg, reduce)
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
             self.seal(k)

@@ -112,7 +112,7 @@ def row_check(coll: Collectives, n: int, k: int, tag: str) -> PieceCheck:
         start = lo - lo % m  # the row's first word
         r_lo, r_hi = lo - start, hi - start
         if r_hi > cut:
-            coll.t.check_finite(src, piece[max(0, cut - r_lo):].view("<f4"),
+            coll.transport.check_finite(src, piece[max(0, cut - r_lo):].view("<f4"),
                                 f"{tag}: sparse values delivered by node {src}")
         if small and r_lo < cut:
             words = piece[:min(cut, r_hi) - r_lo]
@@ -154,9 +154,10 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     r = coll.sparse_feedback.residual.get(key)
     x = buf + r if r is not None and r.shape == buf.shape else buf
     if not all_finite(x):  # packed as words, the transport's own check would not see it
-        raise Diverged(f"node {coll.t.node_id}'s contribution to {stats.tag!r} holds NaN or infinity (not sent)")
+        raise Diverged(f"node {coll.transport.node_id}'s contribution to {stats.tag!r} holds NaN or infinity (not sent)")
     if not use_sparse(n, k, len(g)):
-        await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
+        dense = await coll._execute(stats.op, coll._plan(g, x, algo), x, stats.tag, "none", phases=("rs", "ag"))
+        vars(stats).update(vars(dense))  # the caller's stats describe what ran (a dense allreduce)
         coll.sparse_feedback.residual.pop(key, None)  # sent in full
         return x.copy()  # never hand out ``x``: ZeroMQ may still be reading the last pieces
     if n >= THREAD_MIN:
@@ -178,5 +179,5 @@ def dense_bytes(coll: Collectives, g: tuple[int, ...], buf: np.ndarray, algo: st
     """What this node sends in the dense allreduce plan for ``buf`` (the sparse op's raw bytes)."""
     plan = coll._plan(g, buf, algo)
     b = coll._bounds(buf, len(g))
-    me = coll.t.node_id
+    me = coll.transport.node_id
     return sum(int(b[t.hi] - b[t.lo]) * buf.itemsize for rnd in (*plan.rs, *plan.ag) for t in rnd if t.src == me)

@@ -21,7 +21,6 @@ closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this n
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence

@@ -23,7 +23,6 @@ another step (``StepReport.next_step``) when it adopted a peer's state instead o
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -293,10 +292,10 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
     vector's, so it adds no round trip. If either fails, the other is cancelled.
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
-    mean, flags, *others = await gather_or_cancel([
-        coll.allreduce(vec, group, op="mean", tag=tag),
+    (mean, stats), flags, *others = await gather_or_cancel([
+        coll.allreduce_with_stats(vec, group, op="mean", tag=tag),
         coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none"),
         *(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}") for k, x in enumerate(more))])
     if others:
         mean = np.concatenate([mean, *others])
-    return mean, bool(flags[0] > 0), coll.stats_for(tag)
+    return mean, bool(flags[0] > 0), stats

@@ -48,13 +48,14 @@ node is excluded). A node never sends such a piece itself: :meth:`Transport.send
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -65,7 +66,7 @@ from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
 from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode
+from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode, frame_len
 from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
@@ -87,17 +88,36 @@ class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
 
 
-def _frame_len(f: Any) -> int:
-    return f.nbytes if isinstance(f, memoryview) else len(f)
+_ZEROS: dict[np.dtype[Any], np.ndarray] = {}
+_DOT_MIN = 4096  # below this np.isfinite(a).all() is as fast
+
+
+def _zeros(dtype: np.dtype[Any], n: int) -> np.ndarray:
+    z = _ZEROS.get(dtype)
+    if z is None or z.size < n:
+        z = _ZEROS[dtype] = np.zeros(max(n, 1 << 18), dtype)
+        z.flags.writeable = False
+    return z[:n]
 
 
 def all_finite(a: Any) -> bool:
     """True unless ``a`` (a numpy array or CPU torch tensor) is floating-point and holds NaN or
-    infinity."""
+    infinity.
+
+    A large float32/float64 vector is checked as ``dot(a, zeros) == 0`` (BLAS, one read of
+    ``a``, no temporary): ``x * 0`` is 0 for every finite x and NaN for NaN and +-inf, and a sum
+    of zeros cannot overflow. That is 1.3x (cold) to 1.5x (in cache) faster than
+    ``np.isfinite(a).all()``, which also writes and re-reads a boolean array; other inputs take
+    that exact path."""
     if not isinstance(a, np.ndarray):
         detach = getattr(a, "detach", None)
         a = np.asarray(detach() if detach is not None else a)
-    return a.dtype.kind != "f" or not a.size or bool(np.isfinite(a).all())
+    if a.dtype.kind != "f" or not a.size:
+        return True
+    if a.size >= _DOT_MIN and a.ndim == 1 and a.dtype.char in "fd" and a.flags.c_contiguous:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return bool(np.dot(a, _zeros(a.dtype, a.size)) == 0)
+    return bool(np.isfinite(a).all())
 
 
 class Transport(Relaying, ABC):
@@ -105,7 +125,9 @@ class Transport(Relaying, ABC):
                  default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
                  mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
                  max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 relay_keys: Mapping[int, bytes] | None = None) -> None:
+                 relay_keys: Mapping[int, bytes] | None = None, shaper: Shaper | None = None) -> None:
+        """``shaper``: link shaping on the send path (:mod:`p2psync.transport.shaping`); None is
+        the real network. The transport owns it and closes it on :meth:`close`."""
         self.topology = topology
         #: keyed cluster: the key this node shares with each other node (relayed messages)
         self.relay_keys = dict(relay_keys) if relay_keys is not None else None
@@ -132,9 +154,11 @@ class Transport(Relaying, ABC):
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
         self._relay_ctr = itertools.count(1)
+        #: tag prefix -> consumers that check the finiteness of these data messages themselves
+        self._deferred_finite: Counter[str] = Counter()
         self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
-        self.shaper: Shaper | None = None
+        self.shaper: Shaper | None = shaper
         #: run id stamped on every header and required on every incoming one (set before start)
         self.run_id = 0
         #: this process's incarnation: its start time in ns (a restarted node has a larger one)
@@ -149,8 +173,20 @@ class Transport(Relaying, ABC):
     @abstractmethod
     async def start(self) -> None: ...
 
+    async def close(self) -> None:
+        """Close in the one safe order: let relayed control messages go out, flush and close the
+        shaper, fail every waiter (the transport is closed from here on), then release the
+        subclass's IO (:meth:`_close_io`). Idempotent."""
+        if not self._closed:
+            await self._drain_relays()
+            await self._close_shaper()
+            self._closing()
+        await self._close_io()
+
     @abstractmethod
-    async def close(self) -> None: ...
+    async def _close_io(self) -> None:
+        """Release sockets / registrations (after :meth:`close` failed every waiter); must be
+        idempotent and must not raise for a transport that never started."""
 
     async def __aenter__(self) -> "Transport":
         await self.start()
@@ -187,16 +223,20 @@ class Transport(Relaying, ABC):
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, checked: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
         transmitted: ZeroMQ's IO thread may read the arrays later, so never modify an array
         after sending it (send a copy if you must reuse the buffer).
+
+        ``checked``: the caller has verified that every floating-point array is finite (e.g. a
+        piece it received, which this transport checked on arrival, or one it just checked
+        itself), so the scan that raises :class:`~p2psync.errors.Diverged` is skipped.
         """
         if self._closed:
             raise TransportError("transport is closed")
-        if kind == "data" and not all(all_finite(a) for a in arrays):
+        if kind == "data" and not checked and not all(all_finite(a) for a in arrays):
             raise Diverged(f"node {self.node_id} was about to send a tensor piece {tag!r} holding NaN or "
                            "infinity (not sent; nobody else is blamed)")
         budget = self.default_timeout if timeout is None else timeout
@@ -224,7 +264,7 @@ class Transport(Relaying, ABC):
         if not bulk:
             await self._shape_and_deliver(peer, route, budget, frames, False)
             return
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         win = self.window(peer)
@@ -246,13 +286,13 @@ class Transport(Relaying, ABC):
             return
         # a shaped message leaves later: capture its bytes now, as a real NIC would
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in frames]
-        await self.shaper.submit(peer, sum(_frame_len(f) for f in frames),
+        await self.shaper.submit(peer, sum(frame_len(f) for f in frames),
                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
                                  control=not bulk, nic=route.local_nic)
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False) -> None:
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
         while True:
@@ -314,7 +354,7 @@ class Transport(Relaying, ABC):
 
     def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any]) -> None:
         """Decode and deliver one received message; never raises."""
-        nbytes = sum(_frame_len(f) for f in frames)
+        nbytes = sum(frame_len(f) for f in frames)
         st = self.nic_stats[nic]
         st.bytes_recv += nbytes
         st.msgs_recv += 1
@@ -347,7 +387,7 @@ class Transport(Relaying, ABC):
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
-            if h.kind == "data" and not self._finite(msg, peer_id):
+            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
                 return
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
@@ -357,6 +397,24 @@ class Transport(Relaying, ABC):
             self._reject(nic, peer_label, exc.reason, exc.detail)
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
+
+    @contextlib.contextmanager
+    def defer_finite(self, prefix: str) -> Iterator[None]:
+        """While open, ``data`` messages whose tag starts with ``prefix`` are delivered without
+        the NaN / infinity scan of :meth:`_finite`: the consumer (the collectives, which fuse the
+        check with the add that reads the piece anyway) promises to call :meth:`check_finite`
+        (offence, :class:`NonFinitePiece`) on every one it uses. Messages arriving before or
+        after are scanned as usual."""
+        self._deferred_finite[prefix] += 1
+        try:
+            yield
+        finally:
+            self._deferred_finite[prefix] -= 1
+            if not self._deferred_finite[prefix]:
+                del self._deferred_finite[prefix]
+
+    def _finite_deferred(self, tag: str) -> bool:
+        return bool(self._deferred_finite) and any(tag.startswith(p) for p in self._deferred_finite)
 
     def _finite(self, msg: Message, sender: int) -> bool:
         """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected

@@ -30,7 +30,7 @@ class MemoryTransport(Transport):
     def __init__(self, *, hub: MemoryHub, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 5.0, **options: Any) -> None:
         """``options``: the :class:`Transport` keywords (``window_bytes``, ``mailbox_budget_bytes``,
-        ``mailbox_ttl``, ``max_pending``, ``max_control_pending``)."""
+        ``mailbox_ttl``, ``max_pending``, ``max_control_pending``, ``shaper``)."""
         super().__init__(topology=hub.topology, node_id=node_id, limits=limits,
                          default_timeout=default_timeout, **options)
         self.hub = hub
@@ -38,10 +38,7 @@ class MemoryTransport(Transport):
     async def start(self) -> None:
         self.hub.endpoints[self.node_id] = self
 
-    async def close(self) -> None:
-        await self._drain_relays()
-        await self._close_shaper()
-        self._closing()
+    async def _close_io(self) -> None:
         if self.hub.endpoints.get(self.node_id) is self:
             del self.hub.endpoints[self.node_id]
 

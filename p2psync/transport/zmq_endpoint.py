@@ -86,6 +86,13 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+# the backend's send / recv with int flags: pyzmq's send_multipart / recv_multipart build a Flag
+# enum per frame (SNDMORE | flags) and check every frame's type (~10 µs a small message)
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK_MORE = int(zmq.NOBLOCK) | _SNDMORE
 
 
 def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
@@ -132,7 +139,8 @@ class ZmqEndpoint(Transport):
                  context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
                  **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
-        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``).
+        ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``,
+        ``shaper``).
         ``keys``: this node's keys in a keyed cluster (every socket runs CurveZMQ)."""
         if keys is not None:
             if keys.node != node_id or topology.node(node_id).curve_public != keys.public.decode():
@@ -311,7 +319,9 @@ class ZmqEndpoint(Transport):
             try:
                 if not _get_int(sock, _EVENTS) & _POLLIN:
                     return
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                frames = [_recv(sock, _NOBLOCK, copy=False)]
+                while _get(sock, _RCVMORE):  # the rest of a multipart message is already here
+                    frames.append(_recv(sock, 0, copy=False))
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -361,7 +371,12 @@ class ZmqEndpoint(Transport):
         if rid is None:
             rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
         try:
-            sock.send_multipart([rid, *frames], _NOBLOCK, copy=False)
+            # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
+            # once it is in, the rest of the multipart message always goes
+            _send(sock, rid, _NOBLOCK_MORE if frames else _NOBLOCK, copy=False)
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                _send(sock, f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
         except zmq.Again:
             raise NotReady from None
         except zmq.ZMQError as exc:
@@ -373,10 +388,7 @@ class ZmqEndpoint(Transport):
             if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
                 self._loop.call_soon(self._drain, route.local_nic, not bulk)
 
-    async def close(self) -> None:
-        await self._drain_relays()
-        await self._close_shaper()
-        self._closing()
+    async def _close_io(self) -> None:
         if self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)

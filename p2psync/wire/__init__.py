@@ -1,6 +1,6 @@
 """Wire format: versioned msgpack header + raw zero-copy tensor frames (pure, no sockets)."""
 
-from p2psync.wire.codec import Message, decode, encode, parse_header
+from p2psync.wire.codec import Message, decode, encode, frame_len, parse_header
 from p2psync.wire.schema import (
     CODECS,
     DEFAULT_LIMITS,
@@ -28,5 +28,6 @@ __all__ = [
     "WireLimits",
     "decode",
     "encode",
+    "frame_len",
     "parse_header",
 ]

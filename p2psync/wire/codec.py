@@ -301,7 +301,8 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
                   dst=dst, hops=hops, run=run, inc=inc, auth=auth, ctr=ctr)
 
 
-def _frame_len(buf: Any) -> int:
+def frame_len(buf: Any) -> int:
+    """Bytes in one frame: a ``memoryview`` (its ``nbytes``; ``len`` counts items) or a bytes-like."""
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
@@ -320,7 +321,7 @@ def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> Messag
         )
     arrays: list[np.ndarray] = []
     for i, (spec, buf) in enumerate(zip(header.frames, bufs[1:])):
-        n = _frame_len(buf)
+        n = frame_len(buf)
         if n != spec.nbytes:
             raise ProtocolError("nbytes_mismatch", f"frames[{i}]: declared {spec.nbytes}, got {n}")
         dt = _DTYPE_BY_NAME[spec.dtype]

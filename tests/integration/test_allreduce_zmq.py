@@ -103,13 +103,13 @@ async def test_bcube_nics_balanced():
             st = cs[i].history[-1].nic_bytes
             assert set(st) == {"l0", "l1"}
             assert max(st.values()) <= 1.1 * min(st.values()), st
-            sent = cs[i].t.stats()["nics"]
+            sent = cs[i].transport.stats()["nics"]
             assert all(v["bytes_sent"] > 0 and v["bytes_recv"] > 0 for v in sent.values())
 
 
 async def test_killed_peer_raises_peer_failure_on_every_survivor():
     async with cluster(TOPOS["ring4"], timeout=1.5) as (topo, cs):
-        await cs[3].t.close()  # node 3 is gone before the collective
+        await cs[3].transport.close()  # node 3 is gone before the collective
         x = np.ones(100_000, dtype=np.float32)
         results = await asyncio.gather(*(cs[i].allreduce(x, tag="k") for i in (0, 1, 2)), return_exceptions=True)
         for r in results:
@@ -125,7 +125,7 @@ async def test_peer_killed_mid_allreduce():
         await until(lambda: sum(v["bytes_recv"] for v in cs[3].t.stats()["nics"].values()) > 0, 5.0,
                     "node 3 receiving pieces")
         tasks[3].cancel()
-        await cs[3].t.close()
+        await cs[3].transport.close()
         t0 = asyncio.get_running_loop().time()
         results = await asyncio.gather(*(tasks[i] for i in (0, 1, 2)), return_exceptions=True)
         assert asyncio.get_running_loop().time() - t0 < 2.0 * 3  # bounded by the receive timeout

@@ -58,7 +58,7 @@ async def test_sparse_sum_is_exact_and_identical_everywhere(name):
         for step in range(3):  # from the second step on the residuals take part
             xs = {i: (rng.standard_t(3, n) * 1e-2).astype(np.float32) for i in topo.ids}
             ref, residuals = expected(cs, xs, codec, "g")
-            before = {i: cs[i].t.stats()["nics"] for i in topo.ids}
+            before = {i: cs[i].transport.stats()["nics"] for i in topo.ids}
             outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"g.{step}") for i in topo.ids))
             for o in outs:
                 assert o.dtype == np.float32 and o.shape == (n,)
@@ -66,13 +66,13 @@ async def test_sparse_sum_is_exact_and_identical_everywhere(name):
             np.testing.assert_array_equal(outs[0], ref)
             for i in topo.ids:
                 np.testing.assert_array_equal(cs[i].sparse_feedback.residual[("topk", "g", n)], residuals[i])
-        sparse_sent = {i: sum(v["bytes_sent"] - before[i][nic]["bytes_sent"] for nic, v in cs[i].t.stats()["nics"].items())
+        sparse_sent = {i: sum(v["bytes_sent"] - before[i][nic]["bytes_sent"] for nic, v in cs[i].transport.stats()["nics"].items())
                        for i in topo.ids}
         st = cs[0].stats_for("g.2")
         # the same tensor through the dense allreduce, for the bytes it really sends
-        before = {i: cs[i].t.stats()["nics"] for i in topo.ids}
+        before = {i: cs[i].transport.stats()["nics"] for i in topo.ids}
         await asyncio.gather(*(cs[i].allreduce(xs[i], tag="dense", codec="none") for i in topo.ids))
-        dense_sent = {i: sum(v["bytes_sent"] - before[i][nic]["bytes_sent"] for nic, v in cs[i].t.stats()["nics"].items())
+        dense_sent = {i: sum(v["bytes_sent"] - before[i][nic]["bytes_sent"] for nic, v in cs[i].transport.stats()["nics"].items())
                       for i in topo.ids}
         dense_st = cs[0].stats_for("dense")
     k, members = codec.k(n), 4
@@ -171,11 +171,11 @@ async def test_a_relay_corrupting_sparse_rows_is_blamed_not_their_origin():
     the neighbour that delivered them, never the rows' honest origin."""
     bad = 1
     async with cluster(TOPOS["ring4"], timeout=3.0) as (topo, cs):
-        _corrupt_forwarded_rows(cs[bad].t)
+        _corrupt_forwarded_rows(cs[bad].transport)
         x = np.arange(10_000, dtype=np.float32)
         res = await asyncio.gather(*(cs[i].allreduce(x, tag="sp", codec="topk:0.01") for i in topo.ids),
                                    return_exceptions=True)
         caught = [r for r in res if isinstance(r, NonFinitePiece)]
         assert caught and all(r.peers == (bad,) for r in caught), res
-        offences = {i: dict(cs[i].t.offences) for i in topo.ids}
+        offences = {i: dict(cs[i].transport.offences) for i in topo.ids}
         assert all(set(o) <= {bad} for o in offences.values()) and sum(o.get(bad, 0) for o in offences.values()), offences
