@@ -37,7 +37,6 @@ quantization noise).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time

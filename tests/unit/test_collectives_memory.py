@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.helpers import memory_collectives as memory
-from p2psync.collectives import Collectives
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import mesh, ring, star
 from p2psync.wire.schema import DTYPES

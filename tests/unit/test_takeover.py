@@ -13,7 +13,7 @@ from p2psync.coordinator.failover import rebuild_state
 from p2psync.coordinator.state_server import StateServer
 from p2psync.coordinator.takeover import Succession, successor
 from p2psync.coordinator.views import View
-from p2psync.errors import ConfigError, ProtocolError
+from p2psync.errors import ProtocolError
 
 
 def _view(epoch: int, members: tuple[int, ...], coordinator: int) -> View:

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tests.helpers import memory_collectives as memory
-from p2psync.collectives import Collectives
 from p2psync.collectives.sparse import THREAD_MIN, gather_sum, pack, unpack, use_sparse
 from p2psync.compress import DEFAULT_FRACTION, TopK, get_codec
 from p2psync.compress.topk import check_sparse, select_topk, topk_count
