@@ -31,7 +31,9 @@ BAD = {
 
 
 def test_every_registered_strategy_has_a_bad_option_case():
-    assert sorted(BAD) == sorted(REGISTRY)
+    # the package's strategies (tests register throwaway ones, e.g. 'test-grad-ready', in the same process)
+    shipped = [name for name, cls in REGISTRY.items() if cls.__module__.startswith("p2psync.")]
+    assert sorted(BAD) == sorted(shipped)
 
 
 @pytest.mark.parametrize("strategy", sorted(BAD))

@@ -122,7 +122,7 @@ async def test_peer_killed_mid_allreduce():
         x = {i: np.ones(4_000_000, dtype=np.float32) for i in topo.ids}
         tasks = {i: asyncio.create_task(cs[i].allreduce(x[i], tag="mid")) for i in topo.ids}
         # pieces are in flight: node 3 has received some
-        await until(lambda: sum(v["bytes_recv"] for v in cs[3].t.stats()["nics"].values()) > 0, 5.0,
+        await until(lambda: sum(v["bytes_recv"] for v in cs[3].transport.stats()["nics"].values()) > 0, 5.0,
                     "node 3 receiving pieces")
         tasks[3].cancel()
         await cs[3].transport.close()
