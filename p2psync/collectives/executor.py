@@ -64,7 +64,7 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Literal, Mapping, Sequence, cast, get_args
 
 import numpy as np
 
@@ -83,6 +83,8 @@ PieceCheck = Callable[[int, int, np.ndarray, int], None]
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
 _STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
+#: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
+ReduceOp = Literal["sum", "mean", "weighted"]
 _WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
 
 
@@ -160,7 +162,7 @@ class Collectives:
     # -- public operations ---------------------------------------------------------------
 
     async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
-                        op: str = "sum", weights: Mapping[int, float] | None = None,
+                        op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
         codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`.
@@ -170,11 +172,11 @@ class Collectives:
         return result
 
     async def allreduce_with_stats(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
-                                   op: str = "sum", weights: Mapping[int, float] | None = None,
+                                   op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
                                    algo: str | None = None, codec: str | None = None) -> tuple[Any, OpStats]:
         """:meth:`allreduce` and the stats of this very operation (bytes per NIC, compression,
         seconds), without looking them up in :attr:`history` by tag."""
-        if op not in ("sum", "mean", "weighted"):
+        if op not in get_args(ReduceOp):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
         buf, back = _to_numpy(tensor)

@@ -66,7 +66,7 @@ from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
 from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, WireLimits, decode, encode, frame_len
+from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frame_len
 from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
@@ -220,7 +220,7 @@ class Transport(Relaying, ABC):
         """Hand frames to the peer (``bulk``: on the data channel, else the control channel);
         raise :class:`NotReady` when it should be retried."""
 
-    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
+    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
                    timeout: float | None = None, checked: bool = False) -> None:

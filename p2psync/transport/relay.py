@@ -26,7 +26,7 @@ from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolE
 from p2psync.topology import Route, Topology
 from p2psync.topology.paths import hop_distances, next_hops
 from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
-from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, WireLimits, encode, parse_header
+from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, parse_header
 
 log = logging.getLogger("p2psync.transport")
 
@@ -53,7 +53,7 @@ class Relaying:
     def route(self, peer: int, nic: str | None = None) -> Route:
         raise NotImplementedError
 
-    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: str = "data",
+    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
                    timeout: float | None = None) -> None:
@@ -88,7 +88,7 @@ class Relaying:
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self._distances,
                          exclude=exclude, rotate=rotate, to_dead=to_dead)
 
-    async def send_control(self, peer: int, tag: str, *, kind: str, meta: Mapping[str, Any] | None = None,
+    async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
                            arrays: Sequence[Any] = (), timeout: float | None = None,
                            attempt: int = 0) -> None:
         """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through

@@ -11,6 +11,8 @@ from p2psync.wire.schema import (
     SCHEMA_VERSION,
     FrameSpec,
     Header,
+    MessageKind,
+    WireCodec,
     WireLimits,
 )
 
@@ -25,6 +27,8 @@ __all__ = [
     "FrameSpec",
     "Header",
     "Message",
+    "MessageKind",
+    "WireCodec",
     "WireLimits",
     "decode",
     "encode",

@@ -26,6 +26,7 @@ from p2psync.wire.schema import (
     HEADER_KEYS_REQUIRED,
     KINDS,
     MAX_HOPS,
+    MessageKind,
     MAX_U64,
     RELAY_KINDS,
     SCHEMA_VERSION,
@@ -97,7 +98,7 @@ def _as_wire_array(arr: Any) -> tuple[np.ndarray, str]:
 
 def encode(
     *,
-    kind: str,
+    kind: MessageKind,
     src: int,
     tag: str,
     step: int = 0,

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 SCHEMA_VERSION = 2
 
 #: Message kinds the runtime knows. ``data``: tensors between peers; ``rpc``/``reply``: the
 #: coordinator RPC; ``event``: one-way notifications (membership, failures); ``hb``: heartbeats.
-KINDS: frozenset[str] = frozenset({"data", "rpc", "reply", "event", "hb"})
+MessageKind = Literal["data", "rpc", "reply", "event", "hb"]
+KINDS: frozenset[str] = frozenset(get_args(MessageKind))
 
 #: Only plain numeric dtypes may travel. No object, string, void or datetime dtypes, ever.
 DTYPES: frozenset[str] = frozenset(
@@ -59,7 +60,8 @@ DTYPES: frozenset[str] = frozenset(
 #: Payload codecs a frame may declare (see ``p2psync.compress``). ``raw`` = not a tensor codec.
 #: ``topk`` frames are (indices, values) of a sparsified tensor (ASGD's gradients; the sparse
 #: allreduce itself travels as plain ``none`` byte frames through the allgather).
-CODECS: frozenset[str] = frozenset({"none", "fp16", "int8", "sketch8", "topk", "raw"})
+WireCodec = Literal["none", "fp16", "int8", "sketch8", "topk", "raw"]
+CODECS: frozenset[str] = frozenset(get_args(WireCodec))
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
 HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth", "ctr"})
