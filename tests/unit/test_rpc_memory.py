@@ -10,12 +10,30 @@ from p2psync.topology import ring
 from p2psync.transport import MemoryHub
 
 
-async def test_rpc_over_memory_transport():
-    hub = MemoryHub(ring(4))
-    eps = {i: hub.endpoint(i) for i in range(4)}
-    for e in eps.values():
-        await e.start()
-    server = RpcServer(eps[0])
+@pytest.fixture
+async def memory_server():
+    """``make(n)``: endpoints of an n-node in-memory ring, all started, and an RPC server on
+    node 0 (not started: register handlers first); closed after the test."""
+    made: list = []
+
+    async def make(n: int):
+        hub = MemoryHub(ring(n))
+        eps = {i: hub.endpoint(i) for i in range(n)}
+        for e in eps.values():
+            await e.start()
+        server = RpcServer(eps[0])
+        made.append((eps, server))
+        return eps, server
+
+    yield make
+    for eps, server in made:
+        await server.close()
+        for e in eps.values():
+            await e.close()
+
+
+async def test_rpc_over_memory_transport(memory_server):
+    eps, server = await memory_server(4)
 
     async def add(caller, args, arrays):
         if args.get("fail"):
@@ -36,29 +54,17 @@ async def test_rpc_over_memory_transport():
     assert (await local.call(0, "math.add", {"a": 1, "b": 1}))["sum"] == 2
     with pytest.raises(ValueError):
         server.register("math.add", add)
-    await server.close()
-    for e in eps.values():
-        await e.close()
 
 
-async def test_remote_error_keeps_the_remote_type_name_and_message_as_fields():
-    hub = MemoryHub(ring(2))
-    eps = {i: hub.endpoint(i) for i in range(2)}
-    for e in eps.values():
-        await e.start()
-    server = RpcServer(eps[0])
+async def test_remote_error_keeps_the_remote_type_name_and_message_as_fields(memory_server):
+    eps, server = await memory_server(2)
 
     async def fail(caller, args, arrays):
         raise ConfigError("a: b: c")  # colons in the message survive the round trip
 
     server.register("t.fail", fail)
     server.start()
-    try:
-        with pytest.raises(RemoteError) as got:
-            await RpcClient(eps[1]).call(0, "t.fail", {})
-        assert (got.value.kind, got.value.message) == ("ConfigError", "a: b: c")
-        assert str(got.value) == "ConfigError: a: b: c"
-    finally:
-        await server.close()
-        for e in eps.values():
-            await e.close()
+    with pytest.raises(RemoteError) as got:
+        await RpcClient(eps[1]).call(0, "t.fail", {})
+    assert (got.value.kind, got.value.message) == ("ConfigError", "a: b: c")
+    assert str(got.value) == "ConfigError: a: b: c"
