@@ -19,8 +19,10 @@ p2psync decisions beyond the spec (why):
   groups plus the candidate is disconnected and the candidate lies inside one component, the
   earliest queued worker of another component replaces the latest-arrived member that keeps the
   group connected; with none queued the group is deferred for at most ``max_defer`` seconds
-  (default: the longest READY interval of a current member, one compute interval of the
-  slowest known worker), then accepted as is. It never deadlocks.
+  (default: one compute interval of the slowest known worker: the largest, over the current
+  members, of the latest time from a worker's group being formed to its next READY; that is
+  its local step plus its reduce, not the time it spent queued or deferred, so the bound does
+  not grow with the deferrals themselves), then accepted as is. It never deadlocks.
 * **The tail** (B10; issue 13 "a controller-driven stop when fewer than P workers remain"):
   *remaining* workers are current members that may still send READY (not finished) plus those
   queued. Fewer than P remaining (or every remaining worker queued and no connected group of P
@@ -173,8 +175,8 @@ class Controller:
         self.finished: set[int] = set()  # sent their last READY and were grouped (or stopped)
         self._last: set[int] = set()  # queued with last=True
         self.history: list[tuple[int, ...]] = []  # the last T accepted groups
-        self._last_ready: dict[int, float] = {}
-        self._interval: dict[int, float] = {}  # longest READY interval per worker
+        self._grouped_at: dict[int, float] = {}  # when each worker's latest group was formed
+        self._interval: dict[int, float] = {}  # latest group-to-READY interval per worker
         self._defer_until: float | None = None
         self.stopped = False
         self.ops = self.frozen_detected = self.swaps = self.deferrals = self.unresolved = 0
@@ -199,10 +201,8 @@ class Controller:
             raise ProtocolError("preduce", f"READY from node {worker}, which is already queued")
         if worker in self.finished:
             raise ProtocolError("preduce", f"READY from node {worker} after its last one")
-        if worker in self._last_ready:
-            gap = now - self._last_ready[worker]
-            self._interval[worker] = max(self._interval.get(worker, 0.0), gap)
-        self._last_ready[worker] = now
+        if worker in self._grouped_at:  # one compute interval (step + reduce), queueing excluded
+            self._interval[worker] = now - self._grouped_at.pop(worker)
         self._queue.append((worker, k))
         if last:
             self._last.add(worker)
@@ -228,7 +228,8 @@ class Controller:
         self._queue = [(w, k) for w, k in self._queue if w != worker]
         self._last.discard(worker)
         self.finished.discard(worker)
-        self._last_ready.pop(worker, None)
+        self._grouped_at.pop(worker, None)
+        self._interval.pop(worker, None)
         return [] if self.stopped else self._form(now)
 
     def request_stop(self) -> None:
@@ -324,7 +325,7 @@ class Controller:
                     swapped = cand2 != cand
                     cand = cand2
             self._defer_until = None
-            out.append(self._accept(cand, swapped))
+            out.append(self._accept(cand, swapped, now))
         return out
 
     def _unfreeze(self, cand: list[int]) -> list[int] | None:
@@ -355,13 +356,15 @@ class Controller:
                 return cand
         return None
 
-    def _accept(self, cand: list[int], swapped: bool) -> Group:
+    def _accept(self, cand: list[int], swapped: bool, now: float) -> Group:
         ks = dict(self._queue)
         self._queue = [(w, k) for w, k in self._queue if w not in cand]
         self.ops += 1
         self.history.append(tuple(cand))
         del self.history[:-self.window]
         group_ks = [ks[w] for w in cand]
+        for w in cand:
+            self._grouped_at[w] = now
         if self.mode == "dynamic" and len(cand) > 1:
             raw = dynamic_weights(group_ks, float(self.alpha), self.approx)
         else:

@@ -270,7 +270,6 @@ class PReduce(Strategy):
 
     async def _reduce(self, g: GroupMsg) -> bool:
         """The members' weighted average; False when it failed and was abandoned."""
-        self.k = max(self.k, g.k)
         self.last_op = max(self.last_op, g.op)
         if len(g.members) == 1:  # a solo (tail=shrink with one worker left): nothing to average
             self.solo += 1
@@ -294,6 +293,9 @@ class PReduce(Strategy):
             self.group = None
         avg = np.asarray(avg, dtype=np.float32)
         await (rep.import_state(avg) if whole else rep.set_params(avg))
+        # the group's newest version only once its average is in: an abandoned reduce keeps this
+        # worker's own model, and so its own version (the controller's dynamic weights read it)
+        self.k = max(self.k, g.k)
         self.ops += 1
         return True
 

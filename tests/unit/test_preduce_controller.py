@@ -360,3 +360,21 @@ def test_a_restarted_worker_is_forgotten_and_can_queue_again():
     c.ready(0, 1, 1.0)
     (g,) = c.ready(2, 1, 1.0)
     assert g.members == (0, 2)
+
+
+def test_automatic_max_defer_excludes_time_spent_queued_and_deferred():
+    """The automatic bound is one compute interval (group formed -> next READY), not the READY
+    to READY gap: time a worker spent in the queue or in a deferral does not lengthen the next
+    deferral (with the READY-to-READY gap, each deferral that ran out made the next one longer)."""
+    c = Controller(members=[0, 1, 2, 3], p=2, window=3)
+    for w in (0, 1):
+        c.ready(w, 1, 0.0)  # group (0, 1) formed at 0
+    for w in (0, 1):
+        c.ready(w, 1, 1.0)  # compute interval 1.0; group (0, 1) again at 1
+    c.ready(0, 1, 2.0)
+    assert c.ready(1, 1, 2.0) == [] and c.wake_at() == 3.0  # frozen: deferred one interval
+    (g,) = c.tick(3.0)  # ran out: accepted as is at 3 after both waited 1 s in the queue
+    assert set(g.members) == {0, 1} and c.unresolved == 1
+    c.ready(0, 1, 4.0)
+    assert c.ready(1, 1, 4.0) == []
+    assert c.wake_at() == 5.0  # still one compute interval (1 s), not the 2 s READY-to-READY gap

@@ -164,3 +164,25 @@ async def test_the_controller_rejects_malformed_readies_and_answers_repeated_pol
         await server.close()
         for e in eps.values():
             await e.close()
+
+
+async def test_an_abandoned_reduce_keeps_the_workers_own_version():
+    """A group whose reduce fails (a member died) is abandoned and the worker keeps its own model:
+    it must keep its own iteration number too, or the controller's dynamic weights would treat
+    its model as the group's newest version. (Elastic mode needs a membership view; it is set
+    directly here, the view-driven path runs over ZeroMQ in test_leave_join_zmq.)"""
+    from p2psync.strategies.preduce import GroupMsg
+
+    async with memory_strategies(mesh(3), "preduce", {"P": 2}, momentum=0.0) as pr:
+        s0 = pr[0]
+        s0.elastic = True
+        s0.k = 3
+        before = await s0.ctx.replica.get_params()
+        g = GroupMsg(ctl=0, op=7, epoch=0, members=(0, 1), weights=(0.5, 0.5), k=10)
+        reduce = asyncio.ensure_future(s0._reduce(g))  # node 1 never takes part
+        while s0.group is None:
+            await asyncio.sleep(0.01)
+        s0.on_peer_failure(1)
+        assert await asyncio.wait_for(reduce, 10) is False
+        assert s0.k == 3 and s0.failed_groups == 1 and s0.ops == 0 and s0.last_op == 7
+        np.testing.assert_array_equal(await s0.ctx.replica.get_params(), before)
