@@ -147,7 +147,6 @@ class Canary(Strategy):
         self.exchange: Exchange | None = None
         self.colayers: tuple[Colayer, ...] = ()
         self.t = 0  # this node's iteration (Canary's ⟨t⟩)
-        self.zeta_node = ctx.node_id  # the node that reported ζ
         self.last_iter: dict[int, int] = {}  # the newest iteration each peer told us
         self.stopping = False
         self.next_step = 0  # the loop step the next rounds belong to
@@ -174,11 +173,11 @@ class Canary(Strategy):
             validate(s=self.opts.s, p=self.p, colayers=len(self.colayers))
         except ValueError as exc:
             raise ConfigError(f"canary: {exc}") from None
-        self.gei = GEIMatrix(len(self.colayers))
+        self.gei = GEIMatrix(len(self.colayers), me=self.ctx.node_id)
         self.fwd.start()
         self.ctx.rpc_server.register("canary.model", self._serve_model)
         self.t = self.next_step = self.start_step
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         if self.ctx.joining:
             self.resyncs = await self.regroup.join()
             self._resync_due = True
@@ -190,7 +189,7 @@ class Canary(Strategy):
             sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts.mode,
             staleness=self.opts.s, timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
             piece=max(1, self.ctx.collectives.piece_bytes // 4),
-            progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.zeta_node),
+            progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.gei.zeta_node),
                               stopping=lambda: self.stopping, on_header=self._header,
                               last=self._stop_flag if self.opts.mode == "bsp" else None))
         self.exchange.start()
@@ -333,7 +332,7 @@ class Canary(Strategy):
                     vec[c.lo:c.hi] = np.divide(r.sums, r.counts, out=np.zeros_like(r.sums), where=r.counts > 0)
             await self.ctx.replica.apply_gradients(vec)
             self.t = t + 1
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         self.gei.forget_before(self.t)  # only the current row decides
         return {"t": t, "zeta": zeta, "staleness": d.staleness, "branch": d.branch.value,
                 "complete": d.complete, "gei": row[:16] if len(members) <= 62 else [],
@@ -351,18 +350,10 @@ class Canary(Strategy):
         last = self.ctx.max_steps is not None and self.next_step + 1 >= self.ctx.max_steps
         return self.stopping or last
 
-    def _see(self, iteration: int, node: int) -> None:
-        """An iteration ``node`` reached: ζ and the node that reported it first."""
-        if iteration > self.gei.zeta:
-            self.zeta_node = node
-        self.gei.see(iteration)
-
     def _header(self, h: Header) -> None:
         if h.it > self.last_iter.get(h.origin, -1):
             self.last_iter[h.origin] = h.it
-        self._see(h.it, h.origin)
-        if h.zeta > self.gei.zeta:
-            self._see(h.zeta, h.zeta_node)
+        self.gei.heard(h.origin, h.it, h.zeta, h.zeta_node)
         if h.stop and not self.stopping:
             self.stopping = True
 
@@ -383,8 +374,9 @@ class Canary(Strategy):
         the freshest peers heard from). Returns the iteration of the model taken, or None when
         no peer gave one (the node then goes on with its own)."""
         me = self.ctx.node_id
-        heard = sorted((n for n in self.last_iter if n in members and n != me), key=lambda n: -self.last_iter[n])
-        first = [self.zeta_node] if self.zeta_node in members and self.zeta_node != me else []
+        heard = sorted((n for n in self.last_iter if n in members and n != me), key=lambda n: (-self.last_iter[n], n))
+        fastest = self.gei.zeta_node
+        first = [fastest] if fastest in members and fastest != me else []
         for n in dict.fromkeys([*first, *heard]):
             self._pulls += 1
             tag = f"canary.m.{me}.{self.ctx.transport.incarnation}.{self._pulls}"
@@ -402,7 +394,7 @@ class Canary(Strategy):
             finally:
                 self.ctx.transport.mailbox.retire(tag, exact=True)
             await self.ctx.replica.set_params(np.array(vec, copy=True))
-            self._see(it, n)
+            self.gei.see(it, n)
             log.info("node %d: canary overtime at iteration %d (ζ %d): took node %d's model (its iteration %d)",
                      me, self.t, self.gei.zeta, n, it)
             return int(it)
@@ -429,7 +421,7 @@ class Canary(Strategy):
             self.exchange = None
         self.resyncs, go_on, stopped = await self.regroup.average_state(self.resyncs, self.t, self.stopping)
         self.t = go_on - 1
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         self._resync_due = False
         if stopped:
             self.stopping = True
