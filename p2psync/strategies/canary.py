@@ -11,39 +11,55 @@ What a node does per iteration ``t`` (spec §6.6):
 2. The exchange (:mod:`~p2psync.strategies.canary_exchange`) runs the §6.3 BCube schedule (α·β
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
    Fig. 14), every payload through the gradient sketch by default (``sketch8``, §4.3.1; what
-   an encoding drops leaves with the next data, never lost). In ``native`` mode nobody waits
-   for anyone's computation: a peer answers every push at once, with an empty packet when it
-   has nothing for this node (§4.4.2), and data a slow node could not take part in leaves with
-   its next exchange.
+   an encoding drops leaves with the next data, never lost; ``--codec sketch8p``: the sketch
+   exactly as the paper gives it, spec §2). In ``native`` mode nobody waits for anyone's
+   computation: a peer answers every push at once, with an empty packet when it has nothing
+   for this node (§4.4.2), and data a slow node could not take part in leaves with its next
+   exchange.
 3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
    its slots' masks; :mod:`~p2psync.strategies.canary_gei`). ``ζ`` (the newest iteration any
-   worker reported) and the node that reported it ride in every message header, so ζ spreads
-   to every worker hop by hop (§4.3).
+   worker reported) and the node at ζ (the lowest id of those seen there: neither depends on
+   the order messages arrive in) ride in every message header, so ζ spreads to every worker
+   hop by hop (§4.3).
 4. The end-of-iteration decision (§5.4): within ``s`` of ζ, or beyond it with at least ``p``
    complete colayers: apply the aggregate through the user's optimizer step; else *overtime*:
    drop the iteration's gradients, pull the model (parameters) of the fastest worker (the node
-   that reported ζ, reached hop by hop; else the freshest one heard from) and adopt ``t = ζ``.
+   at ζ, reached hop by hop; else the freshest one heard from) and go on at that model's
+   iteration (see *Overtime* below).
 
 Choices where the paper is silent or wrong (the spec's resolutions unless said):
 
-* **Divisor** (``divisor=members``, default): the aggregate is divided by the number of
-  members, not by its contributors (the spec's default, §5.4). In native mode every
-  contribution reaches every node once, but not in the same iteration: a slow node's round
-  sums several iterations of its fast peers. Dividing by the contributors would make a slow
-  node's replica move less per second than a fast one's, and the replicas drift apart;
-  dividing by n applies every gradient with weight 1/n on every replica. With plain SGD and no
-  codec the replicas then differ only by what is still in flight; a lossy codec's residue is
-  delivered later (bounded, not a random walk), and data lost with a failed peer, dropped as
-  stale at some nodes only, or overwritten by an overtime pull makes them differ more (the
-  stop's final average ends the run with one model). ``divisor=contributors``: the spec's
-  reading.
+* **Divisor** (``divisor=members``, default; a departure from the spec): the aggregate is
+  divided by the number of members ``n`` of the view. The spec (§5.4, §9 item 13) divides by
+  the number of contributors, ``popcount(r^[z])`` (the mean of what arrived), and offers ``n``
+  as the option; here that reading is ``divisor=contributors``, which divides each slot by the
+  number of contributions it summed (equal to the popcount when every worker's gradient is in
+  once). Why ``n`` by default: in native mode every contribution reaches every node once, but
+  not in the same iteration: a slow node's round sums several iterations of its fast peers.
+  Dividing by the contributions would make a slow node's replica move less per second than a
+  fast one's, and the replicas drift apart; dividing by n applies every gradient with weight
+  1/n on every replica. With plain SGD and no codec the replicas then differ only by what is
+  still in flight; a lossy codec's residue is delivered later (bounded, not a random walk),
+  and data lost with a failed peer, dropped as stale at some nodes only, or overwritten by an
+  overtime pull makes them differ more (the stop's final average ends the run with one
+  model). In bsp mode every colayer is complete, so both divisors give the mean.
 * **Staleness**: a contribution whose iteration is older than ``ζ − s`` is dropped where it is
   (the sender's own gradient is not sent at all), so a node that falls more than ``s``
   iterations behind has incomplete colayers (its own bit is missing) and is reset by branch C.
-  Canary's bounding never blocks the fast workers (spec §5.5). The own GEI bit of a slot this
-  node does not own is set when the owner's total comes back (it is in the aggregate then),
-  not when the piece leaves (spec §4.4 item 4). Branch C drops the aggregate; pieces of the
-  node's own gradient still waiting in outboxes leave anyway (the others may use them).
+  Canary's bounding never blocks the fast workers (spec §5.5). The own GEI bit: a node keeps
+  its own gradient in its result for every slot (owned or not; an owner's total leaves the
+  sender's own contribution out, so nobody gets its own gradient back), so the bit is set in
+  every slot as soon as the colayer's round adds the gradient, just before its first piece
+  leaves (spec §4.4 item 4), unless it was already stale. Branch C drops the aggregate;
+  pieces of the node's own gradient still waiting in outboxes leave anyway (the others may
+  use them).
+* **Overtime** (branch C; a departure from the spec's ``t ← ζ``): the node goes on at
+  ``max(t + 1, i)``, ``i`` being the iteration of the model it took (the lender's own
+  iteration when it served it), or at ``t + 1`` with its own model when no peer gave one. When
+  the node at ζ lends its model, ``i`` is ζ (or newer: it moved on meanwhile); when it cannot
+  and a slower peer does, adopting ζ would give the node an iteration its parameters do not
+  have, and the next decisions would count it as up to date when it is not. ``t + 1`` at
+  least: a node's iterations only go up (rows and bsp rounds are keyed by them).
 * ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
   empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
   schedule (equal to ``ssgd`` with the sketch off).
