@@ -21,10 +21,11 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
 * **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
   NIC per node busy, as the paper's BSP baselines);
 * **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
-  during backward) with the sketch (sketch8, its default), with the sketch exactly as the paper
-  gives it (``--codec sketch8p``: quantile buckets and midpoints, spec §2), without
-  (``--opt sketch=false``), and with the sketch at 6 bits per value (``--opt sketch_bits=6``,
-  §4.3.1's "fewer and flexible bits").
+  during backward) with the sketch (sketch8, its default), without (``--opt sketch=false``),
+  with the sketch at 6 bits per value (``--opt sketch_bits=6``, §4.3.1's "fewer and flexible
+  bits"), and with the sketch exactly as the paper gives it (``--codec sketch8p``: quantile
+  buckets and midpoints, spec §2; p2psync's default sketch8 merges evenly spaced levels into
+  the quantiles and sends bucket means).
 
 Colayers (``--colayers``, ``--p``): the MLP has two layers with parameters (input -> hidden,
 hidden -> output; 1.07 MB and 0.16 MB), and a colayer holds whole layers, so it has at most
@@ -89,9 +90,9 @@ class Config:
 CANARY = ("--strategy", "canary")
 CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ring")),
            Config("Canary (sketch)", CANARY),
-           Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
-           Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")))
+           Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
+           Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")))
 #: the MLP's layers with parameters: the most colayers it can have
 MLP_LAYERS = 2
 
