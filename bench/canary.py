@@ -76,7 +76,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
 
@@ -146,26 +146,29 @@ def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], t
     iters = sum(int(r["step"]) + 1 for r in lasts)
     peak = max(peak_rate(recs) for recs in nodes) * 8 / (nic_mbps * 1e6)
     curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
-    branches: dict[str, int] = {}
-    for r in lasts:
-        for b, k in r.get("branches", {}).items():
-            branches[b] = branches.get(b, 0) + int(k)
     return Outcome(cfg, cube, reach[(len(reach) - 1) // 2],
                    statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0,
                    sent / max(1, iters), peak, iters, curve,
-                   max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None), branches)
+                   max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None),
+                   add_counts(r.get("branches", {}) for r in lasts))
+
+
+def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Counts by key (Canary's decisions per branch), summed."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 def combine(runs: Sequence[Outcome]) -> Outcome:
     def med(xs: Sequence[float]) -> float:
         return float(statistics.median(xs))
-    branches: dict[str, int] = {}
-    for o in runs:
-        for b, k in o.branches.items():
-            branches[b] = branches.get(b, 0) + k
     return Outcome(runs[0].config, runs[0].cube, med([o.to_target for o in runs]), med([o.final_acc for o in runs]),
                    med([o.bytes_per_iter for o in runs]), med([o.peak_util for o in runs]),
-                   round(med([o.iterations for o in runs])), runs[0].curve, runs[0].colayers, branches)
+                   round(med([o.iterations for o in runs])), runs[0].curve, runs[0].colayers,
+                   add_counts(o.branches for o in runs))
 
 
 def step_times(n: int, speeds: Sequence[float], base: float) -> str:
