@@ -4,7 +4,7 @@
 
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
                            [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
-                           [--mode wait|compute] [--quick]
+                           [--colayers 2] [--p P] [--mode wait|compute] [--quick]
 
 Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
 topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-mbps`` (one
@@ -21,9 +21,32 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
 * **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
   NIC per node busy, as the paper's BSP baselines);
 * **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
-  during backward) with the sketch (sketch8, its default), without (``--opt sketch=false``), and
+  during backward) with the sketch (sketch8, its default), without (``--opt sketch=false``),
   with the sketch at 6 bits per value (``--opt sketch_bits=6``, §4.3.1's "fewer and flexible
-  bits").
+  bits"), and with the sketch exactly as the paper gives it (``--codec sketch8p``: quantile
+  buckets and midpoints, spec §2; p2psync's default sketch8 merges evenly spaced levels into
+  the quantiles and sends bucket means).
+
+Colayers (``--colayers``, ``--p``): the MLP has two layers with parameters (input -> hidden,
+hidden -> output; 1.07 MB and 0.16 MB), and a colayer holds whole layers, so it has at most
+two colayers. Canary's automatic rule puts both into one (same type, under its 4 MiB cap):
+one round per iteration, nothing to pipeline and ``p`` in {0, 1}. Every Canary configuration
+therefore runs with ``--opt colayers=2`` by default: ``c^[0]`` (the output layer) is produced
+first in backward and its exchange starts while the input layer's gradient is still being
+computed, and the two rounds complete, and count for ``p``, separately. ``p`` defaults to
+``round(0.6 k)`` within [1, k] (the paper's 6 of 10; 1 of 2 here); Canary's own default,
+ceil(0.6 k) = 2 = k, would make a stale iteration with any incomplete colayer an overtime.
+``p`` decides for an iteration that became stale during its round (ζ passed ``t + s`` while
+its colayers were out): with one colayer complete the node applies what it got (branch B),
+else it is reset (branch C). (A node already beyond ``s`` when its round starts sends no
+gradient, so its colayers lack its own bit and it is reset whatever ``p``.) ``--colayers 0``:
+Canary's automatic rule (one colayer) and its default ``p``. The table's last column counts
+the end-of-iteration decisions (A within ``s``, B, C) over all nodes, from the runs' records.
+What the pipelining saves is small on this model: the whole backward takes about a
+millisecond (measured, batch 32, one thread), and the emulated device time (``--base`` x
+speeds, spent after backward) overlaps every colayer's exchange anyway. The built-in models
+offer no deeper one that fits these runs (``cnn``: ~6 k parameters, the network would not
+matter; ``resnet18``: 11 M, too slow for 4-9 processes on 2 cores).
 
 Measured per run (every node's node-*.jsonl):
 
@@ -39,8 +62,8 @@ Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" 
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
-Run time: per BCube, 4 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
-the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 6 minutes at the defaults.
+Run time: per BCube, 5 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 7-8 minutes at the defaults.
 ``--quick``: BCube(2,2) only, 20 s runs.
 """
 
@@ -53,7 +76,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
 
@@ -64,10 +87,24 @@ class Config:
     argv: tuple[str, ...]
 
 
+CANARY = ("--strategy", "canary")
 CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ring")),
-           Config("Canary (sketch)", ("--strategy", "canary")),
-           Config("Canary (fp32)", ("--strategy", "canary", "--opt", "sketch=false")),
-           Config("Canary (6-bit sketch)", ("--strategy", "canary", "--opt", "sketch_bits=6")))
+           Config("Canary (sketch)", CANARY),
+           Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
+           Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
+           Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")))
+#: the MLP's layers with parameters: the most colayers it can have
+MLP_LAYERS = 2
+
+
+def colayer_opts(colayers: int, p: int | None) -> list[str]:
+    """The Canary options for ``colayers`` colayers (0: Canary's automatic rule and default p)
+    and ``p`` (None: round(0.6 k) within [1, k], the paper's 6 of 10)."""
+    if colayers == 0:
+        return [] if p is None else ["--opt", f"p={p}"]
+    if p is None:
+        p = min(colayers, max(1, round(0.6 * colayers)))
+    return ["--opt", f"colayers={colayers}", "--opt", f"p={p}"]
 
 
 @dataclass
@@ -80,6 +117,9 @@ class Outcome:
     peak_util: float
     iterations: int
     curve: list[tuple[float, float]] = field(default_factory=list)
+    #: Canary: colayers per node, and its end-of-iteration decisions (A, B, C) over all nodes
+    colayers: int | None = None
+    branches: dict[str, int] = field(default_factory=dict)
 
 
 def peak_rate(recs: Sequence[dict[str, Any]], window: float = 1.0) -> float:
@@ -108,7 +148,18 @@ def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], t
     curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
     return Outcome(cfg, cube, reach[(len(reach) - 1) // 2],
                    statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0,
-                   sent / max(1, iters), peak, iters, curve)
+                   sent / max(1, iters), peak, iters, curve,
+                   max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None),
+                   add_counts(r.get("branches", {}) for r in lasts))
+
+
+def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Counts by key (Canary's decisions per branch), summed."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 def combine(runs: Sequence[Outcome]) -> Outcome:
@@ -116,7 +167,8 @@ def combine(runs: Sequence[Outcome]) -> Outcome:
         return float(statistics.median(xs))
     return Outcome(runs[0].config, runs[0].cube, med([o.to_target for o in runs]), med([o.final_acc for o in runs]),
                    med([o.bytes_per_iter for o in runs]), med([o.peak_util for o in runs]),
-                   round(med([o.iterations for o in runs])), runs[0].curve)
+                   round(med([o.iterations for o in runs])), runs[0].curve, runs[0].colayers,
+                   add_counts(o.branches for o in runs))
 
 
 def step_times(n: int, speeds: Sequence[float], base: float) -> str:
@@ -125,7 +177,8 @@ def step_times(n: int, speeds: Sequence[float], base: float) -> str:
 
 def run_one(cfg: Config, cube: str, args: argparse.Namespace, topo: Path, n: int, out: Path, rep: int) -> Outcome:
     run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{cube}-r{rep}"
-    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, "--time", str(args.seconds),
+    canary = colayer_opts(args.colayers, args.p) if cfg.argv[:len(CANARY)] == CANARY else []
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, *canary, "--time", str(args.seconds),
            "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps), "--hidden", str(args.hidden),
            "--step-time", step_times(n, args.speeds, args.base), "--step-jitter", str(args.jitter),
            "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0.9", "--eval-every",
@@ -142,11 +195,14 @@ def report(res: Sequence[Outcome], target: float) -> str:
         b = base.get(o.cube)
         speed = b.to_target / o.to_target if b and o.to_target not in (0.0, INF) and b.to_target != INF else None
         traffic = o.bytes_per_iter / b.bytes_per_iter if b and b.bytes_per_iter else None
+        decisions = "/".join(str(o.branches.get(b, 0)) for b in "ABC") if o.branches else "-"
         rows.append([f"BCube({o.cube})", o.config.label, f"{o.bytes_per_iter / 1e6:.2f}",
                      cell(traffic, "{:.2f}"), f"{o.peak_util:.0%}", cell(o.to_target, "{:.1f}"),
-                     cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}", o.iterations])
+                     cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}", o.iterations,
+                     "-" if o.colayers is None else o.colayers, decisions])
     return markdown_table(["topology", "config", "MB sent per iteration", "traffic vs BSP", "peak NIC utilisation",
-                           f"time to {target:.0%} (s)", "speed-up vs BSP", "final acc", "iterations (all nodes)"], rows)
+                           f"time to {target:.0%} (s)", "speed-up vs BSP", "final acc", "iterations (all nodes)",
+                           "colayers", "decisions A/B/C"], rows)
 
 
 def targets(res: Sequence[Outcome]) -> list[str]:
@@ -218,9 +274,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--colayers", type=int, choices=range(MLP_LAYERS + 1), default=MLP_LAYERS,
+                    help="Canary's colayers (0: its automatic rule, one colayer for this MLP)")
+    ap.add_argument("--p", type=int, default=None,
+                    help="Canary's p: colayers complete for a stale iteration to count (default round(0.6 k), >= 1)")
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    if args.p is not None and not 0 <= args.p <= (args.colayers or 1):
+        ap.error(f"--p {args.p}: between 0 and the {args.colayers or 1} colayer(s)")
     if args.quick:
         args.cubes, args.seconds = ["2x2"], 20.0
     res = []
@@ -242,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 res.append(combine(runs))
     print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "
           f"step times base {args.base:g} s x {args.speeds} (+-{args.jitter:.0%}, {args.mode} mode), "
-          f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s)\n")
+          f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s); Canary options "
+          f"{' '.join(colayer_opts(args.colayers, args.p)[1::2]) or 'default'}\n")
     print(report(res, args.target))
     print("\n" + "\n".join(targets(res)))
     print(f"\nplot: {plot(res, args.target)}")

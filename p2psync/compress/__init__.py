@@ -1,10 +1,10 @@
-"""Per-piece codecs: none, fp16, int8 uniform, sketch8 (Canary's gradient sketch), topk
-(sparsification, always with error feedback); error feedback."""
+"""Per-piece codecs: none, fp16, int8 uniform, sketch8 (Canary's gradient sketch; sketch8p: its
+paper-exact variant), topk (sparsification, always with error feedback); error feedback."""
 
 from p2psync.compress.base import Codec
 from p2psync.compress.codecs import (CODECS, ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8,
-                                     codec_usage, get_codec)
+                                     Sketch8Paper, codec_usage, get_codec)
 from p2psync.compress.topk import DEFAULT_FRACTION, TopK
 
 __all__ = ["CODECS", "Codec", "DEFAULT_FRACTION", "ErrorFeedback", "Fp16", "Int8Uniform", "NoCodec",
-           "Sketch8", "TopK", "codec_usage", "get_codec"]
+           "Sketch8", "Sketch8Paper", "TopK", "codec_usage", "get_codec"]

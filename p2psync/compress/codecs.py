@@ -1,5 +1,6 @@
-"""Piece codecs: ``none``, ``fp16``, ``int8`` (uniform min/max) and ``sketch8`` (Canary's gradient
-sketch, ../shared/papers/canary.md §4.3.1), plus error feedback for any lossy codec, and the
+"""Piece codecs: ``none``, ``fp16``, ``int8`` (uniform min/max), ``sketch8`` (Canary's gradient
+sketch, ../shared/papers/canary.md §4.3.1) and ``sketch8p`` (the same sketch exactly as the paper
+describes it: quantile boundaries, midpoint representatives), plus error feedback for any lossy codec, and the
 registry ``CODECS`` / :func:`get_codec` (which also knows ``topk[:FRACTION]``, the sparsifying
 codec of :mod:`p2psync.compress.topk`). Pure.
 
@@ -27,6 +28,10 @@ paper's three steps:
    for the same buckets, accumulated in the same pass at no extra cost.
 3. *Each value is sent as its one-byte bucket index*, with the 256 float32 representatives
    (1 KiB) alongside: 4x less traffic for a 1 MiB piece.
+
+``sketch8p[:BITS]`` is the paper-exact variant (``boundaries="quantile"``,
+``representative="mid"``; ../shared/specs/canary.md §2.2, its worked example §2.4 / C13), for
+comparing the paper's sketch with p2psync's default on a run (``--codec sketch8p``).
 
 Decoding is a table lookup. All hot loops are numba kernels (``kernels.py``); the bucket search
 goes through a per-piece table indexed by the value's float32 bit pattern
@@ -131,7 +136,7 @@ class Sketch8(Codec):
     def __init__(self, *, sample: int = 16384, boundaries: str = "hybrid",
                  representative: str = "mean", use_numba: bool = True, bits: int = 8) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ConfigError(f"codec sketch8: the bit width must be 1 to 8, got {bits!r}")
+            raise ConfigError(f"codec {self.name}: the bit width must be 1 to 8, got {bits!r}")
         self.bits = bits
         self.buckets = 1 << bits
         if sample < 256:
@@ -150,7 +155,7 @@ class Sketch8(Codec):
         try:
             bits = int(param)
         except ValueError:
-            raise ConfigError(f"codec sketch8:{param}: the bit width must be a whole number 1 to 8") from None
+            raise ConfigError(f"codec {cls.name}:{param}: the bit width must be a whole number 1 to 8") from None
         return cls(bits=bits)
 
     @property
@@ -222,7 +227,22 @@ class Sketch8(Codec):
         return out
 
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, TopK)}
+class Sketch8Paper(Sketch8):
+    """Canary's gradient sketch as the paper gives it (§4.3.1; spec §2.2): ``2**BITS``
+    equal-mass buckets between sampled quantiles (no evenly spaced levels merged in), every
+    value sent as the midpoint of its bucket's boundaries (not the mean of its values).
+    ``sketch8`` is p2psync's default variant (see the module docstring for why, and
+    ``python -m bench.codecs`` for the errors of both); this one reproduces the paper."""
+
+    name = "sketch8p"
+    usage = "sketch8p[:BITS]"
+
+    def __init__(self, *, sample: int = 16384, use_numba: bool = True, bits: int = 8) -> None:
+        super().__init__(sample=sample, boundaries="quantile", representative="mid", use_numba=use_numba,
+                         bits=bits)
+
+
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, Sketch8Paper, TopK)}
 
 
 def codec_usage() -> str:

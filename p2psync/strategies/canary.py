@@ -11,39 +11,55 @@ What a node does per iteration ``t`` (spec §6.6):
 2. The exchange (:mod:`~p2psync.strategies.canary_exchange`) runs the §6.3 BCube schedule (α·β
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
    Fig. 14), every payload through the gradient sketch by default (``sketch8``, §4.3.1; what
-   an encoding drops leaves with the next data, never lost). In ``native`` mode nobody waits
-   for anyone's computation: a peer answers every push at once, with an empty packet when it
-   has nothing for this node (§4.4.2), and data a slow node could not take part in leaves with
-   its next exchange.
+   an encoding drops leaves with the next data, never lost; ``--codec sketch8p``: the sketch
+   exactly as the paper gives it, spec §2). In ``native`` mode nobody waits for anyone's
+   computation: a peer answers every push at once, with an empty packet when it has nothing
+   for this node (§4.4.2), and data a slow node could not take part in leaves with its next
+   exchange.
 3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
    its slots' masks; :mod:`~p2psync.strategies.canary_gei`). ``ζ`` (the newest iteration any
-   worker reported) and the node that reported it ride in every message header, so ζ spreads
-   to every worker hop by hop (§4.3).
+   worker reported) and the node at ζ (the lowest id of those seen there: neither depends on
+   the order messages arrive in) ride in every message header, so ζ spreads to every worker
+   hop by hop (§4.3).
 4. The end-of-iteration decision (§5.4): within ``s`` of ζ, or beyond it with at least ``p``
    complete colayers: apply the aggregate through the user's optimizer step; else *overtime*:
    drop the iteration's gradients, pull the model (parameters) of the fastest worker (the node
-   that reported ζ, reached hop by hop; else the freshest one heard from) and adopt ``t = ζ``.
+   at ζ, reached hop by hop; else the freshest one heard from) and go on at that model's
+   iteration (see *Overtime* below).
 
 Choices where the paper is silent or wrong (the spec's resolutions unless said):
 
-* **Divisor** (``divisor=members``, default): the aggregate is divided by the number of
-  members, not by its contributors (the spec's default, §5.4). In native mode every
-  contribution reaches every node once, but not in the same iteration: a slow node's round
-  sums several iterations of its fast peers. Dividing by the contributors would make a slow
-  node's replica move less per second than a fast one's, and the replicas drift apart;
-  dividing by n applies every gradient with weight 1/n on every replica. With plain SGD and no
-  codec the replicas then differ only by what is still in flight; a lossy codec's residue is
-  delivered later (bounded, not a random walk), and data lost with a failed peer, dropped as
-  stale at some nodes only, or overwritten by an overtime pull makes them differ more (the
-  stop's final average ends the run with one model). ``divisor=contributors``: the spec's
-  reading.
+* **Divisor** (``divisor=members``, default; a departure from the spec): the aggregate is
+  divided by the number of members ``n`` of the view. The spec (§5.4, §9 item 13) divides by
+  the number of contributors, ``popcount(r^[z])`` (the mean of what arrived), and offers ``n``
+  as the option; here that reading is ``divisor=contributors``, which divides each slot by the
+  number of contributions it summed (equal to the popcount when every worker's gradient is in
+  once). Why ``n`` by default: in native mode every contribution reaches every node once, but
+  not in the same iteration: a slow node's round sums several iterations of its fast peers.
+  Dividing by the contributions would make a slow node's replica move less per second than a
+  fast one's, and the replicas drift apart; dividing by n applies every gradient with weight
+  1/n on every replica. With plain SGD and no codec the replicas then differ only by what is
+  still in flight; a lossy codec's residue is delivered later (bounded, not a random walk),
+  and data lost with a failed peer, dropped as stale at some nodes only, or overwritten by an
+  overtime pull makes them differ more (the stop's final average ends the run with one
+  model). In bsp mode every colayer is complete, so both divisors give the mean.
 * **Staleness**: a contribution whose iteration is older than ``ζ − s`` is dropped where it is
   (the sender's own gradient is not sent at all), so a node that falls more than ``s``
   iterations behind has incomplete colayers (its own bit is missing) and is reset by branch C.
-  Canary's bounding never blocks the fast workers (spec §5.5). The own GEI bit of a slot this
-  node does not own is set when the owner's total comes back (it is in the aggregate then),
-  not when the piece leaves (spec §4.4 item 4). Branch C drops the aggregate; pieces of the
-  node's own gradient still waiting in outboxes leave anyway (the others may use them).
+  Canary's bounding never blocks the fast workers (spec §5.5). The own GEI bit: a node keeps
+  its own gradient in its result for every slot (owned or not; an owner's total leaves the
+  sender's own contribution out, so nobody gets its own gradient back), so the bit is set in
+  every slot as soon as the colayer's round adds the gradient, just before its first piece
+  leaves (spec §4.4 item 4), unless it was already stale. Branch C drops the aggregate;
+  pieces of the node's own gradient still waiting in outboxes leave anyway (the others may
+  use them).
+* **Overtime** (branch C; a departure from the spec's ``t ← ζ``): the node goes on at
+  ``max(t + 1, i)``, ``i`` being the iteration of the model it took (the lender's own
+  iteration when it served it), or at ``t + 1`` with its own model when no peer gave one. When
+  the node at ζ lends its model, ``i`` is ζ (or newer: it moved on meanwhile); when it cannot
+  and a slower peer does, adopting ζ would give the node an iteration its parameters do not
+  have, and the next decisions would count it as up to date when it is not. ``t + 1`` at
+  least: a node's iterations only go up (rows and bsp rounds are keyed by them).
 * ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
   empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
   schedule (equal to ``ssgd`` with the sketch off).
@@ -147,7 +163,6 @@ class Canary(Strategy):
         self.exchange: Exchange | None = None
         self.colayers: tuple[Colayer, ...] = ()
         self.t = 0  # this node's iteration (Canary's ⟨t⟩)
-        self.zeta_node = ctx.node_id  # the node that reported ζ
         self.last_iter: dict[int, int] = {}  # the newest iteration each peer told us
         self.stopping = False
         self.next_step = 0  # the loop step the next rounds belong to
@@ -174,11 +189,11 @@ class Canary(Strategy):
             validate(s=self.opts.s, p=self.p, colayers=len(self.colayers))
         except ValueError as exc:
             raise ConfigError(f"canary: {exc}") from None
-        self.gei = GEIMatrix(len(self.colayers))
+        self.gei = GEIMatrix(len(self.colayers), me=self.ctx.node_id)
         self.fwd.start()
         self.ctx.rpc_server.register("canary.model", self._serve_model)
         self.t = self.next_step = self.start_step
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         if self.ctx.joining:
             self.resyncs = await self.regroup.join()
             self._resync_due = True
@@ -190,7 +205,7 @@ class Canary(Strategy):
             sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts.mode,
             staleness=self.opts.s, timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
             piece=max(1, self.ctx.collectives.piece_bytes // 4),
-            progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.zeta_node),
+            progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.gei.zeta_node),
                               stopping=lambda: self.stopping, on_header=self._header,
                               last=self._stop_flag if self.opts.mode == "bsp" else None))
         self.exchange.start()
@@ -333,7 +348,7 @@ class Canary(Strategy):
                     vec[c.lo:c.hi] = np.divide(r.sums, r.counts, out=np.zeros_like(r.sums), where=r.counts > 0)
             await self.ctx.replica.apply_gradients(vec)
             self.t = t + 1
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         self.gei.forget_before(self.t)  # only the current row decides
         return {"t": t, "zeta": zeta, "staleness": d.staleness, "branch": d.branch.value,
                 "complete": d.complete, "gei": row[:16] if len(members) <= 62 else [],
@@ -351,18 +366,10 @@ class Canary(Strategy):
         last = self.ctx.max_steps is not None and self.next_step + 1 >= self.ctx.max_steps
         return self.stopping or last
 
-    def _see(self, iteration: int, node: int) -> None:
-        """An iteration ``node`` reached: ζ and the node that reported it first."""
-        if iteration > self.gei.zeta:
-            self.zeta_node = node
-        self.gei.see(iteration)
-
     def _header(self, h: Header) -> None:
         if h.it > self.last_iter.get(h.origin, -1):
             self.last_iter[h.origin] = h.it
-        self._see(h.it, h.origin)
-        if h.zeta > self.gei.zeta:
-            self._see(h.zeta, h.zeta_node)
+        self.gei.heard(h.origin, h.it, h.zeta, h.zeta_node)
         if h.stop and not self.stopping:
             self.stopping = True
 
@@ -383,8 +390,9 @@ class Canary(Strategy):
         the freshest peers heard from). Returns the iteration of the model taken, or None when
         no peer gave one (the node then goes on with its own)."""
         me = self.ctx.node_id
-        heard = sorted((n for n in self.last_iter if n in members and n != me), key=lambda n: -self.last_iter[n])
-        first = [self.zeta_node] if self.zeta_node in members and self.zeta_node != me else []
+        heard = sorted((n for n in self.last_iter if n in members and n != me), key=lambda n: (-self.last_iter[n], n))
+        fastest = self.gei.zeta_node
+        first = [fastest] if fastest in members and fastest != me else []
         for n in dict.fromkeys([*first, *heard]):
             self._pulls += 1
             tag = f"canary.m.{me}.{self.ctx.transport.incarnation}.{self._pulls}"
@@ -402,7 +410,7 @@ class Canary(Strategy):
             finally:
                 self.ctx.transport.mailbox.retire(tag, exact=True)
             await self.ctx.replica.set_params(np.array(vec, copy=True))
-            self._see(it, n)
+            self.gei.see(it, n)
             log.info("node %d: canary overtime at iteration %d (ζ %d): took node %d's model (its iteration %d)",
                      me, self.t, self.gei.zeta, n, it)
             return int(it)
@@ -429,7 +437,7 @@ class Canary(Strategy):
             self.exchange = None
         self.resyncs, go_on, stopped = await self.regroup.average_state(self.resyncs, self.t, self.stopping)
         self.t = go_on - 1
-        self._see(self.t, self.ctx.node_id)
+        self.gei.see(self.t)
         self._resync_due = False
         if stopped:
             self.stopping = True

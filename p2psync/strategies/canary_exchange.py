@@ -172,23 +172,35 @@ class Exchange:
     async def round(self, z: int, t: int, grad: np.ndarray) -> RoundResult:
         """Exchange colayer ``z`` of iteration ``t`` (``grad``: its flat gradient)."""
         t0 = time.perf_counter()
+        self.contribute(z, t, grad)
+        await gather_or_cancel(self._thread(z, th, t) for th in range(self.layout.levels))
+        sums, counts, mask, stop = self.collect(z)
+        return RoundResult(sums, counts, mask, time.perf_counter() - t0, t0, stop)
+
+    def contribute(self, z: int, t: int, grad: np.ndarray) -> None:
+        """This node's own gradient of colayer ``z`` at iteration ``t`` into every slot (its own
+        GEI bit with it, spec §4.4 item 4); nothing when ``t`` is already older than ``ζ − s``."""
         flow = self.flows[z]
         if grad.size != self.sizes[z]:
             raise ValueError(f"colayer {z} has {self.sizes[z]} elements, got {grad.size}")
-        if not self._is_stale(t):
-            bit = node_bit(self.me)
-            g = np.asarray(grad, dtype=np.float32)
-            stop = (self.progress.last or self.progress.stopping)()
-            for s in flow.slots:
-                flow.add(s, 0, Datum(g[s.lo:s.hi].copy(), 1, bit, t, t, stop))
-        else:
+        if self._is_stale(t):
             self.stats.stale += 1
-        await gather_or_cancel(self._thread(z, th, t) for th in range(self.layout.levels))
+            return
+        bit = node_bit(self.me)
+        g = np.asarray(grad, dtype=np.float32)
+        stop = (self.progress.last or self.progress.stopping)()
+        for s in flow.slots:
+            flow.add(s, 0, Datum(g[s.lo:s.hi].copy(), 1, bit, t, t, stop))
+
+    def collect(self, z: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """Take what colayer ``z``'s slots hold: the sums, the contributions summed per element,
+        the GEI mask (the AND over the slots of their contributors: spec §4.4 item 3; 0 when a
+        slot holds nothing) and whether a contributor asked to stop."""
         sums = np.zeros(self.sizes[z], np.float32)
         counts = np.zeros(self.sizes[z], np.float32)
         mask, stop = -1, False
-        for s in flow.slots:
-            d = flow.take_result(s)
+        for s in self.flows[z].slots:
+            d = self.flows[z].take_result(s)
             if d is None:
                 mask = 0
                 continue
@@ -196,7 +208,7 @@ class Exchange:
             counts[s.lo:s.hi] = d.count
             mask &= d.mask
             stop = stop or d.stop
-        return RoundResult(sums, counts, max(mask, 0), time.perf_counter() - t0, t0, stop)
+        return sums, counts, max(mask, 0), stop
 
     async def _thread(self, z: int, th: int, t: int) -> None:
         for k in range(self.layout.steps):

@@ -11,7 +11,9 @@ Masks are Python ints, so any number of workers fits (the paper's footnote 3: 2^
 
 **GEI matrix** ``Q``: one row per iteration of this node (a contribution is recorded in the row
 of the iteration it will be applied in, spec §4.4.5); ``ζ`` is the newest iteration seen
-anywhere (own, and every message's header), i.e. the fastest worker's.
+anywhere (own, and every message's header, empty packets included: spec §4.4.6, §6.5), i.e.
+the fastest worker's, and the node at ``ζ`` (the lowest id of those seen there, spec §5.4's
+tie rule): both a maximum, so they do not depend on the order messages arrive in.
 
 **Staleness bounding** (Pseudocode 1 as the spec resolves it, §5.3-§5.4): at the end of
 iteration ``t`` with ``s_cur = ζ − t``:
@@ -20,7 +22,8 @@ iteration ``t`` with ``s_cur = ζ − t``:
 * B — ``s_cur > s`` but at least ``p`` colayers are complete: apply, go on (the paper does not
   write this branch out; overtime needs both conditions);
 * C — *overtime*: drop the iteration's gradients, pull the model from the fastest worker,
-  adopt ``t = ζ``.
+  adopt ``t = ζ`` (the strategy adopts the iteration of the model it took: see
+  :mod:`p2psync.strategies.canary`).
 
 A colayer is *complete* when its mask holds every bit of the required mask (``(r & m) == m``;
 the printed line 10 compares with 1, which only works for worker 1), by default every member
@@ -149,14 +152,17 @@ def validate(*, s: float, p: int, colayers: int) -> None:
 
 
 class GEIMatrix:
-    """``Q``: per iteration, one mask per colayer; and ``ζ``."""
+    """``Q`` of node ``me``: per iteration, one mask per colayer; ``ζ`` and the node at ``ζ``."""
 
-    def __init__(self, colayers: int) -> None:
+    def __init__(self, colayers: int, me: int = 0) -> None:
         if colayers < 1:
             raise ValueError("at least one colayer")
         self.k = colayers
+        self.me = me
         self.rows: dict[int, list[int]] = {}
         self.zeta = 0
+        #: the fastest worker: of the nodes seen at ζ, the lowest id
+        self.zeta_node = me
 
     def row(self, t: int) -> list[int]:
         """Row ``⟨t⟩`` (created on first use; a new iteration also raises ζ)."""
@@ -172,10 +178,19 @@ class GEIMatrix:
             raise ValueError(f"colayer {z} outside [0, {self.k})")
         self.row(t)[z] |= mask
 
-    def see(self, iteration: int) -> None:
-        """An iteration index seen in a header (or this node's own): ζ = max."""
-        if iteration > self.zeta:
-            self.zeta = iteration
+    def see(self, iteration: int, node: int | None = None) -> None:
+        """``node`` (default: this one) reached ``iteration``: ζ = max; the node at ζ with the
+        lowest id."""
+        node = self.me if node is None else node
+        if iteration > self.zeta or (iteration == self.zeta and node < self.zeta_node):
+            self.zeta, self.zeta_node = iteration, node
+
+    def heard(self, origin: int, it: int, zeta: int, zeta_node: int) -> None:
+        """A message's header, data or empty packet: its sender ``origin`` is at iteration
+        ``it`` and knew of ``zeta``, reached by ``zeta_node`` (ζ spreads hop by hop). Sets no
+        GEI bit: bits come with data only."""
+        self.see(it, origin)
+        self.see(zeta, zeta_node)
 
     def forget_before(self, t: int) -> None:
         """Drop rows older than ``t`` (rows older than ζ − s − 1 can change no decision)."""

@@ -203,7 +203,7 @@ async def test_overtime_pull_falls_back_to_the_next_candidate():
             await strats[2].ctx.rpc_server.close()
             eps[0].mark_dead(2)
             s0 = strats[0]
-            s0.last_iter, s0.zeta_node, s0.t = {2: 90, 1: 50}, 2, 10
+            s0.last_iter, s0.gei.zeta_node, s0.t = {2: 90, 1: 50}, 2, 10
             strats[1].t = 57
             got = await asyncio.wait_for(s0._pull_fastest((0, 1, 2)), 30)
             mine, theirs = await s0.ctx.replica.get_params(), await strats[1].ctx.replica.get_params()

@@ -1,4 +1,5 @@
-"""bench/canary.py's pure parts: peak NIC rate, bytes per iteration, the target lines."""
+"""bench/canary.py's pure parts: peak NIC rate, bytes per iteration, the target lines, the
+Canary colayer options."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import math
 from bench import canary as b
 
 
-def _node(points, accs=None):
-    """points: (time, {nic: sent bytes}) cumulative."""
+def _node(points, accs=None, **extra):
+    """points: (time, {nic: sent bytes}) cumulative; ``extra`` in every record (a strategy's)."""
     accs = accs or {}
     return [{"time": t, "step": i, "nics": {k: {"sent": v} for k, v in nics.items()},
-             **({"accuracy": accs[i]} if i in accs else {})} for i, (t, nics) in enumerate(points)]
+             **({"accuracy": accs[i]} if i in accs else {}), **extra} for i, (t, nics) in enumerate(points)]
 
 
 def test_peak_rate_takes_the_busiest_nic_over_one_second_windows():
@@ -40,3 +41,24 @@ def test_target_lines():
     assert b.targets([bsp, slow])[0].endswith("FAIL") and "not reached by Canary" in b.targets([bsp, slow])[1]
     six = b.Outcome(b.CONFIGS[3], "2x2", 6.0, 0.95, 1e5, 0.2, 280)
     assert [ln.split(":")[0] for ln in b.targets([bsp, can, six])][3:] == ["- BCube(2x2) Canary (6-bit sketch)"] * 3
+
+
+def test_canary_runs_with_several_colayers_and_a_p_below_their_number():
+    """The MLP's two layers, one colayer each (the automatic rule makes one: nothing to
+    pipeline), and p = round(0.6 k) within [1, k]: 1 of 2 (the paper's 6 of 10)."""
+    assert b.colayer_opts(2, None) == ["--opt", "colayers=2", "--opt", "p=1"]
+    assert b.colayer_opts(10, None)[-1] == "p=6" and b.colayer_opts(1, None)[-1] == "p=1"
+    assert b.colayer_opts(2, 2)[-1] == "p=2"
+    assert b.colayer_opts(0, None) == []  # Canary's automatic rule and default p
+    assert all(c.argv[:2] == b.CANARY for c in b.CONFIGS[1:]) and b.CONFIGS[0].argv[:2] != b.CANARY
+    assert ("--codec", "sketch8p") == b.CONFIGS[-1].argv[-2:]  # the paper's sketch has a row
+
+
+def test_the_table_shows_colayers_and_decisions():
+    nodes = [_node([(0.0, {"l0": 0}), (1.0, {"l0": 1000})], {1: 0.9}, colayers=2, branches={"A": 5, "B": k, "C": 1})
+             for k in (0, 2)]
+    o = b.analyse(b.CONFIGS[1], "2x2", nodes, 0.95, nic_mbps=1.0)
+    assert o.colayers == 2 and o.branches == {"A": 10, "B": 2, "C": 2}
+    bsp = b.analyse(b.CONFIGS[0], "2x2", [_node([(0.0, {"l0": 0}), (1.0, {"l0": 3000})], {1: 0.9})], 0.95, 1.0)
+    rows = b.report([bsp, b.combine([o, o])], 0.95).splitlines()
+    assert rows[2].endswith("| - | - |") and rows[3].endswith("| 2 | 20/4/4 |")

@@ -92,6 +92,22 @@ def test_matrix_zeta_and_forgetting():
         q.record(4, 2, 1)
 
 
+def test_zeta_and_the_fastest_worker_from_headers():
+    """ζ = max(own, every header's iteration and relayed ζ); the node at ζ is the lowest id of
+    those seen there (spec §5.4), so neither depends on the order headers arrive in (the
+    shuffled rounds: test_canary_arrivals)."""
+    q = GEIMatrix(2, me=3)
+    q.see(4)
+    assert (q.zeta, q.zeta_node) == (4, 3)
+    q.heard(origin=5, it=4, zeta=6, zeta_node=2)  # node 5 relays: node 2 reached 6
+    assert (q.zeta, q.zeta_node) == (6, 2)
+    q.heard(origin=1, it=6, zeta=6, zeta_node=1)  # a tie at ζ
+    assert (q.zeta, q.zeta_node) == (6, 1)
+    q.heard(origin=0, it=5, zeta=6, zeta_node=2)
+    q.see(6)
+    assert (q.zeta, q.zeta_node) == (6, 1) and not q.rows  # headers set no GEI bit
+
+
 def test_paper_configuration_is_valid():
     validate(s=18, p=6, colayers=10)  # C19
     for bad in ({"s": -1, "p": 1, "colayers": 2}, {"s": 1, "p": 3, "colayers": 2}):

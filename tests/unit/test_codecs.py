@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, get_codec
+from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, Sketch8Paper, codec_usage, get_codec
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.topology import mesh
 from tests.helpers import make_trainer
@@ -41,7 +41,7 @@ def test_roundtrip_bounds(x):
         np.testing.assert_allclose(codec.roundtrip(c), c, rtol=1e-6)
 
 
-@pytest.mark.parametrize("codec", [Int8Uniform, Sketch8])
+@pytest.mark.parametrize("codec", [Int8Uniform, Sketch8, Sketch8Paper])
 def test_numba_and_numpy_paths_agree(codec):
     x = (np.random.default_rng(0).standard_t(2, 50_001) * 1e-3).astype(np.float32)
     a = codec(use_numba=True).encode(x)
@@ -62,6 +62,45 @@ def test_sketch_paper_mode_equal_mass_and_midpoints():
     q = c.quantiles(x)
     np.testing.assert_allclose(reps, (q[:-1] + q[1:]) / 2, rtol=1e-6)
     assert codes.dtype == np.uint8  # Step 3: one byte per value
+
+
+@pytest.mark.parametrize("use_numba", [True, False])
+def test_the_specs_worked_sketch_example(use_numba):
+    """Spec §2.4 / C13 with the paper's sketch: g = [0.5, −2, 0.1, 3, −0.3, 0, 1.2, −0.8], B = 4
+    (2 bits): q = [−2, −0.3, 0.1, 1.2, 3], codes [2, 0, 2, 3, 1, 1, 3, 0] (equi-depth: 2 per
+    bucket), representatives the midpoints [−1.15, −0.1, 0.65, 2.1], largest error 0.9 (half
+    the last bucket)."""
+    g = np.array([0.5, -2.0, 0.1, 3.0, -0.3, 0.0, 1.2, -0.8], np.float32)
+    c = Sketch8Paper(bits=2, use_numba=use_numba)
+    np.testing.assert_allclose(c.quantiles(g), [-2.0, -0.3, 0.1, 1.2, 3.0])
+    packed, reps = c.encode(g)
+    assert packed.nbytes == 2  # 8 codes x 2 bits
+    codes = c.decode([packed, np.arange(4, dtype=np.float32)], g.size)  # the table 0..3 reads the codes
+    assert codes.tolist() == [2, 0, 2, 3, 1, 1, 3, 0]
+    assert np.bincount(codes.astype(int), minlength=4).tolist() == [2, 2, 2, 2]
+    np.testing.assert_allclose(reps, [-1.15, -0.1, 0.65, 2.1], rtol=1e-6)
+    out = c.decode([packed, reps], g.size)
+    np.testing.assert_allclose(out, [0.65, -1.15, 0.65, 2.1, -0.1, -0.1, 2.1, -1.15], rtol=1e-6)
+    assert float(np.abs(out - g).max()) == pytest.approx(0.9, rel=1e-6)
+
+
+def test_the_paper_sketch_is_a_codec_of_its_own():
+    """``sketch8p[:BITS]`` selects the paper-exact variant (spec §2: the paper's sketch vs
+    p2psync's default ``sketch8``) wherever a codec is named (``--codec``)."""
+    c = get_codec("sketch8p")
+    assert isinstance(c, Sketch8Paper) and c.spec == "sketch8p" and c.bits == 8
+    assert (c.boundaries, c.representative) == ("quantile", "mid")
+    six = get_codec("sketch8p:6")
+    assert isinstance(six, Sketch8Paper) and six.spec == "sketch8p:6" and six.bits == 6
+    assert six.representative == "mid"
+    default = get_codec("sketch8")
+    assert not isinstance(default, Sketch8Paper) and (default.boundaries, default.representative) == ("hybrid", "mean")
+    assert "sketch8p[:BITS]" in codec_usage()
+    x = np.random.default_rng(4).standard_t(3, 5000).astype(np.float32)
+    assert np.array_equal(c.roundtrip(x), Sketch8(boundaries="quantile", representative="mid").roundtrip(x))
+    for bad in ("sketch8p:9", "sketch8p:x"):
+        with pytest.raises(ConfigError, match="sketch8p"):
+            get_codec(bad)
 
 
 def _real_gradients():
