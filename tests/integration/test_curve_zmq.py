@@ -180,3 +180,41 @@ async def test_unknown_keys_each_counted_logged_once(caplog: pytest.LogCaptureFi
         await node1.close()
         ctx.destroy(linger=0)
 
+
+async def test_zap_handler_error_refuses_that_handshake_and_serves_the_next(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An exception while answering one ZAP request (here: the endpoint's refusal callback)
+    refuses that handshake (fail closed) and is logged once; the handler still answers the next
+    requests (it used to leave its REP socket waiting for a reply: every later handshake hung)."""
+    topo, keys = keyed(mesh(2, base_port=free_port()))
+    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    counted = node1._refused
+    calls = []
+
+    def refused(nic: str, address: str, key: str) -> None:
+        calls.append(key)
+        if len(calls) <= 2:
+            raise RuntimeError("bug in a refusal callback")
+        counted(nic, address, key)
+
+    node1._refused = refused  # type: ignore[method-assign]  # read by start()
+    ctx: zmq.Context[Any] = zmq.Context()
+    node0: ZmqEndpoint | None = None
+    try:
+        await node1.start()
+        with caplog.at_level(logging.WARNING, logger="p2psync.transport"):
+            imps = [_impostor(ctx, topo, claims=f"0/eth0/x{i}", target=1) for i in range(3)]
+            await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the third handshake refused")
+        zap = node1._zap
+        assert zap is not None and (zap.errors, zap.refused, zap.accepted) == (2, 3, 0), len(imps)
+        assert sum("internal error" in r.getMessage() for r in caplog.records) == 1
+        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
+        await node0.start()  # its handshakes with node 1 are accepted
+        await node0.send(1, "hello", kind="event", meta={"n": 1})
+        assert (await node1.recv("hello", timeout=10)).src == 0
+        assert zap.accepted >= 1 and node1.rejected["unknown_key"] == 1
+    finally:
+        if node0 is not None:
+            await node0.close()
+        await node1.close()
+        ctx.destroy(linger=0)
