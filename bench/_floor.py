@@ -10,6 +10,12 @@ node moves 2(N-1)/N of the tensor each way, in the same messages, with the same 
 p2psync ring does — but with no header encoding or validation, no tags, no mailbox, no event
 loop, no flow control: what ZeroMQ and numpy alone need. ``transport``: ``tcp`` (127.0.0.x, as
 the p2psync rows) or ``ipc`` (Unix domain sockets).
+
+``curve`` (issue 16): the same with CurveZMQ on both sockets (:func:`floor_keys`; the PULL
+socket a CURVE server, the PUSH socket a client that knows its right neighbour's public key),
+so the floor pays ZeroMQ's own encryption and decryption, as a keyed p2psync cluster does. No
+ZAP handler: p2psync's is asked once per handshake, nothing per message. ``io_threads``: the
+ZeroMQ context's IO threads (they run the encryption).
 """
 
 from __future__ import annotations
@@ -33,14 +39,29 @@ def floor_endpoints(transport: str, n: int, port: int) -> list[str]:
     return [f"tcp://127.0.0.{i + 1}:{port + i}" for i in range(n)]
 
 
-def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int, q: Any,
-                 piece_bytes: int = 1 << 20) -> None:
+def floor_keys(n: int) -> list[tuple[bytes, bytes]]:
+    """One CurveZMQ key pair (public, secret) per rank, for ``floor_worker(curve=...)``."""
     import zmq
 
-    ctx = zmq.Context()
+    return [zmq.curve_keypair() for _ in range(n)]
+
+
+def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int, q: Any,
+                 piece_bytes: int = 1 << 20, curve: list[tuple[bytes, bytes]] | None = None,
+                 io_threads: int = 1) -> None:
+    import zmq
+
+    ctx = zmq.Context(io_threads=io_threads)
     pull = ctx.socket(zmq.PULL)
-    pull.bind(endpoints[rank])
     push = ctx.socket(zmq.PUSH)
+    if curve is not None:
+        pub, sec = curve[rank]
+        for s in (pull, push):
+            s.setsockopt(zmq.CURVE_PUBLICKEY, pub)
+            s.setsockopt(zmq.CURVE_SECRETKEY, sec)
+        pull.setsockopt(zmq.CURVE_SERVER, 1)
+        push.setsockopt(zmq.CURVE_SERVERKEY, curve[(rank + 1) % n][0])
+    pull.bind(endpoints[rank])
     push.setsockopt(zmq.SNDHWM, 64)
     push.connect(endpoints[(rank + 1) % n])
     x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)

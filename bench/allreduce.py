@@ -1,6 +1,7 @@
 """Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
 
     python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--rows ROW ...] [--curve-only]
+                              [--piece-kib 1024] [--io-threads 1]
     python -m bench.allreduce --shaped [--nodes 4] [--mb 25] [--rate-mbit 1000]   # as root
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
@@ -20,9 +21,14 @@ floor and the p2psync ring run on a one-NIC topology (all nodes on one network, 
 one interface); p2psync BCube(2, 2) stripes over two NICs per node. Link utilisation = bytes
 each NIC must send / time / rate (the ring: busbw / rate; BCube: busbw / (2 rate)).
 
-The CURVE row (issue 16) is the plain p2psync ring again with a keyed cluster: every socket runs
-CurveZMQ (encrypted and authenticated), so its ratio to the plain ring row of the same run is
-the cost of authentication; ``--curve-only`` measures just those two rows.
+The CURVE rows (issue 16): the plain p2psync ring again with a keyed cluster (every socket runs
+CurveZMQ, encrypted and authenticated), and the tcp floor again with CurveZMQ on its sockets
+(``bench._floor``, ``curve``). Their ratios to the plain rows of the same run, side by side,
+separate what CURVE costs ZeroMQ itself on this machine from what p2psync adds on top;
+``--curve-only`` measures just those four rows. ``--piece-kib`` sets the piece size of the
+p2psync collectives and of the floor alike; ``--io-threads`` the ZeroMQ IO threads per node
+(p2psync's ``SocketOptions.io_threads`` and the floor's context; CurveZMQ encrypts and decrypts
+in those threads, one by default).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import markdown_table, save_png
-from bench._floor import floor_endpoints, floor_worker
+from bench._floor import floor_endpoints, floor_keys, floor_worker
 
 
 def _port() -> int:
@@ -57,7 +63,8 @@ def _topology(algo: str, n: int, port: int):
 
 
 def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: int, reps: int,
-                   q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None, topo: Any = None) -> None:
+                   q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None, topo: Any = None,
+                   io_threads: int = 1) -> None:
     import uvloop
 
     from p2psync.collectives import Collectives
@@ -70,7 +77,7 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
         if keys is not None:  # a keyed cluster: CurveZMQ on every socket
             topo = with_public_keys(topo, keys)
         ep = ZmqEndpoint(topology=topo, node_id=rank, default_timeout=120,
-                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf),
+                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf, io_threads=io_threads),
                          keys=keys[rank] if keys is not None else None)
         await ep.start()
         coll = Collectives(ep, timeout=120, codec=codec, algo=algo, piece_bytes=piece_kib << 10)
@@ -106,7 +113,7 @@ def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any, add
 
 
 def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: str = "none",
-            piece_kib: int = 1024, sockbuf: int = 0, curve: bool = False) -> float:
+            piece_kib: int = 1024, sockbuf: int = 0, curve: bool = False, io_threads: int = 1) -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     elems = int(mb * 1e6 / 4)
@@ -115,7 +122,8 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
         procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
     elif kind.startswith("floor"):
         eps = floor_endpoints(kind.partition("-")[2] or "tcp", n, port)
-        procs = [ctx.Process(target=floor_worker, args=(r, n, elems, eps, reps, q, piece_kib << 10))
+        fkeys = floor_keys(n) if curve else None
+        procs = [ctx.Process(target=floor_worker, args=(r, n, elems, eps, reps, q, piece_kib << 10, fkeys, io_threads))
                  for r in range(n)]
     else:
         keys = None
@@ -124,7 +132,8 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
 
             keys = generate(_topology(algo, n, port))
         procs = [ctx.Process(target=p2psync_worker,
-                             args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf, keys))
+                             args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf, keys, None,
+                                   io_threads))
                  for r in range(n)]
     for p in procs:
         p.start()
@@ -140,6 +149,7 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
 CONFIGS = [("gloo", "gloo", "gloo", "ring", "none", False),
            ("floor-ipc", "zmq floor (ipc)", "floor-ipc", "ring", "none", False),
            ("floor-tcp", "zmq floor (tcp)", "floor-tcp", "ring", "none", False),
+           ("floor-tcp+curve", "zmq floor (tcp) + CURVE", "floor-tcp", "ring", "none", True),
            ("ring", "p2psync ring", "p2psync", "ring", "none", False),
            ("mesh", "p2psync mesh", "p2psync", "mesh", "none", False),
            ("bcube", "p2psync bcube", "p2psync", "bcube", "none", False),
@@ -233,6 +243,13 @@ def shaped(nodes: int, sizes: list[float], reps: int, rate_mbit: float) -> None:
     print("\nplot:", save_png(fig, "allreduce_shaped.png"))
 
 
+def _curve_cells(pair: dict[tuple[str, bool], float], kind: str) -> list[Any]:
+    """Bus GB/s off, with CURVE, and their ratio ('-' where a row was not measured)."""
+    off, on = pair.get((kind, False)), pair.get((kind, True))
+    return [off if off is not None else "-", on if on is not None else "-",
+            on / off if on is not None and off else "-"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
@@ -241,7 +258,11 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", choices=[c[0] for c in CONFIGS],
                     help="measure only these rows (default: all but the kernel-shaped ones)")
     ap.add_argument("--curve-only", action="store_true",
-                    help="only the plain p2psync ring and the same ring with CURVE on every socket")
+                    help="only the plain p2psync ring and tcp floor, and the same two with CURVE on every socket")
+    ap.add_argument("--piece-kib", type=int, default=1024,
+                    help="piece size of the collectives (and of the floor's messages), KiB")
+    ap.add_argument("--io-threads", type=int, default=1,
+                    help="ZeroMQ IO threads per node (they run CurveZMQ's encryption)")
     ap.add_argument("--shaped", action="store_true",
                     help="instead: kernel-shaped links (network namespaces, veth, tbf per NIC; needs root)")
     ap.add_argument("--rate-mbit", type=float, default=1000, help="--shaped: tbf rate per NIC (Mb/s)")
@@ -252,33 +273,38 @@ def main() -> None:
         return
     configs = [c for c in CONFIGS if args.rows is None or c[0] in args.rows]
     if args.curve_only:
-        configs = [c for c in CONFIGS if c[0] in ("ring", "ring+curve")]
+        configs = [c for c in CONFIGS if c[0] in ("floor-tcp", "floor-tcp+curve", "ring", "ring+curve")]
     rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = plain = floor = None
+            base = floor = None
+            pair: dict[tuple[str, bool], float] = {}  # (kind, curve) -> bus GB/s: the CURVE table
             for _name, label, kind, algo, codec, curve in configs:
-                secs = measure(kind, n, mb, args.reps, algo, codec, curve=curve)
+                secs = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib, curve=curve,
+                               io_threads=args.io_threads)
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
-                if kind == "floor-tcp":
+                if kind == "floor-tcp" and not curve:
                     floor = busbw
-                if kind == "p2psync" and algo == "ring" and codec == "none":
-                    if curve and plain:
-                        curve_rows.append([n, f"{mb:g} MB", plain, busbw, busbw / plain])
-                    elif not curve:
-                        plain = busbw
+                if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none":
+                    pair[kind, curve] = busbw
                 rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-",
                              busbw / floor if floor else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))
                 print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
-    print("\n## Allreduce bus bandwidth (loopback, 2 cores)\n")
+            if ("p2psync", True) in pair or ("floor-tcp", True) in pair:
+                curve_rows.append([n, f"{mb:g} MB", *_curve_cells(pair, "p2psync"), *_curve_cells(pair, "floor-tcp")])
+    print(f"\n## Allreduce bus bandwidth (loopback, {os.cpu_count()} cores; pieces {args.piece_kib} KiB, "
+          f"{args.io_threads} ZeroMQ IO thread(s) per node)\n")
     print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo", "× floor (tcp)"],
                          rows))
     if curve_rows:
-        print("\n## CURVE on every socket vs off (p2psync ring, same run; target >= 0.7x)\n")
-        print(markdown_table(["nodes", "size", "off: bus GB/s", "CURVE: bus GB/s", "× off"], curve_rows))
+        print("\n## CURVE on every socket vs off (same run; target for p2psync >= 0.7x; the tcp floor's "
+              "ratio is what CURVE costs ZeroMQ itself here)\n")
+        print(markdown_table(["nodes", "size", "p2psync off: bus GB/s", "p2psync CURVE: bus GB/s",
+                              "p2psync CURVE / off", "floor off: bus GB/s", "floor CURVE: bus GB/s",
+                              "floor CURVE / off"], curve_rows))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,6 +14,8 @@ The launcher starts CMD once per node with these variables added to its environm
 ``RANK`` / ``WORLD_SIZE``  torchrun's names: index of the node id among the sorted topology ids,
                       number of nodes
 ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``  among the nodes this launcher started on this host
+``P2PSYNC_UNAUTHENTICATED_WARNED``  ``1`` when the launcher already said that the cluster has no
+                      keys (:data:`p2psync.transport.keys.ENV_WARNED`): the node does not repeat it
 
 ``P2PSYNC_TOPOLOGY`` and ``P2PSYNC_STRATEGY`` win over the same fields of ``P2PSYNC_CONFIG``,
 so one of them can be changed by hand. Nothing is read at import time.

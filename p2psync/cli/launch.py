@@ -28,6 +28,7 @@ from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.metrics import bytes_sent
+from p2psync.transport.keys import warned_env
 from p2psync.api.runtime import default_run_id
 
 #: how to start node I: its command line and its environment (None: the launcher's own)
@@ -255,6 +256,8 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
             logs.append(log_f)
             prefix = netns.exec_prefix(i) if netns is not None else []
             try:
+                # the launcher said it already if the cluster is unauthenticated: not every node again
+                env = {**(os.environ if env is None else env), **warned_env()}
                 procs[i] = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
             except OSError as exc:

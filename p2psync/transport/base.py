@@ -14,9 +14,10 @@ skipped at once), then shares the budget among them. Callers that need end-to-en
 (``attempt`` rotates the first hop); tensors (``data``) only ever go to adjacent peers.
 
 Incoming frames go through :meth:`Transport._ingest`, which decodes strictly, rejects and counts
-bad messages (logged once per peer and reason) and never raises. Every header carries the run id
-and the sender's incarnation: traffic of another run (``wrong_run``) or of an older incarnation
-of a node than the one the membership registered (``stale_incarnation``,
+bad messages (logged once per peer and reason, in bounded memory; a sender label the sender
+chose, such as an unknown routing id, once per NIC and reason) and never raises. Every header
+carries the run id and the sender's incarnation: traffic of another run (``wrong_run``) or of
+an older incarnation of a node than the one the membership registered (``stale_incarnation``,
 :attr:`Transport.peer_incarnations`) is rejected, counted in :attr:`Transport.rejected` and never
 delivered nor relayed. Any accepted message is proof of life of its origin (and of the
 neighbour that handed it over): :attr:`Transport.last_arrival` keeps the monotonic arrival time
@@ -62,6 +63,7 @@ import numpy as np
 from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
+from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
 from p2psync.transport.relay_auth import ReplayWindow
@@ -147,7 +149,8 @@ class Transport(Relaying, ABC):
         self._windows: dict[int, ByteWindow] = {}
         self.nic_stats: dict[str, NicStats] = {n.name: NicStats() for n in self.node.nics}
         self.rejected: Counter[str] = Counter()
-        self._logged: set[tuple[str, str]] = set()
+        #: (sender, reason) pairs already logged (bounded; see transport/log_once.py)
+        self._log_once = LogOnce()
         self._closed = False
         self.dead: set[int] = set()
         self.relayed = 0
@@ -338,19 +341,23 @@ class Transport(Relaying, ABC):
         self.rejected[reason] += 1
         if nic in self.nic_stats:
             self.nic_stats[nic].rejected += 1
-        if (str(msg.src), reason) not in self._logged:
-            self._logged.add((str(msg.src), reason))
+        note = self._log_once.check(str(msg.src), reason)
+        if note is not None:
             log.info("node %d: mailbox dropped message %r from node %d: %s (logged once per "
-                     "peer and reason)", self.node_id, msg.tag, msg.src, reason)
+                     "peer and reason)%s", self.node_id, msg.tag, msg.src, reason, note)
 
-    def _reject(self, nic: str, peer: str, reason: str, detail: str) -> None:
+    def _reject(self, nic: str, peer: str, reason: str, detail: str, *, per_peer: bool = True) -> None:
+        """Count a rejected message (or handshake) and log the first of each (``peer``,
+        ``reason``); ``per_peer=False`` when the sender chose ``peer`` (an unknown routing id or
+        key): logged once per (NIC, reason) instead, every one still counted."""
         self.rejected[reason] += 1
         if nic in self.nic_stats:
             self.nic_stats[nic].rejected += 1
-        if (peer, reason) not in self._logged:
-            self._logged.add((peer, reason))
-            log.warning("node %d NIC %s: rejected message from %s: %s %s",
-                        self.node_id, nic, peer, reason, detail)
+        note = self._log_once.check(peer if per_peer else f"NIC {nic}", reason)
+        if note is not None:
+            log.warning("node %d NIC %s: rejected message from %s: %s %s%s%s", self.node_id, nic, peer, reason,
+                        detail, "" if per_peer else " (logged once per NIC and reason; every one is counted)",
+                        note)
 
     def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any]) -> None:
         """Decode and deliver one received message; never raises."""
@@ -359,7 +366,7 @@ class Transport(Relaying, ABC):
         st.bytes_recv += nbytes
         st.msgs_recv += 1
         if peer_id is None:
-            self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology")
+            self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology", per_peer=False)
             return
         try:
             msg = decode(frames, self.limits)

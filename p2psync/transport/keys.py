@@ -150,7 +150,8 @@ def _parse(doc: Any, path: Path, topo: Topology, node: int) -> NodeKeys:
 
 def node_keys(directory: str | None, topo: Topology, node: int, *, topo_path: str) -> NodeKeys | None:
     """Node ``node``'s keys for a run: required (and checked) when the topology lists public
-    keys, refused when it does not; None for an unkeyed cluster, which is said once."""
+    keys, refused when it does not; None for an unkeyed cluster, which is said once per run
+    (:func:`warn_unauthenticated`)."""
     if topo.keyed:
         if not directory:
             raise ConfigError(f"{topo_path} lists public keys (a keyed cluster): give --keys DIR with the "
@@ -163,17 +164,29 @@ def node_keys(directory: str | None, topo: Topology, node: int, *, topo_path: st
     return None
 
 
+#: set in the environment of the processes a launcher starts for a run it has already said is
+#: unauthenticated (:func:`warned_env`): they do not say it again
+ENV_WARNED = "P2PSYNC_UNAUTHENTICATED_WARNED"
 _warned_unauthenticated = False
 
 
 def warn_unauthenticated(topo_path: str) -> None:
-    """Say once per process that a run without keys authenticates nobody."""
+    """Say once per run that a run without keys authenticates nobody: once per process, and
+    not at all in a process whose launcher said it already (:data:`ENV_WARNED`)."""
     global _warned_unauthenticated
     if not _warned_unauthenticated:
         _warned_unauthenticated = True
+        if os.environ.get(ENV_WARNED) == "1":
+            return
         print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
               "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
 
 
-__all__ = ["ENV_KEYS", "NodeKeys", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
-           "with_public_keys", "write_key_dir"]
+def warned_env() -> dict[str, str]:
+    """What to add to the environment of a process this one starts for the same run (a node, or
+    the script it becomes): the warning is not repeated there if it was given here."""
+    return {ENV_WARNED: "1"} if _warned_unauthenticated else {}
+
+
+__all__ = ["ENV_KEYS", "ENV_WARNED", "NodeKeys", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
+           "warned_env", "with_public_keys", "write_key_dir"]

@@ -6,7 +6,7 @@ This handler answers from the topology's public keys: a known key is accepted wi
 id as its *user id* (ZeroMQ then stamps it on every message of that connection as the
 ``User-Id`` property, which the endpoint compares with the routing id the peer claims); any
 other key, or another mechanism, is refused, and ``on_refused`` is told (the endpoint counts
-and logs it). Requests are served on the event loop, like the endpoint's sockets (the REP
+and logs it). Every request gets a reply: an error while answering refuses the handshake. Requests are served on the event loop, like the endpoint's sockets (the REP
 socket's descriptor is watched with ``add_reader``); ``ZAP_ENFORCE_DOMAIN`` on the endpoint's
 sockets makes a handshake fail rather than pass unchecked if this handler is not bound.
 """
@@ -37,6 +37,8 @@ class ZapHandler:
         self.on_refused = on_refused
         self.accepted = 0
         self.refused = 0
+        #: requests refused because answering them raised (a bug; fail closed)
+        self.errors = 0
         self._sock: "zmq.Socket[Any] | None" = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
@@ -52,18 +54,32 @@ class ZapHandler:
         loop.call_soon(self._serve)
 
     def _serve(self) -> None:
-        """Answer every waiting request (loop callback; never raises)."""
+        """Answer every waiting request (loop callback; never raises). Every request received
+        is answered, also when :meth:`answer` fails: a REP socket that received and did not
+        reply would take no further request, and every later handshake would hang."""
         sock = self._sock
         while sock is not None and not sock.closed:
             try:
                 if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
                 request = sock.recv_multipart(zmq.NOBLOCK)
-                sock.send_multipart(self.answer(request), zmq.NOBLOCK)
+                sock.send_multipart(self._answer_safely(request), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 if not sock.closed:
                     log.warning("ZAP handler: %s", exc)
                 return
+
+    def _answer_safely(self, request: list[bytes]) -> list[bytes]:
+        """:meth:`answer`, or a refusal (500, fail closed) if it raised; the first error is
+        logged with its traceback, all are counted in :attr:`errors`."""
+        try:
+            return self.answer(request)
+        except Exception:
+            self.errors += 1
+            if self.errors == 1:
+                log.exception("ZAP handler: internal error (the handshake is refused; logged once)")
+            rid = request[1] if len(request) > 1 else b""
+            return [ZAP_VERSION, rid, b"500", b"internal error", b"", b""]
 
     def answer(self, request: list[bytes]) -> list[bytes]:
         """The reply frames to one ZAP request."""

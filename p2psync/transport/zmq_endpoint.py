@@ -56,8 +56,8 @@ pipes. Each keyed connection claims its id with a secret random suffix (``"...#<
 sent only inside the CURVE handshake to the node it connects to), so another key holder cannot
 take a node's id at a receiver before that node connects (or while it reconnects) and have the
 real connection ignored as a duplicate. A peer with an unknown key never completes a
-handshake, so it delivers nothing; each refused attempt is counted (``unknown_key``) and logged
-once per key. Relayed control messages are checked end to end by
+handshake, so it delivers nothing; each refused attempt is counted (``unknown_key``) and the
+first is logged, once per NIC (a sender can make fresh keys without end). Relayed control messages are checked end to end by
 :mod:`p2psync.transport.relay_auth`.
 """
 
@@ -278,8 +278,8 @@ class ZmqEndpoint(Transport):
     def _refused(self, nic: str, address: str, key: str) -> None:
         """The ZAP handler refused a handshake (a key that is not in the topology)."""
         self._reject(nic, f"key {key[:12]}...", "unknown_key",
-                     f"from {address}: its CurveZMQ key is not in the topology; handshake refused "
-                     "(counted; logged once per key)")
+                     f"from {address}: its CurveZMQ key is not in the topology; handshake refused",
+                     per_peer=False)
 
     def socket_mechanisms(self) -> dict[str, int]:
         """Security mechanism (``zmq.CURVE``, ``zmq.NULL``) of every network socket, by label."""

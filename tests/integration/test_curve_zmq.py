@@ -5,6 +5,7 @@ verified end to end, impostors refused and counted."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import numpy as np
@@ -157,3 +158,63 @@ async def test_forged_relayed_failure_event_is_rejected() -> None:
         frames = encode(kind="event", src=0, dst=1, hops=1, tag="event.peer_failed", meta={}, run=0, inc=1)
         await eps[2]._send_direct(1, eps[2].route(1), 5.0, frames)
         assert (await eps[1].recv("event.peer_failed", timeout=10)).src == 0  # unkeyed: believed
+
+
+async def test_unknown_keys_each_counted_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An attacker presenting a fresh key pair per attempt: every refused handshake is counted,
+    one line is logged (per NIC and reason, not per key), and what the endpoint remembers for
+    its log does not grow with the keys."""
+    topo, keys = keyed(mesh(2, base_port=free_port()))
+    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        await node1.start()
+        with caplog.at_level(logging.INFO, logger="p2psync.transport"):
+            imps = [_impostor(ctx, topo, claims=f"0/eth0/x{i}", target=1) for i in range(6)]
+            await until(lambda: node1.rejected["unknown_key"] >= 6, 10, "six refused handshakes")
+        assert node1._zap is not None and node1.rejected["unknown_key"] == node1._zap.refused == 6
+        logged = [r.getMessage() for r in caplog.records if "unknown_key" in r.getMessage()]
+        assert len(logged) == 1, logged
+        assert len(node1._log_once) == 1 and len(imps) == 6
+    finally:
+        await node1.close()
+        ctx.destroy(linger=0)
+
+
+async def test_zap_handler_error_refuses_that_handshake_and_serves_the_next(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An exception while answering one ZAP request (here: the endpoint's refusal callback)
+    refuses that handshake (fail closed) and is logged once; the handler still answers the next
+    requests (it used to leave its REP socket waiting for a reply: every later handshake hung)."""
+    topo, keys = keyed(mesh(2, base_port=free_port()))
+    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    counted = node1._refused
+    calls = []
+
+    def refused(nic: str, address: str, key: str) -> None:
+        calls.append(key)
+        if len(calls) <= 2:
+            raise RuntimeError("bug in a refusal callback")
+        counted(nic, address, key)
+
+    node1._refused = refused  # type: ignore[method-assign]  # read by start()
+    ctx: zmq.Context[Any] = zmq.Context()
+    node0: ZmqEndpoint | None = None
+    try:
+        await node1.start()
+        with caplog.at_level(logging.WARNING, logger="p2psync.transport"):
+            imps = [_impostor(ctx, topo, claims=f"0/eth0/x{i}", target=1) for i in range(3)]
+            await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the third handshake refused")
+        zap = node1._zap
+        assert zap is not None and (zap.errors, zap.refused, zap.accepted) == (2, 3, 0), len(imps)
+        assert sum("internal error" in r.getMessage() for r in caplog.records) == 1
+        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
+        await node0.start()  # its handshakes with node 1 are accepted
+        await node0.send(1, "hello", kind="event", meta={"n": 1})
+        assert (await node1.recv("hello", timeout=10)).src == 0
+        assert zap.accepted >= 1 and node1.rejected["unknown_key"] == 1
+    finally:
+        if node0 is not None:
+            await node0.close()
+        await node1.close()
+        ctx.destroy(linger=0)
