@@ -1,10 +1,15 @@
 """One rooted exception hierarchy for p2psync.
 
 Foreign errors (zmq, msgpack, OS) are translated into these at the edges only, so callers
-catch ``P2PSyncError`` (or one of its branches) and never a library's own exception type.
+catch ``P2PSyncError`` (or one of its branches) and never a library's own exception type. The
+edges say so declaratively with :class:`translate`: a table from foreign exception types to the
+p2psync error each becomes, applied to a block or a function.
 """
 
 from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Callable, Literal, Mapping
 
 
 class P2PSyncError(Exception):
@@ -105,3 +110,55 @@ class DuplicateNode(ConfigError):
 
 class TrainingEnded(P2PSyncError):
     """The user's training loop ended (the script closed its session): no more local steps."""
+
+
+#: foreign exception type(s) -> the p2psync error built from the caught exception
+Rules = Mapping["type[BaseException] | tuple[type[BaseException], ...]", Callable[[Any], P2PSyncError]]
+
+
+class translate:
+    """Translate foreign errors at an edge, declaratively: the first rule whose type matches
+    builds the p2psync error that is raised instead (``from None``: the library's traceback is
+    not the user's business; its message goes into the new one where the rule puts it). Errors
+    that are already p2psync's, and exceptions no rule names, pass through unchanged.
+
+    A block::
+
+        with translate({OSError: lambda e: ConfigError(f"cannot read topology {p}: {e.strerror}")}):
+            text = p.read_text()
+
+    or a whole function (a module-level table reads like the edge's contract)::
+
+        SEND_ERRORS = {zmq.Again: lambda e: PeerUnreachable("..."), zmq.ZMQError: lambda e: TransportError(str(e))}
+
+        @translate(SEND_ERRORS)
+        def _send(...): ...
+    """
+
+    def __init__(self, rules: Rules) -> None:
+        for kinds in rules:
+            for kind in kinds if isinstance(kinds, tuple) else (kinds,):
+                if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+                    raise TypeError(f"translate: {kind!r} is not an exception type")
+        self.rules = dict(rules)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        if exc is None or isinstance(exc, P2PSyncError):
+            return False
+        for kinds, make in self.rules.items():
+            if isinstance(exc, kinds):
+                raise make(exc) from None
+        return False
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+        return wrapped

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from p2psync.compress import ErrorFeedback
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
 from p2psync.files import open_new
 
 FORMAT = 1
@@ -66,10 +66,10 @@ def load(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"no checkpoint at {p}")
-    try:
+    # torch raises many types for a file that is not its format
+    with translate({Exception: lambda e: ConfigError(
+            f"{p} is not a readable checkpoint: {type(e).__name__}: {str(e)[:200]}")}):
         state = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a file that is not its format
-        raise ConfigError(f"{p} is not a readable checkpoint: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"{p} is not a p2psync checkpoint (format {FORMAT})")
     step = state.get("step")

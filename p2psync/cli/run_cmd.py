@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
-from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.errors import ConfigError, P2PSyncError, translate
 from p2psync.topology import Topology
 from p2psync.training.config import MODELS, RunConfig
 from p2psync.training.data import DATASETS
@@ -247,10 +247,8 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
     env = node_env(replace(cfg, progress=False), topo, node, run_dir=run_dir, local_rank=0, local_world_size=1)
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
+    with translate({OSError: lambda e: ConfigError(f"cannot run {cmd[0]!r}: {e.strerror}")}):
         os.execvpe(cmd[0], list(cmd), {**os.environ, **env, **warned_env()})
-    except OSError as exc:
-        raise ConfigError(f"cannot run {cmd[0]!r}: {exc.strerror}") from None
 
 
 def run_one(cfg: RunConfig, node_id: int) -> int:

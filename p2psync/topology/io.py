@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
 from p2psync.topology.model import LinkAttrs, Network, Nic, Node, Topology
 
 FORMAT_VERSION = 1
@@ -259,10 +259,8 @@ def loads(text: str, *, source: str = "<string>") -> Topology:
 
 def load(path: str | Path) -> Topology:
     p = Path(path)
-    try:
+    with translate({OSError: lambda e: ConfigError(f"cannot read topology {p}: {e.strerror}")}):
         text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read topology {p}: {exc.strerror}") from None
     return loads(text, source=str(p))
 
 

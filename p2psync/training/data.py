@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
 
 DATASETS = ("digits", "idx", "synthetic")
 
@@ -75,11 +75,9 @@ def load_digits() -> Dataset:
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (optionally .gz). Only unsigned-byte data (type 0x08) is accepted."""
     opener = gzip.open if path.suffix == ".gz" else open
-    try:
+    with translate({OSError: lambda e: ConfigError(f"cannot read IDX file {path}: {e}")}):
         with opener(path, "rb") as f:
             raw = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read IDX file {path}: {exc}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ConfigError(f"{path}: not an IDX file (bad magic)")
     if raw[2] != 0x08:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
 
 SlowdownMode = Literal["wait", "compute"]
 SLOWDOWN_MODES: tuple[str, ...] = get_args(SlowdownMode)
@@ -92,14 +92,12 @@ def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "",
     :func:`default_profile`)."""
     if mode not in SLOWDOWN_MODES:
         raise ConfigError(f"--slowdown-mode {mode!r}: choose from {', '.join(SLOWDOWN_MODES)}")
-    try:
+    with translate({ValueError: lambda e: ConfigError(f"bad slowdown profile: {e}")}):
         factors = {int(n): float(f) for n, f in _pairs(slowdown, "slowdown", 2)}
         steps = {int(n): float(s) for n, s in _pairs(step_time, "step-time", 2)}
         sched: dict[int, list[tuple[float, float]]] = {}
         for n, t, f in _pairs(schedule, "slowdown-schedule", 3):
             sched.setdefault(int(n), []).append((float(t), float(f)))
-    except ValueError as exc:
-        raise ConfigError(f"bad slowdown profile: {exc}") from None
     nodes = set(factors) | set(steps) | set(sched)
     default_profile(mode, jitter)  # validate
     return {n: Slowdown(factor=factors.get(n, 1.0), schedule=tuple(sorted(sched.get(n, []))),

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import zmq
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
 from p2psync.files import open_new
 from p2psync.topology import Topology
 
@@ -98,18 +98,14 @@ def load_node_keys(directory: str | Path, topo: Topology, node: int) -> NodeKeys
         raise ConfigError(f"--keys {directory}: the topology lists no public keys (write them with "
                           "'p2psync keys gen TOPOLOGY --dir DIR')")
     path = key_file(directory, node)
-    try:
+    with translate({OSError: lambda e: ConfigError(f"cannot read node {node}'s key file {path}: {e.strerror}")}):
         st = path.stat()
         text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read node {node}'s key file {path}: {exc.strerror}") from None
     if st.st_mode & 0o077:
         raise ConfigError(f"{path}: a secret key must be readable by its owner only "
                           f"(mode {st.st_mode & 0o777:o}; chmod 600 {path})")
-    try:
+    with translate({json.JSONDecodeError: lambda e: ConfigError(f"{path}: not a key file (invalid JSON: {e.msg})")}):
         doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not a key file (invalid JSON: {exc.msg})") from None
     return _parse(doc, path, topo, node)
 
 
@@ -121,10 +117,9 @@ def _parse(doc: Any, path: Path, topo: Topology, node: int) -> NodeKeys:
     pub, sec = doc.get("public"), doc.get("secret")
     if not isinstance(pub, str) or not isinstance(sec, str) or len(pub) != 40 or len(sec) != 40:
         raise ConfigError(f"{path}: public and secret must be 40-character Z85 keys")
-    try:
+    with translate({(zmq.ZMQError, ValueError): lambda e: ConfigError(
+            f"{path}: the secret key is not a valid Z85 CurveZMQ key")}):
         derived = zmq.curve_public(sec.encode())
-    except (zmq.ZMQError, ValueError):
-        raise ConfigError(f"{path}: the secret key is not a valid Z85 CurveZMQ key") from None
     if derived != pub.encode():
         raise ConfigError(f"{path}: the secret key does not belong to its public key")
     if topo.node(node).curve_public != pub:

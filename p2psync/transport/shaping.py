@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Literal, Mapping, get_args
 
-from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.errors import ConfigError, P2PSyncError, translate
 from p2psync.topology import LinkAttrs, Topology
 
 log = logging.getLogger("p2psync.shaping")
@@ -208,12 +208,9 @@ def load_wan_profile(path: str | Path, topo: Topology) -> dict[tuple[int, int], 
     ``"a-b"`` in either order; one-way latency is half the round-trip time.
     """
     p = Path(path)
-    try:
+    with translate({OSError: lambda e: ConfigError(f"cannot read WAN profile {p}: {e.strerror}"),
+                    json.JSONDecodeError: lambda e: ConfigError(f"{p}: invalid JSON at line {e.lineno}: {e.msg}")}):
         doc = json.loads(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read WAN profile {p}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{p}: a WAN profile is a JSON object")
     allowed = {"name", "regions", "rtt_ms", "intra_rtt_ms", "jitter_ms", "bandwidth_mbps", "loss", "description"}

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from p2psync.errors import ProtocolError
+from p2psync.errors import ProtocolError, translate
 from p2psync.wire.schema import (
     AUTH_BYTES,
     CODECS,
@@ -311,10 +311,8 @@ def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> Messag
     """Decode an untrusted multipart message (``bytes``/``memoryview``/buffer objects)."""
     if not frames:
         raise ProtocolError("frame_count", "empty message")
-    try:
+    with translate({TypeError: lambda e: ProtocolError("frame_type", "frames must be byte buffers")}):
         bufs = [f if isinstance(f, (bytes, bytearray)) else memoryview(f) for f in frames]
-    except TypeError:
-        raise ProtocolError("frame_type", "frames must be byte buffers") from None
     header = parse_header(bufs[0], limits)
     if len(bufs) - 1 != len(header.frames):
         raise ProtocolError(
