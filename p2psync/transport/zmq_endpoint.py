@@ -73,7 +73,7 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import ConfigError, TransportError
+from p2psync.errors import ConfigError, TransportError, translate
 from p2psync.topology import Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
@@ -199,12 +199,9 @@ class ZmqEndpoint(Transport):
                     s.setsockopt(zmq.CURVE_SERVER, 1)
                     s.setsockopt(zmq.ZAP_DOMAIN, f"{DOMAIN_PREFIX}{nic.name}".encode())
                     s.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-                try:
+                with translate({zmq.ZMQError: lambda e: TransportError(
+                        f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {e.strerror}")}):
                     s.bind(nic.endpoint)
-                except zmq.ZMQError as exc:
-                    raise TransportError(
-                        f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {exc.strerror}"
-                    ) from None
         except BaseException:
             await self.close()
             raise
