@@ -1,4 +1,5 @@
-"""Every strategy x every codec (with and without error feedback) over real ZeroMQ.
+"""Every strategy x every codec (with and without error feedback) x every topology kind over
+real ZeroMQ.
 
 Each run drives the strategies the way the training loop does (``want_stop`` on the last
 requested step, then until a strategy reports ``stop``) and checks that every node runs exactly
@@ -6,6 +7,11 @@ the requested number of steps and learns something. Regression for issue 9.1: th
 used to ride inside the quantized vector, and int8 / sketch8 ended SSGD and ESync after 1-6
 steps. This matrix grows with every new strategy and codec: the parameter lists are the
 registries themselves.
+
+Topologies (ring, mesh, star and BCube(2,2), four nodes each) are a third axis covered
+pairwise rather than as a full product (the suite's time budget): every strategy runs
+uncompressed on every topology, and a strategy's codec cases take the topologies in turn
+(shifted per strategy), so every codec meets every topology too.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import pytest
 from p2psync.compress.codecs import CODECS
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import REGISTRY, get_strategy
-from p2psync.topology import ring
+from p2psync.topology import Topology, bcube, mesh, ring, star
 from tests.helpers import free_port, make_trainer, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +42,25 @@ CODEC_CASES = ([(c, False) for c in sorted(CODECS)]
 #: the parameter-store strategies share one codec path (the store's push pieces): ``ssp`` runs
 #: every codec case, the other four the uncompressed one (the suite's time budget)
 STORE_SHARED_CODEC = {"bsp", "asp", "dssp", "elastic_bsp"}
-CASES = [(s, c, f) for s in sorted(REGISTRY) for c, f in CODEC_CASES if s not in STORE_SHARED_CODEC or c == "none"]
+#: four-node topologies of every kind p2psync builds (star: leaves reach each other through the
+#: hub; BCube(2,2): two NICs per node)
+TOPOLOGIES = {"ring": lambda port: ring(4, base_port=port), "mesh": lambda port: mesh(4, base_port=port),
+              "star": lambda port: star(4, base_port=port), "bcube": lambda port: bcube(2, 2, base_port=port)}
+
+
+def _cases() -> list[tuple[str, str, bool, str]]:
+    kinds = sorted(TOPOLOGIES)
+    out = []
+    for si, s in enumerate(sorted(REGISTRY)):
+        codec_cases = [(c, f) for c, f in CODEC_CASES if s not in STORE_SHARED_CODEC or c == "none"]
+        for ci, (c, f) in enumerate(codec_cases):
+            out.append((s, c, f, kinds[(si + ci) % len(kinds)]))
+        covered = {t for s2, c, f, t in out if s2 == s and c == "none" and not f}
+        out += [(s, "none", False, t) for t in kinds if t not in covered]  # uncompressed on every topology
+    return out
+
+
+CASES = _cases()
 
 
 async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
@@ -48,9 +72,11 @@ async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
             return step, rep.loss
 
 
-@pytest.mark.parametrize("strategy,codec,feedback", CASES, ids=[f"{s}-{c}{'+ef' if f else ''}" for s, c, f in CASES])
-async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, feedback, zmq_endpoints, strategies):
-    topo = ring(4, base_port=free_port())
+@pytest.mark.parametrize("strategy,codec,feedback,kind", CASES,
+                         ids=[f"{s}-{c}{'+ef' if f else ''}-{t}" for s, c, f, t in CASES])
+async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, feedback, kind, zmq_endpoints,
+                                                               strategies):
+    topo: Topology = TOPOLOGIES[kind](free_port())
     eps = await zmq_endpoints(topo)
     if strategy == "preduce" and codec == "topk":  # a top-k selection of a model: refused, clearly
         with pytest.raises(ConfigError, match="preduce averages whole models"):
