@@ -98,7 +98,12 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
         # a coordinator service decides the stop: the first worker to reach its budget stops
         # the run (the others learn it at their next report), the others end some steps short
         # (ElasticBSP's supersteps and ASP let workers drift apart by up to R / unboundedly)
-        assert max(steps) == STEPS and min(steps) >= STEPS // 2, done
+        least = STEPS // 2
+        if strategy == "preduce" and kind == "star":
+            # a P-reduce group must be connected over direct links, so on a star every group
+            # holds the hub: a leaf takes part in (P - 1) / (N - 1) of the hub's groups (P = N // 2)
+            least = STEPS * (2 - 1) // (4 - 1) - 1
+        assert max(steps) == STEPS and min(steps) >= least, done
     else:
         assert steps == [STEPS] * 4, done
     assert min(accs) > 0.4, accs  # 10 classes: chance is 0.1
