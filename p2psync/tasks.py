@@ -65,6 +65,7 @@ class TaskSet:
 
     @property
     def closed(self) -> bool:
+        """:meth:`close` was called: tasks spawned from now on are cancelled at once."""
         return self._closed
 
     async def wait(self, timeout: float | None = None) -> None:

@@ -35,6 +35,15 @@ from p2psync.api.gate import StepGate
 
 
 class HookedReplica:
+    """Implements :class:`~p2psync.strategies.base.Replica` on the user's model and optimizer
+    through the :class:`~p2psync.api.gate.StepGate`: every model access is a job run on the
+    training thread while it is parked in ``optimizer.step()``.
+
+    Built by ``Session.attach`` (api/session.py: ``HookedReplica(flat=flat, gate=self.gate,
+    step=own_step)``) and handed to the strategy as ``ctx.replica``. ``step``: the optimizer's
+    own ``step`` as it was before attach.
+    """
+
     def __init__(self, *, flat: FlatModel, gate: StepGate, step: Callable[[], Any]) -> None:
         self.flat = flat
         self.gate = gate
@@ -75,19 +84,25 @@ class HookedReplica:
         loop.call_soon_threadsafe(callback, idx, off, arr)
 
     def remove_hooks(self) -> None:
+        """Remove the gradient-ready hooks :meth:`enable_grad_ready` installed."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
     @property
     def samples(self) -> int:
+        """See :attr:`Replica.samples <p2psync.strategies.base.Replica.samples>` (the gate's count)."""
         return self.gate.samples
 
     @property
     def compute_s(self) -> float:
+        """Seconds the user's code computed in the iterations the strategy took (the gate's count)."""
         return self.gate.compute_s
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
+        """See :meth:`Replica.compute_gradients <p2psync.strategies.base.Replica.compute_gradients>`:
+        takes the next iteration parked at the gate, skipping those computed on parameters
+        replaced since."""
         while True:
             a = await self.gate.next_iteration(abort)
             if a.params_gen == self.params_gen:
@@ -103,6 +118,7 @@ class HookedReplica:
         self.steps_taken += 1
 
     async def apply_gradients(self, vec: np.ndarray) -> None:
+        """See :meth:`Replica.apply_gradients <p2psync.strategies.base.Replica.apply_gradients>`."""
         await self.gate.run(lambda: self._apply(vec))
 
     async def sgd_step(self, vec: np.ndarray) -> SgdStep:
@@ -123,36 +139,45 @@ class HookedReplica:
         await self.gate.run(lambda: self.flat.correct(dw, du))
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+        """See :meth:`Replica.apply_each <p2psync.strategies.base.Replica.apply_each>`."""
         def go() -> None:
             for v in vecs:
                 self._apply(v)
         await self.gate.run(go)
 
     async def get_params(self) -> np.ndarray:
+        """See :meth:`Replica.get_params <p2psync.strategies.base.Replica.get_params>`."""
         return await self.gate.run(self.flat.get_params)
 
     def _replaced(self) -> None:
         self.params_gen += 1
 
     async def set_params(self, vec: np.ndarray) -> None:
+        """See :meth:`Replica.set_params <p2psync.strategies.base.Replica.set_params>`; iterations
+        computed before it are then skipped."""
         def go() -> None:
             self.flat.set_params(vec)
             self._replaced()
         await self.gate.run(go)
 
     async def export_state(self) -> np.ndarray:
+        """See :meth:`Replica.export_state <p2psync.strategies.base.Replica.export_state>`."""
         return await self.gate.run(self.flat.export_state)
 
     async def import_state(self, vec: np.ndarray) -> None:
+        """See :meth:`Replica.import_state <p2psync.strategies.base.Replica.import_state>`; iterations
+        computed before it are then skipped."""
         def go() -> None:
             self.flat.import_state(vec)
             self._replaced()
         await self.gate.run(go)
 
     def state_size(self) -> int:
+        """See :meth:`Replica.state_size <p2psync.strategies.base.Replica.state_size>`."""
         return self.flat.state_size()
 
     def layers(self) -> list[Layer]:
+        """See :meth:`Replica.layers <p2psync.strategies.base.Replica.layers>`."""
         return self.flat.layers()
 
 

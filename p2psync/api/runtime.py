@@ -100,6 +100,9 @@ def finite_values(obj: Any) -> Any:
 
 def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
               failed: list[int]) -> dict[str, Any]:
+    """The run's ``summary.json``: the agreed configuration, each finished node's stats, the
+    failed nodes, and totals (mean / min final accuracy, wall time, throughput, bytes sent).
+    Written by the coordinating node in :meth:`NodeRuntime.finish`."""
     nodes = {str(k): v for k, v in sorted(finished.items()) if isinstance(v, dict)}
     accs = [v["final_accuracy"] for v in nodes.values() if v.get("final_accuracy") is not None]
     return {
@@ -157,6 +160,7 @@ class NodeRuntime:
 
     @property
     def joined(self) -> bool:
+        """This node registered after the run started (a restarted node joining it)."""
         return bool(self.info.get("joined"))
 
     def _write_config(self) -> None:
@@ -182,6 +186,10 @@ class NodeRuntime:
         self.membership.start()
 
     async def start_strategy(self, replica: Replica, *, max_steps: int | None = None) -> Strategy:
+        """Build the run's strategy over ``replica`` (its :class:`StrategyContext`), subscribe
+        it to membership failures and views, and ``await strategy.start()``; it is closed with
+        the runtime. Called after :meth:`rendezvous` by the session's step loop:
+        ``strategy = await rt.start_strategy(self.replica, max_steps=bounded)``."""
         cfg, transport = self.cfg, self.transport
         ctx = StrategyContext(node_id=self.node_id, topology=self.topo, transport=transport, rpc=self.rpc,
                               rpc_server=self.server, membership=self.membership, replica=replica,
@@ -203,6 +211,8 @@ class NodeRuntime:
         return limit
 
     def nic_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received so far per NIC (``{"l0": {"sent": ..., "recv": ...}}``),
+        logged in every step's metrics record."""
         return {k: {"sent": v.bytes_sent, "recv": v.bytes_recv} for k, v in self.transport.nic_stats.items()}
 
     async def finish(self, stats: dict[str, Any], *, depart: bool = False) -> None:

@@ -90,6 +90,11 @@ _WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats
 
 @dataclass
 class OpStats:
+    """What one collective operation cost: its kind, plan algorithm, codec and tag, seconds,
+    payload bytes before and after the codec, and bytes sent per NIC. Returned by
+    :meth:`Collectives.allreduce_with_stats`; strategies log it, e.g. ssgd.py:
+    ``extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes, ...}``."""
+
     op: str
     algo: str
     codec: str
@@ -101,6 +106,7 @@ class OpStats:
 
     @property
     def compression(self) -> float:
+        """Raw bytes over wire bytes (1.0 when nothing was sent)."""
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
@@ -142,6 +148,15 @@ def feedback_family(tag: str) -> str:
 
 
 class Collectives:
+    """Piece-level allreduce, allgather and broadcast over a group of nodes, run over one
+    node's transport with the run's codec, error feedback and plan algorithm.
+
+    One per node, built by ``NodeRuntime`` (api/runtime.py: ``Collectives(self.transport,
+    piece_bytes=..., codec=cfg.codec, ...)``); strategies use ``ctx.collectives``, e.g.
+    base.py's ``mean_and_agree``: ``coll.allreduce_with_stats(vec, group, op="mean", tag=tag)``.
+    Every member of ``group`` must call the same operation with the same ``tag``.
+    """
+
     def __init__(self, transport: Transport, *, piece_bytes: int = 1 << 20, timeout: float = 30.0,
                  codec: str = "none", error_feedback: bool = False, algo: str = "auto") -> None:
         if piece_bytes < 4:

@@ -43,6 +43,9 @@ Range = tuple[int, int]
 
 @dataclass(frozen=True)
 class Transfer:
+    """One send in a round: ``src`` sends pieces [lo, hi) to adjacent ``dst`` over its NIC
+    ``nic``; ``reduce``: the receiver adds them in (reduce-scatter), else overwrites (allgather)."""
+
     src: int
     dst: int
     nic: str  # the sender's NIC
@@ -53,6 +56,12 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Plan:
+    """A collective's schedule over ``group`` for a tensor cut into ``pieces``: the
+    reduce-scatter rounds ``rs``, the allgather rounds ``ag`` and, after ``rs``, the piece
+    ranges each node holds fully reduced (``owner``). Built by :func:`make_plan` (or a
+    ``plan_*`` builder); run by the collectives' executor (executor.py:
+    ``self._plans[key] = make_plan(self.topo, g, key[1], key[2])``)."""
+
     algo: str
     group: tuple[int, ...]
     pieces: int
@@ -104,6 +113,8 @@ class _Builder:
 
 
 def plan_ring(topo: Topology, group: Sequence[int], pieces: int, order: Sequence[int] | None = None) -> Plan:
+    """Ring allreduce around ``order`` (default: a Hamiltonian cycle of ``group`` over direct
+    links; ConfigError when there is none); see the module docstring."""
     order = list(order) if order is not None else hamiltonian_cycle(topo, group)
     if order is None:
         raise ConfigError(f"ring plan: group {sorted(group)} has no ring over direct links")
@@ -121,6 +132,7 @@ def plan_ring(topo: Topology, group: Sequence[int], pieces: int, order: Sequence
 
 
 def plan_mesh(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
+    """Mesh allreduce (Canary Fig. 14) over a ``group`` that is a clique (ConfigError otherwise)."""
     g = sorted(group)
     for a in g:
         for c in g:
@@ -138,6 +150,8 @@ def plan_mesh(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
 
 
 def plan_star(topo: Topology, group: Sequence[int], pieces: int, hub: int | None = None) -> Plan:
+    """Star allreduce through ``hub`` (default: the topology's ``hub`` parameter, else the
+    lowest id): leaves reduce into it, it copies the sum back."""
     g = sorted(group)
     hub = hub if hub is not None else int(topo.params.get("hub", g[0]))
     if hub not in g:
@@ -152,6 +166,9 @@ def plan_star(topo: Topology, group: Sequence[int], pieces: int, hub: int | None
 
 
 def plan_tree(topo: Topology, group: Sequence[int], pieces: int, root: int | None = None) -> Plan:
+    """Reduce up a BFS spanning tree of ``group`` rooted at ``root`` (default: the
+    best-connected node), then copy down. Also the broadcast plan: executor.py runs its ``ag``
+    phase only (``plan_tree(self.topo, g, ..., root=root)``)."""
     children = spanning_tree(topo, group, root)
     kids = {c for cs in children.values() for c in cs}
     (root,) = [n for n in children if n not in kids]
@@ -175,6 +192,9 @@ def plan_tree(topo: Topology, group: Sequence[int], pieces: int, root: int | Non
 
 
 def plan_bcube(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
+    """BCube allreduce (Canary §4.4.2) over the whole BCube(alpha, beta) topology, one part per
+    level so every NIC carries traffic in every round; ConfigError for another topology or a
+    subset."""
     alpha, beta = int(topo.params.get("alpha", 0)), int(topo.params.get("beta", 0))
     if topo.kind != "bcube" or alpha < 2 or beta < 1:
         raise ConfigError("bcube plan needs a BCube topology (kind 'bcube' with alpha and beta)")

@@ -15,7 +15,16 @@ from p2psync.errors import ConfigError, ProtocolError
 
 
 class Codec(ABC):
+    """Turns one 1-D float32 piece into arrays for the wire and back.
+
+    Subclasses set :attr:`name` and add themselves to ``codecs.CODECS``; :func:`get_codec`
+    builds one from ``--codec``. Called from the collectives' executor per piece
+    (``enc = self.codec.encode(x)``) and by ASGD for whole gradients.
+    """
+
+    #: the registry name (``--codec NAME``)
     name: ClassVar[str]
+    #: decoding does not give back exactly what was encoded
     lossy: ClassVar[bool] = True
     #: how the codec is written on the command line (``topk[:FRACTION]`` for a parameter)
     usage: ClassVar[str] = ""
@@ -32,6 +41,7 @@ class Codec(ABC):
         """Rebuild an ``n``-element float32 piece; ProtocolError if the arrays do not fit."""
 
     def roundtrip(self, x: np.ndarray) -> np.ndarray:
+        """``decode(encode(x))``: what a receiver of ``x`` gets (tests and benchmarks)."""
         return self.decode(self.encode(x), x.size)
 
     @property

@@ -54,13 +54,17 @@ FP16_MAX = float(np.finfo(np.float16).max)
 
 
 class NoCodec(Codec):
+    """The identity codec ``none``: the float32 piece goes out as is (lossless)."""
+
     name = "none"
     lossy = False
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        """``[x]``, not copied."""
         return [x]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
+        """The one float32 array of ``n`` values (ProtocolError otherwise)."""
         _expect(arrays, [(np.dtype(np.float32), n)], self.name)
         return arrays[0]
 
@@ -75,6 +79,7 @@ class Fp16(Codec):
     name = "fp16"
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        """``[x as float16]``, clamped to float16's range."""
         if x.flags.writeable and x.flags.c_contiguous and x.dtype == np.float32:
             import torch  # a hard dependency of the package; imported lazily for start-up time
 
@@ -83,6 +88,7 @@ class Fp16(Codec):
         return [np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16)]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
+        """The float16 array of ``n`` values widened to float32."""
         _expect(arrays, [(np.dtype(np.float16), n)], self.name)
         return arrays[0].astype(np.float32)
 
@@ -96,6 +102,7 @@ class Int8Uniform(Codec):
         self.use_numba = use_numba
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        """``[uint8 codes, float32 [min, step]]``: each value as the nearest of 256 levels."""
         if x.size == 0:
             return [np.empty(0, np.uint8), np.zeros(2, np.float32)]
         lo, hi = K.minmax(x) if self.use_numba else (float(x.min()), float(x.max()))
@@ -109,6 +116,7 @@ class Int8Uniform(Codec):
         return [codes, np.array([lo, scale], dtype=np.float32)]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
+        """``min + step * code`` for each of the ``n`` codes."""
         _expect(arrays, [(np.dtype(np.uint8), n), (np.dtype(np.float32), 2)], self.name)
         lo, scale = arrays[1]
         table = (lo + scale * np.arange(256, dtype=np.float32)).astype(np.float32)
@@ -152,6 +160,7 @@ class Sketch8(Codec):
 
     @classmethod
     def with_param(cls, param: str) -> Sketch8:
+        """The codec for ``sketch8:BITS`` (ConfigError unless BITS is 1..8); via :func:`get_codec`."""
         try:
             bits = int(param)
         except ValueError:
@@ -160,6 +169,7 @@ class Sketch8(Codec):
 
     @property
     def spec(self) -> str:
+        """``sketch8`` at 8 bits, else ``sketch8:BITS``."""
         return self.name if self.bits == 8 else f"{self.name}:{self.bits}"
 
     def quantiles(self, x: np.ndarray) -> np.ndarray:
@@ -180,6 +190,8 @@ class Sketch8(Codec):
         return (n * self.bits + 7) // 8
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
+        """``[codes packed BITS bits each, float32 representatives (2**BITS)]``: the three steps
+        of the module docstring."""
         b = self.buckets
         if x.size == 0:
             return [np.empty(0, np.uint8), np.zeros(b, np.float32)]
@@ -219,6 +231,7 @@ class Sketch8(Codec):
         return [codes, reps.astype(np.float32)]
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
+        """Each of the ``n`` codes looked up in the representatives table."""
         _expect(arrays, [(np.dtype(np.uint8), self._nbytes(n)), (np.dtype(np.float32), self.buckets)], self.spec)
         if self.bits == 8:
             return _lookup(arrays[0], arrays[1], self.use_numba)
@@ -264,14 +277,21 @@ class ErrorFeedback:
 
     ``compensate(key, x)`` returns x + residual[key]; ``record(key, sent, decoded)`` stores
     sent - decoded. Over many steps the sum of what was decoded tracks the sum of the inputs.
+
+    Example, asgd.py: ``x = self.feedback.compensate("asgd", grad)``, ``enc =
+    self.codec.encode(x)``, ``self.feedback.record("asgd", x, self.codec.decode(enc, x.size))``;
+    the collectives keep one per node, keyed by operation family and piece.
     """
 
     def __init__(self) -> None:
         self.residual: dict[object, np.ndarray] = {}
 
     def compensate(self, key: object, x: np.ndarray) -> np.ndarray:
+        """``x`` plus the residual recorded under ``key`` (a new array; the residual is ignored
+        when its shape differs)."""
         r = self.residual.get(key)
         return x + r if r is not None and r.shape == x.shape else x.copy()
 
     def record(self, key: object, sent: np.ndarray, decoded: np.ndarray) -> None:
+        """Keep ``sent - decoded`` under ``key`` for the next :meth:`compensate`."""
         self.residual[key] = sent - decoded

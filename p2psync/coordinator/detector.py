@@ -84,6 +84,8 @@ class RttEstimator:
         self._backoff = 1.0
 
     def sample(self, rtt: float) -> None:
+        """Feed one measured round trip (seconds; non-finite or negative ignored) and clear the
+        backoff. Called from rpc.py after a first-attempt reply: ``est.sample(loop.time() - sent_at)``."""
         if not math.isfinite(rtt) or rtt < 0:
             return
         if self.srtt is None:
@@ -99,6 +101,9 @@ class RttEstimator:
         self._backoff = min(self._backoff * 2, 64.0)
 
     def rto(self) -> float:
+        """The retransmission timeout now: ``srtt + 4 * rttvar`` (``initial_rto`` before any
+        sample), times the backoff, within [min_rto, max_rto]. Called from rpc.py per attempt:
+        ``rto = est.rto()``."""
         base = self.initial_rto if self.srtt is None else max(self.min_rto, self.srtt + 4 * self.rttvar)
         return min(self.max_rto, base * self._backoff)
 
@@ -122,6 +127,7 @@ class PeerDetector:
         self.rttvar = 0.0
 
     def heartbeat(self, now: float) -> None:
+        """A heartbeat from the peer arrived at ``now``: one inter-arrival sample, and proof of life."""
         if self.last_heartbeat is not None and now > self.last_heartbeat:
             self.intervals.append(now - self.last_heartbeat)
         self.last_heartbeat = now
@@ -145,6 +151,8 @@ class PeerDetector:
         return mean, std
 
     def phi(self, now: float) -> float:
+        """The suspicion level at ``now``: ``-log10`` of the probability that a heartbeat is
+        still to come after this much silence (inf when it is 0)."""
         mean, std = self._dist()
         p = _survival(max(0.0, now - self.last), mean, std)
         return math.inf if p <= 0.0 else -math.log10(p)
@@ -164,6 +172,7 @@ class PeerDetector:
         return max(self.params.floor, hi, 2 * self.srtt + 4 * self.rttvar)
 
     def suspect(self, now: float) -> bool:
+        """The silence at ``now`` is longer than :meth:`timeout`: the peer is suspected."""
         return now - self.last > self.timeout()
 
     def pause(self, seconds: float) -> None:
@@ -189,41 +198,54 @@ class StallMeter:
         self.prev = now
 
     def tick(self, now: float) -> float:
+        """The stall since the previous tick (seconds past ``interval``, 0 if none). Called
+        from the periodic checks, e.g. membership.py's ``_monitor``:
+        ``self.state.detector.pause(stalls.tick(time.monotonic()))``."""
         stall = max(0.0, now - self.prev - self.interval)
         self.prev = now
         return stall
 
 
 class FailureDetector:
-    """One :class:`PeerDetector` per watched peer."""
+    """One :class:`PeerDetector` per watched peer; peers not watched are ignored by every
+    method. Held by the coordinator's ``MembershipState`` (watches every member) and by
+    ``MembershipClient`` (watches the coordinator)."""
 
     def __init__(self, *, params: DetectorParams) -> None:
         self.params = params
         self.peers: dict[int, PeerDetector] = {}
 
     def watch(self, peer: int, now: float) -> None:
+        """Start watching ``peer`` as if it was last heard at ``now`` (no-op if watched)."""
         if peer not in self.peers:
             self.peers[peer] = PeerDetector(params=self.params, now=now)
 
     def forget(self, peer: int) -> None:
+        """Stop watching ``peer`` (a failed member, a deposed coordinator)."""
         self.peers.pop(peer, None)
 
     def heartbeat(self, peer: int, now: float) -> None:
+        """A heartbeat from ``peer`` at ``now`` (see :meth:`PeerDetector.heartbeat`). Called
+        from membership.py: ``self.detector.heartbeat(node, now)``."""
         d = self.peers.get(peer)
         if d is not None:
             d.heartbeat(now)
 
     def alive(self, peer: int, at: float) -> None:
+        """Any message from ``peer`` arrived at ``at`` (the transport's last arrival time)."""
         d = self.peers.get(peer)
         if d is not None:
             d.alive(at)
 
     def rtt(self, peer: int, srtt: float, rttvar: float) -> None:
+        """The measured round trip to ``peer`` (see :meth:`PeerDetector.rtt`)."""
         d = self.peers.get(peer)
         if d is not None:
             d.rtt(srtt, rttvar)
 
     def suspects(self, now: float) -> list[int]:
+        """The watched peers suspected at ``now``, sorted. Called from
+        ``MembershipState.check``: ``self.detector.suspects(now)``."""
         return sorted(p for p, d in self.peers.items() if d.suspect(now))
 
     def pause(self, seconds: float) -> None:
@@ -233,6 +255,7 @@ class FailureDetector:
                 d.pause(seconds)
 
     def silence(self, peer: int, now: float) -> float:
+        """Seconds since the last proof of life from ``peer`` (0 when not watched); logged."""
         d = self.peers.get(peer)
         return 0.0 if d is None else now - d.last
 

@@ -175,13 +175,18 @@ class MembershipState:
 
     @property
     def missing(self) -> list[int]:
+        """The expected nodes that have not registered yet, sorted."""
         return sorted(self.expected - set(self.registered))
 
     @property
     def complete(self) -> bool:
+        """Every expected node has registered: the rendezvous is done."""
         return not self.missing
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0) -> None:
+        """A heartbeat from a live registered ``node`` at ``now``, with the RTT it measured to
+        the coordinator (``srtt``, ``rttvar``) when it has one; ends a joiner's grace period.
+        Called from the service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
             self.join_grace.pop(node, None)
             self.detector.heartbeat(node, now)
@@ -267,6 +272,7 @@ class MembershipState:
 
     @property
     def all_finished(self) -> bool:
+        """Every expected node finished, failed or departed: the finish barrier may end."""
         return set(self.finished) | self.failed | self.departed >= self.expected
 
     @property
@@ -275,6 +281,8 @@ class MembershipState:
         return sorted(set(self.registered) - self.failed - self.departed)
 
     def view(self) -> View:
+        """The current view: the epoch, the live members with their incarnations, the
+        coordinator, the departed nodes and why the run ended (``ended``, or "")."""
         members = self.alive_nodes
         return View(epoch=self.epoch, members=tuple(members),
                     incarnations={n: self.incarnations.get(n, 0) for n in members},
@@ -317,6 +325,8 @@ class MembershipService:
                 server.register(method, handler)
 
     def start(self) -> None:
+        """Start the failure monitor (an owned task); a rebuilt service also marks the failed
+        nodes dead and publishes its view at once. Called from failover.py: ``svc.start()``."""
         self._t0 = time.monotonic()
         self._tasks.spawn(self._monitor(), name="membership-monitor")
         if self.rebuilt:
@@ -325,6 +335,7 @@ class MembershipService:
             self._publish(self.state.view())
 
     async def close(self) -> None:
+        """Cancel the failure monitor and the view pushes in flight (``CoordinatorHost.close``)."""
         await self._tasks.close()
 
     def _notify(self) -> None:

@@ -97,9 +97,16 @@ class MembershipClient:
 
     @property
     def view(self) -> View | None:
+        """The newest view applied (None before the rendezvous); strategies read it through
+        ``StrategyContext.view``."""
         return self.views.view
 
     async def register(self, fingerprint: str, timeout: float) -> dict[str, Any]:
+        """Register with the coordinator (the rendezvous: it answers once every node has, or at
+        once for a joiner) and apply the first view; returns its reply (``joined``, the view,
+        the run's info). ConfigError when the coordinator refuses the configuration,
+        PeerTimeout after ``timeout``. Called from ``NodeRuntime.rendezvous``:
+        ``self.info = await self.membership.register(self.cfg.fingerprint(), timeout=...)``."""
         self.fingerprint = fingerprint
         args = {"fingerprint": fingerprint, "incarnation": self.transport.incarnation,
                 "address": f"{socket.gethostname()} pid {os.getpid()}"}
@@ -174,6 +181,8 @@ class MembershipClient:
         return view
 
     def start(self) -> None:
+        """Start the heartbeats and the view-event receiver (owned tasks), after
+        :meth:`register`; ``NodeRuntime.rendezvous`` calls ``self.membership.start()``."""
         if self.coordinator != self.transport.node_id:
             self.detector.watch(self.coordinator, time.monotonic())
         self._started = True
@@ -181,6 +190,7 @@ class MembershipClient:
         self._tasks.spawn(self._events(), name="membership-events")
 
     async def close(self) -> None:
+        """Stop the heartbeats and the event receiver (heartbeats in flight are cancelled)."""
         self._started = False
         await self._tasks.close()
         await self._beats.close()

@@ -49,6 +49,13 @@ REPLY_CACHE = 1024
 
 
 class RpcServer:
+    """Serves this node's RPC methods: receives ``rpc.call`` requests, runs each registered
+    handler in its own task (at most once per request, see the module docstring) and replies.
+
+    One per node, built by ``NodeRuntime`` (api/runtime.py: ``RpcServer(self.transport)``);
+    strategies reach it as ``ctx.rpc_server`` and coordinator services take it as ``server``.
+    """
+
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.handlers: dict[str, Handler] = {}
@@ -62,6 +69,8 @@ class RpcServer:
         self._seen: OrderedDict[tuple[int, int, int], dict[str, Any] | None] = OrderedDict()
 
     def register(self, method: str, handler: Handler) -> None:
+        """Serve ``method`` with ``handler(caller, args, arrays)`` (ValueError when taken).
+        Example, state_server.py: ``server.register("esync.query", self._query)``."""
         if method in self.handlers:
             raise ValueError(f"RPC method {method!r} is already registered")
         self.handlers[method] = handler
@@ -79,6 +88,9 @@ class RpcServer:
 
     async def invoke(self, caller: int, method: str, args: Mapping[str, Any],
                      arrays: Sequence[np.ndarray] = ()) -> Any:
+        """Run the handler of ``method`` for ``caller`` here, with no deduplication (RemoteError
+        ``UnknownMethod`` when none). Used for remote requests and by :meth:`RpcClient.call`
+        when a node calls itself."""
         handler = self.handlers.get(method)
         if handler is None:
             raise RemoteError("UnknownMethod", f"no RPC method {method!r} on node {self.transport.node_id}")
@@ -144,6 +156,15 @@ class RpcServer:
 
 
 class RpcClient:
+    """Calls RPC methods on other nodes, resending over other first hops after each
+    retransmission timeout (one :class:`RttEstimator` per destination); calls to this node go
+    to ``local`` in-process.
+
+    One per node, built by ``NodeRuntime`` (api/runtime.py: ``RpcClient(self.transport,
+    local=self.server)``); strategies use ``ctx.rpc``, e.g. regroup.py:
+    ``rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)``.
+    """
+
     def __init__(self, transport: Transport, local: RpcServer | None = None) -> None:
         self.transport = transport
         self.local = local
@@ -174,6 +195,8 @@ class RpcClient:
             raise PeerFailure(f"node {self.transport.node_id}: node {node} has failed", peers=(node,))
 
     def estimator(self, node: int) -> RttEstimator:
+        """The RTT estimate of calls to ``node`` (created on first use); membership_client.py
+        reads it to size heartbeat waits: ``est = self.rpc.estimator(c)``."""
         est = self.rtt.get(node)
         if est is None:
             est = self.rtt[node] = RttEstimator()

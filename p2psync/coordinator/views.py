@@ -37,6 +37,11 @@ MAX_END_CHARS = 400
 
 @dataclass(frozen=True)
 class View:
+    """One membership view: the training group (``members``) of one ``epoch``, published by the
+    coordinator on every change. Strategies get each newer one in ``Strategy.on_view`` and the
+    current one as ``ctx.view``; e.g. ssgd.py tags its allreduce with it:
+    ``tag=f"ssgd.{step}.e{v.epoch}", group=v.members``."""
+
     epoch: int
     members: tuple[int, ...]
     #: node -> incarnation of the member's registered process
@@ -49,6 +54,7 @@ class View:
     ended: str = ""
 
     def to_wire(self) -> dict[str, Any]:
+        """The msgpack-able map :meth:`from_wire` parses (heartbeat replies, ``event.view``)."""
         out: dict[str, Any] = {"epoch": self.epoch, "members": list(self.members),
                                "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
                                "coord": self.coordinator, "dep": list(self.departed)}
@@ -89,6 +95,9 @@ class View:
 
 @dataclass(frozen=True)
 class ViewChange:
+    """What applying a newer view changed: the nodes that ``left`` and ``joined`` the members
+    (:meth:`ViewTracker.apply`)."""
+
     view: View
     left: tuple[int, ...]
     joined: tuple[int, ...]

@@ -52,6 +52,8 @@ MAX_BATCH = 256
 
 @dataclass(frozen=True)
 class ASGDOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy asgd``."""
+
     max_inflight: int = option(16, "gradient sends in flight before a step waits")
     send_timeout: float = option(5.0, "seconds before a send to a silent peer is dropped")
     average: bool = option(True, "apply every gradient with weight 1/N")
@@ -63,6 +65,9 @@ class ASGDOptions(StrategyOptions):
 
 @register
 class ASGD(Strategy):
+    """``--strategy asgd``: asynchronous SGD, gradients flooded to every node and applied on
+    arrival (see the module docstring)."""
+
     name = "asgd"
     Options = ASGDOptions
     opts: ASGDOptions

@@ -66,36 +66,89 @@ class SgdStep:
 
 
 class Replica(Protocol):
-    """What a strategy needs of the local model (implemented by training.Trainer)."""
+    """What a strategy needs of the local model: the strategy's only way to compute, step and
+    read or replace the model.
 
+    Implemented by :class:`~p2psync.api.replica.HookedReplica` (the user's model behind the
+    step gate; what ``p2psync run`` and ``attach`` use) and by
+    :class:`~p2psync.training.trainer.Trainer` (a one-thread compute executor; tests). The
+    coroutines are awaited on the node's event loop; the model itself is only touched on the
+    thread that owns it (the training thread, or the Trainer's compute thread), one job at a
+    time, so communication goes on while they run.
+
+    Example: ``ctx.replica`` of the :class:`StrategyContext` a strategy is built with; in
+    ssgd.py: ``loss, grad = await self.ctx.replica.compute_gradients()``.
+    """
+
+    #: elements of the flat parameter vector (the length of gradients and parameters)
     numel: int
 
     @property
-    def samples(self) -> int: ...
+    def samples(self) -> int:
+        """Training samples in the local iterations the strategy has taken so far."""
 
-    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]: ...
-    async def apply_gradients(self, vec: np.ndarray) -> None: ...
-    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None: ...
-    #: one local step with plain SGD, reporting the tensor SGD fed to its buffer (DTS)
-    async def sgd_step(self, vec: np.ndarray) -> SgdStep: ...
-    #: the optimizer's plain-SGD numbers (ConfigError for any other optimizer)
-    async def sgd_hyper(self) -> SgdHyper: ...
-    #: parameters += dw, SGD momentum buffers += du (DTS's compensation)
-    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None: ...
-    async def get_params(self) -> np.ndarray: ...
-    async def set_params(self, vec: np.ndarray) -> None: ...
-    #: parameters + optimizer state as one float32 vector (same length on every node of a run)
-    async def export_state(self) -> np.ndarray: ...
-    async def import_state(self, vec: np.ndarray) -> None: ...
-    def state_size(self) -> int: ...
-    #: the modules with trainable parameters, in the flat vector's order (Canary's colayers)
-    def layers(self) -> list[Layer]: ...
+    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
+        """The next local iteration's (loss, flat float32 gradient copy); the model is not
+        stepped. Raises Aborted when ``abort`` is set first, TrainingEnded when the user's
+        loop ended. Called from every strategy's ``train_step``, e.g. ssgd.py:
+        ``loss, grad = await self.ctx.replica.compute_gradients()``."""
 
+    async def apply_gradients(self, vec: np.ndarray) -> None:
+        """Set the gradients to the flat ``vec`` and run one optimizer step (the user's own
+        optimizer: LR schedule, momentum, weight decay apply). Called from e.g. ssgd.py:
+        ``await self.ctx.replica.apply_gradients(mean)``."""
 
+    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+        """One optimizer step per gradient in ``vecs``, in order, in one job. Called from
+        asgd.py's receiver: ``await self.ctx.replica.apply_each([g * self.scale for g in grads])``."""
+
+    async def sgd_step(self, vec: np.ndarray) -> SgdStep:
+        """One local step with plain SGD, reporting the tensor SGD fed to its buffer (DTS).
+        Called from dts.py: ``stepped = await self.ctx.replica.sgd_step(grad)``."""
+
+    async def sgd_hyper(self) -> SgdHyper:
+        """The optimizer's plain-SGD numbers (ConfigError for any other optimizer). Called
+        from dts.py's ``start``: ``hyper = await self.ctx.replica.sgd_hyper()``."""
+
+    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
+        """Parameters += ``dw``, SGD momentum buffers += ``du`` (DTS's compensation). Called
+        from dts.py: ``await self.ctx.replica.correct(dw, du)``."""
+
+    async def get_params(self) -> np.ndarray:
+        """A copy of the parameters as one flat float32 vector. Called from e.g. esync.py:
+        ``w = await self.ctx.replica.get_params()``."""
+
+    async def set_params(self, vec: np.ndarray) -> None:
+        """Replace the parameters with the flat ``vec`` (optimizer state unchanged). Called
+        from e.g. esync.py: ``await self.ctx.replica.set_params(w_t + ... * mean)``."""
+
+    async def export_state(self) -> np.ndarray:
+        """Parameters + optimizer state as one float32 vector (same length on every node of a
+        run). Called from regroup.py when serving a joiner: ``vec = await ctx.replica.export_state()``."""
+
+    async def import_state(self, vec: np.ndarray) -> None:
+        """Replace parameters and optimizer state with an :meth:`export_state` vector. Called
+        from regroup.py's ``fetch_state``: ``await ctx.replica.import_state(np.array(vec, copy=True))``."""
+
+    def state_size(self) -> int:
+        """The length of :meth:`export_state`'s vector (regroup.py checks a fetched state
+        against it)."""
+
+    def layers(self) -> list[Layer]:
+        """The modules with trainable parameters, in the flat vector's order (Canary's
+        colayers). Called from canary.py's ``start``: ``layers = self.ctx.replica.layers()``."""
 
 
 @dataclass
 class StrategyContext:
+    """Everything a strategy may use, handed to its constructor: this node's id, the topology,
+    the transport, RPC client and server, the membership client, the local :class:`Replica`
+    and the collectives, plus the run's settings (options, timeouts, failure policy).
+
+    Built once per node by ``NodeRuntime.start_strategy`` (api/runtime.py) and kept by
+    :class:`Strategy` as ``self.ctx``; e.g. ssgd.py: ``coll = self.ctx.collectives``.
+    """
+
     node_id: int
     topology: Topology
     transport: Transport
@@ -122,6 +175,7 @@ class StrategyContext:
 
     @property
     def alive(self) -> list[int]:
+        """The topology's nodes not declared failed by the membership client, in id order."""
         return [n for n in self.topology.ids if n not in self.membership.failed]
 
     @property
@@ -143,16 +197,28 @@ class StrategyContext:
 
     @property
     def epoch(self) -> int:
+        """The current view's epoch (0 without a membership service); e.g. dts.py compares
+        ``self.ctx.epoch`` with the epoch it trained in to notice a re-form."""
         return self.view.epoch
 
 
 @dataclass
 class StepReport:
+    """What :meth:`Strategy.train_step` returns for one step: its loss, whether the run stops
+    after it, the seconds spent communicating and waiting, strategy fields for the metrics
+    (``extra``) and, when the strategy moved elsewhere, the next step to run.
+
+    Read by the session's step loop (api/session.py ``_drive``): ``self.step = self.step + 1
+    if rep.next_step is None else rep.next_step``; one metrics record per report.
+    """
+
     loss: float
+    #: the run ends after this step (synchronous strategies agree on it: every node stops here)
     stop: bool = False
     #: seconds this step spent moving data / blocked waiting for peers
     comm_s: float = 0.0
     wait_s: float = 0.0
+    #: strategy-specific values added to this step's metrics record (JSON-friendly)
     extra: dict[str, Any] = field(default_factory=dict)
     #: the step the loop runs next (default: this one + 1); set when the strategy adopted a
     #: peer's state at another step instead of training (a lagging survivor after a re-form)
@@ -160,6 +226,17 @@ class StepReport:
 
 
 class Strategy(ABC):
+    """One synchronization algorithm, seen by the runtime through these hooks.
+
+    Subclass it, set :attr:`name`, decorate it with :func:`register` and implement
+    :meth:`train_step`; every other hook has a do-nothing default. ``NodeRuntime`` builds it
+    with the node's :class:`StrategyContext`, calls :meth:`start`, then the session's step
+    loop calls ``rep = await strategy.train_step(self.step, want_stop)`` until a report says
+    ``stop``; :meth:`close` runs at the end. Everything runs on the node's event loop; the model
+    is reached only through ``self.ctx.replica``. See ssgd.py for the smallest complete one.
+    """
+
+    #: the name ``--strategy`` selects (the :data:`REGISTRY` key)
     name: ClassVar[str] = ""
     #: the options accepted via --opt NAME=VALUE (a frozen dataclass; see strategies/options.py)
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -183,14 +260,21 @@ class Strategy(ABC):
         members' next calls)."""
 
     async def start(self) -> None:
-        """Called once after rendezvous, before the first step."""
+        """Called once after rendezvous, before the first step (``NodeRuntime.start_strategy``:
+        ``await strategy.start()``). A joiner fetches its state here and sets
+        :attr:`start_step`, e.g. ssgd.py: ``self.start_step = await self.regroup.join()``."""
 
     @abstractmethod
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        """Run one step (compute + exchange) and report it."""
+        """Run one step (compute + exchange) and report it. ``want_stop``: this node would like
+        to stop after this step (``--steps``/``--time`` reached, or ``Session.request_stop()``).
+        Called by the session's step loop (api/session.py ``_drive``):
+        ``rep = await strategy.train_step(self.step, want_stop)``."""
 
     def on_peer_failure(self, peer: int) -> None:
-        """A peer was declared failed by the membership service (called on the event loop)."""
+        """A peer was declared failed by the membership service, or finished and left (called
+        on the event loop, once per peer, before the view that removes it). Registered by
+        ``NodeRuntime.start_strategy``: ``self.membership.listeners.append(strategy.on_peer_failure)``."""
 
     #: the strategy wants :meth:`on_grad_ready` during backward (user scripts and the built-in
     #: job both go through ``attach``, which installs the per-parameter hooks)
@@ -203,24 +287,32 @@ class Strategy(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """The strategy's own state for a user's checkpoint (JSON-friendly values); the model
-        and optimizer state are in their own state dicts."""
+        and optimizer state are in their own state dicts. Called from api/session_state.py
+        when a checkpoint is taken: ``copy.deepcopy(self.strategy.state_dict())``."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (called after :meth:`start`, before the first step)."""
+        """Restore :meth:`state_dict` (called after :meth:`start`, before the first step, by
+        the session's step loop: ``strategy.load_state_dict(self._strategy_state)``)."""
 
     def on_view(self, view: View) -> None:
         """A newer membership view (a node left or joined; called on the event loop, after
-        ``on_peer_failure`` for the peers it removes). Strategies take their group from it."""
+        ``on_peer_failure`` for the peers it removes). Strategies take their group from it.
+        Registered by ``NodeRuntime.start_strategy``: ``self.membership.view_listeners.append(strategy.on_view)``."""
 
     async def close(self) -> None:
-        """Called once at the end (also after errors)."""
+        """Called once at the end (also after errors), when the node runtime closes; stop the
+        strategy's own tasks and services here. A :class:`P2PSyncError` raised here is ignored
+        (the run is over)."""
 
 
 REGISTRY: dict[str, type[Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: add a strategy to :data:`REGISTRY` under its :attr:`Strategy.name`
+    (ValueError when the name is empty or taken). Example, ssgd.py: ``@register`` above
+    ``class SSGD(Strategy)``."""
     if not cls.name or cls.name in REGISTRY:
         raise ValueError(f"strategy name {cls.name!r} is empty or taken")
     REGISTRY[cls.name] = cls
@@ -228,6 +320,9 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def get_strategy(name: str) -> type[Strategy]:
+    """The strategy class registered as ``name`` (importing the built-ins first); ConfigError
+    listing the choices otherwise. Called from e.g. api/runtime.py:
+    ``self.strategy_cls = get_strategy(cfg.strategy)``."""
     from p2psync import strategies  # noqa: F401  (registers the built-ins)
 
     if name not in REGISTRY:
@@ -259,6 +354,8 @@ class FailStop:
         self.failed: set[int] = set()
 
     def on_peer_failure(self, peer: int) -> None:
+        """Remember ``peer`` and abort the pending receives under ``prefix`` with PeerFailure.
+        Called from the owning strategy's own ``on_peer_failure`` (dts.py, regroup.py)."""
         self.failed.add(peer)
         self.ctx.transport.mailbox.abort(self._error((peer,)), match=lambda tag: tag.startswith(self.prefix))
 
@@ -272,6 +369,8 @@ class FailStop:
                            "continue", peers=peers)
 
     def check(self) -> None:
+        """Raise PeerFailure naming the failed peers, if any; strategies call it at the start
+        of a step, e.g. dts.py: ``self.failstop.check()``."""
         if self.failed:
             raise self._error(tuple(sorted(self.failed)))
 

@@ -118,6 +118,8 @@ ProportionMask = Literal["full", "own"]
 
 @dataclasses.dataclass(frozen=True)
 class CanaryOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy canary`` (see the module docstring)."""
+
     mode: CanaryMode = option("native", "native (asynchronous, empty packets) or bsp (every colayer complete "
                               "every iteration)")
     s: float = option(18.0, "staleness threshold: iterations behind the fastest worker (inf: never stale)")
@@ -144,6 +146,9 @@ class CanaryOptions(StrategyOptions):
 
 @register
 class Canary(Strategy):
+    """``--strategy canary``: colayers exchanged during backward, GEI bitmaps, staleness
+    bounding (see the module docstring)."""
+
     name = "canary"
     grad_ready = True
     Options = CanaryOptions

@@ -95,6 +95,8 @@ class _Broken(Exception):
 
 @dataclass(frozen=True)
 class DTSOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy dts`` (see the module docstring)."""
+
     t: int = option(4, "delay in steps: a window's average is applied t steps after it closes (0: no delay)")
     p: int = option(4, "temporal sparsity: average once per window of p steps")
     momentum_compensation: bool = option(True, "correct SGD's momentum buffers too (off: ablation)")
@@ -108,6 +110,9 @@ class DTSOptions(StrategyOptions):
 
 @register
 class DTS(Strategy):
+    """``--strategy dts``: delayed, temporally sparse averaging with compensation (see the
+    module docstring)."""
+
     name = "dts"
     Options = DTSOptions
     opts: DTSOptions

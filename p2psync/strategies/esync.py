@@ -58,6 +58,8 @@ from p2psync.topology import Topology
 
 @dataclass(frozen=True)
 class ESyncOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy esync`` (see the module docstring)."""
+
     mode: Literal["blocking", "nonblocking"] = option("nonblocking", "blocking or nonblocking (delayed ACK, §4.2)")
     global_lr: float = option(1.0, "eps of Eq. 8")
     margin: float = option(0.002, "State Server boundary constant (s), Alg. 2 line 9")
@@ -70,6 +72,9 @@ class ESyncOptions(StrategyOptions):
 
 @register
 class ESync(Strategy):
+    """``--strategy esync``: State Server sized local iterations, one model-delta allreduce per
+    round (see the module docstring)."""
+
     name = "esync"
     Options = ESyncOptions
     opts: ESyncOptions

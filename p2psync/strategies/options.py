@@ -36,6 +36,7 @@ class StrategyOptions:
     """A strategy's options (this base: a strategy without any)."""
 
     def as_dict(self) -> dict[str, Any]:
+        """Every option by name, with its value."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

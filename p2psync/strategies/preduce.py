@@ -85,6 +85,8 @@ log = logging.getLogger("p2psync.preduce")
 
 @dataclass(frozen=True)
 class PReduceOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy preduce`` (see the module docstring)."""
+
     P: int = option(0, "group size, 2 <= P <= N (0: N // 2)")
     weights: Weights = option("constant", "constant (1/P) or dynamic (Sec. 3.3, EMA staleness)")
     alpha: float = option(0.5, "EMA decay of the dynamic weights, in [0, 1)")
@@ -159,6 +161,9 @@ def parse_group(raw: Any, me: int, ids: frozenset[int]) -> GroupMsg:
 
 @register
 class PReduce(Strategy):
+    """``--strategy preduce``: the first P ready workers average their models in a group
+    formed by the coordinator's controller (see the module docstring)."""
+
     name = "preduce"
     Options = PReduceOptions
     opts: PReduceOptions

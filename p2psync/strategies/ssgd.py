@@ -30,6 +30,9 @@ from p2psync.strategies.regroup import Adopted, Regroup
 
 @register
 class SSGD(Strategy):
+    """``--strategy ssgd``: one averaged gradient per step over the training group (see the
+    module docstring); the smallest complete :class:`~p2psync.strategies.base.Strategy`."""
+
     name = "ssgd"
 
     def __init__(self, ctx: StrategyContext) -> None:

@@ -218,6 +218,8 @@ def topology_from_dict(doc: Any) -> Topology:
 
 
 def topology_to_dict(topo: Topology) -> dict[str, Any]:
+    """The JSON document of ``topo`` (format version 1, see the module docstring); the inverse
+    of :func:`topology_from_dict`. api/runtime.py hashes it into the run id."""
     def link_dict(la: LinkAttrs) -> dict[str, Any]:
         return {"latency_ms": la.latency_ms, "jitter_ms": la.jitter_ms,
                 "bandwidth_mbps": la.bandwidth_mbps, "loss": la.loss}
@@ -243,10 +245,13 @@ def topology_to_dict(topo: Topology) -> dict[str, Any]:
 
 
 def dumps(topo: Topology) -> str:
+    """``topo`` as indented JSON text; ``p2psync topo`` prints it: ``sys.stdout.write(dumps(topo))``."""
     return json.dumps(topology_to_dict(topo), indent=2) + "\n"
 
 
 def loads(text: str, *, source: str = "<string>") -> Topology:
+    """Parse and validate topology JSON text; ConfigError prefixed with ``source`` (the file
+    name) and naming the bad field."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -258,6 +263,8 @@ def loads(text: str, *, source: str = "<string>") -> Topology:
 
 
 def load(path: str | Path) -> Topology:
+    """Read and validate the topology file ``path`` (ConfigError when unreadable or invalid).
+    Example, cli/builtin_job.py: ``topo = load(cfg.topology)``."""
     p = Path(path)
     with translate({OSError: lambda e: ConfigError(f"cannot read topology {p}: {e.strerror}")}):
         text = p.read_text()
@@ -265,6 +272,8 @@ def load(path: str | Path) -> Topology:
 
 
 def save(topo: Topology, path: str | Path) -> None:
+    """Write ``topo`` to ``path`` as JSON (:func:`dumps`); ``p2psync topo -o FILE`` and
+    ``p2psync keys`` use it."""
     Path(path).write_text(dumps(topo))
 
 

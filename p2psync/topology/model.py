@@ -14,6 +14,9 @@ from typing import Any, Mapping
 
 @dataclass(frozen=True)
 class Nic:
+    """One network interface of a node: its name (``eth0``), the address and port its ROUTER
+    socket binds, and the network (switch) it sits on."""
+
     name: str
     address: str
     port: int
@@ -21,11 +24,16 @@ class Nic:
 
     @property
     def endpoint(self) -> str:
+        """The ZeroMQ endpoint ``tcp://address:port``; transport/zmq_endpoint.py binds and
+        connects to it (``s.bind(nic.endpoint)``)."""
         return f"tcp://{self.address}:{self.port}"
 
 
 @dataclass(frozen=True)
 class Node:
+    """One node (one process) of the topology: its id, its NICs, the host it runs on and, in a
+    keyed cluster, its public key. Example: ``topology.node(node_id).nics``."""
+
     id: int
     nics: tuple[Nic, ...]
     host: str = "localhost"
@@ -34,6 +42,7 @@ class Node:
     curve_public: str | None = None
 
     def nic(self, name: str) -> Nic:
+        """The NIC called ``name`` (KeyError when the node has none)."""
         for n in self.nics:
             if n.name == name:
                 return n
@@ -42,6 +51,8 @@ class Node:
 
 @dataclass(frozen=True)
 class Network:
+    """A switch or link joining NICs: two nodes with a NIC on the same network are adjacent."""
+
     name: str
     #: BCube level (or any grouping level); None for plain switches/links
     level: int | None = None
@@ -49,6 +60,10 @@ class Network:
 
 @dataclass(frozen=True)
 class LinkAttrs:
+    """What the link between two nodes is like (for link shaping): one-way latency and jitter
+    in ms, bandwidth in Mb/s (None: unlimited), loss probability in [0, 1). Looked up with
+    :meth:`Topology.link`; transport/shaping.py turns it into a ``LinkSpec.from_attrs``."""
+
     latency_ms: float = 0.0
     jitter_ms: float = 0.0
     bandwidth_mbps: float | None = None
@@ -66,6 +81,14 @@ class Route:
 
 @dataclass(frozen=True, eq=False)
 class Topology:
+    """A cluster: its nodes, the networks joining their NICs, per-pair link attributes, the
+    node that coordinates first, and the builder's name, kind and parameters.
+
+    Loaded from JSON by :func:`~p2psync.topology.io.load` (or built by
+    :mod:`~p2psync.topology.builders`); every layer above reads it, e.g. ssgd via
+    ``self.ctx.topology``, transport/base.py: ``self.node = topology.node(node_id)``.
+    """
+
     nodes: tuple[Node, ...]
     networks: tuple[Network, ...]
     name: str = "custom"
@@ -84,10 +107,12 @@ class Topology:
 
     @property
     def ids(self) -> list[int]:
+        """Every node id, sorted."""
         return sorted(self._by_id)
 
     @property
     def size(self) -> int:
+        """The number of nodes (N); e.g. asgd.py: ``1.0 / self.ctx.topology.size``."""
         return len(self.nodes)
 
     @property
@@ -101,6 +126,7 @@ class Topology:
         return {n.curve_public: n.id for n in self.nodes if n.curve_public is not None}
 
     def node(self, node_id: int) -> Node:
+        """The node with id ``node_id`` (KeyError naming the topology when there is none)."""
         try:
             return self._by_id[node_id]
         except KeyError:
@@ -119,6 +145,7 @@ class Topology:
         return sorted({nid for nid, _ in self._members.get(network, [])})
 
     def network(self, name: str) -> Network:
+        """The network called ``name`` (KeyError when there is none)."""
         for n in self.networks:
             if n.name == name:
                 return n
@@ -139,19 +166,27 @@ class Topology:
         return self._routes.get((src, dst), ())
 
     def neighbors(self, node_id: int) -> list[int]:
+        """The nodes adjacent to ``node_id`` (sharing a network with it), sorted; e.g.
+        regroup.py picks a joiner's donors among ``ctx.topology.neighbors(me)``."""
         return sorted({b for (a, b) in self._routes if a == node_id})
 
     def neighbors_on(self, node_id: int, nic: str) -> list[int]:
+        """The other nodes on the network of ``node_id``'s NIC ``nic``."""
         net = self.node(node_id).nic(nic).network
         return [m for m in self.members(net) if m != node_id]
 
     def degree(self, node_id: int) -> int:
+        """The number of nodes adjacent to ``node_id``."""
         return len(self.neighbors(node_id))
 
     def link(self, a: int, b: int) -> LinkAttrs:
+        """The attributes of the link between ``a`` and ``b`` (either order), else
+        :attr:`default_link`; e.g. transport/shaping.py: ``LinkSpec.from_attrs(topo.link(node_id, dst))``."""
         return self.links.get((min(a, b), max(a, b)), self.default_link)
 
     def is_connected(self) -> bool:
+        """Every node reaches every other one through adjacent nodes (topology/io.py refuses
+        a topology that is not)."""
         if not self.nodes:
             return True
         seen = {self.nodes[0].id}

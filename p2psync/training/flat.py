@@ -26,6 +26,15 @@ from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
 from p2psync.strategies.canary_colayers import Layer
 
 class FlatModel:
+    """A torch model and its optimizer read and written as flat float32 vectors: gradients,
+    parameters, and the whole state (parameters + optimizer buffers).
+
+    Built by ``Session.attach`` (api/session.py: ``flat = FlatModel(model=model,
+    optimizer=optimizer)``, wrapped by :class:`~p2psync.api.replica.HookedReplica`) and by
+    :class:`~p2psync.training.trainer.Trainer`. Call its methods on the thread that owns the
+    model. ConfigError when the model has no trainable parameters.
+    """
+
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -73,9 +82,13 @@ class FlatModel:
 
     @property
     def device(self) -> torch.device:
+        """The device of the model's (first) trainable parameter."""
         return self.params[0].device
 
     def grads(self) -> np.ndarray:
+        """The parameters' ``.grad`` as one host float32 vector (zeros where a gradient is
+        missing). Called from api/session.py at ``optimizer.step()``:
+        ``grads = self.replica.flat.grads()``."""
         return self._to_host(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                         for p in self.params]))
 
@@ -91,6 +104,9 @@ class FlatModel:
             off += n
 
     def set_grads(self, vec: np.ndarray) -> None:
+        """Copy the flat ``vec`` into the parameters' ``.grad`` (ValueError on a length
+        mismatch); the optimizer step that follows uses them. Called from api/replica.py:
+        ``self.flat.set_grads(vec)``."""
         for p, g in self._per_param(vec, "gradient"):
             if p.grad is None:
                 p.grad = g.clone()
@@ -98,9 +114,12 @@ class FlatModel:
                 p.grad.copy_(g)
 
     def get_params(self) -> np.ndarray:
+        """A host copy of the trainable parameters as one float32 vector."""
         return self._to_host(torch.nn.utils.parameters_to_vector(self.params))
 
     def set_params(self, vec: np.ndarray) -> None:
+        """Copy the flat ``vec`` into the parameters (optimizer state untouched; ValueError on
+        a length mismatch)."""
         # copied into the parameters' own storage: vector_to_parameters would make them views
         # of ``vec`` (on the CPU, of the caller's numpy array: two replicas given the same
         # array, as nodes in one process are, then trained one shared set of weights)
@@ -199,11 +218,15 @@ class FlatModel:
                           "(supported: SGD, Adam)")
 
     def state_size(self) -> int:
+        """The length of :meth:`export_state`'s vector (ConfigError for an optimizer other
+        than SGD or Adam)."""
         keys = self._state_keys()
         per_param = sum(1 for k in keys if k == "step")
         return self.numel * (1 + len(keys) - per_param) + per_param * len(self.params)
 
     def export_state(self) -> np.ndarray:
+        """Parameters, then each optimizer state entry per parameter, as one float32 vector
+        (missing buffers as zeros; see the module docstring)."""
         parts = [self.get_params()]
         for key in self._state_keys():
             for p in self.params:
@@ -218,6 +241,8 @@ class FlatModel:
         return np.concatenate(parts).astype(np.float32, copy=False)
 
     def import_state(self, vec: np.ndarray) -> None:
+        """Load an :meth:`export_state` vector into the parameters and the optimizer state
+        (ValueError when its length is not :meth:`state_size`)."""
         if vec.size != self.state_size():
             raise ValueError(f"state vector has {vec.size} elements, this replica has {self.state_size()}")
         self.set_params(vec[:self.numel])

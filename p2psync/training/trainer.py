@@ -46,6 +46,9 @@ T = TypeVar("T")
 
 
 def resolve_device(spec: str) -> torch.device:
+    """The torch device for ``--device`` (``auto``: CUDA when available, else CPU); ConfigError
+    for an unknown or unavailable one. Called from training/node.py:
+    ``device = resolve_device(cfg.device)``."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -60,6 +63,8 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The built-in job's optimizer for ``--optimizer`` (``sgd`` or ``adam``; Adam ignores
+    ``momentum``). Called from training/node.py's ``build_trainer``."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
@@ -68,6 +73,16 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
 
 
 class Trainer:
+    """The built-in job's local replica: model, optimizer, this node's data shard and the
+    emulated device (see the module docstring). It also implements
+    :class:`~p2psync.strategies.base.Replica` on its own compute thread (tests drive
+    strategies with it directly).
+
+    Built by :func:`~p2psync.training.node.build_trainer`; the built-in job
+    (cli/builtin_job.py) attaches its model and optimizer and calls
+    ``trainer.forward_backward(session.gate.abandon)`` per iteration.
+    """
+
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset,
                  indices: np.ndarray, batch_size: int, seed: int, device: torch.device,
                  eval_batch: int = 2048, slowdown: Slowdown | None = None) -> None:
@@ -126,9 +141,12 @@ class Trainer:
 
     @property
     def factor(self) -> float:
+        """The emulated device's slowdown factor now (logged per step by the built-in job)."""
         return self.slowdown.factor_at(time.monotonic() - self.t0)
 
     def close(self) -> None:
+        """Shut the compute thread down (pending jobs cancelled); the built-in job calls it at
+        the end."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # -- operations ----------------------------------------------------------------------
@@ -205,12 +223,15 @@ class Trainer:
         await self.run(go)
 
     async def get_params(self) -> np.ndarray:
+        """A copy of the parameters as one flat float32 vector (a compute job)."""
         return await self.run(self.flat.get_params)
 
     def state_size(self) -> int:
+        """The length of :meth:`export_state`'s vector."""
         return self.flat.state_size()
 
     def layers(self) -> list[Layer]:
+        """The modules with trainable parameters, in the flat vector's order (Canary)."""
         return self.flat.layers()
 
     async def export_state(self) -> np.ndarray:
@@ -218,9 +239,11 @@ class Trainer:
         return await self.run(self.flat.export_state)
 
     async def import_state(self, vec: np.ndarray) -> None:
+        """Replace parameters and optimizer state with an :meth:`export_state` vector."""
         await self.run(lambda: self.flat.import_state(vec))
 
     async def set_params(self, vec: np.ndarray) -> None:
+        """Replace the parameters with the flat ``vec`` (a compute job)."""
         await self.run(lambda: self.flat.set_params(vec))
 
     def evaluate_now(self) -> tuple[float, float]:

@@ -79,6 +79,9 @@ DEFAULT_WINDOW_BYTES = 8 << 20
 
 @dataclass
 class NicStats:
+    """Traffic counters of one NIC (``Transport.nic_stats[nic]``); the session logs the bytes
+    per step (``NodeRuntime.nic_bytes``)."""
+
     bytes_sent: int = 0
     bytes_recv: int = 0
     msgs_sent: int = 0
@@ -123,6 +126,17 @@ def all_finite(a: Any) -> bool:
 
 
 class Transport(Relaying, ABC):
+    """One node's messaging endpoint: tagged messages to and from its peers, relaying, flow
+    control, strict ingest and the mailbox (see the module docstring).
+
+    Subclasses (:class:`~p2psync.transport.zmq_endpoint.ZmqEndpoint`,
+    :class:`~p2psync.transport.memory.MemoryTransport`) implement :meth:`start`,
+    ``_transmit`` and ``_close_io``, and feed received frames to ``_ingest``. Every layer above
+    uses it, e.g. regroup.py: ``await ctx.transport.send(caller, tag, [vec], kind="data",
+    step=max(0, at), timeout=ctx.peer_timeout)`` and ``msg = await ctx.transport.recv(tag,
+    timeout=ctx.peer_timeout)``.
+    """
+
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
                  mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
@@ -174,7 +188,9 @@ class Transport(Relaying, ABC):
     # -- lifecycle -----------------------------------------------------------------------
 
     @abstractmethod
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Bind / register this node so peers can reach it (before any send). Called from
+        ``NodeRuntime.rendezvous``: ``await self.transport.start()``."""
 
     async def close(self) -> None:
         """Close in the one safe order: let relayed control messages go out, flush and close the
@@ -206,6 +222,8 @@ class Transport(Relaying, ABC):
         return self.topology.neighbors(self.node_id)
 
     def route(self, peer: int, nic: str | None = None) -> Route:
+        """The direct route to adjacent ``peer`` (over NIC ``nic`` when given, else the first);
+        TransportError when there is none."""
         routes = self.topology.routes(self.node_id, peer)
         if not routes:
             raise TransportError(f"node {self.node_id} shares no network with node {peer}")
@@ -331,6 +349,8 @@ class Transport(Relaying, ABC):
         return self.mailbox.get_nowait(tag)
 
     async def recv_any(self, prefix: str, timeout: float | None = None) -> Message:
+        """The oldest message whose tag starts with ``prefix``; PeerTimeout after ``timeout``
+        seconds (None: ``default_timeout``)."""
         return await self.mailbox.get_prefix(prefix, self.default_timeout if timeout is None else timeout)
 
     # -- ingest --------------------------------------------------------------------------
@@ -459,6 +479,8 @@ class Transport(Relaying, ABC):
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Counters as plain values: per-NIC :class:`NicStats`, rejections by reason, relayed
+        messages and offences per node."""
         return {"nics": {k: asdict(v) for k, v in self.nic_stats.items()},
                 "rejected": dict(self.rejected), "relayed": self.relayed,
                 "offences": {str(k): v for k, v in sorted(self.offences.items())}}

@@ -92,6 +92,14 @@ def _family(prefix: str) -> str | None:
 
 
 class Mailbox:
+    """Matches arriving messages to receivers by tag or tag prefix, queueing the rest within
+    bounded memory (see the module docstring).
+
+    One per transport (``Transport.mailbox``): ``Transport._ingest`` calls :meth:`deliver`,
+    ``Transport.recv`` calls :meth:`get`; strategies reach it to abort or retire tags, e.g.
+    base.py's FailStop: ``self.ctx.transport.mailbox.abort(..., match=lambda tag: tag.startswith(self.prefix))``.
+    """
+
     def __init__(self, *, max_pending: int = 65536, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  max_control_pending: int = 4096, ttl: float | None = DEFAULT_TTL,
                  max_retired: int = 65536, clock: Callable[[], float] = time.monotonic,
@@ -141,6 +149,7 @@ class Mailbox:
         return self._bytes
 
     def bytes_pending_from(self, peer: int) -> int:
+        """Payload bytes of queued, unclaimed data messages from ``peer``."""
         return self._peer_bytes.get(peer, 0)
 
     @property
@@ -187,6 +196,7 @@ class Mailbox:
                 pass
 
     def is_retired(self, tag: str) -> bool:
+        """``tag`` was retired, exactly or by a retired prefix (see :meth:`retire`)."""
         if tag in self._retired:
             return True
         return any(tag.startswith(p) for p in self._retired_prefixes)
@@ -378,9 +388,14 @@ class Mailbox:
         return self._take(tag, None)
 
     async def get(self, tag: str, timeout: float | None = None) -> Message:
+        """The next message with ``tag`` (queued, else the next to arrive); PeerTimeout after
+        ``timeout`` seconds (None: no limit); the close error once closed. Called from
+        ``Transport.recv`` and ``Transport.listen``."""
         return await self._get(tag, None, timeout)
 
     async def get_prefix(self, prefix: str, timeout: float | None = None) -> Message:
+        """Like :meth:`get` for the oldest message whose tag starts with ``prefix``
+        (``Transport.recv_any``)."""
         return await self._get(None, prefix, timeout)
 
     # -- abort, expiry, retire -----------------------------------------------------------
@@ -437,6 +452,8 @@ class Mailbox:
         self._retired_prefixes.pop(tag, None)
 
     def close(self, exc: P2PSyncError) -> None:
+        """Fail every waiter, and every later :meth:`get` that finds nothing queued, with
+        ``exc``; drop what is queued. Called when the transport closes."""
         self._closed = exc
         self.abort(exc)
         self._queues.clear()

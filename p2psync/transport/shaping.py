@@ -55,6 +55,10 @@ SHAPERS: tuple[str, ...] = get_args(ShaperName)
 
 @dataclass(frozen=True)
 class LinkSpec:
+    """One emulated link, in seconds and bits/s: one-way latency, uniform jitter (±), bandwidth
+    (None: unlimited), loss probability and the delay a lost message pays (``rto_s``). Built by
+    :meth:`from_attrs` or :func:`load_wan_profile`; read by :class:`InprocShaper` and netem."""
+
     latency_s: float = 0.0  # one way
     jitter_s: float = 0.0
     bandwidth_bps: float | None = None
@@ -63,10 +67,13 @@ class LinkSpec:
 
     @property
     def trivial(self) -> bool:
+        """The link changes nothing (no latency, jitter, bandwidth limit or loss): not shaped."""
         return self.latency_s == 0 and self.jitter_s == 0 and self.bandwidth_bps is None and self.loss == 0
 
     @staticmethod
     def from_attrs(a: LinkAttrs) -> "LinkSpec":
+        """The spec of a topology link (ms and Mb/s converted; ``rto_s`` twice the latency, at
+        least 0.2 s). Example, :func:`make_shaper`: ``LinkSpec.from_attrs(topo.link(node_id, dst))``."""
         lat = a.latency_ms / 1e3
         return LinkSpec(latency_s=lat, jitter_s=a.jitter_ms / 1e3,
                         bandwidth_bps=a.bandwidth_mbps * 1e6 if a.bandwidth_mbps else None,
@@ -77,6 +84,13 @@ Transmit = Callable[[], Awaitable[None]]
 
 
 class Shaper(ABC):
+    """Delays and paces one node's outgoing messages as emulated links would.
+
+    Built by :func:`make_shaper` and passed to the transport's constructor (``shaper=``), which
+    owns and closes it; the transport's send path calls ``await self.shaper.submit(peer,
+    nbytes, lambda: self._deliver(...), control=not bulk, nic=route.local_nic)``.
+    """
+
     @abstractmethod
     async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
                      nic: str | None = None) -> None:
@@ -106,6 +120,13 @@ class _Link:
 
 
 class InprocShaper(Shaper):
+    """The ``inproc`` shaper: per-link (and optionally per-NIC) token buckets, pipelined
+    latency with jitter and loss, strict priority for control (see the module docstring).
+
+    ``specs``: destination node -> its link (trivial links are sent unshaped); ``seed`` drives
+    jitter and loss; ``nic_bandwidth_bps``: local NIC -> its bandwidth.
+    """
+
     def __init__(self, specs: Mapping[int, LinkSpec], *, seed: int = 0,
                  nic_bandwidth_bps: Mapping[str, float] | None = None) -> None:
         self.links = {dst: _Link(spec) for dst, spec in specs.items() if not spec.trivial}
@@ -120,6 +141,8 @@ class InprocShaper(Shaper):
 
     async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
                      nic: str | None = None) -> None:
+        """See :meth:`Shaper.submit`: schedules ``transmit`` on its link's lane (one worker
+        task per lane) and waits out this message's serialization time."""
         link = self.links.get(dst)
         nic_bw = self.nic_bandwidth_bps.get(nic) if nic is not None else None
         if link is None and nic_bw is None:
