@@ -20,7 +20,10 @@ now — the pusher's own and those of held workers the push released.
 * :class:`ElasticScheduler`: ElasticBSP online (§4.7): a monitoring phase (every worker pushes at
   least twice, ASP-like), then the barrier is chosen by ZipLine over the predicted next R push
   times and fixed as a per-worker push count; a worker that reaches its count is held until
-  everyone has, then all are released together (they pull identical weights).
+  everyone has, then all are released together (they pull identical weights: the barrier
+  number in their OKs tags their pulls, :mod:`p2psync.params.store`). A worker that leaves
+  while a barrier is pending makes ZipLine run again over the survivors' timelines predicted
+  from that moment (:meth:`ElasticScheduler._replan`).
 
 "The slowest worker" (spec §9 item 4; the thesis defines it two ways): the worker with the
 fewest pushes — the one a held worker actually waits for — ties broken by the longest latest
@@ -33,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from p2psync.coordinator.zipline import SEARCHERS, dssp_controller, predict
 from p2psync.errors import ConfigError, ProtocolError
@@ -47,9 +52,11 @@ class Grant:
     count: int
     #: t_p - min t at the grant (the staleness the OK allows)
     gap: int
-    #: extra iterations left from a DSSP controller decision (r_p after this grant)
+    #: r*: the extra iterations (beyond s_L) a DSSP controller decision granted at this OK, this
+    #: one included (0: no decision at this OK; the r* - 1 OKs it allows later report 0)
     r: int = 0
-    #: ElasticBSP: the barrier this OK releases (0: not a barrier release)
+    #: the barrier this OK releases (0: not a barrier): ElasticBSP's barrier number; BSP
+    #: (s_U = 0, every OK a barrier): the push count, so the pulls it releases can be tagged
     barrier: int = 0
 
 
@@ -111,6 +118,15 @@ class StalenessScheduler:
     def counts(self) -> dict[int, int]:
         return dict(self.c.t)
 
+    @property
+    def lockstep(self) -> bool:
+        """BSP (s_U = 0): every OK is granted when all counts are equal, a barrier."""
+        return self.s_upper == 0
+
+    def _ok(self, p: int, r: int = 0) -> Grant:
+        return Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p), r=r,
+                     barrier=self.c.t[p] if self.lockstep else 0)
+
     def push(self, p: int, now: float) -> list[Grant]:
         """Worker ``p`` pushed (its gradient is applied): the OKs granted now (p's own first
         only if it is not held; released workers in order of arrival)."""
@@ -132,18 +148,18 @@ class StalenessScheduler:
             g = self.c.gap(q)
             if self.s_lower is None or g <= self.s_lower:
                 self.waiting.remove(q)
-                out.append(Grant(worker=q, count=self.c.t[q], gap=g, r=self.r[q]))
+                out.append(self._ok(q))
         return out
 
     def _decide(self, p: int) -> Grant | None:
         g = self.c.gap(p)
         if self.s_lower is None or self.s_upper is None:  # ASP
-            return Grant(worker=p, count=self.c.t[p], gap=g)
+            return self._ok(p)
         if self.r[p] > 0:  # Alg. 1 lines 3-5: an extra iteration left from an earlier decision
             self.r[p] -= 1
-            return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+            return self._ok(p)
         if g <= self.s_lower:  # lines 7-9
-            return Grant(worker=p, count=self.c.t[p], gap=g)
+            return self._ok(p)
         p_last, p_prev = self.c.a[p]
         if self.s_upper > self.s_lower and self.c.t[p] == max(self.c.t.values()) \
                 and p_last is not None and p_prev is not None:
@@ -153,11 +169,12 @@ class StalenessScheduler:
                 rs = dssp_controller([p_last, p_prev], [s_last, s_prev], max(0, self.s_upper - g + 1))
                 if rs > 0:  # this grant consumes one unit (fix 1)
                     self.r[p] = rs - 1
-                    return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+                    return self._ok(p, r=rs)
         return None
 
-    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
-        """A new view: departed workers no longer bound anyone; joiners are admitted."""
+    def set_workers(self, workers: Sequence[int], now: float) -> list[Grant]:
+        """A new view: departed workers no longer bound anyone; joiners are admitted (``now``
+        is not used: the signature is :class:`ElasticScheduler`'s)."""
         keep = set(workers)
         for w in [w for w in self.c.t if w not in keep]:
             self.c.remove(w)
@@ -237,12 +254,46 @@ class ElasticScheduler:
             self.c.a[w] = (None, None)
         return out
 
-    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
-        """A new view: recompute without a worker that left (§6.4 "taken out of the
-        computation"): a pending barrier keeps its counts for the survivors; a joiner runs one
-        iteration and waits at the barrier in progress, then monitors with everyone."""
+    def _replan(self, now: float) -> list[Grant]:
+        """A worker left while the barrier was pending (§4.7 failure: "recompute with the
+        survivors"): ZipLine again over the survivors' timelines predicted from ``now``. A
+        survivor held at its barrier count may stay there (its point: ``now``, j = 0) or go on,
+        released now (``now + i*gamma``: target = count + i, an OK now); a running survivor's
+        next push is expected an interval after its last one but not before ``now``
+        (target = count + 1 + i). So no target is below the count a survivor reached, and a held
+        survivor is released only by a barrier or by a target moved past it; one without an
+        interval (a joiner) keeps its target. ``last_j``: the new targets minus the counts."""
+        assert self.target is not None
+        ws = [w for w in sorted(self.c.t) if self.c.interval(w) >= 0]
+        if not ws:
+            return []
+        rows, base = [], {}
+        for w in ws:
+            gamma, last = self.c.interval(w), self.c.a[w][0]
+            assert last is not None
+            held = w in self.arrived
+            base[w] = self.c.t[w] + (0 if held else 1)
+            start = now if held else max(last + gamma, now)
+            rows.append(start + gamma * np.arange(self.R))
+        choice = self.search(np.array(rows))
+        out = []
+        for w, z in zip(ws, choice.z):
+            self.target[w] = base[w] + int(z)
+            if w in self.arrived and self.target[w] > self.c.t[w]:
+                self.arrived.remove(w)
+                out.append(Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w)))
+        self.last_j = {w: self.target[w] - self.c.t[w] for w in ws}
+        self.last_d, self.last_t_sync = float(choice.d), float(choice.t_sync)
+        return out
+
+    def set_workers(self, workers: Sequence[int], now: float) -> list[Grant]:
+        """A new view at ``now``: a pending barrier is recomputed without a worker that left
+        (§6.4 "taken out of the computation"; :meth:`_replan`), a monitoring phase that only
+        waited for it ends; a joiner runs one iteration and waits at the barrier in progress,
+        then monitors with everyone."""
         keep = set(workers)
-        for w in [w for w in self.c.t if w not in keep]:
+        left = [w for w in self.c.t if w not in keep]
+        for w in left:
             self.c.remove(w)
             self.k.pop(w, None)
             if w in self.arrived:
@@ -257,6 +308,9 @@ class ElasticScheduler:
                 self.target[w] = self.c.t[w] + 1
         if not self.c.t:
             raise ConfigError("the scheduler needs at least one worker")
+        out = []
         if self.target is None and all(v >= 2 for v in self.k.values()):
             self._decide()
-        return self._maybe_release()
+        elif self.target is not None and left:
+            out = self._replan(now)
+        return out + self._maybe_release()

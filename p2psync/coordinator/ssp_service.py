@@ -61,7 +61,7 @@ class SchedulerService:
             self.epoch, members = view
             for w in [w for w in self._waiting if w not in members]:
                 self._waiting.pop(w).set_result({"stop": True, "left": True})
-            self._grant(self.sched.set_workers(members))
+            self._grant(self.sched.set_workers(members, asyncio.get_running_loop().time()))
 
     async def _pushed(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         try:
