@@ -218,6 +218,9 @@ class ElasticScheduler:
     def held(self) -> tuple[int, ...]:
         return tuple(self.arrived)
 
+    #: pushes between barriers are applied ASP-like (not BSP's rounds)
+    lockstep = False
+
     def push(self, p: int, now: float) -> list[Grant]:
         if p in self.arrived:
             raise ProtocolError("scheduler", f"push from node {p}, which is held at the barrier")
