@@ -5,7 +5,9 @@ every shard owner reports ``{count, inc, stop, epoch, members}``; the coordinato
 report on arrival with its own clock (the thesis' ``clock_p^push``, spec §6.1: no clock sync)
 and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, barrier}}``, or
 the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
-worker asks again with the same ``count``, which is then not counted twice). Messages are a few
+worker asks again with the same ``count``, which is then not counted twice; asked again after
+its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts from 1 again; if
+the scheduler held it, its first report waits for that OK instead of counting a push. Messages are a few
 bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
 """
 
@@ -43,7 +45,8 @@ class SchedulerService:
     def _grant(self, grants: Sequence[Grant]) -> None:
         for g in grants:
             ans = {"ok": {"count": g.count, "gap": g.gap, "r": g.r, "barrier": g.barrier}}
-            self._granted[g.worker] = (g.count, ans)
+            # kept under the worker's own count (a joiner's or a restarted worker's is not the scheduler's)
+            self._granted[g.worker] = (self._recorded.get(g.worker, g.count), ans)
             fut = self._waiting.pop(g.worker, None)
             if fut is not None and not fut.done():
                 fut.set_result(ans)
@@ -89,7 +92,10 @@ class SchedulerService:
         if done is not None and done[0] == count:
             return done[1]
         have = self._recorded.get(caller, 0)
-        if count == have + 1:
+        if count == have + 1 and caller in self._waiting:  # restarted while held: it waits for the
+            self._recorded[caller] = count                 # OK its old incarnation waited for
+            fut = self._waiting[caller]
+        elif count == have + 1:
             now = asyncio.get_running_loop().time()
             self._recorded[caller] = count
             fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
