@@ -20,8 +20,8 @@ now — the pusher's own and those of held workers the push released.
 * :class:`ElasticScheduler`: ElasticBSP online (§4.7): a monitoring phase (every worker pushes at
   least twice, ASP-like), then the barrier is chosen by ZipLine over the predicted next R push
   times and fixed as a per-worker push count; a worker that reaches its count is held until
-  everyone has, then all are released together (they pull identical weights: the barrier
-  number in their OKs tags their pulls, :mod:`p2psync.params.store`). A worker that leaves
+  everyone has, then all are released together (they pull identical weights: their pulls
+  are tagged as a barrier's, :mod:`p2psync.params.barriers`). A worker that leaves
   while a barrier is pending makes ZipLine run again over the survivors' timelines predicted
   from that moment (:meth:`ElasticScheduler._replan`).
 

@@ -4,35 +4,28 @@ OK, a count out of order is refused and counted, a restarted worker counts from 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from p2psync.coordinator import RpcClient, RpcServer
+from p2psync.coordinator import RpcClient
 from p2psync.coordinator.ssp import StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.errors import RemoteError
-from p2psync.topology import mesh
-from p2psync.transport import MemoryHub
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-async def service():
-    """``make(sched)``: a scheduler service on node 0 of a 3-node in-memory mesh (held reports
-    answered "wait" after 0.05 s) and ``report(node, count, inc=1)``; closed after the test."""
-    made: list = []
+async def service(memory_server):
+    """``make(sched)``: a scheduler service on node 0 of a 3-node in-memory ring (every node
+    adjacent; held reports answered "wait" after 0.05 s) and ``report(node, count, inc=1)``."""
 
     async def make(sched: StalenessScheduler):
-        hub = MemoryHub(mesh(3))
-        eps = {i: hub.endpoint(i, default_timeout=5) for i in range(3)}
-        for e in eps.values():
-            await e.start()
-        server = RpcServer(eps[0])
+        eps, server = await memory_server(3)
         svc = SchedulerService(server, [0, 1, 2], sched, name="t", hold=0.05)
         server.start()
-        made.append((eps, server))
         clients = {i: RpcClient(eps[i], local=server if i == 0 else None) for i in eps}
 
         async def report(node: int, count: int, inc: int = 1) -> dict[str, Any]:
@@ -40,11 +33,7 @@ async def service():
             return rep
         return svc, report
 
-    yield make
-    for eps, server in made:
-        await server.close()
-        for e in eps.values():
-            await e.close()
+    return make
 
 
 async def until_ok(report: Any, node: int, count: int, inc: int = 1) -> dict[str, Any]:
@@ -52,13 +41,11 @@ async def until_ok(report: Any, node: int, count: int, inc: int = 1) -> dict[str
     for _ in range(200):
         rep = await report(node, count, inc)
         if not rep.get("wait"):
-            return rep  # type: ignore[no-any-return]
+            return rep
     raise AssertionError(f"node {node}: no answer to push {count}")
 
 
 async def test_reports_asked_again_are_counted_once_and_answered_the_same(service):
-    import asyncio
-
     sched = StalenessScheduler(workers=[0, 1, 2], s_lower=0)  # BSP
     svc, report = await service(sched)
     assert await report(1, 1) == {"wait": True}  # held: nobody else pushed
@@ -75,8 +62,6 @@ async def test_reports_asked_again_are_counted_once_and_answered_the_same(servic
 
 
 async def test_a_restarted_worker_counts_from_one_again_and_keeps_its_hold(service):
-    import asyncio
-
     sched = StalenessScheduler(workers=[0, 1, 2], s_lower=2)
     svc, report = await service(sched)
     assert "ok" in await report(1, 1)  # gap 1 <= s
