@@ -9,6 +9,15 @@ worker asks again with the same ``count``, which is then not counted twice; aske
 its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts from 1 again; if
 the scheduler held it, its first report waits for that OK instead of counting a push. Messages are a few
 bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
+
+Failover: the node that takes over as coordinator registers a fresh service (the strategy's
+``coordinator_services``), which knows nothing of the run. A worker's first report to a
+scheduler is an adoption (:meth:`StalenessScheduler.adopt`, :meth:`ElasticScheduler.adopt`): its
+``count`` (and ``gen``, the ElasticBSP barriers it was released from; 0 if absent) become its
+state there, whatever the count, instead of being refused for not starting at 1; after that the
+usual rules hold. The worker's report retried at the new coordinator
+(:meth:`MembershipClient.call_coordinator`) carries the members of its view less the peers it
+knows failed (the dead coordinator among them), so the scheduler does not wait for it.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ class SchedulerService:
 
     async def _pushed_call(self, caller: int, args: Mapping[str, Any]) -> Any:
         count, inc = int_arg(args, "count", who="scheduler", lo=1), int_arg(args, "inc", who="scheduler")
+        gen = int_arg(args, "gen", who="scheduler") if "gen" in args else 0
         stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
         if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
@@ -92,7 +102,12 @@ class SchedulerService:
         if done is not None and done[0] == count:
             return done[1]
         have = self._recorded.get(caller, 0)
-        if count == have + 1 and caller in self._waiting:  # restarted while held: it waits for the
+        if caller in self.sched.unheard:  # its first report here (a new scheduler): adopted
+            grants = self.sched.adopt(caller, count, asyncio.get_running_loop().time(), gen=gen)
+            self._recorded[caller] = count
+            fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
+            self._grant(grants)
+        elif count == have + 1 and caller in self._waiting:  # restarted while held: it waits for the
             self._recorded[caller] = count                 # OK its old incarnation waited for
             fut = self._waiting[caller]
         elif count == have + 1:

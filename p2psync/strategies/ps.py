@@ -41,6 +41,14 @@ peer's pending receives are aborted at once); a push lost that way is counted (`
 in the step metrics). Joining a running store is not supported (a joiner is refused with a
 clear error).
 
+The coordinator dying is such a failure too (it is a worker and a shard owner like any other):
+the survivors re-shard without it, and the node taking over (the lowest live id) starts a fresh
+scheduler. The report in flight is retried there (``call_coordinator``), rebuilt at every
+attempt with the newest view minus the peers this node knows failed; it carries the worker's
+own count and barrier generation (``gen``), which the new scheduler adopts (module docstring of
+:mod:`p2psync.coordinator.ssp`: bounds kept, ElasticBSP's barrier in progress abandoned and a
+lost release owed).
+
 Not yet: the owners following an LR schedule (they use the optimizer's lr at the start).
 """
 
@@ -214,11 +222,16 @@ class _StoreStrategy(Strategy):
     async def _report(self, stop: bool) -> dict[str, Any] | None:
         """PUSHED to the scheduler; its grant, or None for STOP. While held, a view that drops
         store members is followed at once (the others may be re-sharding, waiting for this one)."""
+        def args() -> dict[str, Any]:
+            # the newest view at every poll and attempt; after a failover the members this node
+            # knows failed (the dead coordinator) are left out before the view drops them
+            view, failed = self.ctx.view, self.ctx.membership.failed
+            return {"count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop, "gen": self.gen,
+                    "epoch": view.epoch, "members": [m for m in view.members if m not in failed]}
+
         while True:
-            view = self.ctx.view  # the newest, at every poll
-            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", {
-                "count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop,
-                "epoch": view.epoch, "members": list(view.members)}, timeout=self.ctx.peer_timeout + 10.0)
+            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", args,
+                                                             timeout=self.ctx.peer_timeout + 10.0)
             if not isinstance(rep, dict):
                 raise ProtocolError("scheduler", "answer is not a map")
             if rep.get("stop"):

@@ -1,6 +1,7 @@
 """The parameter-server scheduler's RPC shell (p2psync.coordinator.ssp_service) over the
 in-memory transport: a report asked again is not counted twice, an OK asked again is the same
-OK, a count out of order is refused and counted, a restarted worker counts from 1 again."""
+OK, a count out of order is refused and counted, a restarted worker counts from 1 again, a
+fresh service (the coordinator failed over) adopts the counts of first reports."""
 
 from __future__ import annotations
 
@@ -81,3 +82,20 @@ async def test_a_restarted_worker_counts_from_one_again_and_keeps_its_hold(servi
     assert ok["ok"]["count"] == 3 and await report(1, 1, inc=3) == ok  # the same OK when asked again
     assert "ok" in await report(1, 2, inc=3) and sched.counts[1] == 4  # and it goes on from there
     assert svc.rejected == 1
+
+
+async def test_fresh_service_adopts_a_first_report_above_one(service):
+    """The regression: a scheduler service started on the new coordinator took a worker's
+    first report, count 7, as a gap in the counts (ProtocolError) and the run could not go on.
+    Now it is adopted; a count that then goes backwards or skips is still refused."""
+    sched = StalenessScheduler(workers=[0, 1, 2], s_lower=3)
+    svc, report = await service(sched)
+    assert await report(1, 7) == {"wait": True}  # adopted; held: 0 and 2 not heard from (count 0)
+    assert await report(2, 5) == {"wait": True} and svc.rejected == 0
+    assert sched.counts == {0: 0, 1: 7, 2: 5}
+    got = await asyncio.gather(until_ok(report, 0, 6), until_ok(report, 1, 7), until_ok(report, 2, 5))
+    assert [(g["ok"]["count"], g["ok"]["gap"]) for g in got] == [(6, 1), (7, 2), (5, 0)]
+    for bad in (6, 9):  # backwards, skipping: refused and counted
+        with pytest.raises(RemoteError, match="ProtocolError"):
+            await report(1, bad)
+    assert svc.rejected == 2 and sched.counts == {0: 6, 1: 7, 2: 5}
