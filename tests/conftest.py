@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from p2psync.topology import Topology
-from p2psync.transport import ZmqEndpoint
+from p2psync.coordinator import RpcServer
+from p2psync.topology import Topology, ring
+from p2psync.transport import MemoryHub, ZmqEndpoint
 from tests.helpers import close_strategies, start_strategies
 
 
@@ -71,3 +72,25 @@ async def strategies() -> AsyncIterator[Callable[..., Awaitable[list[Any]]]]:
     yield make
     for strats in made:
         await close_strategies(strats)
+
+
+@pytest.fixture
+async def memory_server():
+    """``make(n)``: endpoints of an n-node in-memory ring, all started, and an RPC server on
+    node 0 (not started: register handlers first); closed after the test."""
+    made: list = []
+
+    async def make(n: int):
+        hub = MemoryHub(ring(n))
+        eps = {i: hub.endpoint(i) for i in range(n)}
+        for e in eps.values():
+            await e.start()
+        server = RpcServer(eps[0])
+        made.append((eps, server))
+        return eps, server
+
+    yield make
+    for eps, server in made:
+        await server.close()
+        for e in eps.values():
+            await e.close()

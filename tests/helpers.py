@@ -249,3 +249,28 @@ async def run_until_stop(strats: Any, steps: int) -> list[list[dict[str, Any]]]:
             if rep.stop or step >= 3 * steps:
                 return reps
     return list(await asyncio.gather(*(loop(s) for s in strats)))
+
+
+def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),
+                        latency_s: float = 0.03) -> dict[int, dict[int, bytes]]:
+    """Every worker's pulled vector at every barrier (``{barrier: {node: bytes}}``). The link
+    ``slow`` (from, to) delays by ``latency_s``: the pull of a barrier by ``from`` reaches
+    owner ``to`` after the other workers pulled, computed and pushed again (the race the
+    barrier copies close)."""
+    import numpy as np
+
+    from p2psync.transport.shaping import InprocShaper, LinkSpec
+
+    seen: dict[int, dict[int, bytes]] = {}
+    for s in strats:
+        me = s.ctx.transport.node_id
+        if me == slow[0]:
+            s.ctx.transport.shaper = InprocShaper({slow[1]: LinkSpec(latency_s=latency_s)})
+
+        async def pull(*, barrier: int = 0, pull: Any = s.store.pull, me: int = me) -> np.ndarray:
+            w = await pull(barrier=barrier)
+            if barrier:
+                seen.setdefault(barrier, {})[me] = w.tobytes()
+            return w
+        s.store.pull = pull
+    return seen

@@ -393,11 +393,14 @@ class MembershipClient:
                 return
             self._apply_view(dict(msg.meta), src=msg.src)
 
-    async def call_coordinator(self, method: str, args: Mapping[str, Any] | None = None, *,
+    async def call_coordinator(self, method: str,
+                               args: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None, *,
                                timeout: float, measure: bool = False) -> Any:
         """Call ``method`` on the coordinator; when the call fails because the coordinator died
         or moved (PeerFailure, PeerTimeout, or the new one has no such service yet), it is
-        retried at the coordinator followed then, until ``timeout``. Other errors propagate."""
+        retried at the coordinator followed then, until ``timeout``. Other errors propagate.
+        ``args`` may be a function, called for every attempt (arguments that name the view or
+        the failed peers are then current at the new coordinator)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = 0.02
@@ -405,8 +408,8 @@ class MembershipClient:
             c, moved = self.coordinator, self._moved
             err: P2PSyncError
             try:
-                return await self.rpc.call(c, method, args, timeout=max(0.001, deadline - loop.time()),
-                                           measure=measure)
+                return await self.rpc.call(c, method, args() if callable(args) else args,
+                                           timeout=max(0.001, deadline - loop.time()), measure=measure)
             except (PeerFailure, PeerTimeout) as exc:
                 err, wait_for_move = exc, True
             except RemoteError as exc:

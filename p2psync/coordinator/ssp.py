@@ -20,7 +20,38 @@ now — the pusher's own and those of held workers the push released.
 * :class:`ElasticScheduler`: ElasticBSP online (§4.7): a monitoring phase (every worker pushes at
   least twice, ASP-like), then the barrier is chosen by ZipLine over the predicted next R push
   times and fixed as a per-worker push count; a worker that reaches its count is held until
-  everyone has, then all are released together (they pull identical weights).
+  everyone has, then all are released together (they pull identical weights: their pulls
+  are tagged as a barrier's, :mod:`p2psync.params.barriers`). A worker that leaves
+  while a barrier is pending makes ZipLine run again over the survivors' timelines predicted
+  from that moment (:meth:`ElasticScheduler._replan`).
+
+Rebuilt after a coordinator failover (DESIGN: the coordinator role moves to the lowest live id;
+the node taking over starts a fresh scheduler, as ESync's State Server rebuilds from the members'
+next calls). A scheduler starts with every worker *unheard*, at count 0; a worker's first report
+to it is an **adoption** (:meth:`StalenessScheduler.adopt`, :meth:`ElasticScheduler.adopt`): it
+carries the worker's own push count (1 at the run's start, any count after a failover) and, for
+ElasticBSP, its barrier generation (the barriers it was released from), and the scheduler takes
+them as that worker's state instead of requiring counts to start at 1. Afterwards the counts
+must go on one push at a time (the RPC shell refuses a count that goes backwards or skips, a
+second adoption, a push from a held worker: ProtocolError).
+
+* SSP / DSSP / BSP / ASP: an unheard worker keeps count 0, so it is the slowest: until every
+  worker has been heard from, no OK is granted beyond s (s_U) of 0. Counts the scheduler knows
+  are exact and the others are lower bounds, so every gap it computes is at least the true gap:
+  the bound ``max - min <= s + 1`` survives the failover, and a worker that is already ahead
+  is simply held until the slowest catches up. DSSP grants in flight (``r_p`` left on the dead
+  coordinator) are lost: an adopted worker starts with r_p = 0 and the controller decides again
+  once it has two timestamps here (never beyond s_U). BSP needs no generation: its barriers are
+  its counts, so a worker the dead coordinator released (count c + 1) is held until those it
+  did not reach (count c, asking again) get their barrier-c OK.
+* ElasticBSP: the barrier in progress on the dead coordinator is abandoned (its targets are
+  gone) and monitoring starts again. Adopted workers are held until every worker has been
+  heard from (:attr:`ElasticScheduler.recovering`); then all are released at once, and a
+  worker whose generation is below the highest one gets a barrier OK: the dead coordinator had
+  released that barrier to the others, so it was held there and its release was lost. So every
+  worker ends up in the same generation and pulls the same barrier (the store's identical
+  pulls, :mod:`p2psync.params.barriers`). A first report with count 1 and generation 0 is the
+  run's first push (no barrier can have passed), taken as an ordinary push.
 
 "The slowest worker" (spec §9 item 4; the thesis defines it two ways): the worker with the
 fewest pushes — the one a held worker actually waits for — ties broken by the longest latest
@@ -33,6 +64,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from p2psync.coordinator.zipline import SEARCHERS, dssp_controller, predict
 from p2psync.errors import ConfigError, ProtocolError
@@ -47,9 +80,11 @@ class Grant:
     count: int
     #: t_p - min t at the grant (the staleness the OK allows)
     gap: int
-    #: extra iterations left from a DSSP controller decision (r_p after this grant)
+    #: r*: the extra iterations (beyond s_L) a DSSP controller decision granted at this OK, this
+    #: one included (0: no decision at this OK; the r* - 1 OKs it allows later report 0)
     r: int = 0
-    #: ElasticBSP: the barrier this OK releases (0: not a barrier release)
+    #: the barrier this OK releases (0: not a barrier): ElasticBSP's barrier number; BSP
+    #: (s_U = 0, every OK a barrier): the push count, so the pulls it releases can be tagged
     barrier: int = 0
 
 
@@ -61,14 +96,31 @@ class _Counts:
             raise ConfigError(f"bad worker list {list(workers)}")
         self.t = {w: 0 for w in workers}
         self.a: dict[int, tuple[float | None, float | None]] = {w: (None, None) for w in workers}
+        #: workers not heard from since this scheduler was built (count 0: the slowest)
+        self.unheard = set(workers)
 
-    def record(self, p: int, now: float) -> None:
+    def _check(self, p: int, now: float) -> None:
         if p not in self.t:
             raise ProtocolError("scheduler", f"push from node {p}, not a current worker")
         if not math.isfinite(now):
             raise ProtocolError("scheduler", f"push at a non-finite time {now!r}")
+
+    def record(self, p: int, now: float) -> None:
+        self._check(p, now)
         self.t[p] += 1
         self.a[p] = (now, self.a[p][0])
+        self.unheard.discard(p)
+
+    def adopt(self, p: int, count: int, now: float) -> None:
+        """``p``'s first report to this scheduler: it made ``count`` pushes, the last one now."""
+        self._check(p, now)
+        if p not in self.unheard:
+            raise ProtocolError("scheduler", f"node {p} reported its count {count!r} again (already heard from)")
+        if type(count) is not int or count < 1:
+            raise ProtocolError("scheduler", f"node {p} reported count {count!r}, not an integer >= 1")
+        self.t[p] = count
+        self.a[p] = (now, None)
+        self.unheard.discard(p)
 
     def interval(self, w: int) -> float:
         last, prev = self.a[w]
@@ -82,14 +134,16 @@ class _Counts:
         return self.t[p] - min(self.t.values())
 
     def add(self, w: int) -> None:
-        """A joiner starts at the slowest current count (it is not ahead of anyone)."""
+        """A joiner starts at the slowest count heard (it is not ahead of anyone)."""
         if w not in self.t:
-            self.t[w] = min(self.t.values(), default=0)
+            heard = [c for q, c in self.t.items() if q not in self.unheard]
+            self.t[w] = min(heard or self.t.values(), default=0)
             self.a[w] = (None, None)
 
     def remove(self, w: int) -> None:
         self.t.pop(w, None)
         self.a.pop(w, None)
+        self.unheard.discard(w)
 
 
 class StalenessScheduler:
@@ -111,12 +165,38 @@ class StalenessScheduler:
     def counts(self) -> dict[int, int]:
         return dict(self.c.t)
 
+    @property
+    def lockstep(self) -> bool:
+        """BSP (s_U = 0): every OK is granted when all counts are equal, a barrier."""
+        return self.s_upper == 0
+
+    @property
+    def unheard(self) -> frozenset[int]:
+        """Workers whose first report (:meth:`adopt`) has not come yet."""
+        return frozenset(self.c.unheard)
+
+    def _ok(self, p: int, r: int = 0) -> Grant:
+        return Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p), r=r,
+                     barrier=self.c.t[p] if self.lockstep else 0)
+
     def push(self, p: int, now: float) -> list[Grant]:
         """Worker ``p`` pushed (its gradient is applied): the OKs granted now (p's own first
         only if it is not held; released workers in order of arrival)."""
         if p in self.waiting:
             raise ProtocolError("scheduler", f"push from node {p}, which is held (it has no OK)")
         self.c.record(p, now)
+        return self._pushed(p)
+
+    def adopt(self, p: int, count: int, now: float, gen: int = 0) -> list[Grant]:
+        """Worker ``p``'s first report to this scheduler (module docstring: rebuilt after a
+        failover): its own ``count`` becomes its state, the report is its latest push; then as
+        :meth:`push` (held if it is ahead). ``gen`` is not used (BSP numbers its barriers by
+        counts); r_p starts at 0."""
+        self.c.adopt(p, count, now)
+        self.r[p] = 0
+        return self._pushed(p)
+
+    def _pushed(self, p: int) -> list[Grant]:
         out = self._release()
         own = self._decide(p)
         if own is None:
@@ -132,18 +212,18 @@ class StalenessScheduler:
             g = self.c.gap(q)
             if self.s_lower is None or g <= self.s_lower:
                 self.waiting.remove(q)
-                out.append(Grant(worker=q, count=self.c.t[q], gap=g, r=self.r[q]))
+                out.append(self._ok(q))
         return out
 
     def _decide(self, p: int) -> Grant | None:
         g = self.c.gap(p)
         if self.s_lower is None or self.s_upper is None:  # ASP
-            return Grant(worker=p, count=self.c.t[p], gap=g)
+            return self._ok(p)
         if self.r[p] > 0:  # Alg. 1 lines 3-5: an extra iteration left from an earlier decision
             self.r[p] -= 1
-            return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+            return self._ok(p)
         if g <= self.s_lower:  # lines 7-9
-            return Grant(worker=p, count=self.c.t[p], gap=g)
+            return self._ok(p)
         p_last, p_prev = self.c.a[p]
         if self.s_upper > self.s_lower and self.c.t[p] == max(self.c.t.values()) \
                 and p_last is not None and p_prev is not None:
@@ -153,11 +233,12 @@ class StalenessScheduler:
                 rs = dssp_controller([p_last, p_prev], [s_last, s_prev], max(0, self.s_upper - g + 1))
                 if rs > 0:  # this grant consumes one unit (fix 1)
                     self.r[p] = rs - 1
-                    return Grant(worker=p, count=self.c.t[p], gap=g, r=self.r[p])
+                    return self._ok(p, r=rs)
         return None
 
-    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
-        """A new view: departed workers no longer bound anyone; joiners are admitted."""
+    def set_workers(self, workers: Sequence[int], now: float) -> list[Grant]:
+        """A new view: departed workers no longer bound anyone; joiners are admitted (``now``
+        is not used: the signature is :class:`ElasticScheduler`'s)."""
         keep = set(workers)
         for w in [w for w in self.c.t if w not in keep]:
             self.c.remove(w)
@@ -192,6 +273,10 @@ class ElasticScheduler:
         self.last_d: float | None = None
         self.last_t_sync: float | None = None
         self.last_j: dict[int, int] = {}
+        #: rebuilt after a failover: adopted workers are held until every worker was heard from
+        self.recovering = False
+        self.gens: dict[int, int] = {}  # while recovering: every heard worker's generation
+        self.adopted: list[int] = []  # while recovering: held adopted workers, in order of arrival
 
     @property
     def counts(self) -> dict[int, int]:
@@ -199,12 +284,57 @@ class ElasticScheduler:
 
     @property
     def held(self) -> tuple[int, ...]:
-        return tuple(self.arrived)
+        return (*self.arrived, *self.adopted)
+
+    @property
+    def unheard(self) -> frozenset[int]:
+        """Workers whose first report (:meth:`adopt`) has not come yet."""
+        return frozenset(self.c.unheard)
+
+    #: pushes between barriers are applied ASP-like (not BSP's rounds)
+    lockstep = False
 
     def push(self, p: int, now: float) -> list[Grant]:
-        if p in self.arrived:
+        if p in self.held:
             raise ProtocolError("scheduler", f"push from node {p}, which is held at the barrier")
         self.c.record(p, now)
+        return self._pushed(p)
+
+    def adopt(self, p: int, count: int, now: float, gen: int = 0) -> list[Grant]:
+        """Worker ``p``'s first report to this scheduler, with its own push ``count`` and barrier
+        generation ``gen`` (module docstring). Count 1 in generation 0 is the run's first push;
+        any other starts (or goes on) recovering: monitoring starts again, ``p`` is held until
+        every worker has been heard from, then all are released (:meth:`_recovered`)."""
+        if type(gen) is not int or gen < 0:
+            raise ProtocolError("scheduler", f"node {p} reported generation {gen!r}, not an integer >= 0")
+        first = count == 1 and gen == 0 and not self.recovering
+        self.c.adopt(p, count, now)
+        if first:
+            return self._pushed(p)
+        if not self.recovering:  # the dead coordinator's barrier is gone: monitor again
+            self.recovering, self.target, self.arrived = True, None, []
+            self.gens = {w: 0 for w in self.c.t if w not in self.c.unheard and w != p}
+        self.gens[p] = gen
+        self.adopted.append(p)
+        return self._recovered()
+
+    def _recovered(self) -> list[Grant]:
+        """Every worker heard from while recovering: release the adopted ones together (a
+        barrier OK for a worker behind the highest generation: that barrier was released to
+        the others, it waited there), and monitor from scratch, as after a barrier."""
+        if not self.recovering or self.c.unheard:
+            return []
+        top = max(self.gens.values(), default=0)
+        out = [Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w), barrier=top if self.gens[w] < top else 0)
+               for w in self.adopted]
+        self.recovering, self.adopted, self.gens = False, [], {}
+        self.barrier = max(self.barrier, top)
+        for w in self.c.t:
+            self.k[w] = 0
+            self.c.a[w] = (None, None)
+        return out
+
+    def _pushed(self, p: int) -> list[Grant]:
         self.k[p] += 1
         if self.target is None:
             out = [Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p))]  # ASP-like
@@ -237,16 +367,52 @@ class ElasticScheduler:
             self.c.a[w] = (None, None)
         return out
 
-    def set_workers(self, workers: Sequence[int]) -> list[Grant]:
-        """A new view: recompute without a worker that left (§6.4 "taken out of the
-        computation"): a pending barrier keeps its counts for the survivors; a joiner runs one
-        iteration and waits at the barrier in progress, then monitors with everyone."""
+    def _replan(self, now: float) -> list[Grant]:
+        """A worker left while the barrier was pending (§4.7 failure: "recompute with the
+        survivors"): ZipLine again over the survivors' timelines predicted from ``now``. A
+        survivor held at its barrier count may stay there (its point: ``now``, j = 0) or go on,
+        released now (``now + i*gamma``: target = count + i, an OK now); a running survivor's
+        next push is expected an interval after its last one but not before ``now``
+        (target = count + 1 + i). So no target is below the count a survivor reached, and a held
+        survivor is released only by a barrier or by a target moved past it; one without an
+        interval (a joiner) keeps its target. ``last_j``: the new targets minus the counts."""
+        assert self.target is not None
+        ws = [w for w in sorted(self.c.t) if self.c.interval(w) >= 0]
+        if not ws:
+            return []
+        rows, base = [], {}
+        for w in ws:
+            gamma, last = self.c.interval(w), self.c.a[w][0]
+            assert last is not None
+            held = w in self.arrived
+            base[w] = self.c.t[w] + (0 if held else 1)
+            start = now if held else max(last + gamma, now)
+            rows.append(start + gamma * np.arange(self.R))
+        choice = self.search(np.array(rows))
+        out = []
+        for w, z in zip(ws, choice.z):
+            self.target[w] = base[w] + int(z)
+            if w in self.arrived and self.target[w] > self.c.t[w]:
+                self.arrived.remove(w)
+                out.append(Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w)))
+        self.last_j = {w: self.target[w] - self.c.t[w] for w in ws}
+        self.last_d, self.last_t_sync = float(choice.d), float(choice.t_sync)
+        return out
+
+    def set_workers(self, workers: Sequence[int], now: float) -> list[Grant]:
+        """A new view at ``now``: a pending barrier is recomputed without a worker that left
+        (§6.4 "taken out of the computation"; :meth:`_replan`), a monitoring phase that only
+        waited for it ends; a joiner runs one iteration and waits at the barrier in progress,
+        then monitors with everyone."""
         keep = set(workers)
-        for w in [w for w in self.c.t if w not in keep]:
+        left = [w for w in self.c.t if w not in keep]
+        for w in left:
             self.c.remove(w)
             self.k.pop(w, None)
-            if w in self.arrived:
-                self.arrived.remove(w)
+            self.gens.pop(w, None)
+            for held in (self.arrived, self.adopted):
+                if w in held:
+                    held.remove(w)
             if self.target is not None:
                 self.target.pop(w, None)
         joined = [w for w in workers if w not in self.c.t]
@@ -257,6 +423,11 @@ class ElasticScheduler:
                 self.target[w] = self.c.t[w] + 1
         if not self.c.t:
             raise ConfigError("the scheduler needs at least one worker")
-        if self.target is None and all(v >= 2 for v in self.k.values()):
+        out = self._recovered()  # the last unheard worker left
+        if self.recovering or out:
+            pass
+        elif self.target is None and all(v >= 2 for v in self.k.values()):
             self._decide()
-        return self._maybe_release()
+        elif self.target is not None and left:
+            out = self._replan(now)
+        return out + self._maybe_release()

@@ -5,8 +5,19 @@ every shard owner reports ``{count, inc, stop, epoch, members}``; the coordinato
 report on arrival with its own clock (the thesis' ``clock_p^push``, spec §6.1: no clock sync)
 and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, barrier}}``, or
 the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
-worker asks again with the same ``count``, which is then not counted twice). Messages are a few
+worker asks again with the same ``count``, which is then not counted twice; asked again after
+its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts from 1 again; if
+the scheduler held it, its first report waits for that OK instead of counting a push. Messages are a few
 bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
+
+Failover: the node that takes over as coordinator registers a fresh service (the strategy's
+``coordinator_services``), which knows nothing of the run. A worker's first report to a
+scheduler is an adoption (:meth:`StalenessScheduler.adopt`, :meth:`ElasticScheduler.adopt`): its
+``count`` (and ``gen``, the ElasticBSP barriers it was released from; 0 if absent) become its
+state there, whatever the count, instead of being refused for not starting at 1; after that the
+usual rules hold. The worker's report retried at the new coordinator
+(:meth:`MembershipClient.call_coordinator`) carries the members of its view less the peers it
+knows failed (the dead coordinator among them), so the scheduler does not wait for it.
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ class SchedulerService:
     def _grant(self, grants: Sequence[Grant]) -> None:
         for g in grants:
             ans = {"ok": {"count": g.count, "gap": g.gap, "r": g.r, "barrier": g.barrier}}
-            self._granted[g.worker] = (g.count, ans)
+            # kept under the worker's own count (a joiner's or a restarted worker's is not the scheduler's)
+            self._granted[g.worker] = (self._recorded.get(g.worker, g.count), ans)
             fut = self._waiting.pop(g.worker, None)
             if fut is not None and not fut.done():
                 fut.set_result(ans)
@@ -61,7 +73,7 @@ class SchedulerService:
             self.epoch, members = view
             for w in [w for w in self._waiting if w not in members]:
                 self._waiting.pop(w).set_result({"stop": True, "left": True})
-            self._grant(self.sched.set_workers(members))
+            self._grant(self.sched.set_workers(members, asyncio.get_running_loop().time()))
 
     async def _pushed(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         try:
@@ -74,6 +86,7 @@ class SchedulerService:
 
     async def _pushed_call(self, caller: int, args: Mapping[str, Any]) -> Any:
         count, inc = int_arg(args, "count", who="scheduler", lo=1), int_arg(args, "inc", who="scheduler")
+        gen = int_arg(args, "gen", who="scheduler") if "gen" in args else 0
         stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
         if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
@@ -89,7 +102,15 @@ class SchedulerService:
         if done is not None and done[0] == count:
             return done[1]
         have = self._recorded.get(caller, 0)
-        if count == have + 1:
+        if caller in self.sched.unheard:  # its first report here (a new scheduler): adopted
+            grants = self.sched.adopt(caller, count, asyncio.get_running_loop().time(), gen=gen)
+            self._recorded[caller] = count
+            fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
+            self._grant(grants)
+        elif count == have + 1 and caller in self._waiting:  # restarted while held: it waits for the
+            self._recorded[caller] = count                 # OK its old incarnation waited for
+            fut = self._waiting[caller]
+        elif count == have + 1:
             now = asyncio.get_running_loop().time()
             self._recorded[caller] = count
             fut = self._waiting[caller] = asyncio.get_running_loop().create_future()

@@ -18,6 +18,12 @@ optimizer state** and runs the update, as the thesis' parameter server does:
   ``w -= lr b``) with the learning rate scaled by ``scale`` per push (default 1/N: N pushes of
   one round move the weights as far as one SGD step on their mean, so SSP(0) with plain SGD is
   exactly BSP).
+* Barriers (:mod:`p2psync.params.barriers`): a push carries its generation (the barriers its
+  worker passed) and a pull after a barrier the barrier's number; an owner serves every pull of
+  a barrier the shard as it was at that barrier, from a copy taken when the next generation's
+  first piece arrived before some member's pull (no extra round trip). With ``rounds`` (BSP)
+  an owner instead keeps each generation's pieces (acknowledged on arrival) and applies them in
+  origin order once the generation is complete, so results do not depend on arrival order.
 
 Tensors cross direct links only (DESIGN): a piece for an owner that is not adjacent is forwarded
 hop by hop along the transport's shortest live paths (``<name>.fwd``), each hop a flow-controlled
@@ -64,6 +70,7 @@ import numpy as np
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
+from p2psync.params.barriers import BarrierState
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.tasks import TaskSet, cancel_all
 from p2psync.transport import Transport
@@ -111,7 +118,7 @@ class ParamStore:
     def __init__(self, *, transport: Transport, rpc_server: RpcServer, rpc: RpcClient, members: Sequence[int],
                  params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
-                 name: str = "ps", codec: str = "none", error_feedback: bool = False) -> None:
+                 name: str = "ps", codec: str = "none", error_feedback: bool = False, rounds: bool = False) -> None:
         self.transport, self.rpc, self.name, self.timeout = transport, rpc, name, timeout
         self.me = transport.node_id
         self.numel = int(params.size)
@@ -124,6 +131,8 @@ class ParamStore:
         self._scale = scale  # None: 1/N, N the members of the current split
         self.opt = ShardOptimizer(params[self.lo:self.hi], lr=lr, momentum=momentum, weight_decay=weight_decay,
                                   scale=1.0 / len(self.bounds) if scale is None else scale)
+        #: generations, the open round (``rounds``: BSP) and the barrier copy of this shard
+        self.barriers = BarrierState(rounds=rounds, lo=self.lo)
         self.codec = get_codec(codec)
         # what a lossy codec dropped from a piece is added to the same piece of the next push
         self.feedback = (ErrorFeedback() if self.codec.lossy and (error_feedback or self.codec.always_feedback)
@@ -184,10 +193,13 @@ class ParamStore:
 
     # -- push -----------------------------------------------------------------------------
 
-    async def push(self, grad: np.ndarray) -> PushStats:
-        """Send ``grad`` to the shard owners; returns once every piece is applied and acked."""
+    async def push(self, grad: np.ndarray, *, gen: int = 0) -> PushStats:
+        """Send ``grad`` to the shard owners; returns once every piece is applied (or held in
+        its round) and acked. ``gen``: the last barrier this worker was released from."""
         if grad.shape != (self.numel,):
             raise ConfigError(f"{self.name}: gradient has shape {grad.shape}, the store holds {self.numel} values")
+        if type(gen) is not int or gen < 0:
+            raise ConfigError(f"{self.name}: push generation {gen!r} must be an integer >= 0")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         seq = next(self._seq)
@@ -196,11 +208,11 @@ class ParamStore:
         sends = []
         for owner, (lo, hi) in self.bounds.items():
             if owner == self.me:
-                self.opt.apply(0, hi - lo, grad[lo:hi])
-                self.opt.version += self.own_pieces
+                self.barriers.take(self.opt, [(self.me, a, b, np.array(grad[a:b], np.float32), gen)
+                                              for a, b in piece_ranges(lo, hi, self.piece)], self.bounds)
                 continue
             for a, b in piece_ranges(lo, hi, self.piece):
-                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch}
+                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch, "g": gen}
                 sends.append((owner, asyncio.ensure_future(self.fwd.send(owner, f"{self.name}.push",
                                                                       self._encode(grad[a:b], a), meta))))
         st.pieces = len(sends)
@@ -279,15 +291,17 @@ class ParamStore:
             await self._apply(batch)
 
     async def _apply(self, batch: Sequence[Message]) -> None:
-        """Apply a batch of push pieces (summing those of the same range) and acknowledge them."""
-        sums: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        """Apply a batch of push pieces (summing those of the same range; :class:`BarrierState`
+        holds a BSP round's) and acknowledge them."""
+        pieces: list[tuple[int, int, int, np.ndarray, int]] = []
         acks: list[tuple[int, str, dict[str, Any]]] = []
         for m in batch:
             meta = m.meta
             o, ack, a, b, e = meta.get("o"), meta.get("ack"), meta.get("lo"), meta.get("hi"), meta.get("e")
+            gen = meta.get("g")
             if type(o) is not int or not isinstance(ack, str) or not ack.startswith(f"{self.name}.ack.") \
-                    or type(e) is not int:
-                self._reject(m, "bad origin, ack tag or epoch")
+                    or type(e) is not int or type(gen) is not int or gen < 0:
+                self._reject(m, "bad origin, ack tag, epoch or generation")
                 continue
             if e > self.epoch:  # the sender re-sharded first: apply once this node has too
                 self._later.append(m)
@@ -304,12 +318,9 @@ class ParamStore:
                 acks.append((o, ack, {"err": f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi}) (codec "
                                              f"{meta.get('c')!r}, this store {self.codec.spec!r})"}))
                 continue
-            g, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
-            sums[(a, b)] = (g + arr, k + 1)
+            pieces.append((o, a, b, arr, gen))
             acks.append((o, ack, {}))
-        for (a, b), (g, k) in sums.items():
-            self.opt.apply(a - self.lo, b - self.lo, g, k)
-        self.opt.version += sum(k for _, k in sums.values())  # pieces applied
+        self.barriers.take(self.opt, pieces, self.bounds)
         for o, ack, meta in acks:
             try:
                 await self.transport.send(o, ack, kind="event", meta=meta, timeout=self.timeout)
@@ -318,22 +329,27 @@ class ParamStore:
 
     # -- pull -----------------------------------------------------------------------------
 
-    async def pull(self) -> np.ndarray:
-        """Every shard's current weights, as one vector (kept as the replica of lost shards)."""
+    async def pull(self, *, barrier: int = 0) -> np.ndarray:
+        """Every shard's current weights, as one vector (kept as the replica of lost shards);
+        ``barrier``: the weights as they were at that barrier (the number in the OK that
+        released this worker; :mod:`p2psync.params.barriers`)."""
+        if type(barrier) is not int or barrier < 0:
+            raise ConfigError(f"{self.name}: barrier {barrier!r} must be an integer >= 0")
         out = np.empty(self.numel, np.float32)
-        out[self.lo:self.hi] = self.opt.w
+        out[self.lo:self.hi], own = self.barriers.serve(self.opt, barrier, self.me, self.bounds)
         others = [o for o in self.bounds if o != self.me]
-        versions = await asyncio.gather(*(self._pull_one(o, out) for o in others))
+        versions = await asyncio.gather(*(self._pull_one(o, out, barrier) for o in others))
         self.pulled[:] = out
-        self.pulled_versions = {self.me: self.version, **dict(zip(others, versions))}
+        self.pulled_versions = {self.me: own // self.own_pieces, **dict(zip(others, versions))}
         return out
 
-    async def _pull_one(self, owner: int, out: np.ndarray) -> int:
+    async def _pull_one(self, owner: int, out: np.ndarray, barrier: int) -> int:
         """Fetch ``owner``'s shard into ``out``; returns its version."""
         lo, hi = self.bounds[owner]
         tag = f"{self.name}.shard.{self.me}.{self.transport.incarnation}.{next(self._seq)}"
         try:
-            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag, "e": self.epoch}, timeout=self.timeout)
+            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag, "e": self.epoch, "b": barrier},
+                                      timeout=self.timeout)
             pieces = rep.get("pieces") if isinstance(rep, dict) else None
             version = rep.get("version") if isinstance(rep, dict) else None
             if isinstance(rep, dict) and rep.get("moved") is not None:
@@ -357,8 +373,9 @@ class ParamStore:
             self.transport.mailbox.retire(tag, exact=True)
 
     async def _serve_pull(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        tag, e = args.get("tag"), args.get("e")
-        if not isinstance(tag, str) or not tag.startswith(f"{self.name}.shard.") or type(e) is not int:
+        tag, e, barrier = args.get("tag"), args.get("e"), args.get("b")
+        if not isinstance(tag, str) or not tag.startswith(f"{self.name}.shard.") or type(e) is not int \
+                or type(barrier) is not int or barrier < 0:
             raise ProtocolError("store", f"bad pull from node {caller}")
         if e > self.epoch:  # the caller re-sharded first: serve the new split once this node has too
             await self._until_epoch(e)
@@ -366,11 +383,12 @@ class ParamStore:
             return {"moved": self._moving or self.epoch}
         if caller not in self.bounds:
             raise ProtocolError("store", f"pull from node {caller}, not a member")
-        w = self.opt.w.copy()  # a consistent snapshot; the bytes in flight are never modified
+        # a consistent copy (or the barrier's); the bytes in flight are never modified
+        w, version = self.barriers.serve(self.opt, barrier, caller, self.bounds)
         ranges = piece_ranges(self.lo, self.hi, self.piece)
         for a, b in ranges:
             await self.fwd.send(caller, tag, [w[a - self.lo:b - self.lo]], {"lo": a, "hi": b})
-        return {"pieces": len(ranges), "version": self.version}
+        return {"pieces": len(ranges), "version": version // self.own_pieces}
 
     # -- moving shards ---------------------------------------------------------------------
 
@@ -399,6 +417,7 @@ class ParamStore:
         lost = [o for o in self.members if o not in new]
         rank = new.index(self.me)
         self._moving = epoch  # from now on pieces and pulls of the current split are refused (moved)
+        self.barriers.flush(self.opt)  # a BSP round's pieces are acknowledged: part of the state
         # 1. the freshest copy of every lost shard (version + 1: 0 means "no copy")
         v = np.zeros(len(new) * max(1, len(lost)), np.float32)
         for j, o in enumerate(lost):
@@ -432,6 +451,7 @@ class ParamStore:
             self.opt.buf[:] = full[n + self.lo:n + self.hi]
         if self.feedback is not None:
             self.feedback = ErrorFeedback()  # residues were kept per piece of the old split
+        self.barriers.reset(self.lo)
         self.pulled[:] = full[:n]
         self.pulled_versions = {o: 0 for o in new}
         self.epoch = epoch

@@ -14,6 +14,13 @@ then the weights are pulled and become the replica's for the next iteration. The
 optimizer does not step (the owners run SGD, with the optimizer's lr, momentum and weight
 decay, lr/N per push); its state is not used.
 
+Barriers (every OK of ``bsp``, ``ssp`` with s = 0 and ``dssp`` with s_U = 0; ElasticBSP's
+releases): the pull after one is tagged with the barrier's number and each push with the
+number of the last barrier its worker passed, so every worker pulls the same weights even when a
+faster one has already pushed again (:mod:`p2psync.params.barriers`). The BSP-like ones keep
+each round at the owners and apply it in origin order once complete (one SGD step on the
+round's sum), so they are bitwise reproducible and SSP(0) = DSSP(0, 0) = BSP exactly.
+
 Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_upper`` (15);
 ``elastic_bsp``: ``R`` (15), ``search`` (``zipline_opt_bs``). ``bsp`` is SSP(0), ``asp`` never
 waits.
@@ -33,6 +40,14 @@ the start of a step, while the scheduler holds it, or when a push or pull fails 
 peer's pending receives are aborted at once); a push lost that way is counted (``lost_pushes``
 in the step metrics). Joining a running store is not supported (a joiner is refused with a
 clear error).
+
+The coordinator dying is such a failure too (it is a worker and a shard owner like any other):
+the survivors re-shard without it, and the node taking over (the lowest live id) starts a fresh
+scheduler. The report in flight is retried there (``call_coordinator``), rebuilt at every
+attempt with the newest view minus the peers this node knows failed; it carries the worker's
+own count and barrier generation (``gen``), which the new scheduler adopts (module docstring of
+:mod:`p2psync.coordinator.ssp`: bounds kept, ElasticBSP's barrier in progress abandoned and a
+lost release owed).
 
 Not yet: the owners following an LR schedule (they use the optimizer's lr at the start).
 """
@@ -83,6 +98,7 @@ class _StoreStrategy(Strategy):
         self.store: ParamStore | None = None
         self.count = 0
         self.reshards = 0
+        self.gen = 0  # barriers this worker was released from (its pushes' generation)
 
     async def start(self) -> None:
         if self.ctx.joining:
@@ -97,7 +113,8 @@ class _StoreStrategy(Strategy):
                                 lr=hyper.lr, momentum=hyper.momentum, weight_decay=hyper.weight_decay,
                                 piece_bytes=self.ctx.collectives.piece_bytes, timeout=self.ctx.peer_timeout,
                                 name=f"{self.name}.ps", codec=self.ctx.collectives.codec,
-                                error_feedback=self.ctx.collectives.feedback is not None)
+                                error_feedback=self.ctx.collectives.feedback is not None,
+                                rounds=self.scheduler(self.opts, list(self.ctx.group)).lockstep)
         self.store.start()
 
     def on_peer_failure(self, peer: int) -> None:
@@ -164,7 +181,7 @@ class _StoreStrategy(Strategy):
         t0 = time.perf_counter()
         forwarded = 0
         try:
-            forwarded = (await store.push(grad)).forwarded
+            forwarded = (await store.push(grad, gen=self.gen)).forwarded
         except PeerFailure as exc:  # reported (lost_pushes), then the store follows the view
             log.warning("node %d: %s push lost: %s", self.ctx.transport.node_id, self.name, exc)
             await self._follow_view(exc)
@@ -179,17 +196,24 @@ class _StoreStrategy(Strategy):
                                                  tag=f"{self.name}.end")
         else:
             extra.update(ok)
-        w = await self._pull()
+        w = await self._pull(ok is not None and bool(ok.get("barrier")))
         await self.ctx.replica.set_params(w)
         wait = time.perf_counter() - t1
         return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
                           extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
 
-    async def _pull(self) -> np.ndarray:
+    async def _pull(self, barrier: bool = False) -> np.ndarray:
+        """The weights after an OK; after a barrier's, as they were at that barrier (identical
+        for every worker: :mod:`p2psync.params.barriers`), and the pushes that follow belong
+        to it. Barriers are numbered by this worker (every barrier releases every worker), so
+        the store's generations do not depend on the coordinator's numbering."""
         store = self._store()
+        if barrier:
+            self.gen += 1
+        barrier_no = self.gen if barrier else 0
         while True:
             try:
-                return await store.pull()
+                return await store.pull(barrier=barrier_no)
             except PeerFailure as exc:
                 moved = await self._follow_view(exc)
                 if moved is not None:
@@ -198,11 +222,16 @@ class _StoreStrategy(Strategy):
     async def _report(self, stop: bool) -> dict[str, Any] | None:
         """PUSHED to the scheduler; its grant, or None for STOP. While held, a view that drops
         store members is followed at once (the others may be re-sharding, waiting for this one)."""
+        def args() -> dict[str, Any]:
+            # the newest view at every poll and attempt; after a failover the members this node
+            # knows failed (the dead coordinator) are left out before the view drops them
+            view, failed = self.ctx.view, self.ctx.membership.failed
+            return {"count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop, "gen": self.gen,
+                    "epoch": view.epoch, "members": [m for m in view.members if m not in failed]}
+
         while True:
-            view = self.ctx.view  # the newest, at every poll
-            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", {
-                "count": self.count, "inc": self.ctx.transport.incarnation, "stop": stop,
-                "epoch": view.epoch, "members": list(view.members)}, timeout=self.ctx.peer_timeout + 10.0)
+            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", args,
+                                                             timeout=self.ctx.peer_timeout + 10.0)
             if not isinstance(rep, dict):
                 raise ProtocolError("scheduler", "answer is not a map")
             if rep.get("stop"):

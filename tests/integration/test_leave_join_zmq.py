@@ -18,6 +18,7 @@ import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import PeerFailure
 from p2psync.strategies import StrategyContext, get_strategy
 from p2psync.topology import Topology, ring
@@ -33,7 +34,7 @@ STEP_S = 0.03  # emulated step time: the run lasts long enough to crash and join
 
 class Node:
     def __init__(self, topo: Topology, i: int, strategy: str, *, on_failure: str = "continue",
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None, failover: bool = False) -> None:
         self.topo, self.id, self.name, self.on_failure = topo, i, strategy, on_failure
         self.options = dict(options or {})
         self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
@@ -41,15 +42,24 @@ class Node:
         self.rpc = RpcClient(self.ep, local=self.server)
         self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator,
                                        heartbeat_interval=HB, failure_timeout=FAIL)
+        #: ``failover``: every node hosts membership and the strategy's services when it
+        #: coordinates (a node process's CoordinatorHost), so the coordinator may die
+        self.host = (CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
+                                     services=lambda srv: get_strategy(strategy).coordinator_services(
+                                         srv, topo, self.options),
+                                     start_timeout=30, failure_timeout=FAIL, heartbeat_interval=HB,
+                                     run_info={"run_id": "t"}, allow_join=on_failure == "continue")
+                     if failover else None)
         self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=30,
                                           failure_timeout=FAIL, heartbeat_interval=HB,
                                           allow_join=on_failure == "continue")
-                        if i == topo.coordinator else None)
+                        if i == topo.coordinator and not failover else None)
         lr = 0.05 if strategy == "asgd" else 0.1
         self.trainer = make_trainer(topo, i, lr=lr)
         self.trainer.slowdown = parse_profiles(step_time=f"{i}:{STEP_S}")[i]
         self.strategy: Any = None
         self.steps = 0  # train_step calls done
+        self.reports: list[dict[str, Any]] = []  # every step report's ``extra``
         self.step = 0  # the loop's step
         self.task: asyncio.Task[int] | None = None
         self.closed = False
@@ -59,6 +69,8 @@ class Node:
         if self.service is not None:
             self.service.start()
             get_strategy(self.name).coordinator_services(self.server, self.topo, self.options)
+        if self.host is not None and self.id == self.topo.coordinator:
+            self.host.host()
         self.server.start()
 
     async def join_run(self) -> None:
@@ -79,6 +91,7 @@ class Node:
         """The training loop's logic; returns the step it ended at."""
         while True:
             rep = await self.strategy.train_step(self.step, self.step + 1 >= steps or stop())
+            self.reports.append(rep.extra)
             self.step = self.step + 1 if rep.next_step is None else rep.next_step
             self.steps += 1
             if rep.stop or self.steps > 3 * steps:
@@ -105,6 +118,8 @@ class Node:
         await self.client.close()
         if self.service is not None:
             await self.service.close()
+        if self.host is not None:
+            await self.host.close()
         await self.server.close(grace=0.1)
         await self.ep.close()
         self.trainer.close()

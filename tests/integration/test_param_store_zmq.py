@@ -1,5 +1,6 @@
 """The sharded parameter store over real ZeroMQ on a ring: owners two hops away are reached by
-forwarding over direct links; concurrent pushes all land; every pull agrees afterwards."""
+forwarding over direct links; concurrent pushes all land; every pull agrees afterwards. And
+ElasticBSP / BSP on it: every worker pulls identical weights at every barrier."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from p2psync.coordinator import RpcClient, RpcServer
 from p2psync.params import ParamStore
-from p2psync.topology import ring
-from tests.helpers import free_port, zmq_cluster
+from p2psync.topology import mesh, ring
+from p2psync.training.hetero import parse_profiles
+from tests.helpers import (close_strategies, free_port, make_trainer, record_barrier_pulls, run_until_stop,
+                           start_strategies, zmq_cluster)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,3 +50,32 @@ async def test_ring_pushes_reach_owners_two_hops_away_and_pulls_agree():
         assert p.tobytes() == pulls[0].tobytes()
     assert all(f > 0 for f in forwarded) and relayed > 0  # the opposite node's shard is two hops away
     assert all(s.version == 12 for s in st.values())
+
+
+@pytest.mark.parametrize("name,opts,steps", [("elastic_bsp", {"R": 2}, 120), ("bsp", {}, 20)])
+async def test_every_worker_pulls_identical_weights_at_every_barrier(name, opts, steps):
+    """Heterogeneous step times, momentum, and node 2's link to node 1 slow: node 2's pull of
+    a barrier reaches owner 1 after node 0 (fast) pulled, computed and pushed its next
+    gradient. Every worker's pulled vector is recorded at every barrier: all identical; some
+    pull of a barrier did come after a push of the next generation (the race happened)."""
+    topo = mesh(3, base_port=free_port())
+    trainers = {i: make_trainer(topo, i) for i in topo.ids}
+    prof = parse_profiles(step_time="0:0.002,1:0.008,2:0.012")
+    for i, tr in trainers.items():
+        tr.slowdown = prof[i]
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, name, options=opts, trainers=trainers)
+        try:
+            seen = record_barrier_pulls(strats)
+            reps = await run_until_stop(strats, steps)
+            late = sum(s.store.barriers.late_pulls for s in strats)
+            misses = sum(s.store.barriers.misses for s in strats)
+            got = [await s.ctx.replica.get_params() for s in strats]
+        finally:
+            await close_strategies(strats)
+    assert len(seen) >= 2 and min(seen) == 1, sorted(seen)
+    for b, pulled in seen.items():
+        assert len(pulled) == 3 and len(set(pulled.values())) == 1, b
+    assert misses == 0 and late >= 1 and all(len(r) >= 3 for r in reps)
+    for x in got[1:]:
+        assert x.tobytes() == got[0].tobytes()

@@ -97,7 +97,8 @@ async def test_a_push_to_a_dead_owner_is_reported_not_dropped():
 async def test_a_malformed_piece_is_refused_counted_and_answered():
     async with stores(mesh(2), np.zeros(8, np.float32)) as st:
         ep0 = st[0].transport
-        await ep0.send(1, "ps.push", [np.zeros(3, np.float32)], meta={"o": 0, "ack": "ps.ack.x", "lo": -5, "hi": -2, "e": 0})
+        await ep0.send(1, "ps.push", [np.zeros(3, np.float32)], meta={"o": 0, "ack": "ps.ack.x", "lo": -5, "hi": -2, "e": 0,
+                                                                     "g": 0})
         ack = await ep0.recv("ps.ack.x", timeout=2)
         assert "bad piece" in ack.meta["err"] and st[1].malformed == 1
         assert st[1].version == 0 and not st[1].opt.w.any()
@@ -173,14 +174,14 @@ async def test_pieces_and_pulls_of_another_store_epoch():
         st0 = asyncio.ensure_future(st[0].reshard([0, 1], 3, sums.for_node(0)))
         await until(lambda: st[0]._moving == 3, 5, "node 0 to begin its re-shard")
         await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.y", "lo": 4, "hi": 8,
-                                                                     "c": "none", "e": 3})
+                                                                     "c": "none", "e": 3, "g": 0})
         await until(lambda: len(st[1]._later) == 1, 5, "node 1 to keep the newer epoch's piece")
         assert st[1].version == 0  # kept for later, not applied
         await asyncio.gather(st0, st[1].reshard([0, 1], 3, sums.for_node(1)))
         ack = await ep0.recv("ps.ack.y", timeout=2)
         assert ack.meta == {} and st[1].opt.w.tolist() == [float(np.float32(-0.05))] * 4  # applied after the move (lr 0.1 / 2)
         await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.z", "lo": 4, "hi": 8,
-                                                                     "c": "none", "e": 1})
+                                                                     "c": "none", "e": 1, "g": 0})
         assert (await ep0.recv("ps.ack.z", timeout=2)).meta == {"moved": 3}
         st[0].epoch = 1  # a stale caller: its push is reported lost, its pull told to move
         with pytest.raises(PeerFailure, match="moved to store epoch 3"):
@@ -188,3 +189,55 @@ async def test_pieces_and_pulls_of_another_store_epoch():
         assert st[0].lost_pushes == 1
         with pytest.raises(PeerFailure, match="moved to store epoch 3"):
             await st[0].pull()
+
+
+async def test_a_barrier_pull_is_the_barrier_state_though_a_faster_worker_pushed_since():
+    """The race of a released barrier: worker 0 pulls barrier 1, computes and pushes its next
+    gradient (generation 1) before workers 1 and 2 pull: they still get what worker 0 pulled
+    (an untagged pull, the control, sees the new push); the owners' copies are dropped once
+    everyone pulled, and the next barrier works the same way."""
+    rng = np.random.default_rng(4)
+    n = 40
+    w0 = rng.standard_normal(n).astype(np.float32)
+    async with stores(mesh(3), w0, piece_bytes=32) as st:
+        for b in (1, 2):
+            await asyncio.gather(*(st[i].push(rng.standard_normal(n).astype(np.float32), gen=b - 1) for i in range(3)))
+            first = await st[0].pull(barrier=b)  # released: the fast worker pulls, pushes again
+            await st[0].push(rng.standard_normal(n).astype(np.float32), gen=b)
+            assert (await st[1].pull()).tobytes() != first.tobytes()  # the race is real
+            late = await asyncio.gather(st[1].pull(barrier=b), st[2].pull(barrier=b))
+            assert all(x.tobytes() == first.tobytes() for x in late)
+            assert all(s.barriers._snap is None for s in st.values())  # everyone pulled b: dropped
+            await asyncio.gather(*(st[i].push(rng.standard_normal(n).astype(np.float32), gen=b) for i in (1, 2)))
+        assert [s.barriers.snapshots for s in st.values()] == [2, 2, 2]
+        assert sum(s.barriers.misses for s in st.values()) == 0
+
+
+async def test_rounds_are_applied_in_origin_order_whatever_the_arrival_order():
+    """BSP's rounds: the same gradients pushed in two different orders give bitwise the same
+    weights (summed per range in origin order, one SGD step); a pull of barrier b does not see
+    a generation-b push that came first; a round is one SGD step on the mean."""
+    rng = np.random.default_rng(5)
+    n = 50
+    w0 = rng.standard_normal(n).astype(np.float32)
+    grads = [[rng.standard_normal(n).astype(np.float32) * 10 ** rng.uniform(-3, 3) for _ in range(3)]
+             for _ in range(3)]
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        async with stores(mesh(3), w0, piece_bytes=24, rounds=True) as st:
+            first = order[0]
+            for r, g in enumerate(grads):
+                for i in order[1:] if r else order:  # one at a time: each arrives (and is acked) in order
+                    await st[i].push(g[i], gen=r)
+                if r == 0:
+                    assert all(s.version == 0 and s.barriers.pending for s in st.values())  # held
+                pulled = await st[first].pull(barrier=r + 1)
+                if r + 1 < len(grads):
+                    await st[first].push(grads[r + 1][first], gen=r + 1)  # the next round begins
+                rest = await asyncio.gather(*(st[i].pull(barrier=r + 1) for i in order[1:]))
+                assert all(x.tobytes() == pulled.tobytes() for x in rest)
+                if r == 0:
+                    want = w0 - np.float32(0.1 / 3) * (g[0] + g[1] + g[2])
+                    np.testing.assert_allclose(pulled, want, rtol=1e-5, atol=1e-5)
+            results.append(await st[0].pull())
+    assert results[0].tobytes() == results[1].tobytes()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from p2psync.topology import mesh
-from tests.helpers import memory_strategies, run_until_stop
+from tests.helpers import memory_strategies, record_barrier_pulls, run_until_stop
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -29,6 +29,27 @@ async def test_store_bsp_ssp0_dssp00_equal_ssgd_with_plain_sgd(name, opts):
         assert x.tobytes() == got[0].tobytes()  # everyone pulled the same weights
 
 
+async def test_store_ssp0_and_dssp00_are_bsp_bitwise_and_every_round_pulls_identical_weights():
+    """SSP(s=0) and DSSP(0, 0) with plain SGD equal BSP exactly (same seeds and batches):
+    np.array_equal, not allclose; the owners apply a round in origin order whatever the arrival
+    order, and every worker pulls identical weights at every round though node 2's pulls reach
+    node 1 late (a slow link) and node 0 is fast."""
+    runs = {}
+    for name, opts in [("bsp", {}), ("ssp", {"s": 0}), ("dssp", {"s_lower": 0, "s_upper": 0})]:
+        async with memory_strategies(mesh(3), name, opts, momentum=0.0, step_times="0:0.001,1:0.008,2:0.004") as st:
+            seen = record_barrier_pulls(st)
+            await run_until_stop(st, 8)
+            runs[name] = [await s.ctx.replica.get_params() for s in st]
+            late = sum(s.store.barriers.late_pulls for s in st)
+        assert late >= 1  # some pull of round b came after a push of round b + 1
+        assert sorted(seen) == list(range(1, 8)), sorted(seen)  # every OK but the STOP is a barrier
+        for b, got in seen.items():
+            assert len(got) == 3 and len(set(got.values())) == 1, b
+    for name, got in runs.items():
+        for x in got:
+            assert np.array_equal(x, runs["bsp"][0]), name
+
+
 async def test_ssp_bounds_the_staleness_the_fast_worker_runs_ahead_and_everyone_ends_equal():
     """Worker 0 is 4x faster: it runs ahead by at most s pushes at every OK (spec §2.2), more
     than BSP would let it, and the stop barrier leaves every node with the same weights."""
@@ -43,11 +64,20 @@ async def test_ssp_bounds_the_staleness_the_fast_worker_runs_ahead_and_everyone_
 
 
 async def test_elastic_bsp_releases_barriers_and_everyone_pulls_identical_weights():
+    """At every barrier all workers pull identical weights (spec §10), though node 2's pulls
+    reach node 1 after node 0 (fast) pulled, computed and pushed again: node 1 serves the
+    barrier's copy (at least once here: the race happened)."""
     async with memory_strategies(mesh(3), "elastic_bsp", {"R": 4}, step_times="0:0.004,1:0.01,2:0.016") as st:
+        seen = record_barrier_pulls(st)
         reps = await run_until_stop(st, 40)
         got = [await s.ctx.replica.get_params() for s in st]
+        late = sum(s.store.barriers.late_pulls for s in st)
+        misses = sum(s.store.barriers.misses for s in st)
     barriers = [r["barrier"] for rs in reps for r in rs if r.get("barrier")]
     assert barriers and min(barriers) == 1  # at least one superstep ended with a barrier
     assert all(sum(1 for r in rs if r.get("barrier")) >= 1 for rs in reps)  # every worker took part
+    for b, pulled in seen.items():
+        assert len(pulled) == 3 and len(set(pulled.values())) == 1, b
+    assert late >= 1 and misses == 0
     for x in got[1:]:
         assert x.tobytes() == got[0].tobytes()

@@ -4,32 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.coordinator import RpcClient, RpcServer
+from p2psync.coordinator import RpcClient
 from p2psync.errors import ConfigError, PeerTimeout, RemoteError
-from p2psync.topology import ring
-from p2psync.transport import MemoryHub
-
-
-@pytest.fixture
-async def memory_server():
-    """``make(n)``: endpoints of an n-node in-memory ring, all started, and an RPC server on
-    node 0 (not started: register handlers first); closed after the test."""
-    made: list = []
-
-    async def make(n: int):
-        hub = MemoryHub(ring(n))
-        eps = {i: hub.endpoint(i) for i in range(n)}
-        for e in eps.values():
-            await e.start()
-        server = RpcServer(eps[0])
-        made.append((eps, server))
-        return eps, server
-
-    yield make
-    for eps, server in made:
-        await server.close()
-        for e in eps.values():
-            await e.close()
 
 
 async def test_rpc_over_memory_transport(memory_server):

@@ -8,10 +8,11 @@ import heapq
 import random
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
-from p2psync.coordinator.zipline import dssp_controller, predict, zipline_opt_bs
+from p2psync.coordinator.zipline import dssp_controller, naive_search, predict, zipline_opt_bs
 from p2psync.errors import ConfigError, ProtocolError
 
 
@@ -66,8 +67,10 @@ def test_ssp_bounds_the_gap_and_never_holds_the_slowest(s, seed):
 
     grants = simulate(sched, _random_intervals(seed, 5), list(range(5)), 400.0, check)
     assert len(grants) > 100 and max(spread) <= s + 1
-    if s == 0:  # BSP: an OK only when every count is equal
-        assert all(g.gap == 0 for _, g in grants)
+    if s == 0:  # BSP: an OK only when every count is equal, a barrier (its number: the count)
+        assert all(g.gap == 0 and g.barrier == g.count for _, g in grants)
+    else:
+        assert not any(g.barrier for _, g in grants)
 
 
 def test_asp_never_holds():
@@ -132,9 +135,9 @@ def test_views_release_workers_held_by_a_departed_one_and_admit_joiners():
     assert sched.waiting == [0]  # gap 2: held by 1 and 2 (count 0)
     sched.push(1, 3.0)
     assert sched.waiting == [0]  # still held by 2
-    got = sched.set_workers([0, 1])  # 2 died: 0 is no longer held by it
+    got = sched.set_workers([0, 1], 4.0)  # 2 died: 0 is no longer held by it
     assert [(g.worker, g.gap) for g in got] == [(0, 1)]
-    sched.set_workers([0, 1, 3])
+    sched.set_workers([0, 1, 3], 4.0)
     assert sched.counts[3] == 1  # a joiner starts at the slowest count
     with pytest.raises(ProtocolError, match="not a current worker"):
         sched.push(2, 5.0)
@@ -196,7 +199,114 @@ def test_elastic_identical_workers_barrier_at_the_first_prediction_and_views():
         sched.push(1, t)
     assert sched.last_j == {0: 1, 1: 1} and sched.last_d == 0.0 and sched.last_t_sync == 3.0
     assert sched.push(0, 3.0) == [] and sched.held == (0,)
-    got = sched.set_workers([0])  # 1 left: the barrier is recomputed without it
+    got = sched.set_workers([0], 3.5)  # 1 left: the barrier is recomputed without it
     assert [(g.worker, g.barrier) for g in got] == [(0, 1)]
     with pytest.raises(ConfigError):
         ElasticScheduler(workers=[0], R=0)
+
+
+def test_dssp_reports_the_r_granted_and_grants_exactly_r_oks_beyond_s_lower():
+    """The spec's DSSP example (D1: A[p] = (100, 90), A[slowest] = (64, 31): r* = 3) on the
+    scheduler: the deciding OK reports r = r* = 3 (not the r_p left after it), and the decision
+    yields exactly r* OKs beyond s_L (gaps 2, 3, 4); the next push asks the controller again."""
+    sched = StalenessScheduler(workers=[0, 1], s_lower=1, s_upper=5)
+    for t, w in [(31.0, 1), (40.0, 0), (64.0, 1), (70.0, 0), (90.0, 0)]:
+        assert [g.r for g in sched.push(w, t)] == [0]
+    got = [sched.push(0, t) for t in (100.0, 110.0, 120.0)]
+    assert [(g.gap, g.r) for (g,) in got] == [(2, 3), (3, 0), (4, 0)]
+    assert sched.push(0, 130.0) == [] and sched.controller_calls == 2  # r* = 0 at gap 5: held
+
+
+# -- ElasticBSP: a worker leaves while the barrier is pending (§4.7 failure) -----------------
+
+def _replan_matrix(sched: ElasticScheduler, ws: list[int], now: float) -> tuple[np.ndarray, dict[int, int]]:
+    """The survivors' (``ws``) timelines from ``now`` as the test reads §4.7: a held worker
+    stays (now) or goes on; a running one pushes next an interval after its last push, not
+    before now."""
+    rows, base = [], {}
+    for w in ws:
+        last, prev = sched.c.a[w]
+        gamma = last - prev
+        if w in sched.held:
+            rows.append([now + i * gamma for i in range(sched.R)])
+            base[w] = sched.counts[w]
+        else:
+            rows.append([max(last + gamma, now) + i * gamma for i in range(sched.R)])
+            base[w] = sched.counts[w] + 1
+    return np.array(rows), base
+
+
+def test_elastic_leave_mid_barrier_is_zipline_over_the_survivors_from_now():
+    """Constant intervals; the slowest worker (3) leaves once the first worker (2) is held at
+    the barrier: the new targets are ZipLine's choice (checked against naive search) over the
+    survivors' timelines from that moment, not the old ones; the held worker goes on at once
+    (an OK that is no barrier), and the survivors meet exactly at the new t_sync, released
+    together."""
+    intervals = {0: 1.0, 1: 1.3, 2: 2.9, 3: 5.3}
+    sched = ElasticScheduler(workers=list(intervals), R=6)
+    events = [(intervals[w], w) for w in intervals]
+    heapq.heapify(events)
+    replanned, released = None, []
+    while events and not released:
+        now, w = heapq.heappop(events)
+        if w not in sched.counts:
+            continue
+        grants = sched.push(w, now)
+        if not grants and replanned is None:  # the first arrival at the barrier: 3 leaves now
+            assert sched.held == (2,) and sched.target is not None
+            old = {q: sched.target[q] for q in (0, 1, 2)}
+            now += 0.25
+            ws = [0, 1, 2]
+            M, base = _replan_matrix(sched, ws, now)
+            grants = sched.set_workers(ws, now)
+            assert [(g.worker, g.barrier) for g in grants] == [(2, 0)] and sched.held == ()
+            replanned = (old, naive_search(M), {q: base[q] + z for q, z in zip(ws, zipline_opt_bs(M).z)})
+        for g in grants:
+            if g.barrier:
+                released.append((now, g.worker))
+            else:
+                heapq.heappush(events, (now + intervals[g.worker], g.worker))
+    assert replanned is not None
+    old, oracle, targets = replanned
+    assert targets != old and all(targets[q] > old[q] for q in old)  # later: 2 runs one more
+    assert sched.last_d == pytest.approx(oracle.d) and sched.last_t_sync == pytest.approx(oracle.t_sync)
+    assert {q: sched.counts[q] for q in targets} == targets  # every survivor stopped at its new target
+    assert sorted(q for _, q in released) == [0, 1, 2] and len({t for t, _ in released}) == 1
+    assert released[0][0] == pytest.approx(oracle.t_sync)  # the barrier came where ZipLine put it
+    assert sched.held == () and sched.barrier == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_elastic_leaves_at_random_moments_never_hold_anyone_forever(seed):
+    """Jittered intervals, three of six workers leave at random moments (some mid-barrier,
+    some while held): every barrier releases exactly the current workers, no OK is ever lost
+    (every survivor always has a push in flight or is held at a pending barrier), and the
+    survivors go on reaching barriers after the last leave."""
+    rng = random.Random(seed)
+    base = {w: rng.uniform(1.0, 6.0) for w in range(6)}
+    sched = ElasticScheduler(workers=list(base), R=8)
+    events: list[tuple[float, int]] = [(base[w], w) for w in base]
+    leaves = sorted(rng.uniform(5.0, 150.0) for _ in range(3))
+    gone = rng.sample(sorted(base), 3)
+    barriers_after: list[int] = []
+    heapq.heapify(events)
+    while events and events[0][0] < 250.0:
+        now, w = heapq.heappop(events)
+        grants = []
+        if leaves and now > leaves[0]:
+            heapq.heappush(events, (now, w))
+            now = leaves.pop(0)
+            grants = sched.set_workers([q for q in sched.counts if q != gone[len(barriers_after)]], now)
+            barriers_after.append(0)
+        elif w in sched.counts:
+            grants = sched.push(w, now)
+        released = [g.worker for g in grants if g.barrier]
+        if released:
+            assert sorted(released) == sorted(sched.counts)
+            if barriers_after:
+                barriers_after[-1] += 1
+        for g in grants:
+            heapq.heappush(events, (now + base[g.worker] * rng.uniform(0.7, 1.3), g.worker))
+        running = {q for _, q in events if q in sched.counts}
+        assert running | set(sched.held) == set(sched.counts), (now, running, sched.held)
+    assert len(barriers_after) == 3 and barriers_after[-1] >= 3, barriers_after
