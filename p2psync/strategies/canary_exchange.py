@@ -364,6 +364,9 @@ class Exchange:
         self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None))
 
     def _spawn(self, coro: Any) -> None:
+        if self._tasks.closed:  # closing: the reply is not sent (closed here, not left un-awaited)
+            coro.close()
+            return
         self._tasks.spawn(self._guard(coro))
 
     async def _guard(self, coro: Any) -> None:
