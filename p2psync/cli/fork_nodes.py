@@ -26,6 +26,7 @@ the default, forks the built-in job's nodes; users' commands and ``--shaper nete
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import importlib
 import logging
 import os
@@ -163,12 +164,15 @@ def _child(argv: list[str], env: dict[str, str], log_fd: int, close_fds: Sequenc
         die_with_parent()
         if os.getppid() != launcher:  # the launcher died before the line above
             os._exit(1)
+        # copies above 2 first: a launcher started with 0-2 closed may have its logs there
         devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        for fd in {devnull, log_fd, *close_fds}:
-            os.close(fd)
+        copies = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in (devnull, log_fd, log_fd)]
+        for target, fd in enumerate(copies):
+            os.dup2(fd, target)
+        for fd in {devnull, log_fd, *close_fds, *copies}:
+            if fd > 2:
+                os.close(fd)
+        _close_inherited()
         _std_streams()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -200,6 +204,19 @@ def _child(argv: list[str], env: dict[str, str], log_fd: int, close_fds: Sequenc
             hard_exit(code)
         finally:
             os._exit(code)
+
+
+def _close_inherited() -> None:
+    """Close the descriptors the launcher was given by its own parent (e.g. a pipe that someone
+    reads to its end), as the exec of a node would (``close_fds``). Python opens its own
+    descriptors non-inheritable (PEP 446), so these belong to no object here."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                os.close(fd)
+        except OSError:  # listdir's own, closed by now
+            pass
 
 
 def _std_streams() -> None:

@@ -93,3 +93,31 @@ def test_launcher_forks_only_when_asked_and_safe(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="p2psync.cli"):
         assert not launch._forks(cfg)
     assert "something started a thread: starting the nodes with exec" in caplog.text
+
+
+def test_child_closes_the_descriptors_the_launcher_inherited_only():
+    """As exec with close_fds would: an inheritable descriptor (given to the launcher by its
+    parent) is closed in the child, Python's own non-inheritable ones are left to their objects."""
+    r, own = os.pipe()
+    inherited = os.dup(own)
+    os.set_inheritable(inherited, True)
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            fork_nodes._close_inherited()
+            code = 2 * _is_open(inherited) + _is_open(own)
+        finally:
+            os._exit(code)
+    node = fork_nodes.ForkedNode(pid, ["child"])
+    for fd in (r, own, inherited):
+        os.close(fd)
+    assert node.wait(timeout=60) == 1  # own open, inherited closed
+
+
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
