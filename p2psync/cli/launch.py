@@ -188,7 +188,11 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
     child, run_id = _child_config(cfg, topo)
     args = ["run", cfg.topology, *child.to_argv()]
     base = [sys.executable, "-m", "p2psync", *args]
-    fork: ForkSpec = (lambda i: [*args, "--node", str(i)]) if _forks(cfg) else None
+    try:
+        fork: ForkSpec = (lambda i: [*args, "--node", str(i)]) if _forks(cfg) else None
+    except KeyboardInterrupt:  # Ctrl+C while importing torch: no node started yet
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return _run_nodes(child, topo, Path(cfg.out) / run_id, lambda i: ([*base, "--node", str(i)], None), fork)
 
 
