@@ -8,12 +8,16 @@ there is one (a script's ``Session`` writes it; '-' until then). Every node runs
 group of its own; SIGINT/SIGTERM stop every node (SIGTERM to the group, SIGKILL after a grace
 period), and nodes die with the launcher (``PR_SET_PDEATHSIG``). A node that fails is reported
 with the last line of its log; nodes still running a while after a failure are stopped.
+
+The built-in job's nodes are forked from the launcher once it has imported what they import
+(:mod:`p2psync.cli.fork_nodes`: torch's imports once instead of once per node); users' commands,
+``--shaper netem`` (each node in its network namespace) and ``P2PSYNC_LAUNCH=exec`` exec them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
+from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
 from p2psync.errors import ConfigError
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
@@ -33,6 +38,10 @@ from p2psync.api.runtime import default_run_id
 
 #: how to start node I: its command line and its environment (None: the launcher's own)
 NodeSpec = Callable[[int], "tuple[list[str], dict[str, str] | None]"]
+#: node I's arguments to ``p2psync`` when it is forked from the launcher (None: exec every node)
+ForkSpec = Callable[[int], "list[str]"] | None
+
+log = logging.getLogger("p2psync.cli")
 
 STOP_GRACE_S = 4.0
 POLL_S = 0.25
@@ -45,10 +54,7 @@ def default_threads(local_nodes: int) -> int:
 
 def _child_setup() -> None:  # runs in the child between fork and exec
     os.setpgid(0, 0)  # a group of its own: stopping the node also stops what it started
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
 
 
 class _Tail:
@@ -180,8 +186,28 @@ def _scaled(value: Any, factor: float) -> float | None:
 def launch(cfg: RunConfig, topo: Topology) -> int:
     """The built-in training job on every node of ``topo``, all on this host."""
     child, run_id = _child_config(cfg, topo)
-    base = [sys.executable, "-m", "p2psync", "run", cfg.topology, *child.to_argv()]
-    return _run_nodes(child, topo, Path(cfg.out) / run_id, lambda i: ([*base, "--node", str(i)], None))
+    args = ["run", cfg.topology, *child.to_argv()]
+    base = [sys.executable, "-m", "p2psync", *args]
+    try:
+        fork: ForkSpec = (lambda i: [*args, "--node", str(i)]) if _forks(cfg) else None
+    except KeyboardInterrupt:  # Ctrl+C while importing torch: no node started yet
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return _run_nodes(child, topo, Path(cfg.out) / run_id, lambda i: ([*base, "--node", str(i)], None), fork)
+
+
+def _forks(cfg: RunConfig) -> bool:
+    """Whether the built-in job's nodes are forked from this process: not with ``--shaper netem``
+    (``ip netns exec``) nor ``P2PSYNC_LAUNCH=exec``; otherwise after :func:`warm_up`, if it is safe."""
+    mode = os.environ.get(ENV_LAUNCH) or "fork"
+    if mode not in LAUNCH_MODES:
+        raise ConfigError(f"{ENV_LAUNCH}={mode}: expected one of {', '.join(LAUNCH_MODES)}")
+    if mode == "exec" or cfg.shaper == "netem":
+        return False
+    why_not = warm_up()
+    if why_not is not None:
+        log.warning("%s: starting the nodes with exec", why_not)
+    return why_not is None
 
 
 def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
@@ -216,8 +242,9 @@ def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
     return replace(cfg, run_id=run_id, threads=cfg.threads or default_threads(topo.size)), run_id
 
 
-def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec) -> int:
-    """Start every node (``spec``), inside its network namespace with ``--shaper netem``."""
+def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec = None) -> int:
+    """Start every node (``spec``; forked from this process with ``fork``), inside its network
+    namespace with ``--shaper netem``."""
     netns = None
     if cfg.shaper == "netem":
         from p2psync.cli.netns_cmd import link_specs
@@ -229,7 +256,7 @@ def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec) ->
         except netem.NetemUnavailable as exc:
             raise ConfigError(f"--shaper netem: {exc}") from None
     try:
-        return _start_and_monitor(cfg, topo, run_dir, spec, netns)
+        return _start_and_monitor(cfg, topo, run_dir, spec, fork, netns)
     finally:
         if netns is not None:
             from p2psync.transport import netem
@@ -237,7 +264,8 @@ def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec) ->
             netem.down(netns)
 
 
-def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, netns: Any) -> int:
+def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec,
+                       netns: Any) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop: dict[str, Any] = {"signal": None}
 
@@ -245,7 +273,7 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
         stop["signal"] = sig
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    procs: dict[int, subprocess.Popen[bytes]] = {}
+    procs: dict[int, NodeProcess] = {}
     groups: set[int] = set()  # process groups of the nodes (each node leads its own) that exist
     logs = []
     t0 = time.monotonic()
@@ -258,8 +286,12 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
             try:
                 # the launcher said it already if the cluster is unauthenticated: not every node again
                 env = {**(os.environ if env is None else env), **warned_env()}
-                procs[i] = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+                if fork is not None:  # other nodes' logs: not held by this one
+                    procs[i] = fork_node(fork(i), env, log_f.fileno(), [f.fileno() for f in logs[:-1]],
+                                         f"p2psync-node{i}")
+                else:
+                    procs[i] = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
             except OSError as exc:
                 raise ConfigError(f"node {i}: cannot start {argv[0]!r}: {exc.strerror}") from None
             groups.add(procs[i].pid)
@@ -272,7 +304,7 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
             signal.signal(s, h)
 
 
-def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[bytes]], groups: set[int],
+def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], groups: set[int],
              stop: dict[str, Any], t0: float) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
     codes: dict[int, int | None] = {i: None for i in procs}
@@ -331,7 +363,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen[by
     return EXIT_FAILED if failed else 0
 
 
-def _stop_all(procs: dict[int, subprocess.Popen[bytes]], groups: set[int]) -> list[int]:
+def _stop_all(procs: dict[int, NodeProcess], groups: set[int]) -> list[int]:
     """SIGTERM the nodes' process groups, SIGKILL what is left of them after STOP_GRACE_S.
     Returns the nodes whose own process was still running (stopped here)."""
     running = [i for i, p in procs.items() if p.poll() is None]

@@ -131,14 +131,28 @@ def _pids_with(marker: str) -> list[int]:
     return out
 
 
-def test_sigint_stops_everything(tmp_path):
+def _cmdline(pid: int) -> list[str]:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+
+
+@pytest.mark.parametrize("launch", ["fork", "exec"])
+def test_sigint_stops_everything(tmp_path, launch):
+    """SIGINT to the launcher stops every node, whether they were forked from it (the default:
+    the same command line as the launcher's, each node its own process group) or exec'd
+    (``P2PSYNC_LAUNCH=exec``: ``python -m p2psync run ... --node I``)."""
     topo = tmp_path / "r.json"
     save(ring(4, base_port=free_port()), topo)
     marker = f"sigint-{os.getpid()}-{time.time_ns()}"
-    p = spawn("run", topo, "--time", "120", "--out", tmp_path, "--run-id", marker)
+    p = spawn("run", topo, "--time", "120", "--out", tmp_path, "--run-id", marker,
+              env={**os.environ, "P2PSYNC_LAUNCH": launch})
     try:
         wait_for(lambda: all(lines(tmp_path / marker / f"node-{i}.jsonl") for i in range(4)), 90, "training")
-        assert len(_pids_with(marker)) == 5  # launcher + 4 nodes
+        nodes = [pid for pid in _pids_with(marker) if pid != p.pid]
+        assert len(nodes) == 4  # + the launcher
+        for pid in nodes:
+            cmd = _cmdline(pid)
+            assert (cmd == _cmdline(p.pid)) == (launch == "fork") and ("--node" in cmd) == (launch == "exec"), cmd
+            assert os.getpgid(pid) == pid
         p.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         p.communicate(timeout=15)
@@ -166,6 +180,39 @@ def test_broken_topology_and_options_exit_2(tmp_path):
     assert r.returncode == 2 and "cannot read topology" in r.stderr
     r = cli("run", "--help", timeout=60)
     assert r.returncode == 0 and "--strategy" in r.stdout and "--partition" in r.stdout
+
+
+def test_forked_and_execd_nodes_train_identically(tmp_path):
+    """A forked node (the default) seeds, shares out threads and trains exactly as an exec'd one
+    (``P2PSYNC_LAUNCH=exec``): ssgd over a ring is bitwise deterministic given the seed."""
+    topo = tmp_path / "r.json"
+    save(ring(4, base_port=free_port()), topo)
+    summaries = {}
+    for launch in ("exec", "fork"):
+        r = cli("run", topo, "--strategy", "ssgd", "--steps", "8", "--seed", "3", "--eval-every", "4",
+                "--out", tmp_path, "--run-id", launch, env={**os.environ, "P2PSYNC_LAUNCH": launch})
+        assert r.returncode == 0, r.stderr + r.stdout + node_logs(tmp_path / launch)
+        assert "starting the nodes with exec" not in r.stderr  # forking was safe
+        summaries[launch] = json.loads((tmp_path / launch / "summary.json").read_text())["nodes"]
+    fields = ("steps", "final_accuracy", "final_test_loss", "params_sha1")
+    fork, exe = ({i: [s[f] for f in fields] for i, s in summaries[k].items()} for k in ("fork", "exec"))
+    assert fork == exe and all(all(v) for v in fork.values()), summaries
+    assert len({s["params_sha1"] for s in summaries["fork"].values()}) == 1
+
+
+NO_TORCH = ("import sys; from p2psync.cli.main import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+
+
+def test_usage_errors_are_found_without_importing_torch(tmp_path):
+    """The launcher imports torch (for the nodes it forks) only once the run is known valid."""
+    for args, env in ((["--lr", "-1"], {}), (["--steps", "1"], {"P2PSYNC_LAUNCH": "vfork"})):
+        r = subprocess.run([sys.executable, "-c", NO_TORCH, "run", "topologies/ring-4.json", *args, "--out",
+                            str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env={**os.environ, **env})
+        assert r.returncode == 2 and "torch imported" not in r.stderr, r.stderr
+        assert (args[0] if not env else "P2PSYNC_LAUNCH=vfork") in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())  # no run started
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
