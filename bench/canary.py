@@ -50,7 +50,14 @@ matter; ``resnet18``: 11 M, too slow for 4-9 processes on 2 cores).
 
 Measured per run (every node's node-*.jsonl):
 
-* **bytes per iteration**: every NIC's sent bytes at the end / every node's iterations;
+* **bytes per iteration**: every NIC's sent bytes per iteration in the steady state: from each
+  node's first step record to its last but one, summed over the nodes, over their iterations
+  in that span. The first and last steps are left out and shown apart (**first + last step**,
+  MB per node): they hold one-offs of the run, not of its iterations — the start's parameter
+  broadcast (every configuration) and Canary's stop, where the members average their whole
+  state once (parameters and momentum, exact: 2(n−1)/n x 2.5 MB per node, 3-5 % of the
+  sketch's traffic over a 30 s run). Everything else counts: Canary's replies, empty packets,
+  headers and the overtime model pulls (branch C);
 * **peak NIC utilisation**: the largest rate any NIC sent at over any window of >= 1 s (from
   the cumulative per-NIC byte counts of the step records), over the NIC's capacity;
 * **time to target**: the lower median over the nodes of the first evaluation (every
@@ -120,6 +127,8 @@ class Outcome:
     #: Canary: colayers per node, and its end-of-iteration decisions (A, B, C) over all nodes
     colayers: int | None = None
     branches: dict[str, int] = field(default_factory=dict)
+    #: bytes each node sent in its first and last steps (the run's one-offs), mean over nodes
+    ends_bytes: float = 0.0
 
 
 def peak_rate(recs: Sequence[dict[str, Any]], window: float = 1.0) -> float:
@@ -137,20 +146,37 @@ def peak_rate(recs: Sequence[dict[str, Any]], window: float = 1.0) -> float:
     return best
 
 
+def sent(rec: Mapping[str, Any]) -> int:
+    """Bytes a node's NICs had sent at ``rec``."""
+    return sum(int(n.get("sent", 0)) for n in rec.get("nics", {}).values())
+
+
+def steady(recs: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """One node's (bytes, iterations) from its first step record to its last but one, and the
+    bytes of its first and last steps (the start's broadcast, a stop's averaging). Fewer than
+    three records: everything counts as steady."""
+    if len(recs) < 3:
+        return (sent(recs[-1]), int(recs[-1]["step"]) + 1, 0) if recs else (0, 0, 0)
+    a, b = recs[0], recs[-2]
+    span = sent(b) - sent(a)
+    return span, int(b["step"]) - int(a["step"]), sent(recs[-1]) - span
+
+
 def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float,
             nic_mbps: float) -> Outcome:
     reach = sorted(first_reach(recs, target) for recs in nodes)
     lasts = [recs[-1] for recs in nodes if recs]
     finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
-    sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
+    parts = [steady(recs) for recs in nodes]
+    span, span_iters = sum(p[0] for p in parts), sum(p[1] for p in parts)
     iters = sum(int(r["step"]) + 1 for r in lasts)
     peak = max(peak_rate(recs) for recs in nodes) * 8 / (nic_mbps * 1e6)
     curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
     return Outcome(cfg, cube, reach[(len(reach) - 1) // 2],
                    statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0,
-                   sent / max(1, iters), peak, iters, curve,
+                   span / max(1, span_iters), peak, iters, curve,
                    max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None),
-                   add_counts(r.get("branches", {}) for r in lasts))
+                   add_counts(r.get("branches", {}) for r in lasts), statistics.mean(p[2] for p in parts))
 
 
 def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -168,7 +194,7 @@ def combine(runs: Sequence[Outcome]) -> Outcome:
     return Outcome(runs[0].config, runs[0].cube, med([o.to_target for o in runs]), med([o.final_acc for o in runs]),
                    med([o.bytes_per_iter for o in runs]), med([o.peak_util for o in runs]),
                    round(med([o.iterations for o in runs])), runs[0].curve, runs[0].colayers,
-                   add_counts(o.branches for o in runs))
+                   add_counts(o.branches for o in runs), med([o.ends_bytes for o in runs]))
 
 
 def step_times(n: int, speeds: Sequence[float], base: float) -> str:
@@ -197,10 +223,11 @@ def report(res: Sequence[Outcome], target: float) -> str:
         traffic = o.bytes_per_iter / b.bytes_per_iter if b and b.bytes_per_iter else None
         decisions = "/".join(str(o.branches.get(b, 0)) for b in "ABC") if o.branches else "-"
         rows.append([f"BCube({o.cube})", o.config.label, f"{o.bytes_per_iter / 1e6:.2f}",
-                     cell(traffic, "{:.2f}"), f"{o.peak_util:.0%}", cell(o.to_target, "{:.1f}"),
-                     cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}", o.iterations,
+                     cell(traffic, "{:.2f}"), f"{o.ends_bytes / 1e6:.1f}", f"{o.peak_util:.0%}",
+                     cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}", o.iterations,
                      "-" if o.colayers is None else o.colayers, decisions])
-    return markdown_table(["topology", "config", "MB sent per iteration", "traffic vs BSP", "peak NIC utilisation",
+    return markdown_table(["topology", "config", "MB sent per iteration", "traffic vs BSP",
+                           "first + last step (MB per node)", "peak NIC utilisation",
                            f"time to {target:.0%} (s)", "speed-up vs BSP", "final acc", "iterations (all nodes)",
                            "colayers", "decisions A/B/C"], rows)
 

@@ -26,8 +26,22 @@ def test_analyse_counts_bytes_per_iteration_and_the_median_node():
     nodes = [_node([(0.0, {"l0": 0}), (1.0, {"l0": 1000}), (2.0, {"l0": 2000})], {2: 0.95}) for _ in range(3)]
     nodes.append(_node([(0.0, {"l0": 0}), (1.0, {"l0": 1000}), (9.0, {"l0": 2000})], {2: 0.5}))
     o = b.analyse(b.CONFIGS[1], "2x2", nodes, 0.9, nic_mbps=0.008)  # 1000 bytes/s capacity
-    assert o.to_target == 2.0 and o.iterations == 12 and o.bytes_per_iter == 8000 / 12
+    assert o.to_target == 2.0 and o.iterations == 12 and o.bytes_per_iter == 1000  # steps 1 (of 0-2)
     assert o.peak_util == 1.0 and math.isclose(o.final_acc, (0.95 * 3 + 0.5) / 4)
+
+
+def test_bytes_per_iteration_leave_out_the_first_and_last_steps():
+    """The start's broadcast (step 0) and a stop's state averaging (the last step) are shown
+    apart, per node; with fewer than three records everything counts."""
+    recs = _node([(0.0, {"l0": 5000, "l1": 0}), (1.0, {"l0": 5100, "l1": 100}), (2.0, {"l0": 5200, "l1": 200}),
+                  (3.0, {"l0": 5300, "l1": 300}), (4.0, {"l0": 9000, "l1": 3000})])
+    assert b.steady(recs) == (600, 3, 12000 - 600)  # steps 1-3
+    assert b.steady(recs[:2]) == (5200, 2, 0) and b.steady([]) == (0, 0, 0)
+    o = b.analyse(b.CONFIGS[1], "2x2", [recs, recs], 0.9, nic_mbps=1.0)
+    assert o.bytes_per_iter == 200 and o.iterations == 10 and o.ends_bytes == 11400
+    table = b.report([o], 0.9).splitlines()
+    col = table[0].split(" | ").index("first + last step (MB per node)")
+    assert table[2].split(" | ")[col] == "0.0"  # 11400 bytes
 
 
 def test_target_lines():

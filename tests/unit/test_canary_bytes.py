@@ -1,0 +1,68 @@
+"""Canary's bytes per iteration against its own schedule (spec ../shared/specs/canary.md §6.3,
+C15-C16): in ``mode=bsp`` every NIC of every node carries exactly ``(β + 1)(α − 1)`` pieces
+of ``G/(α·β)`` per colayer per iteration (the exact message count per NIC of one bare round is
+pinned over ZeroMQ in tests/integration/test_canary_zmq.py and by ``Layout.nic_sends`` in
+test_canary_plan.py); here through the whole strategy, over the in-memory transport's NIC
+counters, so anything else a training iteration sends (a second copy, fp32 where the codec
+applies, a model pull, a stop) would show."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from p2psync.topology import bcube
+from tests.helpers import memory_strategies
+
+#: bytes of a message's envelope and Canary header beyond its payload (measured: 160-200)
+HEADER_MAX = 300
+
+
+def _nics(strats) -> dict[int, dict[str, tuple[int, int]]]:
+    return {s.ctx.node_id: {n: (st.bytes_sent, st.msgs_sent) for n, st in s.ctx.transport.nic_stats.items()}
+            for s in strats}
+
+
+def _schedule_bytes(ex, me: int) -> dict[int, int]:
+    """Payload bytes ``me`` sends per level (NIC) in one synchronous round of every colayer,
+    from the plan's slots (fp32)."""
+    lay, out = ex.layout, {}
+    for flow in ex.flows:
+        for t in range(lay.levels):
+            for k in range(lay.steps):
+                for y in lay.peers(me, t, k):
+                    lvl = lay.level(t, k)
+                    out[lvl] = out.get(lvl, 0) + 4 * sum(s.size for s in flow.send_slots(t, k, y))
+    return out
+
+
+@pytest.mark.parametrize("alpha", [2, 3])
+@pytest.mark.parametrize("codec", ["none", "sketch8"])
+async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, codec):
+    beta, iters = 2, 3
+    topo = bcube(alpha, beta)
+    opts = {"mode": "bsp", "colayers": "2", "sketch": str(codec != "none").lower()}
+    async with memory_strategies(topo, "canary", opts) as strats:
+        await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
+        before = _nics(strats)
+        for step in range(1, 1 + iters):
+            await asyncio.gather(*(s.train_step(step, False) for s in strats))
+        after = _nics(strats)
+        sizes = strats[0].exchange.sizes
+        for s in strats:
+            me, ex = s.ctx.node_id, s.exchange
+            want = _schedule_bytes(ex, me)
+            per_nic = (beta + 1) * (alpha - 1)  # C16
+            for lvl in range(beta):
+                # the plan's slots are the formula's G/(α·β) pieces, up to rounding
+                assert abs(want[lvl] - per_nic * 4 * sum(sizes) / (alpha * beta)) <= per_nic * 4 * len(sizes)
+                nic = f"l{lvl}"
+                sent = after[me][nic][0] - before[me][nic][0]
+                msgs = after[me][nic][1] - before[me][nic][1]
+                assert msgs == iters * per_nic * len(sizes), (me, nic)
+                if codec == "none":
+                    payload = iters * want[lvl]
+                else:  # one byte per value and 256 boundaries per piece (every slot one piece here)
+                    payload = iters * (want[lvl] // 4 + 4 * 256 * per_nic * len(sizes))
+                assert payload <= sent <= payload + msgs * HEADER_MAX, (me, nic, sent, payload)
