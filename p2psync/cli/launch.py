@@ -52,6 +52,23 @@ def default_threads(local_nodes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_nodes))
 
 
+#: the variable torch (and OpenMP, MKL) read at start for their thread pools
+ENV_THREADS = "OMP_NUM_THREADS"
+
+
+def thread_env(asked: int | None, default: int | None) -> dict[str, str]:
+    """Threads for a user's command (torch reads ``OMP_NUM_THREADS`` when it starts): ``--threads``
+    when given; else the launcher's share of the cores, unless the user's environment already
+    says. (Several copies of a script on one host, each with torch's default of one thread per
+    core, oversubscribe the cores: on 2 cores three copies of the example ran 3-4x slower; the
+    built-in job sets its threads itself. torchrun does the same.)"""
+    if asked is not None:
+        return {ENV_THREADS: str(asked)}
+    if default is not None and ENV_THREADS not in os.environ:
+        return {ENV_THREADS: str(default)}
+    return {}
+
+
 def _child_setup() -> None:  # runs in the child between fork and exec
     os.setpgid(0, 0)  # a group of its own: stopping the node also stops what it started
     die_with_parent()
@@ -220,10 +237,12 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
     child, run_id = _child_config(cfg, topo)
     ids = topo.ids
 
+    threads = thread_env(cfg.threads, child.threads)
+
     def spec(i: int) -> tuple[list[str], dict[str, str] | None]:
         env = node_env(child, topo, i, run_dir=node_run_dir(child.out, run_id, i),
                        local_rank=ids.index(i), local_world_size=len(ids))
-        return list(cmd), {**os.environ, **env}
+        return list(cmd), {**os.environ, **threads, **env}
 
     run_dir = Path(cfg.out) / run_id
     code = _run_nodes(child, topo, run_dir, spec)

@@ -228,6 +228,7 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
     ``--node K`` only node K's, in the foreground: this process becomes CMD (same pid, signals,
     terminal, exit code), with the variables of ``p2psync.api.env`` in its environment."""
     from p2psync.api.env import node_env, node_run_dir
+    from p2psync.cli.launch import thread_env
     from p2psync.transport.keys import warned_env
 
     if not cmd:
@@ -248,7 +249,7 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
     sys.stdout.flush()
     sys.stderr.flush()
     with translate({OSError: lambda e: ConfigError(f"cannot run {cmd[0]!r}: {e.strerror}")}):
-        os.execvpe(cmd[0], list(cmd), {**os.environ, **env, **warned_env()})
+        os.execvpe(cmd[0], list(cmd), {**os.environ, **thread_env(cfg.threads, None), **env, **warned_env()})
 
 
 def run_one(cfg: RunConfig, node_id: int) -> int:

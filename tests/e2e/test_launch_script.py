@@ -32,7 +32,7 @@ SCRIPT = r'''
 import json, os, signal, subprocess, sys, time
 node = os.environ["P2PSYNC_NODE"]
 keys = [k for k in os.environ if k.startswith("P2PSYNC_") or k in
-        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")]
 rec = {"env": {k: os.environ[k] for k in keys}, "argv": sys.argv[1:], "pid": os.getpid(), "children": []}
 mode = sys.argv[1]
 if mode == "sleep" and node == "0":  # something the script started: must be stopped with it
@@ -88,7 +88,8 @@ def test_every_node_runs_the_script_with_its_environment(tmp_path, ring3):
     opts = ["--strategy", "asgd", "--opt", "max_inflight=4", "--codec", "int8", "--peer-timeout", "12",
             "--shaper", "inproc", "--seed", "7", "--partition", "dirichlet", "--on-failure", "stop",
             "--lr", "0.2", "--out", tmp_path, "--run-id", "s"]
-    r = cli("run", topo, *opts, "--", sys.executable, script, "exit", "--lr", "0.1", "--", "x")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = cli("run", topo, *opts, "--", sys.executable, script, "exit", "--lr", "0.1", "--", "x", env=env)
     # the script never calls p2psync.attach: every copy ran, and the launcher says it never joined
     assert r.returncode == EXIT_FAILED and "never joined the run" in r.stderr, r.stderr + r.stdout
     assert "run folder:" in r.stdout
@@ -105,6 +106,8 @@ def test_every_node_runs_the_script_with_its_environment(tmp_path, ring3):
         assert env["P2PSYNC_NODE"] == str(i) and env["RANK"] == str(i) and env["WORLD_SIZE"] == "3"
         assert env["LOCAL_RANK"] == str(i) and env["LOCAL_WORLD_SIZE"] == "3"
         assert env["P2PSYNC_STRATEGY"] == "asgd"
+        # three copies share the host's cores (torch would start a thread per core in each)
+        assert env["OMP_NUM_THREADS"] == str(default_threads(3))
         assert env["P2PSYNC_RUN_DIR"] == str((tmp_path / "s" / f"node-{i}").absolute())
         ne = from_env(env)
         assert ne is not None and ne.node_id == i and ne.rank == i and ne.world_size == 3
@@ -155,8 +158,8 @@ def test_sigint_stops_every_script_and_what_it_started(tmp_path, ring3):
 
 def test_node_k_runs_only_that_node_in_the_foreground(tmp_path, ring3):
     topo, script = ring3
-    p = spawn("run", topo, "--node", "1", "--strategy", "esync", "--out", tmp_path, "--run-id", "k", "--",
-              sys.executable, script, "exit", "--epochs", "3", env={**os.environ, "EXIT_CODE": "7"})
+    p = spawn("run", topo, "--node", "1", "--strategy", "esync", "--out", tmp_path, "--run-id", "k", "--threads", "1",
+              "--", sys.executable, script, "exit", "--epochs", "3", env={**os.environ, "EXIT_CODE": "7"})
     out, err = p.communicate(timeout=45)
     assert p.returncode == 7, err  # the script's own exit code
     assert "node 1 started" in out  # its output on this terminal, not in a log file
@@ -164,6 +167,7 @@ def test_node_k_runs_only_that_node_in_the_foreground(tmp_path, ring3):
     assert got["pid"] == p.pid  # p2psync became the script (exec)
     assert got["argv"] == ["exit", "--epochs", "3"]
     assert got["env"]["RANK"] == "1" and got["env"]["LOCAL_RANK"] == "0" and got["env"]["LOCAL_WORLD_SIZE"] == "1"
+    assert got["env"]["OMP_NUM_THREADS"] == "1"  # --threads
     ne = from_env(got["env"])
     assert ne is not None and ne.strategy == "esync" and ne.config.run_id == "k" and ne.config.epochs is None
     assert not (tmp_path / "k" / "node-0").exists() and not (tmp_path / "k" / "node-2").exists()
