@@ -48,6 +48,12 @@ def cell(v: float | None, fmt: str) -> str:
     return "not reached" if v is None or v == INF else fmt.format(v)
 
 
+def speedup(base: float, t: float) -> float | None:
+    """How many times sooner than the baseline's time to a target ``base`` a configuration's ``t``
+    is; None where either was not reached (or ``t`` is 0): ``cell(speedup(b, t), "{:.2f}x")``."""
+    return base / t if t not in (0.0, INF) and base != INF else None
+
+
 def verdict(ok: bool) -> str:
     """A target line's ending."""
     return "PASS" if ok else "FAIL"

@@ -85,7 +85,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
-                           markdown_table, median, plot_panels, repeat, run_nodes, verdict, write_topology)
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         b = base.get(o.cube)
-        speed = b.to_target / o.to_target if b and o.to_target not in (0.0, INF) and b.to_target != INF else None
+        speed = speedup(b.to_target, o.to_target) if b else None
         traffic = o.bytes_per_iter / b.bytes_per_iter if b and b.bytes_per_iter else None
         decisions = "/".join(str(o.branches.get(b, 0)) for b in "ABC") if o.branches else "-"
         rows.append([f"BCube({o.cube})", o.config.label, f"{o.bytes_per_iter / 1e6:.2f}",

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
-                           markdown_table, median, plot_panels, repeat, run_nodes, verdict, write_topology)
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         b = bsp.get(o.scenario, INF)
-        speed = b / o.to_target if o.to_target not in (0.0, INF) and b != INF else None
+        speed = speedup(b, o.to_target)
         rows.append([o.scenario, o.config.label, cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}",
                      f"{o.wait_ms:.1f}", o.pushes, f"{o.mb_per_s:.2f}"])
     return markdown_table(["devices", "config", f"time to {target:.0%} (s, median node)", "speed-up vs BSP", "final acc",

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
-                           markdown_table, median, plot_panels, repeat, run_nodes, verdict, write_topology)
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         base = ar.get(o.hl, INF)
-        speed = base / o.to_target if o.to_target not in (0.0, INF) and base != INF else None
+        speed = speedup(base, o.to_target)
         rows.append([o.hl, o.config.label, cell(o.to_target, "{:.1f}"), cell(o.all_target, "{:.1f}"),
                      cell(speed, "{:.2f}x") if o.hl in ar else "no AR run", o.updates if o.updates is not None else "-",
                      cell(None if o.per_update_s is None else o.per_update_s * 1e3, "{:.0f}"), f"{o.final_acc:.3f}"])
