@@ -78,14 +78,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
+from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -164,17 +164,13 @@ def steady(recs: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
 
 def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float,
             nic_mbps: float) -> Outcome:
-    reach = sorted(first_reach(recs, target) for recs in nodes)
     lasts = [recs[-1] for recs in nodes if recs]
-    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
     parts = [steady(recs) for recs in nodes]
     span, span_iters = sum(p[0] for p in parts), sum(p[1] for p in parts)
     iters = sum(int(r["step"]) + 1 for r in lasts)
     peak = max(peak_rate(recs) for recs in nodes) * 8 / (nic_mbps * 1e6)
-    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
-    return Outcome(cfg, cube, reach[(len(reach) - 1) // 2],
-                   statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0,
-                   span / max(1, span_iters), peak, iters, curve,
+    return Outcome(cfg, cube, lower_median(first_reach(recs, target) for recs in nodes), final_accuracy(nodes),
+                   span / max(1, span_iters), peak, iters, accuracy_curve(nodes[0]),
                    max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None),
                    add_counts(r.get("branches", {}) for r in lasts), statistics.mean(p[2] for p in parts))
 
@@ -189,12 +185,11 @@ def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def combine(runs: Sequence[Outcome]) -> Outcome:
-    def med(xs: Sequence[float]) -> float:
-        return float(statistics.median(xs))
-    return Outcome(runs[0].config, runs[0].cube, med([o.to_target for o in runs]), med([o.final_acc for o in runs]),
-                   med([o.bytes_per_iter for o in runs]), med([o.peak_util for o in runs]),
-                   round(med([o.iterations for o in runs])), runs[0].curve, runs[0].colayers,
-                   add_counts(o.branches for o in runs), med([o.ends_bytes for o in runs]))
+    """The median over repeated runs of one configuration (the curve of the first)."""
+    return Outcome(runs[0].config, runs[0].cube, median([o.to_target for o in runs]),
+                   median([o.final_acc for o in runs]), median([o.bytes_per_iter for o in runs]),
+                   median([o.peak_util for o in runs]), round(median([o.iterations for o in runs])), runs[0].curve,
+                   runs[0].colayers, add_counts(o.branches for o in runs), median([o.ends_bytes for o in runs]))
 
 
 def step_times(n: int, speeds: Sequence[float], base: float) -> str:
@@ -219,7 +214,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         b = base.get(o.cube)
-        speed = b.to_target / o.to_target if b and o.to_target not in (0.0, INF) and b.to_target != INF else None
+        speed = speedup(b.to_target, o.to_target) if b else None
         traffic = o.bytes_per_iter / b.bytes_per_iter if b and b.bytes_per_iter else None
         decisions = "/".join(str(o.branches.get(b, 0)) for b in "ABC") if o.branches else "-"
         rows.append([f"BCube({o.cube})", o.config.label, f"{o.bytes_per_iter / 1e6:.2f}",
@@ -234,10 +229,6 @@ def report(res: Sequence[Outcome], target: float) -> str:
 
 def targets(res: Sequence[Outcome]) -> list[str]:
     out = []
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
     for cube in dict.fromkeys(o.cube for o in res):
         by = {o.config.label: o for o in res if o.cube == cube}
         bsp = by.get(CONFIGS[0].label)
@@ -262,30 +253,18 @@ def targets(res: Sequence[Outcome]) -> list[str]:
 
 
 def plot(res: Sequence[Outcome], target: float) -> Path:
-    import matplotlib
+    panels = [Panel(f"BCube({cube}): test accuracy (node 0)",
+                    [(o.config.label, o.curve) for o in res if o.cube == cube and o.curve])
+              for cube in dict.fromkeys(o.cube for o in res)]
+    bars = Bars("traffic", [f"{o.config.label}\n{o.cube}" for o in res], [o.bytes_per_iter / 1e6 for o in res],
+                "MB sent per iteration", [100 * o.peak_util for o in res], "peak NIC utilisation (%)")
+    return plot_panels("canary.png", panels, bars, target=target, ylabel="accuracy", width=5.5)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    cubes = list(dict.fromkeys(o.cube for o in res))
-    fig, axes = plt.subplots(1, len(cubes) + 1, figsize=(5.5 * (len(cubes) + 1), 4))
-    for ax, cube in zip(axes, cubes):
-        for o in res:
-            if o.cube == cube and o.curve:
-                ax.plot(*zip(*o.curve), label=o.config.label)
-        ax.axhline(target, color="grey", ls=":")
-        ax.set(title=f"BCube({cube}): test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
-        ax.legend(fontsize=8)
-    ax = axes[-1]
-    xs = range(len(res))
-    ax.bar(xs, [o.bytes_per_iter / 1e6 for o in res], color="tab:blue")
-    ax.set_xticks(xs, [f"{o.config.label}\n{o.cube}" for o in res], fontsize=7, rotation=60)
-    ax.set_ylabel("MB sent per iteration", color="tab:blue")
-    tw = ax.twinx()
-    tw.plot(xs, [100 * o.peak_util for o in res], "o", color="tab:red")
-    tw.set_ylabel("peak NIC utilisation (%)", color="tab:red")
-    ax.set_title("traffic")
-    return save_png(fig, "canary.png")
+def progress(o: Outcome) -> str:
+    """A run's line on stderr."""
+    return (f"{cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, {o.bytes_per_iter / 1e6:.2f} "
+            f"MB/iteration, peak NIC {o.peak_util:.0%}, {o.iterations} iterations")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -317,18 +296,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         out = Path(tmp) / "runs"
         for cube in args.cubes:
             alpha, beta = (int(x) for x in cube.split("x"))
-            topo = Path(tmp) / f"bcube-{cube}.json"
-            subprocess.run([sys.executable, "-m", "p2psync", "topo", "bcube", "--alpha", str(alpha), "--beta",
-                            str(beta), "-o", str(topo)], check=True, capture_output=True)
+            topo = write_topology(Path(tmp) / f"bcube-{cube}.json", "bcube", "--alpha", str(alpha), "--beta", str(beta))
             for cfg in CONFIGS:
-                runs = []
-                for rep in range(args.repeats):
-                    o = run_one(cfg, cube, args, topo, alpha**beta, out, rep)
-                    print(f"  BCube({cube}) {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final "
-                          f"{o.final_acc:.3f}, {o.bytes_per_iter / 1e6:.2f} MB/iteration, peak NIC "
-                          f"{o.peak_util:.0%}, {o.iterations} iterations", file=sys.stderr)
-                    runs.append(o)
-                res.append(combine(runs))
+                res.append(repeat(f"BCube({cube}) {cfg.label}", args.repeats,
+                                  lambda rep: run_one(cfg, cube, args, topo, alpha**beta, out, rep), progress, combine))
     print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "
           f"step times base {args.base:g} s x {args.speeds} (+-{args.jitter:.0%}, {args.mode} mode), "
           f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s); Canary options "

@@ -49,14 +49,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
+from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -94,27 +94,21 @@ class Outcome:
 
 
 def analyse(cfg: Config, scenario: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
-    reach = sorted(first_reach(recs, target) for recs in nodes)
-    med = reach[(len(reach) - 1) // 2]
     lasts = [recs[-1] for recs in nodes if recs]
-    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
     waits = [1e3 * float(r.get("wait_s", 0.0)) / max(1, int(r["step"])) for r in lasts]
     seconds = max(float(r["time"]) for r in lasts) if lasts else 0.0
     sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
-    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[0] if r.get("accuracy") is not None]
-    return Outcome(config=cfg, scenario=scenario, to_target=med, final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals)
-                   else 0.0, wait_ms=statistics.mean(waits) if waits else 0.0,
+    return Outcome(config=cfg, scenario=scenario, to_target=lower_median(first_reach(recs, target) for recs in nodes),
+                   final_acc=final_accuracy(nodes), wait_ms=statistics.mean(waits) if waits else 0.0,
                    pushes=sum(int(r["step"]) for r in lasts), mb_per_s=sent / 1e6 / seconds if seconds else 0.0,
-                   curve=curve)
+                   curve=accuracy_curve(nodes[0]))
 
 
 def combine(runs: Sequence[Outcome]) -> Outcome:
     """The median over repeated runs of one configuration (the curve of the first)."""
-    def med(xs: Sequence[float]) -> float:
-        return float(statistics.median(xs))
-    return Outcome(config=runs[0].config, scenario=runs[0].scenario, to_target=med([o.to_target for o in runs]),
-                   final_acc=med([o.final_acc for o in runs]), wait_ms=med([o.wait_ms for o in runs]),
-                   pushes=round(med([o.pushes for o in runs])), mb_per_s=med([o.mb_per_s for o in runs]),
+    return Outcome(config=runs[0].config, scenario=runs[0].scenario, to_target=median([o.to_target for o in runs]),
+                   final_acc=median([o.final_acc for o in runs]), wait_ms=median([o.wait_ms for o in runs]),
+                   pushes=round(median([o.pushes for o in runs])), mb_per_s=median([o.mb_per_s for o in runs]),
                    curve=runs[0].curve)
 
 
@@ -155,7 +149,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         b = bsp.get(o.scenario, INF)
-        speed = b / o.to_target if o.to_target not in (0.0, INF) and b != INF else None
+        speed = speedup(b, o.to_target)
         rows.append([o.scenario, o.config.label, cell(o.to_target, "{:.1f}"), cell(speed, "{:.2f}x"), f"{o.final_acc:.3f}",
                      f"{o.wait_ms:.1f}", o.pushes, f"{o.mb_per_s:.2f}"])
     return markdown_table(["devices", "config", f"time to {target:.0%} (s, median node)", "speed-up vs BSP", "final acc",
@@ -165,10 +159,6 @@ def report(res: Sequence[Outcome], target: float) -> str:
 def targets(res: Sequence[Outcome]) -> list[str]:
     """The issue's target lines, PASS/FAIL with the figures."""
     out = []
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
     for sc in dict.fromkeys(o.scenario for o in res):
         by = {o.config.label: o for o in res if o.scenario == sc}
         bsp = by.get("BSP")
@@ -187,30 +177,18 @@ def targets(res: Sequence[Outcome]) -> list[str]:
 
 
 def plot(res: Sequence[Outcome], target: float) -> Path:
-    import matplotlib
+    panels = [Panel(f"{sc} devices: test accuracy (node 0)",
+                    [(o.config.label, o.curve) for o in res if o.curve and o.scenario == sc])
+              for sc in dict.fromkeys(o.scenario for o in res)]
+    bars = Bars("waiting and updates", [f"{o.config.label}\n{o.scenario}" for o in res], [o.wait_ms for o in res],
+                "wait per iteration (ms)", [o.pushes for o in res], "pushes in the run")
+    return plot_panels("elastic.png", panels, bars, target=target, ylabel="accuracy", width=5.5)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    scenarios = list(dict.fromkeys(o.scenario for o in res))
-    fig, axes = plt.subplots(1, len(scenarios) + 1, figsize=(5.5 * (len(scenarios) + 1), 4))
-    for a1, sc in zip(axes, scenarios):
-        for o in res:
-            if o.curve and o.scenario == sc:
-                a1.plot(*zip(*o.curve), label=o.config.label)
-        a1.axhline(target, color="grey", ls=":")
-        a1.set(title=f"{sc} devices: test accuracy (node 0)", xlabel="seconds", ylabel="accuracy", ylim=(0.5, 1.0))
-        a1.legend(fontsize=8)
-    a2 = axes[-1]
-    xs = range(len(res))
-    a2.bar(xs, [o.wait_ms for o in res], color="tab:blue")
-    a2.set_xticks(xs, [f"{o.config.label}\n{o.scenario}" for o in res], fontsize=7, rotation=60)
-    a2.set_ylabel("wait per iteration (ms)", color="tab:blue")
-    t = a2.twinx()
-    t.plot(xs, [o.pushes for o in res], "o", color="tab:red")
-    t.set_ylabel("pushes in the run", color="tab:red")
-    a2.set_title("waiting and updates")
-    return save_png(fig, "elastic.png")
+def progress(o: Outcome) -> str:
+    """A run's line on stderr."""
+    return (f"{cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, wait {o.wait_ms:.0f} ms/it, "
+            f"{o.pushes} pushes")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -237,18 +215,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         configs = [c for c in configs if c.label in ("BSP", "SSP s=3", "DSSP [3,15]", "EBSP R=15")]
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "runs"
-        topo = Path(tmp) / f"mesh-{args.nodes}.json"
-        subprocess.run([sys.executable, "-m", "p2psync", "topo", "mesh", "-n", str(args.nodes), "-o", str(topo)],
-                       check=True, capture_output=True)
-        res = []
-        for sc, cfg in ((sc, cfg) for sc in args.scenarios for cfg in configs):
-            runs = []
-            for rep in range(args.repeats):
-                o = run_one(cfg, sc, args, topo, out, rep)
-                print(f"  {sc} {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, "
-                      f"wait {o.wait_ms:.0f} ms/it, {o.pushes} pushes", file=sys.stderr)
-                runs.append(o)
-            res.append(combine(runs))
+        topo = write_topology(Path(tmp) / f"mesh-{args.nodes}.json", "mesh", "-n", str(args.nodes))
+        res = [repeat(f"{sc} {cfg.label}", args.repeats, lambda rep: run_one(cfg, sc, args, topo, out, rep),
+                      progress, combine)
+               for sc in args.scenarios for cfg in configs]
     print(f"\nParameter-store family: N={args.nodes}; mixed devices: step times "
           f"{step_times(args.nodes, args.speeds, args.base)} s; rotating: {args.base:g} s, one node at a time "
           f"{max(args.speeds):g}x slower for {args.period:g} s; +-{args.jitter:.0%} jitter per step ({args.mode} "

@@ -38,8 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import markdown_table, save_png
-from bench.hetero import ROOT
+from bench._common import ROOT, markdown_table, save_png
 from tests.helpers import free_port
 
 N = 8

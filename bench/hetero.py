@@ -17,9 +17,7 @@ blocking time at the barrier per round (ESync) / per step (SSGD).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,10 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import markdown_table, save_png
+from bench._common import ROOT, accuracy_curve, first_reach, markdown_table, run_nodes, save_png
 from p2psync.training.metrics import bytes_sent
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str) -> dict[str, Any]:
@@ -42,19 +38,11 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str
            "--eval-every", "1" if strategy == "esync" else "5", "--no-progress", "--slowdown-mode", mode]
     if wan:
         cmd += ["--shaper", "inproc", "--wan", str(ROOT / "topologies" / "wan-4-regions.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds * 4 + 120)
-    if r.returncode != 0:
-        raise SystemExit(f"{run_id} failed:\n{r.stderr[-2000:]}")
-    nodes = [[json.loads(ln) for ln in (out / run_id / f"node-{i}.jsonl").read_text().splitlines()]
-             for i in range(4)]
-    reach = []
-    for recs in nodes:
-        hit = [x["time"] for x in recs if x.get("accuracy") is not None and x["accuracy"] >= args.target]
-        reach.append(hit[0] if hit else float("inf"))
+    nodes = run_nodes(cmd, out, run_id, 4, timeout=args.seconds * 4 + 120)
+    reach = [first_reach(recs, args.target) for recs in nodes]
     final = [[x for x in recs if x.get("accuracy") is not None][-1] for recs in nodes]
     last = [recs[-1] for recs in nodes]
-    curve = [(x["time"], x["accuracy"]) for x in nodes[0] if x.get("accuracy") is not None]
-    block = [x.get("blocking_s", x.get("comm_s_step", None)) for x in nodes[0]]
+    block: list[Any] = [x.get("blocking_s", x.get("comm_s_step", None)) for x in nodes[0]]
     if strategy == "ssgd":  # per-step communication of the slowest-gated allreduce
         comm = np.diff([0.0] + [x["comm_s"] for x in nodes[0]])
         block = list(comm)
@@ -66,7 +54,7 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str
         "bytes_sent": sum(bytes_sent(x) for x in last),
         "blocking_s": float(np.mean(block)) if block else 0.0,
         "n_local": [float(np.mean([x.get("n_local", 1) for x in recs])) for recs in nodes],
-        "curve": curve,
+        "curve": accuracy_curve(nodes[0]),
     }
 
 

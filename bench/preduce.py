@@ -42,17 +42,14 @@ minutes depending on the load.
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import INF, cell, first_reach, markdown_table, run_nodes, save_png
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
+                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
 
 
 @dataclass(frozen=True)
@@ -105,13 +102,11 @@ def updates_at(nodes: Sequence[Sequence[dict[str, Any]]], t: float, preduce: boo
 
 
 def analyse(cfg: Config, hl: int, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
-    reach = sorted(first_reach(recs, target) for recs in nodes)
-    med = reach[(len(reach) - 1) // 2]  # the lower median: at least half of the nodes got there
-    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
-    curve = [(float(r["time"]), float(r["accuracy"])) for r in nodes[-1] if r.get("accuracy") is not None]
-    return Outcome(config=cfg, hl=hl, to_target=med, all_target=reach[-1],
+    reach = [first_reach(recs, target) for recs in nodes]
+    med = lower_median(reach)  # at least half of the nodes got there
+    return Outcome(config=cfg, hl=hl, to_target=med, all_target=max(reach),
                    updates=updates_at(nodes, med, cfg.strategy == "preduce"),
-                   final_acc=statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0, curve=curve)
+                   final_acc=final_accuracy(nodes), curve=accuracy_curve(nodes[-1]))
 
 
 def step_times(n: int, hl: int, base: float) -> str:
@@ -121,13 +116,11 @@ def step_times(n: int, hl: int, base: float) -> str:
 
 def combine(runs: Sequence[Outcome]) -> Outcome:
     """The median over repeated runs of one configuration (the curve of the first)."""
-    def med(xs: Sequence[float]) -> float:
-        return float(statistics.median(xs))
     ups = [o.updates for o in runs if o.updates is not None]
-    return Outcome(config=runs[0].config, hl=runs[0].hl, to_target=med([o.to_target for o in runs]),
-                   all_target=med([o.all_target for o in runs]),
-                   updates=round(med(ups)) if len(ups) == len(runs) else None,
-                   final_acc=med([o.final_acc for o in runs]), curve=runs[0].curve)
+    return Outcome(config=runs[0].config, hl=runs[0].hl, to_target=median([o.to_target for o in runs]),
+                   all_target=median([o.all_target for o in runs]),
+                   updates=round(median(ups)) if len(ups) == len(runs) else None,
+                   final_acc=median([o.final_acc for o in runs]), curve=runs[0].curve)
 
 
 def run_one(cfg: Config, hl: int, args: argparse.Namespace, topo: Path, out: Path, rep: int) -> Outcome:
@@ -145,7 +138,7 @@ def report(res: Sequence[Outcome], target: float) -> str:
     rows = []
     for o in res:
         base = ar.get(o.hl, INF)
-        speed = base / o.to_target if o.to_target not in (0.0, INF) and base != INF else None
+        speed = speedup(base, o.to_target)
         rows.append([o.hl, o.config.label, cell(o.to_target, "{:.1f}"), cell(o.all_target, "{:.1f}"),
                      cell(speed, "{:.2f}x") if o.hl in ar else "no AR run", o.updates if o.updates is not None else "-",
                      cell(None if o.per_update_s is None else o.per_update_s * 1e3, "{:.0f}"), f"{o.final_acc:.3f}"])
@@ -157,10 +150,6 @@ def targets(res: Sequence[Outcome]) -> list[str]:
     """The issue's target lines, PASS/FAIL with the figures."""
     by = {(o.hl, o.config.label): o for o in res}
     out = []
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
     for hl in sorted({o.hl for o in res}):
         ar = by.get((hl, "AR"))
         pr = [o for o in res if o.hl == hl and o.config.strategy == "preduce" and o.to_target < INF]
@@ -191,31 +180,13 @@ def targets(res: Sequence[Outcome]) -> list[str]:
 
 
 def plot(res: Sequence[Outcome], target: float) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hls = sorted({o.hl for o in res})
-    fig, axes = plt.subplots(1, len(hls) + 1, figsize=(5 * (len(hls) + 1), 4))
-    for ax, hl in zip(axes, hls):
-        for o in res:
-            if o.hl == hl and o.curve:
-                ax.plot(*zip(*o.curve), label=o.config.label)
-        ax.axhline(target, color="grey", ls=":")
-        ax.set(title=f"HL={hl}: accuracy (last node)", xlabel="seconds", ylabel="test accuracy", ylim=(0.5, 1.0))
-        ax.legend(fontsize=8)
-    ax = axes[-1]
-    labels = [f"{o.config.label}\nHL={o.hl}" for o in res]
-    per = [(o.per_update_s or 0.0) * 1e3 for o in res]
-    ax.bar(range(len(res)), per, color="tab:blue")
-    ax.set_xticks(range(len(res)), labels, fontsize=7, rotation=60)
-    ax.set_ylabel("per-update time (ms)", color="tab:blue")
-    ax2 = ax.twinx()
-    ax2.plot(range(len(res)), [o.updates or 0 for o in res], "o", color="tab:red")
-    ax2.set_ylabel("updates to target", color="tab:red")
-    ax.set_title("per-update time and updates (Table 1 / Fig. 8)")
-    return save_png(fig, "preduce.png")
+    panels = [Panel(f"HL={hl}: accuracy (last node)",
+                    [(o.config.label, o.curve) for o in res if o.hl == hl and o.curve])
+              for hl in sorted({o.hl for o in res})]
+    bars = Bars("per-update time and updates (Table 1 / Fig. 8)", [f"{o.config.label}\nHL={o.hl}" for o in res],
+                [(o.per_update_s or 0.0) * 1e3 for o in res], "per-update time (ms)", [o.updates or 0 for o in res],
+                "updates to target")
+    return plot_panels("preduce.png", panels, bars, target=target, ylabel="test accuracy", width=5)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -248,19 +219,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.seconds = 25.0 if args.quick else 30.0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "runs"
-        topo = Path(tmp) / f"mesh-{args.nodes}.json"
-        subprocess.run([sys.executable, "-m", "p2psync", "topo", "mesh", "-n", str(args.nodes), "-o", str(topo)],
-                       check=True, capture_output=True)
-        res = []
-        for hl in args.hl:
-            for cfg in configs:
-                runs = []
-                for rep in range(args.repeats):
-                    o = run_one(cfg, hl, args, topo, out, rep)
-                    print(f"  HL={hl} {cfg.label} #{rep}: {cell(o.to_target, '{:.1f} s')} to target, "
-                          f"updates {o.updates}", file=sys.stderr)
-                    runs.append(o)
-                res.append(combine(runs))
+        topo = write_topology(Path(tmp) / f"mesh-{args.nodes}.json", "mesh", "-n", str(args.nodes))
+        res = [repeat(f"HL={hl} {cfg.label}", args.repeats, lambda rep: run_one(cfg, hl, args, topo, out, rep),
+                      lambda o: f"{cell(o.to_target, '{:.1f} s')} to target, updates {o.updates}", combine)
+               for hl in args.hl for cfg in configs]
     print(f"\nP-Reduce vs all-reduce: N={args.nodes}, base step {args.base * 1e3:.0f} ms (x HL on HL workers, "
           f"{args.mode} mode), {args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} "
           "run(s) per row\n")

@@ -56,8 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import markdown_table, save_png
-from bench.hetero import ROOT
+from bench._common import ROOT, markdown_table, save_png
 from p2psync.training.metrics import bytes_sent, read_jsonl
 
 PAPER_COMPUTE_MS = 300.0  # ResNet-50 forward+backward on a V100 (paper Sec. 4.4)

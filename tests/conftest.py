@@ -12,14 +12,15 @@ cleanup itself::
 from __future__ import annotations
 
 import os
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 import pytest
+import zmq
 
 from p2psync.coordinator import RpcServer
 from p2psync.topology import Topology, ring
 from p2psync.transport import MemoryHub, ZmqEndpoint
-from tests.helpers import close_strategies, start_strategies
+from tests.helpers import close_strategies, start_strategies, zmq_endpoints_for
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,22 +41,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 async def zmq_endpoints() -> AsyncIterator[Callable[..., Awaitable[dict[int, ZmqEndpoint]]]]:
-    """``await zmq_endpoints(topo, timeout=10.0, keys=None, **options)``: a started endpoint per
-    node of ``topo`` (the keywords of :func:`tests.helpers.zmq_cluster`); all closed at teardown."""
+    """``await zmq_endpoints(topo, ids=None, timeout=10.0, keys=None, start=True, **options)``: an
+    endpoint per node of ``ids`` (default: every node of ``topo``), started unless ``start`` is
+    false (the keywords of :func:`tests.helpers.zmq_endpoints_for`); all closed at teardown::
+
+        node1 = (await zmq_endpoints(topo, [1], keys=keys))[1]  # node 0 comes later
+    """
     made: list[ZmqEndpoint] = []
 
-    async def make(topo: Topology, *, timeout: float = 10.0, keys: dict[int, Any] | None = None,
-                   **options: Any) -> dict[int, ZmqEndpoint]:
-        eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout,
-                              keys=keys[i] if keys is not None else None, **options) for i in topo.ids}
+    async def make(topo: Topology, ids: Iterable[int] | None = None, *, start: bool = True,
+                   **kw: Any) -> dict[int, ZmqEndpoint]:
+        eps = zmq_endpoints_for(topo, ids, **kw)
         made.extend(eps.values())
-        for e in eps.values():
-            await e.start()
+        if start:
+            for e in eps.values():
+                await e.start()
         return eps
 
     yield make
     for e in made:
         await e.close()
+
+
+@pytest.fixture
+def zmq_context() -> Iterator["zmq.Context[Any]"]:
+    """A ZeroMQ context for a test's raw sockets (an impostor, a hand-driven hub); destroyed with
+    linger 0 at teardown, whatever sockets are still open on it."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture

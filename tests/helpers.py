@@ -1,15 +1,20 @@
-"""Shared test helpers: free ports, endpoint groups, strategies (the fixtures that track and close
-what these create are in conftest.py)."""
+"""Shared test helpers: free ports, endpoint groups, membership nodes, trainers, strategies (the
+fixtures that track and close what these create are in conftest.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, TypeVar
 
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.topology import Topology
 from p2psync.transport import ZmqEndpoint
+
+if TYPE_CHECKING:
+    from p2psync.transport.shaping import Shaper
 
 
 def _ephemeral_low() -> int:
@@ -57,13 +62,22 @@ def keyed(topo: Topology) -> tuple[Topology, dict[int, Any]]:
     return with_public_keys(topo, keys), keys
 
 
+def zmq_endpoints_for(topo: Topology, ids: Iterable[int] | None = None, *, timeout: float = 10.0,
+                      keys: dict[int, Any] | None = None, **options: Any) -> dict[int, ZmqEndpoint]:
+    """An endpoint (not started) for each node of ``ids`` (default: every node of ``topo``);
+    ``options``: ZmqEndpoint/Transport keywords, ``keys``: every node's keys (:func:`keyed`).
+    What :func:`zmq_cluster` and the ``zmq_endpoints`` fixture start and close."""
+    return {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout,
+                           keys=keys[i] if keys is not None else None, **options)
+            for i in (topo.ids if ids is None else ids)}
+
+
 @contextlib.asynccontextmanager
 async def zmq_cluster(topo: Topology, *, timeout: float = 10.0, keys: dict[int, Any] | None = None,
                       **options: Any) -> AsyncIterator[dict[int, ZmqEndpoint]]:
     """Started endpoints for every node (``options``: ZmqEndpoint/Transport keywords; ``keys``:
     every node's keys, from :func:`keyed`)."""
-    eps = {i: ZmqEndpoint(topology=topo, node_id=i, default_timeout=timeout,
-                          keys=keys[i] if keys is not None else None, **options) for i in topo.ids}
+    eps = zmq_endpoints_for(topo, timeout=timeout, keys=keys, **options)
     try:
         for e in eps.values():
             await e.start()
@@ -71,6 +85,73 @@ async def zmq_cluster(topo: Topology, *, timeout: float = 10.0, keys: dict[int, 
     finally:
         for e in eps.values():
             await e.close()
+
+
+class MemberNode:
+    """One node's membership over ZeroMQ, as a node process builds it: endpoint, RPC server and
+    client, membership client. What the node hosts for the cluster (the membership service, a
+    CoordinatorHost) is a subclass's: :meth:`start_hosted`, :meth:`close_hosted`. ``close()`` is
+    idempotent: a test closes a node to kill it, :func:`member_cluster` closes every node::
+
+        class Node(MemberNode):
+            def start_hosted(self) -> None: ...
+        async with member_cluster(topo, lambda i: Node(topo, i)) as nodes:
+            await nodes[1].close()  # node 1 dies
+    """
+
+    def __init__(self, topo: Topology, i: int, *, shaper: Shaper | None = None) -> None:
+        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0, shaper=shaper)
+        self.server = RpcServer(self.ep)
+        self.rpc = RpcClient(self.ep, local=self.server)
+        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
+        self.closed = False
+
+    def start_hosted(self) -> None:
+        """Start what this node hosts (after its endpoint, before its RPC server serves)."""
+
+    async def close_hosted(self) -> None:
+        """Close what :meth:`start_hosted` started (after the membership client)."""
+
+    async def start(self) -> None:
+        await self.ep.start()
+        self.start_hosted()
+        self.server.start()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.client.close()
+        await self.close_hosted()
+        await self.server.close(grace=0.1)
+        await self.ep.close()
+
+
+_Member = TypeVar("_Member", bound=MemberNode)
+
+
+@contextlib.asynccontextmanager
+async def member_cluster(topo: Topology, make: Callable[[int], _Member]) -> AsyncIterator[dict[int, _Member]]:
+    """``make(i)`` for every node of ``topo``: all started, registered and running their membership
+    clients; every one closed on the way out."""
+    nodes = {i: make(i) for i in topo.ids}
+    try:
+        for n in nodes.values():
+            await n.start()
+        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
+        for n in nodes.values():
+            n.client.start()
+        yield nodes
+    finally:
+        for n in nodes.values():
+            await n.close()
+
+
+def full_views(nodes: Mapping[int, MemberNode]) -> bool:
+    """Every node's view holds every node, and every node but the coordinator (node 0) has three
+    RTT samples of it or more: ``await until(lambda: full_views(nodes), 10, "full views")``."""
+    return all(n.client.view is not None and len(n.client.view.members) == len(nodes)
+               and (i == 0 or n.rpc.estimator(0).samples >= 3) for i, n in nodes.items())
 
 
 def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size: int = 16,
@@ -82,6 +163,19 @@ def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size
     cfg = RunConfig(topology="-", model=model, batch_size=batch_size, lr=lr, momentum=momentum,
                     seed=seed, partition=partition_scheme, device="cpu", threads=1)
     return build_trainer(cfg, topo, node_id)
+
+
+def slowed_trainers(topo: Topology, step_time: str, *, mode: str = "wait", **trainer: Any) -> dict[int, Any]:
+    """A real Trainer per node (``trainer``: :func:`make_trainer` keywords), each node that
+    ``step_time`` names (``NODE:SECONDS,...``, as ``--step-time``; ``mode`` as ``--slowdown-mode``)
+    with that emulated step time: ``start_strategies(eps, topo, name, trainers=slowed_trainers(...))``."""
+    from p2psync.training.hetero import parse_profiles
+
+    prof = parse_profiles(step_time=step_time, mode=mode)
+    trainers = {i: make_trainer(topo, i, **trainer) for i in topo.ids}
+    for i, tr in trainers.items():
+        tr.slowdown = prof.get(i, tr.slowdown)
+    return trainers
 
 
 def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None,
@@ -212,18 +306,13 @@ async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], 
                             step_times: str = "", **trainer: Any) -> AsyncIterator[list[Any]]:
     """Started strategies for every node over the in-memory transport, with real trainers
     (``trainer``: make_trainer keywords; ``step_times``: emulated ``NODE:SECONDS,...``)."""
-    from p2psync.training.hetero import parse_profiles
     from p2psync.transport.memory import MemoryHub
 
     hub = MemoryHub(topo)
     eps = {i: hub.endpoint(i, default_timeout=10) for i in topo.ids}
     for e in eps.values():
         await e.start()
-    trainers = {i: make_trainer(topo, i, **trainer) for i in topo.ids}
-    if step_times:
-        prof = parse_profiles(step_time=step_times)
-        for i, tr in trainers.items():
-            tr.slowdown = prof[i]
+    trainers = slowed_trainers(topo, step_times, **trainer)
     try:
         strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, codec=codec)
         try:

@@ -12,9 +12,17 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
-def _take(best_z: np.ndarray, k: np.ndarray, latest: np.ndarray) -> None:
-    for q in range(best_z.shape[0]):
-        best_z[q] = k[latest[q]]
+def _keep_best(d: float, j: int, best_d: float, best_pos: int, best_z: np.ndarray, k: np.ndarray,
+               latest: np.ndarray) -> tuple[float, int]:
+    """The better of the best so far (``best_d``, ``best_pos``) and Z's spread ``d`` after the
+    element at position ``j``: a smaller ``d`` wins, and then every worker's current index
+    (``k[latest]``) is taken into ``best_z``. Both scans end each step with
+    ``best_d, best_pos = _keep_best(d, j, best_d, best_pos, best_z, k, latest)``."""
+    if d < best_d:
+        for q in range(best_z.shape[0]):
+            best_z[q] = k[latest[q]]
+        return d, j
+    return best_d, best_pos
 
 
 @njit(cache=True, nogil=True)
@@ -37,11 +45,7 @@ def zipline_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int) -> tuple[f
         for q in range(n):
             if t[latest[q]] < lo:
                 lo = t[latest[q]]
-        d = t[j] - lo
-        if d < best_d:
-            best_d = d
-            best_pos = j
-            _take(best_z, k, latest)
+        best_d, best_pos = _keep_best(t[j] - lo, j, best_d, best_pos, best_z, k, latest)
     return best_d, best_pos, best_z
 
 
@@ -91,11 +95,7 @@ def zipline_opt_scan(t: np.ndarray, w: np.ndarray, k: np.ndarray, n: int,
             continue
         if prev >= 0 and not oldest_replaced and best_pos >= 0:
             continue  # Theorem 7: d_Z' >= d_Z, no need to compute it
-        d = t[j] - t[order[head]]
-        if d < best_d:
-            best_d = d
-            best_pos = j
-            _take(best_z, k, latest)
+        best_d, best_pos = _keep_best(t[j] - t[order[head]], j, best_d, best_pos, best_z, k, latest)
     return best_d, best_pos, best_z
 
 

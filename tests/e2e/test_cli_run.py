@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -252,18 +253,11 @@ def test_ring6_kill9_only_that_node_is_declared_failed(tmp_path):
     within 3 s + 2 x RTT, and the asgd survivors finish normally."""
     import re
 
-    start, run = ring_nodes(tmp_path, "r6", "--time", "12", n=6, strategy="asgd")
-    procs = [start(i) for i in range(6)]
-    try:
-        wait_training(run, 6)
+    with ring_run(tmp_path, "r6", "--time", "12", n=6, strategy="asgd") as (_, _, procs):
         procs[1].send_signal(signal.SIGKILL)
         t_kill = time.time()
-        outs = {i: procs[i].communicate(timeout=90) for i in (0, 2, 3, 4, 5)}
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (_, err) in outs.items():
-        assert procs[i].returncode == 0, err
+        errs = exit_0(procs, (0, 2, 3, 4, 5), timeout=90)
+    for i, err in errs.items():
         declared = re.findall(r"node \d+: peer (\d+) failed \(at ([0-9.]+)\)", err)
         assert [int(p) for p, _ in declared] == [1], (i, err[-3000:])
         delay = float(declared[0][1]) - t_kill
@@ -289,31 +283,58 @@ def wait_training(run, n, steps=20):
              "every node to train")
 
 
+@contextlib.contextmanager
+def ring_run(tmp_path, run_id, *budget, n=4, **kw):
+    """The node processes of an ``n``-node ring run (:func:`ring_nodes`), all started and every
+    node training (:func:`wait_training`): yields ``start`` (a node started again: the caller
+    appends its process), the run folder and the processes; every process killed on the way out::
+
+        with ring_run(tmp_path, "rf", "--time", "14") as (start, run, procs):
+            procs[2].send_signal(signal.SIGKILL)
+            errs = exit_0(procs, (0, 1, 3), timeout=90)
+    """
+    start, run = ring_nodes(tmp_path, run_id, *budget, n=n, **kw)
+    procs = [start(i) for i in range(n)]
+    try:
+        wait_training(run, n)
+        yield start, run, procs
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def exit_0(procs, ids, timeout):
+    """Waits for the processes ``procs[i]``, i in ``ids``, to end, each with exit code 0; their
+    stderr by index."""
+    outs = {i: procs[i].communicate(timeout=timeout) for i in ids}
+    for i, (_, err) in outs.items():
+        assert procs[i].returncode == 0, (i, err[-6000:])
+    return {i: err for i, (_, err) in outs.items()}
+
+
+def agreement(summary):
+    """The nodes' final steps and parameter hashes in a run's summary, as two sets (one element
+    each where every node ended at the same step with the same parameters)."""
+    nodes = summary["nodes"].values()
+    return {v["steps"] for v in nodes}, {v["params_sha1"] for v in nodes}
+
+
 def test_ring4_ssgd_kill9_survivors_reform_and_finish(tmp_path):
     """Issue 10 item 5: kill -9 a non-coordinator node; the ssgd survivors re-form over the
     new view at the next step, finish with exit 0 and bitwise equal parameters, and the summary
     lists the killed node as failed."""
-    start, run = ring_nodes(tmp_path, "rf", "--time", "14")
-    procs = [start(i) for i in range(4)]
-    try:
-        wait_training(run, 4)
+    with ring_run(tmp_path, "rf", "--time", "14") as (_, run, procs):
         procs[2].send_signal(signal.SIGKILL)
         t_kill = time.time()
-        outs = {i: procs[i].communicate(timeout=90) for i in (0, 1, 3)}
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (_, err) in outs.items():
-        assert procs[i].returncode == 0, err[-3000:]
+        errs = exit_0(procs, (0, 1, 3), timeout=90)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed"] == [2] and set(summary["nodes"]) == {"0", "1", "3"}
-    steps = {v["steps"] for v in summary["nodes"].values()}
-    hashes = {v["params_sha1"] for v in summary["nodes"].values()}
+    steps, hashes = agreement(summary)
     assert len(steps) == 1 and len(hashes) == 1, summary["nodes"]
     recs = lines(run / "node-0.jsonl")
     after = [r for r in recs if r.get("members") == 3]
     assert after and recs[-1]["members"] == 3
-    reform = float(re.findall(r"re-formed over view \d+ .* in ([0-9.]+)s", outs[0][1])[0])
+    reform = float(re.findall(r"re-formed over view \d+ .* in ([0-9.]+)s", errs[0])[0])
     print(f"kill at {t_kill:.2f}: node 0 re-formed {reform:.2f}s after its step failed")
 
 
@@ -323,25 +344,16 @@ def test_ring4_ssgd_killed_node_restarted_rejoins(tmp_path):
     bitwise the same parameters."""
     # a step budget (not --time): the joiner's process start-up may take a while on a busy
     # host, and the run must still be going when it registers (~30 s of 0.1 s steps)
-    start, run = ring_nodes(tmp_path, "rj", "--steps", "300", step_s=0.1)
-    procs = [start(i) for i in range(4)]
-    try:
-        wait_training(run, 4)
+    with ring_run(tmp_path, "rj", "--steps", "300", step_s=0.1) as (start, run, procs):
         procs[2].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-0.jsonl")), 30,
                  "the survivors to re-form")
         n_before = len(lines(run / "node-2.jsonl"))
         procs.append(start(2))
-        outs = {i: procs[i].communicate(timeout=120) for i in (0, 1, 3, 4)}
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (_, err) in outs.items():
-        assert procs[i].returncode == 0, (i, err[-3000:])
-    assert "joined with" in outs[4][1] or "adopted node" in outs[4][1], outs[4][1][-3000:]
+        errs = exit_0(procs, (0, 1, 3, 4), timeout=120)
+    assert "joined with" in errs[4] or "adopted node" in errs[4], errs[4][-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["nodes"]) == {"0", "1", "2", "3"} and summary["failed"] == []
-    steps = {v["steps"] for v in summary["nodes"].values()}
-    hashes = {v["params_sha1"] for v in summary["nodes"].values()}
+    steps, hashes = agreement(summary)
     assert steps == {300} and len(hashes) == 1, summary["nodes"]
     assert len(lines(run / "node-2.jsonl")) > n_before  # the new process trained

@@ -11,25 +11,18 @@ import time
 
 import pytest
 
-from tests.e2e.test_cli_run import lines, ring_nodes, wait_for, wait_training
+from tests.e2e.test_cli_run import agreement, exit_0, lines, ring_run, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_ring4_kill9_coordinator_run_finishes_summary_by_node_1(tmp_path):
-    start, _ = ring_nodes(tmp_path, "fo", "--time", "14", strategy="asgd")
-    procs = [start(i) for i in range(4)]
-    try:
-        wait_training(tmp_path / "fo", 4)
+    with ring_run(tmp_path, "fo", "--time", "14", strategy="asgd") as (_, _, procs):
         procs[0].send_signal(signal.SIGKILL)
         t_kill = time.time()
-        outs = {i: procs[i].communicate(timeout=90) for i in (1, 2, 3)}
-    finally:
-        for p in procs:
-            p.kill()
+        errs = exit_0(procs, (1, 2, 3), timeout=90)
     delays = {}
-    for i, (_, err) in outs.items():
-        assert procs[i].returncode == 0, err[-3000:]
+    for i, err in errs.items():
         followed = re.findall(r"node \d+: following coordinator (\d+), coordinator (\d+) deposed .*?"
                               r"\(at ([0-9.]+)\)", err)
         assert [(int(a), int(b)) for a, b, _ in followed] == [(1, 0)], (i, err[-3000:])
@@ -52,23 +45,14 @@ def test_ring4_ssgd_coordinator_killed_and_restarted_rejoins(tmp_path):
     takes over and the survivors re-form; node 0 restarted with the same --node / --run-id asks
     the others whether the run is going, joins it at node 1 instead of hosting a second run, and
     every node ends with bitwise the same parameters."""
-    start, run = ring_nodes(tmp_path, "cr", "--steps", "300", step_s=0.1)
-    procs = [start(i) for i in range(4)]
-    try:
-        wait_training(run, 4)
+    with ring_run(tmp_path, "cr", "--steps", "300", step_s=0.1) as (start, run, procs):
         procs[0].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-1.jsonl")), 30,
                  "the survivors to re-form under node 1")
         procs.append(start(0))
-        outs = {i: procs[i].communicate(timeout=120) for i in (1, 2, 3, 4)}
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (_, err) in outs.items():
-        assert procs[i].returncode == 0, (i, err[-6000:])
+        exit_0(procs, (1, 2, 3, 4), timeout=120)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["coordinator"] == 1, summary
     assert set(summary["nodes"]) == {"0", "1", "2", "3"} and summary["failed"] == [], summary
-    steps = {v["steps"] for v in summary["nodes"].values()}
-    hashes = {v["params_sha1"] for v in summary["nodes"].values()}
+    steps, hashes = agreement(summary)
     assert steps == {300} and len(hashes) == 1, summary["nodes"]

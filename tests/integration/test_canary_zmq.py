@@ -14,10 +14,9 @@ from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import get_codec
 from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
-from p2psync.training.hetero import parse_profiles
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import encode
-from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, free_port, slowed_trainers, start_strategies, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,11 +92,8 @@ async def test_bsp_mode_without_the_sketch_equals_ssgd():
 async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_run_ends_with_one_model():
     topo = bcube(2, 2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i) for i in topo.ids}
-        prof = parse_profiles(step_time="0:0.02,1:0.02,2:0.02,3:0.12")
-        for i in topo.ids:
-            trainers[i].slowdown = prof[i]
-        strats = await start_strategies(eps, topo, "canary", trainers=trainers)
+        strats = await start_strategies(eps, topo, "canary",
+                                        trainers=slowed_trainers(topo, "0:0.02,1:0.02,2:0.02,3:0.12"))
         try:
             reps = await _run(strats, 1000, stop_after=3.0)
             params = await _params(strats)
@@ -122,11 +118,8 @@ async def test_a_worker_more_than_s_behind_is_reset_to_the_fastest_model():
     the fastest never does."""
     topo = bcube(2, 2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i) for i in topo.ids}
-        prof = parse_profiles(step_time="0:0.01,1:0.01,2:0.01,3:0.06")
-        for i in topo.ids:
-            trainers[i].slowdown = prof[i]
-        strats = await start_strategies(eps, topo, "canary", trainers=trainers, options={"s": "2"})
+        strats = await start_strategies(eps, topo, "canary", options={"s": "2"},
+                                        trainers=slowed_trainers(topo, "0:0.01,1:0.01,2:0.01,3:0.06"))
         try:
             reps = await _run(strats, 1000, stop_after=2.5)
         finally:

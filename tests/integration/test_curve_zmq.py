@@ -14,7 +14,6 @@ import zmq
 
 from p2psync.collectives import Collectives
 from p2psync.topology import Topology, mesh, ring
-from p2psync.transport import ZmqEndpoint
 from p2psync.wire import encode
 from tests.helpers import free_port, keyed, until, zmq_cluster
 
@@ -61,80 +60,61 @@ async def test_every_socket_runs_curve_and_relayed_control_is_signed() -> None:
         assert not any(ep.rejected for ep in eps.values()), [ep.rejected for ep in eps.values()]
 
 
-async def test_routing_id_impostor_with_unknown_key_delivers_nothing() -> None:
+async def test_routing_id_impostor_with_unknown_key_delivers_nothing(zmq_context, zmq_endpoints) -> None:
     """The issue's impostor: a socket claiming node 0's routing id connects to node 1 before the
     real node 0 and sends a forged piece and a forged failure event. Keyed, its handshake is
     refused (counted), nothing of it is delivered, and the real node 0 then gets node 1's
     traffic and is believed; a collective under the forged tag sums the real values only."""
     topo, keys = keyed(mesh(2, base_port=free_port()))
-    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
-    ctx: zmq.Context[Any] = zmq.Context()
-    node0: ZmqEndpoint | None = None
-    try:
-        await node1.start()
-        imp = _impostor(ctx, topo, claims="0/eth0", target=1)
-        forged_piece = _forged(node1.run_id, "ssgd.7.rs0.0.0", arrays=[np.full(4, np.nan, np.float32)])
-        imp.send_multipart([b"1/eth0", *forged_piece])
-        imp.send_multipart([b"1/eth0", *_forged(node1.run_id, "event.peer_failed", kind="event",
-                                                meta={"failed": [1]})])
-        await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the impostor's handshake refused")
-        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
-        await node0.start()
-        await node1.send(0, "for-0", [np.ones(3, np.float32)])
-        got = await node0.recv("for-0", timeout=10)  # the real node 0 gets node 1's traffic
-        assert got.src == 1
-        colls = [Collectives(ep, timeout=10, piece_bytes=16) for ep in (node0, node1)]
-        vals = [np.arange(8, dtype=np.float32), np.full(8, 2.0, np.float32)]
-        out = await asyncio.gather(*(c.allreduce(v, tag="ssgd.7") for c, v in zip(colls, vals)))
-        for o in out:  # exactly the real sum: the forged piece never reached the collective
-            np.testing.assert_array_equal(o, vals[0] + vals[1])
-        assert node1.recv_nowait("event.peer_failed") is None
-        assert node1.rejected["unknown_key"] == 1 and not node1.offences
-        assert imp.poll(0) == 0  # and nothing went to the impostor
-    finally:
-        if node0 is not None:
-            await node0.close()
-        await node1.close()
-        ctx.destroy(linger=0)
+    node1 = (await zmq_endpoints(topo, [1], keys=keys))[1]
+    imp = _impostor(zmq_context, topo, claims="0/eth0", target=1)
+    forged_piece = _forged(node1.run_id, "ssgd.7.rs0.0.0", arrays=[np.full(4, np.nan, np.float32)])
+    imp.send_multipart([b"1/eth0", *forged_piece])
+    imp.send_multipart([b"1/eth0", *_forged(node1.run_id, "event.peer_failed", kind="event",
+                                            meta={"failed": [1]})])
+    await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the impostor's handshake refused")
+    node0 = (await zmq_endpoints(topo, [0], keys=keys))[0]
+    await node1.send(0, "for-0", [np.ones(3, np.float32)])
+    got = await node0.recv("for-0", timeout=10)  # the real node 0 gets node 1's traffic
+    assert got.src == 1
+    colls = [Collectives(ep, timeout=10, piece_bytes=16) for ep in (node0, node1)]
+    vals = [np.arange(8, dtype=np.float32), np.full(8, 2.0, np.float32)]
+    out = await asyncio.gather(*(c.allreduce(v, tag="ssgd.7") for c, v in zip(colls, vals)))
+    for o in out:  # exactly the real sum: the forged piece never reached the collective
+        np.testing.assert_array_equal(o, vals[0] + vals[1])
+    assert node1.recv_nowait("event.peer_failed") is None
+    assert node1.rejected["unknown_key"] == 1 and not node1.offences
+    assert imp.poll(0) == 0  # and nothing went to the impostor
 
 
-async def test_member_claiming_another_nodes_routing_ids_gets_nothing_and_blocks_nothing() -> None:
+async def test_member_claiming_another_nodes_routing_ids_gets_nothing_and_blocks_nothing(
+        zmq_context, zmq_endpoints) -> None:
     """A process holding node 2's valid key connects to node 1 before the real node 0, claiming
     node 0's routing ids (bulk and control). Its handshakes pass (the key is known) but every
     message it sends is rejected (identity mismatch); node 1's traffic for node 0, bulk and
     control, reaches the real node 0 and never the impostor, and the real node 0's traffic
     still reaches node 1 (its connection is not shadowed by the impostor's)."""
     topo, keys = keyed(mesh(3, base_port=free_port()))
-    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
-    ctx: zmq.Context[Any] = zmq.Context()
-    node0: ZmqEndpoint | None = None
-    try:
-        await node1.start()
-        claims = ("0/eth0", "0/eth0/c", "0/eth0/b", "0/eth0/c#0", "1/eth0")
-        imps = [_impostor(ctx, topo, claims=c, target=1, key=(keys[2].public, keys[2].secret)) for c in claims]
-        for i, imp in enumerate(imps):
-            imp.send_multipart([b"1/eth0", *_forged(node1.run_id, f"x.{i}", kind="event")])
-        # a claim that is the name of one of node 1's own connections is ignored by ZeroMQ (a
-        # duplicate routing id); the others are read, and rejected
-        await until(lambda: node1.rejected["identity_mismatch"] >= 3, 10, "the forged messages rejected")
-        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
-        await node0.start()
-        for kind in ("data", "event"):
-            arrays = [np.ones(3, np.float32)] if kind == "data" else []
-            await node1.send(0, f"to-0.{kind}", arrays, kind=kind)
-            await node0.send(1, f"to-1.{kind}", arrays, kind=kind)
-        for kind in ("data", "event"):
-            assert (await node0.recv(f"to-0.{kind}", timeout=10)).src == 1
-            assert (await node1.recv(f"to-1.{kind}", timeout=10)).src == 0
-        assert all(node1.recv_nowait(f"x.{i}") is None for i in range(len(imps)))
-        assert not node0.rejected
-        for imp in imps:  # node 1 sent nothing on the impostors' connections
-            assert imp.poll(50) == 0
-    finally:
-        if node0 is not None:
-            await node0.close()
-        await node1.close()
-        ctx.destroy(linger=0)
+    node1 = (await zmq_endpoints(topo, [1], keys=keys))[1]
+    claims = ("0/eth0", "0/eth0/c", "0/eth0/b", "0/eth0/c#0", "1/eth0")
+    imps = [_impostor(zmq_context, topo, claims=c, target=1, key=(keys[2].public, keys[2].secret)) for c in claims]
+    for i, imp in enumerate(imps):
+        imp.send_multipart([b"1/eth0", *_forged(node1.run_id, f"x.{i}", kind="event")])
+    # a claim that is the name of one of node 1's own connections is ignored by ZeroMQ (a
+    # duplicate routing id); the others are read, and rejected
+    await until(lambda: node1.rejected["identity_mismatch"] >= 3, 10, "the forged messages rejected")
+    node0 = (await zmq_endpoints(topo, [0], keys=keys))[0]
+    for kind in ("data", "event"):
+        arrays = [np.ones(3, np.float32)] if kind == "data" else []
+        await node1.send(0, f"to-0.{kind}", arrays, kind=kind)
+        await node0.send(1, f"to-1.{kind}", arrays, kind=kind)
+    for kind in ("data", "event"):
+        assert (await node0.recv(f"to-0.{kind}", timeout=10)).src == 1
+        assert (await node1.recv(f"to-1.{kind}", timeout=10)).src == 0
+    assert all(node1.recv_nowait(f"x.{i}") is None for i in range(len(imps)))
+    assert not node0.rejected
+    for imp in imps:  # node 1 sent nothing on the impostors' connections
+        assert imp.poll(50) == 0
 
 
 async def test_forged_relayed_failure_event_is_rejected() -> None:
@@ -160,34 +140,29 @@ async def test_forged_relayed_failure_event_is_rejected() -> None:
         assert (await eps[1].recv("event.peer_failed", timeout=10)).src == 0  # unkeyed: believed
 
 
-async def test_unknown_keys_each_counted_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+async def test_unknown_keys_each_counted_logged_once(caplog: pytest.LogCaptureFixture, zmq_context,
+                                                     zmq_endpoints) -> None:
     """An attacker presenting a fresh key pair per attempt: every refused handshake is counted,
     one line is logged (per NIC and reason, not per key), and what the endpoint remembers for
     its log does not grow with the keys."""
     topo, keys = keyed(mesh(2, base_port=free_port()))
-    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
-    ctx: zmq.Context[Any] = zmq.Context()
-    try:
-        await node1.start()
-        with caplog.at_level(logging.INFO, logger="p2psync.transport"):
-            imps = [_impostor(ctx, topo, claims=f"0/eth0/x{i}", target=1) for i in range(6)]
-            await until(lambda: node1.rejected["unknown_key"] >= 6, 10, "six refused handshakes")
-        assert node1._zap is not None and node1.rejected["unknown_key"] == node1._zap.refused == 6
-        logged = [r.getMessage() for r in caplog.records if "unknown_key" in r.getMessage()]
-        assert len(logged) == 1, logged
-        assert len(node1._log_once) == 1 and len(imps) == 6
-    finally:
-        await node1.close()
-        ctx.destroy(linger=0)
+    node1 = (await zmq_endpoints(topo, [1], keys=keys))[1]
+    with caplog.at_level(logging.INFO, logger="p2psync.transport"):
+        imps = [_impostor(zmq_context, topo, claims=f"0/eth0/x{i}", target=1) for i in range(6)]
+        await until(lambda: node1.rejected["unknown_key"] >= 6, 10, "six refused handshakes")
+    assert node1._zap is not None and node1.rejected["unknown_key"] == node1._zap.refused == 6
+    logged = [r.getMessage() for r in caplog.records if "unknown_key" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert len(node1._log_once) == 1 and len(imps) == 6
 
 
 async def test_zap_handler_error_refuses_that_handshake_and_serves_the_next(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, zmq_context, zmq_endpoints) -> None:
     """An exception while answering one ZAP request (here: the endpoint's refusal callback)
     refuses that handshake (fail closed) and is logged once; the handler still answers the next
     requests (it used to leave its REP socket waiting for a reply: every later handshake hung)."""
     topo, keys = keyed(mesh(2, base_port=free_port()))
-    node1 = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, keys=keys[1])
+    node1 = (await zmq_endpoints(topo, [1], keys=keys, start=False))[1]
     counted = node1._refused
     calls = []
 
@@ -198,23 +173,14 @@ async def test_zap_handler_error_refuses_that_handshake_and_serves_the_next(
         counted(nic, address, key)
 
     node1._refused = refused  # type: ignore[method-assign]  # read by start()
-    ctx: zmq.Context[Any] = zmq.Context()
-    node0: ZmqEndpoint | None = None
-    try:
-        await node1.start()
-        with caplog.at_level(logging.WARNING, logger="p2psync.transport"):
-            imps = [_impostor(ctx, topo, claims=f"0/eth0/x{i}", target=1) for i in range(3)]
-            await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the third handshake refused")
-        zap = node1._zap
-        assert zap is not None and (zap.errors, zap.refused, zap.accepted) == (2, 3, 0), len(imps)
-        assert sum("internal error" in r.getMessage() for r in caplog.records) == 1
-        node0 = ZmqEndpoint(topology=topo, node_id=0, default_timeout=10, keys=keys[0])
-        await node0.start()  # its handshakes with node 1 are accepted
-        await node0.send(1, "hello", kind="event", meta={"n": 1})
-        assert (await node1.recv("hello", timeout=10)).src == 0
-        assert zap.accepted >= 1 and node1.rejected["unknown_key"] == 1
-    finally:
-        if node0 is not None:
-            await node0.close()
-        await node1.close()
-        ctx.destroy(linger=0)
+    await node1.start()
+    with caplog.at_level(logging.WARNING, logger="p2psync.transport"):
+        imps = [_impostor(zmq_context, topo, claims=f"0/eth0/x{i}", target=1) for i in range(3)]
+        await until(lambda: node1.rejected["unknown_key"] >= 1, 10, "the third handshake refused")
+    zap = node1._zap
+    assert zap is not None and (zap.errors, zap.refused, zap.accepted) == (2, 3, 0), len(imps)
+    assert sum("internal error" in r.getMessage() for r in caplog.records) == 1
+    node0 = (await zmq_endpoints(topo, [0], keys=keys))[0]  # its handshakes with node 1 are accepted
+    await node0.send(1, "hello", kind="event", meta={"n": 1})
+    assert (await node1.recv("hello", timeout=10)).src == 0
+    assert zap.accepted >= 1 and node1.rejected["unknown_key"] == 1

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from p2psync.topology import mesh, ring
-from p2psync.training.hetero import parse_profiles
-from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, free_port, slowed_trainers, start_strategies, zmq_cluster
 from tests.unit.test_esync import run_esync_rounds
 
 pytestmark = pytest.mark.timeout(90)
@@ -30,11 +29,8 @@ async def test_esync_fast_nodes_iterate_more_and_replicas_match(mode):
 async def _timed_rounds(mode: str, slowdown_mode: str, rounds: int = 6):
     """Two nodes, step times 0.05 s and 0.4 s, slowness that really computes (or waits)."""
     topo = mesh(2, base_port=free_port())
-    prof = parse_profiles(step_time="0:0.05,1:0.4", mode=slowdown_mode)
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i) for i in topo.ids}
-        for i, tr in trainers.items():
-            tr.slowdown = prof[i]
+        trainers = slowed_trainers(topo, "0:0.05,1:0.4", mode=slowdown_mode)
         strats = await start_strategies(eps, topo, "esync", options={"mode": mode}, trainers=trainers)
         try:
             times, reps = [], []

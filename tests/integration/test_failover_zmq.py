@@ -12,11 +12,10 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator import RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.topology import Topology, mesh, ring
-from p2psync.transport import ZmqEndpoint
-from tests.helpers import free_port, until
+from tests.helpers import MemberNode, free_port, full_views, member_cluster, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,50 +23,31 @@ pytestmark = pytest.mark.timeout(90)
 BOUND_S = 2.0 + 1.5
 
 
-class Node:
+class Node(MemberNode):
+    """A member running a CoordinatorHost, as a node process does: it hosts membership (and the
+    strategy's services, recorded in ``services``) while it coordinates."""
+
     def __init__(self, topo: Topology, i: int) -> None:
-        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
-        self.server = RpcServer(self.ep)
-        self.rpc = RpcClient(self.ep, local=self.server)
-        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
+        super().__init__(topo, i)
         self.services: list[int] = []
         self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
                                     services=lambda srv: self.services.append(i), start_timeout=20,
                                     run_info={"run_id": "t"})
-        self.closed = False
 
-    async def start(self) -> None:
-        await self.ep.start()
+    def start_hosted(self) -> None:
         if self.ep.node_id == self.ep.topology.coordinator:
             self.host.host()
-        self.server.start()
 
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        await self.client.close()
+    async def close_hosted(self) -> None:
         await self.host.close()
-        await self.server.close(grace=0.1)
-        await self.ep.close()
 
 
 @contextlib.asynccontextmanager
 async def cluster(topo: Topology) -> AsyncIterator[dict[int, Node]]:
-    nodes = {i: Node(topo, i) for i in topo.ids}
-    try:
-        for n in nodes.values():
-            await n.start()
-        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
-        for n in nodes.values():
-            n.client.start()
-        await until(lambda: all(n.client.view is not None and len(n.client.view.members) == len(nodes)
-                                and (i == 0 or n.rpc.estimator(0).samples >= 3)
-                                for i, n in nodes.items()), 10, "full views and RTT estimates")
+    """Every node started and registered, every view full and RTT estimates of the coordinator in."""
+    async with member_cluster(topo, lambda i: Node(topo, i)) as nodes:
+        await until(lambda: full_views(nodes), 10, "full views and RTT estimates")
         yield nodes
-    finally:
-        for n in nodes.values():
-            await n.close()
 
 
 def _following(nodes: dict[int, Node], survivors: list[int], coordinator: int) -> bool:

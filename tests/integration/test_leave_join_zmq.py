@@ -73,6 +73,12 @@ class Node:
             self.host.host()
         self.server.start()
 
+    async def restart(self) -> None:
+        """A new process for this node (same id and port, a newer incarnation): start, then join
+        the run going on."""
+        await self.start()
+        await self.join_run()
+
     async def join_run(self) -> None:
         info = await self.client.register("fp", timeout=30)
         self.client.start()
@@ -138,10 +144,28 @@ async def cluster(topo: Topology, strategy: str, **kw: Any) -> AsyncIterator[dic
             await n.close()
 
 
+async def _train(nodes: dict[int, Node], steps: int, *, warm: int = 5, stop: Any = lambda: False) -> None:
+    """Every node trains towards ``steps`` (or until ``stop()``); returns once each has done
+    ``warm`` steps."""
+    for n in nodes.values():
+        n.go(steps, stop)
+    await until(lambda: all(n.steps >= warm for n in nodes.values()), 60, "every node to train")
+
+
+async def _crash(nodes: dict[int, Node], victim: int) -> list[Node]:
+    """Node ``victim`` crashes; the survivors, in id order."""
+    await nodes[victim].crash()
+    return [n for i, n in nodes.items() if i != victim]
+
+
 async def _finish(nodes: list[Node], timeout: float = 60) -> list[int]:
     tasks = [n.task for n in nodes if n.task is not None]
     done = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     return list(done)
+
+
+async def _params(nodes: list[Node]) -> list[np.ndarray]:
+    return [await n.trainer.get_params() for n in nodes]
 
 
 @pytest.mark.parametrize("strategy", ["ssgd", "esync"])
@@ -149,18 +173,15 @@ async def test_crash_mid_run_survivors_reform_and_finish_identical(strategy):
     topo = ring(4, base_port=free_port())
     steps = 40 if strategy == "ssgd" else 20
     async with cluster(topo, strategy) as nodes:
-        for n in nodes.values():
-            n.go(steps)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
+        await _train(nodes, steps)
         loop = asyncio.get_running_loop()
         t_kill = loop.time()
-        await nodes[2].crash()
-        survivors = [nodes[i] for i in (0, 1, 3)]
+        survivors = await _crash(nodes, 2)
         await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
         print(f"{strategy}: kill -> every survivor re-formed in {loop.time() - t_kill:.2f}s "
               f"(failure detection floor {FAIL}s)")
         ends = await _finish(survivors)
-        params = [await n.trainer.get_params() for n in survivors]
+        params = await _params(survivors)
         reforms = [n.strategy.regroup.reforms for n in survivors]
     assert ends == [steps] * 3, ends
     assert all(p.tobytes() == params[0].tobytes() for p in params)  # bitwise identical
@@ -171,11 +192,8 @@ async def test_crash_mid_run_survivors_reform_and_finish_identical(strategy):
 async def test_asgd_crash_survivors_finish():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "asgd") as nodes:
-        for n in nodes.values():
-            n.go(40)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[1].crash()
-        survivors = [nodes[i] for i in (0, 2, 3)]
+        await _train(nodes, 40)
+        survivors = await _crash(nodes, 1)
         ends = await _finish(survivors)
         await until(lambda: all(n.strategy.alive == {0, 2, 3} for n in survivors), 10, "trees over survivors")
     assert ends == [40] * 3
@@ -184,9 +202,7 @@ async def test_asgd_crash_survivors_finish():
 async def test_on_failure_stop_keeps_fail_stop_naming_the_node():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "ssgd", on_failure="stop") as nodes:
-        for n in nodes.values():
-            n.go(10_000)
-        await until(lambda: all(n.steps >= 3 for n in nodes.values()), 60, "every node to train")
+        await _train(nodes, 10_000, warm=3)
         await nodes[3].crash()
         for i in (0, 1, 2):
             with pytest.raises(PeerFailure) as ei:
@@ -199,20 +215,16 @@ async def test_restarted_node_rejoins_with_the_same_parameters(strategy):
     topo = ring(4, base_port=free_port())
     async with cluster(topo, strategy) as nodes:
         joiner = Node(topo, 3, strategy)
-        for n in nodes.values():
-            n.go(10_000, stop=lambda: joiner.steps >= 6)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[3].crash()
-        survivors = [nodes[i] for i in (0, 1, 2)]
+        await _train(nodes, 10_000, stop=lambda: joiner.steps >= 6)
+        survivors = await _crash(nodes, 3)
         await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
         crashed_at = max(n.step for n in survivors)
         try:
-            await joiner.start()  # a new process: same node id and port, newer incarnation
-            await joiner.join_run()
+            await joiner.restart()
             assert joiner.strategy.ctx.joining and joiner.strategy.start_step >= crashed_at
             joiner.go(10_000)
             ends = await _finish([*survivors, joiner])
-            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            params = await _params([*survivors, joiner])
             views = [n.client.view for n in [*survivors, joiner]]
         finally:
             await joiner.close()
@@ -225,16 +237,12 @@ async def test_restarted_node_rejoins_with_the_same_parameters(strategy):
 async def test_asgd_restarted_node_rejoins_the_flooding_trees():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "asgd") as nodes:
-        for n in nodes.values():
-            n.go(200)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[3].crash()
-        survivors = [nodes[i] for i in (0, 1, 2)]
+        await _train(nodes, 200)
+        survivors = await _crash(nodes, 3)
         await until(lambda: all(n.strategy.alive == {0, 1, 2} for n in survivors), 30, "trees over survivors")
         joiner = Node(topo, 3, "asgd")
         try:
-            await joiner.start()
-            await joiner.join_run()
+            await joiner.restart()
             assert joiner.strategy.ctx.joining and joiner.strategy.start_step > 0
             await until(lambda: all(n.strategy.alive == {0, 1, 2, 3} for n in survivors), 30,
                         "the joiner back in every tree")
@@ -254,13 +262,10 @@ async def test_dts_crash_mid_run_survivors_resync_and_finish_with_one_model():
     step with the same model (the final flush), no hang."""
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "dts", options={"t": 2, "p": 2}) as nodes:
-        for n in nodes.values():
-            n.go(40)
-        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
-        await nodes[2].crash()
-        survivors = [nodes[i] for i in (0, 1, 3)]
+        await _train(nodes, 40, warm=6)
+        survivors = await _crash(nodes, 2)
         ends = await _finish(survivors)
-        params = [await n.trainer.get_params() for n in survivors]
+        params = await _params(survivors)
         resyncs = [n.strategy.resyncs for n in survivors]
     assert len(set(ends)) == 1 and ends[0] >= 40, ends
     assert all(r >= 1 for r in resyncs), resyncs
@@ -272,19 +277,15 @@ async def test_dts_restarted_node_rejoins_and_ends_with_the_same_model():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "dts", options={"t": 1, "p": 2}) as nodes:
         joiner = Node(topo, 3, "dts", options={"t": 1, "p": 2})
-        for n in nodes.values():
-            n.go(10_000, stop=lambda: joiner.steps >= 8)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[3].crash()
-        survivors = [nodes[i] for i in (0, 1, 2)]
+        await _train(nodes, 10_000, stop=lambda: joiner.steps >= 8)
+        survivors = await _crash(nodes, 3)
         await until(lambda: all(n.strategy.resyncs >= 1 for n in survivors), 30, "re-synced")
         try:
-            await joiner.start()
-            await joiner.join_run()
+            await joiner.restart()
             assert joiner.strategy.ctx.joining
             joiner.go(10_000)
             ends = await _finish([*survivors, joiner])
-            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            params = await _params([*survivors, joiner])
         finally:
             await joiner.close()
     assert len(set(ends)) == 1, ends
@@ -298,14 +299,11 @@ async def test_preduce_crash_mid_run_survivors_go_on_and_end_with_one_model():
     next view, the survivors keep forming groups, and the final average re-forms over them."""
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "preduce", options={"P": 2}) as nodes:
-        for n in nodes.values():
-            n.go(60)
-        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
-        await nodes[2].crash()
-        survivors = [nodes[i] for i in (0, 1, 3)]
+        await _train(nodes, 60, warm=6)
+        survivors = await _crash(nodes, 2)
         ops_at_crash = [n.strategy.ops for n in survivors]
         ends = await _finish(survivors)
-        params = [await n.trainer.get_params() for n in survivors]
+        params = await _params(survivors)
         ops = [n.strategy.ops for n in survivors]
     assert max(ends) == 60 and min(ends) > 6, ends
     assert all(b > a for a, b in zip(ops_at_crash, ops)), (ops_at_crash, ops)  # grouped after the crash
@@ -317,20 +315,16 @@ async def test_preduce_restarted_node_rejoins_the_queue_and_ends_with_the_same_m
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "preduce", options={"P": 2}) as nodes:
         joiner = Node(topo, 3, "preduce", options={"P": 2})
-        for n in nodes.values():
-            n.go(10_000, stop=lambda: joiner.steps >= 10)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[3].crash()
-        survivors = [nodes[i] for i in (0, 1, 2)]
+        await _train(nodes, 10_000, stop=lambda: joiner.steps >= 10)
+        survivors = await _crash(nodes, 3)
         await until(lambda: all(n.client.view is not None and n.client.view.members == (0, 1, 2)
                                 for n in survivors), 30, "the view without node 3")
         try:
-            await joiner.start()
-            await joiner.join_run()
+            await joiner.restart()
             assert joiner.strategy.ctx.joining and joiner.strategy.start_step > 0
             joiner.go(10_000)
             await _finish([*survivors, joiner])
-            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            params = await _params([*survivors, joiner])
             joined_ops = joiner.strategy.ops
         finally:
             await joiner.close()
@@ -347,14 +341,11 @@ async def test_store_crash_survivors_reshard_and_end_with_one_model(strategy):
     on and end with identical weights."""
     topo = ring(4, base_port=free_port())
     async with cluster(topo, strategy) as nodes:
-        for n in nodes.values():
-            n.go(60)
-        await until(lambda: all(n.steps >= 6 for n in nodes.values()), 60, "every node to train")
-        await nodes[2].crash()
-        survivors = [nodes[i] for i in (0, 1, 3)]
+        await _train(nodes, 60, warm=6)
+        survivors = await _crash(nodes, 2)
         counts_at_crash = [n.strategy.count for n in survivors]
         ends = await _finish(survivors)
-        params = [await n.trainer.get_params() for n in survivors]
+        params = await _params(survivors)
         stores = [n.strategy.store for n in survivors]
     assert max(ends) == 60 and all(e > c for e, c in zip(ends, counts_at_crash)), (counts_at_crash, ends)
     assert all(n.strategy.reshards == 1 for n in survivors)
@@ -372,21 +363,17 @@ async def test_canary_crash_survivors_replan_and_a_restarted_node_rejoins():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "canary") as nodes:
         joiner = Node(topo, 2, "canary")
-        for n in nodes.values():
-            n.go(10_000, stop=lambda: joiner.steps >= 8)
-        await until(lambda: all(n.steps >= 5 for n in nodes.values()), 60, "every node to train")
-        await nodes[2].crash()
-        survivors = [nodes[i] for i in (0, 1, 3)]
+        await _train(nodes, 10_000, stop=lambda: joiner.steps >= 8)
+        survivors = await _crash(nodes, 2)
         await until(lambda: all(n.strategy.resyncs >= 1 and n.strategy.exchange is not None
                                 and n.strategy.exchange.layout.group == (0, 1, 3) for n in survivors),
                     30, "the survivors to re-plan")
         try:
-            await joiner.start()
-            await joiner.join_run()
+            await joiner.restart()
             assert joiner.strategy.ctx.joining
             joiner.go(10_000)
             await _finish([*survivors, joiner])
-            params = [await n.trainer.get_params() for n in [*survivors, joiner]]
+            params = await _params([*survivors, joiner])
         finally:
             await joiner.close()
     assert all(p.tobytes() == params[0].tobytes() for p in params)

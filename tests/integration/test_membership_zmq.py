@@ -3,64 +3,42 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from typing import AsyncIterator
+from typing import AsyncContextManager
 
 import numpy as np
 import pytest
 
-from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
+from p2psync.coordinator import MembershipService, RpcClient, RpcServer
 from p2psync.topology import Topology, mesh, ring, topology_from_dict, topology_to_dict
-from p2psync.transport import ZmqEndpoint
-from p2psync.transport.shaping import make_shaper
-from tests.helpers import free_port, zmq_cluster
+from p2psync.transport.shaping import ShaperName, make_shaper
+from tests.helpers import MemberNode, free_port, full_views, member_cluster, zmq_cluster
 
 pytestmark = pytest.mark.timeout(90)
 
 
-class Node:
-    def __init__(self, topo: Topology, i: int, *, shaper: str = "none", run_id: int = 0) -> None:
-        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
-        self.ep.shaper = make_shaper(shaper, topo, i)
+class Node(MemberNode):
+    """A member; the coordinator hosts the membership service."""
+
+    def __init__(self, topo: Topology, i: int, *, shaper: ShaperName = "none", run_id: int = 0) -> None:
+        super().__init__(topo, i, shaper=make_shaper(shaper, topo, i))
         self.ep.run_id = run_id
-        self.server = RpcServer(self.ep)
-        self.rpc = RpcClient(self.ep, local=self.server)
-        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
         self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=20)
                         if i == topo.coordinator else None)
-        self.closed = False
 
-    async def start(self) -> None:
-        await self.ep.start()
+    def start_hosted(self) -> None:
         if self.service is not None:
             self.service.start()
-        self.server.start()
 
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        await self.client.close()
+    async def close_hosted(self) -> None:
         if self.service is not None:
             await self.service.close()
-        await self.server.close(grace=0.1)
-        await self.ep.close()
 
 
-@contextlib.asynccontextmanager
-async def cluster(topo: Topology, **kw: object) -> AsyncIterator[dict[int, Node]]:
-    nodes = {i: Node(topo, i, **kw) for i in topo.ids}  # type: ignore[arg-type]
-    try:
-        for n in nodes.values():
-            await n.start()
-        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
-        for n in nodes.values():
-            n.client.start()
-        yield nodes
-    finally:
-        for n in nodes.values():
-            await n.close()
+def cluster(topo: Topology, *, shaper: ShaperName = "none",
+            run_id: int = 0) -> AsyncContextManager[dict[int, Node]]:
+    """Every node started and registered (``shaper``, ``run_id``: every node's)."""
+    return member_cluster(topo, lambda i: Node(topo, i, shaper=shaper, run_id=run_id))
 
 
 async def _until(pred, timeout: float, what: str) -> float:
@@ -107,9 +85,7 @@ async def test_600ms_one_way_latency_no_false_failure_60s():  # the issue's 60 s
 async def test_ring6_dead_relay_only_it_is_declared_failed():
     topo = ring(6, base_port=free_port())
     async with cluster(topo) as nodes:
-        await _until(lambda: all(n.client.view is not None and len(n.client.view.members) == 6
-                                 and (i == 0 or n.rpc.estimator(0).samples >= 3)
-                                 for i, n in nodes.items()), 10, "full views and RTT estimates")
+        await _until(lambda: full_views(nodes), 10, "full views and RTT estimates")
         # the coordinator's neighbour dies: nodes 2 and 3 reach node 0 through it
         t_kill = time.monotonic()
         await nodes[1].close()

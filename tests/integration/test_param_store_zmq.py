@@ -12,8 +12,7 @@ import pytest
 from p2psync.coordinator import RpcClient, RpcServer
 from p2psync.params import ParamStore
 from p2psync.topology import mesh, ring
-from p2psync.training.hetero import parse_profiles
-from tests.helpers import (close_strategies, free_port, make_trainer, record_barrier_pulls, run_until_stop,
+from tests.helpers import (close_strategies, free_port, record_barrier_pulls, run_until_stop, slowed_trainers,
                            start_strategies, zmq_cluster)
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,10 +58,7 @@ async def test_every_worker_pulls_identical_weights_at_every_barrier(name, opts,
     gradient. Every worker's pulled vector is recorded at every barrier: all identical; some
     pull of a barrier did come after a push of the next generation (the race happened)."""
     topo = mesh(3, base_port=free_port())
-    trainers = {i: make_trainer(topo, i) for i in topo.ids}
-    prof = parse_profiles(step_time="0:0.002,1:0.008,2:0.012")
-    for i, tr in trainers.items():
-        tr.slowdown = prof[i]
+    trainers = slowed_trainers(topo, "0:0.002,1:0.008,2:0.012")
     async with zmq_cluster(topo) as eps:
         strats = await start_strategies(eps, topo, name, options=opts, trainers=trainers)
         try:

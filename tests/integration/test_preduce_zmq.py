@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from p2psync.topology import mesh
-from p2psync.training.hetero import parse_profiles
-from tests.helpers import free_port, make_trainer, run_until_stop
+from tests.helpers import free_port, run_until_stop, slowed_trainers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,13 +28,8 @@ STEPS = 60
 async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights, zmq_endpoints, strategies):
     topo = mesh(6, base_port=free_port())
     times = ",".join(f"{i}:{FAST if i < 3 else SLOW}" for i in topo.ids)
-    prof = parse_profiles(step_time=times)
-    trainers = {}
-    for i in topo.ids:
-        trainers[i] = make_trainer(topo, i)
-        trainers[i].slowdown = prof[i]
     strats = await strategies(await zmq_endpoints(topo), topo, "preduce", options={"P": 3, "weights": weights},
-                              trainers=trainers)
+                              trainers=slowed_trainers(topo, times))
     reps = await asyncio.wait_for(run_until_stop(strats, STEPS), 90)
     out = [(len(r), r) for r in reps]
     accs = [(await s.ctx.replica.evaluate())[1] for s in strats]

@@ -11,7 +11,6 @@ import pytest
 import zmq
 
 from p2psync.topology import Topology, ring, star
-from p2psync.transport import ZmqEndpoint
 from p2psync.transport.keys import NodeKeys
 from p2psync.wire import encode
 from p2psync.wire.schema import MAX_U64
@@ -69,32 +68,25 @@ def _one_hop_on(frames: list[bytes]) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
 
 
-async def test_a_relay_handing_over_a_signed_message_twice_gets_it_delivered_once() -> None:
+async def test_a_relay_handing_over_a_signed_message_twice_gets_it_delivered_once(zmq_context,
+                                                                                  zmq_endpoints) -> None:
     """Node 1 sends node 2 a signed event through the hub (the only path). The hub forwards
     the genuine bytes twice: node 2 takes the first and drops the replay; node 1's next
     message still passes."""
     topo, keys = keyed(star(3, base_port=free_port()))
-    ctx: zmq.Context[Any] = zmq.Context()
-    hub = _hub(ctx, topo, keys[0])
-    nodes = [ZmqEndpoint(topology=topo, node_id=i, default_timeout=10, keys=keys[i]) for i in (1, 2)]
-    n1, n2 = nodes
-    try:
-        for n in nodes:
-            await n.start()
-        await n2.send(0, "hello", kind="event")  # the hub learns node 2's control connection
-        to_2 = (await _take(hub["leaf2"]))[0]
-        for tag in ("event.x", "event.y"):
-            await n1.send(2, tag, kind="event", meta={"failed": [0]})
-            relayed = [to_2, *_one_hop_on((await _take(hub["leaf1"]))[1:])]
-            hub["leaf2"].send_multipart(relayed)
-            got = await n2.recv(tag, timeout=10)
-            assert got.src == 1 and got.header.hops == 1
-            hub["leaf2"].send_multipart(relayed)  # the replay
-            await until(lambda: n2.rejected["relay_replay"] >= (1 if tag == "event.x" else 2), 10,
-                        "the replay dropped")
-            assert n2.recv_nowait(tag) is None
-        assert n2.rejected["relay_replay"] == 2 and not n2.rejected["relay_auth"]
-    finally:
-        for n in nodes:
-            await n.close()
-        ctx.destroy(linger=0)
+    hub = _hub(zmq_context, topo, keys[0])
+    eps = await zmq_endpoints(topo, [1, 2], keys=keys)
+    n1, n2 = eps[1], eps[2]
+    await n2.send(0, "hello", kind="event")  # the hub learns node 2's control connection
+    to_2 = (await _take(hub["leaf2"]))[0]
+    for tag in ("event.x", "event.y"):
+        await n1.send(2, tag, kind="event", meta={"failed": [0]})
+        relayed = [to_2, *_one_hop_on((await _take(hub["leaf1"]))[1:])]
+        hub["leaf2"].send_multipart(relayed)
+        got = await n2.recv(tag, timeout=10)
+        assert got.src == 1 and got.header.hops == 1
+        hub["leaf2"].send_multipart(relayed)  # the replay
+        await until(lambda: n2.rejected["relay_replay"] >= (1 if tag == "event.x" else 2), 10,
+                    "the replay dropped")
+        assert n2.recv_nowait(tag) is None
+    assert n2.rejected["relay_replay"] == 2 and not n2.rejected["relay_auth"]

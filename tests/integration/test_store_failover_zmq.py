@@ -19,7 +19,7 @@ import pytest
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.topology import ring
 from tests.helpers import free_port, until
-from tests.integration.test_leave_join_zmq import _finish, cluster
+from tests.integration.test_leave_join_zmq import _crash, _finish, _params, _train, cluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,20 +30,17 @@ STEPS = 50
 async def test_store_coordinator_dies_survivors_take_over_and_end_with_one_model(strategy, options):
     topo = ring(4, base_port=free_port())
     async with cluster(topo, strategy, options=options, failover=True) as nodes:
-        for n in nodes.values():
-            n.go(STEPS)
-        await until(lambda: all(n.steps >= 8 for n in nodes.values()), 60, "every node to train")
+        await _train(nodes, STEPS, warm=8)
         loop = asyncio.get_running_loop()
         t_kill = loop.time()
-        await nodes[0].crash()
-        survivors = [nodes[i] for i in (1, 2, 3)]
+        survivors = await _crash(nodes, 0)
         at_crash = {n.id: (n.strategy.count, len(n.reports)) for n in survivors}
         await until(lambda: all(len(n.reports) > at_crash[n.id][1] + 1 for n in survivors), 30,
                     "every survivor to step under the new coordinator")
         print(f"{strategy}: coordinator killed -> every survivor stepped twice under node 1 in "
               f"{loop.time() - t_kill:.2f}s (failure detection floor 1 s)")
         ends = await _finish(survivors)
-        params = [await n.trainer.get_params() for n in survivors]
+        params = await _params(survivors)
         host = nodes[1].host
         assert host is not None and host.coordinating
         svc = nodes[1].server.handlers[f"{strategy}.pushed"].__self__  # type: ignore[attr-defined]

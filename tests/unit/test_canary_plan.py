@@ -5,6 +5,7 @@ exactly-once delivery under random asynchronous interleavings."""
 from __future__ import annotations
 
 import random
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -38,15 +39,23 @@ def exchange(flows: dict[int, Flow], x: int, thread: int, step: int, y: int) -> 
             fx.add(s, step + 1, d, y)
 
 
-def lockstep(flows: dict[int, Flow], layout: Layout) -> None:
+def lockstep_steps(flows: dict[int, Flow], layout: Layout) -> Iterator[int]:
     """The synchronous schedule: every node runs step k of every thread before step k + 1; the
-    exchanges of one step are symmetric pairs (each pair once)."""
+    exchanges of one step are symmetric pairs (each pair once). Yields each step once it is done
+    (``for k in lockstep_steps(flows, layout):`` looks at the state after step k)."""
     for k in range(layout.steps):
         for t in range(layout.levels):
             for x in layout.group:
                 for y in layout.peers(x, t, k):
                     if x < y:
                         exchange(flows, x, t, k, y)
+        yield k
+
+
+def lockstep(flows: dict[int, Flow], layout: Layout) -> None:
+    """The whole synchronous schedule (:func:`lockstep_steps`)."""
+    for _ in lockstep_steps(flows, layout):
+        pass
 
 
 def result(flow: Flow, n: int) -> tuple[np.ndarray, list[int], int]:
@@ -122,14 +131,7 @@ def test_table_2_states_on_node_0():
         d = flows[0].result.get(slot.index)
         return {x for x in topo.ids if d is not None and int(d.vec[0] // 10.0**x) % 10 == 1}
 
-    steps = []
-    for k in range(layout.steps):
-        for t in range(layout.levels):
-            for x in layout.group:
-                for y in layout.peers(x, t, k):
-                    if x < y:
-                        exchange(flows, x, t, k, y)
-        steps.append((who(s00), who(s10)))
+    steps = [(who(s00), who(s10)) for _ in lockstep_steps(flows, layout)]
     w0_ = {0, 1, 2}  # W_(0,*): level-0 cube of node 0
     w_0 = {0, 3, 6}  # W_(*,0): level-1 cube
     everyone = set(topo.ids)

@@ -58,14 +58,6 @@ async def test_abort_and_close_fail_waiters():
         await mb.get("b", timeout=1)
 
 
-async def test_bounded_queue():
-    mb = Mailbox(max_pending=2)
-    mb.deliver(_msg("a"))
-    mb.deliver(_msg("b"))
-    with pytest.raises(Exception, match="mailbox_full"):
-        mb.deliver(_msg("c"))
-
-
 async def test_memory_transport_roundtrip_and_counters():
     hub = MemoryHub(mesh(3))
     eps = [hub.endpoint(i) for i in range(3)]
