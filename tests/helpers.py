@@ -29,7 +29,25 @@ def _ephemeral_low() -> int:
 #: port 0 and to outgoing connections (the ZeroMQ connects of every test in this run included)
 _PORTS_HIGH = _ephemeral_low()
 _PORTS_LOW = max(1024, _PORTS_HIGH - 12000)
-_next_port = _PORTS_LOW + (os.getpid() * 211) % (_PORTS_HIGH - _PORTS_LOW)  # runs side by side differ
+#: ports the shipped topologies (topologies/*.json) bind, which tests also run: never handed out
+_SHIPPED_PORTS = range(29500, 29600)
+
+
+def _own_range() -> tuple[int, int, int]:
+    """This process's part of the range and where it starts: pytest-xdist workers (``gwN`` of
+    ``PYTEST_XDIST_WORKER_COUNT``) each take their own slice (they run side by side, so their
+    ports never meet); otherwise the whole range, from a pid-dependent start (runs side by side
+    differ)."""
+    span = _PORTS_HIGH - _PORTS_LOW
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > int(worker[2:]):
+        size = span // int(count)
+        lo = _PORTS_LOW + int(worker[2:]) * size
+        return lo, lo + size, lo
+    return _PORTS_LOW, _PORTS_HIGH, _PORTS_LOW + (os.getpid() * 211) % span
+
+
+_RANGE_LOW, _RANGE_HIGH, _next_port = _own_range()
 
 
 def free_port() -> int:
@@ -39,19 +57,21 @@ def free_port() -> int:
     Not one the kernel chose (bind to port 0, then released, as this used to be): the kernel
     may hand that very port to the next outgoing connection before the test binds it. These
     come from below the ephemeral range, which the kernel never assigns by itself, and
-    successive calls in this process never repeat one until the range wraps."""
+    successive calls in this process never repeat one until its part of the range wraps."""
     global _next_port
-    span = _PORTS_HIGH - _PORTS_LOW
+    span = _RANGE_HIGH - _RANGE_LOW
     for _ in range(span):
         port = _next_port
-        _next_port = _PORTS_LOW + (port - _PORTS_LOW + 1) % span
+        _next_port = _RANGE_LOW + (port - _RANGE_LOW + 1) % span
+        if port in _SHIPPED_PORTS:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:  # taken (or in TIME_WAIT): the next one
                 continue
             return port
-    raise RuntimeError(f"no free TCP port in {_PORTS_LOW}..{_PORTS_HIGH - 1}")
+    raise RuntimeError(f"no free TCP port in {_RANGE_LOW}..{_RANGE_HIGH - 1}")
 
 
 def keyed(topo: Topology) -> tuple[Topology, dict[int, Any]]:

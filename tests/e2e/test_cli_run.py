@@ -53,6 +53,7 @@ def lines(path):
         return []
 
 
+@pytest.mark.xdist_group("shipped-ring4")  # binds the shipped topology's port 29500
 def test_readme_main_job_shipped_ring4(tmp_path):
     r = cli("run", "topologies/ring-4.json", "--steps", "40", "--out", tmp_path, "--run-id", "r4")
     assert r.returncode == 0, r.stderr + r.stdout
@@ -216,6 +217,7 @@ def test_usage_errors_are_found_without_importing_torch(tmp_path):
     assert not list(tmp_path.iterdir())  # no run started
 
 
+@pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_run_inside_network_namespaces(tmp_path):
     topo = netns_mesh2(tmp_path)
@@ -233,6 +235,7 @@ def test_run_inside_network_namespaces(tmp_path):
         assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.xdist_group("shipped-ring4")  # binds the shipped topology's port 29500
 def test_lossy_codec_runs_every_requested_step(tmp_path):
     """Issue 9.1: ``--codec int8`` used to end SSGD after 1 step at chance accuracy, exit 0
     (every strategy x codec is covered in-process by tests/integration/test_strategy_matrix.py)."""

@@ -205,6 +205,7 @@ def test_double_dash_splits_only_run():
     assert args.command == "report" and args.run_dir == "-odd-folder" and not hasattr(args, "cmd")
 
 
+@pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_scripts_run_inside_network_namespaces(tmp_path):
     topo = netns_mesh2(tmp_path)

@@ -41,6 +41,7 @@ def test_plan_rejects_loopback_addresses():
         netem.plan(ring(3), {}, prefix="t")
 
 
+@pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
 @root_only
 def test_preflight_names_the_missing_qdisc_or_passes():
     try:
@@ -50,6 +51,7 @@ def test_preflight_names_the_missing_qdisc_or_passes():
     netem.preflight(need_netem=False)  # tbf + namespaces are available
 
 
+@pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
 @root_only
 def test_up_and_down_with_rate_limits():
     prefix = f"q{os.getpid() % 1000}"
