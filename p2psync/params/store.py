@@ -69,7 +69,8 @@ import numpy as np
 
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
-from p2psync.errors import ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
+from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, PeerUnreachable,
+                             ProtocolError, RemoteError, TransportError)
 from p2psync.params.barriers import BarrierState
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.tasks import TaskSet, cancel_all
@@ -78,6 +79,10 @@ from p2psync.transport.forward import Forwarder
 from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.params")
+
+#: errors of an owner's pull handler that mean a peer failed or timed out, not a bad request:
+#: the pull failed (PeerFailure), as if the owner had
+_PEER_ERRORS = frozenset(c.__name__ for c in (PeerFailure, PeerUnreachable, PeerTimeout))
 
 
 class ShardOptimizer:
@@ -332,7 +337,9 @@ class ParamStore:
     async def pull(self, *, barrier: int = 0) -> np.ndarray:
         """Every shard's current weights, as one vector (kept as the replica of lost shards);
         ``barrier``: the weights as they were at that barrier (the number in the OK that
-        released this worker; :mod:`p2psync.params.barriers`)."""
+        released this worker; :mod:`p2psync.params.barriers`). PeerFailure when an owner
+        is dead, has moved to another store epoch, or could not send its shard (a relay on the
+        way died with the pieces in flight): the caller follows the view and re-shards."""
         if type(barrier) is not int or barrier < 0:
             raise ConfigError(f"{self.name}: barrier {barrier!r} must be an integer >= 0")
         out = np.empty(self.numel, np.float32)
@@ -348,8 +355,14 @@ class ParamStore:
         lo, hi = self.bounds[owner]
         tag = f"{self.name}.shard.{self.me}.{self.transport.incarnation}.{next(self._seq)}"
         try:
-            rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag, "e": self.epoch, "b": barrier},
-                                      timeout=self.timeout)
+            try:
+                rep = await self.rpc.call(owner, f"{self.name}.pull", {"tag": tag, "e": self.epoch, "b": barrier},
+                                          timeout=self.timeout)
+            except RemoteError as exc:  # the owner could not serve it: a relay on the way here died
+                if exc.kind not in _PEER_ERRORS:  # with its pieces in flight, or its wait for this
+                    raise                         # node's store epoch timed out
+                raise PeerFailure(f"{self.name}: node {owner} could not serve the pull: {exc.message}",
+                                  peers=(owner,)) from exc
             pieces = rep.get("pieces") if isinstance(rep, dict) else None
             version = rep.get("version") if isinstance(rep, dict) else None
             if isinstance(rep, dict) and rep.get("moved") is not None:

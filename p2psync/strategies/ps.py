@@ -63,6 +63,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from p2psync.coordinator.rpc import RpcServer
+from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
@@ -70,6 +71,7 @@ from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.params import ParamStore
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.strategies")
@@ -99,6 +101,7 @@ class _StoreStrategy(Strategy):
         self.count = 0
         self.reshards = 0
         self.gen = 0  # barriers this worker was released from (its pushes' generation)
+        self._next_view = asyncio.Event()  # set when a newer view arrives (a fresh event per view)
 
     async def start(self) -> None:
         if self.ctx.joining:
@@ -127,6 +130,10 @@ class _StoreStrategy(Strategy):
         if self.store is not None:
             self.store.abort_waits(exc)
         self.ctx.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.end"))
+
+    def on_view(self, view: View) -> None:
+        ev, self._next_view = self._next_view, asyncio.Event()
+        ev.set()
 
     def _store(self) -> ParamStore:
         if self.store is None:
@@ -221,7 +228,9 @@ class _StoreStrategy(Strategy):
 
     async def _report(self, stop: bool) -> dict[str, Any] | None:
         """PUSHED to the scheduler; its grant, or None for STOP. While held, a view that drops
-        store members is followed at once (the others may be re-sharding, waiting for this one)."""
+        store members is followed at once (the others may be re-sharding, waiting for this one,
+        before they report: the scheduler may hold this worker until they do), not only when
+        the long poll answers "wait"."""
         def args() -> dict[str, Any]:
             # the newest view at every poll and attempt; after a failover the members this node
             # knows failed (the dead coordinator) are left out before the view drops them
@@ -230,8 +239,19 @@ class _StoreStrategy(Strategy):
                     "epoch": view.epoch, "members": [m for m in view.members if m not in failed]}
 
         while True:
-            rep = await self.ctx.membership.call_coordinator(f"{self.name}.pushed", args,
-                                                             timeout=self.ctx.peer_timeout + 10.0)
+            changed = self._next_view
+            moved = await self._follow_view()
+            if moved is not None:
+                await self.ctx.replica.set_params(moved)
+            call = asyncio.ensure_future(self.ctx.membership.call_coordinator(
+                f"{self.name}.pushed", args, timeout=self.ctx.peer_timeout + 10.0))
+            try:  # a newer view: follow it at once and ask again (a held report is not counted twice)
+                await wait_or_event(call, changed)
+            finally:
+                await cancel_all([call])
+            if call.cancelled():
+                continue
+            rep = call.result()
             if not isinstance(rep, dict):
                 raise ProtocolError("scheduler", "answer is not a map")
             if rep.get("stop"):
@@ -241,9 +261,6 @@ class _StoreStrategy(Strategy):
                 return {k: ok.get(k) for k in ("gap", "r", "barrier")}
             if not rep.get("wait"):
                 raise ProtocolError("scheduler", f"unexpected answer {sorted(rep)!r}"[:80])
-            moved = await self._follow_view()
-            if moved is not None:
-                await self.ctx.replica.set_params(moved)
 
 
 @register

@@ -94,6 +94,20 @@ async def test_a_push_to_a_dead_owner_is_reported_not_dropped():
             await st[0].pull()
 
 
+async def test_an_owner_that_cannot_send_its_shard_fails_the_pull_as_a_peer_failure():
+    """The owner's pieces go through a relay that dies mid-pull (the coordinator failover test
+    under load: owner 3's pieces for node 1 relayed by node 0): the owner's RPC handler raises
+    PeerFailure, which reaches the puller as a RemoteError. The pull must fail with PeerFailure
+    (the strategy then follows the view and re-shards), not with an error that ends training."""
+    async with stores(mesh(2), np.zeros(8, np.float32)) as st:
+        async def relay_died(*_: Any, **__: Any) -> bool:
+            raise PeerFailure("node 1: node 9 has failed", peers=(9,))
+
+        st[1].fwd.send = relay_died  # type: ignore[method-assign]
+        with pytest.raises(PeerFailure, match="node 1 could not serve .*node 9 has failed"):
+            await st[0].pull()
+
+
 async def test_a_malformed_piece_is_refused_counted_and_answered():
     async with stores(mesh(2), np.zeros(8, np.float32)) as st:
         ep0 = st[0].transport

@@ -5,11 +5,15 @@ baseline")."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+from p2psync.coordinator.views import View
+from p2psync.tasks import cancel_all
 from p2psync.topology import mesh
-from tests.helpers import memory_strategies, record_barrier_pulls, run_until_stop
+from tests.helpers import memory_strategies, record_barrier_pulls, run_until_stop, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -81,3 +85,25 @@ async def test_elastic_bsp_releases_barriers_and_everyone_pulls_identical_weight
     assert late >= 1 and misses == 0
     for x in got[1:]:
         assert x.tobytes() == got[0].tobytes()
+
+
+async def test_a_worker_held_by_the_scheduler_follows_a_view_that_drops_a_store_member_at_once():
+    """The cycle of the coordinator failover (issue 14) under load: node 1 reported its push and
+    is held (node 0 has not reported); a view drops node 2; node 0 re-shards the store over
+    [0, 1], which needs node 1, and only then reports. Node 1 must re-shard at once, not after
+    the scheduler's long poll (held forever here), or neither ever steps."""
+    async with memory_strategies(mesh(3), "ssp", {"s": 0}) as st:
+        svc = st[0].ctx.rpc_server.handlers["ssp.pushed"].__self__
+        svc.hold = 3600.0  # no "wait" answer ends node 1's report
+        held = asyncio.ensure_future(st[1].train_step(0, False))
+        try:
+            await until(lambda: 1 in svc._waiting, 10, "node 1 to be held by the scheduler")
+            view = View(epoch=1, members=(0, 1))
+            for s in st[:2]:
+                s.ctx.membership.views.apply(view)
+                s.on_view(view)
+            reps = await asyncio.wait_for(asyncio.gather(st[0].train_step(0, False), held), 30)
+        finally:
+            await cancel_all([held])
+        assert [s.reshards for s in st[:2]] == [1, 1] and [s.store.members for s in st[:2]] == [[0, 1]] * 2
+        assert [r.extra["gap"] for r in reps] == [0, 0] and set(svc.sched.counts) == {0, 1}
