@@ -105,7 +105,7 @@ class Int8Uniform(Codec):
         """``[uint8 codes, float32 [min, step]]``: each value as the nearest of 256 levels."""
         if x.size == 0:
             return [np.empty(0, np.uint8), np.zeros(2, np.float32)]
-        lo, hi = K.minmax(x) if self.use_numba else (float(x.min()), float(x.max()))
+        lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
         scale = (hi - lo) / 255.0
         inv = 1.0 / scale if scale > 0 else 0.0
         if self.use_numba:
@@ -174,7 +174,7 @@ class Sketch8(Codec):
 
     def quantiles(self, x: np.ndarray) -> np.ndarray:
         """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max (Step 1; B = 2**bits)."""
-        lo, hi = K.minmax(x) if self.use_numba else (float(x.min()), float(x.max()))
+        lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
         stride = max(1, x.size // self.sample)
         s = np.sort(x[::stride])
         b = self.buckets

@@ -17,6 +17,10 @@ CASES = {
     "nan": np.r_[rng.standard_normal(5000), [np.nan, -np.nan, np.inf]].astype(np.float32),
     "integers": rng.integers(-5, 5, 100_000).astype(np.float32),
     "denormals": (rng.standard_normal(10_000) * 1e-40).astype(np.float32),
+    "negative only": -np.abs(rng.standard_t(2, 50_000)).astype(np.float32),
+    "positive only": np.abs(rng.standard_normal(50_000) * 1e-6).astype(np.float32),
+    "near float max": (np.clip(rng.standard_normal(10_000), -1, 1) * 3.4e38).astype(np.float32),
+    "many exact zeros": np.r_[np.zeros(40_000), rng.standard_normal(10_000) * 1e-3].astype(np.float32),
 }
 
 
@@ -38,3 +42,12 @@ def test_same_codes_sums_and_counts_as_the_eight_step_search(case, bits):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["all nan"])
+def test_minmax_fast_equals_the_loop_nan_ignored(case):
+    x = CASES.get(case, np.full(10, np.nan, np.float32))
+    want = K.minmax(x)
+    got = K.minmax_fast(x)
+    assert got == want  # (inf, -inf) for all-NaN; -0.0 == 0.0
+    assert not np.isnan(got).any()
