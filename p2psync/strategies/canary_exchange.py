@@ -41,7 +41,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence, get_args
+from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
@@ -354,24 +354,26 @@ class Exchange:
         if (h.epoch, h.plan) != (self.epoch, self.plan):  # another plan: nothing of it routes here
             self.stats.moved += 1
             self.progress.on_header(h)
-            self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None, moved=True))
+            self._spawn(lambda: self._send(y, rq, h.z, h.th, h.k, reply_to=None, moved=True))
             return
         if not (h.z < len(self.flows) and h.th < self.layout.levels and h.k < self.layout.steps
                 and y in self.layout.peers(self.me, h.th, h.k)):
             raise ProtocolError("canary", f"node {y}: push for colayer {h.z}, thread {h.th}, step {h.k} "
                                           "is not one of its exchanges with this node")
         self._ingest(msg, h.z, h.th, h.k, y)
-        self._spawn(self._send(y, rq, h.z, h.th, h.k, reply_to=None))
+        self._spawn(lambda: self._send(y, rq, h.z, h.th, h.k, reply_to=None))
 
-    def _spawn(self, coro: Any) -> None:
-        if self._tasks.closed:  # closing: the reply is not sent (closed here, not left un-awaited)
-            coro.close()
+    def _spawn(self, make: Callable[[], Awaitable[None]]) -> None:
+        """Send a reply in an owned task. The coroutine is made inside the task: a task cancelled
+        before its first step (the exchange closing) never runs its body, and a coroutine made
+        here would then be left un-awaited."""
+        if self._tasks.closed:  # closing: the reply is not sent
             return
-        self._tasks.spawn(self._guard(coro))
+        self._tasks.spawn(self._guard(make))
 
-    async def _guard(self, coro: Any) -> None:
+    async def _guard(self, make: Callable[[], Awaitable[None]]) -> None:
         try:
-            await coro
+            await make()
         except P2PSyncError as exc:  # the pusher counts a missing reply as an empty packet
             log.info("node %d: canary reply lost: %s", self.me, exc)
 
