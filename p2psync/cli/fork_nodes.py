@@ -114,14 +114,13 @@ class ForkedNode:
                 self._reap(0)
             return self.returncode
         deadline, delay = time.monotonic() + timeout, 0.0005
-        while self.poll() is None:  # as Popen.wait(timeout) does
+        while (code := self.poll()) is None:  # as Popen.wait(timeout) does
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             delay = min(delay * 2, remaining, 0.05)
             time.sleep(delay)
-        assert self.returncode is not None
-        return self.returncode
+        return code
 
     def _reap(self, flags: int) -> None:
         try:

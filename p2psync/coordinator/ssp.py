@@ -367,7 +367,7 @@ class ElasticScheduler:
             self.c.a[w] = (None, None)
         return out
 
-    def _replan(self, now: float) -> list[Grant]:
+    def _replan(self, target: dict[int, int], now: float) -> list[Grant]:
         """A worker left while the barrier was pending (§4.7 failure: "recompute with the
         survivors"): ZipLine again over the survivors' timelines predicted from ``now``. A
         survivor held at its barrier count may stay there (its point: ``now``, j = 0) or go on,
@@ -376,14 +376,12 @@ class ElasticScheduler:
         (target = count + 1 + i). So no target is below the count a survivor reached, and a held
         survivor is released only by a barrier or by a target moved past it; one without an
         interval (a joiner) keeps its target. ``last_j``: the new targets minus the counts."""
-        assert self.target is not None
-        ws = [w for w in sorted(self.c.t) if self.c.interval(w) >= 0]
+        ws = [w for w in sorted(self.c.t) if self.c.interval(w) >= 0]  # each has a last push
         if not ws:
             return []
         rows, base = [], {}
         for w in ws:
-            gamma, last = self.c.interval(w), self.c.a[w][0]
-            assert last is not None
+            gamma, last = self.c.interval(w), self.c.a[w][0] or 0.0  # not None: interval >= 0
             held = w in self.arrived
             base[w] = self.c.t[w] + (0 if held else 1)
             start = now if held else max(last + gamma, now)
@@ -391,11 +389,11 @@ class ElasticScheduler:
         choice = self.search(np.array(rows))
         out = []
         for w, z in zip(ws, choice.z):
-            self.target[w] = base[w] + int(z)
-            if w in self.arrived and self.target[w] > self.c.t[w]:
+            target[w] = base[w] + int(z)
+            if w in self.arrived and target[w] > self.c.t[w]:
                 self.arrived.remove(w)
                 out.append(Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w)))
-        self.last_j = {w: self.target[w] - self.c.t[w] for w in ws}
+        self.last_j = {w: target[w] - self.c.t[w] for w in ws}
         self.last_d, self.last_t_sync = float(choice.d), float(choice.t_sync)
         return out
 
@@ -429,5 +427,5 @@ class ElasticScheduler:
         elif self.target is None and all(v >= 2 for v in self.k.values()):
             self._decide()
         elif self.target is not None and left:
-            out = self._replan(now)
+            out = self._replan(self.target, now)
         return out + self._maybe_release()
