@@ -14,7 +14,7 @@ from p2psync.errors import ConfigError
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
-from tests.helpers import memory_strategies, run_until_stop
+from tests.helpers import memory_strategies, run_until_stop, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,8 +180,7 @@ async def test_an_abandoned_reduce_keeps_the_workers_own_version():
         before = await s0.ctx.replica.get_params()
         g = GroupMsg(ctl=0, op=7, epoch=0, members=(0, 1), weights=(0.5, 0.5), k=10)
         reduce = asyncio.ensure_future(s0._reduce(g))  # node 1 never takes part
-        while s0.group is None:
-            await asyncio.sleep(0.01)
+        await until(lambda: s0.group is not None, 10, "node 0 to enter the reduce")
         s0.on_peer_failure(1)
         assert await asyncio.wait_for(reduce, 10) is False
         assert s0.k == 3 and s0.failed_groups == 1 and s0.ops == 0 and s0.last_op == 7
