@@ -277,7 +277,7 @@ def main() -> None:
     rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = floor = None
+            base = None
             pair: dict[tuple[str, bool], float] = {}  # (kind, curve) -> bus GB/s: the CURVE table
             for _name, label, kind, algo, codec, curve in configs:
                 secs = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib, curve=curve,
@@ -285,10 +285,9 @@ def main() -> None:
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
-                if kind == "floor-tcp" and not curve:
-                    floor = busbw
                 if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none":
                     pair[kind, curve] = busbw
+                floor = pair.get(("floor-tcp", False))  # the plain tcp floor, once measured
                 rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-",
                              busbw / floor if floor else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))

@@ -86,6 +86,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
                            markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from p2psync.training.metrics import bytes_sent
 
 
 @dataclass(frozen=True)
@@ -146,20 +147,15 @@ def peak_rate(recs: Sequence[dict[str, Any]], window: float = 1.0) -> float:
     return best
 
 
-def sent(rec: Mapping[str, Any]) -> int:
-    """Bytes a node's NICs had sent at ``rec``."""
-    return sum(int(n.get("sent", 0)) for n in rec.get("nics", {}).values())
-
-
 def steady(recs: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
     """One node's (bytes, iterations) from its first step record to its last but one, and the
     bytes of its first and last steps (the start's broadcast, a stop's averaging). Fewer than
     three records: everything counts as steady."""
     if len(recs) < 3:
-        return (sent(recs[-1]), int(recs[-1]["step"]) + 1, 0) if recs else (0, 0, 0)
+        return (bytes_sent(recs[-1]), int(recs[-1]["step"]) + 1, 0) if recs else (0, 0, 0)
     a, b = recs[0], recs[-2]
-    span = sent(b) - sent(a)
-    return span, int(b["step"]) - int(a["step"]), sent(recs[-1]) - span
+    span = bytes_sent(b) - bytes_sent(a)
+    return span, int(b["step"]) - int(a["step"]), bytes_sent(recs[-1]) - span
 
 
 def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float,

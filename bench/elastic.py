@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
                            markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from p2psync.training.metrics import bytes_sent
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def analyse(cfg: Config, scenario: str, nodes: Sequence[Sequence[dict[str, Any]]
     lasts = [recs[-1] for recs in nodes if recs]
     waits = [1e3 * float(r.get("wait_s", 0.0)) / max(1, int(r["step"])) for r in lasts]
     seconds = max(float(r["time"]) for r in lasts) if lasts else 0.0
-    sent = sum(sum(int(n.get("sent", 0)) for n in r.get("nics", {}).values()) for r in lasts)
+    sent = sum(bytes_sent(r) for r in lasts)
     return Outcome(config=cfg, scenario=scenario, to_target=lower_median(first_reach(recs, target) for recs in nodes),
                    final_acc=final_accuracy(nodes), wait_ms=statistics.mean(waits) if waits else 0.0,
                    pushes=sum(int(r["step"]) for r in lasts), mb_per_s=sent / 1e6 / seconds if seconds else 0.0,

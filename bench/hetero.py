@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import ROOT, accuracy_curve, first_reach, markdown_table, run_nodes, save_png
+from bench._common import ROOT, accuracy_curve, final_accuracy, first_reach, markdown_table, run_nodes, save_png
 from p2psync.training.metrics import bytes_sent
 
 
@@ -40,7 +40,6 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str
         cmd += ["--shaper", "inproc", "--wan", str(ROOT / "topologies" / "wan-4-regions.json")]
     nodes = run_nodes(cmd, out, run_id, 4, timeout=args.seconds * 4 + 120)
     reach = [first_reach(recs, args.target) for recs in nodes]
-    final = [[x for x in recs if x.get("accuracy") is not None][-1] for recs in nodes]
     last = [recs[-1] for recs in nodes]
     block: list[Any] = [x.get("blocking_s", x.get("comm_s_step", None)) for x in nodes[0]]
     if strategy == "ssgd":  # per-step communication of the slowest-gated allreduce
@@ -49,7 +48,7 @@ def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str
     block = [v for v in block if v is not None]
     return {
         "strategy": strategy, "net": "WAN" if wan else "loopback", "mode": mode, "to_target": max(reach),
-        "final_acc": float(np.mean([f["accuracy"] for f in final])),
+        "final_acc": final_accuracy(nodes),
         "samples_per_s": sum(x["samples_per_s"] for x in last),
         "bytes_sent": sum(bytes_sent(x) for x in last),
         "blocking_s": float(np.mean(block)) if block else 0.0,
