@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import numpy as np
 
@@ -146,7 +146,22 @@ class _Counts:
         self.unheard.discard(w)
 
 
-class StalenessScheduler:
+class _Scheduler:
+    """What both schedulers read the same way from their push counts (``c``)."""
+
+    c: _Counts
+
+    @property
+    def counts(self) -> dict[int, int]:
+        return dict(self.c.t)
+
+    @property
+    def unheard(self) -> AbstractSet[int]:
+        """Workers whose first report (:meth:`adopt`) has not come yet (read only, not a copy)."""
+        return self.c.unheard
+
+
+class StalenessScheduler(_Scheduler):
     """SSP / DSSP (and BSP = SSP(0), ASP = no bound) on push counts (spec §2.2, §3.4)."""
 
     def __init__(self, *, workers: Sequence[int], s_lower: int | None, s_upper: int | None = None) -> None:
@@ -162,18 +177,9 @@ class StalenessScheduler:
         self.controller_calls = 0
 
     @property
-    def counts(self) -> dict[int, int]:
-        return dict(self.c.t)
-
-    @property
     def lockstep(self) -> bool:
         """BSP (s_U = 0): every OK is granted when all counts are equal, a barrier."""
         return self.s_upper == 0
-
-    @property
-    def unheard(self) -> frozenset[int]:
-        """Workers whose first report (:meth:`adopt`) has not come yet."""
-        return frozenset(self.c.unheard)
 
     def _ok(self, p: int, r: int = 0) -> Grant:
         return Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p), r=r,
@@ -254,7 +260,7 @@ class StalenessScheduler:
         return self._release()
 
 
-class ElasticScheduler:
+class ElasticScheduler(_Scheduler):
     """ElasticBSP online (spec §4.7): monitor, predict, ZipLine, barrier by push counts."""
 
     def __init__(self, *, workers: Sequence[int], R: int, searcher: str = "zipline_opt_bs") -> None:
@@ -279,23 +285,24 @@ class ElasticScheduler:
         self.adopted: list[int] = []  # while recovering: held adopted workers, in order of arrival
 
     @property
-    def counts(self) -> dict[int, int]:
-        return dict(self.c.t)
-
-    @property
     def held(self) -> tuple[int, ...]:
         return (*self.arrived, *self.adopted)
-
-    @property
-    def unheard(self) -> frozenset[int]:
-        """Workers whose first report (:meth:`adopt`) has not come yet."""
-        return frozenset(self.c.unheard)
 
     #: pushes between barriers are applied ASP-like (not BSP's rounds)
     lockstep = False
 
+    def _ok(self, w: int, barrier: int = 0) -> Grant:
+        """Worker ``w``'s OK at its current count (``barrier``: the barrier it is released from)."""
+        return Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w), barrier=barrier)
+
+    def _monitor_again(self) -> None:
+        """Forget the intervals and monitoring pushes: monitoring starts from scratch."""
+        for w in self.c.t:
+            self.k[w] = 0
+            self.c.a[w] = (None, None)
+
     def push(self, p: int, now: float) -> list[Grant]:
-        if p in self.held:
+        if p in self.arrived or p in self.adopted:
             raise ProtocolError("scheduler", f"push from node {p}, which is held at the barrier")
         self.c.record(p, now)
         return self._pushed(p)
@@ -325,24 +332,21 @@ class ElasticScheduler:
         if not self.recovering or self.c.unheard:
             return []
         top = max(self.gens.values(), default=0)
-        out = [Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w), barrier=top if self.gens[w] < top else 0)
-               for w in self.adopted]
+        out = [self._ok(w, top if self.gens[w] < top else 0) for w in self.adopted]
         self.recovering, self.adopted, self.gens = False, [], {}
         self.barrier = max(self.barrier, top)
-        for w in self.c.t:
-            self.k[w] = 0
-            self.c.a[w] = (None, None)
+        self._monitor_again()
         return out
 
     def _pushed(self, p: int) -> list[Grant]:
         self.k[p] += 1
         if self.target is None:
-            out = [Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p))]  # ASP-like
+            out = [self._ok(p)]  # ASP-like
             if all(v >= 2 for v in self.k.values()):
                 self._decide()
             return out
         if self.c.t[p] < self.target[p]:
-            return [Grant(worker=p, count=self.c.t[p], gap=self.c.gap(p))]
+            return [self._ok(p)]
         self.arrived.append(p)
         return self._maybe_release()
 
@@ -359,12 +363,10 @@ class ElasticScheduler:
         if self.target is None or set(self.arrived) != set(self.c.t):
             return []
         self.barrier += 1
-        out = [Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w), barrier=self.barrier) for w in self.arrived]
+        out = [self._ok(w, self.barrier) for w in self.arrived]
         self.arrived = []
         self.target = None
-        for w in self.c.t:
-            self.k[w] = 0
-            self.c.a[w] = (None, None)
+        self._monitor_again()
         return out
 
     def _replan(self, target: dict[int, int], now: float) -> list[Grant]:
@@ -392,7 +394,7 @@ class ElasticScheduler:
             target[w] = base[w] + int(z)
             if w in self.arrived and target[w] > self.c.t[w]:
                 self.arrived.remove(w)
-                out.append(Grant(worker=w, count=self.c.t[w], gap=self.c.gap(w)))
+                out.append(self._ok(w))
         self.last_j = {w: target[w] - self.c.t[w] for w in ws}
         self.last_d, self.last_t_sync = float(choice.d), float(choice.t_sync)
         return out

@@ -102,19 +102,17 @@ class SchedulerService:
         if done is not None and done[0] == count:
             return done[1]
         have = self._recorded.get(caller, 0)
-        if caller in self.sched.unheard:  # its first report here (a new scheduler): adopted
-            grants = self.sched.adopt(caller, count, asyncio.get_running_loop().time(), gen=gen)
+        adopted = caller in self.sched.unheard  # its first report here (a new scheduler)
+        if count == have + 1 and caller in self._waiting and not adopted:  # restarted while held: it
+            self._recorded[caller] = count                                # waits for the OK its old
+            fut = self._waiting[caller]                                   # incarnation waited for
+        elif adopted or count == have + 1:
+            loop = asyncio.get_running_loop()
+            grants = (self.sched.adopt(caller, count, loop.time(), gen=gen) if adopted
+                      else self.sched.push(caller, loop.time()))  # ProtocolError: not a worker, held
             self._recorded[caller] = count
-            fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
+            fut = self._waiting[caller] = loop.create_future()
             self._grant(grants)
-        elif count == have + 1 and caller in self._waiting:  # restarted while held: it waits for the
-            self._recorded[caller] = count                 # OK its old incarnation waited for
-            fut = self._waiting[caller]
-        elif count == have + 1:
-            now = asyncio.get_running_loop().time()
-            self._recorded[caller] = count
-            fut = self._waiting[caller] = asyncio.get_running_loop().create_future()
-            self._grant(self.sched.push(caller, now))  # ProtocolError: not a worker, held
         elif count == have and caller in self._waiting:
             fut = self._waiting[caller]
         else:
