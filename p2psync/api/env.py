@@ -17,12 +17,16 @@ The launcher starts CMD once per node with these variables added to its environm
 ``P2PSYNC_UNAUTHENTICATED_WARNED``  ``1`` when the launcher already said that the cluster has no
                       keys (:data:`p2psync.transport.keys.ENV_WARNED`): the node does not repeat it
 
+``OMP_NUM_THREADS``   torch's threads (:func:`thread_env`): ``--threads``, else the cores divided
+                      among the nodes this launcher started, unless the environment sets it
+
 ``P2PSYNC_TOPOLOGY`` and ``P2PSYNC_STRATEGY`` win over the same fields of ``P2PSYNC_CONFIG``,
 so one of them can be changed by hand. Nothing is read at import time.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
@@ -153,3 +157,20 @@ def _int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
 def _short(text: str | None, limit: int = 200) -> str:
     s = repr(text)
     return s if len(s) <= limit else s[:limit] + "..."
+
+
+#: the variable torch (and OpenMP, MKL) read at start for their thread pools
+ENV_THREADS = "OMP_NUM_THREADS"
+
+
+def thread_env(asked: int | None, default: int | None) -> dict[str, str]:
+    """Threads for a user's command (torch reads ``OMP_NUM_THREADS`` when it starts): ``--threads``
+    when given; else the launcher's share of the cores, unless the user's environment already
+    says. (Several copies of a script on one host, each with torch's default of one thread per
+    core, oversubscribe the cores: on 2 cores three copies of the example ran 3-4x slower; the
+    built-in job sets its threads itself. torchrun does the same.)"""
+    if asked is not None:
+        return {ENV_THREADS: str(asked)}
+    if default is not None and ENV_THREADS not in os.environ:
+        return {ENV_THREADS: str(default)}
+    return {}

@@ -50,7 +50,6 @@ NODE_MODULES = ("torch", "torch._dynamo", "numpy.ma", "uvloop", "p2psync.cli.bui
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
-log = logging.getLogger("p2psync.cli")
 
 
 class NodeProcess(Protocol):

@@ -34,6 +34,7 @@ from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.metrics import bytes_sent
 from p2psync.transport.keys import warned_env
+from p2psync.api.env import thread_env
 from p2psync.api.runtime import default_run_id
 
 #: how to start node I: its command line and its environment (None: the launcher's own)
@@ -50,23 +51,6 @@ POLL_S = 0.25
 def default_threads(local_nodes: int) -> int:
     """Torch threads per node when ``local_nodes`` share this host's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, local_nodes))
-
-
-#: the variable torch (and OpenMP, MKL) read at start for their thread pools
-ENV_THREADS = "OMP_NUM_THREADS"
-
-
-def thread_env(asked: int | None, default: int | None) -> dict[str, str]:
-    """Threads for a user's command (torch reads ``OMP_NUM_THREADS`` when it starts): ``--threads``
-    when given; else the launcher's share of the cores, unless the user's environment already
-    says. (Several copies of a script on one host, each with torch's default of one thread per
-    core, oversubscribe the cores: on 2 cores three copies of the example ran 3-4x slower; the
-    built-in job sets its threads itself. torchrun does the same.)"""
-    if asked is not None:
-        return {ENV_THREADS: str(asked)}
-    if default is not None and ENV_THREADS not in os.environ:
-        return {ENV_THREADS: str(default)}
-    return {}
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec

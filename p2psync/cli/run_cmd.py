@@ -227,8 +227,7 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
     """``p2psync run TOPOLOGY ... -- CMD``: CMD once per node (``launch_script``), or with
     ``--node K`` only node K's, in the foreground: this process becomes CMD (same pid, signals,
     terminal, exit code), with the variables of ``p2psync.api.env`` in its environment."""
-    from p2psync.api.env import node_env, node_run_dir
-    from p2psync.cli.launch import thread_env
+    from p2psync.api.env import node_env, node_run_dir, thread_env
     from p2psync.transport.keys import warned_env
 
     if not cmd:

@@ -366,9 +366,8 @@ class Exchange:
     def _spawn(self, make: Callable[[], Awaitable[None]]) -> None:
         """Send a reply in an owned task. The coroutine is made inside the task: a task cancelled
         before its first step (the exchange closing) never runs its body, and a coroutine made
-        here would then be left un-awaited."""
-        if self._tasks.closed:  # closing: the reply is not sent
-            return
+        here would then be left un-awaited. After close the task set cancels what it is given, so
+        the reply is not sent."""
         self._tasks.spawn(self._guard(make))
 
     async def _guard(self, make: Callable[[], Awaitable[None]]) -> None:

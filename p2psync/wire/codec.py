@@ -307,11 +307,15 @@ def frame_len(buf: Any) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
+#: a frame that is not a byte buffer (built once: decode runs for every message received)
+_FRAME_TYPES = translate({TypeError: lambda e: ProtocolError("frame_type", "frames must be byte buffers")})
+
+
 def decode(frames: Sequence[Any], limits: WireLimits = DEFAULT_LIMITS) -> Message:
     """Decode an untrusted multipart message (``bytes``/``memoryview``/buffer objects)."""
     if not frames:
         raise ProtocolError("frame_count", "empty message")
-    with translate({TypeError: lambda e: ProtocolError("frame_type", "frames must be byte buffers")}):
+    with _FRAME_TYPES:
         bufs = [f if isinstance(f, (bytes, bytearray)) else memoryview(f) for f in frames]
     header = parse_header(bufs[0], limits)
     if len(bufs) - 1 != len(header.frames):
