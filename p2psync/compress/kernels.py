@@ -137,6 +137,20 @@ def _count_le(bounds: np.ndarray, v: float, j: int) -> int:
     return j
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _fill(bounds: np.ndarray, tab: np.ndarray, cell: int, pat: np.ndarray, val: np.ndarray, least: int,
+          greatest: int, p: int, e: int) -> tuple[int, int]:
+    """One merge step of :func:`_cell_table`: ``tab[cell]`` for the cell whose least and greatest
+    values have the bit patterns ``least`` and ``greatest`` (``pat``/``val``: one scratch buffer
+    seen as uint32 and float32); ``p``/``e`` of the previous cell in value order."""
+    pat[0] = np.uint32(least)
+    pat[1] = np.uint32(greatest)
+    p = _count_le(bounds, val[0], p)
+    e = _count_le(bounds, val[1], max(e, p))
+    tab[cell] = p | (e << 8)
+    return p, e
+
+
 @njit(cache=True, nogil=True)
 def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """Per cell of the values in [lo, hi]: ``p | e << 8``, p = how many inner bounds are <= the
@@ -152,22 +166,14 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     val[1] = -min(lo, 0.0)
     top = min(int(pat[0]) >> CELL_SHIFT, _INF_CELL - 1)  # non-negative cells 0..top
     bottom = min(int(pat[1]) >> CELL_SHIFT, _INF_CELL - 1)  # negative cells by magnitude 0..bottom
-    p = 0
-    e = 0
+    low = (1 << CELL_SHIFT) - 1  # the low pattern bits a cell spans
+    p = e = 0
     for m in range(bottom, -1, -1):  # negative values, ascending: magnitudes descending
-        pat[0] = np.uint32(0x80000000 | (m << CELL_SHIFT) | ((1 << CELL_SHIFT) - 1))
-        pat[1] = np.uint32(0x80000000 | (m << CELL_SHIFT))
-        p = _count_le(bounds, val[0], p)
-        e = _count_le(bounds, val[1], max(e, p))
-        tab[_NEG + m] = p | (e << 8)
-    p = 0
-    e = 0
+        sign_m = 0x80000000 | (m << CELL_SHIFT)
+        p, e = _fill(bounds, tab, _NEG + m, pat, val, sign_m | low, sign_m, p, e)
+    p = e = 0
     for c in range(top + 1):  # non-negative values, ascending
-        pat[0] = np.uint32(c << CELL_SHIFT)
-        pat[1] = np.uint32((c << CELL_SHIFT) | ((1 << CELL_SHIFT) - 1))
-        p = _count_le(bounds, val[0], p)
-        e = _count_le(bounds, val[1], max(e, p))
-        tab[c] = p | (e << 8)
+        p, e = _fill(bounds, tab, c, pat, val, c << CELL_SHIFT, (c << CELL_SHIFT) | low, p, e)
     return tab
 
 
