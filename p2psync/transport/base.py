@@ -355,13 +355,17 @@ class Transport(Relaying, ABC):
 
     # -- ingest --------------------------------------------------------------------------
 
-    def _mailbox_drop(self, msg: Message, reason: str) -> None:
-        """The mailbox dropped a queued or arriving message (budget, expiry, retired tag)."""
-        nic = msg.nic or ""
+    def _count_rejected(self, nic: str, who: str, reason: str) -> str | None:
+        """Count one rejection for ``reason`` (and against ``nic``); the log note when this is
+        the first of (``who``, ``reason``), else None."""
         self.rejected[reason] += 1
         if nic in self.nic_stats:
             self.nic_stats[nic].rejected += 1
-        note = self._log_once.check(str(msg.src), reason)
+        return self._log_once.check(who, reason)
+
+    def _mailbox_drop(self, msg: Message, reason: str) -> None:
+        """The mailbox dropped a queued or arriving message (budget, expiry, retired tag)."""
+        note = self._count_rejected(msg.nic or "", str(msg.src), reason)
         if note is not None:
             log.info("node %d: mailbox dropped message %r from node %d: %s (logged once per "
                      "peer and reason)%s", self.node_id, msg.tag, msg.src, reason, note)
@@ -370,10 +374,7 @@ class Transport(Relaying, ABC):
         """Count a rejected message (or handshake) and log the first of each (``peer``,
         ``reason``); ``per_peer=False`` when the sender chose ``peer`` (an unknown routing id or
         key): logged once per (NIC, reason) instead, every one still counted."""
-        self.rejected[reason] += 1
-        if nic in self.nic_stats:
-            self.nic_stats[nic].rejected += 1
-        note = self._log_once.check(peer if per_peer else f"NIC {nic}", reason)
+        note = self._count_rejected(nic, peer if per_peer else f"NIC {nic}", reason)
         if note is not None:
             log.warning("node %d NIC %s: rejected message from %s: %s %s%s%s", self.node_id, nic, peer, reason,
                         detail, "" if per_peer else " (logged once per NIC and reason; every one is counted)",
