@@ -261,23 +261,25 @@ def test_canary_colayer_exchanges_start_before_backward_ends(tmp_path: Path) -> 
         model = models[i]
         opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.01))
         g = torch.Generator().manual_seed(i)
-        ends = []
-        for _ in range(STEPS):
+        ends, live = [], []
+        for t in range(STEPS):
             opt.zero_grad()
             x, y = torch.randn(512, 256, generator=g), torch.randint(0, 10, (512,), generator=g)
             nn.functional.cross_entropy(model(x), y).backward()
             ends.append(time.perf_counter())
+            if not s.should_stop:  # native Canary: a node behind stops as soon as it hears the
+                live.append(t)     # other one did; a step begun after that exchanges nothing
             opt.step()
         starts = list(s.strategy.timeline)
         s.close()
-        return ends, starts
+        return ends, live, starts
 
     out = _two_nodes(tmp_path, "canary", body, strategy_options=(("colayers", "4"),), max_steps=STEPS)
     for i in (0, 1):
-        ends, starts = out[i]
+        ends, live, starts = out[i]
         first = {t: started for t, z, started in starts if z == 0}
         early = [t for t, started in first.items() if t < len(ends) and started < ends[t]]
-        assert len(first) == STEPS and len(early) > STEPS // 2, (first, ends)
+        assert set(live) <= set(first) and len(early) > STEPS // 2, (first, ends, live)
 
 
 def test_canary_gradient_accumulation_needs_pipeline_off(tmp_path: Path) -> None:
