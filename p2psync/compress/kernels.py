@@ -156,7 +156,14 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """Per cell of the values in [lo, hi]: ``p | e << 8``, p = how many inner bounds are <= the
     cell's least value, e = how many are <= its greatest (p == e: every value of the cell has
     code p). Cells no finite value of [lo, hi] reaches are left unset, except the cells of
-    +-inf and NaN, which say "search every bound"."""
+    +-inf and NaN, which say "search every bound".
+
+    Built by a merge in value order that visits only the cells holding a bound (at most 255)
+    and the cell after each: every cell between two such cells has the same entry (no bound
+    inside, p == e), so runs of cells are filled at once. A cell-by-cell merge made the table
+    cost about 0.5 ms per call whatever the input's size (some 120 000 cells for a gradient's
+    range), which dominated the encode of the small pieces a collective sends.
+    """
     tab = np.empty(_CELLS, np.uint16)
     tab[_INF_CELL:_NEG] = _SEARCH_ALL
     tab[_NEG + _INF_CELL:] = _SEARCH_ALL
@@ -164,16 +171,32 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     val = pat.view(np.float32)
     val[0] = max(hi, 0.0)
     val[1] = -min(lo, 0.0)
-    top = min(int(pat[0]) >> CELL_SHIFT, _INF_CELL - 1)  # non-negative cells 0..top
-    bottom = min(int(pat[1]) >> CELL_SHIFT, _INF_CELL - 1)  # negative cells by magnitude 0..bottom
+    top = min(np.int64(pat[0]) >> CELL_SHIFT, _INF_CELL - 1)  # non-negative cells 0..top
+    bottom = min(np.int64(pat[1]) >> CELL_SHIFT, _INF_CELL - 1)  # negative cells by magnitude 0..bottom
     low = (1 << CELL_SHIFT) - 1  # the low pattern bits a cell spans
+    bpat = bounds.view(np.uint32)
     p = e = 0
-    for m in range(bottom, -1, -1):  # negative values, ascending: magnitudes descending
+    m = bottom
+    while m >= 0:  # negative values, ascending: magnitudes descending
         sign_m = 0x80000000 | (m << CELL_SHIFT)
         p, e = _fill(bounds, tab, _NEG + m, pat, val, sign_m | low, sign_m, p, e)
+        # the next bound above this cell: the cells before its cell all read e
+        nxt = -1 if e == 255 or not bounds[e] <= 0.0 else (np.int64(bpat[e]) & 0x7FFFFFFF) >> CELL_SHIFT
+        if nxt < m - 1:
+            tab[_NEG + nxt + 1:_NEG + m] = e | (e << 8)
+            m = nxt
+        else:
+            m -= 1
     p = e = 0
-    for c in range(top + 1):  # non-negative values, ascending
+    c = 0
+    while c <= top:  # non-negative values, ascending
         p, e = _fill(bounds, tab, c, pat, val, c << CELL_SHIFT, (c << CELL_SHIFT) | low, p, e)
+        nxt = top + 1 if e == 255 else min(np.int64(bpat[e]) >> CELL_SHIFT, top + 1)
+        if nxt > c + 1:
+            tab[c + 1:nxt] = e | (e << 8)
+            c = nxt
+        else:
+            c += 1
     return tab
 
 

@@ -51,3 +51,33 @@ def test_minmax_fast_equals_the_loop_nan_ignored(case):
     got = K.minmax_fast(x)
     assert got == want  # (inf, -inf) for all-NaN; -0.0 == 0.0
     assert not np.isnan(got).any()
+
+
+def _cell_edges(lo: float, hi: float) -> np.ndarray:
+    """The least and greatest float32 of every cell (2**CELL_SHIFT bit patterns) in [lo, hi]."""
+    low = (1 << K.CELL_SHIFT) - 1
+    top = int(np.float32(max(hi, 0.0)).view(np.uint32)) >> K.CELL_SHIFT
+    bottom = int(np.float32(-min(lo, 0.0)).view(np.uint32)) >> K.CELL_SHIFT
+    pos = np.arange(top + 1, dtype=np.uint32) << K.CELL_SHIFT
+    neg = (np.arange(bottom + 1, dtype=np.uint32) << K.CELL_SHIFT) | np.uint32(0x80000000)
+    pats = np.concatenate([pos, pos | low, neg, neg | low]).view(np.float32)
+    return pats[(pats >= lo) & (pats <= hi)]
+
+
+@pytest.mark.parametrize("case", ["student-t", "normal", "integers", "signed zeros", "positive only",
+                                  "negative only", "many exact zeros", "constant"])
+def test_every_cell_of_the_table_agrees_with_the_search(case):
+    """The table is built by skipping runs of cells without a bound: the extreme values of every
+    cell in [lo, hi] (not only those the data hits) get the 8-step search's code."""
+    x = CASES[case]
+    s = Sketch8()
+    q = s.quantiles(x)
+    bounds = np.r_[q[1:-1], np.inf].astype(np.float32)
+    lo, hi = float(q[0]), float(q[-1])
+    edges = np.r_[_cell_edges(lo, hi), q].astype(np.float32)  # the bounds themselves too
+    want = (np.empty(edges.size, np.uint8), np.zeros(256), np.zeros(256, np.int64))
+    got = (np.empty(edges.size, np.uint8), np.zeros(256), np.zeros(256, np.int64))
+    K.bucketize(edges, bounds, *want)
+    K.bucketize_keyed(edges, bounds, lo, hi, *got)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[2], want[2])
