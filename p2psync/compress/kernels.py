@@ -171,8 +171,8 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     val = pat.view(np.float32)
     val[0] = max(hi, 0.0)
     val[1] = -min(lo, 0.0)
-    top = min(np.int64(pat[0]) >> CELL_SHIFT, _INF_CELL - 1)  # non-negative cells 0..top
-    bottom = min(np.int64(pat[1]) >> CELL_SHIFT, _INF_CELL - 1)  # negative cells by magnitude 0..bottom
+    top = min(int(np.int64(pat[0])) >> CELL_SHIFT, _INF_CELL - 1)  # non-negative cells 0..top
+    bottom = min(int(np.int64(pat[1])) >> CELL_SHIFT, _INF_CELL - 1)  # negative cells by magnitude 0..bottom
     low = (1 << CELL_SHIFT) - 1  # the low pattern bits a cell spans
     bpat = bounds.view(np.uint32)
     p = e = 0
@@ -181,7 +181,7 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
         sign_m = 0x80000000 | (m << CELL_SHIFT)
         p, e = _fill(bounds, tab, _NEG + m, pat, val, sign_m | low, sign_m, p, e)
         # the next bound above this cell: the cells before its cell all read e
-        nxt = -1 if e == 255 or not bounds[e] <= 0.0 else (np.int64(bpat[e]) & 0x7FFFFFFF) >> CELL_SHIFT
+        nxt = -1 if e == 255 or not bounds[e] <= 0.0 else (int(np.int64(bpat[e])) & 0x7FFFFFFF) >> CELL_SHIFT
         if nxt < m - 1:
             tab[_NEG + nxt + 1:_NEG + m] = e | (e << 8)
             m = nxt
@@ -191,7 +191,7 @@ def _cell_table(bounds: np.ndarray, lo: float, hi: float) -> np.ndarray:
     c = 0
     while c <= top:  # non-negative values, ascending
         p, e = _fill(bounds, tab, c, pat, val, c << CELL_SHIFT, (c << CELL_SHIFT) | low, p, e)
-        nxt = top + 1 if e == 255 else min(np.int64(bpat[e]) >> CELL_SHIFT, top + 1)
+        nxt = top + 1 if e == 255 else min(int(np.int64(bpat[e])) >> CELL_SHIFT, top + 1)
         if nxt > c + 1:
             tab[c + 1:nxt] = e | (e << 8)
             c = nxt
