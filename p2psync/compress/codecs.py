@@ -175,7 +175,7 @@ class Sketch8(Codec):
     def quantiles(self, x: np.ndarray) -> np.ndarray:
         """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max (Step 1; B = 2**bits)."""
         lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
-        stride = max(1, x.size // self.sample)
+        stride = max(1, -(-x.size // self.sample))  # ceil: at most ``sample`` values are sorted
         s = np.sort(x[::stride])
         b = self.buckets
         if self.boundaries == "quantile" or b < 4:
