@@ -92,9 +92,23 @@ def lookup_np(codes: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def pack_bits(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
-    """``codes`` (each < 2**bits) into ``out`` (zeroed, ceil(n*bits/8) bytes), little-endian."""
-    pos = 0
-    for i in range(codes.shape[0]):
+    """``codes`` (each < 2**bits) into ``out`` (zeroed, ceil(n*bits/8) bytes), little-endian:
+    code i at bits [i*bits, (i+1)*bits) of the byte string. Eight codes fill exactly ``bits``
+    bytes, so whole groups of eight go through one 64-bit word; the tail bit by bit."""
+    n = codes.shape[0]
+    groups = n // 8
+    nb = np.uint64(bits)
+    o = 0
+    for g in range(groups):
+        acc = np.uint64(0)
+        for j in range(8):
+            acc |= np.uint64(codes[g * 8 + j]) << (np.uint64(j) * nb)
+        for b in range(bits):
+            out[o + b] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+        o += bits
+    pos = groups * 8 * bits
+    for i in range(groups * 8, n):
         c = np.uint32(codes[i])
         byte = pos >> 3
         shift = pos & 7
@@ -104,12 +118,32 @@ def pack_bits(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
         pos += bits
 
 
+def pack_bits_np(codes: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`pack_bits` in numpy: each code's ``bits`` low bits, little-endian, in order."""
+    b = (codes.astype(np.uint8)[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    out: np.ndarray = np.packbits(b.reshape(-1), bitorder="little")
+    return out
+
+
 @njit(cache=True, nogil=True)
 def unpack_lookup(packed: np.ndarray, bits: int, table: np.ndarray, out: np.ndarray) -> None:
-    """Decode :func:`pack_bits` output straight through ``table`` into ``out``."""
+    """Decode :func:`pack_bits` output straight through ``table`` into ``out`` (whole groups
+    of eight codes from one 64-bit word, the tail bit by bit)."""
+    n = out.shape[0]
+    groups = n // 8
+    nb = np.uint64(bits)
+    wmask = np.uint64((1 << bits) - 1)
+    o = 0
+    for g in range(groups):
+        acc = np.uint64(0)
+        for b in range(bits):
+            acc |= np.uint64(packed[o + b]) << np.uint64(8 * b)
+        for j in range(8):
+            out[g * 8 + j] = table[(acc >> (np.uint64(j) * nb)) & wmask]
+        o += bits
     mask = (1 << bits) - 1
-    pos = 0
-    for i in range(out.shape[0]):
+    pos = groups * 8 * bits
+    for i in range(groups * 8, n):
         byte = pos >> 3
         shift = pos & 7
         v = np.uint32(packed[byte]) >> shift
@@ -117,6 +151,13 @@ def unpack_lookup(packed: np.ndarray, bits: int, table: np.ndarray, out: np.ndar
             v |= np.uint32(packed[byte + 1]) << (8 - shift)
         out[i] = table[v & mask]
         pos += bits
+
+
+def unpack_lookup_np(packed: np.ndarray, bits: int, table: np.ndarray, n: int) -> np.ndarray:
+    """:func:`unpack_lookup` in numpy."""
+    b = np.unpackbits(packed, bitorder="little")[:n * bits].reshape(n, bits).astype(np.intp)
+    out: np.ndarray = table[(b << np.arange(bits)).sum(axis=1)]
+    return out
 
 
 #: bucketize_keyed: a table cell holds 2**CELL_SHIFT consecutive float32 bit patterns (the sign,
