@@ -185,6 +185,9 @@ class PReduce(Strategy):
         self.steps = 0  # local steps taken (the training loop's counter)
         self.seq = 0  # READYs sent
         self.group: GroupMsg | None = None  # the group whose reduce is running
+        #: set when a member of the running reduce fails; the failure (which member) beside it
+        self._member_failed = asyncio.Event()
+        self._failure: PeerFailure | None = None
         self.ops = 0  # groups this worker took part in
         self.failed_groups = 0
         self.solo = 0
@@ -206,9 +209,11 @@ class PReduce(Strategy):
         self.final.on_peer_failure(peer)
         g = self.group
         if self.elastic and g is not None and peer in g.members:  # abort the reduce at once
-            self.ctx.transport.mailbox.abort(
-                PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,)),
-                match=lambda tag: tag.startswith(f"{g.tag}."))
+            # the reduce may not be waiting for a piece yet (reading the model, sending): the
+            # event ends it whenever it is, the abort fails the waits already in the mailbox
+            self._failure = PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,))
+            self._member_failed.set()
+            self.ctx.transport.mailbox.abort(self._failure, match=lambda tag: tag.startswith(f"{g.tag}."))
 
     def on_view(self, view: View) -> None:
         self.final.on_view(view)
@@ -279,13 +284,12 @@ class PReduce(Strategy):
         if len(g.members) == 1:  # a solo (tail=shrink with one worker left): nothing to average
             self.solo += 1
             return True
-        rep, coll = self.ctx.replica, self.ctx.collectives
+        rep = self.ctx.replica
         whole = self.opts.average_momentum
         self.group = g
+        self._member_failed, self._failure = asyncio.Event(), None
         try:
-            x = await (rep.export_state() if whole else rep.get_params())
-            avg = await coll.allreduce(x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)),
-                                       tag=g.tag)
+            avg = await self._group_allreduce(g, whole)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
             if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
                 raise
@@ -303,6 +307,26 @@ class PReduce(Strategy):
         self.k = max(self.k, g.k)
         self.ops += 1
         return True
+
+    async def _group_allreduce(self, g: GroupMsg, whole: bool) -> Any:
+        """The group's weighted average, ended with PeerFailure as soon as a member fails
+        (:meth:`on_peer_failure`), whatever the reduce is doing at that moment."""
+        rep = self.ctx.replica
+        failed = self._member_failed
+        dead = [m for m in g.members if m in self.ctx.transport.dead]
+        if dead:  # declared dead before this reduce began: nothing to wait for
+            raise PeerFailure(f"preduce: group {g.op} member {dead[0]} has failed", peers=tuple(dead))
+        x = await (rep.export_state() if whole else rep.get_params())
+        op = asyncio.ensure_future(self.ctx.collectives.allreduce(
+            x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag))
+        try:
+            await wait_or_event(op, failed)
+        finally:
+            if not op.done():
+                await cancel_all([op])
+        if op.cancelled():
+            raise self._failure or PeerFailure(f"preduce: group {g.op} failed", peers=())
+        return op.result()
 
     async def _final_average(self) -> None:
         """Alg. 2 line 8: every member ends with the exact mean of the members' states."""

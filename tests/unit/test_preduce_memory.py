@@ -185,3 +185,26 @@ async def test_an_abandoned_reduce_keeps_the_workers_own_version():
         assert await asyncio.wait_for(reduce, 10) is False
         assert s0.k == 3 and s0.failed_groups == 1 and s0.ops == 0 and s0.last_op == 7
         np.testing.assert_array_equal(await s0.ctx.replica.get_params(), before)
+
+
+async def test_a_member_failing_before_the_reduce_waits_for_pieces_still_ends_it_at_once():
+    """The failure of a member can come while the reduce is still reading the model (nothing in
+    the mailbox to abort yet): the reduce must still end at once, not wait for the dead member's
+    pieces until the collective's timeout. (Seen under load: the test above then waited 10 s.)"""
+    from p2psync.strategies.preduce import GroupMsg
+
+    async with memory_strategies(mesh(3), "preduce", {"P": 2}, momentum=0.0) as pr:
+        s0 = pr[0]
+        s0.elastic = True
+        read = s0.ctx.replica.get_params
+
+        async def read_then_fail() -> np.ndarray:
+            s0.on_peer_failure(1)  # reported while the params are being read
+            return await read()
+
+        s0.ctx.replica.get_params = read_then_fail  # type: ignore[method-assign]
+        g = GroupMsg(ctl=0, op=8, epoch=0, members=(0, 1), weights=(0.5, 0.5), k=10)
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(s0._reduce(g), 30) is False
+        assert asyncio.get_running_loop().time() - t0 < 5
+        assert s0.failed_groups == 1 and s0.ops == 0
