@@ -8,7 +8,6 @@ Exchange._send was never awaited', seen in the leave/join test of Canary).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import warnings
 from types import SimpleNamespace
@@ -45,7 +44,7 @@ async def test_replies_spawned_just_before_close_are_never_made_nor_left_unawait
             ex._spawn(lambda i=i: make(i))  # the tasks have not run yet
         await ex._tasks.close()  # cancelled before their first step
         ex._spawn(lambda: make(99))  # after close: dropped at once
-        await asyncio.sleep(0)
+        await ex._tasks.close()  # reaps that cancelled task too
         gc.collect()
     assert made == [] and sent == []
     assert not [w for w in caught if "never awaited" in str(w.message)]
