@@ -185,9 +185,8 @@ class PReduce(Strategy):
         self.steps = 0  # local steps taken (the training loop's counter)
         self.seq = 0  # READYs sent
         self.group: GroupMsg | None = None  # the group whose reduce is running
-        #: set when a member of the running reduce fails; the failure (which member) beside it
-        self._member_failed = asyncio.Event()
-        self._failure: PeerFailure | None = None
+        #: the running reduce's failure, resolved when one of its members fails
+        self._member_failed: asyncio.Future[PeerFailure] | None = None
         self.ops = 0  # groups this worker took part in
         self.failed_groups = 0
         self.solo = 0
@@ -207,13 +206,10 @@ class PReduce(Strategy):
         if not self.elastic:
             self.failstop.on_peer_failure(peer)
         self.final.on_peer_failure(peer)
-        g = self.group
-        if self.elastic and g is not None and peer in g.members:  # abort the reduce at once
-            # the reduce may not be waiting for a piece yet (reading the model, sending): the
-            # event ends it whenever it is, the abort fails the waits already in the mailbox
-            self._failure = PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,))
-            self._member_failed.set()
-            self.ctx.transport.mailbox.abort(self._failure, match=lambda tag: tag.startswith(f"{g.tag}."))
+        g, failed = self.group, self._member_failed
+        if self.elastic and g is not None and failed is not None and not failed.done() and peer in g.members:
+            # ends the reduce at once, whatever it is doing (reading the model, sending, waiting)
+            failed.set_result(PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,)))
 
     def on_view(self, view: View) -> None:
         self.final.on_view(view)
@@ -287,9 +283,9 @@ class PReduce(Strategy):
         rep = self.ctx.replica
         whole = self.opts.average_momentum
         self.group = g
-        self._member_failed, self._failure = asyncio.Event(), None
+        self._member_failed = failed = asyncio.get_running_loop().create_future()
         try:
-            avg = await self._group_allreduce(g, whole)
+            avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
             if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
                 raise
@@ -299,7 +295,7 @@ class PReduce(Strategy):
                         g.op, list(g.members), exc)
             return False
         finally:
-            self.group = None
+            self.group, self._member_failed = None, None
         avg = np.asarray(avg, dtype=np.float32)
         await (rep.import_state(avg) if whole else rep.set_params(avg))
         # the group's newest version only once its average is in: an abandoned reduce keeps this
@@ -308,11 +304,11 @@ class PReduce(Strategy):
         self.ops += 1
         return True
 
-    async def _group_allreduce(self, g: GroupMsg, whole: bool) -> Any:
-        """The group's weighted average, ended with PeerFailure as soon as a member fails
-        (:meth:`on_peer_failure`), whatever the reduce is doing at that moment."""
+    async def _group_allreduce(self, g: GroupMsg, whole: bool, failed: asyncio.Future[PeerFailure]) -> Any:
+        """The group's weighted average, ended with the PeerFailure ``failed`` resolves to as soon
+        as a member fails (:meth:`on_peer_failure`), whatever the reduce is doing at that moment
+        (cancelling the allreduce also ends its waits for pieces)."""
         rep = self.ctx.replica
-        failed = self._member_failed
         dead = [m for m in g.members if m in self.ctx.transport.dead]
         if dead:  # declared dead before this reduce began: nothing to wait for
             raise PeerFailure(f"preduce: group {g.op} member {dead[0]} has failed", peers=tuple(dead))
@@ -320,12 +316,12 @@ class PReduce(Strategy):
         op = asyncio.ensure_future(self.ctx.collectives.allreduce(
             x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag))
         try:
-            await wait_or_event(op, failed)
+            await asyncio.wait({op, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not op.done():
+            if not op.done():  # a member failed (or this reduce is cancelled)
                 await cancel_all([op])
         if op.cancelled():
-            raise self._failure or PeerFailure(f"preduce: group {g.op} failed", peers=())
+            raise failed.result()
         return op.result()
 
     async def _final_average(self) -> None:
