@@ -99,6 +99,12 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
         # the run (the others learn it at their next report), the others end some steps short
         # (ElasticBSP's supersteps and ASP let workers drift apart by up to R / unboundedly)
         least = STEPS // 2
+        if strategy in ("asp", "elastic_bsp"):
+            # no iteration bound: ASP's drift is unbounded, ElasticBSP's grows per superstep by
+            # the monitoring pushes plus up to R (spec ssp §9 item 13); a star's leaves reach three of
+            # the four shards over the hub, so on a loaded machine they run at well under half
+            # the hub's pace (once measured [40, 17, 17, 17]); idle, 29-40
+            least = STEPS // 4
         if strategy == "preduce" and kind == "star":
             # a P-reduce group must be connected over direct links, so on a star every group
             # holds the hub: a leaf takes part in (P - 1) / (N - 1) of the hub's groups (P = N // 2)
