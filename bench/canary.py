@@ -29,19 +29,24 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
 
 Colayers (``--colayers``, ``--p``): the MLP has two layers with parameters (input -> hidden,
 hidden -> output; 1.07 MB and 0.16 MB), and a colayer holds whole layers, so it has at most
-two colayers. Canary's automatic rule puts both into one (same type, under its 4 MiB cap):
-one round per iteration, nothing to pipeline and ``p`` in {0, 1}. Every Canary configuration
-therefore runs with ``--opt colayers=2`` by default: ``c^[0]`` (the output layer) is produced
-first in backward and its exchange starts while the input layer's gradient is still being
-computed, and the two rounds complete, and count for ``p``, separately. ``p`` defaults to
+two colayers. Canary's automatic rule (the default, ``--colayers 0``) puts both into one (same
+type, under its 4 MiB cap): one round per iteration, nothing to pipeline and ``p`` in {0, 1}.
+That is what a user of ``--strategy canary`` gets, so it is what the Canary rows measure. The
+last row, **Canary (sketch, 2 colayers)**, splits the model (``--opt colayers=2``): ``c^[0]``
+(the output layer) is produced first in backward and its exchange starts while the input
+layer's gradient is still being computed, and the two rounds complete, and count for ``p``,
+separately. It doubles the messages per iteration, and on 2 cores nine node processes are
+CPU-bound by per-message work (measured: BCube(3,2) sketch 1335 iterations in 30 s with one
+colayer, 960-1093 with two; 1.61x against 1.18-1.20x sooner than BSP), so the row shows what
+the split costs here. ``--colayers 2`` runs every Canary row split. ``p`` defaults to
 ``round(0.6 k)`` within [1, k] (the paper's 6 of 10; 1 of 2 here); Canary's own default,
 ceil(0.6 k) = 2 = k, would make a stale iteration with any incomplete colayer an overtime.
 ``p`` decides for an iteration that became stale during its round (ζ passed ``t + s`` while
 its colayers were out): with one colayer complete the node applies what it got (branch B),
 else it is reset (branch C). (A node already beyond ``s`` when its round starts sends no
-gradient, so its colayers lack its own bit and it is reset whatever ``p``.) ``--colayers 0``:
-Canary's automatic rule (one colayer) and its default ``p``. The table's last column counts
-the end-of-iteration decisions (A within ``s``, B, C) over all nodes, from the runs' records.
+gradient, so its colayers lack its own bit and it is reset whatever ``p``.) The table's last
+column counts the end-of-iteration decisions (A within ``s``, B, C) over all nodes, from the
+runs' records.
 What the pipelining saves is small on this model: the whole backward takes about a
 millisecond (measured, batch 32, one thread), and the emulated device time (``--base`` x
 speeds, spent after backward) overlaps every colayer's exchange anyway. The built-in models
@@ -69,8 +74,8 @@ Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" 
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
-Run time: per BCube, 5 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
-the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 7-8 minutes at the defaults.
+Run time: per BCube, 6 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 9-10 minutes at the defaults.
 ``--quick``: BCube(2,2) only, 20 s runs.
 """
 
@@ -93,6 +98,8 @@ from p2psync.training.metrics import bytes_sent
 class Config:
     label: str
     argv: tuple[str, ...]
+    #: Canary's colayers for this configuration (None: ``--colayers``)
+    colayers: int | None = None
 
 
 CANARY = ("--strategy", "canary")
@@ -100,7 +107,8 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (sketch)", CANARY),
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
            Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
-           Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")))
+           Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
+           Config("Canary (sketch, 2 colayers)", CANARY, colayers=2))
 #: the MLP's layers with parameters: the most colayers it can have
 MLP_LAYERS = 2
 
@@ -194,7 +202,9 @@ def step_times(n: int, speeds: Sequence[float], base: float) -> str:
 
 def run_one(cfg: Config, cube: str, args: argparse.Namespace, topo: Path, n: int, out: Path, rep: int) -> Outcome:
     run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{cube}-r{rep}"
-    canary = colayer_opts(args.colayers, args.p) if cfg.argv[:len(CANARY)] == CANARY else []
+    own = cfg.colayers is not None  # a configuration with its own colayers takes their default p
+    canary = (colayer_opts(cfg.colayers if own else args.colayers, None if own else args.p)
+              if cfg.argv[:len(CANARY)] == CANARY else [])
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, *canary, "--time", str(args.seconds),
            "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps), "--hidden", str(args.hidden),
            "--step-time", step_times(n, args.speeds, args.base), "--step-jitter", str(args.jitter),
@@ -276,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--colayers", type=int, choices=range(MLP_LAYERS + 1), default=MLP_LAYERS,
-                    help="Canary's colayers (0: its automatic rule, one colayer for this MLP)")
+    ap.add_argument("--colayers", type=int, choices=range(MLP_LAYERS + 1), default=0,
+                    help="Canary's colayers (0: its automatic rule, one colayer for this MLP; the last "
+                         "configuration always runs 2)")
     ap.add_argument("--p", type=int, default=None,
                     help="Canary's p: colayers complete for a stale iteration to count (default round(0.6 k), >= 1)")
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
