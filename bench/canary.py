@@ -123,6 +123,14 @@ def colayer_opts(colayers: int, p: int | None) -> list[str]:
     return ["--opt", f"colayers={colayers}", "--opt", f"p={p}"]
 
 
+def config_opts(cfg: Config, colayers: int, p: int | None) -> list[str]:
+    """The colayer options of ``cfg``'s runs: none for BSP; a configuration with colayers of
+    its own takes them with their default p, the others ``--colayers`` and ``--p``."""
+    if cfg.argv[:len(CANARY)] != CANARY:
+        return []
+    return colayer_opts(cfg.colayers, None) if cfg.colayers is not None else colayer_opts(colayers, p)
+
+
 @dataclass
 class Outcome:
     config: Config
@@ -202,9 +210,7 @@ def step_times(n: int, speeds: Sequence[float], base: float) -> str:
 
 def run_one(cfg: Config, cube: str, args: argparse.Namespace, topo: Path, n: int, out: Path, rep: int) -> Outcome:
     run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{cube}-r{rep}"
-    own = cfg.colayers is not None  # a configuration with its own colayers takes their default p
-    canary = (colayer_opts(cfg.colayers if own else args.colayers, None if own else args.p)
-              if cfg.argv[:len(CANARY)] == CANARY else [])
+    canary = config_opts(cfg, args.colayers, args.p)
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, *canary, "--time", str(args.seconds),
            "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps), "--hidden", str(args.hidden),
            "--step-time", step_times(n, args.speeds, args.base), "--step-jitter", str(args.jitter),

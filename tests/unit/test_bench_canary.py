@@ -65,7 +65,12 @@ def test_canary_runs_with_several_colayers_and_a_p_below_their_number():
     assert b.colayer_opts(2, 2)[-1] == "p=2"
     assert b.colayer_opts(0, None) == []  # Canary's automatic rule and default p
     assert all(c.argv[:2] == b.CANARY for c in b.CONFIGS[1:]) and b.CONFIGS[0].argv[:2] != b.CANARY
-    assert ("--codec", "sketch8p") == b.CONFIGS[-1].argv[-2:]  # the paper's sketch has a row
+    assert any(c.argv[-2:] == ("--codec", "sketch8p") for c in b.CONFIGS)  # the paper's sketch has a row
+    # the Canary rows take --colayers (default: Canary's automatic rule); the last row is split
+    split = b.CONFIGS[-1]
+    assert b.config_opts(split, 0, None) == b.config_opts(split, 1, 1) == ["--opt", "colayers=2", "--opt", "p=1"]
+    assert b.config_opts(b.CONFIGS[1], 0, None) == [] and b.config_opts(b.CONFIGS[0], 2, None) == []
+    assert b.config_opts(b.CONFIGS[1], 2, None) == ["--opt", "colayers=2", "--opt", "p=1"]
 
 
 def test_the_table_shows_colayers_and_decisions():
