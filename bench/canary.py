@@ -4,7 +4,7 @@
 
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
                            [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
-                           [--colayers 2] [--p P] [--mode wait|compute] [--quick]
+                           [--colayers 0|1|2] [--p P] [--mode wait|compute] [--quick]
 
 Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
 topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-mbps`` (one
@@ -36,9 +36,9 @@ last row, **Canary (sketch, 2 colayers)**, splits the model (``--opt colayers=2`
 (the output layer) is produced first in backward and its exchange starts while the input
 layer's gradient is still being computed, and the two rounds complete, and count for ``p``,
 separately. It doubles the messages per iteration, and on 2 cores nine node processes are
-CPU-bound by per-message work (measured: BCube(3,2) sketch 1335 iterations in 30 s with one
-colayer, 960-1093 with two; 1.61x against 1.18-1.20x sooner than BSP), so the row shows what
-the split costs here. ``--colayers 2`` runs every Canary row split. ``p`` defaults to
+CPU-bound by per-message work (measured, BCube(3,2) sketch8 in 30 s runs: 1335-1482
+iterations and 1.48-1.88x sooner than BSP with one colayer, 960-1139 iterations and 1.18-1.50x
+with two), so the row shows what the split costs here; it always takes its own default p. ``--colayers 2`` runs every Canary row split. ``p`` defaults to
 ``round(0.6 k)`` within [1, k] (the paper's 6 of 10; 1 of 2 here); Canary's own default,
 ceil(0.6 k) = 2 = k, would make a stale iteration with any incomplete colayer an overtime.
 ``p`` decides for an iteration that became stale during its round (ζ passed ``t + s`` while
@@ -316,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "
           f"step times base {args.base:g} s x {args.speeds} (+-{args.jitter:.0%}, {args.mode} mode), "
           f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s); Canary options "
-          f"{' '.join(colayer_opts(args.colayers, args.p)[1::2]) or 'default'}\n")
+          f"{' '.join(colayer_opts(args.colayers, args.p)[1::2]) or 'default'} (the 2-colayer row: "
+          f"{' '.join(config_opts(CONFIGS[-1], args.colayers, args.p)[1::2])})\n")
     print(report(res, args.target))
     print("\n" + "\n".join(targets(res)))
     print(f"\nplot: {plot(res, args.target)}")

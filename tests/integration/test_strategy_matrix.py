@@ -97,13 +97,15 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
     if strategy in FIRST_WORKER_STOPS:
         # a coordinator service decides the stop: the first worker to reach its budget stops
         # the run (the others learn it at their next report), the others end some steps short
-        # (ElasticBSP's supersteps and ASP let workers drift apart by up to R / unboundedly)
+        # (the barrier strategies by at most their staleness; ASP and ElasticBSP further)
         least = STEPS // 2
         if strategy in ("asp", "elastic_bsp"):
-            # no iteration bound: ASP's drift is unbounded, ElasticBSP's grows per superstep by
-            # the monitoring pushes plus up to R (spec ssp §9 item 13); a star's leaves reach three of
-            # the four shards over the hub, so on a loaded machine they run at well under half
-            # the hub's pace (once measured [40, 17, 17, 17]); idle, 29-40
+            # ASP's drift is unbounded; ElasticBSP bounds it per superstep only, by the
+            # monitoring pushes (fast workers run more while the slowest makes its two) plus up
+            # to R (spec ssp §9 item 13), and supersteps add up. On a star the leaves reach three
+            # of the four shards over the hub, so on a loaded machine they ran at well under
+            # half the hub's pace (once measured [40, 17, 17, 17]; idle 29-40). Every topology
+            # gets the same bound: the drift follows the speed ratio, whatever makes it
             least = STEPS // 4
         if strategy == "preduce" and kind == "star":
             # a P-reduce group must be connected over direct links, so on a star every group
