@@ -22,3 +22,6 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 "${PIP[@]}" install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import p2psync, torch; print(f'install.sh: p2psync {p2psync.__version__}, torch {torch.__version__} in $VENV')" >&2
+# compile the numba kernels into their on-disk cache now (about 10 s), not in every node's first
+# exchange (p2psync/cli/precompile.py)
+"$VENV/bin/python" -m p2psync.cli.precompile
