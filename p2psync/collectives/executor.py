@@ -483,8 +483,12 @@ class _Run:
                                                        checked=checked))
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
-            results = await asyncio.gather(*sends, *recvs)  # sends return None
-            msgs = cast("list[Message]", results[len(sends):])
+            if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
+                one = await (sends or recvs)[0]
+                msgs = [] if sends else [cast(Message, one)]
+            else:
+                results = await asyncio.gather(*sends, *recvs)  # sends return None
+                msgs = cast("list[Message]", results[len(sends):])
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                 vals = self._decode(msg, k)
                 if self.check is not None:
