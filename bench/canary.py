@@ -37,9 +37,10 @@ last row, **Canary (sketch, 2 colayers)**, splits the model (``--opt colayers=2`
 layer's gradient is still being computed, and the two rounds complete, and count for ``p``,
 separately. It doubles the messages per iteration, and on 2 cores nine node processes are
 CPU-bound by per-message work (measured, BCube(3,2) sketch8 in 30 s runs: 1335-1482
-iterations and 1.48-1.88x sooner than BSP with one colayer, 960-1139 iterations and 1.18-1.50x
-with two), so the row shows what the split costs here; it always takes its own default p. ``--colayers 2`` runs every Canary row split. ``p`` defaults to
-``round(0.6 k)`` within [1, k] (the paper's 6 of 10; 1 of 2 here); Canary's own default,
+iterations and 1.48-1.88x sooner than BSP with one colayer, 960-1139 iterations and 1.11-1.50x
+with two), so the row shows what the split costs here; it always takes its own default p.
+``--colayers 2`` runs every Canary row split. ``p`` defaults to ``round(0.6 k)`` within
+[1, k] (the paper's 6 of 10; 1 of 2 here); Canary's own default,
 ceil(0.6 k) = 2 = k, would make a stale iteration with any incomplete colayer an overtime.
 ``p`` decides for an iteration that became stale during its round (ζ passed ``t + s`` while
 its colayers were out): with one colayer complete the node applies what it got (branch B),

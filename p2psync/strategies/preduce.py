@@ -184,13 +184,18 @@ class PReduce(Strategy):
         self.k = 0  # the version (spec B11)
         self.steps = 0  # local steps taken (the training loop's counter)
         self.seq = 0  # READYs sent
-        self.group: GroupMsg | None = None  # the group whose reduce is running
-        #: the running reduce's failure, resolved when one of its members fails
-        self._member_failed: asyncio.Future[PeerFailure] | None = None
+        #: the group whose reduce is running, and that reduce's failure (resolved when one of
+        #: the group's members fails)
+        self._running: tuple[GroupMsg, asyncio.Future[PeerFailure]] | None = None
         self.ops = 0  # groups this worker took part in
         self.failed_groups = 0
         self.solo = 0
         self.last_op = 0
+
+    @property
+    def group(self) -> GroupMsg | None:
+        """The group whose reduce is running."""
+        return self._running[0] if self._running is not None else None
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
@@ -206,8 +211,10 @@ class PReduce(Strategy):
         if not self.elastic:
             self.failstop.on_peer_failure(peer)
         self.final.on_peer_failure(peer)
-        g, failed = self.group, self._member_failed
-        if self.elastic and g is not None and failed is not None and not failed.done() and peer in g.members:
+        if not self.elastic or self._running is None:
+            return
+        g, failed = self._running
+        if peer in g.members and not failed.done():
             # ends the reduce at once, whatever it is doing (reading the model, sending, waiting)
             failed.set_result(PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,)))
 
@@ -282,8 +289,8 @@ class PReduce(Strategy):
             return True
         rep = self.ctx.replica
         whole = self.opts.average_momentum
-        self.group = g
-        self._member_failed = failed = asyncio.get_running_loop().create_future()
+        failed: asyncio.Future[PeerFailure] = asyncio.get_running_loop().create_future()
+        self._running = (g, failed)
         try:
             avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
@@ -295,7 +302,7 @@ class PReduce(Strategy):
                         g.op, list(g.members), exc)
             return False
         finally:
-            self.group, self._member_failed = None, None
+            self._running = None
         avg = np.asarray(avg, dtype=np.float32)
         await (rep.import_state(avg) if whole else rep.set_params(avg))
         # the group's newest version only once its average is in: an abandoned reduce keeps this
