@@ -12,8 +12,12 @@ Outgoing pieces are sent zero-copy from the working buffer. During the operation
 because every plan is causal: this node only ever overwrites or adds into a piece after
 receiving a value that already includes what it sent of that piece, so the send has been
 delivered by then. After the operation the last pieces may still be queued inside ZeroMQ (a
-send returns once the message is queued, not transmitted), so the working buffer is never
-modified or handed out afterwards: results are always fresh arrays.
+send returns once the message is queued, not transmitted). A queued zero-copy frame holds a
+reference to the working buffer until ZeroMQ lets go of it, so the buffer itself becomes the
+result when nothing but the operation references it any more (:func:`_refs`, counted against
+the count right after the buffer was made), and a fresh copy otherwise: the result never shares
+memory with a send in flight. Handing the buffer over spares a copy of the whole tensor into
+fresh (page-faulting) memory per operation.
 
 Codecs apply per piece, except ``topk``: its allreduce sparsifies each node's whole contribution
 once and allgathers the sparse parts (:mod:`p2psync.collectives.sparse`, always with error
@@ -60,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 import time
 import zlib
 from collections import deque
@@ -134,6 +139,17 @@ def _to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
     return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype)
 
 
+def _refs(buf: np.ndarray) -> int:
+    """References to the array that owns ``buf``'s memory (numpy files every view under that
+    owner, not under the view it was taken from). Compare only counts taken by the same call
+    site on the same local: each view of the buffer (a piece inside a zero-copy frame ZeroMQ
+    still holds) adds one until it is gone."""
+    owner: Any = buf
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return sys.getrefcount(owner)
+
+
 def _check_tag(tag: str) -> None:
     if not valid_tag(tag) or len(tag) > MAX_TAG:
         raise ConfigError(f"collective tag {tag!r}: 1-{MAX_TAG} characters from A-Z a-z 0-9 _ . : / @ # -")
@@ -195,6 +211,7 @@ class Collectives:
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
         buf, back = _to_numpy(tensor)
+        alone = _refs(buf)  # no view of the working buffer exists yet
         if op != "sum" and buf.dtype.kind not in "f":
             raise ConfigError(f"allreduce op={op!r} needs a floating-point tensor, got {np.dtype(buf.dtype)} "
                               "(use op='sum', or convert to float)")
@@ -210,8 +227,11 @@ class Collectives:
             return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
         stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
-        # never touch ``buf`` again: ZeroMQ may still be reading the last pieces from it
-        return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
+        if _refs(buf) != alone:  # ZeroMQ may still be reading the last pieces: never touch ``buf``
+            return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
+        if op == "mean":
+            buf /= buf.dtype.type(len(g))
+        return back(buf), stats
 
     async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                              algo: str | None = None,
@@ -263,9 +283,10 @@ class Collectives:
         if root not in g:
             raise ConfigError(f"broadcast root {root} is not in the group")
         buf, back = _to_numpy(tensor)
+        alone = _refs(buf)
         plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
-        return back(buf.copy())  # a fresh array: sends may still be reading ``buf``
+        return back(buf if _refs(buf) == alone else buf.copy())  # sends may still be reading ``buf``
 
     def stats_for(self, tag: str) -> OpStats:
         """The stats of the most recent operation with this tag."""

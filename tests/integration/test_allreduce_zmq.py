@@ -12,6 +12,7 @@ import torch
 from p2psync.collectives import Collectives
 from p2psync.errors import PeerFailure
 from p2psync.topology import bcube, mesh, ring, star
+from p2psync.transport import SocketOptions
 from tests.helpers import free_port, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,6 +48,30 @@ async def test_large_allreduce_ring():
         outs = await asyncio.gather(*(cs[i].allreduce(data[i], op="mean", tag="m") for i in topo.ids))
     for o in outs:
         assert o.shape == (10_000_000,) and (o == 2.5).all()
+
+
+async def test_overwriting_a_result_at_once_never_changes_what_peers_receive():
+    """A result may be the operation's working buffer (issue 17), but only once no zero-copy
+    send still reads from it: each node poisons its result with NaN the moment it has it, while
+    its last pieces may still sit in ZeroMQ's queues, and every node must still get the exact
+    sum (a shared buffer would send NaN or a wrong value to a peer)."""
+    topo = ring(4, base_port=free_port())
+    small = SocketOptions(sndbuf=4096, rcvbuf=4096)  # a piece leaves only as fast as it is read
+    async with zmq_cluster(topo, options=small) as eps:
+        cs = {i: Collectives(e, piece_bytes=256 << 10) for i, e in eps.items()}
+        data = {i: np.arange(1_000_000, dtype=np.float32) * (i + 1) for i in topo.ids}
+        ref = sum(data.values())
+
+        async def node(i: int, r: int) -> np.ndarray:
+            out = await cs[i].allreduce(data[i], tag=f"p{r}")
+            kept = out.copy()
+            out[...] = np.nan
+            return kept
+
+        for r in range(5):
+            outs = await asyncio.gather(*(node(i, r) for i in topo.ids))
+            for o in outs:
+                np.testing.assert_array_equal(o, ref)
 
 
 async def test_group_subset_leaves_others_untouched():

@@ -4,14 +4,18 @@ errors (issue 9 items 4 and 5)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers import memory_collectives as memory
+from p2psync.collectives import Collectives
+from p2psync.collectives.executor import _refs
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
-from p2psync.topology import mesh, ring, star
+from p2psync.topology import Route, mesh, ring, star
+from p2psync.transport.memory import MemoryHub, MemoryTransport
 from p2psync.wire.schema import DTYPES
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,3 +142,77 @@ def test_feedback_family_drops_steps_and_view_epochs():
     assert feedback_family("ssgd.12") == feedback_family("ssgd.13.e4") == "ssgd"
     assert feedback_family("layer3.w.7") == "layer3.w"
     assert feedback_family("esync.5.e2") != feedback_family("ssgd.5.e2")
+
+
+class _HoldingTransport(MemoryTransport):
+    """Keeps every frame it sends, as ZeroMQ keeps a zero-copy frame until it has written it."""
+
+    held: list[Any]
+
+    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+        await super()._transmit(peer, route, frames, bulk=bulk)
+        self.held.extend(frames)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+async def test_a_result_never_shares_memory_with_a_send_in_flight(op):
+    """The working buffer becomes the result only when no send still reads from it (issue 17:
+    the result used to be a copy of the whole tensor, always): with frames still held, every
+    result is a separate array; modifying it leaves what the sends carry unchanged."""
+    topo = ring(4)
+    hub = MemoryHub(topo)
+    eps = {i: _HoldingTransport(hub=hub, node_id=i) for i in topo.ids}
+    for e in eps.values():
+        e.held = []
+        await e.start()
+    try:
+        cs = {i: Collectives(e, piece_bytes=64) for i, e in eps.items()}
+        xs = [np.arange(100, dtype=np.float32) * (i + 1) for i in range(4)]
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="held", op=op) for i in range(4)))
+        want = sum(xs) / (4 if op == "mean" else 1)
+        for i, out in enumerate(outs):
+            np.testing.assert_allclose(out, want, rtol=1e-6)
+            held = [np.frombuffer(f, np.uint8) for f in eps[i].held if isinstance(f, memoryview)]
+            assert held, "the ring sends pieces zero-copy"
+            assert not any(np.shares_memory(out, h) for h in held)
+            before = [h.copy() for h in held]
+            out[...] = -1.0
+            assert all(np.array_equal(h, b) for h, b in zip(held, before))
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+async def test_a_result_is_independent_of_the_input_and_of_later_operations(op):
+    """Without sends in flight the working buffer itself is returned: it is still never the
+    caller's input, and the next operation works on a buffer of its own."""
+    async with memory(ring(4), piece_bytes=64) as cs:
+        xs = [np.full(100, float(i + 1), np.float32) for i in range(4)]
+        first = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="a", op=op) for i in range(4)))
+        second = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="b", op=op) for i in range(4)))
+    want = 10.0 / (4 if op == "mean" else 1)
+    for i in range(4):
+        assert not np.shares_memory(first[i], xs[i]) and not np.shares_memory(first[i], second[i])
+        np.testing.assert_array_equal(xs[i], np.full(100, float(i + 1), np.float32))
+        first[i][...] = 0.0
+        np.testing.assert_array_equal(second[i], np.full(100, want, np.float32))
+
+
+def test_refs_counts_views_of_the_working_buffer():
+    buf = np.zeros(8, np.float32)
+    alone = _refs(buf)
+    view = memoryview(buf[2:4])
+    assert _refs(buf) == alone + 1
+    del view
+    assert _refs(buf) == alone
+
+
+def test_refs_counts_views_of_a_view():
+    """numpy files a view of a view under the owning array: still counted."""
+    buf = np.zeros((2, 4), np.float32).reshape(-1)
+    alone = _refs(buf)
+    view = buf[2:4].reshape(-1).data.cast("B")
+    assert _refs(buf) == alone + 1
+    del view
+    assert _refs(buf) == alone
