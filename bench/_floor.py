@@ -21,6 +21,7 @@ ZeroMQ context's IO threads (they run the encryption).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -72,6 +73,7 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
 
     def allreduce(src: np.ndarray) -> np.ndarray:
         buf = src.copy()
+        alone = sys.getrefcount(buf)  # before any piece (a view of ``buf``) is in flight
         lo, hi = chunks[(rank - 1) % n]
         for k in range(lo, hi):
             push.send_multipart([hdr, buf[bounds[k]:bounds[k + 1]]], copy=False)
@@ -90,7 +92,12 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
                     piece[...] = got
                 if s < steps - 1:
                     push.send_multipart([hdr, piece], copy=False)
-        return buf.copy()  # as p2psync: a fresh result, the working buffer may still be in flight
+        # as p2psync: the working buffer is the result once no zero-copy frame holds a piece of
+        # it (waiting at most as long as a copy would take), else a fresh copy
+        end = time.perf_counter() + buf.nbytes / 2e9
+        while sys.getrefcount(buf) != alone and time.perf_counter() < end:
+            time.sleep(0.001)
+        return buf if sys.getrefcount(buf) == alone else buf.copy()
 
     def barrier() -> None:
         push.send(b"b")

@@ -14,8 +14,9 @@ receiving a value that already includes what it sent of that piece, so the send 
 delivered by then. After the operation the last pieces may still be queued inside ZeroMQ (a
 send returns once the message is queued, not transmitted). A queued zero-copy frame holds a
 reference to the working buffer until ZeroMQ lets go of it, so the buffer itself becomes the
-result when nothing but the operation references it any more (:func:`_refs`, counted against
-the count right after the buffer was made), and a fresh copy otherwise: the result never shares
+result once nothing but the operation references it any more (:func:`_refs`, counted against
+the count right after the buffer was made); a large buffer waits for its last sends at most as
+long as copying it would take (:func:`_sends_done`), then it is copied: the result never shares
 memory with a send in flight. Handing the buffer over spares a copy of the whole tensor into
 fresh (page-faulting) memory per operation.
 
@@ -150,6 +151,26 @@ def _refs(buf: np.ndarray) -> int:
     return sys.getrefcount(owner)
 
 
+#: how fast a fresh copy of a finished operation's buffer is made (bytes/s, page faults
+#: included): a result waits for its last sends at most as long as copying it would take
+_COPY_RATE = 2e9
+
+
+async def _sends_done(free: Callable[[], bool], nbytes: int) -> bool:
+    """Has ZeroMQ let go of every zero-copy send of the working buffer (``free``)? Waits for
+    it, polling every millisecond (the loop's idle wait lets pyzmq release the frames), at most
+    as long as copying the ``nbytes`` buffer would take: what not waiting would cost."""
+    if free():
+        return True
+    loop = asyncio.get_running_loop()
+    end = loop.time() + nbytes / _COPY_RATE
+    while loop.time() < end:
+        await asyncio.sleep(0.001)
+        if free():
+            return True
+    return False
+
+
 def _check_tag(tag: str) -> None:
     if not valid_tag(tag) or len(tag) > MAX_TAG:
         raise ConfigError(f"collective tag {tag!r}: 1-{MAX_TAG} characters from A-Z a-z 0-9 _ . : / @ # -")
@@ -227,7 +248,8 @@ class Collectives:
             return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
         stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
-        if _refs(buf) != alone:  # ZeroMQ may still be reading the last pieces: never touch ``buf``
+        if not await _sends_done(lambda: _refs(buf) == alone, buf.nbytes):
+            # ZeroMQ may still be reading the last pieces: never touch ``buf``
             return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
         if op == "mean":
             buf /= buf.dtype.type(len(g))
@@ -286,7 +308,8 @@ class Collectives:
         alone = _refs(buf)
         plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
-        return back(buf if _refs(buf) == alone else buf.copy())  # sends may still be reading ``buf``
+        free = await _sends_done(lambda: _refs(buf) == alone, buf.nbytes)
+        return back(buf if free else buf.copy())  # sends may still be reading ``buf``
 
     def stats_for(self, tag: str) -> OpStats:
         """The stats of the most recent operation with this tag."""

@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import memory_collectives as memory
 from p2psync.collectives import Collectives
-from p2psync.collectives.executor import _refs
+from p2psync.collectives.executor import _COPY_RATE, _refs, _sends_done
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import Route, mesh, ring, star
 from p2psync.transport.memory import MemoryHub, MemoryTransport
@@ -216,3 +216,16 @@ def test_refs_counts_views_of_a_view():
     assert _refs(buf) == alone + 1
     del view
     assert _refs(buf) == alone
+
+
+async def test_sends_done_waits_at_most_as_long_as_a_copy():
+    """A result waits for its last sends while that is cheaper than copying the buffer."""
+    loop = asyncio.get_running_loop()
+    flips = loop.time() + 0.01
+    assert await _sends_done(lambda: loop.time() >= flips, int(1.0 * _COPY_RATE))  # 1 s budget
+    t0 = loop.time()
+    assert not await _sends_done(lambda: False, int(0.02 * _COPY_RATE))  # gives up after 20 ms
+    assert 0.02 <= loop.time() - t0 < 1.0
+    t0 = loop.time()
+    assert not await _sends_done(lambda: False, 1000)  # a small buffer is copied at once
+    assert loop.time() - t0 < 0.01
