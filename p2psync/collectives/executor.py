@@ -14,9 +14,9 @@ receiving a value that already includes what it sent of that piece, so the send 
 delivered by then. After the operation the last pieces may still be queued inside ZeroMQ (a
 send returns once the message is queued, not transmitted). A queued zero-copy frame holds a
 reference to the working buffer until ZeroMQ lets go of it, so the buffer itself becomes the
-result once nothing but the operation references it any more (:func:`_refs`, counted against
-the count right after the buffer was made); a large buffer waits for its last sends at most as
-long as copying it would take (:func:`_sends_done`), then it is copied: the result never shares
+result once nothing but the operation references it any more (counted against the count right
+after the buffer was made); a large buffer waits for its last sends at most as long as copying
+it would take, then it is copied (:mod:`p2psync.collectives.buffers`): the result never shares
 memory with a send in flight. Handing the buffer over spares a copy of the whole tensor into
 fresh (page-faulting) memory per operation.
 
@@ -65,7 +65,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import sys
 import time
 import zlib
 from collections import deque
@@ -74,6 +73,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, cast, get_args
 
 import numpy as np
 
+from p2psync.collectives.buffers import refs, sends_done, to_numpy
 from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
@@ -91,7 +91,6 @@ MAX_TAG = 96
 _STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
-_WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
 
 
 @dataclass
@@ -114,61 +113,6 @@ class OpStats:
     def compression(self) -> float:
         """Raw bytes over wire bytes (1.0 when nothing was sent)."""
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
-
-
-def _to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
-    """A flat host copy of ``tensor`` (16-bit floats widened to float32) and a function that
-    turns a flat result back into the tensor's type, shape and dtype."""
-    if isinstance(tensor, np.ndarray):
-        shape, dtype = tensor.shape, tensor.dtype
-        work = _WIDE.get(dtype, dtype)
-        return (np.array(tensor, dtype=work, copy=True).reshape(-1),
-                lambda flat: flat.astype(dtype, copy=False).reshape(shape))
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(tensor).__name__}")
-    t = tensor.detach()
-    if t.device.type == "cuda":  # stage through pinned host memory
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        t = host
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t = t.to(torch.float32)
-    arr = t.contiguous().numpy().reshape(-1).copy()
-    dev, shape, tdtype = tensor.device, tensor.shape, tensor.dtype
-    return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype)
-
-
-def _refs(buf: np.ndarray) -> int:
-    """References to the array that owns ``buf``'s memory (numpy files every view under that
-    owner, not under the view it was taken from). Compare only counts taken by the same call
-    site on the same local: each view of the buffer (a piece inside a zero-copy frame ZeroMQ
-    still holds) adds one until it is gone."""
-    owner: Any = buf
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
-    return sys.getrefcount(owner)
-
-
-#: how fast a fresh copy of a finished operation's buffer is made (bytes/s, page faults
-#: included): a result waits for its last sends at most as long as copying it would take
-_COPY_RATE = 2e9
-
-
-async def _sends_done(free: Callable[[], bool], nbytes: int) -> bool:
-    """Has ZeroMQ let go of every zero-copy send of the working buffer (``free``)? Waits for
-    it, polling every millisecond (the loop's idle wait lets pyzmq release the frames), at most
-    as long as copying the ``nbytes`` buffer would take: what not waiting would cost."""
-    if free():
-        return True
-    loop = asyncio.get_running_loop()
-    end = loop.time() + nbytes / _COPY_RATE
-    while loop.time() < end:
-        await asyncio.sleep(0.001)
-        if free():
-            return True
-    return False
 
 
 def _check_tag(tag: str) -> None:
@@ -231,8 +175,8 @@ class Collectives:
         if op not in get_args(ReduceOp):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
-        buf, back = _to_numpy(tensor)
-        alone = _refs(buf)  # no view of the working buffer exists yet
+        buf, back = to_numpy(tensor)
+        alone = refs(buf)  # no view of the working buffer exists yet
         if op != "sum" and buf.dtype.kind not in "f":
             raise ConfigError(f"allreduce op={op!r} needs a floating-point tensor, got {np.dtype(buf.dtype)} "
                               "(use op='sum', or convert to float)")
@@ -248,7 +192,7 @@ class Collectives:
             return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
         stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
-        if not await _sends_done(lambda: _refs(buf) == alone, buf.nbytes):
+        if not await sends_done(lambda: refs(buf) == alone, buf.nbytes):
             # ZeroMQ may still be reading the last pieces: never touch ``buf``
             return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
         if op == "mean":
@@ -265,7 +209,7 @@ class Collectives:
             raise ConfigError("codec topk supports allreduce only (a reduce-scatter would re-sparsify partial "
                               "sums at every hop); pass codec='none' or another codec to reduce_scatter")
         dtype = np.dtype(tensor.dtype) if isinstance(tensor, np.ndarray) else None
-        buf, _ = _to_numpy(tensor)
+        buf, _ = to_numpy(tensor)
         plan = self._plan(g, buf, algo)
         await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
         bounds = self._bounds(buf, len(g))
@@ -282,7 +226,7 @@ class Collectives:
                       check: PieceCheck | None = None) -> tuple[list[np.ndarray], OpStats]:
         """:meth:`allgather` and its stats (kept in the history only with ``record``). Each
         piece lies within one member's slot; ``check`` validates every piece at every hop."""
-        mine = np.array(tensor, copy=True).reshape(-1) if isinstance(tensor, np.ndarray) else _to_numpy(tensor)[0]
+        mine = np.array(tensor, copy=True).reshape(-1) if isinstance(tensor, np.ndarray) else to_numpy(tensor)[0]
         m = mine.size
         ppn = max(1, -(-m * mine.itemsize // self.piece_bytes))  # pieces per member
         plan = self._slot_plan(g, ppn)
@@ -304,11 +248,11 @@ class Collectives:
         g = self._group(group)
         if root not in g:
             raise ConfigError(f"broadcast root {root} is not in the group")
-        buf, back = _to_numpy(tensor)
-        alone = _refs(buf)
+        buf, back = to_numpy(tensor)
+        alone = refs(buf)
         plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
-        free = await _sends_done(lambda: _refs(buf) == alone, buf.nbytes)
+        free = await sends_done(lambda: refs(buf) == alone, buf.nbytes)
         return back(buf if free else buf.copy())  # sends may still be reading ``buf``
 
     def stats_for(self, tag: str) -> OpStats:

@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import memory_collectives as memory
 from p2psync.collectives import Collectives
-from p2psync.collectives.executor import _COPY_RATE, _refs, _sends_done
+from p2psync.collectives.buffers import COPY_RATE, refs, sends_done
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import Route, mesh, ring, star
 from p2psync.transport.memory import MemoryHub, MemoryTransport
@@ -201,31 +201,31 @@ async def test_a_result_is_independent_of_the_input_and_of_later_operations(op):
 
 def test_refs_counts_views_of_the_working_buffer():
     buf = np.zeros(8, np.float32)
-    alone = _refs(buf)
+    alone = refs(buf)
     view = memoryview(buf[2:4])
-    assert _refs(buf) == alone + 1
+    assert refs(buf) == alone + 1
     del view
-    assert _refs(buf) == alone
+    assert refs(buf) == alone
 
 
 def test_refs_counts_views_of_a_view():
     """numpy files a view of a view under the owning array: still counted."""
     buf = np.zeros((2, 4), np.float32).reshape(-1)
-    alone = _refs(buf)
+    alone = refs(buf)
     view = buf[2:4].reshape(-1).data.cast("B")
-    assert _refs(buf) == alone + 1
+    assert refs(buf) == alone + 1
     del view
-    assert _refs(buf) == alone
+    assert refs(buf) == alone
 
 
 async def test_sends_done_waits_at_most_as_long_as_a_copy():
     """A result waits for its last sends while that is cheaper than copying the buffer."""
     loop = asyncio.get_running_loop()
     flips = loop.time() + 0.01
-    assert await _sends_done(lambda: loop.time() >= flips, int(1.0 * _COPY_RATE))  # 1 s budget
+    assert await sends_done(lambda: loop.time() >= flips, int(1.0 * COPY_RATE))  # 1 s budget
     t0 = loop.time()
-    assert not await _sends_done(lambda: False, int(0.02 * _COPY_RATE))  # gives up after 20 ms
+    assert not await sends_done(lambda: False, int(0.02 * COPY_RATE))  # gives up after 20 ms
     assert 0.02 <= loop.time() - t0 < 1.0
     t0 = loop.time()
-    assert not await _sends_done(lambda: False, 1000)  # a small buffer is copied at once
+    assert not await sends_done(lambda: False, 1000)  # a small buffer is copied at once
     assert loop.time() - t0 < 0.01

@@ -1,0 +1,68 @@
+"""Working buffers of the collectives: the host copy an operation works on, and when that copy
+may become the result (see :mod:`p2psync.collectives.executor`: a zero-copy frame that ZeroMQ
+still holds keeps a reference to it). Pure, no transport."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+_WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
+
+
+def to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
+    """A flat host copy of ``tensor`` (16-bit floats widened to float32) and a function that
+    turns a flat result back into the tensor's type, shape and dtype."""
+    if isinstance(tensor, np.ndarray):
+        shape, dtype = tensor.shape, tensor.dtype
+        work = _WIDE.get(dtype, dtype)
+        return (np.array(tensor, dtype=work, copy=True).reshape(-1),
+                lambda flat: flat.astype(dtype, copy=False).reshape(shape))
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(tensor).__name__}")
+    t = tensor.detach()
+    if t.device.type == "cuda":  # stage through pinned host memory
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        t = host
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.to(torch.float32)
+    arr = t.contiguous().numpy().reshape(-1).copy()
+    dev, shape, tdtype = tensor.device, tensor.shape, tensor.dtype
+    return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype)
+
+
+def refs(buf: np.ndarray) -> int:
+    """References to the array that owns ``buf``'s memory (numpy files every view under that
+    owner, not under the view it was taken from). Compare only counts taken by the same call
+    site on the same local: each view of the buffer (a piece inside a zero-copy frame ZeroMQ
+    still holds) adds one until it is gone."""
+    owner: Any = buf
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return sys.getrefcount(owner)
+
+
+#: how fast a fresh copy of a finished operation's buffer is made (bytes/s, page faults
+#: included): a result waits for its last sends at most as long as copying it would take
+COPY_RATE = 2e9
+
+
+async def sends_done(free: Callable[[], bool], nbytes: int) -> bool:
+    """Has ZeroMQ let go of every zero-copy send of the working buffer (``free``)? Waits for
+    it, polling every millisecond (the loop's idle wait lets pyzmq release the frames), at most
+    as long as copying the ``nbytes`` buffer would take: what not waiting would cost."""
+    if free():
+        return True
+    loop = asyncio.get_running_loop()
+    end = loop.time() + nbytes / COPY_RATE
+    while loop.time() < end:
+        await asyncio.sleep(0.001)
+        if free():
+            return True
+    return False
