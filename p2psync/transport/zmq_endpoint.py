@@ -20,9 +20,11 @@ handshake completes. ZMTP heartbeats detect a silent peer; ``MAXMSGSIZE`` caps e
 
 The sockets are plain (synchronous) ZeroMQ sockets driven by the event loop: the loop watches
 each socket's file descriptor (``add_reader``) and the callback drains every waiting message with
-``NOBLOCK``; sends are ``NOBLOCK`` too. The descriptor is edge-triggered, so after every send the
-socket's ``EVENTS`` are checked again and a drain is scheduled when input is waiting. This avoids
-``zmq.asyncio``'s per-message futures (about half the per-message cost).
+``NOBLOCK``; sends are ``NOBLOCK`` too. The descriptor is edge-triggered, so after every send on
+a NIC socket its ``EVENTS`` are checked again and a drain is scheduled when input is waiting (a
+control socket receives nothing: see below). This avoids ``zmq.asyncio``'s per-message futures
+(about half the per-message cost). A multipart message is read frame by frame through each
+frame's ``more`` flag (``getsockopt(RCVMORE)`` in pyzmq builds an option enum per call).
 
 **Control channel** (issue 10 item 1). Control messages (``rpc``, ``reply``, ``event``, ``hb``)
 travel on a second TCP connection per peer and NIC, so they never queue behind tensor bytes in a
@@ -91,7 +93,6 @@ _get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on eve
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | _SNDMORE
 
 
@@ -312,13 +313,17 @@ class ZmqEndpoint(Transport):
         sock = (self._ctl_socks if control else self._socks).get(nic)
         if sock is None:
             return
-        for _ in range(_DRAIN_BATCH):
+        for i in range(_DRAIN_BATCH):
             try:
-                if not _get_int(sock, _EVENTS) & _POLLIN:
+                # the first receive needs no check: it raises Again when nothing is waiting
+                # (which costs more than the check, but the callback mostly runs for a message)
+                if i and not _get_int(sock, _EVENTS) & _POLLIN:
                     return
-                frames = [_recv(sock, _NOBLOCK, copy=False)]
-                while _get(sock, _RCVMORE):  # the rest of a multipart message is already here
-                    frames.append(_recv(sock, 0, copy=False))
+                frame = _recv(sock, _NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:  # the rest of a multipart message is already here
+                    frame = _recv(sock, 0, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -381,9 +386,10 @@ class ZmqEndpoint(Transport):
                 raise NotReady from None
             raise TransportError(f"send to node {peer} failed: {exc.strerror}") from None
         finally:
-            # the FD is edge-triggered: a send may have consumed the readable edge
-            if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
-                self._loop.call_soon(self._drain, route.local_nic, not bulk)
+            # the FD is edge-triggered: a send may have consumed the readable edge. Only NIC
+            # sockets receive (a control socket's pipes are all outgoing: nobody sends on them)
+            if bulk and not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
+                self._loop.call_soon(self._drain, route.local_nic, False)
 
     async def _close_io(self) -> None:
         if self._loop is not None:
