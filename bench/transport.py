@@ -9,7 +9,8 @@ the responder runs in a second process, as a peer node would.
     python -m bench.transport [--total-mib 512] [--rtt-count 2000] [--rtt-only]
 
 The round-trip table has a full RPC row (RpcClient.call to an RpcServer handler in the peer
-process) next to the endpoint's own send/recv ping-pong and raw pyzmq (issue 17 item 5).
+process) next to the endpoint's own send/recv ping-pong and raw pyzmq (issue 17 item 5); the
+three rows are measured in alternating turns (:func:`round_trips`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import zmq
@@ -138,66 +139,98 @@ def _raw_rtt_server(addr: str, count: int) -> None:
     _run(run())
 
 
-async def p2psync_rtt(count: int) -> list[float]:
-    """Round trips between two processes (node 0 here, node 1 in a child process)."""
+#: a round-trip row: one request/response (awaitable) and the teardown of client and server
+Pair = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+async def p2psync_pair(count: int) -> Pair:
+    """The endpoint's own send/recv ping-pong with node 1 in a child process (``count`` round
+    trips in all)."""
     port = _port()
-    proc = mp.get_context("spawn").Process(target=_rtt_server, args=(port, count + 10))
+    proc = mp.get_context("spawn").Process(target=_rtt_server, args=(port, count))
     proc.start()
     a = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=0)
     await a.start()
-    out = []
     small = np.zeros(16, dtype=np.float32)
-    for i in range(count + 10):
-        t0 = time.perf_counter()
-        await a.send(1, "ping", [small], step=i, timeout=30)
+    step = iter(range(count))
+
+    async def once() -> None:
+        await a.send(1, "ping", [small], step=next(step), timeout=30)
         await a.recv("pong")
-        if i >= 10:
-            out.append(time.perf_counter() - t0)
-    await a.close()
-    proc.join()
-    return out
+
+    async def close() -> None:
+        await a.close()
+        proc.join()
+
+    return once, close
 
 
-async def rpc_rtt(count: int) -> list[float]:
+async def rpc_pair(count: int) -> Pair:
     """Full RPC calls (RpcClient.call -> RpcServer handler -> reply) to a node in a second
     process: request ids, duplicate cache, RTT estimate, what the coordinator services pay."""
     from p2psync.coordinator import RpcClient
 
     port = _port()
-    proc = mp.get_context("spawn").Process(target=_rpc_server, args=(port, 30 + count * 0.01))
+    proc = mp.get_context("spawn").Process(target=_rpc_server, args=(port, 60 + count * 0.02))
     proc.start()
     a = ZmqEndpoint(topology=mesh(2, base_port=port), node_id=0)
     await a.start()
     cli = RpcClient(a)
-    out = []
-    for i in range(count + 10):
-        t0 = time.perf_counter()
-        await cli.call(1, "echo", {"i": i}, timeout=30)
-        if i >= 10:
-            out.append(time.perf_counter() - t0)
-    await a.close()
-    proc.kill()
-    proc.join()
-    return out
+    i = iter(range(count))
+
+    async def once() -> None:
+        await cli.call(1, "echo", {"i": next(i)}, timeout=30)
+
+    async def close() -> None:
+        await a.close()
+        proc.kill()
+        proc.join()
+
+    return once, close
 
 
-async def raw_rtt(count: int) -> list[float]:
+async def raw_pair(count: int) -> Pair:
+    """Raw pyzmq DEALER here, ROUTER echo in a child process."""
     addr = f"tcp://127.0.0.1:{_port()}"
-    proc = mp.get_context("spawn").Process(target=_raw_rtt_server, args=(addr, count + 10))
+    proc = mp.get_context("spawn").Process(target=_raw_rtt_server, args=(addr, count))
     proc.start()
     ctx = zmq.asyncio.Context()
     d = ctx.socket(zmq.DEALER)
     d.connect(addr)
-    out = []
-    for i in range(count + 10):
-        t0 = time.perf_counter()
+
+    async def once() -> None:
         await d.send_multipart([b"h" * 48, b"x" * 64])
         await d.recv_multipart()
-        if i >= 10:
-            out.append(time.perf_counter() - t0)
-    d.close(0)
-    ctx.term()
-    proc.join()
+
+    async def close() -> None:
+        d.close(0)
+        ctx.term()
+        proc.join()
+
+    return once, close
+
+
+async def round_trips(count: int, rounds: int = 10, warm: int = 10) -> list[list[float]]:
+    """Round-trip times (s) of raw pyzmq, the endpoint and RPC, ``count`` each after ``warm``
+    unmeasured ones, taken in ``rounds`` alternating turns: the machine's speed drifts over a
+    run (other jobs, CPU steal), and rows measured one after the other compared different
+    machines (raw pyzmq's p50 moved 1.8x between runs on a loaded day)."""
+    pairs = [await make(count + warm) for make in (raw_pair, p2psync_pair, rpc_pair)]
+    out: list[list[float]] = [[] for _ in pairs]
+    try:
+        for once, _ in pairs:
+            for _ in range(warm):
+                await once()
+        sizes = [count // rounds + (r < count % rounds) for r in range(rounds)]
+        for n in sizes:
+            for (once, _), times in zip(pairs, out):
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    await once()
+                    times.append(time.perf_counter() - t0)
+    finally:
+        for _, close in pairs:
+            await close()
     return out
 
 
@@ -246,9 +279,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 async def rtt_table(args: argparse.Namespace) -> None:
-    r = await raw_rtt(args.rtt_count)
-    o = await p2psync_rtt(args.rtt_count)
-    c = await rpc_rtt(args.rtt_count)
+    r, o, c = await round_trips(args.rtt_count)
     base = pct(r, 50)
     print("\n## Small-message round trip (request/response, loopback, two processes)\n")
     print(markdown_table(["", "p50 µs", "p99 µs", "mean µs", "p50 × raw"],
