@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -51,18 +52,20 @@ def refs(buf: np.ndarray) -> int:
 #: how fast a fresh copy of a finished operation's buffer is made (bytes/s, page faults
 #: included): a result waits for its last sends at most as long as copying it would take
 COPY_RATE = 2e9
+_POLL = 0.001  # s between looks
 
 
 async def sends_done(free: Callable[[], bool], nbytes: int) -> bool:
     """Has ZeroMQ let go of every zero-copy send of the working buffer (``free``)? Waits for
-    it, polling every millisecond (the loop's idle wait lets pyzmq release the frames), at most
-    as long as copying the ``nbytes`` buffer would take: what not waiting would cost."""
+    it, looking every millisecond (the loop's idle wait lets pyzmq release the frames), at most
+    as long as copying the ``nbytes`` buffer would take: what not waiting would cost. A
+    buffer that copies in under a millisecond (up to about 2 MB) does not wait."""
     if free():
         return True
-    loop = asyncio.get_running_loop()
-    end = loop.time() + nbytes / COPY_RATE
-    while loop.time() < end:
-        await asyncio.sleep(0.001)
+    # time.monotonic: uvloop's loop.time() is cached per iteration in whole milliseconds
+    end = time.monotonic() + nbytes / COPY_RATE
+    while end - time.monotonic() >= _POLL:  # a buffer that copies in under a poll: at once
+        await asyncio.sleep(_POLL)
         if free():
             return True
     return False
