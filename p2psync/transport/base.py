@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -93,26 +94,19 @@ class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
 
 
-_ZEROS: dict[np.dtype[Any], np.ndarray] = {}
 _DOT_MIN = 4096  # below this np.isfinite(a).all() is as fast
-
-
-def _zeros(dtype: np.dtype[Any], n: int) -> np.ndarray:
-    z = _ZEROS.get(dtype)
-    if z is None or z.size < n:
-        z = _ZEROS[dtype] = np.zeros(max(n, 1 << 18), dtype)
-        z.flags.writeable = False
-    return z[:n]
 
 
 def all_finite(a: Any) -> bool:
     """True unless ``a`` (a numpy array or CPU torch tensor) is floating-point and holds NaN or
     infinity.
 
-    A large float32/float64 vector is checked as ``dot(a, zeros) == 0`` (BLAS, one read of
-    ``a``, no temporary): ``x * 0`` is 0 for every finite x and NaN for NaN and +-inf, and a sum
-    of zeros cannot overflow. That is 1.3x (cold) to 1.5x (in cache) faster than
-    ``np.isfinite(a).all()``, which also writes and re-reads a boolean array; other inputs take
+    A large float32/float64 vector is checked as ``dot(a, a)`` (BLAS, one read of ``a``, no
+    temporary): a NaN or an infinity makes the sum of squares NaN or infinite, and only when it
+    is not finite (that, or finite values whose squares overflow) does ``np.isfinite`` decide.
+    For 1 MiB of float32 (best of 400): 22 µs, against 28-30 µs for the earlier
+    ``dot(a, zeros) == 0`` (it streamed a second array) and 27-28 µs for
+    ``np.isfinite(a).all()`` (it also writes and re-reads a boolean array). Other inputs take
     that exact path."""
     if not isinstance(a, np.ndarray):
         detach = getattr(a, "detach", None)
@@ -121,7 +115,8 @@ def all_finite(a: Any) -> bool:
         return True
     if a.size >= _DOT_MIN and a.ndim == 1 and a.dtype.char in "fd" and a.flags.c_contiguous:
         with np.errstate(invalid="ignore", over="ignore"):
-            return bool(np.dot(a, _zeros(a.dtype, a.size)) == 0)
+            if math.isfinite(np.dot(a, a)):
+                return True
     return bool(np.isfinite(a).all())
 
 

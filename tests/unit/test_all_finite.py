@@ -29,3 +29,14 @@ def test_strided_2d_integer_and_empty_inputs():
     a[7, 9] = np.nan
     assert not all_finite(a) and not all_finite(a[:, 1::2][:, 4:5].T.reshape(-1))
     assert all_finite(np.arange(10)) and all_finite(np.zeros(0, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_overflowing_squares_still_find_a_nan(dtype):
+    """Huge finite values overflow the sum of squares: the exact check decides, and still finds
+    the one NaN or infinity among them."""
+    big = np.full(100_000, np.finfo(dtype).max / 4, dtype)
+    for bad in (np.nan, np.inf):
+        b = big.copy()
+        b[77_777] = bad
+        assert not all_finite(b)
