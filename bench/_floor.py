@@ -92,10 +92,12 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
                     piece[...] = got
                 if s < steps - 1:
                     push.send_multipart([hdr, piece], copy=False)
-        # as p2psync: the working buffer is the result once no zero-copy frame holds a piece of
-        # it (waiting at most as long as a copy would take), else a fresh copy
-        end = time.perf_counter() + buf.nbytes / 2e9
-        while sys.getrefcount(buf) != alone and time.perf_counter() < end:
+        # as p2psync (collectives/buffers.py): the working buffer is the result once no
+        # zero-copy frame holds a piece of it (waiting, if a copy would take 4 ms or more, at
+        # most as long as the copy), else a fresh copy
+        budget = buf.nbytes / 2e9
+        end = time.perf_counter() + (budget if budget >= 0.004 else 0.0)
+        while sys.getrefcount(buf) != alone and end - time.perf_counter() >= 0.001:
             time.sleep(0.001)
         return buf if sys.getrefcount(buf) == alone else buf.copy()
 
