@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from p2psync.collectives.buffers import POLL, wait_budget
+
 
 def _chunks(pieces: int, n: int) -> list[tuple[int, int]]:
     return [((pieces * j) // n, (pieces * (j + 1)) // n) for j in range(n)]
@@ -93,12 +95,10 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
                 if s < steps - 1:
                     push.send_multipart([hdr, piece], copy=False)
         # as p2psync (collectives/buffers.py): the working buffer is the result once no
-        # zero-copy frame holds a piece of it (waiting, if a copy would take 4 ms or more, at
-        # most as long as the copy), else a fresh copy
-        budget = buf.nbytes / 2e9
-        end = time.perf_counter() + (budget if budget >= 0.004 else 0.0)
-        while sys.getrefcount(buf) != alone and end - time.perf_counter() >= 0.001:
-            time.sleep(0.001)
+        # zero-copy frame holds a piece of it (waiting by the same rule), else a fresh copy
+        end = time.perf_counter() + wait_budget(buf.nbytes)
+        while sys.getrefcount(buf) != alone and end - time.perf_counter() >= POLL:
+            time.sleep(POLL)
         return buf if sys.getrefcount(buf) == alone else buf.copy()
 
     def barrier() -> None:

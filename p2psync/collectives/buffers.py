@@ -52,10 +52,18 @@ def refs(buf: np.ndarray) -> int:
 #: how fast a fresh copy of a finished operation's buffer is made (bytes/s, page faults
 #: included): a result waits for its last sends at most as long as copying it would take
 COPY_RATE = 2e9
-_POLL = 0.001  # s between looks
+POLL = 0.001  # s between looks
 #: a buffer that copies faster than this never waits: a look costs a whole loop timer tick (1 ms,
 #: more on a loaded machine), and 4 MB operations measured 0.7 ms slower on average with waits
-_MIN_WAIT = 4 * _POLL
+_MIN_WAIT = 4 * POLL
+
+
+def wait_budget(nbytes: int) -> float:
+    """How long (s) a finished operation may wait for its last sends before copying its
+    ``nbytes`` buffer instead: as long as the copy would take, or 0 under 4 ms (about 8 MB).
+    The rule of :func:`sends_done`, also kept by the benchmark floor (``bench/_floor.py``)."""
+    budget = nbytes / COPY_RATE
+    return budget if budget >= _MIN_WAIT else 0.0
 
 
 async def sends_done(free: Callable[[], bool], nbytes: int) -> bool:
@@ -65,13 +73,10 @@ async def sends_done(free: Callable[[], bool], nbytes: int) -> bool:
     buffer that copies in under 4 ms (up to about 8 MB) does not wait."""
     if free():
         return True
-    budget = nbytes / COPY_RATE
-    if budget < _MIN_WAIT:
-        return False
     # time.monotonic: uvloop's loop.time() is cached per iteration in whole milliseconds
-    end = time.monotonic() + budget
-    while end - time.monotonic() >= _POLL:
-        await asyncio.sleep(_POLL)
+    end = time.monotonic() + wait_budget(nbytes)
+    while end - time.monotonic() >= POLL:
+        await asyncio.sleep(POLL)
         if free():
             return True
     return False
