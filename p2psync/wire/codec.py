@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import msgpack
 import numpy as np
@@ -190,10 +190,17 @@ def _unpack_header(raw: Buffer, limits: WireLimits) -> Any:
 
 
 def _is_int(x: Any) -> bool:
-    return type(x) is int  # bool is not int here, on purpose
+    return type(x) is int  # bool is not int here, on purpose (inlined as ``type(x) is int`` in hot paths)
+
+
+_HEADER_KEYS = HEADER_KEYS_REQUIRED | HEADER_KEYS_OPTIONAL
+#: a header without meta (never handed out: a fresh dict goes into each Header)
+_NO_META: dict[str, Any] = {}
 
 
 def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
+    """Raise :class:`ProtocolError` naming the first bad value of ``meta`` and its path (the
+    slow path: :func:`_meta_ok` has already found that there is one)."""
     if depth > limits.max_meta_depth:
         raise ProtocolError("meta_too_deep", path)
     if value is None or isinstance(value, (bool, int, str, bytes)):
@@ -213,6 +220,44 @@ def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
             _check_meta(v, limits, depth + 1, f"{path}.{k}")
         return
     raise ProtocolError("meta_type", f"{path}: {type(value).__name__}")
+
+
+#: meta values that are valid at any depth within the limit (exact types: msgpack makes no subclasses)
+_META_SCALARS = frozenset({type(None), bool, int, str, bytes})
+
+
+def _meta_ok(value: Any, max_depth: int, depth: int) -> bool:
+    """True when :func:`_check_meta` would accept ``value`` (checked without building paths,
+    which cost more than the check: this runs for every message). False sends the caller to
+    :func:`_check_meta` for the error; anything unusual answers False and lets it decide."""
+    if depth > max_depth:
+        return False
+    t = type(value)
+    if t is dict:
+        items: Any = value.items()
+    elif t is list:
+        items = enumerate(value)
+    elif t in _META_SCALARS:
+        return True
+    else:
+        return t is float and math.isfinite(value)
+    if depth >= max_depth and value:  # its items would lie too deep
+        return False
+    for k, v in items:
+        if t is dict and type(k) is not str:
+            return False
+        if type(v) not in _META_SCALARS and not _meta_ok(v, max_depth, depth + 1):
+            return False
+    return True
+
+
+def _frozen(cls: type[Any], fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` with every one of its ``fields`` given.
+    Its generated ``__init__`` sets each field through ``object.__setattr__``, which took 4 µs
+    for a :class:`Header` (more than the rest of its validation); this fills ``__dict__`` at once."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 def _parse_frame_spec(i: int, spec: Any, limits: WireLimits) -> FrameSpec:
@@ -237,7 +282,8 @@ def _parse_frame_spec(i: int, spec: Any, limits: WireLimits) -> FrameSpec:
     itemsize = _DTYPE_BY_NAME[dtype].itemsize
     if count * itemsize != nbytes:
         raise ProtocolError("nbytes_mismatch", f"frames[{i}]: {count}x{itemsize} != {nbytes}")
-    return FrameSpec(dtype=dtype, shape=tuple(shape), codec=codec, nbytes=nbytes)
+    return cast(FrameSpec, _frozen(FrameSpec, {"dtype": dtype, "shape": tuple(shape), "codec": codec,
+                                               "nbytes": nbytes}))
 
 
 def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
@@ -245,50 +291,52 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     obj = _unpack_header(raw, limits)
     if not isinstance(obj, dict):
         raise ProtocolError("header_type", f"header must be a map, got {type(obj).__name__}")
-    keys = set(obj)
-    missing = HEADER_KEYS_REQUIRED - keys
-    if missing:
-        raise ProtocolError("header_keys", f"missing {sorted(missing)}")
-    extra = keys - HEADER_KEYS_REQUIRED - HEADER_KEYS_OPTIONAL
-    if extra:
-        raise ProtocolError("header_keys", f"unexpected {sorted(map(str, extra))}")
-    if obj["v"] != SCHEMA_VERSION or not _is_int(obj["v"]):
-        raise ProtocolError("version", f"unsupported schema version {obj['v']!r}")
+    keys = obj.keys()
+    if not (HEADER_KEYS_REQUIRED <= keys and keys <= _HEADER_KEYS):
+        missing = HEADER_KEYS_REQUIRED - keys
+        if missing:
+            raise ProtocolError("header_keys", f"missing {sorted(missing)}")
+        raise ProtocolError("header_keys", f"unexpected {sorted(map(str, keys - _HEADER_KEYS))}")
+    v = obj["v"]
+    if v != SCHEMA_VERSION or type(v) is not int:
+        raise ProtocolError("version", f"unsupported schema version {v!r}")
     kind = obj["kind"]
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError("kind", f"unknown kind {kind!r}"[:100])
     src = obj["src"]
-    if not _is_int(src) or not 0 <= src <= limits.max_node_id:
+    if type(src) is not int or not 0 <= src <= limits.max_node_id:
         raise ProtocolError("src", f"bad source node {src!r}"[:100])
-    if not valid_tag(obj["tag"]):
-        raise ProtocolError("tag", f"bad tag {obj['tag']!r}"[:100])
+    tag = obj["tag"]
+    if not valid_tag(tag):
+        raise ProtocolError("tag", f"bad tag {tag!r}"[:100])
     step = obj["step"]
-    if not _is_int(step) or not -limits.max_step <= step <= limits.max_step:
+    if type(step) is not int or not -limits.max_step <= step <= limits.max_step:
         raise ProtocolError("step", f"bad step {step!r}"[:100])
     run = obj["run"]
-    if not _is_int(run) or not 0 <= run <= MAX_U64:
+    if type(run) is not int or not 0 <= run <= MAX_U64:
         raise ProtocolError("run", f"bad run id {run!r}"[:100])
     inc = obj["inc"]
-    if not _is_int(inc) or not 0 <= inc <= MAX_U64:
+    if type(inc) is not int or not 0 <= inc <= MAX_U64:
         raise ProtocolError("incarnation", f"bad incarnation {inc!r}"[:100])
     frames = obj["frames"]
     if not isinstance(frames, list) or len(frames) > limits.max_frames:
         raise ProtocolError("frames", f"frames must be a list of <= {limits.max_frames}")
-    specs = tuple(_parse_frame_spec(i, s, limits) for i, s in enumerate(frames))
-    if sum(s.nbytes for s in specs) > limits.max_total_bytes:
+    specs = tuple(_parse_frame_spec(i, s, limits) for i, s in enumerate(frames)) if frames else ()
+    if specs and sum(s.nbytes for s in specs) > limits.max_total_bytes:
         raise ProtocolError("message_too_large", f"> {limits.max_total_bytes} bytes")
-    meta = obj.get("meta", {})
+    meta = obj.get("meta", _NO_META)
     if not isinstance(meta, dict):
         raise ProtocolError("meta_type", "meta must be a map")
-    _check_meta(meta, limits, 0, "meta")
+    if meta and not _meta_ok(meta, limits.max_meta_depth, 0):
+        _check_meta(meta, limits, 0, "meta")
     dst = obj.get("dst")
     hops = obj.get("hops", 0)
     if ("dst" in obj) != ("hops" in obj):
         raise ProtocolError("relay", "dst and hops go together")
     if dst is not None:
-        if not _is_int(dst) or not 0 <= dst <= limits.max_node_id:
+        if type(dst) is not int or not 0 <= dst <= limits.max_node_id:
             raise ProtocolError("relay", f"bad dst {dst!r}"[:100])
-        if not _is_int(hops) or not 0 <= hops <= MAX_HOPS:
+        if type(hops) is not int or not 0 <= hops <= MAX_HOPS:
             raise ProtocolError("relay", f"bad hops {hops!r}"[:100])
         if kind not in RELAY_KINDS:
             raise ProtocolError("relay", f"{kind} messages are never relayed")
@@ -296,10 +344,12 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     if auth is not None and (dst is None or not isinstance(auth, bytes) or len(auth) != AUTH_BYTES):
         raise ProtocolError("relay", f"auth must be a {AUTH_BYTES}-byte digest on a relayed message")
     ctr = obj.get("ctr")
-    if ctr is not None and (dst is None or not _is_int(ctr) or not 0 <= ctr <= MAX_U64):
+    if ctr is not None and (dst is None or type(ctr) is not int or not 0 <= ctr <= MAX_U64):
         raise ProtocolError("relay", f"ctr must be an unsigned 64-bit counter on a relayed message, got {ctr!r}"[:120])
-    return Header(kind=kind, src=src, tag=obj["tag"], step=step, frames=specs, meta=meta,
-                  dst=dst, hops=hops, run=run, inc=inc, auth=auth, ctr=ctr)
+    return cast(Header, _frozen(Header, {
+        "kind": kind, "src": src, "tag": tag, "step": step, "frames": specs,
+        "meta": meta if meta is not _NO_META else {}, "dst": dst, "hops": hops, "run": run,
+        "inc": inc, "auth": auth, "ctr": ctr}))
 
 
 def frame_len(buf: Any) -> int:

@@ -169,3 +169,57 @@ def test_run_id_and_incarnation_round_trip_and_local_checks():
 def test_parse_header_accepts_rpc_meta():
     h = parse_header(bytes(encode(kind="rpc", src=2, tag="rpc.req", meta={"m": "q", "a": {"x": [1, None, True]}})[0]))
     assert h.kind == "rpc" and h.meta["a"]["x"] == [1, None, True]
+
+
+meta_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=3)
+    | st.binary(max_size=3),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=2) | st.binary(max_size=2) | st.integers(0, 3), inner, max_size=3),
+    max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(meta_values, st.integers(1, 4))
+def test_fast_meta_check_agrees_with_the_checker_that_names_the_path(value, max_depth):
+    """``_meta_ok`` (no paths, runs for every message) accepts exactly what ``_check_meta``
+    (names the bad value's path) accepts, at every depth limit."""
+    from p2psync.wire.codec import _check_meta, _meta_ok
+
+    limits = WireLimits(max_meta_depth=max_depth)
+    try:
+        _check_meta(value, limits, 0, "meta")
+        accepted = True
+    except ProtocolError:
+        accepted = False
+    assert _meta_ok(value, max_depth, 0) == accepted
+
+
+def test_meta_depth_limit_is_exact():
+    """A value at the deepest allowed level passes; one level deeper is ``meta_too_deep``."""
+    deepest = {"a": {"b": {"c": {"d": {"e": {"f": 1}}}}}}  # the int at depth 6 = max_meta_depth
+    assert parse_header(_header(meta=deepest)).meta == deepest
+    for too_deep in ({"a": {"b": {"c": {"d": {"e": {"f": [1]}}}}}}, {"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}):
+        with pytest.raises(ProtocolError) as e:
+            parse_header(_header(meta=too_deep))
+        assert e.value.reason == "meta_too_deep"
+    assert parse_header(_header(meta={"a": {"b": {"c": {"d": {"e": {"f": []}}}}}})).meta  # empty: nothing deeper
+
+
+def test_parsed_headers_are_real_frozen_headers():
+    """Headers and frame specs are filled in without their ``__init__`` (for speed); they are
+    still equal to constructed ones, hashable and frozen."""
+    import dataclasses
+
+    from p2psync.wire import Header
+    from p2psync.wire.schema import FrameSpec
+
+    h = parse_header(_header(meta={"k": [1]}, dst=3, hops=1, kind="rpc", frames=[["float32", [2, 3], "none", 24]]))
+    want = Header(kind="rpc", src=1, tag="x", step=0, frames=(FrameSpec("float32", (2, 3), "none", 24),),
+                  meta={"k": [1]}, dst=3, hops=1, run=7, inc=9, auth=None, ctr=None)
+    assert h == want and type(h) is Header and type(h.frames[0]) is FrameSpec
+    assert dataclasses.asdict(h) == dataclasses.asdict(want)
+    assert hash(h.frames[0]) == hash(want.frames[0])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.src = 2  # type: ignore[misc]
+    assert parse_header(_header(frames=[])).meta == {}
