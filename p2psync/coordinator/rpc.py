@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.detector import RttEstimator
-from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, RemoteError, TransportError
+from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, RemoteError
 from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 from p2psync.wire import Message
@@ -46,6 +46,9 @@ Handler = Callable[[int, Mapping[str, Any], Sequence[np.ndarray]], Awaitable[Any
 CALL_TAG = "rpc.call"
 #: finished requests whose replies are kept for duplicates
 REPLY_CACHE = 1024
+#: requests handled at once; more are dropped and counted (``overloaded``): a flood of requests
+#: must not grow memory without bound, and a real caller resends after its retransmission timeout
+MAX_INFLIGHT = 4096
 
 
 class RpcServer:
@@ -59,12 +62,13 @@ class RpcServer:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.handlers: dict[str, Handler] = {}
-        self._serving = TaskSet(f"rpc-server-{transport.node_id}")
         #: requests being handled (each in its own task: handlers may wait)
-        self._inflight = TaskSet("rpc-request")
+        self._inflight = TaskSet(f"rpc-request-{transport.node_id}")
         self._started = False
+        self._subscribed = False
         self.bad_requests = 0
         self.duplicates = 0
+        self.overloaded = 0
         #: (caller, incarnation, request id) -> reply (None while the handler runs)
         self._seen: OrderedDict[tuple[int, int, int], dict[str, Any] | None] = OrderedDict()
 
@@ -76,15 +80,33 @@ class RpcServer:
         self.handlers[method] = handler
 
     def start(self) -> None:
-        """Serve requests until :meth:`close` (once; a closed server stays closed)."""
-        if not self._started:
-            self._started = True
-            self._serving.spawn(self._serve())
+        """Serve requests until :meth:`close` (once; a closed server stays closed). Requests are
+        taken from the mailbox as they are delivered (:meth:`Mailbox.subscribe`), each handled
+        in its own task: no receive loop stands between a request and its handler."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            self.transport.mailbox.subscribe(CALL_TAG, self._arrived)
+            self._subscribed = True
+        except P2PSyncError:
+            return  # the transport is closed already: nothing to serve
 
     @property
     def serving(self) -> bool:
-        """True while the receive loop runs (from :meth:`start` until :meth:`close`)."""
-        return any(not t.done() for t in self._serving)
+        """True while requests are taken (from :meth:`start` until :meth:`close` or until the
+        transport closes)."""
+        return self._subscribed and self.transport.mailbox.subscribed(CALL_TAG)
+
+    def _arrived(self, msg: Message) -> None:
+        """A request was delivered (mailbox callback: must not raise)."""
+        if len(self._inflight) >= MAX_INFLIGHT:
+            self.overloaded += 1
+            if self.overloaded == 1 or self.overloaded % 1000 == 0:
+                log.warning("node %d: %d RPC requests dropped: %d are being handled already",
+                            self.transport.node_id, self.overloaded, MAX_INFLIGHT)
+            return
+        self._inflight.spawn(self._handle(msg))
 
     async def invoke(self, caller: int, method: str, args: Mapping[str, Any],
                      arrays: Sequence[np.ndarray] = ()) -> Any:
@@ -95,14 +117,6 @@ class RpcServer:
         if handler is None:
             raise RemoteError("UnknownMethod", f"no RPC method {method!r} on node {self.transport.node_id}")
         return await handler(caller, args, arrays)
-
-    async def _serve(self) -> None:
-        while True:
-            try:
-                msg = await self.transport.listen(CALL_TAG)
-            except TransportError:
-                return  # transport closed
-            self._inflight.spawn(self._handle(msg))
 
     async def _handle(self, msg: Message) -> None:
         meta = msg.meta
@@ -151,7 +165,10 @@ class RpcServer:
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop serving; replies already being computed get ``grace`` seconds to go out."""
-        await self._serving.close()
+        self._started = True  # a closed server stays closed
+        if self._subscribed:
+            self._subscribed = False
+            self.transport.mailbox.unsubscribe(CALL_TAG)
         await self._inflight.close(grace=grace)
 
 

@@ -110,6 +110,10 @@ class Topology:
         """Every node id, sorted."""
         return sorted(self._by_id)
 
+    def has(self, node_id: int) -> bool:
+        """Is ``node_id`` a node of this topology (a dict lookup: the transport asks on every send)?"""
+        return node_id in self._by_id
+
     @property
     def size(self) -> int:
         """The number of nodes (N); e.g. asgd.py: ``1.0 / self.ctx.topology.size``."""

@@ -257,7 +257,7 @@ class Transport(Relaying, ABC):
                            "infinity (not sent; nobody else is blamed)")
         budget = self.default_timeout if timeout is None else timeout
         if kind in RELAY_KINDS and nic is None and peer != self.node_id \
-                and peer in self.topology.ids and not self.topology.routes(self.node_id, peer):
+                and not self.topology.routes(self.node_id, peer) and self.topology.has(peer):
             await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
                               arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
                               inc=self.incarnation), budget)
@@ -278,7 +278,10 @@ class Transport(Relaying, ABC):
         """Send to an adjacent peer. ``bulk`` (tensors) waits for room in the peer's window
         (backpressure, bounded by ``budget``); control never waits for bulk."""
         if not bulk:
-            await self._shape_and_deliver(peer, route, budget, frames, False)
+            if self.shaper is None:
+                await self._deliver(peer, route, budget, frames)
+            else:
+                await self._shape_and_deliver(peer, route, budget, frames, False)
             return
         nbytes = sum(frame_len(f) for f in frames)
         loop = asyncio.get_running_loop()

@@ -135,6 +135,8 @@ class Mailbox:
         self._retired_prefixes: OrderedDict[str, None] = OrderedDict()
         self.dropped: Counter[str] = Counter()
         self._closed: BaseException | None = None
+        #: tag -> callback that takes every message with exactly that tag (:meth:`subscribe`)
+        self._subscribers: dict[str, Callable[[Message], None]] = {}
 
     # -- counters ------------------------------------------------------------------------
 
@@ -208,6 +210,10 @@ class Mailbox:
         ``mailbox_control_full`` for control). Over the byte budget, older data from the same
         peer is dropped instead (see the module docstring).
         """
+        sub = self._subscribers.get(msg.tag)
+        if sub is not None:
+            sub(msg)
+            return
         w = self._match(msg.tag)
         if w is not None:
             self._unlink(w)
@@ -367,11 +373,11 @@ class Mailbox:
             self._exact.setdefault(exact, deque()).append(waiter)
         else:
             self._prefix.append(waiter)
-        what = f"tag {exact!r}" if exact is not None else f"tag prefix {prefix!r}"
         handle = None
         if timeout is not None:
             def expire() -> None:
                 if not fut.done():
+                    what = f"tag {exact!r}" if exact is not None else f"tag prefix {prefix!r}"
                     fut.set_exception(PeerTimeout(f"no message for {what} within {timeout:g}s"))
 
             handle = loop.call_later(timeout, expire)
@@ -382,6 +388,29 @@ class Mailbox:
                 handle.cancel()
             if not fut.done() or fut.cancelled() or fut.exception() is not None:
                 self._unlink(waiter)
+
+    def subscribe(self, tag: str, callback: Callable[[Message], None]) -> None:
+        """Hand every message with exactly ``tag`` to ``callback`` as it is delivered (those
+        queued now first), instead of queueing it for :meth:`get`: a server that takes every
+        request of one tag (the RPC server) saves the waiter, the future and a loop turn per
+        message. ``callback`` runs inside delivery (a loop callback): it must not block or
+        raise, and bounds what it keeps itself. Ends with :meth:`unsubscribe` or :meth:`close`;
+        ValueError when the tag already has a subscriber, the close error when closed."""
+        if self._closed is not None:
+            raise self._closed
+        if tag in self._subscribers:
+            raise ValueError(f"tag {tag!r} already has a subscriber")
+        self._subscribers[tag] = callback
+        while (msg := self._pop(tag)) is not None:
+            callback(msg)
+
+    def unsubscribe(self, tag: str) -> None:
+        """Stop handing ``tag`` to its subscriber; later arrivals queue again."""
+        self._subscribers.pop(tag, None)
+
+    def subscribed(self, tag: str) -> bool:
+        """``tag`` has a subscriber (false once the mailbox closed)."""
+        return tag in self._subscribers
 
     def get_nowait(self, tag: str) -> Message | None:
         """A queued message with this tag, or None."""
@@ -455,6 +484,7 @@ class Mailbox:
         """Fail every waiter, and every later :meth:`get` that finds nothing queued, with
         ``exc``; drop what is queued. Called when the transport closes."""
         self._closed = exc
+        self._subscribers.clear()
         self.abort(exc)
         self._queues.clear()
         self._families.clear()

@@ -95,8 +95,8 @@ class Relaying:
         the k-th candidate first hop (so a retry goes around a relay that died)."""
         if kind not in RELAY_KINDS:
             raise ValueError(f"{kind!r} is not a control kind")
-        if attempt == 0 or peer == self.node_id or peer not in self.topology.ids \
-                or self.topology.routes(self.node_id, peer):
+        if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
+                or not self.topology.has(peer):
             await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout)
             return
         if self._closed:

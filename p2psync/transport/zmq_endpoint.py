@@ -86,7 +86,9 @@ log = logging.getLogger("p2psync.transport")
 
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
+# the backend getter turns its option into a SocketOption enum on every call; given a member,
+# the enum's constructor returns it at once (2.2 against 2.7 µs a call, twice a message or more)
+_EVENTS = zmq.SocketOption.EVENTS
 _get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
 # the backend's send / recv with int flags: pyzmq's send_multipart / recv_multipart build a Flag
 # enum per frame (SNDMORE | flags) and check every frame's type (~10 µs a small message)

@@ -83,3 +83,25 @@ async def test_memory_transport_rejects_garbage_and_unreachable():
         await eps[1].send(2, "x")
     with pytest.raises(PeerUnreachable):
         await eps[0].send(2, "x", timeout=0.05)
+
+
+async def test_a_subscriber_takes_queued_then_arriving_messages_of_its_tag_only():
+    mb = Mailbox()
+    mb.deliver(_msg("s.call", src=1))
+    mb.deliver(_msg("other"))
+    got: list = []
+    mb.subscribe("s.call", got.append)
+    assert [m.src for m in got] == [1] and mb.pending == 1  # the queued one at once
+    mb.deliver(_msg("s.call", src=2))
+    mb.deliver(_msg("s.call.x"))  # exact tags only
+    assert [m.src for m in got] == [1, 2] and mb.subscribed("s.call")
+    with pytest.raises(ValueError):
+        mb.subscribe("s.call", got.append)
+    mb.unsubscribe("s.call")
+    mb.deliver(_msg("s.call", src=3))  # queues again
+    assert len(got) == 2 and (await mb.get("s.call", timeout=1)).src == 3
+    mb.subscribe("s.call", got.append)
+    mb.close(TransportError("closed"))
+    assert not mb.subscribed("s.call")
+    with pytest.raises(TransportError):
+        mb.subscribe("t", got.append)

@@ -44,3 +44,35 @@ async def test_remote_error_keeps_the_remote_type_name_and_message_as_fields(mem
         await RpcClient(eps[1]).call(0, "t.fail", {})
     assert (got.value.kind, got.value.message) == ("ConfigError", "a: b: c")
     assert str(got.value) == "ConfigError: a: b: c"
+
+
+async def test_requests_beyond_the_in_flight_cap_are_dropped_counted_and_resent(memory_server, monkeypatch):
+    """A flood of requests cannot grow the server's tasks without bound: over ``MAX_INFLIGHT``
+    handlers running, new requests are dropped and counted; their callers' resends are served
+    once handlers finish."""
+    import asyncio
+
+    from p2psync.coordinator import rpc
+
+    monkeypatch.setattr(rpc, "MAX_INFLIGHT", 3)
+    eps, server = await memory_server(2)
+    gate = asyncio.Event()
+
+    async def slow(caller, args, arrays):
+        await gate.wait()
+        return args["i"]
+
+    server.register("t.slow", slow)
+    server.start()
+    client = RpcClient(eps[1])
+    calls = [asyncio.create_task(client.call(0, "t.slow", {"i": i}, timeout=10)) for i in range(5)]
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if server.overloaded >= 2:
+            break
+    assert server.overloaded == 2 and len(server._inflight) == 3
+    gate.set()
+    assert sorted(await asyncio.gather(*calls)) == [0, 1, 2, 3, 4]  # the dropped two were resent
+    assert client.retries >= 2 and server.serving
+    await server.close()
+    assert not server.serving
