@@ -1,6 +1,6 @@
 """Wire format: versioned msgpack header + raw zero-copy tensor frames (pure, no sockets)."""
 
-from p2psync.wire.codec import Message, decode, encode, frame_len, parse_header
+from p2psync.wire.codec import Message, decode, encode, frame_len, frames_len, parse_header
 from p2psync.wire.schema import (
     CODECS,
     DEFAULT_LIMITS,
@@ -33,5 +33,6 @@ __all__ = [
     "decode",
     "encode",
     "frame_len",
+    "frames_len",
     "parse_header",
 ]
