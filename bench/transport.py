@@ -6,11 +6,14 @@ for throughput both ends share one ZeroMQ context (one IO thread) as the raw bas
 the ratio compares software overhead, not thread scheduling on a 2-core machine. Round trip:
 the responder runs in a second process, as a peer node would.
 
-    python -m bench.transport [--total-mib 512] [--rtt-count 2000] [--rtt-only]
+    python -m bench.transport [--total-mib 512] [--rtt-count 2000] [--rtt-turns 200] [--rtt-only]
 
 The round-trip table has a full RPC row (RpcClient.call to an RpcServer handler in the peer
 process) next to the endpoint's own send/recv ping-pong and raw pyzmq (issue 17 item 5); the
-three rows are measured in alternating turns (:func:`round_trips`).
+three rows are measured in alternating turns (:func:`round_trips`), 200 by default: with 10
+turns of a few hundred calls each, a burst of load on this VM could fall on one row's turn and
+move the ratio by 0.1 either way between runs; with 200 turns of 10-20 calls every row sees the
+same machine (three runs agreed within 0.04).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ async def raw_pair(count: int) -> Pair:
     return once, close
 
 
-async def round_trips(count: int, rounds: int = 10, warm: int = 10) -> list[list[float]]:
+async def round_trips(count: int, rounds: int = 200, warm: int = 10) -> list[list[float]]:
     """Round-trip times (s) of raw pyzmq, the endpoint and RPC, ``count`` each after ``warm``
     unmeasured ones, taken in ``rounds`` alternating turns: the machine's speed drifts over a
     run (other jobs, CPU steal), and rows measured one after the other compared different
@@ -279,7 +282,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 async def rtt_table(args: argparse.Namespace) -> None:
-    r, o, c = await round_trips(args.rtt_count)
+    r, o, c = await round_trips(args.rtt_count, rounds=args.rtt_turns)
     base = pct(r, 50)
     print("\n## Small-message round trip (request/response, loopback, two processes)\n")
     print(markdown_table(["", "p50 µs", "p99 µs", "mean µs", "p50 × raw"],
@@ -295,6 +298,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rtt-count", type=int, default=2000)
     p.add_argument("--rtt-only", action="store_true", help="only the round-trip table (no plot)")
+    p.add_argument("--rtt-turns", type=int, default=200, help="alternating turns of the three round-trip rows")
     _run(main_async(p.parse_args()))
 
 
