@@ -285,7 +285,9 @@ class Transport(Relaying, ABC):
         deadline = loop.time() + budget
         win = self.window(peer)
         try:
-            held = await win.acquire(nbytes, budget)
+            held = win.try_acquire(nbytes)
+            if held is None:
+                held = await win.acquire(nbytes, budget)
         except (asyncio.TimeoutError, TimeoutError):
             raise PeerUnreachable(f"node {self.node_id}: node {peer} took no more bulk bytes for "
                                   f"{budget:g}s (flow-control window of {win.capacity} bytes full)",

@@ -33,13 +33,23 @@ class ByteWindow:
     def _fits(self, n: int) -> bool:
         return self.used + n <= self.capacity
 
-    async def acquire(self, nbytes: int, timeout: float | None) -> int:
-        """Take ``min(nbytes, capacity)`` bytes; returns the amount to :meth:`release`.
-        Raises :class:`TimeoutError` when no room came within ``timeout``."""
+    def try_acquire(self, nbytes: int) -> int | None:
+        """Take ``min(nbytes, capacity)`` bytes now if they fit and nobody waits ahead (FIFO);
+        returns the amount to :meth:`release`, or None: then :meth:`acquire` waits. The common
+        case of every bulk send, with no coroutine to create."""
         n = max(0, min(nbytes, self.capacity))
         if not self._waiters and self._fits(n):
             self.used += n
             return n
+        return None
+
+    async def acquire(self, nbytes: int, timeout: float | None) -> int:
+        """Take ``min(nbytes, capacity)`` bytes; returns the amount to :meth:`release`.
+        Raises :class:`TimeoutError` when no room came within ``timeout``."""
+        got = self.try_acquire(nbytes)
+        if got is not None:
+            return got
+        n = max(0, min(nbytes, self.capacity))
         self.waits += 1
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         item = (n, fut)

@@ -36,6 +36,20 @@ async def test_byte_window_fifo_oversize_and_timeout():
     assert await small == 10 and w.used == 10
 
 
+async def test_try_acquire_takes_room_only_when_nobody_waits_ahead():
+    w = ByteWindow(100)
+    assert w.try_acquire(60) == 60 and w.try_acquire(50) is None and w.used == 60
+    waiting = asyncio.create_task(w.acquire(50, None))
+    await asyncio.sleep(0)
+    assert w.try_acquire(10) is None  # it fits, but a waiter is ahead (FIFO)
+    w.release(60)
+    assert await waiting == 50
+    assert w.try_acquire(40) == 40 and w.used == 90
+    assert w.try_acquire(500) is None  # oversize takes the whole window: only when it is empty
+    w.release(90)
+    assert w.try_acquire(500) == 100 and w.used == 100
+
+
 @pytest.fixture
 async def pair():
     hub = MemoryHub(mesh(2))
