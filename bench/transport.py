@@ -282,7 +282,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 async def rtt_table(args: argparse.Namespace) -> None:
-    r, o, c = await round_trips(args.rtt_count, rounds=args.rtt_turns)
+    r, o, c = await round_trips(args.rtt_count, rounds=max(1, min(args.rtt_turns, args.rtt_count)))
     base = pct(r, 50)
     print("\n## Small-message round trip (request/response, loopback, two processes)\n")
     print(markdown_table(["", "p50 µs", "p99 µs", "mean µs", "p50 × raw"],

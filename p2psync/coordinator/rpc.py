@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
@@ -46,9 +46,12 @@ Handler = Callable[[int, Mapping[str, Any], Sequence[np.ndarray]], Awaitable[Any
 CALL_TAG = "rpc.call"
 #: finished requests whose replies are kept for duplicates
 REPLY_CACHE = 1024
-#: requests handled at once; more are dropped and counted (``overloaded``): a flood of requests
-#: must not grow memory without bound, and a real caller resends after its retransmission timeout
-MAX_INFLIGHT = 4096
+#: requests of one caller handled at once; more from that caller are dropped and counted
+#: (``overloaded``): a flood must not grow memory without bound, and a real caller resends after
+#: its retransmission timeout. Per caller, not in all: long polls (a rendezvous holds every
+#: node's ``register`` until all have come) take one slot of each caller however large the
+#: cluster, and one flooding peer cannot starve the others.
+MAX_INFLIGHT_PER_CALLER = 1024
 
 
 class RpcServer:
@@ -69,6 +72,8 @@ class RpcServer:
         self.bad_requests = 0
         self.duplicates = 0
         self.overloaded = 0
+        #: caller -> its requests being handled now
+        self._busy: Counter[int] = Counter()
         #: (caller, incarnation, request id) -> reply (None while the handler runs)
         self._seen: OrderedDict[tuple[int, int, int], dict[str, Any] | None] = OrderedDict()
 
@@ -85,28 +90,37 @@ class RpcServer:
         in its own task: no receive loop stands between a request and its handler."""
         if self._started:
             return
+        asyncio.get_running_loop()  # RuntimeError before anything is taken: handlers need the loop
         self._started = True
         try:
             self.transport.mailbox.subscribe(CALL_TAG, self._arrived)
-            self._subscribed = True
         except P2PSyncError:
             return  # the transport is closed already: nothing to serve
+        self._subscribed = True
 
     @property
     def serving(self) -> bool:
         """True while requests are taken (from :meth:`start` until :meth:`close` or until the
         transport closes)."""
-        return self._subscribed and self.transport.mailbox.subscribed(CALL_TAG)
+        return self._subscribed and self.transport.mailbox.subscribed(CALL_TAG, self._arrived)
 
     def _arrived(self, msg: Message) -> None:
         """A request was delivered (mailbox callback: must not raise)."""
-        if len(self._inflight) >= MAX_INFLIGHT:
+        src = msg.src
+        if self._busy[src] >= MAX_INFLIGHT_PER_CALLER:
             self.overloaded += 1
             if self.overloaded == 1 or self.overloaded % 1000 == 0:
-                log.warning("node %d: %d RPC requests dropped: %d are being handled already",
-                            self.transport.node_id, self.overloaded, MAX_INFLIGHT)
+                log.warning("node %d: %d RPC requests dropped so far; node %d has %d being handled "
+                            "already", self.transport.node_id, self.overloaded, src,
+                            MAX_INFLIGHT_PER_CALLER)
             return
-        self._inflight.spawn(self._handle(msg))
+        self._busy[src] += 1
+        self._inflight.spawn(self._handle(msg)).add_done_callback(lambda _t: self._done(src))
+
+    def _done(self, src: int) -> None:
+        self._busy[src] -= 1
+        if not self._busy[src]:
+            del self._busy[src]
 
     async def invoke(self, caller: int, method: str, args: Mapping[str, Any],
                      arrays: Sequence[np.ndarray] = ()) -> Any:
@@ -168,7 +182,7 @@ class RpcServer:
         self._started = True  # a closed server stays closed
         if self._subscribed:
             self._subscribed = False
-            self.transport.mailbox.unsubscribe(CALL_TAG)
+            self.transport.mailbox.unsubscribe(CALL_TAG, self._arrived)
         await self._inflight.close(grace=grace)
 
 

@@ -391,26 +391,34 @@ class Mailbox:
 
     def subscribe(self, tag: str, callback: Callable[[Message], None]) -> None:
         """Hand every message with exactly ``tag`` to ``callback`` as it is delivered (those
-        queued now first), instead of queueing it for :meth:`get`: a server that takes every
-        request of one tag (the RPC server) saves the waiter, the future and a loop turn per
-        message. ``callback`` runs inside delivery (a loop callback): it must not block or
-        raise, and bounds what it keeps itself. Ends with :meth:`unsubscribe` or :meth:`close`;
-        ValueError when the tag already has a subscriber, the close error when closed."""
+        queued now first), instead of queueing it for :meth:`get` (waiters for the tag are not
+        served meanwhile): a server that takes every request of one tag (the RPC server) saves
+        the waiter, the future and a loop turn per message. ``callback`` runs inside delivery
+        (a loop callback): it must not block or raise, and bounds what it keeps itself; if it
+        raises while the queued messages are handed over, the subscription is undone and the
+        error propagates. Ends with :meth:`unsubscribe` or :meth:`close`; ValueError when the
+        tag already has a subscriber, the close error when closed."""
         if self._closed is not None:
             raise self._closed
         if tag in self._subscribers:
             raise ValueError(f"tag {tag!r} already has a subscriber")
         self._subscribers[tag] = callback
-        while (msg := self._pop(tag)) is not None:
-            callback(msg)
+        try:
+            while (msg := self._pop(tag)) is not None:
+                callback(msg)
+        except BaseException:
+            del self._subscribers[tag]
+            raise
 
-    def unsubscribe(self, tag: str) -> None:
-        """Stop handing ``tag`` to its subscriber; later arrivals queue again."""
-        self._subscribers.pop(tag, None)
+    def unsubscribe(self, tag: str, callback: Callable[[Message], None]) -> None:
+        """Stop handing ``tag`` to ``callback`` (another component's subscription is left
+        alone); later arrivals queue again."""
+        if self._subscribers.get(tag) == callback:
+            del self._subscribers[tag]
 
-    def subscribed(self, tag: str) -> bool:
-        """``tag`` has a subscriber (false once the mailbox closed)."""
-        return tag in self._subscribers
+    def subscribed(self, tag: str, callback: Callable[[Message], None]) -> bool:
+        """``callback`` takes ``tag`` (false once unsubscribed or the mailbox closed)."""
+        return self._subscribers.get(tag) == callback
 
     def get_nowait(self, tag: str) -> Message | None:
         """A queued message with this tag, or None."""

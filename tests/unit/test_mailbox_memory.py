@@ -94,14 +94,30 @@ async def test_a_subscriber_takes_queued_then_arriving_messages_of_its_tag_only(
     assert [m.src for m in got] == [1] and mb.pending == 1  # the queued one at once
     mb.deliver(_msg("s.call", src=2))
     mb.deliver(_msg("s.call.x"))  # exact tags only
-    assert [m.src for m in got] == [1, 2] and mb.subscribed("s.call")
+    assert [m.src for m in got] == [1, 2] and mb.subscribed("s.call", got.append)
     with pytest.raises(ValueError):
         mb.subscribe("s.call", got.append)
-    mb.unsubscribe("s.call")
+    mb.unsubscribe("s.call", [].append)  # not its subscriber: left alone
+    assert mb.subscribed("s.call", got.append) and not mb.subscribed("s.call", [].append)
+    mb.unsubscribe("s.call", got.append)
     mb.deliver(_msg("s.call", src=3))  # queues again
     assert len(got) == 2 and (await mb.get("s.call", timeout=1)).src == 3
     mb.subscribe("s.call", got.append)
     mb.close(TransportError("closed"))
-    assert not mb.subscribed("s.call")
+    assert not mb.subscribed("s.call", got.append)
     with pytest.raises(TransportError):
         mb.subscribe("t", got.append)
+
+
+async def test_a_subscriber_that_raises_on_the_queued_messages_is_undone():
+    mb = Mailbox()
+    mb.deliver(_msg("s", src=1))
+
+    def boom(msg):
+        raise RuntimeError("no loop")
+
+    with pytest.raises(RuntimeError):
+        mb.subscribe("s", boom)
+    assert not mb.subscribed("s", boom)
+    mb.deliver(_msg("s", src=2))  # queues, as for any tag without a subscriber
+    assert (await mb.get("s", timeout=1)).src == 2

@@ -46,23 +46,27 @@ async def test_remote_error_keeps_the_remote_type_name_and_message_as_fields(mem
     assert str(got.value) == "ConfigError: a: b: c"
 
 
-async def test_requests_beyond_the_in_flight_cap_are_dropped_counted_and_resent(memory_server, monkeypatch):
-    """A flood of requests cannot grow the server's tasks without bound: over ``MAX_INFLIGHT``
-    handlers running, new requests are dropped and counted; their callers' resends are served
-    once handlers finish."""
+async def test_requests_beyond_a_callers_in_flight_cap_are_dropped_counted_and_resent(memory_server, monkeypatch):
+    """A flood of requests cannot grow the server's tasks without bound: over
+    ``MAX_INFLIGHT_PER_CALLER`` handlers running for one caller, its new requests are dropped and
+    counted; its resends are served once handlers finish. Other callers are not affected."""
     import asyncio
 
     from p2psync.coordinator import rpc
 
-    monkeypatch.setattr(rpc, "MAX_INFLIGHT", 3)
-    eps, server = await memory_server(2)
+    monkeypatch.setattr(rpc, "MAX_INFLIGHT_PER_CALLER", 3)
+    eps, server = await memory_server(3)
     gate = asyncio.Event()
 
     async def slow(caller, args, arrays):
         await gate.wait()
         return args["i"]
 
+    async def quick(caller, args, arrays):
+        return caller
+
     server.register("t.slow", slow)
+    server.register("t.quick", quick)
     server.start()
     client = RpcClient(eps[1])
     calls = [asyncio.create_task(client.call(0, "t.slow", {"i": i}, timeout=10)) for i in range(5)]
@@ -71,8 +75,56 @@ async def test_requests_beyond_the_in_flight_cap_are_dropped_counted_and_resent(
         if server.overloaded >= 2:
             break
     assert server.overloaded == 2 and len(server._inflight) == 3
+    assert await RpcClient(eps[2]).call(0, "t.quick", timeout=2) == 2  # another caller is served
     gate.set()
     assert sorted(await asyncio.gather(*calls)) == [0, 1, 2, 3, 4]  # the dropped two were resent
-    assert client.retries >= 2 and server.serving
+    assert client.retries >= 2 and server.serving and not server._busy
     await server.close()
     assert not server.serving
+
+
+async def test_a_rendezvous_of_more_callers_than_the_cap_completes(memory_server, monkeypatch):
+    """Long polls take one slot of each caller: a barrier that holds every caller's request
+    until all have come completes however many callers there are (a global cap deadlocked
+    once the callers outnumbered it)."""
+    import asyncio
+
+    from p2psync.coordinator import rpc
+
+    monkeypatch.setattr(rpc, "MAX_INFLIGHT_PER_CALLER", 1)
+    eps, server = await memory_server(5)
+    arrived: set = set()
+    everyone = asyncio.Event()
+
+    async def register(caller, args, arrays):
+        arrived.add(caller)
+        if len(arrived) == 4:
+            everyone.set()
+        await everyone.wait()
+        return caller
+
+    server.register("t.register", register)
+    server.start()
+    got = await asyncio.gather(*(RpcClient(eps[i]).call(0, "t.register", timeout=5) for i in range(1, 5)))
+    assert got == [1, 2, 3, 4] and server.overloaded == 0
+
+
+def test_start_outside_a_running_loop_takes_nothing(memory_server):
+    """``start()`` needs the event loop for its handlers: outside one it raises before taking
+    any queued request, and the server is not serving."""
+    from p2psync.coordinator import RpcServer
+    from p2psync.topology import ring
+    from p2psync.transport import MemoryHub
+
+    ep = MemoryHub(ring(2)).endpoint(0)
+    ep.mailbox.deliver(_request())
+    server = RpcServer(ep)
+    with pytest.raises(RuntimeError):
+        server.start()
+    assert not server.serving and ep.mailbox.pending == 1
+
+
+def _request():
+    from p2psync.wire import decode, encode
+
+    return decode(encode(kind="rpc", src=1, tag="rpc.call", meta={"id": 1, "method": "x", "args": {}}))

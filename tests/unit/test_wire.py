@@ -218,6 +218,9 @@ def test_parsed_headers_are_real_frozen_headers():
     want = Header(kind="rpc", src=1, tag="x", step=0, frames=(FrameSpec("float32", (2, 3), "none", 24),),
                   meta={"k": [1]}, dst=3, hops=1, run=7, inc=9, auth=None, ctr=None)
     assert h == want and type(h) is Header and type(h.frames[0]) is FrameSpec
+    # every field is set on the instance (a field left out would read its class default)
+    assert vars(h).keys() == {f.name for f in dataclasses.fields(Header)}
+    assert vars(h.frames[0]).keys() == {f.name for f in dataclasses.fields(FrameSpec)}
     assert dataclasses.asdict(h) == dataclasses.asdict(want)
     assert hash(h.frames[0]) == hash(want.frames[0])
     with pytest.raises(dataclasses.FrozenInstanceError):
