@@ -226,3 +226,20 @@ async def test_marking_a_peer_dead_fails_sends_already_retrying():
         assert time.monotonic() - t0 < 1
     finally:
         await ep.close()
+
+
+async def test_a_burst_that_arrives_in_one_edge_is_taken_whole_and_in_order():
+    """The socket's readable edge takes one message and looks for the rest in a queued callback
+    of its own (so what the first message woke runs first): a burst queued while the receiver
+    was busy must still arrive whole and in order, and a lone message after it too."""
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        n = 3000
+        for i in range(n):  # queued at once: the receiver's loop is this one, busy sending
+            await eps[0].send(1, "burst", kind="event", step=i, timeout=10)
+        got = [(await eps[1].recv("burst", timeout=10)).header.step for _ in range(n)]
+        assert got == list(range(n))
+        await asyncio.sleep(0.05)  # idle: the next message comes on a fresh edge
+        await eps[0].send(1, "lone", kind="event", timeout=10)
+        assert (await eps[1].recv("lone", timeout=5)).tag == "lone"
+        assert eps[1].mailbox.pending == 0
