@@ -6,7 +6,10 @@ Request: kind ``rpc``, tag ``rpc.call``, meta ``{"id": int, "method": str, "args
 transport. A call to the local node runs the handler in-process. A call that fails or times out
 retires its reply tag in the mailbox, so a reply that comes late is dropped (counted as
 ``retired``) instead of piling up. Handlers may wait (long
-polls such as a rendezvous): each request runs in its own task.
+polls such as a rendezvous): each request runs in its own task, started as the request is
+delivered (a mailbox subscription, no receive loop in between); at most
+``MAX_INFLIGHT_PER_CALLER`` run for one caller, and a request over that is dropped and counted
+(``overloaded``) until its caller resends it.
 
 End-to-end delivery (issue 10): a relayed request or reply can be lost when a relay dies. The
 client therefore resends a request that got no reply within the retransmission timeout
