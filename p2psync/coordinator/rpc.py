@@ -71,7 +71,6 @@ class RpcServer:
         #: requests being handled (each in its own task: handlers may wait)
         self._inflight = TaskSet(f"rpc-request-{transport.node_id}")
         self._started = False
-        self._subscribed = False
         self.bad_requests = 0
         self.duplicates = 0
         self.overloaded = 0
@@ -98,14 +97,13 @@ class RpcServer:
         try:
             self.transport.mailbox.subscribe(CALL_TAG, self._arrived)
         except P2PSyncError:
-            return  # the transport is closed already: nothing to serve
-        self._subscribed = True
+            pass  # the transport is closed already: nothing to serve
 
     @property
     def serving(self) -> bool:
         """True while requests are taken (from :meth:`start` until :meth:`close` or until the
         transport closes)."""
-        return self._subscribed and self.transport.mailbox.subscribed(CALL_TAG, self._arrived)
+        return self.transport.mailbox.subscribed(CALL_TAG, self._arrived)
 
     def _arrived(self, msg: Message) -> None:
         """A request was delivered (mailbox callback: must not raise)."""
@@ -183,9 +181,7 @@ class RpcServer:
     async def close(self, grace: float = 2.0) -> None:
         """Stop serving; replies already being computed get ``grace`` seconds to go out."""
         self._started = True  # a closed server stays closed
-        if self._subscribed:
-            self._subscribed = False
-            self.transport.mailbox.unsubscribe(CALL_TAG, self._arrived)
+        self.transport.mailbox.unsubscribe(CALL_TAG, self._arrived)  # (a no-op when not ours)
         await self._inflight.close(grace=grace)
 
 

@@ -42,10 +42,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from typing import Callable
 
 from p2psync.errors import P2PSyncError, PeerTimeout, ProtocolError
+from p2psync.transport.retired import RetiredTags
 from p2psync.wire import Message
 
 #: message kinds that are control traffic (never dropped to make room for data)
@@ -53,7 +54,6 @@ CONTROL_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
 
 DEFAULT_BUDGET_BYTES = 256 << 20
 DEFAULT_TTL = 600.0
-MAX_RETIRED_PREFIXES = 256
 
 DropHook = Callable[[Message, str], None]
 
@@ -112,7 +112,6 @@ class Mailbox:
         self.budget_bytes = budget_bytes
         self._max_control = max_control_pending
         self.ttl = ttl
-        self._max_retired = max_retired
         self._clock = clock
         self.on_drop = on_drop
         # waiters
@@ -131,8 +130,7 @@ class Mailbox:
         self._data_pending = 0
         self._bytes = 0
         # retired tags / prefixes
-        self._retired: OrderedDict[str, None] = OrderedDict()
-        self._retired_prefixes: OrderedDict[str, None] = OrderedDict()
+        self._retired = RetiredTags(max_retired)
         self.dropped: Counter[str] = Counter()
         self._closed: BaseException | None = None
         #: tag -> callback that takes every message with exactly that tag (:meth:`subscribe`)
@@ -199,9 +197,7 @@ class Mailbox:
 
     def is_retired(self, tag: str) -> bool:
         """``tag`` was retired, exactly or by a retired prefix (see :meth:`retire`)."""
-        if tag in self._retired:
-            return True
-        return any(tag.startswith(p) for p in self._retired_prefixes)
+        return self._retired.covers(tag)
 
     def deliver(self, msg: Message) -> None:
         """Hand ``msg`` to the oldest matching waiter, or queue it.
@@ -221,7 +217,7 @@ class Mailbox:
             return
         now = self._clock()
         self._sweep(now)
-        if (self._retired or self._retired_prefixes) and self.is_retired(msg.tag):
+        if self._retired and self._retired.covers(msg.tag):
             self._report(msg, "retired")
             return
         e = _Entry(msg, now, next(self._eseq))
@@ -471,22 +467,14 @@ class Mailbox:
         """Declare ``tag`` (``exact``) or every tag starting with ``tag`` finished: queued
         messages are dropped now and later ones that no waiter takes are dropped on arrival
         (reason ``retired``). Returns how many queued messages were dropped."""
+        self._retired.add(tag, exact=exact)
         if exact:
-            self._retired[tag] = None
-            self._retired.move_to_end(tag)
-            while len(self._retired) > self._max_retired:
-                self._retired.popitem(last=False)
             return self._drop_entries(list(self._queues.get(tag, ())), "retired")
-        self._retired_prefixes[tag] = None
-        self._retired_prefixes.move_to_end(tag)
-        while len(self._retired_prefixes) > MAX_RETIRED_PREFIXES:
-            self._retired_prefixes.popitem(last=False)
         return self._drop_where(lambda t: t.startswith(tag), "retired")
 
     def unretire(self, tag: str) -> None:
         """Forget that ``tag`` (exact or prefix) was retired."""
-        self._retired.pop(tag, None)
-        self._retired_prefixes.pop(tag, None)
+        self._retired.forget(tag)
 
     def close(self, exc: P2PSyncError) -> None:
         """Fail every waiter, and every later :meth:`get` that finds nothing queued, with

@@ -189,13 +189,8 @@ def _unpack_header(raw: Buffer, limits: WireLimits) -> Any:
         raise ProtocolError("header_msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
 
 
-def _is_int(x: Any) -> bool:
-    return type(x) is int  # bool is not int here, on purpose (inlined as ``type(x) is int`` in hot paths)
-
-
+# integers are checked as ``type(x) is int`` throughout: bool is not int here, on purpose
 _HEADER_KEYS = HEADER_KEYS_REQUIRED | HEADER_KEYS_OPTIONAL
-#: a header without meta (never handed out: a fresh dict goes into each Header)
-_NO_META: dict[str, Any] = {}
 
 
 def _check_meta(value: Any, limits: WireLimits, depth: int, path: str) -> None:
@@ -272,12 +267,12 @@ def _parse_frame_spec(i: int, spec: Any, limits: WireLimits) -> FrameSpec:
         raise ProtocolError("shape", f"frames[{i}]: shape must be a list of <= {limits.max_ndim} dims")
     count = 1
     for d in shape:
-        if not _is_int(d) or d < 0 or d > limits.max_elements:
+        if type(d) is not int or d < 0 or d > limits.max_elements:
             raise ProtocolError("shape", f"frames[{i}]: bad dimension {d!r}")
         count *= d
         if count > limits.max_elements:
             raise ProtocolError("too_many_elements", f"frames[{i}]: > {limits.max_elements}")
-    if not _is_int(nbytes) or nbytes < 0 or nbytes > limits.max_frame_bytes:
+    if type(nbytes) is not int or nbytes < 0 or nbytes > limits.max_frame_bytes:
         raise ProtocolError("frame_too_large", f"frames[{i}]: nbytes {nbytes!r}")
     itemsize = _DTYPE_BY_NAME[dtype].itemsize
     if count * itemsize != nbytes:
@@ -324,7 +319,7 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     specs = tuple(_parse_frame_spec(i, s, limits) for i, s in enumerate(frames)) if frames else ()
     if specs and sum(s.nbytes for s in specs) > limits.max_total_bytes:
         raise ProtocolError("message_too_large", f"> {limits.max_total_bytes} bytes")
-    meta = obj.get("meta", _NO_META)
+    meta = obj["meta"] if "meta" in obj else {}
     if not isinstance(meta, dict):
         raise ProtocolError("meta_type", "meta must be a map")
     if meta and not _meta_ok(meta, limits.max_meta_depth, 0):
@@ -348,7 +343,7 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
         raise ProtocolError("relay", f"ctr must be an unsigned 64-bit counter on a relayed message, got {ctr!r}"[:120])
     return cast(Header, _frozen(Header, {
         "kind": kind, "src": src, "tag": tag, "step": step, "frames": specs,
-        "meta": meta if meta is not _NO_META else {}, "dst": dst, "hops": hops, "run": run,
+        "meta": meta, "dst": dst, "hops": hops, "run": run,
         "inc": inc, "auth": auth, "ctr": ctr}))
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from p2psync.coordinator import RpcClient
 from p2psync.errors import ConfigError, PeerTimeout, RemoteError
+from tests.helpers import until
 
 
 async def test_rpc_over_memory_transport(memory_server):
@@ -70,10 +71,7 @@ async def test_requests_beyond_a_callers_in_flight_cap_are_dropped_counted_and_r
     server.start()
     client = RpcClient(eps[1])
     calls = [asyncio.create_task(client.call(0, "t.slow", {"i": i}, timeout=10)) for i in range(5)]
-    for _ in range(50):
-        await asyncio.sleep(0.01)
-        if server.overloaded >= 2:
-            break
+    await until(lambda: server.overloaded >= 2, 5, "two requests dropped")
     assert server.overloaded == 2 and len(server._inflight) == 3
     assert await RpcClient(eps[2]).call(0, "t.quick", timeout=2) == 2  # another caller is served
     gate.set()
