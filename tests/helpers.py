@@ -174,6 +174,12 @@ def full_views(nodes: Mapping[int, MemberNode]) -> bool:
                and (i == 0 or n.rpc.estimator(0).samples >= 3) for i, n in nodes.items())
 
 
+#: the device of :func:`make_trainer`'s models: ``cpu`` unless ``P2PSYNC_TEST_DEVICE`` says
+#: otherwise (``P2PSYNC_TEST_DEVICE=cuda pytest tests/integration`` runs the in-process strategy
+#: matrix and the other trainer-driven tests on a GPU)
+TEST_DEVICE = os.environ.get("P2PSYNC_TEST_DEVICE", "cpu")
+
+
 def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size: int = 16,
                  lr: float = 0.1, momentum: float = 0.9, seed: int = 0, partition_scheme: str = "iid"):
     """A real Trainer for ``node_id`` on the digits data, exactly as a node process builds it."""
@@ -181,7 +187,7 @@ def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size
     from p2psync.training.node import build_trainer
 
     cfg = RunConfig(topology="-", model=model, batch_size=batch_size, lr=lr, momentum=momentum,
-                    seed=seed, partition=partition_scheme, device="cpu", threads=1)
+                    seed=seed, partition=partition_scheme, device=TEST_DEVICE, threads=1)
     return build_trainer(cfg, topo, node_id)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from p2psync.cli.exit_codes import EXIT_FAILED
-from p2psync.topology import ring, save
+from p2psync.strategies import REGISTRY
+from p2psync.topology import bcube, ring, save
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -130,19 +131,34 @@ def test_a_script_that_never_attaches_is_an_error(tmp_path: Path) -> None:
     assert r.returncode == EXIT_FAILED and "never joined the run" in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("strategy", ["ssgd", "esync"])
-@pytest.mark.parametrize("path", ["builtin", "script"])
-def test_cuda_nodes_share_one_gpu(tmp_path: Path, strategy: str, path: str) -> None:
-    """Both paths with --device cuda: several node processes on one GPU (tensors cross to the
-    network through pinned host buffers)."""
-    topo = _topo(tmp_path, 2)
-    tail = (["--steps", "40"] if path == "builtin"
-            else ["--", sys.executable, EXAMPLE, "--epochs", "2", "--device", "cuda"])
+_CUDA = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_run(tmp_path: Path, topo: Path, strategy: str, *tail: str, n: int) -> None:
     r = p2psync("run", topo, "--strategy", strategy, "--device", "cuda", "--out", tmp_path, "--run-id", "gpu",
                 "--no-progress", *tail)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
-    assert set(summary["nodes"]) == {"0", "1"} and summary["failed"] == []
-    if strategy == "ssgd":
-        assert len({summary["nodes"][n]["params_sha1"] for n in ("0", "1")}) == 1
+    assert set(summary["nodes"]) == {str(i) for i in range(n)} and summary["failed"] == []
+    assert all(summary["nodes"][str(i)]["steps"] > 0 for i in range(n))
+    if strategy in ("ssgd", "bsp"):  # replicas bitwise identical on the GPU too
+        assert len({summary["nodes"][str(i)]["params_sha1"] for i in range(n)}) == 1
+
+
+@_CUDA
+@pytest.mark.parametrize("strategy", sorted(REGISTRY))
+def test_cuda_nodes_share_one_gpu_under_every_strategy(tmp_path: Path, strategy: str) -> None:
+    """The built-in job with --device cuda: four node processes on one GPU (tensors cross to
+    the network through pinned host buffers; Canary's colayers leave during a CUDA backward)."""
+    topo = tmp_path / "b.json"
+    save(bcube(2, 2, base_port=free_port()) if strategy == "canary" else ring(4, base_port=free_port()), topo)
+    _gpu_run(tmp_path, topo, strategy, "--steps", "40", n=4)
+
+
+@_CUDA
+@pytest.mark.parametrize("strategy", ["ssgd", "esync", "canary", "dts"])
+def test_cuda_script_nodes_share_one_gpu(tmp_path: Path, strategy: str) -> None:
+    """Users' scripts (the shipped example) with --device cuda under p2psync.attach."""
+    opts = ["--opt", "t=2", "--opt", "p=2"] if strategy == "dts" else []
+    _gpu_run(tmp_path, _topo(tmp_path, 2), strategy, *opts, "--", sys.executable, str(EXAMPLE), "--epochs", "2",
+             "--device", "cuda", n=2)
