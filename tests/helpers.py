@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, TypeVar
 
@@ -295,6 +296,13 @@ async def until(pred, timeout: float, what: str) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(0.002)
+
+
+#: tests that build network namespaces: root and iproute2's ``ip`` and ``tc`` (a GPU image had
+#: root but no iproute2)
+NETNS = __import__("pytest").mark.skipif(
+    os.geteuid() != 0 or any(shutil.which(t) is None for t in ("ip", "tc")),
+    reason="network namespaces need root and iproute2 (ip, tc)")
 
 
 def netns_mesh2(tmp_path: Any) -> Any:

@@ -124,8 +124,19 @@ def _is_ip(text: str) -> bool:
         return False
 
 
+#: seconds one ip / tc command may take
+COMMAND_TIMEOUT = 30.0
+
+
 def _run(cmd: Cmd) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    """Run one ip / tc command; a missing program or one past :data:`COMMAND_TIMEOUT` comes back
+    as a failed result whose stderr says so (callers report it), never as an exception."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(cmd, 127, "", f"command not found: '{cmd[0]}' (package iproute2)")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"'{' '.join(cmd)}' timed out after {COMMAND_TIMEOUT:g} s")
 
 
 def preflight(*, need_netem: bool) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.topology import bcube, mesh, ring, save, topology_to_dict
-from tests.helpers import free_port, netns_mesh2
+from tests.helpers import NETNS, free_port, netns_mesh2
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
@@ -218,7 +218,7 @@ def test_usage_errors_are_found_without_importing_torch(tmp_path):
 
 
 @pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
-@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@NETNS
 def test_run_inside_network_namespaces(tmp_path):
     topo = netns_mesh2(tmp_path)
     r = cli("run", topo, "--shaper", "netem", "--steps", "10", "--out", tmp_path, "--run-id", "ns")

@@ -22,7 +22,7 @@ from p2psync.cli.run_cmd import config_from_args
 from p2psync.topology import ring, save
 from tests.e2e.test_cli_run import cli as _cli
 from tests.e2e.test_cli_run import spawn, wait_for
-from tests.helpers import free_port, netns_mesh2
+from tests.helpers import NETNS, free_port, netns_mesh2
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
@@ -206,7 +206,7 @@ def test_double_dash_splits_only_run():
 
 
 @pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
-@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@NETNS
 def test_scripts_run_inside_network_namespaces(tmp_path):
     topo = netns_mesh2(tmp_path)
     code = ("import os, pathlib; pathlib.Path(os.environ['P2PSYNC_RUN_DIR'], 'netns').write_text("

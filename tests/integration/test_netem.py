@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -11,8 +12,7 @@ from p2psync.errors import ConfigError
 from p2psync.topology import bcube, ring
 from p2psync.transport import netem
 from p2psync.transport.shaping import LinkSpec
-
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+from tests.helpers import NETNS
 
 
 def _ns_list() -> str:
@@ -42,7 +42,7 @@ def test_plan_rejects_loopback_addresses():
 
 
 @pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
-@root_only
+@NETNS
 def test_preflight_names_the_missing_qdisc_or_passes():
     try:
         netem.preflight(need_netem=True)
@@ -52,7 +52,7 @@ def test_preflight_names_the_missing_qdisc_or_passes():
 
 
 @pytest.mark.xdist_group("netns")  # network namespaces and 198.18.0.0/15 addresses: one at a time
-@root_only
+@NETNS
 def test_up_and_down_with_rate_limits():
     prefix = f"q{os.getpid() % 1000}"
     topo = ring(3, subnet="198.18.0.0/16")
@@ -71,3 +71,23 @@ def test_up_and_down_with_rate_limits():
         assert netem.down(p) == []
     listed = _ns_list()
     assert not any(ns in listed for ns in (*p.namespaces.values(), p.switch_ns))
+
+
+def test_a_machine_without_iproute2_gets_errors_not_a_crash(tmp_path, monkeypatch):
+    """Regression (seen on a GPU image with root and no iproute2): tearing a plan down raised
+    FileNotFoundError from subprocess instead of reporting what it could not remove, and a
+    command that hangs is cut off the same way."""
+    p = netem.plan(ring(3, subnet="198.18.0.0/16"), {}, prefix="z")
+    sleep = shutil.which("sleep")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
+    errors = netem.down(p)
+    assert len(errors) == len(p.down) and all("'ip'" in e and "not found" in e for e in errors), errors
+    if os.geteuid() == 0:
+        with pytest.raises(netem.NetemUnavailable, match="'ip' command"):
+            netem.preflight(need_netem=False)
+    slow = tmp_path / "ip"
+    slow.write_text(f"#!/bin/sh\nexec {sleep} 5\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(netem, "COMMAND_TIMEOUT", 0.2)
+    errors = netem.down(p)
+    assert errors and all("timed out" in e for e in errors), errors
