@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -45,16 +45,35 @@ from p2psync.transport.shaping import load_wan_profile, make_shaper
 
 log = logging.getLogger("p2psync.node")
 
+#: how long a node that relays for others stays after the finish barrier, at most (it leaves
+#: as soon as those others are gone)
 RELAY_LINGER_S = 0.5
+_LINGER_POLL_S = 0.01
 #: how long a starting node asks the others whether their run is already going
 DISCOVER_S = 1.5
 
 
-def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
-    """True when a neighbour of ``node_id`` reaches the coordinator (``coordinator``, default
-    the topology's) only through relays."""
+def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = None) -> list[int]:
+    """The neighbours of ``node_id`` that reach the coordinator (``coordinator``, default the
+    topology's) only through relays, perhaps through this node."""
     c = topo.coordinator if coordinator is None else coordinator
-    return any(nb != c and not topo.routes(nb, c) for nb in topo.neighbors(node_id))
+    return [nb for nb in topo.neighbors(node_id) if nb != c and not topo.routes(nb, c)]
+
+
+def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
+    """True when a neighbour of ``node_id`` reaches the coordinator only through relays."""
+    return bool(relayed_neighbours(topo, node_id, coordinator))
+
+
+async def linger(gone: Callable[[], bool], limit: float, poll: float = _LINGER_POLL_S) -> bool:
+    """Wait until ``gone()`` or ``limit`` seconds have passed; whether ``gone()`` came true."""
+    end = time.monotonic() + limit
+    while not gone():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(poll, left))
+    return True
 
 
 def wire_run_id(topo: Topology, run_id: str | None) -> int:
@@ -221,9 +240,13 @@ class NodeRuntime:
         stats["rejected"] = dict(self.transport.rejected)
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
         await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
-        if relays_for_others(self.topo, self.node_id, self.membership.coordinator):
-            # the coordinator's finish replies to nodes behind this one pass through it
-            await asyncio.sleep(RELAY_LINGER_S)
+        behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator)
+        if behind:
+            # the coordinator's finish replies to nodes behind this one may pass through it:
+            # stay until they are gone (a node leaves once it has its reply: its connections
+            # close and the endpoint marks it down), at most RELAY_LINGER_S
+            down = self.transport.down
+            await linger(lambda: down.issuperset(behind), RELAY_LINGER_S)
         service = self.host.service
         if service is not None and self.host.coordinating:
             if not (self.run_dir / "config.json").exists():  # took over on another host
@@ -247,5 +270,5 @@ class NodeRuntime:
         await self._resources.aclose()
 
 
-__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relays_for_others", "summarize",
+__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "linger", "relayed_neighbours", "relays_for_others", "summarize",
            "wire_run_id"]

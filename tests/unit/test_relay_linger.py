@@ -1,14 +1,31 @@
-"""Which nodes linger after the finish barrier: those that relay for others."""
+"""Which nodes linger after the finish barrier (those that relay for others), and for how long:
+until the nodes behind them are gone, at most RELAY_LINGER_S."""
 
 from __future__ import annotations
 
-from p2psync.topology import ring
+import asyncio
+import time
+
+from p2psync.api.runtime import linger, relayed_neighbours, relays_for_others
+from p2psync.topology import mesh, ring, star
 
 
 def test_relay_nodes_linger_after_the_finish_barrier():
-    from p2psync.topology import mesh, star
-    from p2psync.api.runtime import relays_for_others
-
     assert [relays_for_others(ring(4), i) for i in range(4)] == [False, True, False, True]
+    assert [relayed_neighbours(ring(4), i) for i in range(4)] == [[], [2], [], [2]]
+    assert relayed_neighbours(ring(6), 1) == [2] and sorted(relayed_neighbours(ring(6), 3)) == [2, 4]
+    assert relayed_neighbours(ring(4), 1, coordinator=2) == [0]  # after a takeover
     assert not any(relays_for_others(mesh(4), i) for i in range(4))
     assert not any(relays_for_others(star(5), i) for i in range(5))
+
+
+async def test_linger_ends_when_the_nodes_behind_are_gone_or_at_its_limit():
+    down: set[int] = set()
+    asyncio.get_running_loop().call_later(0.05, down.add, 2)
+    t0 = time.monotonic()
+    assert await linger(lambda: down.issuperset([2]), 5.0)
+    assert time.monotonic() - t0 < 2.0  # not the limit
+    t0 = time.monotonic()
+    assert not await linger(lambda: down.issuperset([2, 4]), 0.1)
+    assert 0.1 <= time.monotonic() - t0 < 2.0
+    assert await linger(lambda: True, 0.0)  # already gone: no wait at all
