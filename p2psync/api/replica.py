@@ -31,6 +31,7 @@ import torch
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.training.flat import FlatModel
+from p2psync.training.grad_copies import GradCallback, GradCopies
 from p2psync.api.gate import StepGate
 
 
@@ -53,41 +54,45 @@ class HookedReplica:
         #: parameter replacements so far (training thread; arrivals carry the value they saw)
         self.params_gen = 0
         self._hooks: list[Any] = []
+        self._copies: GradCopies | None = None
 
     # -- per-parameter gradient-ready hooks (strategies that pipeline layer groups) ---------
 
-    async def enable_grad_ready(self, callback: Callable[[int, int, np.ndarray], None]) -> None:
+    async def enable_grad_ready(self, callback: GradCallback) -> None:
         """During every backward pass, as soon as a parameter's gradient is accumulated into
         its ``.grad`` (``register_post_accumulate_grad_hook``), ``callback(index, offset,
         grad)`` runs on the event loop: the parameter's index, its offset in the flat vector
-        and a host copy of its ``.grad`` as it is then. Layers finish in reverse order, so a
-        strategy can start sending the last layers while the first ones still compute
-        (Canary's colayers). With gradient accumulation it fires once per backward pass; the
-        value at ``optimizer.step()`` is the last one. Registered on the training thread."""
-        loop = self.gate.loop
+        and a host copy of its ``.grad`` as it is then (from a CUDA device: copied
+        asynchronously, see :mod:`p2psync.training.grad_copies`; every one reaches the loop
+        before the iteration's ``optimizer.step()`` does, through :meth:`flush_grad_ready`).
+        Layers finish in reverse order, so a strategy can start sending the last layers while
+        the first ones still compute (Canary's colayers). With gradient accumulation it fires
+        once per backward pass; the value at ``optimizer.step()`` is the last one. Registered
+        on the training thread."""
+        await self.gate.run(functools.partial(self.register_grad_ready, self.gate.loop, callback))
 
-        def register() -> None:
-            off = 0
-            for idx, p in enumerate(self.flat.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(self._grad_ready, loop, callback, idx, off)))
-                off += p.numel()
+    def register_grad_ready(self, loop: asyncio.AbstractEventLoop, callback: GradCallback) -> None:
+        """The hooks of :meth:`enable_grad_ready`, posting to ``loop`` (call on the training thread)."""
+        copies = self._copies = GradCopies(loop, callback)
+        off = 0
+        for idx, p in enumerate(self.flat.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_grad_ready, copies, idx, off)))
+            off += p.numel()
 
-        await self.gate.run(register)
-
-    @staticmethod
-    def _grad_ready(loop: asyncio.AbstractEventLoop, callback: Callable[[int, int, np.ndarray], None],
-                    idx: int, off: int, p: torch.Tensor) -> None:
-        if p.grad is None or loop.is_closed():
-            return
-        arr = p.grad.detach().reshape(-1).to("cpu", torch.float32).numpy().copy()
-        loop.call_soon_threadsafe(callback, idx, off, arr)
+    def flush_grad_ready(self) -> None:
+        """Post the gradient copies still in flight (training thread, at ``optimizer.step()``,
+        before the iteration arrives at the gate)."""
+        if self._copies is not None:
+            self._copies.flush()
 
     def remove_hooks(self) -> None:
         """Remove the gradient-ready hooks :meth:`enable_grad_ready` installed."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._copies is not None:
+            self._copies.drop()
 
     @property
     def samples(self) -> int:
@@ -179,6 +184,10 @@ class HookedReplica:
     def layers(self) -> list[Layer]:
         """See :meth:`Replica.layers <p2psync.strategies.base.Replica.layers>`."""
         return self.flat.layers()
+
+
+def _grad_ready(copies: GradCopies, idx: int, off: int, p: torch.Tensor) -> None:
+    copies.ready(idx, off, p.grad)
 
 
 __all__ = ["HookedReplica"]

@@ -1,0 +1,64 @@
+"""Gradients handed from backward to the event loop (p2psync.training.grad_copies): every one
+arrives, in hook order, with the value the hook saw, before the step's flush returns; on CUDA
+through asynchronous copies (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.training.grad_copies import GradCopies
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+async def test_every_gradient_reaches_the_loop_in_hook_order(device: str, dtype: torch.dtype) -> None:
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("half-precision training is a GPU case")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(device, dtype)
+    params = list(model.parameters())
+    got: list[tuple[int, int, np.ndarray]] = []
+    order: list[int] = []
+    seen: dict[int, torch.Tensor] = {}
+    copies = GradCopies(asyncio.get_running_loop(), lambda i, off, g: got.append((i, off, g)))
+    offs = np.concatenate([[0], np.cumsum([p.numel() for p in params])]).tolist()
+
+    def hook(i: int, p: torch.Tensor) -> None:
+        order.append(i)
+        seen[i] = p.grad.detach().clone()
+        copies.ready(i, offs[i], p.grad)
+
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: hook(i, p)) for i, p in enumerate(params)]
+    try:
+        for _ in range(3):  # the pinned buffers of one pass are never those of the next
+            got.clear(), order.clear()
+            model.zero_grad()
+            model(torch.randn(32, 64, device=device, dtype=dtype)).square().mean().backward()
+            copies.flush()
+            assert copies.inflight == 0
+            await asyncio.sleep(0)  # the posted callbacks run
+            assert [i for i, _, _ in got] == order and sorted(order) == list(range(len(params)))
+            for i, off, g in got:
+                assert off == offs[i] and g.dtype == np.float32 and g.shape == (params[i].numel(),)
+                np.testing.assert_array_equal(g, seen[i].float().cpu().numpy().reshape(-1))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+async def test_a_closed_loop_gets_nothing_and_drop_forgets() -> None:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    copies = GradCopies(loop, lambda *a: pytest.fail("posted to a closed loop"))
+    copies.ready(0, 0, torch.ones(3))
+    copies.ready(0, 0, None)
+    copies.drop()
+    copies.flush()
+    assert copies.inflight == 0
