@@ -92,7 +92,7 @@ class HookedReplica:
             h.remove()
         self._hooks.clear()
         if self._copies is not None:
-            self._copies.drop()
+            self._copies.close()
 
     @property
     def samples(self) -> int:

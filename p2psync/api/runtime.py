@@ -38,6 +38,7 @@ from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
+from p2psync.topology.paths import hop_distances
 from p2psync.transport import ZmqEndpoint
 from p2psync.transport.keys import node_keys
 from p2psync.wire.schema import valid_run_id
@@ -54,10 +55,15 @@ DISCOVER_S = 1.5
 
 
 def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = None) -> list[int]:
-    """The neighbours of ``node_id`` that reach the coordinator (``coordinator``, default the
-    topology's) only through relays, perhaps through this node."""
+    """The neighbours of ``node_id`` that the coordinator (``coordinator``, default the
+    topology's) reaches only through relays, with ``node_id`` as the last one on a shortest
+    path: one hop farther from the coordinator than ``node_id`` (so two nodes never wait for
+    each other)."""
     c = topo.coordinator if coordinator is None else coordinator
-    return [nb for nb in topo.neighbors(node_id) if nb != c and not topo.routes(nb, c)]
+    dist = hop_distances(topo, c)
+    if node_id not in dist:
+        return []
+    return [nb for nb in topo.neighbors(node_id) if dist.get(nb) == dist[node_id] + 1 and dist[nb] >= 2]
 
 
 def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
@@ -243,10 +249,14 @@ class NodeRuntime:
         behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator)
         if behind:
             # the coordinator's finish replies to nodes behind this one may pass through it:
-            # stay until they are gone (a node leaves once it has its reply: its connections
-            # close and the endpoint marks it down), at most RELAY_LINGER_S
-            down = self.transport.down
-            await linger(lambda: down.issuperset(behind), RELAY_LINGER_S)
+            # stay until they are gone (a node leaves once it has its reply: both its
+            # connections close and the endpoint marks it down), at most RELAY_LINGER_S. One
+            # already down now (a reconnect under way?) cannot be seen leaving: the whole wait
+            down, control_down = self.transport.down, self.transport.control_down
+            if any(p in down or p in control_down for p in behind):
+                await asyncio.sleep(RELAY_LINGER_S)
+            else:
+                await linger(lambda: down.issuperset(behind) and control_down.issuperset(behind), RELAY_LINGER_S)
         service = self.host.service
         if service is not None and self.host.coordinating:
             if not (self.run_dir / "config.json").exists():  # took over on another host

@@ -210,11 +210,11 @@ class Session(SessionState):
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
             raise TrainingError("optimizer.step() hooked without a replica")
         grads = self.replica.flat.grads()
-        self.replica.flush_grad_ready()  # backward's gradients reach the loop before this iteration
         if not all_finite(grads):  # before any strategy can send it: this node's own divergence
             self._fail(Diverged(f"training diverged at step {self.step} on node {self.node_id}: its gradient "
                                 "holds NaN or infinity (nothing was sent; no peer is blamed)"))
             raise self._error  # type: ignore[misc]
+        self.replica.flush_grad_ready()  # backward's gradients reach the loop before this iteration
         self.gate.arrive(loss=self._pending_loss, samples=samples, grads=grads, params_gen=self.replica.params_gen)
         if self._error is not None:
             raise self._error

@@ -5,12 +5,14 @@ through asynchronous copies (skipped without CUDA)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from p2psync.training.grad_copies import GradCopies
+from tests.helpers import until
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA device"))]
@@ -41,7 +43,7 @@ async def test_every_gradient_reaches_the_loop_in_hook_order(device: str, dtype:
             got.clear(), order.clear()
             model.zero_grad()
             model(torch.randn(32, 64, device=device, dtype=dtype)).square().mean().backward()
-            copies.flush()
+            await asyncio.to_thread(copies.flush)  # (the delivery thread posts to this loop)
             assert copies.inflight == 0
             await asyncio.sleep(0)  # the posted callbacks run
             assert [i for i, _, _ in got] == order and sorted(order) == list(range(len(params)))
@@ -51,14 +53,55 @@ async def test_every_gradient_reaches_the_loop_in_hook_order(device: str, dtype:
     finally:
         for h in handles:
             h.remove()
+        copies.close()
 
 
-async def test_a_closed_loop_gets_nothing_and_drop_forgets() -> None:
+async def test_a_closed_loop_gets_nothing() -> None:
     loop = asyncio.new_event_loop()
     loop.close()
     copies = GradCopies(loop, lambda *a: pytest.fail("posted to a closed loop"))
     copies.ready(0, 0, torch.ones(3))
     copies.ready(0, 0, None)
-    copies.drop()
     copies.flush()
+    copies.close()
     assert copies.inflight == 0
+
+
+class _Copy:
+    """A started device copy whose ``synchronize()`` returns once the test lets it land."""
+
+    def __init__(self) -> None:
+        self.landed = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.landed.wait(10)
+
+
+async def test_the_delivery_thread_posts_in_hook_order_as_copies_land() -> None:
+    """The CUDA path's bookkeeping with stand-in events (runs without a GPU): a copy is posted
+    as soon as it and every earlier one have landed, during backward (no flush needed); flush
+    waits for the rest; close forgets what is still in flight and ends the thread."""
+    got: list[int] = []
+    copies = GradCopies(asyncio.get_running_loop(), lambda i, off, g: got.append(i))
+    started = [_Copy() for _ in range(3)]
+    for i, c in enumerate(started):
+        copies._track(i, 10 * i, c, torch.full((2,), float(i)))
+    started[1].landed.set()  # a later copy lands first: nothing may overtake copy 0
+    await asyncio.sleep(0.05)
+    assert got == [] and copies.inflight == 3
+    started[0].landed.set()
+    await until(lambda: got == [0, 1], 10, "the two landed copies posted without a flush")
+    assert copies.inflight == 1
+    threading.Timer(0.05, started[2].landed.set).start()
+    await asyncio.to_thread(copies.flush)  # returns once the last one is posted
+    assert copies.inflight == 0
+    await asyncio.sleep(0)
+    assert got == [0, 1, 2]
+    late = _Copy()
+    copies._track(3, 30, late, torch.zeros(1))
+    thread = copies._thread
+    threading.Timer(0.05, late.landed.set).start()
+    await asyncio.to_thread(copies.close)
+    assert thread is not None and not thread.is_alive() and copies.inflight == 0
+    await asyncio.sleep(0.01)
+    assert got == [0, 1, 2]  # closed before it landed: not posted
