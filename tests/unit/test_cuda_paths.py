@@ -1,7 +1,7 @@
 """What crosses between a GPU and the network: flat vectors of a CUDA model, collectives on CUDA
-tensors (through pinned host memory), checkpoints of a CUDA model and the gradient-ready hooks
-on a CUDA backward pass. Skipped on a machine without CUDA; each case compares with the same
-computation on the CPU."""
+tensors (through pinned host memory) and checkpoints of a CUDA model (the gradient-ready hooks
+on a CUDA backward pass: test_grad_copies.py). Skipped on a machine without CUDA; each case
+compares with the same computation on the CPU."""
 
 from __future__ import annotations
 
