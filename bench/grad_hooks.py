@@ -77,7 +77,7 @@ def measure(device: str, batch: int, size: int, iters: int, rounds: int) -> dict
         for _ in range(rounds):
             for mode in MODES:
                 hooks = [] if mode == "none" else [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    blocking if mode == "blocking" else (lambda p, i=i: copies.ready(i, 0, p.grad)))
+                    blocking if mode == "blocking" else copies.hook(i, 0))
                     for i, p in enumerate(params)]
                 for it in range(iters + 3):
                     sync()

@@ -26,7 +26,6 @@ import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.canary_colayers import Layer
@@ -76,8 +75,7 @@ class HookedReplica:
         copies = self._copies = GradCopies(loop, callback)
         off = 0
         for idx, p in enumerate(self.flat.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_grad_ready, copies, idx, off)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(copies.hook(idx, off)))  # type: ignore[no-untyped-call]
             off += p.numel()
 
     def flush_grad_ready(self) -> None:
@@ -184,10 +182,6 @@ class HookedReplica:
     def layers(self) -> list[Layer]:
         """See :meth:`Replica.layers <p2psync.strategies.base.Replica.layers>`."""
         return self.flat.layers()
-
-
-def _grad_ready(copies: GradCopies, idx: int, off: int, p: torch.Tensor) -> None:
-    copies.ready(idx, off, p.grad)
 
 
 __all__ = ["HookedReplica"]

@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +49,6 @@ log = logging.getLogger("p2psync.node")
 #: how long a node that relays for others stays after the finish barrier, at most (it leaves
 #: as soon as those others are gone)
 RELAY_LINGER_S = 0.5
-_LINGER_POLL_S = 0.01
 #: how long a starting node asks the others whether their run is already going
 DISCOVER_S = 1.5
 
@@ -64,22 +63,6 @@ def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = N
     if node_id not in dist:
         return []
     return [nb for nb in topo.neighbors(node_id) if dist.get(nb) == dist[node_id] + 1 and dist[nb] >= 2]
-
-
-def relays_for_others(topo: Topology, node_id: int, coordinator: int | None = None) -> bool:
-    """True when a neighbour of ``node_id`` reaches the coordinator only through relays."""
-    return bool(relayed_neighbours(topo, node_id, coordinator))
-
-
-async def linger(gone: Callable[[], bool], limit: float, poll: float = _LINGER_POLL_S) -> bool:
-    """Wait until ``gone()`` or ``limit`` seconds have passed; whether ``gone()`` came true."""
-    end = time.monotonic() + limit
-    while not gone():
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        await asyncio.sleep(min(poll, left))
-    return True
 
 
 def wire_run_id(topo: Topology, run_id: str | None) -> int:
@@ -252,11 +235,11 @@ class NodeRuntime:
             # stay until they are gone (a node leaves once it has its reply: both its
             # connections close and the endpoint marks it down), at most RELAY_LINGER_S. One
             # already down now (a reconnect under way?) cannot be seen leaving: the whole wait
-            down, control_down = self.transport.down, self.transport.control_down
-            if any(p in down or p in control_down for p in behind):
+            tr = self.transport
+            if any(p in tr.down or p in tr.control_down for p in behind):
                 await asyncio.sleep(RELAY_LINGER_S)
             else:
-                await linger(lambda: down.issuperset(behind) and control_down.issuperset(behind), RELAY_LINGER_S)
+                await tr.wait_gone(behind, RELAY_LINGER_S)
         service = self.host.service
         if service is not None and self.host.coordinating:
             if not (self.run_dir / "config.json").exists():  # took over on another host
@@ -280,5 +263,5 @@ class NodeRuntime:
         await self._resources.aclose()
 
 
-__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "linger", "relayed_neighbours", "relays_for_others", "summarize",
+__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relayed_neighbours", "summarize",
            "wire_run_id"]

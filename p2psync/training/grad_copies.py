@@ -48,13 +48,19 @@ class GradCopies:
         self._queue: queue.SimpleQueue[tuple[int, Any, torch.Tensor, int, int] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
+    def hook(self, index: int, offset: int) -> Callable[[torch.Tensor], None]:
+        """The ``register_post_accumulate_grad_hook`` of parameter ``index`` at ``offset`` in
+        the flat vector."""
+        return lambda p: self.ready(index, offset, p.grad)
+
     def ready(self, index: int, offset: int, grad: torch.Tensor | None) -> None:
         """Parameter ``index``'s gradient ``grad`` is accumulated: copy it to the host and post it."""
         if grad is None or self.loop.is_closed():
             return
         g = grad.detach().reshape(-1)
         if g.device.type != "cuda":
-            self.flush()  # a model spread over devices: still in hook order
+            if self._inflight:  # a model spread over devices: still in hook order
+                self.flush()
             self._post(index, offset, g.to("cpu", torch.float32).numpy().copy())
             return
         self._track(index, offset, *self._copy_async(g))

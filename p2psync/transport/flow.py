@@ -33,11 +33,15 @@ class ByteWindow:
     def _fits(self, n: int) -> bool:
         return self.used + n <= self.capacity
 
+    def _size(self, nbytes: int) -> int:
+        """What a request of ``nbytes`` takes: a message larger than the window takes all of it."""
+        return max(0, min(nbytes, self.capacity))
+
     def try_acquire(self, nbytes: int) -> int | None:
         """Take ``min(nbytes, capacity)`` bytes now if they fit and nobody waits ahead (FIFO);
         returns the amount to :meth:`release`, or None: then :meth:`acquire` waits. The common
         case of every bulk send, with no coroutine to create."""
-        n = max(0, min(nbytes, self.capacity))
+        n = self._size(nbytes)
         if not self._waiters and self._fits(n):
             self.used += n
             return n
@@ -49,7 +53,7 @@ class ByteWindow:
         got = self.try_acquire(nbytes)
         if got is not None:
             return got
-        n = max(0, min(nbytes, self.capacity))
+        n = self._size(nbytes)
         self.waits += 1
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         item = (n, fut)

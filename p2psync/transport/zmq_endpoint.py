@@ -70,7 +70,7 @@ import errno
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Collection, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -169,6 +169,7 @@ class ZmqEndpoint(Transport):
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
         self.down: set[int] = set()  # peers whose connection (from our side) is down
         self.control_down: set[int] = set()  # same for our control connections
+        self._down_waiters: list[asyncio.Future[None]] = []  # wait_gone(): woken by a disconnect
         # routing ids (without a keyed ``#`` suffix) of every NIC in the topology -> (node,
         # label): our outgoing pipes' names and the ids incoming connections claim
         self._peers_by_rid: dict[bytes, tuple[int, str]] = {}
@@ -303,12 +304,33 @@ class ZmqEndpoint(Transport):
                 continue
             if ev["event"] == zmq.EVENT_DISCONNECTED:
                 down.add(peer)
+                waiters, self._down_waiters = self._down_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 down.discard(peer)
             elif ev["event"] & _HANDSHAKE_FAILED:
                 self._reject(nic, str(peer), "handshake_failed",
                              f"handshake with node {peer} failed (event {ev['event']:#x}; with keys: "
                              "its key is not the one the topology lists, or it refused ours)")
+
+    async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
+        """Wait until both our connections to every node of ``peers`` are down (it exited, or
+        its link broke), at most ``timeout`` seconds; whether they all are."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not all(p in self.down and p in self.control_down for p in peers):
+            fut: asyncio.Future[None] = loop.create_future()
+            self._down_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, max(0.0, end - loop.time()))
+            except (asyncio.TimeoutError, TimeoutError):
+                return False
+            finally:
+                if fut in self._down_waiters:
+                    self._down_waiters.remove(fut)
+        return True
 
     def _drain(self, nic: str, control: bool = False, more: bool = False) -> None:
         """Receive every message waiting on ``nic``'s socket (loop callback; never raises).

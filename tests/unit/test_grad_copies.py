@@ -43,9 +43,10 @@ async def test_every_gradient_reaches_the_loop_in_hook_order(device: str, dtype:
             got.clear(), order.clear()
             model.zero_grad()
             model(torch.randn(32, 64, device=device, dtype=dtype)).square().mean().backward()
-            await asyncio.to_thread(copies.flush)  # (the delivery thread posts to this loop)
+            # every copy is posted (call_soon_threadsafe) before flush returns, so its callback
+            # runs before this task resumes
+            await asyncio.to_thread(copies.flush)
             assert copies.inflight == 0
-            await asyncio.sleep(0)  # the posted callbacks run
             assert [i for i, _, _ in got] == order and sorted(order) == list(range(len(params)))
             for i, off, g in got:
                 assert off == offs[i] and g.dtype == np.float32 and g.shape == (params[i].numel(),)
@@ -71,9 +72,11 @@ class _Copy:
     """A started device copy whose ``synchronize()`` returns once the test lets it land."""
 
     def __init__(self) -> None:
+        self.waited = threading.Event()  # the delivery thread waits for this copy now
         self.landed = threading.Event()
 
     def synchronize(self) -> None:
+        self.waited.set()
         assert self.landed.wait(10)
 
 
@@ -87,21 +90,23 @@ async def test_the_delivery_thread_posts_in_hook_order_as_copies_land() -> None:
     for i, c in enumerate(started):
         copies._track(i, 10 * i, c, torch.full((2,), float(i)))
     started[1].landed.set()  # a later copy lands first: nothing may overtake copy 0
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(started[0].waited.wait, 10)  # the thread is held at copy 0
     assert got == [] and copies.inflight == 3
     started[0].landed.set()
     await until(lambda: got == [0, 1], 10, "the two landed copies posted without a flush")
     assert copies.inflight == 1
-    threading.Timer(0.05, started[2].landed.set).start()
-    await asyncio.to_thread(copies.flush)  # returns once the last one is posted
-    assert copies.inflight == 0
-    await asyncio.sleep(0)
-    assert got == [0, 1, 2]
+    flushing = asyncio.create_task(asyncio.to_thread(copies.flush))  # returns once the last is posted
+    started[2].landed.set()
+    await flushing
+    # posted (call_soon_threadsafe) before flush returned, so run before this task resumed
+    assert copies.inflight == 0 and got == [0, 1, 2]
     late = _Copy()
     copies._track(3, 30, late, torch.zeros(1))
     thread = copies._thread
-    threading.Timer(0.05, late.landed.set).start()
-    await asyncio.to_thread(copies.close)
+    assert await asyncio.to_thread(late.waited.wait, 10)
+    closing = asyncio.create_task(asyncio.to_thread(copies.close))
+    await until(lambda: copies._thread is None, 10, "close() to forget the copies in flight")
+    late.landed.set()  # lands after close(): not posted
+    await closing  # joined the thread: whatever it posted is queued ahead of this task
     assert thread is not None and not thread.is_alive() and copies.inflight == 0
-    await asyncio.sleep(0.01)
-    assert got == [0, 1, 2]  # closed before it landed: not posted
+    assert got == [0, 1, 2]
