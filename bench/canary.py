@@ -25,7 +25,10 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
   with the sketch at 6 bits per value (``--opt sketch_bits=6``, §4.3.1's "fewer and flexible
   bits"), and with the sketch exactly as the paper gives it (``--codec sketch8p``: quantile
   buckets and midpoints, spec §2; p2psync's default sketch8 merges evenly spaced levels into
-  the quantiles and sends bucket means).
+  the quantiles and sends bucket means), and with §4.4.2's empty packets read literally
+  (``--opt replies=round``: a node that is computing answers every push with an empty packet
+  and what it relays leaves with its own next push, summed: fewer bytes, later data; the
+  default ``held`` answers with whatever it holds for the pusher).
 
 Colayers (``--colayers``, ``--p``): the MLP has two layers with parameters (input -> hidden,
 hidden -> output; 1.07 MB and 0.16 MB), and a colayer holds whole layers, so it has at most
@@ -75,8 +78,8 @@ Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" 
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
-Run time: per BCube, 6 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
-the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 9-10 minutes at the defaults.
+Run time: per BCube, 7 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 8-11 minutes at the defaults.
 ``--quick``: BCube(2,2) only, 20 s runs.
 """
 
@@ -109,6 +112,7 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
            Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
            Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
+           Config("Canary (sketch, replies=round)", (*CANARY, "--opt", "replies=round")),
            Config("Canary (sketch, 2 colayers)", CANARY, colayers=2))
 #: the MLP's layers with parameters: the most colayers it can have
 MLP_LAYERS = 2

@@ -91,6 +91,10 @@ class Flow:
             return None
         return self.outbox.pop((step, peer, slot.index))
 
+    def holds(self, step: int, peer: int, slots: Sequence[Slot]) -> bool:
+        """Whether the outbox for ``peer`` at ``step`` holds a contribution for one of ``slots``."""
+        return any((d := self.outbox.get((step, peer, s.index))) is not None and d.count > 0 for s in slots)
+
     def put_back(self, step: int, peer: int, slot: Slot, d: Datum) -> None:
         """Return ``d`` (a codec's residue: count 0, no contributor) to an outbox: it leaves
         with the next data for that peer, so what a lossy codec drops is delayed, not lost."""

@@ -60,6 +60,16 @@ Choices where the paper is silent or wrong (the spec's resolutions unless said):
   and a slower peer does, adopting ζ would give the node an iteration its parameters do not
   have, and the next decisions would count it as up to date when it is not. ``t + 1`` at
   least: a node's iterations only go up (rows and bsp rounds are keyed by them).
+* **Replies** (``replies``, native mode): §4.4.2 says a worker sends "an empty packet when it
+  is still under computation or has exchanged current gradient in prior communication"; the
+  spec (§6.5) reads that as "empty when it holds nothing for the pusher", so by default
+  (``held``) a computing node's reply carries what it relays for the pusher. ``round`` reads it
+  literally: while the node computes, its replies are empty and what it relays leaves with its
+  own next push, summed into one message. Measured (``bench.canary``'s two rows,
+  README): ``round`` sends the schedule's bytes per iteration (Canary fp32 1.02x BSP's on
+  BCube(2,2), against 1.25x), but a slow node now relays its fast peers' gradients at its own
+  pace, and time to target grows (BCube(2,2) fp32, two seeds: 12.7 / 15.3 s against 11.0 /
+  11.0 s), so ``held`` stays the default.
 * ``mode=bsp`` (§5.3): every exchange waits for every member's data of the same iteration (no
   empty packets), every colayer is complete every iteration: synchronous SGD on Canary's
   schedule (equal to ``ssgd`` with the sketch off).
@@ -103,7 +113,7 @@ from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
-from p2psync.strategies.canary_exchange import CanaryMode, Exchange, Progress, RoundResult
+from p2psync.strategies.canary_exchange import CanaryMode, Exchange, Progress, ReplyPolicy, RoundResult
 from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
 from p2psync.strategies.canary_wire import Header
 from p2psync.strategies.regroup import Regroup
@@ -122,6 +132,9 @@ class CanaryOptions(StrategyOptions):
 
     mode: CanaryMode = option("native", "native (asynchronous, empty packets) or bsp (every colayer complete "
                               "every iteration)")
+    replies: ReplyPolicy = option("held", "native: a reply carries the data held for the pusher at any time (held) "
+                                  "or only during this node's own round of that colayer (round: fewer bytes, "
+                                  "later data)")
     s: float = option(18.0, "staleness threshold: iterations behind the fastest worker (inf: never stale)")
     p: int = option(-1, "colayers that must be complete once s is exceeded (-1: 60 % of them, the paper's 6 of 10)")
     colayers: int = option(0, "number of colayers of nearly equal size (0: the automatic rule)")
@@ -209,7 +222,7 @@ class Canary(Strategy):
             transport=self.ctx.transport, fwd=self.fwd, layout=layout_for(self.ctx.topology, view.members),
             sizes=[c.hi - c.lo for c in self.colayers], codec=self.codec, mode=self.opts.mode,
             staleness=self.opts.s, timeout=self.ctx.peer_timeout, epoch=view.epoch, plan=self.resyncs,
-            piece=max(1, self.ctx.collectives.piece_bytes // 4),
+            piece=max(1, self.ctx.collectives.piece_bytes // 4), replies=self.opts.replies,
             progress=Progress(iteration=lambda: self.t, zeta=lambda: (self.gei.zeta, self.gei.zeta_node),
                               stopping=lambda: self.stopping, on_header=self._header,
                               last=self._stop_flag if self.opts.mode == "bsp" else None))
@@ -384,7 +397,8 @@ class Canary(Strategy):
                                "colayers": len(self.colayers)}
         if st is not None:
             out.update(empties_sent=st.empties_sent, empties_recv=st.empties_recv, stale=st.stale, lost=st.lost,
-                       moved=st.moved, malformed=st.malformed, wire_bytes=st.wire_bytes, raw_bytes=st.raw_bytes,
+                       moved=st.moved, held=st.held, malformed=st.malformed, wire_bytes=st.wire_bytes,
+                       raw_bytes=st.raw_bytes,
                        level_bytes={str(k): v for k, v in sorted(st.by_level.items())})
         return out
 

@@ -61,6 +61,14 @@ log = logging.getLogger("p2psync.canary")
 #: native: asynchronous, empty packets; bsp: every colayer complete every iteration
 CanaryMode = Literal["native", "bsp"]
 MODES: tuple[str, ...] = get_args(CanaryMode)
+#: native mode, what a reply carries: ``held`` (default): whatever the outbox holds for the
+#: pusher, at any time (the spec's §6.5 reading); ``round``: data only while this node's own
+#: round of that colayer runs (it has finished computing that gradient and has not finished
+#: exchanging it), an empty packet otherwise (§4.4.2 read literally: "an empty packet when it
+#: is still under computation or has exchanged current gradient in prior communication"): what
+#: a computing node relays waits for its next push, one message instead of several, later
+ReplyPolicy = Literal["held", "round"]
+REPLIES: tuple[str, ...] = get_args(ReplyPolicy)
 #: node-local numbers of exchanges (reply tags of a closed exchange are never reused)
 _UIDS = itertools.count(1)
 
@@ -89,6 +97,8 @@ class ExchangeStats:
     lost: int = 0
     malformed: int = 0
     moved: int = 0  # answers from, or pushes for, another plan
+    #: replies sent empty by the ``round`` policy while data for the pusher was waiting
+    held: int = 0
     wire_bytes: int = 0
     raw_bytes: int = 0
     #: payload bytes, and messages that carried data, sent per level (NIC)
@@ -114,9 +124,15 @@ class Exchange:
 
     def __init__(self, *, transport: Transport, fwd: Forwarder, layout: Layout, sizes: Sequence[int],
                  codec: Codec, mode: CanaryMode, staleness: float, timeout: float, epoch: int, plan: int,
-                 progress: Progress, name: str = "canary", piece: int = 1 << 18) -> None:
+                 progress: Progress, name: str = "canary", piece: int = 1 << 18,
+                 replies: ReplyPolicy = "held") -> None:
         if mode not in MODES:
             raise ValueError(f"canary mode {mode!r}: choose from {', '.join(MODES)}")
+        if replies not in REPLIES:
+            raise ValueError(f"canary replies {replies!r}: choose from {', '.join(REPLIES)}")
+        self.replies = replies
+        #: colayers whose round (this node's own exchange of its gradient) is in progress
+        self._in_round: dict[int, int] = {}
         self.tr, self.fwd, self.layout, self.mode = transport, fwd, layout, mode
         self.me = transport.node_id
         self.s, self.timeout, self.epoch, self.plan, self.name = staleness, timeout, epoch, plan, name
@@ -172,8 +188,12 @@ class Exchange:
     async def round(self, z: int, t: int, grad: np.ndarray) -> RoundResult:
         """Exchange colayer ``z`` of iteration ``t`` (``grad``: its flat gradient)."""
         t0 = time.perf_counter()
-        self.contribute(z, t, grad)
-        await gather_or_cancel(self._thread(z, th, t) for th in range(self.layout.levels))
+        self._in_round[z] = self._in_round.get(z, 0) + 1
+        try:
+            self.contribute(z, t, grad)
+            await gather_or_cancel(self._thread(z, th, t) for th in range(self.layout.levels))
+        finally:
+            self._in_round[z] -= 1
         sums, counts, mask, stop = self.collect(z)
         return RoundResult(sums, counts, mask, time.perf_counter() - t0, t0, stop)
 
@@ -259,12 +279,13 @@ class Exchange:
         return newest < self.progress.zeta()[0] - self.s
 
     async def _send(self, y: int, tag: str, z: int, th: int, k: int, reply_to: str | None,
-                    moved: bool = False) -> None:
+                    moved: bool = False, hold: bool = False) -> None:
         """Send ``y`` this node's outbox for step ``k`` (nothing when ``moved``: an empty
-        packet saying this node is on another plan)."""
+        packet saying this node is on another plan; nothing when ``hold``: an empty packet, the
+        outbox waits)."""
         items = []
         flow = None if moved else self.flows[z]
-        if flow is not None:
+        if flow is not None and not hold:
             for s in flow.send_slots(th, k, y):
                 d = flow.take_outbox(k, y, s)
                 if d is None:
@@ -361,7 +382,10 @@ class Exchange:
             raise ProtocolError("canary", f"node {y}: push for colayer {h.z}, thread {h.th}, step {h.k} "
                                           "is not one of its exchanges with this node")
         self._ingest(msg, h.z, h.th, h.k, y)
-        self._spawn(lambda: self._send(y, rq, h.z, h.th, h.k, reply_to=None))
+        hold = self.replies == "round" and not self._in_round.get(h.z) and not self.progress.stopping()
+        if hold and self.flows[h.z].holds(h.k, y, self.flows[h.z].send_slots(h.th, h.k, y)):
+            self.stats.held += 1
+        self._spawn(lambda: self._send(y, rq, h.z, h.th, h.k, reply_to=None, hold=hold))
 
     def _spawn(self, make: Callable[[], Awaitable[None]]) -> None:
         """Send a reply in an owned task. The coroutine is made inside the task: a task cancelled
@@ -377,4 +401,4 @@ class Exchange:
             log.info("node %d: canary reply lost: %s", self.me, exc)
 
 
-__all__ = ["CanaryMode", "Exchange", "ExchangeStats", "MODES", "Progress", "RoundResult"]
+__all__ = ["CanaryMode", "Exchange", "ExchangeStats", "MODES", "Progress", "REPLIES", "ReplyPolicy", "RoundResult"]

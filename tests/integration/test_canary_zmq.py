@@ -203,3 +203,62 @@ async def test_overtime_pull_falls_back_to_the_next_candidate():
         finally:
             await close_strategies(strats[:2])
     assert got == 57 and mine.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("replies", ["round", "held"])
+async def test_native_rounds_deliver_every_contribution_exactly_once_under_either_reply_policy(replies):
+    """Native mode over real sockets, node 3 ten times slower between its rounds: whatever a
+    reply carries (``round``: data only during the replier's own round, else an empty packet
+    and the data waits for its next push; ``held``: whatever waits), every contribution reaches
+    every node once. After the rounds, lockstep rounds of zeros push what still waits; then each
+    node's results over all its rounds sum to every node's gradients over all rounds, exactly
+    (integer-valued float32), and no outbox holds anything."""
+    topo = bcube(2, 2, base_port=free_port())
+    layout = layout_for(topo, topo.ids)
+    n, rounds, flush = 64, 6, 4
+    rng = np.random.default_rng(11)
+    grads = {(i, r): rng.integers(-50, 50, n).astype(np.float32) for i in topo.ids for r in range(rounds)}
+    got = {i: np.zeros(n, np.float64) for i in topo.ids}
+    counts = {i: np.zeros(n, np.float64) for i in topo.ids}
+    async with zmq_cluster(topo) as eps:
+        fwds = {i: Forwarder(transport=eps[i], name="canary", timeout=10, accept=lambda to, tag: True)
+                for i in topo.ids}
+        it = dict.fromkeys(topo.ids, 0)
+        exes = {i: Exchange(transport=eps[i], fwd=fwds[i], layout=layout, sizes=[n], codec=get_codec("none"),
+                            mode="native", staleness=float("inf"), timeout=10, epoch=0, plan=0, replies=replies,
+                            progress=Progress(iteration=lambda i=i: it[i], zeta=lambda: (0, 0),
+                                              stopping=lambda: False, on_header=lambda h: None))
+                for i in topo.ids}
+        for f in fwds.values():
+            f.start()
+        for e in exes.values():
+            e.start()
+
+        async def one(i: int, r: int, g: np.ndarray) -> None:
+            it[i] = r
+            res = await exes[i].round(0, r, g)
+            got[i] += res.sums
+            counts[i] += res.counts
+
+        async def node(i: int) -> None:
+            for r in range(rounds):
+                await one(i, r, grads[(i, r)])
+                await asyncio.sleep(0.1 if i == 3 else 0.01)
+        try:
+            await asyncio.gather(*(node(i) for i in topo.ids))
+            for r in range(rounds, rounds + flush):
+                await asyncio.gather(*(one(i, r, np.zeros(n, np.float32)) for i in topo.ids))
+            left = [d for e in exes.values() for d in e.flows[0].outbox.values() if d.count]
+        finally:
+            for e in exes.values():
+                await e.close()
+            for f in fwds.values():
+                await f.close()
+    total = sum(grads.values()).astype(np.float64)
+    for i in topo.ids:
+        np.testing.assert_array_equal(got[i], total, err_msg=f"node {i}")
+        assert (counts[i] == 4 * (rounds + flush)).all(), i
+        assert exes[i].stats.lost == 0 and exes[i].stats.malformed == 0
+    assert not left
+    held = sum(e.stats.held for e in exes.values())
+    assert held > 0 if replies == "round" else held == 0
