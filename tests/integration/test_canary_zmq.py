@@ -89,10 +89,11 @@ async def test_bsp_mode_without_the_sketch_equals_ssgd():
     assert all(p.tobytes() == got["canary"][0].tobytes() for p in got["canary"])  # the final average
 
 
-async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_run_ends_with_one_model():
+@pytest.mark.parametrize("replies", ["held", "round"])
+async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_run_ends_with_one_model(replies):
     topo = bcube(2, 2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        strats = await start_strategies(eps, topo, "canary",
+        strats = await start_strategies(eps, topo, "canary", options={"replies": replies},
                                         trainers=slowed_trainers(topo, "0:0.02,1:0.02,2:0.02,3:0.12"))
         try:
             reps = await _run(strats, 1000, stop_after=3.0)
@@ -110,6 +111,9 @@ async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_r
     assert last[3]["empties_recv"] + sum(x["empties_sent"] for x in last) > 0
     assert all(x["wire_bytes"] < 0.5 * x["raw_bytes"] for x in last)  # the sketch by default
     assert all(x["malformed"] == 0 and x["lost"] == 0 for x in last)
+    # round: a node that is computing answers empty although it holds data for the pusher
+    held = sum(x["held"] for x in last)
+    assert held > 0 if replies == "round" else held == 0
 
 
 async def test_a_worker_more_than_s_behind_is_reset_to_the_fastest_model():

@@ -25,6 +25,9 @@ def test_options_are_frozen_typed_and_default_when_absent():
     assert parse_options(get_strategy("canary"), {"pipeline": "off", "p": 3}).pipeline is False
     with pytest.raises(ConfigError, match="--opt p=2.5: expected int"):
         parse_options(get_strategy("canary"), {"p": 2.5})
+    assert parse_options(get_strategy("canary"), {"replies": "round"}).replies == "round"
+    with pytest.raises(ConfigError, match="replies"):
+        parse_options(get_strategy("canary"), {"replies": "sometimes"})
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
