@@ -11,6 +11,11 @@ p2psync ring does — but with no header encoding or validation, no tags, no mai
 loop, no flow control: what ZeroMQ and numpy alone need. ``transport``: ``tcp`` (127.0.0.x, as
 the p2psync rows) or ``ipc`` (Unix domain sockets).
 
+``shm_floor_worker``: the same ring with the pieces in shared memory instead (files in
+``/dev/shm`` mapped by both ends; each piece written into the sender's segment, read and added
+in from there by the receiver) and a one-byte ZeroMQ notification per piece: what the ring
+would cost with the kernel's TCP path taken out, for peers on one host.
+
 ``curve`` (issue 16): the same with CurveZMQ on both sockets (:func:`floor_keys`; the PULL
 socket a CURVE server, the PUSH socket a client that knows its right neighbour's public key),
 so the floor pays ZeroMQ's own encryption and decryption, as a keyed p2psync cluster does. No
@@ -33,6 +38,105 @@ from p2psync.collectives.buffers import POLL, wait_budget
 
 def _chunks(pieces: int, n: int) -> list[tuple[int, int]]:
     return [((pieces * j) // n, (pieces * (j + 1)) // n) for j in range(n)]
+
+
+def _layout(elems: int, n: int, piece_bytes: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """p2psync's pieces (about ``piece_bytes``, at most elems / n elements) and their chunks."""
+    per = max(1, min(piece_bytes // 4, -(-elems // n)))
+    bounds = np.minimum(np.arange(-(-elems // per) + 1) * per, elems)
+    return bounds, _chunks(len(bounds) - 1, n)
+
+
+def _ring_chunk(rank: int, n: int, s: int) -> tuple[int, bool]:
+    """The chunk a ring node receives at step ``s`` (of 2(n-1)), and whether it adds it in."""
+    reduce = s < n - 1
+    return ((rank - s - 2) % n if reduce else (rank - (s - (n - 1)) - 1) % n), reduce
+
+
+def shm_segments(n: int, elems: int, piece_bytes: int = 1 << 20) -> list[str]:
+    """One file per rank in a fresh folder of ``/dev/shm``, big enough for two allreduces' worth
+    of outgoing pieces (the ring keeps a node at most one allreduce ahead of its right
+    neighbour). The caller removes the folder."""
+    d = tempfile.mkdtemp(prefix="p2pfloor", dir="/dev/shm")
+    bounds, chunks = _layout(elems, n, piece_bytes)
+    size = 2 * 2 * (n - 1) * int(max(bounds[hi] - bounds[lo] for lo, hi in chunks)) * 4
+    paths = [os.path.join(d, f"n{i}") for i in range(n)]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.truncate(max(size, 4))
+    return paths
+
+
+def _input(rank: int, elems: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
+
+
+def shm_floor_worker(rank: int, n: int, elems: int, endpoints: list[str], segments: list[str], reps: int,
+                     q: Any, piece_bytes: int = 1 << 20, verify: bool = False) -> None:
+    """Puts ``(rank, seconds per allreduce)`` on ``q``; with ``verify``, ``(rank, seconds, ok)``:
+    whether the warm-up's and the last timed allreduce's results equal the sum of every rank's
+    input (for tests, on small tensors)."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    pull.bind(endpoints[rank])
+    push.connect(endpoints[(rank + 1) % n])
+    x = _input(rank, elems)
+    bounds, chunks = _layout(elems, n, piece_bytes)
+    steps = 2 * (n - 1)
+    width = int(max(bounds[hi] - bounds[lo] for lo, hi in chunks))
+    out = np.memmap(segments[rank], np.float32, "r+", shape=(2, steps, width))
+    inn = np.memmap(segments[(rank - 1) % n], np.float32, "r", shape=(2, steps, width))
+
+    def send(par: int, s: int, c: int, piece: np.ndarray, k: int) -> None:
+        at = int(bounds[k] - bounds[chunks[c][0]])
+        out[par, s, at:at + piece.size] = piece
+        push.send(b"p", copy=True)
+
+    def allreduce(src: np.ndarray, par: int) -> np.ndarray:
+        buf = src.copy()
+        c = (rank - 1) % n
+        for k in range(*chunks[c]):
+            send(par, 0, c, buf[bounds[k]:bounds[k + 1]], k)
+        for s in range(steps):
+            c, reduce = _ring_chunk(rank, n, s)
+            lo = chunks[c][0]
+            for k in range(*chunks[c]):
+                pull.recv()
+                piece = buf[bounds[k]:bounds[k + 1]]
+                at = int(bounds[k] - bounds[lo])
+                got = inn[par, s, at:at + piece.size]
+                if reduce:
+                    np.add(piece, got, out=piece)
+                else:
+                    piece[...] = got
+                if s < steps - 1:
+                    send(par, s + 1, c, piece, k)
+        return buf  # nothing of it is in flight: no frame holds a view
+
+    def barrier() -> None:
+        push.send(b"b")
+        pull.recv()
+
+    barrier()
+    first = allreduce(x, 1)  # warm-up
+    barrier()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        last = allreduce(x, i % 2)
+    took = (time.perf_counter() - t0) / reps
+    if verify:
+        want = sum(_input(r, elems) for r in range(n))
+        q.put((rank, took, all(np.allclose(got, want, rtol=1e-5, atol=1e-5) for got in (first, last))))
+    else:
+        q.put((rank, took))
+    barrier()
+    del out, inn
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
 
 
 def floor_endpoints(transport: str, n: int, port: int) -> list[str]:
@@ -68,9 +172,7 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
     push.setsockopt(zmq.SNDHWM, 64)
     push.connect(endpoints[(rank + 1) % n])
     x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
-    per = max(1, min(piece_bytes // 4, -(-elems // n)))
-    bounds = np.minimum(np.arange(-(-elems // per) + 1) * per, elems)
-    chunks = _chunks(len(bounds) - 1, n)
+    bounds, chunks = _layout(elems, n, piece_bytes)
     hdr = b"h" * 64
 
     def allreduce(src: np.ndarray) -> np.ndarray:
@@ -81,8 +183,7 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
             push.send_multipart([hdr, buf[bounds[k]:bounds[k + 1]]], copy=False)
         steps = 2 * (n - 1)
         for s in range(steps):
-            reduce = s < n - 1
-            c = (rank - s - 2) % n if reduce else (rank - (s - (n - 1)) - 1) % n
+            c, reduce = _ring_chunk(rank, n, s)
             lo, hi = chunks[c]
             for k in range(lo, hi):
                 frames = pull.recv_multipart(copy=False)

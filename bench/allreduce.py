@@ -12,7 +12,10 @@ compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
 The floor rows (issue 17) are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
 same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127.0.0.x as the
 p2psync rows: what ZeroMQ and numpy alone need. ``× floor`` is a row's bus bandwidth over the
-tcp floor's in the same run.
+tcp floor's in the same run. The shared-memory floor (``floor-shm``) moves the same pieces
+through files in ``/dev/shm`` that both ends map, with a one-byte ZeroMQ notification per
+piece: the ring with the kernel's TCP path taken out, which only peers on one host can do
+(p2psync itself does not: every byte it moves goes through ZeroMQ).
 
 ``--shaped`` (issue 17) measures on kernel-shaped links instead (:mod:`bench._netns`): every
 node in its own network namespace, veth pairs to one bridge per network, a ``tbf`` of
@@ -44,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import markdown_table, save_png
-from bench._floor import floor_endpoints, floor_keys, floor_worker
+from bench._floor import floor_endpoints, floor_keys, floor_worker, shm_floor_worker, shm_segments
 
 
 def _port() -> int:
@@ -120,6 +123,11 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     port = _port()
     if kind == "gloo":
         procs = [ctx.Process(target=gloo_worker, args=(r, n, elems, port, reps, q)) for r in range(n)]
+    elif kind == "floor-shm":
+        eps = floor_endpoints("tcp", n, port)
+        segs = shm_segments(n, elems, piece_kib << 10)
+        procs = [ctx.Process(target=shm_floor_worker, args=(r, n, elems, eps, segs, reps, q, piece_kib << 10))
+                 for r in range(n)]
     elif kind.startswith("floor"):
         eps = floor_endpoints(kind.partition("-")[2] or "tcp", n, port)
         fkeys = floor_keys(n) if curve else None
@@ -142,6 +150,8 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
         p.join(timeout=60)
     if kind == "floor-ipc":
         shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
+    if kind == "floor-shm":
+        shutil.rmtree(os.path.dirname(segs[0]), ignore_errors=True)
     return max(times)
 
 
@@ -149,6 +159,7 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
 CONFIGS = [("gloo", "gloo", "gloo", "ring", "none", False),
            ("floor-ipc", "zmq floor (ipc)", "floor-ipc", "ring", "none", False),
            ("floor-tcp", "zmq floor (tcp)", "floor-tcp", "ring", "none", False),
+           ("floor-shm", "shared-memory floor", "floor-shm", "ring", "none", False),
            ("floor-tcp+curve", "zmq floor (tcp) + CURVE", "floor-tcp", "ring", "none", True),
            ("ring", "p2psync ring", "p2psync", "ring", "none", False),
            ("mesh", "p2psync mesh", "p2psync", "mesh", "none", False),
