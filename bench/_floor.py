@@ -57,9 +57,13 @@ def shm_segments(n: int, elems: int, piece_bytes: int = 1 << 20) -> list[str]:
     """One file per rank in a fresh folder of ``/dev/shm``, big enough for two allreduces' worth
     of outgoing pieces (the ring keeps a node at most one allreduce ahead of its right
     neighbour). The caller removes the folder."""
-    d = tempfile.mkdtemp(prefix="p2pfloor", dir="/dev/shm")
     bounds, chunks = _layout(elems, n, piece_bytes)
     size = 2 * 2 * (n - 1) * int(max(bounds[hi] - bounds[lo] for lo, hi in chunks)) * 4
+    st = os.statvfs("/dev/shm")
+    if st.f_bavail * st.f_frsize < n * size:  # a write past the free space would kill a worker (SIGBUS)
+        raise SystemExit(f"floor-shm: /dev/shm has {st.f_bavail * st.f_frsize >> 20} MiB free, "
+                         f"the segments need {n * size >> 20} MiB")
+    d = tempfile.mkdtemp(prefix="p2pfloor", dir="/dev/shm")
     paths = [os.path.join(d, f"n{i}") for i in range(n)]
     for p in paths:
         with open(p, "wb") as f:

@@ -143,15 +143,20 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
                              args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf, keys, None,
                                    io_threads))
                  for r in range(n)]
-    for p in procs:
-        p.start()
-    times = [q.get(timeout=900)[1] for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    if kind == "floor-ipc":
-        shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
-    if kind == "floor-shm":
-        shutil.rmtree(os.path.dirname(segs[0]), ignore_errors=True)
+    try:
+        for p in procs:
+            p.start()
+        times = [q.get(timeout=900)[1] for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if kind == "floor-ipc":
+            shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
+        if kind == "floor-shm":
+            shutil.rmtree(os.path.dirname(segs[0]), ignore_errors=True)
     return max(times)
 
 

@@ -26,9 +26,9 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
   bits"), and with the sketch exactly as the paper gives it (``--codec sketch8p``: quantile
   buckets and midpoints, spec §2; p2psync's default sketch8 merges evenly spaced levels into
   the quantiles and sends bucket means), and with §4.4.2's empty packets read literally
-  (``--opt replies=round``: a node that is computing answers every push with an empty packet
-  and what it relays leaves with its own next push, summed: fewer bytes, later data; the
-  default ``held`` answers with whatever it holds for the pusher).
+  (``--opt replies=round``: outside its own round of that colayer a node answers every push
+  with an empty packet and what it relays leaves with its own next push, summed: fewer bytes,
+  later data; the default ``held`` answers with whatever it holds for the pusher).
 
 Colayers (``--colayers``, ``--p``): the MLP has two layers with parameters (input -> hidden,
 hidden -> output; 1.07 MB and 0.16 MB), and a colayer holds whole layers, so it has at most

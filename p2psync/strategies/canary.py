@@ -64,8 +64,8 @@ Choices where the paper is silent or wrong (the spec's resolutions unless said):
   is still under computation or has exchanged current gradient in prior communication"; the
   spec (§6.5) reads that as "empty when it holds nothing for the pusher", so by default
   (``held``) a computing node's reply carries what it relays for the pusher. ``round`` reads it
-  literally: while the node computes, its replies are empty and what it relays leaves with its
-  own next push, summed into one message. Measured (``bench.canary``'s two rows,
+  literally: outside its own round of that colayer (computing, or done exchanging it) a node's
+  replies are empty and what it relays leaves with its own next push, summed into one message. Measured (``bench.canary``'s two rows,
   README): ``round`` sends the schedule's bytes per iteration (Canary fp32 1.02x BSP's on
   BCube(2,2), against 1.25x), but a slow node now relays its fast peers' gradients at its own
   pace, and time to target grows (BCube(2,2) fp32, two seeds: 12.7 / 15.3 s against 11.0 /
@@ -154,6 +154,8 @@ class CanaryOptions(StrategyOptions):
         require(self.colayer_kib >= 1, self, "colayer_kib", "must be >= 1")
         require(1 <= self.sketch_bits <= 8, self, "sketch_bits", "must be between 1 and 8")
         require(self.colayers >= 0, self, "colayers", "must be >= 0 (0: the automatic rule)")
+        require(self.mode == "native" or self.replies == "held", self, "replies",
+                "applies to mode=native only (mode=bsp sends no replies)")
         parse_counts(self.colayer_layers)
 
 

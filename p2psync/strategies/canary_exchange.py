@@ -97,7 +97,8 @@ class ExchangeStats:
     lost: int = 0
     malformed: int = 0
     moved: int = 0  # answers from, or pushes for, another plan
-    #: replies sent empty by the ``round`` policy while data for the pusher was waiting
+    #: replies sent empty by the ``round`` policy while data for the pusher was waiting (stale
+    #: data included: it is dropped when its push comes)
     held: int = 0
     wire_bytes: int = 0
     raw_bytes: int = 0

@@ -54,7 +54,10 @@ def test_the_example_trains_under_every_strategy(tmp_path: Path, strategy: str) 
     # at 0.77 once in a loaded CI run (usually 0.87-0.91): 9 epochs put it at 0.91-0.94 with a
     # busy loop beside (three runs)
     extra = ["--momentum", "0.5"] if strategy == "asgd" else []
-    epochs = "9" if strategy == "asgd" else "6"
+    # ESync: 6 epochs gave 0.86-0.97 per node idle and with two busy loops beside (eight runs),
+    # but [0.72, 0.86, 0.82] once in the full suite with a type check running beside it (its
+    # local steps follow the nodes' measured speeds, which that load skews): 8 epochs
+    epochs = {"asgd": "9", "esync": "8"}.get(strategy, "6")
     # DTS: ~90 local steps is short for the default delay 4 and period 4 (the model each node
     # evaluates at its loop's end still lacks up to t + p - 1 steps of averaging)
     opts = ["--opt", "t=2", "--opt", "p=2"] if strategy == "dts" else []

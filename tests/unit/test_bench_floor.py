@@ -5,8 +5,8 @@ operation (two alternating slot sets), with one or several pieces per chunk."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import shutil
 import os
+import shutil
 
 import pytest
 

@@ -146,6 +146,23 @@ async def test_a_round_is_marked_while_it_runs_and_unmarked_when_it_ends_or_fail
     assert ex._in_round[0] == 0
 
 
+async def test_a_round_cancelled_while_it_waits_is_unmarked() -> None:
+    ex, rec = _exchange("round")
+    waiting = asyncio.Event()
+
+    async def hang(z: int, th: int, t: int) -> None:
+        waiting.set()
+        await asyncio.Event().wait()  # an answer that never comes
+    ex._thread = hang  # type: ignore[method-assign]
+    task = asyncio.ensure_future(ex.round(0, T, np.zeros(8, np.float32)))
+    await asyncio.wait_for(waiting.wait(), 5)
+    assert ex._in_round[0] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ex._in_round[0] == 0
+
+
 def test_an_unknown_reply_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="replies"):
         _exchange("sometimes")

@@ -28,6 +28,8 @@ def test_options_are_frozen_typed_and_default_when_absent():
     assert parse_options(get_strategy("canary"), {"replies": "round"}).replies == "round"
     with pytest.raises(ConfigError, match="replies"):
         parse_options(get_strategy("canary"), {"replies": "sometimes"})
+    with pytest.raises(ConfigError, match="replies.*mode=native only"):  # bsp sends no replies
+        parse_options(get_strategy("canary"), {"replies": "round", "mode": "bsp"})
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
