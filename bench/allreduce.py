@@ -67,7 +67,7 @@ def _topology(algo: str, n: int, port: int):
 
 def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: int, reps: int,
                    q: Any, piece_kib: int = 1024, sockbuf: int = 0, keys: Any = None, topo: Any = None,
-                   io_threads: int = 1) -> None:
+                   io_threads: int = 1, shm: bool = False) -> None:
     import uvloop
 
     from p2psync.collectives import Collectives
@@ -80,7 +80,7 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
         if keys is not None:  # a keyed cluster: CurveZMQ on every socket
             topo = with_public_keys(topo, keys)
         ep = ZmqEndpoint(topology=topo, node_id=rank, default_timeout=120,
-                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf, io_threads=io_threads),
+                         options=SocketOptions(sndbuf=sockbuf, rcvbuf=sockbuf, io_threads=io_threads, shm=shm),
                          keys=keys[rank] if keys is not None else None)
         await ep.start()
         coll = Collectives(ep, timeout=120, codec=codec, algo=algo, piece_bytes=piece_kib << 10)
@@ -141,7 +141,7 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
             keys = generate(_topology(algo, n, port))
         procs = [ctx.Process(target=p2psync_worker,
                              args=(r, n, elems, algo, codec, port, reps, q, piece_kib, sockbuf, keys, None,
-                                   io_threads))
+                                   io_threads, kind == "p2psync+shm"))
                  for r in range(n)]
     try:
         for p in procs:
@@ -167,6 +167,7 @@ CONFIGS = [("gloo", "gloo", "gloo", "ring", "none", False),
            ("floor-shm", "shared-memory floor", "floor-shm", "ring", "none", False),
            ("floor-tcp+curve", "zmq floor (tcp) + CURVE", "floor-tcp", "ring", "none", True),
            ("ring", "p2psync ring", "p2psync", "ring", "none", False),
+           ("ring+shm", "p2psync ring, shared memory", "p2psync+shm", "ring", "none", False),
            ("mesh", "p2psync mesh", "p2psync", "mesh", "none", False),
            ("bcube", "p2psync bcube", "p2psync", "bcube", "none", False),
            ("ring+sketch8", "p2psync ring + sketch8", "p2psync", "ring", "sketch8", False),

@@ -39,7 +39,7 @@ from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_stra
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.topology.paths import hop_distances
-from p2psync.transport import ZmqEndpoint
+from p2psync.transport import SocketOptions, ZmqEndpoint
 from p2psync.transport.keys import node_keys
 from p2psync.wire.schema import valid_run_id
 from p2psync.transport.shaping import load_wan_profile, make_shaper
@@ -137,6 +137,7 @@ class NodeRuntime:
             load_wan_profile(cfg.wan, topo)  # validate before starting anything
         keys = node_keys(cfg.keys, topo, node_id, topo_path=cfg.topology)
         self.transport = ZmqEndpoint(topology=topo, node_id=node_id, default_timeout=cfg.peer_timeout, keys=keys,
+                                     options=SocketOptions(shm=cfg.shm),
                                      shaper=make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
                                                         nic_mbps=cfg.nic_mbps))
         self.transport.run_id = wire_run_id(topo, cfg.run_id)
@@ -227,6 +228,7 @@ class NodeRuntime:
         """The finish barrier (``depart``: this node leaves the view, the others re-form
         without it); the node coordinating then writes ``summary.json``."""
         stats["rejected"] = dict(self.transport.rejected)
+        stats["shm_frames"] = self.transport.shm_frames
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
         await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
         behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator)

@@ -128,6 +128,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--keys", default=os.environ.get(ENV_KEYS) or None, metavar="DIR",
                    help=f"folder of this host's node key files ('p2psync keys gen'; default ${ENV_KEYS}): "
                         "needed when the topology lists public keys; every connection then runs CurveZMQ")
+    p.add_argument("--shm", action="store_true",
+                   help="send pieces of 64 KiB or more to nodes on this host (loopback addresses) through "
+                        "shared memory in /dev/shm instead of TCP (a full /dev/shm falls back to TCP)")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
@@ -185,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure,
-        keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
+        keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every, shm=args.shm,
         resume=str(Path(args.resume).absolute()) if args.resume else None)
     from p2psync.strategies.base import get_strategy, parse_options
 

@@ -21,7 +21,7 @@ ModelName = Literal["mlp", "cnn", "resnet18"]
 MODELS: tuple[str, ...] = get_args(ModelName)
 
 #: fields that only concern the local process; every other field must agree across nodes
-LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume"})
+LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume", "shm"})
 UNBOUNDED_STEPS = 1 << 62
 
 
@@ -81,6 +81,8 @@ class RunConfig:
     checkpoint_every: int | None = None
     #: the run folder (``<out>/<run_id>``) whose checkpoints this run continues
     resume: str | None = None
+    #: send big pieces to peers on this host through shared memory (transport/shm.py)
+    shm: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -114,6 +116,8 @@ class RunConfig:
             raise ConfigError(f"--shaper {self.shaper!r}: choose from {', '.join(SHAPERS)}")
         if self.wan and self.shaper == "none":
             raise ConfigError("--wan needs --shaper inproc or netem")
+        if self.shm and self.keys is not None:
+            raise ConfigError("--shm cannot be used with --keys: the bytes would bypass CurveZMQ")
         if self.nic_mbps is not None and self.shaper != "inproc":
             raise ConfigError("--nic-mbps needs --shaper inproc")
         if self.on_failure not in ON_FAILURE:

@@ -75,10 +75,11 @@ from typing import Any, Collection, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import ConfigError, TransportError, translate
+from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
 from p2psync.topology import Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
+from p2psync.transport.shm import Inbound, Outbound, same_host
 from p2psync.transport.zap import DOMAIN_PREFIX, ZapHandler
 from p2psync.wire import DEFAULT_LIMITS, WireLimits
 
@@ -123,6 +124,9 @@ class SocketOptions:
     rcvbuf: int = 0
     #: send queue of the control socket (messages per pipe)
     control_sndhwm: int = 1000
+    #: send bulk frames of >= 64 KiB to peers on this host through shared memory
+    #: (:mod:`p2psync.transport.shm`; not with keys)
+    shm: bool = False
 
 
 def routing_id(node: int, nic: str) -> bytes:
@@ -180,6 +184,13 @@ class ZmqEndpoint(Transport):
                 self._peers_by_rid[claimed_id(n.id, c.name, control=False)] = (n.id, label)
                 self._peers_by_rid[claimed_id(n.id, c.name, control=True)] = (n.id, f"{label}/c")
         self._rid_cache: dict[tuple[int, str], bytes] = {}
+        self._shm_out: Outbound | None = None
+        self._shm_in: Inbound | None = None
+        #: (peer, our NIC) -> whether both NICs are on this host (shared memory may carry it)
+        self._local: dict[tuple[int, str], bool] = {}
+        if keys is None:  # every endpoint takes marked messages; sending them is the option
+            self._shm_in = Inbound(node_id)
+            self._shm_out = Outbound(node_id) if options.shm else None
 
     async def start(self) -> None:
         if self._socks:
@@ -370,7 +381,14 @@ class ZmqEndpoint(Transport):
             if known is None:
                 self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
             else:
-                self._ingest(nic, known[0], known[1], [f.buffer for f in frames[1:]])
+                bufs = [f.buffer for f in frames[1:]]
+                if self._shm_in is not None and not control and Inbound.marked(bufs):
+                    try:
+                        bufs = self._shm_in.resolve(known[0], bufs)
+                    except ProtocolError as exc:
+                        self._reject(nic, known[1], exc.reason, exc.detail)
+                        continue
+                self._ingest(nic, known[0], known[1], bufs)
             if not (i or more) and self._loop is not None:
                 self._loop.call_soon(self._drain, nic, control, True)
                 return
@@ -405,6 +423,9 @@ class ZmqEndpoint(Transport):
         rid = self._rid_cache.get(key)
         if rid is None:
             rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
+        seg = None
+        if bulk and self._shm_out is not None and self._on_host(peer, route):
+            frames, seg, head, count = self._shm_out.stage(peer, route.local_nic, frames)
         try:
             # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
             # once it is in, the rest of the multipart message always goes
@@ -412,10 +433,10 @@ class ZmqEndpoint(Transport):
             last = len(frames) - 1
             for i, f in enumerate(frames):
                 _send(sock, f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
-        except zmq.Again:
-            raise NotReady from None
         except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
+            if seg is not None:  # nothing of it went: the retry stages it again
+                seg.rollback(head, count)
+            if isinstance(exc, zmq.Again) or exc.errno == errno.EHOSTUNREACH:
                 raise NotReady from None
             raise TransportError(f"send to node {peer} failed: {exc.strerror}") from None
         finally:
@@ -423,6 +444,19 @@ class ZmqEndpoint(Transport):
             # sockets receive (a control socket's pipes are all outgoing: nobody sends on them)
             if bulk and not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
                 self._loop.call_soon(self._drain, route.local_nic, False)
+
+    def _on_host(self, peer: int, route: Route) -> bool:
+        local = self._local.get((peer, route.local_nic))
+        if local is None:
+            ours = next(c for c in self.node.nics if c.name == route.local_nic)
+            theirs = next(c for c in self.topology.node(peer).nics if c.name == route.remote_nic)
+            local = self._local[(peer, route.local_nic)] = same_host(ours.address) and same_host(theirs.address)
+        return local
+
+    @property
+    def shm_frames(self) -> int:
+        """Frames this endpoint sent through shared memory."""
+        return self._shm_out.frames if self._shm_out is not None else 0
 
     async def _close_io(self) -> None:
         if self._loop is not None:
@@ -445,3 +479,6 @@ class ZmqEndpoint(Transport):
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        for shm in (self._shm_out, self._shm_in):
+            if shm is not None:
+                shm.close()

@@ -202,6 +202,27 @@ def test_forked_and_execd_nodes_train_identically(tmp_path):
     assert len({s["params_sha1"] for s in summaries["fork"].values()}) == 1
 
 
+def test_shm_trains_exactly_as_tcp_and_carries_the_pieces(tmp_path):
+    """``--shm``: the ring's pieces between nodes of this host go through shared memory
+    (``shm_frames`` in the summary), and the run is bitwise the run without it (ssgd, one seed);
+    nothing is rejected."""
+    topo = tmp_path / "r.json"
+    save(ring(4, base_port=free_port()), topo)
+    summaries = {}
+    for run_id, extra in (("tcp", []), ("shm", ["--shm"])):
+        r = cli("run", topo, "--strategy", "ssgd", "--steps", "8", "--seed", "3", "--eval-every", "4",
+                "--hidden", "1024", "--out", tmp_path, "--run-id", run_id, *extra)
+        assert r.returncode == 0, r.stderr + r.stdout + node_logs(tmp_path / run_id)
+        summaries[run_id] = json.loads((tmp_path / run_id / "summary.json").read_text())["nodes"]
+    assert all(s["shm_frames"] > 0 and not s["rejected"] for s in summaries["shm"].values()), summaries["shm"]
+    assert all(s["shm_frames"] == 0 for s in summaries["tcp"].values())
+    fields = ("steps", "final_accuracy", "final_test_loss", "params_sha1")
+    tcp, shm = ({i: [s[f] for f in fields] for i, s in summaries[k].items()} for k in ("tcp", "shm"))
+    assert tcp == shm, summaries
+    r = cli("run", topo, "--shm", "--keys", str(tmp_path), "--steps", "1", "--out", tmp_path)
+    assert r.returncode == 2 and "--shm cannot be used with --keys" in r.stderr, r.stderr
+
+
 NO_TORCH = ("import sys; from p2psync.cli.main import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
 

@@ -1,0 +1,89 @@
+"""Bulk frames through shared memory between endpoints on one host (``SocketOptions(shm=True)``,
+:mod:`p2psync.transport.shm`), over real ZeroMQ: allreduces give the exact sums with the big
+pieces carried by the segments (small messages and control still over ZeroMQ), a ring too small
+for the traffic falls back to ZeroMQ without losing or reordering anything, a forged marker is
+rejected and counted, and no segment file is left in /dev/shm after the endpoints close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgpack
+import numpy as np
+import pytest
+
+from p2psync.collectives import Collectives
+from p2psync.topology import ring
+from p2psync.transport import SocketOptions
+from p2psync.transport import shm
+from tests.helpers import free_port, zmq_cluster
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
+
+
+def _segments(pid: int | None = None) -> list[str]:
+    mine = f"-{os.getpid() if pid is None else pid}-"
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX) and mine in n]
+
+
+@pytest.mark.parametrize("capacity", [shm.CAPACITY, 300 << 10])
+async def test_allreduces_over_shared_memory_sum_exactly(monkeypatch, capacity):
+    """Integer-valued float32 sums are exact whatever carried the pieces. 300 KiB rings hold
+    one 256 KiB piece at a time: most pieces then fall back to ZeroMQ, in order with the rest."""
+    monkeypatch.setattr(shm, "CAPACITY", capacity)  # read when an endpoint starts
+    topo = ring(4, base_port=free_port())
+    rng = np.random.default_rng(3)
+    n = 3_000_000 // 4
+    xs = {i: rng.integers(-1000, 1000, n).astype(np.float32) for i in topo.ids}
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30, piece_bytes=256 << 10) for i, e in eps.items()}
+        for r in range(3):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i] * (r + 1), tag=f"x.{r}") for i in topo.ids))
+            want = sum(xs.values()) * (r + 1)
+            for o in outs:
+                assert o.tobytes() == want.tobytes()
+        small = await asyncio.gather(*(cs[i].allreduce(np.full(3, i, np.float32), tag="s") for i in topo.ids))
+        assert all(s.tolist() == [6.0, 6.0, 6.0] for s in small)
+        used = {i: e.shm_frames for i, e in eps.items()}
+        assert all(u > 0 for u in used.values()), used
+        if capacity < shm.CAPACITY:  # most pieces did not fit
+            assert all(u < 3 * 2 * 3 * 3 for u in used.values()), used
+    assert not _segments()  # every receiver unlinked what it mapped, every sender the rest
+
+
+async def test_without_the_option_nothing_goes_through_shared_memory():
+    topo = ring(3, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        cs = {i: Collectives(e, timeout=30) for i, e in eps.items()}
+        x = np.ones(1 << 20, np.float32)
+        await asyncio.gather(*(cs[i].allreduce(x, tag="x") for i in topo.ids))
+        assert all(e.shm_frames == 0 for e in eps.values())
+        assert not _segments()
+
+
+async def test_a_forged_marker_is_rejected_and_counted():
+    """Node 1 sends the node its ring pushes to markers naming node 0's segment, a position
+    outside its own segment, and a frame index the message does not have: each rejected and
+    counted (``shm``), and the endpoints go on."""
+    topo = ring(3, base_port=free_port())
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        c = {i: Collectives(e, timeout=30) for i, e in eps.items()}
+        x = np.ones(1 << 18, np.float32)  # 1 MiB: the pieces go through shared memory
+        await asyncio.gather(*(c[i].allreduce(x, tag="warm") for i in topo.ids))
+        ep1 = eps[1]
+        (dst, _), seg = next((k, v) for k, v in ep1._shm_out._segs.items() if v is not None)
+        route = topo.routes(1, dst)[0]
+        forged = seg.name.replace(f"{shm.PREFIX}1-", f"{shm.PREFIX}0-", 1)
+        out, ep1._shm_out = ep1._shm_out, None  # raw frames: nothing staged
+        for name, entries in ((forged, [[1, 0, 4]]), (seg.name, [[1, 1 << 40, 4]]), (seg.name, [[5, 0, 4]])):
+            await ep1._transmit(dst, route, [shm.MARKER + msgpack.packb([name, entries]), b""], bulk=True)
+        ep1._shm_out = out
+        for _ in range(500):
+            if eps[dst].rejected["shm"] >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert eps[dst].rejected["shm"] == 3
+        ok = await asyncio.gather(*(c[i].allreduce(x, tag="after") for i in topo.ids))
+        assert all((o == 3).all() for o in ok)

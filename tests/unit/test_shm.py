@@ -1,0 +1,175 @@
+"""The shared-memory ring of :mod:`p2psync.transport.shm`, sender and receiver in one process:
+frames come out as they went in, across the ring's end, in order; a full ring refuses instead of
+overwriting; a failed send gives its space back; the receiver takes only what a sender can have
+written, only from the sender the routing id proved, and drops a restarted sender's old ring;
+segments of dead processes are swept; no /dev/shm leaves the frames unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+
+from p2psync.errors import ProtocolError
+from p2psync.transport import shm
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")
+
+KIB = 1 << 10
+
+
+def _frames(*sizes: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+
+
+def _send(out: shm.Outbound, frames: list, peer: int = 1, nic: str = "l0"):
+    staged, seg, head, count = out.stage(peer, nic, [b"header", *frames])
+    return staged, seg, head, count
+
+
+@pytest.fixture
+def pair():
+    out, inn = shm.Outbound(0, capacity=256 * KIB), shm.Inbound(1)
+    yield out, inn
+    paths = [s.path for s in out._segs.values() if s is not None]
+    out.close()
+    inn.close()
+    for p in paths:  # left by close() while frames waited (nobody mapped them)
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def test_frames_come_out_as_they_went_in_across_the_end_of_the_ring(pair):
+    out, inn = pair
+    for k in range(12):  # 12 x 170 KiB through a 256 KiB ring: frames skip the end of it
+        f = _frames(100 * KIB, 70 * KIB, seed=k)
+        staged, seg, _, count = _send(out, f)
+        assert seg is not None and count == 2 and staged[0].startswith(shm.MARKER)
+        assert [len(x) for x in staged[1:]] == [6, 0, 0]  # the header stays, the big frames left
+        got = inn.resolve(0, staged)
+        assert bytes(got[0]) == b"header"
+        assert [bytes(g) for g in got[1:]] == [x.tobytes() for x in f]
+    assert out.frames == 24
+
+
+def test_small_frames_stay_in_the_message(pair):
+    out, _ = pair
+    staged, seg, _, _ = _send(out, _frames(shm.MIN_FRAME - 1))
+    assert seg is None and len(staged) == 2
+
+
+def test_a_full_ring_refuses_and_a_failed_send_gives_its_space_back(pair):
+    out, inn = pair
+    first, seg, head, count = _send(out, _frames(200 * KIB))
+    assert seg is not None
+    second, seg2, _, _ = _send(out, _frames(100 * KIB))  # 200 + 100 > 256 KiB, nothing taken yet
+    assert seg2 is None and len(second) == 2  # sent over ZeroMQ as it is
+    seg.rollback(head, count)  # the first message was never sent
+    again, seg3, _, _ = _send(out, _frames(200 * KIB, seed=5))
+    assert seg3 is not None
+    assert bytes(inn.resolve(0, again)[1]) == _frames(200 * KIB, seed=5)[0].tobytes()
+    third, seg4, _, _ = _send(out, _frames(200 * KIB, seed=6))  # taken: room again
+    assert seg4 is not None
+
+
+def _marker(name: str, entries: list) -> bytes:
+    return shm.MARKER + msgpack.packb([name, entries])
+
+
+def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
+    out, inn = pair
+    staged, seg, _, _ = _send(out, _frames(100 * KIB))
+    name = seg.name
+    with pytest.raises(ProtocolError, match="named segment"):
+        inn.resolve(2, staged)  # node 2 cannot name node 0's segment
+    bad = [  # for a message of two frames after the marker: b"h" and an empty one
+        [[1, 0, 10]],  # frame 1 is not empty: it was not moved out
+        [[3, 0, 10]],  # there is no frame 3
+        [[0, 0, 10]],  # nor a frame 0 (the marker)
+        [[2, 0, 10], [2, 10, 10]],  # the same frame twice
+        [[2, 300 * KIB, 10]],  # more than a ring ahead of what was taken
+        [[2, 0, 300 * KIB]],  # longer than the ring
+        [[2, 0, -1]],
+        "nope",
+    ]
+    for entries in bad:
+        with pytest.raises(ProtocolError):
+            inn.resolve(0, [_marker(name, entries), b"h", b""])
+    with pytest.raises(ProtocolError, match="unreadable"):
+        inn.resolve(0, [shm.MARKER + b"\xc1", b"h"])
+    with pytest.raises(ProtocolError, match="named segment"):
+        inn.resolve(0, [_marker("../etc/passwd", [[1, 0, 1]]), b"h", b""])
+    got = inn.resolve(0, staged)  # the real one still goes through
+    assert bytes(got[1]) == _frames(100 * KIB)[0].tobytes()
+    with pytest.raises(ProtocolError):  # positions never go back
+        inn.resolve(0, [_marker(name, [[1, 0, 10]]), b"h", b""])
+
+
+def test_the_receiver_unlinks_what_it_mapped_and_drops_a_restarted_senders_ring():
+    inn = shm.Inbound(1)
+    a = shm.Outbound(0, capacity=256 * KIB)
+    try:
+        staged, seg, _, _ = _send(a, _frames(100 * KIB))
+        inn.resolve(0, staged)
+        assert not os.path.exists(seg.path)  # mapped on both sides: unlinked
+        b = shm.Outbound(0, capacity=256 * KIB)  # node 0 again, a new ring
+        staged2, seg2, _, _ = _send(b, _frames(100 * KIB, seed=1))
+        inn.resolve(0, staged2)
+        assert list(inn._maps) == [seg2.name]
+        b.close()
+    finally:
+        a.close()
+        inn.close()
+
+
+def test_close_unlinks_a_segment_nobody_mapped_unless_frames_wait_in_it():
+    out = shm.Outbound(0, capacity=256 * KIB)
+    _, seg, _, _ = _send(out, _frames(100 * KIB))
+    out.close()  # the frame was never taken: left for the receiver (or the next sweep)
+    assert os.path.exists(seg.path)
+    os.unlink(seg.path)
+    out = shm.Outbound(0, capacity=256 * KIB)
+    _, seg, head, count = _send(out, _frames(100 * KIB))
+    seg.rollback(head, count)  # nothing waits
+    out.close()
+    assert not os.path.exists(seg.path)
+
+
+def test_segments_of_dead_processes_are_swept_at_start():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    names = [f"{shm.PREFIX}7-{b'l0'.hex()}-1-{dead}-ab12", f"{shm.PREFIX}7-{b'l0'.hex()}-1-{os.getpid()}-cd34",
+             f"{shm.PREFIX}8-{b'l0'.hex()}-1-{dead}-ef56"]
+    for n in names:
+        open(os.path.join(shm.SHM_DIR, n), "wb").close()
+    try:
+        shm.Outbound(7).close()
+        left = {n for n in names if os.path.exists(os.path.join(shm.SHM_DIR, n))}
+        assert left == set(names[1:])  # node 7's dead one only: a live process, another node id stay
+    finally:
+        for n in names:
+            if os.path.exists(os.path.join(shm.SHM_DIR, n)):
+                os.unlink(os.path.join(shm.SHM_DIR, n))
+
+
+def test_without_shared_memory_the_frames_go_unchanged(monkeypatch, caplog):
+    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent-p2psync")
+    out = shm.Outbound(0)
+    f = _frames(100 * KIB)
+    for _ in range(2):
+        staged, seg, _, _ = _send(out, f)
+        assert seg is None and staged[1] is f[0]
+    assert sum("no shared memory" in r.message for r in caplog.records) == 1  # logged once per peer
+    out.close()
+
+
+@pytest.mark.parametrize("addr,local", [("127.0.0.1", True), ("127.3.0.9", True), ("localhost", True),
+                                        ("::1", True), ("198.18.0.1", False), ("10.0.0.1", False),
+                                        ("host.example", False)])
+def test_same_host_means_loopback(addr, local):
+    assert shm.same_host(addr) is local
