@@ -13,7 +13,7 @@ flow control, failure detection, the shaper before it) is ZeroMQ's as always.
 
 * The ring never blocks: a frame that does not fit (the receiver is slow, dead or has not
   mapped the segment yet) goes over ZeroMQ as usual. So does everything when ``/dev/shm`` is
-  missing or full (logged once per peer).
+  missing or full (logged once per peer and NIC).
 * Every endpoint without keys takes marked messages, whatever its own ``shm``: sending through
   shared memory is each node's choice (``p2psync run --shm``), and a cluster may mix.
 * Positions are absolute byte offsets that only grow (a frame never wraps: the rest of the ring
@@ -21,13 +21,20 @@ flow control, failure detection, the shaper before it) is ZeroMQ's as always.
   sender's loop thread) moves the head, one (the receiver's) the counter; 8-byte aligned.
 * A send that fails after staging (``EAGAIN``, unreachable) gives the space back
   (:meth:`Segment.rollback`), so the retry stages again.
-* Names: ``p2psync-shm-<src>-<src nic, hex>-<dst>-<pid>-<random>``, files of mode 0600. The receiver
-  accepts only names of the sender the routing id proved, unlinks a segment once mapped (the
+* Names: ``p2psync-shm-<src>-<src nic, hex>-<dst>-<pid>-<random>``, files of mode 0600. The
+  receiver resolves markers only on a peer's bulk pipe into a loopback NIC, only for names of
+  the node the routing id names (with keys it is proven; shared memory is off then anyway)
+  addressed to itself, and maps only a regular file of its own user, not readable by others,
+  with one link and at most :data:`MAX_SEGMENT` bytes. It unlinks a segment once mapped (the
   memory lives while either side maps it) and drops the mapping when that sender and NIC start
-  a new one (a restart). The sender unlinks its segments on close and, at start, those its node
-  id left behind in processes that no longer exist (a node killed before its peer mapped them).
-* A malformed marker (unknown name, a position outside the ring, an index that is not an empty
-  frame) is a :class:`~p2psync.errors.ProtocolError`: the endpoint rejects the message.
+  a new one. The sender drops its segment for a peer whose connection went down (a restarted
+  peer maps the next one; the old one may have been unlinked by the process that died) and
+  unlinks its segments on close (unless frames are still to be taken: the receiver unlinks it
+  when it maps it). Every endpoint start sweeps the segments of processes that no longer exist
+  (a node killed before its peer mapped them).
+* A malformed marker (unknown name, a file that fails the checks above, a position outside the
+  ring, an index that is not an empty frame, a frame over the wire's frame limit) is a
+  :class:`~p2psync.errors.ProtocolError`: the endpoint rejects the message.
 * Not with keys (CurveZMQ): the bytes would bypass the encryption the cluster asked for.
 * The nodes of one host must run as one user: a receiver that cannot open the named file
   rejects the message (counted under ``shm``), and its pieces are lost like a dropped message's
@@ -42,6 +49,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from typing import Any, Sequence
 
 import msgpack
@@ -60,7 +68,9 @@ MIN_FRAME = 64 << 10
 #: segment is made (``posix_fallocate``: a full /dev/shm is an error then, not a SIGBUS later)
 CAPACITY = 8 << 20
 _HEADER = 64  # bytes 8-16: the consumed counter (uint64)
-_NAME = re.compile(r"p2psync-shm-(\d+)-([0-9a-f]+)-(\d+)-(\d+)-([0-9a-f]+)")
+_NAME = re.compile(r"p2psync-shm-(\d{1,9})-([0-9a-f]{1,128})-(\d{1,9})-(\d{1,9})-([0-9a-f]{8})")
+#: the largest segment a receiver maps (a sender's is _HEADER + CAPACITY)
+MAX_SEGMENT = 1 << 30
 
 
 def same_host(address: str) -> bool:
@@ -150,35 +160,45 @@ class Segment:
                 pass
 
 
+def sweep() -> None:
+    """Unlink the segments of processes that no longer exist."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(4)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # someone else's live process
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
 class Outbound:
     """The segments of one endpoint (sender side), made on first use per (peer, NIC)."""
 
     def __init__(self, me: int, capacity: int | None = None) -> None:
         self.me, self.capacity = me, CAPACITY if capacity is None else capacity
         self._segs: dict[tuple[int, str], Segment | None] = {}  # None: shared memory failed there
-        self.sweep()
+        self._forgotten = 0  # frames of segments dropped by forget()
 
-    def sweep(self) -> None:
-        """Unlink the segments this node id left in processes that are gone."""
-        try:
-            names = os.listdir(SHM_DIR)
-        except OSError:
-            return
-        for name in names:
-            m = _NAME.fullmatch(name)
-            if m is None or int(m.group(1)) != self.me:
-                continue
-            try:
-                os.kill(int(m.group(4)), 0)
-                continue  # alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue  # someone else's live process
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+    def forget(self, peer: int) -> None:
+        """``peer``'s connection went down: its next frames go into new segments (a restarted
+        peer cannot open the old ones: it unlinked them when it mapped them)."""
+        for key in [k for k in self._segs if k[0] == peer]:
+            seg = self._segs.pop(key)
+            if seg is not None:
+                self._forgotten += seg.frames
+                seg.close()
 
     def stage(self, peer: int, nic: str, frames: list[Any]) -> tuple[list[Any], Segment | None, int, int]:
         """The frames to send to ``peer`` on ``nic`` (the big ones moved into the segment, a
@@ -208,7 +228,8 @@ class Outbound:
 
     @property
     def frames(self) -> int:
-        return sum(s.frames for s in self._segs.values() if s is not None)
+        """Frames sent through shared memory so far."""
+        return self._forgotten + sum(s.frames for s in self._segs.values() if s is not None)
 
     def close(self) -> None:
         for s in self._segs.values():
@@ -220,10 +241,12 @@ class Outbound:
 class Inbound:
     """The peers' segments this endpoint mapped (receiver side)."""
 
-    def __init__(self, me: int) -> None:
-        self.me = me
+    def __init__(self, me: int, max_frame: int = 1 << 30) -> None:
+        self.me, self.max_frame = me, max_frame
         self._maps: dict[str, _Mapped] = {}
         self._latest: dict[tuple[int, str], str] = {}  # (sender, its NIC) -> its current segment
+        self.frames = 0  # frames taken out of segments
+        sweep()
 
     @staticmethod
     def marked(frames: Sequence[Any]) -> bool:
@@ -231,7 +254,15 @@ class Inbound:
 
     def resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
         """The message's frames with the stored ones copied out of ``src``'s segment, the marker
-        dropped; ProtocolError when the marker is malformed."""
+        dropped; ProtocolError when the marker is malformed (never anything else)."""
+        try:
+            return self._resolve(src, frames)
+        except ProtocolError:
+            raise
+        except (OSError, ValueError, MemoryError, TypeError) as exc:
+            raise ProtocolError("shm", f"node {src}: {type(exc).__name__}: {exc}") from None
+
+    def _resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
         try:
             name, entries = msgpack.unpackb(bytes(frames[0][len(MARKER):]))
         except Exception as exc:
@@ -250,14 +281,15 @@ class Inbound:
                 raise ProtocolError("shm", f"bad entry {e!r}")
             i, pos, n = e
             # what a sender can have written: after what was taken, within one ring of it
-            if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and n >= 0 and pos >= end
-                    and pos + n - base <= cap and pos % cap + n <= cap):
+            if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and 0 <= n <= self.max_frame
+                    and pos >= end and pos + n - base <= cap and pos % cap + n <= cap):
                 raise ProtocolError("shm", f"entry {e!r} outside the message or the segment")
             buf = np.empty(n, np.uint8)
             buf[:] = np.frombuffer(seg.mm, np.uint8, count=n, offset=_HEADER + pos % cap)
             out[i - 1] = buf.data
             end = pos + n
         seg.consumed[0] = end
+        self.frames += len(entries)
         return out
 
     def _open(self, name: str, sender: tuple[int, str]) -> _Mapped:
@@ -270,10 +302,12 @@ class Inbound:
         except OSError as exc:
             raise ProtocolError("shm", f"segment {name}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size <= _HEADER:
-                raise ProtocolError("shm", f"segment {name} has {size} bytes")
-            seg = _Mapped(fd, size)
+            st = os.fstat(fd)
+            if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+                    and st.st_nlink == 1 and _HEADER < st.st_size <= MAX_SEGMENT):
+                raise ProtocolError("shm", f"segment {name}: not a private file of this user, or its size "
+                                           f"({st.st_size} bytes) is not a segment's")
+            seg = _Mapped(fd, st.st_size)
         finally:
             os.close(fd)
         try:
@@ -294,4 +328,5 @@ class Inbound:
         self._latest.clear()
 
 
-__all__ = ["CAPACITY", "Inbound", "MARKER", "MIN_FRAME", "Outbound", "Segment", "same_host"]
+__all__ = ["CAPACITY", "Inbound", "MARKER", "MAX_SEGMENT", "MIN_FRAME", "Outbound", "Segment", "same_host",
+           "sweep"]

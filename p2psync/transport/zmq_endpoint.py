@@ -189,7 +189,7 @@ class ZmqEndpoint(Transport):
         #: (peer, our NIC) -> whether both NICs are on this host (shared memory may carry it)
         self._local: dict[tuple[int, str], bool] = {}
         if keys is None:  # every endpoint takes marked messages; sending them is the option
-            self._shm_in = Inbound(node_id)
+            self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
 
     async def start(self) -> None:
@@ -315,6 +315,8 @@ class ZmqEndpoint(Transport):
                 continue
             if ev["event"] == zmq.EVENT_DISCONNECTED:
                 down.add(peer)
+                if self._shm_out is not None and not control:
+                    self._shm_out.forget(peer)
                 waiters, self._down_waiters = self._down_waiters, []
                 for fut in waiters:
                     if not fut.done():
@@ -382,7 +384,10 @@ class ZmqEndpoint(Transport):
                 self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
             else:
                 bufs = [f.buffer for f in frames[1:]]
-                if self._shm_in is not None and not control and Inbound.marked(bufs):
+                # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is on
+                # this host); anywhere else it is a malformed header
+                if (self._shm_in is not None and not control and not known[1].endswith("/c")
+                        and self._nic_local(nic) and Inbound.marked(bufs)):
                     try:
                         bufs = self._shm_in.resolve(known[0], bufs)
                     except ProtocolError as exc:
@@ -444,6 +449,12 @@ class ZmqEndpoint(Transport):
             # sockets receive (a control socket's pipes are all outgoing: nobody sends on them)
             if bulk and not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
                 self._loop.call_soon(self._drain, route.local_nic, False)
+
+    def _nic_local(self, nic: str) -> bool:
+        local = self._local.get((-1, nic))
+        if local is None:
+            local = self._local[(-1, nic)] = same_host(next(c for c in self.node.nics if c.name == nic).address)
+        return local
 
     def _on_host(self, peer: int, route: Route) -> bool:
         local = self._local.get((peer, route.local_nic))

@@ -1,8 +1,9 @@
 """Bulk frames through shared memory between endpoints on one host (``SocketOptions(shm=True)``,
 :mod:`p2psync.transport.shm`), over real ZeroMQ: allreduces give the exact sums with the big
 pieces carried by the segments (small messages and control still over ZeroMQ), a ring too small
-for the traffic falls back to ZeroMQ without losing or reordering anything, a forged marker is
-rejected and counted, and no segment file is left in /dev/shm after the endpoints close."""
+for the traffic falls back to ZeroMQ without losing anything, a forged marker is rejected and
+counted, a restarted peer gets new segments, a send that fails after staging gives its space
+back, and no segment file is left in /dev/shm after the endpoints close."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import os
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from p2psync.collectives import Collectives
 from p2psync.topology import ring
-from p2psync.transport import SocketOptions
-from p2psync.transport import shm
+from p2psync.transport import SocketOptions, ZmqEndpoint, shm, zmq_endpoint
 from tests.helpers import free_port, zmq_cluster
 
 pytestmark = [pytest.mark.timeout(120),
@@ -87,3 +88,61 @@ async def test_a_forged_marker_is_rejected_and_counted():
         assert eps[dst].rejected["shm"] == 3
         ok = await asyncio.gather(*(c[i].allreduce(x, tag="after") for i in topo.ids))
         assert all((o == 3).all() for o in ok)
+
+
+async def test_a_restarted_peer_gets_new_segments_and_the_sums_stay_exact():
+    """Node 1 closes and starts again (a new process would too): its peers drop the segments it
+    had mapped (and unlinked) when its connections go down, so what they send it next goes
+    through new ones, which it maps; nothing is rejected."""
+    topo = ring(3, base_port=free_port())
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30) for i, e in eps.items()}
+        await asyncio.gather(*(cs[i].allreduce(x, tag="a") for i in topo.ids))
+        before = eps[0].shm_frames
+        await eps[1].close()
+        for _ in range(500):  # node 0 sends to node 1 in this ring: it sees the disconnect
+            if 1 in eps[0].down:
+                break
+            await asyncio.sleep(0.01)
+        eps[1] = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, options=SocketOptions(shm=True))
+        await eps[1].start()
+        cs[1] = Collectives(eps[1], timeout=30)
+        outs = await asyncio.gather(*(cs[i].allreduce(x, tag="b") for i in topo.ids))
+        assert all(o.tobytes() == (3 * x).tobytes() for o in outs)
+        assert eps[0].shm_frames > before
+        assert all(e.rejected["shm"] == 0 for e in eps.values())
+
+
+async def test_a_send_that_fails_after_staging_gives_its_space_back(monkeypatch):
+    """EAGAIN on a staged message: the sender rolls its ring back and the retry stages it again,
+    so every frame the senders count was taken by a receiver exactly once."""
+    topo = ring(3, base_port=free_port())
+    fail = {"armed": False, "failed": 0}
+    stage = shm.Outbound.stage
+    send = zmq_endpoint._send
+
+    def staged(self, *a):
+        got = stage(self, *a)
+        fail["armed"] = fail["armed"] or (got[1] is not None and fail["failed"] < 3)
+        return got
+
+    def flaky(sock, data, flags, copy=False):
+        if fail["armed"]:
+            fail["armed"] = False
+            fail["failed"] += 1
+            raise zmq.Again()
+        return send(sock, data, flags, copy=copy)
+
+    monkeypatch.setattr(shm.Outbound, "stage", staged)
+    monkeypatch.setattr(zmq_endpoint, "_send", flaky)
+    x = np.arange(1 << 18, dtype=np.float32)
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30) for i, e in eps.items()}
+        for r in range(2):
+            outs = await asyncio.gather(*(cs[i].allreduce(x, tag=f"x{r}") for i in topo.ids))
+            assert all(o.tobytes() == (3 * x).tobytes() for o in outs)
+        assert fail["failed"] == 3
+        sent = sum(e.shm_frames for e in eps.values())
+        taken = sum(e._shm_in.frames for e in eps.values())
+        assert sent == taken > 0

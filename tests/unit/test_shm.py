@@ -83,10 +83,13 @@ def _marker(name: str, entries: list) -> bytes:
 
 def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
     out, inn = pair
+    inn.max_frame = 200 * KIB
     staged, seg, _, _ = _send(out, _frames(100 * KIB))
     name = seg.name
     with pytest.raises(ProtocolError, match="named segment"):
         inn.resolve(2, staged)  # node 2 cannot name node 0's segment
+    with pytest.raises(ProtocolError, match="named segment"):  # no 4300-digit int() in a callback
+        inn.resolve(0, [_marker(name.replace("-0-", "-" + "9" * 5000 + "-", 1), [[2, 0, 1]]), b"h", b""])
     bad = [  # for a message of two frames after the marker: b"h" and an empty one
         [[1, 0, 10]],  # frame 1 is not empty: it was not moved out
         [[3, 0, 10]],  # there is no frame 3
@@ -94,6 +97,8 @@ def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
         [[2, 0, 10], [2, 10, 10]],  # the same frame twice
         [[2, 300 * KIB, 10]],  # more than a ring ahead of what was taken
         [[2, 0, 300 * KIB]],  # longer than the ring
+        [[2, 250 * KIB, 10 * KIB]],  # across the end of the ring (a frame never wraps)
+        [[2, 0, 210 * KIB]],  # over the receiver's frame limit (200 KiB here)
         [[2, 0, -1]],
         "nope",
     ]
@@ -108,6 +113,29 @@ def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
     assert bytes(got[1]) == _frames(100 * KIB)[0].tobytes()
     with pytest.raises(ProtocolError):  # positions never go back
         inn.resolve(0, [_marker(name, [[1, 0, 10]]), b"h", b""])
+
+
+def test_the_receiver_maps_only_a_private_regular_file_of_its_user(tmp_path):
+    inn = shm.Inbound(1)
+    base = f"{shm.PREFIX}0-{b'l0'.hex()}-1-{os.getpid()}-"
+    shared, link = base + "aaaaaaaa", base + "bbbbbbbb"
+    path = os.path.join(shm.SHM_DIR, shared)
+    try:
+        with open(path, "wb") as f:
+            f.truncate(4096)
+        os.chmod(path, 0o644)  # readable by others: not one of ours
+        with pytest.raises(ProtocolError, match="not a private file"):
+            inn.resolve(0, [_marker(shared, [[2, 0, 1]]), b"h", b""])
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"x" * 4096)
+        os.symlink(target, os.path.join(shm.SHM_DIR, link))
+        with pytest.raises(ProtocolError, match="segment"):  # O_NOFOLLOW
+            inn.resolve(0, [_marker(link, [[2, 0, 1]]), b"h", b""])
+    finally:
+        inn.close()
+        for n in (shared, link):
+            if os.path.lexists(os.path.join(shm.SHM_DIR, n)):
+                os.unlink(os.path.join(shm.SHM_DIR, n))
 
 
 def test_the_receiver_unlinks_what_it_mapped_and_drops_a_restarted_senders_ring():
@@ -140,17 +168,17 @@ def test_close_unlinks_a_segment_nobody_mapped_unless_frames_wait_in_it():
     assert not os.path.exists(seg.path)
 
 
-def test_segments_of_dead_processes_are_swept_at_start():
+def test_segments_of_dead_processes_are_swept_when_an_endpoint_starts():
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)
-    names = [f"{shm.PREFIX}7-{b'l0'.hex()}-1-{dead}-ab12", f"{shm.PREFIX}7-{b'l0'.hex()}-1-{os.getpid()}-cd34",
-             f"{shm.PREFIX}8-{b'l0'.hex()}-1-{dead}-ef56"]
+    names = [f"{shm.PREFIX}7-{b'l0'.hex()}-1-{dead}-ab12ab12", f"{shm.PREFIX}7-{b'l0'.hex()}-1-{os.getpid()}-cd34cd34",
+             f"{shm.PREFIX}8-{b'l0'.hex()}-1-{dead}-ef56ef56", f"{shm.PREFIX}not-ours-{dead}"]
     for n in names:
         open(os.path.join(shm.SHM_DIR, n), "wb").close()
     try:
-        shm.Outbound(7).close()
+        shm.Inbound(3).close()  # every endpoint (without keys) has one
         left = {n for n in names if os.path.exists(os.path.join(shm.SHM_DIR, n))}
-        assert left == set(names[1:])  # node 7's dead one only: a live process, another node id stay
+        assert left == {names[1], names[3]}  # a live process's and a name that is not a segment's stay
     finally:
         for n in names:
             if os.path.exists(os.path.join(shm.SHM_DIR, n)):
