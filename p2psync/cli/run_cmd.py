@@ -184,12 +184,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         run_id=run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
         failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
-        wan=args.wan, nic_mbps=args.nic_mbps, hidden=args.hidden, slowdown=args.slowdown, slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
+        wan=args.wan, nic_mbps=args.nic_mbps, hidden=args.hidden, slowdown=args.slowdown,
+        slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure,
-        keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every, shm=args.shm,
-        resume=str(Path(args.resume).absolute()) if args.resume else None)
+        keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
+        shm=args.shm, resume=str(Path(args.resume).absolute()) if args.resume else None)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early
