@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -53,13 +53,14 @@ RELAY_LINGER_S = 0.5
 DISCOVER_S = 1.5
 
 
-def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = None) -> list[int]:
+def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = None,
+                       gone: Collection[int] = ()) -> list[int]:
     """The neighbours of ``node_id`` that the coordinator (``coordinator``, default the
     topology's) reaches only through relays, with ``node_id`` as the last one on a shortest
     path: one hop farther from the coordinator than ``node_id`` (so two nodes never wait for
-    each other)."""
+    each other). Paths avoid the nodes ``gone`` (failed or departed: they relay nothing)."""
     c = topo.coordinator if coordinator is None else coordinator
-    dist = hop_distances(topo, c)
+    dist = hop_distances(topo, c, avoid=gone)
     if node_id not in dist:
         return []
     return [nb for nb in topo.neighbors(node_id) if dist.get(nb) == dist[node_id] + 1 and dist[nb] >= 2]
@@ -231,7 +232,9 @@ class NodeRuntime:
         stats["shm_frames"] = self.transport.shm_frames
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
         await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
-        behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator)
+        view = self.membership.view
+        gone = set(self.topo.ids) - set(view.members) if view is not None else set()
+        behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator, gone)
         if behind:
             # the coordinator's finish replies to nodes behind this one may pass through it:
             # stay until they are gone (a node leaves once it has its reply: both its

@@ -18,6 +18,10 @@ def test_relay_nodes_linger_after_the_finish_barrier():
     # for it (never two nodes for each other)
     assert [relayed_neighbours(ring(6), i) for i in range(6)] == [[], [2], [3], [], [3], [4]]
     assert relayed_neighbours(ring(4), 1, coordinator=2) == [0]  # after a takeover
+    # node 1 of ring(6) failed: the coordinator reaches 2 only the long way round (5, 4, 3), so 3
+    # relays for 2 (it used to leave as soon as it had its reply, and 2 then heard nothing from
+    # the coordinator, declared it failed and took over alone)
+    assert [relayed_neighbours(ring(6), i, gone={1}) for i in (0, 2, 3, 4, 5)] == [[], [], [2], [3], [4]]
     for topo in (ring(7), bcube(3, 2), bcube(2, 3)):
         waits = {(a, b) for a in topo.ids for b in relayed_neighbours(topo, a)}
         assert not any((b, a) in waits for a, b in waits), topo.kind
