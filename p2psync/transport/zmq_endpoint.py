@@ -61,6 +61,11 @@ real connection ignored as a duplicate. A peer with an unknown key never complet
 handshake, so it delivers nothing; each refused attempt is counted (``unknown_key``) and the
 first is logged, once per NIC (a sender can make fresh keys without end). Relayed control messages are checked end to end by
 :mod:`p2psync.transport.relay_auth`.
+
+**Shared memory** (``SocketOptions.shm``, :mod:`p2psync.transport.shm`). Between loopback NICs
+a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``: ``_transmit``
+stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
+when the send fails; ``_drain`` copies it out before decoding. Unkeyed endpoints only.
 """
 
 from __future__ import annotations
