@@ -14,7 +14,7 @@ the p2psync rows) or ``ipc`` (Unix domain sockets).
 ``shm_floor_worker``: the same ring with the pieces in shared memory instead (files in
 ``/dev/shm`` mapped by both ends; each piece written into the sender's segment, read and added
 in from there by the receiver) and a one-byte ZeroMQ notification per piece: what the ring
-would cost with the kernel's TCP path taken out, for peers on one host.
+would cost with ZeroMQ's TCP path taken out, for peers on one host.
 
 ``curve`` (issue 16): the same with CurveZMQ on both sockets (:func:`floor_keys`; the PULL
 socket a CURVE server, the PUSH socket a client that knows its right neighbour's public key),
@@ -29,7 +29,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -51,6 +51,46 @@ def _ring_chunk(rank: int, n: int, s: int) -> tuple[int, bool]:
     """The chunk a ring node receives at step ``s`` (of 2(n-1)), and whether it adds it in."""
     reduce = s < n - 1
     return ((rank - s - 2) % n if reduce else (rank - (s - (n - 1)) - 1) % n), reduce
+
+
+def _ring(rank: int, n: int, buf: np.ndarray, bounds: np.ndarray, chunks: list[tuple[int, int]],
+          send: Callable[[int, int, np.ndarray], None], recv: Callable[[int, int], np.ndarray]) -> None:
+    """One ring allreduce of ``buf`` in place, pipelined per piece: ``send(slot, k, piece)``
+    sends piece ``k`` (slot: the receiver's step), ``recv(step, k)`` returns piece ``k``'s
+    arrival; reduce-scatter (added in, forwarded), then allgather (copied, forwarded)."""
+    for k in range(*chunks[(rank - 1) % n]):
+        send(0, k, buf[bounds[k]:bounds[k + 1]])
+    steps = 2 * (n - 1)
+    for s in range(steps):
+        c, reduce = _ring_chunk(rank, n, s)
+        for k in range(*chunks[c]):
+            piece = buf[bounds[k]:bounds[k + 1]]
+            got = recv(s, k)
+            if reduce:
+                np.add(piece, got, out=piece)
+            else:
+                piece[...] = got
+            if s < steps - 1:
+                send(s + 1, k, piece)
+
+
+def _timed(allreduce: Callable[[int], np.ndarray], push: Any, pull: Any,
+           reps: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Warm-up (``allreduce(-1)``) and ``reps`` timed operations (``allreduce(i)``) between
+    barriers around the ring: (warm-up result, last result, seconds per operation)."""
+    def barrier() -> None:
+        push.send(b"b")
+        pull.recv()
+
+    barrier()
+    first = last = allreduce(-1)
+    barrier()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        last = allreduce(i)
+    took = (time.perf_counter() - t0) / reps
+    barrier()
+    return first, last, took
 
 
 def shm_segments(n: int, elems: int, piece_bytes: int = 1 << 20) -> list[str]:
@@ -93,50 +133,31 @@ def shm_floor_worker(rank: int, n: int, elems: int, endpoints: list[str], segmen
     width = int(max(bounds[hi] - bounds[lo] for lo, hi in chunks))
     out = np.memmap(segments[rank], np.float32, "r+", shape=(2, steps, width))
     inn = np.memmap(segments[(rank - 1) % n], np.float32, "r", shape=(2, steps, width))
+    #: piece k's place in its chunk's slot
+    at = np.concatenate([bounds[lo:hi] - bounds[lo] for lo, hi in chunks]).astype(int)
+    par = 0  # the slot set of the allreduce under way (two alternate)
 
-    def send(par: int, s: int, c: int, piece: np.ndarray, k: int) -> None:
-        at = int(bounds[k] - bounds[chunks[c][0]])
-        out[par, s, at:at + piece.size] = piece
+    def send(s: int, k: int, piece: np.ndarray) -> None:
+        out[par, s, at[k]:at[k] + piece.size] = piece
         push.send(b"p", copy=True)
 
-    def allreduce(src: np.ndarray, par: int) -> np.ndarray:
-        buf = src.copy()
-        c = (rank - 1) % n
-        for k in range(*chunks[c]):
-            send(par, 0, c, buf[bounds[k]:bounds[k + 1]], k)
-        for s in range(steps):
-            c, reduce = _ring_chunk(rank, n, s)
-            lo = chunks[c][0]
-            for k in range(*chunks[c]):
-                pull.recv()
-                piece = buf[bounds[k]:bounds[k + 1]]
-                at = int(bounds[k] - bounds[lo])
-                got = inn[par, s, at:at + piece.size]
-                if reduce:
-                    np.add(piece, got, out=piece)
-                else:
-                    piece[...] = got
-                if s < steps - 1:
-                    send(par, s + 1, c, piece, k)
+    def recv(s: int, k: int) -> np.ndarray:
+        pull.recv()
+        return inn[par, s, at[k]:at[k] + bounds[k + 1] - bounds[k]]
+
+    def allreduce(i: int) -> np.ndarray:
+        nonlocal par
+        par = i % 2  # the warm-up (-1) uses set 1
+        buf = x.copy()
+        _ring(rank, n, buf, bounds, chunks, send, recv)
         return buf  # nothing of it is in flight: no frame holds a view
 
-    def barrier() -> None:
-        push.send(b"b")
-        pull.recv()
-
-    barrier()
-    first = allreduce(x, 1)  # warm-up
-    barrier()
-    t0 = time.perf_counter()
-    for i in range(reps):
-        last = allreduce(x, i % 2)
-    took = (time.perf_counter() - t0) / reps
+    first, last, took = _timed(allreduce, push, pull, reps)
     if verify:
         want = sum(_input(r, elems) for r in range(n))
         q.put((rank, took, all(np.allclose(got, want, rtol=1e-5, atol=1e-5) for got in (first, last))))
     else:
         q.put((rank, took))
-    barrier()
     del out, inn
     push.close(linger=1000)
     pull.close(linger=0)
@@ -175,30 +196,20 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
     pull.bind(endpoints[rank])
     push.setsockopt(zmq.SNDHWM, 64)
     push.connect(endpoints[(rank + 1) % n])
-    x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
+    x = _input(rank, elems)
     bounds, chunks = _layout(elems, n, piece_bytes)
     hdr = b"h" * 64
 
-    def allreduce(src: np.ndarray) -> np.ndarray:
-        buf = src.copy()
+    def send(s: int, k: int, piece: np.ndarray) -> None:
+        push.send_multipart([hdr, piece], copy=False)
+
+    def recv(s: int, k: int) -> np.ndarray:
+        return np.frombuffer(pull.recv_multipart(copy=False)[1].buffer, dtype=np.float32)
+
+    def allreduce(i: int) -> np.ndarray:
+        buf = x.copy()
         alone = sys.getrefcount(buf)  # before any piece (a view of ``buf``) is in flight
-        lo, hi = chunks[(rank - 1) % n]
-        for k in range(lo, hi):
-            push.send_multipart([hdr, buf[bounds[k]:bounds[k + 1]]], copy=False)
-        steps = 2 * (n - 1)
-        for s in range(steps):
-            c, reduce = _ring_chunk(rank, n, s)
-            lo, hi = chunks[c]
-            for k in range(lo, hi):
-                frames = pull.recv_multipart(copy=False)
-                piece = buf[bounds[k]:bounds[k + 1]]
-                got = np.frombuffer(frames[1].buffer, dtype=np.float32)
-                if reduce:
-                    np.add(piece, got, out=piece)
-                else:
-                    piece[...] = got
-                if s < steps - 1:
-                    push.send_multipart([hdr, piece], copy=False)
+        _ring(rank, n, buf, bounds, chunks, send, recv)
         # as p2psync (collectives/buffers.py): the working buffer is the result once no
         # zero-copy frame holds a piece of it (waiting by the same rule), else a fresh copy
         end = time.perf_counter() + wait_budget(buf.nbytes)
@@ -206,18 +217,7 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
             time.sleep(POLL)
         return buf if sys.getrefcount(buf) == alone else buf.copy()
 
-    def barrier() -> None:
-        push.send(b"b")
-        pull.recv()
-
-    barrier()
-    allreduce(x)  # warm-up
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        allreduce(x)
-    q.put((rank, (time.perf_counter() - t0) / reps))
-    barrier()
+    q.put((rank, _timed(allreduce, push, pull, reps)[2]))
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

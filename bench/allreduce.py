@@ -14,8 +14,9 @@ same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127
 p2psync rows: what ZeroMQ and numpy alone need. ``× floor`` is a row's bus bandwidth over the
 tcp floor's in the same run. The shared-memory floor (``floor-shm``) moves the same pieces
 through files in ``/dev/shm`` that both ends map, with a one-byte ZeroMQ notification per
-piece: the ring with the kernel's TCP path taken out, which only peers on one host can do
-(p2psync itself does not: every byte it moves goes through ZeroMQ).
+piece: the ring with ZeroMQ's and the kernel's TCP path taken out, which only peers on one
+host can do. ``ring+shm`` is the p2psync ring with that path (``SocketOptions(shm=True)``,
+``p2psync run --shm``: :mod:`p2psync.transport.shm`).
 
 ``--shaped`` (issue 17) measures on kernel-shaped links instead (:mod:`bench._netns`): every
 node in its own network namespace, veth pairs to one bridge per network, a ``tbf`` of

@@ -20,7 +20,7 @@ flow control, failure detection, the shaper before it) is ZeroMQ's as always.
   is skipped), so the consumed counter is the end of the last frame taken. One writer (the
   sender's loop thread) moves the head, one (the receiver's) the counter; 8-byte aligned.
 * A send that fails after staging (``EAGAIN``, unreachable) gives the space back
-  (:meth:`Segment.rollback`), so the retry stages again.
+  (:meth:`Outbound.rollback`), so the retry stages again.
 * Names: ``p2psync-shm-<src>-<src nic, hex>-<dst>-<pid>-<random>``, files of mode 0600. The
   receiver resolves markers only on a peer's bulk pipe into a loopback NIC, only for names of
   the node the routing id names (with keys it is proven; shared memory is off then anyway)
@@ -116,7 +116,6 @@ class Segment:
         finally:
             os.close(fd)
         self.head = 0
-        self.frames = 0  # frames that went through the segment
 
     def put(self, frames: Sequence[Any]) -> tuple[list[tuple[int, int]], int] | None:
         """Store ``frames``; their (position, length) and the head to roll back to, or None
@@ -139,13 +138,7 @@ class Segment:
             o = _HEADER + pos % cap
             mm[o:o + n] = memoryview(f).cast("B")
         old, self.head = self.head, head
-        self.frames += len(frames)
         return at, old
-
-    def rollback(self, head: int, count: int) -> None:
-        """The message that stored frames from ``head`` on was not sent: free their space."""
-        self.head = head
-        self.frames -= count
 
     def close(self) -> None:
         """Unmap; unlink unless frames are still to be taken (a message ZeroMQ flushed at close
@@ -189,7 +182,7 @@ class Outbound:
     def __init__(self, me: int, capacity: int | None = None) -> None:
         self.me, self.capacity = me, CAPACITY if capacity is None else capacity
         self._segs: dict[tuple[int, str], Segment | None] = {}  # None: shared memory failed there
-        self._forgotten = 0  # frames of segments dropped by forget()
+        self.frames = 0  # frames sent through shared memory so far
 
     def forget(self, peer: int) -> None:
         """``peer``'s connection went down: its next frames go into new segments (a restarted
@@ -197,7 +190,6 @@ class Outbound:
         for key in [k for k in self._segs if k[0] == peer]:
             seg = self._segs.pop(key)
             if seg is not None:
-                self._forgotten += seg.frames
                 seg.close()
 
     def stage(self, peer: int, nic: str, frames: list[Any]) -> tuple[list[Any], Segment | None, int, int]:
@@ -222,14 +214,16 @@ class Outbound:
         if got is None:
             return frames, None, 0, 0
         at, old = got
+        self.frames += len(big)
         marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
         stored = set(big)
         return [marker, *(b"" if i in stored else f for i, f in enumerate(frames))], seg, old, len(big)
 
-    @property
-    def frames(self) -> int:
-        """Frames sent through shared memory so far."""
-        return self._forgotten + sum(s.frames for s in self._segs.values() if s is not None)
+    def rollback(self, seg: Segment, head: int, count: int) -> None:
+        """The message :meth:`stage` put ``count`` frames of into ``seg`` from ``head`` on was
+        not sent: free their space (the retry stages them again)."""
+        seg.head = head
+        self.frames -= count
 
     def close(self) -> None:
         for s in self._segs.values():
@@ -250,7 +244,9 @@ class Inbound:
 
     @staticmethod
     def marked(frames: Sequence[Any]) -> bool:
-        return bool(frames) and bytes(frames[0][:len(MARKER)]) == MARKER
+        """Whether a message starts with a marker (every bulk message on a loopback NIC is asked:
+        a wire header's first byte is never 0, so one byte decides nearly always)."""
+        return bool(frames) and len(frames[0]) > 0 and frames[0][0] == 0 and bytes(frames[0][:len(MARKER)]) == MARKER
 
     def resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
         """The message's frames with the stored ones copied out of ``src``'s segment, the marker

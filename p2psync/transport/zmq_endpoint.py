@@ -191,8 +191,13 @@ class ZmqEndpoint(Transport):
         self._rid_cache: dict[tuple[int, str], bytes] = {}
         self._shm_out: Outbound | None = None
         self._shm_in: Inbound | None = None
-        #: (peer, our NIC) -> whether both NICs are on this host (shared memory may carry it)
-        self._local: dict[tuple[int, str], bool] = {}
+        #: our NICs with loopback addresses, and the routes (peer, our NIC) whose both ends are
+        #: loopback: what shared memory may carry
+        self._loopback = frozenset(c.name for c in self.node.nics if same_host(c.address))
+        self._on_host = frozenset(
+            (peer, r.local_nic) for peer in topology.neighbors(node_id) for r in topology.routes(node_id, peer)
+            if r.local_nic in self._loopback
+            and same_host(next(c for c in topology.node(peer).nics if c.name == r.remote_nic).address))
         if keys is None:  # every endpoint takes marked messages; sending them is the option
             self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
@@ -391,8 +396,8 @@ class ZmqEndpoint(Transport):
                 bufs = [f.buffer for f in frames[1:]]
                 # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is on
                 # this host); anywhere else it is a malformed header
-                if (self._shm_in is not None and not control and not known[1].endswith("/c")
-                        and self._nic_local(nic) and Inbound.marked(bufs)):
+                if (self._shm_in is not None and Inbound.marked(bufs) and not control
+                        and not known[1].endswith("/c") and nic in self._loopback):
                     try:
                         bufs = self._shm_in.resolve(known[0], bufs)
                     except ProtocolError as exc:
@@ -433,9 +438,9 @@ class ZmqEndpoint(Transport):
         rid = self._rid_cache.get(key)
         if rid is None:
             rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
-        seg = None
-        if bulk and self._shm_out is not None and self._on_host(peer, route):
-            frames, seg, head, count = self._shm_out.stage(peer, route.local_nic, frames)
+        shm, seg = self._shm_out, None
+        if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
+            frames, seg, head, count = shm.stage(peer, route.local_nic, frames)
         try:
             # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
             # once it is in, the rest of the multipart message always goes
@@ -444,8 +449,8 @@ class ZmqEndpoint(Transport):
             for i, f in enumerate(frames):
                 _send(sock, f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            if seg is not None:  # nothing of it went: the retry stages it again
-                seg.rollback(head, count)
+            if shm is not None and seg is not None:  # nothing of it went: the retry stages it again
+                shm.rollback(seg, head, count)
             if isinstance(exc, zmq.Again) or exc.errno == errno.EHOSTUNREACH:
                 raise NotReady from None
             raise TransportError(f"send to node {peer} failed: {exc.strerror}") from None
@@ -454,20 +459,6 @@ class ZmqEndpoint(Transport):
             # sockets receive (a control socket's pipes are all outgoing: nobody sends on them)
             if bulk and not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
                 self._loop.call_soon(self._drain, route.local_nic, False)
-
-    def _nic_local(self, nic: str) -> bool:
-        local = self._local.get((-1, nic))
-        if local is None:
-            local = self._local[(-1, nic)] = same_host(next(c for c in self.node.nics if c.name == nic).address)
-        return local
-
-    def _on_host(self, peer: int, route: Route) -> bool:
-        local = self._local.get((peer, route.local_nic))
-        if local is None:
-            ours = next(c for c in self.node.nics if c.name == route.local_nic)
-            theirs = next(c for c in self.topology.node(peer).nics if c.name == route.remote_nic)
-            local = self._local[(peer, route.local_nic)] = same_host(ours.address) and same_host(theirs.address)
-        return local
 
     @property
     def shm_frames(self) -> int:

@@ -18,7 +18,7 @@ import zmq
 from p2psync.collectives import Collectives
 from p2psync.topology import ring
 from p2psync.transport import SocketOptions, ZmqEndpoint, shm, zmq_endpoint
-from tests.helpers import free_port, zmq_cluster
+from tests.helpers import free_port, until, zmq_cluster
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
@@ -81,10 +81,7 @@ async def test_a_forged_marker_is_rejected_and_counted():
         for name, entries in ((forged, [[1, 0, 4]]), (seg.name, [[1, 1 << 40, 4]]), (seg.name, [[5, 0, 4]])):
             await ep1._transmit(dst, route, [shm.MARKER + msgpack.packb([name, entries]), b""], bulk=True)
         ep1._shm_out = out
-        for _ in range(500):
-            if eps[dst].rejected["shm"] >= 3:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: eps[dst].rejected["shm"] >= 3, 10, "the three forged markers rejected")
         assert eps[dst].rejected["shm"] == 3
         ok = await asyncio.gather(*(c[i].allreduce(x, tag="after") for i in topo.ids))
         assert all((o == 3).all() for o in ok)
@@ -101,10 +98,7 @@ async def test_a_restarted_peer_gets_new_segments_and_the_sums_stay_exact():
         await asyncio.gather(*(cs[i].allreduce(x, tag="a") for i in topo.ids))
         before = eps[0].shm_frames
         await eps[1].close()
-        for _ in range(500):  # node 0 sends to node 1 in this ring: it sees the disconnect
-            if 1 in eps[0].down:
-                break
-            await asyncio.sleep(0.01)
+        assert await eps[0].wait_gone([1], 10)  # node 0 sends to node 1 in this ring: it sees it go
         eps[1] = ZmqEndpoint(topology=topo, node_id=1, default_timeout=10, options=SocketOptions(shm=True))
         await eps[1].start()
         cs[1] = Collectives(eps[1], timeout=30)
