@@ -5,6 +5,7 @@
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
                            [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
                            [--colayers 0|1|2] [--p P] [--mode wait|compute] [--quick]
+                           [--only TEXT ...]
 
 Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
 topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-mbps`` (one
@@ -21,11 +22,13 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
 * **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
   NIC per node busy, as the paper's BSP baselines);
 * **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
-  during backward) with the sketch (sketch8, its default), without (``--opt sketch=false``),
-  with the sketch at 6 bits per value (``--opt sketch_bits=6``, §4.3.1's "fewer and flexible
-  bits"), and with the sketch exactly as the paper gives it (``--codec sketch8p``: quantile
-  buckets and midpoints, spec §2; p2psync's default sketch8 merges evenly spaced levels into
-  the quantiles and sends bucket means), and with §4.4.2's empty packets read literally
+  during backward) with the sketch (its default: ``sketch8:auto``, the width chosen per piece,
+  the fewest bits within a relative error of 0.1; §4.3.1's "fewer and flexible bits"), without
+  (``--opt sketch=false``), with the sketch at a fixed 6 or 8 bits per value
+  (``--opt sketch_bits=6``; ``--opt sketch_bits=8``, the default until stop 30), with the
+  sketch exactly as the paper gives it (``--codec sketch8p``: quantile buckets and midpoints,
+  spec §2; p2psync's sketch8 merges evenly spaced levels into the quantiles and sends bucket
+  means), and with §4.4.2's empty packets read literally
   (``--opt replies=round``: outside its own round of that colayer a node answers every push
   with an empty packet and what it relays leaves with its own next push, summed: fewer bytes,
   later data; the default ``held`` answers with whatever it holds for the pusher).
@@ -78,9 +81,10 @@ Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" 
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
-Run time: per BCube, 7 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
-the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 8-11 minutes at the defaults.
-``--quick``: BCube(2,2) only, 20 s runs.
+Run time: per BCube, 8 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
+the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 9-12 minutes at the defaults.
+``--quick``: BCube(2,2) only, 20 s runs. ``--only TEXT ...``: only the rows whose label
+contains one of the texts (and BSP, the baseline).
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (sketch)", CANARY),
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
            Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
+           Config("Canary (8-bit sketch)", (*CANARY, "--opt", "sketch_bits=8")),
            Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
            Config("Canary (sketch, replies=round)", (*CANARY, "--opt", "replies=round")),
            Config("Canary (sketch, 2 colayers)", CANARY, colayers=2))
@@ -304,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="Canary's p: colayers complete for a stale iteration to count (default round(0.6 k), >= 1)")
     ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                    help="run only the configurations whose label contains one of these (BSP always runs)")
     args = ap.parse_args(argv)
     if args.p is not None and not 0 <= args.p <= (args.colayers or 1):
         ap.error(f"--p {args.p}: between 0 and the {args.colayers or 1} colayer(s)")
@@ -316,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             alpha, beta = (int(x) for x in cube.split("x"))
             topo = write_topology(Path(tmp) / f"bcube-{cube}.json", "bcube", "--alpha", str(alpha), "--beta", str(beta))
             for cfg in CONFIGS:
+                if args.only and cfg is not CONFIGS[0] and not any(t in cfg.label for t in args.only):
+                    continue
                 res.append(repeat(f"BCube({cube}) {cfg.label}", args.repeats,
                                   lambda rep: run_one(cfg, cube, args, topo, alpha**beta, out, rep), progress, combine))
     print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "

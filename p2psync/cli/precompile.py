@@ -27,8 +27,9 @@ from p2psync.compress import get_codec
 from p2psync.compress import kernels as K
 from p2psync.coordinator.zipline import SEARCHERS, predict
 
-#: every spec whose encode or decode reaches a numba kernel (``sketch8:6``: the bit packing)
-CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6")
+#: every spec whose encode or decode reaches a numba kernel (``sketch8:6``: the bit packing;
+#: ``sketch8:auto``: the width search)
+CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto")
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

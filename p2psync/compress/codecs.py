@@ -29,6 +29,10 @@ paper's three steps:
 3. *Each value is sent as its one-byte bucket index*, with the 256 float32 representatives
    (1 KiB) alongside: 4x less traffic for a 1 MiB piece.
 
+``sketch8:BITS`` sends BITS bits per value (§4.3.1's "fewer and flexible bits"), and
+``sketch8:auto[=TOL]`` chooses BITS per piece: the fewest whose sketch keeps the piece's
+relative L2 error within TOL (0.1 by default), estimated on the sorted sample (Canary's default).
+
 ``sketch8p[:BITS]`` is the paper-exact variant (``boundaries="quantile"``,
 ``representative="mid"``; ../shared/specs/canary.md §2.2, its worked example §2.4 / C13), for
 comparing the paper's sketch with p2psync's default on a run (``--codec sketch8p``).
@@ -136,17 +140,38 @@ class Sketch8(Codec):
 
     ``sketch8:BITS`` (1..8) uses ``2**BITS`` buckets and packs the codes into BITS bits each
     (the paper's "fewer and flexible bits (instead of the fixed 8 bits)", §4.3.1): 6 bits send
-    0.75 byte per value; the representatives table has 2**BITS floats."""
+    0.75 byte per value; the representatives table has 2**BITS floats.
+
+    ``sketch8:auto[=TOL]`` chooses the width per piece "according to the property" of the data
+    (§4.3.1): the fewest bits, from 2 to 8, whose sketch of the piece's sorted sample has a
+    relative L2 error ``|x - decode(x)| / |x|`` of at most TOL (default 0.1, i.e. at most 1 % of
+    the piece's energy is left for error feedback to carry into the next round). The error of a
+    width is computed on (at most 4096 of) the sorted sample's values in one pass over them
+    (:func:`~p2psync.compress.kernels.auto_bits`), two or three widths per piece.
+    The width travels implicitly: the representatives table has 2**BITS entries, and the codes
+    are packed BITS bits each, so a receiver needs no option to decode."""
 
     name = "sketch8"
-    usage = "sketch8[:BITS]"
+    usage = "sketch8[:BITS|:auto[=TOL]]"
+    #: ``sketch8:auto`` without ``=TOL``: relative L2 error allowed per piece
+    AUTO_TOL = 0.1
+    #: the narrowest width ``auto`` chooses
+    AUTO_MIN_BITS = 2
+    #: ``auto`` estimates the errors on at most this many of the sample's sorted values
+    AUTO_ESTIMATE = 4096
 
     def __init__(self, *, sample: int = 16384, boundaries: str = "hybrid",
-                 representative: str = "mean", use_numba: bool = True, bits: int = 8) -> None:
+                 representative: str = "mean", use_numba: bool = True, bits: int = 8,
+                 tol: float | None = None) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
             raise ConfigError(f"codec {self.name}: the bit width must be 1 to 8, got {bits!r}")
+        if tol is not None and not (isinstance(tol, (int, float)) and 0.0 < tol < 1.0):
+            raise ConfigError(f"codec {self.name}:auto: the tolerance must be between 0 and 1, got {tol!r}")
+        #: the width (``auto``: the widest it may choose)
         self.bits = bits
         self.buckets = 1 << bits
+        #: ``auto``'s relative error bound; None for a fixed width
+        self.tol = None if tol is None else float(tol)
         if sample < 256:
             raise ConfigError("sketch8 needs a sample of at least 256 values")
         if representative not in ("mean", "mid"):
@@ -160,42 +185,67 @@ class Sketch8(Codec):
 
     @classmethod
     def with_param(cls, param: str) -> Sketch8:
-        """The codec for ``sketch8:BITS`` (ConfigError unless BITS is 1..8); via :func:`get_codec`."""
+        """The codec for ``sketch8:BITS`` (BITS 1..8) or ``sketch8:auto[=TOL]`` (0 < TOL < 1);
+        ConfigError naming the spec for anything else; via :func:`get_codec`."""
+        if param == "auto" or param.startswith("auto="):
+            tol = param.partition("=")[2]
+            try:
+                return cls(tol=float(tol) if tol else cls.AUTO_TOL)
+            except ValueError:
+                raise ConfigError(f"codec {cls.name}:{param}: the tolerance must be a number") from None
         try:
             bits = int(param)
         except ValueError:
-            raise ConfigError(f"codec {cls.name}:{param}: the bit width must be a whole number 1 to 8") from None
+            raise ConfigError(f"codec {cls.name}:{param}: the bit width must be a whole number 1 to 8, "
+                              "or auto[=TOL]") from None
         return cls(bits=bits)
 
     @property
     def spec(self) -> str:
-        """``sketch8`` at 8 bits, else ``sketch8:BITS``."""
+        """``sketch8`` at 8 bits, ``sketch8:BITS``, or ``sketch8:auto[=TOL]``."""
+        if self.tol is not None:
+            return f"{self.name}:auto" + ("" if self.tol == self.AUTO_TOL else f"={self.tol:g}")
         return self.name if self.bits == 8 else f"{self.name}:{self.bits}"
+
+    def _sample(self, x: np.ndarray) -> tuple[float, float, np.ndarray]:
+        """The piece's exact min and max, and its sorted strided sample (at most ``sample`` values)."""
+        lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
+        stride = max(1, -(-x.size // self.sample))  # ceil: at most ``sample`` values are sorted
+        return lo, hi, np.sort(x[::stride])
+
+    def _bounds(self, lo: float, hi: float, s: np.ndarray, bits: int) -> np.ndarray:
+        """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max for B = 2**bits, from the sorted sample."""
+        return K.sketch_bounds_np(s, lo, hi, bits, self.boundaries == "hybrid")
 
     def quantiles(self, x: np.ndarray) -> np.ndarray:
         """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max (Step 1; B = 2**bits)."""
-        lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
-        stride = max(1, -(-x.size // self.sample))  # ceil: at most ``sample`` values are sorted
-        s = np.sort(x[::stride])
-        b = self.buckets
-        if self.boundaries == "quantile" or b < 4:
-            inner = s[(np.arange(1, b) * s.size) // b]
-        else:
-            half = b // 2
-            q = s[(np.arange(1, half) * s.size) // half]
-            inner = np.sort(np.concatenate([q, np.linspace(lo, hi, half + 2, dtype=np.float32)[1:-1]]))
-        return np.concatenate([[lo], inner, [hi]]).astype(np.float32)
+        lo, hi, s = self._sample(x)
+        return self._bounds(lo, hi, s, self.bits)
 
-    def _nbytes(self, n: int) -> int:
-        return (n * self.bits + 7) // 8
+    def choose_bits(self, s: np.ndarray, lo: float, hi: float) -> int:
+        """``auto``'s width for a piece with sorted sample ``s``: the fewest bits within ``tol``
+        (``bits`` when none is), walking from 6 bits (down while within, else up: the error
+        falls with the width, so this takes two or three evaluations). The errors are computed
+        on every k-th value of ``s``, at most ``AUTO_ESTIMATE`` of them (still sorted)."""
+        assert self.tol is not None
+        e = np.ascontiguousarray(s[::-(-s.size // self.AUTO_ESTIMATE)])  # one compiled signature
+        args = (s, e, lo, hi, self.boundaries == "hybrid", self.representative == "mid", self.tol,
+                self.AUTO_MIN_BITS, self.bits)
+        return int(K.auto_bits(*args) if self.use_numba else K.auto_bits_np(*args))
+
+    @staticmethod
+    def _nbytes(n: int, bits: int) -> int:
+        return (n * bits + 7) // 8
 
     def encode(self, x: np.ndarray) -> list[np.ndarray]:
         """``[codes packed BITS bits each, float32 representatives (2**BITS)]``: the three steps
-        of the module docstring."""
-        b = self.buckets
+        of the module docstring (``auto``: BITS chosen for this piece first)."""
         if x.size == 0:
-            return [np.empty(0, np.uint8), np.zeros(b, np.float32)]
-        q = self.quantiles(x)
+            return [np.empty(0, np.uint8), np.zeros(self.buckets, np.float32)]
+        lo, hi, s = self._sample(x)
+        bits = self.bits if self.tol is None else self.choose_bits(s, lo, hi)
+        b = 1 << bits
+        q = self._bounds(lo, hi, s, bits)
         bounds = np.empty(b, np.float32)
         bounds[:b - 1] = q[1:-1]
         bounds[b - 1] = np.inf
@@ -213,7 +263,7 @@ class Sketch8(Codec):
                 wide = np.full(256, np.inf, np.float32)
                 wide[:(b - 1) * r] = np.repeat(bounds[:b - 1], r)
                 K.bucketize_keyed(x, wide, lo, hi, codes, sums, counts)
-                codes >>= 8 - self.bits
+                codes >>= 8 - bits
                 sums, counts = sums[::r], counts[::r]
         else:
             codes = np.searchsorted(bounds[:b - 1], x, side="right").astype(np.uint8)
@@ -224,19 +274,29 @@ class Sketch8(Codec):
             reps = mid
         else:
             reps = np.where(counts > 0, sums / np.maximum(counts, 1), mid)
-        if self.bits < 8:
-            packed = np.zeros(self._nbytes(x.size), np.uint8)
-            K.pack_bits(codes, self.bits, packed)
+        if bits < 8:
+            packed = np.zeros(self._nbytes(x.size, bits), np.uint8)
+            K.pack_bits(codes, bits, packed)
             codes = packed
         return [codes, reps.astype(np.float32)]
 
+    def _width(self, arrays: Sequence[np.ndarray]) -> int:
+        """The width a payload was encoded with: fixed, or (``auto``) read from the table's size."""
+        if self.tol is None or len(arrays) != 2:
+            return self.bits
+        size = arrays[1].size
+        bits = size.bit_length() - 1
+        ok = size == 1 << bits and 1 <= bits <= self.bits
+        return bits if ok else self.bits  # a bad table fails the shape check below
+
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
         """Each of the ``n`` codes looked up in the representatives table."""
-        _expect(arrays, [(np.dtype(np.uint8), self._nbytes(n)), (np.dtype(np.float32), self.buckets)], self.spec)
-        if self.bits == 8:
+        bits = self._width(arrays)
+        _expect(arrays, [(np.dtype(np.uint8), self._nbytes(n, bits)), (np.dtype(np.float32), 1 << bits)], self.spec)
+        if bits == 8:
             return _lookup(arrays[0], arrays[1], self.use_numba)
         out = np.empty(n, np.float32)
-        K.unpack_lookup(np.ascontiguousarray(arrays[0]), self.bits, np.ascontiguousarray(arrays[1]), out)
+        K.unpack_lookup(np.ascontiguousarray(arrays[0]), bits, np.ascontiguousarray(arrays[1]), out)
         return out
 
 
@@ -248,11 +308,12 @@ class Sketch8Paper(Sketch8):
     ``python -m bench.codecs`` for the errors of both); this one reproduces the paper."""
 
     name = "sketch8p"
-    usage = "sketch8p[:BITS]"
+    usage = "sketch8p[:BITS|:auto[=TOL]]"
 
-    def __init__(self, *, sample: int = 16384, use_numba: bool = True, bits: int = 8) -> None:
+    def __init__(self, *, sample: int = 16384, use_numba: bool = True, bits: int = 8,
+                 tol: float | None = None) -> None:
         super().__init__(sample=sample, boundaries="quantile", representative="mid", use_numba=use_numba,
-                         bits=bits)
+                         bits=bits, tol=tol)
 
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, Sketch8Paper, TopK)}

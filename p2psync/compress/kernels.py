@@ -5,6 +5,8 @@ Each kernel has a plain-numpy twin (``*_np``) that gives the same answer; tests 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -277,3 +279,143 @@ def bucketize_keyed(x: np.ndarray, bounds: np.ndarray, lo: float, hi: float, out
         out[i] = p
         sums[p] += v
         counts[p] += 1
+
+
+@njit(cache=True, nogil=True)
+def sketch_bounds(s: np.ndarray, lo: float, hi: float, bits: int, hybrid: bool, out: np.ndarray) -> None:
+    """``out[:2**bits + 1]``: the boundaries ``Sketch8`` sketches with at ``bits`` bits, from
+    the sorted sample ``s`` and the piece's ``lo``/``hi``: equal-mass quantiles of ``s``, and
+    with ``hybrid`` (and at least 4 buckets) half of them merged with evenly spaced levels (the
+    float32 values of ``numpy.linspace``)."""
+    b = 1 << bits
+    m = s.shape[0]
+    out[0] = lo
+    out[b] = hi
+    if not hybrid or b < 4:
+        for k in range(1, b):
+            out[k] = s[(k * m) // b]
+        return
+    half = b // 2
+    step = (hi - lo) / (half + 1)
+    i = 1  # next quantile, 1..half-1
+    j = 1  # next level, 1..half
+    for k in range(1, b):
+        level = np.float32(j * step + lo) if j <= half else np.float32(np.inf)
+        if i < half and s[(i * m) // half] <= level:
+            out[k] = s[(i * m) // half]
+            i += 1
+        else:
+            out[k] = level
+            j += 1
+
+
+@njit(cache=True, nogil=True)
+def sketch_error(e: np.ndarray, q: np.ndarray, bits: int, mid: bool) -> float:
+    """Relative L2 error of sketching the sorted values ``e`` with the ``2**bits + 1``
+    boundaries ``q``: bucket k holds q_k <= v < q_(k+1) (the last one closed), sent as the mean
+    of its values (or, with ``mid``, its boundaries' midpoint)."""
+    last = (1 << bits) - 1
+    k = 0
+    n = 0
+    s1 = 0.0
+    s2 = 0.0
+    sse = 0.0
+    energy = 0.0
+    for idx in range(e.shape[0] + 1):
+        end = idx == e.shape[0]
+        v = 0.0 if end else float(e[idx])
+        if end or (k < last and q[k + 1] <= v):  # bucket k is complete
+            if n > 0:
+                if mid:
+                    r = (float(q[k]) + float(q[k + 1])) * 0.5
+                    sse += s2 - 2.0 * r * s1 + n * r * r
+                else:
+                    sse += s2 - s1 * s1 / n
+            if end:
+                break
+            while k < last and q[k + 1] <= v:
+                k += 1
+            n = 0
+            s1 = 0.0
+            s2 = 0.0
+        n += 1
+        s1 += v
+        s2 += v * v
+        energy += v * v
+    if energy <= 0.0:
+        return 0.0
+    return float(np.sqrt(max(sse, 0.0) / energy))
+
+
+@njit(cache=True, nogil=True)
+def auto_bits(s: np.ndarray, e: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float,
+              least: int, most: int) -> int:
+    """The fewest bits in [least, most] whose sketch (boundaries from the sorted sample ``s``)
+    has a relative error of at most ``tol`` on the sorted values ``e`` (``most`` when none
+    has), walking from 6 bits: down while within, else up (the error falls with the width)."""
+    q = np.empty((1 << most) + 1, np.float32)
+    w = min(6, most)
+    sketch_bounds(s, lo, hi, w, hybrid, q)
+    if sketch_error(e, q, w, mid) <= tol:
+        while w > least:
+            sketch_bounds(s, lo, hi, w - 1, hybrid, q)
+            if sketch_error(e, q, w - 1, mid) > tol:
+                break
+            w -= 1
+        return w
+    while w < most:
+        w += 1
+        sketch_bounds(s, lo, hi, w, hybrid, q)
+        if sketch_error(e, q, w, mid) <= tol:
+            return w
+    return most
+
+
+def sketch_bounds_np(s: np.ndarray, lo: float, hi: float, bits: int, hybrid: bool) -> np.ndarray:
+    """:func:`sketch_bounds` in numpy (what ``Sketch8`` encodes with)."""
+    b = 1 << bits
+    if not hybrid or b < 4:
+        inner = s[(np.arange(1, b) * s.size) // b]
+    else:
+        half = b // 2
+        q = s[(np.arange(1, half) * s.size) // half]
+        inner = np.sort(np.concatenate([q, np.linspace(lo, hi, half + 2, dtype=np.float32)[1:-1]]))
+    out: np.ndarray = np.concatenate([[lo], inner, [hi]]).astype(np.float32)
+    return out
+
+
+def sketch_error_np(e: np.ndarray, q: np.ndarray, mid: bool) -> float:
+    """:func:`sketch_error` in numpy: per bucket, sum (v - r)^2 = S2 - 2 r S1 + n r^2 from
+    prefix sums of the values and their squares."""
+    v = e.astype(np.float64)
+    p1 = np.concatenate([[0.0], np.cumsum(v)])
+    p2 = np.concatenate([[0.0], np.cumsum(v * v)])
+    if p2[-1] <= 0:
+        return 0.0
+    edge = np.concatenate([[0], np.searchsorted(e, q[1:-1], side="left"), [e.size]])
+    n = np.diff(edge).astype(np.float64)
+    s1, s2 = np.diff(p1[edge]), np.diff(p2[edge])
+    if mid:
+        r = (q[:-1].astype(np.float64) + q[1:]) * 0.5
+        sse = s2 - 2 * r * s1 + n * r * r
+    else:
+        sse = s2 - s1 * s1 / np.maximum(n, 1.0)
+    return math.sqrt(float(np.maximum(sse, 0.0).sum()) / float(p2[-1]))
+
+
+def auto_bits_np(s: np.ndarray, e: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float,
+                 least: int, most: int) -> int:
+    """:func:`auto_bits` in numpy (the same walk)."""
+    def fits(w: int) -> bool:
+        return sketch_error_np(e, sketch_bounds_np(s, lo, hi, w, hybrid), mid) <= tol
+
+    w = min(6, most)
+    if fits(w):
+        while w > least and fits(w - 1):
+            w -= 1
+        return w
+    while w < most:
+        w += 1
+        if fits(w):
+            return w
+    return most

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from p2psync.compress import kernels as K
 from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, Sketch8Paper, codec_usage, get_codec
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.topology import mesh
@@ -95,7 +96,7 @@ def test_the_paper_sketch_is_a_codec_of_its_own():
     assert six.representative == "mid"
     default = get_codec("sketch8")
     assert not isinstance(default, Sketch8Paper) and (default.boundaries, default.representative) == ("hybrid", "mean")
-    assert "sketch8p[:BITS]" in codec_usage()
+    assert "sketch8p[:BITS|:auto[=TOL]]" in codec_usage()
     x = np.random.default_rng(4).standard_t(3, 5000).astype(np.float32)
     assert np.array_equal(c.roundtrip(x), Sketch8(boundaries="quantile", representative="mid").roundtrip(x))
     for bad in ("sketch8p:9", "sketch8p:x"):
@@ -190,6 +191,94 @@ def test_sketch_bit_widths_are_checked():
             get_codec(f"sketch8:{bad}")
     with pytest.raises(ProtocolError):
         get_codec("sketch8:4").decode([np.zeros(3, np.uint8), np.zeros(16, np.float32)], 10)  # 10 x 4 bits = 5 bytes
+
+
+def _relative_error(x, y):
+    return float(np.linalg.norm(x.astype(np.float64) - y) / np.linalg.norm(x.astype(np.float64)))
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
+def test_the_error_estimate_is_the_sketch_error_of_the_sample(bits, hybrid):
+    """kernels.sketch_error (numba) and its numpy twin give the relative L2 error of sketching
+    the sample itself (a piece no larger than the sample is its own sample), for both
+    representatives; kernels.sketch_bounds is exactly the encoder's boundaries."""
+    x = np.random.default_rng(bits).standard_t(3, 4000).astype(np.float32)
+    x[:50] = 0.0  # ties across bucket boundaries
+    for rep in ("mean", "mid"):
+        c = Sketch8(bits=bits, representative=rep, boundaries="hybrid" if hybrid else "quantile", use_numba=False)
+        lo, hi, s = c._sample(x)
+        assert s.size == x.size
+        q = K.sketch_bounds_np(s, lo, hi, bits, hybrid)
+        qk = np.empty(2 ** bits + 1, np.float32)
+        K.sketch_bounds(s, lo, hi, bits, hybrid, qk)
+        assert np.array_equal(q, qk) and np.array_equal(q, c.quantiles(x))
+        want = _relative_error(x, c.roundtrip(x))
+        assert K.sketch_error_np(s, q, rep == "mid") == pytest.approx(want, rel=1e-5)
+        assert K.sketch_error(s, q, bits, rep == "mid") == pytest.approx(want, rel=1e-5)
+
+
+def test_auto_width_takes_the_fewest_bits_within_the_tolerance():
+    """sketch8:auto (§4.3.1 "fewer and flexible bits ... according to the property of different
+    layers"): a narrow Gaussian piece gets few bits, a heavy-tailed one more, each within TOL,
+    and one bit fewer would not have been; a zero piece gets the narrowest width."""
+    rng = np.random.default_rng(7)
+    pieces = {"normal": rng.standard_normal(50_000).astype(np.float32),
+              "t2": rng.standard_t(2, 50_000).astype(np.float32)}
+    for tol in (0.05, 0.1, 0.2):
+        c = get_codec(f"sketch8:auto={tol}")
+        assert isinstance(c, Sketch8) and c.tol == tol
+        for x in pieces.values():
+            enc = c.encode(x)
+            bits = int(np.log2(enc[1].size))
+            assert enc[0].nbytes == (x.size * bits + 7) // 8
+            lo, hi, s = c._sample(x)
+            e = s[::-(-s.size // Sketch8.AUTO_ESTIMATE)]
+
+            def err(w):
+                return K.sketch_error_np(e, K.sketch_bounds_np(s, lo, hi, w, True), False)
+
+            assert bits == K.auto_bits_np(s, e, lo, hi, True, False, tol, Sketch8.AUTO_MIN_BITS, 8)
+            if err(bits) <= tol:  # within on the sample, and nearly so on the piece
+                assert _relative_error(x, c.decode(enc, x.size)) <= tol * 1.1
+            else:
+                assert bits == 8  # nothing narrower was within: the widest
+            if bits > Sketch8.AUTO_MIN_BITS:
+                assert err(bits - 1) > tol
+    auto = get_codec("sketch8:auto")
+    widths = {k: int(np.log2(auto.encode(x)[1].size)) for k, x in pieces.items()}
+    assert widths["normal"] < widths["t2"] <= 8
+    assert auto.encode(np.zeros(1000, np.float32))[1].size == 2 ** Sketch8.AUTO_MIN_BITS
+    y = auto.roundtrip(pieces["normal"])
+    assert _relative_error(pieces["normal"], y) <= 0.1 * 1.1
+
+
+def test_auto_width_is_read_from_the_payload():
+    """A receiver decodes any width from the table's size, whatever its own tolerance; a table
+    that is not a power of two, wider than 8 bits, or codes of the wrong length are refused."""
+    x = np.random.default_rng(3).standard_normal(3001).astype(np.float32)
+    sender, receiver = get_codec("sketch8:auto=0.3"), get_codec("sketch8:auto")
+    enc = sender.encode(x)
+    assert enc[1].size < 256
+    assert np.array_equal(receiver.decode(enc, x.size), sender.decode(enc, x.size))
+    for bits in range(1, 9):  # fixed widths decode through auto too
+        enc = get_codec(f"sketch8:{bits}").encode(x)
+        assert np.array_equal(receiver.decode(enc, x.size), get_codec(f"sketch8:{bits}").decode(enc, x.size))
+    for bad in ([np.zeros(1501, np.uint8), np.zeros(12, np.float32)],      # 12 is no power of two
+                [np.zeros(3001, np.uint8), np.zeros(512, np.float32)],     # 9 bits
+                [np.zeros(1500, np.uint8), np.zeros(16, np.float32)]):     # 3001 x 4 bits = 1501 bytes
+        with pytest.raises(ProtocolError):
+            receiver.decode(bad, x.size)
+
+
+def test_auto_specs_are_checked():
+    assert get_codec("sketch8:auto").spec == "sketch8:auto"
+    assert get_codec("sketch8:auto=0.05").spec == "sketch8:auto=0.05"
+    assert get_codec("sketch8p:auto").spec == "sketch8p:auto"
+    for bad in ("auto=0", "auto=1", "auto=x", "auto=-0.1", "autox"):
+        with pytest.raises(ConfigError, match="sketch8"):
+            get_codec(f"sketch8:{bad}")
+    assert "sketch8[:BITS|:auto[=TOL]]" in codec_usage()
 
 
 def test_the_wire_accepts_exactly_the_codecs_the_compress_registry_knows():
