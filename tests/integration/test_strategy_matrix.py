@@ -37,7 +37,9 @@ FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "ca
 #: of the MLP's 9610 entries, the sparse exchange on 4 nodes. With its (always-on) error feedback
 #: the model still learns in 40 steps (measured accuracy: ssgd 0.87, esync 0.95, asgd 0.78-0.86;
 #: 0.93 / 0.95 / 0.77 without a codec). topk has no separate "+ef" case: it always uses it.
-CODEC_CASES = ([(c, False) for c in sorted(CODECS)]
+#: ``sketch8:auto`` (a width per piece, read back from the payload) is the one parameter of a
+#: registry codec that changes what goes on the wire from piece to piece: its own case
+CODEC_CASES = ([(c, False) for c in sorted(CODECS)] + [("sketch8:auto", False)]
                + [(c, True) for c in sorted(CODECS) if CODECS[c].lossy and not CODECS[c].always_feedback])
 #: the parameter-store strategies share one codec path (the store's push pieces): ``ssp`` runs
 #: every codec case, the other four the uncompressed one (the suite's time budget)
