@@ -38,11 +38,13 @@ def _schedule_bytes(ex, me: int) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("alpha", [2, 3])
-@pytest.mark.parametrize("codec", ["none", "sketch8"])
+@pytest.mark.parametrize("codec", ["none", "sketch8", "sketch8:auto"])
 async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, codec):
     beta, iters = 2, 3
     topo = bcube(alpha, beta)
     opts = {"mode": "bsp", "colayers": "2", "sketch": str(codec != "none").lower()}
+    if codec == "sketch8":
+        opts["sketch_bits"] = "8"  # the default (sketch8:auto) chooses a width per piece
     async with memory_strategies(topo, "canary", opts) as strats:
         await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
         before = _nics(strats)
@@ -61,8 +63,14 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
                 sent = after[me][nic][0] - before[me][nic][0]
                 msgs = after[me][nic][1] - before[me][nic][1]
                 assert msgs == iters * per_nic * len(sizes), (me, nic)
+                pieces = per_nic * len(sizes)  # every slot one piece here
                 if codec == "none":
                     payload = iters * want[lvl]
-                else:  # one byte per value and 256 boundaries per piece (every slot one piece here)
-                    payload = iters * (want[lvl] // 4 + 4 * 256 * per_nic * len(sizes))
+                elif codec == "sketch8":  # one byte per value and 256 representatives per piece
+                    payload = iters * (want[lvl] // 4 + 4 * 256 * pieces)
+                else:  # 2 to 8 bits per value and 2**bits representatives per piece
+                    least = iters * (want[lvl] // 16 + 4 * 4 * pieces)
+                    most = iters * (want[lvl] // 4 + 4 * 256 * pieces)
+                    assert least <= sent <= most + msgs * HEADER_MAX, (me, nic, sent, least, most)
+                    continue
                 assert payload <= sent <= payload + msgs * HEADER_MAX, (me, nic, sent, payload)
