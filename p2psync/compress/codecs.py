@@ -146,8 +146,10 @@ class Sketch8(Codec):
     (§4.3.1): the fewest bits, from 2 to 8, whose sketch of the piece's sorted sample has a
     relative L2 error ``|x - decode(x)| / |x|`` of at most TOL (default 0.1, i.e. at most 1 % of
     the piece's energy is left for error feedback to carry into the next round). The error of a
-    width is computed on (at most 4096 of) the sorted sample's values in one pass over them
-    (:func:`~p2psync.compress.kernels.auto_bits`), two or three widths per piece.
+    width is that of sketching the sorted sample (exact for a piece no larger than the sample),
+    in one pass over it (:func:`~p2psync.compress.kernels.auto_bits`), from 2 bits up. One
+    width per piece, and per hop (a forwarded partial sum is sketched afresh): a finer grain
+    than the spec's reading of §4.3.1, one width per colayer (spec §2.1).
     The width travels implicitly: the representatives table has 2**BITS entries, and the codes
     are packed BITS bits each, so a receiver needs no option to decode."""
 
@@ -157,8 +159,6 @@ class Sketch8(Codec):
     AUTO_TOL = 0.1
     #: the narrowest width ``auto`` chooses
     AUTO_MIN_BITS = 2
-    #: ``auto`` estimates the errors on at most this many of the sample's sorted values
-    AUTO_ESTIMATE = 4096
 
     def __init__(self, *, sample: int = 16384, boundaries: str = "hybrid",
                  representative: str = "mean", use_numba: bool = True, bits: int = 8,
@@ -188,11 +188,12 @@ class Sketch8(Codec):
         """The codec for ``sketch8:BITS`` (BITS 1..8) or ``sketch8:auto[=TOL]`` (0 < TOL < 1);
         ConfigError naming the spec for anything else; via :func:`get_codec`."""
         if param == "auto" or param.startswith("auto="):
-            tol = param.partition("=")[2]
+            text = param.partition("=")[2]
             try:
-                return cls(tol=float(tol) if tol else cls.AUTO_TOL)
+                tol = float(text) if param != "auto" else cls.AUTO_TOL
             except ValueError:
                 raise ConfigError(f"codec {cls.name}:{param}: the tolerance must be a number") from None
+            return cls(tol=tol)
         try:
             bits = int(param)
         except ValueError:
@@ -204,7 +205,7 @@ class Sketch8(Codec):
     def spec(self) -> str:
         """``sketch8`` at 8 bits, ``sketch8:BITS``, or ``sketch8:auto[=TOL]``."""
         if self.tol is not None:
-            return f"{self.name}:auto" + ("" if self.tol == self.AUTO_TOL else f"={self.tol:g}")
+            return f"{self.name}:auto" + ("" if self.tol == self.AUTO_TOL else f"={self.tol!r}")
         return self.name if self.bits == 8 else f"{self.name}:{self.bits}"
 
     def _sample(self, x: np.ndarray) -> tuple[float, float, np.ndarray]:
@@ -224,12 +225,9 @@ class Sketch8(Codec):
 
     def choose_bits(self, s: np.ndarray, lo: float, hi: float) -> int:
         """``auto``'s width for a piece with sorted sample ``s``: the fewest bits within ``tol``
-        (``bits`` when none is), walking from 6 bits (down while within, else up: the error
-        falls with the width, so this takes two or three evaluations). The errors are computed
-        on every k-th value of ``s``, at most ``AUTO_ESTIMATE`` of them (still sorted)."""
+        on the sample (``bits`` when none is), every width tried from the narrowest up."""
         assert self.tol is not None
-        e = np.ascontiguousarray(s[::-(-s.size // self.AUTO_ESTIMATE)])  # one compiled signature
-        args = (s, e, lo, hi, self.boundaries == "hybrid", self.representative == "mid", self.tol,
+        args = (s, lo, hi, self.boundaries == "hybrid", self.representative == "mid", self.tol,
                 self.AUTO_MIN_BITS, self.bits)
         return int(K.auto_bits(*args) if self.use_numba else K.auto_bits_np(*args))
 
@@ -241,7 +239,8 @@ class Sketch8(Codec):
         """``[codes packed BITS bits each, float32 representatives (2**BITS)]``: the three steps
         of the module docstring (``auto``: BITS chosen for this piece first)."""
         if x.size == 0:
-            return [np.empty(0, np.uint8), np.zeros(self.buckets, np.float32)]
+            narrowest = self.buckets if self.tol is None else 1 << self.AUTO_MIN_BITS
+            return [np.empty(0, np.uint8), np.zeros(narrowest, np.float32)]
         lo, hi, s = self._sample(x)
         bits = self.bits if self.tol is None else self.choose_bits(s, lo, hi)
         b = 1 << bits
@@ -285,9 +284,9 @@ class Sketch8(Codec):
         if self.tol is None or len(arrays) != 2:
             return self.bits
         size = arrays[1].size
-        bits = size.bit_length() - 1
-        ok = size == 1 << bits and 1 <= bits <= self.bits
-        return bits if ok else self.bits  # a bad table fails the shape check below
+        if 2 <= size <= 1 << self.bits and size & (size - 1) == 0:  # 2**bits, 1 <= bits <= self.bits
+            return size.bit_length() - 1
+        return self.bits  # a bad table fails the shape check below
 
     def decode(self, arrays: Sequence[np.ndarray], n: int) -> np.ndarray:
         """Each of the ``n`` codes looked up in the representatives table."""

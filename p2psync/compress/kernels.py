@@ -281,7 +281,7 @@ def bucketize_keyed(x: np.ndarray, bounds: np.ndarray, lo: float, hi: float, out
         counts[p] += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def sketch_bounds(s: np.ndarray, lo: float, hi: float, bits: int, hybrid: bool, out: np.ndarray) -> None:
     """``out[:2**bits + 1]``: the boundaries ``Sketch8`` sketches with at ``bits`` bits, from
     the sorted sample ``s`` and the piece's ``lo``/``hi``: equal-mass quantiles of ``s``, and
@@ -309,7 +309,7 @@ def sketch_bounds(s: np.ndarray, lo: float, hi: float, bits: int, hybrid: bool, 
             j += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def sketch_error(e: np.ndarray, q: np.ndarray, bits: int, mid: bool) -> float:
     """Relative L2 error of sketching the sorted values ``e`` with the ``2**bits + 1``
     boundaries ``q``: bucket k holds q_k <= v < q_(k+1) (the last one closed), sent as the mean
@@ -348,25 +348,16 @@ def sketch_error(e: np.ndarray, q: np.ndarray, bits: int, mid: bool) -> float:
 
 
 @njit(cache=True, nogil=True)
-def auto_bits(s: np.ndarray, e: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float,
-              least: int, most: int) -> int:
-    """The fewest bits in [least, most] whose sketch (boundaries from the sorted sample ``s``)
-    has a relative error of at most ``tol`` on the sorted values ``e`` (``most`` when none
-    has), walking from 6 bits: down while within, else up (the error falls with the width)."""
+def auto_bits(s: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float, least: int,
+              most: int) -> int:
+    """The fewest bits in [least, most] whose sketch of the sorted sample ``s`` (boundaries
+    from ``s``, ``lo`` and ``hi``) has a relative error of at most ``tol`` (``most`` when none
+    has), every width tried from ``least`` up (the hybrid boundaries of two widths do not nest,
+    so the error need not fall with every added bit)."""
     q = np.empty((1 << most) + 1, np.float32)
-    w = min(6, most)
-    sketch_bounds(s, lo, hi, w, hybrid, q)
-    if sketch_error(e, q, w, mid) <= tol:
-        while w > least:
-            sketch_bounds(s, lo, hi, w - 1, hybrid, q)
-            if sketch_error(e, q, w - 1, mid) > tol:
-                break
-            w -= 1
-        return w
-    while w < most:
-        w += 1
+    for w in range(least, most):
         sketch_bounds(s, lo, hi, w, hybrid, q)
-        if sketch_error(e, q, w, mid) <= tol:
+        if sketch_error(s, q, w, mid) <= tol:
             return w
     return most
 
@@ -403,19 +394,11 @@ def sketch_error_np(e: np.ndarray, q: np.ndarray, mid: bool) -> float:
     return math.sqrt(float(np.maximum(sse, 0.0).sum()) / float(p2[-1]))
 
 
-def auto_bits_np(s: np.ndarray, e: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float,
-                 least: int, most: int) -> int:
-    """:func:`auto_bits` in numpy (the same walk)."""
-    def fits(w: int) -> bool:
-        return sketch_error_np(e, sketch_bounds_np(s, lo, hi, w, hybrid), mid) <= tol
-
-    w = min(6, most)
-    if fits(w):
-        while w > least and fits(w - 1):
-            w -= 1
-        return w
-    while w < most:
-        w += 1
-        if fits(w):
-            return w
+def auto_bits_np(s: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, tol: float, least: int,
+                 most: int) -> int:
+    """:func:`auto_bits` in numpy."""
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf: no width fits, the widest
+        for w in range(least, most):
+            if sketch_error_np(s, sketch_bounds_np(s, lo, hi, w, hybrid), mid) <= tol:
+                return w
     return most

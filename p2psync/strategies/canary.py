@@ -175,7 +175,6 @@ def sketch_codec(o: CanaryOptions) -> Codec:
     return Sketch8(tol=o.sketch_tol) if o.sketch_bits == 0 else Sketch8(bits=o.sketch_bits)
 
 
-
 @register
 class Canary(Strategy):
     """``--strategy canary``: colayers exchanged during backward, GEI bitmaps, staleness

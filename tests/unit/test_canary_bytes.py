@@ -71,6 +71,7 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
                 else:  # 2 to 8 bits per value and 2**bits representatives per piece
                     least = iters * (want[lvl] // 16 + 4 * 4 * pieces)
                     most = iters * (want[lvl] // 4 + 4 * 256 * pieces)
-                    assert least <= sent <= most + msgs * HEADER_MAX, (me, nic, sent, least, most)
+                    # the MLP's gradients need fewer than 8 bits (5-6 measured): not the fixed width
+                    assert least <= sent <= 0.9 * most, (me, nic, sent, least, most)
                     continue
                 assert payload <= sent <= payload + msgs * HEADER_MAX, (me, nic, sent, payload)
