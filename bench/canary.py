@@ -22,10 +22,10 @@ machine's 2 cores (Canary then measures the CPU, not the exchange). Configuratio
 * **BSP**: synchronous SGD, ring allreduce, no compression (``ssgd --collective ring``: one
   NIC per node busy, as the paper's BSP baselines);
 * **Canary**: ``canary`` (asynchronous, §6.3 BCube schedule over both NICs, colayers pipelined
-  during backward) with the sketch (its default: ``sketch8:auto``, the width chosen per piece,
-  the fewest bits within a relative error of 0.1; §4.3.1's "fewer and flexible bits"), without
-  (``--opt sketch=false``), with the sketch at a fixed 6 or 8 bits per value
-  (``--opt sketch_bits=6``; ``--opt sketch_bits=8``, the default until stop 30), with the
+  during backward) with the sketch (sketch8, its default, 8 bits per value), without
+  (``--opt sketch=false``), with the sketch at 6 bits per value (``--opt sketch_bits=6``) or
+  at a width chosen per piece (``--opt sketch_bits=0``: the fewest bits within a relative
+  error of 0.1; both §4.3.1's "fewer and flexible bits"), with the
   sketch exactly as the paper gives it (``--codec sketch8p``: quantile buckets and midpoints,
   spec §2; p2psync's sketch8 merges evenly spaced levels into the quantiles and sends bucket
   means), and with §4.4.2's empty packets read literally
@@ -115,7 +115,7 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (sketch)", CANARY),
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
            Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
-           Config("Canary (8-bit sketch)", (*CANARY, "--opt", "sketch_bits=8")),
+           Config("Canary (auto-width sketch)", (*CANARY, "--opt", "sketch_bits=0")),
            Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
            Config("Canary (sketch, replies=round)", (*CANARY, "--opt", "replies=round")),
            Config("Canary (sketch, 2 colayers)", CANARY, colayers=2))

@@ -12,13 +12,14 @@ What a node does per iteration ``t`` (spec §6.6):
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
    Fig. 14), every payload through the gradient sketch by default (§4.3.1; what an encoding
    drops leaves with the next data, never lost; ``--codec sketch8p``: the sketch exactly as
-   the paper gives it, spec §2). Its width is chosen per piece, as §4.3.1's "fewer and
-   flexible bits (instead of the fixed 8 bits) ... according to the property of different
-   layers" allows: the fewest bits (2-8) whose sketch keeps the piece's relative L2 error
-   within ``sketch_tol`` (0.1: at most 1 % of its energy waits for the next round;
-   ``sketch8:auto``). Measured on ``bench.canary`` (stop 30): 0.27-0.22 of BSP's bytes
-   against the fixed 8 bits' 0.41-0.33, with the same time to target within the runs'
-   noise; ``--opt sketch_bits=8`` keeps the fixed width. In ``native`` mode nobody waits for anyone's
+   the paper gives it, spec §2), at 8 bits per value. ``--opt sketch_bits=0`` chooses the
+   width per piece, as §4.3.1's "fewer and flexible bits (instead of the fixed 8 bits) ...
+   according to the property of different layers" allows: the fewest bits (2-8) whose sketch
+   keeps the piece's relative L2 error within ``sketch_tol`` (0.1: at most 1 % of its energy
+   waits for the next round; ``sketch8:auto``). Measured on ``bench.canary``: 0.22 / 0.27 of
+   BSP's bytes on BCube(2,2) / (3,2) against 8 bits' 0.33 / 0.41, sooner to the target on
+   BCube(2,2) but later on BCube(3,2) (2 cores: the narrower codes cost CPU there, and the
+   coarser partial sums iterations), so 8 bits stays the default. In ``native`` mode nobody waits for anyone's
    computation: a peer answers every push at once, with an empty packet when it has nothing
    for this node (§4.4.2), and data a slow node could not take part in leaves with its next
    exchange.
@@ -147,7 +148,7 @@ class CanaryOptions(StrategyOptions):
     colayer_layers: str = option("", "layers per colayer, output to input (e.g. 3,4,4,8)")
     colayer_kib: int = option(4096, "automatic rule: largest colayer, KiB")
     sketch: bool = option(True, "without --codec: every payload through the gradient sketch (sketch8), else none")
-    sketch_bits: int = option(0, "the sketch's bits per value: 1-8 (2**bits buckets), or 0: per piece, the "
+    sketch_bits: int = option(8, "the sketch's bits per value: 1-8 (2**bits buckets), or 0: per piece, the "
                               "fewest within sketch_tol (§4.3.1 'fewer and flexible bits')")
     sketch_tol: float = option(Sketch8.AUTO_TOL, "sketch_bits=0: relative L2 error allowed per piece (what it drops "
                                "leaves with the next round)")
@@ -170,8 +171,8 @@ class CanaryOptions(StrategyOptions):
 
 
 def sketch_codec(o: CanaryOptions) -> Codec:
-    """The sketch ``--opt sketch_bits`` / ``sketch_tol`` ask for: ``sketch8:auto`` at that
-    tolerance (``sketch_bits=0``, the default), else ``sketch8:BITS``."""
+    """The sketch ``--opt sketch_bits`` / ``sketch_tol`` ask for: ``sketch8:BITS`` (8 by
+    default), or ``sketch8:auto`` at that tolerance for ``sketch_bits=0``."""
     return Sketch8(tol=o.sketch_tol) if o.sketch_bits == 0 else Sketch8(bits=o.sketch_bits)
 
 

@@ -43,8 +43,8 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
     beta, iters = 2, 3
     topo = bcube(alpha, beta)
     opts = {"mode": "bsp", "colayers": "2", "sketch": str(codec != "none").lower()}
-    if codec == "sketch8":
-        opts["sketch_bits"] = "8"  # the default (sketch8:auto) chooses a width per piece
+    if codec == "sketch8:auto":
+        opts["sketch_bits"] = "0"  # a width per piece
     async with memory_strategies(topo, "canary", opts) as strats:
         await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
         before = _nics(strats)

@@ -26,12 +26,14 @@ def test_options_are_frozen_typed_and_default_when_absent():
     with pytest.raises(ConfigError, match="--opt p=2.5: expected int"):
         parse_options(get_strategy("canary"), {"p": 2.5})
     assert parse_options(get_strategy("canary"), {"replies": "round"}).replies == "round"
-    # the sketch's width: chosen per piece within sketch_tol by default (0), or fixed
+    # the sketch's width: 8 bits by default, or chosen per piece within sketch_tol (0)
     from p2psync.compress import Sketch8
     from p2psync.strategies.canary import sketch_codec
-    auto = sketch_codec(parse_options(get_strategy("canary"), {}))
+    assert sketch_codec(parse_options(get_strategy("canary"), {})).spec == "sketch8"
+    auto = sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "0"}))
     assert isinstance(auto, Sketch8) and auto.spec == "sketch8:auto" and auto.tol == Sketch8.AUTO_TOL
-    assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_tol": "0.25"})).spec == "sketch8:auto=0.25"
+    assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "0", "sketch_tol": "0.25"})
+                        ).spec == "sketch8:auto=0.25"
     assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "6"})).spec == "sketch8:6"
     assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "8"})).spec == "sketch8"
     for bad in ({"sketch_bits": "9"}, {"sketch_bits": "-1"}, {"sketch_tol": "0"}, {"sketch_tol": "1.5"}):
