@@ -396,12 +396,6 @@ class _Run:
             raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
                               peers=(src,)) from None
 
-    def _take(self, k: int, msg: Message, reduce: bool) -> None:
-        vals = self._decode(msg, k)
-        if self.check is not None:
-            self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-        self._use(k, vals, msg, reduce)
-
     def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
         """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
         transport has not scanned ``vals``: the piece is checked right after, while hot, and a
@@ -478,14 +472,15 @@ class _Run:
             incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
             recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
             if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
-                got = await (sends or recvs)[0]
-                msgs = [] if sends else [cast(Message, got)]
+                one = await (sends or recvs)[0]
+                msgs = [] if sends else [cast(Message, one)]
             else:
-                msgs = cast("list[Message]", (await asyncio.gather(*sends, *recvs))[len(sends):])
+                results = await asyncio.gather(*sends, *recvs)  # sends return None
+                msgs = cast("list[Message]", results[len(sends):])
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
-                self._take(k, msg, reduce)
-            # a received piece may be a view of its sender's shared-memory ring: let it go now,
-            # not at this piece's next round (its space in the ring is freed with it)
-            msgs, got = [], None
+                vals = self._decode(msg, k)
+                if self.check is not None:
+                    self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
+                self._use(k, vals, msg, reduce)
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
             self.seal(k)

@@ -6,11 +6,9 @@ memory at 1.45-2.3x the bare-ZeroMQ tcp floor on 2 cores. With ``shm`` on, a fra
 :data:`MIN_FRAME` bytes to a peer whose NIC and ours are both loopback addresses is written into
 a ring buffer in ``/dev/shm`` that this node owns for that peer and NIC (a :class:`Segment`), and
 the ZeroMQ message carries an empty frame in its place and, first, a marker frame naming the
-segment and each stored frame's position. The receiver maps the segment (:class:`Inbound`)
-and hands the frames on as read-only views of it (no copy: the collectives add straight from
-the sender's ring). The segment's *consumed* counter, which frees the space, moves past a frame
-once its views are gone and every frame before it is freed too, so a slow consumer holds ring
-space (its sender's next frames then go over ZeroMQ), never bytes that could change under it. The message itself (order,
+segment and each stored frame's position. The receiver maps the segment (:class:`Inbound`),
+copies the frames out (so what it hands on owns its memory, as a received frame does) and
+advances the segment's *consumed* counter, which frees the space. The message itself (order,
 flow control, failure detection, the shaper before it) is ZeroMQ's as always.
 
 * The ring never blocks: a frame that does not fit (the receiver is slow, dead or has not
@@ -45,7 +43,6 @@ flow control, failure detection, the shaper before it) is ZeroMQ's as always.
 
 from __future__ import annotations
 
-import collections
 import ipaddress
 import logging
 import mmap
@@ -53,8 +50,6 @@ import os
 import re
 import secrets
 import stat
-import threading
-import weakref
 from typing import Any, Sequence
 
 import msgpack
@@ -93,51 +88,16 @@ def _nbytes(frame: Any) -> int:
 
 
 class _Mapped:
-    """An mmap of a segment file and its consumed counter; on the receiver's side also the
-    frames it lent out as views (:meth:`lend`), in ring order."""
+    """An mmap of a segment file and its consumed counter."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.mm = mmap.mmap(fd, size)
         self.capacity = size - _HEADER
         self.consumed = np.frombuffer(self.mm, np.uint64, count=1, offset=8)
-        #: the end of the last frame lent (the next one starts at or after it)
-        self.taken = int(self.consumed[0])
-        #: [end, released] of every frame lent and not yet passed by the consumed counter
-        self._lent: collections.deque[list[Any]] = collections.deque()
-        self._lock = threading.Lock()  # a view may die on any thread
-        self._closed = False
-
-    def lend(self, pos: int, n: int) -> np.ndarray:
-        """A read-only view of the frame at ``pos`` (``n`` bytes). Its space is freed once the
-        view and every frame lent before it are gone (the consumed counter only moves forward
-        over released frames, so the sender never overwrites a byte someone still reads)."""
-        view = np.frombuffer(self.mm, np.uint8, count=n, offset=_HEADER + pos % self.capacity)
-        view.flags.writeable = False
-        entry = [pos + n, False]
-        with self._lock:
-            self._lent.append(entry)
-        self.taken = pos + n
-        weakref.finalize(view, self._release, entry).atexit = False
-        return view
-
-    def _release(self, entry: list[Any]) -> None:
-        with self._lock:
-            entry[1] = True
-            end = None
-            while self._lent and self._lent[0][1]:
-                end = self._lent.popleft()[0]
-            if end is not None and not self._closed:
-                self.consumed[0] = end
 
     def close(self) -> None:
-        """Unmap, or (frames still lent) leave the map to go with its last view."""
-        with self._lock:
-            self._closed = True
-            del self.consumed  # the view must go before the map can close
-        try:
-            self.mm.close()
-        except BufferError:  # a lent view still reads it: unmapped when the last one goes
-            pass
+        del self.consumed  # the view must go before the map can close
+        self.mm.close()
 
 
 class Segment:
@@ -310,22 +270,21 @@ class Inbound:
         out = list(frames[1:])
         if not isinstance(entries, list):
             raise ProtocolError("shm", "marker entries are not a list")
-        base, end = int(seg.consumed[0]), seg.taken
+        base = end = int(seg.consumed[0])
         cap = seg.capacity
-        seen: set[int] = set()
         for e in entries:
             if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)):
                 raise ProtocolError("shm", f"bad entry {e!r}")
             i, pos, n = e
-            # what a sender can have written: after what was taken, within one ring of what was
-            # freed (the consumed counter)
-            if not (1 <= i <= len(out) and i not in seen and _nbytes(out[i - 1]) == 0 and 0 <= n <= self.max_frame
+            # what a sender can have written: after what was taken, within one ring of it
+            if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and 0 <= n <= self.max_frame
                     and pos >= end and pos + n - base <= cap and pos % cap + n <= cap):
                 raise ProtocolError("shm", f"entry {e!r} outside the message or the segment")
-            seen.add(i)
+            buf = np.empty(n, np.uint8)
+            buf[:] = np.frombuffer(seg.mm, np.uint8, count=n, offset=_HEADER + pos % cap)
+            out[i - 1] = buf.data
             end = pos + n
-        for i, pos, n in entries:  # all valid: lend them
-            out[i - 1] = seg.lend(pos, n).data
+        seg.consumed[0] = end
         self.frames += len(entries)
         return out
 
