@@ -72,8 +72,8 @@ Choices where the paper is silent or wrong (the spec's resolutions unless said):
   spec (§6.5) reads that as "empty when it holds nothing for the pusher", so by default
   (``held``) a computing node's reply carries what it relays for the pusher. ``round`` reads it
   literally: outside its own round of that colayer (computing, or done exchanging it) a node's
-  replies are empty and what it relays leaves with its own next push, summed into one message. Measured (``bench.canary``'s two rows,
-  README): ``round`` sends the schedule's bytes per iteration (Canary fp32 1.02x BSP's on
+  replies are empty and what it relays leaves with its own next push, summed into one
+  message. Measured (``bench.canary``'s two rows, README): ``round`` sends the schedule's bytes per iteration (Canary fp32 1.02x BSP's on
   BCube(2,2), against 1.25x), but a slow node now relays its fast peers' gradients at its own
   pace, and time to target grows (BCube(2,2) fp32, two seeds: 12.7 / 15.3 s against 11.0 /
   11.0 s), so ``held`` stays the default.
@@ -164,6 +164,8 @@ class CanaryOptions(StrategyOptions):
         require(self.colayer_kib >= 1, self, "colayer_kib", "must be >= 1")
         require(0 <= self.sketch_bits <= 8, self, "sketch_bits", "must be between 1 and 8, or 0 (automatic)")
         require(0.0 < self.sketch_tol < 1.0, self, "sketch_tol", "must be between 0 and 1")
+        require(self.sketch_bits == 0 or self.sketch_tol == Sketch8.AUTO_TOL, self, "sketch_tol",
+                "applies to sketch_bits=0 only (the width chosen per piece)")
         require(self.colayers >= 0, self, "colayers", "must be >= 0 (0: the automatic rule)")
         require(self.mode == "native" or self.replies == "held", self, "replies",
                 "applies to mode=native only (mode=bsp sends no replies)")

@@ -36,7 +36,8 @@ def test_options_are_frozen_typed_and_default_when_absent():
                         ).spec == "sketch8:auto=0.25"
     assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "6"})).spec == "sketch8:6"
     assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "8"})).spec == "sketch8"
-    for bad in ({"sketch_bits": "9"}, {"sketch_bits": "-1"}, {"sketch_tol": "0"}, {"sketch_tol": "1.5"}):
+    for bad in ({"sketch_bits": "9"}, {"sketch_bits": "-1"}, {"sketch_tol": "0"}, {"sketch_tol": "1.5"},
+                {"sketch_tol": "0.2"}):  # a tolerance with the fixed width: it would be ignored
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_options(get_strategy("canary"), bad)
     with pytest.raises(ConfigError, match="replies"):
