@@ -31,7 +31,8 @@ paper's three steps:
 
 ``sketch8:BITS`` sends BITS bits per value (§4.3.1's "fewer and flexible bits"), and
 ``sketch8:auto[=TOL]`` chooses BITS per piece: the fewest whose sketch keeps the piece's
-relative L2 error within TOL (0.1 by default), estimated on the sorted sample (Canary's default).
+relative L2 error within TOL (0.1 by default), estimated on the sorted sample (Canary:
+``--opt sketch_bits=0``).
 
 ``sketch8p[:BITS]`` is the paper-exact variant (``boundaries="quantile"``,
 ``representative="mid"``; ../shared/specs/canary.md §2.2, its worked example §2.4 / C13), for
@@ -223,11 +224,10 @@ class Sketch8(Codec):
         lo, hi, s = self._sample(x)
         return self._bounds(lo, hi, s, self.bits)
 
-    def choose_bits(self, s: np.ndarray, lo: float, hi: float) -> int:
+    def choose_bits(self, s: np.ndarray, lo: float, hi: float, tol: float) -> int:
         """``auto``'s width for a piece with sorted sample ``s``: the fewest bits within ``tol``
         on the sample (``bits`` when none is), every width tried from the narrowest up."""
-        assert self.tol is not None
-        args = (s, lo, hi, self.boundaries == "hybrid", self.representative == "mid", self.tol,
+        args = (s, lo, hi, self.boundaries == "hybrid", self.representative == "mid", tol,
                 self.AUTO_MIN_BITS, self.bits)
         return int(K.auto_bits(*args) if self.use_numba else K.auto_bits_np(*args))
 
@@ -242,7 +242,7 @@ class Sketch8(Codec):
             narrowest = self.buckets if self.tol is None else 1 << self.AUTO_MIN_BITS
             return [np.empty(0, np.uint8), np.zeros(narrowest, np.float32)]
         lo, hi, s = self._sample(x)
-        bits = self.bits if self.tol is None else self.choose_bits(s, lo, hi)
+        bits = self.bits if self.tol is None else self.choose_bits(s, lo, hi, self.tol)
         b = 1 << bits
         q = self._bounds(lo, hi, s, bits)
         bounds = np.empty(b, np.float32)

@@ -19,10 +19,10 @@ What a node does per iteration ``t`` (spec §6.6):
    waits for the next round; ``sketch8:auto``). Measured on ``bench.canary``: 0.22 / 0.27 of
    BSP's bytes on BCube(2,2) / (3,2) against 8 bits' 0.33 / 0.41, sooner to the target on
    BCube(2,2) but later on BCube(3,2) (2 cores: the narrower codes cost CPU there, and the
-   coarser partial sums iterations), so 8 bits stays the default. In ``native`` mode nobody waits for anyone's
-   computation: a peer answers every push at once, with an empty packet when it has nothing
-   for this node (§4.4.2), and data a slow node could not take part in leaves with its next
-   exchange.
+   coarser partial sums cost iterations), so 8 bits stays the default. In ``native`` mode
+   nobody waits for anyone's computation: a peer answers every push at once, with an empty
+   packet when it has nothing for this node (§4.4.2), and data a slow node could not take
+   part in leaves with its next exchange.
 3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
    its slots' masks; :mod:`~p2psync.strategies.canary_gei`). ``ζ`` (the newest iteration any
    worker reported) and the node at ζ (the lowest id of those seen there: neither depends on
@@ -73,7 +73,8 @@ Choices where the paper is silent or wrong (the spec's resolutions unless said):
   (``held``) a computing node's reply carries what it relays for the pusher. ``round`` reads it
   literally: outside its own round of that colayer (computing, or done exchanging it) a node's
   replies are empty and what it relays leaves with its own next push, summed into one
-  message. Measured (``bench.canary``'s two rows, README): ``round`` sends the schedule's bytes per iteration (Canary fp32 1.02x BSP's on
+  message. Measured (``bench.canary``'s two rows, README): ``round`` sends the schedule's
+  bytes per iteration (Canary fp32 1.02x BSP's on
   BCube(2,2), against 1.25x), but a slow node now relays its fast peers' gradients at its own
   pace, and time to target grows (BCube(2,2) fp32, two seeds: 12.7 / 15.3 s against 11.0 /
   11.0 s), so ``held`` stays the default.

@@ -123,6 +123,7 @@ def _real_gradients():
 
 
 def _rel(x, y):
+    x = x.astype(np.float64)
     return float(np.linalg.norm(x - y) / np.linalg.norm(x))
 
 
@@ -193,10 +194,6 @@ def test_sketch_bit_widths_are_checked():
         get_codec("sketch8:4").decode([np.zeros(3, np.uint8), np.zeros(16, np.float32)], 10)  # 10 x 4 bits = 5 bytes
 
 
-def _relative_error(x, y):
-    return float(np.linalg.norm(x.astype(np.float64) - y) / np.linalg.norm(x.astype(np.float64)))
-
-
 @pytest.mark.parametrize("hybrid", [True, False])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
 def test_the_error_estimate_is_the_sketch_error_of_the_sample(bits, hybrid):
@@ -213,7 +210,7 @@ def test_the_error_estimate_is_the_sketch_error_of_the_sample(bits, hybrid):
         qk = np.empty(2 ** bits + 1, np.float32)
         K.sketch_bounds(s, lo, hi, bits, hybrid, qk)
         assert np.array_equal(q, qk) and np.array_equal(q, c.quantiles(x))
-        want = _relative_error(x, c.roundtrip(x))
+        want = _rel(x, c.roundtrip(x))
         assert K.sketch_error_np(s, q, rep == "mid") == pytest.approx(want, rel=1e-5)
         assert K.sketch_error(s, q, bits, rep == "mid") == pytest.approx(want, rel=1e-5)
 
@@ -244,7 +241,7 @@ def test_auto_width_takes_the_fewest_bits_within_the_tolerance():
 
             assert bits == K.auto_bits_np(s, lo, hi, True, False, tol, Sketch8.AUTO_MIN_BITS, 8), name
             assert all(err(w) > tol for w in range(Sketch8.AUTO_MIN_BITS, bits)), name  # none narrower fits
-            real = _relative_error(x, c.decode(enc, x.size))
+            real = _rel(x, c.decode(enc, x.size))
             if err(bits) > tol:
                 assert bits == 8, name  # nothing was within: the widest
             elif x.size <= c.sample:
