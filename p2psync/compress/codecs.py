@@ -9,7 +9,7 @@ paper's three steps:
 
 1. *Quantiles split the piece into buckets of (nearly) equal mass.* Exact quantiles need a sort
    (O(n log n), far too slow for MiB pieces), so the quantiles are those of a strided sample of
-   at most ``sample`` values (default 16384; sorting it costs ~1 ms) and the outer boundaries
+   at most ``sample`` values (default 16384; a numba radix sort takes ~0.1 ms, numpy's quicksort ~0.3-0.5 ms here) and the outer boundaries
    are the piece's exact min and max (one pass). With a sample of m values each bucket's mass
    is within O(1/sqrt(m)) of its target. ``boundaries="quantile"`` uses 255 such quantiles,
    exactly as the paper. Gradients are heavy-tailed, and a few large values dominate the L2
@@ -213,11 +213,20 @@ class Sketch8(Codec):
         """The piece's exact min and max, and its sorted strided sample (at most ``sample`` values)."""
         lo, hi = K.minmax_fast(x) if self.use_numba else (float(x.min()), float(x.max()))
         stride = max(1, -(-x.size // self.sample))  # ceil: at most ``sample`` values are sorted
-        return lo, hi, np.sort(x[::stride])
+        m = -(-x.size // stride)
+        if not self.use_numba or m < K.RADIX_MIN or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return lo, hi, K.sorted_sample_np(x, stride)
+        s = np.empty(m, np.float32)
+        K.sorted_sample(x, stride, s)
+        return lo, hi, s
 
     def _bounds(self, lo: float, hi: float, s: np.ndarray, bits: int) -> np.ndarray:
         """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max for B = 2**bits, from the sorted sample."""
-        return K.sketch_bounds_np(s, lo, hi, bits, self.boundaries == "hybrid")
+        if not self.use_numba:
+            return K.sketch_bounds_np(s, lo, hi, bits, self.boundaries == "hybrid")
+        q = np.empty((1 << bits) + 1, np.float32)
+        K.sketch_bounds(s, lo, hi, bits, self.boundaries == "hybrid", q)
+        return q
 
     def quantiles(self, x: np.ndarray) -> np.ndarray:
         """B + 1 boundaries q_0 = min <= q_1 <= ... <= q_B = max (Step 1; B = 2**bits)."""

@@ -59,6 +59,75 @@ def minmax_fast(x: np.ndarray) -> tuple[float, float]:
     return lo, hi
 
 
+#: below this many values :func:`sorted_sample_np` (numpy's sort) beats the radix sort's fixed cost
+RADIX_MIN = 512
+
+
+@njit(cache=True, nogil=True)
+def sorted_sample(x: np.ndarray, stride: int, out: np.ndarray) -> None:
+    """``out`` = ``numpy.sort(x[::stride])`` for float32 ``x`` (contiguous): an LSD radix sort
+    of the values' bit patterns in three passes (11, 11 and 10 bits), about 3x numpy's
+    quicksort on this machine's 16 K-value samples. A pattern is made order-preserving as
+    an unsigned key (sign bit set for the non-negative, every bit flipped for the negative);
+    every NaN gets the greatest key, so NaNs end the result as with numpy. ``-0.0`` sorts
+    before ``0.0`` (numpy leaves their order open; they compare equal)."""
+    n = out.shape[0]
+    xu = x.view(np.uint32)
+    a = np.empty(n, np.uint32)
+    b = np.empty(n, np.uint32)
+    h0 = np.zeros(2048, np.int64)
+    h1 = np.zeros(2048, np.int64)
+    h2 = np.zeros(1024, np.int64)
+    for i in range(n):
+        u = xu[i * stride]
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN
+            k = np.uint32(0xFFFFFFFF)
+        elif u & np.uint32(0x80000000):
+            k = ~u
+        else:
+            k = u | np.uint32(0x80000000)
+        a[i] = k
+        h0[k & np.uint32(0x7FF)] += 1
+        h1[(k >> np.uint32(11)) & np.uint32(0x7FF)] += 1
+        h2[k >> np.uint32(22)] += 1
+    s0 = 0
+    s1 = 0
+    for j in range(2048):  # counts to first positions
+        c = h0[j]
+        h0[j] = s0
+        s0 += c
+        c = h1[j]
+        h1[j] = s1
+        s1 += c
+    s2 = 0
+    for j in range(1024):
+        c = h2[j]
+        h2[j] = s2
+        s2 += c
+    for i in range(n):
+        k = a[i]
+        d = k & np.uint32(0x7FF)
+        b[h0[d]] = k
+        h0[d] += 1
+    for i in range(n):
+        k = b[i]
+        d = (k >> np.uint32(11)) & np.uint32(0x7FF)
+        a[h1[d]] = k
+        h1[d] += 1
+    ou = out.view(np.uint32)
+    for i in range(n):
+        k = a[i]
+        d = k >> np.uint32(22)
+        ou[h2[d]] = (k & np.uint32(0x7FFFFFFF)) if k & np.uint32(0x80000000) else ~k
+        h2[d] += 1
+
+
+def sorted_sample_np(x: np.ndarray, stride: int) -> np.ndarray:
+    """:func:`sorted_sample` in numpy."""
+    out: np.ndarray = np.sort(x[::stride])
+    return out
+
+
 def bucketize_np(x: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     codes = np.searchsorted(bounds[:255], x, side="right").astype(np.uint8)
     counts = np.bincount(codes, minlength=256).astype(np.int64)

@@ -81,3 +81,27 @@ def test_every_cell_of_the_table_agrees_with_the_search(case):
     K.bucketize_keyed(edges, bounds, lo, hi, *got)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("stride", [1, 3, 16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_radix_sorted_sample_is_numpys_sort(case, stride):
+    """sorted_sample (the sketch's sample sort) returns numpy's sorted strided sample, edge
+    cases included: NaNs last, infinities, signed zeros (equal), denormals, float max."""
+    x = CASES[case]
+    want = K.sorted_sample_np(x, stride)
+    got = np.empty(want.size, np.float32)
+    K.sorted_sample(x, stride, got)
+    np.testing.assert_array_equal(got, want)  # NaN == NaN, -0.0 == 0.0 here
+    nan = np.isnan(got)
+    assert not nan.any() or nan[-int(nan.sum()):].all()
+
+
+def test_the_sketch_samples_through_the_radix_sort_only_where_it_applies():
+    """Sketch8's numba path takes the radix sort for a float32 sample of at least RADIX_MIN
+    values and numpy's sort otherwise; both give the same encoding."""
+    x = CASES["student-t"][:40_000]
+    for n in (K.RADIX_MIN - 1, K.RADIX_MIN, 40_000):
+        a, b = Sketch8(use_numba=True), Sketch8(use_numba=False)
+        for u, v in zip(a._sample(x[:n]), b._sample(x[:n])):
+            np.testing.assert_array_equal(u, v)

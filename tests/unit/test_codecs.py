@@ -210,6 +210,8 @@ def test_the_error_estimate_is_the_sketch_error_of_the_sample(bits, hybrid):
         qk = np.empty(2 ** bits + 1, np.float32)
         K.sketch_bounds(s, lo, hi, bits, hybrid, qk)
         assert np.array_equal(q, qk) and np.array_equal(q, c.quantiles(x))
+        fast = Sketch8(bits=bits, representative=rep, boundaries=c.boundaries, use_numba=True)
+        assert np.array_equal(q, fast.quantiles(x))  # the numba path: radix-sorted sample, kernel bounds
         want = _rel(x, c.roundtrip(x))
         assert K.sketch_error_np(s, q, rep == "mid") == pytest.approx(want, rel=1e-5)
         assert K.sketch_error(s, q, bits, rep == "mid") == pytest.approx(want, rel=1e-5)
