@@ -9,8 +9,9 @@ paper's three steps:
 
 1. *Quantiles split the piece into buckets of (nearly) equal mass.* Exact quantiles need a sort
    (O(n log n), far too slow for MiB pieces), so the quantiles are those of a strided sample of
-   at most ``sample`` values (default 16384; a numba radix sort takes ~0.1 ms, numpy's quicksort ~0.3-0.5 ms here) and the outer boundaries
-   are the piece's exact min and max (one pass). With a sample of m values each bucket's mass
+   at most ``sample`` values (default 16384; a numba radix sort takes ~0.1 ms, numpy's
+   quicksort 0.3-0.5 ms here) and the outer boundaries are the piece's exact min and max
+   (one pass). With a sample of m values each bucket's mass
    is within O(1/sqrt(m)) of its target. ``boundaries="quantile"`` uses 255 such quantiles,
    exactly as the paper. Gradients are heavy-tailed, and a few large values dominate the L2
    norm; equal-mass buckets leave those in a handful of very wide tail buckets. The default
