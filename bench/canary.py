@@ -115,6 +115,8 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (sketch)", CANARY),
            Config("Canary (fp32)", (*CANARY, "--opt", "sketch=false")),
            Config("Canary (6-bit sketch)", (*CANARY, "--opt", "sketch_bits=6")),
+           Config("Canary (5-bit sketch)", (*CANARY, "--opt", "sketch_bits=5")),
+           Config("Canary (4-bit sketch)", (*CANARY, "--opt", "sketch_bits=4")),
            Config("Canary (auto-width sketch)", (*CANARY, "--opt", "sketch_bits=0")),
            Config("Canary (paper's sketch)", (*CANARY, "--codec", "sketch8p")),
            Config("Canary (sketch, replies=round)", (*CANARY, "--opt", "replies=round")),

@@ -32,6 +32,7 @@ from typing import Any, Collection
 import numpy as np
 
 from p2psync.collectives import Collectives
+from p2psync.compress import get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
@@ -210,6 +211,7 @@ class NodeRuntime:
         self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)
         self.membership.view_listeners.append(strategy.on_view)
+        get_codec(cfg.codec).warm()  # its kernels loaded before the first step, not in the first exchange
         await strategy.start()
         return strategy
 

@@ -32,22 +32,20 @@ from p2psync.coordinator.zipline import SEARCHERS, predict
 CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto")
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """``a`` as the transport delivers it: a read-only view of received bytes."""
-    return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+def warm_codecs() -> list[str]:
+    """Every numba-backed codec's encode and decode run once (:meth:`Codec.warm`): their kernels
+    loaded from the on-disk cache (or compiled) in this process; the specs. (Not in the
+    launcher before it forks the nodes: the first kernel call starts a native thread, so the
+    launcher would have to exec them; each node warms its own codec before its first step.)"""
+    for spec in CODEC_SPECS:
+        get_codec(spec).warm()
+    return list(CODEC_SPECS)
 
 
 def precompile() -> list[str]:
     """Run every numba-backed codec and barrier search once; their names."""
-    x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
-    done = []
-    for spec in CODEC_SPECS:
-        codec = get_codec(spec)
-        enc = codec.encode(x)
-        codec.decode(enc, x.size)
-        codec.decode([_read_only(a) for a in enc], x.size)
-        done.append(spec)
-    y = x.copy()
+    done = warm_codecs()
+    y = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
     y[7] = np.nan
     K.minmax_fast(y)  # its scalar loop, which runs only when a NaN is present
     done.append("minmax")

@@ -230,6 +230,7 @@ class Canary(Strategy):
         except ValueError as exc:
             raise ConfigError(f"canary: {exc}") from None
         self.gei = GEIMatrix(len(self.colayers), me=self.ctx.node_id)
+        self.codec.warm()  # the sketch's kernels loaded now: not in the first round, on the clock
         self.fwd.start()
         self.ctx.rpc_server.register("canary.model", self._serve_model)
         self.t = self.next_step = self.start_step
