@@ -12,14 +12,17 @@ What a node does per iteration ``t`` (spec §6.6):
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
    Fig. 14), every payload through the gradient sketch by default (§4.3.1; what an encoding
    drops leaves with the next data, never lost; ``--codec sketch8p``: the sketch exactly as
-   the paper gives it, spec §2), at 8 bits per value. ``--opt sketch_bits=0`` chooses the
-   width per piece, as §4.3.1's "fewer and flexible bits (instead of the fixed 8 bits) ...
-   according to the property of different layers" allows: the fewest bits (2-8) whose sketch
-   keeps the piece's relative L2 error within ``sketch_tol`` (0.1: at most 1 % of its energy
-   waits for the next round; ``sketch8:auto``). Measured on ``bench.canary``: 0.22 / 0.27 of
-   BSP's bytes on BCube(2,2) / (3,2) against 8 bits' 0.33 / 0.41, sooner to the target on
-   BCube(2,2) but later on BCube(3,2) (2 cores: the narrower codes cost CPU there, and the
-   coarser partial sums cost iterations), so 8 bits stays the default. In ``native`` mode
+   the paper gives it, spec §2), at **5 bits per value** (``--opt sketch_bits``; the paper
+   sketches at 8 bits and allows "fewer and flexible bits (instead of the fixed 8 bits) ...
+   according to the property of different layers", §4.3.1). Why 5: on ``bench.canary``
+   (medians of 3 runs, 1 Gb/s NICs, README) 5 bits move 0.21 / 0.26 of BSP's bytes per
+   iteration on BCube(2,2) / (3,2) against 8 bits' 0.33 / 0.42, reach the target as soon
+   (1.74x / 1.70x sooner than BSP, 8 bits 1.91x / 1.72x, within the runs' spread) and end
+   as accurate; 70 % below BSP's traffic (issue 15's target; the paper reports 56 %) is out
+   of 8 bits' reach on BCube(3,2), whose schedule moves 1.125x a ring's bytes. ``--opt
+   sketch_bits=0`` chooses the width per piece: the fewest bits (2-8) whose sketch keeps the
+   piece's relative L2 error within ``sketch_tol`` (0.1: at most 1 % of its energy waits for
+   the next round; ``sketch8:auto``; 0.22 / 0.27 of BSP's bytes, README). In ``native`` mode
    nobody waits for anyone's computation: a peer answers every push at once, with an empty
    packet when it has nothing for this node (§4.4.2), and data a slow node could not take
    part in leaves with its next exchange.
@@ -149,8 +152,9 @@ class CanaryOptions(StrategyOptions):
     colayer_layers: str = option("", "layers per colayer, output to input (e.g. 3,4,4,8)")
     colayer_kib: int = option(4096, "automatic rule: largest colayer, KiB")
     sketch: bool = option(True, "without --codec: every payload through the gradient sketch (sketch8), else none")
-    sketch_bits: int = option(8, "the sketch's bits per value: 1-8 (2**bits buckets), or 0: per piece, the "
-                              "fewest within sketch_tol (§4.3.1 'fewer and flexible bits')")
+    sketch_bits: int = option(5, "the sketch's bits per value: 1-8 (2**bits buckets; the paper's 8 bits: "
+                              "sketch_bits=8), or 0: per piece, the fewest within sketch_tol (§4.3.1 'fewer "
+                              "and flexible bits')")
     sketch_tol: float = option(Sketch8.AUTO_TOL, "sketch_bits=0: relative L2 error allowed per piece (what it drops "
                                "leaves with the next round)")
     sketch_fraction: float = option(1.0, "sketch while step/--steps is below this (Fig. 22a)")
@@ -174,7 +178,7 @@ class CanaryOptions(StrategyOptions):
 
 
 def sketch_codec(o: CanaryOptions) -> Codec:
-    """The sketch ``--opt sketch_bits`` / ``sketch_tol`` ask for: ``sketch8:BITS`` (8 by
+    """The sketch ``--opt sketch_bits`` / ``sketch_tol`` ask for: ``sketch8:BITS`` (5 by
     default), or ``sketch8:auto`` at that tolerance for ``sketch_bits=0``."""
     return Sketch8(tol=o.sketch_tol) if o.sketch_bits == 0 else Sketch8(bits=o.sketch_bits)
 

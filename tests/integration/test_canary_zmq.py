@@ -110,7 +110,7 @@ async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_r
     last = [r[-1].extra for r in reps]
     assert last[3]["empties_recv"] + sum(x["empties_sent"] for x in last) > 0
     assert all(x["wire_bytes"] < 0.5 * x["raw_bytes"] for x in last)  # the sketch by default
-    assert all(s.codec.spec == "sketch8" for s in strats)
+    assert all(s.codec.spec == "sketch8:5" for s in strats)  # 5 bits per value by default
     assert all(x["malformed"] == 0 and x["lost"] == 0 for x in last)
     # round: a node that is computing answers empty although it holds data for the pusher
     held = sum(x["held"] for x in last)

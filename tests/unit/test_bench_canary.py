@@ -50,10 +50,12 @@ def test_target_lines():
     lines = b.targets([bsp, can])
     assert "Canary (sketch): traffic per iteration 80% below" in lines[0] and lines[0].endswith("PASS")
     assert "2.00x sooner" in lines[1] and lines[1].endswith("PASS")
-    assert "+0.2 points" in lines[2] and lines[2].endswith("PASS")
+    assert "(0.2 points below BSP;" in lines[2] and lines[2].endswith("PASS")
+    better = b.Outcome(b.CONFIGS[1], "2x2", 5.0, 0.958, 2e5, 0.3, 300)
+    assert "(0.8 points above BSP;" in b.targets([bsp, better])[2]
     slow = b.Outcome(b.CONFIGS[1], "2x2", math.inf, 0.90, 9e5, 0.3, 300)
     assert b.targets([bsp, slow])[0].endswith("FAIL") and "not reached by Canary" in b.targets([bsp, slow])[1]
-    six = b.Outcome(b.CONFIGS[3], "2x2", 6.0, 0.95, 1e5, 0.2, 280)
+    six = b.Outcome(next(c for c in b.CONFIGS if c.label == "Canary (6-bit sketch)"), "2x2", 6.0, 0.95, 1e5, 0.2, 280)
     assert [ln.split(":")[0] for ln in b.targets([bsp, can, six])][3:] == ["- BCube(2x2) Canary (6-bit sketch)"] * 3
 
 

@@ -38,13 +38,15 @@ def _schedule_bytes(ex, me: int) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("alpha", [2, 3])
-@pytest.mark.parametrize("codec", ["none", "sketch8", "sketch8:auto"])
+@pytest.mark.parametrize("codec", ["none", "sketch8", "sketch8:5", "sketch8:auto"])
 async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, codec):
     beta, iters = 2, 3
     topo = bcube(alpha, beta)
     opts = {"mode": "bsp", "colayers": "2", "sketch": str(codec != "none").lower()}
     if codec == "sketch8:auto":
         opts["sketch_bits"] = "0"  # a width per piece
+    elif codec == "sketch8":
+        opts["sketch_bits"] = "8"  # the paper's width (sketch8:5, 5 bits, is Canary's default)
     async with memory_strategies(topo, "canary", opts) as strats:
         await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
         before = _nics(strats)
@@ -66,8 +68,13 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
                 pieces = per_nic * len(sizes)  # every slot one piece here
                 if codec == "none":
                     payload = iters * want[lvl]
-                elif codec == "sketch8":  # one byte per value and 256 representatives per piece
-                    payload = iters * (want[lvl] // 4 + 4 * 256 * pieces)
+                elif codec in ("sketch8", "sketch8:5"):  # BITS per value, 2**BITS representatives per piece
+                    bits = 8 if codec == "sketch8" else 5
+                    assert s.codec.spec == codec
+                    payload = iters * (want[lvl] // 4 * bits // 8 + 4 * 2 ** bits * pieces)
+                    # each piece's codes end on a whole byte
+                    assert payload <= sent <= payload + iters * pieces + msgs * HEADER_MAX, (me, nic, sent, payload)
+                    continue
                 else:  # 2 to 8 bits per value and 2**bits representatives per piece
                     least = iters * (want[lvl] // 16 + 4 * 4 * pieces)
                     most = iters * (want[lvl] // 4 + 4 * 256 * pieces)

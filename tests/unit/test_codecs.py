@@ -156,6 +156,27 @@ def test_error_feedback_accumulated_sum_converges():
     assert np.linalg.norm(with_fb - true_sum) < 0.2 * np.linalg.norm(without - true_sum)
 
 
+def test_warm_runs_encode_and_both_decodes_the_wire_can_give():
+    """Codec.warm (what the runtime and Canary call before the first step) encodes one float32
+    piece and decodes the payload as it is and read-only, as it arrives from the wire: numba
+    compiles those two separately, so a warmed codec loads nothing in its first exchange."""
+    calls = []
+
+    class Recording(Sketch8):
+        def encode(self, x):
+            calls.append(("encode", x.dtype, x.size, x.flags.writeable))
+            return super().encode(x)
+
+        def decode(self, arrays, n):
+            calls.append(("decode", n, tuple(a.flags.writeable for a in arrays)))
+            return super().decode(arrays, n)
+
+    Recording(bits=5).warm()
+    assert calls[0][:3] == ("encode", np.dtype(np.float32), calls[0][2]) and calls[0][2] >= K.RADIX_MIN
+    assert calls[1] == ("decode", calls[0][2], (True, True))
+    assert calls[2] == ("decode", calls[0][2], (False, False))
+
+
 def test_decode_rejects_wrong_payloads_and_bad_names():
     with pytest.raises(ProtocolError):
         Sketch8().decode([np.zeros(3, np.uint8)], 3)

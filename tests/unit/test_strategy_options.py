@@ -26,10 +26,10 @@ def test_options_are_frozen_typed_and_default_when_absent():
     with pytest.raises(ConfigError, match="--opt p=2.5: expected int"):
         parse_options(get_strategy("canary"), {"p": 2.5})
     assert parse_options(get_strategy("canary"), {"replies": "round"}).replies == "round"
-    # the sketch's width: 8 bits by default, or chosen per piece within sketch_tol (0)
+    # the sketch's width: 5 bits by default, or chosen per piece within sketch_tol (0)
     from p2psync.compress import Sketch8
     from p2psync.strategies.canary import sketch_codec
-    assert sketch_codec(parse_options(get_strategy("canary"), {})).spec == "sketch8"
+    assert sketch_codec(parse_options(get_strategy("canary"), {})).spec == "sketch8:5"
     auto = sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "0"}))
     assert isinstance(auto, Sketch8) and auto.spec == "sketch8:auto" and auto.tol == Sketch8.AUTO_TOL
     assert sketch_codec(parse_options(get_strategy("canary"), {"sketch_bits": "0", "sketch_tol": "0.25"})
