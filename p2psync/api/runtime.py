@@ -211,7 +211,9 @@ class NodeRuntime:
         self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)
         self.membership.view_listeners.append(strategy.on_view)
-        get_codec(cfg.codec).warm()  # its kernels loaded before the first step, not in the first exchange
+        # the codec's kernels loaded before the first step, not in the first exchange; off the
+        # event loop (several seconds on a cold cache): heartbeats go on meanwhile
+        await asyncio.to_thread(get_codec(cfg.codec).warm)
         await strategy.start()
         return strategy
 

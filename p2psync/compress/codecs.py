@@ -289,6 +289,13 @@ class Sketch8(Codec):
             codes = packed
         return [codes, reps.astype(np.float32)]
 
+    def warm(self) -> None:
+        """:meth:`Codec.warm`; ``auto`` also at its widest code, which a Gaussian piece does
+        not reach (its 8-bit search and lookup are kernels of their own)."""
+        super().warm()
+        if self.tol is not None:
+            type(self)(sample=self.sample, use_numba=self.use_numba, bits=self.bits).warm()
+
     def _width(self, arrays: Sequence[np.ndarray]) -> int:
         """The width a payload was encoded with: fixed, or (``auto``) read from the table's size."""
         if self.tol is None or len(arrays) != 2:

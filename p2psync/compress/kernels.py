@@ -69,9 +69,12 @@ def sorted_sample(x: np.ndarray, stride: int, out: np.ndarray) -> None:
     of the values' bit patterns in three passes (11, 11 and 10 bits), about 3x numpy's
     quicksort on this machine's 16 K-value samples. A pattern is made order-preserving as
     an unsigned key (sign bit set for the non-negative, every bit flipped for the negative);
-    every NaN gets the greatest key, so NaNs end the result as with numpy. ``-0.0`` sorts
-    before ``0.0`` (numpy leaves their order open; they compare equal)."""
+    every NaN gets the greatest key, so NaNs end the result as with numpy (each as the NaN
+    ``0x7FFFFFFF``: sign and payload are not kept). ``-0.0`` sorts before ``0.0`` (numpy
+    leaves their order open; they compare equal). ``out`` holds ceil(len(x) / stride) values."""
     n = out.shape[0]
+    if stride < 1 or n != (x.shape[0] + stride - 1) // stride:
+        raise ValueError("sorted_sample: out must hold ceil(len(x) / stride) values, stride >= 1")
     xu = x.view(np.uint32)
     a = np.empty(n, np.uint32)
     b = np.empty(n, np.uint32)
@@ -118,7 +121,7 @@ def sorted_sample(x: np.ndarray, stride: int, out: np.ndarray) -> None:
     for i in range(n):
         k = a[i]
         d = k >> np.uint32(22)
-        ou[h2[d]] = (k & np.uint32(0x7FFFFFFF)) if k & np.uint32(0x80000000) else ~k
+        ou[h2[d]] = np.uint32(k & np.uint32(0x7FFFFFFF)) if k & np.uint32(0x80000000) else np.uint32(~k)
         h2[d] += 1
 
 

@@ -97,11 +97,25 @@ def test_the_radix_sorted_sample_is_numpys_sort(case, stride):
     assert not nan.any() or nan[-int(nan.sum()):].all()
 
 
-def test_the_sketch_samples_through_the_radix_sort_only_where_it_applies():
+def test_the_sketch_samples_through_the_radix_sort_only_where_it_applies(monkeypatch):
     """Sketch8's numba path takes the radix sort for a float32 sample of at least RADIX_MIN
     values and numpy's sort otherwise; both give the same encoding."""
     x = CASES["student-t"][:40_000]
+    radix = []
+    real = K.sorted_sample
+
+    def spy(*args):
+        radix.append(args[2].size)
+        return real(*args)
+
+    monkeypatch.setattr(K, "sorted_sample", spy)
     for n in (K.RADIX_MIN - 1, K.RADIX_MIN, 40_000):
         a, b = Sketch8(use_numba=True), Sketch8(use_numba=False)
         for u, v in zip(a._sample(x[:n]), b._sample(x[:n])):
             np.testing.assert_array_equal(u, v)
+    assert radix == [K.RADIX_MIN, 40_000 // 3 + 1]  # 40 000 values: every 3rd sampled (16 384 at most)
+    Sketch8(use_numba=True)._sample(x[:2000].astype(np.float64))  # not float32: numpy's sort
+    Sketch8(use_numba=True)._sample(x[:4000:2])  # not contiguous: numpy's sort
+    assert len(radix) == 2
+    with pytest.raises(ValueError, match="ceil"):
+        real(x[:100], 1, np.empty(101, np.float32))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2psync.compress import kernels as K
+from p2psync.compress.base import WARM_VALUES
 from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, Sketch8Paper, codec_usage, get_codec
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.topology import mesh
@@ -172,9 +173,20 @@ def test_warm_runs_encode_and_both_decodes_the_wire_can_give():
             return super().decode(arrays, n)
 
     Recording(bits=5).warm()
-    assert calls[0][:3] == ("encode", np.dtype(np.float32), calls[0][2]) and calls[0][2] >= K.RADIX_MIN
-    assert calls[1] == ("decode", calls[0][2], (True, True))
-    assert calls[2] == ("decode", calls[0][2], (False, False))
+    n = WARM_VALUES
+    assert n >= K.RADIX_MIN
+    assert calls == [("encode", np.dtype(np.float32), n, True), ("decode", n, (True, True)),
+                     ("decode", n, (False, False))]
+    widths = []
+
+    class Widths(Sketch8):
+        def encode(self, x):
+            enc = super().encode(x)
+            widths.append(enc[1].size)
+            return enc
+
+    Widths(tol=Sketch8.AUTO_TOL).warm()
+    assert widths[0] < 256 and widths[1] == 256  # auto: the piece's narrow code, then the widest
 
 
 def test_decode_rejects_wrong_payloads_and_bad_names():
