@@ -262,7 +262,8 @@ def targets(res: Sequence[Outcome]) -> list[str]:
                 continue
             name = f"BCube({cube}) {cfg.label}"
             cut = 1 - can.bytes_per_iter / bsp.bytes_per_iter if bsp.bytes_per_iter else 0.0
-            out.append(f"- {name}: traffic per iteration {cut:.0%} below BSP's (target >= 70 %; paper 56 %): "
+            amount = f"{cut:.0%} below" if cut >= 0 else f"{-cut:.0%} above"
+            out.append(f"- {name}: traffic per iteration {amount} BSP's (target >= 70 % below; paper 56 %): "
                        f"{verdict(cut >= 0.7)}")
             if can.to_target < INF and bsp.to_target < INF:
                 sp = bsp.to_target / can.to_target
@@ -271,7 +272,8 @@ def targets(res: Sequence[Outcome]) -> list[str]:
                 out.append(f"- {name}: the target was not reached by "
                            f"{'BSP' if bsp.to_target == INF else 'Canary'}")
             gap = (bsp.final_acc - can.final_acc) * 100
-            side = f"{gap:.1f} points below" if gap > 0 else f"{-gap:.1f} points above"
+            side = (f"{gap:.1f} points below" if gap >= 0.05 else f"{-gap:.1f} points above" if gap <= -0.05
+                    else "level with")
             out.append(f"- {name}: final accuracy {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({side} BSP; "
                        f"target: at most 1 point below): {verdict(gap <= 1.0)}")
     return out

@@ -53,6 +53,9 @@ def test_target_lines():
     assert "(0.2 points below BSP;" in lines[2] and lines[2].endswith("PASS")
     better = b.Outcome(b.CONFIGS[1], "2x2", 5.0, 0.958, 2e5, 0.3, 300)
     assert "(0.8 points above BSP;" in b.targets([bsp, better])[2]
+    level = b.Outcome(b.CONFIGS[1], "2x2", 5.0, 0.95, 1.5e6, 0.3, 300)
+    assert "(level with BSP;" in b.targets([bsp, level])[2]
+    assert "traffic per iteration 50% above BSP's" in b.targets([bsp, level])[0]
     slow = b.Outcome(b.CONFIGS[1], "2x2", math.inf, 0.90, 9e5, 0.3, 300)
     assert b.targets([bsp, slow])[0].endswith("FAIL") and "not reached by Canary" in b.targets([bsp, slow])[1]
     six = b.Outcome(next(c for c in b.CONFIGS if c.label == "Canary (6-bit sketch)"), "2x2", 6.0, 0.95, 1e5, 0.2, 280)
