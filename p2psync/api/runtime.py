@@ -32,7 +32,6 @@ from typing import Any, Collection
 import numpy as np
 
 from p2psync.collectives import Collectives
-from p2psync.compress import get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
@@ -211,9 +210,10 @@ class NodeRuntime:
         self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)
         self.membership.view_listeners.append(strategy.on_view)
-        # the codec's kernels loaded before the first step, not in the first exchange; off the
+        # the codecs' kernels loaded before the first step, not in the first exchange; off the
         # event loop (several seconds on a cold cache): heartbeats go on meanwhile
-        await asyncio.to_thread(get_codec(cfg.codec).warm)
+        for codec in {c.spec: c for c in strategy.codecs()}.values():
+            await asyncio.to_thread(codec.warm)
         await strategy.start()
         return strategy
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Mapping, Protocol, Sequence
 import numpy as np
 
 from p2psync.collectives import Collectives, OpStats
+from p2psync.compress import Codec, get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.strategies.canary_colayers import Layer
@@ -258,6 +259,11 @@ class Strategy(ABC):
         rendezvous, so they exist before any node can call them, and on the node that takes over
         when the coordinator dies: the services start empty and rebuild their state from the
         members' next calls)."""
+
+    def codecs(self) -> list[Codec]:
+        """The codecs this strategy encodes with; ``NodeRuntime.start_strategy`` warms them
+        (:meth:`Codec.warm`) before :meth:`start`. Default: the collectives' (``--codec``)."""
+        return [get_codec(self.ctx.collectives.codec)]
 
     async def start(self) -> None:
         """Called once after rendezvous, before the first step (``NodeRuntime.start_strategy``:

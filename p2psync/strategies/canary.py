@@ -224,6 +224,10 @@ class Canary(Strategy):
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    def codecs(self) -> list[Codec]:
+        """The sketch (or ``--codec``) it exchanges with: warmed by the runtime before start."""
+        return [self.codec]
+
     async def start(self) -> None:
         layers = self.ctx.replica.layers()
         self.colayers = group(layers, count=self.opts.colayers, layers_per_colayer=self.layer_counts,
@@ -235,8 +239,6 @@ class Canary(Strategy):
         except ValueError as exc:
             raise ConfigError(f"canary: {exc}") from None
         self.gei = GEIMatrix(len(self.colayers), me=self.ctx.node_id)
-        # the sketch's kernels loaded now, not in the first round; off the loop: heartbeats go on
-        await asyncio.to_thread(self.codec.warm)
         self.fwd.start()
         self.ctx.rpc_server.register("canary.model", self._serve_model)
         self.t = self.next_step = self.start_step

@@ -82,3 +82,12 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
                     assert least <= sent <= 0.9 * most, (me, nic, sent, least, most)
                     continue
                 assert payload <= sent <= payload + msgs * HEADER_MAX, (me, nic, sent, payload)
+
+
+@pytest.mark.parametrize("strategy,opts,want", [("canary", {}, "sketch8:5"), ("canary", {"sketch": "false"}, "none"),
+                                                ("ssgd", {}, "none")])
+async def test_the_runtime_warms_the_codecs_the_strategy_names(strategy, opts, want):
+    """Strategy.codecs (what NodeRuntime.start_strategy warms before start): Canary's own
+    sketch, else the collectives' --codec."""
+    async with memory_strategies(bcube(2, 2), strategy, opts) as strats:
+        assert [[c.spec for c in s.codecs()] for s in strats] == [[want]] * len(strats)
