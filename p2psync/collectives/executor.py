@@ -74,6 +74,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, cast, get_args
 import numpy as np
 
 from p2psync.collectives.buffers import refs, sends_done, to_numpy
+from p2psync.collectives.kernels import add_checked, copy_checked, fits
 from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
@@ -398,11 +399,15 @@ class _Run:
 
     def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
         """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
-        transport has not scanned ``vals``: the piece is checked right after, while hot, and a
-        non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
+        transport has not scanned ``vals``: the piece is checked in the same pass (float32:
+        :mod:`p2psync.collectives.kernels`) or right after, while hot, and a non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
         the sum overflowed here, and sending it raises Diverged as usual)."""
         piece = self.piece(k)
-        if reduce:
+        if self.fused_check and fits(piece, vals):  # add / copy and check in one pass
+            if (add_checked if reduce else copy_checked)(piece, vals):
+                self.clean.add(k)
+                return
+        elif reduce:
             np.add(piece, vals, out=piece)
         else:
             piece[...] = vals
@@ -427,9 +432,12 @@ class _Run:
         seal = self.codec.lossy and "ag" in phases
         # lossless pieces: the finiteness check of what arrives is fused with the add / copy
         # into the working buffer (one read of the piece instead of two; see _use)
-        defer = (self.owner.transport.defer_finite(f"{self.tag}.") if self.fused_check
-                 else contextlib.nullcontext())
-        with defer:
+        # and pieces that came through shared memory are added / copied straight from the
+        # sender's ring (borrowed, released once used: _piece), not copied out first
+        tr = self.owner.transport
+        defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
+        lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
+        with defer, lend:
             tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
                      for k in range(len(self.bounds) - 1)]
             try:
@@ -478,9 +486,12 @@ class _Run:
                 results = await asyncio.gather(*sends, *recvs)  # sends return None
                 msgs = cast("list[Message]", results[len(sends):])
             for (_src, reduce), msg in zip(incoming, msgs, strict=True):
-                vals = self._decode(msg, k)
-                if self.check is not None:
-                    self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-                self._use(k, vals, msg, reduce)
+                try:
+                    vals = self._decode(msg, k)
+                    if self.check is not None:
+                        self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
+                    self._use(k, vals, msg, reduce)
+                finally:  # a borrowed piece views the sender's ring: read no more from here
+                    msg.release()
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
             self.seal(k)

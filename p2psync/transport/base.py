@@ -64,6 +64,7 @@ import numpy as np
 from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.flow import ByteWindow
+from p2psync.transport.lending import Lending, Releasable
 from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
@@ -168,6 +169,8 @@ class Transport(Relaying, ABC):
         self._relay_ctr = itertools.count(1)
         #: tag prefix -> consumers that check the finiteness of these data messages themselves
         self._deferred_finite: Counter[str] = Counter()
+        #: who borrows frames received through shared memory (:meth:`lend`)
+        self.lending = Lending()
         self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = shaper
@@ -378,8 +381,10 @@ class Transport(Relaying, ABC):
                         detail, "" if per_peer else " (logged once per NIC and reason; every one is counted)",
                         note)
 
-    def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any]) -> None:
-        """Decode and deliver one received message; never raises."""
+    def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any],
+                lease: Releasable | None = None) -> None:
+        """Decode and deliver one received message; never raises. ``lease``: some frames view
+        memory to give back (shared memory): lent to a borrower, else copied (:meth:`lend`)."""
         nbytes = frames_len(frames)
         st = self.nic_stats[nic]
         st.bytes_recv += nbytes
@@ -415,6 +420,9 @@ class Transport(Relaying, ABC):
             msg.nic = nic
             if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
                 return
+            if lease is not None:
+                held, lease = lease, None
+                self.lending.place(msg, held)
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
                 return
@@ -423,6 +431,9 @@ class Transport(Relaying, ABC):
             self._reject(nic, peer_label, exc.reason, exc.detail)
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
+        finally:
+            if lease is not None:  # not delivered: nothing reads its frames
+                lease.release()
 
     @contextlib.contextmanager
     def defer_finite(self, prefix: str) -> Iterator[None]:
@@ -438,6 +449,14 @@ class Transport(Relaying, ABC):
             self._deferred_finite[prefix] -= 1
             if not self._deferred_finite[prefix]:
                 del self._deferred_finite[prefix]
+
+    def lend(self, prefix: str, depth: int) -> contextlib.AbstractContextManager[None]:
+        """While open, ``data`` messages tagged ``prefix`` plus ``depth`` more dot-separated
+        parts keep the frames that came through shared memory as views of the sender's ring:
+        the consumer calls ``msg.release()`` once it has read them (no copy). What is not
+        released when the scope closes is copied and released then
+        (:mod:`p2psync.transport.lending`)."""
+        return self.lending.scope(prefix, depth)
 
     def _finite_deferred(self, tag: str) -> bool:
         return bool(self._deferred_finite) and any(tag.startswith(p) for p in self._deferred_finite)

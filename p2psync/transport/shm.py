@@ -6,10 +6,15 @@ memory at 1.45-2.3x the bare-ZeroMQ tcp floor on 2 cores. With ``shm`` on, a fra
 :data:`MIN_FRAME` bytes to a peer whose NIC and ours are both loopback addresses is written into
 a ring buffer in ``/dev/shm`` that this node owns for that peer and NIC (a :class:`Segment`), and
 the ZeroMQ message carries an empty frame in its place and, first, a marker frame naming the
-segment and each stored frame's position. The receiver maps the segment (:class:`Inbound`),
-copies the frames out (so what it hands on owns its memory, as a received frame does) and
-advances the segment's *consumed* counter, which frees the space. The message itself (order,
-flow control, failure detection, the shaper before it) is ZeroMQ's as always.
+segment and each stored frame's position. The receiver maps the segment (:class:`Inbound`)
+and takes the frames as read-only views of it, with a :class:`Lease` on their space. The
+transport then either lends the views to a consumer that asked to borrow them (the collectives
+add a piece straight from the sender's ring into their working buffer, then release it:
+:meth:`Transport.lend <p2psync.transport.base.Transport.lend>`), or copies them out at once (so
+what every other consumer gets owns its memory, as a received frame does) and releases the
+lease. Released leases advance the segment's *consumed* counter, in order, which frees the
+space for the sender. The message itself (order, flow control, failure detection, the shaper
+before it) is ZeroMQ's as always.
 
 * The ring never blocks: a frame that does not fit (the receiver is slow, dead or has not
   mapped the segment yet) goes over ZeroMQ as usual. So does everything when ``/dev/shm`` is
@@ -17,7 +22,9 @@ flow control, failure detection, the shaper before it) is ZeroMQ's as always.
 * Every endpoint without keys takes marked messages, whatever its own ``shm``: sending through
   shared memory is each node's choice (``p2psync run --shm``), and a cluster may mix.
 * Positions are absolute byte offsets that only grow (a frame never wraps: the rest of the ring
-  is skipped), so the consumed counter is the end of the last frame taken. One writer (the
+  is skipped), so the consumed counter is the end of the last frame given back (a lease given
+  back early waits for the ones before it). A lease that is never given back only stalls the
+  ring: the sender's next frames do not fit and go over ZeroMQ. One writer (the
   sender's loop thread) moves the head, one (the receiver's) the counter; 8-byte aligned.
 * A send that fails after staging (``EAGAIN``, unreachable) gives the space back
   (:meth:`Outbound.rollback`), so the retry stages again.
@@ -50,6 +57,7 @@ import os
 import re
 import secrets
 import stat
+from collections import deque
 from typing import Any, Sequence
 
 import msgpack
@@ -94,10 +102,66 @@ class _Mapped:
         self.mm = mmap.mmap(fd, size)
         self.capacity = size - _HEADER
         self.consumed = np.frombuffer(self.mm, np.uint64, count=1, offset=8)
+        self.closed = False
 
     def close(self) -> None:
+        """Unmap, or leave the unmapping to the last lent view of it (its :class:`Lease` was
+        given back, so nothing reads it any more)."""
+        if self.closed:
+            return
+        self.closed = True
         del self.consumed  # the view must go before the map can close
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:  # views of lent frames still exist: the map goes with the last
+            pass
+
+
+class Lease:
+    """The ring space of one message's stored frames on the receiver's side: the sender may
+    reuse it only once every lease taken before it, and it, are given back
+    (:meth:`release`), so the consumed counter only moves over space nobody reads any more.
+    Released leases wait for the ones before them (a queue per segment)."""
+
+    __slots__ = ("_seg", "end", "done")
+
+    def __init__(self, seg: "_Received", end: int) -> None:
+        self._seg, self.end, self.done = seg, end, False
+
+    def release(self) -> None:
+        """Give the space back (idempotent). The frames' views must not be read after it: the
+        sender may overwrite them at once."""
+        if not self.done:
+            self.done = True
+            self._seg.advance()
+
+
+class _Received(_Mapped):
+    """A peer's segment this node mapped: what it took (``taken``, the end of the last frame
+    handed out) and the leases not yet given back, oldest first."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        super().__init__(fd, size)
+        self.taken = int(self.consumed[0])
+        self.leases: deque[Lease] = deque()
+
+    def lease(self, end: int) -> Lease:
+        self.taken = end
+        lease = Lease(self, end)
+        self.leases.append(lease)
+        return lease
+
+    def advance(self) -> None:
+        leases, end = self.leases, -1
+        while leases and leases[0].done:
+            end = leases.popleft().end
+        if end >= 0 and not self.closed:
+            self.consumed[0] = end
+
+    @property
+    def outstanding(self) -> int:
+        """Leases not yet given back (or waiting behind one that is not)."""
+        return len(self.leases)
 
 
 class Segment:
@@ -237,7 +301,7 @@ class Inbound:
 
     def __init__(self, me: int, max_frame: int = 1 << 30) -> None:
         self.me, self.max_frame = me, max_frame
-        self._maps: dict[str, _Mapped] = {}
+        self._maps: dict[str, _Received] = {}
         self._latest: dict[tuple[int, str], str] = {}  # (sender, its NIC) -> its current segment
         self.frames = 0  # frames taken out of segments
         sweep()
@@ -248,17 +312,30 @@ class Inbound:
         a wire header's first byte is never 0, so one byte decides nearly always)."""
         return bool(frames) and len(frames[0]) > 0 and frames[0][0] == 0 and bytes(frames[0][:len(MARKER)]) == MARKER
 
-    def resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
-        """The message's frames with the stored ones copied out of ``src``'s segment, the marker
-        dropped; ProtocolError when the marker is malformed (never anything else)."""
+    def take(self, src: int, frames: Sequence[Any]) -> tuple[list[Any], Lease]:
+        """The message's frames with the stored ones as views of ``src``'s segment (no copy),
+        the marker dropped, and the :class:`Lease` of their ring space: the caller releases it
+        once nothing reads those views any more (the transport copies them out for every
+        consumer that did not ask to borrow them: :meth:`Transport.lend
+        <p2psync.transport.base.Transport.lend>`). ProtocolError when the marker is malformed
+        (never anything else)."""
         try:
-            return self._resolve(src, frames)
+            return self._take(src, frames)
         except ProtocolError:
             raise
         except (OSError, ValueError, MemoryError, TypeError) as exc:
             raise ProtocolError("shm", f"node {src}: {type(exc).__name__}: {exc}") from None
 
-    def _resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
+    def resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
+        """:meth:`take`, with the stored frames copied out and the space given back at once."""
+        out, lease = self.take(src, frames)
+        try:
+            return [np.array(f, np.uint8).data if isinstance(f, memoryview) and isinstance(f.obj, mmap.mmap) else f
+                    for f in out]
+        finally:
+            lease.release()
+
+    def _take(self, src: int, frames: Sequence[Any]) -> tuple[list[Any], Lease]:
         try:
             name, entries = msgpack.unpackb(bytes(frames[0][len(MARKER):]))
         except Exception as exc:
@@ -270,25 +347,28 @@ class Inbound:
         out = list(frames[1:])
         if not isinstance(entries, list):
             raise ProtocolError("shm", "marker entries are not a list")
-        base = end = int(seg.consumed[0])
+        base, end = int(seg.consumed[0]), seg.taken
         cap = seg.capacity
+        views: list[tuple[int, int, int]] = []
+        seen: set[int] = set()
         for e in entries:
             if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)):
                 raise ProtocolError("shm", f"bad entry {e!r}")
             i, pos, n = e
-            # what a sender can have written: after what was taken, within one ring of it
-            if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and 0 <= n <= self.max_frame
+            # what a sender can have written: after what was taken, within one ring of what
+            # was given back
+            if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and i not in seen and 0 <= n <= self.max_frame
                     and pos >= end and pos + n - base <= cap and pos % cap + n <= cap):
                 raise ProtocolError("shm", f"entry {e!r} outside the message or the segment")
-            buf = np.empty(n, np.uint8)
-            buf[:] = np.frombuffer(seg.mm, np.uint8, count=n, offset=_HEADER + pos % cap)
-            out[i - 1] = buf.data
+            views.append((i, pos, n))
+            seen.add(i)
             end = pos + n
-        seg.consumed[0] = end
+        for i, pos, n in views:
+            out[i - 1] = memoryview(seg.mm)[_HEADER + pos % cap:_HEADER + pos % cap + n].toreadonly()
         self.frames += len(entries)
-        return out
+        return out, seg.lease(end)
 
-    def _open(self, name: str, sender: tuple[int, str]) -> _Mapped:
+    def _open(self, name: str, sender: tuple[int, str]) -> _Received:
         seg = self._maps.get(name)
         if seg is not None:
             return seg
@@ -303,7 +383,7 @@ class Inbound:
                     and st.st_nlink == 1 and _HEADER < st.st_size <= MAX_SEGMENT):
                 raise ProtocolError("shm", f"segment {name}: not a private file of this user, or its size "
                                            f"({st.st_size} bytes) is not a segment's")
-            seg = _Mapped(fd, st.st_size)
+            seg = _Received(fd, st.st_size)
         finally:
             os.close(fd)
         try:
@@ -324,5 +404,5 @@ class Inbound:
         self._latest.clear()
 
 
-__all__ = ["CAPACITY", "Inbound", "MARKER", "MAX_SEGMENT", "MIN_FRAME", "Outbound", "Segment", "same_host",
+__all__ = ["CAPACITY", "Inbound", "Lease", "MARKER", "MAX_SEGMENT", "MIN_FRAME", "Outbound", "Segment", "same_host",
            "sweep"]

@@ -65,7 +65,9 @@ first is logged, once per NIC (a sender can make fresh keys without end). Relaye
 **Shared memory** (``SocketOptions.shm``, :mod:`p2psync.transport.shm`). Between loopback NICs
 a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``: ``_transmit``
 stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
-when the send fails; ``_drain`` copies it out before decoding. Unkeyed endpoints only.
+when the send fails; ``_drain`` takes it as a view of the sender's ring, with a lease that
+``_ingest`` lends to a consumer that borrows it or releases after a copy (``Transport.lend``).
+Unkeyed endpoints only.
 """
 
 from __future__ import annotations
@@ -394,16 +396,17 @@ class ZmqEndpoint(Transport):
                 self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
             else:
                 bufs = [f.buffer for f in frames[1:]]
+                lease = None
                 # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is on
                 # this host); anywhere else it is a malformed header
                 if (self._shm_in is not None and Inbound.marked(bufs) and not control
                         and not known[1].endswith("/c") and nic in self._loopback):
                     try:
-                        bufs = self._shm_in.resolve(known[0], bufs)
+                        bufs, lease = self._shm_in.take(known[0], bufs)
                     except ProtocolError as exc:
                         self._reject(nic, known[1], exc.reason, exc.detail)
                         continue
-                self._ingest(nic, known[0], known[1], bufs)
+                self._ingest(nic, known[0], known[1], bufs, lease)
             if not (i or more) and self._loop is not None:
                 self._loop.call_soon(self._drain, nic, control, True)
                 return

@@ -52,6 +52,16 @@ class Message:
     arrays: list[np.ndarray] = field(default_factory=list)
     #: name of the local NIC the message arrived on (set by the transport)
     nic: str | None = None
+    #: set by the transport when the arrays are lent views of memory it must get back (shared
+    #: memory, :meth:`p2psync.transport.base.Transport.lend`): something with ``release()``
+    lease: Any = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Give back the memory the arrays view, if they were lent (else nothing happens; more
+        calls do nothing). A borrower calls it once it has read them, and reads them no more."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
     @property
     def src(self) -> int:

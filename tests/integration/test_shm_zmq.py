@@ -49,6 +49,11 @@ async def test_allreduces_over_shared_memory_sum_exactly(monkeypatch, capacity):
         assert all(s.tolist() == [6.0, 6.0, 6.0] for s in small)
         used = {i: e.shm_frames for i, e in eps.items()}
         assert all(u > 0 for u in used.values()), used
+        # the collectives borrowed every piece that came through shared memory (added straight
+        # from the sender's ring) and gave all of them back
+        assert all(e.lending.lent == e._shm_in.frames > 0 and e.lending.copied == 0 for e in eps.values())
+        assert all(m.outstanding == 0 and int(m.consumed[0]) == m.taken
+                   for e in eps.values() for m in e._shm_in._maps.values())
         if capacity < shm.CAPACITY:  # most pieces did not fit
             assert all(u < 3 * 2 * 3 * 3 for u in used.values()), used
     assert not _segments()  # every receiver unlinked what it mapped, every sender the rest
@@ -140,3 +145,42 @@ async def test_a_send_that_fails_after_staging_gives_its_space_back(monkeypatch)
         sent = sum(e.shm_frames for e in eps.values())
         taken = sum(e._shm_in.frames for e in eps.values())
         assert sent == taken > 0
+
+
+async def test_a_consumer_that_does_not_borrow_gets_arrays_of_its_own():
+    """A tensor message through shared memory to a plain ``recv`` (no lend scope): the receiver
+    copies it out and gives the ring space back on arrival; what it hands on owns its memory."""
+    topo = ring(3, base_port=free_port())
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: through shared memory
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        dst = topo.neighbors(0)[0]
+        for r in range(3):
+            await eps[0].send(dst, f"plain.{r}", [x * r])
+            msg = await eps[dst].recv(f"plain.{r}", timeout=10)
+            assert msg.arrays[0].tobytes() == (x * r).tobytes() and msg.lease is None
+        assert eps[0].shm_frames == 3 and eps[dst].lending.copied == 3 and eps[dst].lending.lent == 0
+        (seg,) = eps[dst]._shm_in._maps.values()
+        assert not np.shares_memory(msg.arrays[0], np.frombuffer(seg.mm, np.uint8))
+        assert seg.outstanding == 0 and int(seg.consumed[0]) == seg.taken > 0
+
+
+async def test_an_operation_that_fails_gives_back_every_piece_it_borrowed():
+    """Node 2 runs a different operation under the same tag: its neighbours reject its pieces
+    (ProtocolError) with other pieces already borrowed, queued or in flight. Once every
+    operation has ended, nothing is lent any more, every ring is given back up to what was
+    taken, and the next allreduce goes through shared memory again with exact sums."""
+    topo = ring(3, base_port=free_port())
+    x = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: pieces of 1 MiB, through shared memory
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=3) for i, e in eps.items()}
+        mine = {0: x, 1: x, 2: x[: x.size // 2]}  # node 2: another size, another signature
+        got = await asyncio.gather(*(cs[i].allreduce(mine[i], tag="bad") for i in topo.ids),
+                                   return_exceptions=True)
+        assert all(isinstance(g, Exception) for g in got), got
+        for e in eps.values():
+            assert e.lending.outstanding == 0
+            assert all(m.outstanding == 0 and int(m.consumed[0]) == m.taken for m in e._shm_in._maps.values())
+        before = {i: e.shm_frames for i, e in eps.items()}
+        outs = await asyncio.gather(*(cs[i].allreduce(x, tag="good") for i in topo.ids))
+        assert all(o.tobytes() == (3 * x).tobytes() for o in outs)
+        assert all(e.shm_frames > before[i] for i, e in eps.items())

@@ -201,3 +201,38 @@ def test_without_shared_memory_the_frames_go_unchanged(monkeypatch, caplog):
                                         ("host.example", False)])
 def test_same_host_means_loopback(addr, local):
     assert shm.same_host(addr) is local
+
+
+def test_taken_frames_are_views_whose_space_comes_back_in_order_once_released(pair):
+    """``take`` lends views of the ring; the consumed counter moves only over leases given back
+    with every lease before them, so the sender cannot overwrite a frame still being read."""
+    out, inn = pair
+    sent = [_frames(100 * KIB, seed=s)[0] for s in (1, 2)]
+    (a, _, _, _), (b, _, _, _) = _send(out, [sent[0]]), _send(out, [sent[1]])
+    (fa, la), (fb, lb) = inn.take(0, a), inn.take(0, b)
+    assert bytes(fa[1]) == sent[0].tobytes() and bytes(fb[1]) == sent[1].tobytes()
+    assert fa[1].readonly
+    seg = next(iter(inn._maps.values()))
+    assert int(seg.consumed[0]) == 0 and seg.outstanding == 2
+    full, s, _, _ = _send(out, _frames(100 * KIB, seed=3))
+    assert s is None  # 200 KiB lent of 256: no room until given back
+    lb.release()  # the later one first: it waits for the earlier
+    assert int(seg.consumed[0]) == 0 and seg.outstanding == 2
+    la.release()
+    la.release()  # idempotent
+    assert int(seg.consumed[0]) == seg.taken and seg.outstanding == 0
+    again, s, _, _ = _send(out, _frames(100 * KIB, seed=3))
+    assert s is not None
+    assert bytes(inn.resolve(0, again)[1]) == _frames(100 * KIB, seed=3)[0].tobytes()
+    assert seg.outstanding == 0  # resolve copies and gives the space back at once
+
+
+def test_closing_with_a_lent_view_leaves_the_view_readable(pair):
+    out, inn = pair
+    f = _frames(100 * KIB, seed=4)[0]
+    staged, _, _, _ = _send(out, [f])
+    frames, lease = inn.take(0, staged)
+    view = np.frombuffer(frames[1], np.uint8)
+    inn.close()  # the map cannot close under a view: it goes with the last one
+    assert view.tobytes() == f.tobytes()
+    lease.release()  # after close: nothing to advance, no error
