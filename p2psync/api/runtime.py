@@ -32,7 +32,6 @@ from typing import Any, Collection
 import numpy as np
 
 from p2psync.collectives import Collectives
-from p2psync.collectives import kernels as piece_kernels
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
@@ -215,7 +214,6 @@ class NodeRuntime:
         # event loop (several seconds on a cold cache): heartbeats go on meanwhile
         for codec in {c.spec: c for c in strategy.codecs()}.values():
             await asyncio.to_thread(codec.warm)
-        await asyncio.to_thread(piece_kernels.warm)  # the collectives' own
         await strategy.start()
         return strategy
 

@@ -1,7 +1,6 @@
 """Compile the numba kernels once, at install time: ``python -m p2psync.cli.precompile``.
 
-The codecs' kernels (:mod:`p2psync.compress.kernels`), the collectives' fused add-and-check
-(:mod:`p2psync.collectives.kernels`) and ZipLine's barrier search
+The codecs' kernels (:mod:`p2psync.compress.kernels`) and ZipLine's barrier search
 (:mod:`p2psync.coordinator.zipline_kernels`) are compiled on first use and cached on disk
 (``cache=True``). Uncached, the first sketch8 encode and decode of a process takes about 4 s
 of compiling on this project's 2-core machine (0.6 s more for ``sketch8:BITS``). Each node
@@ -24,7 +23,6 @@ import time
 
 import numpy as np
 
-from p2psync.collectives import kernels as piece_kernels
 from p2psync.compress import get_codec
 from p2psync.compress import kernels as K
 from p2psync.coordinator.zipline import SEARCHERS, predict
@@ -47,8 +45,6 @@ def warm_codecs() -> list[str]:
 def precompile() -> list[str]:
     """Run every numba-backed codec and barrier search once; their names."""
     done = warm_codecs()
-    piece_kernels.warm()
-    done.append("collectives")
     y = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
     y[7] = np.nan
     K.minmax_fast(y)  # its scalar loop, which runs only when a NaN is present

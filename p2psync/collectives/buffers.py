@@ -17,25 +17,37 @@ _WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats
 def to_numpy(tensor: Any) -> tuple[np.ndarray, Any]:
     """A flat host copy of ``tensor`` (16-bit floats widened to float32) and a function that
     turns a flat result back into the tensor's type, shape and dtype."""
+    arr, back, view = host_flat(tensor)
+    return (arr.copy() if view else arr), back
+
+
+def host_flat(tensor: Any) -> tuple[np.ndarray, Any, bool]:
+    """``tensor`` as a flat host array (16-bit floats widened to float32), the function that
+    turns a flat result back into the tensor's type, shape and dtype, and whether the array
+    views the caller's own memory (then it must not be written; else it is a fresh copy: a
+    staged CUDA tensor, a widened or non-contiguous one)."""
     if isinstance(tensor, np.ndarray):
         shape, dtype = tensor.shape, tensor.dtype
         work = _WIDE.get(dtype, dtype)
+        if work == dtype and tensor.flags.c_contiguous:
+            return tensor.reshape(-1), lambda flat: flat.reshape(shape), True
         return (np.array(tensor, dtype=work, copy=True).reshape(-1),
-                lambda flat: flat.astype(dtype, copy=False).reshape(shape))
+                lambda flat: flat.astype(dtype, copy=False).reshape(shape), False)
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"collectives take numpy arrays or torch tensors, not {type(tensor).__name__}")
     t = tensor.detach()
+    view = t.device.type == "cpu" and t.is_contiguous() and t.dtype not in (torch.float16, torch.bfloat16)
     if t.device.type == "cuda":  # stage through pinned host memory
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t)
         t = host
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.to(torch.float32)
-    arr = t.contiguous().numpy().reshape(-1).copy()
+    arr = t.contiguous().numpy().reshape(-1)
     dev, shape, tdtype = tensor.device, tensor.shape, tensor.dtype
-    return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype)
+    return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype), view
 
 
 def refs(buf: np.ndarray) -> int:

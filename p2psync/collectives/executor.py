@@ -29,7 +29,14 @@ bytes are then forwarded unchanged during the allgather, so everyone decodes the
 With error feedback the part of a contribution a codec failed to send is added to this node's
 next contribution to the same piece (reduce-scatter sends and owner quantization alike).
 
-All work happens on a copy; the caller's tensor is only replaced when the collective completes.
+The caller's tensor is never written: the result is a new tensor. Most operations work on a
+copy of it. A lossless allreduce sum or mean of a host tensor that needs no conversion (numpy
+or CPU torch, contiguous, not 16-bit) reads it where it stands instead: the working buffer
+starts empty, and each piece gets its first value when the first piece that arrives for it is
+added to this node's own values (or replaces them), straight into the buffer — one pass less
+over the whole tensor per operation. The tensor must therefore not change until the call
+returns (as with torch.distributed's asynchronous operations). Pieces sent from it are copies,
+so a frame ZeroMQ still holds after a failed operation never views the caller's memory.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 
@@ -62,71 +69,31 @@ be silent surprises; convert to float first.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import re
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence, cast, get_args
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
-from p2psync.collectives.buffers import refs, sends_done, to_numpy
-from p2psync.collectives.kernels import add_checked, copy_checked, fits
-from p2psync.collectives.plan import Plan, Transfer, make_plan, plan_tree
+from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
+from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
+from p2psync.collectives.plan import Plan, make_plan, plan_tree
 from p2psync.collectives.sparse import sparse_allreduce
-from p2psync.compress import Codec, ErrorFeedback, TopK, get_codec
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
-from p2psync.transport import Transport, all_finite
-from p2psync.wire import Message
+from p2psync.compress import ErrorFeedback, TopK, get_codec
+from p2psync.errors import ConfigError
+from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
-
-#: ``check(lo, hi, piece, src)``: validates a received piece (buffer elements ``lo:hi``) that
-#: neighbour ``src`` delivered, before it is used or passed on; raises to reject it
-PieceCheck = Callable[[int, int, np.ndarray, int], None]
 
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
-_STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
-
-
-@dataclass
-class OpStats:
-    """What one collective operation cost: its kind, plan algorithm, codec and tag, seconds,
-    payload bytes before and after the codec, and bytes sent per NIC. Returned by
-    :meth:`Collectives.allreduce_with_stats`; strategies log it, e.g. ssgd.py:
-    ``extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes, ...}``."""
-
-    op: str
-    algo: str
-    codec: str
-    tag: str = ""
-    seconds: float = 0.0
-    raw_bytes: int = 0  # what the pieces would have cost uncompressed
-    wire_bytes: int = 0  # what was actually sent (payload)
-    nic_bytes: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def compression(self) -> float:
-        """Raw bytes over wire bytes (1.0 when nothing was sent)."""
-        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
 def _check_tag(tag: str) -> None:
     if not valid_tag(tag) or len(tag) > MAX_TAG:
         raise ConfigError(f"collective tag {tag!r}: 1-{MAX_TAG} characters from A-Z a-z 0-9 _ . : / @ # -")
-
-
-def feedback_family(tag: str) -> str:
-    """The tensor a tag names, without its step numbers and view epochs (``"ssgd.12.e3"`` ->
-    ``"ssgd"``): error feedback residuals carry over between steps of the same tensor (also
-    across view changes, where a piece that changed shape starts afresh), never between
-    tensors."""
-    return _STEP_PART.sub("", tag) or tag
 
 
 class Collectives:
@@ -163,7 +130,9 @@ class Collectives:
                         algo: str | None = None, codec: str | None = None) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
         codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`.
-        :meth:`allreduce_with_stats` also returns the operation's :class:`OpStats`."""
+        :meth:`allreduce_with_stats` also returns the operation's :class:`OpStats`.
+        ``tensor`` is not written, and must not change until this returns (a lossless sum or
+        mean reads it as the operation goes; see the module docstring)."""
         result, _ = await self.allreduce_with_stats(tensor, group, tag=tag, op=op, weights=weights, algo=algo,
                                                     codec=codec)
         return result
@@ -176,23 +145,27 @@ class Collectives:
         if op not in get_args(ReduceOp):
             raise ConfigError(f"unknown reduction {op!r}")
         g = self._group(group)
-        buf, back = to_numpy(tensor)
-        alone = refs(buf)  # no view of the working buffer exists yet
-        if op != "sum" and buf.dtype.kind not in "f":
-            raise ConfigError(f"allreduce op={op!r} needs a floating-point tensor, got {np.dtype(buf.dtype)} "
+        flat, back, view = host_flat(tensor)
+        if op != "sum" and flat.dtype.kind not in "f":
+            raise ConfigError(f"allreduce op={op!r} needs a floating-point tensor, got {np.dtype(flat.dtype)} "
                               "(use op='sum', or convert to float)")
+        c = get_codec(codec or self.codec)
+        # a lossless sum or mean reads the caller's tensor where it stands: each piece goes
+        # into the working buffer with the first piece added to it (see the module docstring)
+        src = flat if view and op != "weighted" and not c.lossy else None
+        buf = np.empty_like(flat) if src is not None else flat.copy() if view else flat
+        alone = refs(buf)  # no view of the working buffer exists yet
         if op == "weighted":
             if weights is None or set(weights) != set(g):
                 raise ConfigError("weighted allreduce needs one weight per group member")
             buf *= buf.dtype.type(weights[self.transport.node_id])
-        c = get_codec(codec or self.codec)
         if isinstance(c, TopK):
             _check_tag(tag)
             stats = OpStats(f"allreduce:{op}", "topk", c.spec, tag)
             out = await sparse_allreduce(self, buf, g, c, stats=stats, family=feedback_family(tag), algo=algo)
             return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
-        stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"))
+        stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"), src=src)
         if not await sends_done(lambda: refs(buf) == alone, buf.nbytes):
             # ZeroMQ may still be reading the last pieces: never touch ``buf``
             return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
@@ -309,7 +282,12 @@ class Collectives:
 
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
                        *, phases: tuple[str, ...], bounds: np.ndarray | None = None,
-                       record: bool = True, check: PieceCheck | None = None) -> OpStats:
+                       record: bool = True, check: PieceCheck | None = None,
+                       src: np.ndarray | None = None) -> OpStats:
+        """Run ``plan`` on ``buf``. ``src``: ``buf`` is not filled yet, this node's values are
+        there (read only; lossless codecs): each piece is read from it until the first piece
+        that arrives for it is added to it (or replaces it) into ``buf``, and copied at the
+        end if none did."""
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:
@@ -321,177 +299,16 @@ class Collectives:
                 bounds = self._bounds(buf, len(plan.group))
             sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
                                    len(bounds))).encode())
-            run = _Run(self, plan, buf, bounds, c, tag, stats, sig, check)
+            run = Run(self, plan, buf, bounds, c, tag, stats, sig, check, src)
             await run.execute(phases)
+            for k in list(run.fresh):  # (an allreduce received every piece)
+                run.piece(k)[...] = run.mine(k)
+        elif src is not None:
+            buf[...] = src
         stats.seconds = time.perf_counter() - t0
         if record:
             self.history.append(stats)
         return stats
 
 
-class _Run:
-    """State of one collective on one node: the working buffer and the encoded-piece cache."""
-
-    def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
-                 codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None) -> None:
-        self.owner = owner
-        self.me = owner.transport.node_id
-        self.plan = plan
-        self.buf = buf
-        self.bounds = bounds
-        self.codec = codec
-        self.tag = tag
-        self.stats = stats
-        self.sig = sig
-        self.meta = {"sig": sig}
-        self.family = feedback_family(tag)
-        self.cache: dict[int, list[np.ndarray]] = {}
-        self.fb = owner.feedback if codec.lossy else None
-        self.check = check
-        #: pieces whose current values are known finite: copied from a received piece (the
-        #: transport rejects non-finite ones on arrival) or checked here since the last add;
-        #: their sends skip the transport's own scan (``checked=True``)
-        self.clean: set[int] = set()
-        #: the arrival check of lossless pieces happens here, fused with their use (_use)
-        self.fused_check = not codec.lossy and check is None
-
-    def piece(self, k: int) -> np.ndarray:
-        return self.buf[self.bounds[k]:self.bounds[k + 1]]
-
-    def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
-        x = self.piece(k)
-        if not self.codec.lossy:
-            return [x]  # zero-copy view of the working buffer (see the module docstring)
-        if self.fb is not None:
-            x = self.fb.compensate(key, x)
-        enc = self.codec.encode(x)
-        if self.fb is not None:
-            self.fb.record(key, x, self.codec.decode(enc, x.size))
-        return enc
-
-    def seal(self, k: int) -> None:
-        """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
-        enc = self._encode(k, ("own", self.family, self.buf.size, k))
-        self.cache[k] = enc
-        self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
-
-    def _decode(self, msg: Message, k: int) -> np.ndarray:
-        if msg.meta.get("sig") != self.sig:
-            raise ProtocolError("collective_mismatch",
-                                f"{self.tag}: node {msg.src} runs a different operation under this tag "
-                                f"(signature {msg.meta.get('sig')!r} != {self.sig})")
-        n = int(self.bounds[k + 1] - self.bounds[k])
-        if not self.codec.lossy:
-            a = msg.arrays[0] if len(msg.arrays) == 1 else None
-            if a is None or a.dtype != self.buf.dtype or a.size != n:
-                raise ProtocolError("piece", f"{self.tag}: piece {k} from node {msg.src} has the wrong size or type")
-            return a
-        if any(f.codec != self.codec.name for f in msg.header.frames):
-            raise ProtocolError("codec", f"{self.tag}: piece {k} from node {msg.src} is not {self.codec.name}")
-        return self.codec.decode(msg.arrays, n)
-
-    async def _recv(self, src: int, tag: str) -> Message:
-        try:
-            return await self.owner.transport.recv(tag, timeout=self.owner.timeout)
-        except PeerTimeout:
-            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
-                              peers=(src,)) from None
-
-    def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
-        """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
-        transport has not scanned ``vals``: the piece is checked in the same pass (float32:
-        :mod:`p2psync.collectives.kernels`) or right after, while hot, and a non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
-        the sum overflowed here, and sending it raises Diverged as usual)."""
-        piece = self.piece(k)
-        if self.fused_check and fits(piece, vals):  # add / copy and check in one pass
-            if (add_checked if reduce else copy_checked)(piece, vals):
-                self.clean.add(k)
-                return
-        elif reduce:
-            np.add(piece, vals, out=piece)
-        else:
-            piece[...] = vals
-            if self.codec.lossy:
-                self.cache[k] = list(msg.arrays)
-        if not self.fused_check:
-            if reduce:
-                self.clean.discard(k)
-            else:
-                self.clean.add(k)  # the transport checked it on arrival
-        elif all_finite(piece):
-            self.clean.add(k)
-        else:
-            self.clean.discard(k)
-            self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
-
-    async def execute(self, phases: tuple[str, ...]) -> None:
-        rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
-                  for ph in ("rs", "ag") if ph in phases
-                  for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
-        owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
-        seal = self.codec.lossy and "ag" in phases
-        # lossless pieces: the finiteness check of what arrives is fused with the add / copy
-        # into the working buffer (one read of the piece instead of two; see _use)
-        # and pieces that came through shared memory are added / copied straight from the
-        # sender's ring (borrowed, released once used: _piece), not copied out first
-        tr = self.owner.transport
-        defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
-        lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
-        with defer, lend:
-            tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
-                     for k in range(len(self.bounds) - 1)]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-
-    async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
-        for phase, transfers in rounds:
-            mine = [t for t in transfers if t.lo <= k < t.hi]
-            if not mine:
-                continue
-            if seal and phase.startswith("ag"):
-                self.seal(k)
-                seal = False
-            sends = []
-            for t in mine:
-                if t.src != self.me:
-                    continue
-                if not t.reduce and k in self.cache:
-                    arrays = self.cache[k]
-                else:
-                    arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
-                nbytes = sum(a.nbytes for a in arrays)
-                self.stats.wire_bytes += nbytes
-                self.stats.raw_bytes += self.piece(k).nbytes
-                self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
-                checked = False
-                if not self.codec.lossy:  # sent as is: check once, here, while the piece is hot
-                    checked = k in self.clean or all_finite(arrays[0])
-                    if checked:  # (if not, the transport's scan raises Diverged)
-                        self.clean.add(k)
-                sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
-                                                       codecs=[self.codec.name] * len(arrays), nic=t.nic,
-                                                       meta=self.meta, timeout=self.owner.timeout,
-                                                       checked=checked))
-            incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
-            recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
-            if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
-                one = await (sends or recvs)[0]
-                msgs = [] if sends else [cast(Message, one)]
-            else:
-                results = await asyncio.gather(*sends, *recvs)  # sends return None
-                msgs = cast("list[Message]", results[len(sends):])
-            for (_src, reduce), msg in zip(incoming, msgs, strict=True):
-                try:
-                    vals = self._decode(msg, k)
-                    if self.check is not None:
-                        self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-                    self._use(k, vals, msg, reduce)
-                finally:  # a borrowed piece views the sender's ring: read no more from here
-                    msg.release()
-        if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
-            self.seal(k)
+__all__ = ["Collectives", "OpStats", "PieceCheck", "ReduceOp", "feedback_family"]

@@ -1,0 +1,242 @@
+"""One collective operation on one node, piece by piece (:class:`Run`), and what it reports
+(:class:`OpStats`): the execution half of :mod:`p2psync.collectives.executor`, whose module
+docstring describes the pipeline, the zero-copy sends, the codecs and the tags."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+import numpy as np
+
+from p2psync.collectives.plan import Plan, Transfer
+from p2psync.compress import Codec
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.transport import all_finite
+from p2psync.wire import Message
+
+if TYPE_CHECKING:
+    from p2psync.collectives.executor import Collectives
+
+#: ``check(lo, hi, piece, src)``: validates a received piece (buffer elements ``lo:hi``) that
+#: neighbour ``src`` delivered, before it is used or passed on; raises to reject it
+PieceCheck = Callable[[int, int, np.ndarray, int], None]
+
+_STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
+
+
+@dataclass
+class OpStats:
+    """What one collective operation cost: its kind, plan algorithm, codec and tag, seconds,
+    payload bytes before and after the codec, and bytes sent per NIC. Returned by
+    :meth:`Collectives.allreduce_with_stats`; strategies log it, e.g. ssgd.py:
+    ``extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes, ...}``."""
+
+    op: str
+    algo: str
+    codec: str
+    tag: str = ""
+    seconds: float = 0.0
+    raw_bytes: int = 0  # what the pieces would have cost uncompressed
+    wire_bytes: int = 0  # what was actually sent (payload)
+    nic_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        """Raw bytes over wire bytes (1.0 when nothing was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+def feedback_family(tag: str) -> str:
+    """The tensor a tag names, without its step numbers and view epochs (``"ssgd.12.e3"`` ->
+    ``"ssgd"``): error feedback residuals carry over between steps of the same tensor (also
+    across view changes, where a piece that changed shape starts afresh), never between
+    tensors."""
+    return _STEP_PART.sub("", tag) or tag
+
+
+class Run:
+    """State of one collective on one node: the working buffer and the encoded-piece cache."""
+
+    def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
+                 codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None,
+                 src: np.ndarray | None = None) -> None:
+        self.owner = owner
+        self.me = owner.transport.node_id
+        self.plan = plan
+        self.buf = buf
+        self.bounds = bounds
+        self.codec = codec
+        self.tag = tag
+        self.stats = stats
+        self.sig = sig
+        self.meta = {"sig": sig}
+        self.family = feedback_family(tag)
+        self.cache: dict[int, list[np.ndarray]] = {}
+        self.fb = owner.feedback if codec.lossy else None
+        self.check = check
+        #: pieces whose current values are known finite: copied from a received piece (the
+        #: transport rejects non-finite ones on arrival) or checked here since the last add;
+        #: their sends skip the transport's own scan (``checked=True``)
+        self.clean: set[int] = set()
+        #: the arrival check of lossless pieces happens here, fused with their use (_use)
+        self.fused_check = not codec.lossy and check is None
+        if src is not None and codec.lossy:
+            raise ConfigError("a lossy codec encodes from the working buffer: it needs it filled")
+        #: pieces whose values are still only in ``src`` (the caller's tensor), not in ``buf``
+        self.src = src
+        self.fresh: set[int] = set(range(len(bounds) - 1)) if src is not None else set()
+
+    def piece(self, k: int) -> np.ndarray:
+        return self.buf[self.bounds[k]:self.bounds[k + 1]]
+
+    def mine(self, k: int) -> np.ndarray:
+        """Piece ``k`` of ``src``: this node's own values (read only)."""
+        assert self.src is not None
+        return self.src[self.bounds[k]:self.bounds[k + 1]]
+
+    def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
+        if k in self.fresh:  # a copy: the caller may change its tensor if the operation fails
+            return [self.mine(k).copy()]
+        x = self.piece(k)
+        if not self.codec.lossy:
+            return [x]  # zero-copy view of the working buffer (see the module docstring)
+        if self.fb is not None:
+            x = self.fb.compensate(key, x)
+        enc = self.codec.encode(x)
+        if self.fb is not None:
+            self.fb.record(key, x, self.codec.decode(enc, x.size))
+        return enc
+
+    def seal(self, k: int) -> None:
+        """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
+        enc = self._encode(k, ("own", self.family, self.buf.size, k))
+        self.cache[k] = enc
+        self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
+
+    def _decode(self, msg: Message, k: int) -> np.ndarray:
+        if msg.meta.get("sig") != self.sig:
+            raise ProtocolError("collective_mismatch",
+                                f"{self.tag}: node {msg.src} runs a different operation under this tag "
+                                f"(signature {msg.meta.get('sig')!r} != {self.sig})")
+        n = int(self.bounds[k + 1] - self.bounds[k])
+        if not self.codec.lossy:
+            a = msg.arrays[0] if len(msg.arrays) == 1 else None
+            if a is None or a.dtype != self.buf.dtype or a.size != n:
+                raise ProtocolError("piece", f"{self.tag}: piece {k} from node {msg.src} has the wrong size or type")
+            return a
+        if any(f.codec != self.codec.name for f in msg.header.frames):
+            raise ProtocolError("codec", f"{self.tag}: piece {k} from node {msg.src} is not {self.codec.name}")
+        return self.codec.decode(msg.arrays, n)
+
+    async def _recv(self, src: int, tag: str) -> Message:
+        try:
+            return await self.owner.transport.recv(tag, timeout=self.owner.timeout)
+        except PeerTimeout:
+            raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
+                              peers=(src,)) from None
+
+    def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
+        """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
+        transport has not scanned ``vals``: the piece is checked right after, while hot, and a
+        non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
+        the sum overflowed here, and sending it raises Diverged as usual). The first value a
+        piece gets is written into the working buffer from the caller's tensor (``fresh``)."""
+        piece = base = self.piece(k)
+        if k in self.fresh:  # the first value for it: from the caller's tensor into ``buf``
+            self.fresh.discard(k)
+            base = self.mine(k)
+        if reduce:
+            np.add(base, vals, out=piece)
+        else:
+            piece[...] = vals
+            if self.codec.lossy:
+                self.cache[k] = list(msg.arrays)
+        if not self.fused_check:
+            if reduce:
+                self.clean.discard(k)
+            else:
+                self.clean.add(k)  # the transport checked it on arrival
+        elif all_finite(piece):
+            self.clean.add(k)
+        else:
+            self.clean.discard(k)
+            self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
+
+    async def execute(self, phases: tuple[str, ...]) -> None:
+        rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
+                  for ph in ("rs", "ag") if ph in phases
+                  for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
+        owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
+        seal = self.codec.lossy and "ag" in phases
+        # lossless pieces: the finiteness check of what arrives is fused with the add / copy
+        # into the working buffer (one read of the piece instead of two; see _use)
+        # and pieces that came through shared memory are added / copied straight from the
+        # sender's ring (borrowed, released once used: _piece), not copied out first
+        tr = self.owner.transport
+        defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
+        lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
+        with defer, lend:
+            tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
+                     for k in range(len(self.bounds) - 1)]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+    async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
+        for phase, transfers in rounds:
+            mine = [t for t in transfers if t.lo <= k < t.hi]
+            if not mine:
+                continue
+            if seal and phase.startswith("ag"):
+                self.seal(k)
+                seal = False
+            sends = []
+            for t in mine:
+                if t.src != self.me:
+                    continue
+                if not t.reduce and k in self.cache:
+                    arrays = self.cache[k]
+                else:
+                    arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
+                nbytes = sum(a.nbytes for a in arrays)
+                self.stats.wire_bytes += nbytes
+                self.stats.raw_bytes += self.piece(k).nbytes
+                self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
+                checked = False
+                if not self.codec.lossy:  # sent as is: check once, here, while the piece is hot
+                    checked = k in self.clean or all_finite(arrays[0])
+                    if checked:  # (if not, the transport's scan raises Diverged)
+                        self.clean.add(k)
+                sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
+                                                       codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                                       meta=self.meta, timeout=self.owner.timeout,
+                                                       checked=checked))
+            incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
+            recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
+            if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
+                one = await (sends or recvs)[0]
+                msgs = [] if sends else [cast(Message, one)]
+            else:
+                results = await asyncio.gather(*sends, *recvs)  # sends return None
+                msgs = cast("list[Message]", results[len(sends):])
+            for (_src, reduce), msg in zip(incoming, msgs, strict=True):
+                try:
+                    vals = self._decode(msg, k)
+                    if self.check is not None:
+                        self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
+                    self._use(k, vals, msg, reduce)
+                finally:  # a borrowed piece views the sender's ring: read no more from here
+                    msg.release()
+        if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
+            self.seal(k)
+
+
+__all__ = ["OpStats", "PieceCheck", "Run", "feedback_family"]

@@ -1,0 +1,114 @@
+"""A lossless allreduce reads the caller's tensor where it stands instead of copying it first
+(``Collectives.allreduce``; executor ``src`` / ``fresh``): the sums are exact on every plan, the
+caller's tensor is never written (a read-only one works), the result never shares its memory,
+what is sent never views it (a failed operation must not leave the caller's memory in a frame
+ZeroMQ still holds), and every other case still works on a copy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.collectives import piece_run
+from p2psync.topology import bcube, mesh, ring, star
+from tests.helpers import memory_collectives
+
+TOPOS = {"ring": lambda: ring(4), "mesh": lambda: mesh(3), "bcube": lambda: bcube(2, 2), "star": lambda: star(4)}
+
+
+def _inputs(ids, n: int = 5000) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(1)
+    out = {}
+    for i in ids:
+        x = rng.integers(-100, 100, n).astype(np.float32)
+        x.flags.writeable = False  # the collective must never write into it
+        out[i] = x
+    return out
+
+
+@pytest.mark.parametrize("topo", list(TOPOS))
+@pytest.mark.parametrize("op", ["sum", "mean"])
+async def test_the_callers_tensor_is_read_in_place_and_never_written(monkeypatch, topo, op):
+    reads = _count_reads(monkeypatch)
+    t = TOPOS[topo]()
+    xs = _inputs(t.ids)
+    before = {i: x.tobytes() for i, x in xs.items()}
+    sent: list[np.ndarray] = []
+    async with memory_collectives(t, piece_bytes=4096) as cs:
+        for c in cs.values():
+            send = c.transport.send
+
+            async def spy(peer, tag, arrays=(), *, _send=send, **kw):
+                sent.extend(a for a in arrays if isinstance(a, np.ndarray))
+                return await _send(peer, tag, arrays, **kw)
+
+            monkeypatch.setattr(c.transport, "send", spy)
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="in", op=op) for i in t.ids))
+    want = sum(x.astype(np.float64) for x in xs.values())
+    if op == "mean":
+        want = want / len(xs)
+    for i, o in zip(t.ids, outs):
+        assert np.array_equal(o, want.astype(np.float32)) and o.flags.writeable
+        assert not any(np.shares_memory(o, x) for x in xs.values())
+        assert xs[i].tobytes() == before[i]
+    assert sent and not any(np.shares_memory(a, x) for a in sent for x in xs.values())
+    assert reads["mine"] > 0
+
+
+async def test_one_member_gets_a_copy_of_its_own_tensor():
+    t = ring(3)
+    x = np.arange(100, dtype=np.float32)
+    async with memory_collectives(t) as cs:
+        out = await cs[0].allreduce(x, [0], tag="one")
+    assert np.array_equal(out, x) and not np.shares_memory(out, x)
+
+
+def _count_reads(monkeypatch) -> dict[str, int]:
+    """Counts reads of the caller's tensor in place (``Run.mine``: only on that path)."""
+    n = {"mine": 0}
+    mine = piece_run.Run.mine
+
+    def spy(self, k):
+        n["mine"] += 1
+        return mine(self, k)
+
+    monkeypatch.setattr(piece_run.Run, "mine", spy)
+    return n
+
+
+@pytest.mark.parametrize("kind, in_place", [("torch", True), ("strided", False), ("float16", False),
+                                            ("weighted", False), ("lossy", False)])
+async def test_the_other_inputs_still_work_on_a_copy(monkeypatch, kind, in_place):
+    """A contiguous CPU torch tensor is read in place too; the rest work on a copy."""
+    reads = _count_reads(monkeypatch)
+    t = ring(4)
+    base = {i: np.arange(4000, dtype=np.float32) * (i + 1) for i in t.ids}
+    want = np.arange(4000, dtype=np.float32) * 10
+    kw: dict = {}
+    xs: dict = dict(base)
+    if kind == "torch":
+        xs = {i: torch.from_numpy(x.copy()) for i, x in base.items()}
+    elif kind == "strided":
+        xs = {i: np.repeat(x, 2)[::2] for i, x in base.items()}
+    elif kind == "float16":
+        xs = {i: x[:100].astype(np.float16) for i, x in base.items()}
+        want = want[:100].astype(np.float16)
+    elif kind == "weighted":
+        kw = {"op": "weighted", "weights": {i: 1.0 for i in t.ids}}
+    else:
+        kw = {"codec": "fp16"}
+    before = {i: (x.clone().numpy() if isinstance(x, torch.Tensor) else x.copy()) for i, x in xs.items()}
+    async with memory_collectives(t, piece_bytes=4096) as cs:
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="c", **kw) for i in t.ids))
+    for i, o in zip(t.ids, outs):
+        got = o.numpy() if isinstance(o, torch.Tensor) else o
+        if kind == "lossy":
+            assert np.allclose(got, want, rtol=2e-3), kind
+        else:
+            assert np.array_equal(got, want), kind
+        now = xs[i].numpy() if isinstance(xs[i], torch.Tensor) else xs[i]
+        assert np.array_equal(now, before[i])  # the input is untouched
+    assert (reads["mine"] > 0) == in_place
