@@ -35,8 +35,9 @@ or CPU torch, contiguous, not 16-bit) reads it where it stands instead: the work
 starts empty, and each piece gets its first value when the first piece that arrives for it is
 added to this node's own values (or replaces them), straight into the buffer — one pass less
 over the whole tensor per operation. The tensor must therefore not change until the call
-returns (as with torch.distributed's asynchronous operations). Pieces sent from it are copies,
-so a frame ZeroMQ still holds after a failed operation never views the caller's memory.
+returns (as with torch.distributed's asynchronous operations). A piece this node sends before
+anything arrives for it is first copied into the working buffer and sent from there, so a frame
+ZeroMQ still holds after a failed operation never views the caller's memory.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 

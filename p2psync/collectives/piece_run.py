@@ -99,8 +99,9 @@ class Run:
         return self.src[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
-        if k in self.fresh:  # a copy: the caller may change its tensor if the operation fails
-            return [self.mine(k).copy()]
+        if k in self.fresh:  # into the working buffer first: a send never views the caller's
+            self.fresh.discard(k)  # tensor (it may change it once a failed operation returns)
+            self.piece(k)[...] = self.mine(k)
         x = self.piece(k)
         if not self.codec.lossy:
             return [x]  # zero-copy view of the working buffer (see the module docstring)
