@@ -6,6 +6,7 @@ runs, draw the accuracy panels beside one bar chart."""
 
 from __future__ import annotations
 
+import resource
 import statistics
 import subprocess
 import sys
@@ -20,6 +21,13 @@ OUT = Path(__file__).resolve().parent / "out"
 #: one node's test accuracy against time: (seconds, accuracy) at its evaluations
 Curve = list[tuple[float, float]]
 R = TypeVar("R")
+
+
+def cpu_seconds() -> float:
+    """CPU time this process has used so far, every thread (ZeroMQ's IO threads too), user and
+    system: a benchmark worker's CPU per operation is the difference over its timed loop."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

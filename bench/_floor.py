@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from bench._common import cpu_seconds
 from p2psync.collectives.buffers import POLL, wait_budget
 
 
@@ -75,9 +76,10 @@ def _ring(rank: int, n: int, buf: np.ndarray, bounds: np.ndarray, chunks: list[t
 
 
 def _timed(allreduce: Callable[[int], np.ndarray], push: Any, pull: Any,
-           reps: int) -> tuple[np.ndarray, np.ndarray, float]:
+           reps: int) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Warm-up (``allreduce(-1)``) and ``reps`` timed operations (``allreduce(i)``) between
-    barriers around the ring: (warm-up result, last result, seconds per operation)."""
+    barriers around the ring: (warm-up result, last result, seconds per operation, CPU
+    seconds of this process per operation)."""
     def barrier() -> None:
         push.send(b"b")
         pull.recv()
@@ -85,12 +87,12 @@ def _timed(allreduce: Callable[[int], np.ndarray], push: Any, pull: Any,
     barrier()
     first = last = allreduce(-1)
     barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     for i in range(reps):
         last = allreduce(i)
-    took = (time.perf_counter() - t0) / reps
+    took, cpu = (time.perf_counter() - t0) / reps, (cpu_seconds() - c0) / reps
     barrier()
-    return first, last, took
+    return first, last, took, cpu
 
 
 def shm_segments(n: int, elems: int, piece_bytes: int = 1 << 20) -> list[str]:
@@ -117,9 +119,9 @@ def _input(rank: int, elems: int) -> np.ndarray:
 
 def shm_floor_worker(rank: int, n: int, elems: int, endpoints: list[str], segments: list[str], reps: int,
                      q: Any, piece_bytes: int = 1 << 20, verify: bool = False) -> None:
-    """Puts ``(rank, seconds per allreduce)`` on ``q``; with ``verify``, ``(rank, seconds, ok)``:
-    whether the warm-up's and the last timed allreduce's results equal the sum of every rank's
-    input (for tests, on small tensors)."""
+    """Puts ``(rank, seconds per allreduce, CPU seconds per allreduce)`` on ``q``; with
+    ``verify``, ``(rank, seconds, CPU seconds, ok)``: whether the warm-up's and the last timed
+    allreduce's results equal the sum of every rank's input (for tests, on small tensors)."""
     import zmq
 
     ctx = zmq.Context()
@@ -152,12 +154,12 @@ def shm_floor_worker(rank: int, n: int, elems: int, endpoints: list[str], segmen
         _ring(rank, n, buf, bounds, chunks, send, recv)
         return buf  # nothing of it is in flight: no frame holds a view
 
-    first, last, took = _timed(allreduce, push, pull, reps)
+    first, last, took, cpu = _timed(allreduce, push, pull, reps)
     if verify:
         want = sum(_input(r, elems) for r in range(n))
-        q.put((rank, took, all(np.allclose(got, want, rtol=1e-5, atol=1e-5) for got in (first, last))))
+        q.put((rank, took, cpu, all(np.allclose(got, want, rtol=1e-5, atol=1e-5) for got in (first, last))))
     else:
-        q.put((rank, took))
+        q.put((rank, took, cpu))
     del out, inn
     push.close(linger=1000)
     pull.close(linger=0)
@@ -217,7 +219,7 @@ def floor_worker(rank: int, n: int, elems: int, endpoints: list[str], reps: int,
             time.sleep(POLL)
         return buf if sys.getrefcount(buf) == alone else buf.copy()
 
-    q.put((rank, _timed(allreduce, push, pull, reps)[2]))
+    q.put((rank, *_timed(allreduce, push, pull, reps)[2:]))
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

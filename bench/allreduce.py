@@ -5,9 +5,12 @@
     python -m bench.allreduce --shaped [--nodes 4] [--mb 25] [--rate-mbit 1000]   # as root
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
-slowest node's mean over ``--reps`` timed operations after one warm-up. Bus bandwidth =
-2(N-1)/N * bytes / time (the traffic each node must move in an optimal allreduce). For
-compressed runs the *effective* bus bandwidth counts the uncompressed bytes.
+slowest node's mean over ``--reps`` timed operations after one warm-up. CPU per operation per
+node is the CPU time of a node's process over the same operations (every thread: ZeroMQ's IO
+threads, gloo's), the nodes' mean: where it is about the time per operation, the nodes are
+CPU-bound, and so is the row. Bus bandwidth = 2(N-1)/N * bytes / time (the traffic each node
+must move in an optimal allreduce). For compressed runs the *effective* bus bandwidth counts the
+uncompressed bytes.
 
 The floor rows (issue 17) are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
 same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127.0.0.x as the
@@ -47,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import markdown_table, save_png
+from bench._common import cpu_seconds, markdown_table, save_png
 from bench._floor import floor_endpoints, floor_keys, floor_worker, shm_floor_worker, shm_segments
 
 
@@ -89,10 +92,10 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
         await coll.allreduce(np.zeros(1, np.float32), tag="b.0")  # barrier: everyone connected
         await coll.allreduce(x, tag="x.warm")  # warm-up
         await coll.allreduce(np.zeros(1, np.float32), tag="b.1")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         for r in range(reps):
             await coll.allreduce(x, tag=f"x.{r}")
-        q.put((rank, (time.perf_counter() - t0) / reps))
+        q.put((rank, (time.perf_counter() - t0) / reps, (cpu_seconds() - c0) / reps))
         await coll.allreduce(np.zeros(1, np.float32), tag="b.2")  # nobody leaves early
         await ep.close()
 
@@ -108,16 +111,19 @@ def gloo_worker(rank: int, n: int, elems: int, port: int, reps: int, q: Any, add
     x = torch.randn(elems)
     dist.all_reduce(x)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     for _ in range(reps):
         dist.all_reduce(x)
-    q.put((rank, (time.perf_counter() - t0) / reps))
+    q.put((rank, (time.perf_counter() - t0) / reps, (cpu_seconds() - c0) / reps))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: str = "none",
-            piece_kib: int = 1024, sockbuf: int = 0, curve: bool = False, io_threads: int = 1) -> float:
+            piece_kib: int = 1024, sockbuf: int = 0, curve: bool = False,
+            io_threads: int = 1) -> tuple[float, float]:
+    """Seconds per operation (the slowest node's mean) and CPU seconds per operation per node
+    (the nodes' mean: every thread of the node's process, ZeroMQ's IO threads included)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     elems = int(mb * 1e6 / 4)
@@ -147,7 +153,7 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
     try:
         for p in procs:
             p.start()
-        times = [q.get(timeout=900)[1] for _ in procs]
+        got = [q.get(timeout=900) for _ in procs]
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -158,7 +164,7 @@ def measure(kind: str, n: int, mb: float, reps: int, algo: str = "ring", codec: 
             shutil.rmtree(os.path.dirname(eps[0].removeprefix("ipc://")), ignore_errors=True)
         if kind == "floor-shm":
             shutil.rmtree(os.path.dirname(segs[0]), ignore_errors=True)
-    return max(times)
+    return max(g[1] for g in got), sum(g[2] for g in got) / len(got)
 
 
 #: (row name for --rows, label, kind, algo, codec, curve)
@@ -298,24 +304,25 @@ def main() -> None:
             base = None
             pair: dict[tuple[str, bool], float] = {}  # (kind, curve) -> bus GB/s: the CURVE table
             for _name, label, kind, algo, codec, curve in configs:
-                secs = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib, curve=curve,
-                               io_threads=args.io_threads)
+                secs, cpu = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib, curve=curve,
+                                    io_threads=args.io_threads)
                 busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
                 if kind == "gloo":
                     base = busbw
                 if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none":
                     pair[kind, curve] = busbw
                 floor = pair.get(("floor-tcp", False))  # the plain tcp floor, once measured
-                rows.append([n, f"{mb:g} MB", label, secs * 1e3, busbw, busbw / base if base else "-",
+                rows.append([n, f"{mb:g} MB", label, secs * 1e3, cpu * 1e3, busbw, busbw / base if base else "-",
                              busbw / floor if floor else "-"])
                 plot.setdefault(label, []).append(((n, mb), busbw))
-                print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, bus {busbw:.3f} GB/s", flush=True)
+                print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, CPU {cpu * 1e3:.2f} ms per node, "
+                      f"bus {busbw:.3f} GB/s", flush=True)
             if ("p2psync", True) in pair or ("floor-tcp", True) in pair:
                 curve_rows.append([n, f"{mb:g} MB", *_curve_cells(pair, "p2psync"), *_curve_cells(pair, "floor-tcp")])
     print(f"\n## Allreduce bus bandwidth (loopback, {os.cpu_count()} cores; pieces {args.piece_kib} KiB, "
           f"{args.io_threads} ZeroMQ IO thread(s) per node)\n")
-    print(markdown_table(["nodes", "size", "implementation", "ms / op", "bus GB/s", "× gloo", "× floor (tcp)"],
-                         rows))
+    print(markdown_table(["nodes", "size", "implementation", "ms / op", "CPU ms / op / node", "bus GB/s", "× gloo",
+                          "× floor (tcp)"], rows))
     if curve_rows:
         print("\n## CURVE on every socket vs off (same run; target for p2psync >= 0.7x; the tcp floor's "
               "ratio is what CURVE costs ZeroMQ itself here)\n")

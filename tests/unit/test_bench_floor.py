@@ -33,6 +33,6 @@ def test_the_shared_memory_floor_ends_with_the_sum_on_every_rank(n, elems, piece
             p.join(timeout=30)
     finally:
         shutil.rmtree(os.path.dirname(segs[0]), ignore_errors=True)
-    assert sorted(r for r, _, _ in got) == list(range(n))
-    assert all(ok for _, _, ok in got), got
+    assert sorted(r for r, _, _, _ in got) == list(range(n))
+    assert all(ok and 0 < cpu for _, _, cpu, ok in got), got
     assert all(p.exitcode == 0 for p in procs)
