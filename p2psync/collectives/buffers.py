@@ -29,7 +29,7 @@ def host_flat(tensor: Any) -> tuple[np.ndarray, Any, bool]:
     if isinstance(tensor, np.ndarray):
         shape, dtype = tensor.shape, tensor.dtype
         work = _WIDE.get(dtype, dtype)
-        if work == dtype and tensor.flags.c_contiguous:
+        if type(tensor) is np.ndarray and work == dtype and tensor.flags.c_contiguous:  # (no subclass)
             return tensor.reshape(-1), lambda flat: flat.reshape(shape), True
         return (np.array(tensor, dtype=work, copy=True).reshape(-1),
                 lambda flat: flat.astype(dtype, copy=False).reshape(shape), False)

@@ -287,8 +287,9 @@ class Collectives:
                        src: np.ndarray | None = None) -> OpStats:
         """Run ``plan`` on ``buf``. ``src``: ``buf`` is not filled yet, this node's values are
         there (read only; lossless codecs): each piece is read from it until the first piece
-        that arrives for it is added to it (or replaces it) into ``buf``, and copied at the
-        end if none did."""
+        that arrives for it is added to it (or replaces it) into ``buf``, or until this node
+        sends it (then it is copied into ``buf`` first and sent from there), and copied at the
+        end if neither happened."""
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:

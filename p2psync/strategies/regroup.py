@@ -14,10 +14,11 @@ Why this protocol (and not another):
   under ``<name>.<step>.e<e>`` and over those members only, so nodes holding different views
   never mix pieces: they fail to meet, and meet again once they share the newer view (every
   node learns it within a heartbeat interval or from the ``event.view`` push).
-* **A newer view abandons the operation in flight.** Collectives work on a copy, so abandoning
-  one applies nothing (never a half-applied average). A PeerFailure makes the node wait,
-  bounded by a few failure-detection bounds, for a newer view; if none comes, the PeerFailure
-  ends the run as before (a live but silent peer is not silently dropped).
+* **A newer view abandons the operation in flight.** Collectives never write their input (they
+  return a new tensor), so abandoning one applies nothing (never a half-applied average). A
+  PeerFailure makes the node wait, bounded by a few failure-detection bounds, for a newer view;
+  if none comes, the PeerFailure ends the run as before (a live but silent peer is not silently
+  dropped).
 * **Members agree on their state at every new epoch.** The first operation of an epoch is a
   tiny exact allgather of the step every member is at (``<name>.sync.e<e>``; ``-1`` for a
   joiner). An operation can complete on some members and fail on others (a member dies after

@@ -339,7 +339,9 @@ class Transport(Relaying, ABC):
         return self._log_once.check(who, reason)
 
     def _mailbox_drop(self, msg: Message, reason: str) -> None:
-        """The mailbox dropped a queued or arriving message (budget, expiry, retired tag)."""
+        """The mailbox dropped a queued or arriving message (budget, expiry, retired tag); a
+        borrowed one gives its shared memory back (nobody will read it)."""
+        msg.release()
         note = self._count_rejected(msg.nic or "", str(msg.src), reason)
         if note is not None:
             log.info("node %d: mailbox dropped message %r from node %d: %s (logged once per "
@@ -363,10 +365,11 @@ class Transport(Relaying, ABC):
         st = self.nic_stats[nic]
         st.bytes_recv += nbytes
         st.msgs_recv += 1
-        if peer_id is None:
-            self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology", per_peer=False)
-            return
+        msg: Message | None = None
         try:
+            if peer_id is None:
+                self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology", per_peer=False)
+                return
             msg = decode(frames, self.limits)
             h = msg.header
             if h.src != peer_id and (h.dst is None or h.hops == 0):
@@ -392,21 +395,26 @@ class Transport(Relaying, ABC):
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
-            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
-                return
-            if lease is not None:
+            if lease is not None:  # copied out (then scanned) unless borrowed (scanned by its borrower)
                 held, lease = lease, None
                 self.lending.place(msg, held)
+            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
+                msg.release()
+                return
             if h.dst is not None and h.dst != self.node_id:
                 self._forward(msg, peer_id)
                 return
             self.mailbox.deliver(msg)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
+            if msg is not None:
+                msg.release()  # not delivered (e.g. the mailbox is full): nothing reads it
         except Exception as exc:  # defensive: a bug here must not kill the receive loop
             self._reject(nic, peer_label, "internal", repr(exc)[:200])
+            if msg is not None:
+                msg.release()
         finally:
-            if lease is not None:  # not delivered: nothing reads its frames
+            if lease is not None:  # not decoded: nothing reads its frames
                 lease.release()
 
     @contextlib.contextmanager

@@ -59,8 +59,14 @@ class _Loan:
 
 
 def own(msg: Message) -> None:
-    """Give ``msg`` arrays of its own (copies) in place of the views it holds."""
-    msg.arrays = [np.array(a, copy=True) for a in msg.arrays]
+    """Give ``msg`` arrays of its own (copies) in place of the views it holds; if a copy fails,
+    no arrays at all (a consumer then rejects it as malformed: never a view of given-back
+    memory)."""
+    try:
+        msg.arrays = [np.array(a, copy=True) for a in msg.arrays]
+    except BaseException:
+        msg.arrays = []
+        raise
 
 
 class Lending:
@@ -90,9 +96,15 @@ class Lending:
             sc.count -= 1
             if not sc.count:
                 del self._scopes[prefix]
+                failed: BaseException | None = None
                 for loan in list(sc.loans):
-                    own(loan.msg)
+                    try:
+                        own(loan.msg)
+                    except BaseException as exc:  # e.g. MemoryError: every loan is still given back
+                        failed = failed or exc
                     loan.msg.release()
+                if failed is not None:
+                    raise failed
 
     def _match(self, tag: str) -> _Scope | None:
         for prefix, sc in self._scopes.items():
@@ -105,9 +117,11 @@ class Lending:
         message, else copy them out and release the lease now."""
         sc = self._match(msg.tag) if self._scopes and msg.header.kind == "data" else None
         if sc is None:
-            own(msg)
-            self.copied += 1
-            lease.release()
+            try:
+                own(msg)
+                self.copied += 1
+            finally:
+                lease.release()
             return
         loan = _Loan(sc, lease, msg)
         sc.loans.add(loan)

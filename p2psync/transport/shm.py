@@ -105,8 +105,8 @@ class _Mapped:
         self.closed = False
 
     def close(self) -> None:
-        """Unmap, or leave the unmapping to the last lent view of it (its :class:`Lease` was
-        given back, so nothing reads it any more)."""
+        """Unmap now, or, while views of it are still alive (frames lent out), when the last
+        of them is garbage-collected."""
         if self.closed:
             return
         self.closed = True
@@ -142,7 +142,9 @@ class _Received(_Mapped):
 
     def __init__(self, fd: int, size: int) -> None:
         super().__init__(fd, size)
-        self.taken = int(self.consumed[0])
+        #: the end of what was given back: the counter as this node last wrote it (the sender
+        #: could write the shared one too, so the checks never read that)
+        self.given = self.taken = int(self.consumed[0])
         self.leases: deque[Lease] = deque()
 
     def lease(self, end: int) -> Lease:
@@ -155,8 +157,10 @@ class _Received(_Mapped):
         leases, end = self.leases, -1
         while leases and leases[0].done:
             end = leases.popleft().end
-        if end >= 0 and not self.closed:
-            self.consumed[0] = end
+        if end >= 0:
+            self.given = end
+            if not self.closed:
+                self.consumed[0] = end
 
     @property
     def outstanding(self) -> int:
@@ -347,7 +351,7 @@ class Inbound:
         out = list(frames[1:])
         if not isinstance(entries, list):
             raise ProtocolError("shm", "marker entries are not a list")
-        base, end = int(seg.consumed[0]), seg.taken
+        base, end = seg.given, seg.taken
         cap = seg.capacity
         views: list[tuple[int, int, int]] = []
         seen: set[int] = set()

@@ -79,8 +79,11 @@ def _count_reads(monkeypatch) -> dict[str, int]:
     return n
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
 @pytest.mark.parametrize("kind, in_place", [("torch", True), ("strided", False), ("float16", False),
-                                            ("weighted", False), ("lossy", False)])
+                                            ("weighted", False), ("lossy", False), ("matrix", False),
+                                            ("torch-strided", False), ("torch-float16", False),
+                                            ("torch-bfloat16", False)])
 async def test_the_other_inputs_still_work_on_a_copy(monkeypatch, kind, in_place):
     """A contiguous CPU torch tensor is read in place too; the rest work on a copy."""
     reads = _count_reads(monkeypatch)
@@ -93,6 +96,15 @@ async def test_the_other_inputs_still_work_on_a_copy(monkeypatch, kind, in_place
         xs = {i: torch.from_numpy(x.copy()) for i, x in base.items()}
     elif kind == "strided":
         xs = {i: np.repeat(x, 2)[::2] for i, x in base.items()}
+    elif kind == "matrix":  # an ndarray subclass: its result is a plain array
+        xs = {i: np.asmatrix(x) for i, x in base.items()}
+        want = want.reshape(1, -1)
+    elif kind == "torch-strided":
+        xs = {i: torch.from_numpy(np.repeat(x, 2))[::2] for i, x in base.items()}
+    elif kind in ("torch-float16", "torch-bfloat16"):
+        dt = torch.float16 if kind == "torch-float16" else torch.bfloat16
+        xs = {i: torch.from_numpy(x[:100] // 100).to(dt) for i, x in base.items()}  # small integers: exact
+        want = sum(x[:100] // 100 for x in base.values())
     elif kind == "float16":
         xs = {i: x[:100].astype(np.float16) for i, x in base.items()}
         want = want[:100].astype(np.float16)
@@ -100,15 +112,15 @@ async def test_the_other_inputs_still_work_on_a_copy(monkeypatch, kind, in_place
         kw = {"op": "weighted", "weights": {i: 1.0 for i in t.ids}}
     else:
         kw = {"codec": "fp16"}
-    before = {i: (x.clone().numpy() if isinstance(x, torch.Tensor) else x.copy()) for i, x in xs.items()}
+    before = {i: (x.float().clone().numpy() if isinstance(x, torch.Tensor) else np.array(x)) for i, x in xs.items()}
     async with memory_collectives(t, piece_bytes=4096) as cs:
         outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="c", **kw) for i in t.ids))
     for i, o in zip(t.ids, outs):
-        got = o.numpy() if isinstance(o, torch.Tensor) else o
+        got = o.float().numpy() if isinstance(o, torch.Tensor) else np.asarray(o)
         if kind == "lossy":
             assert np.allclose(got, want, rtol=2e-3), kind
         else:
             assert np.array_equal(got, want), kind
-        now = xs[i].numpy() if isinstance(xs[i], torch.Tensor) else xs[i]
+        now = xs[i].float().numpy() if isinstance(xs[i], torch.Tensor) else np.asarray(xs[i])
         assert np.array_equal(now, before[i])  # the input is untouched
     assert (reads["mine"] > 0) == in_place

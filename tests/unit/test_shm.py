@@ -236,3 +236,25 @@ def test_closing_with_a_lent_view_leaves_the_view_readable(pair):
     inn.close()  # the map cannot close under a view: it goes with the last one
     assert view.tobytes() == f.tobytes()
     lease.release()  # after close: nothing to advance, no error
+
+
+def test_a_marker_cannot_reuse_space_still_lent_even_with_a_forged_counter(pair):
+    """Frames taken and not given back: a marker naming a position inside them (before what
+    was taken) is refused, also after the sender wrote the shared consumed counter past them:
+    the receiver checks against its own record of what it gave back."""
+    out, inn = pair
+    staged, seg, _, _ = _send(out, [_frames(100 * KIB, seed=7)[0]])
+    frames, lease = inn.take(0, staged)
+    name = seg.name
+    (received,) = inn._maps.values()
+    assert received.given == 0 and received.taken == 100 * KIB
+    # 300 KiB lies one ring (256 KiB) past 44 KiB: inside the frame still lent
+    for forged_counter in (False, True):
+        if forged_counter:
+            received.consumed[0] = 200 * KIB  # the sender claims more was given back than was
+        for pos in (10 * KIB, 300 * KIB):
+            with pytest.raises(ProtocolError, match="outside"):
+                inn.resolve(0, [_marker(name, [[2, pos, 10 * KIB]]), b"h", b""])
+    assert bytes(frames[1]) == _frames(100 * KIB, seed=7)[0].tobytes()
+    lease.release()
+    assert received.given == int(received.consumed[0]) == 100 * KIB
