@@ -153,7 +153,7 @@ class Collectives:
         c = get_codec(codec or self.codec)
         # a lossless sum or mean reads the caller's tensor where it stands: each piece goes
         # into the working buffer with the first piece added to it (see the module docstring)
-        src = flat if view and op != "weighted" and not c.lossy else None
+        src = flat if view and op != "weighted" and not c.lossy and len(g) > 1 else None
         buf = np.empty_like(flat) if src is not None else flat.copy() if view else flat
         alone = refs(buf)  # no view of the working buffer exists yet
         if op == "weighted":
@@ -289,7 +289,7 @@ class Collectives:
         there (read only; lossless codecs): each piece is read from it until the first piece
         that arrives for it is added to it (or replaces it) into ``buf``, or until this node
         sends it (then it is copied into ``buf`` first and sent from there), and copied at the
-        end if neither happened."""
+        end if neither happened (:class:`Run`; a group of more than one)."""
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:
@@ -303,10 +303,6 @@ class Collectives:
                                    len(bounds))).encode())
             run = Run(self, plan, buf, bounds, c, tag, stats, sig, check, src)
             await run.execute(phases)
-            for k in list(run.fresh):  # (an allreduce received every piece)
-                run.piece(k)[...] = run.mine(k)
-        elif src is not None:
-            buf[...] = src
         stats.seconds = time.perf_counter() - t0
         if record:
             self.history.append(stats)

@@ -86,8 +86,9 @@ class Run:
         self.fused_check = not codec.lossy and check is None
         if src is not None and codec.lossy:
             raise ConfigError("a lossy codec encodes from the working buffer: it needs it filled")
-        #: pieces whose values are still only in ``src`` (the caller's tensor), not in ``buf``
-        self.src = src
+        #: this node's own values (the caller's tensor, read only), and the pieces whose values
+        #: are still only there, not in ``buf`` yet (none without ``src``: ``buf`` has them)
+        self.src = buf if src is None else src
         self.fresh: set[int] = set(range(len(bounds) - 1)) if src is not None else set()
 
     def piece(self, k: int) -> np.ndarray:
@@ -95,7 +96,6 @@ class Run:
 
     def mine(self, k: int) -> np.ndarray:
         """Piece ``k`` of ``src``: this node's own values (read only)."""
-        assert self.src is not None
         return self.src[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
@@ -190,6 +190,9 @@ class Run:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+        for k in self.fresh:  # never sent nor received here (an allreduce receives every piece)
+            self.piece(k)[...] = self.mine(k)
+        self.fresh.clear()
 
     async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
         for phase, transfers in rounds:

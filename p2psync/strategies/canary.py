@@ -151,8 +151,7 @@ class CanaryOptions(StrategyOptions):
     colayers: int = option(0, "number of colayers of nearly equal size (0: the automatic rule)")
     colayer_layers: str = option("", "layers per colayer, output to input (e.g. 3,4,4,8)")
     colayer_kib: int = option(4096, "automatic rule: largest colayer, KiB")
-    sketch: bool = option(True, "without --codec: every payload through the gradient sketch (sketch8 at "
-                          "sketch_bits), else none")
+    sketch: bool = option(True, "without --codec: payloads through the sketch (sketch8:sketch_bits), else none")
     sketch_bits: int = option(5, "the sketch's bits per value: 1-8 (2**bits buckets; the paper's 8 bits: "
                               "sketch_bits=8), or 0: per piece, the fewest within sketch_tol (§4.3.1 'fewer "
                               "and flexible bits')")

@@ -330,15 +330,6 @@ class Inbound:
         except (OSError, ValueError, MemoryError, TypeError) as exc:
             raise ProtocolError("shm", f"node {src}: {type(exc).__name__}: {exc}") from None
 
-    def resolve(self, src: int, frames: Sequence[Any]) -> list[Any]:
-        """:meth:`take`, with the stored frames copied out and the space given back at once."""
-        out, lease = self.take(src, frames)
-        try:
-            return [np.array(f, np.uint8).data if isinstance(f, memoryview) and isinstance(f.obj, mmap.mmap) else f
-                    for f in out]
-        finally:
-            lease.release()
-
     def _take(self, src: int, frames: Sequence[Any]) -> tuple[list[Any], Lease]:
         try:
             name, entries = msgpack.unpackb(bytes(frames[0][len(MARKER):]))

@@ -27,6 +27,15 @@ def _frames(*sizes: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
 
 
+def _resolve(inn: shm.Inbound, src: int, frames: list) -> list[bytes]:
+    """``take``, with the frames copied out and the space given back at once."""
+    out, lease = inn.take(src, frames)
+    try:
+        return [bytes(f) for f in out]
+    finally:
+        lease.release()
+
+
 def _send(out: shm.Outbound, frames: list, peer: int = 1, nic: str = "l0"):
     staged, seg, head, count = out.stage(peer, nic, [b"header", *frames])
     return staged, seg, head, count
@@ -51,7 +60,7 @@ def test_frames_come_out_as_they_went_in_across_the_end_of_the_ring(pair):
         staged, seg, _, count = _send(out, f)
         assert seg is not None and count == 2 and staged[0].startswith(shm.MARKER)
         assert [len(x) for x in staged[1:]] == [6, 0, 0]  # the header stays, the big frames left
-        got = inn.resolve(0, staged)
+        got = _resolve(inn, 0, staged)
         assert bytes(got[0]) == b"header"
         assert [bytes(g) for g in got[1:]] == [x.tobytes() for x in f]
     assert out.frames == 24
@@ -72,7 +81,7 @@ def test_a_full_ring_refuses_and_a_failed_send_gives_its_space_back(pair):
     out.rollback(seg, head, count)  # the first message was never sent
     again, seg3, _, _ = _send(out, _frames(200 * KIB, seed=5))
     assert seg3 is not None
-    assert bytes(inn.resolve(0, again)[1]) == _frames(200 * KIB, seed=5)[0].tobytes()
+    assert bytes(_resolve(inn, 0, again)[1]) == _frames(200 * KIB, seed=5)[0].tobytes()
     third, seg4, _, _ = _send(out, _frames(200 * KIB, seed=6))  # taken: room again
     assert seg4 is not None
 
@@ -87,9 +96,9 @@ def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
     staged, seg, _, _ = _send(out, _frames(100 * KIB))
     name = seg.name
     with pytest.raises(ProtocolError, match="named segment"):
-        inn.resolve(2, staged)  # node 2 cannot name node 0's segment
+        _resolve(inn, 2, staged)  # node 2 cannot name node 0's segment
     with pytest.raises(ProtocolError, match="named segment"):  # no 4300-digit int() in a callback
-        inn.resolve(0, [_marker(name.replace("-0-", "-" + "9" * 5000 + "-", 1), [[2, 0, 1]]), b"h", b""])
+        _resolve(inn, 0, [_marker(name.replace("-0-", "-" + "9" * 5000 + "-", 1), [[2, 0, 1]]), b"h", b""])
     bad = [  # for a message of two frames after the marker: b"h" and an empty one
         [[1, 0, 10]],  # frame 1 is not empty: it was not moved out
         [[3, 0, 10]],  # there is no frame 3
@@ -104,15 +113,15 @@ def test_the_receiver_takes_only_what_a_sender_can_have_written(pair):
     ]
     for entries in bad:
         with pytest.raises(ProtocolError):
-            inn.resolve(0, [_marker(name, entries), b"h", b""])
+            _resolve(inn, 0, [_marker(name, entries), b"h", b""])
     with pytest.raises(ProtocolError, match="unreadable"):
-        inn.resolve(0, [shm.MARKER + b"\xc1", b"h"])
+        _resolve(inn, 0, [shm.MARKER + b"\xc1", b"h"])
     with pytest.raises(ProtocolError, match="named segment"):
-        inn.resolve(0, [_marker("../etc/passwd", [[1, 0, 1]]), b"h", b""])
-    got = inn.resolve(0, staged)  # the real one still goes through
+        _resolve(inn, 0, [_marker("../etc/passwd", [[1, 0, 1]]), b"h", b""])
+    got = _resolve(inn, 0, staged)  # the real one still goes through
     assert bytes(got[1]) == _frames(100 * KIB)[0].tobytes()
     with pytest.raises(ProtocolError):  # positions never go back
-        inn.resolve(0, [_marker(name, [[1, 0, 10]]), b"h", b""])
+        _resolve(inn, 0, [_marker(name, [[1, 0, 10]]), b"h", b""])
 
 
 def test_the_receiver_maps_only_a_private_regular_file_of_its_user(tmp_path):
@@ -125,12 +134,12 @@ def test_the_receiver_maps_only_a_private_regular_file_of_its_user(tmp_path):
             f.truncate(4096)
         os.chmod(path, 0o644)  # readable by others: not one of ours
         with pytest.raises(ProtocolError, match="not a private file"):
-            inn.resolve(0, [_marker(shared, [[2, 0, 1]]), b"h", b""])
+            _resolve(inn, 0, [_marker(shared, [[2, 0, 1]]), b"h", b""])
         target = tmp_path / "elsewhere"
         target.write_bytes(b"x" * 4096)
         os.symlink(target, os.path.join(shm.SHM_DIR, link))
         with pytest.raises(ProtocolError, match="segment"):  # O_NOFOLLOW
-            inn.resolve(0, [_marker(link, [[2, 0, 1]]), b"h", b""])
+            _resolve(inn, 0, [_marker(link, [[2, 0, 1]]), b"h", b""])
     finally:
         inn.close()
         for n in (shared, link):
@@ -143,11 +152,11 @@ def test_the_receiver_unlinks_what_it_mapped_and_drops_a_restarted_senders_ring(
     a = shm.Outbound(0, capacity=256 * KIB)
     try:
         staged, seg, _, _ = _send(a, _frames(100 * KIB))
-        inn.resolve(0, staged)
+        _resolve(inn, 0, staged)
         assert not os.path.exists(seg.path)  # mapped on both sides: unlinked
         b = shm.Outbound(0, capacity=256 * KIB)  # node 0 again, a new ring
         staged2, seg2, _, _ = _send(b, _frames(100 * KIB, seed=1))
-        inn.resolve(0, staged2)
+        _resolve(inn, 0, staged2)
         assert list(inn._maps) == [seg2.name]
         b.close()
     finally:
@@ -223,7 +232,7 @@ def test_taken_frames_are_views_whose_space_comes_back_in_order_once_released(pa
     assert int(seg.consumed[0]) == seg.taken and seg.outstanding == 0
     again, s, _, _ = _send(out, _frames(100 * KIB, seed=3))
     assert s is not None
-    assert bytes(inn.resolve(0, again)[1]) == _frames(100 * KIB, seed=3)[0].tobytes()
+    assert bytes(_resolve(inn, 0, again)[1]) == _frames(100 * KIB, seed=3)[0].tobytes()
     assert seg.outstanding == 0  # resolve copies and gives the space back at once
 
 
@@ -254,7 +263,7 @@ def test_a_marker_cannot_reuse_space_still_lent_even_with_a_forged_counter(pair)
             received.consumed[0] = 200 * KIB  # the sender claims more was given back than was
         for pos in (10 * KIB, 300 * KIB):
             with pytest.raises(ProtocolError, match="outside"):
-                inn.resolve(0, [_marker(name, [[2, pos, 10 * KIB]]), b"h", b""])
+                _resolve(inn, 0, [_marker(name, [[2, pos, 10 * KIB]]), b"h", b""])
     assert bytes(frames[1]) == _frames(100 * KIB, seed=7)[0].tobytes()
     lease.release()
     assert received.given == int(received.consumed[0]) == 100 * KIB
