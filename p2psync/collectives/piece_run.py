@@ -15,8 +15,8 @@ import numpy as np
 from p2psync.collectives.plan import Plan, Transfer
 from p2psync.compress import Codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
-from p2psync.transport import all_finite
-from p2psync.wire import Message
+from p2psync.transport import all_finite, diverged
+from p2psync.wire import Fill, Message
 
 if TYPE_CHECKING:
     from p2psync.collectives.executor import Collectives
@@ -99,9 +99,6 @@ class Run:
         return self.src[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
-        if k in self.fresh:  # into the working buffer first: a send never views the caller's
-            self.fresh.discard(k)  # tensor (it may change it once a failed operation returns)
-            self.piece(k)[...] = self.mine(k)
         x = self.piece(k)
         if not self.codec.lossy:
             return [x]  # zero-copy view of the working buffer (see the module docstring)
@@ -111,6 +108,47 @@ class Run:
         if self.fb is not None:
             self.fb.record(key, x, self.codec.decode(enc, x.size))
         return enc
+
+    def _own_fill(self, k: int, tag: str) -> Fill:
+        """Piece ``k``'s own values, sent before anything arrived for it: copied from the
+        caller's tensor straight into the place they are sent from (a shared-memory ring), or
+        into ``buf`` first (:class:`~p2psync.wire.fill.Fill`): a frame never views the caller's
+        tensor, which may change once a failed operation returns."""
+        mine, me = self.mine(k), self.me
+
+        def fill(out: np.ndarray) -> None:
+            np.copyto(out, mine)
+            if not all_finite(out):
+                raise diverged(me, tag)
+        return Fill(self.piece(k), fill)
+
+    def _sum_fill(self, k: int, msg: Message, vals: np.ndarray, tag: str) -> Fill:
+        """Piece ``k``'s partial sum with the received ``vals``, computed where it is sent from
+        (see :meth:`_deferrable`) and checked there as :meth:`_use` would: a NaN / infinity
+        in ``vals`` is the sender's offence, else the sum overflowed here."""
+        base = self.mine(k) if k in self.fresh else self.piece(k)
+        tr, me = self.owner.transport, self.me
+
+        def fill(out: np.ndarray) -> None:
+            np.add(base, vals, out=out)
+            if not all_finite(out):
+                tr.check_finite(msg.src, vals, f"piece {msg.tag!r}")
+                raise diverged(me, tag)
+        return Fill(self.piece(k), fill)
+
+    def _deferrable(self, steps: list[tuple[str, list[Transfer]]], j: int) -> bool:
+        """Whether what step ``j`` receives for a piece is added into the next step's send
+        (:meth:`_sum_fill`) instead of into ``buf``: step ``j`` only receives, one partial
+        sum (lossless, no extra check); the next, in the reduce-scatter, only sends it, once;
+        the one after (if any) only receives the piece whole (ring: a partial sum sent on,
+        then the final value in the allgather). So nothing but that send reads the sum."""
+        me, now = self.me, steps[j][1]
+        if not self.fused_check or len(now) != 1 or now[0].dst != me or not now[0].reduce or j + 1 >= len(steps):
+            return False
+        phase, nxt = steps[j + 1]
+        if not phase.startswith("rs") or len(nxt) != 1 or nxt[0].src != me:
+            return False
+        return j + 2 >= len(steps) or all(t.dst == me and not t.reduce for t in steps[j + 2][1])
 
     def seal(self, k: int) -> None:
         """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
@@ -195,50 +233,75 @@ class Run:
         self.fresh.clear()
 
     async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
-        for phase, transfers in rounds:
-            mine = [t for t in transfers if t.lo <= k < t.hi]
-            if not mine:
-                continue
-            if seal and phase.startswith("ag"):
-                self.seal(k)
-                seal = False
-            sends = []
-            for t in mine:
-                if t.src != self.me:
-                    continue
-                if not t.reduce and k in self.cache:
-                    arrays = self.cache[k]
+        steps = [(phase, mine) for phase, transfers in rounds
+                 if (mine := [t for t in transfers if t.lo <= k < t.hi])]
+        #: a received partial sum not added yet: added straight into the next send (_sum_fill)
+        held: tuple[Message, np.ndarray] | None = None
+        try:
+            for j, (phase, mine) in enumerate(steps):
+                if seal and phase.startswith("ag"):
+                    self.seal(k)
+                    seal = False
+                sends = []
+                fill: Fill | None = None  # one per step, whatever the number of sends
+                for t in mine:
+                    if t.src != self.me:
+                        continue
+                    tag = f"{self.tag}.{phase}.{self.me}.{k}"
+                    if held is not None or k in self.fresh:  # lossless, computed where it is sent from
+                        if fill is None:
+                            fill = self._sum_fill(k, *held, tag) if held is not None else self._own_fill(k, tag)
+                        arrays: list[Any] = [fill]
+                    elif not t.reduce and k in self.cache:
+                        arrays = self.cache[k]
+                    else:
+                        arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
+                    nbytes = sum(a.nbytes for a in arrays)
+                    self.stats.wire_bytes += nbytes
+                    self.stats.raw_bytes += self.piece(k).nbytes
+                    self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
+                    checked = fill is not None  # a Fill checks what it computes
+                    if not self.codec.lossy and not checked:  # sent as is: check once, here, while hot
+                        checked = k in self.clean or all_finite(arrays[0])
+                        if checked:  # (if not, the transport's scan raises Diverged)
+                            self.clean.add(k)
+                    sends.append(self.owner.transport.send(t.dst, tag, arrays,
+                                                           codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                                           meta=self.meta, timeout=self.owner.timeout,
+                                                           checked=checked))
+                incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
+                recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
+                if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
+                    one = await (sends or recvs)[0]
+                    msgs = [] if sends else [cast(Message, one)]
                 else:
-                    arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
-                nbytes = sum(a.nbytes for a in arrays)
-                self.stats.wire_bytes += nbytes
-                self.stats.raw_bytes += self.piece(k).nbytes
-                self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
-                checked = False
-                if not self.codec.lossy:  # sent as is: check once, here, while the piece is hot
-                    checked = k in self.clean or all_finite(arrays[0])
-                    if checked:  # (if not, the transport's scan raises Diverged)
+                    results = await asyncio.gather(*sends, *recvs)  # sends return None
+                    msgs = cast("list[Message]", results[len(sends):])
+                if fill is not None:  # it went: its values are in ``buf`` only if it was owned there
+                    if fill.owned:  # (and checked)
                         self.clean.add(k)
-                sends.append(self.owner.transport.send(t.dst, f"{self.tag}.{phase}.{self.me}.{k}", arrays,
-                                                       codecs=[self.codec.name] * len(arrays), nic=t.nic,
-                                                       meta=self.meta, timeout=self.owner.timeout,
-                                                       checked=checked))
-            incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
-            recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
-            if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
-                one = await (sends or recvs)[0]
-                msgs = [] if sends else [cast(Message, one)]
-            else:
-                results = await asyncio.gather(*sends, *recvs)  # sends return None
-                msgs = cast("list[Message]", results[len(sends):])
-            for (_src, reduce), msg in zip(incoming, msgs, strict=True):
-                try:
-                    vals = self._decode(msg, k)
-                    if self.check is not None:
-                        self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-                    self._use(k, vals, msg, reduce)
-                finally:  # a borrowed piece views the sender's ring: read no more from here
-                    msg.release()
+                        self.fresh.discard(k)
+                    if held is not None:  # a partial sum that nothing reads any more (_deferrable)
+                        held[0].release()
+                        held = None
+                        self.fresh.discard(k)
+                defer = self._deferrable(steps, j)
+                for (_src, reduce), msg in zip(incoming, msgs, strict=True):
+                    keep = False
+                    try:
+                        vals = self._decode(msg, k)
+                        if self.check is not None:
+                            self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
+                        if defer:
+                            held, keep = (msg, vals), True
+                        else:
+                            self._use(k, vals, msg, reduce)
+                    finally:  # a borrowed piece views the sender's ring: read no more from here
+                        if not keep:
+                            msg.release()
+        finally:
+            if held is not None:
+                held[0].release()
         if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
             self.seal(k)
 

@@ -60,9 +60,9 @@ from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
-from p2psync.transport.finite import all_finite
+from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.lending import Lending, Releasable
 from p2psync.transport.log_once import LogOnce
@@ -230,8 +230,7 @@ class Transport(Relaying, ABC):
         if self._closed:
             raise TransportError("transport is closed")
         if kind == "data" and not checked and not all(all_finite(a) for a in arrays):
-            raise Diverged(f"node {self.node_id} was about to send a tensor piece {tag!r} holding NaN or "
-                           "infinity (not sent; nobody else is blamed)")
+            raise diverged(self.node_id, tag)
         budget = self.default_timeout if timeout is None else timeout
         if kind in RELAY_KINDS and nic is None and peer != self.node_id \
                 and not self.topology.routes(self.node_id, peer) and self.topology.has(peer):

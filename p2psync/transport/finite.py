@@ -9,12 +9,15 @@ from typing import Any
 
 import numpy as np
 
+from p2psync.errors import Diverged
+from p2psync.wire.fill import Fill
+
 _DOT_MIN = 4096  # below this np.isfinite(a).all() is as fast
 
 
 def all_finite(a: Any) -> bool:
-    """True unless ``a`` (a numpy array or CPU torch tensor) is floating-point and holds NaN or
-    infinity.
+    """True unless ``a`` (a numpy array, CPU torch tensor or :class:`~p2psync.wire.fill.Fill`)
+    is floating-point and holds NaN or infinity.
 
     A large float32/float64 vector is checked as ``dot(a, a)`` (BLAS, one read of ``a``, no
     temporary): a NaN or an infinity makes the sum of squares NaN or infinite, and only when it
@@ -23,6 +26,8 @@ def all_finite(a: Any) -> bool:
     ``dot(a, zeros) == 0`` (it streamed a second array) and 27-28 µs for
     ``np.isfinite(a).all()`` (it also writes and re-reads a boolean array). Other inputs take
     that exact path."""
+    if type(a) is Fill:  # its values are what it computes
+        a = a.own()
     if not isinstance(a, np.ndarray):
         detach = getattr(a, "detach", None)
         a = np.asarray(detach() if detach is not None else a)
@@ -35,4 +40,10 @@ def all_finite(a: Any) -> bool:
     return bool(np.isfinite(a).all())
 
 
-__all__ = ["all_finite"]
+def diverged(node: int, tag: str) -> Diverged:
+    """The error of a node about to send a tensor piece that holds NaN or infinity."""
+    return Diverged(f"node {node} was about to send a tensor piece {tag!r} holding NaN or infinity (not sent; "
+                    "nobody else is blamed)")
+
+
+__all__ = ["all_finite", "diverged"]

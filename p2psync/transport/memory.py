@@ -12,7 +12,7 @@ from typing import Any
 
 from p2psync.topology import Route, Topology
 from p2psync.transport.base import NotReady, Transport
-from p2psync.wire import DEFAULT_LIMITS, WireLimits
+from p2psync.wire import DEFAULT_LIMITS, WireLimits, placed
 
 
 class MemoryHub:
@@ -47,5 +47,5 @@ class MemoryTransport(Transport):
         target = self.hub.endpoints.get(peer)
         if target is None:
             raise NotReady
-        copied = [bytes(f) for f in frames]
+        copied = [bytes(f) for f in placed(frames)]
         target._ingest(route.remote_nic, self.node_id, f"{self.node_id}/{route.local_nic}", copied)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
@@ -114,7 +114,7 @@ class Relaying:
         if origin == self.node_id and self.relay_keys is not None:  # number and sign it for the destination
             fields = {**fields, "ctr": next(self._relay_ctr)}
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
-            digest = relay_digest(self.relay_keys[dst], parse_header(frames[0], self.limits), frames[1:])
+            digest = relay_digest(self.relay_keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
             frames = encode(src=origin, dst=dst, hops=hops, auth=digest, **fields)
         else:
             frames = encode(src=origin, dst=dst, hops=hops, **fields)

@@ -26,6 +26,9 @@ before it) is ZeroMQ's as always.
   back early waits for the ones before it). A lease that is never given back only stalls the
   ring: the sender's next frames do not fit and go over ZeroMQ. One writer (the
   sender's loop thread) moves the head, one (the receiver's) the counter; 8-byte aligned.
+* A :class:`~p2psync.wire.fill.Fill` frame (a sum the collectives send straight on) is
+  computed into its slot of the ring, not into an array first and copied; one that does not fit
+  is computed into its own array and goes over ZeroMQ.
 * A send that fails after staging (``EAGAIN``, unreachable) gives the space back
   (:meth:`Outbound.rollback`), so the retry stages again.
 * Names: ``p2psync-shm-<src>-<src nic, hex>-<dst>-<pid>-<random>``, files of mode 0600. The
@@ -64,6 +67,7 @@ import msgpack
 import numpy as np
 
 from p2psync.errors import ProtocolError
+from p2psync.wire.fill import Fill
 
 log = logging.getLogger("p2psync.transport")
 
@@ -92,7 +96,7 @@ def same_host(address: str) -> bool:
 
 
 def _nbytes(frame: Any) -> int:
-    return memoryview(frame).nbytes
+    return frame.nbytes if type(frame) is Fill else memoryview(frame).nbytes
 
 
 class _Mapped:
@@ -204,7 +208,10 @@ class Segment:
         mm = self._m.mm
         for (pos, n), f in zip(at, frames):
             o = _HEADER + pos % cap
-            mm[o:o + n] = memoryview(f).cast("B")
+            if type(f) is Fill:  # computed into its slot (if it raises, nothing was stored)
+                f.into(np.frombuffer(mm, f.like.dtype, f.like.size, o).reshape(f.like.shape))
+            else:
+                mm[o:o + n] = memoryview(f).cast("B")
         old, self.head = self.head, head
         return at, old
 
@@ -251,6 +258,7 @@ class Outbound:
         self.me, self.capacity = me, CAPACITY if capacity is None else capacity
         self._segs: dict[tuple[int, str], Segment | None] = {}  # None: shared memory failed there
         self.frames = 0  # frames sent through shared memory so far
+        self.filled = 0  # of those, Fills computed straight into a ring (a retried send counts again)
 
     def forget(self, peer: int) -> None:
         """``peer``'s connection went down: its next frames go into new segments (a restarted
@@ -283,6 +291,7 @@ class Outbound:
             return frames, None, 0, 0
         at, old = got
         self.frames += len(big)
+        self.filled += sum(type(frames[i]) is Fill for i in big)
         marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
         stored = set(big)
         return [marker, *(b"" if i in stored else f for i, f in enumerate(frames))], seg, old, len(big)

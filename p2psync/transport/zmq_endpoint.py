@@ -88,7 +88,7 @@ from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
 from p2psync.transport.shm import Inbound, Outbound, same_host
 from p2psync.transport.zap import DOMAIN_PREFIX, ZapHandler
-from p2psync.wire import DEFAULT_LIMITS, WireLimits
+from p2psync.wire import DEFAULT_LIMITS, WireLimits, placed
 
 log = logging.getLogger("p2psync.transport")
 
@@ -444,6 +444,8 @@ class ZmqEndpoint(Transport):
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
             frames, seg, head, count = shm.stage(peer, route.local_nic, frames)
+        if bulk:  # Fills that shared memory did not take are computed into their own arrays
+            frames = placed(frames)
         try:
             # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
             # once it is in, the rest of the multipart message always goes
@@ -467,6 +469,11 @@ class ZmqEndpoint(Transport):
     def shm_frames(self) -> int:
         """Frames this endpoint sent through shared memory."""
         return self._shm_out.frames if self._shm_out is not None else 0
+
+    @property
+    def shm_filled(self) -> int:
+        """Of those, the :class:`~p2psync.wire.fill.Fill` frames computed straight into it."""
+        return self._shm_out.filled if self._shm_out is not None else 0
 
     async def _close_io(self) -> None:
         if self._loop is not None:

@@ -1,6 +1,7 @@
 """Wire format: versioned msgpack header + raw zero-copy tensor frames (pure, no sockets)."""
 
 from p2psync.wire.codec import Message, decode, encode, frame_len, frames_len, parse_header
+from p2psync.wire.fill import Fill, placed
 from p2psync.wire.schema import (
     CODECS,
     DEFAULT_LIMITS,
@@ -20,6 +21,7 @@ __all__ = [
     "CODECS",
     "DEFAULT_LIMITS",
     "DTYPES",
+    "Fill",
     "KINDS",
     "MAX_HOPS",
     "RELAY_KINDS",
@@ -35,4 +37,5 @@ __all__ = [
     "frame_len",
     "frames_len",
     "parse_header",
+    "placed",
 ]

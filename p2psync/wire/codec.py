@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from p2psync.errors import ProtocolError
+from p2psync.wire.fill import Fill
 from p2psync.wire.schema import (
     AUTH_BYTES,
     CODECS,
@@ -121,8 +122,10 @@ def encode(
     inc: int = 0,
     auth: bytes | None = None,
     ctr: int | None = None,
-) -> list[Buffer]:
-    """Build the frames of one message. Raises ``ValueError`` for a bad local argument.
+) -> list[Buffer | Fill]:
+    """Build the frames of one message. Raises ``ValueError`` for a bad local argument. An
+    array may be a :class:`~p2psync.wire.fill.Fill`: its frame is that Fill, placed (computed)
+    by the transport that sends it.
 
     ``run``/``inc``: the run id and the sender's incarnation (unsigned 64-bit); a transport
     always passes its own (see :class:`p2psync.transport.base.Transport`).
@@ -137,15 +140,19 @@ def encode(
         raise ValueError(f"incarnation must be an unsigned 64-bit int, got {inc!r}")
     if codecs is not None and len(codecs) != len(arrays):
         raise ValueError("codecs must have one entry per array")
-    payload: list[Buffer] = []
+    payload: list[Buffer | Fill] = []
     specs: list[list[Any]] = []
     for i, a in enumerate(arrays):
-        arr, dname = _as_wire_array(a)
+        fill = a if type(a) is Fill else None
+        arr, dname = _as_wire_array(a if fill is None else fill.like)
+        if fill is not None and arr is not fill.like:
+            raise ValueError("a Fill's array must be C-contiguous and of a wire dtype, in little-endian order")
         codec = "none" if codecs is None else codecs[i]
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}")
         specs.append([dname, list(arr.shape), codec, arr.nbytes])
-        payload.append(arr.reshape(-1).data.cast("B") if arr.size else b"")
+        # a Fill stays one until it is placed (computed where it is sent from: p2psync.wire.fill)
+        payload.append(b"" if not arr.size else fill if fill is not None else arr.reshape(-1).data.cast("B"))
     header: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "kind": kind,

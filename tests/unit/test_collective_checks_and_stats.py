@@ -11,6 +11,7 @@ from p2psync.collectives import Collectives
 from p2psync.errors import Diverged, NonFinitePiece
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub
+from p2psync.wire import Fill
 
 
 async def _run(bad: int, *, forge: bool) -> tuple[list[Any], dict[int, Any]]:
@@ -18,16 +19,20 @@ async def _run(bad: int, *, forge: bool) -> tuple[list[Any], dict[int, Any]]:
     eps = {i: hub.endpoint(i) for i in range(3)}
     for e in eps.values():
         await e.start()
-    if forge:  # a modified node: sends past its own check
+    if forge:  # a modified node: a NaN in every piece it sends, after its own checks
         orig = eps[bad].send
 
-        async def send(*a: Any, **kw: Any) -> None:
+        async def send(peer: int, tag: str, arrays: Any = (), **kw: Any) -> None:
             kw["checked"] = True
-            await orig(*a, **kw)
+            bad_arrays = [np.array(a.own() if isinstance(a, Fill) else a) for a in arrays]
+            for a in bad_arrays:
+                a[0] = np.nan
+            await orig(peer, tag, bad_arrays, **kw)
         eps[bad].send = send  # type: ignore[method-assign]
     cs = [Collectives(eps[i], timeout=1, piece_bytes=64, algo="ring") for i in range(3)]
     xs = [np.ones(200, np.float32) for _ in range(3)]
-    xs[bad][150] = np.nan
+    if not forge:
+        xs[bad][150] = np.nan
     try:
         res = await asyncio.gather(*(c.allreduce(x, tag="t.1") for c, x in zip(cs, xs)), return_exceptions=True)
         return list(res), {i: dict(e.offences) for i, e in eps.items()}

@@ -14,6 +14,7 @@ import torch
 
 from p2psync.collectives import piece_run
 from p2psync.topology import bcube, mesh, ring, star
+from p2psync.wire import Fill
 from tests.helpers import memory_collectives
 
 TOPOS = {"ring": lambda: ring(4), "mesh": lambda: mesh(3), "bcube": lambda: bcube(2, 2), "star": lambda: star(4)}
@@ -42,7 +43,7 @@ async def test_the_callers_tensor_is_read_in_place_and_never_written(monkeypatch
             send = c.transport.send
 
             async def spy(peer, tag, arrays=(), *, _send=send, **kw):
-                sent.extend(a for a in arrays if isinstance(a, np.ndarray))
+                sent.extend(a.like if isinstance(a, Fill) else a for a in arrays if isinstance(a, (np.ndarray, Fill)))
                 return await _send(peer, tag, arrays, **kw)
 
             monkeypatch.setattr(c.transport, "send", spy)

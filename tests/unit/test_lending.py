@@ -16,7 +16,7 @@ from p2psync.errors import ConfigError
 from p2psync.topology import ring
 from p2psync.transport.lending import Lending
 from p2psync.transport.memory import MemoryHub
-from p2psync.wire import encode
+from p2psync.wire import encode, placed
 
 
 class FakeLease:
@@ -187,7 +187,7 @@ async def test_the_collectives_read_a_borrowed_piece_before_giving_it_back(monke
         target = self.hub.endpoints.get(peer)
         if target is None or not bulk:
             return await plain(self, peer, route, frames, bulk=bulk)
-        ring = [np.frombuffer(bytes(f), np.uint8).copy() for f in frames]
+        ring = [np.frombuffer(bytes(f), np.uint8).copy() for f in placed(frames)]
 
         class Poison:
             def release(self_) -> None:
