@@ -438,9 +438,7 @@ class ZmqEndpoint(Transport):
         if peer in (self.down if bulk else self.control_down):
             raise NotReady
         key = (peer, route.remote_nic)
-        rid = self._rid_cache.get(key)
-        if rid is None:
-            rid = self._rid_cache[key] = routing_id(peer, route.remote_nic)
+        rid = self._rid_cache.get(key) or self._rid_cache.setdefault(key, routing_id(peer, route.remote_nic))
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
             frames, seg, head, count = shm.stage(peer, route.local_nic, frames)

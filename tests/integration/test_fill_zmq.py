@@ -1,0 +1,82 @@
+"""Sums sent straight on (issue 17), over real ZeroMQ with shared memory: in a ring allreduce a
+node adds the partial sum it receives to its own values straight into the ring it sends from,
+and sends its own first piece from the caller's tensor straight into it (:class:`p2psync.wire.Fill`):
+half of every node's shared-memory frames, with exact sums; a ring too small for them computes
+them into the working buffer instead, still exact; a NaN a neighbour sends into such a sum is
+blamed on that neighbour, and a node's own NaN stops it (Diverged) before anything is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from p2psync.collectives import Collectives
+from p2psync.errors import Diverged, NonFinitePiece
+from p2psync.topology import ring
+from p2psync.transport import SocketOptions, shm
+from p2psync.wire import Fill
+from tests.helpers import free_port, zmq_cluster
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
+
+
+@pytest.mark.parametrize("small", [False, True])
+async def test_sums_sent_on_are_computed_in_the_ring_and_stay_exact(monkeypatch, small):
+    if small:  # 300 KiB rings hold one 256 KiB piece at a time
+        monkeypatch.setattr(shm, "CAPACITY", 300 << 10)  # read when an endpoint starts
+    topo = ring(4, base_port=free_port())
+    rng = np.random.default_rng(5)
+    xs = {i: rng.integers(-1000, 1000, 12 * 65536).astype(np.float32) for i in topo.ids}
+    for x in xs.values():
+        x.flags.writeable = False
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30, piece_bytes=256 << 10) for i, e in eps.items()}
+        for r in range(3):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"x.{r}", op="sum") for i in topo.ids))
+            want = sum(x.astype(np.float64) for x in xs.values()).astype(np.float32)
+            assert all(o.tobytes() == want.tobytes() for o in outs)
+        filled = {i: e.shm_filled for i, e in eps.items()}
+        if not small:
+            # per node and operation: 9 pieces sent in the reduce-scatter (3 chunks of 3), of
+            # which the first chunk is its own values and the other two partial sums, all Fills;
+            # 9 more (final values) in the allgather, plain frames
+            assert all(e.shm_frames == 3 * 18 and filled[i] == 3 * 9 for i, e in eps.items()), filled
+        else:  # most do not fit: computed into the working buffer and sent over ZeroMQ
+            assert all(f < 3 * 9 for f in filled.values()), filled
+
+
+async def _forged(bad: int, *, forge: bool) -> tuple[list[object], dict[int, dict[int, int]]]:
+    topo = ring(3, base_port=free_port())
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        if forge:  # a modified node: a NaN in every piece it sends, after its own checks
+            orig = eps[bad].send
+
+            async def send(peer: int, tag: str, arrays: object = (), **kw: object) -> None:
+                kw["checked"] = True
+                out = [np.array(a.own() if isinstance(a, Fill) else a) for a in arrays]  # type: ignore[attr-defined]
+                for a in out:
+                    a[0] = np.nan
+                await orig(peer, tag, out, **kw)  # type: ignore[arg-type]
+            eps[bad].send = send  # type: ignore[method-assign]
+        cs = {i: Collectives(e, timeout=3, piece_bytes=128 << 10) for i, e in eps.items()}
+        xs = {i: np.ones(6 * 32768, np.float32) for i in topo.ids}  # 2 pieces of 128 KiB per chunk
+        if not forge:
+            xs[bad][-1] = np.inf
+        res = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="n") for i in topo.ids), return_exceptions=True)
+        assert all(int(m.consumed[0]) == m.taken for e in eps.values() for m in e._shm_in._maps.values())
+        return list(res), {i: dict(e.offences) for i, e in eps.items()}
+
+
+async def test_a_nan_added_into_a_sum_sent_on_is_blamed_on_its_sender():
+    res, offences = await _forged(1, forge=True)
+    assert isinstance(res[2], NonFinitePiece) and res[2].peers == (1,)  # node 2 sums what node 1 sends
+    assert offences[2].get(1) and not any(o.get(0) or o.get(2) for o in offences.values())
+
+
+async def test_an_own_nan_sent_from_the_callers_tensor_raises_diverged():
+    res, offences = await _forged(2, forge=False)
+    assert isinstance(res[2], Diverged) and not any(offences.values())
