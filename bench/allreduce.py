@@ -1,11 +1,14 @@
 """Allreduce bus bandwidth of p2psync next to torch.distributed (gloo), same processes, same run.
 
-    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--rows ROW ...] [--curve-only]
-                              [--piece-kib 1024] [--io-threads 1]
+    python -m bench.allreduce [--nodes 4 8] [--mb 4 100] [--reps 3] [--rounds 1] [--rows ROW ...]
+                              [--curve-only] [--piece-kib 1024] [--io-threads 1]
     python -m bench.allreduce --shaped [--nodes 4] [--mb 25] [--rate-mbit 1000]   # as root
 
 Every configuration starts N fresh processes on this host (loopback). Time per allreduce is the
-slowest node's mean over ``--reps`` timed operations after one warm-up. CPU per operation per
+slowest node's mean over ``--reps`` timed operations after one warm-up; with ``--rounds R``
+every row is measured R times, the rows taking turns (so a slow moment of the machine hits
+every row of that round alike), and the table gives the medians, and each ratio as the median
+of the R rounds' ratios with their range. CPU per operation per
 node is the CPU time of a node's process over the same operations (every thread: ZeroMQ's IO
 threads, gloo's), the nodes' mean: where it is about the time per operation, the nodes are
 CPU-bound, and so is the row. Bus bandwidth = 2(N-1)/N * bytes / time (the traffic each node
@@ -274,11 +277,24 @@ def _curve_cells(pair: dict[tuple[str, bool], float], kind: str) -> list[Any]:
             on / off if on is not None and off else "-"]
 
 
+def _ratio(vals: list[float | None]) -> Any:
+    """One round's ratio, or the median of several rounds' with their range ('-': none)."""
+    xs = [v for v in vals if v is not None]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return xs[0]
+    return f"{np.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mb", type=float, nargs="+", default=[4, 100])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every row this many times, interleaved (gloo, the next row, ..., gloo, ...); "
+                         "report the medians, and each ratio's median and range over the rounds")
     ap.add_argument("--rows", nargs="+", choices=[c[0] for c in CONFIGS],
                     help="measure only these rows (default: all but the kernel-shaped ones)")
     ap.add_argument("--curve-only", action="store_true",
@@ -301,26 +317,34 @@ def main() -> None:
     rows, plot, curve_rows = [], {}, []
     for n in args.nodes:
         for mb in args.mb:
-            base = None
+            # every round measures every row, in order: a ratio compares rows of one round
+            got: dict[str, list[tuple[float, float, float, float | None, float | None]]] = {}
             pair: dict[tuple[str, bool], float] = {}  # (kind, curve) -> bus GB/s: the CURVE table
-            for _name, label, kind, algo, codec, curve in configs:
-                secs, cpu = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib, curve=curve,
-                                    io_threads=args.io_threads)
-                busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
-                if kind == "gloo":
-                    base = busbw
-                if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none":
-                    pair[kind, curve] = busbw
-                floor = pair.get(("floor-tcp", False))  # the plain tcp floor, once measured
-                rows.append([n, f"{mb:g} MB", label, secs * 1e3, cpu * 1e3, busbw, busbw / base if base else "-",
-                             busbw / floor if floor else "-"])
-                plot.setdefault(label, []).append(((n, mb), busbw))
-                print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, CPU {cpu * 1e3:.2f} ms per node, "
-                      f"bus {busbw:.3f} GB/s", flush=True)
+            for rnd in range(args.rounds):
+                base = None
+                for _name, label, kind, algo, codec, curve in configs:
+                    secs, cpu = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib,
+                                        curve=curve, io_threads=args.io_threads)
+                    busbw = 2 * (n - 1) / n * mb * 1e6 / secs / 1e9
+                    if kind == "gloo":
+                        base = busbw
+                    if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none" and not rnd:
+                        pair[kind, curve] = busbw
+                    floor = pair.get(("floor-tcp", False))  # the plain tcp floor, once measured
+                    got.setdefault(label, []).append((secs, cpu, busbw, busbw / base if base else None,
+                                                      busbw / floor if floor else None))
+                    print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, CPU {cpu * 1e3:.2f} ms per node, "
+                          f"bus {busbw:.3f} GB/s", flush=True)
+            for label, runs in got.items():
+                med = [float(np.median([r[i] for r in runs])) for i in range(3)]
+                rows.append([n, f"{mb:g} MB", label, med[0] * 1e3, med[1] * 1e3, med[2],
+                             _ratio([r[3] for r in runs]), _ratio([r[4] for r in runs])])
+                plot.setdefault(label, []).append(((n, mb), med[2]))
             if ("p2psync", True) in pair or ("floor-tcp", True) in pair:
                 curve_rows.append([n, f"{mb:g} MB", *_curve_cells(pair, "p2psync"), *_curve_cells(pair, "floor-tcp")])
+    rounds = f"; the median of {args.rounds} rounds, × its range over them" if args.rounds > 1 else ""
     print(f"\n## Allreduce bus bandwidth (loopback, {os.cpu_count()} cores; pieces {args.piece_kib} KiB, "
-          f"{args.io_threads} ZeroMQ IO thread(s) per node)\n")
+          f"{args.io_threads} ZeroMQ IO thread(s) per node{rounds})\n")
     print(markdown_table(["nodes", "size", "implementation", "ms / op", "CPU ms / op / node", "bus GB/s", "× gloo",
                           "× floor (tcp)"], rows))
     if curve_rows:

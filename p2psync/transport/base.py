@@ -70,7 +70,8 @@ from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
 from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frames_len
+from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frames_len,
+                          placed)
 from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
@@ -279,8 +280,9 @@ class Transport(Relaying, ABC):
         function returning the awaitable, not a coroutine: one frame less on every send."""
         if self.shaper is None:
             return self._deliver(peer, route, budget, frames, bulk=bulk)
-        # a shaped message leaves later: capture its bytes now, as a real NIC would
-        frames = [bytes(f) if isinstance(f, memoryview) else f for f in frames]
+        # a shaped message leaves later: capture its bytes now, as a real NIC would (a Fill's
+        # inputs, such as a borrowed piece, are given back once this send returns)
+        frames = [bytes(f) if isinstance(f, memoryview) else f for f in placed(frames)]
         return self.shaper.submit(peer, frames_len(frames),
                                   lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
                                   control=not bulk, nic=route.local_nic)

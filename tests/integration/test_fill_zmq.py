@@ -3,7 +3,8 @@ node adds the partial sum it receives to its own values straight into the ring i
 and sends its own first piece from the caller's tensor straight into it (:class:`p2psync.wire.Fill`):
 half of every node's shared-memory frames, with exact sums; a ring too small for them computes
 them into the working buffer instead, still exact; a NaN a neighbour sends into such a sum is
-blamed on that neighbour, and a node's own NaN stops it (Diverged) before anything is sent."""
+blamed on that neighbour (with a shaper too: computed when the send is made, not when the
+shaped message leaves), and a node's own NaN stops it (Diverged) before anything is sent."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from p2psync.collectives import Collectives
 from p2psync.errors import Diverged, NonFinitePiece
 from p2psync.topology import ring
 from p2psync.transport import SocketOptions, shm
+from p2psync.transport.shaping import InprocShaper, LinkSpec
 from p2psync.wire import Fill
 from tests.helpers import free_port, zmq_cluster
 
@@ -49,9 +51,12 @@ async def test_sums_sent_on_are_computed_in_the_ring_and_stay_exact(monkeypatch,
             assert all(f < 3 * 9 for f in filled.values()), filled
 
 
-async def _forged(bad: int, *, forge: bool) -> tuple[list[object], dict[int, dict[int, int]]]:
+async def _forged(bad: int, *, forge: bool, shaped: bool = False) -> tuple[list[object], dict[int, dict[int, int]]]:
     topo = ring(3, base_port=free_port())
     async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        if shaped:  # a shaped message leaves later: its Fill is computed when it is sent
+            for i, e in eps.items():
+                e.shaper = InprocShaper({p: LinkSpec(latency_s=0.02) for p in topo.ids if p != i})
         if forge:  # a modified node: a NaN in every piece it sends, after its own checks
             orig = eps[bad].send
 
@@ -71,8 +76,9 @@ async def _forged(bad: int, *, forge: bool) -> tuple[list[object], dict[int, dic
         return list(res), {i: dict(e.offences) for i, e in eps.items()}
 
 
-async def test_a_nan_added_into_a_sum_sent_on_is_blamed_on_its_sender():
-    res, offences = await _forged(1, forge=True)
+@pytest.mark.parametrize("shaped", [False, True])
+async def test_a_nan_added_into_a_sum_sent_on_is_blamed_on_its_sender(shaped):
+    res, offences = await _forged(1, forge=True, shaped=shaped)
     assert isinstance(res[2], NonFinitePiece) and res[2].peers == (1,)  # node 2 sums what node 1 sends
     assert offences[2].get(1) and not any(o.get(0) or o.get(2) for o in offences.values())
 
@@ -80,3 +86,22 @@ async def test_a_nan_added_into_a_sum_sent_on_is_blamed_on_its_sender():
 async def test_an_own_nan_sent_from_the_callers_tensor_raises_diverged():
     res, offences = await _forged(2, forge=False)
     assert isinstance(res[2], Diverged) and not any(offences.values())
+
+
+async def test_through_a_shaper_the_sums_stay_exact(monkeypatch):
+    """A shaped send returns before its message leaves, and the piece it added is given back
+    then: its Fill is computed at once (shared memory then carries plain frames), never later
+    from memory the sender may have reused (rings of 300 KiB: reused by the very next piece)."""
+    monkeypatch.setattr(shm, "CAPACITY", 300 << 10)  # read when an endpoint starts
+    topo = ring(4, base_port=free_port())
+    rng = np.random.default_rng(7)
+    xs = {i: rng.integers(-1000, 1000, 8 * 65536).astype(np.float32) for i in topo.ids}
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        for i, e in eps.items():
+            e.shaper = InprocShaper({p: LinkSpec(latency_s=0.01) for p in topo.ids if p != i})
+        cs = {i: Collectives(e, timeout=30, piece_bytes=256 << 10) for i, e in eps.items()}
+        want = sum(x.astype(np.float64) for x in xs.values()).astype(np.float32)
+        for r in range(4):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"s.{r}") for i in topo.ids))
+            assert all(o.tobytes() == want.tobytes() for o in outs)
+        assert all(e.shm_frames > 0 and e.shm_filled == 0 for e in eps.values())
