@@ -16,7 +16,7 @@ import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.errors import Diverged, NonFinitePiece
-from p2psync.topology import ring
+from p2psync.topology import bcube, mesh, ring, star
 from p2psync.transport import SocketOptions, shm
 from p2psync.transport.shaping import InprocShaper, LinkSpec
 from p2psync.wire import Fill
@@ -105,3 +105,23 @@ async def test_through_a_shaper_the_sums_stay_exact(monkeypatch):
             outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"s.{r}") for i in topo.ids))
             assert all(o.tobytes() == want.tobytes() for o in outs)
         assert all(e.shm_frames > 0 and e.shm_filled == 0 for e in eps.values())
+
+
+@pytest.mark.parametrize("name", ["mesh", "bcube", "star"])
+async def test_other_plans_through_shared_memory_stay_exact(name):
+    """Each plan decides for itself which pieces are only sent on (BCube's reduce-scatter has
+    them too, the mesh's and the star's have none): exact sums whatever it decided."""
+    port = free_port()
+    topo = {"mesh": lambda: mesh(4, base_port=port), "bcube": lambda: bcube(2, 2, base_port=port),
+            "star": lambda: star(4, base_port=port)}[name]()
+    rng = np.random.default_rng(11)
+    xs = {i: rng.integers(-1000, 1000, 8 * 65536).astype(np.float32) for i in topo.ids}
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30, piece_bytes=256 << 10) for i, e in eps.items()}
+        want = sum(x.astype(np.float64) for x in xs.values()).astype(np.float32)
+        for r in range(2):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"p.{r}") for i in topo.ids))
+            assert all(o.tobytes() == want.tobytes() for o in outs)
+        assert sum(e.shm_frames for e in eps.values()) > 0
+        if name == "bcube":
+            assert all(e.shm_filled > 0 for e in eps.values())
