@@ -307,6 +307,8 @@ def main() -> None:
                     help="instead: kernel-shaped links (network namespaces, veth, tbf per NIC; needs root)")
     ap.add_argument("--rate-mbit", type=float, default=1000, help="--shaped: tbf rate per NIC (Mb/s)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.shaped:
         shaped(args.nodes[0], args.mb, args.reps, args.rate_mbit)
@@ -321,7 +323,7 @@ def main() -> None:
             got: dict[str, list[tuple[float, float, float, float | None, float | None]]] = {}
             pair: dict[tuple[str, bool], float] = {}  # (kind, curve) -> bus GB/s: the CURVE table
             for rnd in range(args.rounds):
-                base = None
+                base = floor = None
                 for _name, label, kind, algo, codec, curve in configs:
                     secs, cpu = measure(kind, n, mb, args.reps, algo, codec, piece_kib=args.piece_kib,
                                         curve=curve, io_threads=args.io_threads)
@@ -329,8 +331,9 @@ def main() -> None:
                     if kind == "gloo":
                         base = busbw
                     if kind in ("floor-tcp", "p2psync") and algo == "ring" and codec == "none" and not rnd:
-                        pair[kind, curve] = busbw
-                    floor = pair.get(("floor-tcp", False))  # the plain tcp floor, once measured
+                        pair[kind, curve] = busbw  # (the CURVE table: the first round's)
+                    if kind == "floor-tcp" and not curve:
+                        floor = busbw  # the plain tcp floor of this round, once measured
                     got.setdefault(label, []).append((secs, cpu, busbw, busbw / base if base else None,
                                                       busbw / floor if floor else None))
                     print(f"  N={n} {mb:g} MB {label}: {secs * 1e3:.1f} ms, CPU {cpu * 1e3:.2f} ms per node, "

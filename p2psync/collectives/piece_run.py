@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, cast
 
 import numpy as np
 
@@ -56,6 +56,20 @@ def feedback_family(tag: str) -> str:
     across view changes, where a piece that changed shape starts afresh), never between
     tensors."""
     return _STEP_PART.sub("", tag) or tag
+
+
+async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
+    """Await them all as tasks; if one fails, cancel the others and wait for them to end
+    before raising, so none goes on alone (a send still to compute its Fill from a piece
+    about to be given back, a piece coroutine of an operation that has returned)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class Run:
@@ -219,15 +233,7 @@ class Run:
         defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
         lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
         with defer, lend:
-            tasks = [asyncio.ensure_future(self._piece(k, rounds, seal and k in owned))
-                     for k in range(len(self.bounds) - 1)]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            await _all([self._piece(k, rounds, seal and k in owned) for k in range(len(self.bounds) - 1)])
         for k in self.fresh:  # never sent nor received here (an allreduce receives every piece)
             self.piece(k)[...] = self.mine(k)
         self.fresh.clear()
@@ -275,7 +281,7 @@ class Run:
                     one = await (sends or recvs)[0]
                     msgs = [] if sends else [cast(Message, one)]
                 else:
-                    results = await asyncio.gather(*sends, *recvs)  # sends return None
+                    results = await _all([*sends, *recvs])  # sends return None
                     msgs = cast("list[Message]", results[len(sends):])
                 if fill is not None:  # it went: its values are in ``buf`` only if it was owned there
                     if fill.owned:  # (and checked)

@@ -67,7 +67,7 @@ import msgpack
 import numpy as np
 
 from p2psync.errors import ProtocolError
-from p2psync.wire.fill import Fill
+from p2psync.wire.fill import Fill, placed
 
 log = logging.getLogger("p2psync.transport")
 
@@ -258,7 +258,8 @@ class Outbound:
         self.me, self.capacity = me, CAPACITY if capacity is None else capacity
         self._segs: dict[tuple[int, str], Segment | None] = {}  # None: shared memory failed there
         self.frames = 0  # frames sent through shared memory so far
-        self.filled = 0  # of those, Fills computed straight into a ring (a retried send counts again)
+        self.filled = 0  # of those, Fills computed straight into a ring
+        self._fills = 0  # Fills the last stage put into a ring (a rollback takes them back)
 
     def forget(self, peer: int) -> None:
         """``peer``'s connection went down: its next frames go into new segments (a restarted
@@ -270,11 +271,28 @@ class Outbound:
 
     def stage(self, peer: int, nic: str, frames: list[Any]) -> tuple[list[Any], Segment | None, int, int]:
         """The frames to send to ``peer`` on ``nic`` (the big ones moved into the segment, a
-        marker first), the segment used (None: the frames unchanged), the head to roll back
-        to and how many frames it took."""
+        marker first; a :class:`~p2psync.wire.fill.Fill` it did not take computed into its own
+        array), the segment used (None: the frames unchanged), the head to roll back to and
+        how many frames it took."""
         big = [i for i, f in enumerate(frames) if _nbytes(f) >= MIN_FRAME]
-        if not big:
-            return frames, None, 0, 0
+        seg = self._segment(peer, nic) if big else None
+        got = seg.put([frames[i] for i in big]) if seg is not None else None
+        if seg is None or got is None:
+            return placed(frames), None, 0, 0
+        at, old = got
+        self._fills = sum(type(frames[i]) is Fill for i in big)
+        self.frames += len(big)
+        self.filled += self._fills
+        stored = set(big)
+        try:
+            rest = placed([b"" if i in stored else f for i, f in enumerate(frames)])
+        except BaseException:  # a small Fill failed: nothing of this message goes
+            self.rollback(seg, old, len(big))
+            raise
+        marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
+        return [marker, *rest], seg, old, len(big)
+
+    def _segment(self, peer: int, nic: str) -> Segment | None:
         key = (peer, nic)
         if key not in self._segs:
             try:
@@ -283,24 +301,15 @@ class Outbound:
                 log.warning("node %d: no shared memory for node %d on NIC %s (%s): its frames go over ZeroMQ",
                             self.me, peer, nic, exc)
                 self._segs[key] = None
-        seg = self._segs[key]
-        if seg is None:
-            return frames, None, 0, 0
-        got = seg.put([frames[i] for i in big])
-        if got is None:
-            return frames, None, 0, 0
-        at, old = got
-        self.frames += len(big)
-        self.filled += sum(type(frames[i]) is Fill for i in big)
-        marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
-        stored = set(big)
-        return [marker, *(b"" if i in stored else f for i, f in enumerate(frames))], seg, old, len(big)
+        return self._segs[key]
 
     def rollback(self, seg: Segment, head: int, count: int) -> None:
-        """The message :meth:`stage` put ``count`` frames of into ``seg`` from ``head`` on was
-        not sent: free their space (the retry stages them again)."""
+        """The message the last :meth:`stage` put ``count`` frames of into ``seg`` from
+        ``head`` on was not sent: free their space (the retry stages them again)."""
         seg.head = head
         self.frames -= count
+        self.filled -= self._fills
+        self._fills = 0
 
     def close(self) -> None:
         for s in self._segs.values():

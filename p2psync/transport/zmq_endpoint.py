@@ -441,8 +441,8 @@ class ZmqEndpoint(Transport):
         rid = self._rid_cache.get(key) or self._rid_cache.setdefault(key, routing_id(peer, route.remote_nic))
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
-            frames, seg, head, count = shm.stage(peer, route.local_nic, frames)
-        if bulk:  # Fills that shared memory did not take are computed into their own arrays
+            frames, seg, head, count = shm.stage(peer, route.local_nic, frames)  # (computes Fills)
+        elif bulk:  # Fills are computed into their own arrays
             frames = placed(frames)
         try:
             # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);

@@ -144,6 +144,8 @@ def encode(
     specs: list[list[Any]] = []
     for i, a in enumerate(arrays):
         fill = a if type(a) is Fill else None
+        if fill is not None and kind != "data":
+            raise ValueError("only data messages carry Fills (control is never computed on the way)")
         arr, dname = _as_wire_array(a if fill is None else fill.like)
         if fill is not None and arr is not fill.like:
             raise ValueError("a Fill's array must be C-contiguous and of a wire dtype, in little-endian order")

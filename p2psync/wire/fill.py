@@ -24,8 +24,10 @@ class Fill:
     ``like`` is C-contiguous and writable. ``fill`` may run more than once (a retried send is
     placed again), so it must not change its own inputs, except that :meth:`own` runs it with
     ``out`` = ``like``, once (``like`` may be one of its inputs: an add in place). It may raise:
-    the send then fails with that exception and nothing of the frame is sent. After
-    :meth:`own`, the values are in ``like`` and :meth:`into` copies them from there."""
+    the send then fails with that exception and nothing of the frame is sent; a Fill whose
+    :meth:`own` raised is not to be placed again (an add in place may have changed ``like``
+    already). After :meth:`own`, the values are in ``like`` and :meth:`into` copies them from
+    there."""
 
     __slots__ = ("like", "_fill", "owned", "nbytes")
 

@@ -51,7 +51,8 @@ async def test_sums_sent_on_are_computed_in_the_ring_and_stay_exact(monkeypatch,
             assert all(f < 3 * 9 for f in filled.values()), filled
 
 
-async def _forged(bad: int, *, forge: bool, shaped: bool = False) -> tuple[list[object], dict[int, dict[int, int]]]:
+async def _forged(bad: int, *, forge: bool, shaped: bool = False,
+                  at: int = -1) -> tuple[list[object], dict[int, dict[int, int]]]:
     topo = ring(3, base_port=free_port())
     async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
         if shaped:  # a shaped message leaves later: its Fill is computed when it is sent
@@ -70,7 +71,7 @@ async def _forged(bad: int, *, forge: bool, shaped: bool = False) -> tuple[list[
         cs = {i: Collectives(e, timeout=3, piece_bytes=128 << 10) for i, e in eps.items()}
         xs = {i: np.ones(6 * 32768, np.float32) for i in topo.ids}  # 2 pieces of 128 KiB per chunk
         if not forge:
-            xs[bad][-1] = np.inf
+            xs[bad][at] = np.inf
         res = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="n") for i in topo.ids), return_exceptions=True)
         assert all(int(m.consumed[0]) == m.taken for e in eps.values() for m in e._shm_in._maps.values())
         return list(res), {i: dict(e.offences) for i, e in eps.items()}
@@ -83,8 +84,11 @@ async def test_a_nan_added_into_a_sum_sent_on_is_blamed_on_its_sender(shaped):
     assert offences[2].get(1) and not any(o.get(0) or o.get(2) for o in offences.values())
 
 
-async def test_an_own_nan_sent_from_the_callers_tensor_raises_diverged():
-    res, offences = await _forged(2, forge=False)
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+async def test_an_own_nan_sent_from_the_callers_tensor_raises_diverged(chunk):
+    """Whichever chunk holds it: the one the node sends first from the caller's tensor (a
+    Fill), the one it adds a partial sum to, or the one it owns."""
+    res, offences = await _forged(2, forge=False, at=chunk * 2 * 32768 + 5)
     assert isinstance(res[2], Diverged) and not any(offences.values())
 
 

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.errors import Diverged, NonFinitePiece
@@ -14,7 +15,7 @@ from p2psync.transport.memory import MemoryHub
 from p2psync.wire import Fill
 
 
-async def _run(bad: int, *, forge: bool) -> tuple[list[Any], dict[int, Any]]:
+async def _run(bad: int, *, forge: bool, at: int = 150) -> tuple[list[Any], dict[int, Any]]:
     hub = MemoryHub(ring(3))
     eps = {i: hub.endpoint(i) for i in range(3)}
     for e in eps.values():
@@ -32,7 +33,7 @@ async def _run(bad: int, *, forge: bool) -> tuple[list[Any], dict[int, Any]]:
     cs = [Collectives(eps[i], timeout=1, piece_bytes=64, algo="ring") for i in range(3)]
     xs = [np.ones(200, np.float32) for _ in range(3)]
     if not forge:
-        xs[bad][150] = np.nan
+        xs[bad][at] = np.nan
     try:
         res = await asyncio.gather(*(c.allreduce(x, tag="t.1") for c, x in zip(cs, xs)), return_exceptions=True)
         return list(res), {i: dict(e.offences) for i, e in eps.items()}
@@ -49,8 +50,9 @@ async def test_a_forged_nan_piece_is_blamed_on_its_sender() -> None:
     assert not any(o.get(0) or o.get(2) for o in offences.values())
 
 
-async def test_an_own_nan_raises_diverged_and_blames_nobody() -> None:
-    res, offences = await _run(2, forge=False)
+@pytest.mark.parametrize("at", [10, 80, 150])  # in each of the three chunks
+async def test_an_own_nan_raises_diverged_and_blames_nobody(at: int) -> None:
+    res, offences = await _run(2, forge=False, at=at)
     assert isinstance(res[2], Diverged)
     assert not any(offences.values())
 

@@ -17,6 +17,7 @@ from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.topology import Route, mesh, ring, star
 from p2psync.transport.memory import MemoryHub, MemoryTransport
 from p2psync.wire.schema import DTYPES
+from p2psync.wire import placed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,7 +152,7 @@ class _HoldingTransport(MemoryTransport):
 
     async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
         await super()._transmit(peer, route, frames, bulk=bulk)
-        self.held.extend(frames)
+        self.held.extend(placed(frames))  # a Fill as ZeroMQ would hold it: its own array's bytes
 
 
 @pytest.mark.parametrize("op", ["sum", "mean"])
