@@ -18,7 +18,12 @@ result once nothing but the operation references it any more (counted against th
 after the buffer was made); a large buffer waits for its last sends at most as long as copying
 it would take, then it is copied (:mod:`p2psync.collectives.buffers`): the result never shares
 memory with a send in flight. Handing the buffer over spares a copy of the whole tensor into
-fresh (page-faulting) memory per operation.
+fresh (page-faulting) memory per operation. Two kinds of lossless sends are not written into
+the working buffer first but computed where they are sent from (a :class:`~p2psync.wire.fill.Fill`:
+into the sender's shared-memory ring, else into the buffer and sent from there): a partial sum
+that nothing on this node reads but the send (the ring's and BCube's reduce-scatter:
+``Run._deferrable``; the received piece is given back once the send has gone), and a piece's
+first send from the caller's tensor (below).
 
 Codecs apply per piece, except ``topk``: its allreduce sparsifies each node's whole contribution
 once and allgathers the sparse parts (:mod:`p2psync.collectives.sparse`, always with error
@@ -36,8 +41,8 @@ starts empty, and each piece gets its first value when the first piece that arri
 added to this node's own values (or replaces them), straight into the buffer — one pass less
 over the whole tensor per operation. The tensor must therefore not change until the call
 returns (as with torch.distributed's asynchronous operations). A piece this node sends before
-anything arrives for it is first copied into the working buffer and sent from there, so a frame
-ZeroMQ still holds after a failed operation never views the caller's memory.
+anything arrives for it is copied from there as it is sent (a Fill), so a frame ZeroMQ still
+holds after a failed operation never views the caller's memory.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 
@@ -288,8 +293,8 @@ class Collectives:
         """Run ``plan`` on ``buf``. ``src``: ``buf`` is not filled yet, this node's values are
         there (read only; lossless codecs): each piece is read from it until the first piece
         that arrives for it is added to it (or replaces it) into ``buf``, or until this node
-        sends it (then it is copied into ``buf`` first and sent from there), and copied at the
-        end if neither happened (:class:`Run`; a group of more than one)."""
+        sends it (copied as it is sent, into ``buf`` unless shared memory takes it), and copied
+        at the end if it never reached ``buf`` (:class:`Run`; a group of more than one)."""
         _check_tag(tag)
         c = get_codec(codec or self.codec)
         if c.lossy and buf.dtype != np.float32:

@@ -291,7 +291,7 @@ class Run:
                         held[0].release()
                         held = None
                         self.fresh.discard(k)
-                defer = self._deferrable(steps, j)
+                defer = bool(incoming) and self._deferrable(steps, j)
                 for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                     keep = False
                     try:
