@@ -286,6 +286,24 @@ def in_threads(fn: Any, ids: Any, timeout: float) -> dict[int, Any]:
     return out
 
 
+def forge_nan_sends(transport: Any) -> None:
+    """Make ``transport``'s node a modified one: every array it sends gets a NaN, after its own
+    checks (a Fill computed first), and goes out marked as checked."""
+    import numpy as np
+
+    from p2psync.wire import Fill
+
+    orig = transport.send
+
+    async def send(peer: int, tag: str, arrays: Any = (), **kw: Any) -> None:
+        kw["checked"] = True
+        out = [np.array(a.own() if isinstance(a, Fill) else a) for a in arrays]
+        for a in out:
+            a[0] = np.nan
+        await orig(peer, tag, out, **kw)
+    transport.send = send
+
+
 async def until(pred, timeout: float, what: str) -> None:
     """Wait (bounded) until ``pred()`` holds; polls the condition, fails naming ``what``."""
     import asyncio

@@ -19,8 +19,7 @@ from p2psync.errors import Diverged, NonFinitePiece
 from p2psync.topology import bcube, mesh, ring, star
 from p2psync.transport import SocketOptions, shm
 from p2psync.transport.shaping import InprocShaper, LinkSpec
-from p2psync.wire import Fill
-from tests.helpers import free_port, zmq_cluster
+from tests.helpers import forge_nan_sends, free_port, zmq_cluster
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
@@ -59,15 +58,7 @@ async def _forged(bad: int, *, forge: bool, shaped: bool = False,
             for i, e in eps.items():
                 e.shaper = InprocShaper({p: LinkSpec(latency_s=0.02) for p in topo.ids if p != i})
         if forge:  # a modified node: a NaN in every piece it sends, after its own checks
-            orig = eps[bad].send
-
-            async def send(peer: int, tag: str, arrays: object = (), **kw: object) -> None:
-                kw["checked"] = True
-                out = [np.array(a.own() if isinstance(a, Fill) else a) for a in arrays]  # type: ignore[attr-defined]
-                for a in out:
-                    a[0] = np.nan
-                await orig(peer, tag, out, **kw)  # type: ignore[arg-type]
-            eps[bad].send = send  # type: ignore[method-assign]
+            forge_nan_sends(eps[bad])
         cs = {i: Collectives(e, timeout=3, piece_bytes=128 << 10) for i, e in eps.items()}
         xs = {i: np.ones(6 * 32768, np.float32) for i in topo.ids}  # 2 pieces of 128 KiB per chunk
         if not forge:

@@ -12,7 +12,7 @@ from p2psync.collectives import Collectives
 from p2psync.errors import Diverged, NonFinitePiece
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub
-from p2psync.wire import Fill
+from tests.helpers import forge_nan_sends
 
 
 async def _run(bad: int, *, forge: bool, at: int = 150) -> tuple[list[Any], dict[int, Any]]:
@@ -21,15 +21,7 @@ async def _run(bad: int, *, forge: bool, at: int = 150) -> tuple[list[Any], dict
     for e in eps.values():
         await e.start()
     if forge:  # a modified node: a NaN in every piece it sends, after its own checks
-        orig = eps[bad].send
-
-        async def send(peer: int, tag: str, arrays: Any = (), **kw: Any) -> None:
-            kw["checked"] = True
-            bad_arrays = [np.array(a.own() if isinstance(a, Fill) else a) for a in arrays]
-            for a in bad_arrays:
-                a[0] = np.nan
-            await orig(peer, tag, bad_arrays, **kw)
-        eps[bad].send = send  # type: ignore[method-assign]
+        forge_nan_sends(eps[bad])
     cs = [Collectives(eps[i], timeout=1, piece_bytes=64, algo="ring") for i in range(3)]
     xs = [np.ones(200, np.float32) for _ in range(3)]
     if not forge:
