@@ -85,6 +85,7 @@ import numpy as np
 from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
 from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
 from p2psync.collectives.plan import Plan, make_plan, plan_tree
+from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import ErrorFeedback, TopK, get_codec
 from p2psync.errors import ConfigError
@@ -93,6 +94,8 @@ from p2psync.wire.schema import valid_tag
 
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
+#: plans whose per-node schedules are kept (Collectives._schedule); more start the cache afresh
+_MAX_SCHEDULES = 256
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
 
@@ -127,6 +130,7 @@ class Collectives:
         #: residuals of the ``topk`` allreduce: always kept (see p2psync.collectives.sparse)
         self.sparse_feedback = ErrorFeedback()
         self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._schedules: dict[tuple[Any, ...], tuple[Plan, Schedule]] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
 
     # -- public operations ---------------------------------------------------------------
@@ -284,6 +288,17 @@ class Collectives:
             return list(g)
         return [n for _, n in sorted((plan.owner[n][0][0], n) for n in g)]
 
+    def _schedule(self, plan: Plan, phases: tuple[str, ...], pieces: int, fused: bool) -> Schedule:
+        """This node's steps of ``plan`` (:mod:`p2psync.collectives.schedule`), computed once per
+        plan and kept (the plan with them: a key by ``id`` must not outlive its plan)."""
+        key = (id(plan), phases, pieces, fused)
+        hit = self._schedules.get(key)
+        if hit is None or hit[0] is not plan:
+            if len(self._schedules) >= _MAX_SCHEDULES:  # e.g. a broadcast plans afresh every time
+                self._schedules.clear()
+            hit = self._schedules[key] = (plan, schedule(plan, self.transport.node_id, pieces, phases, fused))
+        return hit[1]
+
     # -- execution -----------------------------------------------------------------------
 
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
@@ -306,8 +321,9 @@ class Collectives:
                 bounds = self._bounds(buf, len(plan.group))
             sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
                                    len(bounds))).encode())
-            run = Run(self, plan, buf, bounds, c, tag, stats, sig, check, src)
-            await run.execute(phases)
+            sched = self._schedule(plan, phases, len(bounds) - 1, Run.fuses(c, check))
+            run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src)
+            await run.execute(c.lossy and "ag" in phases)
         stats.seconds = time.perf_counter() - t0
         if record:
             self.history.append(stats)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, cast
 
 import numpy as np
 
-from p2psync.collectives.plan import Plan, Transfer
+from p2psync.collectives.schedule import Schedule, Step
 from p2psync.compress import Codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import all_finite, diverged
@@ -75,12 +75,14 @@ async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
 class Run:
     """State of one collective on one node: the working buffer and the encoded-piece cache."""
 
-    def __init__(self, owner: Collectives, plan: Plan, buf: np.ndarray, bounds: np.ndarray,
+    def __init__(self, owner: Collectives, sched: Schedule, buf: np.ndarray, bounds: np.ndarray,
                  codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None,
                  src: np.ndarray | None = None) -> None:
+        """``sched``: this node's steps of the plan (:func:`~p2psync.collectives.schedule.schedule`,
+        computed with ``fused=Run.fuses(codec, check)``)."""
         self.owner = owner
         self.me = owner.transport.node_id
-        self.plan = plan
+        self.sched = sched
         self.buf = buf
         self.bounds = bounds
         self.codec = codec
@@ -88,16 +90,16 @@ class Run:
         self.stats = stats
         self.sig = sig
         self.meta = {"sig": sig}
-        self.family = feedback_family(tag)
         self.cache: dict[int, list[np.ndarray]] = {}
         self.fb = owner.feedback if codec.lossy else None
+        self.family = feedback_family(tag) if codec.lossy else tag  # (only error feedback reads it)
         self.check = check
         #: pieces whose current values are known finite: copied from a received piece (the
         #: transport rejects non-finite ones on arrival) or checked here since the last add;
         #: their sends skip the transport's own scan (``checked=True``)
         self.clean: set[int] = set()
         #: the arrival check of lossless pieces happens here, fused with their use (_use)
-        self.fused_check = not codec.lossy and check is None
+        self.fused_check = self.fuses(codec, check)
         if src is not None and codec.lossy:
             raise ConfigError("a lossy codec encodes from the working buffer: it needs it filled")
         #: this node's own values (the caller's tensor, read only), and the pieces whose values
@@ -138,8 +140,8 @@ class Run:
 
     def _sum_fill(self, k: int, msg: Message, vals: np.ndarray, tag: str) -> Fill:
         """Piece ``k``'s partial sum with the received ``vals``, computed where it is sent from
-        (see :meth:`_deferrable`) and checked there as :meth:`_use` would: a NaN / infinity
-        in ``vals`` is the sender's offence, else the sum overflowed here."""
+        (:func:`~p2psync.collectives.schedule.deferrable`) and checked there as :meth:`_use`
+        would: a NaN / infinity in ``vals`` is the sender's offence, else the sum overflowed here."""
         base = self.mine(k) if k in self.fresh else self.piece(k)
         tr, me = self.owner.transport, self.me
 
@@ -150,19 +152,12 @@ class Run:
                 raise diverged(me, tag)
         return Fill(self.piece(k), fill)
 
-    def _deferrable(self, steps: list[tuple[str, list[Transfer]]], j: int) -> bool:
-        """Whether what step ``j`` receives for a piece is added into the next step's send
-        (:meth:`_sum_fill`) instead of into ``buf``: step ``j`` only receives, one partial
-        sum (lossless, no extra check); the next, in the reduce-scatter, only sends it, once;
-        the one after (if any) only receives the piece whole (ring: a partial sum sent on,
-        then the final value in the allgather). So nothing but that send reads the sum."""
-        me, now = self.me, steps[j][1]
-        if not self.fused_check or len(now) != 1 or now[0].dst != me or not now[0].reduce or j + 1 >= len(steps):
-            return False
-        phase, nxt = steps[j + 1]
-        if not phase.startswith("rs") or len(nxt) != 1 or nxt[0].src != me:
-            return False
-        return j + 2 >= len(steps) or all(t.dst == me and not t.reduce for t in steps[j + 2][1])
+    @staticmethod
+    def fuses(codec: Codec, check: PieceCheck | None) -> bool:
+        """Whether a Run checks the pieces it receives itself, fused with their use (``_use``,
+        ``_sum_fill``): lossless codecs without an extra ``check``. Only then may a received
+        partial sum be sent straight on (:func:`~p2psync.collectives.schedule.deferrable`)."""
+        return not codec.lossy and check is None
 
     def seal(self, k: int) -> None:
         """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
@@ -219,12 +214,10 @@ class Run:
             self.clean.discard(k)
             self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
 
-    async def execute(self, phases: tuple[str, ...]) -> None:
-        rounds = [(f"{ph}{r}", [t for t in rnd if self.me in (t.src, t.dst)])
-                  for ph in ("rs", "ag") if ph in phases
-                  for r, rnd in enumerate(self.plan.rs if ph == "rs" else self.plan.ag)]
-        owned = {k for lo, hi in self.plan.owner[self.me] for k in range(lo, hi)}
-        seal = self.codec.lossy and "ag" in phases
+    async def execute(self, seal: bool) -> None:
+        """Run every piece's steps. ``seal``: a lossy codec's owner quantizes its fully reduced
+        pieces before the allgather (:meth:`seal`)."""
+        owned = self.sched.owned
         # lossless pieces: the finiteness check of what arrives is fused with the add / copy
         # into the working buffer (one read of the piece instead of two; see _use)
         # and pieces that came through shared memory are added / copied straight from the
@@ -233,27 +226,23 @@ class Run:
         defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
         lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
         with defer, lend:
-            await _all([self._piece(k, rounds, seal and k in owned) for k in range(len(self.bounds) - 1)])
+            await _all([self._piece(k, steps, seal and k in owned) for k, steps in enumerate(self.sched.pieces)])
         for k in self.fresh:  # never sent nor received here (an allreduce receives every piece)
             self.piece(k)[...] = self.mine(k)
         self.fresh.clear()
 
-    async def _piece(self, k: int, rounds: list[tuple[str, list[Transfer]]], seal: bool) -> None:
-        steps = [(phase, mine) for phase, transfers in rounds
-                 if (mine := [t for t in transfers if t.lo <= k < t.hi])]
+    async def _piece(self, k: int, steps: tuple[Step, ...], seal: bool) -> None:
         #: a received partial sum not added yet: added straight into the next send (_sum_fill)
         held: tuple[Message, np.ndarray] | None = None
         try:
-            for j, (phase, mine) in enumerate(steps):
-                if seal and phase.startswith("ag"):
+            for step in steps:
+                if seal and step.phase.startswith("ag"):
                     self.seal(k)
                     seal = False
                 sends = []
                 fill: Fill | None = None  # one per step, whatever the number of sends
-                for t in mine:
-                    if t.src != self.me:
-                        continue
-                    tag = f"{self.tag}.{phase}.{self.me}.{k}"
+                tag = self.tag + step.send_suffix
+                for t in step.sends:
                     if held is not None or k in self.fresh:  # lossless, computed where it is sent from
                         if fill is None:
                             fill = self._sum_fill(k, *held, tag) if held is not None else self._own_fill(k, tag)
@@ -275,8 +264,8 @@ class Run:
                                                            codecs=[self.codec.name] * len(arrays), nic=t.nic,
                                                            meta=self.meta, timeout=self.owner.timeout,
                                                            checked=checked))
-                incoming = sorted((t.src, t.reduce) for t in mine if t.dst == self.me)
-                recvs = [self._recv(src, f"{self.tag}.{phase}.{src}.{k}") for src, _ in incoming]
+                incoming = step.incoming
+                recvs = [self._recv(src, self.tag + sfx) for (src, _), sfx in zip(incoming, step.recv_suffixes)]
                 if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
                     one = await (sends or recvs)[0]
                     msgs = [] if sends else [cast(Message, one)]
@@ -287,11 +276,11 @@ class Run:
                     if fill.owned:  # (and checked)
                         self.clean.add(k)
                         self.fresh.discard(k)
-                    if held is not None:  # a partial sum that nothing reads any more (_deferrable)
+                    if held is not None:  # a partial sum that nothing reads any more (Step.defer)
                         held[0].release()
                         held = None
                         self.fresh.discard(k)
-                defer = bool(incoming) and self._deferrable(steps, j)
+                defer = step.defer
                 for (_src, reduce), msg in zip(incoming, msgs, strict=True):
                     keep = False
                     try:

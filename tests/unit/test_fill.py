@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from p2psync.collectives.piece_run import Run
-from p2psync.collectives.plan import Transfer
+from p2psync.collectives.plan import Transfer, make_plan
+from p2psync.collectives.schedule import deferrable, schedule
 from p2psync.errors import Diverged
-from p2psync.topology import ring
+from p2psync.topology import bcube, ring
 from p2psync.transport import all_finite, shm
 from p2psync.transport.memory import MemoryHub
 from p2psync.wire import Fill, decode, encode, placed
@@ -160,7 +159,21 @@ def _t(src: int, dst: int, reduce: bool) -> Transfer:
     ([("rs0", [_t(2, 0, True)])], 0, False),  # nothing after it
 ])
 def test_a_partial_sum_is_sent_on_without_the_buffer_only_when_nothing_else_reads_it(steps, j, want):
-    run = SimpleNamespace(me=0, fused_check=True)
-    assert Run._deferrable(run, steps, j) is want  # type: ignore[arg-type]
-    if want:  # lossy codecs and extra checks read the working buffer
-        assert Run._deferrable(SimpleNamespace(me=0, fused_check=False), steps, j) is False  # type: ignore[arg-type]
+    assert deferrable(0, steps, j) is want
+
+
+@pytest.mark.parametrize("algo", ["ring", "bcube"])
+def test_the_schedule_sends_partial_sums_on_only_when_the_run_checks_them_itself(algo):
+    """Lossy codecs and extra checks read the working buffer: no step defers then. With the
+    fused check the ring's and BCube's reduce-scatter do, never the allgather, and every
+    deferring step is followed by a single send of the piece."""
+    topo = ring(4) if algo == "ring" else bcube(2, 2)
+    plan = make_plan(topo, tuple(topo.ids), 8, algo)
+    for me in topo.ids:
+        assert not any(s.defer for steps in schedule(plan, me, 8, ("rs", "ag"), False).pieces for s in steps)
+        fused = schedule(plan, me, 8, ("rs", "ag"), True)
+        deferring = [(steps, j) for steps in fused.pieces for j, s in enumerate(steps) if s.defer]
+        assert deferring
+        for steps, j in deferring:
+            assert steps[j].phase.startswith("rs") and len(steps[j].incoming) == 1 and not steps[j].sends
+            assert steps[j + 1].phase.startswith("rs") and len(steps[j + 1].sends) == 1
