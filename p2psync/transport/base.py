@@ -38,7 +38,7 @@ dropped at the first hop, one whose digest does not verify at its destination
 (``relay_auth``), and a replay (``relay_replay``). Only a message whose origin is proven
 (received from it, or relayed and verified here) is proof of life of its origin or revives a
 node declared dead under a newer incarnation: a relay never records what an unverifiable
-message claims about its origin. Untrusted values: :meth:`Transport.check_finite` rejects a
+message claims about its origin. Untrusted values (:mod:`.finite_checks`): :meth:`Transport.check_finite` rejects a
 tensor piece holding NaN or infinity, counts it against the neighbour that sent it
 (:attr:`Transport.offences`) and tells :attr:`Transport.offence_listeners` (the membership
 client reports it to the coordinator; see :mod:`p2psync.coordinator.membership` for when a
@@ -56,13 +56,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-import numpy as np
 
-from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
+from p2psync.transport.finite_checks import FiniteChecks
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.lending import Lending, Releasable
 from p2psync.transport.log_once import LogOnce
@@ -96,7 +96,7 @@ class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
 
 
-class Transport(Relaying, ABC):
+class Transport(Relaying, FiniteChecks, ABC):
     """One node's messaging endpoint: tagged messages to and from its peers, relaying, flow
     control, strict ingest and the mailbox (see the module docstring).
 
@@ -210,9 +210,9 @@ class Transport(Relaying, ABC):
     # -- send / receive ------------------------------------------------------------------
 
     @abstractmethod
-    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
-        """Hand frames to the peer (``bulk``: on the data channel, else the control channel);
-        raise :class:`NotReady` when it should be retried."""
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+        """Hand frames to the peer (``bulk``: on the data channel, else the control channel)
+        without waiting; raise :class:`NotReady` when it should be retried."""
 
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
@@ -239,9 +239,19 @@ class Transport(Relaying, ABC):
                               arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
                               inc=self.incarnation), budget)
             return
-        await self._send_direct(peer, self.route(peer, nic), budget, encode(
-            kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
-            run=self.run_id, inc=self.incarnation), bulk=kind not in RELAY_KINDS)
+        frames = encode(kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
+                        run=self.run_id, inc=self.incarnation)
+        route, bulk = self.route(peer, nic), kind not in RELAY_KINDS
+        if bulk and self.shaper is None:  # the common case: it goes at once, no coroutine below this one
+            win = self.window(peer)
+            held = win.try_acquire(frames_len(frames))
+            if held is not None:
+                try:
+                    if self._attempt(peer, route, frames, True):
+                        return
+                finally:
+                    win.release(held)
+        await self._send_direct(peer, route, budget, frames, bulk=bulk)
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""
@@ -287,27 +297,29 @@ class Transport(Relaying, ABC):
                                   lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
                                   control=not bulk, nic=route.local_nic)
 
+    def _attempt(self, peer: int, route: Route, frames: list[Any], bulk: bool) -> bool:
+        """One try at handing the frames over: whether they went (False: retry later)."""
+        if peer in self.dead:
+            raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
+        try:
+            self._transmit(peer, route, frames, bulk=bulk)
+        except NotReady:
+            return False
+        st = self.nic_stats[route.local_nic]
+        st.bytes_sent += frames_len(frames)
+        st.msgs_sent += 1
+        return True
+
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False) -> None:
-        nbytes = frames_len(frames)
         deadline = time.monotonic() + budget
         delay = 0.0005
-        while True:
-            if peer in self.dead:
-                raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
-            try:
-                await self._transmit(peer, route, frames, bulk=bulk)
-                break
-            except NotReady:
-                if time.monotonic() >= deadline:
-                    raise PeerUnreachable(
-                        f"node {self.node_id}: node {peer} unreachable over NIC {route.local_nic} "
-                        f"for {budget:g}s", peers=(peer,)) from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        st = self.nic_stats[route.local_nic]
-        st.bytes_sent += nbytes
-        st.msgs_sent += 1
+        while not self._attempt(peer, route, frames, bulk):
+            if time.monotonic() >= deadline:
+                raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
+                                      f"{route.local_nic} for {budget:g}s", peers=(peer,))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     async def recv(self, tag: str, timeout: float | None = None) -> Message:
         """The next message with ``tag``; raises PeerTimeout after ``timeout`` seconds
@@ -418,21 +430,6 @@ class Transport(Relaying, ABC):
             if lease is not None:  # not decoded: nothing reads its frames
                 lease.release()
 
-    @contextlib.contextmanager
-    def defer_finite(self, prefix: str) -> Iterator[None]:
-        """While open, ``data`` messages whose tag starts with ``prefix`` are delivered without
-        the NaN / infinity scan of :meth:`_finite`: the consumer (the collectives, which fuse the
-        check with the add that reads the piece anyway) promises to call :meth:`check_finite`
-        (offence, :class:`NonFinitePiece`) on every one it uses. Messages arriving before or
-        after are scanned as usual."""
-        self._deferred_finite[prefix] += 1
-        try:
-            yield
-        finally:
-            self._deferred_finite[prefix] -= 1
-            if not self._deferred_finite[prefix]:
-                del self._deferred_finite[prefix]
-
     def lend(self, prefix: str, depth: int) -> contextlib.AbstractContextManager[None]:
         """While open, ``data`` messages tagged ``prefix`` plus ``depth`` more dot-separated
         parts keep the frames that came through shared memory as views of the sender's ring:
@@ -440,42 +437,6 @@ class Transport(Relaying, ABC):
         released when the scope closes is copied and released then
         (:mod:`p2psync.transport.lending`)."""
         return self.lending.scope(prefix, depth)
-
-    def _finite_deferred(self, tag: str) -> bool:
-        return bool(self._deferred_finite) and any(tag.startswith(p) for p in self._deferred_finite)
-
-    def _finite(self, msg: Message, sender: int) -> bool:
-        """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
-        here, for every consumer: counted as an offence of the neighbour that sent it (tensors
-        only ever cross one link, so that is where the value came from), and a consumer already
-        waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
-        for a in msg.arrays:
-            if not all_finite(a):
-                exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)
-                if exc is not None:
-                    self.mailbox.abort(exc, match=lambda t: t == msg.tag)
-                return False
-        return True
-
-    def check_finite(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
-        """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
-        an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
-        finite values and other dtypes pass (None)."""
-        if all_finite(arr):
-            return None
-        self.offence(src, "non_finite", f"{what}: NaN or infinity in a tensor piece")
-        exc = NonFinitePiece(f"node {self.node_id}: {what} from node {src} holds non-finite values "
-                             "(rejected; the node is reported for exclusion)", peer=src)
-        if raise_:
-            raise exc
-        return exc
-
-    def offence(self, peer: int, reason: str, detail: str) -> None:
-        """Node ``peer`` sent a value this node rejected (counted, logged once, reported)."""
-        self.offences[peer] += 1
-        self._reject("", str(peer), reason, detail)
-        for cb in list(self.offence_listeners):
-            cb(peer, reason)
 
     # -- stats ---------------------------------------------------------------------------
 

@@ -430,7 +430,7 @@ class ZmqEndpoint(Transport):
         except zmq.ZMQError:
             return None
 
-    async def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
         """Send on our own outgoing pipe to ``peer`` (the control socket's for control)."""
         sock = (self._socks if bulk else self._ctl_socks).get(route.local_nic)
         if sock is None:
