@@ -43,7 +43,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter, deque
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 from p2psync.errors import P2PSyncError, PeerTimeout, ProtocolError
 from p2psync.transport.retired import RetiredTags
@@ -420,16 +420,16 @@ class Mailbox:
         """A queued message with this tag, or None."""
         return self._take(tag, None)
 
-    async def get(self, tag: str, timeout: float | None = None) -> Message:
+    def get(self, tag: str, timeout: float | None = None) -> Coroutine[Any, Any, Message]:
         """The next message with ``tag`` (queued, else the next to arrive); PeerTimeout after
         ``timeout`` seconds (None: no limit); the close error once closed. Called from
         ``Transport.recv`` and ``Transport.listen``."""
-        return await self._get(tag, None, timeout)
+        return self._get(tag, None, timeout)
 
-    async def get_prefix(self, prefix: str, timeout: float | None = None) -> Message:
+    def get_prefix(self, prefix: str, timeout: float | None = None) -> Coroutine[Any, Any, Message]:
         """Like :meth:`get` for the oldest message whose tag starts with ``prefix``
         (``Transport.recv_any``)."""
-        return await self._get(None, prefix, timeout)
+        return self._get(None, prefix, timeout)
 
     # -- abort, expiry, retire -----------------------------------------------------------
 
