@@ -263,7 +263,7 @@ class Run:
                     sends.append(self.owner.transport.send(t.dst, tag, arrays,
                                                            codecs=[self.codec.name] * len(arrays), nic=t.nic,
                                                            meta=self.meta, timeout=self.owner.timeout,
-                                                           checked=checked))
+                                                           checked=checked, unordered=True))
                 incoming = step.incoming
                 recvs = [self._recv(src, self.tag + sfx) for (src, _), sfx in zip(incoming, step.recv_suffixes)]
                 if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather

@@ -6,7 +6,8 @@ from p2psync.transport.finite import diverged
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.mailbox import Mailbox
 from p2psync.transport.memory import MemoryHub, MemoryTransport
-from p2psync.transport.zmq_endpoint import SocketOptions, ZmqEndpoint
+from p2psync.transport.socket_options import SocketOptions
+from p2psync.transport.zmq_endpoint import ZmqEndpoint
 
 __all__ = ["DEFAULT_TIMEOUT", "ByteWindow", "Mailbox", "MemoryHub", "MemoryTransport", "NicStats",
            "SocketOptions", "Transport", "ZmqEndpoint", "all_finite", "diverged"]

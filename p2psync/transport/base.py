@@ -210,14 +210,16 @@ class Transport(Relaying, FiniteChecks, ABC):
     # -- send / receive ------------------------------------------------------------------
 
     @abstractmethod
-    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
+                  unordered: bool = False) -> None:
         """Hand frames to the peer (``bulk``: on the data channel, else the control channel)
-        without waiting; raise :class:`NotReady` when it should be retried."""
+        without waiting; raise :class:`NotReady` when it should be retried. ``unordered``: the
+        message may overtake, or be overtaken by, others to the same peer (see :meth:`send`)."""
 
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None, checked: bool = False) -> None:
+                   timeout: float | None = None, checked: bool = False, unordered: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
@@ -227,6 +229,11 @@ class Transport(Relaying, FiniteChecks, ABC):
         ``checked``: the caller has verified that every floating-point array is finite (e.g. a
         piece it received, which this transport checked on arrival, or one it just checked
         itself), so the scan that raises :class:`~p2psync.errors.Diverged` is skipped.
+
+        ``unordered`` (``data`` only): nothing relies on this message's order relative to other
+        messages to ``peer`` (e.g. its tag is used once), so it may take a faster path that
+        does not keep it: a datagram to a peer on this host (:mod:`p2psync.transport.local`).
+        Otherwise messages between two nodes arrive in the order they were sent.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -247,11 +254,11 @@ class Transport(Relaying, FiniteChecks, ABC):
             held = win.try_acquire(frames_len(frames))
             if held is not None:
                 try:
-                    if self._attempt(peer, route, frames, True):
+                    if self._attempt(peer, route, frames, True, unordered):
                         return
                 finally:
                     win.release(held)
-        await self._send_direct(peer, route, budget, frames, bulk=bulk)
+        await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered)
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""
@@ -261,7 +268,7 @@ class Transport(Relaying, FiniteChecks, ABC):
         return w
 
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                           bulk: bool = False) -> None:
+                           bulk: bool = False, unordered: bool = False) -> None:
         """Send to an adjacent peer. ``bulk`` (tensors) waits for room in the peer's window
         (backpressure, bounded by ``budget``); control never waits for bulk."""
         if not bulk:
@@ -280,29 +287,29 @@ class Transport(Relaying, FiniteChecks, ABC):
                                   f"{budget:g}s (flow-control window of {win.capacity} bytes full)",
                                   peers=(peer,)) from None
         try:
-            await self._shape_and_deliver(peer, route, max(0.0, deadline - loop.time()), frames, True)
+            await self._shape_and_deliver(peer, route, max(0.0, deadline - loop.time()), frames, True, unordered)
         finally:
             win.release(held)
 
     def _shape_and_deliver(self, peer: int, route: Route, budget: float, frames: list[Any],
-                           bulk: bool) -> Awaitable[None]:
+                           bulk: bool, unordered: bool = False) -> Awaitable[None]:
         """The delivery to await: straight to ``_deliver``, or through the shaper. A plain
         function returning the awaitable, not a coroutine: one frame less on every send."""
         if self.shaper is None:
-            return self._deliver(peer, route, budget, frames, bulk=bulk)
+            return self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered)
         # a shaped message leaves later: capture its bytes now, as a real NIC would (a Fill's
         # inputs, such as a borrowed piece, are given back once this send returns)
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in placed(frames)]
         return self.shaper.submit(peer, frames_len(frames),
-                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk),
+                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered),
                                   control=not bulk, nic=route.local_nic)
 
-    def _attempt(self, peer: int, route: Route, frames: list[Any], bulk: bool) -> bool:
+    def _attempt(self, peer: int, route: Route, frames: list[Any], bulk: bool, unordered: bool = False) -> bool:
         """One try at handing the frames over: whether they went (False: retry later)."""
         if peer in self.dead:
             raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
         try:
-            self._transmit(peer, route, frames, bulk=bulk)
+            self._transmit(peer, route, frames, bulk=bulk, unordered=unordered)
         except NotReady:
             return False
         st = self.nic_stats[route.local_nic]
@@ -311,10 +318,10 @@ class Transport(Relaying, FiniteChecks, ABC):
         return True
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                       bulk: bool = False) -> None:
+                       bulk: bool = False, unordered: bool = False) -> None:
         deadline = time.monotonic() + budget
         delay = 0.0005
-        while not self._attempt(peer, route, frames, bulk):
+        while not self._attempt(peer, route, frames, bulk, unordered):
             if time.monotonic() >= deadline:
                 raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
                                       f"{route.local_nic} for {budget:g}s", peers=(peer,))

@@ -42,7 +42,8 @@ class MemoryTransport(Transport):
         if self.hub.endpoints.get(self.node_id) is self:
             del self.hub.endpoints[self.node_id]
 
-    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
+                  unordered: bool = False) -> None:
         # one medium for both classes: delivery is immediate, so control never waits for bulk
         target = self.hub.endpoints.get(peer)
         if target is None:

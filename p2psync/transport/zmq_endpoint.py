@@ -67,7 +67,9 @@ a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``:
 stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
 when the send fails; ``_drain`` takes it as a view of the sender's ring, with a lease that
 ``_ingest`` lends to a consumer that borrows it or releases after a copy (``Transport.lend``).
-Unkeyed endpoints only.
+An *unordered* bulk message (the collectives' pieces) to such a peer skips ZeroMQ altogether:
+marker, header and small frames go as one Unix datagram (:mod:`p2psync.transport.local`),
+taken by ``_drain_local``. Unkeyed endpoints only.
 """
 
 from __future__ import annotations
@@ -76,17 +78,18 @@ import asyncio
 import errno
 import logging
 import secrets
-from dataclasses import dataclass
 from typing import Any, Collection, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
+from p2psync.errors import ConfigError, TransportError, translate
 from p2psync.topology import Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
+from p2psync.transport.local import LocalChannel
 from p2psync.transport.shm import Inbound, Outbound, same_host
+from p2psync.transport.socket_options import SocketOptions
 from p2psync.transport.zap import DOMAIN_PREFIX, ZapHandler
 from p2psync.wire import DEFAULT_LIMITS, WireLimits, placed
 
@@ -113,29 +116,6 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-@dataclass(frozen=True)
-class SocketOptions:
-    #: messages queued per bulk pipe before a send is retried (backpressure)
-    sndhwm: int = 64
-    rcvhwm: int = 1000
-    heartbeat_ivl_ms: int = 500
-    heartbeat_timeout_ms: int = 2000
-    reconnect_ivl_ms: int = 20
-    reconnect_ivl_max_ms: int = 500
-    io_threads: int = 1
-    #: on close, how long queued outgoing messages may still be flushed (ms); messages to a
-    #: peer that is gone are never queued (IMMEDIATE), so this only delays a live send
-    close_linger_ms: int = 2000
-    #: kernel socket buffer sizes in bytes (0: the OS default)
-    sndbuf: int = 0
-    rcvbuf: int = 0
-    #: send queue of the control socket (messages per pipe)
-    control_sndhwm: int = 1000
-    #: send bulk frames of >= 64 KiB to peers on this host through shared memory
-    #: (:mod:`p2psync.transport.shm`; not with keys)
-    shm: bool = False
-
-
 def routing_id(node: int, nic: str) -> bytes:
     """The name of an outgoing pipe to ``node``'s NIC ``nic`` (on the socket that opened it)."""
     return f"{node}/{nic}".encode()
@@ -147,7 +127,7 @@ def claimed_id(node: int, nic: str, *, control: bool) -> bytes:
     return f"{node}/{nic}/{'c' if control else 'b'}".encode()
 
 
-class ZmqEndpoint(Transport):
+class ZmqEndpoint(Transport, LocalChannel):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
                  context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
@@ -200,9 +180,10 @@ class ZmqEndpoint(Transport):
             (peer, r.local_nic) for peer in topology.neighbors(node_id) for r in topology.routes(node_id, peer)
             if r.local_nic in self._loopback
             and same_host(next(c for c in topology.node(peer).nics if c.name == r.remote_nic).address))
-        if keys is None:  # every endpoint takes marked messages; sending them is the option
+        if keys is None:  # every endpoint takes marked messages and datagrams; sending them is the option
             self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
+        self._init_local(send=self._shm_out is not None)
 
     async def start(self) -> None:
         if self._socks:
@@ -229,6 +210,8 @@ class ZmqEndpoint(Transport):
                 with translate({zmq.ZMQError: lambda e: TransportError(
                         f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {e.strerror}")}):
                     s.bind(nic.endpoint)
+            if self.keys is None:
+                self._start_local()
         except BaseException:
             await self.close()
             raise
@@ -394,19 +377,10 @@ class ZmqEndpoint(Transport):
                 continue
             if known is None:
                 self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
-            else:
-                bufs = [f.buffer for f in frames[1:]]
-                lease = None
-                # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is on
-                # this host); anywhere else it is a malformed header
-                if (self._shm_in is not None and Inbound.marked(bufs) and not control
-                        and not known[1].endswith("/c") and nic in self._loopback):
-                    try:
-                        bufs, lease = self._shm_in.take(known[0], bufs)
-                    except ProtocolError as exc:
-                        self._reject(nic, known[1], exc.reason, exc.detail)
-                        continue
-                self._ingest(nic, known[0], known[1], bufs, lease)
+            else:  # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is
+                # on this host); anywhere else it is a malformed header
+                self._take_in(nic, known[0], known[1], [f.buffer for f in frames[1:]],
+                              not control and not known[1].endswith("/c") and nic in self._loopback)
             if not (i or more) and self._loop is not None:
                 self._loop.call_soon(self._drain, nic, control, True)
                 return
@@ -430,7 +404,8 @@ class ZmqEndpoint(Transport):
         except zmq.ZMQError:
             return None
 
-    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
+                  unordered: bool = False) -> None:
         """Send on our own outgoing pipe to ``peer`` (the control socket's for control)."""
         sock = (self._socks if bulk else self._ctl_socks).get(route.local_nic)
         if sock is None:
@@ -442,6 +417,13 @@ class ZmqEndpoint(Transport):
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
             frames, seg, head, count = shm.stage(peer, route.local_nic, frames)  # (computes Fills)
+            try:  # unordered: a datagram if it goes (p2psync.transport.local), else ZeroMQ
+                if unordered and self._send_local(peer, route.remote_nic, frames):
+                    return
+            except BaseException:
+                if seg is not None:
+                    shm.rollback(seg, head, count)
+                raise
         elif bulk:  # Fills are computed into their own arrays
             frames = placed(frames)
         try:
@@ -497,3 +479,4 @@ class ZmqEndpoint(Transport):
         for shm in (self._shm_out, self._shm_in):
             if shm is not None:
                 shm.close()
+        self._close_local()

@@ -1,0 +1,283 @@
+"""Datagrams between the processes of one host: tensor pieces without ZeroMQ's IO threads.
+
+A ZeroMQ message between two processes of one host goes from the sender's loop thread to its
+IO thread (an ``eventfd`` wake-up), through loopback TCP to the receiver's IO thread, and from
+there to the receiver's loop thread (another wake-up), and each end reads the socket's
+``EVENTS`` after every send and receive (the descriptor is edge-triggered). With the frames
+themselves in shared memory (:mod:`p2psync.transport.shm`), what is left per message is a
+header of about a hundred bytes, and most of the time went into moving it. Here it goes as one
+Unix datagram (``AF_UNIX``, ``SOCK_DGRAM``) from the sender's loop thread straight into the
+receiver's socket, which wakes the receiver's loop directly: one system call on each side
+(``bench/`` and ``python -m bench.allreduce``: see the README for the figures).
+
+* **Who uses it.** A sender with shared memory on (``SocketOptions.shm``, unkeyed) sends a bulk
+  message this way to a peer whose NIC and its own are both loopback addresses, when the
+  message is *unordered* (``Transport.send(..., unordered=True)``: the collectives' pieces,
+  each under a tag of its own, so their order relative to other messages means nothing) and
+  small enough (:data:`MAX_DATAGRAM`, the frames in shared memory not counted). Everything
+  else goes over ZeroMQ as before, so the order of every other message between two nodes is
+  still ZeroMQ's (first in, first out).
+* **Who receives.** Every unkeyed endpoint on Linux binds one datagram socket per loopback NIC,
+  at an abstract address (no file) named after that NIC's ZeroMQ endpoint
+  (:func:`address`): an address only the process that holds the TCP port binds (it binds the
+  datagram socket right after the port). A message the receiver cannot take as a datagram
+  (its queue is full, or nobody is bound there: not started yet, or gone) goes over ZeroMQ,
+  which queues it or retries it as any other message: the datagram is only ever the faster
+  way, never the only one.
+* **What a datagram holds.** A prefix (``P2D1``, the sender's node id, the frame count, each
+  frame's length), then the frames of the ZeroMQ message it replaces (a shared-memory marker
+  first when there is one, the wire header, the payload frames). The receiver takes the
+  frames exactly as from ZeroMQ (the marker, the strict decoder, the mailbox).
+* **Checks.** The kernel tells the receiver the sender's user (``SO_PASSCRED``): only this
+  user's processes are taken, as for shared memory (the nodes of one host run as one user).
+  The node id in the prefix must be a neighbour on this host over that NIC; a malformed
+  prefix, a truncated datagram or another user's is rejected and counted, like a malformed
+  ZeroMQ message. Unkeyed clusters only: with keys every byte goes through CurveZMQ.
+* Failure detection stays ZeroMQ's: its connections (and heartbeats) to the peer are still
+  there; a peer marked down gets nothing this way either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import struct
+import sys
+from typing import Any, Sequence
+
+from p2psync.errors import ProtocolError, TransportError
+from p2psync.topology import Node, Topology
+from p2psync.transport.lending import Releasable
+from p2psync.transport.shm import Inbound
+
+log = logging.getLogger("p2psync.transport")
+
+#: the largest datagram sent (bytes, the prefix included); a bigger message goes over ZeroMQ
+MAX_DATAGRAM = 192 << 10
+#: kernel buffer asked for on both ends (capped by ``net.core.[rw]mem_max``)
+_BUFFER = 4 << 20
+_MAGIC = b"P2D1"
+_PREFIX = struct.Struct("<4sIH")  # magic, sender node, frame count; then a uint32 per frame
+_CRED = struct.Struct("<iII")  # struct ucred: pid, uid, gid
+_ANC = socket.CMSG_SPACE(_CRED.size) if hasattr(socket, "CMSG_SPACE") else 0
+_MAX_FRAMES = 4096
+_DRAIN_BATCH = 256  # datagrams taken per callback before yielding to the loop (it calls again)
+
+
+def available() -> bool:
+    """Whether this platform has what the channel needs (Linux: abstract Unix addresses and
+    ``SCM_CREDENTIALS``)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_PASSCRED")
+
+
+def address(endpoint: str) -> bytes:
+    """The abstract Unix address of the datagram socket of the NIC whose ZeroMQ endpoint is
+    ``endpoint`` (``tcp://127.0.0.1:5555``), for this user."""
+    return b"\0p2psync-dg-%d-%s" % (os.geteuid(), endpoint.encode())
+
+
+class LocalOut:
+    """The sending side: one unbound datagram socket per endpoint."""
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
+        self.sent = 0  # messages that went this way
+        self.refused = 0  # datagrams the receiver could not take (they went over ZeroMQ)
+
+    def send(self, to: bytes, frames: Sequence[Any]) -> bool:
+        """Send ``frames`` (bytes-like) as one datagram to ``to``: whether it went. False when it
+        is too big for one, or the receiver cannot take it now (its queue is full, or nobody is
+        bound there yet or any more): the caller sends it over ZeroMQ, which queues it or
+        retries as for any message. :class:`TransportError` on any other failure."""
+        sizes = [memoryview(f).nbytes for f in frames]
+        n = len(sizes)
+        if n > _MAX_FRAMES or _PREFIX.size + 4 * n + sum(sizes) > MAX_DATAGRAM:
+            return False
+        head = _PREFIX.pack(_MAGIC, self.me, n) + struct.pack(f"<{n}I", *sizes)
+        try:
+            self.sock.sendmsg([head, *frames], (), 0, to)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            self.refused += 1
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # a smaller kernel limit than ours
+                return False
+            raise TransportError(f"node {self.me}: local datagram send failed: {exc.strerror}") from None
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LocalIn:
+    """The receiving side of one loopback NIC: a datagram socket bound at :func:`address`."""
+
+    def __init__(self, name: bytes) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
+            self.sock.bind(name)
+        except OSError:
+            self.sock.close()
+            raise
+        self._buf = bytearray(MAX_DATAGRAM + 1)  # one byte more: a longer datagram shows as truncated
+        self._view = memoryview(self._buf)
+        self._uid = os.geteuid()
+        self.received = 0  # messages taken this way
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv(self) -> tuple[int, list[memoryview]] | None:
+        """The next datagram's sender (the node id it claims) and frames, or None when none is
+        waiting. Raises :class:`ProtocolError` for a datagram it consumed and rejects."""
+        try:
+            n, anc, flags, _ = self.sock.recvmsg_into([self._buf], _ANC)
+        except (BlockingIOError, InterruptedError):
+            return None
+        uid = next((_CRED.unpack(data[:_CRED.size])[1] for level, kind, data in anc
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size),
+                   None)
+        if uid != self._uid:
+            raise ProtocolError("local_user", f"datagram from user {uid}, not this node's user")
+        if flags & socket.MSG_TRUNC or n > MAX_DATAGRAM:
+            raise ProtocolError("local_datagram", f"datagram longer than {MAX_DATAGRAM} bytes")
+        data = memoryview(bytes(self._view[:n]))  # its own copy: the frames outlive the next receive
+        if n < _PREFIX.size:
+            raise ProtocolError("local_datagram", f"{n} bytes: no prefix")
+        magic, src, count = _PREFIX.unpack_from(data)
+        at = _PREFIX.size + 4 * count
+        if magic != _MAGIC or at > n:
+            raise ProtocolError("local_datagram", "bad prefix")
+        sizes = struct.unpack_from(f"<{count}I", data, _PREFIX.size)
+        if at + sum(sizes) != n:
+            raise ProtocolError("local_datagram", f"frame lengths add up to {sum(sizes)}, not {n - at} bytes")
+        frames = []
+        for size in sizes:
+            frames.append(data[at:at + size])
+            at += size
+        self.received += 1
+        return src, frames
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LocalChannel:
+    """Mixin of :class:`~p2psync.transport.zmq_endpoint.ZmqEndpoint` (which sets these
+    attributes and calls :meth:`_init_local`): the datagram channel to and from the peers on
+    this host, and the hand-over of received frames (a shared-memory marker resolved first)
+    that its receive path and ZeroMQ's share."""
+
+    node_id: int
+    node: Node
+    topology: Topology
+    _loop: asyncio.AbstractEventLoop | None
+    _fds: list[int]
+    _shm_in: Inbound | None
+    _loopback: frozenset[str]
+    _on_host: frozenset[tuple[int, str]]
+
+    def _reject(self, nic: str, peer: str, reason: str, detail: str, *, per_peer: bool = True) -> None:
+        raise NotImplementedError
+
+    def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any],
+                lease: Releasable | None = None) -> None:
+        raise NotImplementedError
+
+    def _init_local(self, send: bool) -> None:
+        """``send``: this endpoint sends unordered bulk messages to peers on this host this way."""
+        self._local_out = LocalOut(self.node_id) if send and available() else None
+        self._local_in: dict[str, LocalIn] = {}
+        self._local_to: dict[tuple[int, str], bytes] = {}
+        #: per loopback NIC of ours, the neighbours on this host that reach us over it
+        self._local_from = {nic: frozenset(p for p, n in self._on_host if n == nic) for nic in self._loopback}
+
+    def _start_local(self) -> None:
+        """Bind the datagram socket of every loopback NIC (after its TCP port: see the module
+        docstring) and watch it."""
+        if not available() or self._loop is None:
+            return
+        for nic in self.node.nics:
+            if nic.name not in self._loopback:
+                continue
+            try:
+                ch = LocalIn(address(nic.endpoint))
+            except OSError as exc:
+                raise TransportError(f"node {self.node_id} NIC {nic.name}: cannot bind the local datagram "
+                                     f"address of {nic.endpoint}: {exc.strerror}") from None
+            self._local_in[nic.name] = ch
+            self._fds.append(ch.fileno())
+            self._loop.add_reader(ch.fileno(), self._drain_local, nic.name)
+
+    def _send_local(self, peer: int, remote_nic: str, frames: Sequence[Any]) -> bool:
+        """Send a staged message to ``peer``'s NIC ``remote_nic`` as a datagram: whether it
+        went (False: send it over ZeroMQ)."""
+        to = self._local_to.get((peer, remote_nic))
+        if to is None:
+            nic = next(c for c in self.topology.node(peer).nics if c.name == remote_nic)
+            to = self._local_to[(peer, remote_nic)] = address(nic.endpoint)
+        return self._local_out.send(to, frames) if self._local_out is not None else False
+
+    def _drain_local(self, nic: str) -> None:
+        """Take the datagrams waiting on ``nic``'s socket (loop callback; never raises)."""
+        ch = self._local_in.get(nic)
+        for _ in range(_DRAIN_BATCH):
+            if ch is None or ch.sock.fileno() < 0:
+                return
+            try:
+                got = ch.recv()
+            except ProtocolError as exc:
+                self._reject(nic, f"a datagram on {nic}", exc.reason, exc.detail, per_peer=False)
+                continue
+            except OSError as exc:
+                log.warning("node %d NIC %s: datagram receive error %s", self.node_id, nic, exc)
+                return
+            if got is None:
+                return
+            src, frames = got
+            if src not in self._local_from.get(nic, ()):
+                self._reject(nic, f"a datagram on {nic}", "unknown_peer",
+                             f"node {src} is not a neighbour on this host over NIC {nic}", per_peer=False)
+                continue
+            self._take_in(nic, src, f"{src}/datagram", frames, True)
+
+    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
+        """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
+        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
+        lease = None
+        if marked and self._shm_in is not None and Inbound.marked(frames):
+            try:
+                frames, lease = self._shm_in.take(src, frames)
+            except ProtocolError as exc:
+                self._reject(nic, label, exc.reason, exc.detail)
+                return
+        self._ingest(nic, src, label, frames, lease)
+
+    def _close_local(self) -> None:
+        for ch in self._local_in.values():
+            ch.close()
+        self._local_in.clear()
+        if self._local_out is not None:
+            self._local_out.close()
+            self._local_out = None
+
+    @property
+    def local_sent(self) -> int:
+        """Messages this endpoint sent as datagrams (:mod:`p2psync.transport.local`)."""
+        return self._local_out.sent if self._local_out is not None else 0
+
+    @property
+    def local_received(self) -> int:
+        """Messages it took as datagrams."""
+        return sum(ch.received for ch in self._local_in.values())
+
+
+__all__ = ["LocalChannel", "LocalIn", "LocalOut", "MAX_DATAGRAM", "address", "available"]
