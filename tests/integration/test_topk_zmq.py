@@ -153,14 +153,14 @@ def _corrupt_forwarded_rows(ep) -> None:
     after the first, which carry other members' rows) get NaN in their values half."""
     real = ep._transmit
 
-    def transmit(peer, route, frames, *, bulk=False):
+    def transmit(peer, route, frames, *, bulk=False, unordered=False):
         h = parse_header(bytes(frames[0]))
         if h.kind == "data" and ".ag" in h.tag and ".ag0." not in h.tag:
             payload = bytearray(bytes(frames[1]))
             half = len(payload) // 2
             payload[half:] = np.full((len(payload) - half) // 4, np.nan, "<f4").tobytes()
             frames = [frames[0], bytes(payload)]
-        real(peer, route, frames, bulk=bulk)
+        real(peer, route, frames, bulk=bulk, unordered=unordered)
 
     ep._transmit = transmit
 

@@ -121,12 +121,12 @@ def _poison_after_checks(s: Session, on: threading.Event) -> None:
     t = s.runtime.transport
     real = t._transmit
 
-    def transmit(peer: int, route: Any, frames: list[Any], *, bulk: bool = False) -> None:
+    def transmit(peer: int, route: Any, frames: list[Any], *, bulk: bool = False, unordered: bool = False) -> None:
         h = parse_header(bytes(frames[0]))
         if on.is_set() and h.kind == "data":
             frames = [frames[0], *(np.full(f.nbytes // 4, np.nan, "<f4").tobytes() if f.dtype == "float32"
                                    else frame for f, frame in zip(h.frames, frames[1:]))]
-        real(peer, route, frames, bulk=bulk)
+        real(peer, route, frames, bulk=bulk, unordered=unordered)
 
     t._transmit = transmit  # type: ignore[method-assign]
 

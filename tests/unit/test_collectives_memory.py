@@ -150,8 +150,9 @@ class _HoldingTransport(MemoryTransport):
 
     held: list[Any]
 
-    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False) -> None:
-        super()._transmit(peer, route, frames, bulk=bulk)
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
+                  unordered: bool = False) -> None:
+        super()._transmit(peer, route, frames, bulk=bulk, unordered=unordered)
         self.held.extend(placed(frames))  # a Fill as ZeroMQ would hold it: its own array's bytes
 
 

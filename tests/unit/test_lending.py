@@ -183,10 +183,10 @@ async def test_the_collectives_read_a_borrowed_piece_before_giving_it_back(monke
     releases: list[bool] = []
     plain = MemoryTransport._transmit
 
-    def transmit(self, peer, route, frames, *, bulk=False):
+    def transmit(self, peer, route, frames, *, bulk=False, unordered=False):
         target = self.hub.endpoints.get(peer)
         if target is None or not bulk:
-            return plain(self, peer, route, frames, bulk=bulk)
+            return plain(self, peer, route, frames, bulk=bulk, unordered=unordered)
         ring = [np.frombuffer(bytes(f), np.uint8).copy() for f in placed(frames)]
 
         class Poison:
