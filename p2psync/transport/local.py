@@ -64,6 +64,9 @@ _PREFIX = struct.Struct("<4sIH")  # magic, sender node, frame count; then a uint
 _CRED = struct.Struct("<iII")  # struct ucred: pid, uid, gid
 _ANC = socket.CMSG_SPACE(_CRED.size) if hasattr(socket, "CMSG_SPACE") else 0
 _MAX_FRAMES = 4096
+# plain ints: the socket module's are enum members, and ``&`` on them runs Python code
+_SOL_SOCKET, _SCM_CREDENTIALS = int(socket.SOL_SOCKET), int(getattr(socket, "SCM_CREDENTIALS", -1))
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 _DRAIN_BATCH = 256  # datagrams taken per callback before yielding to the loop (it calls again)
 
 
@@ -143,11 +146,11 @@ class LocalIn:
         except (BlockingIOError, InterruptedError):
             return None
         uid = next((_CRED.unpack(data[:_CRED.size])[1] for level, kind, data in anc
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size),
+                    if level == _SOL_SOCKET and kind == _SCM_CREDENTIALS and len(data) >= _CRED.size),
                    None)
         if uid != self._uid:
             raise ProtocolError("local_user", f"datagram from user {uid}, not this node's user")
-        if flags & socket.MSG_TRUNC or n > MAX_DATAGRAM:
+        if flags & _MSG_TRUNC or n > MAX_DATAGRAM:
             raise ProtocolError("local_datagram", f"datagram longer than {MAX_DATAGRAM} bytes")
         data = memoryview(bytes(self._view[:n]))  # its own copy: the frames outlive the next receive
         if n < _PREFIX.size:
