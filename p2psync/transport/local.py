@@ -67,7 +67,6 @@ _MAX_FRAMES = 4096
 # plain ints: the socket module's are enum members, and ``&`` on them runs Python code
 _SOL_SOCKET, _SCM_CREDENTIALS = int(socket.SOL_SOCKET), int(getattr(socket, "SCM_CREDENTIALS", -1))
 _MSG_TRUNC = int(socket.MSG_TRUNC)
-_DRAIN_BATCH = 256  # datagrams taken per callback before yielding to the loop (it calls again)
 
 
 def available() -> bool:
@@ -230,27 +229,29 @@ class LocalChannel:
         return self._local_out.send(to, frames) if self._local_out is not None else False
 
     def _drain_local(self, nic: str) -> None:
-        """Take the datagrams waiting on ``nic``'s socket (loop callback; never raises)."""
+        """Take the next datagram waiting on ``nic``'s socket (loop callback; never raises). One
+        per call: the loop watches the socket level-triggered, so it calls again while more
+        wait, and looking for a second one would mostly find none (an exception, and a system
+        call, per message)."""
         ch = self._local_in.get(nic)
-        for _ in range(_DRAIN_BATCH):
-            if ch is None or ch.sock.fileno() < 0:
-                return
-            try:
-                got = ch.recv()
-            except ProtocolError as exc:
-                self._reject(nic, f"a datagram on {nic}", exc.reason, exc.detail, per_peer=False)
-                continue
-            except OSError as exc:
-                log.warning("node %d NIC %s: datagram receive error %s", self.node_id, nic, exc)
-                return
-            if got is None:
-                return
-            src, frames = got
-            if src not in self._local_from.get(nic, ()):
-                self._reject(nic, f"a datagram on {nic}", "unknown_peer",
-                             f"node {src} is not a neighbour on this host over NIC {nic}", per_peer=False)
-                continue
-            self._take_in(nic, src, f"{src}/datagram", frames, True)
+        if ch is None or ch.sock.fileno() < 0:
+            return
+        try:
+            got = ch.recv()
+        except ProtocolError as exc:
+            self._reject(nic, f"a datagram on {nic}", exc.reason, exc.detail, per_peer=False)
+            return
+        except OSError as exc:
+            log.warning("node %d NIC %s: datagram receive error %s", self.node_id, nic, exc)
+            return
+        if got is None:
+            return
+        src, frames = got
+        if src not in self._local_from.get(nic, ()):
+            self._reject(nic, f"a datagram on {nic}", "unknown_peer",
+                         f"node {src} is not a neighbour on this host over NIC {nic}", per_peer=False)
+            return
+        self._take_in(nic, src, f"{src}/datagram", frames, True)
 
     def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
         """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
