@@ -130,7 +130,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "needed when the topology lists public keys; every connection then runs CurveZMQ")
     p.add_argument("--shm", action="store_true",
                    help="send pieces of 64 KiB or more to nodes on this host (loopback addresses) through "
-                        "shared memory in /dev/shm instead of TCP (a full /dev/shm falls back to TCP)")
+                        "shared memory in /dev/shm instead of TCP (a full /dev/shm falls back to TCP), and "
+                        "the collectives' messages to them as Unix datagrams")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")

@@ -22,7 +22,7 @@ fresh (page-faulting) memory per operation. Two kinds of lossless sends are not 
 the working buffer first but computed where they are sent from (a :class:`~p2psync.wire.fill.Fill`:
 into the sender's shared-memory ring, else into the buffer and sent from there): a partial sum
 that nothing on this node reads but the send (the ring's and BCube's reduce-scatter:
-``Run._deferrable``; the received piece is given back once the send has gone), and a piece's
+``schedule.deferrable``; the received piece is given back once the send has gone), and a piece's
 first send from the caller's tensor (below).
 
 Codecs apply per piece, except ``topk``: its allreduce sparsifies each node's whole contribution
