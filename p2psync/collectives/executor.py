@@ -53,7 +53,9 @@ different nodes, so there is no default. Piece messages are tagged
 ``<tag>.<phase><round>.<src>.<piece>`` (short for any group size) and carry a 32-bit signature
 of the operation (kind, group, size, dtype, codec, plan): a member that runs a different
 operation under the same tag is rejected with :class:`~p2psync.errors.ProtocolError` instead
-of being summed.
+of being summed. Each piece tag is used once, so pieces are sent *unordered*
+(``Transport.send(..., unordered=True)``: as datagrams to peers on this host, which may overtake
+other messages): a tag must not be reused while an earlier operation under it may still run.
 
 **Dtypes.** The result has the input's dtype for every operation.
 
@@ -234,7 +236,8 @@ class Collectives:
             raise ConfigError(f"broadcast root {root} is not in the group")
         buf, back = to_numpy(tensor)
         alone = refs(buf)
-        plan = plan_tree(self.topo, g, self._pieces(buf, len(g)), root=root)
+        key = ("tree", g, self._pieces(buf, len(g)), root)  # kept, as its schedules are (_schedule)
+        plan = self._plans.get(key) or self._plans.setdefault(key, plan_tree(self.topo, g, key[2], root=root))
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         free = await sends_done(lambda: refs(buf) == alone, buf.nbytes)
         return back(buf if free else buf.copy())  # sends may still be reading ``buf``

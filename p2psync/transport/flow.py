@@ -1,8 +1,8 @@
 """Bulk flow control: a byte window per peer for ``data`` sends (issue 10 item 2).
 
 A ``data`` send first acquires its bytes from the peer's :class:`ByteWindow` and gives them back
-once the bytes have been *handed off*: to the ZeroMQ socket (unshaped), or serialized onto the
-emulated link by the in-process shaper (the moment a real NIC would be done with them). A send
+once the bytes have been *handed off*: to the ZeroMQ socket or a datagram (unshaped), or
+serialized onto the emulated link by the in-process shaper (the moment a real NIC would be done with them). A send
 that finds the window full waits, FIFO, bounded by its own timeout: that is the backpressure the
 sender feels instead of piling up pieces in shaper queues or ZeroMQ pipes. The window does not
 cover bytes already propagating (the bandwidth-delay product), so it never limits throughput on

@@ -18,12 +18,16 @@ receiver's socket, which wakes the receiver's loop directly: one system call on 
   else goes over ZeroMQ as before, so the order of every other message between two nodes is
   still ZeroMQ's (first in, first out).
 * **Who receives.** Every unkeyed endpoint on Linux binds one datagram socket per loopback NIC,
-  at an abstract address (no file) named after that NIC's ZeroMQ endpoint
-  (:func:`address`): an address only the process that holds the TCP port binds (it binds the
-  datagram socket right after the port). A message the receiver cannot take as a datagram
-  (its queue is full, or nobody is bound there: not started yet, or gone) goes over ZeroMQ,
-  which queues it or retries it as any other message: the datagram is only ever the faster
-  way, never the only one.
+  at an abstract address (no file) named after that NIC's ZeroMQ endpoint and this user
+  (:func:`address`), right after binding the TCP port. A message the receiver cannot take as a
+  datagram (its queue is full, nobody is bound there: not started yet, or gone, or any other
+  error of the socket) goes over ZeroMQ, which queues it or retries it as any other message:
+  the datagram is only ever the faster way, never the only one.
+* **The rings.** A datagram's big frames go through a shared-memory ring of their own
+  (:data:`~p2psync.transport.shm.DATAGRAM`), never the one ZeroMQ's messages use: the receiver
+  takes a ring's frames only in the order they were staged, and datagrams keep their order
+  among themselves but not with ZeroMQ. One that does not go gives its ring space back, and
+  the message is staged again for ZeroMQ (a Fill computed again).
 * **What a datagram holds.** A prefix (``P2D1``, the sender's node id, the frame count, each
   frame's length), then the frames of the ZeroMQ message it replaces (a shared-memory marker
   first when there is one, the wire header, the payload frames). The receiver takes the
@@ -33,6 +37,12 @@ receiver's socket, which wakes the receiver's loop directly: one system call on 
   The node id in the prefix must be a neighbour on this host over that NIC; a malformed
   prefix, a truncated datagram or another user's is rejected and counted, like a malformed
   ZeroMQ message. Unkeyed clusters only: with keys every byte goes through CurveZMQ.
+* **What it does not prove.** An abstract address has no permissions: any local process
+  can bind a node's name first (that node's start then fails with a clear error) or after the
+  node has exited (it then receives what is sent there until the peer is marked down), and
+  the sender does not check who holds it. That is what an unkeyed cluster already allows
+  anyone who can take a node's TCP port or claim its routing id; a cluster that must prove
+  who is who runs with keys, where none of this is used.
 * Failure detection stays ZeroMQ's: its connections (and heartbeats) to the peer are still
   there; a peer marked down gets nothing this way either.
 """
@@ -40,18 +50,18 @@ receiver's socket, which wakes the receiver's loop directly: one system call on 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import socket
 import struct
 import sys
+from collections import Counter
 from typing import Any, Sequence
 
 from p2psync.errors import ProtocolError, TransportError
-from p2psync.topology import Node, Topology
+from p2psync.topology import Node, Route, Topology
 from p2psync.transport.lending import Releasable
-from p2psync.transport.shm import Inbound
+from p2psync.transport.shm import DATAGRAM, Inbound, Outbound
 
 log = logging.getLogger("p2psync.transport")
 
@@ -90,12 +100,13 @@ class LocalOut:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
         self.sent = 0  # messages that went this way
         self.refused = 0  # datagrams the receiver could not take (they went over ZeroMQ)
+        self.errors: Counter[int] = Counter()  # of those, by errno
 
     def send(self, to: bytes, frames: Sequence[Any]) -> bool:
         """Send ``frames`` (bytes-like) as one datagram to ``to``: whether it went. False when it
-        is too big for one, or the receiver cannot take it now (its queue is full, or nobody is
-        bound there yet or any more): the caller sends it over ZeroMQ, which queues it or
-        retries as for any message. :class:`TransportError` on any other failure."""
+        is too big for one, or the receiver cannot take it now (its queue is full, nobody is
+        bound there yet or any more, or any other error of the socket): the caller sends it
+        over ZeroMQ, which queues it or retries as for any message."""
         sizes = [memoryview(f).nbytes for f in frames]
         n = len(sizes)
         if n > _MAX_FRAMES or _PREFIX.size + 4 * n + sum(sizes) > MAX_DATAGRAM:
@@ -103,13 +114,10 @@ class LocalOut:
         head = _PREFIX.pack(_MAGIC, self.me, n) + struct.pack(f"<{n}I", *sizes)
         try:
             self.sock.sendmsg([head, *frames], (), 0, to)
-        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+        except OSError as exc:  # EAGAIN (queue full), ECONNREFUSED / ENOENT (nobody there), EMSGSIZE, ...
             self.refused += 1
+            self.errors[exc.errno or 0] += 1
             return False
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:  # a smaller kernel limit than ours
-                return False
-            raise TransportError(f"node {self.me}: local datagram send failed: {exc.strerror}") from None
         self.sent += 1
         return True
 
@@ -195,8 +203,10 @@ class LocalChannel:
         raise NotImplementedError
 
     def _init_local(self, send: bool) -> None:
-        """``send``: this endpoint sends unordered bulk messages to peers on this host this way."""
-        self._local_out = LocalOut(self.node_id) if send and available() else None
+        """``send``: this endpoint sends unordered bulk messages to peers on this host this way
+        (from :meth:`_start_local` on)."""
+        self._local_send = send
+        self._local_out: LocalOut | None = None
         self._local_in: dict[str, LocalIn] = {}
         self._local_to: dict[tuple[int, str], bytes] = {}
         #: per loopback NIC of ours, the neighbours on this host that reach us over it
@@ -207,6 +217,8 @@ class LocalChannel:
         docstring) and watch it."""
         if not available() or self._loop is None:
             return
+        if self._local_send and self._local_out is None:
+            self._local_out = LocalOut(self.node_id)
         for nic in self.node.nics:
             if nic.name not in self._loopback:
                 continue
@@ -219,14 +231,26 @@ class LocalChannel:
             self._fds.append(ch.fileno())
             self._loop.add_reader(ch.fileno(), self._drain_local, nic.name)
 
-    def _send_local(self, peer: int, remote_nic: str, frames: Sequence[Any]) -> bool:
-        """Send a staged message to ``peer``'s NIC ``remote_nic`` as a datagram: whether it
-        went (False: send it over ZeroMQ)."""
-        to = self._local_to.get((peer, remote_nic))
+    def _send_local(self, shm: Outbound, peer: int, route: Route, frames: list[Any]) -> bool:
+        """Send an unordered bulk message to ``peer`` as a datagram, its big frames through the
+        datagram ring (:data:`~p2psync.transport.shm.DATAGRAM`; the receiver takes a ring's
+        frames only in order, and datagrams keep their order among themselves, not with ZeroMQ):
+        whether it went. When it did not, the ring space is given back and the caller sends the
+        message over ZeroMQ, staged in ZeroMQ's own ring."""
+        if self._local_out is None:
+            return False
+        to = self._local_to.get((peer, route.remote_nic))
         if to is None:
-            nic = next(c for c in self.topology.node(peer).nics if c.name == remote_nic)
-            to = self._local_to[(peer, remote_nic)] = address(nic.endpoint)
-        return self._local_out.send(to, frames) if self._local_out is not None else False
+            nic = next(c for c in self.topology.node(peer).nics if c.name == route.remote_nic)
+            to = self._local_to[(peer, route.remote_nic)] = address(nic.endpoint)
+        staged, seg, head, count = shm.stage(peer, route.local_nic, frames, DATAGRAM)  # (computes Fills)
+        went = False
+        try:
+            went = self._local_out.send(to, staged)
+        finally:
+            if not went and seg is not None:
+                shm.rollback(seg, head, count)
+        return went
 
     def _drain_local(self, nic: str) -> None:
         """Take the next datagram waiting on ``nic``'s socket (loop callback; never raises). One

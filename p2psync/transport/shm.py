@@ -14,7 +14,9 @@ add a piece straight from the sender's ring into their working buffer, then rele
 what every other consumer gets owns its memory, as a received frame does) and releases the
 lease. Released leases advance the segment's *consumed* counter, in order, which frees the
 space for the sender. The message itself (order, flow control, failure detection, the shaper
-before it) is ZeroMQ's as always.
+before it) is ZeroMQ's as always, or, for an unordered message, a datagram's
+(:mod:`p2psync.transport.local`). The receiver takes a ring's markers only in the order they
+were staged, so each of the two ways has rings of its own (``Outbound.stage``'s ``channel``).
 
 * The ring never blocks: a frame that does not fit (the receiver is slow, dead or has not
   mapped the segment yet) goes over ZeroMQ as usual. So does everything when ``/dev/shm`` is
@@ -31,13 +33,13 @@ before it) is ZeroMQ's as always.
   is computed into its own array and goes over ZeroMQ.
 * A send that fails after staging (``EAGAIN``, unreachable) gives the space back
   (:meth:`Outbound.rollback`), so the retry stages again.
-* Names: ``p2psync-shm-<src>-<src nic, hex>-<dst>-<pid>-<random>``, files of mode 0600. The
-  receiver resolves markers only on a peer's bulk pipe into a loopback NIC, only for names of
-  the node the routing id names (with keys it is proven; shared memory is off then anyway)
-  addressed to itself, and maps only a regular file of its own user, not readable by others,
+* Names: ``p2psync-shm-<src>-<src nic and channel, hex>-<dst>-<pid>-<random>``, files of mode
+  0600. The receiver resolves markers only on a peer's bulk pipe into a loopback NIC (or in a
+  datagram from a neighbour on this host), only for names of the node the routing id (the
+  datagram) names (with keys it is proven; shared memory is off then anyway) addressed to itself, and maps only a regular file of its own user, not readable by others,
   with one link and at most :data:`MAX_SEGMENT` bytes. It unlinks a segment once mapped (the
-  memory lives while either side maps it) and drops the mapping when that sender and NIC start
-  a new one. The sender drops its segment for a peer whose connection went down (a restarted
+  memory lives while either side maps it) and drops the mapping when that sender, NIC and
+  channel start a new one. The sender drops its segment for a peer whose connection went down (a restarted
   peer maps the next one; the old one may have been unlinked by the process that died) and
   unlinks its segments on close (unless frames are still to be taken: the receiver unlinks it
   when it maps it). Every endpoint start sweeps the segments of processes that no longer exist
@@ -74,6 +76,8 @@ log = logging.getLogger("p2psync.transport")
 SHM_DIR = "/dev/shm"
 PREFIX = "p2psync-shm-"
 MARKER = b"\x00p2psync-shm1"  # never the start of a wire header (a msgpack map)
+#: the channel name of the rings whose markers go as datagrams (:mod:`p2psync.transport.local`)
+DATAGRAM = "/datagram"
 #: frames smaller than this go over ZeroMQ (the marker and the copy cost more than they save)
 MIN_FRAME = 64 << 10
 #: ring bytes per (peer, NIC): the transport's per-peer window (8 MiB); reserved when the
@@ -256,7 +260,7 @@ class Outbound:
 
     def __init__(self, me: int, capacity: int | None = None) -> None:
         self.me, self.capacity = me, CAPACITY if capacity is None else capacity
-        self._segs: dict[tuple[int, str], Segment | None] = {}  # None: shared memory failed there
+        self._segs: dict[tuple[int, str, str], Segment | None] = {}  # None: shared memory failed there
         self.frames = 0  # frames sent through shared memory so far
         self.filled = 0  # of those, Fills computed straight into a ring
         self._fills = 0  # Fills the last stage put into a ring (a rollback takes them back)
@@ -269,13 +273,16 @@ class Outbound:
             if seg is not None:
                 seg.close()
 
-    def stage(self, peer: int, nic: str, frames: list[Any]) -> tuple[list[Any], Segment | None, int, int]:
+    def stage(self, peer: int, nic: str, frames: list[Any],
+              channel: str = "") -> tuple[list[Any], Segment | None, int, int]:
         """The frames to send to ``peer`` on ``nic`` (the big ones moved into the segment, a
         marker first; a :class:`~p2psync.wire.fill.Fill` it did not take computed into its own
         array), the segment used (None: the frames unchanged), the head to roll back to and
-        how many frames it took."""
+        how many frames it took. ``channel``: each way of sending to the peer has a ring of its
+        own (``""`` ZeroMQ, :data:`DATAGRAM`): the receiver takes a ring's markers only in the
+        order they were staged, and only one way keeps that order."""
         big = [i for i, f in enumerate(frames) if _nbytes(f) >= MIN_FRAME]
-        seg = self._segment(peer, nic) if big else None
+        seg = self._segment(peer, nic, channel) if big else None
         got = seg.put([frames[i] for i in big]) if seg is not None else None
         if seg is None or got is None:
             return placed(frames), None, 0, 0
@@ -292,11 +299,11 @@ class Outbound:
         marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
         return [marker, *rest], seg, old, len(big)
 
-    def _segment(self, peer: int, nic: str) -> Segment | None:
-        key = (peer, nic)
+    def _segment(self, peer: int, nic: str, channel: str) -> Segment | None:
+        key = (peer, nic, channel)
         if key not in self._segs:
-            try:
-                self._segs[key] = Segment(self.me, nic, peer, self.capacity)
+            try:  # (the name carries the channel with the NIC: the receiver keeps one ring per both)
+                self._segs[key] = Segment(self.me, nic + channel, peer, self.capacity)
             except OSError as exc:
                 log.warning("node %d: no shared memory for node %d on NIC %s (%s): its frames go over ZeroMQ",
                             self.me, peer, nic, exc)
@@ -417,5 +424,5 @@ class Inbound:
         self._latest.clear()
 
 
-__all__ = ["CAPACITY", "Inbound", "Lease", "MARKER", "MAX_SEGMENT", "MIN_FRAME", "Outbound", "Segment", "same_host",
+__all__ = ["CAPACITY", "DATAGRAM", "Inbound", "Lease", "MARKER", "MAX_SEGMENT", "MIN_FRAME", "Outbound", "Segment", "same_host",
            "sweep"]

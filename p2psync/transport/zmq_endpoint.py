@@ -67,9 +67,9 @@ a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``:
 stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
 when the send fails; ``_drain`` takes it as a view of the sender's ring, with a lease that
 ``_ingest`` lends to a consumer that borrows it or releases after a copy (``Transport.lend``).
-An *unordered* bulk message (the collectives' pieces) to such a peer skips ZeroMQ altogether:
-marker, header and small frames go as one Unix datagram (:mod:`p2psync.transport.local`),
-taken by ``_drain_local``. Unkeyed endpoints only.
+An *unordered* bulk message (the collectives' pieces) to such a peer skips ZeroMQ when it can:
+marker, header and small frames go as one Unix datagram (:mod:`p2psync.transport.local`; its
+big frames in a ring of their own), taken by ``_drain_local``. Unkeyed endpoints only.
 """
 
 from __future__ import annotations
@@ -416,14 +416,9 @@ class ZmqEndpoint(Transport, LocalChannel):
         rid = self._rid_cache.get(key) or self._rid_cache.setdefault(key, routing_id(peer, route.remote_nic))
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
+            if unordered and self._send_local(shm, peer, route, frames):  # a datagram (transport/local.py)
+                return
             frames, seg, head, count = shm.stage(peer, route.local_nic, frames)  # (computes Fills)
-            try:  # unordered: a datagram if it goes (p2psync.transport.local), else ZeroMQ
-                if unordered and self._send_local(peer, route.remote_nic, frames):
-                    return
-            except BaseException:
-                if seg is not None:
-                    shm.rollback(seg, head, count)
-                raise
         elif bulk:  # Fills are computed into their own arrays
             frames = placed(frames)
         try:

@@ -128,3 +128,82 @@ async def test_a_receiver_that_takes_no_datagram_gets_the_message_over_zeromq():
         await eps[0].send(1, "late", [np.ones(3, np.float32)], timeout=10, unordered=True)
         assert (await b.recv("late", timeout=10)).arrays[0].tolist() == [1.0] * 3
         assert eps[0].local_sent == 0 and eps[0]._local_out.refused == 1
+
+
+async def test_ordered_big_messages_and_datagrams_to_one_peer_never_reject_each_other():
+    """Messages over ZeroMQ and datagrams to one peer each have a ring of their own (the
+    receiver takes a ring's frames only in order; the two ways do not keep order between them):
+    a datagram overtaking a big ZeroMQ message, or one a refused datagram sent over ZeroMQ,
+    rejects nothing (review of stop 34: it did, and the collective timed out)."""
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        a, b = eps[0], eps[1]
+        huge = np.ones(16 << 20, np.float32)  # 64 MiB: too big for a ring, over TCP
+        big = np.ones(64 * 1024, np.float32)  # 256 KiB: through a ring
+        await a.send(1, "huge", [huge], timeout=10)
+        await a.send(1, "ordered", [big], timeout=10)
+        await a.send(1, "dgram", [big * 2], timeout=10, unordered=True)
+        real, calls = a._local_out.send, [0]
+
+        def refuse_first(to, frames):
+            calls[0] += 1
+            return False if calls[0] == 1 else real(to, frames)  # as when the receiver's queue is full
+        a._local_out.send = refuse_first
+        await a.send(1, "refused", [big * 3], timeout=10, unordered=True)
+        await a.send(1, "next", [big * 4], timeout=10, unordered=True)
+        got = {t: (await b.recv(t, timeout=10)).arrays for t in ("dgram", "next", "huge", "ordered", "refused")}
+        assert [float(got[t][0][0]) for t in ("ordered", "dgram", "refused", "next")] == [1.0, 2.0, 3.0, 4.0]
+        assert got["huge"][0].size == huge.size
+        assert not b.rejected and a.local_sent == 2 and a._local_out.refused == 0
+        assert a.shm_frames == b._shm_in.frames == 4
+
+
+async def test_many_small_pieces_through_both_ways_stay_exact():
+    """40 pieces of 128 KiB on a ring: more datagrams in flight than a receiver's queue holds
+    (``net.unix.max_dgram_qlen``), so some go over ZeroMQ; nothing is rejected."""
+    topo = ring(4, base_port=free_port())
+    rng = np.random.default_rng(3)
+    xs = {i: rng.integers(-1000, 1000, 40 * 32768).astype(np.float32) for i in topo.ids}
+    want = sum(x.astype(np.float64) for x in xs.values()).astype(np.float32)
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        cs = {i: Collectives(e, timeout=30, piece_bytes=128 << 10) for i, e in eps.items()}
+        for r in range(3):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"x.{r}") for i in topo.ids))
+            assert all(o.tobytes() == want.tobytes() for o in outs)
+        assert all(not e.rejected for e in eps.values())
+        assert sum(e.local_sent for e in eps.values()) > 0
+
+
+async def test_a_datagram_send_that_raises_gives_its_ring_space_back(monkeypatch):
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        a, b = eps[0], eps[1]
+        big = np.ones(64 * 1024, np.float32)
+
+        def boom(self, to, frames):
+            raise RuntimeError("boom")
+        with monkeypatch.context() as m:
+            m.setattr(local.LocalOut, "send", boom)
+            with pytest.raises(RuntimeError):
+                await a.send(1, "lost", [big], timeout=10, unordered=True)
+        assert a.shm_frames == 0  # staged, then given back
+        seg = a._shm_out._segs[(1, topo.routes(0, 1)[0].local_nic, shm.DATAGRAM)]
+        assert seg.head == 0
+        await a.send(1, "fine", [big * 2], timeout=10, unordered=True)
+        assert float((await b.recv("fine", timeout=10)).arrays[0][0]) == 2.0
+        assert not b.rejected and a.shm_frames == 1
+
+
+async def test_a_receive_error_of_the_datagram_socket_does_not_escape(monkeypatch):
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
+        b = eps[1]
+        nic = next(iter(b._local_in))
+
+        def broken(self):
+            raise OSError(5, "I/O error")
+        with monkeypatch.context() as m:
+            m.setattr(local.LocalIn, "recv", broken)
+            b._drain_local(nic)  # a loop callback: never raises
+        await eps[0].send(1, "after", [np.ones(2, np.float32)], timeout=10, unordered=True)
+        assert (await b.recv("after", timeout=10)).arrays[0].tolist() == [1.0, 1.0]

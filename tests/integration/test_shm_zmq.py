@@ -79,7 +79,7 @@ async def test_a_forged_marker_is_rejected_and_counted():
         x = np.ones(1 << 18, np.float32)  # 1 MiB: the pieces go through shared memory
         await asyncio.gather(*(c[i].allreduce(x, tag="warm") for i in topo.ids))
         ep1 = eps[1]
-        (dst, _), seg = next((k, v) for k, v in ep1._shm_out._segs.items() if v is not None)
+        (dst, _, _), seg = next((k, v) for k, v in ep1._shm_out._segs.items() if v is not None)
         route = topo.routes(1, dst)[0]
         forged = seg.name.replace(f"{shm.PREFIX}1-", f"{shm.PREFIX}0-", 1)
         out, ep1._shm_out = ep1._shm_out, None  # raw frames: nothing staged

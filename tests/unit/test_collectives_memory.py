@@ -231,3 +231,26 @@ async def test_sends_done_waits_at_most_as_long_as_a_copy():
     looks = []
     assert not await sends_done(lambda: looks.append(1) or False, int(0.0039 * COPY_RATE))
     assert looks == [1]  # a buffer that copies in under 4 ms is copied at once
+
+
+async def test_schedules_are_kept_per_plan_phases_and_check():
+    """One plan, three operations with different schedules (review of stop 34): a lossless
+    allreduce (partial sums sent straight on), a lossy one (never), then a reduce-scatter
+    (no allgather: half the bytes). Each gets its own, and its results."""
+    topo = ring(4)
+    xs = {i: np.arange(64, dtype=np.float32) * (i + 1) for i in topo.ids}
+    want = sum(xs.values())
+    async with memory(topo, timeout=5) as cs:
+        for r, codec in enumerate(["none", "fp16", "none"]):
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"t{r}", codec=codec) for i in topo.ids))
+            for o in outs:
+                np.testing.assert_allclose(o, want, rtol=1e-2 if codec == "fp16" else 0)
+        full = cs[0].history[-1].wire_bytes
+        parts = await asyncio.gather(*(cs[i].reduce_scatter(xs[i], tag="rs") for i in topo.ids))
+        assert cs[0].history[-1].wire_bytes * 2 == full
+        got = np.zeros(64, np.float32)
+        for p in parts:
+            for (lo, hi), v in p.items():
+                got[lo:hi] = v
+        np.testing.assert_array_equal(got, want)
+        assert all(len(c._schedules) == 3 for c in cs.values())
