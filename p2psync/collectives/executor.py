@@ -96,8 +96,6 @@ from p2psync.wire.schema import valid_tag
 
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
-#: plans whose per-node schedules are kept (Collectives._schedule); more start the cache afresh
-_MAX_SCHEDULES = 256
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
 
@@ -236,7 +234,7 @@ class Collectives:
             raise ConfigError(f"broadcast root {root} is not in the group")
         buf, back = to_numpy(tensor)
         alone = refs(buf)
-        key = ("tree", g, self._pieces(buf, len(g)), root)  # kept, as its schedules are (_schedule)
+        key = ("tree", g, self._pieces(buf, len(g)), root)  # kept, as every plan (and its schedules)
         plan = self._plans.get(key) or self._plans.setdefault(key, plan_tree(self.topo, g, key[2], root=root))
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         free = await sends_done(lambda: refs(buf) == alone, buf.nbytes)
@@ -292,13 +290,12 @@ class Collectives:
         return [n for _, n in sorted((plan.owner[n][0][0], n) for n in g)]
 
     def _schedule(self, plan: Plan, phases: tuple[str, ...], pieces: int, fused: bool) -> Schedule:
-        """This node's steps of ``plan`` (:mod:`p2psync.collectives.schedule`), computed once per
-        plan and kept (the plan with them: a key by ``id`` must not outlive its plan)."""
+        """This node's steps of ``plan`` (:mod:`p2psync.collectives.schedule`), computed once and
+        kept as long as the plan is (every plan is, in ``_plans``); the plan is kept with them,
+        so a key by ``id`` never outlives it."""
         key = (id(plan), phases, pieces, fused)
         hit = self._schedules.get(key)
         if hit is None or hit[0] is not plan:
-            if len(self._schedules) >= _MAX_SCHEDULES:  # e.g. a broadcast plans afresh every time
-                self._schedules.clear()
             hit = self._schedules[key] = (plan, schedule(plan, self.transport.node_id, pieces, phases, fused))
         return hit[1]
 

@@ -58,7 +58,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
-
 from p2psync.errors import PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
@@ -250,11 +249,11 @@ class Transport(Relaying, FiniteChecks, ABC):
                         run=self.run_id, inc=self.incarnation)
         route, bulk = self.route(peer, nic), kind not in RELAY_KINDS
         if bulk and self.shaper is None:  # the common case: it goes at once, no coroutine below this one
-            win = self.window(peer)
-            held = win.try_acquire(frames_len(frames))
+            win, nbytes = self.window(peer), frames_len(frames)
+            held = win.try_acquire(nbytes)
             if held is not None:
                 try:
-                    if self._attempt(peer, route, frames, True, unordered):
+                    if self._attempt(peer, route, frames, nbytes, True, unordered):
                         return
                 finally:
                     win.release(held)
@@ -304,8 +303,10 @@ class Transport(Relaying, FiniteChecks, ABC):
                                   lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered),
                                   control=not bulk, nic=route.local_nic)
 
-    def _attempt(self, peer: int, route: Route, frames: list[Any], bulk: bool, unordered: bool = False) -> bool:
-        """One try at handing the frames over: whether they went (False: retry later)."""
+    def _attempt(self, peer: int, route: Route, frames: list[Any], nbytes: int, bulk: bool,
+                 unordered: bool = False) -> bool:
+        """One try at handing the frames (``nbytes`` in all) over: whether they went (False:
+        retry later)."""
         if peer in self.dead:
             raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
         try:
@@ -313,15 +314,15 @@ class Transport(Relaying, FiniteChecks, ABC):
         except NotReady:
             return False
         st = self.nic_stats[route.local_nic]
-        st.bytes_sent += frames_len(frames)
+        st.bytes_sent += nbytes
         st.msgs_sent += 1
         return True
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False, unordered: bool = False) -> None:
         deadline = time.monotonic() + budget
-        delay = 0.0005
-        while not self._attempt(peer, route, frames, bulk, unordered):
+        delay, nbytes = 0.0005, frames_len(frames)
+        while not self._attempt(peer, route, frames, nbytes, bulk, unordered):
             if time.monotonic() >= deadline:
                 raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
                                       f"{route.local_nic} for {budget:g}s", peers=(peer,))

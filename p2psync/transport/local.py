@@ -55,7 +55,6 @@ import os
 import socket
 import struct
 import sys
-from collections import Counter
 from typing import Any, Sequence
 
 from p2psync.errors import ProtocolError, TransportError
@@ -100,7 +99,6 @@ class LocalOut:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
         self.sent = 0  # messages that went this way
         self.refused = 0  # datagrams the receiver could not take (they went over ZeroMQ)
-        self.errors: Counter[int] = Counter()  # of those, by errno
 
     def send(self, to: bytes, frames: Sequence[Any]) -> bool:
         """Send ``frames`` (bytes-like) as one datagram to ``to``: whether it went. False when it
@@ -114,9 +112,8 @@ class LocalOut:
         head = _PREFIX.pack(_MAGIC, self.me, n) + struct.pack(f"<{n}I", *sizes)
         try:
             self.sock.sendmsg([head, *frames], (), 0, to)
-        except OSError as exc:  # EAGAIN (queue full), ECONNREFUSED / ENOENT (nobody there), EMSGSIZE, ...
+        except OSError:  # EAGAIN (queue full), ECONNREFUSED / ENOENT (nobody there), EMSGSIZE, ...
             self.refused += 1
-            self.errors[exc.errno or 0] += 1
             return False
         self.sent += 1
         return True
@@ -192,6 +189,7 @@ class LocalChannel:
     _loop: asyncio.AbstractEventLoop | None
     _fds: list[int]
     _shm_in: Inbound | None
+    _shm_out: Outbound | None
     _loopback: frozenset[str]
     _on_host: frozenset[tuple[int, str]]
 
@@ -202,10 +200,9 @@ class LocalChannel:
                 lease: Releasable | None = None) -> None:
         raise NotImplementedError
 
-    def _init_local(self, send: bool) -> None:
-        """``send``: this endpoint sends unordered bulk messages to peers on this host this way
-        (from :meth:`_start_local` on)."""
-        self._local_send = send
+    def _init_local(self) -> None:
+        """Before start: an endpoint that sends through shared memory (``_shm_out``) sends its
+        unordered bulk messages to peers on this host as datagrams, from :meth:`_start_local` on."""
         self._local_out: LocalOut | None = None
         self._local_in: dict[str, LocalIn] = {}
         self._local_to: dict[tuple[int, str], bytes] = {}
@@ -217,7 +214,7 @@ class LocalChannel:
         docstring) and watch it."""
         if not available() or self._loop is None:
             return
-        if self._local_send and self._local_out is None:
+        if self._shm_out is not None and self._local_out is None:
             self._local_out = LocalOut(self.node_id)
         for nic in self.node.nics:
             if nic.name not in self._loopback:
@@ -239,10 +236,10 @@ class LocalChannel:
         message over ZeroMQ, staged in ZeroMQ's own ring."""
         if self._local_out is None:
             return False
-        to = self._local_to.get((peer, route.remote_nic))
+        key = (peer, route.remote_nic)
+        to = self._local_to.get(key)
         if to is None:
-            nic = next(c for c in self.topology.node(peer).nics if c.name == route.remote_nic)
-            to = self._local_to[(peer, route.remote_nic)] = address(nic.endpoint)
+            to = self._local_to[key] = address(self.topology.node(peer).nic(route.remote_nic).endpoint)
         staged, seg, head, count = shm.stage(peer, route.local_nic, frames, DATAGRAM)  # (computes Fills)
         went = False
         try:

@@ -179,11 +179,11 @@ class ZmqEndpoint(Transport, LocalChannel):
         self._on_host = frozenset(
             (peer, r.local_nic) for peer in topology.neighbors(node_id) for r in topology.routes(node_id, peer)
             if r.local_nic in self._loopback
-            and same_host(next(c for c in topology.node(peer).nics if c.name == r.remote_nic).address))
+            and same_host(topology.node(peer).nic(r.remote_nic).address))
         if keys is None:  # every endpoint takes marked messages and datagrams; sending them is the option
             self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
-        self._init_local(send=self._shm_out is not None)
+        self._init_local()
 
     async def start(self) -> None:
         if self._socks:
