@@ -97,6 +97,17 @@ class Diverged(TrainingError):
     sending them. The run cannot go on; no peer is blamed for it."""
 
 
+class ReplicaMismatch(TrainingError):
+    """Members whose replicas a strategy promises bitwise equal hold different models (the
+    replica audit). ``nodes``: those that differ from the group's lowest id; ``tensor``: the
+    first parameter or buffer that differs."""
+
+    def __init__(self, message: str, *, nodes: tuple[int, ...] = (), tensor: str = "") -> None:
+        self.nodes = tuple(nodes)
+        self.tensor = tensor
+        super().__init__(message)
+
+
 class Aborted(P2PSyncError):
     """A local computation was abandoned on request (e.g. ESync's READY arrived mid-iteration)."""
 

@@ -10,4 +10,8 @@ from typing import Literal, get_args
 OnFailure = Literal["continue", "stop"]
 ON_FAILURE: tuple[str, ...] = get_args(OnFailure)
 
-__all__ = ["ON_FAILURE", "OnFailure"]
+#: module buffers at a synchronizing step: the lowest member's, the group's mean, or each node's own
+BufferMode = Literal["broadcast", "average", "local"]
+BUFFER_MODES: tuple[str, ...] = get_args(BufferMode)
+
+__all__ = ["BUFFER_MODES", "BufferMode", "ON_FAILURE", "OnFailure"]

@@ -143,6 +143,11 @@ class StepGate:
             else:
                 self._loop.call_soon_threadsafe(_done, fut, res)
 
+    def nudge(self) -> None:
+        """Wake a thread in :meth:`serve` ``(until=...)`` so it looks at its condition now
+        (any thread; a parked thread ignores it)."""
+        self._inbox.put(_Release(-1))
+
     def end(self) -> None:
         """The user's loop is over: a strategy waiting for an iteration gets TrainingEnded."""
         self._loop.call_soon_threadsafe(self._on_end)

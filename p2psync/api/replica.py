@@ -26,8 +26,12 @@ import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
+from torch.autograd import Variable
 
+from p2psync.strategies.backward_sync import BackwardAverager
 from p2psync.strategies.base import SgdHyper, SgdStep
+from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.training.flat import FlatModel
 from p2psync.training.grad_copies import GradCallback, GradCopies
@@ -54,6 +58,8 @@ class HookedReplica:
         self.params_gen = 0
         self._hooks: list[Any] = []
         self._copies: GradCopies | None = None
+        #: backward passes are averaged (False inside ``p2psync.no_sync()``)
+        self.sync_enabled = True
 
     # -- per-parameter gradient-ready hooks (strategies that pipeline layer groups) ---------
 
@@ -83,6 +89,59 @@ class HookedReplica:
         before the iteration arrives at the gate)."""
         if self._copies is not None:
             self._copies.flush()
+
+    # -- gradients averaged during backward (SSGD's sync=backward) --------------------------
+
+    async def enable_backward_sync(self, averager: BackwardAverager) -> None:
+        """From now on every backward pass hands its gradients to ``averager`` as they become
+        ready and, at its end, waits for the group's mean and writes it into ``.grad`` (and
+        the synchronized buffers into the model): see
+        :mod:`p2psync.strategies.backward_sync`. While :attr:`sync_enabled` is false
+        (``p2psync.no_sync()``) passes stay local. Registered on the training thread."""
+        await self.gate.run(functools.partial(self._register_backward_sync, averager))
+
+    def param_sizes(self) -> list[int]:
+        """Elements of each trainable parameter, in the flat vector's order."""
+        return [p.numel() for p in self.flat.params]
+
+    def _register_backward_sync(self, averager: BackwardAverager) -> None:
+        loop = self.gate.loop
+        copies = self._copies = GradCopies(loop, averager.on_grad)
+        state = _PassState()
+
+        def hook(index: int, offset: int, param: torch.Tensor) -> None:
+            if not self.sync_enabled:
+                return
+            if not state.open:
+                state.open = True
+                state.pass_id += 1
+                state.fired = set()
+                loop.call_soon_threadsafe(averager.pass_begin, state.pass_id, self.params_gen)
+                Variable._execution_engine.queue_callback(end)
+            state.fired.add(index)
+            copies.ready(index, offset, param.grad)
+
+        def end() -> None:
+            state.open = False
+            copies.flush()
+            rest = [(i, _host_grad(p)) for i, p in enumerate(self.flat.params) if i not in state.fired]
+            mode = averager.buffer_mode
+            bufs = self.flat.read_buffers(floats=mode == "average") \
+                if mode != "local" and self.flat.buffer_bytes else None
+            fut = asyncio.run_coroutine_threadsafe(averager.pass_end(state.pass_id, rest, bufs), loop)
+            fut.add_done_callback(lambda _: self.gate.nudge())
+            self.gate.serve(until=fut.done)  # model jobs (an adopted state) run meanwhile
+            res = fut.result()
+            if res is not None:
+                self.flat.set_grads(res.grads)
+                if res.buffers is not None:
+                    self.flat.write_buffers(res.buffers)
+
+        off = 0
+        for idx, p in enumerate(self.flat.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                functools.partial(hook, idx, off)))
+            off += p.numel()
 
     def remove_hooks(self) -> None:
         """Remove the gradient-ready hooks :meth:`enable_grad_ready` installed."""
@@ -175,6 +234,23 @@ class HookedReplica:
             self._replaced()
         await self.gate.run(go)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """See :attr:`Replica.buffer_bytes <p2psync.strategies.base.Replica.buffer_bytes>`."""
+        return self.flat.buffer_bytes
+
+    async def get_buffers(self, floats: bool = False) -> Buffers:
+        """See :meth:`Replica.get_buffers <p2psync.strategies.base.Replica.get_buffers>`."""
+        return await self.gate.run(lambda: self.flat.read_buffers(floats))
+
+    async def set_buffers(self, buffers: Buffers) -> None:
+        """See :meth:`Replica.set_buffers <p2psync.strategies.base.Replica.set_buffers>`."""
+        await self.gate.run(lambda: self.flat.write_buffers(buffers))
+
+    async def digests(self) -> list[tuple[str, bytes]]:
+        """See :meth:`Replica.digests <p2psync.strategies.base.Replica.digests>`."""
+        return await self.gate.run(self.flat.digests)
+
     def state_size(self) -> int:
         """See :meth:`Replica.state_size <p2psync.strategies.base.Replica.state_size>`."""
         return self.flat.state_size()
@@ -182,6 +258,21 @@ class HookedReplica:
     def layers(self) -> list[Layer]:
         """See :meth:`Replica.layers <p2psync.strategies.base.Replica.layers>`."""
         return self.flat.layers()
+
+
+class _PassState:
+    """The backward pass in progress (training / autograd thread)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.pass_id = 0
+        self.fired: set[int] = set()
+
+
+def _host_grad(p: torch.Tensor) -> np.ndarray:
+    """``p.grad`` (zeros when missing) as a host float32 vector."""
+    g = p.grad if p.grad is not None else torch.zeros_like(p)
+    return g.detach().reshape(-1).to("cpu", torch.float32).numpy().copy()
 
 
 __all__ = ["HookedReplica"]

@@ -205,7 +205,8 @@ class NodeRuntime:
                               rpc_server=self.server, membership=self.membership, replica=replica,
                               collectives=self.collectives,
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
-                              on_failure=cfg.on_failure, joining=self.joined, max_steps=max_steps)
+                              on_failure=cfg.on_failure, joining=self.joined, max_steps=max_steps,
+                              buffers=cfg.buffers, audit_every=cfg.audit_every)
         strategy = self.strategy = self.strategy_cls(ctx)
         self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)

@@ -22,7 +22,7 @@ from p2psync.training.data import DATASETS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
 from p2psync.transport.shaping import SHAPERS
-from p2psync.vocab import ON_FAILURE
+from p2psync.vocab import BUFFER_MODES, ON_FAILURE
 
 DEFAULT_EPOCHS = 20.0
 
@@ -135,6 +135,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
+    p.add_argument("--buffers", default=d.buffers, choices=BUFFER_MODES,
+                   help="module buffers (BatchNorm statistics) at every synchronizing step: the lowest "
+                        "member's, bitwise (broadcast, as DDP), the group's mean of the floating-point ones "
+                        "(average), or each node's own (local)")
+    p.add_argument("--audit-every", type=int, metavar="N",
+                   help="every N steps, members that should hold one model compare a hash of their parameters "
+                        "and buffers (a mismatch ends the run naming the nodes and the first tensor); the "
+                        "end of the run is always audited")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
                         "topology and options; --steps/--epochs count the whole run, --time this part)")
@@ -191,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure,
         keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
-        shm=args.shm, resume=str(Path(args.resume).absolute()) if args.resume else None)
+        shm=args.shm, buffers=args.buffers, audit_every=args.audit_every, resume=str(Path(args.resume).absolute()) if args.resume else None)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early

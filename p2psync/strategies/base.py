@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -34,12 +34,13 @@ from p2psync.collectives import Collectives, OpStats
 from p2psync.compress import Codec, get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
+from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
-from p2psync.vocab import ON_FAILURE, OnFailure
+from p2psync.vocab import ON_FAILURE, BufferMode, OnFailure
 
 
 #: a learning rate or weight decay: one number, or one value per parameter element when the
@@ -139,6 +140,22 @@ class Replica(Protocol):
         """The modules with trainable parameters, in the flat vector's order (Canary's
         colayers). Called from canary.py's ``start``: ``layers = self.ctx.replica.layers()``."""
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the model's buffers (0: it has none; nothing to synchronize)."""
+
+    async def get_buffers(self, floats: bool = False) -> Buffers:
+        """A copy of the model's buffers (BatchNorm statistics): their raw bytes and, with
+        ``floats``, the floating-point ones as float32. Called from ssgd.py:
+        ``mine = await self.ctx.replica.get_buffers(floats=...)``."""
+
+    async def set_buffers(self, buffers: Buffers) -> None:
+        """Write :class:`Buffers` back (raw bytes first, then the float values if given)."""
+
+    async def digests(self) -> list[tuple[str, bytes]]:
+        """(name, 8-byte digest) of every parameter and buffer: what the replica audit
+        compares (strategies/audit.py)."""
+
 
 @dataclass
 class StrategyContext:
@@ -169,6 +186,10 @@ class StrategyContext:
     #: ``max_steps - 1``, known in advance (strategies that agree on stopping only every few
     #: steps use it to stop exactly there)
     max_steps: int | None = None
+    #: module buffers at a synchronizing step (``--buffers``; strategies/buffers.py)
+    buffers: BufferMode = "broadcast"
+    #: audit the replicas every N steps where the strategy promises them equal (``--audit-every``)
+    audit_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_failure not in ON_FAILURE:
@@ -281,6 +302,11 @@ class Strategy(ABC):
         """A peer was declared failed by the membership service, or finished and left (called
         on the event loop, once per peer, before the view that removes it). Registered by
         ``NodeRuntime.start_strategy``: ``self.membership.listeners.append(strategy.on_peer_failure)``."""
+
+    #: where the strategy promises every member the same model (parameters and buffers),
+    #: checked by the replica audit (strategies/audit.py): ``every_step`` (after every step:
+    #: ``--audit-every`` applies), ``end`` (after the run's last step), ``never``
+    identical_replicas: ClassVar[Literal["every_step", "end", "never"]] = "never"
 
     #: the strategy wants :meth:`on_grad_ready` during backward (user scripts and the built-in
     #: job both go through ``attach``, which installs the per-parameter hooks)

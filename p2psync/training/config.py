@@ -12,7 +12,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from p2psync.errors import ConfigError
 from p2psync.training.hetero import SlowdownMode
 from p2psync.transport.shaping import SHAPERS, ShaperName
-from p2psync.vocab import ON_FAILURE, OnFailure
+from p2psync.vocab import BUFFER_MODES, ON_FAILURE, BufferMode, OnFailure
 from p2psync.wire.schema import valid_run_id
 
 #: the built-in job's models (p2psync.training.models builds them; named here, without torch,
@@ -83,6 +83,12 @@ class RunConfig:
     resume: str | None = None
     #: send big pieces to peers on this host through shared memory (transport/shm.py)
     shm: bool = False
+    #: module buffers at a synchronizing step: the lowest member's (broadcast), the group's
+    #: mean (average) or each node's own (local); see strategies/buffers.py
+    buffers: BufferMode = "broadcast"
+    #: compare a hash of every member's parameters and buffers every N steps (strategies that
+    #: promise identical replicas; the end of the run is always audited)
+    audit_every: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -92,7 +98,8 @@ class RunConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
 
-        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds", "checkpoint_every", "nic_mbps"):
+        for name in ("steps", "epochs", "time_limit", "threads", "eval_seconds", "checkpoint_every", "nic_mbps",
+                     "audit_every"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
                      "failure_timeout", "phi_threshold", "dirichlet_alpha", "synthetic_size", "shards_per_node",
@@ -125,8 +132,12 @@ class RunConfig:
         if self.run_id is not None and not valid_run_id(self.run_id):
             raise ConfigError(f"--run-id {self.run_id!r}: must be a plain folder name (1-128 characters "
                               "of A-Z a-z 0-9 _ . + -, not starting with a dot, no '..')")
-        if self.checkpoint_every is not None and isinstance(self.checkpoint_every, float):
-            raise ConfigError(f"--checkpoint-every must be a whole number of steps, got {self.checkpoint_every!r}")
+        for name in ("checkpoint_every", "audit_every"):
+            v = getattr(self, name)
+            if v is not None and isinstance(v, float):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a whole number of steps, got {v!r}")
+        if self.buffers not in BUFFER_MODES:
+            raise ConfigError(f"--buffers {self.buffers!r}: choose from {', '.join(BUFFER_MODES)}")
 
     def agreed(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in LOCAL_FIELDS and k != "topology"}

@@ -15,6 +15,7 @@ Issue 10 item 5: a joining node takes its state from a live peer.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Iterator
 
 import numpy as np
@@ -23,6 +24,7 @@ from torch import nn
 
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
+from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
 
 class FlatModel:
@@ -42,6 +44,9 @@ class FlatModel:
         self.numel = sum(p.numel() for p in self.params)
         if self.numel == 0:
             raise ConfigError("the model has no trainable parameters")
+        #: every buffer of the model (BatchNorm's running statistics and batch counts), in
+        #: ``named_buffers`` order; what DDP synchronizes too
+        self.buffers = [b for _, b in model.named_buffers()]
         self._pinned: torch.Tensor | None = None
         self._per_element_cache: dict[str, tuple[tuple[object, ...], np.ndarray]] = {}
 
@@ -126,6 +131,68 @@ class FlatModel:
         with torch.no_grad():
             for p, v in self._per_param(vec, "parameter"):
                 p.copy_(v)
+
+    # -- module buffers (BatchNorm statistics) -----------------------------------------------
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of all buffers together (0: the model has none, nothing to synchronize)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def get_buffers(self) -> np.ndarray:
+        """Every buffer's raw bytes, concatenated in ``named_buffers`` order (uint8): bitwise
+        what the model holds, whatever the buffers' dtypes."""
+        if not self.buffers:
+            return np.zeros(0, np.uint8)
+        return np.concatenate([_raw(b) for b in self.buffers])
+
+    def set_buffers(self, raw: np.ndarray) -> None:
+        """Copy :meth:`get_buffers` bytes into the buffers (ValueError on a length mismatch)."""
+        if raw.size != self.buffer_bytes:
+            raise ValueError(f"buffer bytes: got {raw.size}, the model's buffers hold {self.buffer_bytes}")
+        off = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                n = b.numel() * b.element_size()
+                src = torch.from_numpy(np.array(raw[off:off + n], dtype=np.uint8)).view(b.dtype).view_as(b)
+                b.copy_(src.to(b.device))
+                off += n
+
+    def float_buffers(self) -> np.ndarray:
+        """The floating-point buffers (running means and variances) as one float32 vector."""
+        parts = [b.detach().reshape(-1).to("cpu", torch.float32).numpy() for b in self.buffers
+                 if b.is_floating_point()]
+        return np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+
+    def set_float_buffers(self, vec: np.ndarray) -> None:
+        """Write a :meth:`float_buffers` vector back (each buffer keeps its dtype)."""
+        off = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                if b.is_floating_point():
+                    n = b.numel()
+                    b.copy_(torch.from_numpy(np.asarray(vec[off:off + n], np.float32)).view_as(b).to(b.device, b.dtype))
+                    off += n
+        if off != vec.size:
+            raise ValueError(f"float buffers: got {vec.size} values, the model's hold {off}")
+
+    def read_buffers(self, floats: bool = False) -> Buffers:
+        """The buffers as :class:`~p2psync.strategies.buffers.Buffers` (``floats``: with the
+        floating-point ones as float32 too)."""
+        return Buffers(raw=self.get_buffers(), floats=self.float_buffers() if floats else None)
+
+    def write_buffers(self, buffers: Buffers) -> None:
+        """Write :class:`~p2psync.strategies.buffers.Buffers` back: raw bytes, then floats."""
+        self.set_buffers(buffers.raw)
+        if buffers.floats is not None:
+            self.set_float_buffers(buffers.floats)
+
+    def digests(self) -> list[tuple[str, bytes]]:
+        """(name, 8-byte BLAKE2b digest of its raw bytes) of every parameter and buffer, in
+        ``named_parameters`` then ``named_buffers`` order: the replica audit compares them
+        across members (a parameter's gradient and the optimizer state are not included)."""
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return [(name, hashlib.blake2b(_raw(t).tobytes(), digest_size=8).digest()) for name, t in named]
 
     # -- plain SGD's own numbers (DTS) ----------------------------------------------------
 
@@ -258,6 +325,14 @@ class FlatModel:
                 src = torch.from_numpy(np.array(vec[off:off + n], dtype=np.float32)).view_as(p)
                 st[key] = src.to(p.device, p.dtype).clone()
                 off += n
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A host copy of ``t``'s bytes (uint8, C order)."""
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    if flat.numel() == 0:
+        return np.zeros(0, np.uint8)
+    return flat.view(torch.uint8).numpy().copy()
 
 
 __all__ = ["FlatModel"]

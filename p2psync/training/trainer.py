@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from p2psync.strategies.base import SgdHyper, SgdStep
+from p2psync.strategies.buffers import Buffers
 from p2psync.training.flat import FlatModel
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.errors import Aborted, ConfigError, Diverged
@@ -245,6 +246,23 @@ class Trainer:
     async def set_params(self, vec: np.ndarray) -> None:
         """Replace the parameters with the flat ``vec`` (a compute job)."""
         await self.run(lambda: self.flat.set_params(vec))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the model's buffers."""
+        return self.flat.buffer_bytes
+
+    async def get_buffers(self, floats: bool = False) -> Buffers:
+        """A copy of the model's buffers (a compute job)."""
+        return await self.run(lambda: self.flat.read_buffers(floats))
+
+    async def set_buffers(self, buffers: Buffers) -> None:
+        """Write buffers back (a compute job)."""
+        await self.run(lambda: self.flat.write_buffers(buffers))
+
+    async def digests(self) -> list[tuple[str, bytes]]:
+        """Digests of every parameter and buffer (a compute job)."""
+        return await self.run(self.flat.digests)
 
     def evaluate_now(self) -> tuple[float, float]:
         """(test loss, test accuracy); call on the thread that owns the model."""

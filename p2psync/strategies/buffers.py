@@ -1,0 +1,59 @@
+"""Module buffers (BatchNorm's running statistics and batch counts) across a group.
+
+Parameters are what the strategies exchange; buffers change in every forward pass on each
+node's own batches, so without this each replica's buffers drift apart even when its
+parameters are bitwise equal. ``--buffers`` chooses what a synchronizing step does with them:
+
+* ``broadcast`` (default, as torch's DDP): every member takes the buffers of the group's
+  lowest id, bitwise (all buffers, whatever their dtype);
+* ``average``: the floating-point buffers become the group's mean (exact allreduce, codec
+  ``none``), the others (batch counts) are the lowest id's;
+* ``local``: buffers are left alone (replicas then differ in them; the replica audit reports
+  it).
+
+Tags: ``<tag>.buf`` (the broadcast) and ``<tag>.bufmean`` (the mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from p2psync.collectives import Collectives
+from p2psync.tasks import gather_or_cancel
+from p2psync.vocab import BufferMode
+
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """A replica's buffers: ``raw`` every buffer's bytes (uint8), ``floats`` the floating-point
+    ones as one float32 vector (only read for ``average``, else None)."""
+
+    raw: np.ndarray
+    floats: np.ndarray | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.raw.size == 0
+
+
+async def exchange_buffers(coll: Collectives, mine: Buffers, mode: BufferMode, *, tag: str,
+                           group: Sequence[int]) -> Buffers | None:
+    """The buffers every member of ``group`` takes (the same on every member), or None when
+    there is nothing to do (``local``, or a model without buffers)."""
+    if mode == "local" or mine.empty:
+        return None
+    root = min(group)
+    if mode == "broadcast" or mine.floats is None or mine.floats.size == 0:
+        raw = await coll.broadcast(mine.raw, root, group, tag=f"{tag}.buf")
+        return Buffers(raw=np.asarray(raw, np.uint8))
+    raw, mean = await gather_or_cancel([
+        coll.broadcast(mine.raw, root, group, tag=f"{tag}.buf"),
+        coll.allreduce(mine.floats, group, op="mean", codec="none", tag=f"{tag}.bufmean")])
+    return Buffers(raw=np.asarray(raw, np.uint8), floats=np.asarray(mean, np.float32))
+
+
+__all__ = ["Buffers", "exchange_buffers"]
