@@ -247,9 +247,9 @@ class HookedReplica:
         """See :meth:`Replica.set_buffers <p2psync.strategies.base.Replica.set_buffers>`."""
         await self.gate.run(lambda: self.flat.write_buffers(buffers))
 
-    async def digests(self) -> list[tuple[str, bytes]]:
+    async def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
         """See :meth:`Replica.digests <p2psync.strategies.base.Replica.digests>`."""
-        return await self.gate.run(self.flat.digests)
+        return await self.gate.run(lambda: self.flat.digests(buffers))
 
     def state_size(self) -> int:
         """See :meth:`Replica.state_size <p2psync.strategies.base.Replica.state_size>`."""

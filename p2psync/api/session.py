@@ -57,8 +57,9 @@ from p2psync.api.runtime import NodeRuntime
 from p2psync.api.session_state import SessionState
 from p2psync.api.start import identical_start
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, Diverged, P2PSyncError, TrainingEnded, TrainingError
+from p2psync.errors import ConfigError, Diverged, P2PSyncError, ReplicaMismatch, TrainingEnded, TrainingError
 from p2psync.tasks import cancel_all
+from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import Strategy, get_strategy, parse_options
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
@@ -136,6 +137,8 @@ class Session(SessionState):
         self._loaded: dict[str, Any] | None = None
         #: name -> (get, set) of script state that checkpoints carry (register_state)
         self._extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        #: replica audits: passed, not completed, and the step of the last one passed
+        self._audits = AuditLog()
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -364,6 +367,8 @@ class Session(SessionState):
                              or (limit is not None and elapsed >= limit))
                 rep = await strategy.train_step(self.step, want_stop)
                 self.step = self.step + 1 if rep.next_step is None else rep.next_step
+                if self._audit_due(strategy, rep.stop, rep.next_step is not None):
+                    await self._audit(strategy, "end" if rep.stop else str(self.step))
                 self._comm += rep.comm_s
                 self._wait += rep.wait_s
                 every = self.cfg.checkpoint_every
@@ -392,6 +397,54 @@ class Session(SessionState):
             self._stopped = True
             gate.finish()
 
+    def _audit_due(self, strategy: Strategy, stop: bool, moved: bool) -> bool:
+        """Whether the replicas are compared after this step: at the end of every strategy
+        that promises one model, and every ``--audit-every`` steps of those that promise it
+        after every step (not after a step that adopted a peer's state)."""
+        promise = strategy.identical_replicas
+        if promise == "never" or moved:
+            return False
+        every = self.cfg.audit_every
+        return stop or (promise == "every_step" and every is not None and self.step % every == 0)
+
+    async def _audit(self, strategy: Strategy, label: str) -> None:
+        """The replica audit over the strategy's current group (strategies/audit.py): a
+        mismatch ends the run (ReplicaMismatch, on every member alike); an audit that cannot
+        complete (a member failed meanwhile) is logged and counted, not fatal."""
+        if self.replica is None or self.runtime is None:
+            raise TrainingError("the session is not started (attach() first)")
+        ctx = strategy.ctx
+        digests = await self.replica.digests(buffers=self.cfg.buffers != "local")
+        try:
+            await audit_replicas(self.runtime.collectives, digests, tag=f"audit.{label}.e{ctx.epoch}",
+                                 group=ctx.group, step=self.step)
+        except ReplicaMismatch:
+            raise
+        except P2PSyncError as exc:
+            self._audits.incomplete += 1
+            log.warning("node %d: replica audit after step %d did not complete (%s)", self.node_id, self.step, exc)
+            return
+        self._audits.passed += 1
+        self._audits.last = self.step
+
+    async def _loop_end_audit(self) -> None:
+        """The user's loop ended before the run agreed to stop: members whose loops ended at
+        the same step (equal shards: all of them) audit their replicas before they leave.
+        Bounded: a member still training does not take part, and the audit is then logged
+        as incomplete."""
+        strategy = self.strategy
+        if strategy is None or strategy.identical_replicas == "never":
+            return
+        bound = max(5.0, 2 * self.cfg.failure_timeout + 4 * self.cfg.heartbeat)
+        try:
+            await asyncio.wait_for(self._audit(strategy, f"loopend.{self.step}"), bound)
+        except asyncio.TimeoutError:
+            self._audits.incomplete += 1
+            log.warning("node %d: replica audit at the end of the loop (step %d) did not complete within %.0f s "
+                        "(another member's loop goes on)", self.node_id, self.step, bound)
+        except ReplicaMismatch as exc:
+            self._error = exc
+
     async def _finish(self, graceful: bool) -> None:
         rt = self.runtime
         if not (rt is not None and self.replica is not None):
@@ -405,10 +458,13 @@ class Session(SessionState):
                     await self._driver
                 except BaseException as exc:  # recorded in _error
                     self._error = self._error or exc
+            if self._error is None and self._ended_by_loop:
+                await self._loop_end_audit()
             if self._error is None:
                 wall = time.monotonic() - self.t0
                 nics = rt.nic_bytes()
                 params = await self.replica.get_params()
+                buffers = await self.replica.get_buffers()
                 self.stats = {
                     "node": self.node_id, "steps": self.step, "wall_s": round(wall, 3),
                     "final_accuracy": self.last_accuracy, "final_test_loss": self.last_test_loss,
@@ -418,8 +474,10 @@ class Session(SessionState):
                     "wait_s": round(self._wait, 3), "bytes_sent": bytes_sent({"nics": nics}),
                     "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
                     "skipped_steps": self.gate.skipped,
-                    # equal on every member of a synchronous run (SSGD: bitwise), joiners included
-                    "params_sha1": hashlib.sha1(params.tobytes()).hexdigest()[:16],
+                    # parameters and buffers: equal on every member of a synchronous run (SSGD:
+                    # bitwise), joiners included
+                    "params_sha1": hashlib.sha1(params.tobytes() + buffers.raw.tobytes()).hexdigest()[:16],
+                    "audits": self._audits.as_dict(),
                 }
                 # a node whose loop ended before the run agreed to stop leaves the view, so
                 # the others re-form without it; after an agreed stop nobody waits for it

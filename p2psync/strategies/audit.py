@@ -54,6 +54,19 @@ def first_mismatch(group: Sequence[int], rows: Sequence[np.ndarray], names: Sequ
     return Mismatch(reference=group[ref_at], nodes=tuple(sorted(nodes)), tensor=names[first], tensors=len(differ))
 
 
+@dataclass
+class AuditLog:
+    """A node's audits so far: passed, not completed (a member failed meanwhile), and the
+    step after which the last one passed."""
+
+    passed: int = 0
+    incomplete: int = 0
+    last: int | None = None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {"passed": self.passed, "incomplete": self.incomplete, "last": self.last}
+
+
 async def audit_replicas(coll: Collectives, digests: Sequence[tuple[str, bytes]], *, tag: str,
                          group: Sequence[int], step: int) -> None:
     """Compare this member's ``digests`` with every other member's; ReplicaMismatch (on every
@@ -71,4 +84,4 @@ async def audit_replicas(coll: Collectives, digests: Sequence[tuple[str, bytes]]
             nodes=bad.nodes, tensor=bad.tensor)
 
 
-__all__ = ["DIGEST", "Mismatch", "audit_replicas", "first_mismatch"]
+__all__ = ["DIGEST", "AuditLog", "Mismatch", "audit_replicas", "first_mismatch"]

@@ -152,9 +152,9 @@ class Replica(Protocol):
     async def set_buffers(self, buffers: Buffers) -> None:
         """Write :class:`Buffers` back (raw bytes first, then the float values if given)."""
 
-    async def digests(self) -> list[tuple[str, bytes]]:
-        """(name, 8-byte digest) of every parameter and buffer: what the replica audit
-        compares (strategies/audit.py)."""
+    async def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
+        """(name, 8-byte digest) of every parameter and (``buffers``) buffer: what the replica
+        audit compares (strategies/audit.py)."""
 
 
 @dataclass

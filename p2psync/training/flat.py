@@ -187,11 +187,11 @@ class FlatModel:
         if buffers.floats is not None:
             self.set_float_buffers(buffers.floats)
 
-    def digests(self) -> list[tuple[str, bytes]]:
-        """(name, 8-byte BLAKE2b digest of its raw bytes) of every parameter and buffer, in
-        ``named_parameters`` then ``named_buffers`` order: the replica audit compares them
-        across members (a parameter's gradient and the optimizer state are not included)."""
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+    def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
+        """(name, 8-byte BLAKE2b digest of its raw bytes) of every parameter and (``buffers``)
+        buffer, in ``named_parameters`` then ``named_buffers`` order: the replica audit compares
+        them across members (gradients and the optimizer state are not included)."""
+        named = [*self.model.named_parameters(), *(self.model.named_buffers() if buffers else ())]
         return [(name, hashlib.blake2b(_raw(t).tobytes(), digest_size=8).digest()) for name, t in named]
 
     # -- plain SGD's own numbers (DTS) ----------------------------------------------------

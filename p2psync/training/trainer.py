@@ -260,9 +260,9 @@ class Trainer:
         """Write buffers back (a compute job)."""
         await self.run(lambda: self.flat.write_buffers(buffers))
 
-    async def digests(self) -> list[tuple[str, bytes]]:
+    async def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
         """Digests of every parameter and buffer (a compute job)."""
-        return await self.run(self.flat.digests)
+        return await self.run(lambda: self.flat.digests(buffers))
 
     def evaluate_now(self) -> tuple[float, float]:
         """(test loss, test accuracy); call on the thread that owns the model."""
