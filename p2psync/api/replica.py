@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.training.flat import FlatModel
@@ -135,6 +136,14 @@ class HookedReplica:
     async def sgd_hyper(self) -> SgdHyper:
         """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
         return await self.gate.run(self.flat.sgd_hyper)
+
+    async def optim_spec(self) -> OptimSpec:
+        """See :meth:`Replica.optim_spec <p2psync.strategies.base.Replica.optim_spec>`."""
+        return await self.gate.run(self.flat.optim_spec)
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """See :meth:`Replica.optim_hypers <p2psync.strategies.base.Replica.optim_hypers>`."""
+        return await self.gate.run(lambda: self.flat.optim_hypers(spec))
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers (a compensation:

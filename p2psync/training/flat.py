@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from p2psync.errors import ConfigError
+from p2psync.params.optim import HyperValues, OptimSpec, read_hypers, read_spec
 from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
 from p2psync.strategies.canary_colayers import Layer
 
@@ -181,6 +182,14 @@ class FlatModel:
             vec.setflags(write=False)
             cached = self._per_element_cache[key] = (sig, vec)
         return cached[1]
+
+    def optim_spec(self) -> OptimSpec:
+        """The optimizer as the parameter store's owners run it (:func:`p2psync.params.read_spec`)."""
+        return read_spec(self.optimizer, self.params)
+
+    def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """Every parameter group's numeric hyperparameters, read now (:func:`p2psync.params.read_hypers`)."""
+        return read_hypers(self.optimizer, spec)
 
     def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """A compensation: parameters += dw, SGD momentum buffers += du (if given)."""

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.training.flat import FlatModel
 from p2psync.strategies.canary_colayers import Layer
@@ -209,6 +210,14 @@ class Trainer:
     async def sgd_hyper(self) -> SgdHyper:
         """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
         return await self.run(self.flat.sgd_hyper)
+
+    async def optim_spec(self) -> OptimSpec:
+        """The optimizer as the parameter store's owners run it."""
+        return await self.run(self.flat.optim_spec)
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """Every parameter group's numeric hyperparameters, read now."""
+        return await self.run(lambda: self.flat.optim_hypers(spec))
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers."""
