@@ -28,13 +28,17 @@ Optimizer state moves with its elements (:meth:`ShardOptimizer.export_state`,
 ``ShardOptimizer(state=...)``): every state entry is exported per element (a scalar such as
 Adam's ``step`` is repeated over its segment's elements), with a first channel marking the
 elements whose segment had state; a new segment made of elements with no state starts fresh,
-otherwise takes each per-element entry and, for a scalar entry, the largest value among its
-elements (segments of one shard are stepped together, so they differ only after a lost push).
+otherwise takes each per-element entry (zero for its elements that had none: a lost shard's
+elements that share a piece with moved ones) and, for a scalar entry, the largest value among
+its elements that had state (segments of one shard are stepped together, so their step counts
+differ only after a lost push).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -176,21 +180,18 @@ def read_spec(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) 
         elif n:
             runs.append((off, off + n, g))
         off += n
-    defaults = optimizer.defaults
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in IMPL_OPTIONS}
     keys: list[tuple[str, int]] = []
     for k in defaults:
-        if k in IMPL_OPTIONS:
-            continue
         widths = {_hyper_width(g.get(k, defaults[k])) for g in groups}
         if len(widths) == 1 and (w := widths.pop()) is not None:
             keys.append((k, w))
     hk = {k for k, _ in keys}
-    static = tuple({k: g.get(k, v) for k, v in defaults.items() if k not in hk and k not in IMPL_OPTIONS}
-                   for g in groups)
+    static = tuple({k: g.get(k, v) for k, v in defaults.items() if k not in hk} for g in groups)
     spec = OptimSpec(cls=cls, numel=off, runs=tuple(runs), static=static, hyper_keys=tuple(keys),
                      initial=tuple(_flatten(g, keys) for g in groups))
-    return OptimSpec(cls=cls, numel=off, runs=spec.runs, static=static, hyper_keys=spec.hyper_keys,
-                     initial=spec.initial, state=_probe_state(spec))
+    return dataclasses.replace(spec, state=_probe_state(spec))
 
 
 def _flatten(group: Mapping[str, Any], keys: Iterable[tuple[str, int]]) -> HyperValues:

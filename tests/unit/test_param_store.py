@@ -172,8 +172,11 @@ async def test_reshard_restores_a_dead_owners_shard_from_the_freshest_copy():
         assert state[0, :lo2].all() and state[1, :lo2].any()
         for i in (0, 1):  # the momentum of the live shards moved with them; the lost one starts fresh
             a, b = st[i].bounds[i]
-            assert np.array_equal(st[i].opt.export_state(), state[:, a:b])  # exact (the sum makes -0.0 0.0)
+            got = st[i].opt.export_state()
+            assert np.array_equal(got[1], state[1, a:b])  # exact (the sum makes -0.0 0.0)
+            assert (got[0] >= state[0, a:b]).all()  # a piece holding moved state keeps state (zeros for the rest)
         assert not state[:, lo2:hi2].any()
+        assert not st[1].opt.export_state()[0, -4:].any()  # a piece of the lost shard alone: fresh
         # the store goes on over two owners: a round of pushes is one SGD step (lr/2 each) on the mean
         g = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
         await asyncio.gather(*(st[i].push(g[i]) for i in (0, 1)))
