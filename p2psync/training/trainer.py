@@ -64,13 +64,20 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The built-in job's optimizer for ``--optimizer`` (``sgd`` or ``adam``; Adam ignores
+    """The built-in job's optimizer for ``--optimizer``: ``sgd``, ``nesterov`` (SGD with
+    Nesterov momentum: ``momentum`` must be > 0), ``adam`` or ``adamw`` (both ignore
     ``momentum``). Called from training/node.py's ``build_trainer``."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "nesterov":
+        if momentum <= 0:
+            raise ConfigError("--optimizer nesterov needs --momentum > 0")
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise ConfigError(f"unknown optimizer {name!r} (choose sgd or adam)")
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ConfigError(f"unknown optimizer {name!r} (choose sgd, nesterov, adam or adamw)")
 
 
 class Trainer:
