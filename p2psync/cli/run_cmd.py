@@ -208,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
     topo = load(cfg.topology)  # validate before starting anything
     # the strategy's options, also those checked against the topology (a group size vs N)
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
+    if args.cmd is None:  # the built-in job's optimizer is known: checked before any node starts
+        from p2psync.strategies.needs import OptimizerInfo, check
+
+        cls = get_strategy(cfg.strategy)
+        check(cls.name, cls.needs, OptimizerInfo.builtin(cfg.optimizer, momentum=cfg.momentum))
     check_keys(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)

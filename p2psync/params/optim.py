@@ -48,10 +48,12 @@ import torch
 
 from p2psync.errors import ConfigError
 
-#: the ``torch.optim`` classes whose update is elementwise (see the module docstring)
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop)
+#: the ``torch.optim`` classes whose update is elementwise (each element's new value depends on
+#: its weight, gradient and state and on per-tensor scalars only), so shards of the flat vector
+#: can be stepped apart
+ELEMENTWISE_NAMES: tuple[str, ...] = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+                                      "RMSprop", "Rprop")
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(getattr(torch.optim, n) for n in ELEMENTWISE_NAMES)
 
 #: options that choose an implementation, not the arithmetic: the owners use torch's defaults
 #: (their tensors are CPU float32 vectors whatever the user's device)

@@ -36,6 +36,7 @@ from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.canary_colayers import Layer
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
@@ -252,6 +253,9 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: the options accepted via --opt NAME=VALUE (a frozen dataclass; see strategies/options.py)
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: what it needs of the user's script (optimizer, schedules, clipping), checked once per run
+    #: before anything starts (strategies/needs.py) and shown in the README's table
+    needs: ClassVar[Needs] = Needs()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -71,6 +71,7 @@ from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.params import ParamStore
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.tasks import cancel_all, wait_or_event
@@ -83,6 +84,11 @@ class _StoreStrategy(Strategy):
     """The worker loop shared by the five (spec §5)."""
 
     kind: ClassVar[str] = ""
+    needs = Needs(optimizer="elementwise",
+                  schedules="honoured: every push carries the worker's current hyperparameters of every "
+                            "parameter group",
+                  clipping="clips the worker's gradient before it is pushed",
+                  why="the shard owners run the optimizer's class on slices of the flat parameter vector")
 
     @classmethod
     def scheduler(cls, opts: Any, ids: list[int]) -> StalenessScheduler | ElasticScheduler:

@@ -125,6 +125,7 @@ async def test_a_schedule_that_sets_lr_to_zero_freezes_every_store_strategy(name
     assert all(g.tobytes() == w0.tobytes() for g in got)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # the store steps, not the optimizer
 async def test_bsp_follows_a_schedule_step_by_step():
     """A scheduler stepped after every round: BSP's weights move while lr > 0 and stop moving
     at the round whose pushes carry lr = 0 (the lr is read at each push, not at the start)."""
