@@ -138,8 +138,7 @@ class FlatModel:
         if type(opt) is not torch.optim.SGD:
             raise ConfigError(f"this strategy needs torch.optim.SGD (plain or with momentum), not "
                               f"{type(opt).__name__}: it does SGD's arithmetic itself (DTS's compensation is exact "
-                              "only for an optimizer linear in the gradients; the parameter store's shard owners "
-                              "run SGD)")
+                              "only for an optimizer linear in the gradients)")
         groups = opt.param_groups
         for g in groups:
             if g.get("nesterov", False) or g.get("dampening", 0) != 0:
