@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
+from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.backward_sync import BackwardAverager
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.buffers import Buffers
@@ -194,6 +195,14 @@ class HookedReplica:
     async def sgd_hyper(self) -> SgdHyper:
         """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
         return await self.gate.run(self.flat.sgd_hyper)
+
+    async def optim_spec(self) -> OptimSpec:
+        """See :meth:`Replica.optim_spec <p2psync.strategies.base.Replica.optim_spec>`."""
+        return await self.gate.run(self.flat.optim_spec)
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """See :meth:`Replica.optim_hypers <p2psync.strategies.base.Replica.optim_hypers>`."""
+        return await self.gate.run(lambda: self.flat.optim_hypers(spec))
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers (a compensation:

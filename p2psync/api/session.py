@@ -61,6 +61,7 @@ from p2psync.errors import ConfigError, Diverged, P2PSyncError, ReplicaMismatch,
 from p2psync.tasks import cancel_all
 from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import Strategy, get_strategy, parse_options
+from p2psync.strategies.needs import OptimizerInfo, check
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
 from p2psync.training.flat import FlatModel
@@ -165,6 +166,8 @@ class Session(SessionState):
             raise ConfigError(f"node {self.node_id}: attach() was called twice (one model per node)")
         if getattr(optimizer, "_p2psync_session", None) is not None:
             raise ConfigError(f"node {self.node_id}: this optimizer is already attached to a session")
+        strategy_cls = get_strategy(self.cfg.strategy)  # what it needs of the optimizer, before joining
+        check(strategy_cls.name, strategy_cls.needs, OptimizerInfo.of(optimizer))
         if self.cfg.resume is not None and self._loaded is None:  # --resume: this node's checkpoint
             self.load_state_dict(checkpoint.load(checkpoint.node_checkpoint(self.cfg.resume, self.node_id)))
         if self._loaded is not None:

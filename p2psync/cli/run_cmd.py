@@ -17,7 +17,7 @@ from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, P2PSyncError, translate
 from p2psync.topology import Topology
-from p2psync.training.config import MODELS, RunConfig
+from p2psync.training.config import MODELS, OPTIMIZERS, RunConfig
 from p2psync.training.data import DATASETS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--partition", default=d.partition, choices=SCHEMES, help="how data is split across nodes")
     p.add_argument("--dirichlet-alpha", type=float, default=d.dirichlet_alpha, help="skew of --partition dirichlet")
     p.add_argument("--shards-per-node", type=int, default=d.shards_per_node, help="for --partition shards")
-    p.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
+    p.add_argument("--optimizer", default=d.optimizer, choices=tuple(OPTIMIZERS),
+                   help="the built-in job's optimizer (nesterov: SGD with Nesterov momentum)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     p.add_argument("--momentum", type=float, default=d.momentum)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -215,6 +216,11 @@ def run(args: argparse.Namespace) -> int:
     topo = load(cfg.topology)  # validate before starting anything
     # the strategy's options, also those checked against the topology (a group size vs N)
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
+    if args.cmd is None:  # the built-in job's optimizer is known: checked before any node starts
+        from p2psync.strategies.needs import OptimizerInfo, check
+
+        cls = get_strategy(cfg.strategy)
+        check(cls.name, cls.needs, OptimizerInfo.builtin(cfg.optimizer, momentum=cfg.momentum))
     check_keys(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)

@@ -15,6 +15,9 @@ follows every acknowledged push of the generation before), and that every live w
 of barrier b has been served before any piece of generation b + 1 exists (barrier b + 1 needs a
 push of generation b from everyone, each made after its worker's pull of b).
 
+Outside rounds every piece is one optimizer step of its own, in arrival order, with the
+hyperparameters its worker pushed and the learning rate times the store's ``scale``.
+
 * **Snapshot** (ElasticBSP, and any store not in rounds mode): when the first piece of
   generation b is about to be applied while some member has not pulled barrier b yet, the owner
   copies its shard (weights and version) first; pulls of b are served from that copy, which is
@@ -24,8 +27,9 @@ push of generation b from everyone, each made after its worker's pull of b).
 * **Rounds** (BSP: SSP(0), DSSP(0, 0); every OK is a barrier): the pieces of the open generation
   are kept, acknowledged on arrival, and applied together once the generation is complete —
   when a piece of a later generation arrives, a pull of a later barrier or an ordinary pull
-  comes, or the store re-shards — summed per range in origin-id order as one SGD step (weight
-  decay for k pushes; BSP's aggregated update, spec §6.1 ``aggregate_rounds``). The result
+  comes, or the store re-shards — summed per range in origin-id order and divided by their
+  number: one optimizer step on the round's mean gradient, with the hyperparameters the
+  lowest origin pushed (BSP's aggregated update, spec §6.1 ``aggregate_rounds``). The result
   does not depend on the order pieces arrived in, so the run is bitwise reproducible and
   SSP(0) equals BSP exactly; a pull of barrier b never sees generation b, which stays held until
   then. It costs one round of the shard's pieces per origin in memory (at most the whole model
@@ -44,6 +48,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from p2psync.params.optim import Hypers
+
 log = logging.getLogger("p2psync.params")
 
 
@@ -53,7 +59,11 @@ class Shard(Protocol):
     w: np.ndarray
     version: int
 
-    def apply(self, a: int, b: int, g: np.ndarray, pushes: int = 1) -> None: ...
+    def apply(self, a: int, b: int, g: np.ndarray, hypers: Hypers, lr_scale: float = 1.0) -> None: ...
+
+
+#: a push piece as the owner takes it: (origin, a, b, gradient, generation, hyperparameters)
+Piece = tuple[int, int, int, np.ndarray, int, Hypers]
 
 
 class BarrierState:
@@ -65,7 +75,7 @@ class BarrierState:
         self.lo = lo
         #: the newest generation seen (the open round in rounds mode)
         self.gen = 0
-        self._round: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # range -> origin -> sum
+        self._round: dict[tuple[int, int], dict[int, tuple[np.ndarray, Hypers]]] = {}  # range -> origin -> sum
         self._snap: tuple[int, np.ndarray, int] | None = None  # (barrier, weights, version)
         self._pulled: dict[int, set[int]] = {}  # barrier -> members that pulled it
         #: pulls of a barrier served without its copy (see the module docstring)
@@ -80,34 +90,29 @@ class BarrierState:
         """Pieces held in the open round."""
         return sum(len(by) for by in self._round.values())
 
-    def take(self, opt: Shard, pieces: Iterable[tuple[int, int, int, np.ndarray, int]],
-             members: Iterable[int]) -> int:
-        """Pieces ``(origin, a, b, gradient, generation)`` that arrived: applied now or held in
-        the open round. Returns how many were applied now."""
+    def take(self, opt: Shard, pieces: Iterable[Piece], members: Iterable[int], scale: float = 1.0) -> int:
+        """Pieces that arrived: applied now (one step each, learning rate times ``scale``) or
+        held in the open round. Returns how many were applied now."""
         applied = 0
         for g, batch in sorted(self._by_gen(pieces).items()):
             if g > self.gen:
                 self._advance(opt, g, members)
             if self.rounds and g == self.gen:
-                for o, a, b, arr in batch:
+                for o, a, b, arr, hyp in batch:
                     by = self._round.setdefault((a, b), {})
-                    by[o] = by[o] + arr if o in by else arr
+                    by[o] = (by[o][0] + arr, hyp) if o in by else (arr, hyp)
                 continue
-            sums: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
-            for _, a, b, arr in batch:
-                s, k = sums.get((a, b), (np.zeros(b - a, np.float32), 0))
-                sums[(a, b)] = (s + arr, k + 1)
-            for (a, b), (s, k) in sums.items():
-                opt.apply(a - self.lo, b - self.lo, s, k)
-                applied += k
+            for _, a, b, arr, hyp in batch:
+                opt.apply(a - self.lo, b - self.lo, arr, hyp, scale)
+                applied += 1
         opt.version += applied
         return applied
 
     @staticmethod
-    def _by_gen(pieces: Iterable[tuple[int, int, int, np.ndarray, int]]) -> dict[int, list[tuple[int, int, int, np.ndarray]]]:
-        out: dict[int, list[tuple[int, int, int, np.ndarray]]] = {}
-        for o, a, b, arr, g in pieces:
-            out.setdefault(g, []).append((o, a, b, arr))
+    def _by_gen(pieces: Iterable[Piece]) -> dict[int, list[tuple[int, int, int, np.ndarray, Hypers]]]:
+        out: dict[int, list[tuple[int, int, int, np.ndarray, Hypers]]] = {}
+        for o, a, b, arr, g, hyp in pieces:
+            out.setdefault(g, []).append((o, a, b, arr, hyp))
         return out
 
     def _advance(self, opt: Shard, g: int, members: Iterable[int]) -> None:
@@ -121,13 +126,15 @@ class BarrierState:
         self._forget(g)
 
     def flush(self, opt: Shard) -> int:
-        """Apply the open round: per range, the origins' pieces summed in id order, one step."""
+        """Apply the open round: per range, one step on the origins' pieces summed in id order
+        and divided by their number, with the lowest origin's hyperparameters."""
         n = 0
         for (a, b), by in sorted(self._round.items()):
             s = np.zeros(b - a, np.float32)
             for o in sorted(by):
-                s += by[o]
-            opt.apply(a - self.lo, b - self.lo, s, len(by))
+                s += by[o][0]
+            s /= np.float32(len(by))
+            opt.apply(a - self.lo, b - self.lo, s, by[min(by)][1], 1.0)
             n += len(by)
         self._round.clear()
         opt.version += n

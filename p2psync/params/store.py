@@ -14,10 +14,14 @@ optimizer state** and runs the update, as the thesis' parameter server does:
 * Pushes are gradients, so the run's codec applies to their pieces (with error feedback per
   piece when asked, always for ``topk``); a piece that does not decode, or is not finite, is
   refused and counted. :meth:`ParamStore.pull` fetches every shard exactly (its owner sends the current weights as pieces).
-* The update is plain SGD as ``torch.optim.SGD`` does it (momentum buffer ``b = mu b + g + wd w``,
-  ``w -= lr b``) with the learning rate scaled by ``scale`` per push (default 1/N: N pushes of
-  one round move the weights as far as one SGD step on their mean, so SSP(0) with plain SGD is
-  exactly BSP).
+* The update is the user's optimizer (:mod:`p2psync.params.optim`: its class and options, one
+  instance per segment of the owner's shard, torch's own arithmetic) with the hyperparameters
+  the pushing worker's optimizer had at the time of the push (its LR schedule included): every
+  piece carries its groups' values. Each push is one optimizer step with the learning rate
+  scaled by ``scale`` (default 1/N: N pushes move the weights about as far as one step on their
+  mean; with plain SGD exactly as far); in ``rounds`` mode a round is one step, unscaled, on the
+  round's mean gradient, so with one worker, or BSP, the store does exactly what the user's
+  optimizer does locally on the averaged gradient.
 * Barriers (:mod:`p2psync.params.barriers`): a push carries its generation (the barriers its
   worker passed) and a pull after a barrier the barrier's number; an owner serves every pull of
   a barrier the shard as it was at that barrier, from a copy taken when the next generation's
@@ -39,13 +43,15 @@ carries it):
    per owner, the version (pushes applied) the owner's shard had when it was served; the
    versions of the lost shards are gathered, and for each lost shard the holder of the highest
    version (the lowest id among equals) supplies it;
-2. *the whole state*: each survivor contributes its own shard's weights and momentum, the chosen
-   holders the lost shards' weights, zeros elsewhere; the sum is the exact state (x + 0 = x),
-   every survivor takes its new shard (weights and momentum) and continues from those weights.
+2. *the whole state*: each survivor contributes its own shard's weights and optimizer state (per
+   element: :meth:`ShardOptimizer.export_state`), the chosen holders the lost shards' weights,
+   zeros elsewhere; the sum is the exact state (x + 0 = x), every survivor takes its new shard
+   (weights and optimizer state: the state of a moved slice moves with it) and continues from
+   those weights.
 
 What is lost with a dead owner: the pushes its shard applied after the freshest copy was pulled
-(at most the pushes one pull interval holds), and its shard's momentum (restarted at zero); both
-are logged. A push that did not complete (a piece for the dead owner, or one that arrived at an
+(at most the pushes one pull interval holds), and its shard's optimizer state (momentum, Adam's
+moments and step: that slice's optimizer starts fresh); both are logged. A push that did not complete (a piece for the dead owner, or one that arrived at an
 owner after it moved on) is *lost*, counted in :attr:`ParamStore.lost_pushes` and reported by
 the push raising :class:`~p2psync.errors.PeerFailure`; its other pieces stay applied (a partial
 gradient). Pieces and pulls carry the store epoch: an owner refuses older epochs' pieces, and
@@ -71,7 +77,8 @@ from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, PeerUnreachable,
                              ProtocolError, RemoteError, TransportError)
-from p2psync.params.barriers import BarrierState
+from p2psync.params.barriers import BarrierState, Piece
+from p2psync.params.optim import (Hypers, OptimSpec, ShardOptimizer, decode_hypers, encode_hypers)
 from p2psync.params.shards import piece_ranges, shard_bounds
 from p2psync.tasks import TaskSet, cancel_all
 from p2psync.transport import Transport
@@ -85,31 +92,6 @@ log = logging.getLogger("p2psync.params")
 _PEER_ERRORS = frozenset(c.__name__ for c in (PeerFailure, PeerUnreachable, PeerTimeout))
 
 
-class ShardOptimizer:
-    """SGD (momentum, weight decay) on one shard, ``torch.optim.SGD``'s arithmetic in numpy."""
-
-    def __init__(self, w: np.ndarray, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 scale: float = 1.0) -> None:
-        for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("scale", scale)):
-            if not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"{name}={v} must be a finite number >= 0")
-        self.w = np.array(w, dtype=np.float32, copy=True)
-        self.buf = np.zeros_like(self.w) if momentum else None
-        self.lr, self.momentum, self.weight_decay, self.scale = lr, momentum, weight_decay, scale
-        self.version = 0  # gradient pieces applied (the store counts them)
-
-    def apply(self, a: int, b: int, g: np.ndarray, pushes: int = 1) -> None:
-        """Apply the sum ``g`` of ``pushes`` gradients of the range ``[a, b)`` (shard offsets)."""
-        d = g.astype(np.float32, copy=True)
-        if self.weight_decay:
-            d += np.float32(self.weight_decay * pushes) * self.w[a:b]
-        if self.buf is not None:
-            self.buf[a:b] *= np.float32(self.momentum)
-            self.buf[a:b] += d
-            d = self.buf[a:b]
-        self.w[a:b] -= np.float32(self.lr * self.scale) * d
-
-
 @dataclass
 class PushStats:
     pieces: int = 0
@@ -121,8 +103,7 @@ class ParamStore:
     """One peer's part of the store: the owner of its shard, a client of the others."""
 
     def __init__(self, *, transport: Transport, rpc_server: RpcServer, rpc: RpcClient, members: Sequence[int],
-                 params: np.ndarray, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
+                 params: np.ndarray, optim: OptimSpec, scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
                  name: str = "ps", codec: str = "none", error_feedback: bool = False, rounds: bool = False) -> None:
         self.transport, self.rpc, self.name, self.timeout = transport, rpc, name, timeout
         self.me = transport.node_id
@@ -132,10 +113,13 @@ class ParamStore:
             raise ConfigError(f"node {self.me} is not a member of the store {sorted(self.bounds)}")
         self.lo, self.hi = self.bounds[self.me]
         self.piece = max(1, piece_bytes // 4)
-        self.own_pieces = len(piece_ranges(self.lo, self.hi, self.piece))
+        if optim.numel != self.numel:
+            raise ConfigError(f"{name}: the optimizer covers {optim.numel} values, the store {self.numel}")
+        if scale is not None and not (math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"{name}: scale={scale} must be a finite number > 0")
+        self.optim = optim
         self._scale = scale  # None: 1/N, N the members of the current split
-        self.opt = ShardOptimizer(params[self.lo:self.hi], lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                  scale=1.0 / len(self.bounds) if scale is None else scale)
+        self.opt = self._shard(params[self.lo:self.hi])
         #: generations, the open round (``rounds``: BSP) and the barrier copy of this shard
         self.barriers = BarrierState(rounds=rounds, lo=self.lo)
         self.codec = get_codec(codec)
@@ -160,6 +144,18 @@ class ParamStore:
         self.pulled = np.array(params, dtype=np.float32, copy=True)
         self.pulled_versions = {o: 0 for o in self.bounds}
         rpc_server.register(f"{name}.pull", self._serve_pull)
+
+    def _shard(self, w: np.ndarray, state: np.ndarray | None = None) -> ShardOptimizer:
+        """This node's :class:`ShardOptimizer` for the current split (``own_pieces`` set too)."""
+        pieces = piece_ranges(self.lo, self.hi, self.piece)
+        self.own_pieces = len(pieces)
+        self._piece_set = {(a - self.lo, b - self.lo) for a, b in pieces}
+        return ShardOptimizer(self.optim, w, lo=self.lo, pieces=pieces, state=state)
+
+    @property
+    def scale(self) -> float:
+        """The learning-rate factor of one push outside rounds."""
+        return 1.0 / len(self.bounds) if self._scale is None else self._scale
 
     @property
     def members(self) -> list[int]:
@@ -198,13 +194,20 @@ class ParamStore:
 
     # -- push -----------------------------------------------------------------------------
 
-    async def push(self, grad: np.ndarray, *, gen: int = 0) -> PushStats:
+    async def push(self, grad: np.ndarray, *, gen: int = 0, hypers: Hypers | None = None) -> PushStats:
         """Send ``grad`` to the shard owners; returns once every piece is applied (or held in
-        its round) and acked. ``gen``: the last barrier this worker was released from."""
+        its round) and acked. ``gen``: the last barrier this worker was released from;
+        ``hypers``: every parameter group's hyperparameters for this push
+        (:func:`~p2psync.params.optim.read_hypers` of the worker's optimizer; default: the
+        values the spec was read with)."""
         if grad.shape != (self.numel,):
             raise ConfigError(f"{self.name}: gradient has shape {grad.shape}, the store holds {self.numel} values")
         if type(gen) is not int or gen < 0:
             raise ConfigError(f"{self.name}: push generation {gen!r} must be an integer >= 0")
+        hyp: Hypers = dict(enumerate(self.optim.initial)) if hypers is None else hypers
+        if any(g not in hyp or len(hyp[g]) != self.optim.width for g in range(self.optim.groups)):
+            raise ConfigError(f"{self.name}: hyperparameters {dict(hyp)!r} do not match the optimizer's "
+                              f"{self.optim.groups} group(s) of {self.optim.width} value(s)"[:300])
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         seq = next(self._seq)
@@ -213,11 +216,12 @@ class ParamStore:
         sends = []
         for owner, (lo, hi) in self.bounds.items():
             if owner == self.me:
-                self.barriers.take(self.opt, [(self.me, a, b, np.array(grad[a:b], np.float32), gen)
-                                              for a, b in piece_ranges(lo, hi, self.piece)], self.bounds)
+                self.barriers.take(self.opt, [(self.me, a, b, np.array(grad[a:b], np.float32), gen, hyp)
+                                              for a, b in piece_ranges(lo, hi, self.piece)], self.bounds, self.scale)
                 continue
             for a, b in piece_ranges(lo, hi, self.piece):
-                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch, "g": gen}
+                meta = {"o": self.me, "ack": ack, "lo": a, "hi": b, "c": self.codec.spec, "e": self.epoch, "g": gen,
+                        "h": encode_hypers(hyp, self.optim.groups_in(a, b))}
                 sends.append((owner, asyncio.ensure_future(self.fwd.send(owner, f"{self.name}.push",
                                                                       self._encode(grad[a:b], a), meta))))
         st.pieces = len(sends)
@@ -272,8 +276,8 @@ class ParamStore:
 
     def _decode(self, m: Message, a: Any, b: Any) -> np.ndarray | None:
         """The gradient piece ``[a, b)`` a push message carries, or None if it is not one of
-        this shard's, not in this store's codec, or not finite."""
-        if type(a) is not int or type(b) is not int or not self.lo <= a <= b <= self.hi \
+        this shard's pieces, not in this store's codec, or not finite."""
+        if type(a) is not int or type(b) is not int or (a - self.lo, b - self.lo) not in self._piece_set \
                 or m.meta.get("c") != self.codec.spec:
             return None
         try:
@@ -298,7 +302,7 @@ class ParamStore:
     async def _apply(self, batch: Sequence[Message]) -> None:
         """Apply a batch of push pieces (summing those of the same range; :class:`BarrierState`
         holds a BSP round's) and acknowledge them."""
-        pieces: list[tuple[int, int, int, np.ndarray, int]] = []
+        pieces: list[Piece] = []
         acks: list[tuple[int, str, dict[str, Any]]] = []
         for m in batch:
             meta = m.meta
@@ -318,14 +322,17 @@ class ParamStore:
                 self._reject(m, "origin is not a member")
                 continue
             arr = self._decode(m, a, b)
-            if arr is None or type(a) is not int or type(b) is not int:
-                self._reject(m, "piece outside the shard, of the wrong size or codec, or not finite")
+            hyp = None if arr is None or type(a) is not int or type(b) is not int else \
+                decode_hypers(meta.get("h"), self.optim, self.optim.groups_in(a, b))
+            if arr is None or hyp is None or type(a) is not int or type(b) is not int:
+                self._reject(m, "piece not of the shard, of the wrong size or codec, not finite, or without valid "
+                                "hyperparameters")
                 acks.append((o, ack, {"err": f"bad piece [{a}, {b}) for shard [{self.lo}, {self.hi}) (codec "
                                              f"{meta.get('c')!r}, this store {self.codec.spec!r})"}))
                 continue
-            pieces.append((o, a, b, arr, gen))
+            pieces.append((o, a, b, arr, gen, hyp))
             acks.append((o, ack, {}))
-        self.barriers.take(self.opt, pieces, self.bounds)
+        self.barriers.take(self.opt, pieces, self.bounds, self.scale)
         for o, ack, meta in acks:
             try:
                 await self.transport.send(o, ack, kind="event", meta=meta, timeout=self.timeout)
@@ -438,12 +445,14 @@ class ParamStore:
         if lost:
             v = await allreduce(v, new, f"{self.name}.rs{epoch}.v")
         holders = {o: int(np.argmax(v[j::len(lost)])) for j, o in enumerate(lost)}  # first max: lowest id
-        # 2. the whole state: own shard (weights, momentum), the chosen replicas of lost shards
+        # 2. the whole state: own shard (weights, optimizer state), the chosen replicas of lost shards
         n = self.numel
-        x = np.zeros(2 * n, np.float32)
+        ch = self.opt.channels
+        x = np.zeros((1 + ch) * n, np.float32)
         x[self.lo:self.hi] = self.opt.w
-        if self.opt.buf is not None:
-            x[n + self.lo:n + self.hi] = self.opt.buf
+        st = self.opt.export_state()
+        for k in range(ch):
+            x[(1 + k) * n + self.lo:(1 + k) * n + self.hi] = st[k]
         for o, h in holders.items():
             if h == rank:
                 a, b = self.bounds[o]
@@ -451,17 +460,12 @@ class ParamStore:
         full = await allreduce(x, new, f"{self.name}.rs{epoch}.w")
         for o, h in holders.items():
             log.warning("node %d: %s shard %s of node %d (gone) restored from node %d's copy at version %d; its "
-                        "momentum restarts at zero", self.me, self.name, self.bounds[o], o, new[h],
+                        "optimizer state starts fresh", self.me, self.name, self.bounds[o], o, new[h],
                         int(v[h * len(lost) + lost.index(o)]) - 1)
         self.bounds = shard_bounds(n, new)
         self.lo, self.hi = self.bounds[self.me]
-        self.own_pieces = len(piece_ranges(self.lo, self.hi, self.piece))
-        opt = self.opt
-        self.opt = ShardOptimizer(full[self.lo:self.hi], lr=opt.lr, momentum=opt.momentum,
-                                  weight_decay=opt.weight_decay,
-                                  scale=1.0 / len(new) if self._scale is None else self._scale)
-        if self.opt.buf is not None:
-            self.opt.buf[:] = full[n + self.lo:n + self.hi]
+        state = full[n:].reshape(ch, n)[:, self.lo:self.hi]
+        self.opt = self._shard(full[self.lo:self.hi], np.ascontiguousarray(state))
         if self.feedback is not None:
             self.feedback = ErrorFeedback()  # residues were kept per piece of the old split
         self.barriers.reset(self.lo)

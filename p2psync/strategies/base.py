@@ -34,8 +34,10 @@ from p2psync.collectives import Collectives, OpStats
 from p2psync.compress import Codec, get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
+from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
@@ -111,6 +113,16 @@ class Replica(Protocol):
     async def sgd_hyper(self) -> SgdHyper:
         """The optimizer's plain-SGD numbers (ConfigError for any other optimizer). Called
         from dts.py's ``start``: ``hyper = await self.ctx.replica.sgd_hyper()``."""
+
+    async def optim_spec(self) -> OptimSpec:
+        """The optimizer's class, options and parameter-group layout as the parameter store's
+        owners run it (ConfigError for an optimizer that cannot be sharded). Called from
+        ps.py's ``start``: ``spec = await self.ctx.replica.optim_spec()``."""
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """Every parameter group's numeric hyperparameters as they are now (the user's LR
+        scheduler changes them). Called from ps.py before each push:
+        ``hypers = await self.ctx.replica.optim_hypers(spec)``."""
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Parameters += ``dw``, SGD momentum buffers += ``du`` (DTS's compensation). Called
@@ -262,6 +274,9 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: the options accepted via --opt NAME=VALUE (a frozen dataclass; see strategies/options.py)
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: what it needs of the user's script (optimizer, schedules, clipping), checked once per run
+    #: before anything starts (strategies/needs.py) and shown in the README's table
+    needs: ClassVar[Needs] = Needs()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

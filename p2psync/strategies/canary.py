@@ -121,6 +121,7 @@ from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import Codec, Sketch8, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
@@ -189,6 +190,8 @@ class Canary(Strategy):
     bounding (see the module docstring)."""
 
     name = "canary"
+    needs = Needs(clipping="not applied to what is sent: colayers leave during backward (a changed .grad is "
+                           "warned about; --opt pipeline=false sends what the step sees)")
     grad_ready = True
     Options = CanaryOptions
     opts: CanaryOptions

@@ -67,6 +67,7 @@ from p2psync.collectives import OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Regroup
@@ -114,6 +115,12 @@ class DTS(Strategy):
     module docstring)."""
 
     name = "dts"
+    needs = Needs(optimizer="plain_sgd",
+                  schedules="honoured: the lr is read at every local step (momentum must stay constant)",
+                  why="its error compensation replays SGD's own arithmetic (u = mu u + g + wd w, "
+                      "w -= lr u) on the delayed average of weights and momentum; it is exact only for an update linear in "
+                      "the gradients with those coefficients, which Nesterov, dampening and adaptive "
+                      "optimizers are not")
     Options = DTSOptions
     opts: DTSOptions
 

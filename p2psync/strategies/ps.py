@@ -11,15 +11,19 @@ A worker's step (spec §5): the user's iteration computes a gradient on the weig
 (applied on arrival, acknowledged), the push is reported to the scheduler, which answers OK
 (now or when the slowest worker catches up; at an ElasticBSP barrier when everyone arrived),
 then the weights are pulled and become the replica's for the next iteration. The user's
-optimizer does not step (the owners run SGD, with the optimizer's lr, momentum and weight
-decay, lr/N per push); its state is not used.
+optimizer does not step: the owners run its class with its options on their shards
+(:mod:`p2psync.params.optim`; elementwise ``torch.optim`` optimizers: SGD with or without
+momentum or Nesterov, Adam, AdamW, ...), each push with the hyperparameters the worker's
+optimizer has when the push leaves (read from its ``param_groups``, so LR schedulers and manual
+changes apply; lr/N per push outside barriers, one unscaled step on the round's mean under
+BSP); the user's optimizer keeps no state.
 
 Barriers (every OK of ``bsp``, ``ssp`` with s = 0 and ``dssp`` with s_U = 0; ElasticBSP's
 releases): the pull after one is tagged with the barrier's number and each push with the
 number of the last barrier its worker passed, so every worker pulls the same weights even when a
 faster one has already pushed again (:mod:`p2psync.params.barriers`). The BSP-like ones keep
 each round at the owners and apply it in origin order once complete (one SGD step on the
-round's sum), so they are bitwise reproducible and SSP(0) = DSSP(0, 0) = BSP exactly.
+round's mean), so they are bitwise reproducible and SSP(0) = DSSP(0, 0) = BSP exactly.
 
 Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_upper`` (15);
 ``elastic_bsp``: ``R`` (15), ``search`` (``zipline_opt_bs``). ``bsp`` is SSP(0), ``asp`` never
@@ -48,8 +52,6 @@ attempt with the newest view minus the peers this node knows failed; it carries 
 own count and barrier generation (``gen``), which the new scheduler adopts (module docstring of
 :mod:`p2psync.coordinator.ssp`: bounds kept, ElasticBSP's barrier in progress abandoned and a
 lost release owed).
-
-Not yet: the owners following an LR schedule (they use the optimizer's lr at the start).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
 from p2psync.errors import ConfigError, PeerFailure, ProtocolError
 from p2psync.params import ParamStore
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.tasks import cancel_all, wait_or_event
@@ -81,6 +84,11 @@ class _StoreStrategy(Strategy):
     """The worker loop shared by the five (spec §5)."""
 
     kind: ClassVar[str] = ""
+    needs = Needs(optimizer="elementwise",
+                  schedules="honoured: every push carries the worker's current hyperparameters of every "
+                            "parameter group",
+                  clipping="clips the worker's gradient before it is pushed",
+                  why="the shard owners run the optimizer's class on slices of the flat parameter vector")
 
     @classmethod
     def scheduler(cls, opts: Any, ids: list[int]) -> StalenessScheduler | ElasticScheduler:
@@ -107,13 +115,9 @@ class _StoreStrategy(Strategy):
         if self.ctx.joining:
             raise ConfigError(f"{self.name}: joining a running run is not supported yet (the parameter store "
                               "does not move shards between members)")
-        hyper = await self.ctx.replica.sgd_hyper()
-        if not isinstance(hyper.lr, float) or not isinstance(hyper.weight_decay, float):
-            raise ConfigError(f"{self.name}: the parameter store runs one SGD for all parameters: parameter groups "
-                              "with different learning rates or weight decays are not supported")
+        spec = await self.ctx.replica.optim_spec()
         self.store = ParamStore(transport=self.ctx.transport, rpc_server=self.ctx.rpc_server, rpc=self.ctx.rpc,
-                                members=self.ctx.group, params=await self.ctx.replica.get_params(),
-                                lr=hyper.lr, momentum=hyper.momentum, weight_decay=hyper.weight_decay,
+                                members=self.ctx.group, params=await self.ctx.replica.get_params(), optim=spec,
                                 piece_bytes=self.ctx.collectives.piece_bytes, timeout=self.ctx.peer_timeout,
                                 name=f"{self.name}.ps", codec=self.ctx.collectives.codec,
                                 error_feedback=self.ctx.collectives.feedback is not None,
@@ -185,10 +189,11 @@ class _StoreStrategy(Strategy):
         if moved is not None:  # the weights this iteration starts from: the restored state
             await self.ctx.replica.set_params(moved)
         loss, grad = await self.ctx.replica.compute_gradients()
+        hypers = await self.ctx.replica.optim_hypers(store.optim)  # this iteration's (the schedule's)
         t0 = time.perf_counter()
         forwarded = 0
         try:
-            forwarded = (await store.push(grad, gen=self.gen)).forwarded
+            forwarded = (await store.push(grad, gen=self.gen, hypers=hypers)).forwarded
         except PeerFailure as exc:  # reported (lost_pushes), then the store follows the view
             log.warning("node %d: %s push lost: %s", self.ctx.transport.node_id, self.name, exc)
             await self._follow_view(exc)

@@ -19,6 +19,10 @@ from p2psync.wire.schema import valid_run_id
 #: so the CLI parses its options without importing it)
 ModelName = Literal["mlp", "cnn", "resnet18"]
 MODELS: tuple[str, ...] = get_args(ModelName)
+#: the built-in job's ``--optimizer`` choices (training/trainer.py ``make_optimizer``: nesterov is
+#: SGD with Nesterov momentum)
+OptimizerName = Literal["sgd", "nesterov", "adam", "adamw"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 #: fields that only concern the local process; every other field must agree across nodes
 LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume", "shm"})
@@ -107,6 +111,10 @@ class RunConfig:
             positive(name, allow_none=False)
         if not 0 <= self.momentum < 1:
             raise ConfigError("--momentum must be in [0, 1)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "nesterov" and self.momentum <= 0:
+            raise ConfigError("--optimizer nesterov needs --momentum > 0")
         if self.weight_decay < 0:
             raise ConfigError("--weight-decay must be >= 0")
         if self.failure_timeout <= self.heartbeat:

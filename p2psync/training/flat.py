@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from p2psync.errors import ConfigError
+from p2psync.params.optim import HyperValues, OptimSpec, read_hypers, read_spec
 from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
 from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
@@ -204,8 +205,7 @@ class FlatModel:
         if type(opt) is not torch.optim.SGD:
             raise ConfigError(f"this strategy needs torch.optim.SGD (plain or with momentum), not "
                               f"{type(opt).__name__}: it does SGD's arithmetic itself (DTS's compensation is exact "
-                              "only for an optimizer linear in the gradients; the parameter store's shard owners "
-                              "run SGD)")
+                              "only for an optimizer linear in the gradients)")
         groups = opt.param_groups
         for g in groups:
             if g.get("nesterov", False) or g.get("dampening", 0) != 0:
@@ -248,6 +248,14 @@ class FlatModel:
             vec.setflags(write=False)
             cached = self._per_element_cache[key] = (sig, vec)
         return cached[1]
+
+    def optim_spec(self) -> OptimSpec:
+        """The optimizer as the parameter store's owners run it (:func:`p2psync.params.read_spec`)."""
+        return read_spec(self.optimizer, self.params)
+
+    def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """Every parameter group's numeric hyperparameters, read now (:func:`p2psync.params.read_hypers`)."""
+        return read_hypers(self.optimizer, spec)
 
     def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """A compensation: parameters += dw, SGD momentum buffers += du (if given)."""

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.buffers import Buffers
 from p2psync.training.flat import FlatModel
@@ -64,13 +65,20 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The built-in job's optimizer for ``--optimizer`` (``sgd`` or ``adam``; Adam ignores
+    """The built-in job's optimizer for ``--optimizer``: ``sgd``, ``nesterov`` (SGD with
+    Nesterov momentum: ``momentum`` must be > 0), ``adam`` or ``adamw`` (both ignore
     ``momentum``). Called from training/node.py's ``build_trainer``."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "nesterov":
+        if momentum <= 0:
+            raise ConfigError("--optimizer nesterov needs --momentum > 0")
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise ConfigError(f"unknown optimizer {name!r} (choose sgd or adam)")
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ConfigError(f"unknown optimizer {name!r} (choose sgd, nesterov, adam or adamw)")
 
 
 class Trainer:
@@ -210,6 +218,14 @@ class Trainer:
     async def sgd_hyper(self) -> SgdHyper:
         """The optimizer's plain-SGD numbers (ConfigError for any other optimizer)."""
         return await self.run(self.flat.sgd_hyper)
+
+    async def optim_spec(self) -> OptimSpec:
+        """The optimizer as the parameter store's owners run it."""
+        return await self.run(self.flat.optim_spec)
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """Every parameter group's numeric hyperparameters, read now."""
+        return await self.run(lambda: self.flat.optim_hypers(spec))
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
         """Add ``dw`` to the parameters and ``du`` to SGD's momentum buffers."""

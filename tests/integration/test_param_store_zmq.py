@@ -8,9 +8,10 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from p2psync.coordinator import RpcClient, RpcServer
-from p2psync.params import ParamStore
+from p2psync.params import OptimSpec, ParamStore
 from p2psync.topology import mesh, ring
 from tests.helpers import (close_strategies, free_port, record_barrier_pulls, run_until_stop, slowed_trainers,
                            start_strategies, zmq_cluster)
@@ -26,7 +27,8 @@ async def test_ring_pushes_reach_owners_two_hops_away_and_pulls_agree():
     async with zmq_cluster(topo) as eps:
         servers = {i: RpcServer(eps[i]) for i in topo.ids}
         st = {i: ParamStore(transport=eps[i], rpc_server=servers[i], rpc=RpcClient(eps[i], local=servers[i]),
-                            members=topo.ids, params=w0, lr=0.1, piece_bytes=1024, timeout=10.0) for i in topo.ids}
+                            members=topo.ids, params=w0,
+                            optim=OptimSpec.of(torch.optim.SGD, w0.size, lr=0.1), piece_bytes=1024, timeout=10.0) for i in topo.ids}
         for i in topo.ids:
             servers[i].start()
             st[i].start()

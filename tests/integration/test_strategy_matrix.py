@@ -64,6 +64,11 @@ def _cases() -> list[tuple[str, str, bool, str]]:
 
 CASES = _cases()
 
+#: the parameter-store strategies' optimizer axis (the owners run the user's optimizer): each
+#: strategy runs SGD with Nesterov momentum and AdamW too (plain SGD is the cases above), on a
+#: mesh, uncompressed, and half the steps (the suite's time budget)
+STORE_OPTIMIZERS = [(s, o) for s in sorted({"ssp"} | STORE_SHARED_CODEC) for o in ("nesterov", "adamw")]
+
 
 async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
     step = 0
@@ -121,3 +126,19 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
     # loaded CI machine asgd + sketch8p (the paper's biased sketch, no error feedback) once ended
     # at 0.37-0.48. It must still have learnt (2.5x chance); the barrier strategies must reach 0.4.
     assert min(accs) > (0.25 if strategy == "asgd" else 0.4), accs
+
+
+@pytest.mark.parametrize("strategy,optimizer", STORE_OPTIMIZERS, ids=[f"{s}-{o}" for s, o in STORE_OPTIMIZERS])
+async def test_store_strategies_train_with_the_users_optimizer(strategy, optimizer, zmq_endpoints, strategies):
+    topo = mesh(4, base_port=free_port())
+    eps = await zmq_endpoints(topo)
+    steps = STEPS // 2
+    # AdamW's steps are lr-sized whatever the gradient: 1e-2 learns the MLP in 20 steps
+    lr = 0.01 if optimizer == "adamw" else 0.1
+    trainers = {i: make_trainer(topo, i, lr=lr, optimizer=optimizer, weight_decay=1e-4) for i in topo.ids}
+    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers)
+    assert all(s.store.optim.cls.__name__ == ("AdamW" if optimizer == "adamw" else "SGD") for s in strats)
+    done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
+    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    assert max(n for n, _ in done) == steps, done
+    assert min(accs) > 0.3, accs

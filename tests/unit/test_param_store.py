@@ -13,7 +13,7 @@ import torch
 
 from p2psync.coordinator import RpcClient, RpcServer
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout
-from p2psync.params import ParamStore, ShardOptimizer, piece_ranges, shard_bounds
+from p2psync.params import OptimSpec, ParamStore, ShardOptimizer, piece_ranges, shard_bounds
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
 
@@ -37,14 +37,15 @@ def test_shard_optimizer_is_torch_sgd(momentum, wd):
     w0 = rng.standard_normal(50).astype(np.float32)
     p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
     opt = torch.optim.SGD([p], lr=0.1, momentum=momentum, weight_decay=wd)
-    mine = ShardOptimizer(w0, lr=0.1, momentum=momentum, weight_decay=wd)
+    spec = OptimSpec.of(torch.optim.SGD, 50, lr=0.1, momentum=momentum, weight_decay=wd)
+    mine = ShardOptimizer(spec, w0, lo=0, pieces=[(0, 30), (30, 50)])
     for _ in range(5):
         g = rng.standard_normal(50).astype(np.float32)
         p.grad = torch.from_numpy(g.copy())
         opt.step()
-        mine.apply(0, 30, g[:30])
-        mine.apply(30, 50, g[30:])
-    np.testing.assert_allclose(mine.w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+        mine.apply(0, 30, g[:30], {0: spec.initial[0]})
+        mine.apply(30, 50, g[30:], {0: spec.initial[0]})
+    assert mine.w.tobytes() == p.detach().numpy().tobytes()
 
 
 @contextlib.asynccontextmanager
@@ -56,7 +57,9 @@ async def stores(topo: Any, w0: np.ndarray, **kw: Any) -> AsyncIterator[dict[int
     for i in topo.ids:
         await eps[i].start()
         out[i] = ParamStore(transport=eps[i], rpc_server=servers[i], rpc=RpcClient(eps[i], local=servers[i]),
-                            members=topo.ids, params=w0, **{"lr": 0.1, "timeout": 2.0, **kw})
+                            members=topo.ids, params=w0,
+                            **{"optim": OptimSpec.of(torch.optim.SGD, w0.size, lr=0.1, momentum=kw.pop("momentum", 0.0)),
+                               "timeout": 2.0, **kw})
         servers[i].start()
         out[i].start()
     try:
@@ -151,7 +154,7 @@ async def test_reshard_restores_a_dead_owners_shard_from_the_freshest_copy():
         fresh = await st[0].pull()  # node 0 holds the freshest copy of node 2's shard (version 7)
         lo2, hi2 = st[2].bounds[2]
         assert st[0].pulled_versions[2] == 7 and st[1].pulled_versions[2] == 6
-        own = {i: (st[i].opt.w.copy(), st[i].opt.buf.copy()) for i in (0, 1)}  # type: ignore[union-attr]
+        own = {i: (st[i].opt.w.copy(), st[i].opt.export_state()) for i in (0, 1)}
         await st[2].close()
         await st[2].transport.close()
         ws = await asyncio.gather(*(st[i].reshard([0, 1], 5, sums.for_node(i)) for i in (0, 1)))
@@ -162,14 +165,18 @@ async def test_reshard_restores_a_dead_owners_shard_from_the_freshest_copy():
         for w in ws:
             assert w.tobytes() == want.tobytes()  # exact: own shards and node 0's copy of node 2's
         assert [st[i].bounds for i in (0, 1)] == [shard_bounds(n, [0, 1])] * 2 and st[0].epoch == 5
-        mom = np.zeros(n, np.float32)
+        state = np.zeros((2, n), np.float32)  # (has state, momentum buffer) per element
         for i in (0, 1):
             a, b = shard_bounds(n, [0, 1, 2])[i]
-            mom[a:b] = own[i][1]
-        for i in (0, 1):  # momentum of the live shards moved with them; the lost one restarts at 0
+            state[:, a:b] = own[i][1]
+        assert state[0, :lo2].all() and state[1, :lo2].any()
+        for i in (0, 1):  # the momentum of the live shards moved with them; the lost one starts fresh
             a, b = st[i].bounds[i]
-            assert st[i].opt.buf.tobytes() == mom[a:b].tobytes()  # type: ignore[union-attr]
-        assert not mom[lo2:hi2].any()
+            got = st[i].opt.export_state()
+            assert np.array_equal(got[1], state[1, a:b])  # exact (the sum makes -0.0 0.0)
+            assert (got[0] >= state[0, a:b]).all()  # a piece holding moved state keeps state (zeros for the rest)
+        assert not state[:, lo2:hi2].any()
+        assert not st[1].opt.export_state()[0, -4:].any()  # a piece of the lost shard alone: fresh
         # the store goes on over two owners: a round of pushes is one SGD step (lr/2 each) on the mean
         g = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
         await asyncio.gather(*(st[i].push(g[i]) for i in (0, 1)))
@@ -188,14 +195,14 @@ async def test_pieces_and_pulls_of_another_store_epoch():
         st0 = asyncio.ensure_future(st[0].reshard([0, 1], 3, sums.for_node(0)))
         await until(lambda: st[0]._moving == 3, 5, "node 0 to begin its re-shard")
         await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.y", "lo": 4, "hi": 8,
-                                                                     "c": "none", "e": 3, "g": 0})
+                                                                     "c": "none", "e": 3, "g": 0, "h": [[0, 0.1, 0.0, 0.0, 0.0]]})
         await until(lambda: len(st[1]._later) == 1, 5, "node 1 to keep the newer epoch's piece")
         assert st[1].version == 0  # kept for later, not applied
         await asyncio.gather(st0, st[1].reshard([0, 1], 3, sums.for_node(1)))
         ack = await ep0.recv("ps.ack.y", timeout=2)
         assert ack.meta == {} and st[1].opt.w.tolist() == [float(np.float32(-0.05))] * 4  # applied after the move (lr 0.1 / 2)
         await ep0.send(1, "ps.push", [np.ones(4, np.float32)], meta={"o": 0, "ack": "ps.ack.z", "lo": 4, "hi": 8,
-                                                                     "c": "none", "e": 1, "g": 0})
+                                                                     "c": "none", "e": 1, "g": 0, "h": [[0, 0.1, 0.0, 0.0, 0.0]]})
         assert (await ep0.recv("ps.ack.z", timeout=2)).meta == {"moved": 3}
         st[0].epoch = 1  # a stale caller: its push is reported lost, its pull told to move
         with pytest.raises(PeerFailure, match="moved to store epoch 3"):

@@ -107,3 +107,37 @@ async def test_a_worker_held_by_the_scheduler_follows_a_view_that_drops_a_store_
             await cancel_all([held])
         assert [s.reshards for s in st[:2]] == [1, 1] and [s.store.members for s in st[:2]] == [[0, 1]] * 2
         assert [r.extra["gap"] for r in reps] == [0, 0] and set(svc.sched.counts) == {0, 1}
+
+
+@pytest.mark.parametrize("name,opts", [("bsp", {}), ("asp", {}), ("ssp", {"s": 1}), ("dssp", {"s_lower": 1, "s_upper": 3}),
+                                       ("elastic_bsp", {"R": 3})])
+async def test_a_schedule_that_sets_lr_to_zero_freezes_every_store_strategy(name, opts):
+    """The owners step with the lr the workers' optimizers have when they push: a scheduler
+    that sets it to 0 leaves the weights bitwise as they started (momentum 0.9, weight decay)."""
+    import torch
+
+    async with memory_strategies(mesh(3), name, opts, weight_decay=1e-3) as st:
+        w0 = await st[0].ctx.replica.get_params()
+        for s in st:
+            torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.optimizer, lambda step: 0.0)
+        await run_until_stop(st, 10)
+        got = [await s.ctx.replica.get_params() for s in st]
+    assert all(g.tobytes() == w0.tobytes() for g in got)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # the store steps, not the optimizer
+async def test_bsp_follows_a_schedule_step_by_step():
+    """A scheduler stepped after every round: BSP's weights move while lr > 0 and stop moving
+    at the round whose pushes carry lr = 0 (the lr is read at each push, not at the start)."""
+    import torch
+
+    async with memory_strategies(mesh(3), "bsp", {}) as st:
+        scheds = [torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.optimizer, lambda step: 1.0 if step < 3 else 0.0)
+                  for s in st]
+        seen = []
+        for step in range(6):
+            await asyncio.gather(*(s.train_step(step, step == 5) for s in st))
+            for sc in scheds:
+                sc.step()
+            seen.append((await st[0].ctx.replica.get_params()).tobytes())
+    assert len(set(seen[:3])) == 3 and len(set(seen[2:])) == 1, [hash(s) for s in seen]
