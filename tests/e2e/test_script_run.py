@@ -64,3 +64,12 @@ def test_state_registered_on_the_session_before_attach_is_checkpointed(run: Run)
         assert "script done" in (run.folder / f"node-{i}.log").read_text()
         state = torch.load(run.folder / f"node-{i}" / "checkpoint.pt", weights_only=True)
         assert state["step"] == 4 and state["extra"]["taken"]["batches"] == 4, state["extra"]
+
+
+def test_report_reads_a_script_runs_folder(run: Run) -> None:
+    """The script logs no loss and never evaluates: the report shows '-' there, not a crash."""
+    r = p2psync("report", run.folder, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 0 |") or ln.startswith("| 1 |")]
+    assert len(rows) == 2 and all(row.split("|")[4].strip() == "-" for row in rows), r.stdout
+    assert (run.folder / "report.png").stat().st_size > 1000
