@@ -191,7 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure,
         keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
-        shm=args.shm, resume=str(Path(args.resume).absolute()) if args.resume else None)
+        shm=args.shm, resume=str(Path(args.resume).absolute()) if args.resume else None,
+        command=tuple(args.cmd) if args.cmd is not None else None)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early

@@ -96,7 +96,7 @@ def test_every_node_runs_the_script_with_its_environment(tmp_path, ring3):
     # the config the user typed, as p2psync's own parser makes it, plus what the launcher fixes
     args = parse_args(build_parser(), ["run", str(topo), *map(str, opts), "--", "ignored"])
     want = replace(config_from_args(args), topology=str(topo.absolute()), threads=default_threads(3),
-                   progress=False)
+                   progress=False, command=(sys.executable, str(script), "exit", "--lr", "0.1", "--", "x"))
     assert want.lr == 0.2 and want.epochs is None and want.steps is None
     for i in range(3):
         got = rec(tmp_path / "s", i)

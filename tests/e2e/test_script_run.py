@@ -73,3 +73,12 @@ def test_report_reads_a_script_runs_folder(run: Run) -> None:
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 0 |") or ln.startswith("| 1 |")]
     assert len(rows) == 2 and all(row.split("|")[4].strip() == "-" for row in rows), r.stdout
     assert (run.folder / "report.png").stat().st_size > 1000
+
+
+def test_the_run_folder_records_the_command_not_the_built_in_jobs_options(run: Run) -> None:
+    config = json.loads((run.folder / "config.json").read_text())
+    assert config["command"] == run.command and config["steps"] == 4 and config["strategy"] == "ssgd"
+    for name in ("model", "lr", "optimizer", "batch_size", "momentum", "data", "eval_every"):
+        assert name not in config, name
+    agreed = json.loads((run.folder / "summary.json").read_text())["config"]
+    assert "lr" not in agreed and "model" not in agreed and agreed["steps"] == 4
