@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from pathlib import Path
@@ -47,10 +48,26 @@ def _cell(value: Any, spec: str) -> str:
     return "-" if v is None else format(int(v) if spec == "d" else v, spec)
 
 
-def table(nodes: dict[int, list[dict[str, Any]]]) -> str:
+def step_unit(run_dir: Path) -> str:
+    """What a metrics record's ``step`` counts in this run: its strategy's
+    :attr:`~p2psync.strategies.base.Strategy.step_unit` (ESync: ``round``), by the strategy
+    that ``summary.json`` or ``config.json`` names; ``step`` when neither does."""
+    from p2psync.strategies.base import get_strategy
+
+    for name in ("summary.json", "config.json"):
+        try:
+            strategy = json.loads((run_dir / name).read_text()).get("strategy")
+            return get_strategy(strategy).step_unit
+        except (OSError, ValueError, AttributeError, TypeError, ConfigError):
+            continue
+    return "step"
+
+
+def table(nodes: dict[int, list[dict[str, Any]]], unit: str = "step") -> str:
     """One row per node from its last record ('-' for what it never reported: a script that
-    logs no loss, a run without evaluations); accuracy is the last one any record holds."""
-    head = "| node | steps | time s | last loss | accuracy | samples/s | compute s | comm s | wait s | sent MB |"
+    logs no loss, a run without evaluations); accuracy is the last one any record holds.
+    ``unit``: what the records' ``step`` counts (:func:`step_unit`)."""
+    head = f"| node | {unit}s | time s | last loss | accuracy | samples/s | compute s | comm s | wait s | sent MB |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, recs in sorted(nodes.items()):
         if not recs:
@@ -126,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     nodes = load_run(run_dir)
     print(f"## run {run_dir.name}\n")
-    print(table(nodes))
+    print(table(nodes, step_unit(run_dir)))
     out = Path(args.output) if args.output else run_dir / "report.png"
     plot(nodes, out, run_dir.name)
     print(f"\nplot: {out}")

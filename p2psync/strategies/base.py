@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -241,6 +241,9 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: the options accepted via --opt NAME=VALUE (a frozen dataclass; see strategies/options.py)
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: what one :meth:`train_step` is, as tables name it: ``"step"`` (one local iteration) or
+    #: ``"round"`` (several local iterations, then one exchange)
+    step_unit: ClassVar[Literal["step", "round"]] = "step"
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -64,6 +64,8 @@ def test_state_registered_on_the_session_before_attach_is_checkpointed(run: Run)
         assert "script done" in (run.folder / f"node-{i}.log").read_text()
         state = torch.load(run.folder / f"node-{i}" / "checkpoint.pt", weights_only=True)
         assert state["step"] == 4 and state["extra"]["taken"]["batches"] == 4, state["extra"]
+    nodes = json.loads((run.folder / "summary.json").read_text())["nodes"]
+    assert [nodes[str(i)]["local_steps"] for i in range(2)] == [4, 4]  # the script's optimizer.step() calls
 
 
 def test_report_reads_a_script_runs_folder(run: Run) -> None:

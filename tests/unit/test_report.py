@@ -43,3 +43,22 @@ def test_report_of_a_script_run_with_missing_values(tmp_path, capsys):
     assert "| 0 | 2 | 0.3 | - | - | - | - | - | - | - |" in out, out
     assert "| 1 | 1 | 0.1 | 0.5000 | - |" in out, out
     assert (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_report_names_what_a_step_counts(tmp_path, capsys):
+    """ESync's records count rounds (several local steps each): the column says so."""
+    import json
+
+    w = MetricsWriter(tmp_path / "node-0.jsonl")
+    w.write({"node": 0, "step": 1, "time": 0.1, "loss": 0.5, "n_local": 6})
+    w.close()
+    (tmp_path / "config.json").write_text(json.dumps({"strategy": "esync"}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "| node | rounds | time s |" in capsys.readouterr().out
+    (tmp_path / "summary.json").write_text(json.dumps({"strategy": "ssgd"}))  # summary.json first
+    assert main(["report", str(tmp_path)]) == 0
+    assert "| node | steps | time s |" in capsys.readouterr().out
+    (tmp_path / "summary.json").write_text(json.dumps({"strategy": ["odd"]}))
+    (tmp_path / "config.json").unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    assert "| node | steps | time s |" in capsys.readouterr().out
