@@ -221,19 +221,13 @@ def _forks(cfg: RunConfig) -> bool:
 def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
     """The user's command ``cmd`` once per node of ``topo``, all on this host, each with the
     variables of ``p2psync.api.env`` (node, topology, config, its own run directory, ranks)."""
-    from p2psync.api.env import node_env, node_run_dir
-
     if not cmd:
         raise ConfigError("nothing to run after --")
     child, run_id = _child_config(cfg, topo)
-    ids = topo.ids
-
-    threads = thread_env(cfg.threads, child.threads)
+    named = replace(cfg, run_id=run_id)
 
     def spec(i: int) -> tuple[list[str], dict[str, str] | None]:
-        env = node_env(child, topo, i, run_dir=node_run_dir(child.out, run_id, i),
-                       local_rank=ids.index(i), local_world_size=len(ids))
-        return list(cmd), {**os.environ, **threads, **env}
+        return list(cmd), {**os.environ, **script_env(named, topo, i, topo.ids)}
 
     run_dir = Path(cfg.out) / run_id
     code = _run_nodes(child, topo, run_dir, spec)
@@ -244,6 +238,25 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
               "each copy trained alone", file=sys.stderr)
         return EXIT_FAILED
     return code
+
+
+def script_env(cfg: RunConfig, topo: Topology, node_id: int, local: Sequence[int]) -> dict[str, str]:
+    """What ``p2psync run ... -- CMD`` adds to the environment of node ``node_id``'s copy of CMD,
+    the same whether the launcher starts every node (``local``: all of them) or only this one
+    (``--node``; ``local``: :func:`~p2psync.api.env.host_nodes`): the variables of
+    :mod:`p2psync.api.env` (its own folder ``P2PSYNC_RUN_DIR``, created; its ``LOCAL_RANK``
+    among ``local``) and ``OMP_NUM_THREADS`` (``--threads``, else the cores shared among
+    ``local``). ``cfg.run_id`` must be set (ConfigError otherwise)."""
+    from p2psync.api.env import node_env, node_run_dir
+
+    if cfg.run_id is None:
+        raise ConfigError(f"node {node_id}: a command's copies need the run id (--run-id ID) for their folders")
+    if node_id not in local:
+        raise ConfigError(f"node {node_id} is not among the nodes on this host {list(local)}")
+    child = replace(cfg, threads=cfg.threads or default_threads(len(local)))
+    env = node_env(child, topo, node_id, run_dir=node_run_dir(child.out, cfg.run_id, node_id),
+                   local_rank=list(local).index(node_id), local_world_size=len(local))
+    return {**thread_env(cfg.threads, child.threads), **env}
 
 
 def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
