@@ -15,13 +15,19 @@ the node leaves at once, so its peers detect it in seconds instead of waiting fo
 explicitly with ``p2psync.session().close()``. ``p2psync.log(loss=..., samples=...)`` adds the
 loss and batch size to the node's metrics; ``p2psync.should_stop()`` turns true when the run
 agreed to stop (its ``--time`` / ``--steps`` budget).
+
+``p2psync.session()`` is this process's session: under ``p2psync run`` it exists before
+``attach`` too (created unattached, so ``p2psync.session().register_state(name, get, set)``
+can come first; ``attach`` then joins the run with it); as a single node it is None. Call it as
+``p2psync.session()`` (or ``p2psync.api.facade.session()``): in this package ``session`` names
+the module :mod:`p2psync.api.session`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_FACADE = ("Session", "attach", "log_values", "session", "shard", "should_stop")
+_FACADE = ("Session", "attach", "log_values", "shard", "should_stop")
 
 
 def __getattr__(name: str) -> Any:
@@ -34,4 +40,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'p2psync.api' has no attribute {name!r}")
 
 
-__all__ = ["Session", "attach", "log_values", "session", "shard", "should_stop"]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+__all__ = ["Session", "attach", "log_values", "shard", "should_stop"]

@@ -9,16 +9,20 @@ The launcher starts CMD once per node with these variables added to its environm
 ``P2PSYNC_CONFIG``    the whole run config as JSON (``RunConfig.to_json``): strategy options,
                       codec, timeouts, shaper, WAN profile, run id, seed, partition, ...
 ``P2PSYNC_RUN_DIR``   a directory of this node's own, ``<out>/<run_id>/node-<id>/`` (checkpoints
-                      of different nodes never collide); absent when the run id is not known
-                      yet (``--node K`` without ``--run-id``: the coordinator names the run)
+                      of different nodes never collide; ``--node K`` with a command therefore
+                      needs ``--run-id``)
 ``RANK`` / ``WORLD_SIZE``  torchrun's names: index of the node id among the sorted topology ids,
                       number of nodes
-``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``  among the nodes this launcher started on this host
+``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``  among the topology's nodes on this host (:func:`host_nodes`:
+                      every node when the launcher starts them all)
 ``P2PSYNC_UNAUTHENTICATED_WARNED``  ``1`` when the launcher already said that the cluster has no
                       keys (:data:`p2psync.transport.keys.ENV_WARNED`): the node does not repeat it
 
 ``OMP_NUM_THREADS``   torch's threads (:func:`thread_env`): ``--threads``, else the cores divided
-                      among the nodes this launcher started, unless the environment sets it
+                      among the topology's nodes on this host, unless the environment sets it
+
+With ``--node K`` the launcher gives node K's copy exactly what it gives that copy when it
+starts every node (``p2psync.cli.launch.script_env``).
 
 ``P2PSYNC_TOPOLOGY`` and ``P2PSYNC_STRATEGY`` win over the same fields of ``P2PSYNC_CONFIG``,
 so one of them can be changed by hand. Nothing is read at import time.
@@ -33,6 +37,7 @@ from typing import Mapping
 
 from p2psync.errors import ConfigError
 from p2psync.topology import Topology, load
+from p2psync.transport.shm import same_host
 from p2psync.training.config import RunConfig
 
 ENV_TOPOLOGY = "P2PSYNC_TOPOLOGY"
@@ -90,6 +95,21 @@ def node_env(cfg: RunConfig, topo: Topology, node_id: int, *, run_dir: Path | No
     if run_dir is not None:
         env[ENV_RUN_DIR] = str(Path(run_dir).absolute())
     return env
+
+
+def host_nodes(topo: Topology, node_id: int) -> list[int]:
+    """The nodes of ``topo`` on the same host as ``node_id``, by their NIC addresses (sorted
+    ids, ``node_id`` among them): when every NIC of ``node_id`` has a loopback
+    address, every node whose NICs all have one; otherwise every node with an address in
+    common with ``node_id`` (``p2psync topo --hosts H1,H1,H2`` puts two nodes on H1)."""
+    mine = {nic.address for nic in topo.node(node_id).nics}
+    loopback = all(same_host(a) for a in mine)
+    out = []
+    for i in topo.ids:
+        theirs = {nic.address for nic in topo.node(i).nics}
+        if i == node_id or (all(same_host(a) for a in theirs) if loopback else mine & theirs):
+            out.append(i)
+    return out
 
 
 def from_env(environ: Mapping[str, str]) -> NodeEnv | None:

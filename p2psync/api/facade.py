@@ -24,10 +24,28 @@ _lock = threading.Lock()
 _current: Session | None = None
 _warned_single = False
 _crashed = False
+_hooks_installed = False
 
 
 def session() -> Session | None:
-    """The session ``attach`` started in this process (None before, or as a single node)."""
+    """This process's :class:`Session`. In a process started by ``p2psync run`` (``P2PSYNC_NODE``
+    set) it always exists: before :func:`attach` it is created here, not yet attached (so that
+    ``register_state`` and ``load_state_dict`` can be called before ``attach``, which then joins
+    the run with this same session). As a single node (no ``P2PSYNC_NODE``) there is none: None.
+    Raises :class:`ConfigError` when the launcher's variables are malformed."""
+    with _lock:
+        return _session_locked()
+
+
+def _session_locked() -> Session | None:
+    """:func:`session`, with ``_lock`` held."""
+    global _current
+    if _current is None:
+        env = from_env(os.environ)
+        if env is None:
+            return None
+        _current = Session(config=env.config, node=env.node_id)
+        _install_exit_hooks()
     return _current
 
 
@@ -40,20 +58,24 @@ def _single_node_warning() -> None:
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Join the run this process was started for; returns ``optimizer`` with its step hooked."""
+    """Join the run this process was started for with this process's :func:`session` (the one
+    created before, if any); returns ``optimizer`` with its step hooked. As a single node:
+    ``optimizer`` untouched."""
     global _current
     with _lock:
-        env = from_env(os.environ)
-        if env is None:
+        s = _session_locked()
+        if s is None:
             _single_node_warning()
             return optimizer
-        if _current is not None:
-            raise ConfigError(f"node {env.node_id}: p2psync.attach() was called twice; a node trains one "
+        if s.replica is not None:
+            raise ConfigError(f"node {s.node_id}: p2psync.attach() was called twice; a node trains one "
                               "model (attach it once)")
-        s = Session(config=env.config, node=env.node_id)
-        s.attach(model, optimizer)
-        _current = s
-        _install_exit_hooks()
+        try:
+            s.attach(model, optimizer)
+        except BaseException:
+            _current = None  # a later call starts afresh
+            s.close(graceful=False)
+            raise
         return optimizer
 
 
@@ -97,6 +119,11 @@ def should_stop() -> bool:
 
 
 def _install_exit_hooks() -> None:
+    """Close this process's session at exit (once, however many sessions it starts)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
     # atexit runs handlers last-registered first: pyzmq's garbage collector (zero-copy sends)
     # registers its own shutdown when first imported, which may be after attach; import it now
     # so that the session closes (and still sends) before pyzmq's handler runs

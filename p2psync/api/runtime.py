@@ -25,7 +25,6 @@ import logging
 import math
 import re
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Collection
 
@@ -109,14 +108,15 @@ def finite_values(obj: Any) -> Any:
 
 def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, Any],
               failed: list[int]) -> dict[str, Any]:
-    """The run's ``summary.json``: the agreed configuration, each finished node's stats, the
+    """The run's ``summary.json``: the agreed configuration (a script's run: without the built-in
+    job's options, :meth:`RunConfig.record`), each finished node's stats, the
     failed nodes, and totals (mean / min final accuracy, wall time, throughput, bytes sent).
     Written by the coordinating node in :meth:`NodeRuntime.finish`."""
     nodes = {str(k): v for k, v in sorted(finished.items()) if isinstance(v, dict)}
     accs = [v["final_accuracy"] for v in nodes.values() if v.get("final_accuracy") is not None]
     return {
         "run_id": run_id, "topology": topo.name, "strategy": cfg.strategy,
-        "config": cfg.agreed(), "nodes": nodes, "failed": failed,
+        "config": {k: v for k, v in cfg.agreed().items() if k in cfg.record()}, "nodes": nodes, "failed": failed,
         "accuracy_mean": float(np.mean(accs)) if accs else None,
         "accuracy_min": float(np.min(accs)) if accs else None,
         "wall_s": max((v.get("wall_s") or 0.0 for v in nodes.values()), default=None),
@@ -175,7 +175,7 @@ class NodeRuntime:
 
     def _write_config(self) -> None:
         (self.run_dir / "config.json").write_text(json.dumps(
-            {"run_id": self.run_id, "topology": self.topo.name, **asdict(self.cfg)}, indent=2, default=str))
+            {"run_id": self.run_id, "topology": self.topo.name, **self.cfg.record()}, indent=2, default=str))
 
     async def rendezvous(self) -> None:
         """Bind, find or host the run, register. Sets :attr:`run_id` and :attr:`run_dir`."""

@@ -477,6 +477,8 @@ class Session(SessionState):
                     "wait_s": round(self._wait, 3), "bytes_sent": bytes_sent({"nics": nics}),
                     "bytes_recv": sum(v["recv"] for v in nics.values()), "nics": nics,
                     "skipped_steps": self.gate.skipped,
+                    # iterations of the user's loop the strategy took (``steps`` counts its train_steps)
+                    "local_steps": self.gate.arrivals - self.gate.skipped,
                     # parameters and buffers: equal on every member of a synchronous run (SSGD:
                     # bitwise), joiners included
                     "params_sha1": hashlib.sha1(params.tobytes() + buffers.raw.tobytes()).hexdigest()[:16],

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
 from p2psync.errors import ConfigError
+from p2psync.strategies.base import get_strategy
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.metrics import bytes_sent
@@ -97,11 +98,12 @@ def _last_line(path: Path) -> str:
     return (errors or lines or [""])[-1][:300]
 
 
-def _progress_table(tails: dict[int, _Tail], codes: dict[int, int | None], title: str) -> Any:
+def _progress_table(tails: dict[int, _Tail], codes: dict[int, int | None], title: str, unit: str = "step") -> Any:
+    """Live progress, one row per node; ``unit``: what the strategy's step is (ESync: a round)."""
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("node", "step", "loss", "accuracy", "samples/s", "sent MB", "state"):
+    for col in ("node", unit, "loss", "accuracy", "samples/s", "sent MB", "state"):
         t.add_column(col, justify="right")
     for i, tail in tails.items():
         r = tail.last
@@ -125,7 +127,7 @@ def _state(code: int | None) -> str:
     return "running" if code is None else ("done" if code == 0 else f"exit {code}")
 
 
-def _status_line(tails: dict[int, _Tail], codes: dict[int, int | None]) -> str:
+def _status_line(tails: dict[int, _Tail], codes: dict[int, int | None], unit: str = "step") -> str:
     parts = []
     for i, tail in tails.items():
         r = tail.last
@@ -133,19 +135,23 @@ def _status_line(tails: dict[int, _Tail], codes: dict[int, int | None]) -> str:
             parts.append(f"n{i} {_state(codes[i])}")
             continue
         acc = f" acc {tail.last_acc:.3f}" if tail.last_acc is not None else ""
-        parts.append(f"n{i} step {_fmt(r.get('step'), 'd')} loss {_fmt(r.get('loss'), '.3f')}{acc}")
+        parts.append(f"n{i} {unit} {_fmt(r.get('step'), 'd')} loss {_fmt(r.get('loss'), '.3f')}{acc}")
     return " | ".join(parts)
 
 
-def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float) -> None:
+def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float, unit: str = "step") -> None:
     """One row per node from ``summary.json`` or, for a node it does not list, the node's last
-    metrics record; '-' for what no node reported (a script without metrics)."""
+    metrics record; '-' for what no node reported (a script without metrics). ``unit``: what
+    the strategy's step is; where it is not one local iteration (ESync's rounds) the table
+    counts ``unit``s and, beside them, the local steps."""
     from rich.console import Console
     from rich.table import Table
 
     nodes = _summary_nodes(run_dir / "summary.json")
     t = Table(title=f"run {run_dir.name}")
-    for col in ("node", "steps", "final accuracy", "wall s", "samples/s", "sent MB"):
+    local = unit != "step"
+    for col in ("node", f"{unit}s", *(["local steps"] if local else []), "final accuracy", "wall s", "samples/s",
+                "sent MB"):
         t.add_column(col, justify="right")
     rows = []
     for i, tail in tails.items():
@@ -155,12 +161,13 @@ def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float) -> None:
             s = {"steps": r.get("step"), "final_accuracy": tail.last_acc, "wall_s": r.get("time"),
                  "samples_per_s": r.get("samples_per_s"), "bytes_sent": bytes_sent(r) if r else None}
         rows.append(s)
-        t.add_row(str(i), _fmt(s.get("steps"), "d"), _fmt(s.get("final_accuracy"), ".4f"),
-                  _fmt(s.get("wall_s"), ".1f"), _fmt(s.get("samples_per_s"), ".0f"),
-                  _fmt(_scaled(s.get("bytes_sent"), 1e-6), ".2f"))
+        t.add_row(str(i), _fmt(s.get("steps"), "d"), *([_fmt(s.get("local_steps"), "d")] if local else []),
+                  _fmt(s.get("final_accuracy"), ".4f"), _fmt(s.get("wall_s"), ".1f"),
+                  _fmt(s.get("samples_per_s"), ".0f"), _fmt(_scaled(s.get("bytes_sent"), 1e-6), ".2f"))
     accs = [s["final_accuracy"] for s in rows if isinstance(s.get("final_accuracy"), (int, float))]
-    t.add_row("all", "", _fmt(sum(accs) / len(accs) if accs else None, ".4f"), f"{wall:.1f}",
-              _fmt(_total(rows, "samples_per_s"), ".0f"), _fmt(_scaled(_total(rows, "bytes_sent"), 1e-6), ".2f"))
+    t.add_row("all", "", *([""] if local else []), _fmt(sum(accs) / len(accs) if accs else None, ".4f"),
+              f"{wall:.1f}", _fmt(_total(rows, "samples_per_s"), ".0f"),
+              _fmt(_scaled(_total(rows, "bytes_sent"), 1e-6), ".2f"))
     console = Console()
     console.print(t)
     console.print(f"run folder: {run_dir}")
@@ -214,19 +221,13 @@ def _forks(cfg: RunConfig) -> bool:
 def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
     """The user's command ``cmd`` once per node of ``topo``, all on this host, each with the
     variables of ``p2psync.api.env`` (node, topology, config, its own run directory, ranks)."""
-    from p2psync.api.env import node_env, node_run_dir
-
     if not cmd:
         raise ConfigError("nothing to run after --")
     child, run_id = _child_config(cfg, topo)
-    ids = topo.ids
-
-    threads = thread_env(cfg.threads, child.threads)
+    named = replace(cfg, run_id=run_id)
 
     def spec(i: int) -> tuple[list[str], dict[str, str] | None]:
-        env = node_env(child, topo, i, run_dir=node_run_dir(child.out, run_id, i),
-                       local_rank=ids.index(i), local_world_size=len(ids))
-        return list(cmd), {**os.environ, **threads, **env}
+        return list(cmd), {**os.environ, **script_env(named, topo, i, topo.ids)}
 
     run_dir = Path(cfg.out) / run_id
     code = _run_nodes(child, topo, run_dir, spec)
@@ -237,6 +238,25 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
               "each copy trained alone", file=sys.stderr)
         return EXIT_FAILED
     return code
+
+
+def script_env(cfg: RunConfig, topo: Topology, node_id: int, local: Sequence[int]) -> dict[str, str]:
+    """What ``p2psync run ... -- CMD`` adds to the environment of node ``node_id``'s copy of CMD,
+    the same whether the launcher starts every node (``local``: all of them) or only this one
+    (``--node``; ``local``: :func:`~p2psync.api.env.host_nodes`): the variables of
+    :mod:`p2psync.api.env` (its own folder ``P2PSYNC_RUN_DIR``, created; its ``LOCAL_RANK``
+    among ``local``) and ``OMP_NUM_THREADS`` (``--threads``, else the cores shared among
+    ``local``). ``cfg.run_id`` must be set (ConfigError otherwise)."""
+    from p2psync.api.env import node_env, node_run_dir
+
+    if cfg.run_id is None:
+        raise ConfigError(f"node {node_id}: a command's copies need the run id (--run-id ID) for their folders")
+    if node_id not in local:
+        raise ConfigError(f"node {node_id} is not among the nodes on this host {list(local)}")
+    child = replace(cfg, threads=cfg.threads or default_threads(len(local)))
+    env = node_env(child, topo, node_id, run_dir=node_run_dir(child.out, cfg.run_id, node_id),
+                   local_rank=list(local).index(node_id), local_world_size=len(local))
+    return {**thread_env(cfg.threads, child.threads), **env}
 
 
 def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
@@ -310,12 +330,13 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
 def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], groups: set[int],
              stop: dict[str, Any], t0: float) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
+    unit = get_strategy(cfg.strategy).step_unit
     codes: dict[int, int | None] = {i: None for i in procs}
     live = None
     if cfg.progress and sys.stdout.isatty():
         from rich.live import Live
 
-        live = Live(_progress_table(tails, codes, run_dir.name), refresh_per_second=4)
+        live = Live(_progress_table(tails, codes, run_dir.name, unit), refresh_per_second=4)
         live.start()
     last_print = time.monotonic()
     first_failure: tuple[float, int] | None = None
@@ -331,9 +352,9 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
             for tail in tails.values():
                 tail.poll()
             if live is not None:
-                live.update(_progress_table(tails, codes, run_dir.name))
+                live.update(_progress_table(tails, codes, run_dir.name, unit))
             elif cfg.progress and time.monotonic() - last_print > 5:
-                print(_status_line(tails, codes), flush=True)
+                print(_status_line(tails, codes, unit), flush=True)
                 last_print = time.monotonic()
             if stop["signal"] is not None:
                 break
@@ -354,7 +375,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
     stopped = set(_stop_all(procs, groups))
     for tail in tails.values():
         tail.poll()
-    print_summary(run_dir, tails, time.monotonic() - t0)
+    print_summary(run_dir, tails, time.monotonic() - t0, unit)
     failed = {i: procs[i].returncode for i in procs if procs[i].returncode != 0}
     for i, code in sorted(failed.items()):
         if i in stopped:

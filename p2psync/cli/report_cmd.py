@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -33,44 +35,105 @@ def load_run(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return nodes
 
 
-def table(nodes: dict[int, list[dict[str, Any]]]) -> str:
-    head = "| node | steps | time s | last loss | accuracy | samples/s | compute s | comm s | wait s | sent MB |"
+def _num(value: Any) -> float | None:
+    """``value`` if it is a finite number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _cell(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``, or '-' where a record lacks it (None, missing, NaN)."""
+    v = _num(value)
+    return "-" if v is None else format(int(v) if spec == "d" else v, spec)
+
+
+def step_unit(run_dir: Path) -> str:
+    """What a metrics record's ``step`` counts in this run: its strategy's
+    :attr:`~p2psync.strategies.base.Strategy.step_unit` (ESync: ``round``), by the strategy
+    that ``summary.json`` or ``config.json`` names; ``step`` when neither does."""
+    from p2psync.strategies.base import get_strategy
+
+    for name in ("summary.json", "config.json"):
+        try:
+            strategy = json.loads((run_dir / name).read_text()).get("strategy")
+            return get_strategy(strategy).step_unit
+        except (OSError, ValueError, AttributeError, TypeError, ConfigError):
+            continue
+    return "step"
+
+
+def table(nodes: dict[int, list[dict[str, Any]]], unit: str = "step") -> str:
+    """One row per node from its last record ('-' for what it never reported: a script that
+    logs no loss, a run without evaluations); accuracy is the last one any record holds.
+    ``unit``: what the records' ``step`` counts (:func:`step_unit`)."""
+    head = f"| node | {unit}s | time s | last loss | accuracy | samples/s | compute s | comm s | wait s | sent MB |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, recs in sorted(nodes.items()):
         if not recs:
             lines.append(f"| {i} | - | - | - | - | - | - | - | - | - |")
             continue
         r = recs[-1]
-        acc = next((x["accuracy"] for x in reversed(recs) if x.get("accuracy") is not None), None)
-        sent = bytes_sent(r) / 1e6
-        lines.append(f"| {i} | {r['step']} | {r['time']:.1f} | {r['loss']:.4f} | "
-                     f"{'-' if acc is None else f'{acc:.4f}'} | {r.get('samples_per_s', 0):.0f} | "
-                     f"{r.get('compute_s', 0):.1f} | {r.get('comm_s', 0):.1f} | {r.get('wait_s', 0):.1f} | "
-                     f"{sent:.2f} |")
+        acc = next((x["accuracy"] for x in reversed(recs) if _num(x.get("accuracy")) is not None), None)
+        loss = next((x["loss"] for x in reversed(recs) if _num(x.get("loss")) is not None), None)
+        sent = bytes_sent(r) / 1e6 if isinstance(r.get("nics"), dict) else None
+        cells = [_cell(r.get("step"), "d"), _cell(r.get("time"), ".1f"), _cell(loss, ".4f"), _cell(acc, ".4f"),
+                 _cell(r.get("samples_per_s"), ".0f"), _cell(r.get("compute_s"), ".1f"),
+                 _cell(r.get("comm_s"), ".1f"), _cell(r.get("wait_s"), ".1f"), _cell(sent, ".2f")]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _series(recs: list[dict[str, Any]], value: Any) -> list[tuple[float, float]]:
+    """``(time, value(record))`` of the records where both are numbers."""
+    out = []
+    for r in recs:
+        t, v = _num(r.get("time")), _num(value(r))
+        if t is not None and v is not None:
+            out.append((t, v))
+    return out
+
+
+def _nic_total(r: dict[str, Any], nic: str) -> Any:
+    stats = r.get("nics", {}).get(nic) if isinstance(r.get("nics"), dict) else None
+    if not isinstance(stats, dict) or _num(stats.get("sent")) is None or _num(stats.get("recv")) is None:
+        return None
+    return (stats["sent"] + stats["recv"]) / 1e6
+
+
 def plot(nodes: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None:
+    """Loss, accuracy and bytes per NIC over wall time; a panel no record has a value for says
+    so instead of a curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 4))
+    drawn = {a1: False, a2: False, a3: False}
     for i, recs in sorted(nodes.items()):
-        t = [r["time"] for r in recs]
-        a1.plot(t, [r["loss"] for r in recs], lw=0.8, label=f"node {i}")
-        ev = [(r["time"], r["accuracy"]) for r in recs if r.get("accuracy") is not None]
+        loss = _series(recs, lambda r: r.get("loss"))
+        if loss:
+            a1.plot(*zip(*loss), lw=0.8, label=f"node {i}")
+            drawn[a1] = True
+        ev = _series(recs, lambda r: r.get("accuracy"))
         if ev:
             a2.plot(*zip(*ev), marker=".", label=f"node {i}")
-        for nic in (recs[-1].get("nics", {}) if recs else {}):
-            a3.plot(t, [(r["nics"][nic]["sent"] + r["nics"][nic]["recv"]) / 1e6 for r in recs],
-                    label=f"{i}/{nic}")
+            drawn[a2] = True
+        last_nics = recs[-1].get("nics") if recs else None
+        for nic in (last_nics if isinstance(last_nics, dict) else {}):
+            traffic = _series(recs, lambda r, nic=nic: _nic_total(r, nic))
+            if traffic:
+                a3.plot(*zip(*traffic), label=f"{i}/{nic}")
+                drawn[a3] = True
     a1.set(title="training loss", xlabel="wall time (s)")
     a2.set(title="test accuracy", xlabel="wall time (s)")
     a3.set(title="bytes per NIC (sent + received, MB)", xlabel="wall time (s)")
-    for a in (a1, a2, a3):
-        a.legend(fontsize=7)
+    for a, has in drawn.items():
+        if has:
+            a.legend(fontsize=7)
+        else:
+            a.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=a.transAxes)
     fig.suptitle(title)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -80,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     nodes = load_run(run_dir)
     print(f"## run {run_dir.name}\n")
-    print(table(nodes))
+    print(table(nodes, step_unit(run_dir)))
     out = Path(args.output) if args.output else run_dir / "report.png"
     plot(nodes, out, run_dir.name)
     print(f"\nplot: {out}")

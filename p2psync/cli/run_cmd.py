@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,10 +39,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "of a multi-host run with --node. The built-in job without --steps/--epochs/--time: "
                     f"--epochs {DEFAULT_EPOCHS:g}. With '-- CMD ARGS...': run your own training "
                     "script instead of the built-in job, once per node (or only node --node K, in "
-                    "the foreground); everything after '--' goes to CMD unchanged. Each copy finds its "
+                    "the foreground, with --run-id); everything after '--' goes to CMD unchanged. Each copy finds its "
                     "node, topology, strategy and these options in P2PSYNC_NODE, P2PSYNC_TOPOLOGY, "
                     "P2PSYNC_STRATEGY, P2PSYNC_CONFIG (JSON), its own folder in P2PSYNC_RUN_DIR, and "
-                    "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (p2psync.attach reads them).",
+                    "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (p2psync.attach reads them), "
+                    "and OMP_NUM_THREADS; --node K gives its copy the same.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("topology", help="topology JSON file (see 'p2psync topo')")
     p.add_argument("--strategy", default=d.strategy, choices=sorted(REGISTRY),
@@ -200,7 +200,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         error_feedback=args.error_feedback, collective=args.collective, strategy_options=tuple(opts),
         progress=not args.no_progress, on_failure=args.on_failure,
         keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
-        shm=args.shm, buffers=args.buffers, audit_every=args.audit_every, resume=str(Path(args.resume).absolute()) if args.resume else None)
+        shm=args.shm, buffers=args.buffers, audit_every=args.audit_every,
+        resume=str(Path(args.resume).absolute()) if args.resume else None,
+        command=tuple(args.cmd) if args.cmd is not None else None)
     from p2psync.strategies.base import get_strategy, parse_options
 
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options))  # fail early
@@ -244,9 +246,12 @@ def check_keys(cfg: RunConfig, topo: Topology, node: int | None) -> None:
 
 def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[str]) -> int:
     """``p2psync run TOPOLOGY ... -- CMD``: CMD once per node (``launch_script``), or with
-    ``--node K`` only node K's, in the foreground: this process becomes CMD (same pid, signals,
-    terminal, exit code), with the variables of ``p2psync.api.env`` in its environment."""
-    from p2psync.api.env import node_env, node_run_dir, thread_env
+    ``--node K`` (and ``--run-id``) only node K's, in the foreground: this process becomes CMD
+    (same pid, signals, terminal, exit code), with the environment the launcher gives node K's
+    copy when it starts every node (``script_env``; the nodes on this host are those the
+    topology's addresses put here)."""
+    from p2psync.api.env import host_nodes
+    from p2psync.cli.launch import script_env
     from p2psync.transport.keys import warned_env
 
     if not cmd:
@@ -260,14 +265,14 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
         return launch_script(cfg, topo, cmd)
     if node not in topo.ids:
         raise ConfigError(f"--node {node}: no such node in {cfg.topology} (ids {topo.ids})")
-    # no --run-id: the coordinator names the run when the script's Session joins it, so the
-    # node's own folder is not known here (P2PSYNC_RUN_DIR unset)
-    run_dir = node_run_dir(cfg.out, cfg.run_id, node) if cfg.run_id else None
-    env = node_env(replace(cfg, progress=False), topo, node, run_dir=run_dir, local_rank=0, local_world_size=1)
+    if cfg.run_id is None:
+        raise ConfigError(f"--node {node} with a command needs --run-id ID, the same on every host: the copy's "
+                          f"own folder (P2PSYNC_RUN_DIR) is {Path(cfg.out) / 'ID' / f'node-{node}'}")
+    env = script_env(cfg, topo, node, host_nodes(topo, node))
     sys.stdout.flush()
     sys.stderr.flush()
     with translate({OSError: lambda e: ConfigError(f"cannot run {cmd[0]!r}: {e.strerror}")}):
-        os.execvpe(cmd[0], list(cmd), {**os.environ, **thread_env(cfg.threads, None), **env, **warned_env()})
+        os.execvpe(cmd[0], list(cmd), {**os.environ, **env, **warned_env()})
 
 
 def run_one(cfg: RunConfig, node_id: int) -> int:

@@ -277,6 +277,9 @@ class Strategy(ABC):
     #: what it needs of the user's script (optimizer, schedules, clipping), checked once per run
     #: before anything starts (strategies/needs.py) and shown in the README's table
     needs: ClassVar[Needs] = Needs()
+    #: what one :meth:`train_step` is, as tables name it: ``"step"`` (one local iteration) or
+    #: ``"round"`` (several local iterations, then one exchange)
+    step_unit: ClassVar[Literal["step", "round"]] = "step"
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

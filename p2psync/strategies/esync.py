@@ -77,6 +77,7 @@ class ESync(Strategy):
 
     name = "esync"
     Options = ESyncOptions
+    step_unit = "round"
     opts: ESyncOptions
 
     def __init__(self, ctx: StrategyContext) -> None:

@@ -25,7 +25,13 @@ OptimizerName = Literal["sgd", "nesterov", "adam", "adamw"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 #: fields that only concern the local process; every other field must agree across nodes
-LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume", "shm"})
+LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "keys", "resume", "shm", "command"})
+#: options only the built-in job reads (its model, data, optimizer, evaluation, emulated device):
+#: a run of the user's own command (``command``) does not record them
+BUILTIN_JOB_FIELDS = frozenset({"epochs", "model", "hidden", "data", "data_dir", "synthetic_size", "optimizer",
+                                "lr", "momentum", "weight_decay", "batch_size", "eval_every", "eval_seconds",
+                                "device", "slowdown", "slowdown_schedule", "step_time", "slowdown_mode",
+                                "step_jitter"})
 UNBOUNDED_STEPS = 1 << 62
 
 
@@ -93,6 +99,8 @@ class RunConfig:
     #: compare a hash of every member's parameters and buffers every N steps (strategies that
     #: promise identical replicas; the end of the run is always audited)
     audit_every: int | None = None
+    #: the user's command that each node runs (``p2psync run ... -- CMD``); None: the built-in job
+    command: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -147,6 +155,17 @@ class RunConfig:
         if self.buffers not in BUFFER_MODES:
             raise ConfigError(f"--buffers {self.buffers!r}: choose from {', '.join(BUFFER_MODES)}")
 
+    def record(self) -> dict[str, Any]:
+        """The options this run uses, as the run folder records them: for the user's own
+        command, ``command`` and none of :data:`BUILTIN_JOB_FIELDS` (the script has its own
+        model, data and optimizer); for the built-in job, every field but ``command``."""
+        out = asdict(self)
+        if self.command is None:
+            del out["command"]
+            return out
+        out["command"] = list(self.command)
+        return {k: v for k, v in out.items() if k not in BUILTIN_JOB_FIELDS}
+
     def agreed(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in LOCAL_FIELDS and k != "topology"}
 
@@ -188,7 +207,7 @@ class RunConfig:
         """Command-line options that reproduce this config (for launching node processes)."""
         out: list[str] = []
         for f in fields(self):
-            if f.name in ("topology", "progress"):
+            if f.name in ("topology", "progress", "command"):
                 continue
             v = getattr(self, f.name)
             if v is None or v == f.default:
@@ -221,6 +240,10 @@ def _json_value(name: str, hint: Any, v: Any) -> Any:
         return v
     if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
+    if get_args(hint) == (str, ...) and isinstance(v, list):  # command: its words
+        if all(isinstance(x, str) for x in v):
+            return tuple(v)
+        raise ConfigError(f"expected a list of strings, got {v!r}", field=name)
     if get_origin(hint) is tuple and isinstance(v, list):  # strategy_options: NAME/VALUE pairs
         if all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v):
             return tuple((p[0], p[1]) for p in v)

@@ -84,7 +84,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from p2psync.errors import ConfigError, TransportError, translate
-from p2psync.topology import Route, Topology
+from p2psync.topology import Nic, Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
 from p2psync.transport.local import LocalChannel
@@ -125,6 +125,21 @@ def claimed_id(node: int, nic: str, *, control: bool) -> bytes:
     """The routing id under which ``node``'s connection from its NIC ``nic`` (bulk or control
     socket) is filed by the node it connects to (keyed: plus a random ``#`` suffix)."""
     return f"{node}/{nic}/{'c' if control else 'b'}".encode()
+
+
+def bind_error(exc: zmq.ZMQError, topology: Topology, node_id: int, nic: Nic) -> TransportError:
+    """The error for NIC ``nic`` of node ``node_id`` failing to bind: its endpoint and the
+    system's reason; a port in use also names the address and port and how to choose others
+    (``--base-port`` of ``p2psync topo`` for a generated topology, or the NIC's ``port`` field
+    in the file, by its index as the file's validation names fields)."""
+    if exc.errno != errno.EADDRINUSE:
+        return TransportError(f"node {node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {exc.strerror}")
+    index = next((k for k, n in enumerate(topology.nodes) if n.id == node_id), node_id)
+    nic_index = [n.name for n in topology.node(node_id).nics].index(nic.name)
+    field = f"nodes[{index}].nics[{nic_index}].port"
+    return TransportError(f"node {node_id} NIC {nic.name}: cannot bind {nic.address}:{nic.port}, the port is in use "
+                          "(by another run or program): choose other ports with 'p2psync topo ... --base-port "
+                          f"PORT', or edit {field} in the topology file")
 
 
 class ZmqEndpoint(Transport, LocalChannel):
@@ -207,8 +222,7 @@ class ZmqEndpoint(Transport, LocalChannel):
                     s.setsockopt(zmq.CURVE_SERVER, 1)
                     s.setsockopt(zmq.ZAP_DOMAIN, f"{DOMAIN_PREFIX}{nic.name}".encode())
                     s.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-                with translate({zmq.ZMQError: lambda e: TransportError(
-                        f"node {self.node_id} NIC {nic.name}: cannot bind {nic.endpoint}: {e.strerror}")}):
+                with translate({zmq.ZMQError: lambda e: bind_error(e, self.topology, self.node_id, nic)}):
                     s.bind(nic.endpoint)
             if self.keys is None:
                 self._start_local()

@@ -381,3 +381,21 @@ def test_ring4_ssgd_killed_node_restarted_rejoins(tmp_path):
     steps, hashes = agreement(summary)
     assert steps == {300} and len(hashes) == 1, summary["nodes"]
     assert len(lines(run / "node-2.jsonl")) > n_before  # the new process trained
+
+
+def test_a_port_in_use_is_named_with_how_to_choose_others(tmp_path):
+    """Node 0's port is held by another program: the node's error names the address and port
+    and points to --base-port (or the topology file)."""
+    import socket
+
+    topo_obj = ring(2, base_port=free_port())
+    topo = tmp_path / "r2.json"
+    save(topo_obj, topo)
+    nic = topo_obj.node(0).nics[0]
+    with socket.socket() as held:
+        held.bind((nic.address, nic.port))
+        held.listen()
+        r = cli("run", topo, "--node", "0", "--steps", "1", "--out", tmp_path, "--run-id", "busy", timeout=90)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert f"cannot bind {nic.address}:{nic.port}, the port is in use" in r.stderr, r.stderr
+    assert "--base-port" in r.stderr and "nodes[0].nics[0].port" in r.stderr, r.stderr

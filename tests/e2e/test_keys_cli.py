@@ -65,7 +65,8 @@ def test_unauthenticated_said_once_per_run(tmp_path: Path) -> None:
     assert logs.count("keys checked") == 2, r.stderr + logs
     assert r.stderr.count("is unauthenticated") == 1 and "unauthenticated" not in logs, r.stderr + logs
 
-    r = cli("run", topo, "--node", "0", "--", sys.executable, "-c", _CHECK_KEYS, env=env)
+    r = cli("run", topo, "--node", "0", "--out", tmp_path, "--run-id", "one", "--", sys.executable, "-c",
+            _CHECK_KEYS, env=env)
     assert r.returncode == 0 and "keys checked" in r.stdout, r.stderr + r.stdout
     assert r.stderr.count("is unauthenticated") == 1, r.stderr
 

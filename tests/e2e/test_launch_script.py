@@ -96,7 +96,7 @@ def test_every_node_runs_the_script_with_its_environment(tmp_path, ring3):
     # the config the user typed, as p2psync's own parser makes it, plus what the launcher fixes
     args = parse_args(build_parser(), ["run", str(topo), *map(str, opts), "--", "ignored"])
     want = replace(config_from_args(args), topology=str(topo.absolute()), threads=default_threads(3),
-                   progress=False)
+                   progress=False, command=(sys.executable, str(script), "exit", "--lr", "0.1", "--", "x"))
     assert want.lr == 0.2 and want.epochs is None and want.steps is None
     for i in range(3):
         got = rec(tmp_path / "s", i)
@@ -166,19 +166,40 @@ def test_node_k_runs_only_that_node_in_the_foreground(tmp_path, ring3):
     got = rec(tmp_path / "k", 1)
     assert got["pid"] == p.pid  # p2psync became the script (exec)
     assert got["argv"] == ["exit", "--epochs", "3"]
-    assert got["env"]["RANK"] == "1" and got["env"]["LOCAL_RANK"] == "0" and got["env"]["LOCAL_WORLD_SIZE"] == "1"
+    # the ring's three loopback nodes are on this host
+    assert got["env"]["RANK"] == "1" and got["env"]["LOCAL_RANK"] == "1" and got["env"]["LOCAL_WORLD_SIZE"] == "3"
     assert got["env"]["OMP_NUM_THREADS"] == "1"  # --threads
     ne = from_env(got["env"])
     assert ne is not None and ne.strategy == "esync" and ne.config.run_id == "k" and ne.config.epochs is None
     assert not (tmp_path / "k" / "node-0").exists() and not (tmp_path / "k" / "node-2").exists()
 
 
-def test_node_k_without_run_id_leaves_the_run_folder_to_the_coordinator(tmp_path, ring3):
+def test_node_k_gets_the_environment_the_launcher_gives_node_k(tmp_path, ring3):
+    """Nodes 0 and 2 started on their own (--node) see exactly what the launcher gave their
+    copies when it started all three: their own folders, ranks, threads, config."""
+    topo, script = ring3
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    opts = ["--strategy", "esync", "--seed", "3", "--out", tmp_path, "--run-id", "same", "--no-progress"]
+    r = cli("run", topo, *opts, "--", sys.executable, script, "exit", env=env)
+    assert r.returncode == EXIT_FAILED and "never joined the run" in r.stderr, r.stderr + r.stdout
+    launched = {i: rec(tmp_path / "same", i) for i in range(3)}
+    assert all(launched.values()), launched
+    for i in (0, 2):
+        r = cli("run", topo, "--node", str(i), *opts, "--", sys.executable, script, "exit", env=env)
+        assert r.returncode == 0, r.stderr
+        got = rec(tmp_path / "same", i)
+        assert got["pid"] != launched[i]["pid"] and got["env"] == launched[i]["env"]
+        assert got["env"]["P2PSYNC_RUN_DIR"] == str((tmp_path / "same" / f"node-{i}").absolute())
+        assert got["env"]["OMP_NUM_THREADS"] == str(default_threads(3))
+
+
+def test_node_k_with_a_command_needs_the_run_id(tmp_path, ring3):
+    """Without --run-id the copy's own folder is not known (the run is named by its coordinator
+    when the script joins): an error, not a copy writing into the current directory."""
     topo, _ = ring3
-    code = "import os, sys; print(sorted(k for k in os.environ if k.startswith('P2PSYNC_')))"
-    r = cli("run", topo, "--node", "0", "--out", tmp_path, "--", sys.executable, "-c", code)
-    assert r.returncode == 0, r.stderr
-    assert "P2PSYNC_NODE" in r.stdout and "P2PSYNC_CONFIG" in r.stdout and "P2PSYNC_RUN_DIR" not in r.stdout
+    r = cli("run", topo, "--node", "0", "--out", tmp_path, "--", sys.executable, "-c", "print('ran')")
+    assert r.returncode == 2 and "--node 0 with a command needs --run-id" in r.stderr, r.stderr
+    assert "ran" not in r.stdout
 
 
 def test_usage_errors_exit_2(tmp_path, ring3):

@@ -176,8 +176,12 @@ async def test_bind_conflict_is_a_clear_error():
     await a.start()
     try:
         b = ZmqEndpoint(topology=topo, node_id=0)
-        with pytest.raises(TransportError, match="cannot bind"):
+        nic = topo.node(0).nics[0]
+        with pytest.raises(TransportError, match="cannot bind") as err:
             await b.start()
+        # which address and port, and how to choose others
+        assert f"cannot bind {nic.address}:{nic.port}, the port is in use" in str(err.value)
+        assert "--base-port" in str(err.value) and "nodes[0].nics[0].port" in str(err.value)
     finally:
         await a.close()
 

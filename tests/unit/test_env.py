@@ -141,3 +141,13 @@ def test_missing_topology_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read topology"):
         from_env({ENV_NODE: "0", ENV_TOPOLOGY: str(tmp_path / "nope.json")})
 
+
+
+def test_host_nodes_by_the_topologys_addresses():
+    from p2psync.api.env import host_nodes
+
+    local = ring(4)  # loopback addresses: every node on this host
+    assert [host_nodes(local, i) for i in local.ids] == [[0, 1, 2, 3]] * 4
+    spread = ring(4, hosts=["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    assert host_nodes(spread, 0) == [0, 1] and host_nodes(spread, 1) == [0, 1]
+    assert host_nodes(spread, 2) == [2] and host_nodes(spread, 3) == [3]

@@ -48,3 +48,23 @@ def test_max_steps():
     assert c.max_steps(n_train=1000, n_nodes=4) == 50
     assert RunConfig(topology="t", steps=9).max_steps(1000, 4) == 9
     assert RunConfig(topology="t", time_limit=1.0).max_steps(1000, 4) > 10**12
+
+
+def test_a_script_run_records_its_command_not_the_built_in_jobs_options():
+    from p2psync.cli.main import parse_args
+    from p2psync.training.config import BUILTIN_JOB_FIELDS
+
+    script = config_from_args(parse_args(build_parser(), ["run", "t.json", "--lr", "0.3", "--seed", "4", "--",
+                                                          "python", "train.py", "--lr", "0.1"]))
+    assert script.command == ("python", "train.py", "--lr", "0.1")
+    assert RunConfig.from_json(script.to_json()) == script  # what the launcher hands each copy
+    rec = script.record()
+    assert rec["command"] == ["python", "train.py", "--lr", "0.1"] and rec["seed"] == 4
+    assert not BUILTIN_JOB_FIELDS & set(rec) and "lr" not in rec and "model" not in rec
+    builtin = config_from_args(_args("--lr", "0.3"))
+    assert builtin.command is None and "command" not in builtin.record() and builtin.record()["lr"] == 0.3
+    assert "--command" not in " ".join(script.to_argv())
+    assert script.fingerprint() == config_from_args(
+        parse_args(build_parser(), ["run", "t.json", "--lr", "0.3", "--seed", "4", "--", "other"])).fingerprint()
+    with pytest.raises(ConfigError, match="command"):
+        RunConfig.from_json('{"topology": "t", "command": ["python", 3]}')
