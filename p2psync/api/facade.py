@@ -57,10 +57,13 @@ def _single_node_warning() -> None:
                     "(start the script with 'p2psync run TOPOLOGY -- python SCRIPT' to train on several)")
 
 
-def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+           scaler: Any = None) -> torch.optim.Optimizer:
     """Join the run this process was started for with this process's :func:`session` (the one
     created before, if any); returns ``optimizer`` with its step hooked. As a single node:
-    ``optimizer`` untouched."""
+    ``optimizer`` untouched. The optimizer's LR schedulers are found without naming them
+    (also those created after this call); ``scheduler`` (one or a list) and ``scaler`` (a
+    ``GradScaler``) name them explicitly: checkpoints, resume and joiners carry their state."""
     global _current
     with _lock:
         s = _session_locked()
@@ -71,7 +74,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.op
             raise ConfigError(f"node {s.node_id}: p2psync.attach() was called twice; a node trains one "
                               "model (attach it once)")
         try:
-            s.attach(model, optimizer)
+            s.attach(model, optimizer, scheduler=scheduler, scaler=scaler)
         except BaseException:
             _current = None  # a later call starts afresh
             s.close(graceful=False)

@@ -35,6 +35,7 @@ from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.buffers import Buffers
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.training.flat import FlatModel
+from p2psync.training.user_state import UserState, decode, encode
 from p2psync.training.grad_copies import GradCallback, GradCopies
 from p2psync.api.gate import StepGate
 
@@ -49,8 +50,11 @@ class HookedReplica:
     own ``step`` as it was before attach.
     """
 
-    def __init__(self, *, flat: FlatModel, gate: StepGate, step: Callable[[], Any]) -> None:
+    def __init__(self, *, flat: FlatModel, gate: StepGate, step: Callable[[], Any],
+                 user_state: UserState | None = None) -> None:
         self.flat = flat
+        #: the optimizer's schedulers, scaler and hyperparameters (training/user_state.py)
+        self.user_state = user_state if user_state is not None else UserState(flat.optimizer)
         self.gate = gate
         self._step = step  # the optimizer's own step, as it was before attach
         self.numel = flat.numel
@@ -230,6 +234,16 @@ class HookedReplica:
             self.flat.set_params(vec)
             self._replaced()
         await self.gate.run(go)
+
+    async def export_meta(self) -> bytes:
+        """See :meth:`Replica.export_meta <p2psync.strategies.base.Replica.export_meta>`."""
+        return await self.gate.run(lambda: encode(self.user_state.capture()))
+
+    async def import_meta(self, raw: bytes) -> None:
+        """See :meth:`Replica.import_meta <p2psync.strategies.base.Replica.import_meta>`: the
+        iteration parked now is skipped, so the scheduler step its loop makes next is absorbed."""
+        state = decode(raw)
+        await self.gate.run(lambda: self.user_state.restore(state, absorb=True))
 
     async def export_state(self) -> np.ndarray:
         """See :meth:`Replica.export_state <p2psync.strategies.base.Replica.export_state>`."""

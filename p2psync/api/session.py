@@ -65,6 +65,7 @@ from p2psync.strategies.needs import OptimizerInfo, check
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
 from p2psync.training.flat import FlatModel
+from p2psync.training.user_state import UserState
 from p2psync.training.metrics import MetricsWriter, bytes_sent
 from p2psync.transport import all_finite
 
@@ -140,6 +141,8 @@ class Session(SessionState):
         self._extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         #: replica audits: passed, not completed, and the step of the last one passed
         self._audits = AuditLog()
+        #: a checkpoint waiting for the next step's start (path, state without the user's part)
+        self._pending_checkpoint: tuple[Path, dict[str, Any]] | None = None
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -159,9 +162,12 @@ class Session(SessionState):
             raise
         return fut.result()
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+               scaler: Any = None) -> torch.optim.Optimizer:
         """Join the run with ``model`` trained by ``optimizer``; returns the same optimizer with
-        its ``step`` hooked (so LR schedulers and ``state_dict()`` keep working)."""
+        its ``step`` hooked (so LR schedulers and ``state_dict()`` keep working). The
+        optimizer's LR schedulers (found, or named by ``scheduler``: one or a list) and a
+        ``scaler`` travel with checkpoints, resume and joins (training/user_state.py)."""
         if self.replica is not None:
             raise ConfigError(f"node {self.node_id}: attach() was called twice (one model per node)")
         if getattr(optimizer, "_p2psync_session", None) is not None:
@@ -180,7 +186,12 @@ class Session(SessionState):
             self.gate.samples = samples if type(samples) is int and samples >= 0 else 0
         flat = FlatModel(model=model, optimizer=optimizer)
         own_step = optimizer.step
-        self.replica = HookedReplica(flat=flat, gate=self.gate, step=own_step)
+        schedulers = tuple(scheduler) if isinstance(scheduler, (list, tuple)) else \
+            (scheduler,) if scheduler is not None else ()
+        user = UserState(optimizer, schedulers=schedulers, scalers=(scaler,) if scaler is not None else ())
+        if self._loaded is not None and isinstance(self._loaded.get("user_state"), dict):
+            user.restore(self._loaded["user_state"], absorb=False)  # schedulers made later: at the first step
+        self.replica = HookedReplica(flat=flat, gate=self.gate, step=own_step, user_state=user)
         try:
             self._call(self._start())
         except BaseException:
@@ -215,6 +226,8 @@ class Session(SessionState):
         samples, self._pending_samples = self._pending_samples, 0
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
             raise TrainingError("optimizer.step() hooked without a replica")
+        self.replica.user_state.on_step()
+        self._write_pending_checkpoint()
         grads = self.replica.flat.grads()
         if not all_finite(grads):  # before any strategy can send it: this node's own divergence
             self._fail(Diverged(f"training diverged at step {self.step} on node {self.node_id}: its gradient "
@@ -225,6 +238,15 @@ class Session(SessionState):
         if self._error is not None:
             raise self._error
         return loss
+
+    def _write_pending_checkpoint(self) -> None:
+        """Write the checkpoint taken at the last step, completed with the user's training
+        state as it is now (the start of the next step; training thread)."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None or self.replica is None:
+            return
+        path, snap = pending
+        checkpoint.save_atomic(path, {**snap, "user_state": self.replica.user_state.capture()})
 
     def log(self, **values: Any) -> None:
         """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``
@@ -378,7 +400,9 @@ class Session(SessionState):
                 if every and self.step % every == 0:  # the training thread is parked: a consistent state
                     path = checkpoint.node_checkpoint(rt.run_dir, self.node_id)
                     own = self._loop_state_now()  # here, before background exchanges go on
-                    await gate.run(lambda: checkpoint.save_atomic(path, self._snapshot(own)))
+                    snap = await gate.run(lambda: self._snapshot(own, user=False))
+                    # the schedulers' state of the next step's start: written when it arrives
+                    self._pending_checkpoint = (path, snap)
                 rec = self._record(rep)
                 if rep.stop:  # written at close, with the final evaluation the loop logs
                     self._last_record = rec
@@ -461,6 +485,8 @@ class Session(SessionState):
                     await self._driver
                 except BaseException as exc:  # recorded in _error
                     self._error = self._error or exc
+            if self._pending_checkpoint is not None:  # the loop is over: its schedulers have stepped
+                await self.gate.run(self._write_pending_checkpoint)
             if self._error is None and self._ended_by_loop:
                 await self._loop_end_audit()
             if self._error is None:

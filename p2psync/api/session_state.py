@@ -75,12 +75,16 @@ class SessionState:
                 "strategy_state": copy.deepcopy(self.strategy.state_dict()) if self.strategy is not None else {},
                 "feedback": checkpoint.feedback_states((coll.feedback, coll.sparse_feedback) if coll else (None, None))}
 
-    def _snapshot(self, loop_part: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`state_dict` from its event loop part (on the training thread)."""
+    def _snapshot(self, loop_part: dict[str, Any], *, user: bool = True) -> dict[str, Any]:
+        """:meth:`state_dict` from its event loop part (on the training thread); ``user``:
+        with the LR schedulers, scaler and hyperparameters as they are now."""
         flat = self.replica.flat if self.replica is not None else None
-        return checkpoint.snapshot(p2psync=loop_part, model=flat.model if flat else None,
+        snap = checkpoint.snapshot(p2psync=loop_part, model=flat.model if flat else None,
                                    optimizer=flat.optimizer if flat else None,
                                    extra={name: get() for name, (get, _) in self._extras.items()})
+        if user and self.replica is not None:
+            snap["user_state"] = self.replica.user_state.capture()
+        return snap
 
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Script state that checkpoints carry under ``extra[name]`` (tensors, numbers, strings,

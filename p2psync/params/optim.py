@@ -19,7 +19,7 @@ Three parts:
   options. Per-element arithmetic is torch's own: with the same gradient and hyperparameters
   the result is bitwise what the user's optimizer does locally.
 
-Only optimizers whose update is elementwise can be sharded (:data:`ELEMENTWISE`): each element's
+Only optimizers whose update is elementwise can be sharded (:data:`ELEMENTWISE_NAMES`): each element's
 new value depends on that element's weight, gradient and state, plus per-tensor scalars (the
 step count). LBFGS (a closure and a global line search), SparseAdam (sparse gradients) and
 Adafactor (factored row / column state) are not.
@@ -41,19 +41,28 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from p2psync.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where it runs: the launcher imports this module without it
+    import torch
 
 #: the ``torch.optim`` classes whose update is elementwise (each element's new value depends on
 #: its weight, gradient and state and on per-tensor scalars only), so shards of the flat vector
 #: can be stepped apart
 ELEMENTWISE_NAMES: tuple[str, ...] = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
                                       "RMSprop", "Rprop")
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(getattr(torch.optim, n) for n in ELEMENTWISE_NAMES)
+
+
+def elementwise() -> tuple[type["torch.optim.Optimizer"], ...]:
+    """The classes of :data:`ELEMENTWISE_NAMES`."""
+    import torch
+
+    return tuple(getattr(torch.optim, n) for n in ELEMENTWISE_NAMES)
+
 
 #: options that choose an implementation, not the arithmetic: the owners use torch's defaults
 #: (their tensors are CPU float32 vectors whatever the user's device)
@@ -137,6 +146,8 @@ class OptimSpec:
     @classmethod
     def of(cls, opt_cls: type[torch.optim.Optimizer], numel: int, **options: Any) -> "OptimSpec":
         """The spec of ``opt_cls(params, **options)`` over one group of ``numel`` elements."""
+        import torch
+
         p = torch.zeros(max(1, numel))
         return read_spec(opt_cls([p], **options), [p] if numel else [])
 
@@ -147,6 +158,8 @@ def _is_number(v: Any) -> bool:
 
 def _hyper_width(v: Any) -> int | None:
     """0 for a number, k for a tuple of k numbers, None for anything else."""
+    import torch
+
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         return 0
     if _is_number(v):
@@ -161,11 +174,13 @@ def read_spec(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) 
     parameters in flat-vector order). ConfigError when the optimizer cannot be sharded: not an
     elementwise ``torch.optim`` class, a trainable parameter in no group, or a state entry that
     is neither elementwise nor a scalar."""
+    import torch
+
     cls = type(optimizer)
-    if cls not in ELEMENTWISE:
+    if cls not in elementwise():
         raise ConfigError(f"the parameter store runs the optimizer on shards of the flat parameter vector: "
                           f"{cls.__module__}.{cls.__name__} is not one whose update is elementwise (supported: "
-                          f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
+                          f"{', '.join(ELEMENTWISE_NAMES)})")
     groups = optimizer.param_groups
     of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     outside = sum(1 for p in params if id(p) not in of)
@@ -225,6 +240,8 @@ def _make(spec: OptimSpec, gi: int, tensor: torch.Tensor, vals: HyperValues) -> 
 def _probe_state(spec: OptimSpec) -> tuple[StateEntry, ...]:
     """The per-parameter state entries of the optimizer, from one step of a two-element probe
     per group (momentum, where the class has it, set non-zero so its buffer shows)."""
+    import torch
+
     seen: dict[str, StateEntry] = {}
     for gi in range(spec.groups):
         vals = dict(spec.values(spec.initial[gi]))
@@ -289,6 +306,8 @@ class ShardOptimizer:
 
     def __init__(self, spec: OptimSpec, w: np.ndarray, *, lo: int, pieces: Sequence[tuple[int, int]],
                  state: np.ndarray | None = None) -> None:
+        import torch
+
         self.spec = spec
         self.lo = lo
         self.w = np.array(w, dtype=np.float32, copy=True)
@@ -313,6 +332,8 @@ class ShardOptimizer:
         """One optimizer step of the piece ``[a, b)`` (shard offsets: one of :attr:`pieces`)
         with gradient ``g``, each segment with its group's ``hypers`` and the learning rate
         times ``lr_scale``."""
+        import torch
+
         segs = self._segs.get((a, b))
         if segs is None:
             raise ValueError(f"[{a}, {b}) is not a piece of this shard")
@@ -336,6 +357,8 @@ class ShardOptimizer:
     def export_state(self) -> np.ndarray:
         """The optimizer state per element, ``(channels, shard size)`` float32 (see the module
         docstring)."""
+        import torch
+
         out = np.zeros((self.channels, self.w.size), np.float32)
         for segs in self._segs.values():
             for s in segs:
@@ -354,6 +377,8 @@ class ShardOptimizer:
         return out
 
     def _import(self, state: np.ndarray) -> None:
+        import torch
+
         if state.shape != (self.channels, self.w.size):
             raise ValueError(f"state of shape {state.shape}, this shard needs {(self.channels, self.w.size)}")
         for segs in self._segs.values():

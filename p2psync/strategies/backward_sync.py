@@ -150,6 +150,9 @@ class BackwardAverager:
         self._arm_event = asyncio.Event()
         self._pass: _Pass | None = None
         self._closed = False
+        self._local = False  # the step is not armed: passes stay local
+        #: when the armed step's averaging failed last (monotonic clock)
+        self.failed_at: float | None = None
 
     # -- replica side (event loop) ---------------------------------------------------------
 
@@ -212,6 +215,8 @@ class BackwardAverager:
             await cancel_all([t for t in tasks if not t.done()])
         failure = next((t for t in tasks if t.cancelled() or t.exception() is not None), None)
         if failure is not None:
+            if not armed.failed:
+                self.failed_at = time.monotonic()
             armed.failed = True
             why = "cancelled: a member failed or a newer view came" if failure.cancelled() else failure.exception()
             log.info("node %d: %s step %d pass %s: backward averaging failed (%s)", self.ctx.node_id,
@@ -234,6 +239,8 @@ class BackwardAverager:
         allreduce starts now."""
         if self._armed is not None:
             self._cancel(self._armed)
+        self._local = False
+        self.failed_at = None
         one = np.array([1.0 if want_stop else 0.0], dtype=np.float32)
         tag = f"{self.name}.{step}.e{view.epoch}.bflag"
         flag = asyncio.ensure_future(self.ctx.collectives.allreduce(one, view.members, op="sum", tag=tag,
@@ -246,9 +253,19 @@ class BackwardAverager:
                 if self._complete(p, j):
                     self._start(p, j)
 
+    def pass_through(self, step: int) -> None:
+        """``step`` is averaged at ``optimizer.step()``: its backward passes stay local (they
+        answer at once)."""
+        if self._armed is not None:
+            self._cancel(self._armed)
+            self._armed = None
+        self._local = True
+        self._arm_event.set()
+
     async def outcome(self, step: int) -> StepDone | None:
         """After ``step``'s iteration reached ``optimizer.step()``: how its backward averaging
         went (None: not averaged, or failed; redo the step). Disarms."""
+        self._local = False
         armed, self._armed = self._armed, None
         self._arm_event = asyncio.Event()
         if armed is None or armed.step != step:
@@ -322,7 +339,7 @@ class BackwardAverager:
 
     async def _wait_armed(self, p: _Pass) -> bool:
         """Wait (bounded) until a step is armed and ``p`` is bound to it."""
-        if self._closed:
+        if self._closed or self._local:
             return False
         if self._armed is None:
             try:
@@ -331,9 +348,13 @@ class BackwardAverager:
                 log.warning("node %d: %s: a backward pass ended but no step was armed within %.0f s; its "
                             "gradient stays local", self.ctx.node_id, self.name, self.ctx.peer_timeout)
                 return False
+        if self._closed or self._local:
+            return False
         return self._bound(p)
 
     def _cancel(self, armed: _Armed) -> None:
+        if not armed.failed:
+            self.failed_at = time.monotonic()
         armed.failed = True
         p = self._pass
         for t in ([*p.started.values(), *p.extra] if p is not None else []):

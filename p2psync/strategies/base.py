@@ -45,6 +45,9 @@ from p2psync.transport import Transport
 from p2psync.vocab import ON_FAILURE, BufferMode, OnFailure
 
 
+#: bytes of an encoded training state (``Replica.export_meta``) a peer may send
+MAX_META_BYTES = 16 << 20
+
 #: a learning rate or weight decay: one number, or one value per parameter element when the
 #: optimizer's parameter groups differ
 PerElement = float | np.ndarray
@@ -143,6 +146,14 @@ class Replica(Protocol):
     async def import_state(self, vec: np.ndarray) -> None:
         """Replace parameters and optimizer state with an :meth:`export_state` vector. Called
         from regroup.py's ``fetch_state``: ``await ctx.replica.import_state(np.array(vec, copy=True))``."""
+
+    async def export_meta(self) -> bytes:
+        """The rest of the training state a joiner takes with :meth:`export_state`: the
+        optimizer's hyperparameters, its LR schedulers and a scaler, encoded
+        (training/user_state.py). Called from regroup.py next to ``export_state``."""
+
+    async def import_meta(self, raw: bytes) -> None:
+        """Take an :meth:`export_meta` state (ProtocolError when malformed)."""
 
     def state_size(self) -> int:
         """The length of :meth:`export_state`'s vector (regroup.py checks a fetched state

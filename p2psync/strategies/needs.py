@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
-import torch
-
 from p2psync.errors import ConfigError
 from p2psync.params.optim import ELEMENTWISE_NAMES as ELEMENTWISE
 
@@ -62,6 +60,8 @@ class OptimizerInfo:
     @classmethod
     def of(cls, optimizer: Any) -> "OptimizerInfo":
         """The info of a torch optimizer object."""
+        import torch
+
         t = type(optimizer)
         name = f"{t.__module__}.{t.__qualname__}"
         if t.__module__.startswith("torch.optim"):

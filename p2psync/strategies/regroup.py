@@ -45,7 +45,7 @@ import numpy as np
 
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
-from p2psync.strategies.base import FailStop, StrategyContext
+from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
 from p2psync.tasks import cancel_all, wait_or_event
 
 log = logging.getLogger("p2psync.regroup")
@@ -74,6 +74,17 @@ def sync_decision(steps: Mapping[int, int]) -> tuple[int, int] | None:
     if all(s == top for s in steps.values()):
         return None
     return min(n for n, s in steps.items() if s == top), top
+
+
+def backward_from(steps: Mapping[int, int], redo: bool) -> int:
+    """Pure: the first step of a newly synced epoch whose operation may run as an optional
+    early attempt (SSGD's averaging during backward) instead of the plain operation. Every
+    member computes it from the same sync, so all choose alike: the sync's step itself when
+    every member was there and none is redoing a failed attempt, else the step after it (a
+    member that redoes, adopts or joins runs the plain operation at that step, and so must
+    everyone)."""
+    top = max(steps.values())
+    return top if not redo and all(s == top for s in steps.values()) else top + 1
 
 
 def regroup_bound(failure_timeout: float, interval: float) -> float:
@@ -106,6 +117,8 @@ class Regroup:
         self._active: dict[int, tuple[int, ...]] = {}  # epoch -> step of the operation in flight
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
+        #: steps before this one run the plain operation in the synced epoch (:func:`backward_from`)
+        self.backward_from = 0
 
     # -- hooks (event loop) --------------------------------------------------------------
 
@@ -138,17 +151,19 @@ class Regroup:
             raise PeerFailure(f"{self.name}: joined but no member gave its state")
         return got.step
 
-    async def run(self, step: int, op: Callable[[View], Awaitable[T]] | None) -> T | Adopted | None:
+    async def run(self, step: int, op: Callable[[View], Awaitable[T]] | None, *, redo: bool = False,
+                  failed_at: float | None = None) -> T | Adopted | None:
         """Run ``op(view)`` over the current view, after the members of a new epoch agreed on
         their state; redo it over the next view if it fails. Returns op's result, or
         :class:`Adopted` when this node took a peer's state instead (then op did not run), or
-        None when ``op`` is None and nothing was adopted."""
+        None when ``op`` is None and nothing was adopted. ``redo``: this step was already
+        attempted and failed (outside this call, at ``failed_at``); the members of the next
+        sync learn it (:attr:`backward_from`)."""
         if not self.elastic:
             self.failstop.check()
             out = None if op is None else await op(View(epoch=0, members=tuple(self.ctx.topology.ids)))
             self.failstop.check()
             return out
-        failed_at: float | None = None
         while True:
             view = self.ctx.view
             me = self.ctx.node_id
@@ -158,7 +173,7 @@ class Regroup:
             self._active = {view.epoch: (step,)}
             try:
                 if view.epoch != self.synced:
-                    adopted = await self._race(self._sync(step, view), view)
+                    adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view)
                     if adopted is not None:
                         self._reformed(failed_at)
                         return Adopted(adopted)
@@ -256,11 +271,12 @@ class Regroup:
             except asyncio.TimeoutError:
                 pass
 
-    async def _sync(self, step: int, view: View) -> int | None:
+    async def _sync(self, step: int, view: View, *, redo: bool = False) -> int | None:
         """The state sync of a new epoch (see the module docstring); returns the step adopted."""
         coll, me, members = self.ctx.collectives, self.ctx.node_id, view.members
-        got = await coll.allgather(np.array([float(step)]), members, tag=f"{self.name}.sync.e{view.epoch}")
+        got = await coll.allgather(np.array([float(step), float(redo)]), members, tag=f"{self.name}.sync.e{view.epoch}")
         steps = {n: int(a[0]) for n, a in zip(members, got, strict=True)}
+        self.backward_from = backward_from(steps, any(a[1] for a in got))
         decision = sync_decision(steps)
         if decision is None:
             self.synced = view.epoch
@@ -271,15 +287,31 @@ class Regroup:
         if buf.size != size or buf.dtype != np.float32:
             raise ConfigError(f"{self.name}: state snapshot has {buf.size} {buf.dtype} values, expected {size} float32")
         state = await coll.broadcast(buf, donor, members, tag=f"{self.name}.state.e{view.epoch}")
+        meta = await self._meta(donor, members, f"{self.name}.state.e{view.epoch}")
         self.synced = view.epoch
         if steps[me] >= top:
             log.info("node %d: gave/kept the state of step %d at view %d", me, top, view.epoch)
             return None
         await self.restore(np.asarray(state, dtype=np.float32))
+        await self.ctx.replica.import_meta(meta)
         self.adoptions += 1
         log.warning("node %d: adopted node %d's state at step %d (was at step %d), view %d members %s",
                     me, donor, top, step, view.epoch, list(members))
         return top
+
+
+    async def _meta(self, donor: int, members: Sequence[int], tag: str) -> bytes:
+        """The donor's training state beyond the vector (hyperparameters, LR schedulers:
+        ``Replica.export_meta``), broadcast as its length, then its bytes."""
+        coll, me = self.ctx.collectives, self.ctx.node_id
+        mine = await self.ctx.replica.export_meta() if me == donor else b""
+        size = await coll.broadcast(np.array([len(mine)], np.int64), donor, members, tag=f"{tag}.metalen")
+        n = int(size[0])
+        if not 0 <= n <= MAX_META_BYTES:
+            raise ProtocolError("state", f"node {donor} announced a training state of {n} bytes")
+        raw = np.frombuffer(mine, np.uint8) if me == donor else np.zeros(n, np.uint8)
+        got = await coll.broadcast(raw, donor, members, tag=f"{tag}.meta")
+        return np.asarray(got, np.uint8).tobytes()
 
 
 # -- joiners of asynchronous strategies ------------------------------------------------------
@@ -307,7 +339,8 @@ def serve_state(ctx: StrategyContext, name: str, step: Callable[[], int]) -> Non
         await _until_member(ctx, caller, ctx.peer_timeout)  # our view may lag the joiner's
         at = step()
         vec = await ctx.replica.export_state()
-        await ctx.transport.send(caller, tag, [vec], kind="data", step=max(0, at), timeout=ctx.peer_timeout)
+        meta = np.frombuffer(await ctx.replica.export_meta(), np.uint8)
+        await ctx.transport.send(caller, tag, [vec, meta], kind="data", step=max(0, at), timeout=ctx.peer_timeout)
         return {"step": at}
 
     ctx.rpc_server.register(f"{name}.state", handler)
@@ -324,14 +357,15 @@ async def fetch_state(ctx: StrategyContext, name: str) -> int:
             rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)
             msg = await ctx.transport.recv(tag, timeout=ctx.peer_timeout)
             at = rep.get("step") if isinstance(rep, dict) else None
-            vec = msg.arrays[0] if len(msg.arrays) == 1 else None
-            if type(at) is not int or vec is None or vec.dtype != np.float32 \
-                    or vec.size != ctx.replica.state_size():
+            vec, meta = (msg.arrays[0], msg.arrays[1]) if len(msg.arrays) == 2 else (None, None)
+            if type(at) is not int or vec is None or meta is None or vec.dtype != np.float32 \
+                    or vec.size != ctx.replica.state_size() or meta.dtype != np.uint8 or meta.size > MAX_META_BYTES:
                 raise ProtocolError("state", f"node {d} sent a malformed state")
         except P2PSyncError as exc:
             errors.append(f"node {d}: {exc}")
             continue
         await ctx.replica.import_state(np.array(vec, copy=True))
+        await ctx.replica.import_meta(np.asarray(meta).tobytes())
         log.warning("node %d: joined with node %d's state at its step %d", me, d, at)
         return at
     raise PeerFailure(f"node {me}: no live neighbour gave its state ({'; '.join(errors) or 'none alive'})",

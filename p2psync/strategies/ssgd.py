@@ -108,14 +108,17 @@ class SSGD(Strategy):
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.regroup.check()
         bw = self.backward
+        armed = False
         if bw is not None:
-            adopted = await self._arm(bw, step, want_stop)
-            if adopted is not None:
-                return StepReport(loss=float("nan"), next_step=adopted.step,
+            got = await self._arm(bw, step, want_stop)
+            if isinstance(got, Adopted):
+                return StepReport(loss=float("nan"), next_step=got.step,
                                   extra={"adopted": True, "members": len(self.ctx.group)})
+            armed = got
         loss, grad = await self.ctx.replica.compute_gradients()
         t0 = time.perf_counter()
-        if bw is not None:
+        failed_at: float | None = None
+        if bw is not None and armed:
             done = await bw.outcome(step)
             if done is not None:  # averaged during backward: step with .grad as the user left it
                 await self.ctx.replica.apply_gradients(grad)
@@ -123,14 +126,18 @@ class SSGD(Strategy):
                                   extra={"compression": round(done.compression, 3), "op_nic_bytes": done.nic_bytes,
                                          "members": len(self.ctx.group), "reforms": self.regroup.reforms,
                                          "passes": done.passes})
+            failed_at = bw.failed_at if bw.failed_at is not None else time.monotonic()
             if not self._warned_redo:
                 self._warned_redo = True
                 log.warning("node %d: ssgd step %d: the gradient could not be averaged during backward (a member "
                             "failed or the view changed); redone at optimizer.step() over the survivors, so code "
                             "between backward() and step() saw this node's own gradient in that step",
                             self.ctx.node_id, step)
+        elif bw is not None:
+            await bw.outcome(step)
         mine = await self._buffers()
-        out = await self.regroup.run(step, lambda v: self._average(v, step, grad, want_stop, mine))
+        out = await self.regroup.run(step, lambda v: self._average(v, step, grad, want_stop, mine),
+                                     failed_at=failed_at)
         comm = time.perf_counter() - t0
         if out is None or isinstance(out, Adopted):  # our gradient was for a step we skipped
             return StepReport(loss=loss, comm_s=comm, next_step=out.step if out else step + 1,
@@ -139,6 +146,8 @@ class SSGD(Strategy):
         await self.ctx.replica.apply_gradients(mean)
         if bufs is not None:
             await self.ctx.replica.set_buffers(bufs)
+        if stop and bw is not None:
+            bw.close()
         return StepReport(loss=loss, stop=stop, comm_s=comm,
                           extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes,
                                  "members": len(self.ctx.group), "reforms": self.regroup.reforms})
@@ -147,16 +156,22 @@ class SSGD(Strategy):
         if self.backward is not None:
             self.backward.close()
 
-    async def _arm(self, bw: BackwardAverager, step: int, want_stop: bool) -> Adopted | None:
+    async def _arm(self, bw: BackwardAverager, step: int, want_stop: bool) -> Adopted | bool:
         """Let the backward passes of ``step`` be averaged over the current view, once its
-        members agree on their state (a new epoch's sync; a node behind adopts instead)."""
+        members agree on their state (a new epoch's sync; a node behind adopts instead).
+        False: this step runs the plain averaging at ``optimizer.step()`` on every member
+        (the first step of a sync that a member redoes, adopts or joins at:
+        :func:`~p2psync.strategies.regroup.backward_from`); its backward passes stay local."""
         if self.regroup.elastic and self.ctx.epoch != self.regroup.synced:
             got = await self.regroup.run(step, None)
             if isinstance(got, Adopted):
                 return got
+        if self.regroup.elastic and step < self.regroup.backward_from:
+            bw.pass_through(step)
+            return False
         view = self.ctx.view if self.regroup.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         bw.arm(step, want_stop, view, buffers=self.ctx.buffers)
-        return None
+        return True
 
     async def _buffers(self) -> Buffers | None:
         if self.ctx.buffers == "local" or self.ctx.replica.buffer_bytes == 0:

@@ -37,6 +37,7 @@ from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.base import SgdHyper, SgdStep
 from p2psync.strategies.buffers import Buffers
 from p2psync.training.flat import FlatModel
+from p2psync.training.user_state import UserState, decode, encode
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.errors import Aborted, ConfigError, Diverged
 from p2psync.transport import all_finite
@@ -101,6 +102,7 @@ class Trainer:
         self.data = data
         self.sampler = BatchSampler(indices, batch_size, seed=seed)
         self.flat = FlatModel(model=self.model, optimizer=optimizer)
+        self.user_state = UserState(optimizer)
         self.numel = self.flat.numel
         self.loss_fn = nn.CrossEntropyLoss()
         self.eval_batch = eval_batch
@@ -250,6 +252,15 @@ class Trainer:
     def layers(self) -> list[Layer]:
         """The modules with trainable parameters, in the flat vector's order (Canary)."""
         return self.flat.layers()
+
+    async def export_meta(self) -> bytes:
+        """The optimizer's hyperparameters (the built-in job's trainer has no scheduler)."""
+        return await self.run(lambda: encode(self.user_state.capture()))
+
+    async def import_meta(self, raw: bytes) -> None:
+        """Take a peer's hyperparameters."""
+        state = decode(raw)
+        await self.run(lambda: self.user_state.restore(state, absorb=False))
 
     async def export_state(self) -> np.ndarray:
         """Parameters + optimizer state as one float32 vector (see the module docstring)."""

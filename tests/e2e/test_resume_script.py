@@ -1,7 +1,9 @@
-"""A user's script with randomness after initialisation (dropout), checkpointed and resumed
-through ``p2psync run ... -- python SCRIPT`` (issue 16 review, item 8): the resumed run ends
-bitwise equal to the uninterrupted one only if the checkpoint restored the RNG states (and the
-script's own data position, which it registers). One process per node: the RNGs are global."""
+"""A user's script with randomness after initialisation (dropout), BatchNorm and an LR schedule
+created after ``attach``, checkpointed and resumed through ``p2psync run ... -- python SCRIPT``:
+the resumed run ends bitwise equal to the uninterrupted one only if the checkpoint restored the
+RNG states, the script's own data position (which it registers), the buffers and the
+scheduler's state (found without the script naming it). One process per node: the RNGs are
+global."""
 
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ SCRIPT = textwrap.dedent("""
 
     env = from_env(os.environ)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
     pos = {"k": 0}  # the script's data position: in checkpoints because it is registered (a
     # checkpoint is taken inside optimizer.step(): a batch counts once it is taken)
     with Session(config=env.config, node=env.node_id) as s:
         s.register_state("data", lambda: dict(pos), pos.update)
         opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))  # restarted: another lr
         while not s.should_stop:
             g = torch.Generator().manual_seed(1000 * env.node_id + pos["k"])
             x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -42,6 +45,7 @@ SCRIPT = textwrap.dedent("""
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()  # dropout draws from torch's RNG
             opt.step()
+            sched.step()
 """)
 
 

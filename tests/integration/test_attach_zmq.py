@@ -181,7 +181,9 @@ def test_gradient_ready_hooks_fire_per_parameter_during_backward(tmp_path: Path)
         s.close()
         return strategy.seen, last, [p.numel() for p in model.parameters()]
 
-    out = _two_nodes(tmp_path, "test-grad-ready", body)
+    # sync=step: the gradients in .grad stay local until optimizer.step() (with the default,
+    # backward returns with the mean in .grad, which the hooks never see)
+    out = _two_nodes(tmp_path, "test-grad-ready", body, strategy_options=(("sync", "step"),))
     for i in (0, 1):
         seen, last, sizes = out[i]
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()
