@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 #: public name -> its name in :mod:`p2psync.api.facade`
 _API = {"attach": "attach", "shard": "shard", "Session": "Session", "session": "session",
-        "should_stop": "should_stop", "log": "log_values"}
+        "should_stop": "should_stop", "log": "log_values", "no_sync": "no_sync"}
 
-__all__ = ["Session", "attach", "log", "session", "shard", "should_stop"]
+__all__ = ["Session", "attach", "log", "no_sync", "session", "shard", "should_stop"]
 
 
 def __getattr__(name: str) -> Any:

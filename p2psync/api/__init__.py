@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_FACADE = ("Session", "attach", "log_values", "shard", "should_stop")
+_FACADE = ("Session", "attach", "log_values", "no_sync", "shard", "should_stop")
 
 
 def __getattr__(name: str) -> Any:
@@ -44,4 +44,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-__all__ = ["Session", "attach", "log_values", "shard", "should_stop"]
+__all__ = ["Session", "attach", "log_values", "no_sync", "shard", "should_stop"]

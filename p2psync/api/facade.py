@@ -5,11 +5,12 @@ here; the process's one :class:`~p2psync.api.session.Session` lives in this modu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -121,6 +122,19 @@ def should_stop() -> bool:
     return _current is not None and _current.should_stop
 
 
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Backward passes inside the block are not averaged (gradient accumulation, as DDP's
+    ``no_sync``): their gradients accumulate locally, and the next backward pass outside it
+    averages the sum. Only where backward averages (``ssgd``'s default); elsewhere, and as a
+    single node, it does nothing."""
+    if _current is None:
+        yield
+        return
+    with _current.no_sync():
+        yield
+
+
 def _install_exit_hooks() -> None:
     """Close this process's session at exit (once, however many sessions it starts)."""
     global _hooks_installed
@@ -152,4 +166,4 @@ def _close_at_exit() -> None:
             print(f"p2psync: node {s.node_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-__all__ = ["Session", "attach", "log_values", "session", "shard", "should_stop"]
+__all__ = ["Session", "attach", "log_values", "no_sync", "session", "shard", "should_stop"]

@@ -38,6 +38,7 @@ last gradients that arrive), metrics and the run's summary are written, sockets 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -45,7 +46,7 @@ import time
 import types
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -261,6 +262,20 @@ class Session(SessionState):
             self.last_test_loss = float(values["test_loss"])
         self._logged.update(values)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside the block are not averaged (see :func:`p2psync.no_sync`)."""
+        replica = self.replica
+        if replica is None:
+            yield
+            return
+        before = replica.sync_enabled
+        replica.sync_enabled = False
+        try:
+            yield
+        finally:
+            replica.sync_enabled = before
+
     @property
     def should_stop(self) -> bool:
         """True once the run agreed to stop (or failed): end the training loop."""
@@ -461,6 +476,11 @@ class Session(SessionState):
         as incomplete."""
         strategy = self.strategy
         if strategy is None or strategy.identical_replicas == "never":
+            return
+        if strategy.identical_replicas == "end":  # its one model comes from the agreed stop
+            log.warning("node %d: the training loop ended before the run agreed to stop: %s averages the replicas "
+                        "only at an agreed stop, so the nodes may end with different models (end the loop when "
+                        "p2psync.should_stop() is true, with --steps or --time)", self.node_id, strategy.name)
             return
         bound = max(5.0, 2 * self.cfg.failure_timeout + 4 * self.cfg.heartbeat)
         try:

@@ -3,7 +3,8 @@
 Why: there is one training path (DESIGN). The job builds its model, optimizer and data shard
 (:func:`~p2psync.training.node.build_trainer`), attaches the optimizer, and runs the plain loop
 ``forward / backward / optimizer.step()`` until the run agrees to stop (``--time``, ``--steps``,
-``--epochs``), evaluating every ``--eval-every`` strategy steps (and every ``--eval-seconds``).
+``--epochs``; ``--lr-schedule cosine``: an LR scheduler created after ``attach``, as scripts
+do), evaluating every ``--eval-every`` strategy steps (and every ``--eval-seconds``).
 The emulated device time (``--slowdown``, ``--step-time``) runs after backward and ends early
 when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
 ``optimizer.step()``, which the strategy skips. Checkpoints (``--checkpoint-every``) also carry
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+import torch
 
 from p2psync.api.session import Session
 from p2psync.errors import Aborted
@@ -34,6 +37,8 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
         register_trainer_state(session, trainer)
         with session:
             opt = session.attach(trainer.model, trainer.optimizer)
+            sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, session.max_steps))
+                     if cfg.lr_schedule == "cosine" else None)
             trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
             last_eval, last_eval_step = time.monotonic(), 0
             while not session.should_stop:
@@ -43,6 +48,8 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
                 except Aborted:  # abandoned by the strategy: the step below is skipped
                     pass
                 opt.step()
+                if sched is not None:
+                    sched.step()
                 due = (session.step - last_eval_step >= cfg.eval_every
                        or (cfg.eval_seconds is not None and time.monotonic() - last_eval >= cfg.eval_seconds))
                 if due or session.should_stop:

@@ -16,7 +16,7 @@ from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, P2PSyncError, translate
 from p2psync.topology import Topology
-from p2psync.training.config import MODELS, OPTIMIZERS, RunConfig
+from p2psync.training.config import LR_SCHEDULES, MODELS, OPTIMIZERS, RunConfig
 from p2psync.training.data import DATASETS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
@@ -136,6 +136,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
+                   help="built-in job: the learning rate stays (constant) or decays to 0 along a cosine over "
+                        "the run's steps (cosine; needs --steps or --epochs), stepped after every optimizer step")
     p.add_argument("--buffers", default=d.buffers, choices=BUFFER_MODES,
                    help="module buffers (BatchNorm statistics) at every synchronizing step: the lowest "
                         "member's, bitwise (broadcast, as DDP), the group's mean of the floating-point ones "
@@ -188,7 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         time_limit=args.time_limit, model=args.model, data=args.data, data_dir=args.data_dir,
         synthetic_size=args.synthetic_size, partition=args.partition,
         dirichlet_alpha=args.dirichlet_alpha, shards_per_node=args.shards_per_node,
-        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        optimizer=args.optimizer, lr=args.lr, lr_schedule=args.lr_schedule, momentum=args.momentum,
+        weight_decay=args.weight_decay,
         batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
         eval_seconds=args.eval_seconds, out=out,
         run_id=run_id, device=args.device, threads=args.threads,

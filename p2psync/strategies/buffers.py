@@ -22,8 +22,13 @@ from typing import Sequence
 import numpy as np
 
 from p2psync.collectives import Collectives
+from typing import TYPE_CHECKING
+
 from p2psync.tasks import gather_or_cancel
 from p2psync.vocab import BufferMode
+
+if TYPE_CHECKING:
+    from p2psync.strategies.base import Replica
 
 
 
@@ -56,4 +61,16 @@ async def exchange_buffers(coll: Collectives, mine: Buffers, mode: BufferMode, *
     return Buffers(raw=np.asarray(raw, np.uint8), floats=np.asarray(mean, np.float32))
 
 
-__all__ = ["Buffers", "exchange_buffers"]
+async def sync_buffers(replica: Replica, coll: Collectives, mode: BufferMode, *, tag: str,
+                       group: Sequence[int]) -> None:
+    """Read ``replica``'s buffers, take the group's (:func:`exchange_buffers`) and write them
+    back: what a strategy's "one model" ending adds to its averaged parameters."""
+    if mode == "local" or replica.buffer_bytes == 0:
+        return
+    got = await exchange_buffers(coll, await replica.get_buffers(floats=mode == "average"), mode, tag=tag,
+                                 group=group)
+    if got is not None:
+        await replica.set_buffers(got)
+
+
+__all__ = ["Buffers", "exchange_buffers", "sync_buffers"]

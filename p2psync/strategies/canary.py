@@ -190,8 +190,10 @@ class Canary(Strategy):
     bounding (see the module docstring)."""
 
     name = "canary"
+    identical_replicas = "end"
     needs = Needs(clipping="not applied to what is sent: colayers leave during backward (a changed .grad is "
-                           "warned about; --opt pipeline=false sends what the step sees)")
+                           "warned about; --opt pipeline=false sends what the step sees)",
+                  buffers="each node's own; re-syncs and the final average take the lowest member's (--buffers)")
     grad_ready = True
     Options = CanaryOptions
     opts: CanaryOptions

@@ -117,6 +117,7 @@ class DTS(Strategy):
     name = "dts"
     needs = Needs(optimizer="plain_sgd",
                   schedules="honoured: the lr is read at every local step (momentum must stay constant)",
+                  buffers="each node's own; whole-state averages (re-forms) take the lowest member's (--buffers)",
                   why="its error compensation replays SGD's own arithmetic (u = mu u + g + wd w, "
                       "w -= lr u) on the delayed average of weights and momentum; it is exact only for an update linear in "
                       "the gradients with those coefficients, which Nesterov, dampening and adaptive "

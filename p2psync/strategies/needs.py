@@ -38,6 +38,8 @@ class Needs:
     optimizer: OptimizerRule = "any"
     schedules: str = "honoured: the user's optimizer steps"
     clipping: str = "clips each node's own gradient, before anything is exchanged"
+    #: what happens to module buffers (BatchNorm statistics; ``--buffers``)
+    buffers: str = "each node's own"
     why: str = ""
 
 
@@ -116,7 +118,8 @@ def check(strategy: str, needs: Needs, info: OptimizerInfo) -> None:
 
 def needs_table(rows: Iterable[tuple[str, Needs]]) -> str:
     """The markdown table of ``(strategy name, needs)`` rows (the README's)."""
-    out = ["| strategy | optimizer | LR schedule | gradient clipping | why |", "|---|---|---|---|---|"]
+    out = ["| strategy | optimizer | LR schedule | gradient clipping | buffers | why |", "|---|---|---|---|---|---|"]
     for name, n in rows:
-        out.append(f"| `{name}` | {_RULE_TEXT[n.optimizer]} | {n.schedules} | {n.clipping} | {n.why or '—'} |")
+        out.append(f"| `{name}` | {_RULE_TEXT[n.optimizer]} | {n.schedules} | {n.clipping} | {n.buffers} | "
+                   f"{n.why or '—'} |")
     return "\n".join(out)

@@ -73,11 +73,13 @@ from p2psync.coordinator import View
 from p2psync.coordinator.preduce import Approx, Controller, Tail, Weights
 from p2psync.coordinator.preduce_service import PReduceService
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
-from p2psync.strategies.regroup import Regroup, fetch_state, serve_state
-from p2psync.tasks import cancel_all, wait_or_event
+from p2psync.strategies.buffers import Buffers, exchange_buffers
+from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
+from p2psync.tasks import cancel_all, wait_or_event, gather_or_cancel
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.preduce")
@@ -165,6 +167,8 @@ class PReduce(Strategy):
     formed by the coordinator's controller (see the module docstring)."""
 
     name = "preduce"
+    identical_replicas = "end"
+    needs = Needs(buffers="each node's own; the final average takes the lowest member's (--buffers)")
     Options = PReduceOptions
     opts: PReduceOptions
 
@@ -226,8 +230,12 @@ class PReduce(Strategy):
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         if not self.elastic:
             self.failstop.check()
-        # (TrainingEnded: the user's loop ended; this node leaves and the others go on)
-        loss, grad = await self.ctx.replica.compute_gradients()
+        try:
+            loss, grad = await self.ctx.replica.compute_gradients()
+        except TrainingEnded:
+            if not self.elastic:
+                raise
+            return await self._loop_ended(want_stop)
         await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
         self.steps, self.k = step + 1, self.k + 1
         t0 = time.perf_counter()
@@ -246,6 +254,22 @@ class PReduce(Strategy):
         extra.update(op=answer.op, group=len(answer.members), applied=applied, reduce_s=round(reduced, 5),
                      weight=round(answer.weights[answer.members.index(self.ctx.node_id)], 5))
         return StepReport(loss=loss, comm_s=reduced, wait_s=queued + reduced, extra={**extra, **self._totals()})
+
+    async def _loop_ended(self, want_stop: bool) -> StepReport:
+        """The user's loop ended (a script without ``should_stop()``): this worker reached its
+        budget, and the first worker at its budget stops the run (Alg. 2), which ends with the
+        average of every member's model, as at an agreed stop."""
+        t0 = time.perf_counter()
+        answer = await self._ready(True)
+        if answer is not None:  # grouped before the stop reached the controller: not counted
+            log.info("node %d: preduce: the loop ended while grouped in op %d; stopping", self.ctx.node_id, answer.op)
+            await self._reduce(answer)
+            while answer is not None:
+                answer = await self._ready(True)
+        await self._final_average()
+        wait = time.perf_counter() - t0
+        return StepReport(loss=float("nan"), stop=True, comm_s=wait, wait_s=wait,
+                          extra={**self._totals(), "loop_ended": True})
 
     def _totals(self) -> dict[str, Any]:
         return {"ops_joined": self.ops, "last_op": self.last_op, "failed_groups": self.failed_groups,
@@ -335,11 +359,21 @@ class PReduce(Strategy):
         """Alg. 2 line 8: every member ends with the exact mean of the members' states."""
         rep, coll = self.ctx.replica, self.ctx.collectives
 
-        async def mean(view: View) -> np.ndarray:
-            vec = await rep.export_state()
-            return np.asarray(await coll.allreduce(vec, view.members, op="mean", codec="none",
-                                                   tag=f"preduce.end.0.e{view.epoch}"), dtype=np.float32)
+        mode = self.ctx.buffers
+        with_buffers = mode != "local" and rep.buffer_bytes > 0
 
-        out = await self.final.run(0, mean)
-        if isinstance(out, np.ndarray):
-            await rep.import_state(out)
+        async def mean(view: View) -> tuple[np.ndarray, Buffers | None]:
+            vec = await rep.export_state()
+            tag = f"preduce.end.0.e{view.epoch}"
+            avg = asyncio.ensure_future(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
+                                                       tag=tag))
+            bufs = asyncio.ensure_future(exchange_buffers(coll, await rep.get_buffers(floats=mode == "average"), mode,
+                                                          tag=tag, group=view.members)) if with_buffers else None
+            await gather_or_cancel([avg, *([bufs] if bufs is not None else [])])
+            return np.asarray(avg.result(), dtype=np.float32), bufs.result() if bufs is not None else None
+
+        out = await self.final.run(0, mean)  # applied once it succeeded (a redo averages the originals)
+        if isinstance(out, tuple):
+            await rep.import_state(out[0])
+            if out[1] is not None:
+                await rep.set_buffers(out[1])

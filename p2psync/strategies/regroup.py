@@ -46,6 +46,7 @@ import numpy as np
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
+from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
 
 log = logging.getLogger("p2psync.regroup")
@@ -85,6 +86,13 @@ def backward_from(steps: Mapping[int, int], redo: bool) -> int:
     everyone)."""
     top = max(steps.values())
     return top if not redo and all(s == top for s in steps.values()) else top + 1
+
+
+def exact_mean_input(vec: np.ndarray) -> np.ndarray:
+    """``vec`` widened to float64 for a mean of whole states: float32 sums of three or more
+    equal values round (x + x + x is not always 3x), so the mean of identical replicas would
+    move them by an ulp; in float64 it is exact, and the result is cast back to float32."""
+    return np.asarray(vec, dtype=np.float64)
 
 
 def regroup_bound(failure_timeout: float, interval: float) -> float:
@@ -218,11 +226,12 @@ class Regroup:
                                                      tag=f"{tag}.steps"))
         try:
             vec = await self.snapshot()
-            mean = await coll.allreduce(vec, view.members, op="mean", codec="none", tag=tag)
+            mean = await coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none", tag=tag)
             rows = await steps
         finally:
             await cancel_all([steps])  # when the average failed first
         await self.restore(np.asarray(mean, dtype=np.float32))
+        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=tag, group=view.members)
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
 
     def _reformed(self, failed_at: float | None) -> None:

@@ -50,6 +50,7 @@ from p2psync.errors import ConfigError
 from p2psync.strategies.backward_sync import BackwardAverager, BackwardHooks
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.buffers import Buffers, exchange_buffers
+from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.regroup import Adopted, Regroup
 from p2psync.tasks import gather_or_cancel
@@ -78,6 +79,9 @@ class SSGD(Strategy):
     name = "ssgd"
     Options = SSGDOptions
     opts: SSGDOptions
+    needs = Needs(clipping="clips the group's mean gradient: backward returns with it, as DDP (--opt sync=step: "
+                           "this node's own, averaged at optimizer.step())",
+                  buffers="the lowest member's at every step (--buffers broadcast; average: the mean)")
     identical_replicas = "every_step"
 
     def __init__(self, ctx: StrategyContext) -> None:

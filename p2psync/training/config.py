@@ -19,6 +19,8 @@ from p2psync.wire.schema import valid_run_id
 #: so the CLI parses its options without importing it)
 ModelName = Literal["mlp", "cnn", "resnet18"]
 MODELS: tuple[str, ...] = get_args(ModelName)
+LrSchedule = Literal["constant", "cosine"]
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 #: the built-in job's ``--optimizer`` choices (training/trainer.py ``make_optimizer``: nesterov is
 #: SGD with Nesterov momentum)
 OptimizerName = Literal["sgd", "nesterov", "adam", "adamw"]
@@ -29,7 +31,7 @@ LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "key
 #: options only the built-in job reads (its model, data, optimizer, evaluation, emulated device):
 #: a run of the user's own command (``command``) does not record them
 BUILTIN_JOB_FIELDS = frozenset({"epochs", "model", "hidden", "data", "data_dir", "synthetic_size", "optimizer",
-                                "lr", "momentum", "weight_decay", "batch_size", "eval_every", "eval_seconds",
+                                "lr", "lr_schedule", "momentum", "weight_decay", "batch_size", "eval_every", "eval_seconds",
                                 "device", "slowdown", "slowdown_schedule", "step_time", "slowdown_mode",
                                 "step_jitter"})
 UNBOUNDED_STEPS = 1 << 62
@@ -53,6 +55,9 @@ class RunConfig:
     shards_per_node: int = 2
     optimizer: str = "sgd"
     lr: float = 0.05
+    #: the built-in job's learning-rate schedule, stepped after every optimizer step:
+    #: constant, or cosine decay to 0 over the run's steps (needs --steps or --epochs)
+    lr_schedule: LrSchedule = "constant"
     momentum: float = 0.9
     weight_decay: float = 0.0
     batch_size: int = 32
@@ -152,6 +157,10 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and isinstance(v, float):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a whole number of steps, got {v!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule {self.lr_schedule!r}: choose from {', '.join(LR_SCHEDULES)}")
+        if self.lr_schedule == "cosine" and self.steps is None and self.epochs is None:
+            raise ConfigError("--lr-schedule cosine needs the run's length: --steps or --epochs")
         if self.buffers not in BUFFER_MODES:
             raise ConfigError(f"--buffers {self.buffers!r}: choose from {', '.join(BUFFER_MODES)}")
 

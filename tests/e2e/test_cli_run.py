@@ -368,7 +368,9 @@ def test_ring4_ssgd_killed_node_restarted_rejoins(tmp_path):
     bitwise the same parameters."""
     # a step budget (not --time): the joiner's process start-up may take a while on a busy
     # host, and the run must still be going when it registers (~30 s of 0.1 s steps)
-    with ring_run(tmp_path, "rj", "--steps", "300", step_s=0.1) as (start, run, procs):
+    # a cosine LR schedule: the joiner's fresh scheduler would run another lr, so bitwise
+    # equality needs the scheduler's state to travel with the parameters
+    with ring_run(tmp_path, "rj", "--steps", "300", "--lr-schedule", "cosine", step_s=0.1) as (start, run, procs):
         procs[2].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-0.jsonl")), 30,
                  "the survivors to re-form")

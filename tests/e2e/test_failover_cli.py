@@ -45,7 +45,7 @@ def test_ring4_ssgd_coordinator_killed_and_restarted_rejoins(tmp_path):
     takes over and the survivors re-form; node 0 restarted with the same --node / --run-id asks
     the others whether the run is going, joins it at node 1 instead of hosting a second run, and
     every node ends with bitwise the same parameters."""
-    with ring_run(tmp_path, "cr", "--steps", "300", step_s=0.1) as (start, run, procs):
+    with ring_run(tmp_path, "cr", "--steps", "300", "--lr-schedule", "cosine", step_s=0.1) as (start, run, procs):
         procs[0].send_signal(signal.SIGKILL)
         wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-1.jsonl")), 30,
                  "the survivors to re-form under node 1")

@@ -345,3 +345,44 @@ def test_canary_pipelining_with_an_unused_branch_and_gradient_clipping(tmp_path:
     out = _two_nodes(tmp_path, "canary", body, strategy_options=(("colayers", "2"),), max_steps=STEPS)
     assert max(out[0][0], out[1][0]) == STEPS
     assert out[0][1].tobytes() == out[1][1].tobytes()
+
+
+def test_backward_returns_with_the_mean_and_no_sync_keeps_passes_local(tmp_path: Path) -> None:
+    """ssgd's default: ``loss.backward()`` returns with the group's mean gradient in ``.grad``
+    (both nodes see the same values right after backward, before step), ``no_sync()`` keeps a
+    pass local, and the next pass averages the accumulated sum: the model is data-parallel SGD
+    on the union of the batches, as in DDP."""
+
+    models = [_model(100 + i) for i in (0, 1)]
+
+    def body(s: Session, i: int) -> Any:
+        model = models[i]
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+        seen: list[tuple[np.ndarray, np.ndarray]] = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            (first, second) = _batches(i)[k]
+            with s.no_sync():
+                (nn.functional.cross_entropy(model(first[0]), first[1]) / 2).backward()
+            local = torch.nn.utils.parameters_to_vector([p.grad for p in model.parameters()]).numpy().copy()
+            (nn.functional.cross_entropy(model(second[0]), second[1]) / 2).backward()
+            mean = torch.nn.utils.parameters_to_vector([p.grad for p in model.parameters()]).numpy().copy()
+            seen.append((local, mean))
+            opt.step()
+        s.close()
+        return seen, torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+
+    out = _two_nodes(tmp_path, "ssgd", body, tag="nosync")
+    (seen0, w0), (seen1, w1) = out[0], out[1]
+    assert w0.tobytes() == w1.tobytes()
+    for (l0, m0), (l1, m1) in zip(seen0, seen1):
+        assert not np.array_equal(l0, l1)  # no_sync: each node's own first micro-batch
+        np.testing.assert_array_equal(m0, m1)  # right after backward: one mean on both
+    ref = _model(100)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    for k in range(STEPS):
+        ref_opt.zero_grad()
+        for x, y in [*_batches(0)[k], *_batches(1)[k]]:
+            (nn.functional.cross_entropy(ref(x), y) / 4).backward()
+        ref_opt.step()
+    np.testing.assert_allclose(w0, torch.nn.utils.parameters_to_vector(ref.parameters()).detach().numpy(), atol=1e-6)

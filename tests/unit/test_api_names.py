@@ -16,7 +16,7 @@ from p2psync.topology import ring, save
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
-API = {"Session", "attach", "log", "session", "shard", "should_stop"}
+API = {"Session", "attach", "log", "no_sync", "session", "shard", "should_stop"}
 
 
 def test_dir_lists_the_api_without_importing_torch() -> None:

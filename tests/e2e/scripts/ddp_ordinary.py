@@ -54,4 +54,6 @@ def rank_main(rank: int, world: int, port: int, out: str, epochs: int) -> None:
 
 if __name__ == "__main__":
     world, port, out, epochs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    torch.multiprocessing.spawn(rank_main, args=(world, port, out, epochs), nprocs=world)
+    # forked ranks inherit the imports (spawned ones import torch and scikit-learn again)
+    torch.multiprocessing.start_processes(rank_main, args=(world, port, out, epochs), nprocs=world,
+                                          start_method="fork")
