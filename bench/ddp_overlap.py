@@ -1,12 +1,14 @@
 """SSGD's gradients averaged during backward (as DDP) against averaged at ``optimizer.step()``.
 
     python -m bench.ddp_overlap [--nodes 2] [--width 2048] [--depth 3] [--steps 40] [--rounds 3]
+                                [--run-args "--shaper inproc --nic-mbps 1000"]
 
 Each row is one ``p2psync run TOPOLOGY --strategy ssgd --opt sync=... -- python SCRIPT`` on a
 ring of ``--nodes`` processes on this host: the script trains an MLP of ``--depth`` hidden layers
-of ``--width`` (2048 x 3: about 13 M parameters, 50 MB of gradient) with AdamW and gradient
+of ``--width`` (2048 x 3: about 9 M parameters, 34 MiB of gradient) with AdamW and gradient
 clipping on synthetic data, and times its own steps after a warm-up (no start-up, no
-evaluation). Rows:
+evaluation). ``--run-args`` go to every ``p2psync run`` (a shaped link: ``--shaper inproc
+--nic-mbps 1000``). Rows:
 
 * ``step``: the gradient is averaged once backward is over, at ``optimizer.step()`` (the
   baseline: no overlap; clipping saw the local gradient);
@@ -75,7 +77,8 @@ def run_row(topo: Path, tmp: Path, script: Path, row: str, args: argparse.Namesp
     if row == "backward":
         opts += ["--opt", f"bucket_kib={bucket_kib}"]
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), "--strategy", "ssgd", *opts, "--out", str(tmp),
-           "--run-id", run_id, "--no-progress", "--steps", str(args.steps + 5), "--", sys.executable, str(script),
+           "--run-id", run_id, "--no-progress", "--steps", str(args.steps + 5), *args.run_args.split(), "--",
+           sys.executable, str(script),
            str(args.width), str(args.depth), str(args.steps), str(args.batch)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
@@ -95,6 +98,7 @@ def main() -> None:
     p.add_argument("--bucket-kib", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--run-args", default="", help="more options for every p2psync run (e.g. a shaped link)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -123,7 +127,7 @@ def main() -> None:
         table.append([row, f"{sps:.1f}", f"{ms:.1f}", ratio, f"{hidden:.1f}"])
     print(f"\nSSGD on a ring of {args.nodes} processes, MLP {args.depth}x{args.width} ({params / 1e6:.1f} M parameters, "
           f"{4 * params / 2**20:.0f} MiB of gradient), batch {args.batch} per node, {args.steps} timed steps, "
-          f"{args.rounds} alternating rounds\n")
+          f"{args.rounds} alternating rounds{', ' + args.run_args if args.run_args else ''}\n")
     print(markdown_table(["averaged", "samples/s (median)", "ms/step", "x step (median, range)", "ms hidden/step"],
                          table))
     import matplotlib

@@ -142,3 +142,26 @@ async def test_store_strategies_train_with_the_users_optimizer(strategy, optimiz
     accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
     assert max(n for n, _ in done) == steps, done
     assert min(accs) > 0.3, accs
+
+
+#: the strategies whose local steps are the user's optimizer's own: the same optimizer axis
+USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary") for o in ("nesterov", "adamw")]
+
+
+@pytest.mark.parametrize("strategy,optimizer", USER_OPTIMIZERS, ids=[f"{s}-{o}" for s, o in USER_OPTIMIZERS])
+async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy, optimizer, zmq_endpoints,
+                                                                       strategies):
+    topo = mesh(4, base_port=free_port())
+    eps = await zmq_endpoints(topo)
+    steps = STEPS // 2
+    lr = 0.01 if optimizer == "adamw" else (0.05 if strategy == "asgd" else 0.1)
+    trainers = {i: make_trainer(topo, i, lr=lr, optimizer=optimizer, weight_decay=1e-4) for i in topo.ids}
+    assert all(type(t.optimizer).__name__ == ("AdamW" if optimizer == "adamw" else "SGD") for t in trainers.values())
+    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers)
+    done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
+    assert max(n for n, _ in done) == steps, done
+    if strategy == "ssgd":  # one model: the same optimizer arithmetic on the same mean everywhere
+        params = [await s.ctx.replica.get_params() for s in strats]
+        assert all(p.tobytes() == params[0].tobytes() for p in params)
+    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    assert min(accs) > (0.2 if strategy == "asgd" else 0.3), accs
