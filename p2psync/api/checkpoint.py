@@ -3,9 +3,12 @@
 What a checkpoint holds (:meth:`p2psync.api.session.Session.state_dict`): the step reached and
 the samples seen, the run and node, the model's and the optimizer's ``state_dict()``, the
 strategy's state (JSON values), the residuals of error feedback (lossy codecs), the RNG states
-(torch CPU and the CUDA device the model is on, numpy's global generator, Python's ``random``) and ``extra`` state that the
+(torch CPU and the CUDA device the model is on, numpy's global generator, Python's ``random``), ``extra`` state that the
 training script registers (the built-in job: its data sampler's position and its emulated
-device's step-time generator).
+device's step-time generator) and ``user_state``: the LR schedulers', a scaler's and the
+optimizer groups' state as it is at the start of the next step (training/user_state.py; a
+``--checkpoint-every`` checkpoint is therefore written when the next iteration arrives, or at
+close).
 
 Format: one ``torch.save`` file, ``<run>/node-<id>/checkpoint.pt``, a dict of tensors, numbers,
 strings, lists and dicts only, so :func:`load` reads it with ``torch.load(weights_only=True)``

@@ -143,6 +143,11 @@ class StepGate:
             else:
                 self._loop.call_soon_threadsafe(_done, fut, res)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The session's failure (:meth:`fail`), if it failed."""
+        return self._failure
+
     def nudge(self) -> None:
         """Wake a thread in :meth:`serve` ``(until=...)`` so it looks at its condition now
         (any thread; a parked thread ignores it)."""
@@ -157,7 +162,7 @@ class StepGate:
     def _on_arrival(self, a: Arrival, gen: int) -> None:
         self.arrivals += 1
         self._park_gen = gen
-        if self._finished:  # nobody will take it: let it pass (a plain local step follows)
+        if self._finished:  # nobody will take it: let it pass (the run is over: no step follows)
             self._inbox.put(_Release(gen))
             return
         self._pending = a

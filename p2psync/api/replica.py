@@ -135,7 +135,12 @@ class HookedReplica:
                 if mode != "local" and self.flat.buffer_bytes else None
             fut = asyncio.run_coroutine_threadsafe(averager.pass_end(state.pass_id, rest, bufs), loop)
             fut.add_done_callback(lambda _: self.gate.nudge())
-            self.gate.serve(until=fut.done)  # model jobs (an adopted state) run meanwhile
+            # model jobs (an adopted state) run meanwhile; a failed session ends the wait
+            self.gate.serve(until=lambda: fut.done() or self.gate.failure is not None)
+            failure = self.gate.failure
+            if not fut.done() and failure is not None:
+                fut.cancel()
+                raise failure
             res = fut.result()
             if res is not None:
                 self.flat.set_grads(res.grads)

@@ -29,7 +29,7 @@ non-finite values, :mod:`p2psync.coordinator.membership`).
 Stopping: the run stops when the strategy agrees on it (synchronous strategies stop every node
 at the same step): the ``--time`` / ``--steps`` budget of the configuration, or
 :meth:`Session.request_stop`. :attr:`Session.should_stop` then turns true; a loop that keeps
-calling ``optimizer.step()`` after that takes plain local steps (one warning). :meth:`close`
+calling ``optimizer.step()`` after that leaves the model as the run ended it (one warning). :meth:`close`
 (or leaving the ``with`` block) ends the node: the strategy's pending wait ends, the finish
 barrier runs (the training thread keeps serving model jobs meanwhile, e.g. ASGD applying the
 last gradients that arrive), metrics and the run's summary are written, sockets close.
@@ -220,9 +220,9 @@ class Session(SessionState):
         if self._stopped or self._closed:
             if not self._warned_after_stop:
                 self._warned_after_stop = True
-                log.warning("node %d: the run has stopped (step %d): optimizer.step() now takes plain "
-                            "local steps; end the loop when p2psync.should_stop() is true", self.node_id, self.step)
-            own_step()
+                log.warning("node %d: the run has stopped (step %d): optimizer.step() no longer changes the "
+                            "model (it stays the run's final one); end the loop when p2psync.should_stop() is true",
+                            self.node_id, self.step)
             return loss
         samples, self._pending_samples = self._pending_samples, 0
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
@@ -471,9 +471,10 @@ class Session(SessionState):
 
     async def _loop_end_audit(self) -> None:
         """The user's loop ended before the run agreed to stop: members whose loops ended at
-        the same step (equal shards: all of them) audit their replicas before they leave.
-        Bounded: a member still training does not take part, and the audit is then logged
-        as incomplete."""
+        the same step (equal shards: all of them) audit their replicas. When every member
+        took part the end counts as agreed (the finish barrier, no departure). Bounded: a
+        member still training does not take part, the audit is logged as incomplete and this
+        node leaves the run."""
         strategy = self.strategy
         if strategy is None or strategy.identical_replicas == "never":
             return
@@ -483,8 +484,13 @@ class Session(SessionState):
                         "p2psync.should_stop() is true, with --steps or --time)", self.node_id, strategy.name)
             return
         bound = max(5.0, 2 * self.cfg.failure_timeout + 4 * self.cfg.heartbeat)
+        passed = self._audits.passed
         try:
             await asyncio.wait_for(self._audit(strategy, f"loopend.{self.step}"), bound)
+            if self._audits.passed > passed:
+                # every member's loop ended at this step with one model: an agreed end, so the
+                # finish barrier runs as after a stop (no departures, no re-forms, every record)
+                self._ended_by_loop = False
         except asyncio.TimeoutError:
             self._audits.incomplete += 1
             log.warning("node %d: replica audit at the end of the loop (step %d) did not complete within %.0f s "

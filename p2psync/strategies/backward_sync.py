@@ -85,6 +85,7 @@ class PassResult:
     """What backward writes back: the group's mean gradient and the buffers to take (None:
     leave them)."""
 
+    #: valid until the next pass ends (the replica copies it into ``.grad`` at once)
     grads: np.ndarray
     buffers: Buffers | None
 
@@ -121,10 +122,10 @@ class _Armed:
 class _Pass:
     """One backward pass's gradient as it comes in."""
 
-    def __init__(self, pass_id: int, gen: int, numel: int, buckets: int) -> None:
+    def __init__(self, pass_id: int, gen: int, flat: np.ndarray) -> None:
         self.pass_id = pass_id
         self.gen = gen
-        self.flat = np.empty(numel, np.float32)
+        self.flat = flat
         self.have: set[int] = set()
         self.k: int | None = None  # the pass's number within its step, once bound to one
         self.started: dict[int, asyncio.Future[Any]] = {}
@@ -146,6 +147,10 @@ class BackwardAverager:
             for i in range(lo, hi):
                 self.bucket_of[i] = j
         self.buffer_mode: BufferMode = ctx.buffers
+        # one pass at a time (backward waits for its end): its gradient and its mean reuse these
+        # (fresh memory every step would page-fault its way through the whole vector)
+        self._flat = np.empty(self.numel, np.float32)
+        self._mean = np.empty(self.numel, np.float32)
         self._armed: _Armed | None = None
         self._arm_event = asyncio.Event()
         self._pass: _Pass | None = None
@@ -159,7 +164,7 @@ class BackwardAverager:
     def pass_begin(self, pass_id: int, gen: int) -> None:
         """Backward pass ``pass_id`` began, on parameter generation ``gen`` (the replica's
         count of replaced parameters): the gradients that follow are its."""
-        self._pass = _Pass(pass_id, gen, self.numel, len(self.buckets))
+        self._pass = _Pass(pass_id, gen, self._flat)
 
     def on_grad(self, index: int, offset: int, grad: np.ndarray) -> None:
         """Parameter ``index`` (at ``offset`` in the flat vector) of the current pass has its
@@ -222,7 +227,7 @@ class BackwardAverager:
             log.info("node %d: %s step %d pass %s: backward averaging failed (%s)", self.ctx.node_id,
                      self.name, armed.step, p.k, why)
             return None
-        mean = np.empty(self.numel, np.float32)
+        mean = self._mean
         for j, t in p.started.items():
             lo, hi = self.buckets[j]
             part, st = t.result()
@@ -307,6 +312,7 @@ class BackwardAverager:
         self._closed = True
         if self._armed is not None:
             self._cancel(self._armed)
+            self._armed.flag.cancel()
         self._arm_event.set()
 
     # -- internals -------------------------------------------------------------------------
