@@ -39,7 +39,7 @@ import numpy as np
 
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
-from p2psync.errors import P2PSyncError
+from p2psync.errors import P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import StrategyContext
 from p2psync.strategies.buffers import Buffers, exchange_buffers
 from p2psync.tasks import cancel_all
@@ -66,6 +66,15 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, itemsize: int = 4) -> 
     if hi > 0:
         out.append((0, hi))
     return out
+
+
+def redoable(exc: BaseException) -> bool:
+    """Pure: whether a failed averaging is redone over the next view (a member failed or did
+    not answer; members ran another group's operation around a view change), as the regroup
+    path redoes it; anything else (a divergence, a configuration error) ends the step."""
+    if isinstance(exc, PeerFailure):
+        return True
+    return isinstance(exc, ProtocolError) and exc.reason == "collective_mismatch"
 
 
 @runtime_checkable
@@ -111,6 +120,8 @@ class _Armed:
     passes: int = 0
     bound: int = 0
     failed: bool = False
+    #: what ended the averaging when a redo cannot help (raised by ``outcome``)
+    fatal: BaseException | None = None
     comm_s: float = 0.0
     stats: list[OpStats] = field(default_factory=list)
 
@@ -223,7 +234,10 @@ class BackwardAverager:
             if not armed.failed:
                 self.failed_at = time.monotonic()
             armed.failed = True
-            why = "cancelled: a member failed or a newer view came" if failure.cancelled() else failure.exception()
+            exc = None if failure.cancelled() else failure.exception()
+            if exc is not None and not redoable(exc):
+                armed.fatal = exc  # a divergence, a bad configuration: the step is not redone
+            why = "cancelled: a member failed or a newer view came" if exc is None else exc
             log.info("node %d: %s step %d pass %s: backward averaging failed (%s)", self.ctx.node_id,
                      self.name, armed.step, p.k, why)
             return None
@@ -277,6 +291,8 @@ class BackwardAverager:
             return None
         if armed.failed or armed.passes == 0:
             await cancel_all([armed.flag])
+            if armed.fatal is not None:
+                raise armed.fatal
             return None
         try:
             flags = await armed.flag

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
 from p2psync.api.session import Session
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, Diverged
 from p2psync.strategies.base import REGISTRY, register
 from p2psync.strategies.ssgd import SSGD
 from p2psync.topology import ring, save
@@ -386,3 +386,28 @@ def test_backward_returns_with_the_mean_and_no_sync_keeps_passes_local(tmp_path:
             (nn.functional.cross_entropy(ref(x), y) / 4).backward()
         ref_opt.step()
     np.testing.assert_allclose(w0, torch.nn.utils.parameters_to_vector(ref.parameters()).detach().numpy(), atol=1e-6)
+
+
+def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path: Path) -> None:
+    """Finite gradients whose sum overflows float32 while backward averages them: the run ends
+    with Diverged on the nodes (as at optimizer.step()), it is not redone over and over."""
+
+    def body(s: Session, i: int) -> Any:
+        model = nn.Linear(4, 3)
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        t0 = time.monotonic()
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                (model(torch.ones(2, 4)).sum() * 3e38).backward()  # each gradient finite, their sum not
+                opt.step()
+            s.close()
+        except Diverged as exc:
+            return exc, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    out = _two_nodes(tmp_path, "ssgd", body, tag="overflow")
+    for i in (0, 1):
+        exc, took = out[i]
+        assert isinstance(exc, Diverged), (i, exc)
+        assert took < 15, took  # not a peer timeout (30 s here) per redo

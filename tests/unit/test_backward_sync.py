@@ -165,3 +165,17 @@ def test_manual_lr_changes_travel_and_mismatches_are_clear_errors() -> None:
         us.on_step()  # the script never created a scheduler: named, not ignored
     with pytest.raises(ProtocolError):
         decode(b"not a torch file")
+
+
+def test_only_member_failures_are_redone() -> None:
+    from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, PeerTimeout
+
+    from p2psync.strategies.backward_sync import redoable
+
+    assert redoable(PeerFailure("gone", peers=(2,)))
+    assert redoable(ProtocolError("collective_mismatch", "another group"))
+    assert not redoable(Diverged("NaN"))
+    assert not redoable(ConfigError("bad"))
+    assert not redoable(ProtocolError("header", "bad"))
+    assert redoable(NonFinitePiece("x", peer=1))  # its sender is being excluded: redo without it
+    assert not redoable(PeerTimeout("slow"))  # not a member failure: the step fails as it would at step()
