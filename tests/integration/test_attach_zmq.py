@@ -411,3 +411,31 @@ def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path:
         exc, took = out[i]
         assert isinstance(exc, Diverged), (i, exc)
         assert took < 15, took  # not a peer timeout (30 s here) per redo
+
+
+def test_a_grad_scaler_unscales_the_mean_and_stays_equal(tmp_path: Path) -> None:
+    """AMP's GradScaler under ssgd: the scaled gradients are averaged during backward,
+    ``unscale_`` and clipping act on the mean, every node skips the same steps, and the replicas
+    and the scalers' states stay equal."""
+    models = [_model(100 + i) for i in (0, 1)]
+
+    def body(s: Session, i: int) -> Any:
+        model = models[i]
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+        norms = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            x, y = _batches(i)[k][0]
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.unscale_(opt)
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            scaler.step(opt)
+            scaler.update()
+        s.close()
+        return norms, scaler.state_dict(), torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+
+    out = _two_nodes(tmp_path, "ssgd", body, tag="scaler")
+    (n0, sc0, w0), (n1, sc1, w1) = out[0], out[1]
+    assert n0 == n1 and sc0 == sc1 and w0.tobytes() == w1.tobytes()
+    assert sc0["scale"] != 2.0 ** 16  # the scaler did work (it grew)
