@@ -114,8 +114,6 @@ class StepDone:
 class _Armed:
     step: int
     view: View
-    want_stop: bool
-    buffers: BufferMode
     flag: asyncio.Task[Any]
     passes: int = 0
     bound: int = 0
@@ -133,11 +131,11 @@ class _Armed:
 class _Pass:
     """One backward pass's gradient as it comes in."""
 
-    def __init__(self, pass_id: int, gen: int, flat: np.ndarray) -> None:
+    def __init__(self, pass_id: int, gen: int, flat: np.ndarray, left: list[int]) -> None:
         self.pass_id = pass_id
         self.gen = gen
         self.flat = flat
-        self.have: set[int] = set()
+        self.left = left  # per bucket: gradients still to come (each hook fires once a pass)
         self.k: int | None = None  # the pass's number within its step, once bound to one
         self.started: dict[int, asyncio.Future[Any]] = {}
         self.extra: list[asyncio.Future[Any]] = []
@@ -175,7 +173,7 @@ class BackwardAverager:
     def pass_begin(self, pass_id: int, gen: int) -> None:
         """Backward pass ``pass_id`` began, on parameter generation ``gen`` (the replica's
         count of replaced parameters): the gradients that follow are its."""
-        self._pass = _Pass(pass_id, gen, self._flat)
+        self._pass = _Pass(pass_id, gen, self._flat, [hi - lo for lo, hi in self.buckets])
 
     def on_grad(self, index: int, offset: int, grad: np.ndarray) -> None:
         """Parameter ``index`` (at ``offset`` in the flat vector) of the current pass has its
@@ -185,8 +183,8 @@ class BackwardAverager:
             return
         lo = offset
         p.flat[lo:lo + grad.size] = grad
-        p.have.add(index)
         j = self.bucket_of[index]
+        p.left[j] -= 1
         if self._bound(p) and self._complete(p, j):
             self._start(p, j)
 
@@ -201,7 +199,7 @@ class BackwardAverager:
         for index, grad in rest:
             lo = self.offsets[index]
             p.flat[lo:lo + grad.size] = grad
-            p.have.add(index)
+            p.left[self.bucket_of[index]] -= 1
         try:
             return await self._average(p, buffers)
         finally:
@@ -221,7 +219,7 @@ class BackwardAverager:
         bufs: asyncio.Task[Buffers | None] | None = None
         if buffers is not None:
             bufs = asyncio.ensure_future(exchange_buffers(
-                self.ctx.collectives, buffers, armed.buffers, tag=f"{self.name}.{armed.tag}.p{p.k}",
+                self.ctx.collectives, buffers, self.buffer_mode, tag=f"{self.name}.{armed.tag}.p{p.k}",
                 group=armed.view.members))
             p.extra.append(bufs)
         tasks: list[asyncio.Future[Any]] = [*p.started.values(), *p.extra]
@@ -231,9 +229,7 @@ class BackwardAverager:
             await cancel_all([t for t in tasks if not t.done()])
         failure = next((t for t in tasks if t.cancelled() or t.exception() is not None), None)
         if failure is not None:
-            if not armed.failed:
-                self.failed_at = time.monotonic()
-            armed.failed = True
+            self._mark_failed(armed)
             exc = None if failure.cancelled() else failure.exception()
             if exc is not None and not redoable(exc):
                 armed.fatal = exc  # a divergence, a bad configuration: the step is not redone
@@ -253,7 +249,7 @@ class BackwardAverager:
 
     # -- strategy side ---------------------------------------------------------------------
 
-    def arm(self, step: int, want_stop: bool, view: View, *, buffers: BufferMode) -> None:
+    def arm(self, step: int, want_stop: bool, view: View) -> None:
         """Passes from now on belong to ``step`` over ``view``'s members; the stop flag's exact
         allreduce starts now."""
         if self._armed is not None:
@@ -264,7 +260,7 @@ class BackwardAverager:
         tag = f"{self.name}.{step}.e{view.epoch}.bflag"
         flag = asyncio.ensure_future(self.ctx.collectives.allreduce(one, view.members, op="sum", tag=tag,
                                                                     codec="none"))
-        self._armed = _Armed(step=step, view=view, want_stop=want_stop, buffers=buffers, flag=flag)
+        self._armed = _Armed(step=step, view=view, flag=flag)
         self._arm_event.set()
         p = self._pass
         if p is not None and self._bound(p):
@@ -347,8 +343,7 @@ class BackwardAverager:
         return True
 
     def _complete(self, p: _Pass, j: int) -> bool:
-        lo, hi = self.buckets[j]
-        return j not in p.started and all(i in p.have for i in range(lo, hi))
+        return j not in p.started and p.left[j] == 0
 
     def _start(self, p: _Pass, j: int) -> None:
         armed = self._armed
@@ -374,10 +369,13 @@ class BackwardAverager:
             return False
         return self._bound(p)
 
-    def _cancel(self, armed: _Armed) -> None:
+    def _mark_failed(self, armed: _Armed) -> None:
         if not armed.failed:
             self.failed_at = time.monotonic()
         armed.failed = True
+
+    def _cancel(self, armed: _Armed) -> None:
+        self._mark_failed(armed)
         p = self._pass
         for t in ([*p.started.values(), *p.extra] if p is not None else []):
             t.cancel()

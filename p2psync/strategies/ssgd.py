@@ -174,7 +174,7 @@ class SSGD(Strategy):
             bw.pass_through(step)
             return False
         view = self.ctx.view if self.regroup.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
-        bw.arm(step, want_stop, view, buffers=self.ctx.buffers)
+        bw.arm(step, want_stop, view)
         return True
 
     async def _buffers(self) -> Buffers | None:

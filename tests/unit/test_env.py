@@ -148,6 +148,6 @@ def test_host_nodes_by_the_topologys_addresses():
 
     local = ring(4)  # loopback addresses: every node on this host
     assert [host_nodes(local, i) for i in local.ids] == [[0, 1, 2, 3]] * 4
-    spread = ring(4, hosts=["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    spread = ring(4, hosts=["198.18.0.1", "198.18.0.1", "198.18.0.2", "198.18.0.3"])
     assert host_nodes(spread, 0) == [0, 1] and host_nodes(spread, 1) == [0, 1]
     assert host_nodes(spread, 2) == [2] and host_nodes(spread, 3) == [3]
