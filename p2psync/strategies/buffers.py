@@ -17,7 +17,8 @@ Tags: ``<tag>.buf`` (the broadcast) and ``<tag>.bufmean`` (the mean).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+import asyncio
+from typing import Awaitable, Sequence, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from p2psync.vocab import BufferMode
 
 if TYPE_CHECKING:
     from p2psync.strategies.base import Replica
+
+T = TypeVar("T")
 
 
 
@@ -61,16 +64,33 @@ async def exchange_buffers(coll: Collectives, mine: Buffers, mode: BufferMode, *
     return Buffers(raw=np.asarray(raw, np.uint8), floats=np.asarray(mean, np.float32))
 
 
+async def own_buffers(replica: Replica, mode: BufferMode) -> Buffers | None:
+    """``replica``'s buffers as ``mode`` exchanges them (None: nothing to exchange)."""
+    if mode == "local" or replica.buffer_bytes == 0:
+        return None
+    return await replica.get_buffers(floats=mode == "average")
+
+
+async def alongside(op: Awaitable[T], coll: Collectives, mine: Buffers | None, mode: BufferMode, *, tag: str,
+                    group: Sequence[int]) -> tuple[T, Buffers | None]:
+    """``op``'s result and the group's buffers (:func:`exchange_buffers` of ``mine``), run
+    together: when one fails the other is cancelled."""
+    if mine is None:
+        return await op, None
+    res = asyncio.ensure_future(op)
+    bufs = asyncio.ensure_future(exchange_buffers(coll, mine, mode, tag=tag, group=group))
+    await gather_or_cancel([res, bufs])
+    return res.result(), bufs.result()
+
+
 async def sync_buffers(replica: Replica, coll: Collectives, mode: BufferMode, *, tag: str,
                        group: Sequence[int]) -> None:
     """Read ``replica``'s buffers, take the group's (:func:`exchange_buffers`) and write them
     back: what a strategy's "one model" ending adds to its averaged parameters."""
-    if mode == "local" or replica.buffer_bytes == 0:
-        return
-    got = await exchange_buffers(coll, await replica.get_buffers(floats=mode == "average"), mode, tag=tag,
-                                 group=group)
+    mine = await own_buffers(replica, mode)
+    got = await exchange_buffers(coll, mine, mode, tag=tag, group=group) if mine is not None else None
     if got is not None:
         await replica.set_buffers(got)
 
 
-__all__ = ["Buffers", "exchange_buffers", "sync_buffers"]
+__all__ = ["Buffers", "alongside", "exchange_buffers", "own_buffers", "sync_buffers"]

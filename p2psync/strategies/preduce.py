@@ -77,9 +77,9 @@ from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError,
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
-from p2psync.strategies.buffers import Buffers, exchange_buffers
+from p2psync.strategies.buffers import Buffers, alongside, own_buffers
 from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
-from p2psync.tasks import cancel_all, wait_or_event, gather_or_cancel
+from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.preduce")
@@ -359,21 +359,15 @@ class PReduce(Strategy):
         """Alg. 2 line 8: every member ends with the exact mean of the members' states."""
         rep, coll = self.ctx.replica, self.ctx.collectives
 
-        mode = self.ctx.buffers
-        with_buffers = mode != "local" and rep.buffer_bytes > 0
-
-        async def mean(view: View) -> tuple[np.ndarray, Buffers | None]:
+        async def mean(view: View) -> tuple[Any, Buffers | None]:
             vec = await rep.export_state()
             tag = f"preduce.end.0.e{view.epoch}"
-            avg = asyncio.ensure_future(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
-                                                       tag=tag))
-            bufs = asyncio.ensure_future(exchange_buffers(coll, await rep.get_buffers(floats=mode == "average"), mode,
-                                                          tag=tag, group=view.members)) if with_buffers else None
-            await gather_or_cancel([avg, *([bufs] if bufs is not None else [])])
-            return np.asarray(avg.result(), dtype=np.float32), bufs.result() if bufs is not None else None
+            return await alongside(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
+                                                  tag=tag), coll, await own_buffers(rep, self.ctx.buffers),
+                                   self.ctx.buffers, tag=tag, group=view.members)
 
         out = await self.final.run(0, mean)  # applied once it succeeded (a redo averages the originals)
         if isinstance(out, tuple):
-            await rep.import_state(out[0])
+            await rep.import_state(np.asarray(out[0], dtype=np.float32))
             if out[1] is not None:
                 await rep.set_buffers(out[1])

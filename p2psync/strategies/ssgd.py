@@ -36,7 +36,6 @@ failed peer ends the run with :class:`PeerFailure` naming it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -49,11 +48,10 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError
 from p2psync.strategies.backward_sync import BackwardAverager, BackwardHooks
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
-from p2psync.strategies.buffers import Buffers, exchange_buffers
+from p2psync.strategies.buffers import Buffers, alongside, own_buffers
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.regroup import Adopted, Regroup
-from p2psync.tasks import gather_or_cancel
 
 log = logging.getLogger("p2psync.ssgd")
 
@@ -139,7 +137,7 @@ class SSGD(Strategy):
                             self.ctx.node_id, step)
         elif bw is not None:
             await bw.outcome(step)
-        mine = await self._buffers()
+        mine = await own_buffers(self.ctx.replica, self.ctx.buffers)
         out = await self.regroup.run(step, lambda v: self._average(v, step, grad, want_stop, mine),
                                      failed_at=failed_at)
         comm = time.perf_counter() - t0
@@ -177,20 +175,10 @@ class SSGD(Strategy):
         bw.arm(step, want_stop, view)
         return True
 
-    async def _buffers(self) -> Buffers | None:
-        if self.ctx.buffers == "local" or self.ctx.replica.buffer_bytes == 0:
-            return None
-        return await self.ctx.replica.get_buffers(floats=self.ctx.buffers == "average")
-
     async def _average(self, v: View, step: int, grad: np.ndarray, want_stop: bool,
                        mine: Buffers | None) -> tuple[np.ndarray, bool, OpStats, Buffers | None]:
         tag = f"ssgd.{step}.e{v.epoch}"
         coll = self.ctx.collectives
-        if mine is None:
-            mean, stop, st = await mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members)
-            return mean, stop, st, None
-        avg = asyncio.ensure_future(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members))
-        bufs = asyncio.ensure_future(exchange_buffers(coll, mine, self.ctx.buffers, tag=tag, group=v.members))
-        await gather_or_cancel([avg, bufs])
-        mean, stop, st = avg.result()
-        return mean, stop, st, bufs.result()
+        (mean, stop, st), bufs = await alongside(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members),
+                                                 coll, mine, self.ctx.buffers, tag=tag, group=v.members)
+        return mean, stop, st, bufs

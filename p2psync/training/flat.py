@@ -193,7 +193,7 @@ class FlatModel:
         buffer, in ``named_parameters`` then ``named_buffers`` order: the replica audit compares
         them across members (gradients and the optimizer state are not included)."""
         named = [*self.model.named_parameters(), *(self.model.named_buffers() if buffers else ())]
-        return [(name, hashlib.blake2b(_raw(t).tobytes(), digest_size=8).digest()) for name, t in named]
+        return [(name, hashlib.blake2b(_raw(t).data, digest_size=8).digest()) for name, t in named]
 
     # -- plain SGD's own numbers (DTS) ----------------------------------------------------
 
@@ -336,11 +336,12 @@ class FlatModel:
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """A host copy of ``t``'s bytes (uint8, C order)."""
+    """``t``'s bytes on the host (uint8, C order): a view of a contiguous CPU tensor, so the
+    caller copies (``np.concatenate``) or only reads (a digest) them."""
     flat = t.detach().reshape(-1).contiguous().cpu()
     if flat.numel() == 0:
         return np.zeros(0, np.uint8)
-    return flat.view(torch.uint8).numpy().copy()
+    return flat.view(torch.uint8).numpy()
 
 
 __all__ = ["FlatModel"]
