@@ -1,4 +1,4 @@
-"""Checkpoints of one node: written atomically, read back without pickle (issue 16).
+"""Checkpoints of one node: written atomically, read back without pickle.
 
 What a checkpoint holds (:meth:`p2psync.api.session.Session.state_dict`): the step reached and
 the samples seen, the run and node, the model's and the optimizer's ``state_dict()``, the

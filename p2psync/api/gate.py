@@ -1,4 +1,4 @@
-"""Where the user's training loop and the strategy meet: the optimizer step (issue 11).
+"""Where the user's training loop and the strategy meet: the optimizer step.
 
 Why: a strategy never owns the training loop (DESIGN, "One training path"). The user's thread
 runs forward and backward; when it calls ``optimizer.step()`` it *arrives* at the gate and

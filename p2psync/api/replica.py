@@ -1,5 +1,5 @@
 """The replica a strategy sees in the attach path: the user's model and optimizer behind the
-:class:`~p2psync.api.gate.StepGate` (issue 11).
+:class:`~p2psync.api.gate.StepGate`.
 
 It implements the :class:`~p2psync.strategies.base.Replica` protocol, so every strategy is
 written once and runs unchanged in the built-in job and in users' scripts:

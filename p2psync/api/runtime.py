@@ -12,7 +12,7 @@ failover that is the node that took over, listing the dead coordinator among the
 A node started while its run is going (the same ``--node`` restarted with the same
 ``--run-id``, after the coordinator declared its previous process failed) is admitted as a
 joiner: the registration reply says ``joined``, and the strategy fetches the state from live
-peers in ``start()`` before training (issue 10 item 5).
+peers in ``start()`` before training.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``p2psync.Session``: one node of a run inside the user's own process (issue 11).
+"""``p2psync.Session``: one node of a run inside the user's own process.
 
 Why: there is exactly one way a strategy meets a model — around the optimizer step of a loop it
 does not own (DESIGN, "One training path"). The built-in job of ``p2psync run`` and users'

@@ -75,7 +75,7 @@ def entry() -> NoReturn:
     """The ``p2psync`` command (``python -m p2psync`` too): :func:`main`, then exit. A process
     that ran the built-in job (``run``: a node, or the launcher that imported torch to fork its
     nodes) skips the interpreter's teardown with :func:`hard_exit`: by then every file of the
-    run is closed, and tearing torch down took 0.9 s of a 7 s ``--steps 1`` run (issue 17)."""
+    run is closed, and tearing torch down took 0.9 s of a 7 s ``--steps 1`` run."""
     rc = main()
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)  # as parse_args reads it
     if command == "run" and "torch" in sys.modules:

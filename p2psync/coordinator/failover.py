@@ -1,4 +1,4 @@
-"""Hosting the coordinator services on whichever node coordinates (issue 10 item 6).
+"""Hosting the coordinator services on whichever node coordinates.
 
 Why: the coordinator role moves to the lowest live id when the coordinator dies
 (:mod:`p2psync.coordinator.takeover`), so every node must be able to host membership and every

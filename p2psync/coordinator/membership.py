@@ -15,12 +15,12 @@ both incarnations and addresses.
 runs on every node: rendezvous, pipelined heartbeats, views in epoch order, failure listeners,
 coordinator failover and the finish barrier.
 
-Coordinator failover (issue 10 item 6): a service built with a ``state`` rebuilt after a
+Coordinator failover: a service built with a ``state`` rebuilt after a
 takeover (:mod:`p2psync.coordinator.failover`) publishes its view at once, names itself as the
 coordinator in every view, merges the failures members report and moves its epoch past any
 epoch a member reports (so a view the old coordinator published late cannot outrank it).
 
-Joins (issue 10 item 5): a node of the topology that was declared failed may register again
+Joins: a node of the topology that was declared failed may register again
 with a newer incarnation (the same ``--node`` restarted, same ``--run-id``) while the run is
 going; the coordinator admits it (same configuration fingerprint required), bumps the epoch,
 publishes the new view to every member at once and answers ``joined: true`` so the joiner

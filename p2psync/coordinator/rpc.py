@@ -11,7 +11,7 @@ delivered (a mailbox subscription, no receive loop in between); at most
 ``MAX_INFLIGHT_PER_CALLER`` run for one caller, and a request over that is dropped and counted
 (``overloaded``) until its caller resends it.
 
-End-to-end delivery (issue 10): a relayed request or reply can be lost when a relay dies. The
+End-to-end delivery: a relayed request or reply can be lost when a relay dies. The
 client therefore resends a request that got no reply within the retransmission timeout
 (:class:`~p2psync.coordinator.detector.RttEstimator`, RFC 6298, per destination; doubled on
 every retry) until the call's own timeout, each attempt relayed through the next candidate first

@@ -10,7 +10,7 @@ starts a device's next round. Times are the server's clock.
 last iteration (``age``) and the round-trip time of its last query; the service places the
 finish time at ``now - age - rtt / 2`` on its own clock.
 
-Failover (issue 10 item 6): when the coordinator dies, the node taking over registers a fresh
+Failover: when the coordinator dies, the node taking over registers a fresh
 service (no records carried over: the state is small and the members hold it). It rebuilds
 from the members' next calls: a query carries the device's ``round``, adopted by a record not
 heard from yet; a record never heard from has infinite capability, so it is the slowest device
@@ -21,7 +21,7 @@ once they aggregate) is then left out of FIND-SLOWEST-DEVICE until it queries, i
 keeping every device NOT-READY (a deadlock found by bench/faults.py: the others timed out in
 the state sync after 30 s).
 
-Membership (issue 10 item 5): the devices are the members of the current membership view. Every
+Membership: the devices are the members of the current membership view. Every
 query and reset carries the caller's view (``epoch``, ``members``); the newest epoch seen wins
 (:meth:`StateServer.set_members`): departed devices are dropped (a dead device would otherwise
 stay the slowest one and no survivor would ever be READY) and joined ones are admitted at the

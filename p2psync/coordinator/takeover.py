@@ -1,4 +1,4 @@
-"""Coordinator failover decisions (issue 10 item 6): who is the coordinator now. Pure.
+"""Coordinator failover decisions: who is the coordinator now. Pure.
 
 Why: the coordinator hosts membership and every coordinator service; without failover its death
 leaves the run with no failure detection at all. The rule is deterministic so that nodes agree

@@ -16,7 +16,7 @@ node that applies such a view stops with :class:`~p2psync.errors.Diverged`.
 
 A node that finishes (its training loop ended and it entered the finish barrier) *departs*:
 the coordinator publishes a view without it that lists it in ``departed``, so the others re-form
-without waiting for it and can tell a graceful departure from a crash (issue 11).
+without waiting for it and can tell a graceful departure from a crash.
 
 :class:`ViewTracker` is the client side: it applies views in epoch order, ignores stale or
 duplicate ones, and reports which members left (failed) and joined, so the membership client

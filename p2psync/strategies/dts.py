@@ -1,4 +1,4 @@
-"""DTS: delayed and temporally sparse updates with error compensation (issue 12).
+"""DTS: delayed and temporally sparse updates with error compensation.
 
 Paper: ../shared/papers/dts-training-across-the-world.md, Sec. 3.1 (delayed update), Sec. 3.2
 (temporally sparse update), Sec. 3.3 (both), Table 1 (network requirements). The compensation

@@ -1,4 +1,4 @@
-"""BSP, ASP, SSP, Dynamic SSP and ElasticBSP on the sharded parameter store (issue 14).
+"""BSP, ASP, SSP, Dynamic SSP and ElasticBSP on the sharded parameter store.
 
 Thesis: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md §3.1 (BSP, ASP, SSP), ch. 5
 (DSSP), ch. 6 (ElasticBSP); reading notes ../shared/specs/ssp-dssp-elasticbsp.md, whose §6.1

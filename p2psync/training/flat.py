@@ -10,7 +10,7 @@ parameters and the torch optimizer's state (momentum buffers; Adam's moments and
 as one flat float32 vector whose layout depends only on the model and the optimizer's
 configuration, so it has the same length on every node of a run (a joiner's optimizer has no
 state yet: missing buffers export as zeros, which the optimizers treat exactly like fresh state).
-Issue 10 item 5: a joining node takes its state from a live peer.
+A joining node takes its state from a live peer.
 """
 
 from __future__ import annotations

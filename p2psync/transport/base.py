@@ -23,7 +23,7 @@ delivered nor relayed. Any accepted message is proof of life of its origin (and 
 neighbour that handed it over): :attr:`Transport.last_arrival` keeps the monotonic arrival time
 per node, which the failure detectors read (one dict store per message).
 
-Control never waits behind bulk (issue 10 item 1): ``send`` marks ``data`` messages as *bulk*
+Control never waits behind bulk: ``send`` marks ``data`` messages as *bulk*
 and everything else as control. Bulk sends take bytes from the peer's flow-control window
 (:mod:`p2psync.transport.flow`, ``window_bytes``, default 8 MiB) before they enter the shaper or
 the socket; control sends take none, skip the shaper's bulk queue and go out on the endpoint's
@@ -31,7 +31,7 @@ control channel (see :mod:`p2psync.transport.zmq_endpoint`). The mailbox has byt
 peer, a control cap, a TTL and retired tags (:mod:`p2psync.transport.mailbox`); what it drops
 is counted by reason in :attr:`Transport.rejected` like every other rejected message.
 
-Keyed clusters (issue 16): with ``relay_keys`` (this node's key shared with each other node,
+Keyed clusters: with ``relay_keys`` (this node's key shared with each other node,
 :mod:`p2psync.transport.keys`) a control message this node relays for itself carries its
 digest and counter (:mod:`p2psync.transport.relay_auth`); a relayed message without them is
 dropped at the first hop, one whose digest does not verify at its destination

@@ -1,4 +1,4 @@
-"""Bulk flow control: a byte window per peer for ``data`` sends (issue 10 item 2).
+"""Bulk flow control: a byte window per peer for ``data`` sends.
 
 A ``data`` send first acquires its bytes from the peer's :class:`ByteWindow` and gives them back
 once the bytes have been *handed off*: to the ZeroMQ socket or a datagram (unshaped), or

@@ -5,7 +5,7 @@ A message nobody waits for yet is queued; a waiter that arrives later takes it. 
 armed with ``call_later`` and resolve the waiter's future only if it is still pending, so a
 message is never lost to a race between delivery and timeout.
 
-Matching is O(1) per message (issue 9 item 6): exact-tag waiters are indexed by tag (a deque
+Matching is O(1) per message: exact-tag waiters are indexed by tag (a deque
 per tag, oldest first); prefix waiters, which are few (``recv_any``), live in one list scanned
 in order. A message goes to the oldest matching waiter of either kind (waiters carry a sequence
 number). Before, every delivery scanned every waiter: 4000 pending receives cost 1.4 s of loop
@@ -13,7 +13,7 @@ time; 10^4 pending receives now take a few ms to satisfy (tests/unit/test_mailbo
 Queued messages are indexed by tag too; a prefix take scans only the tags of the prefix's
 *family* (the part before the first ``.``) when the prefix contains a dot.
 
-Memory is bounded (issue 10 item 7):
+Memory is bounded:
 
 * ``data`` messages: a byte budget per sending peer (``budget_bytes``, sum of the payload bytes
   of that peer's queued, unclaimed messages; default 256 MiB). Over budget, that peer's *oldest*

@@ -26,7 +26,7 @@ control socket receives nothing: see below). This avoids ``zmq.asyncio``'s per-m
 (about half the per-message cost). A multipart message is read frame by frame through each
 frame's ``more`` flag (``getsockopt(RCVMORE)`` in pyzmq builds an option enum per call).
 
-**Control channel** (issue 10 item 1). Control messages (``rpc``, ``reply``, ``event``, ``hb``)
+**Control channel**. Control messages (``rpc``, ``reply``, ``event``, ``hb``)
 travel on a second TCP connection per peer and NIC, so they never queue behind tensor bytes in a
 ZeroMQ pipe or a kernel socket buffer: each node opens a second ROUTER socket per NIC (the
 control socket) that connects to the *same* port of every neighbour's NIC socket; no second

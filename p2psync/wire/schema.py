@@ -14,7 +14,7 @@ cannot forge or alter what it forwards. ``ctr`` (only with ``dst``; signed with 
 the origin's message counter, increasing within one incarnation: the destination drops a
 counter it has already seen (a replay).
 
-Version 2 (issue 10) added the required keys ``run`` and ``inc``: the run id (an unsigned
+Version 2 added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
 :func:`p2psync.api.runtime.wire_run_id`) and the sender's incarnation (an unsigned 64-bit
 integer, the process start time in ns, so a restarted node has a larger one). A relayed
