@@ -60,7 +60,7 @@ def run_nodes(tmp_path: Path, topo: Topology, strategy: str, body: Callable[[Ses
     def node(i: int) -> None:
         try:
             s = Session(str(path), i, strategy, out=str(tmp_path), run_id=f"{strategy}-{tag}", start_timeout=30,
-                        peer_timeout=15, **opts)
+                        peer_timeout=30, **opts)
             out[i] = body(s, i)
         except BaseException as exc:  # reported by the test
             out[i] = exc
