@@ -119,6 +119,18 @@ class DuplicateNode(ConfigError):
     may not be declared failed yet); final if the other process really is alive."""
 
 
+class Fenced(P2PSyncError):
+    """This node was removed from the run (declared failed while it paused, or cut off on the
+    minority side of a partition): its progress since is void. The process ends with
+    ``EXIT_FENCED``; a launcher restarts it, and the new process rejoins with the majority's
+    state."""
+
+
+class NoQuorum(P2PSyncError):
+    """This node heard no coordinator holding a majority of the run for longer than its
+    ``--quorum-timeout``: it stopped stepping meanwhile and gives up now."""
+
+
 class TrainingEnded(P2PSyncError):
     """The user's training loop ended (the script closed its session): no more local steps."""
 

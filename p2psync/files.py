@@ -1,10 +1,14 @@
-"""Files p2psync writes that others must not redirect: key files and checkpoints."""
+"""Files p2psync writes that others must not redirect (key files, checkpoints), and files
+whose loss must not end a run (records, markers, the summary)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import BinaryIO
+
+log = logging.getLogger("p2psync.files")
 
 from p2psync.errors import ConfigError
 
@@ -27,4 +31,24 @@ def open_new(path: str | Path, mode: int) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-__all__ = ["open_new"]
+def write_text_or_warn(path: str | Path, text: str, *, what: str) -> bool:
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename: a
+    reader sees the old file or the new one, never half of one). A file that cannot be
+    written (read-only folder, full disk) is logged with its path and reason, and False is
+    returned: losing ``what`` must not end the run."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, p)
+        return True
+    except OSError as exc:
+        log.warning("could not write the %s %s: %s", what, p, exc.strerror or exc)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+
+
+__all__ = ["open_new", "write_text_or_warn"]

@@ -34,6 +34,7 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
+from p2psync.files import write_text_or_warn
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
@@ -206,7 +207,8 @@ class NodeRuntime:
                               collectives=self.collectives,
                               peer_timeout=cfg.peer_timeout, options=dict(cfg.strategy_options),
                               on_failure=cfg.on_failure, joining=self.joined, max_steps=max_steps,
-                              buffers=cfg.buffers, audit_every=cfg.audit_every)
+                              buffers=cfg.buffers, audit_every=cfg.audit_every,
+                              quorum_timeout=cfg.quorum_timeout)
         strategy = self.strategy = self.strategy_cls(ctx)
         self._resources.push_async_callback(self._close_strategy, strategy)
         self.membership.listeners.append(strategy.on_peer_failure)
@@ -251,14 +253,20 @@ class NodeRuntime:
             else:
                 await tr.wait_gone(behind, RELAY_LINGER_S)
         service = self.host.service
-        if service is not None and self.host.coordinating:
+        if service is not None and self.host.coordinating and self.membership.fenced is None:
+            if not service.state.has_quorum(time.monotonic()):
+                log.error("node %d: coordinates no majority of the run at its end: summary.json is not written "
+                          "(the majority's coordinator writes it)", self.node_id)
+                return
             if not (self.run_dir / "config.json").exists():  # took over on another host
                 self._write_config()
             summary = summarize(self.run_id, self.topo, self.cfg, service.state.finished,
                                 sorted(service.state.failed))
             summary["coordinator"] = self.node_id  # not the topology's when it took over
+            summary["term"] = service.state.term
             summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary["rejoined"] = {str(n): k for n, k in sorted(service.state.rejoined.items())}
+            write_text_or_warn(self.run_dir / "summary.json", json.dumps(summary, indent=2), what="run summary")
 
     @staticmethod
     async def _close_strategy(strategy: Strategy) -> None:

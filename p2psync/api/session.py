@@ -58,7 +58,8 @@ from p2psync.api.runtime import NodeRuntime
 from p2psync.api.session_state import SessionState
 from p2psync.api.start import identical_start
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, Diverged, P2PSyncError, ReplicaMismatch, TrainingEnded, TrainingError
+from p2psync.errors import ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, TrainingEnded, TrainingError
+from p2psync.files import write_text_or_warn
 from p2psync.tasks import cancel_all
 from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import Strategy, get_strategy, parse_options
@@ -333,6 +334,14 @@ class Session(SessionState):
             self._fail(Diverged(f"training diverged at step {self.step}: coordinator {view.coordinator} ended "
                                 f"the run on node {self.node_id}'s view {view.epoch} ({view.ended})"))
 
+    def _on_fenced(self, exc: Fenced) -> None:
+        """This node was removed from the run: it stops now (its progress since is void). A
+        marker beside its records tells the launcher to start it again (it then rejoins)."""
+        if self.runtime is not None:
+            write_text_or_warn(self.runtime.run_dir / f"node-{self.node_id}.fenced", str(exc) + "\n",
+                               what="fence marker")
+        self._fail(exc)
+
     def _shutdown_loop(self) -> None:
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -353,6 +362,7 @@ class Session(SessionState):
             if not rt.joined:
                 await identical_start(rt, self.replica, resumed_at=self._resume_step if self._loaded is not None else None)
             rt.membership.view_listeners.append(self._on_view)
+            rt.membership.fence_listeners.append(self._on_fenced)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
@@ -405,6 +415,8 @@ class Session(SessionState):
                 elapsed = time.monotonic() - self.t0
                 want_stop = (self._stop_requested or self.step + 1 >= self.max_steps
                              or (limit is not None and elapsed >= limit))
+                if not rt.membership.has_quorum:  # cut off from the majority: no step until heard
+                    self._wait += await rt.membership.wait_quorum(self.cfg.quorum_timeout)
                 rep = await strategy.train_step(self.step, want_stop)
                 self.step = self.step + 1 if rep.next_step is None else rep.next_step
                 if self._audit_due(strategy, rep.stop, rep.next_step is not None):
@@ -511,7 +523,8 @@ class Session(SessionState):
                     await self._driver
                 except BaseException as exc:  # recorded in _error
                     self._error = self._error or exc
-            if self._pending_checkpoint is not None:  # the loop is over: its schedulers have stepped
+            if self._pending_checkpoint is not None and not isinstance(self._error, Fenced):
+                # the loop is over: its schedulers have stepped (a fenced node's progress is void)
                 await self.gate.run(self._write_pending_checkpoint)
             if self._error is None and self._ended_by_loop:
                 await self._loop_end_audit()

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
-from p2psync.errors import ConfigError, P2PSyncError, translate
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, translate
 from p2psync.topology import Topology
 from p2psync.training.config import LR_SCHEDULES, MODELS, OPTIMIZERS, RunConfig
 from p2psync.training.data import DATASETS
@@ -122,6 +122,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--phi-threshold", type=float, default=d.phi_threshold,
                    help="phi-accrual suspicion level (-log10 of the probability that a live node "
                         "is this late); higher = fewer false failures, slower detection")
+    p.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout,
+                   help="seconds a node that hears no majority of the run waits, without stepping, "
+                        "before it gives up (a partition's minority side, both halves of an even split)")
     p.add_argument("--on-failure", default=d.on_failure, choices=ON_FAILURE,
                    help="a node fails: ssgd/esync re-form over the survivors at the next step "
                         "(continue) or stop the run naming it (stop); asgd always continues. With "
@@ -197,7 +200,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         eval_seconds=args.eval_seconds, out=out,
         run_id=run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
-        failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold, shaper=args.shaper,
+        failure_timeout=args.failure_timeout, phi_threshold=args.phi_threshold,
+        quorum_timeout=args.quorum_timeout, shaper=args.shaper,
         wan=args.wan, nic_mbps=args.nic_mbps, hidden=args.hidden, slowdown=args.slowdown,
         slowdown_schedule=args.slowdown_schedule, step_time=args.step_time,
         slowdown_mode=args.slowdown_mode, step_jitter=args.step_jitter, codec=args.codec, piece_kib=args.piece_kib,
@@ -294,6 +298,9 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
         return EXIT_INTERRUPTED
     except ConfigError:
         raise
+    except Fenced as exc:  # restarted by the launcher, it rejoins
+        print(f"node {node_id}: {exc}", file=sys.stderr)
+        return EXIT_FENCED
     except P2PSyncError as exc:
         print(f"node {node_id}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED

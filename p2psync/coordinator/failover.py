@@ -21,6 +21,7 @@ closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -28,28 +29,34 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.membership import MembershipService, MembershipState
+from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
-from p2psync.errors import RemoteError
+from p2psync.errors import P2PSyncError, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.failover")
 
 METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
+VOTE = "membership.vote"
 
 
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
                   fingerprint: str, now: float, grace: float, failure_timeout: float = 2.0,
-                  heartbeat_interval: float = 0.5, phi_threshold: float = 8.0) -> MembershipState:
-    """The membership state of a node taking over as coordinator. Pure.
+                  heartbeat_interval: float = 0.5, phi_threshold: float = 8.0, term: int = 0,
+                  epoch_floor: int = 0) -> MembershipState:
+    """The membership state of a node taking over as coordinator of ``term``. Pure.
 
-    Members are the last view's members minus ``failed`` (which includes the deposed
-    coordinators); they keep their incarnations. Nodes the view lists as departed (finished)
-    stay departed. Every other node that was registered counts as
-    registered and failed, so the finish barrier does not wait for it. The epoch is one above
-    the view's. Members are watched from ``now + grace``: they detect the old coordinator's
-    death up to about one detection time after this node, and need that long to reach it."""
+    Members are the last view's members minus ``failed`` (the deposed coordinators that did
+    not answer the election, and the peers this node saw fail); they keep their incarnations.
+    Nodes the view lists as departed (finished) stay departed. Every other node that was
+    registered counts as registered and failed, so the finish barrier does not wait for it.
+    The epoch is one above the view's and above ``epoch_floor`` (the newest epoch a voter
+    had applied). The agreed view is the last view's members (the majority that elected this
+    node was counted over them). Members are watched from ``now + grace``: they detect the old
+    coordinator's death up to about one detection time after this node, and need that long
+    to reach it."""
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
     departed = (set(view.departed) if view is not None else set()) - members
@@ -68,7 +75,11 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     st.started = True  # the run is going: no rendezvous to wait for
     for n in members:
         st.detector.watch(n, now + grace)
-    st.epoch = (view.epoch if view is not None else 0) + 1
+    st.epoch = max(view.epoch if view is not None else 0, epoch_floor) + 1
+    st.term = term
+    base = (set(view.members) if view is not None else set(expected)) - departed
+    st.agreement = Agreement(me=me, members=frozenset(base | ({me} if view is None else set())),
+                             epoch=view.epoch if view is not None else 0)
     return st
 
 
@@ -77,6 +88,17 @@ def _ids(raw: Any) -> list[int]:
     if isinstance(raw, list) and all(type(n) is int and n >= 0 for n in raw):
         return list(raw)
     return []
+
+
+def _answer(rep: Any) -> VoteAnswer:
+    """A vote answer from an untrusted reply; raises :class:`ProtocolError` (reason ``vote``)."""
+    if not isinstance(rep, dict):
+        raise ProtocolError("vote", "a vote answer must be a map")
+    granted, reason, view, voted = rep.get("granted"), rep.get("reason", ""), rep.get("view"), rep.get("voted")
+    if type(granted) is not bool or not isinstance(reason, str) or type(voted) is not int \
+            or not isinstance(view, list) or len(view) != 2 or not all(type(x) is int for x in view):
+        raise ProtocolError("vote", "a vote answer needs granted, reason, view [term, epoch] and voted")
+    return VoteAnswer(granted=granted, reason=reason[:200], view=(view[0], view[1]), voted_term=voted)
 
 
 class CoordinatorHost:
@@ -107,8 +129,15 @@ class CoordinatorHost:
         self._closing = TaskSet("close-deposed-service")
         self._services_registered = False
         self.took_over_at: float | None = None
+        #: the election this node runs as the successor (at most one at a time)
+        self._election = TaskSet("election")
+        #: the highest term a voter reported having voted in (the next candidacy goes above it)
+        self._seen_term = -1
+        #: elections this node won (its terms)
+        self.terms: list[int] = []
         for method in METHODS:
             server.register(method, self._dispatcher(method))
+        server.register(VOTE, self._vote)
         membership.on_takeover = self._take_over
         membership.coordinator_listeners.append(self._followed)
 
@@ -137,18 +166,95 @@ class CoordinatorHost:
         return svc
 
     def _take_over(self, deposed: list[int]) -> None:
-        if self.service is not None:
+        """This node is the successor: run for coordinator (:meth:`_campaign`)."""
+        if self.service is not None or len(self._election):
             return
+        self._election.spawn(self._campaign(deposed), name="election")
+
+    async def _campaign(self, deposed: list[int]) -> None:
+        """Ask the members of this node's view for their votes in a new term until a majority
+        grants it (then take over), another coordinator's view is followed, or this node is
+        fenced. Each round is bounded; rounds repeat every heartbeat interval."""
+        m = self.membership
+        rounds = 0
+        while m.coordinator == self.me and self.service is None and m.fenced is None:
+            view = m.view
+            voters = frozenset(view.members if view is not None else self.expected) | {self.me}
+            mine = view.key if view is not None else (0, -1)
+            term = max(mine[0], m.ballot.promised, self._seen_term) + 1
+            cand = Candidacy(me=self.me, term=term, voters=voters)
+            req = VoteRequest(candidate=self.me, term=term, view=mine)
+            cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
+                                                 hears_coordinator=None))
+            others = sorted(voters - {self.me})
+            answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+            floor = mine[1]
+            for v, ans in zip(others, answers, strict=True):
+                cand.record(v, ans)
+                if ans is not None:
+                    self._seen_term = max(self._seen_term, ans.voted_term)
+                    floor = max(floor, ans.view[1])
+            if m.coordinator != self.me or self.service is not None or m.fenced is not None:
+                return
+            if cand.won:
+                # the deposed and failed nodes that did not answer leave; those that answered live
+                self._become(term, sorted((m.failed | set(deposed)) - cand.answered), floor, sorted(cand.granted))
+                return
+            if rounds % 10 == 0:
+                log.warning("node %d: election for term %d: votes of %s out of %s (answers from %s): no "
+                            "majority yet", self.me, term, sorted(cand.granted | {self.me}), sorted(voters),
+                            sorted(cand.answered))
+            rounds += 1
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _ask(self, voter: int, req: VoteRequest) -> VoteAnswer | None:
+        """One vote request (bounded); None when the voter does not answer in time or answers
+        nonsense."""
+        try:
+            rep = await self.membership.rpc.call(voter, VOTE, {"term": req.term, "view": list(req.view)},
+                                                 timeout=max(1.0, 4 * self.heartbeat_interval))
+        except P2PSyncError:
+            return None
+        try:
+            return _answer(rep)
+        except ProtocolError as exc:
+            log.warning("node %d: malformed vote from node %d ignored: %s", self.me, voter, exc)
+            return None
+
+    async def _vote(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        """A candidate asks for this node's vote (:meth:`Ballot.decide`)."""
+        term, view = args.get("term"), args.get("view")
+        if type(term) is not int or not 0 <= term < 1 << 62 or not isinstance(view, list) or len(view) != 2 \
+                or not all(type(x) is int and -1 <= x < 1 << 62 for x in view):
+            raise ProtocolError("vote", "a vote request needs a term and the candidate's view [term, epoch]")
+        m = self.membership
+        svc = self.service
+        now = time.monotonic()
+        follows = m.coordinator
+        hears = follows if follows != self.me and not m.coordinator_suspected else None
+        ans = m.ballot.decide(VoteRequest(candidate=caller, term=term, view=(view[0], view[1])),
+                              mine=m.view.key if m.view is not None else (0, -1),
+                              coordinating_with_quorum=svc is not None and self.coordinating
+                              and svc.state.has_quorum(now),
+                              hears_coordinator=hears)
+        log.info("node %d: vote for node %d in term %d: %s", self.me, caller, term, ans.reason)
+        return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
+
+    def _become(self, term: int, failed: list[int], floor: int, voters: list[int]) -> None:
+        """This node won the election of ``term``: host membership and the services, with
+        ``failed`` left out of its first view."""
         m = self.membership
         now = time.monotonic()  # the clock of MembershipService
-        state = rebuild_state(expected=self.expected, view=m.view, failed=m.failed | set(deposed),
+        state = rebuild_state(expected=self.expected, view=m.view, failed=failed,
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,
-                              heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold)
+                              heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold,
+                              term=term, epoch_floor=floor)
         state.allow_join = self.allow_join
         self.took_over_at = now
-        log.warning("node %d: taking over as coordinator (deposed %s); view epoch %d members %s",
-                    self.me, deposed, state.epoch, state.alive_nodes)
+        self.terms.append(term)
+        log.warning("node %d: taking over as coordinator of term %d (votes of %s; deposed %s); view epoch %d "
+                    "members %s", self.me, term, voters, failed, state.epoch, state.alive_nodes)
         self._start(state)
 
     def _followed(self, coordinator: int) -> None:
@@ -182,6 +288,7 @@ class CoordinatorHost:
         return dispatch
 
     async def close(self) -> None:
+        await self._election.close()
         svcs = [s for s in (self.service, *self._retired) if s is not None]
         self.service = None
         self._retired = []

@@ -60,9 +60,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
+from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
-from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError
+from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.membership")
@@ -111,6 +112,13 @@ class MembershipState:
     reports: dict[int, set[int]] = field(default_factory=dict)
     #: why the run ended as diverged (most members reported), or ""
     diverged: str = ""
+    #: the coordinator's term (its election; 0 for the run's first coordinator)
+    term: int = 0
+    #: the agreed view and the members' acknowledgements (from the end of the rendezvous on)
+    agreement: Agreement | None = None
+    #: suspected nodes this coordinator may not declare failed: that would leave less than a
+    #: majority of the agreed view (it has lost its quorum until they are heard again)
+    blocked: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -163,6 +171,7 @@ class MembershipState:
             for n in self.registered:
                 self.detector.forget(n)
                 self.detector.watch(n, now)
+            self.agreement = Agreement(me=self.coordinator, members=frozenset(self.alive_nodes), epoch=self.epoch)
         return False
 
     def _check_fingerprint(self, node: int, fingerprint: str) -> None:
@@ -183,15 +192,38 @@ class MembershipState:
         """Every expected node has registered: the rendezvous is done."""
         return not self.missing
 
-    def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0) -> None:
+    def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0,
+                  applied: tuple[int, int] | None = None) -> None:
         """A heartbeat from a live registered ``node`` at ``now``, with the RTT it measured to
         the coordinator (``srtt``, ``rttvar``) when it has one; ends a joiner's grace period.
-        Called from the service's ``membership.heartbeat`` handler."""
+        ``applied``: the (term, epoch) of the newest view of this coordinator it applied (its
+        acknowledgement, :class:`~p2psync.coordinator.quorum.Agreement`). Called from the
+        service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
             self.join_grace.pop(node, None)
             self.detector.heartbeat(node, now)
             if srtt is not None:
                 self.detector.rtt(node, srtt, rttvar)
+            if applied is not None and applied[0] == self.term and self.agreement is not None:
+                self.agreement.acknowledge(node, applied[1])
+
+    def is_member(self, node: int) -> bool:
+        """Whether ``node`` is a member of the current view (not failed, excluded or departed)."""
+        return node in self.registered and node not in self.failed and node not in self.departed
+
+    def has_quorum(self, now: float) -> bool:
+        """Whether this coordinator hears a majority of the agreed view now (always True before
+        the rendezvous ends: there is nothing to agree on yet)."""
+        if self.agreement is None:
+            return True
+        suspects = set(self.detector.suspects(now))
+        return not self.blocked and self.agreement.quorum([n for n in self.alive_nodes if n not in suspects])
+
+    def _may_remove(self, nodes: Sequence[int]) -> bool:
+        """Whether declaring ``nodes`` failed keeps a majority of the agreed view."""
+        if self.agreement is None:
+            return True
+        return self.agreement.may_remove(set(self.alive_nodes) - set(nodes))
 
     def alive(self, node: int, at: float) -> None:
         """Any message from ``node`` arrived at ``at`` (proof of life)."""
@@ -210,6 +242,10 @@ class MembershipState:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
                and n != self.coordinator and self.join_grace.get(n, now) <= now]
+        if new and not self._may_remove(new):
+            self.blocked = sorted(new)  # no majority without them: declare nothing, wait
+            return []
+        self.blocked = []
         if new:
             self.failed.update(new)
             for n in new:
@@ -228,6 +264,8 @@ class MembershipState:
         new = sorted({n for n in nodes if n in self.registered and n != self.coordinator
                       and (seen_epoch is None or self.joined_epoch.get(n, -1) <= seen_epoch)}
                      - self.failed)
+        if new and not self._may_remove(new):
+            return []  # a minority's word: the detector of a coordinator with a quorum decides
         if new:
             self.failed.update(new)
             for n in new:
@@ -266,6 +304,8 @@ class MembershipState:
         self.finished[node] = stats
         if depart and node in self.registered and node not in self.failed and node not in self.departed:
             self.departed.add(node)
+            if self.agreement is not None:
+                self.agreement.depart(node)
             self.epoch += 1
             return True
         return False
@@ -284,9 +324,14 @@ class MembershipState:
         """The current view: the epoch, the live members with their incarnations, the
         coordinator, the departed nodes and why the run ended (``ended``, or "")."""
         members = self.alive_nodes
+        agreement = self.agreement
+        if agreement is not None and (agreement.latest is None or agreement.latest[0] != self.epoch) \
+                and self.epoch > agreement.epoch:
+            agreement.publish(self.epoch, members)
         return View(epoch=self.epoch, members=tuple(members),
                     incarnations={n: self.incarnations.get(n, 0) for n in members},
-                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)), ended=self.diverged)
+                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)), ended=self.diverged,
+                    term=self.term)
 
 
 class MembershipService:
@@ -360,6 +405,10 @@ class MembershipService:
             raise ProtocolError("register", f"bad incarnation {inc!r}"[:100])
         addr = str(args.get("address", "?"))[:200]
         before = self.state.epoch
+        if self.state.started and not self.state.has_quorum(time.monotonic()):
+            # a coordinator cut off from the majority admits nobody: the joiner asks elsewhere
+            raise RemoteError("NotCoordinator", f"node {self.transport.node_id} coordinates no majority of "
+                                                "the run now")
         joined = self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
                                      incarnation=inc, address=addr)
         self.transport.peer_incarnations[caller] = inc
@@ -385,6 +434,11 @@ class MembershipService:
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if args.get("probe") is True:  # a starting process asks for the view: no proof of life
             return {"view": self.state.view().to_wire()}
+        if self.state.started and caller in self.state.failed:
+            # fenced: a node declared failed (it paused, or was cut off) learns that it is no
+            # member; its progress since is void, it rejoins as a new process
+            why = self.state.excluded.get(caller, "declared failed")
+            return {"fenced": True, "why": why, "view": self.state.view().to_wire()}
         epoch, coord = args.get("epoch"), args.get("coord")
         if type(epoch) is int and epoch < 1 << 62 and (epoch > self.state.epoch or (
                 epoch == self.state.epoch and coord != self.state.coordinator)):
@@ -398,11 +452,16 @@ class MembershipService:
             self._failed(self.state.declare_failed(failed, seen_epoch=seen), f"reported failed by node {caller}")
         await self._offenders(caller, args.get("offenders"), seen)
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
+        term = args.get("term", 0)
+        applied = (term, epoch) if type(term) is int and type(epoch) is int \
+            and coord == self.state.coordinator else None
+        now = time.monotonic()
         if isinstance(srtt, float) and isinstance(rttvar, float):
-            self.state.heartbeat(caller, time.monotonic(), srtt=srtt, rttvar=rttvar)
+            self.state.heartbeat(caller, now, srtt=srtt, rttvar=rttvar, applied=applied)
         else:
-            self.state.heartbeat(caller, time.monotonic())
-        return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed)}
+            self.state.heartbeat(caller, now, applied=applied)
+        return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed),
+                "quorum": self.state.has_quorum(now)}
 
     async def _offenders(self, caller: int, offenders: Any, seen: int) -> None:
         """A member's report of the nodes that sent it non-finite tensor values: exclude them
@@ -424,6 +483,8 @@ class MembershipService:
             self._publish(view)
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        if self.state.started and caller in self.state.failed:  # fenced: its records are void
+            raise RemoteError("Fenced", f"node {caller} was removed from the run; its finish is not recorded")
         if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True):
             view = self.state.view()
             log.info("coordinator: node %d finished and left the run; view epoch %d members %s",
@@ -437,6 +498,7 @@ class MembershipService:
     async def _monitor(self) -> None:
         me = self.transport.node_id
         stalls = StallMeter(self.check_interval, time.monotonic())
+        quorum = True
         while True:
             await asyncio.sleep(self.check_interval)
             self.state.detector.pause(stalls.tick(time.monotonic()))
@@ -447,6 +509,21 @@ class MembershipService:
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}
             new = self.state.check(now)
             self._failed(new, f"silent for {[round(silences.get(n, 0.0), 2) for n in new]} s")
+            held = self.state.has_quorum(now)
+            if held != quorum:
+                quorum = held
+                agreed = sorted(self.state.agreement.members) if self.state.agreement is not None else []
+                if not held:
+                    log.error("coordinator %d: lost the majority of the agreed view %s (silent: %s); "
+                              "no failure is declared and no node steps until it is heard again",
+                              me, agreed, self.state.blocked or self.state.detector.suspects(now))
+                else:  # a new epoch: operations that failed meanwhile are redone over it
+                    self.state.epoch += 1
+                    view = self.state.view()
+                    log.warning("coordinator %d: the majority of %s is heard again; view epoch %d members %s",
+                                me, agreed, view.epoch, list(view.members))
+                    self._notify()
+                    self._publish(view)
 
     def _failed(self, new: Sequence[int], why: str) -> None:
         if not new:

@@ -18,7 +18,18 @@ never from a deposed one. :meth:`MembershipClient.call_coordinator` retries a ca
 coordinator when the old one died under it (finish barrier, strategy services such as ESync's
 State Server).
 
-Split from :mod:`p2psync.coordinator.membership` (which re-exports it) to keep modules small.
+Quorum (:mod:`p2psync.coordinator.quorum`). Every heartbeat reply of the coordinator says
+whether it hears a majority of the agreed view; :attr:`MembershipClient.has_quorum` is True
+while such a reply is fresh, and :meth:`MembershipClient.wait_quorum` is what the step loop
+awaits before every step: a node cut off from the majority stops stepping. Meanwhile it asks
+every node for its view once a second (``probe``); a newer view that names it is applied, one
+that does not fences it.
+
+Fencing. A node the coordinator declared failed (it paused, or it was on the minority side of
+a partition) is told so in the reply to its next heartbeat (``fenced``), or finds a newer view
+without it by probing. It then stops for good (:attr:`MembershipClient.fenced`,
+``fence_listeners``): its progress since it was removed is void, and it rejoins the run as a
+new process, which adopts the majority's state.
 """
 
 from __future__ import annotations
@@ -32,10 +43,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS
+from p2psync.coordinator.quorum import Ballot
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
-from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError, TransportError
+from p2psync.errors import (ConfigError, Fenced, NoQuorum, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError,
+                            RemoteError, TransportError)
 from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 
@@ -45,6 +58,8 @@ log = logging.getLogger("p2psync.membership")
 JOIN_ATTEMPT_S = 8.0
 #: how long such a joiner asks the others
 DISCOVER_RETRY_S = 1.5
+#: seconds between two probes of every node while this node hears no majority
+PROBE_EVERY_S = 1.0
 
 
 class MembershipClient:
@@ -89,6 +104,16 @@ class MembershipClient:
         #: members this node reports for exclusion (they sent it non-finite tensor values)
         self.offenders: set[int] = set()
         transport.offence_listeners.append(self._offence)
+        #: this node's votes in coordinator elections (the host answers vote requests with it)
+        self.ballot = Ballot(me=transport.node_id)
+        #: why this node is no member any more (fenced), or None
+        self.fenced: Fenced | None = None
+        #: called once with the Fenced error when this node learns it was removed
+        self.fence_listeners: list[Callable[[Fenced], None]] = []
+        #: when the coordinator last said it holds a majority (None: not now)
+        self._quorum_at: float | None = None
+        self._quorum_changed = asyncio.Event()
+        self._probed_at = 0.0
 
     @property
     def coordinator(self) -> int:
@@ -153,6 +178,7 @@ class MembershipClient:
         #: when the run started, on this node's clock (a joiner's run started before it did)
         self.run_started = time.monotonic() - elapsed
         self._apply_view(self.info.get("view"), src=self.coordinator)
+        self._quorum_at = time.monotonic()  # the coordinator answered with every node in
         return self.info
 
     async def discover(self, *, timeout: float) -> View | None:
@@ -246,7 +272,12 @@ class MembershipClient:
             log.info("node %d: view %d naming coordinator %d sent by node %d ignored",
                      self.transport.node_id, view.epoch, view.coordinator, src)
             return
-        if not self.succession.accepts(view):
+        if not self.succession.accepts(view, self.ballot.promised):
+            return
+        me = self.transport.node_id
+        if me not in view.members and me not in view.departed and self.view is not None:
+            self._fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
+                        f"name it (members {list(view.members)})")
             return
         change = self.views.apply(view)
         if change is None:
@@ -254,7 +285,6 @@ class MembershipClient:
         old = self.succession.adopt(view)
         if old is not None:
             self._moved_to(old, f"view {view.epoch} names it")
-        me = self.transport.node_id
         known = self.transport.peer_incarnations
         # a member whose incarnation changed is a new life of that node, even if this node
         # missed the view in which the old one left
@@ -262,7 +292,10 @@ class MembershipClient:
         for n, inc in view.incarnations.items():
             if n != me:
                 known[n] = inc
-        for n in sorted(set(change.joined) | renewed):
+        # every member is alive to the coordinator that names it (a deposed coordinator that
+        # voted in its successor's election stays a member)
+        dead_members = {n for n in view.members if n in self.transport.dead or n in self.failed}
+        for n in sorted(set(change.joined) | renewed | dead_members):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
             self.departed.discard(n)
@@ -327,7 +360,7 @@ class MembershipClient:
         if est.srtt is not None and c != self.transport.node_id:
             args = {"srtt": float(est.srtt), "rttvar": float(est.rttvar)}
         if self.view is not None:
-            args["epoch"], args["coord"] = self.view.epoch, self.view.coordinator
+            args["epoch"], args["coord"], args["term"] = self.view.epoch, self.view.coordinator, self.view.term
         if self.succession.deposed:
             args["deposed"] = sorted(self.succession.deposed)
         if self.failed:
@@ -349,9 +382,15 @@ class MembershipClient:
             return
         if not isinstance(rep, dict):
             return
+        if rep.get("fenced") is True:
+            why = rep.get("why")
+            self._fence(f"coordinator {c} answered that it was {str(why)[:200] if why else 'declared failed'}")
+            return
         if rep.get("redirect"):  # c does not coordinate (yet): it names whom it follows
             self._apply_view(rep.get("view"), src=None)
             return
+        if c == self.coordinator:
+            self._set_quorum(rep.get("quorum") is not False)
         if c == self.coordinator and c != me:
             self.detector.heartbeat(c, time.monotonic())
             if est.srtt is not None:
@@ -365,6 +404,86 @@ class MembershipClient:
         if len(self._beats) < MAX_HEARTBEATS_IN_FLIGHT:
             self._beats.spawn(self._beat())
 
+    # -- quorum and fencing -------------------------------------------------------------
+
+    def _set_quorum(self, held: bool) -> None:
+        before = self.has_quorum
+        self._quorum_at = time.monotonic() if held else None
+        if held != before:
+            if not held:
+                log.error("node %d: coordinator %d hears no majority of the run: this node stops stepping "
+                          "until it does", self.transport.node_id, self.coordinator)
+            ev, self._quorum_changed = self._quorum_changed, asyncio.Event()
+            ev.set()
+
+    def _quorum_window(self) -> float:
+        """How long a coordinator's "I hold a majority" stays valid: its detection time."""
+        det = self.detector.peers.get(self.coordinator)
+        return (det.timeout() if det is not None else self.failure_timeout) + self.interval
+
+    @property
+    def has_quorum(self) -> bool:
+        """Whether this node follows a coordinator that recently said it hears a majority of
+        the run (see the module docstring); False once fenced."""
+        at = self._quorum_at
+        return self.fenced is None and at is not None and time.monotonic() - at <= self._quorum_window()
+
+    async def wait_quorum(self, timeout: float) -> float:
+        """Wait until :attr:`has_quorum` (returns at once when it is); returns the seconds
+        waited. Raises the :class:`Fenced` error when this node is removed meanwhile, and
+        :class:`NoQuorum` after ``timeout``."""
+        if self.has_quorum:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        log.warning("node %d: waiting for a majority of the run (coordinator %d)", self.transport.node_id,
+                    self.coordinator)
+        while not self.has_quorum:
+            if self.fenced is not None:
+                raise self.fenced
+            remaining = t0 + timeout - loop.time()
+            if remaining <= 0:
+                raise NoQuorum(f"node {self.transport.node_id}: no majority of the run for {timeout:g}s (it "
+                               f"follows coordinator {self.coordinator}; view {self.view.epoch if self.view else '-'} "
+                               f"members {list(self.view.members) if self.view else []})")
+            try:
+                await asyncio.wait_for(self._quorum_changed.wait(), min(remaining, self.interval))
+            except asyncio.TimeoutError:
+                pass
+        waited = loop.time() - t0
+        log.warning("node %d: a majority again after %.2fs", self.transport.node_id, waited)
+        return waited
+
+    def _fence(self, why: str) -> None:
+        """This node is no member of the run any more (see the module docstring)."""
+        if self.fenced is not None:
+            return
+        me = self.transport.node_id
+        self.fenced = Fenced(f"node {me} was removed from the run: {why}; its progress since is void, "
+                             f"it rejoins as a new process")
+        log.error("node %d: fenced: %s", me, why)
+        ev, self._quorum_changed = self._quorum_changed, asyncio.Event()
+        ev.set()
+        for cb in list(self.fence_listeners):
+            cb(self.fenced)
+
+    async def _probe(self) -> None:
+        """Ask every other node for its view (no proof of life); apply the newest one that
+        names this node, or be fenced by a newer one that does not."""
+        me = self.transport.node_id
+        probe_timeout = max(0.5, 2 * self.interval)
+
+        async def ask(peer: int) -> Any:
+            try:
+                return await self.rpc.call(peer, "membership.heartbeat", {"probe": True}, timeout=probe_timeout)
+            except P2PSyncError:
+                return None
+
+        peers = [p for p in self.transport.topology.ids if p != me]
+        for rep in await asyncio.gather(*(ask(p) for p in peers)):
+            if isinstance(rep, dict) and rep.get("view") is not None:
+                self._apply_view(rep.get("view"), src=None)
+
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
         stalls = StallMeter(self.interval, time.monotonic())
@@ -372,6 +491,11 @@ class MembershipClient:
             self._send_beat()
             await asyncio.sleep(self.interval)
             self.detector.pause(stalls.tick(time.monotonic()))
+            now = time.monotonic()
+            if not self.has_quorum and self.fenced is None and now - self._probed_at >= PROBE_EVERY_S \
+                    and self.view is not None:
+                self._probed_at = now
+                self._beats.spawn(self._probe(), name="probe")
             c = self.coordinator
             if c == me:
                 continue

@@ -16,14 +16,19 @@ highest view epoch it applied.
   it is itself the successor of its own view minus both deposed sets
   (:meth:`Succession.contacted`): detectors suspect at slightly different times, and the first
   member to suspect brings the successor in.
-* Views name their coordinator. A view is applied only if its epoch is higher than any applied
-  and its coordinator has not been deposed here (:meth:`Succession.accepts`), so late views of a
-  dead coordinator are ignored; applying a view naming another coordinator deposes the previous
-  one (:meth:`Succession.adopt`): nodes follow the coordinator of the highest-epoch view.
+* The successor becomes the coordinator only once a majority of its view's members voted for
+  it in a new term (:mod:`p2psync.coordinator.quorum`; the election runs in
+  :class:`~p2psync.coordinator.failover.CoordinatorHost`). Until then it coordinates nothing.
+* Views name their coordinator and their term. A view is applied only if it is newer in the
+  order ``(term, epoch)`` than any applied, of no lower term than one this node voted in, and,
+  within the same term, not published by a coordinator deposed here
+  (:meth:`Succession.accepts`), so late views of a dead coordinator are ignored; applying a
+  view naming another coordinator deposes the previous one (:meth:`Succession.adopt`): nodes
+  follow the coordinator of the newest view.
 
-The new coordinator publishes a view with a higher epoch than its last one, without the old
-coordinator; members report their epoch in heartbeats, so a member that saw a later view of
-the old coordinator pushes the new one's epoch above it (see ``MembershipService``).
+The new coordinator publishes a view with a higher term and epoch than its last one, without
+the old coordinator; members report their epoch in heartbeats, so a member that saw a later
+view of the old coordinator pushes the new one's epoch above it (see ``MembershipService``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,13 @@ class Succession:
     me: int
     coordinator: int
     deposed: set[int] = field(default_factory=set)
-    #: highest view epoch applied (-1: none yet)
-    epoch: int = -1
+    #: the (term, epoch) of the newest view applied ((-1, -1): none yet)
+    key: tuple[int, int] = (-1, -1)
+
+    @property
+    def epoch(self) -> int:
+        """The highest view epoch applied (-1: none yet)."""
+        return self.key[1]
 
     def _members(self, view: View | None, fallback: Iterable[int]) -> list[int]:
         members = list(view.members) if view is not None else list(fallback)
@@ -83,15 +93,21 @@ class Succession:
         self.coordinator = self.me
         return new
 
-    def accepts(self, view: View) -> bool:
-        """Whether ``view`` may be applied: newer than every applied view, and not published by
-        a deposed coordinator (a late view of a dead coordinator is ignored)."""
-        return view.epoch > self.epoch and view.coordinator not in self.deposed
+    def accepts(self, view: View, promised: int = -1) -> bool:
+        """Whether ``view`` may be applied: newer than every applied view, of no term below
+        ``promised`` (the highest term this node voted in), and not published by a
+        coordinator deposed here in the same term (a late view of a dead coordinator is
+        ignored; a deposed node elected in a newer term is followed)."""
+        if view.key <= self.key or view.term < promised:
+            return False
+        return view.term > self.key[0] or view.coordinator not in self.deposed
 
     def adopt(self, view: View) -> int | None:
         """Record an accepted view; returns the previous coordinator when the view names another
         one (the previous one is deposed), else None."""
-        self.epoch = max(self.epoch, view.epoch)
+        if view.term > self.key[0]:
+            self.deposed.discard(view.coordinator)  # elected in a newer term
+        self.key = max(self.key, view.key)
         if view.coordinator == self.coordinator:
             return None
         old = self.coordinator

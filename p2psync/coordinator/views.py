@@ -1,6 +1,6 @@
 """Membership views: the coordinator's authoritative, epoch-numbered list of members. Pure.
 
-A :class:`View` is ``(epoch, members, incarnations, coordinator)``; the coordinator bumps the
+A :class:`View` is ``(epoch, members, incarnations, coordinator, term)``; the coordinator bumps the
 epoch on every membership change (a registration, a failure, a coordinator takeover; joins of a
 running run later) and publishes the view in every heartbeat reply and as an ``event.view``
 event. The view names the coordinator that published it: after a failover (see
@@ -8,7 +8,11 @@ event. The view names the coordinator that published it: after a failover (see
 view. Wire form (message meta)::
 
     {"epoch": int, "members": [int, ...], "inc": [[node, incarnation], ...], "coord": int,
-     "dep": [int, ...], "end": str}
+     "dep": [int, ...], "end": str, "term": int}
+
+``term`` numbers the coordinator's election (:mod:`p2psync.coordinator.quorum`): views are
+ordered by ``(term, epoch)`` (:attr:`View.key`), one coordinator per term, and a takeover
+starts its epochs above every epoch its voters had applied, so epochs keep growing too.
 
 ``end`` (optional) is set when the coordinator ended the run as diverged (most members were
 reported for sending non-finite tensor values, see :mod:`p2psync.coordinator.membership`): every
@@ -52,12 +56,19 @@ class View:
     departed: tuple[int, ...] = ()
     #: why the coordinator ended the run (diverged), or ""
     ended: str = ""
+    #: the term of the coordinator that published it (its election)
+    term: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The view's place in the order of views: ``(term, epoch)``."""
+        return (self.term, self.epoch)
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able map :meth:`from_wire` parses (heartbeat replies, ``event.view``)."""
         out: dict[str, Any] = {"epoch": self.epoch, "members": list(self.members),
                                "inc": [[n, i] for n, i in sorted(self.incarnations.items())],
-                               "coord": self.coordinator, "dep": list(self.departed)}
+                               "coord": self.coordinator, "dep": list(self.departed), "term": self.term}
         if self.ended:
             out["end"] = self.ended
         return out
@@ -73,6 +84,9 @@ class View:
             raise ProtocolError("view", f"bad epoch {epoch!r}"[:100])
         if type(coord) is not int or not 0 <= coord <= MAX_U64:
             raise ProtocolError("view", f"bad coordinator {coord!r}"[:100])
+        term = obj.get("term", 0)
+        if type(term) is not int or not 0 <= term <= MAX_U64:
+            raise ProtocolError("view", f"bad term {term!r}"[:100])
         if not isinstance(members, list) or any(type(m) is not int or m < 0 for m in members):
             raise ProtocolError("view", "members must be a list of node ids")
         if not isinstance(inc, list):
@@ -90,7 +104,7 @@ class View:
                 raise ProtocolError("view", "inc must be a list of [node, incarnation]")
             incs[pair[0]] = pair[1]
         return View(epoch=epoch, members=tuple(sorted(set(members))), incarnations=incs,
-                    coordinator=coord, departed=tuple(sorted(set(dep))), ended=ended)
+                    coordinator=coord, departed=tuple(sorted(set(dep))), ended=ended, term=term)
 
 
 @dataclass(frozen=True)
@@ -104,7 +118,7 @@ class ViewChange:
 
 
 class ViewTracker:
-    """Applies views in epoch order (client side)."""
+    """Applies views in ``(term, epoch)`` order (client side)."""
 
     def __init__(self) -> None:
         self.view: View | None = None
@@ -112,7 +126,7 @@ class ViewTracker:
     def apply(self, view: View) -> ViewChange | None:
         """The change ``view`` brings, or None when it is not newer than the current one."""
         old = self.view
-        if old is not None and view.epoch <= old.epoch:
+        if old is not None and view.key <= old.key:
             return None
         self.view = view
         before = set(old.members) if old is not None else set(view.members)

@@ -213,6 +213,8 @@ class StrategyContext:
     buffers: BufferMode = "broadcast"
     #: audit the replicas every N steps where the strategy promises them equal (``--audit-every``)
     audit_every: int | None = None
+    #: seconds a node that hears no majority of the run waits before it gives up (NoQuorum)
+    quorum_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.on_failure not in ON_FAILURE:

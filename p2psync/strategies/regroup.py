@@ -269,9 +269,19 @@ class Regroup:
         return self._active.get(view.epoch, ())
 
     async def _await_newer(self, view: View, exc: PeerFailure) -> None:
+        """Wait for a view newer than ``view``: bounded by :attr:`bound`, or, while this node
+        hears no majority of the run (a partition, a coordinator election), by the quorum
+        wait of the membership client (the minority side waits for the heal)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.bound
+        m = self.ctx.membership
         while self.ctx.epoch <= view.epoch:
+            if m.fenced is not None:
+                raise m.fenced
+            if not m.has_quorum:
+                await m.wait_quorum(self.ctx.quorum_timeout)
+                deadline = max(deadline, loop.time() + self.bound)
+                continue
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise exc

@@ -73,6 +73,8 @@ class RunConfig:
     heartbeat: float = 0.5
     failure_timeout: float = 2.0
     phi_threshold: float = 8.0
+    #: seconds a node cut off from the majority of the run waits (not stepping) before it gives up
+    quorum_timeout: float = 300.0
     shaper: ShaperName = "none"
     wan: str | None = None
     #: bandwidth of every NIC for the inproc shaper (Mb/s; one token bucket per NIC)
@@ -119,7 +121,7 @@ class RunConfig:
                      "audit_every"):
             positive(name)
         for name in ("lr", "batch_size", "eval_every", "start_timeout", "peer_timeout", "heartbeat",
-                     "failure_timeout", "phi_threshold", "dirichlet_alpha", "synthetic_size", "shards_per_node",
+                     "failure_timeout", "phi_threshold", "quorum_timeout", "dirichlet_alpha", "synthetic_size", "shards_per_node",
                      "piece_kib", "hidden"):
             positive(name, allow_none=False)
         if not 0 <= self.momentum < 1:

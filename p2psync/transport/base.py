@@ -241,6 +241,8 @@ class Transport(Relaying, FiniteChecks, ABC):
         budget = self.default_timeout if timeout is None else timeout
         if kind in RELAY_KINDS and nic is None and peer != self.node_id \
                 and not self.topology.routes(self.node_id, peer) and self.topology.has(peer):
+            # (a reply goes back even to a node marked dead: it asked, so it lives, and it may
+            # be a removed node that must learn it was fenced)
             await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
                               arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
                               inc=self.incarnation), budget)
@@ -257,7 +259,8 @@ class Transport(Relaying, FiniteChecks, ABC):
                         return
                 finally:
                     win.release(held)
-        await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered)
+        await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered,
+                                to_dead=kind == "reply")
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""
@@ -267,11 +270,12 @@ class Transport(Relaying, FiniteChecks, ABC):
         return w
 
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                           bulk: bool = False, unordered: bool = False) -> None:
+                           bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
         """Send to an adjacent peer. ``bulk`` (tensors) waits for room in the peer's window
-        (backpressure, bounded by ``budget``); control never waits for bulk."""
+        (backpressure, bounded by ``budget``); control never waits for bulk. ``to_dead``: send
+        even when the peer is marked dead (replies)."""
         if not bulk:
-            await self._shape_and_deliver(peer, route, budget, frames, False)
+            await self._shape_and_deliver(peer, route, budget, frames, False, to_dead=to_dead)
             return
         nbytes = frames_len(frames)
         loop = asyncio.get_running_loop()
@@ -291,23 +295,24 @@ class Transport(Relaying, FiniteChecks, ABC):
             win.release(held)
 
     def _shape_and_deliver(self, peer: int, route: Route, budget: float, frames: list[Any],
-                           bulk: bool, unordered: bool = False) -> Awaitable[None]:
+                           bulk: bool, unordered: bool = False, to_dead: bool = False) -> Awaitable[None]:
         """The delivery to await: straight to ``_deliver``, or through the shaper. A plain
         function returning the awaitable, not a coroutine: one frame less on every send."""
         if self.shaper is None:
-            return self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered)
+            return self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered, to_dead=to_dead)
         # a shaped message leaves later: capture its bytes now, as a real NIC would (a Fill's
         # inputs, such as a borrowed piece, are given back once this send returns)
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in placed(frames)]
         return self.shaper.submit(peer, frames_len(frames),
-                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered),
+                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered,
+                                                        to_dead=to_dead),
                                   control=not bulk, nic=route.local_nic)
 
     def _attempt(self, peer: int, route: Route, frames: list[Any], nbytes: int, bulk: bool,
-                 unordered: bool = False) -> bool:
+                 unordered: bool = False, to_dead: bool = False) -> bool:
         """One try at handing the frames (``nbytes`` in all) over: whether they went (False:
-        retry later)."""
-        if peer in self.dead:
+        retry later). A peer marked dead fails at once, unless ``to_dead``."""
+        if peer in self.dead and not to_dead:
             raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
         try:
             self._transmit(peer, route, frames, bulk=bulk, unordered=unordered)
@@ -319,10 +324,10 @@ class Transport(Relaying, FiniteChecks, ABC):
         return True
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                       bulk: bool = False, unordered: bool = False) -> None:
+                       bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
         deadline = time.monotonic() + budget
         delay, nbytes = 0.0005, frames_len(frames)
-        while not self._attempt(peer, route, frames, nbytes, bulk, unordered):
+        while not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
             if time.monotonic() >= deadline:
                 raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
                                       f"{route.local_nic} for {budget:g}s", peers=(peer,))

@@ -60,7 +60,7 @@ class Relaying:
         raise NotImplementedError
 
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                           bulk: bool = False) -> None:
+                           bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
         raise NotImplementedError
 
     def mark_dead(self, peer: int) -> None:
@@ -108,7 +108,15 @@ class Relaying:
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
                      budget: float, came_from: int | None = None, rotate: int = 0) -> None:
-        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None)
+        reply = fields["kind"] == "reply"  # goes back even to a node marked dead (it asked)
+        if reply and dst in self.dead and self.topology.routes(self.node_id, dst):
+            frames = encode(src=origin, dst=dst, hops=hops, **fields)
+            try:
+                await self._send_direct(dst, self.route(dst), budget, frames, to_dead=True)
+                return
+            except PeerFailure:
+                pass
+        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None or reply)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin == self.node_id and self.relay_keys is not None:  # number and sign it for the destination

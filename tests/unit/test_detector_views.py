@@ -134,10 +134,12 @@ def test_second_registration_of_a_live_node_is_rejected_naming_both():
     msg = str(ei.value)
     assert "111" in msg and "222" in msg and "hostA" in msg and "hostB" in msg
     st.register(0, "f", 0.0, incarnation=5)
-    assert st.check(10.0) == [1]  # never the host (node 0)
-    closed = MembershipState(expected=frozenset({0, 1}), allow_join=False)
-    closed.register(0, "f", 0.0, incarnation=5)
-    closed.register(1, "f", 0.0, incarnation=111)
+    # one of two is no majority: the host waits instead of declaring node 1 failed
+    assert st.check(10.0) == [] and st.blocked == [1] and not st.has_quorum(10.0)
+    closed = MembershipState(expected=frozenset({0, 1, 2}), allow_join=False)
+    for n in (0, 1, 2):
+        closed.register(n, "f", 0.0, incarnation=111 + n)
+    closed.heartbeat(2, 9.9)
     assert closed.check(10.0) == [1]
     with pytest.raises(ConfigError, match="declared failed"):  # --on-failure stop: no joins
         closed.register(1, "f", 10.1, incarnation=333)
@@ -233,10 +235,11 @@ async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
 
 def test_the_coordinator_never_declares_its_own_host_failed():
     """CI regression: a stalled coordinator process declared its own host (node 0) failed."""
-    st = MembershipState(expected=frozenset({0, 1}), failure_timeout=2.0, heartbeat_interval=0.5)
-    st.register(0, "fp", 0.0, incarnation=1)
-    st.register(1, "fp", 0.0, incarnation=1)
-    assert st.check(10.0) == [1]  # both silent for 10 s: only the other node is declared
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0, heartbeat_interval=0.5)
+    for n in (0, 1, 2):
+        st.register(n, "fp", 0.0, incarnation=1)
+    st.heartbeat(2, 9.9)
+    assert st.check(10.0) == [1]  # 0 and 1 silent for 10 s: only the other node is declared
 
 
 def test_a_local_stall_is_credited_not_blamed_on_peers():

@@ -29,11 +29,14 @@ def test_membership_state_failure_detection_and_finish():
     st.heartbeat(1, 1.9)
     assert st.check(2.0) == []
     assert st.check(2.01) == [2]  # silent for more than 2 s
-    assert st.check(5.0) == [1]  # everyone silent now; 2 is not reported twice, 0 hosts the state
+    # everyone silent now: 0 hosts the state, and 0 alone is no majority of [0, 1, 2]
+    assert st.check(5.0) == [] and st.blocked == [1] and not st.has_quorum(5.0)
+    st.heartbeat(1, 5.1)
+    assert st.check(5.2) == [] and st.has_quorum(5.2)  # heard again: 2 is not reported twice
     st2 = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0)
     for n in (0, 1, 2):
         st2.register(n, "f", 0.0)
-    st2.finish(1, {"acc": 1})
+    st2.finish(1, {"acc": 1}, depart=False)  # an agreed stop: finished, still a member
     assert st2.check(10.0) == [2]  # a finished node is never declared failed
     assert not st2.all_finished
     st2.finish(0, {"acc": 1})

@@ -95,24 +95,49 @@ def test_view_names_its_coordinator_strictly():
 def test_rebuilt_state_from_the_last_view():
     v = View(epoch=7, members=(0, 1, 2, 3), incarnations={0: 10, 1: 11, 2: 12, 3: 13}, coordinator=0)
     st = rebuild_state(expected=[0, 1, 2, 3, 4], view=v, failed={0}, me=1, fingerprint="fp", now=100.0,
-                       grace=2.0, failure_timeout=2.0)
-    assert st.coordinator == 1 and st.epoch == 8
+                       grace=2.0, failure_timeout=2.0, term=1)
+    assert st.coordinator == 1 and st.epoch == 8 and st.term == 1
     assert st.failed == {0, 4}  # the deposed coordinator and a node that had left before
     assert st.alive_nodes == [1, 2, 3] and st.complete
     view = st.view()
     assert view.coordinator == 1 and view.members == (1, 2, 3) and view.incarnations == {1: 11, 2: 12, 3: 13}
+    assert view.term == 1 and view.key == (1, 8)
+    # the election was counted over the last view: its members agree on the new one
+    assert st.agreement is not None and st.agreement.members == {0, 1, 2, 3} and st.agreement.pending
+    st.heartbeat(2, 102.5, applied=(1, 8))
+    assert st.agreement.pending  # 1 and 2: not a majority of four
+    st.heartbeat(3, 102.5, applied=(0, 8))  # a view of another term acknowledges nothing
+    assert st.agreement.pending
+    st.heartbeat(3, 102.6, applied=(1, 8))
+    assert not st.agreement.pending and st.agreement.members == {1, 2, 3}
     # members get the grace period to find the new coordinator, then the usual detection
     assert st.check(103.9) == []
-    st.heartbeat(2, 103.0)
     st.heartbeat(1, 104.0)
     st.heartbeat(2, 104.0)
-    assert st.check(104.5) == [3]
-    assert st.declare_failed([2, 1, 7]) == [2]  # never itself, nor unknown nodes
+    assert st.check(104.7) == [3] and st.has_quorum(104.7)
+    # 1 and 2 are a majority of the agreed view [1, 2, 3]; removing 2 as well would not be
+    assert st.declare_failed([2, 1, 7]) == []  # never itself, nor unknown nodes, nor a majority
     assert not st.all_finished
-    assert st.finish(1, {"acc": 1.0})  # a departure: a new view without it, not a failure
+    assert st.finish(2, {"acc": 1.0}) and st.finish(1, {"acc": 1.0})  # departures: not failures
     assert st.all_finished and st.epoch == 11
-    assert st.view().members == () and st.view().departed == (1,) and 1 not in st.failed
+    assert st.view().members == () and st.view().departed == (1, 2) and 1 not in st.failed
     assert not st.finish(1, {"acc": 1.0})  # re-sent after a failover: no new view
+
+
+def test_a_coordinator_without_a_majority_declares_nobody_failed():
+    v = View(epoch=3, members=(0, 1, 2, 3), coordinator=0)
+    st = rebuild_state(expected=[0, 1, 2, 3], view=v, failed={0}, me=1, fingerprint="", now=0.0,
+                       grace=0.0, failure_timeout=2.0, term=2)
+    st.heartbeat(2, 1.0, applied=(2, 4))  # node 3 never acknowledged the takeover's view, then fell silent
+    for t in (1.5, 2.0, 2.5, 3.0):
+        st.heartbeat(2, t)
+    assert st.check(3.2) == [] and st.blocked == [3]
+    assert not st.has_quorum(3.2)  # 1 and 2 are two of the agreed four
+    assert st.alive_nodes == [1, 2, 3] and st.epoch == 4  # nothing published
+    st.heartbeat(3, 3.3, applied=(2, 4))  # heard again (a healed partition): quorum again
+    assert st.check(3.4) == [] and st.has_quorum(3.4) and st.blocked == []
+
+
     # a node the last view lists as departed stays departed (not failed) after a takeover
     v3 = View(epoch=9, members=(0, 2), incarnations={0: 10, 2: 12}, coordinator=0, departed=(1,))
     st3 = rebuild_state(expected=[0, 1, 2], view=v3, failed={0}, me=2, fingerprint="", now=0.0, grace=0.0)
@@ -152,14 +177,14 @@ async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members
     from p2psync.topology import mesh
     from p2psync.transport import MemoryHub
 
-    hub = MemoryHub(mesh(4))
-    eps = {i: hub.endpoint(i) for i in range(4)}
+    hub = MemoryHub(mesh(5))
+    eps = {i: hub.endpoint(i) for i in range(5)}
     for e in eps.values():
         await e.start()
-    v = View(epoch=7, members=(0, 1, 2, 3), incarnations={n: n for n in range(4)}, coordinator=0)
-    st = rebuild_state(expected=range(4), view=v, failed={0}, me=1, fingerprint="fp",
+    v = View(epoch=7, members=(0, 1, 2, 3, 4), incarnations={n: n for n in range(5)}, coordinator=0)
+    st = rebuild_state(expected=range(5), view=v, failed={0}, me=1, fingerprint="fp",
                        now=time.monotonic(), grace=2.0)
-    svc = MembershipService(server=RpcServer(eps[1]), expected=range(4), state=st, rpc_methods=False)
+    svc = MembershipService(server=RpcServer(eps[1]), expected=range(5), state=st, rpc_methods=False)
     svc.start()
     try:
         assert 0 in eps[1].dead  # the old coordinator is routed around at once
@@ -175,7 +200,13 @@ async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members
         assert rep["view"]["epoch"] == 9
         # failures members learnt from the old coordinator are merged (never the new one)
         rep = await hb(2, {"epoch": 9, "coord": 1, "failed": [0, 3, 1]}, [])
-        assert rep["view"]["members"] == [1, 2] and rep["failed"] == [0, 3] and 3 in eps[1].dead
+        assert rep["view"]["members"] == [1, 2, 4] and rep["failed"] == [0, 3] and 3 in eps[1].dead
+        # never below a majority of the agreed five: a report of 4 as well is not taken
+        rep = await hb(2, {"epoch": 10, "coord": 1, "failed": [4]}, [])
+        assert rep["view"]["members"] == [1, 2, 4] and rep["failed"] == [0, 3]
+        # a node declared failed learns it in the answer to its next heartbeat (fenced)
+        rep = await hb(3, {"epoch": 9, "coord": 1}, [])
+        assert rep["fenced"] is True and rep["view"]["members"] == [1, 2, 4]
     finally:
         await svc.close()
         for e in eps.values():
