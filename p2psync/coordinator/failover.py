@@ -181,7 +181,9 @@ class CoordinatorHost:
             view = m.view
             voters = frozenset(view.members if view is not None else self.expected) | {self.me}
             mine = view.key if view is not None else (0, -1)
-            term = max(mine[0], m.ballot.promised, self._seen_term) + 1
+            term = max(mine[0], self._seen_term) + 1
+            if m.ballot.voted.get(term, self.me) != self.me:  # this node voted for another in it
+                term = max(m.ballot.promised, term) + 1
             cand = Candidacy(me=self.me, term=term, voters=voters)
             req = VoteRequest(candidate=self.me, term=term, view=mine)
             cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
@@ -192,7 +194,8 @@ class CoordinatorHost:
             for v, ans in zip(others, answers, strict=True):
                 cand.record(v, ans)
                 if ans is not None:
-                    self._seen_term = max(self._seen_term, ans.voted_term)
+                    if not ans.granted:  # it voted for another in a term this one must pass
+                        self._seen_term = max(self._seen_term, ans.voted_term if ans.voted_term >= term else -1)
                     floor = max(floor, ans.view[1])
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
                 return

@@ -14,6 +14,7 @@ import pytest
 
 from p2psync.coordinator import RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.errors import NoQuorum
 from p2psync.topology import Topology, mesh, ring
 from tests.helpers import MemberNode, free_port, full_views, member_cluster, until
 
@@ -113,17 +114,37 @@ async def test_finish_barrier_moves_to_the_new_coordinator():
 
 
 async def test_dead_successor_is_skipped():
-    topo = mesh(4, base_port=free_port())
+    topo = mesh(5, base_port=free_port())
     async with cluster(topo) as nodes:
         t_kill = time.monotonic()
         await asyncio.gather(nodes[0].close(), nodes[1].close())
-        await until(lambda: _following(nodes, [2, 3], 2), 15, "nodes 2 and 3 to follow node 2")
+        await until(lambda: _following(nodes, [2, 3, 4], 2), 15, "nodes 2, 3 and 4 to follow node 2")
         elapsed = time.monotonic() - t_kill
-        print(f"mesh4: nodes 0 and 1 dead, node 2 coordinates {elapsed:.2f}s later")
+        print(f"mesh5: nodes 0 and 1 dead, node 2 coordinates {elapsed:.2f}s later")
         assert elapsed < 2 * BOUND_S, elapsed
         svc = nodes[2].host.service
-        assert svc is not None and svc.state.failed == {0, 1}
+        assert svc is not None and svc.state.failed == {0, 1} and svc.state.term >= 1
         assert nodes[2].services == [2] and nodes[3].client.failed == {0, 1}
+        assert all(nodes[i].client.view.term == svc.state.term for i in (2, 3, 4))
+        await until(lambda: all(nodes[i].client.has_quorum for i in (2, 3, 4)), 5, "the majority's quorum")
+
+
+async def test_half_of_the_nodes_dead_no_one_coordinates_and_no_one_steps():
+    """Two of four gone at once is no majority: the survivors cannot tell it from a partition,
+    so neither takes over; both stop stepping (no quorum) instead of training as a second run."""
+    topo = mesh(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        await asyncio.gather(nodes[0].close(), nodes[1].close())
+        await until(lambda: not nodes[2].client.has_quorum and not nodes[3].client.has_quorum, 15,
+                    "nodes 2 and 3 to lose the quorum")
+        await asyncio.sleep(3 * BOUND_S)
+        for i in (2, 3):
+            c = nodes[i].client
+            assert not c.has_quorum and c.fenced is None
+            assert c.view is not None and c.view.members == (0, 1, 2, 3) and c.view.term == 0
+            assert nodes[i].host.service is None  # nobody took over
+        with pytest.raises(NoQuorum):
+            await nodes[2].client.wait_quorum(0.5)
 
 
 async def test_call_coordinator_retries_at_the_new_coordinator():
