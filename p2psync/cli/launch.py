@@ -7,7 +7,15 @@ variables of ``p2psync.api.env`` added to its environment). Either way a node's 
 there is one (a script's ``Session`` writes it; '-' until then). Every node runs in a process
 group of its own; SIGINT/SIGTERM stop every node (SIGTERM to the group, SIGKILL after a grace
 period), and nodes die with the launcher (``PR_SET_PDEATHSIG``). A node that fails is reported
-with the last line of its log; nodes still running a while after a failure are stopped.
+with the last line of its log.
+
+The launcher follows the run, not a timer. A node that was *fenced* (removed from the run while
+it paused, or on the minority side of a partition; it exits with ``EXIT_FENCED`` or leaves a
+``node-I.fenced`` marker) is started again with ``--on-failure continue``, up to
+``MAX_RESTARTS`` times, and rejoins with the majority's state. After a failure the others run
+on as long as some node makes progress (a new metrics record); only a run where nothing moved
+for :func:`hang_bound` seconds is stopped. The exit status is 0 only when every node ended well
+and the run's coordinator wrote ``summary.json``.
 
 The built-in job's nodes are forked from the launcher once it has imported what they import
 (:mod:`p2psync.cli.fork_nodes`: torch's imports once instead of once per node); users' commands,
@@ -27,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
 from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import get_strategy
@@ -47,6 +55,20 @@ log = logging.getLogger("p2psync.cli")
 
 STOP_GRACE_S = 4.0
 POLL_S = 0.25
+#: times one node is started again after it was fenced
+MAX_RESTARTS = 3
+
+
+def hang_bound(cfg: RunConfig) -> float:
+    """Seconds without a new record from any node, after a failure, before the launcher stops
+    a run as hung: longer than a minority waits for a majority (``--quorum-timeout``) plus a
+    peer wait, so it never stops a run that the nodes themselves would still recover."""
+    return cfg.quorum_timeout + cfg.peer_timeout + cfg.failure_timeout + 15
+
+
+def fenced_marker(run_dir: Path, node: int) -> Path:
+    """Where a fenced node's session leaves its reason (read, then removed, by the launcher)."""
+    return run_dir / f"node-{node}.fenced"
 
 
 def default_threads(local_nodes: int) -> int:
@@ -201,7 +223,13 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
     except KeyboardInterrupt:  # Ctrl+C while importing torch: no node started yet
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return _run_nodes(child, topo, Path(cfg.out) / run_id, lambda i: ([*base, "--node", str(i)], None), fork)
+    run_dir = Path(cfg.out) / run_id
+    code = _run_nodes(child, topo, run_dir, lambda i: ([*base, "--node", str(i)], None), fork)
+    if code == 0 and not (run_dir / "summary.json").exists():
+        print(f"every node ended but no coordinator holding a majority of the run wrote "
+              f"{run_dir / 'summary.json'}: the run did not end as one", file=sys.stderr)
+        return EXIT_FAILED
+    return code
 
 
 def _forks(cfg: RunConfig) -> bool:
@@ -298,37 +326,59 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: dict[int, NodeProcess] = {}
     groups: set[int] = set()  # process groups of the nodes (each node leads its own) that exist
-    logs = []
+    logs: dict[int, Any] = {}
     t0 = time.monotonic()
+
+    def start(i: int) -> NodeProcess:
+        """Start node ``i`` (again, after a fence: its log goes on)."""
+        argv, env = spec(i)
+        old_log = logs.pop(i, None)
+        if old_log is not None:
+            old_log.close()
+        log_f = logs[i] = (run_dir / f"node-{i}.log").open("ab" if old_log is not None else "wb")
+        prefix = netns.exec_prefix(i) if netns is not None else []
+        proc: NodeProcess
+        try:
+            # the launcher said it already if the cluster is unauthenticated: not every node again
+            env = {**(os.environ if env is None else env), **warned_env()}
+            if fork is not None:  # other nodes' logs: not held by this one
+                proc = fork_node(fork(i), env, log_f.fileno(), [f.fileno() for n, f in logs.items() if n != i],
+                                 f"p2psync-node{i}")
+            else:
+                proc = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+        except OSError as exc:
+            raise ConfigError(f"node {i}: cannot start {argv[0]!r}: {exc.strerror}") from None
+        groups.add(proc.pid)
+        return proc
+
     try:
         for i in topo.ids:
-            argv, env = spec(i)
-            log_f = (run_dir / f"node-{i}.log").open("wb")
-            logs.append(log_f)
-            prefix = netns.exec_prefix(i) if netns is not None else []
-            try:
-                # the launcher said it already if the cluster is unauthenticated: not every node again
-                env = {**(os.environ if env is None else env), **warned_env()}
-                if fork is not None:  # other nodes' logs: not held by this one
-                    procs[i] = fork_node(fork(i), env, log_f.fileno(), [f.fileno() for f in logs[:-1]],
-                                         f"p2psync-node{i}")
-                else:
-                    procs[i] = subprocess.Popen([*prefix, *argv], env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
-            except OSError as exc:
-                raise ConfigError(f"node {i}: cannot start {argv[0]!r}: {exc.strerror}") from None
-            groups.add(procs[i].pid)
-        return _monitor(cfg, run_dir, procs, groups, stop, t0)
+            procs[i] = start(i)
+        return _monitor(cfg, run_dir, procs, groups, stop, t0, start)
     finally:
         _stop_all(procs, groups)
-        for f in logs:
+        for f in logs.values():
             f.close()
         for s, h in old.items():
             signal.signal(s, h)
 
 
+def _fenced(run_dir: Path, node: int, code: int | None) -> str | None:
+    """Why node ``node`` was fenced (its marker, which is removed), or None when it was not."""
+    marker = fenced_marker(run_dir, node)
+    try:
+        why = marker.read_text(errors="replace").strip()
+        marker.unlink()
+    except OSError:
+        why = None
+    if why is None and code == EXIT_FENCED:
+        why = "fenced"
+    return why if code not in (None, 0) else None
+
+
 def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], groups: set[int],
-             stop: dict[str, Any], t0: float) -> int:
+             stop: dict[str, Any], t0: float, start: Callable[[int], NodeProcess] | None = None) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
     unit = get_strategy(cfg.strategy).step_unit
     codes: dict[int, int | None] = {i: None for i in procs}
@@ -340,17 +390,31 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
         live.start()
     last_print = time.monotonic()
     first_failure: tuple[float, int] | None = None
-    patience = cfg.failure_timeout + cfg.peer_timeout + 15
+    patience = hang_bound(cfg)
+    restarts: dict[int, int] = {}
+    progress = time.monotonic()  # the last time any node wrote a record
     try:
         while True:
-            for i, p in procs.items():
+            for i, p in list(procs.items()):
                 if codes[i] is None:
                     codes[i] = p.poll()
+                    why = _fenced(run_dir, i, codes[i])
+                    if why is not None and start is not None and cfg.on_failure == "continue" \
+                            and restarts.get(i, 0) < MAX_RESTARTS and stop["signal"] is None:
+                        restarts[i] = restarts.get(i, 0) + 1
+                        print(f"node {i} was removed from the run ({why[:200]}); starting it again "
+                              f"({restarts[i]}/{MAX_RESTARTS}): it rejoins with the majority's state",
+                              file=sys.stderr, flush=True)
+                        procs[i], codes[i] = start(i), None
+                        continue
                     if codes[i] not in (None, 0) and first_failure is None:
                         first_failure = (time.monotonic(), i)
             _prune(groups)
             for tail in tails.values():
+                before = tail.pos
                 tail.poll()
+                if tail.pos != before:
+                    progress = time.monotonic()
             if live is not None:
                 live.update(_progress_table(tails, codes, run_dir.name, unit))
             elif cfg.progress and time.monotonic() - last_print > 5:
@@ -360,9 +424,9 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
                 break
             if all(c is not None for c in codes.values()):
                 break
-            if first_failure is not None and time.monotonic() - first_failure[0] > patience:
-                print(f"nodes still running {patience:.0f}s after node {first_failure[1]} failed: stopping them",
-                      file=sys.stderr)
+            if first_failure is not None and time.monotonic() - max(first_failure[0], progress) > patience:
+                print(f"no node made progress for {patience:.0f}s after node {first_failure[1]} failed: the run "
+                      f"hangs, stopping it", file=sys.stderr)
                 break
             time.sleep(POLL_S)
     finally:
@@ -379,7 +443,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
     failed = {i: procs[i].returncode for i in procs if procs[i].returncode != 0}
     for i, code in sorted(failed.items()):
         if i in stopped:
-            print(f"node {i} stopped by the launcher (it was still running after a failure)", file=sys.stderr)
+            print(f"node {i} stopped by the launcher (the run hung after a failure)", file=sys.stderr)
         else:
             log_path = run_dir / f"node-{i}.log"
             print(f"node {i} failed (exit {code}): {_last_line(log_path) or f'no output ({log_path})'}",
