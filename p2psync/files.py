@@ -23,7 +23,7 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from p2psync.errors import ConfigError
 
@@ -48,16 +48,49 @@ def open_new(path: str | Path, mode: int) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
+class _Recorded:
+    """A file whose ``write`` remembers the first ``OSError`` it raised: ``torch.save`` turns a
+    failed write (a full disk) into a RuntimeError that names neither the file nor the reason."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], *, mode: int = 0o600) -> None:
     """Replace ``path`` with what ``write(file)`` writes, atomically (see the module docstring);
-    its folder is created if missing. Raises the ``OSError`` of a write that failed (the
-    previous file is then untouched and the temporary one removed)."""
+    its folder is created if missing. Raises the ``OSError`` of a write that failed, even when
+    ``write`` turned it into another exception (``torch.save`` does); the previous file is then
+    untouched and the temporary one removed."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
     try:
         with open_new(tmp, mode) as f:
-            write(f)
+            rec = _Recorded(f)
+            try:
+                write(rec)  # type: ignore[arg-type]  # a BinaryIO in all that writers use
+            except Exception:
+                if rec.error is not None:
+                    raise rec.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,7 +35,7 @@ import torch
 
 from p2psync.compress import ErrorFeedback
 from p2psync.errors import ConfigError, translate
-from p2psync.files import open_new
+from p2psync.files import write_atomic
 
 FORMAT = 1
 CHECKPOINT = "checkpoint.pt"
@@ -48,20 +47,10 @@ def node_checkpoint(run_dir: str | Path, node: int) -> Path:
 
 
 def save_atomic(path: str | Path, state: Mapping[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync folder)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    with open_new(tmp, 0o600) as f:
-        torch.save(dict(state), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    fd = os.open(p.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync folder:
+    :func:`p2psync.files.write_atomic`). A write that fails raises its ``OSError`` (a full disk,
+    a read-only folder) and leaves the previous checkpoint as it was."""
+    write_atomic(path, lambda f: torch.save(dict(state), f), mode=0o600)
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -242,12 +242,19 @@ class Session(SessionState):
 
     def _write_pending_checkpoint(self) -> None:
         """Write the checkpoint taken at the last step, completed with the user's training
-        state as it is now (the start of the next step; training thread)."""
+        state as it is now (the start of the next step; training thread). A disk error is
+        said once per node and counted (``write_failures`` in the node's stats), never fatal:
+        the previous checkpoint stays as it was (the write is atomic)."""
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         if pending is None or self.replica is None:
             return
         path, snap = pending
-        checkpoint.save_atomic(path, {**snap, "user_state": self.replica.user_state.capture()})
+        try:
+            checkpoint.save_atomic(path, {**snap, "user_state": self.replica.user_state.capture()})
+        except OSError as exc:  # a full disk, a read-only folder: the run goes on without it
+            if self.runtime is None:
+                raise
+            self.runtime.write_failures.failed("checkpoint", path, exc, "the previous checkpoint (if any) is kept")
 
     def log(self, **values: Any) -> None:
         """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``
@@ -355,7 +362,7 @@ class Session(SessionState):
             rt.membership.view_listeners.append(self._on_view)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)
-            self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
+            self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl", failures=rt.write_failures)
             self._driver = asyncio.get_running_loop().create_task(self._drive(), name="p2psync-driver")
         except BaseException:
             await rt.close()

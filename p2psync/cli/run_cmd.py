@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -300,8 +301,9 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
     acc = stats.get("final_accuracy")
-    print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
-          + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr)
+    with contextlib.suppress(OSError):  # the node's log on a full disk: the node did finish
+        print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
+              + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr, flush=True)
     return 0
 
 

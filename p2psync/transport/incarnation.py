@@ -71,7 +71,8 @@ def next_incarnation(folder: str | Path | None, *, clock: Callable[[], int] | No
     try:
         write_atomic(path, lambda f: f.write(f"{value}\n".encode()), mode=0o644)
     except OSError as exc:
-        consequence = "a restart of this node with its clock stepped back would not be told from this process"
+        consequence = ("this process's incarnation is not recorded (a later restart of this node with its clock "
+                       "stepped back would be refused by its peers)")
         if failures is not None:
             failures.failed("incarnation record", path, exc, consequence)
         else:

@@ -23,6 +23,7 @@ topology's, and a key folder that is group- or world-writable or another user's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -233,8 +234,9 @@ def warn_unauthenticated(topo_path: str) -> None:
         _warned_unauthenticated = True
         if os.environ.get(ENV_WARNED) == "1":
             return
-        print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
-              "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a node's log on a full disk: the run goes on
+            print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
+                  "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
 
 
 def warned_env() -> dict[str, str]:

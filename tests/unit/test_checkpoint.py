@@ -116,3 +116,84 @@ def test_a_cpu_model_captures_no_cuda_generator() -> None:
     st = _state(1)
     # on a GPU machine another test in this worker may have initialised CUDA already
     assert "cuda" not in st["rng"] and torch.cuda.is_initialized() == before  # type: ignore[no-untyped-call]
+
+
+def _big_state(step: int) -> dict:
+    return {**_state(step), "blob": torch.zeros(15_000)}  # ~60 KiB: two do not fit in 100 KiB
+
+
+def test_a_full_disk_raises_its_os_error_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """torch.save reports a failed write as a RuntimeError naming neither file nor reason; the
+    checkpoint writer raises the disk's own error, removes its temporary file and leaves the
+    previous checkpoint loadable."""
+    import errno
+
+    from tests.helpers import tiny_filesystem
+
+    with tiny_filesystem(tmp_path / "disk", 100) as disk:
+        path = checkpoint.node_checkpoint(disk, 0)
+        checkpoint.save_atomic(path, _big_state(1))
+        with pytest.raises(OSError) as ei:
+            checkpoint.save_atomic(path, _big_state(2))
+        assert ei.value.errno == errno.ENOSPC
+        assert checkpoint.load(path)["step"] == 1
+        assert os.listdir(path.parent) == ["checkpoint.pt"]
+
+
+def test_a_read_only_folder_raises_its_os_error(tmp_path: Path) -> None:
+    from tests.helpers import read_only_folder
+
+    with read_only_folder(tmp_path / "ro") as ro:
+        with pytest.raises(OSError):
+            checkpoint.save_atomic(ro / "checkpoint.pt", _state(1))
+
+
+def test_write_failures_are_said_once_per_kind_with_path_and_reason(caplog) -> None:
+    import errno
+    import logging
+
+    from p2psync.files import WriteFailures
+
+    wf = WriteFailures("node 2")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with caplog.at_level(logging.WARNING, "p2psync.files"):
+        for _ in range(5):
+            with wf.guard("checkpoint", "/runs/r/node-2/checkpoint.pt", "the previous checkpoint is kept"):
+                raise full
+        wf.failed("metrics record", "/runs/r/node-2.jsonl", OSError(errno.EROFS, os.strerror(errno.EROFS)))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("node 2: cannot write the checkpoint /runs/r/node-2/checkpoint.pt: No space left "
+                               "on device (ENOSPC); the previous checkpoint is kept; the run goes on")
+    assert "Read-only file system (EROFS)" in lines[1]
+    assert wf.as_dict() == {"checkpoint": 5, "metrics record": 1}
+
+
+def test_metrics_records_on_a_disk_that_fails_are_counted_not_raised(tmp_path: Path) -> None:
+    from p2psync.files import WriteFailures
+    from p2psync.training.metrics import MetricsWriter
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    wf = WriteFailures("node 0")
+    w = MetricsWriter(blocked / "node-0.jsonl", failures=wf)  # its folder cannot exist
+    w.write({"step": 1}, flush=True)
+    w.close()
+    assert wf.as_dict() == {"metrics record": 2}
+    with pytest.raises(OSError):  # without WriteFailures: raised, as before
+        MetricsWriter(blocked / "node-0.jsonl")
+
+
+def test_metrics_records_on_a_full_disk_are_counted_not_raised(tmp_path: Path) -> None:
+    from p2psync.files import WriteFailures
+    from p2psync.training.metrics import MetricsWriter, read_jsonl
+    from tests.helpers import tiny_filesystem
+
+    with tiny_filesystem(tmp_path / "disk", 16) as disk:
+        wf = WriteFailures("node 0")
+        w = MetricsWriter(disk / "node-0.jsonl", failures=wf)
+        for k in range(400):
+            w.write({"step": k, "pad": "x" * 100}, flush=True)
+        w.close()
+        assert wf.counts["metrics record"] > 100
+        assert 50 < len(read_jsonl(disk / "node-0.jsonl")) < 400
