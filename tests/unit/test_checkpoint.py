@@ -197,3 +197,91 @@ def test_metrics_records_on_a_full_disk_are_counted_not_raised(tmp_path: Path) -
         w.close()
         assert wf.counts["metrics record"] > 100
         assert 50 < len(read_jsonl(disk / "node-0.jsonl")) < 400
+
+
+def _momentum_state(step: int) -> dict:
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return checkpoint.snapshot(p2psync={"step": step, "samples": 0, "strategy": "ssgd", "run_id": "r", "node": 1,
+                                        "strategy_state": {}, "feedback": {"ef": {}, "sparse": {}}},
+                               model=model, optimizer=opt, extra={})
+
+
+def _break(st: dict, how: str) -> None:
+    if how == "momentum":
+        st["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(3, 5)
+    elif how == "momentum-dtype":
+        st["optimizer"]["state"][1]["momentum_buffer"] = torch.zeros(3, dtype=torch.float64)
+    elif how == "param-size":
+        st["model"]["0.weight"] = torch.zeros(3, 5)
+    elif how == "param-dtype":
+        st["model"]["0.bias"] = st["model"]["0.bias"].double()
+    elif how == "missing-key":
+        del st["model"]["1.running_var"]
+    elif how == "extra-key":
+        st["model"]["2.weight"] = torch.zeros(1)
+    elif how == "no-model":
+        del st["model"]
+    elif how == "no-optimizer":
+        del st["optimizer"]
+    elif how == "groups":
+        st["optimizer"]["param_groups"].append(dict(st["optimizer"]["param_groups"][0]))
+    elif how == "residual":
+        st["feedback"]["ef"]['["ssgd", 0]'] = torch.zeros(4, dtype=torch.float64)
+    elif how == "rng":
+        st["rng"]["numpy"] = "nope"
+
+
+@pytest.mark.parametrize("how,field", [
+    ("momentum", "optimizer.state[0].momentum_buffer"),
+    ("momentum-dtype", "optimizer.state[1].momentum_buffer"),
+    ("param-size", "model.0.weight"),
+    ("param-dtype", "model.0.bias"),
+    ("missing-key", "model.1.running_var"),
+    ("extra-key", "model.2.weight"),
+    ("no-model", "model"),
+    ("no-optimizer", "optimizer"),
+    ("groups", "optimizer.param_groups"),
+    ("residual", "feedback.ef['[\"ssgd\", 0]']"),
+    ("rng", "malformed RNG state"),
+])
+def test_a_checkpoint_that_does_not_fit_is_refused_at_attach_naming_file_and_field(
+        tmp_path: Path, how: str, field: str) -> None:
+    """A crafted checkpoint (a momentum buffer of another shape, a parameter of another size or
+    dtype, a missing key, ...) is a ConfigError naming the file and the field when the node
+    attaches with --resume, never a RuntimeError at the first step (a momentum buffer of
+    another shape used to load without a word and fail in optimizer.step())."""
+    from p2psync.api.session import Session
+    from p2psync.topology import mesh, save
+
+    st = _momentum_state(3)
+    _break(st, how)
+    run = tmp_path / "r"
+    path = checkpoint.node_checkpoint(run, 1)
+    checkpoint.save_atomic(path, st)
+    topo = tmp_path / "mesh2.json"
+    save(mesh(2), topo)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    with pytest.raises(ConfigError) as ei:
+        with Session(str(topo), 1, "ssgd", out=str(tmp_path), run_id="r", resume=str(run), steps=20) as s:
+            s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert str(ei.value).startswith(f"{path}: ") and field in str(ei.value), str(ei.value)
+    if how != "rng":
+        assert ei.value.field == field
+
+
+def test_a_checkpoint_that_fits_passes_the_checks() -> None:
+    st = _momentum_state(3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    checkpoint.restore_local(st, model, opt, source="x.pt")
+    torch.testing.assert_close(model.state_dict()["0.weight"], st["model"]["0.weight"])
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    adam.step()  # Adam's 0-dimensional step counts pass, its moments have their parameters' shapes
+    checkpoint.check_fits({**st, "optimizer": adam.state_dict()}, model, adam, source="x.pt")
