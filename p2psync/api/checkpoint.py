@@ -19,7 +19,15 @@ Atomic: :func:`save_atomic` writes a temporary file in the same folder, flushes 
 renames it over the checkpoint (``os.replace``, atomic on POSIX) and fsyncs the folder. A
 process killed at any moment leaves either the previous checkpoint or the new one, never a
 torn file; a stale temporary file is removed by the next save, which creates its own
-exclusively (``O_EXCL | O_NOFOLLOW``: never through a link planted in the folder).
+exclusively (``O_EXCL | O_NOFOLLOW``: never through a link planted in the folder). A write that
+fails (a full disk, a read-only folder) raises the disk's ``OSError`` and leaves the previous
+checkpoint as it was; the session logs it once and trains on (:class:`p2psync.files.WriteFailures`).
+
+Checked before anything is restored (:func:`check_fits`): the tensors fit the model and the
+optimizer they are loaded into (keys, shapes, dtypes), so a checkpoint of another model is one
+ConfigError naming the file and the field, never a RuntimeError at the first step. ``--resume``
+also checks that a node's checkpoint is its own (its ``node`` field) and agrees with the other
+nodes on the step to continue at (:mod:`p2psync.api.start`).
 """
 
 from __future__ import annotations

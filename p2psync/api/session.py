@@ -18,8 +18,9 @@ its ``train_step`` takes the user's iterations through the replica
 Identical start (:mod:`p2psync.api.start`): after the rendezvous every member compares its
 trainable parameter count and whether (and at which step) it resumes with the others (a
 mismatch is a :class:`ConfigError` naming every node's values) and, on a fresh start, takes
-the coordinator's initial parameters. A node that joins a running run takes its state from a
-live peer instead.
+the coordinator's initial parameters; resuming, the members agree on the latest step every one
+of them can restore (under SSGD a node behind adopts the state of the node with the latest
+checkpoint). A node that joins a running run takes its state from a live peer instead.
 
 Divergence: a gradient holding NaN or infinity ends the run on this node with
 :class:`~p2psync.errors.Diverged` ("training diverged at step k on node i") before anything is

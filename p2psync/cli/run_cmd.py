@@ -150,7 +150,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "end of the run is always audited")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
-                        "topology and options; --steps/--epochs count the whole run, --time this part)")
+                        "topology and options; --steps/--epochs count the whole run, --time this part), at the "
+                        "latest step every node can restore (ssgd: the latest any node has; the others adopt it)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
