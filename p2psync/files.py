@@ -80,7 +80,10 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], *, mode:
     ``write`` turned it into another exception (``torch.save`` does); the previous file is then
     untouched and the temporary one removed."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # there, but not a folder: say that, not "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(p.parent)) from None
     tmp = p.with_name(f".{p.name}.tmp")
     try:
         with open_new(tmp, mode) as f:
@@ -103,6 +106,22 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], *, mode:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_or_warn(path: str | Path, text: str, *, what: str, failures: WriteFailures | None = None) -> bool:
+    """Write ``text`` to ``path`` atomically (:func:`write_atomic`, mode 0644); a file that
+    cannot be written (a read-only folder, a full disk) is logged with its path and reason
+    (through ``failures`` when given: once per ``what``) and False is returned: losing
+    ``what`` must not end the run."""
+    try:
+        write_atomic(path, lambda f: f.write(text.encode()), mode=0o644)
+        return True
+    except OSError as exc:
+        if failures is not None:
+            failures.failed(what, path, exc)
+        else:
+            log.warning("cannot write the %s %s: %s", what, path, reason(exc))
+        return False
 
 
 def reason(exc: BaseException) -> str:
@@ -147,4 +166,4 @@ class WriteFailures:
         return dict(sorted(self.counts.items()))
 
 
-__all__ = ["WriteFailures", "open_new", "reason", "write_atomic"]
+__all__ = ["WriteFailures", "open_new", "reason", "write_atomic", "write_text_or_warn"]

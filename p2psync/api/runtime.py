@@ -34,7 +34,7 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
-from p2psync.files import WriteFailures, write_atomic
+from p2psync.files import WriteFailures, write_text_or_warn
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
@@ -184,11 +184,9 @@ class NodeRuntime:
 
     def _write_config(self) -> None:
         """The run's ``config.json`` (best effort: a disk error is said once, the run goes on)."""
-        path = self.run_dir / "config.json"
         text = json.dumps({"run_id": self.run_id, "topology": self.topo.name, **self.cfg.record()}, indent=2,
                           default=str)
-        with self.write_failures.guard("run configuration", path):
-            write_atomic(path, lambda f: f.write(text.encode()), mode=0o644)
+        write_text_or_warn(self.run_dir / "config.json", text, what="run configuration", failures=self.write_failures)
 
     async def rendezvous(self) -> None:
         """Bind, find or host the run, register. Sets :attr:`run_id` and :attr:`run_dir`."""
@@ -274,10 +272,8 @@ class NodeRuntime:
                                 sorted(service.state.failed))
             summary["coordinator"] = self.node_id  # not the topology's when it took over
             summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
-            text = json.dumps(summary, indent=2)
-            path = self.run_dir / "summary.json"
-            with self.write_failures.guard("run summary", path):
-                write_atomic(path, lambda f: f.write(text.encode()), mode=0o644)
+            write_text_or_warn(self.run_dir / "summary.json", json.dumps(summary, indent=2), what="run summary",
+                               failures=self.write_failures)
 
     @staticmethod
     async def _close_strategy(strategy: Strategy) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from p2psync.errors import ConfigError, translate
+from p2psync.errors import ConfigError
 from p2psync.topology import load, save
 from p2psync.transport.keys import generate, with_public_keys, write_key_dir
 
@@ -36,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     keys = generate(topo)
     paths = write_key_dir(args.dir, keys, force=args.force)
     out = args.output or args.topology
-    with translate({OSError: lambda e: ConfigError(f"cannot write the keyed topology {out}: {e.strerror} (the key "
-                                                   f"files in {args.dir} are written; run again with --force)")}):
+    try:
         save(with_public_keys(topo, keys), out)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the key files in {args.dir} are written: run again with --force)") from None
     print(f"wrote {len(paths)} secret key files to {args.dir} (mode 0600; give each host only its own) "
           f"and the public keys to {out}", file=sys.stderr)
     return 0

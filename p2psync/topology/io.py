@@ -325,8 +325,10 @@ def load(path: str | Path) -> Topology:
 
 def save(topo: Topology, path: str | Path) -> None:
     """Write ``topo`` to ``path`` as JSON (:func:`dumps`); ``p2psync topo -o FILE`` and
-    ``p2psync keys`` use it."""
-    Path(path).write_text(dumps(topo))
+    ``p2psync keys`` use it. A file that cannot be written is a ConfigError naming it and why."""
+    p = Path(path)
+    with translate({OSError: lambda e: ConfigError(f"cannot write topology {p}: {e.strerror or e}")}):
+        p.write_text(dumps(topo))
 
 
 def loopback_address(index: int) -> str:

@@ -285,3 +285,18 @@ def test_a_checkpoint_that_fits_passes_the_checks() -> None:
     model(torch.randn(5, 4)).sum().backward()
     adam.step()  # Adam's 0-dimensional step counts pass, its moments have their parameters' shapes
     checkpoint.check_fits({**st, "optimizer": adam.state_dict()}, model, adam, source="x.pt")
+
+
+def test_write_text_or_warn_replaces_atomically_or_says_why(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from p2psync.files import WriteFailures, write_text_or_warn
+
+    path = tmp_path / "summary.json"
+    assert write_text_or_warn(path, "{}", what="run summary") and path.read_text() == "{}"
+    wf = WriteFailures("node 0")
+    with caplog.at_level(logging.WARNING, "p2psync.files"):
+        assert not write_text_or_warn(path / "x", "{}", what="run summary", failures=wf)
+        assert not write_text_or_warn(path / "y", "{}", what="run summary", failures=wf)
+    assert wf.as_dict() == {"run summary": 2} and len(caplog.records) == 1
+    assert f"cannot write the run summary {path / 'x'}: Not a directory (ENOTDIR)" in caplog.text

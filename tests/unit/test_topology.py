@@ -245,3 +245,11 @@ def test_a_ring_of_30000_nodes_loads_and_validates():
     with pytest.raises(ConfigError) as ei:
         topology_from_dict(d)
     assert ei.value.field == "nodes[29999].nics[1].port"
+
+
+def test_a_topology_file_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a folder below a regular file: never writable, even by root
+    assert main(["topo", "ring", "-n", "3", "-o", str(blocked / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write topology {blocked / 'r.json'}: Not a directory" in err and "Traceback" not in err
