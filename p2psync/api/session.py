@@ -183,9 +183,6 @@ class Session(SessionState):
         if self.cfg.resume is not None and self._loaded is None:  # --resume: this node's checkpoint
             self._load_own_checkpoint(self.cfg.resume, strategy_cls)
         if self._loaded is not None:
-            if self._resume_step + 1 > self.max_steps:
-                raise ConfigError(f"node {self.node_id}: the checkpoint is at step {self._resume_step}, the run's "
-                                  f"budget of {self.max_steps} steps is spent (raise --steps or --epochs)")
             checkpoint.restore_local(self._loaded, model, optimizer, source=self._loaded_from)
             self._restore_extras(self._loaded.get("extra", {}))
             samples = self._loaded.get("samples")
@@ -390,11 +387,11 @@ class Session(SessionState):
             if not rt.joined:
                 at = await identical_start(rt, self.replica, resuming=self._resuming or self._loaded is not None,
                                            resumed_at=self._resume_step if self._loaded is not None else None)
-                if at is not None and at != self._resume_step:  # this node adopted another's later state
+                if at is not None:  # every member agreed on this step: they all stop here alike
                     if at + 1 > self.max_steps:
                         raise ConfigError(f"node {self.node_id}: the run resumes at step {at}, its budget of "
                                           f"{self.max_steps} steps is spent (raise --steps or --epochs)")
-                    self._resume_step = at
+                    self._resume_step = at  # a node behind adopted the state of this later step
             rt.membership.view_listeners.append(self._on_view)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)

@@ -158,3 +158,12 @@ def test_state_dict_takes_the_event_loops_parts_on_the_event_loop(tmp_path: Path
         assert isinstance(out.get(i), dict), out.get(i)
         assert seen[i] == [f"p2psync-node-{i}"]
         assert out[i]["feedback"]["ef"] and out[i]["step"] == 2
+
+
+def test_a_resume_whose_latest_checkpoint_spent_the_budget_stops_every_node_alike(tmp_path: Path) -> None:
+    """Node 1's checkpoint is at the run's last step, node 0's behind: both stop at start with
+    the same error (node 0 used to wait for node 1, which had refused at attach alone)."""
+    out = _resume(tmp_path, "ssgd", {0: 4, 1: 10}, "sp")
+    for i in (0, 1):
+        assert isinstance(out.get(i), ConfigError), out
+        assert "resumes at step 10, its budget of 10 steps is spent" in str(out[i])
