@@ -145,7 +145,11 @@ async def _adopt(rt: NodeRuntime, replica: HookedReplica, members: Sequence[int]
     c, me, donor = rt.collectives, rt.node_id, plan.donor
     if donor is None:
         return
-    size = replica.state_size()
+    try:
+        size = replica.state_size()  # the same answer on every member: all go on, or all stop here
+    except ConfigError as exc:
+        raise ConfigError(f"node {me}: {plan.why}, but node {donor}'s state cannot be handed over: {exc}; resume "
+                          "from checkpoints of one step") from None
     vec = await replica.export_state() if me == donor else np.zeros(size, np.float32)
     state = await c.broadcast(vec, donor, members, tag="attach.resume.state")
     nbuf = replica.buffer_bytes
