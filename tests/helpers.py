@@ -417,3 +417,56 @@ def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),
             return w
         s.store.pull = pull
     return seen
+
+
+@contextlib.contextmanager
+def tiny_filesystem(folder: Any, size_kib: int, *, read_only: bool = False) -> Any:
+    """``folder`` (created) as a filesystem of its own of ``size_kib`` KiB, read-only with
+    ``read_only``: a tmpfs mounted there (root only), unmounted afterwards. A full disk and a
+    read-only folder as real as they get, including for root, whom file modes do not stop.
+    Skips the test where mounting is not possible."""
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a filesystem of its own needs root (mount -t tmpfs)")
+    opts = f"size={size_kib}k" + (",ro" if read_only else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def read_only_folder(folder: Any) -> Any:
+    """``folder`` (created) where nothing can be created or written: mode 0555 for a user whom
+    that stops, else (root) a read-only tmpfs mounted there (:func:`tiny_filesystem`); skips
+    the test where neither works."""
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        try:
+            probe = path / ".probe"
+            try:
+                probe.write_text("")
+            except PermissionError:
+                yield path
+                return
+            probe.unlink()
+            pytest.skip("mode 0555 does not stop this user's writes, and mounting needs root")
+        finally:
+            os.chmod(path, 0o755)
+    with tiny_filesystem(path, 16, read_only=True) as p:
+        yield p

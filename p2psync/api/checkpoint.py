@@ -19,14 +19,21 @@ Atomic: :func:`save_atomic` writes a temporary file in the same folder, flushes 
 renames it over the checkpoint (``os.replace``, atomic on POSIX) and fsyncs the folder. A
 process killed at any moment leaves either the previous checkpoint or the new one, never a
 torn file; a stale temporary file is removed by the next save, which creates its own
-exclusively (``O_EXCL | O_NOFOLLOW``: never through a link planted in the folder).
+exclusively (``O_EXCL | O_NOFOLLOW``: never through a link planted in the folder). A write that
+fails (a full disk, a read-only folder) raises the disk's ``OSError`` and leaves the previous
+checkpoint as it was; the session logs it once and trains on (:class:`p2psync.files.WriteFailures`).
+
+Checked before anything is restored (:func:`check_fits`): the tensors fit the model and the
+optimizer they are loaded into (keys, shapes, dtypes), so a checkpoint of another model is one
+ConfigError naming the file and the field, never a RuntimeError at the first step. ``--resume``
+also checks that a node's checkpoint is its own (its ``node`` field) and agrees with the other
+nodes on the step to continue at (:mod:`p2psync.api.start`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,7 +43,7 @@ import torch
 
 from p2psync.compress import ErrorFeedback
 from p2psync.errors import ConfigError, translate
-from p2psync.files import open_new
+from p2psync.files import write_atomic
 
 FORMAT = 1
 CHECKPOINT = "checkpoint.pt"
@@ -48,20 +55,10 @@ def node_checkpoint(run_dir: str | Path, node: int) -> Path:
 
 
 def save_atomic(path: str | Path, state: Mapping[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync folder)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    with open_new(tmp, 0o600) as f:
-        torch.save(dict(state), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    fd = os.open(p.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync folder:
+    :func:`p2psync.files.write_atomic`). A write that fails raises its ``OSError`` (a full disk,
+    a read-only folder) and leaves the previous checkpoint as it was."""
+    write_atomic(path, lambda f: torch.save(dict(state), f), mode=0o600)
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -165,18 +162,124 @@ def snapshot(*, p2psync: Mapping[str, Any], model: torch.nn.Module | None, optim
     return state
 
 
-def restore_local(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Put a checkpoint's model, optimizer and RNG states back (before training resumes)."""
+# -- does it fit this model? ------------------------------------------------------------------
+
+def _bad(source: str, field: str, what: str) -> ConfigError:
+    exc = ConfigError(f"{source}: {field}: {what}")
+    exc.field = field
+    return exc
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in t.shape) + ")"
+
+
+def check_fits(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+               source: str) -> None:
+    """Refuse, before anything is loaded, a state that does not fit ``model`` and ``optimizer``:
+    a ConfigError naming ``source`` (the file) and the field, where loading it would raise a
+    RuntimeError now or at the first step (a momentum buffer of another shape loads without a
+    word and fails in ``optimizer.step()``). Checked: ``model`` holds exactly the model's
+    ``state_dict()`` keys, each a tensor of the same shape and dtype; ``optimizer`` has as many
+    parameter groups of as many parameters, and its per-parameter tensors (of an elementwise
+    torch optimizer: SGD, Adam, ...) have their parameter's shape and dtype (a 0-dimensional one,
+    a step count, any real dtype); the error-feedback residuals are 1-dimensional float32."""
+    model_sd = state.get("model")
+    if not isinstance(model_sd, Mapping):
+        raise _bad(source, "model", "missing (not a checkpoint of an attached model)" if model_sd is None
+                   else f"is a {type(model_sd).__name__}, not a state dict")
+    own = model.state_dict()
+    for key, mine in own.items():
+        if key not in model_sd:
+            raise _bad(source, f"model.{key}", f"missing (this model has it: shape {_shape(mine)}, {mine.dtype})")
+        theirs = model_sd[key]
+        if not isinstance(theirs, torch.Tensor):
+            raise _bad(source, f"model.{key}", f"is a {type(theirs).__name__}, not a tensor")
+        if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            raise _bad(source, f"model.{key}", f"shape {_shape(theirs)} {theirs.dtype}; this model's is "
+                       f"{_shape(mine)} {mine.dtype} (a checkpoint of another model?)")
+    extra = sorted(set(model_sd) - set(own))
+    if extra:
+        raise _bad(source, f"model.{extra[0]}", "this model has no such parameter or buffer (a checkpoint of "
+                   "another model?)")
+    _check_optimizer(state.get("optimizer"), model, optimizer, source)
+    fb = state.get("feedback", {})
+    if not isinstance(fb, Mapping):
+        raise _bad(source, "feedback", f"is a {type(fb).__name__}, not a dict")
+    for family in ("ef", "sparse"):
+        residuals = fb.get(family, {})
+        if not isinstance(residuals, Mapping):
+            raise _bad(source, f"feedback.{family}", f"is a {type(residuals).__name__}, not a dict")
+        for k, v in residuals.items():
+            field = f"feedback.{family}[{str(k)[:60]!r}]"
+            try:
+                json.loads(k)
+            except (TypeError, ValueError):
+                raise _bad(source, field, "the key is not a residual's JSON key") from None
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype != torch.float32:
+                raise _bad(source, field, "a residual must be a 1-dimensional float32 tensor, not "
+                           + (f"{_shape(v)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__))
+
+
+def _check_optimizer(opt_sd: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str) -> None:
+    from p2psync.params.optim import elementwise
+
+    if not isinstance(opt_sd, Mapping):
+        raise _bad(source, "optimizer", "missing (not a checkpoint of an attached optimizer)" if opt_sd is None
+                   else f"is a {type(opt_sd).__name__}, not a state dict")
+    groups, saved_state = opt_sd.get("param_groups"), opt_sd.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise _bad(source, "optimizer.param_groups", "missing or malformed (a list of groups with their params)")
+    if not isinstance(saved_state, Mapping):
+        raise _bad(source, "optimizer.state", "missing or malformed (a dict per parameter)")
+    mine = optimizer.param_groups
+    if len(groups) != len(mine):
+        raise _bad(source, "optimizer.param_groups", f"{len(groups)} parameter group(s); this optimizer has "
+                   f"{len(mine)}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_id: dict[Any, tuple[torch.Tensor, str]] = {}
+    for g, (theirs, ours) in enumerate(zip(groups, mine)):
+        if len(theirs["params"]) != len(ours["params"]):
+            raise _bad(source, f"optimizer.param_groups[{g}].params", f"{len(theirs['params'])} parameters; this "
+                       f"optimizer's group {g} has {len(ours['params'])}")
+        for pid, p in zip(theirs["params"], ours["params"]):
+            by_id[pid] = (p, names.get(id(p), f"group {g} parameter"))
+    shaped = isinstance(optimizer, elementwise())  # every non-scalar state tensor is its parameter's shape
+    for pid, entries in saved_state.items():
+        if pid not in by_id:
+            raise _bad(source, f"optimizer.state[{pid!r}]", "state of a parameter that no parameter group lists")
+        if not isinstance(entries, Mapping):
+            raise _bad(source, f"optimizer.state[{pid!r}]", f"is a {type(entries).__name__}, not a dict")
+        p, name = by_id[pid]
+        for key, t in entries.items():
+            if not isinstance(t, torch.Tensor) or not shaped:
+                continue
+            field = f"optimizer.state[{pid!r}].{key}"
+            if t.dim() == 0:
+                if t.is_complex() or t.dtype == torch.bool:
+                    raise _bad(source, field, f"a scalar of dtype {t.dtype}: not a number")
+            elif t.shape != p.shape or t.dtype != p.dtype:
+                raise _bad(source, field, f"shape {_shape(t)} {t.dtype}; its parameter ({name}) is {_shape(p)} "
+                           f"{p.dtype} (a checkpoint of another model or optimizer?)")
+
+
+def restore_local(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                  source: str = "checkpoint") -> None:
+    """Put a checkpoint's model, optimizer and RNG states back (before training resumes),
+    after :func:`check_fits`; every error a ConfigError naming ``source``."""
+    check_fits(state, model, optimizer, source=source)
     try:
-        if "model" in state:
-            model.load_state_dict(state["model"])
-        if "optimizer" in state:
-            optimizer.load_state_dict(state["optimizer"])
-    except (KeyError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"checkpoint: does not fit this model or optimizer ({type(exc).__name__}: "
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}: does not fit this model or optimizer ({type(exc).__name__}: "
                           f"{str(exc)[:300]})") from None
     if "rng" in state:
-        restore_rng(state["rng"], model_device(model))
+        try:
+            restore_rng(state["rng"], model_device(model))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
 
 
 def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> None:
@@ -186,6 +289,6 @@ def restore_feedback(state: Mapping[str, Any], feedback: tuple[ErrorFeedback | N
         load_feedback(feedback[1], fb.get("sparse", {}))
 
 
-__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "feedback_state", "feedback_states", "load", "load_feedback",
+__all__ = ["CHECKPOINT", "FORMAT", "capture_rng", "check_fits", "feedback_state", "feedback_states", "load", "load_feedback",
            "node_checkpoint",
            "restore_feedback", "restore_local", "restore_rng", "save_atomic", "snapshot"]

@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
+from p2psync.files import reason
 from p2psync.topology import Topology, load
 from p2psync.transport.shm import same_host
 from p2psync.training.config import RunConfig
@@ -69,7 +70,8 @@ class NodeEnv:
 def node_run_dir(out: str | Path, run_id: str, node_id: int) -> Path:
     """``<out>/<run_id>/node-<id>/`` as an absolute path, created."""
     path = (Path(out) / run_id / f"node-{node_id}").absolute()
-    path.mkdir(parents=True, exist_ok=True)
+    with translate({OSError: lambda e: ConfigError(f"cannot create node {node_id}'s folder {path}: {reason(e)}")}):
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -34,12 +34,13 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import P2PSyncError, ProtocolError
-from p2psync.files import write_text_or_warn
+from p2psync.files import WriteFailures, write_text_or_warn
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.topology.paths import hop_distances
 from p2psync.transport import SocketOptions, ZmqEndpoint
+from p2psync.transport.incarnation import next_incarnation
 from p2psync.transport.keys import node_keys
 from p2psync.wire.schema import valid_run_id
 from p2psync.transport.shaping import load_wan_profile, make_shaper
@@ -143,6 +144,13 @@ class NodeRuntime:
                                      shaper=make_shaper(cfg.shaper, topo, node_id, wan=cfg.wan, seed=cfg.seed,
                                                         nic_mbps=cfg.nic_mbps))
         self.transport.run_id = wire_run_id(topo, cfg.run_id)
+        #: this node's writes it can do without (records, checkpoints): a disk error is said
+        #: once per kind and counted, never fatal (p2psync/files.py)
+        self.write_failures = WriteFailures(f"node {node_id}")
+        # larger than every earlier process of this node in this run's folder took, whatever
+        # the clock did (a run without --run-id has no folder before the rendezvous: the clock)
+        self.transport.incarnation = next_incarnation(
+            Path(cfg.out) / cfg.run_id / f"node-{node_id}" if cfg.run_id else None, failures=self.write_failures)
         self.server = RpcServer(self.transport)
         self.rpc = RpcClient(self.transport, local=self.server)
         self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
@@ -175,8 +183,10 @@ class NodeRuntime:
         return bool(self.info.get("joined"))
 
     def _write_config(self) -> None:
-        (self.run_dir / "config.json").write_text(json.dumps(
-            {"run_id": self.run_id, "topology": self.topo.name, **self.cfg.record()}, indent=2, default=str))
+        """The run's ``config.json`` (best effort: a disk error is said once, the run goes on)."""
+        text = json.dumps({"run_id": self.run_id, "topology": self.topo.name, **self.cfg.record()}, indent=2,
+                          default=str)
+        write_text_or_warn(self.run_dir / "config.json", text, what="run configuration", failures=self.write_failures)
 
     async def rendezvous(self) -> None:
         """Bind, find or host the run, register. Sets :attr:`run_id` and :attr:`run_dir`."""
@@ -191,7 +201,9 @@ class NodeRuntime:
         self.run_id = self.cfg.run_id or checked_run_id(self.info.get("run_id"), self.membership.coordinator)
         self.host.run_info["run_id"] = self.run_id  # a node that takes over answers with the run's id
         self.run_dir = Path(self.cfg.out) / self.run_id
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.write_failures.guard("run folder", self.run_dir, "no records, checkpoints or summary from "
+                                       "this node"):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.host.coordinating:
             self._write_config()
         self.membership.start()
@@ -236,6 +248,7 @@ class NodeRuntime:
         """The finish barrier (``depart``: this node leaves the view, the others re-form
         without it); the node coordinating then writes ``summary.json``."""
         stats["rejected"] = dict(self.transport.rejected)
+        stats["write_failures"] = self.write_failures.as_dict()
         stats["shm_frames"] = self.transport.shm_frames
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
         await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
@@ -266,7 +279,8 @@ class NodeRuntime:
             summary["term"] = service.state.term
             summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
             summary["rejoined"] = {str(n): k for n, k in sorted(service.state.rejoined.items())}
-            write_text_or_warn(self.run_dir / "summary.json", json.dumps(summary, indent=2), what="run summary")
+            write_text_or_warn(self.run_dir / "summary.json", json.dumps(summary, indent=2), what="run summary",
+                               failures=self.write_failures)
 
     @staticmethod
     async def _close_strategy(strategy: Strategy) -> None:

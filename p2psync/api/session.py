@@ -18,8 +18,9 @@ its ``train_step`` takes the user's iterations through the replica
 Identical start (:mod:`p2psync.api.start`): after the rendezvous every member compares its
 trainable parameter count and whether (and at which step) it resumes with the others (a
 mismatch is a :class:`ConfigError` naming every node's values) and, on a fresh start, takes
-the coordinator's initial parameters. A node that joins a running run takes its state from a
-live peer instead.
+the coordinator's initial parameters; resuming, the members agree on the latest step every one
+of them can restore (under SSGD a node behind adopts the state of the node with the latest
+checkpoint). A node that joins a running run takes its state from a live peer instead.
 
 Divergence: a gradient holding NaN or infinity ends the run on this node with
 :class:`~p2psync.errors.Diverged` ("training diverged at step k on node i") before anything is
@@ -137,8 +138,12 @@ class Session(SessionState):
         self._resume_step = 0
         self._strategy_state: dict[str, Any] = {}
         self._ended_by_loop = False
-        #: a checkpoint loaded before attach (load_state_dict, or --resume), applied by attach
+        #: a checkpoint loaded before attach (load_state_dict, or --resume), applied by attach,
+        #: and where it came from (its file), for errors
         self._loaded: dict[str, Any] | None = None
+        self._loaded_from = "the state given to Session.load_state_dict"
+        #: --resume was asked for (this node may have no checkpoint of its own)
+        self._resuming = False
         #: name -> (get, set) of script state that checkpoints carry (register_state)
         self._extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         #: replica audits: passed, not completed, and the step of the last one passed
@@ -177,12 +182,9 @@ class Session(SessionState):
         strategy_cls = get_strategy(self.cfg.strategy)  # what it needs of the optimizer, before joining
         check(strategy_cls.name, strategy_cls.needs, OptimizerInfo.of(optimizer))
         if self.cfg.resume is not None and self._loaded is None:  # --resume: this node's checkpoint
-            self.load_state_dict(checkpoint.load(checkpoint.node_checkpoint(self.cfg.resume, self.node_id)))
+            self._load_own_checkpoint(self.cfg.resume, strategy_cls)
         if self._loaded is not None:
-            if self._resume_step + 1 > self.max_steps:
-                raise ConfigError(f"node {self.node_id}: the checkpoint is at step {self._resume_step}, the run's "
-                                  f"budget of {self.max_steps} steps is spent (raise --steps or --epochs)")
-            checkpoint.restore_local(self._loaded, model, optimizer)
+            checkpoint.restore_local(self._loaded, model, optimizer, source=self._loaded_from)
             self._restore_extras(self._loaded.get("extra", {}))
             samples = self._loaded.get("samples")
             self.gate.samples = samples if type(samples) is int and samples >= 0 else 0
@@ -209,6 +211,31 @@ class Session(SessionState):
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer._p2psync_session = self  # type: ignore[attr-defined]
         return optimizer
+
+    def _load_own_checkpoint(self, run_dir: str, strategy_cls: type[Strategy]) -> None:
+        """``--resume RUN_DIR``: this node's own checkpoint, which must be its own (its ``node``
+        field). Without one, a node of a strategy whose replicas are identical after every step
+        starts anyway and takes the state of the node with the latest checkpoint
+        (:mod:`p2psync.api.start`); under any other strategy that is a ConfigError."""
+        path = checkpoint.node_checkpoint(run_dir, self.node_id)
+        identical = strategy_cls.identical_replicas == "every_step"
+        self._resuming = True
+        if not path.exists() and identical:
+            log.warning("node %d: --resume %s: no checkpoint of this node (%s): it takes the state of the node with "
+                        "the latest one", self.node_id, run_dir, path)
+            return
+        state = checkpoint.load(path)
+        owner = state.get("node")
+        if type(owner) is not int:
+            raise ConfigError(f"{path}: the checkpoint does not say which node wrote it (node {owner!r})")
+        if owner != self.node_id:
+            hint = (f"; with --strategy {strategy_cls.name} remove it: a node without a checkpoint takes the state "
+                    "of the node whose checkpoint is the latest" if identical else
+                    f"; --strategy {strategy_cls.name} keeps a different replica on each node")
+            raise ConfigError(f"{path}: this is node {owner}'s checkpoint, not node {self.node_id}'s (copied from "
+                              f"node {owner}'s folder?): a node resumes from its own checkpoint only{hint}")
+        self.load_state_dict(state)
+        self._loaded_from = str(path)
 
     def _on_step(self, own_step: Callable[..., Any], closure: Callable[[], Any] | None) -> Any:
         loss = None
@@ -243,12 +270,19 @@ class Session(SessionState):
 
     def _write_pending_checkpoint(self) -> None:
         """Write the checkpoint taken at the last step, completed with the user's training
-        state as it is now (the start of the next step; training thread)."""
+        state as it is now (the start of the next step; training thread). A disk error is
+        said once per node and counted (``write_failures`` in the node's stats), never fatal:
+        the previous checkpoint stays as it was (the write is atomic)."""
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         if pending is None or self.replica is None:
             return
         path, snap = pending
-        checkpoint.save_atomic(path, {**snap, "user_state": self.replica.user_state.capture()})
+        try:
+            checkpoint.save_atomic(path, {**snap, "user_state": self.replica.user_state.capture()})
+        except OSError as exc:  # a full disk, a read-only folder: the run goes on without it
+            if self.runtime is None:
+                raise
+            self.runtime.write_failures.failed("checkpoint", path, exc, "the previous checkpoint (if any) is kept")
 
     def log(self, **values: Any) -> None:
         """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``
@@ -360,12 +394,18 @@ class Session(SessionState):
             if self._loaded is not None:
                 checkpoint.restore_feedback(self._loaded, (rt.collectives.feedback, rt.collectives.sparse_feedback))
             if not rt.joined:
-                await identical_start(rt, self.replica, resumed_at=self._resume_step if self._loaded is not None else None)
+                at = await identical_start(rt, self.replica, resuming=self._resuming or self._loaded is not None,
+                                           resumed_at=self._resume_step if self._loaded is not None else None)
+                if at is not None:  # every member agreed on this step: they all stop here alike
+                    if at + 1 > self.max_steps:
+                        raise ConfigError(f"node {self.node_id}: the run resumes at step {at}, its budget of "
+                                          f"{self.max_steps} steps is spent (raise --steps or --epochs)")
+                    self._resume_step = at  # a node behind adopted the state of this later step
             rt.membership.view_listeners.append(self._on_view)
             rt.membership.fence_listeners.append(self._on_fenced)
             if rt.strategy_cls.grad_ready:  # hooked before the user's first backward
                 await self.replica.enable_grad_ready(self._on_grad_ready)
-            self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl")
+            self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl", failures=rt.write_failures)
             self._driver = asyncio.get_running_loop().create_task(self._drive(), name="p2psync-driver")
         except BaseException:
             await rt.close()

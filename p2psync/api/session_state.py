@@ -46,6 +46,7 @@ class SessionState:
     _resume_step: int
     _strategy_state: dict[str, Any]
     _loaded: dict[str, Any] | None
+    _loaded_from: str
     _extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -3,7 +3,9 @@
 Writes ``DIR/node-<id>.key`` (mode 0600: the node's secret key and its relay keys, see
 :mod:`p2psync.transport.keys`) and the public keys into TOPOLOGY (or ``-o FILE``). Give each
 host only its own nodes' key files; run with ``p2psync run TOPOLOGY --keys DIR`` (or
-``P2PSYNC_KEYS=DIR``).
+``P2PSYNC_KEYS=DIR``). The folder is created with mode 0700; an existing one that is group- or
+world-writable or another user's is refused, as runs refuse it
+(:func:`p2psync.transport.keys.check_key_dir`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from p2psync.errors import ConfigError
 from p2psync.topology import load, save
 from p2psync.transport.keys import generate, with_public_keys, write_key_dir
 
@@ -33,7 +36,10 @@ def run(args: argparse.Namespace) -> int:
     keys = generate(topo)
     paths = write_key_dir(args.dir, keys, force=args.force)
     out = args.output or args.topology
-    save(with_public_keys(topo, keys), out)
+    try:
+        save(with_public_keys(topo, keys), out)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the key files in {args.dir} are written: run again with --force)") from None
     print(f"wrote {len(paths)} secret key files to {args.dir} (mode 0600; give each host only its own) "
           f"and the public keys to {out}", file=sys.stderr)
     return 0

@@ -37,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
 from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
+from p2psync.files import reason
 from p2psync.strategies.base import get_strategy
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
@@ -317,7 +318,9 @@ def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fo
 
 def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec,
                        netns: Any) -> int:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with translate({OSError: lambda e: ConfigError(f"cannot create the run folder {run_dir} for the nodes' logs: "
+                                                   f"{reason(e)}")}):
+        run_dir.mkdir(parents=True, exist_ok=True)
     stop: dict[str, Any] = {"signal": None}
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -335,7 +338,9 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
         old_log = logs.pop(i, None)
         if old_log is not None:
             old_log.close()
-        log_f = logs[i] = (run_dir / f"node-{i}.log").open("ab" if old_log is not None else "wb")
+        log_path = run_dir / f"node-{i}.log"
+        with translate({OSError: lambda e: ConfigError(f"cannot write node {i}'s log {log_path}: {reason(e)}")}):
+            log_f = logs[i] = log_path.open("ab" if old_log is not None else "wb")
         prefix = netns.exec_prefix(i) if netns is not None else []
         proc: NodeProcess
         try:

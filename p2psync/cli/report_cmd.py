@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, translate
+from p2psync.files import reason
 from p2psync.training.metrics import bytes_sent, read_jsonl
 
 
@@ -145,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"## run {run_dir.name}\n")
     print(table(nodes, step_unit(run_dir)))
     out = Path(args.output) if args.output else run_dir / "report.png"
-    plot(nodes, out, run_dir.name)
+    with translate({OSError: lambda e: ConfigError(f"cannot write the plot {out}: {reason(e)} (-o FILE writes it "
+                                                   "elsewhere)")}):
+        plot(nodes, out, run_dir.name)
     print(f"\nplot: {out}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -152,7 +153,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "end of the run is always audited")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
-                        "topology and options; --steps/--epochs count the whole run, --time this part)")
+                        "topology and options; --steps/--epochs count the whole run, --time this part), at the "
+                        "latest step every node can restore (ssgd: the latest any node has; the others adopt it)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
@@ -307,8 +309,9 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
     acc = stats.get("final_accuracy")
-    print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
-          + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr)
+    with contextlib.suppress(OSError):  # the node's log on a full disk: the node did finish
+        print(f"node {node_id}: done: {stats.get('steps')} steps in {stats.get('wall_s')} s"
+              + (f", test accuracy {acc:.4f}" if acc is not None else ""), file=sys.stderr, flush=True)
     return 0
 
 

@@ -19,12 +19,14 @@ File format (version 1)::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import ipaddress
 import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Iterator, Mapping
 
 from p2psync.errors import ConfigError, translate
 from p2psync.topology.model import LinkAttrs, Network, Nic, Node, Topology
@@ -34,16 +36,28 @@ _TOP_KEYS = {"version", "name", "kind", "params", "coordinator", "networks", "no
              "default_link", "metadata"}
 _LINK_KEYS = {"latency_ms", "jitter_ms", "bandwidth_mbps", "loss"}
 #: a CurveZMQ key in Z85: 40 characters of the Z85 alphabet
+_NIC_KEYS = frozenset({"name", "address", "port", "network"})
+_NETWORK_KEYS = frozenset({"name", "level"})
+_NODE_KEYS = frozenset({"id", "host", "nics", "curve_public"})
+#: what a name or an address may not hold (one C scan instead of a Python loop per character)
+_SPACE = re.compile(r"\s")
+_BAD_ADDRESS = re.compile(r"[\s/:]")
 _Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
 
 def _req(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...], path: str) -> Any:
-    if key not in obj:
-        raise ConfigError("missing", field=f"{path}.{key}" if path else key)
-    return _typed(obj[key], typ, f"{path}.{key}" if path else key)
+    try:
+        value = obj[key]
+    except KeyError:
+        raise ConfigError("missing", field=f"{path}.{key}" if path else key) from None
+    if type(value) is typ:  # the common case, without building the field's name
+        return value
+    return _typed(value, typ, f"{path}.{key}" if path else key)
 
 
 def _typed(value: Any, typ: type | tuple[type, ...], path: str) -> Any:
+    if type(value) is typ:  # exactly the type asked for (a bool is never exactly an int)
+        return value
     ok = isinstance(value, typ) and not (isinstance(value, bool) and typ in (int, (int, float)))
     if not ok:
         names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
@@ -51,15 +65,16 @@ def _typed(value: Any, typ: type | tuple[type, ...], path: str) -> Any:
     return value
 
 
-def _no_extra(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
+def _no_extra(obj: Mapping[str, Any], allowed: AbstractSet[str], path: str) -> None:
+    if obj.keys() <= allowed:
+        return
     extra = sorted(set(obj) - allowed)
-    if extra:
-        raise ConfigError(f"unknown key {extra[0]!r}", field=path or "<root>")
+    raise ConfigError(f"unknown key {extra[0]!r}", field=path or "<root>")
 
 
 def _name(value: Any, path: str) -> str:
     text: str = _typed(value, str, path)
-    if not text or len(text) > 64 or any(c.isspace() for c in text):
+    if not text or len(text) > 64 or _SPACE.search(text):
         raise ConfigError("must be 1-64 characters without spaces", field=path)
     return text
 
@@ -80,12 +95,14 @@ def _link_attrs(obj: Any, path: str, extra: set[str] = frozenset()) -> LinkAttrs
     return LinkAttrs(**vals)
 
 
-def _nic(obj: Any, path: str, networks: set[str]) -> Nic:
+
+def _nic(obj: Any, path: str, networks: Mapping[str, int]) -> Nic:
+    """The NIC ``obj`` describes, or the ConfigError naming its first bad field."""
     _typed(obj, dict, path)
-    _no_extra(obj, {"name", "address", "port", "network"}, path)
+    _no_extra(obj, _NIC_KEYS, path)
     name = _name(_req(obj, "name", str, path), f"{path}.name")
     address = _req(obj, "address", str, path)
-    if not address or len(address) > 253 or any(c.isspace() or c in "/:" for c in address):
+    if not address or len(address) > 253 or _BAD_ADDRESS.search(address):
         raise ConfigError(f"bad address {address!r}", field=f"{path}.address")
     port = _req(obj, "port", int, path)
     if not 1 <= port <= 65535:
@@ -94,6 +111,20 @@ def _nic(obj: Any, path: str, networks: set[str]) -> Nic:
     if network not in networks:
         raise ConfigError(f"unknown network {network!r}", field=f"{path}.network")
     return Nic(name=name, address=address, port=port, network=network)
+
+
+def _nic_fast(obj: Any, node: int, index: int, networks: Mapping[str, int]) -> Nic:
+    """:func:`_nic` for ``nodes[node].nics[index]``: a valid NIC passes a few exact type and
+    range checks (no field names built: a topology has one NIC per link end, and a large one
+    must load in time linear in them with a small constant); anything else goes through
+    :func:`_nic` for its precise error."""
+    if type(obj) is dict and obj.keys() <= _NIC_KEYS:
+        name, address, port, network = obj.get("name"), obj.get("address"), obj.get("port"), obj.get("network")
+        if (type(name) is str and 0 < len(name) <= 64 and not _SPACE.search(name)
+                and type(address) is str and 0 < len(address) <= 253 and not _BAD_ADDRESS.search(address)
+                and type(port) is int and 1 <= port <= 65535 and type(network) is str and network in networks):
+            return Nic(name=name, address=address, port=port, network=network)
+    return _nic(obj, f"nodes[{node}].nics[{index}]", networks)
 
 
 def _check_keys(nodes: list[Node]) -> None:
@@ -129,8 +160,10 @@ def topology_from_dict(doc: Any) -> Topology:
     for i, n in enumerate(nets_raw):
         p = f"networks[{i}]"
         _typed(n, dict, p)
-        _no_extra(n, {"name", "level"}, p)
-        nname = _name(_req(n, "name", str, p), f"{p}.name")
+        _no_extra(n, _NETWORK_KEYS, p)
+        nname = _req(n, "name", str, p)
+        if not nname or len(nname) > 64 or _SPACE.search(nname):
+            _name(nname, f"{p}.name")
         if nname in seen_nets:
             raise ConfigError(f"duplicate of networks[{seen_nets[nname]}]", field=f"{p}.name")
         seen_nets[nname] = i
@@ -144,34 +177,37 @@ def topology_from_dict(doc: Any) -> Topology:
         raise ConfigError("at least one node is required", field="nodes")
     nodes: list[Node] = []
     ids: dict[int, int] = {}
-    endpoints: dict[tuple[str, int], str] = {}
+    endpoints: dict[tuple[str, int], tuple[int, int]] = {}  # -> (node index, NIC index)
     for i, n in enumerate(nodes_raw):
         p = f"nodes[{i}]"
         _typed(n, dict, p)
-        _no_extra(n, {"id", "host", "nics", "curve_public"}, p)
+        _no_extra(n, _NODE_KEYS, p)
         nid = _req(n, "id", int, p)
         if nid < 0 or nid > (1 << 20) - 1:
             raise ConfigError("must be in 0..1048575", field=f"{p}.id")
         if nid in ids:
             raise ConfigError(f"duplicate of nodes[{ids[nid]}].id", field=f"{p}.id")
         ids[nid] = i
-        host = _typed(n.get("host", "localhost"), str, f"{p}.host")
+        host = n.get("host", "localhost")
+        if type(host) is not str:
+            _typed(host, str, f"{p}.host")
         nics_raw = _req(n, "nics", list, p)
         if not nics_raw:
             raise ConfigError("a node needs at least one NIC", field=f"{p}.nics")
         nics: list[Nic] = []
         nic_names: dict[str, int] = {}
         for j, raw in enumerate(nics_raw):
-            nic = _nic(raw, f"{p}.nics[{j}]", set(seen_nets))
+            nic = _nic_fast(raw, i, j, seen_nets)
             if nic.name in nic_names:
                 raise ConfigError(f"duplicate of {p}.nics[{nic_names[nic.name]}]",
                                   field=f"{p}.nics[{j}].name")
             nic_names[nic.name] = j
             where = (nic.address, nic.port)
             if where in endpoints:
-                raise ConfigError(f"duplicate of {endpoints[where]} ({nic.address}:{nic.port})",
+                ni, nj = endpoints[where]
+                raise ConfigError(f"duplicate of nodes[{ni}].nics[{nj}] ({nic.address}:{nic.port})",
                                   field=f"{p}.nics[{j}].port")
-            endpoints[where] = f"{p}.nics[{j}]"
+            endpoints[where] = (i, j)
             nics.append(nic)
         key = n.get("curve_public")
         if key is not None and (not isinstance(key, str) or not _Z85_KEY.match(key)):
@@ -205,14 +241,14 @@ def topology_from_dict(doc: Any) -> Topology:
     topo = Topology(nodes=tuple(nodes), networks=tuple(networks), name=name, kind=kind,
                     coordinator=coordinator, params=params, links=links,
                     default_link=default_link, metadata=metadata)
-    for i, node in enumerate(topo.nodes):
-        if len(topo.nodes) > 1 and not topo.neighbors(node.id):
-            raise ConfigError(f"node {node.id} shares no network with any other node",
-                              field=f"nodes[{i}].nics")
+    lonely = topo.lonely()
+    if lonely:
+        raise ConfigError(f"node {lonely[0]} shares no network with any other node",
+                          field=f"nodes[{ids[lonely[0]]}].nics")
     if not topo.is_connected():
         raise ConfigError("the nodes do not form one connected cluster", field="nodes")
     for i, link in enumerate(doc.get("links", [])):
-        if not topo.routes(link["a"], link["b"]):
+        if not topo.adjacent(link["a"], link["b"]):
             raise ConfigError(f"nodes {link['a']} and {link['b']} share no network", field=f"links[{i}]")
     return topo
 
@@ -252,14 +288,30 @@ def dumps(topo: Topology) -> str:
 def loads(text: str, *, source: str = "<string>") -> Topology:
     """Parse and validate topology JSON text; ConfigError prefixed with ``source`` (the file
     name) and naming the bad field."""
+    with _collector_paused():
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        try:
+            return topology_from_dict(doc)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (if it was on). Parsing and
+    validating a topology allocates a few objects per NIC and frees none of them, and the
+    collector's passes over that growing heap cost a large topology (30 000 nodes) about as
+    much as the validation itself; the document and the topology hold no cycles."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    try:
-        return topology_from_dict(doc)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def load(path: str | Path) -> Topology:
@@ -273,8 +325,10 @@ def load(path: str | Path) -> Topology:
 
 def save(topo: Topology, path: str | Path) -> None:
     """Write ``topo`` to ``path`` as JSON (:func:`dumps`); ``p2psync topo -o FILE`` and
-    ``p2psync keys`` use it."""
-    Path(path).write_text(dumps(topo))
+    ``p2psync keys`` use it. A file that cannot be written is a ConfigError naming it and why."""
+    p = Path(path)
+    with translate({OSError: lambda e: ConfigError(f"cannot write topology {p}: {e.strerror or e}")}):
+        p.write_text(dumps(topo))
 
 
 def loopback_address(index: int) -> str:

@@ -165,6 +165,22 @@ class Topology:
                         out.setdefault((a, b), []).append(Route(net, a_nic, b_nic))
         return {k: tuple(v) for k, v in out.items()}
 
+    @cached_property
+    def _adjacent(self) -> dict[int, list[int]]:
+        """Node id -> its neighbours, sorted: built once, in time linear in the pairs of
+        nodes that share a network (a ring's validation never scans every route per node)."""
+        out: dict[int, set[int]] = {n.id: set() for n in self.nodes}
+        for mem in self._members.values():
+            ids = {nid for nid, _ in mem}
+            if len(ids) > 1:
+                for a in ids:
+                    out[a].update(ids)
+        return {k: sorted(v - {k}) for k, v in out.items()}
+
+    def adjacent(self, a: int, b: int) -> bool:
+        """Do ``a`` and ``b`` share a network (is there a route between them)?"""
+        return a != b and b in self._adjacent.get(a, ())
+
     def routes(self, src: int, dst: int) -> tuple[Route, ...]:
         """Every direct way from ``src`` to ``dst`` (empty when they are not adjacent)."""
         return self._routes.get((src, dst), ())
@@ -172,7 +188,7 @@ class Topology:
     def neighbors(self, node_id: int) -> list[int]:
         """The nodes adjacent to ``node_id`` (sharing a network with it), sorted; e.g.
         regroup.py picks a joiner's donors among ``ctx.topology.neighbors(me)``."""
-        return sorted({b for (a, b) in self._routes if a == node_id})
+        return list(self._adjacent.get(node_id, ()))
 
     def neighbors_on(self, node_id: int, nic: str) -> list[int]:
         """The other nodes on the network of ``node_id``'s NIC ``nic``."""
@@ -181,23 +197,37 @@ class Topology:
 
     def degree(self, node_id: int) -> int:
         """The number of nodes adjacent to ``node_id``."""
-        return len(self.neighbors(node_id))
+        return len(self._adjacent.get(node_id, ()))
 
     def link(self, a: int, b: int) -> LinkAttrs:
         """The attributes of the link between ``a`` and ``b`` (either order), else
         :attr:`default_link`; e.g. transport/shaping.py: ``LinkSpec.from_attrs(topo.link(node_id, dst))``."""
         return self.links.get((min(a, b), max(a, b)), self.default_link)
 
+    def lonely(self) -> list[int]:
+        """The nodes that share no network with any other node (in node order; empty for a
+        single node). Linear in the NICs."""
+        if len(self.nodes) < 2:
+            return []
+        crowded = {net for net, mem in self._members.items() if len({nid for nid, _ in mem}) > 1}
+        return [n.id for n in self.nodes if not any(nic.network in crowded for nic in n.nics)]
+
     def is_connected(self) -> bool:
         """Every node reaches every other one through adjacent nodes (topology/io.py refuses
-        a topology that is not)."""
+        a topology that is not). A walk over nodes and networks: linear in the NICs, even
+        when one switch joins every node."""
         if not self.nodes:
             return True
         seen = {self.nodes[0].id}
+        nets_seen: set[str] = set()
         todo = [self.nodes[0].id]
         while todo:
-            for nb in self.neighbors(todo.pop()):
-                if nb not in seen:
-                    seen.add(nb)
-                    todo.append(nb)
+            for nic in self._by_id[todo.pop()].nics:
+                if nic.network in nets_seen:
+                    continue
+                nets_seen.add(nic.network)
+                for nb, _ in self._members.get(nic.network, ()):
+                    if nb not in seen:
+                        seen.add(nb)
+                        todo.append(nb)
         return len(seen) == len(self.nodes)

@@ -7,11 +7,14 @@ bytes, cumulative). A strategy adds its own fields (staleness, local iterations,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TextIO
+
+from p2psync.files import WriteFailures
 
 
 def _clean(v: Any) -> Any:
@@ -27,27 +30,52 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsWriter:
-    def __init__(self, path: str | Path, *, flush_every_s: float = 0.5) -> None:
+    """Appends one node's records to ``path`` (JSON lines), flushed at least every
+    ``flush_every_s``. With ``failures`` the records are best effort: a disk error (opening,
+    writing, flushing, closing) is said once (:class:`p2psync.files.WriteFailures`, kind
+    ``metrics record``) and counted, and training goes on; records that could not be written
+    are lost, the later ones are still tried. Without it such an error is raised."""
+
+    def __init__(self, path: str | Path, *, flush_every_s: float = 0.5, failures: WriteFailures | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", buffering=1 << 16)
+        self._failures = failures
         self._flush_every = flush_every_s
         self._last_flush = 0.0
         self.last: dict[str, Any] = {}
+        self._f: TextIO | None = None
+        with self._guard():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self.path.open("a", buffering=1 << 16)
+
+    def _guard(self) -> contextlib.AbstractContextManager[None]:
+        if self._failures is None:
+            return contextlib.nullcontext()
+        return self._failures.guard("metrics record", self.path, "records are lost until it can be written")
 
     def write(self, record: Mapping[str, Any], *, flush: bool = False) -> None:
         rec = _clean(dict(record))
         self.last = rec
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        now = time.monotonic()
-        if flush or now - self._last_flush >= self._flush_every:
-            self._f.flush()
-            self._last_flush = now
+        if self._f is None:
+            if self._failures is not None:
+                self._failures.counts["metrics record"] += 1
+            return
+        with self._guard():
+            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            now = time.monotonic()
+            if flush or now - self._last_flush >= self._flush_every:
+                self._last_flush = now
+                self._f.flush()
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            self._f.close()
+        f, self._f = self._f, None
+        if f is None or f.closed:
+            return
+        try:
+            with self._guard():
+                f.flush()
+        finally:
+            with contextlib.suppress(OSError) if self._failures is not None else contextlib.nullcontext():
+                f.close()  # what the failed flush left in the buffer: given up
 
 
 def bytes_sent(record: Mapping[str, Any]) -> int:

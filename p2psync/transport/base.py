@@ -63,6 +63,7 @@ from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.finite_checks import FiniteChecks
 from p2psync.transport.flow import ByteWindow
+from p2psync.transport.incarnation import clock_incarnation
 from p2psync.transport.lending import Lending, Releasable
 from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
@@ -71,7 +72,6 @@ from p2psync.transport.relay_auth import ReplayWindow
 from p2psync.transport.shaping import Shaper
 from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frames_len,
                           placed)
-from p2psync.wire.schema import MAX_U64
 
 log = logging.getLogger("p2psync.transport")
 
@@ -150,8 +150,10 @@ class Transport(Relaying, FiniteChecks, ABC):
         self.shaper: Shaper | None = shaper
         #: run id stamped on every header and required on every incoming one (set before start)
         self.run_id = 0
-        #: this process's incarnation: its start time in ns (a restarted node has a larger one)
-        self.incarnation = time.time_ns() & MAX_U64
+        #: this process's incarnation: its start time in ns; a node runtime with a run folder
+        #: replaces it before start with one larger than every earlier process of this node
+        #: took there, whatever the wall clock did (transport/incarnation.py)
+        self.incarnation = clock_incarnation()
         #: registered incarnation per node (set by the membership); older ones are rejected
         self.peer_incarnations: dict[int, int] = {}
         #: node -> monotonic time its latest accepted message arrived (proof of life)
@@ -407,7 +409,10 @@ class Transport(Relaying, FiniteChecks, ABC):
             known = self.peer_incarnations.get(h.src)
             if known is not None and h.inc < known:
                 raise ProtocolError("stale_incarnation",
-                                    f"node {h.src} incarnation {h.inc} < registered {known}")
+                                    f"node {h.src}'s incarnation {h.inc} is older than the one this node already "
+                                    f"knows, {known}: a message of its previous process, or a restarted process "
+                                    "with a stepped-back clock? (its messages are dropped until it runs with a "
+                                    "newer incarnation)")
             now = time.monotonic()
             # what a message says about its origin is recorded only when the origin is proven
             # (received from it, or a relayed message whose digest this node verified): a relay

@@ -16,14 +16,18 @@ The public keys go into the topology (``nodes[i].curve_public``); a secret key n
 message relayed through other nodes carries its origin's HMAC under the key it shares with the
 destination (:mod:`p2psync.transport.relay_auth`), so the destination verifies the origin even
 though CURVE only authenticates the last hop. :func:`load_node_keys` refuses a file that others
-can read, that belongs to another node, or whose public key is not the topology's.
+can read, that belongs to another node or another user, or whose public key is not the
+topology's, and a key folder that is group- or world-writable or another user's
+(:func:`check_key_dir`, as ssh treats ``~/.ssh``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import stat
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -70,11 +74,68 @@ def with_public_keys(topo: Topology, keys: Mapping[int, NodeKeys]) -> Topology:
     return replace(topo, nodes=tuple(replace(n, curve_public=keys[n.id].public.decode()) for n in topo.nodes))
 
 
+def _owner_ok(uid: int) -> bool:
+    """Files and folders holding secrets may belong to this process's user or to root (as ssh
+    accepts ``~/.ssh`` and its keys)."""
+    return uid in (os.geteuid(), 0)
+
+
+def _owner(uid: int) -> str:
+    """A user's name (its uid where it has none)."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def check_key_dir(directory: str | Path) -> None:
+    """Refuse (ConfigError naming the path and the fix) a key folder that another user could
+    change: one that is group- or world-writable (anyone in the group could replace a node's key
+    file with their own) or that belongs to another user, as ssh refuses such a ``~/.ssh``. A
+    folder that does not exist is left to the caller (reading a key file from it names it)."""
+    d = Path(directory)
+    try:
+        st = d.stat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot read the key folder {d}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{d} is not a folder (the key files go into a folder of their own)")
+    if not _owner_ok(st.st_uid):
+        me = _owner(os.geteuid())
+        raise ConfigError(f"the key folder {d} belongs to user {_owner(st.st_uid)}, not to {me}: they could "
+                          f"replace the keys in it (use a folder of your own, or chown {me} {d}; chmod 700 {d})")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"the key folder {d} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
+                          f"others could replace the keys in it (chmod 700 {d})")
+
+
+def check_secret_file(path: Path, st: os.stat_result) -> None:
+    """A secret key file (``st``: its stat) readable and writable by its owner only, and owned
+    by this user (or root); ConfigError naming the path and the fix otherwise."""
+    if not _owner_ok(st.st_uid):
+        me = _owner(os.geteuid())
+        raise ConfigError(f"{path} belongs to user {_owner(st.st_uid)}, not to {me}: a secret key must be "
+                          f"its user's own (chown {me} {path}; chmod 600 {path})")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"{path}: a secret key must be readable by its owner only "
+                          f"(mode {st.st_mode & 0o777:o}; chmod 600 {path})")
+
+
 def write_key_dir(directory: str | Path, keys: Mapping[int, NodeKeys], *, force: bool = False) -> list[Path]:
     """One secret file per node (mode 0600, written to a temporary file and renamed); the
-    folder is created with mode 0700. Existing key files are kept unless ``force``."""
+    folder is created with mode 0700 (whatever the umask). An existing folder must pass
+    :func:`check_key_dir` (not group- or world-writable, this user's). Existing key files are
+    kept unless ``force``."""
     d = Path(directory)
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_key_dir(d)
+    if not d.exists():
+        with translate({OSError: lambda e: ConfigError(f"cannot create the key folder {d}: {e.strerror}")}):
+            d.mkdir(mode=0o700, parents=True)
+            os.chmod(d, 0o700)  # mkdir's mode passes through the umask
     paths = [key_file(d, n) for n in sorted(keys)]
     existing = [p for p in paths if p.exists()]
     if existing and not force:
@@ -84,11 +145,12 @@ def write_key_dir(directory: str | Path, keys: Mapping[int, NodeKeys], *, force:
         doc = {"format": FORMAT, "node": n, "public": k.public.decode(), "secret": k.secret.decode(),
                "relay": {str(p): v.hex() for p, v in sorted(k.relay.items())}}
         tmp = path.with_name(f".{path.name}.tmp")
-        with open_new(tmp, 0o600) as f:
-            f.write(json.dumps(doc, indent=1).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with translate({OSError: lambda e: ConfigError(f"cannot write the key file {path}: {e.strerror}")}):
+            with open_new(tmp, 0o600) as f:
+                f.write(json.dumps(doc, indent=1).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     return paths
 
 
@@ -97,13 +159,12 @@ def load_node_keys(directory: str | Path, topo: Topology, node: int) -> NodeKeys
     if not topo.keyed:
         raise ConfigError(f"--keys {directory}: the topology lists no public keys (write them with "
                           "'p2psync keys gen TOPOLOGY --dir DIR')")
+    check_key_dir(directory)
     path = key_file(directory, node)
     with translate({OSError: lambda e: ConfigError(f"cannot read node {node}'s key file {path}: {e.strerror}")}):
         st = path.stat()
         text = path.read_text()
-    if st.st_mode & 0o077:
-        raise ConfigError(f"{path}: a secret key must be readable by its owner only "
-                          f"(mode {st.st_mode & 0o777:o}; chmod 600 {path})")
+    check_secret_file(path, st)
     with translate({json.JSONDecodeError: lambda e: ConfigError(f"{path}: not a key file (invalid JSON: {e.msg})")}):
         doc = json.loads(text)
     return _parse(doc, path, topo, node)
@@ -173,8 +234,9 @@ def warn_unauthenticated(topo_path: str) -> None:
         _warned_unauthenticated = True
         if os.environ.get(ENV_WARNED) == "1":
             return
-        print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
-              "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a node's log on a full disk: the run goes on
+            print(f"p2psync: warning: the cluster in {topo_path} is unauthenticated (no keys): anyone who "
+                  "can reach its ports can join as a peer; see 'p2psync keys gen'", file=sys.stderr, flush=True)
 
 
 def warned_env() -> dict[str, str]:
@@ -183,5 +245,5 @@ def warned_env() -> dict[str, str]:
     return {ENV_WARNED: "1"} if _warned_unauthenticated else {}
 
 
-__all__ = ["ENV_KEYS", "ENV_WARNED", "NodeKeys", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
+__all__ = ["ENV_KEYS", "ENV_WARNED", "NodeKeys", "check_key_dir", "check_secret_file", "generate", "key_file", "load_node_keys", "node_keys", "warn_unauthenticated",
            "warned_env", "with_public_keys", "write_key_dir"]

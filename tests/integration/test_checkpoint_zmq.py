@@ -66,30 +66,69 @@ def _models(n: int) -> dict[int, tuple[nn.Module, torch.optim.Optimizer]]:
     return out
 
 
-@pytest.mark.parametrize("steps", [{0: 4, 1: None}, {0: 4, 1: 6}], ids=["fresh-and-resumed", "other-steps"])
-def test_nodes_that_do_not_agree_on_resuming_stop_at_start_with_one_clear_error(
-        tmp_path: Path, steps: dict[int, int | None]) -> None:
-    """Node 0 resumes from a checkpoint, node 1 starts fresh (or resumes another step): both
-    stop at attach with a ConfigError naming what each does, instead of node 1 waiting for the
-    initial parameters node 0 never sends."""
-    topo = tmp_path / "mesh2.json"
+def _resume(tmp_path: Path, strategy: str, steps: dict[int, int | None], run_id: str,
+            train: bool = False) -> dict[int, Any]:
+    """Two nodes of ``strategy``; node i loads a checkpoint of step ``steps[i]`` (None: starts
+    fresh) and trains to step 10 if ``train``. Each node's (final step, parameters) or error."""
+    topo = tmp_path / f"{run_id}.json"
     save(mesh(2, base_port=free_port()), topo)
     models = _models(2)
-    ckpt = {i: snapshot(p2psync={"step": s, "samples": 0, "strategy": "ssgd", "run_id": "r", "node": i,
+    ckpt = {i: snapshot(p2psync={"step": s, "samples": 0, "strategy": strategy, "run_id": "r", "node": i,
                                  "strategy_state": {}}, model=models[i][0], optimizer=models[i][1], extra={})
             for i, s in steps.items() if s is not None}
+    with torch.no_grad():
+        models[1][0].weight.add_(1.0)  # node 1's own state differs from node 0's
+    if 1 in ckpt:
+        ckpt[1]["model"] = {k: v.clone() for k, v in models[1][0].state_dict().items()}
 
-    def node(i: int) -> None:
-        with Session(str(topo), i, "ssgd", out=str(tmp_path), run_id="r", steps=10, start_timeout=30,
+    def node(i: int) -> tuple[int, torch.Tensor]:
+        with Session(str(topo), i, strategy, out=str(tmp_path), run_id=run_id, steps=10, start_timeout=30,
                      peer_timeout=5) as s:
             if i in ckpt:
                 s.load_state_dict(ckpt[i])
-            s.attach(*models[i])
+            model, opt = models[i]
+            opt = s.attach(model, opt)
+            while train and not s.should_stop:
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+            return s.step, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
-    out = in_threads(node, (0, 1), 60)
+    return in_threads(node, (0, 1), 60)
+
+
+def test_fresh_and_resumed_nodes_stop_at_start_with_one_clear_error(tmp_path: Path) -> None:
+    """Node 0 resumes from a checkpoint, node 1 starts fresh: both stop at attach with a
+    ConfigError naming what each does, instead of node 1 waiting for the initial parameters
+    node 0 never sends."""
+    out = _resume(tmp_path, "ssgd", {0: 4, 1: None}, "fr")
     for i in (0, 1):
         assert isinstance(out.get(i), ConfigError) and "do not agree on how the run starts" in str(out[i]), out
-        assert "node 0: resumed at step 4" in str(out[i])
+        assert "node 0: checkpoint of step 4, node 1: fresh start" in str(out[i])
+
+
+def test_checkpoints_of_other_steps_under_ssgd_resume_at_the_latest(tmp_path: Path, caplog) -> None:
+    """SSGD's replicas are identical after every step: node 0's checkpoint of step 4 is behind
+    node 1's of step 6, so the run resumes at step 6 with node 1's state on both nodes."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, "p2psync.session"):
+        out = _resume(tmp_path, "ssgd", {0: 4, 1: 6}, "os", train=True)
+    for i in (0, 1):
+        assert isinstance(out.get(i), tuple), out
+    assert out[0][0] == out[1][0] == 10 and torch.equal(out[0][1], out[1][1])
+    said = [r.getMessage() for r in caplog.records if "resuming at step" in r.getMessage()]
+    assert sorted(m.split(":")[0] for m in said) == ["node 0", "node 1"], said
+    assert all("resuming at step 6" in m and "node 1's state; node 0 adopts it" in m for m in said), said
+    assert any("node 0: adopted node 1's state at step 6" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoints_of_other_steps_of_a_strategy_whose_replicas_differ_are_refused(tmp_path: Path) -> None:
+    out = _resume(tmp_path, "asgd", {0: 4, 1: 6}, "oa")
+    for i in (0, 1):
+        assert isinstance(out.get(i), ConfigError), out
+        assert "checkpoints are not of one step (node 0: checkpoint of step 4, node 1: checkpoint of step 6)" \
+            in str(out[i]) and "--strategy asgd keeps a different replica on each node" in str(out[i])
 
 
 def test_state_dict_takes_the_event_loops_parts_on_the_event_loop(tmp_path: Path) -> None:
@@ -119,3 +158,12 @@ def test_state_dict_takes_the_event_loops_parts_on_the_event_loop(tmp_path: Path
         assert isinstance(out.get(i), dict), out.get(i)
         assert seen[i] == [f"p2psync-node-{i}"]
         assert out[i]["feedback"]["ef"] and out[i]["step"] == 2
+
+
+def test_a_resume_whose_latest_checkpoint_spent_the_budget_stops_every_node_alike(tmp_path: Path) -> None:
+    """Node 1's checkpoint is at the run's last step, node 0's behind: both stop at start with
+    the same error (node 0 used to wait for node 1, which had refused at attach alone)."""
+    out = _resume(tmp_path, "ssgd", {0: 4, 1: 10}, "sp")
+    for i in (0, 1):
+        assert isinstance(out.get(i), ConfigError), out
+        assert "resumes at step 10, its budget of 10 steps is spent" in str(out[i])

@@ -102,7 +102,7 @@ async def test_ring6_dead_relay_only_it_is_declared_failed():
         print(f"ring6: node 1 declared failed by every survivor {elapsed:.2f}s after it died")
 
 
-async def test_traffic_of_another_run_or_older_incarnation_is_rejected():
+async def test_traffic_of_another_run_or_older_incarnation_is_rejected(caplog):
     topo = mesh(2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         eps[1].run_id = 0xBEEF
@@ -123,6 +123,10 @@ async def test_traffic_of_another_run_or_older_incarnation_is_rejected():
         assert eps[1].rejected["stale_incarnation"] == 1
         assert eps[1].recv_nowait("stale") is None
         assert eps[1].stats()["rejected"] == {"wrong_run": 2, "stale_incarnation": 1}
+        # the log says what happened, not just two numbers
+        assert (f"node 0's incarnation {eps[0].incarnation - 1} is older than the one this node already knows, "
+                f"{eps[0].incarnation}: a message of its previous process, or a restarted process with a "
+                "stepped-back clock?") in caplog.text
 
 
 async def test_relayed_traffic_of_another_run_is_not_forwarded():

@@ -114,3 +114,55 @@ def test_replay_window_takes_each_counter_once_in_any_order_and_forgets_old_live
     assert w.accept(2, 1, 3)  # origins are independent
     assert not w.accept(1, 4, 100)  # an older incarnation
     assert w.accept(1, 6, 1) and not w.accept(1, 5, 21)  # a new life starts afresh
+
+
+def _keyed_dir(tmp_path: Path) -> tuple[Path, "object"]:
+    base = ring(2)
+    keys = generate(base)
+    d = tmp_path / "k"
+    write_key_dir(d, keys)
+    return d, with_public_keys(base, keys)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777, 0o720])
+def test_a_key_folder_others_can_write_is_refused_with_the_fix(tmp_path: Path, mode: int) -> None:
+    d, t = _keyed_dir(tmp_path)
+    os.chmod(d, mode)
+    with pytest.raises(ConfigError, match=rf"key folder {d} is group- or world-writable .*chmod 700 {d}"):
+        load_node_keys(d, t, 0)
+    with pytest.raises(ConfigError, match="chmod 700"):  # nor are keys written into it
+        write_key_dir(d, generate(ring(2)), force=True)
+    os.chmod(d, 0o750)  # readable by the group is not writable: the files' own mode guards them
+    assert load_node_keys(d, t, 0).node == 0
+
+
+def test_a_key_folder_or_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    d, t = _keyed_dir(tmp_path)
+    other = os.geteuid() + 4242
+    if os.geteuid() != 0:  # chown to another user needs root
+        pytest.skip("needs root to give a folder to another user")
+    os.chown(d, other, -1)
+    with pytest.raises(ConfigError, match=rf"key folder {d} belongs to user {other}, not to .*chown"):
+        load_node_keys(d, t, 0)
+    os.chown(d, 0, -1)
+    os.chown(key_file(d, 1), other, -1)
+    with pytest.raises(ConfigError, match=rf"{key_file(d, 1)} belongs to user {other}"):
+        load_node_keys(d, t, 1)
+    assert load_node_keys(d, t, 0).node == 0
+
+
+def test_keys_gen_creates_the_folder_0700_and_refuses_a_loose_one(tmp_path: Path, capsys) -> None:
+    topo = tmp_path / "c.json"
+    save(ring(2), topo)
+    assert main(["keys", "gen", str(topo), "--dir", str(tmp_path / "a" / "k")]) == 0
+    assert stat.S_IMODE((tmp_path / "a" / "k").stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    assert main(["keys", "gen", str(topo), "--dir", str(loose), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"chmod 700 {loose}" in err and not list(loose.iterdir())
+    f = tmp_path / "file"
+    f.write_text("")
+    assert main(["keys", "gen", str(topo), "--dir", str(f)]) == 2
+    assert "is not a folder" in capsys.readouterr().err

@@ -62,3 +62,15 @@ def test_report_names_what_a_step_counts(tmp_path, capsys):
     (tmp_path / "config.json").unlink()
     assert main(["report", str(tmp_path)]) == 0
     assert "| node | steps | time s |" in capsys.readouterr().out
+
+
+def test_a_plot_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    w = MetricsWriter(tmp_path / "node-0.jsonl")
+    w.write({"node": 0, "step": 1, "time": 0.1, "loss": 0.5})
+    w.close()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["report", str(tmp_path), "-o", str(blocked / "report.png")]) == 2
+    captured = capsys.readouterr()
+    assert "| 0 | 1 |" in captured.out  # the table is still there
+    assert f"cannot write the plot {blocked / 'report.png'}: Not a directory (ENOTDIR)" in captured.err

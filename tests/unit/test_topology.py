@@ -196,3 +196,60 @@ def test_hop_distances_and_next_hops_route_around_dead_nodes():
     assert hops(2) == [1, 5] and hops(2, rotate=1) == [5, 1]
     assert hops(2, dead={1}) == [5]
     assert hops(3, dead={3}) == [] and hops(3, dead={3}, to_dead=True) == [1, 5]  # its live neighbours
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda d: d["nodes"][0]["nics"][0].update(port=True), "nodes[0].nics[0].port"),
+        (lambda d: d["nodes"][1]["nics"][0].update(name="eth 0"), "nodes[1].nics[0].name"),
+        (lambda d: d["nodes"][1]["nics"][0].update(name=""), "nodes[1].nics[0].name"),
+        (lambda d: d["nodes"][2]["nics"][1].update(address="127.0.0.1:80"), "nodes[2].nics[1].address"),
+        (lambda d: d["nodes"][2]["nics"][1].update(network=["ring-0-1"]), "nodes[2].nics[1].network"),
+        (lambda d: d["nodes"][3]["nics"][0].update(mtu=1500), "nodes[3].nics[0]"),
+        (lambda d: d["nodes"][3]["nics"].__setitem__(0, "eth0"), "nodes[3].nics[0]"),
+        (lambda d: d["nodes"][3].update(host=7), "nodes[3].host"),
+        (lambda d: d["networks"][0].update(name="a b"), "networks[0].name"),
+    ],
+)
+def test_the_fast_checks_of_large_topologies_still_name_the_field(mutate, field):
+    """NICs are checked by a fast path first (no field names built); whatever it does not
+    accept goes through the full checks, which name the field."""
+    with pytest.raises(ConfigError) as ei:
+        topology_from_dict(_mut(mutate))
+    assert ei.value.field == field
+
+
+@pytest.mark.parametrize("topo", [ring(5), mesh(4), star(5), bcube(3, 2)], ids=["ring", "mesh", "star", "bcube"])
+def test_adjacency_is_the_routes(topo):
+    """neighbors / degree / adjacent / is_connected, computed once from the networks' members,
+    say exactly what the routes say."""
+    for a in topo.ids:
+        by_routes = sorted(b for b in topo.ids if topo.routes(a, b))
+        assert topo.neighbors(a) == by_routes and topo.degree(a) == len(by_routes)
+        assert [b for b in topo.ids if topo.adjacent(a, b)] == by_routes
+    assert topo.is_connected() and topo.lonely() == []
+
+
+def test_a_ring_of_30000_nodes_loads_and_validates():
+    """Validation is linear in the NICs (it was quadratic: every node scanned every route);
+    bench/topology_scale.py times it. The collector is back on afterwards."""
+    import gc
+
+    text = dumps(ring(30000, base_port=1024))
+    topo = loads(text)
+    assert topo.size == 30000 and topo.neighbors(0) == [1, 29999] and topo.is_connected()
+    assert gc.isenabled()
+    d = json.loads(text)
+    d["nodes"][29999]["nics"][1]["port"] = 70000  # a bad field at the very end is still named
+    with pytest.raises(ConfigError) as ei:
+        topology_from_dict(d)
+    assert ei.value.field == "nodes[29999].nics[1].port"
+
+
+def test_a_topology_file_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a folder below a regular file: never writable, even by root
+    assert main(["topo", "ring", "-n", "3", "-o", str(blocked / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write topology {blocked / 'r.json'}: Not a directory" in err and "Traceback" not in err
