@@ -86,7 +86,7 @@ import numpy as np
 
 from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
 from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
-from p2psync.collectives.plan import Plan, make_plan, plan_tree
+from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
 from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import ErrorFeedback, TopK, get_codec
@@ -236,6 +236,7 @@ class Collectives:
         alone = refs(buf)
         key = ("tree", g, self._pieces(buf, len(g)), root)  # kept, as every plan (and its schedules)
         plan = self._plans.get(key) or self._plans.setdefault(key, plan_tree(self.topo, g, key[2], root=root))
+        check_live(plan, self.topo, self.transport.dead)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         free = await sends_done(lambda: refs(buf) == alone, buf.nbytes)
         return back(buf if free else buf.copy())  # sends may still be reading ``buf``
@@ -269,9 +270,11 @@ class Collectives:
 
     def _plan(self, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> Plan:
         key = (g, self._pieces(buf, len(g)), algo or self.algo)
-        if key not in self._plans:
-            self._plans[key] = make_plan(self.topo, g, key[1], key[2])
-        return self._plans[key]
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make_plan(self.topo, g, key[1], key[2])
+        check_live(plan, self.topo, self.transport.dead)
+        return plan
 
     def _slot_plan(self, g: tuple[int, ...], ppn: int) -> Plan:
         key = ("slots", g, ppn)
@@ -280,7 +283,9 @@ class Collectives:
             if plan.algo not in ("ring", "mesh"):
                 plan = make_plan(self.topo, g, ppn * len(g), "tree")
             self._plans[key] = plan
-        return self._plans[key]
+        plan = self._plans[key]
+        check_live(plan, self.topo, self.transport.dead)
+        return plan
 
     @staticmethod
     def _slot_order(plan: Plan, g: tuple[int, ...]) -> list[int]:

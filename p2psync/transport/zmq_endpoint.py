@@ -337,6 +337,10 @@ class ZmqEndpoint(Transport, LocalChannel):
                              f"handshake with node {peer} failed (event {ev['event']:#x}; with keys: "
                              "its key is not the one the topology lists, or it refused ours)")
 
+    def _link_up(self, peer: int) -> bool:
+        """Our bulk connection to ``peer`` has completed its handshake and not dropped since."""
+        return peer not in self.down
+
     async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
         """Wait until both our connections to every node of ``peers`` are down (it exited, or
         its link broke), at most ``timeout`` seconds; whether they all are."""
