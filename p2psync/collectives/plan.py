@@ -43,7 +43,7 @@ from typing import Collection, Sequence
 
 from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import Topology, bcube_digits
-from p2psync.topology.paths import Links, direct_links, hamiltonian_cycle, joined, live_cut, relay_links, spanning_tree
+from p2psync.topology.paths import Links, group_links, hamiltonian_cycle, live_cut, relay_links, spanning_tree
 
 ALGOS = ("auto", "ring", "mesh", "bcube", "star", "tree")
 
@@ -141,17 +141,6 @@ class _Builder:
                     frozenset(self.relays))
 
 
-def _relay_links(topo: Topology, group: Sequence[int]) -> Links | None:
-    """None when ``group``'s own direct links join it (plans stay as they were), else its relay
-    links (ConfigError when not even the whole topology joins the group)."""
-    if joined(direct_links(topo, group)):
-        return None
-    links = relay_links(topo, group)
-    if not joined(links):
-        raise ConfigError(f"group {sorted(group)} is not connected, even through other nodes")
-    return links
-
-
 def check_live(plan: Plan, topo: Topology, dead: Collection[int]) -> None:
     """Raise :class:`~p2psync.errors.GroupCutOff` when ``plan`` relays through other nodes and
     the nodes not in ``dead`` no longer join its members (which members are cut off from which,
@@ -233,7 +222,7 @@ def plan_tree(topo: Topology, group: Sequence[int], pieces: int, root: int | Non
     best-connected node), then copy down; over the group's direct links when they join it,
     else over its relay links. Also the broadcast plan: executor.py runs its ``ag`` phase only
     (``plan_tree(self.topo, g, ..., root=root)``)."""
-    links = _relay_links(topo, group)
+    links = group_links(topo, group)
     children = spanning_tree(topo, group, root, links=links)
     kids = {c for cs in children.values() for c in cs}
     (root,) = [n for n in children if n not in kids]
@@ -322,7 +311,7 @@ def make_plan(topo: Topology, group: Sequence[int], pieces: int, algo: str = "au
         elif len(g) == 1 or hamiltonian_cycle(topo, g) is not None:
             algo = "ring"
         else:
-            links = _relay_links(topo, g)
+            links = group_links(topo, g)
             algo = "ring" if links is not None and hamiltonian_cycle(topo, g, links=links) is not None else "tree"
     builders = {"ring": plan_ring, "mesh": plan_mesh, "bcube": plan_bcube, "star": plan_star,
                 "tree": plan_tree}

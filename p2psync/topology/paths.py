@@ -86,6 +86,17 @@ def direct_links(topo: Topology, group: Sequence[int]) -> dict[int, dict[int, tu
     return {g: {b: () for b in nbs} for g, nbs in _adjacency(topo, group).items()}
 
 
+def group_links(topo: Topology, group: Sequence[int]) -> dict[int, dict[int, tuple[int, ...]]] | None:
+    """None when ``group``'s own direct links join it (rings and trees over it stay as they
+    are), else its :func:`relay_links`; ConfigError when not even the whole topology joins it."""
+    if joined(direct_links(topo, group)):
+        return None
+    links = relay_links(topo, group)
+    if not joined(links):
+        raise ConfigError(f"group {sorted(group)} is not connected, even through other nodes")
+    return links
+
+
 def joined(links: Links) -> bool:
     """Whether ``links`` join every member (one connected component)."""
     if not links:
