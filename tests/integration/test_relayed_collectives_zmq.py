@@ -14,7 +14,7 @@ import pytest
 from p2psync.collectives import Collectives
 from p2psync.coordinator import View
 from p2psync.errors import GroupCutOff
-from p2psync.strategies.regroup import Regroup
+from p2psync.strategies.regroup import Adopted, Regroup, fetch_state, serve_state
 from p2psync.topology import bcube, ring
 from p2psync.wire import encode
 from tests.helpers import free_port, keyed, make_context, make_trainer, until, zmq_cluster
@@ -127,7 +127,7 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
             got = await asyncio.gather(*(groups[i].run(s, lambda v, i=i: op(i)) for i, s in ((1, 4), (3, 6))))
             donor = await trainers[3].export_state()
             assert (await trainers[1].export_state()).tobytes() == donor.tobytes()
-            assert got[1] is None and groups[1].adoptions == 1 and ran == [3]
+            assert got == [Adopted(6), None] and groups[1].adoptions == 1 and ran == [3]
             before = [await trainers[i].get_params() for i in members]
             avg = await asyncio.gather(*(groups[i].average_state(0, 9) for i in members))
             after = [await trainers[i].get_params() for i in members]
@@ -140,3 +140,28 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
     np.testing.assert_allclose(after[0], np.mean(before, axis=0), rtol=1e-6, atol=1e-7)
     assert after[0].tobytes() == after[1].tobytes()
     assert eps[0].relayed > 0
+
+
+async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> None:
+    """An asynchronous strategy's joiner (node 1 of ring-4) whose only live member (node 3) is
+    not adjacent: the state RPC and the state itself go through node 2 (node 0 is dead)."""
+    topo = ring(4, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        members = (1, 3)
+        trainers = {i: make_trainer(topo, i, seed=i) for i in members}
+        ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
+        await eps[0].close()
+        for i in members:
+            eps[i].mark_dead(0)
+            ctxs[i].membership.views.apply(View(epoch=1, members=members))
+            ctxs[i].rpc_server.start()
+        try:
+            serve_state(ctxs[3], "j", lambda: 17)
+            assert await fetch_state(ctxs[1], "j") == 17
+            mine, theirs = [await trainers[i].export_state() for i in members]
+        finally:
+            for c in ctxs.values():
+                await c.rpc_server.close()
+            for t in trainers.values():
+                t.close()
+    assert mine.tobytes() == theirs.tobytes() and eps[2].relayed > 0
