@@ -83,3 +83,23 @@ async def test_a_nan_relayed_is_blamed_on_its_origin_at_its_destination() -> Non
             await waiter
         assert info.value.peers == (1,)
         assert dict(eps[3].offences) == {1: 1} and not eps[0].offences and eps[0].relayed == 1
+
+
+async def test_preduce_final_average_over_members_joined_through_other_nodes() -> None:
+    """P-Reduce's final average over the view {1, 3} of ring-4 (nodes 0 and 2 up, not
+    members): exact, through the relays, both members ending with the same state."""
+    from p2psync.coordinator import View
+    from tests.helpers import memory_strategies
+
+    async with memory_strategies(ring(4), "preduce", {}) as strats:
+        pair = [strats[1], strats[3]]
+        before = [await s.ctx.replica.export_state() for s in pair]
+        for s in pair:
+            s.ctx.membership.views.apply(View(epoch=1, members=(1, 3)))
+            s.final.elastic = s.elastic = True  # (re-forming over views: no rendezvous in this test)
+            s.on_view(s.ctx.view)
+        await asyncio.gather(*(s._final_average() for s in pair))
+        after = [await s.ctx.replica.export_state() for s in pair]
+        assert strats[0].ctx.transport.relayed + strats[2].ctx.transport.relayed > 0
+    assert after[0].tobytes() == after[1].tobytes()
+    np.testing.assert_allclose(after[0], np.mean(before, axis=0), rtol=1e-6, atol=1e-6)
