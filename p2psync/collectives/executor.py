@@ -46,6 +46,13 @@ holds after a failed operation never views the caller's memory.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 
+**Groups that need relays.** When a group's own links do not join it, its plan passes pieces
+through other nodes (:mod:`p2psync.collectives.plan`): those sends ask the transport to relay
+(``relay=True``; hop by hop over live nodes, never as datagrams), and before every such
+operation the live nodes must still join the group, else it fails at once with
+:class:`~p2psync.errors.GroupCutOff` (a PeerFailure naming the dead nodes that would have
+joined it) instead of waiting out its timeout. A plan over direct links sends exactly as before.
+
 **Tags.** Every operation takes an explicit ``tag`` naming it the same way on every member
 (e.g. ``"ssgd.12"``). Matching operations by call order instead (a per-group sequence number)
 silently pairs the wrong tensors when two operations are issued in different orders on
