@@ -14,7 +14,8 @@ collectives' transfers between members that are not adjacent) takes the same hea
 lane), with what bulk needs instead of what control needs:
 
 * every hop takes a neighbour on a *shortest* live path (never a longer one, so nothing
-  wanders), the first whose connection is up, and sends on the bulk channel through that
+  wanders), the first whose connection is up (lowest id first from a lower origin to a higher
+  destination, highest first the other way), and sends on the bulk channel through that
   neighbour's flow-control window (backpressure as for a direct send); the same route for
   every message between two nodes while the nodes and links stay up, so pieces mostly keep
   their order (the replay window needs no more);
@@ -185,24 +186,28 @@ class Relaying:
             frames = placed(encode(src=me, dst=dst, hops=0, auth=digest, **fields))  # (Fills: owned now)
         else:
             frames = placed(encode(src=me, dst=dst, hops=0, **fields))
-        if not self._relay_now(dst, frames, None):
-            await self._relay_bulk(dst, frames, budget, None)
+        if not self._relay_now(me, dst, frames, None):
+            await self._relay_bulk(me, dst, frames, budget, None)
 
-    def _bulk_hops(self, dst: int, came_from: int | None) -> list[int]:
-        """The next hops for relayed data: on a shortest live path, those whose connection is up
-        first (in id order within each)."""
+    def _bulk_hops(self, origin: int, dst: int, came_from: int | None) -> list[int]:
+        """The next hops for relayed data from ``origin``: on a shortest live path, those whose
+        connection is up first; in id order within each when ``origin < dst``, else in reverse
+        (the two directions between two nodes take different relays where there is a choice,
+        e.g. 1 -> 3 through 0 and 3 -> 1 through 2 on ring-4)."""
         hops = self.next_hops(dst, exclude=came_from, shortest=True)
         if not hops:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
+        if origin > dst:
+            hops.reverse()
         return sorted(hops, key=lambda nb: not self._link_up(nb))
 
-    def _relay_now(self, dst: int, frames: list[Any], came_from: int | None) -> bool:
+    def _relay_now(self, origin: int, dst: int, frames: list[Any], came_from: int | None) -> bool:
         """Hand relayed data to its first next hop at once if that hop's window and connection
         take it (no coroutine, no task); False: it has to wait (:meth:`_relay_bulk`). Never
         with a shaper (whose queue decides when bulk leaves)."""
         if self.shaper is not None:
             return False
-        nb = self._bulk_hops(dst, came_from)[0]
+        nb = self._bulk_hops(origin, dst, came_from)[0]
         win, nbytes = self.window(nb), frames_len(frames)
         held = win.try_acquire(nbytes)
         if held is None:
@@ -212,10 +217,11 @@ class Relaying:
         finally:
             win.release(held)
 
-    async def _relay_bulk(self, dst: int, frames: list[Any], budget: float, came_from: int | None) -> None:
+    async def _relay_bulk(self, origin: int, dst: int, frames: list[Any], budget: float,
+                          came_from: int | None) -> None:
         """Relayed data to the next hop towards ``dst``, waiting for its window (the budget
         shared among the candidate hops, the next tried when one fails)."""
-        hops = self._bulk_hops(dst, came_from)
+        hops = self._bulk_hops(origin, dst, came_from)
         last: PeerFailure | None = None
         for nb in hops:
             try:
@@ -235,7 +241,7 @@ class Relaying:
             raise ProtocolError("relay", f"data for node {dst}, which has failed")
         frames = encode(src=h.src, dst=dst, hops=h.hops + 1, **fields)
         try:
-            if self._relay_now(dst, frames, came_from):
+            if self._relay_now(h.src, dst, frames, came_from):
                 self.relayed += 1
                 return
         except PeerFailure as exc:
@@ -248,7 +254,7 @@ class Relaying:
 
         async def go() -> None:
             try:
-                await self._relay_bulk(dst, frames, self.default_timeout, came_from)
+                await self._relay_bulk(h.src, dst, frames, self.default_timeout, came_from)
                 self.relayed += 1
             except P2PSyncError as exc:
                 log.info("node %d: dropped relayed data %r for node %d: %s", self.node_id, h.tag, dst, exc)
