@@ -149,7 +149,7 @@ class ZmqEndpoint(Transport, LocalChannel):
                  **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
         ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``,
-        ``shaper``).
+        ``shaper``, ``relay_budget_bytes``).
         ``keys``: this node's keys in a keyed cluster (every socket runs CurveZMQ)."""
         if keys is not None:
             if keys.node != node_id or topology.node(node_id).curve_public != keys.public.decode():
