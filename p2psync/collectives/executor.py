@@ -51,7 +51,9 @@ through other nodes (:mod:`p2psync.collectives.plan`): those sends ask the trans
 (``relay=True``; hop by hop over live nodes, never as datagrams), and before every such
 operation the live nodes must still join the group, else it fails at once with
 :class:`~p2psync.errors.GroupCutOff` (a PeerFailure naming the dead nodes that would have
-joined it) instead of waiting out its timeout. A plan over direct links sends exactly as before.
+joined it) instead of waiting out its timeout; an operation that fails with a PeerFailure
+meanwhile says the same when the nodes marked dead by then cut the group apart. A plan over
+direct links sends exactly as before.
 
 **Tags.** Every operation takes an explicit ``tag`` naming it the same way on every member
 (e.g. ``"ssgd.12"``). Matching operations by call order instead (a per-group sequence number)
@@ -97,7 +99,7 @@ from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
 from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import ErrorFeedback, TopK, get_codec
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, GroupCutOff, PeerFailure
 from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
 
@@ -335,7 +337,15 @@ class Collectives:
                                    len(bounds))).encode())
             sched = self._schedule(plan, phases, len(bounds) - 1, Run.fuses(c, check))
             run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src)
-            await run.execute(c.lossy and "ag" in phases)
+            try:
+                await run.execute(c.lossy and "ag" in phases)
+            except PeerFailure as exc:  # relays that died meanwhile may have cut the group apart
+                if plan.relays and not isinstance(exc, GroupCutOff):
+                    try:
+                        check_live(plan, self.topo, self.transport.dead)
+                    except GroupCutOff as cut:
+                        raise cut from exc
+                raise
         stats.seconds = time.perf_counter() - t0
         if record:
             self.history.append(stats)

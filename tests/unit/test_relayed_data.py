@@ -103,3 +103,19 @@ async def test_preduce_final_average_over_members_joined_through_other_nodes() -
         assert strats[0].ctx.transport.relayed + strats[2].ctx.transport.relayed > 0
     assert after[0].tobytes() == after[1].tobytes()
     np.testing.assert_allclose(after[0], np.mean(before, axis=0), rtol=1e-6, atol=1e-6)
+
+
+async def test_an_operation_whose_relays_die_meanwhile_says_the_group_is_cut_apart() -> None:
+    """Node 1 waits for node 3's pieces (which never come) while both relays are declared dead:
+    the operation's failure names the cut, not just the silent peer."""
+    from p2psync.errors import GroupCutOff
+    from tests.helpers import memory_collectives
+
+    async with memory_collectives(ring(4), timeout=0.5) as cs:
+        op = asyncio.ensure_future(cs[1].allreduce(np.ones(8, np.float32), [1, 3], tag="x"))
+        await asyncio.sleep(0.1)
+        cs[1].transport.mark_dead(0)
+        cs[1].transport.mark_dead(2)
+        with pytest.raises(GroupCutOff, match="any one of dead nodes \\[0, 2\\]") as info:
+            await op
+        assert isinstance(info.value.__cause__, PeerFailure)
