@@ -56,6 +56,17 @@ class PeerUnreachable(PeerFailure, TransportError):
     """A send could not reach its peer within the timeout."""
 
 
+class GroupCutOff(PeerFailure):
+    """The live nodes do not join every member of a group: some members cannot reach the
+    others, directly or through any node that is not marked dead, so no collective can run
+    over the group until the membership changes. ``parts``: the members grouped by what the
+    live nodes still join; ``peers``: the dead nodes that would have joined them."""
+
+    def __init__(self, message: str, *, parts: tuple[tuple[int, ...], ...], peers: tuple[int, ...] = ()) -> None:
+        self.parts = tuple(parts)
+        super().__init__(message, peers=peers)
+
+
 class NonFinitePiece(PeerFailure, ProtocolError):
     """A peer sent a tensor piece with NaN or infinity: remote bad input (a ProtocolError,
     reason ``non_finite``) attributed to that peer (a PeerFailure naming it: synchronous

@@ -6,8 +6,11 @@ Order: bind the transport, ask whether a run is already going (a restarted node 
 host the coordinator services if this node is the topology's coordinator of a fresh run,
 rendezvous with the coordinator, then build and start the strategy on the given replica. At
 the end a bounded finish barrier keeps every node's sockets open while peers still need them;
-the node coordinating then writes the run's ``summary.json`` (issue 10 item 6: after a
-failover that is the node that took over, listing the dead coordinator among the failed).
+the node coordinating then writes the run's ``summary.json`` (after a failover that is the
+node that took over, listing the dead coordinator among the failed). A node whose loop ended
+while the others train on (it departs) stays in the barrier beyond its bound as long as those
+others pass tensors through it (:func:`relay_wanted`): their collectives, state syncs and
+final averages never depend on which nodes happened to leave first.
 
 A node started while its run is going (the same ``--node`` restarted with the same
 ``--run-id``, after the coordinator declared its previous process failed) is admitted as a
@@ -38,7 +41,7 @@ from p2psync.files import WriteFailures, write_text_or_warn
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
-from p2psync.topology.paths import hop_distances
+from p2psync.topology.paths import direct_links, hop_distances, joined
 from p2psync.transport import SocketOptions, ZmqEndpoint
 from p2psync.transport.incarnation import next_incarnation
 from p2psync.transport.keys import node_keys
@@ -65,6 +68,32 @@ def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = N
     if node_id not in dist:
         return []
     return [nb for nb in topo.neighbors(node_id) if dist.get(nb) == dist[node_id] + 1 and dist[nb] >= 2]
+
+
+def _ids(value: Any) -> list[int]:
+    """The node ids in a list a peer sent (anything else: none)."""
+    return [n for n in value if type(n) is int] if isinstance(value, list) else []
+
+
+def relay_wanted(topo: Topology, node_id: int, members: Collection[int], dead: Collection[int] = ()) -> bool:
+    """Whether ``members`` (the view's members that have not finished; ``node_id`` is not one
+    any more) pass tensors through ``node_id``: their own links do not join them (so their
+    collectives relay through non-members: :mod:`p2psync.collectives.plan`), and a shortest
+    path over live nodes (not in ``dead``) between two of them that are not adjacent passes
+    ``node_id``. On ring-4, ``relay_wanted(ring(4), 0, [1, 3])`` is True."""
+    group = sorted(set(members) - {node_id})
+    if len(group) < 2 or joined(direct_links(topo, group)):
+        return False
+    avoid = set(dead) - {node_id}
+    mine = hop_distances(topo, node_id, avoid=avoid)
+    for k, a in enumerate(group):
+        if a not in mine:
+            continue
+        da = hop_distances(topo, a, avoid=avoid - {a})
+        for b in group[k + 1:]:
+            if b in mine and b in da and not topo.routes(a, b) and mine[a] + mine[b] == da[b]:
+                return True
+    return False
 
 
 def wire_run_id(topo: Topology, run_id: str | None) -> int:
@@ -251,7 +280,17 @@ class NodeRuntime:
         stats["write_failures"] = self.write_failures.as_dict()
         stats["shm_frames"] = self.transport.shm_frames
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
-        await self.membership.finish(finite_values(stats), timeout=max(30.0, self.cfg.peer_timeout), depart=depart)
+        timeout = max(30.0, self.cfg.peer_timeout)
+        rep = await self.membership.finish(finite_values(stats), timeout=timeout, depart=depart)
+        while depart and rep:  # (an empty reply: the barrier failed, nobody to wait for)
+            view = self.membership.view
+            done = {n for key in ("finished", "failed") for n in _ids(rep.get(key))}
+            waiting = [m for m in view.members if m not in done] if view is not None else []
+            if not relay_wanted(self.topo, self.node_id, waiting, self.transport.dead):
+                break
+            log.info("node %d: members %s still train and pass tensors through this node: it stays in "
+                     "the finish barrier", self.node_id, waiting)
+            rep = await self.membership.finish(finite_values(stats), timeout=timeout, depart=depart)
         view = self.membership.view
         gone = set(self.topo.ids) - set(view.members) if view is not None else set()
         behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator, gone)
@@ -295,5 +334,6 @@ class NodeRuntime:
         await self._resources.aclose()
 
 
-__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relayed_neighbours", "summarize",
+__all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relay_wanted",
+           "relayed_neighbours", "summarize",
            "wire_run_id"]

@@ -46,6 +46,15 @@ holds after a failed operation never views the caller's memory.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 
+**Groups that need relays.** When a group's own links do not join it, its plan passes pieces
+through other nodes (:mod:`p2psync.collectives.plan`): those sends ask the transport to relay
+(``relay=True``; hop by hop over live nodes, never as datagrams), and before every such
+operation the live nodes must still join the group, else it fails at once with
+:class:`~p2psync.errors.GroupCutOff` (a PeerFailure naming the dead nodes that would have
+joined it) instead of waiting out its timeout; an operation that fails with a PeerFailure
+meanwhile says the same when the nodes marked dead by then cut the group apart. A plan over
+direct links sends exactly as before.
+
 **Tags.** Every operation takes an explicit ``tag`` naming it the same way on every member
 (e.g. ``"ssgd.12"``). Matching operations by call order instead (a per-group sequence number)
 silently pairs the wrong tensors when two operations are issued in different orders on
@@ -86,11 +95,11 @@ import numpy as np
 
 from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
 from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
-from p2psync.collectives.plan import Plan, make_plan, plan_tree
+from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
 from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import ErrorFeedback, TopK, get_codec
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, GroupCutOff, PeerFailure
 from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
 
@@ -236,6 +245,7 @@ class Collectives:
         alone = refs(buf)
         key = ("tree", g, self._pieces(buf, len(g)), root)  # kept, as every plan (and its schedules)
         plan = self._plans.get(key) or self._plans.setdefault(key, plan_tree(self.topo, g, key[2], root=root))
+        check_live(plan, self.topo, self.transport.dead)
         await self._execute("broadcast", plan, buf, tag, "none", phases=("ag",))
         free = await sends_done(lambda: refs(buf) == alone, buf.nbytes)
         return back(buf if free else buf.copy())  # sends may still be reading ``buf``
@@ -269,9 +279,11 @@ class Collectives:
 
     def _plan(self, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> Plan:
         key = (g, self._pieces(buf, len(g)), algo or self.algo)
-        if key not in self._plans:
-            self._plans[key] = make_plan(self.topo, g, key[1], key[2])
-        return self._plans[key]
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make_plan(self.topo, g, key[1], key[2])
+        check_live(plan, self.topo, self.transport.dead)
+        return plan
 
     def _slot_plan(self, g: tuple[int, ...], ppn: int) -> Plan:
         key = ("slots", g, ppn)
@@ -280,7 +292,9 @@ class Collectives:
             if plan.algo not in ("ring", "mesh"):
                 plan = make_plan(self.topo, g, ppn * len(g), "tree")
             self._plans[key] = plan
-        return self._plans[key]
+        plan = self._plans[key]
+        check_live(plan, self.topo, self.transport.dead)
+        return plan
 
     @staticmethod
     def _slot_order(plan: Plan, g: tuple[int, ...]) -> list[int]:
@@ -323,7 +337,15 @@ class Collectives:
                                    len(bounds))).encode())
             sched = self._schedule(plan, phases, len(bounds) - 1, Run.fuses(c, check))
             run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src)
-            await run.execute(c.lossy and "ag" in phases)
+            try:
+                await run.execute(c.lossy and "ag" in phases)
+            except PeerFailure as exc:  # relays that died meanwhile may have cut the group apart
+                if plan.relays and not isinstance(exc, GroupCutOff):
+                    try:
+                        check_live(plan, self.topo, self.transport.dead)
+                    except GroupCutOff as cut:
+                        raise cut from exc
+                raise
         stats.seconds = time.perf_counter() - t0
         if record:
             self.history.append(stats)

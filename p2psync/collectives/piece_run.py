@@ -261,9 +261,10 @@ class Run:
                         if checked:  # (if not, the transport's scan raises Diverged)
                             self.clean.add(k)
                     sends.append(self.owner.transport.send(t.dst, tag, arrays,
-                                                           codecs=[self.codec.name] * len(arrays), nic=t.nic,
+                                                           codecs=[self.codec.name] * len(arrays),
+                                                           nic=None if t.via else t.nic,
                                                            meta=self.meta, timeout=self.owner.timeout,
-                                                           checked=checked, unordered=True))
+                                                           checked=checked, unordered=True, relay=bool(t.via)))
                 incoming = step.incoming
                 recvs = [self._recv(src, self.tag + sfx) for (src, _), sfx in zip(incoming, step.recv_suffixes)]
                 if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather

@@ -7,8 +7,15 @@ A tensor is cut into ``pieces`` (about 1 MiB each). A :class:`Plan` has two phas
 
 After the ``rs`` phase ``owner[node]`` lists the piece ranges that node holds fully reduced;
 the ``ag`` phase spreads them to everyone. Allreduce runs both phases, reduce-scatter the first,
-allgather the second. Every transfer goes between adjacent nodes over the sender's NIC on
-their shared network.
+allgather the second. A transfer goes between adjacent nodes over the sender's NIC on their
+shared network, except in a group whose members are not joined by links among themselves
+(ring-4 without nodes 0 and 2: members 1 and 3): its ring or tree is planned over relay links
+(:func:`~p2psync.topology.paths.relay_links`), and a transfer between members that are not
+adjacent names the non-members its pieces pass through (``via``); the transport relays them
+hop by hop over live nodes (``Transport.send(..., relay=True)``). A group that its own links
+join keeps exactly the plan it would have without relays. Relay links depend on the topology
+only, so every member builds the same plan; whether the live nodes still join the group is
+:func:`check_live`'s question, asked before each run of such a plan.
 
 Algorithms:
 
@@ -25,16 +32,18 @@ Algorithms:
 * ``star``: leaves push everything to the hub (reduce), the hub sends the sum back (copy): the
   parameter-server baseline.
 * ``tree``: any connected group: reduce up a BFS spanning tree, broadcast down.
+
+``auto`` over a group that needs relays: a ring over relay links when there is one, else a tree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import Topology, bcube_digits
-from p2psync.topology.paths import hamiltonian_cycle, spanning_tree
+from p2psync.topology.paths import Links, group_links, hamiltonian_cycle, live_cut, relay_links, spanning_tree
 
 ALGOS = ("auto", "ring", "mesh", "bcube", "star", "tree")
 
@@ -43,8 +52,11 @@ Range = tuple[int, int]
 
 @dataclass(frozen=True)
 class Transfer:
-    """One send in a round: ``src`` sends pieces [lo, hi) to adjacent ``dst`` over its NIC
-    ``nic``; ``reduce``: the receiver adds them in (reduce-scatter), else overwrites (allgather)."""
+    """One send in a round: ``src`` sends pieces [lo, hi) to ``dst`` over its NIC ``nic``;
+    ``reduce``: the receiver adds them in (reduce-scatter), else overwrites (allgather).
+    ``via``: empty when ``dst`` is adjacent; else the non-members a shortest path through
+    non-members passes (``nic`` leads to the first), and the transport relays the pieces
+    (over whichever live path is shortest when they are sent)."""
 
     src: int
     dst: int
@@ -52,14 +64,16 @@ class Transfer:
     lo: int  # piece range [lo, hi)
     hi: int
     reduce: bool
+    via: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Plan:
     """A collective's schedule over ``group`` for a tensor cut into ``pieces``: the
     reduce-scatter rounds ``rs``, the allgather rounds ``ag`` and, after ``rs``, the piece
-    ranges each node holds fully reduced (``owner``). Built by :func:`make_plan` (or a
-    ``plan_*`` builder); run by the collectives' executor (executor.py:
+    ranges each node holds fully reduced (``owner``), and the nodes its relayed transfers
+    pass through (``relays``; empty when every transfer crosses one link). Built by
+    :func:`make_plan` (or a ``plan_*`` builder); run by the collectives' executor (executor.py:
     ``self._plans[key] = make_plan(self.topo, g, key[1], key[2])``)."""
 
     algo: str
@@ -68,6 +82,7 @@ class Plan:
     rs: tuple[tuple[Transfer, ...], ...]
     ag: tuple[tuple[Transfer, ...], ...]
     owner: dict[int, tuple[Range, ...]] = field(default_factory=dict)
+    relays: frozenset[int] = frozenset()
 
     def sent_by(self, node: int) -> int:
         """Pieces ``node`` sends in a full allreduce."""
@@ -81,17 +96,28 @@ def split(lo: int, hi: int, k: int) -> list[Range]:
 
 
 class _Builder:
-    def __init__(self, topo: Topology, algo: str, group: Sequence[int], pieces: int) -> None:
+    def __init__(self, topo: Topology, algo: str, group: Sequence[int], pieces: int,
+                 links: Links | None = None) -> None:
+        """``links``: the relay links the plan was made over (transfers between members that
+        are not adjacent go through the nodes they name), None for direct links only."""
         self.topo = topo
         self.algo = algo
         self.group = tuple(group)
         self.pieces = pieces
+        self.links = links
         self.rs: list[list[Transfer]] = []
         self.ag: list[list[Transfer]] = []
         self.owner: dict[int, list[Range]] = {g: [] for g in group}
+        self.relays: set[int] = set()
+
+    def via(self, src: int, dst: int) -> tuple[int, ...]:
+        if self.links is None or self.topo.routes(src, dst):
+            return ()
+        return self.links[src][dst]
 
     def nic(self, src: int, dst: int, level: int | None = None) -> str:
-        routes = self.topo.routes(src, dst)
+        via = self.via(src, dst)
+        routes = self.topo.routes(src, via[0] if via else dst)
         if level is not None:
             routes = tuple(r for r in routes if r.local_nic == f"l{level}") or routes
         if not routes:
@@ -104,21 +130,47 @@ class _Builder:
             return
         while len(phase) <= rnd:
             phase.append([])
-        phase[rnd].append(Transfer(src, dst, self.nic(src, dst, level), rng[0], rng[1], reduce))
+        via = self.via(src, dst)
+        self.relays.update(via)
+        phase[rnd].append(Transfer(src, dst, self.nic(src, dst, level), rng[0], rng[1], reduce, via))
 
     def build(self) -> Plan:
         return Plan(self.algo, self.group, self.pieces, tuple(tuple(r) for r in self.rs),
                     tuple(tuple(r) for r in self.ag),
-                    {g: tuple(r for r in rs if r[1] > r[0]) for g, rs in self.owner.items()})
+                    {g: tuple(r for r in rs if r[1] > r[0]) for g, rs in self.owner.items()},
+                    frozenset(self.relays))
+
+
+def check_live(plan: Plan, topo: Topology, dead: Collection[int]) -> None:
+    """Raise :class:`~p2psync.errors.GroupCutOff` when ``plan`` relays through other nodes and
+    the nodes not in ``dead`` no longer join its members (which members are cut off from which,
+    and which dead nodes would have joined them); a plan over direct links never does."""
+    if not plan.relays:
+        return
+    cut = live_cut(topo, plan.group, dead)
+    if cut is not None:
+        raise GroupCutOff(cut.describe(), parts=cut.parts, peers=cut.bridges)
 
 
 def plan_ring(topo: Topology, group: Sequence[int], pieces: int, order: Sequence[int] | None = None) -> Plan:
     """Ring allreduce around ``order`` (default: a Hamiltonian cycle of ``group`` over direct
-    links; ConfigError when there is none); see the module docstring."""
-    order = list(order) if order is not None else hamiltonian_cycle(topo, group)
+    links, else over its relay links; ConfigError when there is none); see the module
+    docstring."""
+    links: Links | None = None
     if order is None:
-        raise ConfigError(f"ring plan: group {sorted(group)} has no ring over direct links")
-    b = _Builder(topo, "ring", sorted(group), pieces)
+        order = hamiltonian_cycle(topo, group)
+        if order is None:
+            links = relay_links(topo, group)
+            order = hamiltonian_cycle(topo, group, links=links)
+    else:
+        order = list(order)
+        if any(not topo.routes(a, c) for a, c in zip(order, order[1:] + order[:1]) if a != c):
+            links = relay_links(topo, group)
+            if any(c not in links[a] for a, c in zip(order, order[1:] + order[:1]) if a != c):
+                raise ConfigError(f"ring plan: order {order} has neighbours that no path through non-members joins")
+    if order is None:
+        raise ConfigError(f"ring plan: group {sorted(group)} has no ring, even through other nodes")
+    b = _Builder(topo, "ring", sorted(group), pieces, links)
     n = len(order)
     chunks = split(0, pieces, n)
     for s in range(n - 1):
@@ -167,9 +219,11 @@ def plan_star(topo: Topology, group: Sequence[int], pieces: int, hub: int | None
 
 def plan_tree(topo: Topology, group: Sequence[int], pieces: int, root: int | None = None) -> Plan:
     """Reduce up a BFS spanning tree of ``group`` rooted at ``root`` (default: the
-    best-connected node), then copy down. Also the broadcast plan: executor.py runs its ``ag``
-    phase only (``plan_tree(self.topo, g, ..., root=root)``)."""
-    children = spanning_tree(topo, group, root)
+    best-connected node), then copy down; over the group's direct links when they join it,
+    else over its relay links. Also the broadcast plan: executor.py runs its ``ag`` phase only
+    (``plan_tree(self.topo, g, ..., root=root)``)."""
+    links = group_links(topo, group)
+    children = spanning_tree(topo, group, root, links=links)
     kids = {c for cs in children.values() for c in cs}
     (root,) = [n for n in children if n not in kids]
     depth = {root: 0}
@@ -182,7 +236,7 @@ def plan_tree(topo: Topology, group: Sequence[int], pieces: int, root: int | Non
                 nxt.append(c)
         frontier = nxt
     deepest = max(depth.values())
-    b = _Builder(topo, "tree", sorted(group), pieces)
+    b = _Builder(topo, "tree", sorted(group), pieces, links)
     b.owner[root].append((0, pieces))
     for parent, cs in children.items():
         for c in cs:
@@ -236,7 +290,8 @@ def plan_bcube(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
 
 def make_plan(topo: Topology, group: Sequence[int], pieces: int, algo: str = "auto") -> Plan:
     """Choose and build a plan. ``auto``: the topology's own algorithm for the whole cluster
-    (bcube, star, mesh, ring); for a subset: mesh if it is a clique, else ring, else tree."""
+    (bcube, star, mesh, ring); for a subset: mesh if it is a clique, else ring, else tree; for
+    a subset its own links do not join: a ring over its relay links, else a tree over them."""
     g = sorted(set(group))
     if len(g) != len(group) or not g:
         raise ConfigError(f"bad group {list(group)}")
@@ -256,7 +311,8 @@ def make_plan(topo: Topology, group: Sequence[int], pieces: int, algo: str = "au
         elif len(g) == 1 or hamiltonian_cycle(topo, g) is not None:
             algo = "ring"
         else:
-            algo = "tree"
+            links = group_links(topo, g)
+            algo = "ring" if links is not None and hamiltonian_cycle(topo, g, links=links) is not None else "tree"
     builders = {"ring": plan_ring, "mesh": plan_mesh, "bcube": plan_bcube, "star": plan_star,
                 "tree": plan_tree}
     return builders[algo](topo, g, pieces)

@@ -29,8 +29,7 @@ optimizer state** and runs the update, as the thesis' parameter server does:
   an owner instead keeps each generation's pieces (acknowledged on arrival) and applies them in
   origin order once the generation is complete, so results do not depend on arrival order.
 
-Tensors cross direct links only (DESIGN): a piece for an owner that is not adjacent is forwarded
-hop by hop along the transport's shortest live paths (``<name>.fwd``), each hop a flow-controlled
+A piece for an owner that is not adjacent is forwarded by the store itself, hop by hop along the transport's shortest live paths (``<name>.fwd``), each hop a flow-controlled
 bulk send counted on the NIC it leaves by. Acknowledgements and pull requests are small control
 messages (relayed by the transport). Every wait on a peer has the store's ``timeout``.
 

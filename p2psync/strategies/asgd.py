@@ -5,6 +5,9 @@ incoming gradients as they arrive. Gradients travel over direct links only: a gr
 origin ``o`` is flooded down a BFS spanning tree of the live nodes rooted at ``o`` (on a mesh
 that is a direct send to everyone; on a ring it is passed along), and every node applies it
 exactly once. Staleness (how many local steps a node took since the sender's step) is recorded.
+When the live members are not joined by links among themselves (ring-4 with members 1 and 3
+only), the trees span their relay links (:func:`~p2psync.topology.paths.group_links`) and a
+gradient to a child that is not adjacent is relayed by the nodes in between, members or not.
 
 With ``average`` (default) every gradient is applied with weight 1/N (N = nodes in the run):
 one round of N gradients then moves the model as far as one SSGD step on the mean gradient,
@@ -41,7 +44,7 @@ from p2psync.strategies.options import StrategyOptions, non_negative, option, po
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.regroup import fetch_state, serve_state
 from p2psync.tasks import TaskSet
-from p2psync.topology.paths import spanning_tree
+from p2psync.topology.paths import group_links, spanning_tree
 from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.asgd")
@@ -106,9 +109,11 @@ class ASGD(Strategy):
         members = frozenset(self.alive | {origin})
         key = (origin, members)
         if key not in self._trees:
+            group = sorted(members)
             try:
-                self._trees[key] = spanning_tree(self.ctx.topology, sorted(members), root=origin)
-            except ValueError:  # survivors not connected through origin any more
+                self._trees[key] = spanning_tree(self.ctx.topology, group, root=origin,
+                                                 links=group_links(self.ctx.topology, group))
+            except ValueError:  # not connected even through other nodes
                 self._trees[key] = {}
         return [c for c in self._trees[key].get(self.ctx.node_id, []) if c in self.alive]
 
@@ -128,7 +133,7 @@ class ASGD(Strategy):
         try:
             await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin},
                                           codecs=[self.codec.name] * len(arrays),
-                                          timeout=self.opts.send_timeout)
+                                          timeout=self.opts.send_timeout, relay=True)
         except P2PSyncError as exc:
             self.dropped_sends += 1
             log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)

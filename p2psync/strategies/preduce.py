@@ -9,8 +9,9 @@ the members (line 7: ``x <- sum_{j in S} w_j x_j``) through the topology's colle
 the tag ``preduce.<controller>.<op>.e<epoch>``. Workers outside the group never take part: they
 go on computing. The controller (:mod:`p2psync.coordinator.preduce`, hosted by the coordinator
 through :mod:`p2psync.coordinator.preduce_service`) forms groups from READY signals in arrival
-order, as soon as P are queued, over members connected by direct links (collectives only move
-tensors between adjacent nodes), with the group-frozen filter of Sec. 4 (spec §1.6, B8).
+order, as soon as P are queued, over members connected by direct links (the controller's rule;
+the collectives also run over groups that need relays, as the final average may), with the
+group-frozen filter of Sec. 4 (spec §1.6, B8).
 
 Options (``--opt NAME=VALUE``):
 

@@ -25,9 +25,12 @@ Why this protocol (and not another):
   its last piece went out), so survivors may be a step apart, and a joiner has no state. If the
   steps differ (:func:`sync_decision`), the lowest-id member at the highest step broadcasts its
   state at the start of that step — parameters and optimizer state as one float32 vector,
-  ``<name>.state.e<e>``, over a tree of the group's own links (tensors only cross adjacent
-  links) — and every member behind adopts it and continues at that step. Survivors and joiners
-  therefore hold bitwise the same state as the members they meet (SSGD stays bitwise equal).
+  ``<name>.state.e<e>``, over a tree of the group's own links, or of its relay links when its
+  own do not join it (live non-members, such as departed nodes still up, forward the pieces:
+  :mod:`p2psync.collectives.plan`) — and every member behind adopts it and continues at that
+  step. Survivors and joiners therefore hold bitwise the same state as the members they meet
+  (SSGD stays bitwise equal). A group the live nodes no longer join fails with
+  :class:`~p2psync.errors.GroupCutOff` (a PeerFailure: the node waits for a newer view).
 
 With ``--on-failure stop``, or without a membership service (unit tests), the old fail-stop
 (:class:`~p2psync.strategies.base.FailStop`) applies and the group is every node.
@@ -48,6 +51,7 @@ from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
+from p2psync.topology.paths import hop_distances
 
 log = logging.getLogger("p2psync.regroup")
 
@@ -345,30 +349,32 @@ async def _until_member(ctx: StrategyContext, node: int, timeout: float) -> None
 
 
 def serve_state(ctx: StrategyContext, name: str, step: Callable[[], int]) -> None:
-    """Answer ``<name>.state`` RPCs from adjacent joiners: the state goes back as one ``data``
-    message to the joiner (tensors never take relayed control paths); the reply carries the
-    step it was taken at."""
+    """Answer ``<name>.state`` RPCs from joiners: the state goes back as one ``data`` message
+    to the joiner (relayed through live nodes when it is not adjacent: ``send(...,
+    relay=True)``); the reply carries the step it was taken at."""
 
     async def handler(caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         tag = args.get("tag")
         if not isinstance(tag, str) or not tag.startswith(f"{name}.join."):
             raise ProtocolError("state", f"bad state tag {tag!r}"[:100])
-        if caller not in ctx.topology.neighbors(ctx.node_id):
-            raise ConfigError(f"node {caller} is not adjacent to node {ctx.node_id}")
         await _until_member(ctx, caller, ctx.peer_timeout)  # our view may lag the joiner's
         at = step()
         vec = await ctx.replica.export_state()
         meta = np.frombuffer(await ctx.replica.export_meta(), np.uint8)
-        await ctx.transport.send(caller, tag, [vec, meta], kind="data", step=max(0, at), timeout=ctx.peer_timeout)
+        await ctx.transport.send(caller, tag, [vec, meta], kind="data", step=max(0, at), timeout=ctx.peer_timeout,
+                                 relay=True)
         return {"step": at}
 
     ctx.rpc_server.register(f"{name}.state", handler)
 
 
 async def fetch_state(ctx: StrategyContext, name: str) -> int:
-    """A joiner: copy the state of a live adjacent member (lowest id first); returns its step."""
+    """A joiner: copy the state of a live member, the nearest first over live nodes (adjacent
+    ones first, lowest id first among equals; a farther one's state is relayed); returns its
+    step."""
     me = ctx.node_id
-    donors = [n for n in sorted(ctx.topology.neighbors(me)) if n in ctx.group and n != me]
+    dist = hop_distances(ctx.topology, me, avoid=ctx.transport.dead)
+    donors = sorted((n for n in ctx.group if n != me and n in dist), key=lambda n: (dist[n], n))
     errors: list[str] = []
     for d in donors:
         tag = f"{name}.join.{me}.{ctx.transport.incarnation}"
@@ -387,5 +393,5 @@ async def fetch_state(ctx: StrategyContext, name: str) -> int:
         await ctx.replica.import_meta(np.asarray(meta).tobytes())
         log.warning("node %d: joined with node %d's state at its step %d", me, d, at)
         return at
-    raise PeerFailure(f"node {me}: no live neighbour gave its state ({'; '.join(errors) or 'none alive'})",
+    raise PeerFailure(f"node {me}: no live member gave its state ({'; '.join(errors) or 'none reachable'})",
                       peers=tuple(donors))

@@ -11,7 +11,10 @@ is dropped whenever that set changes (``mark_dead`` / :meth:`Transport.revive`).
 tries every candidate next hop once without waiting (a neighbour whose connection is gone is
 skipped at once), then shares the budget among them. Callers that need end-to-end delivery
 (the RPC client) retry over the next candidate path with :meth:`Transport.send_control`
-(``attempt`` rotates the first hop); tensors (``data``) only ever go to adjacent peers.
+(``attempt`` rotates the first hop). Tensors (``data``) go to adjacent peers, and to others
+only when the sender asks (``send(..., relay=True)``: a collective over a group whose members
+are not adjacent): then hop by hop on the bulk channel, flow-controlled at every hop, within
+a byte budget at every relay (:mod:`p2psync.transport.relay`).
 
 Incoming frames go through :meth:`Transport._ingest`, which decodes strictly, rejects and counts
 bad messages (logged once per peer and reason, in bounded memory; a sender label the sender
@@ -35,11 +38,12 @@ Keyed clusters: with ``relay_keys`` (this node's key shared with each other node
 :mod:`p2psync.transport.keys`) a control message this node relays for itself carries its
 digest and counter (:mod:`p2psync.transport.relay_auth`); a relayed message without them is
 dropped at the first hop, one whose digest does not verify at its destination
-(``relay_auth``), and a replay (``relay_replay``). Only a message whose origin is proven
+(``relay_auth``), and a replay (``relay_replay``); relayed data likewise. Only a message whose origin is proven
 (received from it, or relayed and verified here) is proof of life of its origin or revives a
 node declared dead under a newer incarnation: a relay never records what an unverifiable
 message claims about its origin. Untrusted values (:mod:`.finite_checks`): :meth:`Transport.check_finite` rejects a
-tensor piece holding NaN or infinity, counts it against the neighbour that sent it
+tensor piece holding NaN or infinity, counts it against the node that sent it (the neighbour,
+or a relayed piece's origin: its destination checks it, relays pass it on unscanned)
 (:attr:`Transport.offences`) and tells :attr:`Transport.offence_listeners` (the membership
 client reports it to the coordinator; see :mod:`p2psync.coordinator.membership` for when a
 node is excluded). A node never sends such a piece itself: :meth:`Transport.send` raises
@@ -64,7 +68,7 @@ from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.finite_checks import FiniteChecks
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.incarnation import clock_incarnation
-from p2psync.transport.lending import Lending, Releasable
+from p2psync.transport.lending import Lending, Releasable, own
 from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
@@ -77,6 +81,8 @@ log = logging.getLogger("p2psync.transport")
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_WINDOW_BYTES = 8 << 20
+#: relayed data a relay holds at most until next hops take it (all destinations together)
+DEFAULT_RELAY_BUDGET_BYTES = DEFAULT_BUDGET_BYTES
 
 
 @dataclass
@@ -111,9 +117,12 @@ class Transport(Relaying, FiniteChecks, ABC):
                  default_timeout: float = DEFAULT_TIMEOUT, max_pending: int = 65536,
                  mailbox_budget_bytes: int = DEFAULT_BUDGET_BYTES, mailbox_ttl: float | None = DEFAULT_TTL,
                  max_control_pending: int = 4096, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 relay_keys: Mapping[int, bytes] | None = None, shaper: Shaper | None = None) -> None:
+                 relay_keys: Mapping[int, bytes] | None = None, shaper: Shaper | None = None,
+                 relay_budget_bytes: int = DEFAULT_RELAY_BUDGET_BYTES) -> None:
         """``shaper``: link shaping on the send path (:mod:`p2psync.transport.shaping`); None is
-        the real network. The transport owns it and closes it on :meth:`close`."""
+        the real network. The transport owns it and closes it on :meth:`close`.
+        ``relay_budget_bytes``: relayed data this node holds for others at most while next hops
+        are busy (:mod:`p2psync.transport.relay`)."""
         self.topology = topology
         #: keyed cluster: the key this node shares with each other node (relayed messages)
         self.relay_keys = dict(relay_keys) if relay_keys is not None else None
@@ -129,7 +138,11 @@ class Transport(Relaying, FiniteChecks, ABC):
                                max_control_pending=max_control_pending, on_drop=self._mailbox_drop)
         if window_bytes < 1:
             raise ValueError("window_bytes must be >= 1")
+        if relay_budget_bytes < 1:
+            raise ValueError("relay_budget_bytes must be >= 1")
         self.window_bytes = window_bytes
+        self.relay_budget_bytes = relay_budget_bytes
+        self._relay_held = 0
         self._windows: dict[int, ByteWindow] = {}
         self.nic_stats: dict[str, NicStats] = {n.name: NicStats() for n in self.node.nics}
         self.rejected: Counter[str] = Counter()
@@ -141,6 +154,7 @@ class Transport(Relaying, FiniteChecks, ABC):
         self._dist: dict[int, dict[int, int]] = {}
         self._relay_tasks: set[asyncio.Task[None]] = set()
         self._relay_ctr = itertools.count(1)
+        self._relay_data_ctr = itertools.count(1)
         #: tag prefix -> consumers that check the finiteness of these data messages themselves
         self._deferred_finite: Counter[str] = Counter()
         #: who borrows frames received through shared memory (:meth:`lend`)
@@ -220,7 +234,8 @@ class Transport(Relaying, FiniteChecks, ABC):
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None, checked: bool = False, unordered: bool = False) -> None:
+                   timeout: float | None = None, checked: bool = False, unordered: bool = False,
+                   relay: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
@@ -235,6 +250,12 @@ class Transport(Relaying, FiniteChecks, ABC):
         messages to ``peer`` (e.g. its tag is used once), so it may take a faster path that
         does not keep it: a datagram to a peer on this host (:mod:`p2psync.transport.local`).
         Otherwise messages between two nodes arrive in the order they were sent.
+
+        ``relay`` (``data`` only): ``peer`` need not be adjacent; when it is not, the message
+        goes hop by hop through live nodes (:mod:`p2psync.transport.relay`; ``nic`` is then
+        ignored), in no particular order relative to other messages to ``peer``. PeerFailure
+        when no live path leads there. Without it a data send to a node that is not adjacent
+        is a TransportError.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -248,6 +269,11 @@ class Transport(Relaying, FiniteChecks, ABC):
             await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
                               arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
                               inc=self.incarnation), budget)
+            return
+        if relay and kind == "data" and peer != self.node_id and not self.topology.routes(self.node_id, peer) \
+                and self.topology.has(peer):
+            await self._send_relayed(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
+                                                meta=meta, run=self.run_id, inc=self.incarnation), budget)
             return
         frames = encode(kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
                         run=self.run_id, inc=self.incarnation)
@@ -427,14 +453,21 @@ class Transport(Relaying, FiniteChecks, ABC):
             if peer_id != h.src:
                 self.last_arrival[peer_id] = now
             msg.nic = nic
+            passing = h.dst is not None and h.dst != self.node_id
             if lease is not None:  # copied out (then scanned) unless borrowed (scanned by its borrower)
                 held, lease = lease, None
-                self.lending.place(msg, held)
-            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, peer_id):
-                msg.release()
-                return
-            if h.dst is not None and h.dst != self.node_id:
+                if passing:  # relayed on: never lent (the next send may outlive any loan)
+                    try:
+                        own(msg)
+                    finally:
+                        held.release()
+                else:
+                    self.lending.place(msg, held)
+            if passing:  # its destination checks it (and blames its origin)
                 self._forward(msg, peer_id)
+                return
+            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, h.src):
+                msg.release()
                 return
             self.mailbox.deliver(msg)
         except ProtocolError as exc:
@@ -477,4 +510,4 @@ class Transport(Relaying, FiniteChecks, ABC):
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
 
 
-__all__ = ["DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport", "all_finite"]
+__all__ = ["DEFAULT_RELAY_BUDGET_BYTES", "DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport", "all_finite"]

@@ -4,7 +4,7 @@
 ``data`` message with NaN or infinity on arrival (:meth:`FiniteChecks._finite`), unless its
 consumer promised to check what it uses itself (:meth:`FiniteChecks.defer_finite`: the
 collectives fuse the check with the add that reads the piece anyway), and counts each such
-value as an offence of the neighbour that sent it (:meth:`FiniteChecks.check_finite`).
+value as an offence of the node that sent it (:meth:`FiniteChecks.check_finite`).
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ class FiniteChecks:
 
     def _finite(self, msg: Message, sender: int) -> bool:
         """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
-        here, for every consumer: counted as an offence of the neighbour that sent it (tensors
-        only ever cross one link, so that is where the value came from), and a consumer already
-        waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
+        here, for every consumer: counted as an offence of ``sender``, the node the value came
+        from (the neighbour that handed it over, or a relayed message's origin: relays pass
+        data on unscanned, and in a keyed cluster its destination has verified the origin's
+        digest), and a consumer already waiting for its tag fails at once with
+        :class:`NonFinitePiece` naming that node."""
         for a in msg.arrays:
             if not all_finite(a):
                 exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)

@@ -1,9 +1,11 @@
-"""Data messages to any node over direct links only: hop-by-hop forwarding of tensors.
+"""Data messages to any node, forwarded by the application hop by hop over direct links.
 
-Control messages are relayed by the transport itself (:meth:`Transport.send_control`), but
-tensors never take that path: a ``data`` message to a node that is not adjacent goes to the
-first hop of a shortest live path, wrapped as ``<name>.fwd`` (its real tag and meta inside),
-and every hop re-sends it the same way until it reaches its destination, each hop counted on the
+Control messages are relayed by the transport itself (:meth:`Transport.send_control`), and so
+is data whose sender asks for it (``Transport.send(..., relay=True)``: the collectives, on
+every live node, members or not). A :class:`Forwarder` is the older, application-level way: a
+``data`` message to a node that is not adjacent goes to the first hop of a shortest live path,
+wrapped as ``<name>.fwd`` (its real tag and meta inside), and every hop that runs the same
+forwarder re-sends it the same way until it reaches its destination, each hop counted on the
 NIC it leaves by and flow-controlled like any bulk send. Users: the parameter store (pieces to
 and from non-adjacent owners) and Canary's mesh exchange over groups that are not cliques.
 """

@@ -30,7 +30,8 @@ class MemoryTransport(Transport):
     def __init__(self, *, hub: MemoryHub, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 5.0, **options: Any) -> None:
         """``options``: the :class:`Transport` keywords (``window_bytes``, ``mailbox_budget_bytes``,
-        ``mailbox_ttl``, ``max_pending``, ``max_control_pending``, ``shaper``)."""
+        ``mailbox_ttl``, ``max_pending``, ``max_control_pending``, ``shaper``,
+        ``relay_budget_bytes``)."""
         super().__init__(topology=hub.topology, node_id=node_id, limits=limits,
                          default_timeout=default_timeout, **options)
         self.hub = hub

@@ -1,4 +1,4 @@
-"""Relaying control messages hop by hop over live nodes (split from :mod:`.base`).
+"""Relaying messages hop by hop over live nodes (split from :mod:`.base`).
 
 :class:`Relaying` is the part of :class:`~p2psync.transport.base.Transport` that moves control
 messages (``rpc``, ``reply``, ``event``, ``hb``) to nodes that are not adjacent: shortest paths
@@ -7,6 +7,27 @@ over the nodes not marked dead (a distance cache dropped whenever that set chang
 (owned tasks, drained on close), and, in a keyed cluster, the origin's digest and counter on
 what this node relays for itself and their check at the destination
 (:mod:`p2psync.transport.relay_auth`).
+
+**Relayed data.** A ``data`` message whose sender asks for it (``send(..., relay=True)``: the
+collectives' transfers between members that are not adjacent) takes the same header route
+(``dst``, ``hops``, and in a keyed cluster the origin's digest and a counter of its own data
+lane), with what bulk needs instead of what control needs:
+
+* every hop takes a neighbour on a *shortest* live path (never a longer one, so nothing
+  wanders), the first whose connection is up (lowest id first from a lower origin to a higher
+  destination, highest first the other way), and sends on the bulk channel through that
+  neighbour's flow-control window (backpressure as for a direct send); the same route for
+  every message between two nodes while the nodes and links stay up, so pieces mostly keep
+  their order (the replay window needs no more);
+* a relay forwards at once when the window and the socket take the message; otherwise it
+  holds the message in a task until they do, for at most ``default_timeout``. What it holds
+  is bounded: beyond ``relay_budget_bytes`` (all destinations together) a relayed data message
+  is dropped and counted (``relay_budget``); its operation then fails on its timeout as for a
+  lost peer. A relay never lends a passing message's shared memory (it is copied out) and
+  never scans it for NaN: its destination does, and blames its origin, which in a keyed cluster
+  it has verified;
+* a relayed data message keeps no order relative to other messages between the same two
+  nodes (the collectives' pieces are sent unordered anyway).
 
 A message passing through this node towards a node it has declared dead is still forwarded,
 to a live neighbour of that node: in a keyed cluster a relay cannot verify the origin of what
@@ -26,7 +47,7 @@ from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolE
 from p2psync.topology import Route, Topology
 from p2psync.topology.paths import hop_distances, next_hops
 from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
-from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, parse_header
+from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len, parse_header, placed
 
 log = logging.getLogger("p2psync.transport")
 
@@ -46,9 +67,15 @@ class Relaying:
     _dist: dict[int, dict[int, int]]
     _relay_tasks: set[asyncio.Task[None]]
     _closed: bool
-    #: counters of the relayed messages this node signs, and the ones it accepted (keyed)
+    #: counters of the relayed messages this node signs (control, data), and the ones it
+    #: accepted (keyed)
     _relay_ctr: "itertools.count[int]"
+    _relay_data_ctr: "itertools.count[int]"
     _replays: ReplayWindow
+    shaper: Any
+    #: bytes of relayed data this node holds until the next hop takes them, and their bound
+    _relay_held: int
+    relay_budget_bytes: int
 
     def route(self, peer: int, nic: str | None = None) -> Route:
         raise NotImplementedError
@@ -62,6 +89,18 @@ class Relaying:
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                            bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
         raise NotImplementedError
+
+    def window(self, peer: int) -> Any:
+        raise NotImplementedError
+
+    def _attempt(self, peer: int, route: Route, frames: list[Any], nbytes: int, bulk: bool,
+                 unordered: bool = False) -> bool:
+        raise NotImplementedError
+
+    def _link_up(self, peer: int) -> bool:
+        """Whether this node's connection to adjacent ``peer`` is up as far as it knows (a
+        transport that cannot tell says yes): relayed data prefers such a next hop."""
+        return True
 
     def mark_dead(self, peer: int) -> None:
         """``peer`` failed: sends to it fail at once (also those already retrying), and control
@@ -83,10 +122,10 @@ class Relaying:
         return self._dist[src]
 
     def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
-                  to_dead: bool = False) -> list[int]:
+                  to_dead: bool = False, shortest: bool = False) -> list[int]:
         """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self._distances,
-                         exclude=exclude, rotate=rotate, to_dead=to_dead)
+                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
 
     async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
                            arrays: Sequence[Any] = (), timeout: float | None = None,
@@ -138,6 +177,102 @@ class Relaying:
                     last = exc
         raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
 
+    # -- relayed data ----------------------------------------------------------------------
+
+    async def _send_relayed(self, dst: int, fields: dict[str, Any], budget: float) -> None:
+        """Send a ``data`` message (``fields``: :func:`~p2psync.wire.encode`'s) to ``dst``, which
+        is not adjacent, through relays (see the module docstring); in a keyed cluster signed
+        for ``dst`` and numbered in this node's data lane. PeerFailure when ``dst`` has failed
+        or no live path leads there, PeerUnreachable when the next hop takes nothing in time."""
+        if dst in self.dead:
+            raise PeerFailure(f"node {self.node_id}: node {dst} has failed", peers=(dst,))
+        me = self.node_id
+        if self.relay_keys is not None:
+            fields = {**fields, "ctr": next(self._relay_data_ctr)}
+            frames = placed(encode(src=me, dst=dst, hops=0, **fields))  # a Fill is computed once, here
+            digest = relay_digest(self.relay_keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
+            frames = placed(encode(src=me, dst=dst, hops=0, auth=digest, **fields))  # (Fills: owned now)
+        else:
+            frames = placed(encode(src=me, dst=dst, hops=0, **fields))
+        if not self._relay_now(me, dst, frames, None):
+            await self._relay_bulk(me, dst, frames, budget, None)
+
+    def _bulk_hops(self, origin: int, dst: int, came_from: int | None) -> list[int]:
+        """The next hops for relayed data from ``origin``: on a shortest live path, those whose
+        connection is up first; in id order within each when ``origin < dst``, else in reverse
+        (the two directions between two nodes take different relays where there is a choice,
+        e.g. 1 -> 3 through 0 and 3 -> 1 through 2 on ring-4)."""
+        hops = self.next_hops(dst, exclude=came_from, shortest=True)
+        if not hops:
+            raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
+        if origin > dst:
+            hops.reverse()
+        return sorted(hops, key=lambda nb: not self._link_up(nb))
+
+    def _relay_now(self, origin: int, dst: int, frames: list[Any], came_from: int | None) -> bool:
+        """Hand relayed data to its first next hop at once if that hop's window and connection
+        take it (no coroutine, no task); False: it has to wait (:meth:`_relay_bulk`). Never
+        with a shaper (whose queue decides when bulk leaves)."""
+        if self.shaper is not None:
+            return False
+        nb = self._bulk_hops(origin, dst, came_from)[0]
+        win, nbytes = self.window(nb), frames_len(frames)
+        held = win.try_acquire(nbytes)
+        if held is None:
+            return False
+        try:
+            return self._attempt(nb, self.route(nb), frames, nbytes, True)
+        finally:
+            win.release(held)
+
+    async def _relay_bulk(self, origin: int, dst: int, frames: list[Any], budget: float,
+                          came_from: int | None) -> None:
+        """Relayed data to the next hop towards ``dst``, waiting for its window (the budget
+        shared among the candidate hops, the next tried when one fails)."""
+        hops = self._bulk_hops(origin, dst, came_from)
+        last: PeerFailure | None = None
+        for nb in hops:
+            try:
+                await self._send_direct(nb, self.route(nb), budget / len(hops), frames, bulk=True)
+                return
+            except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
+                last = exc
+        raise PeerUnreachable(f"node {self.node_id}: cannot relay to node {dst}: {last}", peers=(dst,))
+
+    def _forward_data(self, msg: Message, came_from: int, fields: dict[str, Any]) -> None:
+        """Pass on a ``data`` message for another node: at once when the next hop takes it,
+        else held (within ``relay_budget_bytes``) until it does; ProtocolError (counted by the
+        caller) when it is refused here."""
+        h = msg.header
+        dst = cast(int, h.dst)
+        if dst in self.dead:
+            raise ProtocolError("relay", f"data for node {dst}, which has failed")
+        frames = encode(src=h.src, dst=dst, hops=h.hops + 1, **fields)
+        try:
+            if self._relay_now(h.src, dst, frames, came_from):
+                self.relayed += 1
+                return
+        except PeerFailure as exc:
+            raise ProtocolError("relay", f"data for node {dst}: {exc}") from None
+        nbytes = frames_len(frames)
+        if self._relay_held + nbytes > self.relay_budget_bytes:
+            raise ProtocolError("relay_budget", f"{nbytes} bytes for node {dst} do not fit in the "
+                                f"{self.relay_budget_bytes} bytes this node holds for relaying")
+        self._relay_held += nbytes
+
+        async def go() -> None:
+            try:
+                await self._relay_bulk(h.src, dst, frames, self.default_timeout, came_from)
+                self.relayed += 1
+            except P2PSyncError as exc:
+                log.info("node %d: dropped relayed data %r for node %d: %s", self.node_id, h.tag, dst, exc)
+            finally:
+                self._relay_held -= nbytes
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._relay_tasks.add(task)
+        task.add_done_callback(self._relay_tasks.discard)
+
     def _relayed_ok(self, msg: Message, frames: Sequence[Any]) -> bool:
         """A relayed message (its origin is not the neighbour that handed it over): in a keyed
         cluster it must carry its origin's digest and counter, verified here if it is for this
@@ -154,7 +289,7 @@ class Relaying:
         if key is None or not verify(key, h, frames[1:]):
             raise ProtocolError("relay_auth", f"relayed message claiming origin node {h.src}: its digest "
                                 "does not verify (forged or altered on the way)")
-        if not self._replays.accept(h.src, h.inc, h.ctr):
+        if not self._replays.accept(h.src, h.inc, h.ctr, lane=int(h.kind == "data")):
             raise ProtocolError("relay_replay", f"relayed message {h.tag!r} from node {h.src} (incarnation "
                                 f"{h.inc}, counter {h.ctr}) was delivered before, or is too old")
         return True
@@ -168,6 +303,9 @@ class Relaying:
         fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
                       codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc, auth=h.auth,
                       ctr=h.ctr)
+        if h.kind == "data":
+            self._forward_data(msg, came_from, fields)
+            return
 
         async def go() -> None:
             try:

@@ -1,7 +1,7 @@
-"""The origin of a relayed control message, verifiable by its destination (keyed clusters).
+"""The origin of a relayed message, verifiable by its destination (keyed clusters).
 
-Why: CurveZMQ authenticates the two ends of one connection, so for a control message relayed
-hop by hop the destination only knows which neighbour handed it over; a relay (or a forged
+Why: CurveZMQ authenticates the two ends of one connection, so for a message (control, or a
+tensor piece a collective relays) relayed hop by hop the destination only knows which neighbour handed it over; a relay (or a forged
 message claiming to be relayed) could name any origin. The origin therefore signs what it
 sends: an HMAC-SHA256 (Python's ``hmac``, no custom crypto) under the 32-byte key it shares with
 the destination alone (``relay`` keys, :mod:`p2psync.transport.keys`), over every header field a
@@ -13,11 +13,15 @@ sides, so it does not depend on how msgpack laid the bytes out.
 
 Replays: a valid signed message could be captured by a relay and handed over again (a second
 ``peer_failed`` event, a second RPC). The origin numbers what it signs (header ``ctr``, one
-counter per process, so per incarnation) and the destination keeps a :class:`ReplayWindow` per
-origin: the highest counter seen and a bitmap of the :data:`WINDOW` counters below it, so a
-counter seen before, or older than the window, is dropped (``relay_replay``) while messages
-that overtake each other on different paths still pass. Memory: one entry per origin node whose
-digest verified (at most the topology's nodes), whatever a peer sends.
+counter per process and *lane*, so per incarnation: control messages and relayed ``data``
+pieces count separately, because control overtakes data queued behind a busy link and would
+otherwise push the counters of that data out of the window) and the destination keeps a
+:class:`ReplayWindow` per origin and lane: the highest counter seen and a bitmap of the
+:data:`WINDOW` counters below it, so a counter seen before, or older than the window, is
+dropped (``relay_replay``) while messages that overtake each other on different paths still
+pass. The digest covers the kind, so nothing moves a message into the other lane. Memory: two
+entries per origin node whose digest verified (at most twice the topology's nodes), whatever a
+peer sends.
 """
 
 from __future__ import annotations
@@ -53,15 +57,17 @@ class ReplayWindow:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
-        #: origin -> (incarnation, highest counter, bitmap: bit i = counter highest - i seen)
-        self._seen: dict[int, tuple[int, int, int]] = {}
+        #: (origin, lane) -> (incarnation, highest counter, bitmap: bit i = counter highest - i seen)
+        self._seen: dict[tuple[int, int], tuple[int, int, int]] = {}
 
-    def accept(self, origin: int, inc: int, ctr: int) -> bool:
+    def accept(self, origin: int, inc: int, ctr: int, lane: int = 0) -> bool:
         """True (and remembered) the first time; False for a replay, a counter older than the
-        window, or an incarnation older than the newest one seen from ``origin``."""
-        cur = self._seen.get(origin)
+        window, or an incarnation older than the newest one seen from ``origin``. ``lane``:
+        which of the origin's counters (0 control, 1 data) numbered the message."""
+        key = (origin, lane)
+        cur = self._seen.get(key)
         if cur is None or inc > cur[0]:
-            self._seen[origin] = (inc, ctr, 1)
+            self._seen[key] = (inc, ctr, 1)
             return True
         known_inc, top, bits = cur
         if inc < known_inc:
@@ -69,12 +75,12 @@ class ReplayWindow:
         if ctr > top:
             shift = ctr - top
             bits = ((bits << shift) | 1) & ((1 << self.window) - 1) if shift < self.window else 1
-            self._seen[origin] = (inc, ctr, bits)
+            self._seen[key] = (inc, ctr, bits)
             return True
         back = top - ctr
         if back >= self.window or bits >> back & 1:
             return False
-        self._seen[origin] = (inc, top, bits | 1 << back)
+        self._seen[key] = (inc, top, bits | 1 << back)
         return True
 
 

@@ -149,7 +149,7 @@ class ZmqEndpoint(Transport, LocalChannel):
                  **transport_options: Any) -> None:
         """``transport_options``: the :class:`Transport` keywords (``window_bytes``,
         ``mailbox_budget_bytes``, ``mailbox_ttl``, ``max_pending``, ``max_control_pending``,
-        ``shaper``).
+        ``shaper``, ``relay_budget_bytes``).
         ``keys``: this node's keys in a keyed cluster (every socket runs CurveZMQ)."""
         if keys is not None:
             if keys.node != node_id or topology.node(node_id).curve_public != keys.public.decode():
@@ -341,6 +341,10 @@ class ZmqEndpoint(Transport, LocalChannel):
                 self._reject(nic, str(peer), "handshake_failed",
                              f"handshake with node {peer} failed (event {ev['event']:#x}; with keys: "
                              "its key is not the one the topology lists, or it refused ours)")
+
+    def _link_up(self, peer: int) -> bool:
+        """Our bulk connection to ``peer`` has completed its handshake and not dropped since."""
+        return peer not in self.down
 
     async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
         """Wait until both our connections to every node of ``peers`` are down (it exited, or

@@ -29,7 +29,6 @@ from p2psync.wire.schema import (
     MAX_HOPS,
     MessageKind,
     MAX_U64,
-    RELAY_KINDS,
     SCHEMA_VERSION,
     FrameSpec,
     Header,
@@ -168,8 +167,6 @@ def encode(
     if meta:
         header["meta"] = dict(meta)
     if dst is not None:
-        if kind not in RELAY_KINDS:
-            raise ValueError(f"{kind!r} messages are never relayed")
         header["dst"] = int(dst)
         header["hops"] = int(hops)
     if auth is not None:
@@ -352,8 +349,6 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
             raise ProtocolError("relay", f"bad dst {dst!r}"[:100])
         if type(hops) is not int or not 0 <= hops <= MAX_HOPS:
             raise ProtocolError("relay", f"bad hops {hops!r}"[:100])
-        if kind not in RELAY_KINDS:
-            raise ProtocolError("relay", f"{kind} messages are never relayed")
     auth = obj.get("auth")
     if auth is not None and (dst is None or not isinstance(auth, bytes) or len(auth) != AUTH_BYTES):
         raise ProtocolError("relay", f"auth must be a {AUTH_BYTES}-byte digest on a relayed message")

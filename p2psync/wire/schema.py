@@ -7,12 +7,14 @@ map with exactly these keys (``meta`` optional)::
      "frames": [[dtype, [dim, ...], codec, nbytes], ...], "meta": {str: value},
      "dst": int, "hops": int}
 
-``dst``/``hops`` appear only on control messages relayed to a node that is not adjacent;
+``dst``/``hops`` appear only on messages relayed to a node that is not adjacent: control
+messages (:data:`RELAY_KINDS`, which the transport relays on its own) and ``data`` messages a
+sender asked to relay (a collective over a group whose members are not adjacent);
 ``auth`` (32 bytes, only with ``dst``) is the origin's HMAC of a relayed message in a keyed
 cluster (see :mod:`p2psync.transport.relay_auth`): the destination checks it, so a relay
 cannot forge or alter what it forwards. ``ctr`` (only with ``dst``; signed with the rest) is
-the origin's message counter, increasing within one incarnation: the destination drops a
-counter it has already seen (a replay).
+the origin's message counter, increasing within one incarnation (one counter for ``data``,
+one for control): the destination drops a counter it has already seen (a replay).
 
 Version 2 added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
@@ -68,8 +70,8 @@ HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth", "ctr"})
 #: length of the ``auth`` digest (HMAC-SHA256)
 AUTH_BYTES = 32
 
-#: kinds that may be relayed hop by hop to a node that is not adjacent (control traffic only;
-#: tensors always move between adjacent peers)
+#: control kinds: relayed hop by hop to a node that is not adjacent whenever they are sent
+#: there (``data`` is relayed only when its sender asks: ``Transport.send(..., relay=True)``)
 RELAY_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
 MAX_HOPS = 16
 #: run ids and incarnations are unsigned 64-bit integers

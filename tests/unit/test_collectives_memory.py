@@ -13,7 +13,7 @@ import torch
 from tests.helpers import memory_collectives as memory
 from p2psync.collectives import Collectives
 from p2psync.collectives.buffers import COPY_RATE, refs, sends_done
-from p2psync.errors import ConfigError, PeerFailure, ProtocolError
+from p2psync.errors import ConfigError, GroupCutOff, PeerFailure, ProtocolError
 from p2psync.topology import Route, mesh, ring, star
 from p2psync.transport.memory import MemoryHub, MemoryTransport
 from p2psync.wire.schema import DTYPES
@@ -131,9 +131,14 @@ async def test_error_feedback_residuals_belong_to_their_tensor():
         assert rel < 0.05, (name, rel)
 
 
-async def test_disconnected_group_is_a_config_error():
+async def test_a_group_the_live_nodes_do_not_join_fails_at_once():
+    """Members 0 and 2 of ring-4 share no link: their pieces go through node 1 or 3. With both
+    dead the group is cut apart, and the allreduce says so at once (GroupCutOff, a
+    PeerFailure), instead of waiting for pieces that cannot come."""
     async with memory(ring(4)) as cs:
-        with pytest.raises(ConfigError, match="not connected"):
+        cs[0].transport.mark_dead(1)
+        cs[0].transport.mark_dead(3)
+        with pytest.raises(GroupCutOff, match=r"members \[0\] and \[2\] cannot reach each other"):
             await cs[0].allreduce(np.ones(4, np.float32), [0, 2], tag="g")
 
 

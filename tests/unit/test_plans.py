@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.collectives.plan import make_plan, plan_bcube, plan_mesh, plan_ring, split
-from p2psync.errors import ConfigError
+from p2psync.collectives.plan import check_live, make_plan, plan_bcube, plan_mesh, plan_ring, plan_tree, split
+from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import bcube, mesh, ring, star
+from p2psync.topology.paths import live_cut, relay_links
 
 
 def simulate(plan, topo):
@@ -24,8 +25,13 @@ def simulate(plan, topo):
         for rnd in phase:
             snap = {n: s.copy() for n, s in state.items()}
             for t in rnd:
-                # no transfer over a NIC pair that shares no network
-                assert any(r.local_nic == t.nic for r in topo.routes(t.src, t.dst)), t
+                # no transfer over a NIC pair that shares no network; a relayed one names a path
+                # through non-members, leaving by the NIC towards its first node
+                hops = [t.src, *t.via, t.dst]
+                assert any(r.local_nic == t.nic for r in topo.routes(t.src, hops[1])), t
+                assert all(topo.routes(a, c) for a, c in zip(hops, hops[1:])), t
+                assert not set(t.via) & set(g) and set(t.via) <= plan.relays, t
+                assert bool(t.via) == (not topo.routes(t.src, t.dst)), t
                 assert t.src in pos and t.dst in pos and 0 <= t.lo < t.hi <= plan.pieces
                 if t.reduce:
                     state[t.dst][t.lo:t.hi] += snap[t.src][t.lo:t.hi]
@@ -104,12 +110,14 @@ def test_random_groups(data):
     topo = {"ring": ring(7), "mesh": mesh(6), "bcube": bcube(2, 3), "star": star(6)}[kind]
     size = data.draw(st.integers(1, topo.size))
     group = data.draw(st.permutations(topo.ids))[:size]
-    if not _connected(topo, group):
-        with pytest.raises((ConfigError, ValueError)):
-            make_plan(topo, group, 5)
-        return
     pieces = data.draw(st.integers(0, 40))
-    simulate(make_plan(topo, group, pieces), topo)
+    plan = make_plan(topo, group, pieces)
+    simulate(plan, topo)
+    # relays only where the group's own links do not join it (else exactly the plan of before)
+    assert bool(plan.relays) == (not _connected(topo, group))
+    bcast = plan_tree(topo, group, pieces, root=group[0])
+    simulate(bcast, topo)
+    assert bool(bcast.relays) == (not _connected(topo, group))
 
 
 def _connected(topo, group):
@@ -137,3 +145,80 @@ def test_bad_inputs():
         plan_mesh(ring(4), range(4), 3)
     with pytest.raises(ConfigError):
         plan_bcube(ring(4), range(4), 3)
+
+
+def test_ring4_pair_without_a_link_is_planned_through_a_non_member():
+    """Members 1 and 3 of ring-4 share no link: a ring of two over relay links, through node 0
+    (the lowest id on a shortest path through non-members), every member building the same."""
+    topo = ring(4)
+    assert relay_links(topo, [1, 3]) == {1: {3: (0,)}, 3: {1: (0,)}}
+    plan = make_plan(topo, [3, 1], 10)
+    assert plan.algo == "ring" and plan.relays == {0}
+    assert {(t.src, t.dst, t.via, t.nic) for rnd in (*plan.rs, *plan.ag) for t in rnd} == \
+        {(1, 3, (0,), "left"), (3, 1, (0,), "right")}
+    simulate(plan, topo)
+    assert plan.sent_by(1) == plan.sent_by(3) == 10  # each sends half in each phase
+    check_live(plan, topo, dead={2})  # node 0 alive: fine (the transport goes through it)
+    check_live(plan, topo, dead={0})  # node 2 alive: fine (the transport goes around 0)
+    assert make_plan(topo, [1, 3], 10, "tree").relays == {0}
+    assert make_plan(topo, [0, 1, 2], 10).relays == frozenset()  # its own links join it
+
+
+def test_groups_their_own_links_join_keep_the_plan_they_had():
+    """A group joined by its own links plans exactly as before (no relays), whatever is dead;
+    an explicit ring that the group's links lack goes over relay links instead of failing."""
+    assert make_plan(ring(5), [0, 1, 3, 4], 8).algo == "tree"  # 3-4-0-1: a path, no ring
+    assert not make_plan(ring(5), [0, 1, 3, 4], 8).relays
+    r = make_plan(ring(5), [0, 1, 3, 4], 8, "ring")
+    assert r.relays == {2}
+    simulate(r, ring(5))
+    for group in ([0, 2, 3], [1, 4], [0, 5]):
+        plan = make_plan(mesh(6), group, 12)
+        assert not plan.relays and plan == make_plan(mesh(6), group, 12)
+        check_live(plan, mesh(6), dead=set(range(6)) - set(group))  # nothing to ask of the dead
+
+
+def test_bcube_members_on_no_common_network():
+    """BCube(3,2): 0, 4 and 8 differ in both digits, so no two share a network; each pair is
+    joined through the one node that shares a digit with both."""
+    topo = bcube(3, 2)
+    assert relay_links(topo, [0, 4, 8]) == {0: {4: (1,), 8: (2,)}, 4: {0: (1,), 8: (5,)},
+                                            8: {0: (2,), 4: (5,)}}
+    plan = make_plan(topo, [0, 4, 8], 30)
+    assert plan.algo == "ring" and plan.relays == {1, 2, 5}
+    simulate(plan, topo)
+    check_live(plan, topo, dead={1, 2, 5})  # other paths remain (e.g. 0-3-4, 0-6-8)
+    # every neighbour of node 0 dead: any one of them would join it to node 4 again
+    cut = live_cut(topo, [0, 4], dead={1, 2, 3, 6})
+    assert cut is not None and cut.parts == ((0,), (4,)) and cut.bridges == (1, 2, 3, 6)
+
+
+def test_star_leaves_through_a_departed_hub():
+    topo = star(5)
+    plan = make_plan(topo, [1, 2, 3, 4], 16)
+    assert plan.algo == "ring" and plan.relays == {0}
+    simulate(plan, topo)
+
+
+def test_a_group_the_live_nodes_do_not_join_is_a_clear_error():
+    """Ring-4 without its nodes 0 and 2: members 1 and 3 are cut apart; the error names them
+    and the dead nodes that would have joined them, and is a PeerFailure (strategies wait for
+    a newer view), not a ConfigError."""
+    topo = ring(4)
+    plan = make_plan(topo, [1, 3], 4)
+    with pytest.raises(GroupCutOff) as info:
+        check_live(plan, topo, dead={0, 2})
+    msg = str(info.value)
+    assert "members [1] and [3] cannot reach each other" in msg
+    assert "any one of dead nodes [0, 2] would have connected them" in msg
+    assert info.value.parts == ((1,), (3,)) and info.value.peers == (0, 2)
+    assert not isinstance(info.value, ConfigError)
+    # no single dead node would do: the fewest that would, together
+    cut = live_cut(ring(8), [1, 5], {0, 2, 3, 6, 7})
+    assert cut is not None and cut.together and cut.bridges == (2, 3)
+    assert "dead nodes [2, 3] together would have connected them" in cut.describe()
+    cut = live_cut(ring(8), [1, 5], {0, 3, 6, 7})
+    assert cut is not None and cut.describe().endswith("dead node 3 would have connected them")
+    cut = live_cut(ring(8), [1, 3, 5], {0, 2, 4, 6})
+    assert cut is not None and cut.parts == ((1,), (3,), (5,)) and cut.bridges == (2, 4)
+    assert live_cut(ring(8), [1, 5], {0}) is None  # the other way round

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from p2psync.api.runtime import relayed_neighbours
+from p2psync.api.runtime import relay_wanted, relayed_neighbours
 from p2psync.topology import bcube, mesh, ring, star
 from tests.helpers import free_port, until, zmq_cluster
 
@@ -42,3 +42,17 @@ async def test_wait_gone_ends_when_the_nodes_behind_are_gone_or_at_its_limit():
         await closing
         assert await eps[1].wait_gone([2], 0.0)  # already gone: no wait at all
         assert not await eps[1].wait_gone([2, 0], 0.1)  # node 0 is still there
+
+
+def test_a_departed_node_stays_while_the_members_left_pass_tensors_through_it():
+    """Ring-4 whose members 1 and 3 train on after 0 and 2 departed: both 0 and 2 lie on a
+    shortest path between them, so each stays (in the finish barrier) while they train; with
+    node 2 dead, node 0 is the only way. A group its own links join needs nobody."""
+    assert relay_wanted(ring(4), 0, [1, 3]) and relay_wanted(ring(4), 2, [1, 3])
+    assert relay_wanted(ring(4), 0, [1, 3], dead={2})
+    assert not relay_wanted(ring(4), 0, [1, 2, 3])  # 1-2-3: their own links
+    assert not relay_wanted(ring(4), 0, [1]) and not relay_wanted(ring(4), 0, [])
+    assert relay_wanted(ring(6), 0, [1, 3, 5]) and not relay_wanted(ring(6), 0, [1, 2, 3, 4, 5])
+    assert not relay_wanted(ring(8), 0, [2, 5])  # not on a shortest path between them (2-3-4-5)
+    assert relay_wanted(star(5), 0, [2, 4]) and not relay_wanted(mesh(4), 0, [1, 3])
+    assert relay_wanted(bcube(3, 2), 1, [0, 4]) and not relay_wanted(bcube(3, 2), 2, [0, 4])

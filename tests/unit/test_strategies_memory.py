@@ -80,6 +80,23 @@ async def _run(s, steps):
         await s.train_step(k, k == steps - 1)
 
 
+async def test_asgd_members_joined_only_through_other_nodes_still_get_every_gradient():
+    """Ring-4 whose view holds nodes 1 and 3 only (0 and 2 departed, still up): the flooding
+    tree of 1 and 3 spans their relay link, so each applies every gradient of the other."""
+    from p2psync.coordinator import View
+
+    strats = await _nodes(ring(4), "asgd")
+    pair = [strats[1], strats[3]]
+    for s in pair:
+        s.on_view(View(epoch=2, members=(1, 3)))
+    await asyncio.gather(*(_run(s, 4) for s in pair))
+    await until(lambda: all(s.applied_remote == 4 for s in pair), 4.0, "every gradient applied")
+    assert strats[0].applied_remote == strats[2].applied_remote == 0
+    relayed = strats[0].ctx.transport.relayed + strats[2].ctx.transport.relayed
+    assert relayed == 8 and all(s.dropped_sends == 0 for s in pair)
+    await _close(strats)
+
+
 async def test_asgd_continues_without_failed_peer():
     strats = await _nodes(mesh(3), "asgd", send_timeout=0.3)
     await strats[2].ctx.transport.close()

@@ -166,6 +166,17 @@ def test_run_id_and_incarnation_round_trip_and_local_checks():
             encode(kind="data", src=0, tag="a", **bad)
 
 
+def test_a_relayed_data_message_keeps_its_route_signature_and_payload():
+    """Data may carry ``dst``/``hops`` (and ``auth``/``ctr``) like control: a collective's piece
+    relayed to a node that is not adjacent."""
+    x = np.arange(6, dtype=np.float32)
+    msg = decode(encode(kind="data", src=1, tag="op.rs0.1.0", dst=3, hops=2, arrays=[x], auth=b"\7" * 32, ctr=9,
+                        run=4, inc=5))
+    h = msg.header
+    assert (h.kind, h.src, h.dst, h.hops, h.auth, h.ctr) == ("data", 1, 3, 2, b"\7" * 32, 9)
+    np.testing.assert_array_equal(msg.arrays[0], x)
+
+
 def test_parse_header_accepts_rpc_meta():
     h = parse_header(bytes(encode(kind="rpc", src=2, tag="rpc.req", meta={"m": "q", "a": {"x": [1, None, True]}})[0]))
     assert h.kind == "rpc" and h.meta["a"]["x"] == [1, None, True]
