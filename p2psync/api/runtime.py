@@ -307,8 +307,11 @@ class NodeRuntime:
         service = self.host.service
         if service is not None and self.host.coordinating and self.membership.fenced is None:
             if not service.state.has_quorum(time.monotonic()):
+                st = service.state
                 log.error("node %d: coordinates no majority of the run at its end: summary.json is not written "
-                          "(the majority's coordinator writes it)", self.node_id)
+                          "(the majority's coordinator writes it); agreed view %s, members %s, silent %s, blocked %s",
+                          self.node_id, sorted(st.agreement.members) if st.agreement is not None else None,
+                          st.alive_nodes, st.detector.suspects(time.monotonic()), st.blocked)
                 return
             if not (self.run_dir / "config.json").exists():  # took over on another host
                 self._write_config()

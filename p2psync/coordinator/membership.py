@@ -217,7 +217,10 @@ class MembershipState:
         if self.agreement is None:
             return True
         suspects = set(self.detector.suspects(now))
-        return not self.blocked and self.agreement.quorum([n for n in self.alive_nodes if n not in suspects])
+        # a member that finished (it is in this coordinator's finish barrier, or left it)
+        # counts as heard: it agreed to the end, and it may have exited since
+        heard = [n for n in self.alive_nodes if n not in suspects or n in self.finished]
+        return not self.blocked and self.agreement.quorum(heard)
 
     def _may_remove(self, nodes: Sequence[int]) -> bool:
         """Whether declaring ``nodes`` failed keeps a majority of the agreed view."""

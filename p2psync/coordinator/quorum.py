@@ -45,9 +45,10 @@ def majority(n: int) -> int:
 
 
 def holds_majority(alive: Collection[int], base: Collection[int]) -> bool:
-    """Whether the nodes ``alive`` include a majority of ``base``."""
+    """Whether the nodes ``alive`` include a majority of ``base`` (trivially, when every voter
+    of ``base`` has left the run: nobody is left to disagree)."""
     base_set = set(base)
-    return len(base_set & set(alive)) >= majority(len(base_set))
+    return not base_set or len(base_set & set(alive)) >= majority(len(base_set))
 
 
 def view_key(term: int, epoch: int) -> ViewKey:
@@ -195,8 +196,9 @@ class Candidacy:
 
     @property
     def won(self) -> bool:
-        """A majority of the voters granted this term (the candidate's own vote included)."""
-        return holds_majority(self.granted | ({self.me} & self.voters), self.voters)
+        """A majority of the voters granted this term; the candidate's own vote counts only when
+        recorded like any other (its ballot may have gone to another candidate of the term)."""
+        return holds_majority(self.granted, self.voters)
 
 
 __all__ = ["Agreement", "Ballot", "Candidacy", "ViewKey", "VoteAnswer", "VoteRequest", "holds_majority",
