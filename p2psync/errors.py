@@ -134,7 +134,12 @@ class Fenced(P2PSyncError):
     """This node was removed from the run (declared failed while it paused, or cut off on the
     minority side of a partition): its progress since is void. The process ends with
     ``EXIT_FENCED``; a launcher restarts it, and the new process rejoins with the majority's
-    state."""
+    state. ``rejoin`` is False when it was excluded for what it sent (non-finite values): then
+    it ends as failed and is not started again."""
+
+    def __init__(self, message: str, *, rejoin: bool = True) -> None:
+        self.rejoin = rejoin
+        super().__init__(message)
 
 
 class NoQuorum(P2PSyncError):

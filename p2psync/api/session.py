@@ -371,7 +371,7 @@ class Session(SessionState):
     def _on_fenced(self, exc: Fenced) -> None:
         """This node was removed from the run: it stops now (its progress since is void). A
         marker beside its records tells the launcher to start it again (it then rejoins)."""
-        if self.runtime is not None:
+        if self.runtime is not None and exc.rejoin:
             write_text_or_warn(self.runtime.run_dir / f"node-{self.node_id}.fenced", str(exc) + "\n",
                                what="fence marker")
         self._fail(exc)

@@ -67,6 +67,12 @@ def hang_bound(cfg: RunConfig) -> float:
     return cfg.quorum_timeout + cfg.peer_timeout + cfg.failure_timeout + 15
 
 
+def start_bound(cfg: RunConfig) -> float:
+    """Seconds the other nodes may go on after a failure while none of them has written a
+    record yet (nothing to follow: they never trained, or do not train through p2psync)."""
+    return cfg.failure_timeout + cfg.peer_timeout + 15
+
+
 def fenced_marker(run_dir: Path, node: int) -> Path:
     """Where a fenced node's session leaves its reason (read, then removed, by the launcher)."""
     return run_dir / f"node-{node}.fenced"
@@ -429,8 +435,11 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
                 break
             if all(c is not None for c in codes.values()):
                 break
-            if first_failure is not None and time.monotonic() - max(first_failure[0], progress) > patience:
-                print(f"no node made progress for {patience:.0f}s after node {first_failure[1]} failed: the run "
+            # nodes that never wrote a record (a script that does not train through p2psync, or
+            # not yet): no progress to follow, the short bound of a failed start applies
+            bound = patience if any(t.pos for t in tails.values()) else start_bound(cfg)
+            if first_failure is not None and time.monotonic() - max(first_failure[0], progress) > bound:
+                print(f"no node made progress for {bound:.0f}s after node {first_failure[1]} failed: the run "
                       f"hangs, stopping it", file=sys.stderr)
                 break
             time.sleep(POLL_S)
@@ -453,7 +462,30 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
             log_path = run_dir / f"node-{i}.log"
             print(f"node {i} failed (exit {code}): {_last_line(log_path) or f'no output ({log_path})'}",
                   file=sys.stderr)
+    models = models_at_end(run_dir, cfg.strategy)
+    if models is not None:
+        print(f"the run ended with {models}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_FAILED if failed else 0
+
+
+def models_at_end(run_dir: Path, strategy: str) -> str | None:
+    """What is wrong with the run's end, for a strategy that promises one model after every
+    step (its nodes' ``params_sha1`` in ``summary.json`` differ), or None (one model, a strategy
+    that promises it only at an agreed stop, which warns itself when a loop's end left several,
+    or no summary: the callers say that themselves)."""
+    if get_strategy(strategy).identical_replicas != "every_step":
+        return None
+    nodes = _summary_nodes(run_dir / "summary.json")
+    hashes: dict[str, list[str]] = {}
+    for node, rec in nodes.items():
+        sha = rec.get("params_sha1") if isinstance(rec, dict) else None
+        if isinstance(sha, str):
+            hashes.setdefault(sha, []).append(node)
+    if len(hashes) <= 1:
+        return None
+    groups = "; ".join(f"nodes {', '.join(sorted(v, key=int))}: {k}" for k, v in sorted(hashes.items()))
+    return f"{len(hashes)} different models where {strategy} promises one ({groups})"
 
 
 def _stop_all(procs: dict[int, NodeProcess], groups: set[int]) -> list[int]:

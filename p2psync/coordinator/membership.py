@@ -62,7 +62,7 @@ import numpy as np
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.rpc import Handler, RpcServer
-from p2psync.coordinator.views import View
+from p2psync.coordinator.views import MAX_END_CHARS, View
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
@@ -475,8 +475,8 @@ class MembershipService:
         ended = self.state.diverged
         new = self.state.report_offences(caller, offenders, lambda n: topo.neighbors(n) if n in topo.ids else [],
                                          seen_epoch=seen)
-        for n in new:  # told first, so it stops instead of waiting for peers
-            await self._tell(n, self.state.view())
+        for n in new:  # told first (and why), so it stops instead of waiting for peers
+            await self._tell(n, self.state.view(), excluded=self.state.excluded.get(n))
         self._failed(new, "excluded: sent non-finite tensor values")
         if self.state.diverged and not ended:
             view = self.state.view()
@@ -546,9 +546,12 @@ class MembershipService:
             if peer not in (self.transport.node_id, skip):
                 self._tasks.spawn(self._tell(peer, view), name=f"view-to-{peer}")
 
-    async def _tell(self, peer: int, view: View) -> None:
+    async def _tell(self, peer: int, view: View, *, excluded: str | None = None) -> None:
+        meta = view.to_wire()
+        if excluded is not None:  # the view fences this node for good
+            meta["excluded"] = excluded[:MAX_END_CHARS]
         try:
-            await self.transport.send(peer, EVENT_VIEW, kind="event", meta=view.to_wire(), timeout=2.0)
+            await self.transport.send(peer, EVENT_VIEW, kind="event", meta=meta, timeout=2.0)
         except P2PSyncError as exc:  # the next heartbeat reply carries the view anyway
             log.info("could not send view %d to node %d: %s", view.epoch, peer, exc)
 

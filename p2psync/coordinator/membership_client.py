@@ -276,8 +276,12 @@ class MembershipClient:
             return
         me = self.transport.node_id
         if me not in view.members and me not in view.departed and self.view is not None:
-            self._fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
-                        f"name it (members {list(view.members)})")
+            excluded = raw.get("excluded") if isinstance(raw, dict) else None
+            if isinstance(excluded, str):
+                self._fence(f"coordinator {view.coordinator} excluded it: it {excluded[:300]}", rejoin=False)
+            else:
+                self._fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
+                            f"name it (members {list(view.members)})")
             return
         change = self.views.apply(view)
         if change is None:
@@ -384,7 +388,9 @@ class MembershipClient:
             return
         if rep.get("fenced") is True:
             why = rep.get("why")
-            self._fence(f"coordinator {c} answered that it was {str(why)[:200] if why else 'declared failed'}")
+            excluded = isinstance(why, str) and why != "declared failed"
+            self._fence(f"coordinator {c} answered that it was {str(why)[:200] if why else 'declared failed'}",
+                        rejoin=not excluded)
             return
         if rep.get("redirect"):  # c does not coordinate (yet): it names whom it follows
             self._apply_view(rep.get("view"), src=None)
@@ -454,13 +460,14 @@ class MembershipClient:
         log.warning("node %d: a majority again after %.2fs", self.transport.node_id, waited)
         return waited
 
-    def _fence(self, why: str) -> None:
-        """This node is no member of the run any more (see the module docstring)."""
+    def _fence(self, why: str, *, rejoin: bool = True) -> None:
+        """This node is no member of the run any more (see the module docstring); ``rejoin``:
+        whether a new process of it may join again (not after an exclusion)."""
         if self.fenced is not None:
             return
         me = self.transport.node_id
-        self.fenced = Fenced(f"node {me} was removed from the run: {why}; its progress since is void, "
-                             f"it rejoins as a new process")
+        self.fenced = Fenced(f"node {me} was removed from the run: {why}; its progress since is void"
+                             + (", it rejoins as a new process" if rejoin else ""), rejoin=rejoin)
         log.error("node %d: fenced: %s", me, why)
         ev, self._quorum_changed = self._quorum_changed, asyncio.Event()
         ev.set()

@@ -291,11 +291,6 @@ class ZmqEndpoint(Transport, LocalChannel):
             s.setsockopt(zmq.SNDBUF, o.sndbuf)
         if bulk and o.rcvbuf:
             s.setsockopt(zmq.RCVBUF, o.rcvbuf)
-        if bulk:
-            # the bound socket: a neighbour that reconnects (after a pause, its old connection not
-            # yet seen closed here) takes its incoming pipe over instead of being refused until
-            # the old one times out; incoming pipes only deliver (see "Connections" above)
-            s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.keys is not None:
             s.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public)
             s.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret)

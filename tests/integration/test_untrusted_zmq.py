@@ -16,7 +16,7 @@ from torch import nn
 
 from p2psync.api.runtime import NodeRuntime
 from p2psync.api.session import Session
-from p2psync.errors import Diverged, PeerFailure, ProtocolError
+from p2psync.errors import Diverged, Fenced, PeerFailure, ProtocolError
 from p2psync.topology import mesh, save
 from p2psync.training.config import RunConfig
 from p2psync.wire import parse_header
@@ -146,7 +146,9 @@ def test_a_node_sending_nan_pieces_is_excluded_on_two_reports(tmp_path: Path) ->
         return False
 
     out, run = _run(tmp_path, "nan", bad)
-    assert isinstance(out.get(2), PeerFailure), out.get(2)
+    # told it was excluded for what it sent: it stops for good (no rejoin)
+    fenced = out.get(2)
+    assert isinstance(fenced, Fenced) and not fenced.rejoin and "non-finite" in str(fenced), fenced
     for i in (0, 1):
         assert isinstance(out.get(i), np.ndarray), out.get(i)
         assert np.isfinite(out[i]).all()

@@ -15,7 +15,7 @@ from p2psync.coordinator import View
 from p2psync.coordinator.membership import MembershipState
 from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError
 from p2psync.strategies.regroup import Regroup
-from p2psync.topology import mesh, ring
+from p2psync.topology import mesh, ring, star
 from p2psync.transport import Transport
 from p2psync.transport.memory import MemoryHub
 from p2psync.wire import encode
@@ -118,8 +118,10 @@ def test_reports_only_count_from_members_about_their_neighbours() -> None:
 
 
 def test_a_node_with_one_live_neighbour_is_excluded_on_its_report() -> None:
-    st = _state(2)
-    assert st.report_offences(0, [1], mesh(2).neighbors) == [1]
+    st = _state(3)
+    assert st.report_offences(0, [1], star(3).neighbors) == [1]  # a leaf: the hub is its one neighbour
+    # but never below a majority: in a run of two, one report of the other excludes nobody
+    assert _state(2).report_offences(0, [1], mesh(2).neighbors) == []
 
 
 def test_one_member_reporting_most_members_ends_the_run_as_diverged_excluding_nobody() -> None:
