@@ -27,7 +27,11 @@ that does not fences it.
 
 Fencing. A node the coordinator declared failed (it paused, or it was on the minority side of
 a partition) is told so in the reply to its next heartbeat (``fenced``), or finds a newer view
-without it by probing. It then stops for good (:attr:`MembershipClient.fenced`,
+without it by probing. A node whose whole process was stopped longer than the failure
+detection (no CPU time passed either: SIGSTOP, swap) and that hears no coordinator holding a
+majority within two detection times after fences itself: the run has most likely removed it,
+and its connections may not have survived the stop (ZeroMQ can file a neighbour's reconnection
+as a duplicate of the connection it had before, and drop what comes over it). It then stops for good (:attr:`MembershipClient.fenced`,
 ``fence_listeners``): its progress since it was removed is void, and it rejoins the run as a
 new process, which adopts the majority's state.
 """
@@ -114,6 +118,8 @@ class MembershipClient:
         self._quorum_at: float | None = None
         self._quorum_changed = asyncio.Event()
         self._probed_at = 0.0
+        #: (when, how long) this whole process was last found stopped, until a majority is heard
+        self._stopped: tuple[float, float] | None = None
 
     @property
     def coordinator(self) -> int:
@@ -491,13 +497,29 @@ class MembershipClient:
             if isinstance(rep, dict) and rep.get("view") is not None:
                 self._apply_view(rep.get("view"), src=None)
 
+    def _after_stop(self, stall: float, cpu_used: float, now: float) -> None:
+        """Self-fencing after the whole process was stopped (see :func:`stopped_too_long`)."""
+        if stall >= self.failure_timeout and cpu_used < 0.5 * stall:
+            self._stopped = (now, stall)
+            log.warning("node %d: this process was stopped for %.1fs (no CPU time passed either): the run may "
+                        "have removed it", self.transport.node_id, stall)
+        if self._stopped is not None and self.has_quorum:
+            self._stopped = None
+        if self._stopped is not None and now - self._stopped[0] > 2 * self.failure_timeout + self.interval:
+            self._fence(f"its process was stopped for {self._stopped[1]:.1f}s and it has heard no coordinator "
+                        f"holding a majority in the {now - self._stopped[0]:.1f}s since")
+
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
         stalls = StallMeter(self.interval, time.monotonic())
+        cpu = time.process_time()
         while True:
             self._send_beat()
             await asyncio.sleep(self.interval)
-            self.detector.pause(stalls.tick(time.monotonic()))
+            stall = stalls.tick(time.monotonic())
+            self.detector.pause(stall)
+            cpu, used = time.process_time(), time.process_time() - cpu
+            self._after_stop(stall, used, time.monotonic())
             now = time.monotonic()
             if not self.has_quorum and self.fenced is None and now - self._probed_at >= PROBE_EVERY_S \
                     and self.view is not None:

@@ -93,6 +93,8 @@ from p2psync.transport.socket_options import SocketOptions
 from p2psync.transport.zap import DOMAIN_PREFIX, ZapHandler
 from p2psync.wire import DEFAULT_LIMITS, WireLimits, placed
 
+#: seconds between two checks for input that no edge announced (:meth:`ZmqEndpoint._guard`)
+GUARD_S = 0.25
 log = logging.getLogger("p2psync.transport")
 
 _POLLIN = int(zmq.POLLIN)
@@ -173,6 +175,7 @@ class ZmqEndpoint(Transport, LocalChannel):
         self._ctl_socks: dict[str, "zmq.Socket[Any]"] = {}  # NIC -> control socket (to higher ids)
         self._ctl_monitors: dict[str, "zmq.Socket[Any]"] = {}
         self._endpoint_peer: dict[str, int] = {}  # connected endpoint -> peer id
+        self._guard_handle: asyncio.TimerHandle | None = None
         self.down: set[int] = set()  # peers whose connection (from our side) is down
         self.control_down: set[int] = set()  # same for our control connections
         self._down_waiters: list[asyncio.Future[None]] = []  # wait_gone(): woken by a disconnect
@@ -241,6 +244,26 @@ class ZmqEndpoint(Transport, LocalChannel):
                 self._fds.append(fd)
                 self._loop.add_reader(fd, self._watch, name, control)
                 self._loop.call_soon(self._watch, name, control)
+        self._guard_handle = self._loop.call_later(GUARD_S, self._guard)
+
+    def _guard(self) -> None:
+        """Every ``GUARD_S``: a socket (or monitor) with input waiting that no edge announced
+        is drained. ZeroMQ's descriptor only signals a change, and a NIC socket's edges are
+        re-checked after its own sends; a node that only receives (one that waits for a
+        majority after the whole process was stopped: SIGSTOP, swap) missed an edge once and
+        then never read a message again, replies and fences included (loop callback)."""
+        if self._closed or self._loop is None:
+            return
+        for control, socks, mons in ((True, self._ctl_socks, self._ctl_monitors), (False, self._socks, self._monitors)):
+            for name, s in list(socks.items()):
+                try:
+                    if not s.closed and _get_int(s, _EVENTS) & _POLLIN:
+                        self._drain(name, control)
+                except zmq.ZMQError:
+                    pass
+            for name in list(mons):
+                self._watch(name, control)
+        self._guard_handle = self._loop.call_later(GUARD_S, self._guard)
 
     def _connect_all(self, ctx: "zmq.Context[Any]") -> None:
         """Connect the NIC sockets (bulk) and control sockets to every neighbour on their
@@ -469,6 +492,9 @@ class ZmqEndpoint(Transport, LocalChannel):
         return self._shm_out.filled if self._shm_out is not None else 0
 
     async def _close_io(self) -> None:
+        if self._guard_handle is not None:
+            self._guard_handle.cancel()
+            self._guard_handle = None
         if self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
