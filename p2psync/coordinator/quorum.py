@@ -87,8 +87,10 @@ class Agreement:
         return self._advance()
 
     def depart(self, node: int) -> None:
-        """``node`` finished and left the run: it is no voter any more."""
+        """``node`` finished and left the run: it is no voter any more (nor of a view pending)."""
         self.members = self.members - {node}
+        if self.latest is not None:
+            self.latest = (self.latest[0], self.latest[1] - {node})
         self._advance()
 
     def _advance(self) -> bool:

@@ -63,6 +63,12 @@ def test_departures_shrink_the_voters():
     assert a.members == {0, 1} and a.quorum({0, 1}) and not a.quorum({0})
     a.depart(1)
     assert a.quorum(set())  # the last one
+    # a departure also leaves the view still pending: agreeing on it later does not bring it back
+    b = Agreement(me=0, members=frozenset({0, 1, 2}), epoch=1)
+    b.publish(2, {0, 2})  # 1 departed
+    b.depart(2)
+    b.acknowledge(1, 2)
+    assert b.members == {0} and b.quorum(set())
 
 
 def _req(candidate: int, term: int, view: tuple[int, int]) -> VoteRequest:
