@@ -32,6 +32,11 @@ from p2psync.transport.shaping import LinkSpec
 Cmd = list[str]
 
 
+#: the names' prefix of the launcher's namespaces (``p2psync run TOPOLOGY --shaper netem``):
+#: node K runs in ``p2pnK``; its NIC number j is ``p2pKvj`` there
+DEFAULT_PREFIX = "p2p"
+
+
 class NetemUnavailable(TransportError):
     """The machine cannot run the netem backend; the message says exactly why."""
 
@@ -48,7 +53,7 @@ class NetnsPlan:
         return ["ip", "netns", "exec", self.namespaces[node]]
 
 
-def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: str = "p2p") -> NetnsPlan:
+def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: str = DEFAULT_PREFIX) -> NetnsPlan:
     """The commands that build (``up``) and remove (``down``) the emulated network. Pure."""
     if not prefix.isalnum() or len(prefix) > 5:
         raise ConfigError("netns prefix: 1-5 letters or digits")
