@@ -19,10 +19,11 @@ node trains, ``--lead`` seconds later the fault starts:
 * ``split-2-2`` ({0,1} | {2,3}: links 1-2 and 3-0 cut) and ``split-3-1`` ({0,1,2} | {3}: links
   2-3 and 3-0 cut), healed after 15 s. These runs use ``--shaper netem``: the launcher builds one
   network namespace per node (veth pairs and a bridge per ring link, addresses from the
-  benchmarking range 198.18.0.0/15, names ``p2pnK`` / ``p2pKvJ``) and execs each node inside its
-  namespace; the cut is ``ip link set DEV down`` on both ends' veths of each cut link inside
-  the nodes' namespaces (:func:`bench._netns.set_links`), the heal ``up`` again. No traffic
-  shaping (this kernel has no netem qdisc; none is needed). Needs root and iproute2; skipped
+  benchmarking range 198.18.0.0/15, names ``bNNNNnK`` / ``bNNNNKvJ`` with this process's
+  ``P2PSYNC_NETNS_PREFIX``, so that other runs' namespaces on the host never clash) and execs
+  each node inside its namespace; the cut is ``ip link set DEV down`` on both ends' veths of
+  each cut link inside the nodes' namespaces (:func:`bench._netns.set_links`), the heal ``up``
+  again. No traffic shaping (this kernel has no netem qdisc; none is needed). Needs root and iproute2; skipped
   (said so) otherwise. The clean reference runs on loopback, as the pause cases do: at 0.1 s
   emulated steps the transport's share of a step is the same on both.
 
@@ -39,7 +40,8 @@ Reported per case (markdown table + ``bench/out/faults_partitions.png``):
 * throughput: samples of every node's every process (the metrics records' ``samples``) against
   the clean run's, in the same ``--time`` budget;
 * false detections: nodes a coordinator declared failed (its ``declared failed`` log line) that
-  were not paused or on the minority side (in a 2|2 split neither side may declare anyone);
+  were not paused nor cut off from it (in a 2|2 split node 0 may declare the first of nodes 2
+  and 3 that falls silent: 3 of 4 are left; then it has no majority and declares nobody else);
 * fenced restarts: the launcher's ``starting it again`` lines; exit: the launcher's exit code
   (0: every node ended well and the majority's coordinator wrote the summary); ``hung`` when it
   had not ended ``--time + --quorum-timeout + 120`` s after the start (everything is killed).
@@ -282,6 +284,8 @@ def main_chaos(args: argparse.Namespace) -> None:
 
 RING = 4
 POLL_S = 0.1
+#: the launcher's namespace prefix in the split cases (``P2PSYNC_NETNS_PREFIX``): this process's own
+PREFIX = f"b{os.getpid() % 10000}"
 _COORD_DECLARED = re.compile(r"coordinator (\d+): nodes \[([0-9, ]*)\] .*?declared failed")
 _RESTARTED = re.compile(r"node (\d+) was removed from the run .*starting it again")
 
@@ -310,7 +314,8 @@ FAULTS = {f.name: f for f in (
     Fault("pause-member-15", "pause", 15.0, paused=(2,), removable=frozenset({2})),
     Fault("pause-coord-3", "pause", 3.0, paused=(0,), removable=frozenset({0})),
     Fault("pause-coord-15", "pause", 15.0, paused=(0,), removable=frozenset({0})),
-    Fault("split-2-2", "split", 15.0, cuts=((1, 2), (3, 0)), removable=frozenset()),
+    # node 0 may remove the first of 2 and 3 it stops hearing (3 of 4 are left), not both
+    Fault("split-2-2", "split", 15.0, cuts=((1, 2), (3, 0)), removable=frozenset({2, 3})),
     Fault("split-3-1", "split", 15.0, cuts=((2, 3), (3, 0)), removable=frozenset({3})),
 )}
 
@@ -528,8 +533,8 @@ def run_case(args: argparse.Namespace, tmp: Path, strategy: str, fault: Fault) -
     run_dir = tmp / run_id
     markers = (str(tmp), run_id)
     cmd = launch_cmd(args, topo_path, tmp, run_id, strategy, fault.netns)
-    env = {**os.environ, "P2PSYNC_LAUNCH": args.launch}
-    leftovers = netem.plan(topo, {}, prefix=netem.DEFAULT_PREFIX)
+    env = {**os.environ, "P2PSYNC_LAUNCH": args.launch, netem.ENV_PREFIX: PREFIX}
+    leftovers = netem.plan(topo, {}, prefix=PREFIX)
     if fault.netns:
         netem.down(leftovers)  # an interrupted run's namespaces
     err_path = tmp / f"{run_id}.launcher.err"
@@ -560,11 +565,11 @@ def run_case(args: argparse.Namespace, tmp: Path, strategy: str, fault: Fault) -
                 stopped = []
             else:
                 cut = True
-                errors = set_links(topo, fault.cuts, up=False, prefix=netem.DEFAULT_PREFIX)
+                errors = set_links(topo, fault.cuts, up=False, prefix=PREFIX)
                 if errors:
                     raise RuntimeError(f"cutting {fault.cuts}: {errors}")
                 time.sleep(fault.seconds)
-                errors = set_links(topo, fault.cuts, up=True, prefix=netem.DEFAULT_PREFIX)
+                errors = set_links(topo, fault.cuts, up=True, prefix=PREFIX)
                 cut = False
                 if errors:
                     raise RuntimeError(f"healing {fault.cuts}: {errors}")
@@ -579,7 +584,7 @@ def run_case(args: argparse.Namespace, tmp: Path, strategy: str, fault: Fault) -
     finally:
         _signal_all(stopped, signal.SIGCONT)
         if cut:
-            set_links(topo, fault.cuts, up=True, prefix=netem.DEFAULT_PREFIX)
+            set_links(topo, fault.cuts, up=True, prefix=PREFIX)
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)  # it stops its nodes and removes its namespaces
             try:

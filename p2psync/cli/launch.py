@@ -296,13 +296,13 @@ def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
 
 def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec = None) -> int:
     """Start every node (``spec``; forked from this process with ``fork``), inside its network
-    namespace with ``--shaper netem``."""
+    namespace with ``--shaper netem`` (named with :func:`p2psync.transport.netem.launcher_prefix`)."""
     netns = None
     if cfg.shaper == "netem":
         from p2psync.cli.netns_cmd import link_specs
         from p2psync.transport import netem
 
-        netns = netem.plan(topo, link_specs(topo, cfg.wan))
+        netns = netem.plan(topo, link_specs(topo, cfg.wan), prefix=netem.launcher_prefix())
         try:
             netem.up(netns)
         except netem.NetemUnavailable as exc:

@@ -469,13 +469,23 @@ class MembershipClient:
 
     async def _probe(self) -> None:
         """Ask every other node for its view (no proof of life); apply the newest one that
-        names this node, or be fenced by a newer one that does not."""
+        names this node, or be fenced by a newer one that does not.
+
+        Neighbours marked dead are asked too (``to_dead``): while cut off this node deposed the
+        coordinators it could not hear and marked them dead itself, and a call to a node marked
+        dead fails at once, so a node cut off from every other would never hear from the run
+        again after the partition healed. The probe carries the highest term this node voted in
+        (``promised``): a coordinator with a majority whose term is lower is re-elected above
+        it (:class:`~p2psync.coordinator.failover.CoordinatorHost`), since this node applies no
+        view of a lower term."""
         me = self.transport.node_id
         probe_timeout = max(0.5, 2 * self.interval)
+        args = {"probe": True, "promised": self.ballot.promised}
 
         async def ask(peer: int) -> Any:
             try:
-                return await self.rpc.call(peer, "membership.heartbeat", {"probe": True}, timeout=probe_timeout)
+                return await self.rpc.call(peer, "membership.heartbeat", args, timeout=probe_timeout,
+                                           to_dead=True)
             except P2PSyncError:
                 return None
 

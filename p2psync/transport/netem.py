@@ -35,6 +35,15 @@ Cmd = list[str]
 #: the names' prefix of the launcher's namespaces (``p2psync run TOPOLOGY --shaper netem``):
 #: node K runs in ``p2pnK``; its NIC number j is ``p2pKvj`` there
 DEFAULT_PREFIX = "p2p"
+#: the environment variable that sets another prefix for the launcher's namespaces (namespace
+#: names are global to the host: two such runs at once need two prefixes)
+ENV_PREFIX = "P2PSYNC_NETNS_PREFIX"
+
+
+def launcher_prefix() -> str:
+    """The prefix of the launcher's namespaces: ``$P2PSYNC_NETNS_PREFIX`` or
+    :data:`DEFAULT_PREFIX` (checked by :func:`plan`: 1-5 letters or digits)."""
+    return os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX
 
 
 class NetemUnavailable(TransportError):
@@ -55,8 +64,8 @@ class NetnsPlan:
 
 def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: str = DEFAULT_PREFIX) -> NetnsPlan:
     """The commands that build (``up``) and remove (``down``) the emulated network. Pure."""
-    if not prefix.isalnum() or len(prefix) > 5:
-        raise ConfigError("netns prefix: 1-5 letters or digits")
+    if not prefix.isalnum() or not prefix.isascii() or len(prefix) > 5:
+        raise ConfigError(f"netns prefix {prefix!r}: 1-5 letters or digits")
     for node in topo.nodes:
         for c in node.nics:
             addr = ipaddress.ip_address(c.address) if _is_ip(c.address) else None

@@ -6,8 +6,13 @@ and a node of it stopped (SIGSTOP) for about 4 s. Each run ends as one run: exit
 * 3|1 ({0,1,2} | {3}: links 2-3 and 3-0 cut): the majority declares node 3 failed and trains
   on; after the heal node 3 learns that it was removed (fenced), exits 75, and the launcher
   starts it again: it rejoins with the majority's state.
-* 2|2 ({0,1} | {2,3}: links 1-2 and 3-0 cut): neither half holds a majority, both stop stepping
-  and nobody is declared failed; after the heal they go on together, nobody restarted.
+* 2|2 ({0,1} | {2,3}: links 1-2 and 3-0 cut): neither half holds a majority and both stop
+  stepping; after the heal they go on together under one coordinator. The coordinator (node 0)
+  cannot tell the cut from a crash of the first of nodes 2 and 3 that it stops hearing (their
+  silences end a few hundred ms apart): removing that one alone still leaves 3 of 4 nodes, so it
+  is declared failed, and only then does the coordinator lose its majority (the second falls
+  silent). That node learns after the heal that it was removed and is started again. So at most
+  one node is restarted, and only one of the far side.
 * a pause longer than the failure detection: the paused node is fenced when it wakes, and the
   launcher starts it again (its log shows both).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,22 +42,27 @@ from tests.helpers import NETNS, free_port
 pytestmark = pytest.mark.timeout(240)
 
 STEP_S = 0.1
+#: this test process's namespaces (names are global to the host: another run's tests may use
+#: the launcher's default ones at the same time)
+PREFIX = f"t{os.getpid() % 10000}"
 
 
 @contextlib.contextmanager
 def launched(tmp_path: Path, topo_path: Path, run_id: str, *args: str,
              netns: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
     """The launcher of an SSGD run of the ring ``topo_path`` (every node's step time
-    :data:`STEP_S`), its run folder and its stderr file. On the way out every process of the run
-    (launcher and nodes, found by the run's folder and id on their command lines) is continued
-    and killed, and with ``netns`` the launcher's namespaces are removed."""
+    :data:`STEP_S`; with ``netns``, each node in its namespace named with :data:`PREFIX`), its
+    run folder and its stderr file. On the way out every process of the run (launcher and
+    nodes, found by the run's folder and id on their command lines) is continued and killed,
+    and with ``netns`` the launcher's namespaces are removed."""
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo_path), "--strategy", "ssgd", *args,
            "--step-time", ",".join(f"{i}:{STEP_S}" for i in range(4)), "--out", str(tmp_path),
            "--run-id", run_id, "--threads", "1", "--eval-every", "1000", "--no-progress",
            *(["--shaper", "netem"] if netns else [])]
     err = tmp_path / f"{run_id}.launcher.err"
     with err.open("wb") as err_f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_f, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_f, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, netem.ENV_PREFIX: PREFIX})
     try:
         yield proc, tmp_path / run_id, err
     finally:
@@ -64,7 +75,7 @@ def launched(tmp_path: Path, topo_path: Path, run_id: str, *args: str,
         if netns:
             from p2psync.topology import load
 
-            netem.down(netem.plan(load(topo_path), {}))
+            netem.down(netem.plan(load(topo_path), {}, prefix=PREFIX))
 
 
 def _members(run: Path, node: int) -> int | None:
@@ -98,22 +109,23 @@ def test_partition_healed_after_15s_ends_with_one_model(tmp_path, split):
     save(topo, topo_path)
     with launched(tmp_path, topo_path, "split", "--steps", str(steps), netns=True) as (proc, run, err):
         wait_training(run, 4, steps=10)
-        assert set_links(topo, cuts, up=False, prefix=netem.DEFAULT_PREFIX) == []
+        assert set_links(topo, cuts, up=False, prefix=PREFIX) == []
         try:
             if split == "3|1":  # the majority re-forms without node 3 and goes on
                 wait_for(lambda: _members(run, 0) == 3, 15, "the majority to re-form without node 3")
             time.sleep(15)
         finally:
-            assert set_links(topo, cuts, up=True, prefix=netem.DEFAULT_PREFIX) == []
+            assert set_links(topo, cuts, up=True, prefix=PREFIX) == []
         summary = _ended_as_one(proc, run, err, steps, timeout=180)
     err_text = err.read_text(errors="replace")
     if split == "3|1":
         assert "node 3 was removed from the run" in err_text, err_text[-3000:]
         assert summary["rejoined"] == {"3": 1}, summary
-    else:  # no side held a majority: nobody was declared failed, nobody restarted
-        assert "was removed from the run" not in err_text, err_text[-3000:]
-        assert summary["rejoined"] == {}, summary
-        assert "declared failed" not in node_logs(run)
+    else:  # at most the first far-side node to fall silent was declared failed (see above)
+        restarted = [int(n) for n in re.findall(r"node (\d+) was removed from the run", err_text)]
+        assert set(restarted) <= {2, 3} and len(restarted) <= 1, err_text[-3000:]
+        assert summary["rejoined"] == {str(n): 1 for n in restarted}, summary
+        assert summary["coordinator"] in (0, 1, 2, 3)
 
 
 def test_launcher_restarts_a_paused_node_into_one_model(tmp_path):

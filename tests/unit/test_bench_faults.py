@@ -48,9 +48,9 @@ def test_declared_failed_and_restarts_from_logs():
            "starting it again (1/3): it rejoins with the majority's state\n"
            "node 3 was removed from the run (fenced); starting it again (1/3): it rejoins\n")
     assert b.restarts(err) == [2, 3]
-    case = b.Case("ssgd", b.FAULTS["split-2-2"], declared=[2])
-    assert case.false_detections == 1  # neither side of a 2|2 split may declare anyone
-    assert b.Case("ssgd", b.FAULTS["split-3-1"], declared=[3, 3]).false_detections == 0
+    assert b.Case("ssgd", b.FAULTS["split-2-2"], declared=[2]).false_detections == 0  # cut off from node 0
+    assert b.Case("ssgd", b.FAULTS["split-2-2"], declared=[1]).false_detections == 1  # on its side
+    assert b.Case("ssgd", b.FAULTS["split-3-1"], declared=[3, 3, 0]).false_detections == 1
 
 
 def test_link_ends_name_both_veths_of_a_ring_link():
