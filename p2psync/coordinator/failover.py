@@ -23,12 +23,16 @@ deposes the coordinator it cannot hear and votes, or runs, in a new term; having
 applies no view of a lower term (:meth:`Succession.accepts`), so after the heal it could never
 follow the majority's coordinator again, nor learn from its views that it was removed. So a
 coordinator holding a majority that hears of a term above its own (a vote request, or a probe
-carrying the prober's highest voted term) runs an election above that term among the members of
-its agreed view (:meth:`CoordinatorHost.outrank`): they follow it and grant their votes, and its
-next view, of the new term, is applied by every node: the minority's nodes rejoin its view, or
-find that it no longer names them (fenced). It coordinates throughout; the election only
-renumbers its term. Losing it (a member voted for another node in that term) changes nothing:
-the next vote request or probe tries a higher term.
+carrying the prober's highest voted term, or a member's heartbeat passing on such a term that
+it heard of: a cut-off node may reach only nodes that do not coordinate) runs an election above
+that term among the members of its agreed view (:meth:`CoordinatorHost.outrank`): they follow it
+and grant their votes, and its next view, of the new term, is applied by every node: the
+minority's nodes rejoin its view, or find that it no longer names them (fenced). It coordinates
+throughout; the election only renumbers its term. Losing it (a member voted for another node in
+that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
+candidate raises its own term only over voters whose view is not newer than its own (a voter
+with a newer view follows a coordinator that won; outbidding it would only start the race
+again).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ log = logging.getLogger("p2psync.failover")
 
 METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
 VOTE = "membership.vote"
+#: seconds a coordinator waits after losing a re-election before it runs another
+REELECT_RETRY_S = 2.0
 
 
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
@@ -149,6 +155,8 @@ class CoordinatorHost:
         self.terms: list[int] = []
         #: the re-election of this coordinator above a term it heard of (at most one at a time)
         self._reelection = TaskSet("re-election")
+        #: no re-election before this time (monotonic; a lost one waits REELECT_RETRY_S)
+        self._reelect_after = 0.0
         for method in METHODS:
             server.register(method, self._dispatcher(method))
         server.register(VOTE, self._vote)
@@ -208,7 +216,9 @@ class CoordinatorHost:
             for v, ans in zip(others, answers, strict=True):
                 cand.record(v, ans)
                 if ans is not None:
-                    if not ans.granted:  # it voted for another in a term this one must pass
+                    # it voted for another in a term this one must pass; not when its view is
+                    # newer: another coordinator won, and a higher term would only disrupt it
+                    if not ans.granted and ans.view <= mine:
                         self._seen_term = max(self._seen_term, ans.voted_term if ans.voted_term >= term else -1)
                     floor = max(floor, ans.view[1])
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
@@ -227,10 +237,15 @@ class CoordinatorHost:
     def outrank(self, seen: int) -> None:
         """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
         lower term, it is re-elected above ``seen`` (see the module docstring; in an owned task,
-        one at a time)."""
+        one at a time, and after a lost one not before :data:`REELECT_RETRY_S`). A node that
+        does not coordinate passes ``seen`` on to its coordinator in its heartbeats."""
         svc = self.service
-        if svc is None or not self.coordinating or seen <= svc.state.term or len(self._reelection) \
-                or not svc.state.has_quorum(time.monotonic()):
+        if svc is None or not self.coordinating:
+            self.membership.hear_term(seen)
+            return
+        now = time.monotonic()
+        if seen <= svc.state.term or len(self._reelection) or now < self._reelect_after \
+                or not svc.state.has_quorum(now):
             return
         self._reelection.spawn(self._reelect(svc, seen), name="re-election")
 
@@ -256,6 +271,7 @@ class CoordinatorHost:
         if self.service is not svc or not self.coordinating:
             return
         if not cand.won:
+            self._reelect_after = time.monotonic() + REELECT_RETRY_S
             log.warning("node %d: re-election above term %d (for term %d): votes of %s out of %s: not re-elected; "
                         "it coordinates on in term %d", self.me, seen, term, sorted(cand.granted), sorted(voters),
                         st.term)
@@ -302,8 +318,7 @@ class CoordinatorHost:
                               and svc.state.has_quorum(now),
                               hears_coordinator=hears)
         log.info("node %d: vote for node %d in term %d: %s", self.me, caller, term, ans.reason)
-        if not ans.granted:
-            self.outrank(term)  # a node ran in a term above this coordinator's: outrank it
+        self.outrank(term)  # a coordinator with a majority goes above it; a member tells its coordinator
         return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
 
     def _become(self, term: int, failed: list[int], floor: int, voters: list[int]) -> None:
@@ -343,11 +358,11 @@ class CoordinatorHost:
                 if theirs and self.membership.take_over(theirs):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",
                                 self.me, caller, theirs)
+            seen = args.get("seen_term") if method == "membership.heartbeat" else None
+            if type(seen) is int and 0 <= seen < 1 << 62:
+                self.outrank(seen)  # a node voted in, or heard of, a term above its view's
             svc = self.service
             if svc is not None:
-                promised = args.get("promised") if method == "membership.heartbeat" else None
-                if type(promised) is int and 0 <= promised < 1 << 62:
-                    self.outrank(promised)  # a prober that voted in a term above this coordinator's
                 return await svc.handlers[method](caller, args, arrays)
             view = self.membership.view
             if method == "membership.heartbeat" and view is not None:

@@ -114,6 +114,21 @@ class MembershipClient:
         self._quorum_at: float | None = None
         self._quorum_changed = asyncio.Event()
         self._probed_at = 0.0
+        #: the highest term another node ran or voted in that this node heard of (its vote
+        #: requests, its probes); see :attr:`seen_term`
+        self.heard_term = -1
+
+    def hear_term(self, term: int) -> None:
+        """Another node ran, or voted, in ``term`` (a vote request, a probe)."""
+        self.heard_term = max(self.heard_term, term)
+
+    @property
+    def seen_term(self) -> int:
+        """The highest term this node voted in or heard of. Its probes, and its heartbeats while
+        it is above its view's term, carry it (``seen_term``): a coordinator with a majority in
+        a lower term is then re-elected above it (:meth:`CoordinatorHost.outrank`), since a node
+        that voted in a term applies no view of a lower one."""
+        return max(self.ballot.promised, self.heard_term)
 
     @property
     def coordinator(self) -> int:
@@ -367,6 +382,8 @@ class MembershipClient:
             args["failed"] = sorted(self.failed)
         if self.offenders:
             args["offenders"] = sorted(self.offenders)
+        if self.seen_term > (self.view.term if self.view is not None else -1):
+            args["seen_term"] = self.seen_term
         return args
 
     async def _beat(self) -> None:
@@ -474,13 +491,13 @@ class MembershipClient:
         Neighbours marked dead are asked too (``to_dead``): while cut off this node deposed the
         coordinators it could not hear and marked them dead itself, and a call to a node marked
         dead fails at once, so a node cut off from every other would never hear from the run
-        again after the partition healed. The probe carries the highest term this node voted in
-        (``promised``): a coordinator with a majority whose term is lower is re-elected above
-        it (:class:`~p2psync.coordinator.failover.CoordinatorHost`), since this node applies no
-        view of a lower term."""
+        again after the partition healed. The probe carries :attr:`seen_term`: a coordinator with
+        a majority whose term is lower is re-elected above it
+        (:class:`~p2psync.coordinator.failover.CoordinatorHost`; another node passes it on to its
+        coordinator), since this node applies no view of a lower term than one it voted in."""
         me = self.transport.node_id
         probe_timeout = max(0.5, 2 * self.interval)
-        args = {"probe": True, "promised": self.ballot.promised}
+        args = {"probe": True, "seen_term": self.seen_term}
 
         async def ask(peer: int) -> Any:
             try:
