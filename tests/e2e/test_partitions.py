@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from typing import Iterator
 import pytest
 
 from bench._netns import set_links
-from bench.faults import node_pid, run_pids
+from bench.faults import node_pid, restarts, run_pids
 from p2psync.topology import ring, save
 from p2psync.transport import netem
 from tests.e2e.test_cli_run import ROOT, agreement, lines, node_logs, wait_for, wait_training
@@ -122,7 +121,7 @@ def test_partition_healed_after_15s_ends_with_one_model(tmp_path, split):
         assert "node 3 was removed from the run" in err_text, err_text[-3000:]
         assert summary["rejoined"] == {"3": 1}, summary
     else:  # at most the first far-side node to fall silent was declared failed (see above)
-        restarted = [int(n) for n in re.findall(r"node (\d+) was removed from the run", err_text)]
+        restarted = restarts(err_text)  # the launcher's "starting it again" lines
         assert set(restarted) <= {2, 3} and len(restarted) <= 1, err_text[-3000:]
         assert summary["rejoined"] == {str(n): 1 for n in restarted}, summary
         assert summary["coordinator"] in (0, 1, 2, 3)
