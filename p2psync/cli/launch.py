@@ -370,7 +370,11 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
 
 
 def _fenced(run_dir: Path, node: int, code: int | None) -> str | None:
-    """Why node ``node`` was fenced (its marker, which is removed), or None when it was not."""
+    """Why node ``node``, which ended with exit status ``code``, was fenced (its marker, which
+    is removed), or None when it was not. A node still running (``code`` None) is not looked
+    at: it leaves its marker before it exits, and the reason must still be there then."""
+    if code is None:
+        return None
     marker = fenced_marker(run_dir, node)
     try:
         why = marker.read_text(errors="replace").strip()

@@ -64,3 +64,4 @@ def test_link_ends_name_both_veths_of_a_ring_link():
         assert set(topo.members(nic.network)) == {0, 3}
     with pytest.raises(ValueError):
         link_ends(topo, 0, 2, "p2p")
+
