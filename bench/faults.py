@@ -335,7 +335,7 @@ class Tailer(threading.Thread):
         self.seen: dict[int, list[Seen]] = {i: [] for i in range(n)}
         self._pos = {i: 0 for i in range(n)}
         self._buf = {i: "" for i in range(n)}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def poll(self) -> None:
         now = time.time()
@@ -357,11 +357,11 @@ class Tailer(threading.Thread):
                     self.seen[i].append((now, rec))
 
     def run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while not self._halt.wait(POLL_S):
             self.poll()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
         self.poll()
 
@@ -534,8 +534,8 @@ def run_case(args: argparse.Namespace, tmp: Path, strategy: str, fault: Fault) -
     markers = (str(tmp), run_id)
     cmd = launch_cmd(args, topo_path, tmp, run_id, strategy, fault.netns)
     env = {**os.environ, "P2PSYNC_LAUNCH": args.launch, netem.ENV_PREFIX: PREFIX}
-    leftovers = netem.plan(topo, {}, prefix=PREFIX)
-    if fault.netns:
+    leftovers = netem.plan(topo, {}, prefix=PREFIX) if fault.netns else None
+    if leftovers is not None:
         netem.down(leftovers)  # an interrupted run's namespaces
     err_path = tmp / f"{run_id}.launcher.err"
     t_start = time.monotonic()
@@ -597,7 +597,7 @@ def run_case(args: argparse.Namespace, tmp: Path, strategy: str, fault: Fault) -
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-        if fault.netns:
+        if leftovers is not None:
             netem.down(leftovers)
         tail.stop()
     case.wall_s = time.monotonic() - t_start
@@ -720,7 +720,7 @@ def main() -> None:
                    help=f"among {', '.join(FAULTS)} (default: all)")
     g.add_argument("--time", type=float, default=30.0, help="--time of every run (s)")
     g.add_argument("--step-time", type=float, default=0.1, help="emulated step time of every node (s)")
-    g.add_argument("--lead", type=float, default=5.0, help="seconds of training before the fault")
+    g.add_argument("--lead", type=float, default=4.0, help="seconds of training before the fault")
     g.add_argument("--quorum-timeout", type=float, default=60.0, help="the nodes' --quorum-timeout (s)")
     g.add_argument("--launch", choices=("fork", "exec"), default="fork",
                    help="P2PSYNC_LAUNCH of the pause cases (the split cases exec, in namespaces)")
