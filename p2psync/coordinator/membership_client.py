@@ -68,8 +68,10 @@ class MembershipClient:
 
     def __init__(self, *, transport: Transport, rpc: RpcClient, coordinator: int,
                  heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
-                 phi_threshold: float = 8.0) -> None:
+                 phi_threshold: float = 8.0, quorum_timeout: float = 300.0) -> None:
         self.transport = transport
+        #: how long :meth:`call_coordinator` waits for a majority (``--quorum-timeout``)
+        self.quorum_timeout = quorum_timeout
         self.rpc = rpc
         self.succession = Succession(me=transport.node_id, coordinator=coordinator)
         self.interval = heartbeat_interval
@@ -551,11 +553,22 @@ class MembershipClient:
         or moved (PeerFailure, PeerTimeout, or the new one has no such service yet), it is
         retried at the coordinator followed then, until ``timeout``. Other errors propagate.
         ``args`` may be a function, called for every attempt (arguments that name the view or
-        the failed peers are then current at the new coordinator)."""
+        the failed peers are then current at the new coordinator).
+
+        While this node hears no coordinator holding a majority (:attr:`has_quorum`; cut off
+        by a partition, or during an election) it calls nobody: it waits for one
+        (:meth:`wait_quorum`, up to :attr:`quorum_timeout`: :class:`NoQuorum` after it,
+        :class:`Fenced` when this node learns meanwhile that it was removed), and ``timeout``
+        counts from then. A call that fails while the majority is lost waits the same way.
+        A service that answers ``Fenced`` (it counts this node out of the run: e.g. ESync's
+        State Server) fences this node (``fence_listeners``) and :class:`Fenced` is raised."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = 0.02
         while True:
+            if self._started and (not self.has_quorum or self.fenced is not None):
+                await self.wait_quorum(self.quorum_timeout)
+                deadline = max(deadline, loop.time() + timeout)
             c, moved = self.coordinator, self._moved
             err: P2PSyncError
             try:
@@ -564,9 +577,15 @@ class MembershipClient:
             except (PeerFailure, PeerTimeout) as exc:
                 err, wait_for_move = exc, True
             except RemoteError as exc:
+                if exc.kind == "Fenced":
+                    self._fence(f"coordinator {c} answered {method}: {exc.message[:200]}")
+                    if self.fenced is not None:
+                        raise self.fenced from None
                 if exc.kind not in RETRY_KINDS:
                     raise
                 err, wait_for_move = exc, False
+            if self._started and not self.has_quorum:
+                continue  # the majority is lost: wait for it (above), then call again
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise err
@@ -576,6 +595,8 @@ class MembershipClient:
                 try:
                     await asyncio.wait_for(moved.wait(), remaining)
                 except asyncio.TimeoutError:
+                    if self._started and not self.has_quorum:
+                        continue
                     raise err from None
             else:  # the new coordinator is starting its services
                 await asyncio.sleep(min(pause, remaining))
