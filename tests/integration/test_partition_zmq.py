@@ -83,3 +83,40 @@ async def test_two_halves_merge_after_the_heal_under_one_coordinator():
         await until(lambda: _one_coordinator(nodes, range(4), (0, 1, 2, 3)), 20,
                     "the four nodes to follow one coordinator with a majority")
         assert all(n.client.fenced is None for n in nodes.values())
+
+
+async def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences():
+    """Regression (bench/faults.py, esync split-3-1 and split-2-2): a node cut off from the
+    majority kept calling the coordinator's services within its step and failed (UnknownMethod
+    from the candidate it followed, or PeerTimeout), exit 1, instead of waiting for the
+    majority. Now :meth:`call_coordinator` waits (NoQuorum after the quorum timeout), and a
+    service's 'Fenced' answer fences the node."""
+    from p2psync.errors import Fenced, NoQuorum, RemoteError
+
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        calls: list[int] = []
+
+        async def echo(caller: int, args: Any, arrays: Any) -> Any:
+            calls.append(caller)
+            if args.get("fence"):
+                raise RemoteError("Fenced", f"device {caller} was removed from the run")
+            return {"ok": caller}
+
+        for n in nodes.values():
+            n.server.register("svc.echo", echo)
+        lone = nodes[3].client
+        assert await lone.call_coordinator("svc.echo", {}, timeout=5) == {"ok": 3}
+        blocked = cut(nodes, [(2, 3), (3, 0)])
+        await until(lambda: not lone.has_quorum, 15, "node 3 to lose the majority")
+        lone.quorum_timeout = 1.0
+        with pytest.raises(NoQuorum):  # not UnknownMethod / PeerTimeout: it waited, then gave up
+            await lone.call_coordinator("svc.echo", {}, timeout=5)
+        lone.quorum_timeout = 60.0
+        call = asyncio.ensure_future(nodes[1].client.call_coordinator("svc.echo", {}, timeout=5))
+        assert await asyncio.wait_for(call, 10) == {"ok": 1}  # the majority is served meanwhile
+        blocked.clear()
+        n_calls = len(calls)
+        with pytest.raises(Fenced):
+            await nodes[1].client.call_coordinator("svc.echo", {"fence": True}, timeout=5)
+        assert nodes[1].client.fenced is not None and len(calls) == n_calls + 1
