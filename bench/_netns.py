@@ -9,6 +9,12 @@ rate, whichever peers it talks to (a per-NIC limit, as a real 1 Gb/s port; the n
 own shaping is per link). Needs root, ``ip`` and ``tc`` with the tbf qdisc (no netem needed).
 :func:`run_in_netns` is a process target that enters a node's namespace before running the
 benchmark worker, so the worker's sockets (and ZeroMQ's IO threads) live there.
+
+Partitions (bench/faults.py, tests/e2e/test_partitions.py): :func:`link_ends` names both ends
+(namespace, veth) of the network between two nodes, :func:`set_links` takes such links down
+(``ip link set DEV down`` on both ends, inside the nodes' namespaces: nothing crosses the link,
+existing TCP connections stall as on a cut cable) and up again (the addresses stay, the routes
+come back with the link).
 """
 
 from __future__ import annotations
@@ -44,6 +50,33 @@ def shaped_network(topo: Any, rate_bps: float, prefix: str = "bk") -> Iterator[A
         yield p
     finally:
         netem.down(p)
+
+
+def link_ends(topo: Any, a: int, b: int, prefix: str) -> list[tuple[str, str]]:
+    """(namespace, veth) of node ``a``'s and node ``b``'s NICs on the networks they share (a
+    ring's point-to-point link), as :func:`p2psync.transport.netem.plan` with ``prefix`` names
+    them; ValueError when the two share no network."""
+    out = []
+    for me, other in ((a, b), (b, a)):
+        for j, nic in enumerate(topo.node(me).nics):
+            if other in topo.members(nic.network):
+                out.append((f"{prefix}n{me}", nic_device(prefix, me, j)))
+    if not out:
+        raise ValueError(f"nodes {a} and {b} share no network")
+    return out
+
+
+def set_links(topo: Any, pairs: Any, *, up: bool, prefix: str) -> list[str]:
+    """Take the links between the node pairs ``pairs`` down (``up=False``: a cut) or up again;
+    every end is tried. Returns the errors (empty: all done)."""
+    errors = []
+    for a, b in pairs:
+        for ns, dev in link_ends(topo, a, b, prefix):
+            r = subprocess.run(["ip", "-n", ns, "link", "set", dev, "up" if up else "down"],
+                               capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                errors.append(f"{ns} {dev}: {r.stderr.strip()}")
+    return errors
 
 
 def enter_netns(name: str) -> None:

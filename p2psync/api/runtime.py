@@ -184,7 +184,7 @@ class NodeRuntime:
         self.rpc = RpcClient(self.transport, local=self.server)
         self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
                                            heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
-                                           phi_threshold=cfg.phi_threshold)
+                                           phi_threshold=cfg.phi_threshold, quorum_timeout=cfg.quorum_timeout)
         strategy_cls = self.strategy_cls
         self.host = CoordinatorHost(
             server=self.server, membership=self.membership, expected=topo.ids,

@@ -302,13 +302,13 @@ def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
 
 def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec = None) -> int:
     """Start every node (``spec``; forked from this process with ``fork``), inside its network
-    namespace with ``--shaper netem``."""
+    namespace with ``--shaper netem`` (named with :func:`p2psync.transport.netem.launcher_prefix`)."""
     netns = None
     if cfg.shaper == "netem":
         from p2psync.cli.netns_cmd import link_specs
         from p2psync.transport import netem
 
-        netns = netem.plan(topo, link_specs(topo, cfg.wan))
+        netns = netem.plan(topo, link_specs(topo, cfg.wan), prefix=netem.launcher_prefix())
         try:
             netem.up(netns)
         except netem.NetemUnavailable as exc:
@@ -376,7 +376,11 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
 
 
 def _fenced(run_dir: Path, node: int, code: int | None) -> str | None:
-    """Why node ``node`` was fenced (its marker, which is removed), or None when it was not."""
+    """Why node ``node``, which ended with exit status ``code``, was fenced (its marker, which
+    is removed), or None when it was not. A node still running (``code`` None) is not looked
+    at: it leaves its marker before it exits, and the reason must still be there then."""
+    if code is None:
+        return None
     marker = fenced_marker(run_dir, node)
     try:
         why = marker.read_text(errors="replace").strip()

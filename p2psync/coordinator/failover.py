@@ -17,6 +17,22 @@ epoch above the last one) and registers the strategy's coordinator services (``s
 e.g. ESync's State Server, which rebuilds its records from the members' next queries). Members
 then heartbeat and re-send their finish stats to it. The host owns the service it started and
 closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this node).
+
+Re-election above a higher term. A node cut off from the majority (a partition's minority side)
+deposes the coordinator it cannot hear and votes, or runs, in a new term; having voted there, it
+applies no view of a lower term (:meth:`Succession.accepts`), so after the heal it could never
+follow the majority's coordinator again, nor learn from its views that it was removed. So a
+coordinator holding a majority that hears of a term above its own (a vote request, or a probe
+carrying the prober's highest voted term, or a member's heartbeat passing on such a term that
+it heard of: a cut-off node may reach only nodes that do not coordinate) runs an election above
+that term among the members of its agreed view (:meth:`CoordinatorHost.outrank`): they follow it
+and grant their votes, and its next view, of the new term, is applied by every node: the
+minority's nodes rejoin its view, or find that it no longer names them (fenced). It coordinates
+throughout; the election only renumbers its term. Losing it (a member voted for another node in
+that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
+candidate raises its own term only over voters whose view is not newer than its own (a voter
+with a newer view follows a coordinator that won; outbidding it would only start the race
+again).
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ log = logging.getLogger("p2psync.failover")
 
 METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
 VOTE = "membership.vote"
+#: seconds a coordinator waits after losing a re-election before it runs another
+REELECT_RETRY_S = 2.0
 
 
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
@@ -135,6 +153,10 @@ class CoordinatorHost:
         self._seen_term = -1
         #: elections this node won (its terms)
         self.terms: list[int] = []
+        #: the re-election of this coordinator above a term it heard of (at most one at a time)
+        self._reelection = TaskSet("re-election")
+        #: no re-election before this time (monotonic; a lost one waits REELECT_RETRY_S)
+        self._reelect_after = 0.0
         for method in METHODS:
             server.register(method, self._dispatcher(method))
         server.register(VOTE, self._vote)
@@ -194,7 +216,9 @@ class CoordinatorHost:
             for v, ans in zip(others, answers, strict=True):
                 cand.record(v, ans)
                 if ans is not None:
-                    if not ans.granted:  # it voted for another in a term this one must pass
+                    # it voted for another in a term this one must pass; not when its view is
+                    # newer: another coordinator won, and a higher term would only disrupt it
+                    if not ans.granted and ans.view <= mine:
                         self._seen_term = max(self._seen_term, ans.voted_term if ans.voted_term >= term else -1)
                     floor = max(floor, ans.view[1])
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
@@ -209,6 +233,57 @@ class CoordinatorHost:
                             sorted(cand.answered))
             rounds += 1
             await asyncio.sleep(self.heartbeat_interval)
+
+    def outrank(self, seen: int) -> None:
+        """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
+        lower term, it is re-elected above ``seen`` (see the module docstring; in an owned task,
+        one at a time, and after a lost one not before :data:`REELECT_RETRY_S`). A node that
+        does not coordinate passes ``seen`` on to its coordinator in its heartbeats."""
+        svc = self.service
+        if svc is None or not self.coordinating:
+            self.membership.hear_term(seen)
+            return
+        now = time.monotonic()
+        if seen <= svc.state.term or len(self._reelection) or now < self._reelect_after \
+                or not svc.state.has_quorum(now):
+            return
+        self._reelection.spawn(self._reelect(svc, seen), name="re-election")
+
+    async def _reelect(self, svc: MembershipService, seen: int) -> None:
+        """One election of this coordinator in a term above ``seen`` and every term it knows,
+        over the members of its agreed view; won: its state moves to that term and its view is
+        published at once."""
+        m, st = self.membership, svc.state
+        term = max(seen, st.term, m.ballot.promised, self._seen_term) + 1
+        key = (st.term, st.epoch)
+        voters = frozenset(st.agreement.members if st.agreement is not None else st.alive_nodes) | {self.me}
+        cand = Candidacy(me=self.me, term=term, voters=voters)
+        req = VoteRequest(candidate=self.me, term=term, view=key)
+        cand.record(self.me, m.ballot.decide(req, mine=key, coordinating_with_quorum=False, hears_coordinator=None))
+        others = sorted(voters - {self.me})
+        answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+        floor = st.epoch
+        for v, ans in zip(others, answers, strict=True):
+            cand.record(v, ans)
+            if ans is not None:
+                self._seen_term = max(self._seen_term, ans.voted_term)
+                floor = max(floor, ans.view[1])
+        if self.service is not svc or not self.coordinating:
+            return
+        if not cand.won:
+            self._reelect_after = time.monotonic() + REELECT_RETRY_S
+            log.warning("node %d: re-election above term %d (for term %d): votes of %s out of %s: not re-elected; "
+                        "it coordinates on in term %d", self.me, seen, term, sorted(cand.granted), sorted(voters),
+                        st.term)
+            return
+        old = st.term
+        st.term, st.epoch = term, max(st.epoch, floor) + 1
+        self.terms.append(term)
+        view = st.view()
+        log.warning("node %d: re-elected coordinator in term %d above term %d that node(s) voted in (votes of %s; "
+                    "was term %d); view epoch %d members %s", self.me, term, seen, sorted(cand.granted), old,
+                    view.epoch, list(view.members))
+        svc.publish_now(view)
 
     async def _ask(self, voter: int, req: VoteRequest) -> VoteAnswer | None:
         """One vote request (bounded); None when the voter does not answer in time or answers
@@ -234,13 +309,16 @@ class CoordinatorHost:
         svc = self.service
         now = time.monotonic()
         follows = m.coordinator
-        hears = follows if follows != self.me and not m.coordinator_suspected else None
+        # a coordinator counts as heard only while it says it holds a majority: a node that follows
+        # a candidate (its election not won) or a coordinator cut off from the majority may vote
+        hears = follows if follows != self.me and not m.coordinator_suspected and m.has_quorum else None
         ans = m.ballot.decide(VoteRequest(candidate=caller, term=term, view=(view[0], view[1])),
                               mine=m.view.key if m.view is not None else (0, -1),
                               coordinating_with_quorum=svc is not None and self.coordinating
                               and svc.state.has_quorum(now),
                               hears_coordinator=hears)
         log.info("node %d: vote for node %d in term %d: %s", self.me, caller, term, ans.reason)
+        self.outrank(term)  # a coordinator with a majority goes above it; a member tells its coordinator
         return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
 
     def _become(self, term: int, failed: list[int], floor: int, voters: list[int]) -> None:
@@ -280,6 +358,9 @@ class CoordinatorHost:
                 if theirs and self.membership.take_over(theirs):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",
                                 self.me, caller, theirs)
+            seen = args.get("seen_term") if method == "membership.heartbeat" else None
+            if type(seen) is int and 0 <= seen < 1 << 62:
+                self.outrank(seen)  # a node voted in, or heard of, a term above its view's
             svc = self.service
             if svc is not None:
                 return await svc.handlers[method](caller, args, arrays)
@@ -292,6 +373,7 @@ class CoordinatorHost:
 
     async def close(self) -> None:
         await self._election.close()
+        await self._reelection.close()
         svcs = [s for s in (self.service, *self._retired) if s is not None]
         self.service = None
         self._retired = []

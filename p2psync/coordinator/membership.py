@@ -528,6 +528,12 @@ class MembershipService:
                     self._notify()
                     self._publish(view)
 
+    def publish_now(self, view: View) -> None:
+        """A view changed outside the service's own handlers (its coordinator was re-elected in
+        a new term): wake the waiters and push it to every member."""
+        self._notify()
+        self._publish(view)
+
     def _failed(self, new: Sequence[int], why: str) -> None:
         if not new:
             return

@@ -72,8 +72,10 @@ class MembershipClient:
 
     def __init__(self, *, transport: Transport, rpc: RpcClient, coordinator: int,
                  heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
-                 phi_threshold: float = 8.0) -> None:
+                 phi_threshold: float = 8.0, quorum_timeout: float = 300.0) -> None:
         self.transport = transport
+        #: how long :meth:`call_coordinator` waits for a majority (``--quorum-timeout``)
+        self.quorum_timeout = quorum_timeout
         self.rpc = rpc
         self.succession = Succession(me=transport.node_id, coordinator=coordinator)
         self.interval = heartbeat_interval
@@ -120,6 +122,21 @@ class MembershipClient:
         self._probed_at = 0.0
         #: (when, how long) this whole process was last found stopped, until a majority is heard
         self._stopped: tuple[float, float] | None = None
+        #: the highest term another node ran or voted in that this node heard of (its vote
+        #: requests, its probes); see :attr:`seen_term`
+        self.heard_term = -1
+
+    def hear_term(self, term: int) -> None:
+        """Another node ran, or voted, in ``term`` (a vote request, a probe)."""
+        self.heard_term = max(self.heard_term, term)
+
+    @property
+    def seen_term(self) -> int:
+        """The highest term this node voted in or heard of. Its probes, and its heartbeats while
+        it is above its view's term, carry it (``seen_term``): a coordinator with a majority in
+        a lower term is then re-elected above it (:meth:`CoordinatorHost.outrank`), since a node
+        that voted in a term applies no view of a lower one."""
+        return max(self.ballot.promised, self.heard_term)
 
     @property
     def coordinator(self) -> int:
@@ -377,6 +394,8 @@ class MembershipClient:
             args["failed"] = sorted(self.failed)
         if self.offenders:
             args["offenders"] = sorted(self.offenders)
+        if self.seen_term > (self.view.term if self.view is not None else -1):
+            args["seen_term"] = self.seen_term
         return args
 
     async def _beat(self) -> None:
@@ -482,13 +501,23 @@ class MembershipClient:
 
     async def _probe(self) -> None:
         """Ask every other node for its view (no proof of life); apply the newest one that
-        names this node, or be fenced by a newer one that does not."""
+        names this node, or be fenced by a newer one that does not.
+
+        Neighbours marked dead are asked too (``to_dead``): while cut off this node deposed the
+        coordinators it could not hear and marked them dead itself, and a call to a node marked
+        dead fails at once, so a node cut off from every other would never hear from the run
+        again after the partition healed. The probe carries :attr:`seen_term`: a coordinator with
+        a majority whose term is lower is re-elected above it
+        (:class:`~p2psync.coordinator.failover.CoordinatorHost`; another node passes it on to its
+        coordinator), since this node applies no view of a lower term than one it voted in."""
         me = self.transport.node_id
         probe_timeout = max(0.5, 2 * self.interval)
+        args = {"probe": True, "seen_term": self.seen_term}
 
         async def ask(peer: int) -> Any:
             try:
-                return await self.rpc.call(peer, "membership.heartbeat", {"probe": True}, timeout=probe_timeout)
+                return await self.rpc.call(peer, "membership.heartbeat", args, timeout=probe_timeout,
+                                           to_dead=True)
             except P2PSyncError:
                 return None
 
@@ -503,11 +532,14 @@ class MembershipClient:
             self._stopped = (now, stall)
             log.warning("node %d: this process was stopped for %.1fs (no CPU time passed either): the run may "
                         "have removed it", self.transport.node_id, stall)
-        if self._stopped is not None and self.has_quorum:
-            self._stopped = None
+        # judged at the end of a window of two detection times, not before: a coordinator's own
+        # detectors are credited with the stop, so it claims a majority until they time out
         if self._stopped is not None and now - self._stopped[0] > 2 * self.failure_timeout + self.interval:
-            self._fence(f"its process was stopped for {self._stopped[1]:.1f}s and it has heard no coordinator "
-                        f"holding a majority in the {now - self._stopped[0]:.1f}s since")
+            if self.has_quorum:
+                self._stopped = None
+            else:
+                self._fence(f"its process was stopped for {self._stopped[1]:.1f}s and it hears no coordinator "
+                            f"holding a majority {now - self._stopped[0]:.1f}s later")
 
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
@@ -553,11 +585,22 @@ class MembershipClient:
         or moved (PeerFailure, PeerTimeout, or the new one has no such service yet), it is
         retried at the coordinator followed then, until ``timeout``. Other errors propagate.
         ``args`` may be a function, called for every attempt (arguments that name the view or
-        the failed peers are then current at the new coordinator)."""
+        the failed peers are then current at the new coordinator).
+
+        While this node hears no coordinator holding a majority (:attr:`has_quorum`; cut off
+        by a partition, or during an election) it calls nobody: it waits for one
+        (:meth:`wait_quorum`, up to :attr:`quorum_timeout`: :class:`NoQuorum` after it,
+        :class:`Fenced` when this node learns meanwhile that it was removed), and ``timeout``
+        counts from then. A call that fails while the majority is lost waits the same way.
+        A service that answers ``Fenced`` (it counts this node out of the run: e.g. ESync's
+        State Server) fences this node (``fence_listeners``) and :class:`Fenced` is raised."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = 0.02
         while True:
+            if self._started and (not self.has_quorum or self.fenced is not None):
+                await self.wait_quorum(self.quorum_timeout)
+                deadline = max(deadline, loop.time() + timeout)
             c, moved = self.coordinator, self._moved
             err: P2PSyncError
             try:
@@ -566,9 +609,15 @@ class MembershipClient:
             except (PeerFailure, PeerTimeout) as exc:
                 err, wait_for_move = exc, True
             except RemoteError as exc:
+                if exc.kind == "Fenced":
+                    self._fence(f"coordinator {c} answered {method}: {exc.message[:200]}")
+                    if self.fenced is not None:
+                        raise self.fenced from None
                 if exc.kind not in RETRY_KINDS:
                     raise
                 err, wait_for_move = exc, False
+            if self._started and not self.has_quorum:
+                continue  # the majority is lost: wait for it (above), then call again
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise err
@@ -578,6 +627,8 @@ class MembershipClient:
                 try:
                     await asyncio.wait_for(moved.wait(), remaining)
                 except asyncio.TimeoutError:
+                    if self._started and not self.has_quorum:
+                        continue
                     raise err from None
             else:  # the new coordinator is starting its services
                 await asyncio.sleep(min(pause, remaining))

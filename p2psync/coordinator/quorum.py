@@ -27,7 +27,10 @@ Departures are not failures: a node that finished leaves the agreed view at once
 * the candidate's last view is at least as new as its own (a candidate that missed a view
   cannot win: the view's majority holds it);
 * it does not coordinate with a quorum itself, and it does not follow another coordinator it
-  still hears (so a node that wakes from a pause cannot depose a healthy coordinator).
+  still hears holding a majority (so a node that wakes from a pause cannot depose a healthy
+  coordinator). A node that follows a candidate whose election is not won, or a coordinator
+  cut off from the majority, hears no such coordinator: after a partition heals its vote can
+  end a deadlock of two candidates that each hold half of the votes.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class Ballot:
     def decide(self, req: VoteRequest, *, mine: ViewKey, coordinating_with_quorum: bool,
                hears_coordinator: int | None) -> VoteAnswer:
         """Answer ``req`` (and record a granted vote). ``mine``: this node's last view key;
-        ``hears_coordinator``: the coordinator this node follows and still hears, or None."""
+        ``hears_coordinator``: the coordinator this node follows and still hears holding a
+        majority (its heartbeat replies say so), or None."""
         def answer(granted: bool, reason: str) -> VoteAnswer:
             return VoteAnswer(granted=granted, reason=reason, view=mine, voted_term=self.promised)
 

@@ -213,15 +213,16 @@ class RpcClient:
             self._aborted[t] = exc
         return self.transport.mailbox.abort(exc, match=lambda tag: tag in tags) if tags else 0
 
-    def _check_abort(self, tag: str, node: int) -> None:
-        """Raise when the call was aborted (:meth:`abort_calls`) or its node declared dead: a
-        call to a dead node must not keep resending until its own deadline (with a shaper or
-        a relay, a send to a dead node is accepted and only lost later), since callers such as
-        ``call_coordinator`` retry elsewhere within the same budget."""
+    def _check_abort(self, tag: str, node: int, to_dead: bool = False) -> None:
+        """Raise when the call was aborted (:meth:`abort_calls`) or its node declared dead
+        (unless ``to_dead``): a call to a dead node must not keep resending until its own
+        deadline (with a shaper or a relay, a send to a dead node is accepted and only lost
+        later), since callers such as ``call_coordinator`` retry elsewhere within the same
+        budget."""
         exc = self._aborted.get(tag)
         if exc is not None:
             raise exc
-        if node in self.transport.dead:
+        if node in self.transport.dead and not to_dead:
             raise PeerFailure(f"node {self.transport.node_id}: node {node} has failed", peers=(node,))
 
     def estimator(self, node: int) -> RttEstimator:
@@ -233,11 +234,14 @@ class RpcClient:
         return est
 
     async def call(self, node: int, method: str, args: Mapping[str, Any] | None = None, *,
-                   arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False) -> Any:
+                   arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False,
+                   to_dead: bool = False) -> Any:
         """Call ``method`` on ``node``; raises RemoteError, PeerTimeout or PeerUnreachable.
 
         Resent (over another first hop when relayed) after every retransmission timeout until
-        ``timeout``; ``measure``: feed the round trip to the RTT estimate (quick handlers only)."""
+        ``timeout``; ``measure``: feed the round trip to the RTT estimate (quick handlers only).
+        ``to_dead``: call an adjacent ``node`` even when it is marked dead (a node cut off from
+        the run asking what the run's view is now; ``Transport.send``), else that fails at once."""
         args = dict(args or {})
         if node == self.transport.node_id and self.local is not None:
             return await asyncio.wait_for(
@@ -255,16 +259,16 @@ class RpcClient:
         try:
             attempt = 0
             while True:
-                self._check_abort(tag, node)
+                self._check_abort(tag, node, to_dead)
                 sent_at = loop.time()
                 try:
                     await self.transport.send_control(node, CALL_TAG, kind="rpc", meta=meta, arrays=arrays,
                                                       timeout=max(0.0, deadline - sent_at),
-                                                      attempt=first + attempt)
+                                                      attempt=first + attempt, to_dead=to_dead)
                 except PeerFailure:
-                    if loop.time() >= deadline or node in self.transport.dead:
+                    if loop.time() >= deadline or (node in self.transport.dead and not to_dead):
                         raise
-                self._check_abort(tag, node)
+                self._check_abort(tag, node, to_dead)
                 wait = min(rto, deadline - loop.time())
                 try:
                     rep = await self.transport.recv(tag, timeout=max(0.0, wait))

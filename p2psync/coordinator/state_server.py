@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import BadRequest, ConfigError
+from p2psync.errors import BadRequest, ConfigError, RemoteError
 
 #: seconds after its first call during which a State Server waits for devices it never heard from
 UNHEARD_GRACE_S = 5.0
@@ -163,9 +163,18 @@ class StateServerService:
             self.epoch = epoch
             self.state.set_members(members, now)
 
+    def _member(self, caller: int) -> None:
+        """A device the newest view seen no longer names was removed from the run (it paused, or
+        was cut off): its call is refused as ``Fenced``, so the node stops and rejoins instead
+        of failing (:meth:`MembershipClient.call_coordinator`)."""
+        if caller not in self.state.records:
+            raise RemoteError("Fenced", f"device {caller} is not in view {self.epoch} of the State Server: it was "
+                                        f"removed from the run")
+
     async def _query(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         now = time.monotonic()
         self._view(args, now)
+        self._member(caller)
         k = args.get("k")
         if type(k) is not int:
             raise BadRequest("esync.query: k must be an integer")
@@ -182,5 +191,6 @@ class StateServerService:
         if type(rnd) is not int or rnd < 0:
             raise BadRequest("esync.reset: round must be a non-negative integer")
         self._view(args, time.monotonic())
+        self._member(caller)
         self.state.reset(caller, rnd, time.monotonic() - self._num(args, "rtt") / 2)
         return {}

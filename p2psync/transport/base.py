@@ -235,7 +235,7 @@ class Transport(Relaying, FiniteChecks, ABC):
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
                    timeout: float | None = None, checked: bool = False, unordered: bool = False,
-                   relay: bool = False) -> None:
+                   relay: bool = False, to_dead: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
@@ -256,6 +256,10 @@ class Transport(Relaying, FiniteChecks, ABC):
         ignored), in no particular order relative to other messages to ``peer``. PeerFailure
         when no live path leads there. Without it a data send to a node that is not adjacent
         is a TransportError.
+
+        ``to_dead`` (control kinds only): send it even when ``peer`` is marked dead, as a reply
+        is (a node cut off from the run asks the nodes it marked dead itself what the run's view
+        is now); only to an adjacent peer: one that is not is reached through live relays only.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -288,7 +292,7 @@ class Transport(Relaying, FiniteChecks, ABC):
                 finally:
                     win.release(held)
         await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered,
-                                to_dead=kind == "reply")
+                                to_dead=kind == "reply" or (to_dead and not bulk))
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""

@@ -32,6 +32,20 @@ from p2psync.transport.shaping import LinkSpec
 Cmd = list[str]
 
 
+#: the names' prefix of the launcher's namespaces (``p2psync run TOPOLOGY --shaper netem``):
+#: node K runs in ``p2pnK``; its NIC number j is ``p2pKvj`` there
+DEFAULT_PREFIX = "p2p"
+#: the environment variable that sets another prefix for the launcher's namespaces (namespace
+#: names are global to the host: two such runs at once need two prefixes)
+ENV_PREFIX = "P2PSYNC_NETNS_PREFIX"
+
+
+def launcher_prefix() -> str:
+    """The prefix of the launcher's namespaces: ``$P2PSYNC_NETNS_PREFIX`` or
+    :data:`DEFAULT_PREFIX` (checked by :func:`plan`: 1-5 letters or digits)."""
+    return os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX
+
+
 class NetemUnavailable(TransportError):
     """The machine cannot run the netem backend; the message says exactly why."""
 
@@ -48,10 +62,10 @@ class NetnsPlan:
         return ["ip", "netns", "exec", self.namespaces[node]]
 
 
-def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: str = "p2p") -> NetnsPlan:
+def plan(topo: Topology, links: Mapping[tuple[int, int], LinkSpec], *, prefix: str = DEFAULT_PREFIX) -> NetnsPlan:
     """The commands that build (``up``) and remove (``down``) the emulated network. Pure."""
-    if not prefix.isalnum() or len(prefix) > 5:
-        raise ConfigError("netns prefix: 1-5 letters or digits")
+    if not prefix.isalnum() or not prefix.isascii() or len(prefix) > 5:
+        raise ConfigError(f"netns prefix {prefix!r}: 1-5 letters or digits")
     for node in topo.nodes:
         for c in node.nics:
             addr = ipaddress.ip_address(c.address) if _is_ip(c.address) else None

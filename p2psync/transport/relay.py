@@ -83,7 +83,7 @@ class Relaying:
     async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, to_dead: bool = False) -> None:
         raise NotImplementedError
 
     async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
@@ -129,14 +129,15 @@ class Relaying:
 
     async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
                            arrays: Sequence[Any] = (), timeout: float | None = None,
-                           attempt: int = 0) -> None:
+                           attempt: int = 0, to_dead: bool = False) -> None:
         """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
-        the k-th candidate first hop (so a retry goes around a relay that died)."""
+        the k-th candidate first hop (so a retry goes around a relay that died). ``to_dead``:
+        an adjacent ``peer`` gets it even when marked dead (see ``Transport.send``)."""
         if kind not in RELAY_KINDS:
             raise ValueError(f"{kind!r} is not a control kind")
         if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
                 or not self.topology.has(peer):
-            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout)
+            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout, to_dead=to_dead)
             return
         if self._closed:
             raise TransportError("transport is closed")

@@ -212,3 +212,29 @@ async def test_esync_rounds_over_memory_transport(mode):
     assert np.mean(n_local[0]) > np.mean(n_local[3]) and np.mean(n_local[2]) >= np.mean(n_local[3])
     for e in eps.values():
         await e.close()
+
+
+async def test_the_state_server_answers_fenced_to_a_device_its_newest_view_removed():
+    """Regression (bench/faults.py, esync pause-member-15): node 2, stopped for 15 s, was
+    removed; its next query, when it woke, got BadRequest 'not registered' and the node failed
+    with exit 1, so the launcher did not start it again. The State Server now answers 'Fenced'
+    (the node then stops as fenced and rejoins)."""
+    from p2psync.coordinator.rpc import RpcServer
+    from p2psync.coordinator.state_server import StateServerService
+    from p2psync.errors import RemoteError
+
+    hub = MemoryHub(mesh(4))
+    ep = hub.endpoint(0, default_timeout=5)
+    await ep.start()
+    try:
+        svc = StateServerService(RpcServer(ep), [0, 1, 2, 3])
+        view = {"epoch": 7, "members": [0, 1, 3]}  # a member's query carries the view without 2
+        assert (await svc._query(1, {"k": 0, "c": 0.1, **view}, []))["ready"] is False
+        for call, args in ((svc._query, {"k": 1, "c": 0.1}), (svc._reset, {"round": 3})):
+            with pytest.raises(RemoteError) as exc:
+                await call(2, {**args, "epoch": 5, "members": [0, 1, 2, 3]}, [])  # its older view
+            assert exc.value.kind == "Fenced" and "removed from the run" in exc.value.message
+        # its new process, admitted in a newer view, is a device again
+        assert (await svc._query(2, {"k": 0, "c": 0.1, "epoch": 8, "members": [0, 1, 2, 3]}, []))["ready"] is False
+    finally:
+        await ep.close()

@@ -1,4 +1,5 @@
-"""The launcher's end-of-run table names what its columns count (ESync's steps are rounds)."""
+"""The launcher's end-of-run table names what its columns count (ESync's steps are rounds); its
+reading of a fenced node's marker."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def test_other_strategies_count_local_steps(name, tmp_path, capsys, monkeypatch)
     assert get_strategy(name).step_unit == "step"
     out = _table(tmp_path, capsys, monkeypatch, "step")
     assert "steps" in out and "rounds" not in out and "local steps" not in out, out
+
+
+def test_the_launcher_reads_a_fence_marker_only_once_the_node_ended(tmp_path):
+    """Regression: the launcher polled (and removed) a running node's marker, so the reason was
+    gone when the node exited 75 ('removed from the run (fenced)'), and a fenced node that
+    exited otherwise was not started again."""
+    from p2psync.cli.exit_codes import EXIT_FENCED
+    from p2psync.cli.launch import _fenced, fenced_marker
+
+    fenced_marker(tmp_path, 3).write_text("node 3 was removed from the run: view 6 (term 2) ...\n")
+    assert _fenced(tmp_path, 3, None) is None and fenced_marker(tmp_path, 3).exists()
+    assert _fenced(tmp_path, 3, EXIT_FENCED) == "node 3 was removed from the run: view 6 (term 2) ..."
+    assert not fenced_marker(tmp_path, 3).exists()
+    assert _fenced(tmp_path, 3, EXIT_FENCED) == "fenced"  # no marker: the exit status says it
+    fenced_marker(tmp_path, 1).write_text("why\n")
+    assert _fenced(tmp_path, 1, 1) == "why"  # fenced, then failed otherwise: still restarted
+    assert _fenced(tmp_path, 2, 1) is None and _fenced(tmp_path, 2, 0) is None
