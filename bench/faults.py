@@ -269,10 +269,10 @@ def main_chaos(args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * max(1, len(curves)), 4), sharey=True, squeeze=False)
     for ax, (s, c) in zip(axes[0], curves.items()):
-        for chaos_run, pts in sorted(c.items()):
+        for is_chaos, pts in sorted(c.items()):
             if pts:
                 t, a = zip(*pts)
-                ax.plot(t, a, label="chaos" if chaos_run else "clean")
+                ax.plot(t, a, label="chaos" if is_chaos else "clean")
         ax.set_title(f"{s} (node 1)")
         ax.set_xlabel("wall time of the process (s)")
     axes[0][0].set_ylabel("test accuracy")
