@@ -211,16 +211,12 @@ class MembershipClient:
         coordinator still coordinates: after a failover another node does, and the topology's
         coordinator itself, restarted, must join instead of hosting a second run."""
         me = self.transport.node_id
-
-        async def ask(peer: int) -> View | None:
+        found = []
+        for raw in await self._ask_views({"probe": True}, timeout):
             try:
-                rep = await self.rpc.call(peer, "membership.heartbeat", {"probe": True}, timeout=timeout)
-                return View.from_wire(rep["view"]) if isinstance(rep, dict) and "view" in rep else None
-            except (P2PSyncError, KeyError):
-                return None
-
-        found = [v for v in await asyncio.gather(*(ask(p) for p in self.transport.topology.ids if p != me))
-                 if v is not None]
+                found.append(View.from_wire(raw))
+            except ProtocolError:
+                pass
         if not found:
             return None
         view = max(found, key=lambda v: v.epoch)
@@ -510,21 +506,24 @@ class MembershipClient:
         a majority whose term is lower is re-elected above it
         (:class:`~p2psync.coordinator.failover.CoordinatorHost`; another node passes it on to its
         coordinator), since this node applies no view of a lower term than one it voted in."""
-        me = self.transport.node_id
-        probe_timeout = max(0.5, 2 * self.interval)
         args = {"probe": True, "seen_term": self.seen_term}
+        for raw in await self._ask_views(args, max(0.5, 2 * self.interval), to_dead=True):
+            self._apply_view(raw, src=None)
+
+    async def _ask_views(self, args: Mapping[str, Any], timeout: float, *, to_dead: bool = False) -> list[Any]:
+        """The views (untrusted wire form) every other node answers a probe with, asked at
+        once, each bounded by ``timeout``; nodes that do not answer are left out."""
+        me = self.transport.node_id
 
         async def ask(peer: int) -> Any:
             try:
-                return await self.rpc.call(peer, "membership.heartbeat", args, timeout=probe_timeout,
-                                           to_dead=True)
+                rep = await self.rpc.call(peer, "membership.heartbeat", args, timeout=timeout, to_dead=to_dead)
             except P2PSyncError:
                 return None
+            return rep.get("view") if isinstance(rep, dict) else None
 
-        peers = [p for p in self.transport.topology.ids if p != me]
-        for rep in await asyncio.gather(*(ask(p) for p in peers)):
-            if isinstance(rep, dict) and rep.get("view") is not None:
-                self._apply_view(rep.get("view"), src=None)
+        reps = await asyncio.gather(*(ask(p) for p in self.transport.topology.ids if p != me))
+        return [r for r in reps if r is not None]
 
     def _after_stop(self, stall: float, cpu_used: float, now: float) -> None:
         """Self-fencing after the whole process was stopped (see :func:`stopped_too_long`)."""
@@ -550,8 +549,8 @@ class MembershipClient:
             await asyncio.sleep(self.interval)
             stall = stalls.tick(time.monotonic())
             self.detector.pause(stall)
-            cpu, used = time.process_time(), time.process_time() - cpu
-            self._after_stop(stall, used, time.monotonic())
+            was, cpu = cpu, time.process_time()
+            self._after_stop(stall, cpu - was, time.monotonic())
             now = time.monotonic()
             if not self.has_quorum and self.fenced is None and now - self._probed_at >= PROBE_EVERY_S \
                     and self.view is not None:
