@@ -276,6 +276,21 @@ class MembershipState:
             self.epoch += 1
         return new
 
+    def redo(self, node: int, epoch: int, peers: Sequence[int], now: float) -> bool:
+        """Member ``node`` reports that an operation of view ``epoch`` failed on a wait for
+        ``peers`` that nobody declared failed (a slow piece, a lost message): when ``epoch`` is
+        the current one, this coordinator holds a majority and none of ``peers`` is suspected
+        (then the detector decides), the epoch moves on so every member redoes the operation
+        over the same members. Returns True when it did. One bump per epoch: the members of
+        that operation report the same epoch, and the first report moves past it."""
+        if not self.complete or epoch != self.epoch or not self.is_member(node) or not self.has_quorum(now):
+            return False
+        suspects = set(self.detector.suspects(now))
+        if any(p in suspects for p in peers):
+            return False
+        self.epoch += 1
+        return True
+
     def report_offences(self, reporter: int, offenders: Sequence[int], neighbors: Callable[[int], Sequence[int]],
                         *, seen_epoch: int | None = None) -> list[int]:
         """Member ``reporter`` received non-finite tensor values from ``offenders`` (the policy
@@ -454,6 +469,7 @@ class MembershipService:
         if self.rebuilt and isinstance(failed, list) and all(type(n) is int for n in failed):
             self._failed(self.state.declare_failed(failed, seen_epoch=seen), f"reported failed by node {caller}")
         await self._offenders(caller, args.get("offenders"), seen)
+        self._redo(caller, args.get("redo"))
         srtt, rttvar = args.get("srtt"), args.get("rttvar", 0.0)
         term = args.get("term", 0)
         applied = (term, epoch) if type(term) is int and type(epoch) is int \
@@ -465,6 +481,22 @@ class MembershipService:
             self.state.heartbeat(caller, now, applied=applied)
         return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed),
                 "quorum": self.state.has_quorum(now)}
+
+    def _redo(self, caller: int, redo: Any) -> None:
+        """A member's report ``{"epoch": e, "peers": [...]}`` that an operation of view ``e``
+        failed while its peers live: a new epoch over the same members (:meth:`MembershipState.redo`)."""
+        if not isinstance(redo, dict):
+            return
+        epoch, peers = redo.get("epoch"), redo.get("peers", [])
+        if type(epoch) is not int or not isinstance(peers, list) or not all(type(n) is int for n in peers):
+            return
+        if self.state.redo(caller, epoch, peers, time.monotonic()):
+            view = self.state.view()
+            log.warning("coordinator %d: node %d's operation of view %d failed waiting for live nodes %s: "
+                        "view epoch %d members %s, so it is redone", self.transport.node_id, caller, epoch,
+                        peers, view.epoch, list(view.members))
+            self._notify()
+            self._publish(view)
 
     async def _offenders(self, caller: int, offenders: Any, seen: int) -> None:
         """A member's report of the nodes that sent it non-finite tensor values: exclude them

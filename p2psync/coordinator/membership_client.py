@@ -110,6 +110,9 @@ class MembershipClient:
         #: members this node reports for exclusion (they sent it non-finite tensor values)
         self.offenders: set[int] = set()
         transport.offence_listeners.append(self._offence)
+        #: (epoch, peers): an operation of that view failed waiting for live peers; reported in
+        #: every heartbeat until a newer view arrives (:meth:`request_redo`)
+        self.redo: tuple[int, tuple[int, ...]] | None = None
         #: this node's votes in coordinator elections (the host answers vote requests with it)
         self.ballot = Ballot(me=transport.node_id)
         #: why this node is no member any more (fenced), or None
@@ -267,6 +270,17 @@ class MembershipClient:
         if self._started:
             self._send_beat()
 
+    def request_redo(self, epoch: int, peers: Sequence[int]) -> None:
+        """An operation of view ``epoch`` failed waiting for ``peers``: ask the coordinator for
+        a newer view (a failure it declares, or the same members in a new epoch when they all
+        live, see :meth:`MembershipState.redo`), at once and in every heartbeat until a view
+        newer than ``epoch`` arrives."""
+        if self.view is not None and self.view.epoch > epoch:
+            return
+        self.redo = (epoch, tuple(sorted(set(peers))))
+        if self._started:
+            self._send_beat()
+
     def _depart(self, peers: Sequence[int]) -> None:
         """``peers`` finished and left the run (graceful, not failures): the listeners drop
         them from the training groups, as for a failure, but nothing is declared dead."""
@@ -390,6 +404,8 @@ class MembershipClient:
             args["failed"] = sorted(self.failed)
         if self.offenders:
             args["offenders"] = sorted(self.offenders)
+        if self.redo is not None and self.view is not None and self.redo[0] >= self.view.epoch:
+            args["redo"] = {"epoch": self.redo[0], "peers": list(self.redo[1])}
         if self.seen_term > (self.view.term if self.view is not None else -1):
             args["seen_term"] = self.seen_term
         return args

@@ -47,7 +47,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
@@ -206,6 +206,8 @@ class Regroup:
                             me, self.name, step, view.epoch, exc)
                 self._retire(view)
                 err = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc))
+                if not isinstance(exc, NonFinitePiece):  # (its sender's exclusion is the next view)
+                    self.ctx.membership.request_redo(view.epoch, err.peers)
                 await self._await_newer(view, err)
 
     async def average_state(self, count: int, step: int, flag: bool = False) -> tuple[int, int, bool]:

@@ -41,3 +41,22 @@ def test_membership_state_failure_detection_and_finish():
     assert not st2.all_finished
     st2.finish(0, {"acc": 1})
     assert st2.all_finished  # finished or failed: the barrier can release
+
+
+def test_redo_moves_the_epoch_once_when_every_named_peer_lives():
+    """A member's operation failed waiting for live peers: one new epoch (same members) per
+    failed epoch; never for an old epoch, a suspected peer, a non-member, or without a majority."""
+    st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0)
+    for n in (0, 1, 2):
+        st.register(n, "f", now=0.0)
+    st.heartbeat(1, 0.5)
+    st.heartbeat(2, 0.5)
+    e = st.epoch
+    assert st.redo(1, e, [2], 1.0) and st.epoch == e + 1
+    assert st.view().members == (0, 1, 2)
+    assert not st.redo(2, e, [1], 1.0) and st.epoch == e + 1  # the same failed epoch: moved past
+    assert not st.redo(7, e + 1, [1], 1.0)  # not a member
+    st.heartbeat(1, 2.4)
+    assert not st.redo(1, e + 1, [2], 2.6)  # 2 is suspected: the detector decides, not the report
+    assert st.check(2.6) == [2] and st.epoch == e + 2
+    assert not st.redo(1, e + 2, [0], 10.0)  # 1 silent meanwhile: no majority of the agreed view
