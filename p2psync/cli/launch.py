@@ -12,10 +12,14 @@ with the last line of its log.
 The launcher follows the run, not a timer. A node that was *fenced* (removed from the run while
 it paused, or on the minority side of a partition; it exits with ``EXIT_FENCED`` or leaves a
 ``node-I.fenced`` marker) is started again with ``--on-failure continue``, up to
-``MAX_RESTARTS`` times, and rejoins with the majority's state. After a failure the others run
-on as long as some node makes progress (a new metrics record); only a run where nothing moved
-for :func:`hang_bound` seconds is stopped. The exit status is 0 only when every node ended well
-and the run's coordinator wrote ``summary.json``.
+``MAX_RESTARTS`` times, and rejoins with the majority's state — unless the run is over (the
+coordinator wrote ``summary.json``, or every other node has exited): then it is *left out*, and
+so is a restarted node whose new life ends without a record once the run is over (it found
+nobody to join). After a failure the others run on as long as some node makes progress (a new
+metrics record); only a run where nothing moved for :func:`hang_bound` seconds is stopped. The
+exit status is 0 only when the run's coordinator wrote ``summary.json`` and every node ended
+well or was left out (the run's model is then the majority's: a left-out node's progress after
+its removal is void, and it is named on stderr).
 
 The built-in job's nodes are forked from the launcher once it has imported what they import
 (:mod:`p2psync.cli.fork_nodes`: torch's imports once instead of once per node); users' commands,
@@ -33,7 +37,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
 from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
@@ -407,6 +411,8 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
     first_failure: tuple[float, int] | None = None
     patience = hang_bound(cfg)
     restarts: dict[int, int] = {}
+    restarted_at: dict[int, int] = {}  # a restarted node -> its metrics file's size at the restart
+    left_out: dict[int, str] = {}  # nodes removed from the run that could not rejoin before its end
     progress = time.monotonic()  # the last time any node wrote a record
     try:
         while True:
@@ -414,15 +420,26 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
                 if codes[i] is None:
                     codes[i] = p.poll()
                     why = _fenced(run_dir, i, codes[i])
-                    if why is not None and start is not None and cfg.on_failure == "continue" \
+                    over = codes[i] is not None and run_over(run_dir, codes, i)
+                    if why is not None and over:
+                        left_out[i] = f"it was removed from the run ({why[:200]}) and the run ended before it " \
+                                      "could rejoin"
+                    elif why is not None and start is not None and cfg.on_failure == "continue" \
                             and restarts.get(i, 0) < MAX_RESTARTS and stop["signal"] is None:
                         restarts[i] = restarts.get(i, 0) + 1
                         print(f"node {i} was removed from the run ({why[:200]}); starting it again "
                               f"({restarts[i]}/{MAX_RESTARTS}): it rejoins with the majority's state",
                               file=sys.stderr, flush=True)
+                        tails[i].poll()
+                        restarted_at[i] = tails[i].pos
                         procs[i], codes[i] = start(i), None
                         continue
-                    if codes[i] not in (None, 0) and first_failure is None:
+                    elif codes[i] not in (None, 0) and over and i in restarted_at:
+                        tails[i].poll()
+                        if tails[i].pos == restarted_at[i]:
+                            left_out[i] = "it was removed from the run and its new process found the run over " \
+                                          "before it could rejoin"
+                    if codes[i] not in (None, 0) and i not in left_out and first_failure is None:
                         first_failure = (time.monotonic(), i)
             _prune(groups)
             for tail in tails.values():
@@ -458,7 +475,9 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
     for tail in tails.values():
         tail.poll()
     print_summary(run_dir, tails, time.monotonic() - t0, unit)
-    failed = {i: procs[i].returncode for i in procs if procs[i].returncode != 0}
+    for i, why in sorted(left_out.items()):
+        print(f"node {i} left out: {why}; the run's model is the majority's", file=sys.stderr)
+    failed = {i: procs[i].returncode for i in procs if procs[i].returncode != 0 and i not in left_out}
     for i, code in sorted(failed.items()):
         if i in stopped:
             print(f"node {i} stopped by the launcher (the run hung after a failure)", file=sys.stderr)
@@ -471,6 +490,15 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
         print(f"the run ended with {models}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_FAILED if failed else 0
+
+
+def run_over(run_dir: Path, codes: Mapping[int, int | None], node: int) -> bool:
+    """Whether the run ended as far as node ``node`` is concerned: its coordinator wrote
+    ``summary.json``, or every other node's process has exited (``codes``: exit statuses,
+    None while running)."""
+    if (run_dir / "summary.json").exists():
+        return True
+    return all(c is not None for n, c in codes.items() if n != node)
 
 
 def models_at_end(run_dir: Path, strategy: str) -> str | None:

@@ -241,3 +241,46 @@ def test_scripts_run_inside_network_namespaces(tmp_path):
     spaces = {(tmp_path / "ns" / f"node-{i}" / "netns").read_text() for i in range(2)}
     assert len(spaces) == 2 and own not in spaces
     assert "p2pn0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+#: node 0 stands for the coordinator that ends the run (it writes summary.json after 1.5 s);
+#: node 1 is fenced (exit 75) at once, and its restarted process finds the run over
+#: (rendezvous fails: exit 1) unless argv[1] is "late", where node 1 is fenced only after the end
+FENCED_SCRIPT = r'''
+import json, os, sys, time
+node, mode = os.environ["P2PSYNC_NODE"], sys.argv[1]
+run = os.path.dirname(os.environ["P2PSYNC_RUN_DIR"])
+life = os.path.join(os.environ["P2PSYNC_RUN_DIR"], "lives")
+with open(life, "a") as f:
+    f.write("x")
+lives = len(open(life).read())
+if node == "0":
+    time.sleep(1.5)
+    with open(os.path.join(run, "summary.json"), "w") as f:
+        json.dump({"nodes": {}, "failed": [1]}, f)
+    sys.exit(0)
+if lives == 1:
+    time.sleep(3.0 if mode == "late" else 0.2)
+    sys.exit(75)
+while not os.path.exists(os.path.join(run, "summary.json")):
+    time.sleep(0.1)
+print("rendezvous with coordinator 0 failed", flush=True)
+sys.exit(1)
+'''
+
+
+@pytest.mark.parametrize("mode", ["early", "late"])
+def test_a_fenced_node_that_cannot_rejoin_before_the_end_is_left_out(tmp_path, mode):
+    """A fenced node is started again only while the run goes on; when the run ends first (the
+    coordinator wrote summary.json) it is named as left out, and the launcher exits 0: the
+    run ended as one, with the majority's model."""
+    topo = tmp_path / "m2.json"
+    save(ring(2, base_port=free_port()), topo)
+    script = tmp_path / "fenced.py"
+    script.write_text(FENCED_SCRIPT)
+    r = cli("run", topo, "--on-failure", "continue", "--out", tmp_path, "--run-id", "f", "--",
+            sys.executable, script, mode)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "node 1 left out" in r.stderr, r.stderr
+    lives = (tmp_path / "f" / "node-1" / "lives").read_text()
+    assert lives == ("xx" if mode == "early" else "x"), r.stderr
