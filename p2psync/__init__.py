@@ -1,5 +1,5 @@
 """p2psync: an asyncio peer-to-peer runtime for data-parallel training on heterogeneous,
-far-apart clusters. See DESIGN.md for the layers; imports point down only.
+far-apart clusters. See docs/architecture.md for the layers; imports point down only.
 
 The user-facing API (``attach``, ``shard``, ``Session``, ``session``, ``log``, ``should_stop``)
 lives in :mod:`p2psync.api.facade`; it is imported on first use, so ``import p2psync`` stays

@@ -1,6 +1,6 @@
 """Task lifecycle helpers shared by every layer (no p2psync imports).
 
-Every task p2psync creates is owned (DESIGN, Conventions): a component that starts background
+Every task p2psync creates is owned (docs/architecture.md, "Every task is owned"): a component that starts background
 work spawns it into its :class:`TaskSet` and closes the set when it closes, so nothing outlives
 its owner and nobody writes the cancel-and-reap loop by hand::
 

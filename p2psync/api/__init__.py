@@ -1,4 +1,4 @@
-"""The user-facing API (issue 11; DESIGN "What the user does"): three lines in a PyTorch script.
+"""The user-facing API : three lines in a PyTorch script.
 
     import p2psync
     train_set = p2psync.shard(train_set)                  # this node's part of the data

@@ -1,6 +1,6 @@
 """Where the user's training loop and the strategy meet: the optimizer step.
 
-Why: a strategy never owns the training loop (DESIGN, "One training path"). The user's thread
+Why: a strategy never owns the training loop (docs/architecture.md, "One training path"). The user's thread
 runs forward and backward; when it calls ``optimizer.step()`` it *arrives* at the gate and
 parks there. While it is parked, the strategy (a coroutine on the node's event loop) works on
 the model through *jobs*: reading the gradients, replacing them, running the local optimizer

@@ -1,7 +1,7 @@
 """``p2psync.Session``: one node of a run inside the user's own process.
 
 Why: there is exactly one way a strategy meets a model — around the optimizer step of a loop it
-does not own (DESIGN, "One training path"). The built-in job of ``p2psync run`` and users'
+does not own (docs/architecture.md, "One training path"). The built-in job of ``p2psync run`` and users'
 scripts both go through this class; :func:`p2psync.attach` is its implicit form.
 
 Threads: the user's loop runs on the calling thread (the *training thread*); the node's event

@@ -1,5 +1,5 @@
 """The checkpointable state of a :class:`~p2psync.api.session.Session` (split from
-:mod:`p2psync.api.session` to keep modules small; issue 16 and its review, item 7).
+:mod:`p2psync.api.session`: what a checkpoint holds, apart from the step loop).
 
 Threads: :meth:`SessionState.state_dict` is called on the training thread (between steps),
 which owns the model, the optimizer, the RNGs the user's loop draws from and the script's

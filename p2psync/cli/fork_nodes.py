@@ -1,4 +1,4 @@
-"""The built-in job's nodes forked from one warm launcher (issue 17: start-up).
+"""The built-in job's nodes forked from one warm launcher.
 
 Why: every node process of ``p2psync run TOPOLOGY`` imports the same modules, torch and
 torch._dynamo alone 2-3 s of CPU each (``torch.optim.Optimizer.__init__`` imports torch._dynamo),

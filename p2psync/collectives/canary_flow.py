@@ -3,7 +3,7 @@
 Follows the routing rules of :mod:`p2psync.collectives.canary_plan` (additive, exactly once).
 Every piece of data is a :class:`Datum`: the sum of some contributions (the gradient of one
 colayer slot from one worker and iteration each), how many, the mask of the workers they come
-from (Canary's GEI bits: ../shared/specs/canary.md §4.4.2, masks travel with partial sums and
+from (Canary's GEI bits, paper §4.4.2: masks travel with partial sums and
 are OR-ed when summed) and the span of their iterations (for the staleness rule: data whose
 newest contribution is older than ``ζ − s`` is discarded on receipt, spec §6.5).
 """

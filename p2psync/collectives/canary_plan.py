@@ -1,9 +1,8 @@
 """Canary's multi-interface exchange schedule and its routing rules (pure).
 
-Paper: ../shared/papers/canary.md §4.4.2 (Fig. 13, Table 2 on BCube; Fig. 14 and Fig. 10 on a
-mesh); reading notes ../shared/specs/canary.md §6.3-§6.5 (the schedule consistent with Table 2,
-α·β pieces per worker, the paper's "4 pieces / 36 in total" and its AR-1 thread assignment
-being errors, spec §9 items 10-11).
+Paper: Zhou et al., *Canary*, §4.4.2 (Fig. 13, Table 2 on BCube; Fig. 14 and Fig. 10 on a
+mesh), read as the schedule consistent with Table 2: α·β pieces per worker (the paper's
+"4 pieces / 36 in total" and its AR-1 thread assignment are errors).
 
 **Layout.** ``BCube(α, β)``: node ``x`` has digits ``d_l(x)`` (level ``l`` < β, base α); its
 level-``l`` *cube* is the α nodes that differ from it in digit ``l`` only, all on the level-``l``

@@ -28,7 +28,7 @@ fetches its state from live peers before training. A run still starts only once 
 has registered (``--start-timeout``); joins come after that. ``allow_join=False``
 (``--on-failure stop``) keeps rejecting them.
 
-Non-finite tensor values (issue 16 and its review). A node whose own gradient, or any tensor it
+Non-finite tensor values. A node whose own gradient, or any tensor it
 is about to send, holds NaN or infinity stops with :class:`~p2psync.errors.Diverged` ("training
 diverged at step k on node i") before sending it, blaming nobody: an honest run that diverges
 ends on every node that way. A receiver rejects a piece holding such values and reports the

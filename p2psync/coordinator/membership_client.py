@@ -6,7 +6,7 @@ RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeo
 views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
 transport, marks removed members dead and calls ``listeners`` once per failed peer.
 
-Coordinator failover (issue 10 item 6; decisions in :mod:`p2psync.coordinator.takeover`,
+Coordinator failover (decisions in :mod:`p2psync.coordinator.takeover`,
 hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
 the coordinator, the client deposes it, reports it failed to its listeners, fails its RPCs in
 flight to it (:meth:`RpcClient.abort_calls`) and follows the lowest live member of its view

@@ -1,12 +1,13 @@
 """The P-Reduce controller's decision logic. Pure: no I/O, times are arguments.
 
-Paper: ../shared/papers/partial-reduce.md. Sec. 3.1.1 Algorithm 2 ("Controller": a FIFO of ready
+Paper: Miao et al., *Heterogeneity-Aware Distributed Machine Learning Training via Partial
+Reduce*, Sec. 3.1.1 Algorithm 2 ("Controller": a FIFO of ready
 signals; as soon as P are queued, pop P and tell them their group), Sec. 3.3 (dynamic partial
 reduce: staleness-aware weights from the members' iteration numbers, Eq. 9), Sec. 4 / Fig. 6
 (signal queue -> group filter with the group history -> weight generator -> broadcaster; group
-frozen and the sync-graph over the last T groups). Reading notes with the resolved errata:
-../shared/specs/preduce.md §1.4 (the precise reading of the dynamic weights, B5, B7), §1.6 (the
-controller and the concrete group-frozen rule, B8), B10 (the end-of-training deadlock).
+frozen and the sync-graph over the last T groups). Read with these errata resolved: the
+precise reading of the dynamic weights (B5, B7), the controller and the concrete group-frozen
+rule (B8), the end-of-training deadlock (B10).
 
 p2psync decisions beyond the spec (why):
 
@@ -23,7 +24,7 @@ p2psync decisions beyond the spec (why):
   members, of the latest time from a worker's group being formed to its next READY; that is
   its local step plus its reduce, not the time it spent queued or deferred, so the bound does
   not grow with the deferrals themselves), then accepted as is. It never deadlocks.
-* **The tail** (B10; issue 13 "a controller-driven stop when fewer than P workers remain"):
+* **The tail** (B10: a controller-driven stop when fewer than P workers remain):
   *remaining* workers are current members that may still send READY (not finished) plus those
   queued. Fewer than P remaining (or every remaining worker queued and no connected group of P
   possible): ``tail="stop"`` stops the run; ``tail="shrink"`` forms smaller groups (a single

@@ -1,4 +1,4 @@
-"""The P-Reduce controller's RPC shell (../shared/papers/partial-reduce.md Sec. 3.1.1 Alg. 2
+"""The P-Reduce controller's RPC shell (P-Reduce paper, Sec. 3.1.1 Alg. 2
 "Controller", Sec. 4 Fig. 6; decision logic: :mod:`p2psync.coordinator.preduce`).
 
 One method, ``preduce.ready``, a bounded long poll: a worker that finished a local step sends
@@ -11,7 +11,7 @@ a lost reply) is recognized: it waits for, or gets again, the answer to the same
 ``inc`` is the worker's incarnation: a restarted node starts counting again.
 
 The group message is a few hundred bytes: tensors never pass through the controller (members
-average peer to peer, DESIGN "Coordinator services hold no model tensors"). ``ctl`` is a random
+average peer to peer, docs/architecture.md, "Coordinator services hold no model tensors"). ``ctl`` is a random
 id of this controller instance: after a coordinator takeover the new controller numbers its
 groups from 1 again, and the id keeps the members' collective tags unique.
 

@@ -1,4 +1,4 @@
-"""ESync's State Server (../shared/papers/esync.md §4, Algorithm 2).
+"""ESync's State Server (Li et al., *ESync*, §4, Algorithm 2).
 
 :class:`StateServer` is the pure decision logic: one record per device
 ``(rank, k, capability, last_finish_time, ready, round)``; QUERY-STATE answers whether the

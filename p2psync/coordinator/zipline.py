@@ -2,7 +2,8 @@
 Z* (one predicted end time per worker) with the smallest spread d_Z = max(Z) - min(Z); the
 barrier goes at t_sync = max(Z*). Pure, no I/O.
 
-Reference: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md, chapter 6:
+Reference: the thesis *Elastic Synchronization for Efficient and Effective Distributed Deep
+Learning*, chapter 6:
 
 * prediction (§6.3, §6.4, Fig. 6.4): from a worker's last two push timestamps, its interval
   gamma = t_last - t_prev and its future end times t_last + i * gamma, i = 1..R;

@@ -1,5 +1,5 @@
 """Canary: colayers exchanged during backward over multi-NIC BCube, GEI bitmaps, staleness
-bounding (paper ../shared/papers/canary.md §4.3-§5; reading notes ../shared/specs/canary.md).
+bounding (Zhou et al., *Canary*, §4.3-§5).
 
 What a node does per iteration ``t`` (spec §6.6):
 
@@ -18,7 +18,7 @@ What a node does per iteration ``t`` (spec §6.6):
    (medians of 3 runs, 1 Gb/s NICs, README) 5 bits move 0.21 / 0.26 of BSP's bytes per
    iteration on BCube(2,2) / (3,2) against 8 bits' 0.33 / 0.42, reach the target as soon
    (1.74x / 1.70x sooner than BSP, 8 bits 1.91x / 1.72x, within the runs' spread) and end
-   as accurate; 70 % below BSP's traffic (issue 15's target; the paper reports 56 %) is out
+   as accurate; 70 % below BSP's traffic (the paper reports 56 %) is out
    of 8 bits' reach on BCube(3,2), whose schedule moves 1.125x a ring's bytes. ``--opt
    sketch_bits=0`` chooses the width per piece: the fewest bits (2-8) whose sketch keeps the
    piece's relative L2 error within ``sketch_tol`` (0.1: at most 1 % of its energy waits for

@@ -1,5 +1,5 @@
-"""Canary's colayers: the model's layers grouped in backprop order (pure; paper
-../shared/papers/canary.md §4.3.2, reading notes ../shared/specs/canary.md §3).
+"""Canary's colayers: the model's layers grouped in backprop order (pure;
+Zhou et al., *Canary*, §4.3.2).
 
 A *layer* is a module with trainable parameters of its own; its parameters are consecutive in
 the flat parameter vector, so a colayer (consecutive layers) is one contiguous range of it.

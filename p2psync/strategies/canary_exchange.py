@@ -1,9 +1,9 @@
 """Canary's colayer exchange over the transport: pushes, immediate replies, empty packets.
 
-Paper ../shared/papers/canary.md §4.4.2 ("each worker independently operates gradient exchange
+Paper: Zhou et al., *Canary*, §4.4.2 ("each worker independently operates gradient exchange
 without a synchronized barrier … a worker will send an empty packet when it is still under
-computation or has exchanged current gradient in prior communication"); reading notes
-../shared/specs/canary.md §6.5 (the push / immediate-reply protocol) and §6.6.
+computation or has exchanged current gradient in prior communication"), built as a push /
+immediate-reply protocol.
 
 One :class:`Exchange` per node and *plan* (a view's members, re-planned after every
 re-synchronization): a :class:`~p2psync.collectives.canary_flow.Flow` per colayer (results

@@ -1,6 +1,5 @@
-"""Canary's GEI (gradient exchange indicator) and staleness bounding, pure (paper
-../shared/papers/canary.md §5.2 Fig. 16, §5.3 Pseudocode 1, Table 3; reading notes
-../shared/specs/canary.md §4 and §5).
+"""Canary's GEI (gradient exchange indicator) and staleness bounding, pure
+(Zhou et al., *Canary*, §5.2 Fig. 16, §5.3 Pseudocode 1, Table 3).
 
 **GEI row vector** ``r_(i)``: one integer bitmask per colayer; worker ``W_(j)`` (1-based, the
 paper's convention) is bit ``j − 1``, so ``r = 233 = 0b1110_1001`` says workers {1, 4, 6, 7, 8}

@@ -1,9 +1,9 @@
 """DTS's compensation as pure state: what to send when a window closes, and the corrections to
 the weights and SGD's momentum buffers when its average is applied t steps later.
 
-Paper: ../shared/papers/dts-training-across-the-world.md, Sec. 3.1 (delayed update, Eqs. 2-8),
+Paper: *Distributed Training Across the World*, Sec. 3.1 (delayed update, Eqs. 2-8),
 Sec. 3.2 (temporally sparse update, Eqs. 9-11), Sec. 3.3 (both, Eqs. 12-13). This module
-implements the normalized rule of the reading notes, ../shared/specs/dts.md §1.7, which
+implements one normalized rule, which
 covers every one of those equations with one convention and corrects the paper's errors:
 
 * **descent sign** (§4 A1): the paper writes ``w + λ∇w``; here ``w - λ·g``.

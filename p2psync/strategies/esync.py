@@ -1,4 +1,4 @@
-"""ESync (../shared/papers/esync.md): local iterations sized by a State Server, one aggregation
+"""ESync (Li et al., *ESync*): local iterations sized by a State Server, one aggregation
 of model deltas per round.
 
 Round t (Alg. 1, Eq. 4-8): every node starts from the same global weights w_t, runs n_i local
@@ -24,7 +24,7 @@ collected during the aggregation (no late reply is left behind) before RESET-STA
 The stop decision is agreed on next to the aggregation, exactly (never through a lossy codec;
 :func:`~p2psync.strategies.base.mean_and_agree`), so every node stops after the same round.
 
-Leaving and joining (issue 10 item 5, :mod:`~p2psync.strategies.regroup`): the aggregation runs
+Leaving and joining (:mod:`~p2psync.strategies.regroup`): the aggregation runs
 over the current view's members under ``esync.<round>.e<epoch>``. With ``--on-failure
 continue`` (default) an aggregation that fails is abandoned (nothing applied) and redone over the
 survivors with the same deltas, so Eq. 7 averages over the members of the round's final view;

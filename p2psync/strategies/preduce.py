@@ -1,5 +1,5 @@
 """P-Reduce: the fastest P workers average their models while the others keep computing
-(issue 13; ../shared/papers/partial-reduce.md, reading notes ../shared/specs/preduce.md).
+(Miao et al., *Heterogeneity-Aware Distributed Machine Learning Training via Partial Reduce*).
 
 Worker, Sec. 3.1.1 Algorithm 2 (spec §1.2, §1.6): every step is the user's own local step
 (line 4: the gradient through the user's optimizer, so momentum, weight decay and LR schedules

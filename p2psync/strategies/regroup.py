@@ -1,8 +1,8 @@
-"""Nodes that leave and join: synchronous strategies re-form over the current view (issue 10
-item 5; DESIGN "Membership is a sequence of views").
+"""Nodes that leave and join: synchronous strategies re-form over the current view
+(membership is a sequence of views).
 
 What: :class:`Regroup` runs one synchronous operation of a strategy (SSGD's gradient allreduce,
-ESync's aggregation of deltas, Eq. 6-7 of ../shared/papers/esync.md) over the members of the
+ESync's aggregation of deltas, Eq. 6-7 of the ESync paper) over the members of the
 current membership view and redoes it over the next view when it fails, and brings a joiner
 (or a survivor that fell one step behind) to the same state as the others.
 :func:`serve_state` / :func:`fetch_state` let a joiner of an asynchronous strategy copy the
@@ -265,7 +265,7 @@ class Regroup:
 
     def _retire(self, view: View) -> None:
         """The operations of an abandoned epoch are finished for good: pieces of them that are
-        queued, or still on their way, are dropped (bounded memory, issue 10 item 7). Tags
+        queued, or still on their way, are dropped (bounded memory). Tags
         follow ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
         mb = self.ctx.transport.mailbox
         for kind in ("sync", "state", *(str(s) for s in self._steps_at(view))):

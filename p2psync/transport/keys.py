@@ -1,6 +1,6 @@
 """Keys of a keyed cluster: one CurveZMQ key pair per node, plus pairwise relay keys.
 
-Why: without keys anyone who can reach a port is a peer (DESIGN, "Identity is a key"). With
+Why: without keys anyone who can reach a port is a peer (docs/architecture.md, "Identity is a key"). With
 keys, every socket runs CurveZMQ (pyzmq's own CURVE and ZAP support, no custom crypto): the
 topology lists every node's public key, a ZAP handler maps the key that completed a handshake to
 a node id (:mod:`p2psync.transport.zap`) and a message's claimed source must match it.

@@ -12,7 +12,7 @@ A :class:`Shaper` sits between :meth:`Transport.send` and the socket, per (src, 
   does); links never wait for each other and nothing blocks the event loop;
 * ``netem``: shaping done by the kernel (``p2psync.transport.netem``); no in-process shaper.
 
-Two traffic classes (issue 10 item 1, "control never waits behind bulk"). ``data`` messages
+Two traffic classes (control never waits behind bulk). ``data`` messages
 (bulk) go through the token bucket(s) as above. Control messages (``rpc``, ``reply``, ``event``,
 ``hb``; ``submit(..., control=True)``) have strict priority: they start serializing *now*, not
 behind the bulk already queued on the link, so they arrive after their own serialization time

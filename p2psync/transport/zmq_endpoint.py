@@ -5,8 +5,8 @@
 node opened to ``j``'s address from the topology, under a routing id this node chose
 (``CONNECT_ROUTING_ID``, :func:`routing_id`). Incoming connections (the neighbours' outgoing
 ones, accepted by the bound socket) only ever deliver. Nothing a peer claims therefore decides
-where this node's messages go (issue 16 review: a peer that claimed another node's routing id
-used to receive that node's traffic). Each direction of a pair has its own TCP connection.
+where this node's messages go (a peer that claims another node's routing id
+must not receive that node's traffic). Each direction of a pair has its own TCP connection.
 
 ``ROUTER_MANDATORY`` turns a send to a peer whose pipe does not exist into an error that
 :class:`~p2psync.transport.base.Transport` retries until the timeout, so a dead peer surfaces
@@ -46,7 +46,7 @@ pieces could sit in one pipe); the transport's per-peer byte window (``window_by
 8 MiB; :mod:`p2psync.transport.flow`) bounds what waits to enter it. The control socket has its
 own ``control_sndhwm`` (1000 messages; control messages are small).
 
-**Keys** (issue 16; :mod:`p2psync.transport.keys`). With ``keys`` every ROUTER socket runs
+**Keys** (:mod:`p2psync.transport.keys`). With ``keys`` every ROUTER socket runs
 CurveZMQ: a socket is a CURVE client on each connect (with the server key of the node it
 connects to, from the topology, so an outgoing pipe provably reaches that node) and a CURVE
 server on its bind, with the ZAP handler of :mod:`p2psync.transport.zap` (one per endpoint, on
