@@ -164,3 +164,18 @@ def test_the_cli_gives_a_language_model_its_defaults_and_keeps_explicit_choices(
         "sgd", 0.05, 32, "constant", 0.0)
     assert cfg().optimizer == "sgd" and cfg().data == "digits"  # the classifiers' defaults are unchanged
     assert cfg("--model", "lm-tiny", "--time", "5").lr_schedule == "constant"  # no length to decay over
+
+
+def test_dts_refuses_the_language_models_adamw_before_any_node_starts(tmp_path: Path) -> None:
+    from p2psync.cli.main import build_parser
+    from p2psync.cli.run_cmd import config_from_args, run
+
+    argv = ["run", "topologies/ring-4.json", "--strategy", "dts", "--model", "lm-tiny", "--steps", "3",
+            "--out", str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"(?s)--strategy dts cannot train with this optimizer.*AdamW.*"
+                                          r"--model lm-tiny trains with --optimizer adamw.*--optimizer sgd"):
+        run(build_parser().parse_args(argv))
+    assert not any(tmp_path.iterdir())  # nothing started, no run folder
+    # with the optimizer it needs, the same run is accepted (its checks pass; it is not started here)
+    cfg = config_from_args(build_parser().parse_args([*argv, "--optimizer", "sgd"]))
+    assert (cfg.optimizer, cfg.lr_schedule) == ("sgd", "warmup-cosine")
