@@ -173,7 +173,7 @@ async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy,
 #: trains by default; DTS, whose compensation replays SGD's arithmetic, with plain SGD: ``p2psync run``
 #: refuses it AdamW before any node starts, tests/unit/test_lm.py), a few steps of one sequence per
 #: node on a mesh: every node steps, the losses stay finite and the parameters move
-LM_STEPS = 4
+LM_STEPS = 3
 
 
 @pytest.mark.parametrize("strategy", sorted(REGISTRY))
