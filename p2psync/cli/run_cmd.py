@@ -173,6 +173,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
                         "topology and options; --steps/--epochs count the whole run, --time this part), at the "
                         "latest step every node can restore (ssgd: the latest any node has; the others adopt it)")
+    p.add_argument("--single", action="store_true",
+                   help="built-in job: the single-process reference of this run instead of the run: one "
+                        "process (a one-node topology at the first node's address, saved in the run folder) "
+                        "trains on the whole training set with --batch-size times the topology's node count per "
+                        "step, so every step sees the samples (tokens) all nodes see together, from the same "
+                        "initial weights, with the same optimizer and schedule (no strategy, codec, shaping or "
+                        "emulated slowdown)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
@@ -254,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     topo = load(cfg.topology)  # validate before starting anything
+    if args.single:
+        cfg, topo = single_reference(cfg, topo, args)
     # the strategy's options, also those checked against the topology (a group size vs N)
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
     if args.cmd is None:  # the built-in job's optimizer is known: checked before any node starts
@@ -265,8 +274,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             if cfg.lm is not None and args.optimizer is None:
                 raise ConfigError(f"{exc}\n--model {cfg.model} trains with --optimizer {cfg.optimizer} unless "
-                                  "told otherwise: choose one this strategy supports (e.g. --optimizer sgd "
-                                  "--lr 0.5)") from None
+                                  "told otherwise: choose one this strategy supports (e.g. --optimizer sgd)") from None
             raise
     check_keys(cfg, topo, args.node)
     if args.cmd is not None:
@@ -278,6 +286,35 @@ def run(args: argparse.Namespace) -> int:
     if args.node not in topo.ids:
         raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
+
+
+def single_reference(cfg: RunConfig, topo: Topology, args: argparse.Namespace) -> tuple[RunConfig, Topology]:
+    """``--single``: the config and one-node topology of the run's single-process reference
+    (see the option's help); the topology is written to ``<run>/topology-single.json``."""
+    from dataclasses import replace
+
+    from p2psync.api.runtime import default_run_id
+    from p2psync.topology import mesh, save
+
+    if args.cmd is not None:
+        raise ConfigError("--single runs the built-in job: a script's single-process reference is the script "
+                          "run alone (python SCRIPT, with the nodes' batches together)")
+    if args.node is not None:
+        raise ConfigError("--single runs one process of its own: it takes no --node")
+    if args.resume is not None:
+        raise ConfigError("--single cannot --resume a run")
+    first = topo.node(topo.ids[0]).nics[0]
+    one = replace(mesh(1, base_port=first.port, hosts=[first.address]), name=f"{topo.name}-single")
+    run_id = cfg.run_id or default_run_id(one, "single")
+    folder = Path(cfg.out) / run_id
+    path = folder / "topology-single.json"
+    with translate({OSError: lambda e: ConfigError(f"--single: cannot write {path}: {e}")}):
+        folder.mkdir(parents=True, exist_ok=True)
+        save(one, path)
+    single = replace(cfg, topology=str(path), run_id=run_id, strategy="ssgd", strategy_options=(), codec="none",
+                     error_feedback=False, shaper="none", wan=None, nic_mbps=None, slowdown="",
+                     slowdown_schedule="", step_time="", keys=None, batch_size=cfg.batch_size * topo.size)
+    return single, one
 
 
 def check_keys(cfg: RunConfig, topo: Topology, node: int | None) -> None:

@@ -179,3 +179,21 @@ def test_dts_refuses_the_language_models_adamw_before_any_node_starts(tmp_path: 
     # with the optimizer it needs, the same run is accepted (its checks pass; it is not started here)
     cfg = config_from_args(build_parser().parse_args([*argv, "--optimizer", "sgd"]))
     assert (cfg.optimizer, cfg.lr_schedule) == ("sgd", "warmup-cosine")
+
+
+def test_single_is_one_process_with_every_nodes_batch(tmp_path: Path) -> None:
+    from p2psync.cli.main import build_parser
+    from p2psync.cli.run_cmd import config_from_args, single_reference
+    from p2psync.topology import load
+
+    args = build_parser().parse_args(["run", "topologies/ring-4.json", "--model", "lm-tiny", "--steps", "300",
+                                      "--strategy", "dts", "--codec", "int8", "--single", "--out", str(tmp_path),
+                                      "--run-id", "ref"])
+    cfg, topo = single_reference(config_from_args(args), load("topologies/ring-4.json"), args)
+    assert topo.ids == [0] and load(cfg.topology).ids == [0] and load(cfg.topology).name == "ring-4-single"
+    assert Path(cfg.topology) == tmp_path / "ref" / "topology-single.json"
+    assert (cfg.batch_size, cfg.steps, cfg.strategy, cfg.codec, cfg.optimizer) == (
+        4 * LM_SPECS["lm-tiny"].batch_size, 300, "ssgd", "none", "adamw")
+    bad = build_parser().parse_args(["run", "topologies/ring-4.json", "--single", "--", "python", "x.py"])
+    with pytest.raises(ConfigError, match="--single runs the built-in job"):
+        single_reference(config_from_args(bad), load("topologies/ring-4.json"), bad)
