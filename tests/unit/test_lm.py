@@ -194,6 +194,8 @@ def test_single_is_one_process_with_every_nodes_batch(tmp_path: Path) -> None:
     assert Path(cfg.topology) == tmp_path / "ref" / "topology-single.json"
     assert (cfg.batch_size, cfg.steps, cfg.strategy, cfg.codec, cfg.optimizer) == (
         4 * LM_SPECS["lm-tiny"].batch_size, 300, "ssgd", "none", "adamw")
-    bad = build_parser().parse_args(["run", "topologies/ring-4.json", "--single", "--", "python", "x.py"])
+    from p2psync.cli.main import parse_args
+
+    bad = parse_args(build_parser(), ["run", "topologies/ring-4.json", "--single", "--", "python", "x.py"])
     with pytest.raises(ConfigError, match="--single runs the built-in job"):
         single_reference(config_from_args(bad), load("topologies/ring-4.json"), bad)
