@@ -199,3 +199,14 @@ def test_single_is_one_process_with_every_nodes_batch(tmp_path: Path) -> None:
     bad = parse_args(build_parser(), ["run", "topologies/ring-4.json", "--single", "--", "python", "x.py"])
     with pytest.raises(ConfigError, match="--single runs the built-in job"):
         single_reference(config_from_args(bad), load("topologies/ring-4.json"), bad)
+
+
+def test_the_report_shows_a_language_models_validation_bpb() -> None:
+    from p2psync.cli.report_cmd import table
+
+    recs = {0: [{"step": 1, "time": 1.0, "loss": 5.0}, {"step": 2, "time": 2.0, "loss": 4.0, "val_bpb": 5.5}],
+            1: []}
+    out = table(recs).splitlines()
+    assert "| val bpb |" in out[0] and out[2].split(" | ")[5] == "5.5000"
+    assert out[3].count("|") == out[0].count("|")
+    assert "val bpb" not in table({0: [{"step": 1, "time": 1.0, "loss": 5.0, "accuracy": 0.5}]})
