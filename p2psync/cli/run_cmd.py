@@ -17,8 +17,8 @@ from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, translate
 from p2psync.topology import Topology
-from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS, RunConfig,
-                                     lm_defaults)
+from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SGD_LR, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS,
+                                     RunConfig, lm_defaults)
 from p2psync.training.data import DATASETS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
@@ -80,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         f"(default: {d.optimizer}; adamw for the lm-* models)")
     p.add_argument("--lr", type=float,
                    help=f"(peak) learning rate (default: {d.lr}; lm-* models: "
-                        + ", ".join(f"{k} {v.lr:g}" for k, v in LM_SPECS.items()) + ")")
+                        + ", ".join(f"{k} {v.lr:g}" for k, v in LM_SPECS.items())
+                        + f", or {LM_SGD_LR:g} with --optimizer sgd or nesterov)")
     p.add_argument("--momentum", type=float, default=d.momentum)
     p.add_argument("--weight-decay", type=float,
                    help=f"(default: {d.weight_decay}; {lm_defaults('lm-tiny')['weight_decay']} for the lm-* models)")
@@ -222,7 +223,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             epochs = DEFAULT_EPOCHS
     d = RunConfig(topology="")
     given = {k: getattr(args, k) for k in LM_DEFAULTED if getattr(args, k) is not None}
-    job = {**{k: getattr(d, k) for k in LM_DEFAULTED}, **lm_defaults(args.model), **given}
+    job = {**{k: getattr(d, k) for k in LM_DEFAULTED}, **lm_defaults(args.model, args.optimizer), **given}
     if job["lr_schedule"] == "warmup-cosine" and steps is None and epochs is None and "lr_schedule" not in given:
         job["lr_schedule"] = "constant"  # a run bounded by --time only: no length to decay over
     data = args.data if args.data is not None else (LM_DATASETS[0] if lm else d.data)

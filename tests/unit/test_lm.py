@@ -178,7 +178,7 @@ def test_dts_refuses_the_language_models_adamw_before_any_node_starts(tmp_path: 
     assert not any(tmp_path.iterdir())  # nothing started, no run folder
     # with the optimizer it needs, the same run is accepted (its checks pass; it is not started here)
     cfg = config_from_args(build_parser().parse_args([*argv, "--optimizer", "sgd"]))
-    assert (cfg.optimizer, cfg.lr_schedule) == ("sgd", "warmup-cosine")
+    assert (cfg.optimizer, cfg.lr, cfg.lr_schedule) == ("sgd", 0.1, "warmup-cosine")
 
 
 def test_single_is_one_process_with_every_nodes_batch(tmp_path: Path) -> None:
