@@ -32,6 +32,16 @@ DEFAULT_LM_STEPS = 300
 log = logging.getLogger("p2psync.cli")
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default after its help, except a None one (no default, or one that depends on
+    other options, which the help states)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from p2psync.strategies import REGISTRY
 
@@ -48,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "P2PSYNC_STRATEGY, P2PSYNC_CONFIG (JSON), its own folder in P2PSYNC_RUN_DIR, and "
                     "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (p2psync.attach reads them), "
                     "and OMP_NUM_THREADS; --node K gives its copy the same.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelp)
     p.add_argument("topology", help="topology JSON file (see 'p2psync topo')")
     p.add_argument("--strategy", default=d.strategy, choices=sorted(REGISTRY),
                    help="synchronization algorithm")
