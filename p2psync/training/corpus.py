@@ -4,9 +4,9 @@ No download: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` outsid
 ``site-packages`` and ``dist-packages`` (directory symlinks are not followed), in the order of
 their relative POSIX paths, read as raw bytes (the files are UTF-8 text; the bytes are the
 tokens, so the vocabulary is 256 and any file round-trips). A file belongs to the validation
-split when the first 8 bytes of the SHA-256 of its relative path, as an integer, fall in the
-lowest :data:`VAL_PERMILLE` thousandths: the split depends on the path alone, so it is the same on
-every call, every node and every machine with that Python release. The corpus differs between
+split when the first 8 bytes of the SHA-256 of its relative path, as a big-endian integer,
+modulo 1000 are below :data:`VAL_PERMILLE`: the split depends on the path alone, so it is the
+same on every call, every node and every machine with that Python release. The corpus differs between
 Python releases: :class:`TokenCorpus` records the Python version, the byte counts and a SHA-256
 over every (path, content) pair, which the built-in job writes into ``summary.json``.
 
