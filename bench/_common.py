@@ -86,11 +86,12 @@ def run_nodes(cmd: Sequence[str], out: Path, run_id: str, nodes: int, timeout: f
             for i in range(nodes)]
 
 
-def first_reach(recs: Sequence[dict[str, Any]], target: float) -> float:
-    """The time of a node's first evaluation at or above ``target`` (inf if none)."""
+def first_reach(recs: Sequence[dict[str, Any]], target: float, key: str = "accuracy") -> float:
+    """The time of a node's first evaluation at or above ``target`` (inf if none); ``key``
+    ``val_bpb`` (a language model's validation bits per byte): at or below it."""
     for r in recs:
-        acc = r.get("accuracy")
-        if acc is not None and acc >= target:
+        v = r.get(key)
+        if v is not None and (v <= target if key == "val_bpb" else v >= target):
             return float(r["time"])
     return INF
 
@@ -106,15 +107,25 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def final_accuracy(nodes: Sequence[Sequence[dict[str, Any]]]) -> float:
-    """The mean of the nodes' last evaluations (0.0 when no node evaluated)."""
-    finals = [[r["accuracy"] for r in recs if r.get("accuracy") is not None] for recs in nodes]
+def final_accuracy(nodes: Sequence[Sequence[dict[str, Any]]], key: str = "accuracy") -> float:
+    """The mean of the nodes' last evaluations of ``key`` (0.0 when no node evaluated)."""
+    finals = [[r[key] for r in recs if r.get(key) is not None] for recs in nodes]
     return statistics.mean(f[-1] for f in finals if f) if any(finals) else 0.0
 
 
-def accuracy_curve(recs: Sequence[dict[str, Any]]) -> Curve:
-    """One node's (time, test accuracy) at its evaluations, for the plot."""
-    return [(float(r["time"]), float(r["accuracy"])) for r in recs if r.get("accuracy") is not None]
+def accuracy_curve(recs: Sequence[dict[str, Any]], key: str = "accuracy") -> Curve:
+    """One node's (time, test accuracy, or ``key``) at its evaluations, for the plot."""
+    return [(float(r["time"]), float(r[key])) for r in recs if r.get(key) is not None]
+
+
+#: the language models of ``p2psync run --model`` (their evaluations: ``val_bpb``, lower is better)
+LM_MODELS = ("lm-tiny", "lm-small", "lm-base")
+
+
+def metric_key(model: str) -> str:
+    """What a benchmark's target and curves read for ``--model``: ``accuracy``, or a language
+    model's ``val_bpb``."""
+    return "val_bpb" if model in LM_MODELS else "accuracy"
 
 
 def repeat(name: str, repeats: int, run: Callable[[int], R], line: Callable[[R], str],

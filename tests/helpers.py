@@ -184,11 +184,13 @@ TEST_DEVICE = os.environ.get("P2PSYNC_TEST_DEVICE", "cpu")
 def make_trainer(topo: Topology, node_id: int, *, model: str = "mlp", batch_size: int = 16,
                  lr: float = 0.1, momentum: float = 0.9, seed: int = 0, partition_scheme: str = "iid",
                  optimizer: str = "sgd", weight_decay: float = 0.0):
-    """A real Trainer for ``node_id`` on the digits data, exactly as a node process builds it."""
-    from p2psync.training.config import RunConfig
+    """A real Trainer for ``node_id`` on the digits data (a language model's: pysource),
+    exactly as a node process builds it."""
+    from p2psync.training.config import LM_SPECS, RunConfig
     from p2psync.training.node import build_trainer
 
-    cfg = RunConfig(topology="-", model=model, batch_size=batch_size, lr=lr, momentum=momentum,
+    cfg = RunConfig(topology="-", model=model, data="pysource" if model in LM_SPECS else "digits",
+                    batch_size=batch_size, lr=lr, momentum=momentum,
                     optimizer=optimizer, weight_decay=weight_decay,
                     seed=seed, partition=partition_scheme, device=TEST_DEVICE, threads=1)
     return build_trainer(cfg, topo, node_id)

@@ -141,7 +141,8 @@ def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, A
               failed: list[int]) -> dict[str, Any]:
     """The run's ``summary.json``: the agreed configuration (a script's run: without the built-in
     job's options, :meth:`RunConfig.record`), each finished node's stats, the
-    failed nodes, and totals (mean / min final accuracy, wall time, throughput, bytes sent).
+    failed nodes, and totals (mean / min final accuracy, wall time, throughput, bytes sent; a
+    language model's ``final_val_bpb`` (the nodes' mean), ``tokens_per_s`` and ``data``).
     Written by the coordinating node in :meth:`NodeRuntime.finish`."""
     nodes = {str(k): v for k, v in sorted(finished.items()) if isinstance(v, dict)}
     accs = [v["final_accuracy"] for v in nodes.values() if v.get("final_accuracy") is not None]
@@ -153,7 +154,25 @@ def summarize(run_id: str, topo: Topology, cfg: RunConfig, finished: dict[int, A
         "wall_s": max((v.get("wall_s") or 0.0 for v in nodes.values()), default=None),
         "samples_per_s": sum(v.get("samples_per_s") or 0.0 for v in nodes.values()),
         "bytes_sent": sum(v.get("bytes_sent") or 0 for v in nodes.values()),
+        **_lm_totals(nodes),
     }
+
+
+def _lm_totals(nodes: dict[str, Any]) -> dict[str, Any]:
+    """A language model's totals: mean / max final validation bits per byte, tokens/s of every
+    node together, and the data set's identity (the first node's ``data``); {} otherwise."""
+    out: dict[str, Any] = {}
+    bpbs = [v["final_val_bpb"] for v in nodes.values() if isinstance(v.get("final_val_bpb"), (int, float))]
+    if bpbs:
+        out["final_val_bpb"] = float(np.mean(bpbs))
+        out["val_bpb_max"] = float(np.max(bpbs))
+    toks = [v["tokens_per_s"] for v in nodes.values() if isinstance(v.get("tokens_per_s"), (int, float))]
+    if toks:
+        out["tokens_per_s"] = float(sum(toks))
+    data = next((v["data"] for v in nodes.values() if isinstance(v.get("data"), dict)), None)
+    if data is not None:
+        out["data"] = data
+    return out
 
 
 class NodeRuntime:

@@ -130,6 +130,10 @@ class Session(SessionState):
         self._pending_loss = float("nan")
         self.last_accuracy: float | None = None
         self.last_test_loss: float | None = None
+        self.last_val_bpb: float | None = None
+        #: facts about this node's job that its final stats carry as they are (the built-in
+        #: job: ``data``, its corpus's identity; ``tokens_per_sample``, which adds ``tokens_per_s``)
+        self.info: dict[str, Any] = {}
         self.step = 0
         self.stats: dict[str, Any] = {}
         self.t0 = time.monotonic()
@@ -285,8 +289,10 @@ class Session(SessionState):
             self.runtime.write_failures.failed("checkpoint", path, exc, "the previous checkpoint (if any) is kept")
 
     def log(self, **values: Any) -> None:
-        """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``
-        and ``test_loss`` (evaluations), anything else goes into the metrics record as is."""
+        """Report values of the current step: ``loss``, ``samples`` (batch size), ``accuracy``,
+        ``test_loss`` and ``val_bpb`` (evaluations; the last ones are the final stats'
+        ``final_accuracy``, ``final_test_loss``, ``final_val_bpb``), anything else goes into the
+        metrics record as is."""
         if "loss" in values:
             self._pending_loss = float(values.pop("loss"))
         if "samples" in values:
@@ -295,6 +301,8 @@ class Session(SessionState):
             self.last_accuracy = float(values["accuracy"])
         if "test_loss" in values:
             self.last_test_loss = float(values["test_loss"])
+        if "val_bpb" in values:
+            self.last_val_bpb = float(values["val_bpb"])
         self._logged.update(values)
 
     @contextlib.contextmanager
@@ -589,6 +597,12 @@ class Session(SessionState):
                     "params_sha1": hashlib.sha1(params.tobytes() + buffers.raw.tobytes()).hexdigest()[:16],
                     "audits": self._audits.as_dict(),
                 }
+                if self.last_val_bpb is not None:
+                    self.stats["final_val_bpb"] = self.last_val_bpb
+                per = self.info.get("tokens_per_sample")
+                if isinstance(per, int):
+                    self.stats["tokens_per_s"] = self.stats["samples_per_s"] * per
+                self.stats.update({k: v for k, v in self.info.items() if k not in self.stats})
                 # a node whose loop ended before the run agreed to stop leaves the view, so
                 # the others re-form without it; after an agreed stop nobody waits for it
                 await rt.finish(self.stats, depart=self._ended_by_loop)

@@ -3,8 +3,11 @@
 Why: there is one training path (DESIGN). The job builds its model, optimizer and data shard
 (:func:`~p2psync.training.node.build_trainer`), attaches the optimizer, and runs the plain loop
 ``forward / backward / optimizer.step()`` until the run agrees to stop (``--time``, ``--steps``,
-``--epochs``; ``--lr-schedule cosine``: an LR scheduler created after ``attach``, as scripts
-do), evaluating every ``--eval-every`` strategy steps (and every ``--eval-seconds``).
+``--epochs``; ``--lr-schedule cosine`` / ``warmup-cosine``: an LR scheduler created after
+``attach``, as scripts do), evaluating every ``--eval-every`` strategy steps (and every
+``--eval-seconds``). A language model (``--model lm-*``) also logs its validation loss in bits
+per byte (``val_bpb``; ``final_val_bpb`` in the stats) and records its corpus (``data``) and
+tokens per sample (``tokens_per_s`` in the stats).
 The emulated device time (``--slowdown``, ``--step-time``) runs after backward and ends early
 when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
 ``optimizer.step()``, which the strategy skips. Checkpoints (``--checkpoint-every``) also carry
@@ -23,7 +26,8 @@ from p2psync.errors import Aborted
 from p2psync.topology import load
 from p2psync.training.config import RunConfig
 from p2psync.training.node import build_trainer
-from p2psync.training.trainer import Trainer
+from p2psync.training.corpus import TokenData, bits_per_byte
+from p2psync.training.trainer import Trainer, warmup_cosine
 
 
 def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) -> dict[str, Any]:
@@ -33,12 +37,19 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     trainer = trainer if trainer is not None else build_trainer(cfg, topo, node_id)
     try:
         session = Session(config=cfg, node=node_id, topo=topo,
-                          max_steps=cfg.max_steps(len(trainer.data.y_train), topo.size))
+                          max_steps=cfg.max_steps(trainer.n_train, topo.size))
         register_trainer_state(session, trainer)
+        lm = isinstance(trainer.data, TokenData)
+        if isinstance(trainer.data, TokenData):
+            session.info.update(data=trainer.data.corpus.meta, tokens_per_sample=trainer.tokens_per_sample)
         with session:
             opt = session.attach(trainer.model, trainer.optimizer)
-            sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, session.max_steps))
-                     if cfg.lr_schedule == "cosine" else None)
+            total = max(1, session.max_steps)
+            sched: torch.optim.lr_scheduler.LRScheduler | None = None
+            if cfg.lr_schedule == "cosine":
+                sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+            elif cfg.lr_schedule == "warmup-cosine":
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_cosine(k, total))
             trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
             last_eval, last_eval_step = time.monotonic(), 0
             while not session.should_stop:
@@ -55,7 +66,8 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
                 if due or session.should_stop:
                     last_eval, last_eval_step = time.monotonic(), session.step
                     test_loss, acc = trainer.evaluate_now()
-                    session.log(test_loss=test_loss, accuracy=acc)
+                    session.log(test_loss=test_loss, accuracy=acc,
+                                **({"val_bpb": bits_per_byte(test_loss)} if lm else {}))
         return session.stats
     finally:
         trainer.close()

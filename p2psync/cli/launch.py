@@ -176,16 +176,14 @@ def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float, unit: str
     """One row per node from ``summary.json`` or, for a node it does not list, the node's last
     metrics record; '-' for what no node reported (a script without metrics). ``unit``: what
     the strategy's step is; where it is not one local iteration (ESync's rounds) the table
-    counts ``unit``s and, beside them, the local steps."""
+    counts ``unit``s and, beside them, the local steps. A language model's run (its nodes report
+    ``final_val_bpb``) adds the validation bits per byte and tokens/s."""
     from rich.console import Console
     from rich.table import Table
 
     nodes = _summary_nodes(run_dir / "summary.json")
     t = Table(title=f"run {run_dir.name}")
     local = unit != "step"
-    for col in ("node", f"{unit}s", *(["local steps"] if local else []), "final accuracy", "wall s", "samples/s",
-                "sent MB"):
-        t.add_column(col, justify="right")
     rows = []
     for i, tail in tails.items():
         s = nodes.get(str(i))
@@ -194,12 +192,22 @@ def print_summary(run_dir: Path, tails: dict[int, _Tail], wall: float, unit: str
             s = {"steps": r.get("step"), "final_accuracy": tail.last_acc, "wall_s": r.get("time"),
                  "samples_per_s": r.get("samples_per_s"), "bytes_sent": bytes_sent(r) if r else None}
         rows.append(s)
+    lm = any(isinstance(s.get("final_val_bpb"), (int, float)) for s in rows)  # a language model's run
+    for col in ("node", f"{unit}s", *(["local steps"] if local else []), "final accuracy",
+                *(["val bpb"] if lm else []), "wall s", "samples/s", *(["tokens/s"] if lm else []), "sent MB"):
+        t.add_column(col, justify="right")
+    for i, s in zip(tails, rows):
         t.add_row(str(i), _fmt(s.get("steps"), "d"), *([_fmt(s.get("local_steps"), "d")] if local else []),
-                  _fmt(s.get("final_accuracy"), ".4f"), _fmt(s.get("wall_s"), ".1f"),
-                  _fmt(s.get("samples_per_s"), ".0f"), _fmt(_scaled(s.get("bytes_sent"), 1e-6), ".2f"))
+                  _fmt(s.get("final_accuracy"), ".4f"), *([_fmt(s.get("final_val_bpb"), ".4f")] if lm else []),
+                  _fmt(s.get("wall_s"), ".1f"), _fmt(s.get("samples_per_s"), ".0f"),
+                  *([_fmt(s.get("tokens_per_s"), ".0f")] if lm else []),
+                  _fmt(_scaled(s.get("bytes_sent"), 1e-6), ".2f"))
     accs = [s["final_accuracy"] for s in rows if isinstance(s.get("final_accuracy"), (int, float))]
+    bpbs = [s["final_val_bpb"] for s in rows if isinstance(s.get("final_val_bpb"), (int, float))]
     t.add_row("all", "", *([""] if local else []), _fmt(sum(accs) / len(accs) if accs else None, ".4f"),
+              *([_fmt(sum(bpbs) / len(bpbs) if bpbs else None, ".4f")] if lm else []),
               f"{wall:.1f}", _fmt(_total(rows, "samples_per_s"), ".0f"),
+              *([_fmt(_total(rows, "tokens_per_s"), ".0f")] if lm else []),
               _fmt(_scaled(_total(rows, "bytes_sent"), 1e-6), ".2f"))
     console = Console()
     console.print(t)

@@ -67,19 +67,23 @@ def step_unit(run_dir: Path) -> str:
 def table(nodes: dict[int, list[dict[str, Any]]], unit: str = "step") -> str:
     """One row per node from its last record ('-' for what it never reported: a script that
     logs no loss, a run without evaluations); accuracy is the last one any record holds.
-    ``unit``: what the records' ``step`` counts (:func:`step_unit`)."""
-    head = f"| node | {unit}s | time s | last loss | accuracy | samples/s | compute s | comm s | wait s | sent MB |"
+    ``unit``: what the records' ``step`` counts (:func:`step_unit`). A language model's run (its
+    records hold ``val_bpb``) adds the last validation bits per byte after the accuracy."""
+    lm = any(_num(x.get("val_bpb")) is not None for recs in nodes.values() for x in recs)
+    head = (f"| node | {unit}s | time s | last loss | accuracy | " + ("val bpb | " if lm else "")
+            + "samples/s | compute s | comm s | wait s | sent MB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, recs in sorted(nodes.items()):
         if not recs:
-            lines.append(f"| {i} | - | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {i} |" + " - |" * (head.count("|") - 2))
             continue
         r = recs[-1]
         acc = next((x["accuracy"] for x in reversed(recs) if _num(x.get("accuracy")) is not None), None)
+        bpb = next((x["val_bpb"] for x in reversed(recs) if _num(x.get("val_bpb")) is not None), None)
         loss = next((x["loss"] for x in reversed(recs) if _num(x.get("loss")) is not None), None)
         sent = bytes_sent(r) / 1e6 if isinstance(r.get("nics"), dict) else None
         cells = [_cell(r.get("step"), "d"), _cell(r.get("time"), ".1f"), _cell(loss, ".4f"), _cell(acc, ".4f"),
-                 _cell(r.get("samples_per_s"), ".0f"), _cell(r.get("compute_s"), ".1f"),
+                 *([_cell(bpb, ".4f")] if lm else []), _cell(r.get("samples_per_s"), ".0f"), _cell(r.get("compute_s"), ".1f"),
                  _cell(r.get("comm_s"), ".1f"), _cell(r.get("wait_s"), ".1f"), _cell(sent, ".2f")]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -103,8 +107,8 @@ def _nic_total(r: dict[str, Any], nic: str) -> Any:
 
 
 def plot(nodes: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None:
-    """Loss, accuracy and bytes per NIC over wall time; a panel no record has a value for says
-    so instead of a curve."""
+    """Loss, accuracy (a language model's run: validation bits per byte) and bytes per NIC over
+    wall time; a panel no record has a value for says so instead of a curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,12 +116,13 @@ def plot(nodes: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 4))
     drawn = {a1: False, a2: False, a3: False}
+    lm = any(_num(x.get("val_bpb")) is not None for recs in nodes.values() for x in recs)
     for i, recs in sorted(nodes.items()):
         loss = _series(recs, lambda r: r.get("loss"))
         if loss:
             a1.plot(*zip(*loss), lw=0.8, label=f"node {i}")
             drawn[a1] = True
-        ev = _series(recs, lambda r: r.get("accuracy"))
+        ev = _series(recs, lambda r: r.get("val_bpb" if lm else "accuracy"))
         if ev:
             a2.plot(*zip(*ev), marker=".", label=f"node {i}")
             drawn[a2] = True
@@ -128,7 +133,7 @@ def plot(nodes: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None
                 a3.plot(*zip(*traffic), label=f"{i}/{nic}")
                 drawn[a3] = True
     a1.set(title="training loss", xlabel="wall time (s)")
-    a2.set(title="test accuracy", xlabel="wall time (s)")
+    a2.set(title="validation bits per byte" if lm else "test accuracy", xlabel="wall time (s)")
     a3.set(title="bytes per NIC (sent + received, MB)", xlabel="wall time (s)")
     for a, has in drawn.items():
         if has:

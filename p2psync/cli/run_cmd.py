@@ -17,7 +17,8 @@ from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, translate
 from p2psync.topology import Topology
-from p2psync.training.config import LR_SCHEDULES, MODELS, OPTIMIZERS, RunConfig
+from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SGD_LR, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS,
+                                     RunConfig, lm_defaults)
 from p2psync.training.data import DATASETS
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
@@ -25,8 +26,20 @@ from p2psync.transport.shaping import SHAPERS
 from p2psync.vocab import BUFFER_MODES, ON_FAILURE
 
 DEFAULT_EPOCHS = 20.0
+#: the built-in job's budget for a language model without --steps/--epochs/--time
+DEFAULT_LM_STEPS = 300
 
 log = logging.getLogger("p2psync.cli")
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default after its help, except a None one (no default, or one that depends on
+    other options, which the help states)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "P2PSYNC_STRATEGY, P2PSYNC_CONFIG (JSON), its own folder in P2PSYNC_RUN_DIR, and "
                     "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (p2psync.attach reads them), "
                     "and OMP_NUM_THREADS; --node K gives its copy the same.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelp)
     p.add_argument("topology", help="topology JSON file (see 'p2psync topo')")
     p.add_argument("--strategy", default=d.strategy, choices=sorted(REGISTRY),
                    help="synchronization algorithm")
@@ -56,21 +69,35 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--epochs", type=float, help="passes over the training set (all nodes together)")
     p.add_argument("--time", type=float, dest="time_limit", metavar="SECONDS",
                    help="stop after this many seconds of training (with or instead of a step budget)")
-    p.add_argument("--model", default=d.model, choices=MODELS)
+    p.add_argument("--model", default=d.model, choices=MODELS,
+                   help="mlp, cnn, resnet18: classifiers (digits, idx, synthetic); lm-tiny (~1M parameters, "
+                        "context 128), lm-small (~10M, 256), lm-base (~85M, 512): byte-level decoder-only "
+                        "transformers for --data pysource, trained with AdamW, warm-up + cosine decay and "
+                        "gradient clipping at 1.0 unless the options below say otherwise "
+                        f"(no budget given: --steps {DEFAULT_LM_STEPS})")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of --model mlp")
-    p.add_argument("--data", default=d.data, choices=DATASETS,
-                   help="digits: embedded (no download); idx: MNIST-format files in --data-dir")
+    p.add_argument("--data", choices=(*DATASETS, *LM_DATASETS),
+                   help="digits: embedded (no download); idx: MNIST-format files in --data-dir; pysource: the "
+                        "Python standard library's source as bytes (no download; the lm-* models' data) "
+                        f"(default: {d.data}, pysource with an lm-* model)")
     p.add_argument("--data-dir", help="directory with train/t10k IDX files (for --data idx)")
     p.add_argument("--synthetic-size", type=int, default=d.synthetic_size, help="samples for --data synthetic")
     p.add_argument("--partition", default=d.partition, choices=SCHEMES, help="how data is split across nodes")
     p.add_argument("--dirichlet-alpha", type=float, default=d.dirichlet_alpha, help="skew of --partition dirichlet")
     p.add_argument("--shards-per-node", type=int, default=d.shards_per_node, help="for --partition shards")
-    p.add_argument("--optimizer", default=d.optimizer, choices=tuple(OPTIMIZERS),
-                   help="the built-in job's optimizer (nesterov: SGD with Nesterov momentum)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                   help="the built-in job's optimizer (nesterov: SGD with Nesterov momentum) "
+                        f"(default: {d.optimizer}; adamw for the lm-* models)")
+    p.add_argument("--lr", type=float,
+                   help=f"(peak) learning rate (default: {d.lr}; lm-* models: "
+                        + ", ".join(f"{k} {v.lr:g}" for k, v in LM_SPECS.items())
+                        + f", or {LM_SGD_LR:g} with --optimizer sgd or nesterov)")
     p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per node")
+    p.add_argument("--weight-decay", type=float,
+                   help=f"(default: {d.weight_decay}; {lm_defaults('lm-tiny')['weight_decay']} for the lm-* models)")
+    p.add_argument("--batch-size", type=int,
+                   help=f"per node: samples, or sequences of the lm-* models (default: {d.batch_size}; lm-* models: "
+                        + ", ".join(f"{k} {v.batch_size}" for k, v in LM_SPECS.items()) + ")")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps")
     p.add_argument("--eval-seconds", type=float, help="also evaluate every S seconds")
@@ -140,9 +167,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="write every node's state (parameters, optimizer, strategy, step, data position, "
                         "RNG) every N steps to <run>/node-<id>/checkpoint.pt, atomically")
-    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
-                   help="built-in job: the learning rate stays (constant) or decays to 0 along a cosine over "
-                        "the run's steps (cosine; needs --steps or --epochs), stepped after every optimizer step")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                   help="built-in job: the learning rate stays (constant), decays to 0 along a cosine over "
+                        "the run's steps (cosine; needs --steps or --epochs), or rises linearly over the first "
+                        "5%% of the steps, then decays along a cosine to 10%% of its peak (warmup-cosine), stepped "
+                        f"after every optimizer step (default: {d.lr_schedule}; warmup-cosine for the lm-* models)")
     p.add_argument("--buffers", default=d.buffers, choices=BUFFER_MODES,
                    help="module buffers (BatchNorm statistics) at every synchronizing step: the lowest "
                         "member's, bitwise (broadcast, as DDP), the group's mean of the floating-point ones "
@@ -155,6 +184,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
                         "topology and options; --steps/--epochs count the whole run, --time this part), at the "
                         "latest step every node can restore (ssgd: the latest any node has; the others adopt it)")
+    p.add_argument("--single", action="store_true",
+                   help="built-in job: the single-process reference of this run instead of the run: one "
+                        "process (a one-node topology at the first node's address, saved in the run folder) "
+                        "trains on the whole training set with --batch-size times the topology's node count per "
+                        "step, so every step sees the samples (tokens) all nodes see together, from the same "
+                        "initial weights, with the same optimizer and schedule (no strategy, codec, shaping or "
+                        "emulated slowdown)")
     p.add_argument("--no-progress", action="store_true", help="launcher: no live display")
     p.set_defaults(func=run, cmd=None)
 
@@ -187,18 +223,28 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if run_id is not None and run_id != folder.name:
             raise ConfigError(f"--resume {args.resume} continues run {folder.name!r}, not --run-id {run_id!r}")
         out, run_id = str(folder.parent), folder.name
-    epochs = args.epochs
+    epochs, steps = args.epochs, args.steps
+    lm = args.model in LM_SPECS
     # the built-in job needs a budget; a script's own loop decides when it is done
-    if args.steps is None and epochs is None and args.time_limit is None and args.cmd is None:
-        epochs = DEFAULT_EPOCHS
+    if steps is None and epochs is None and args.time_limit is None and args.cmd is None:
+        if lm:
+            steps = DEFAULT_LM_STEPS
+        else:
+            epochs = DEFAULT_EPOCHS
+    d = RunConfig(topology="")
+    given = {k: getattr(args, k) for k in LM_DEFAULTED if getattr(args, k) is not None}
+    job = {**{k: getattr(d, k) for k in LM_DEFAULTED}, **lm_defaults(args.model, args.optimizer), **given}
+    if job["lr_schedule"] == "warmup-cosine" and steps is None and epochs is None and "lr_schedule" not in given:
+        job["lr_schedule"] = "constant"  # a run bounded by --time only: no length to decay over
+    data = args.data if args.data is not None else (LM_DATASETS[0] if lm else d.data)
     cfg = RunConfig(
-        topology=args.topology, strategy=args.strategy, steps=args.steps, epochs=epochs,
-        time_limit=args.time_limit, model=args.model, data=args.data, data_dir=args.data_dir,
+        topology=args.topology, strategy=args.strategy, steps=steps, epochs=epochs,
+        time_limit=args.time_limit, model=args.model, data=data, data_dir=args.data_dir,
         synthetic_size=args.synthetic_size, partition=args.partition,
         dirichlet_alpha=args.dirichlet_alpha, shards_per_node=args.shards_per_node,
-        optimizer=args.optimizer, lr=args.lr, lr_schedule=args.lr_schedule, momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        batch_size=args.batch_size, seed=args.seed, eval_every=args.eval_every,
+        optimizer=job["optimizer"], lr=job["lr"], lr_schedule=job["lr_schedule"], momentum=args.momentum,
+        weight_decay=job["weight_decay"],
+        batch_size=job["batch_size"], seed=args.seed, eval_every=args.eval_every,
         eval_seconds=args.eval_seconds, out=out,
         run_id=run_id, device=args.device, threads=args.threads,
         start_timeout=args.start_timeout, peer_timeout=args.peer_timeout, heartbeat=args.heartbeat,
@@ -226,13 +272,21 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     topo = load(cfg.topology)  # validate before starting anything
+    if args.single:
+        cfg, topo = single_reference(cfg, topo, args)
     # the strategy's options, also those checked against the topology (a group size vs N)
     parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
     if args.cmd is None:  # the built-in job's optimizer is known: checked before any node starts
         from p2psync.strategies.needs import OptimizerInfo, check
 
         cls = get_strategy(cfg.strategy)
-        check(cls.name, cls.needs, OptimizerInfo.builtin(cfg.optimizer, momentum=cfg.momentum))
+        try:
+            check(cls.name, cls.needs, OptimizerInfo.builtin(cfg.optimizer, momentum=cfg.momentum))
+        except ConfigError as exc:
+            if cfg.lm is not None and args.optimizer is None:
+                raise ConfigError(f"{exc}\n--model {cfg.model} trains with --optimizer {cfg.optimizer} unless "
+                                  "told otherwise: choose one this strategy supports (e.g. --optimizer sgd)") from None
+            raise
     check_keys(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)
@@ -243,6 +297,35 @@ def run(args: argparse.Namespace) -> int:
     if args.node not in topo.ids:
         raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
+
+
+def single_reference(cfg: RunConfig, topo: Topology, args: argparse.Namespace) -> tuple[RunConfig, Topology]:
+    """``--single``: the config and one-node topology of the run's single-process reference
+    (see the option's help); the topology is written to ``<run>/topology-single.json``."""
+    from dataclasses import replace
+
+    from p2psync.api.runtime import default_run_id
+    from p2psync.topology import mesh, save
+
+    if args.cmd is not None:
+        raise ConfigError("--single runs the built-in job: a script's single-process reference is the script "
+                          "run alone (python SCRIPT, with the nodes' batches together)")
+    if args.node is not None:
+        raise ConfigError("--single runs one process of its own: it takes no --node")
+    if args.resume is not None:
+        raise ConfigError("--single cannot --resume a run")
+    first = topo.node(topo.ids[0]).nics[0]
+    one = replace(mesh(1, base_port=first.port, hosts=[first.address]), name=f"{topo.name}-single")
+    run_id = cfg.run_id or default_run_id(one, "single")
+    folder = Path(cfg.out) / run_id
+    path = folder / "topology-single.json"
+    with translate({OSError: lambda e: ConfigError(f"--single: cannot write {path}: {e}")}):
+        folder.mkdir(parents=True, exist_ok=True)
+        save(one, path)
+    single = replace(cfg, topology=str(path), run_id=run_id, strategy="ssgd", strategy_options=(), codec="none",
+                     error_feedback=False, shaper="none", wan=None, nic_mbps=None, slowdown="",
+                     slowdown_schedule="", step_time="", keys=None, batch_size=cfg.batch_size * topo.size)
+    return single, one
 
 
 def check_keys(cfg: RunConfig, topo: Topology, node: int | None) -> None:

@@ -17,9 +17,58 @@ from p2psync.wire.schema import valid_run_id
 
 #: the built-in job's models (p2psync.training.models builds them; named here, without torch,
 #: so the CLI parses its options without importing it)
-ModelName = Literal["mlp", "cnn", "resnet18"]
+ModelName = Literal["mlp", "cnn", "resnet18", "lm-tiny", "lm-small", "lm-base"]
 MODELS: tuple[str, ...] = get_args(ModelName)
-LrSchedule = Literal["constant", "cosine"]
+
+
+@dataclass(frozen=True)
+class LmSpec:
+    """A decoder-only transformer's shape (pre-norm blocks, GELU MLP of 4 x width, learned
+    positions, an untied output layer; the byte vocabulary)."""
+
+    width: int
+    layers: int
+    heads: int
+    context: int
+    #: the built-in job's defaults for this size: AdamW's peak learning rate, sequences per batch
+    lr: float
+    batch_size: int
+
+
+#: the language models of ``--model`` (their parameter counts: p2psync.training.nets.lm_params)
+LM_SPECS: dict[str, LmSpec] = {
+    "lm-tiny": LmSpec(width=128, layers=5, heads=4, context=128, lr=2e-3, batch_size=8),   # ~1.05 M
+    "lm-small": LmSpec(width=320, layers=8, heads=5, context=256, lr=1e-3, batch_size=8),  # ~10.0 M
+    "lm-base": LmSpec(width=768, layers=12, heads=12, context=512, lr=3e-4, batch_size=8),  # ~85.6 M
+}
+#: the data sets a language model trains on (byte tokens), and the classifiers' data sets
+LM_DATASETS: tuple[str, ...] = ("pysource",)
+#: the options whose default differs for a language model (``p2psync run`` fills them in from
+#: :func:`lm_defaults` when they are not given; :meth:`RunConfig.to_argv` always writes them out)
+LM_DEFAULTED = ("optimizer", "lr", "batch_size", "lr_schedule", "weight_decay")
+#: the language models' default weight decay (AdamW's decoupled decay)
+LM_WEIGHT_DECAY = 0.1
+
+
+#: a language model's default peak learning rate under ``--optimizer sgd`` or ``nesterov``
+#: (momentum 0.9; lm-tiny, 40 steps of 16 sequences: 0.1 learns, 0.3 is noisier, 1.0 diverges at first)
+LM_SGD_LR = 0.1
+
+
+def lm_defaults(model: str, optimizer: str | None = None) -> dict[str, Any]:
+    """The built-in job's defaults of :data:`LM_DEFAULTED` for ``--model`` (empty for a
+    classifier): AdamW at the size's peak learning rate, warm-up then cosine decay, the size's
+    batch, weight decay :data:`LM_WEIGHT_DECAY`. ``optimizer``: the one chosen (an SGD one
+    peaks at :data:`LM_SGD_LR`)."""
+    spec = LM_SPECS.get(model)
+    if spec is None:
+        return {}
+    opt = optimizer or "adamw"
+    return {"optimizer": opt, "lr": LM_SGD_LR if opt in ("sgd", "nesterov") else spec.lr,
+            "batch_size": spec.batch_size, "lr_schedule": "warmup-cosine", "weight_decay": LM_WEIGHT_DECAY}
+
+
+LrSchedule = Literal["constant", "cosine", "warmup-cosine"]
 LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 #: the built-in job's ``--optimizer`` choices (training/trainer.py ``make_optimizer``: nesterov is
 #: SGD with Nesterov momentum)
@@ -161,8 +210,15 @@ class RunConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a whole number of steps, got {v!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"--lr-schedule {self.lr_schedule!r}: choose from {', '.join(LR_SCHEDULES)}")
-        if self.lr_schedule == "cosine" and self.steps is None and self.epochs is None:
-            raise ConfigError("--lr-schedule cosine needs the run's length: --steps or --epochs")
+        if self.lr_schedule != "constant" and self.steps is None and self.epochs is None:
+            raise ConfigError(f"--lr-schedule {self.lr_schedule} needs the run's length: --steps or --epochs")
+        if (self.model in LM_SPECS) != (self.data in LM_DATASETS):
+            raise ConfigError(f"--model {self.model} cannot train on --data {self.data}: the language models "
+                              f"({', '.join(LM_SPECS)}) train on {', '.join(LM_DATASETS)}, the classifiers "
+                              "on digits, idx or synthetic")
+        if self.data in LM_DATASETS and self.partition != "iid":
+            raise ConfigError(f"--partition {self.partition} needs class labels: --data {self.data} "
+                              "(text windows) is split iid only")
         if self.buffers not in BUFFER_MODES:
             raise ConfigError(f"--buffers {self.buffers!r}: choose from {', '.join(BUFFER_MODES)}")
 
@@ -183,6 +239,11 @@ class RunConfig:
     def fingerprint(self) -> str:
         blob = json.dumps(self.agreed(), sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:12]
+
+    @property
+    def lm(self) -> LmSpec | None:
+        """The language model's shape (None: a classifier)."""
+        return LM_SPECS.get(self.model)
 
     def max_steps(self, n_train: int, n_nodes: int) -> int:
         """Steps per node: --steps, or --epochs over the whole training set split across nodes."""
@@ -221,7 +282,7 @@ class RunConfig:
             if f.name in ("topology", "progress", "command"):
                 continue
             v = getattr(self, f.name)
-            if v is None or v == f.default:
+            if v is None or (v == f.default and not (self.lm is not None and f.name in LM_DEFAULTED)):
                 continue
             if isinstance(v, str) and not v:
                 continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -47,3 +48,65 @@ def resnet18(input_shape: tuple[int, ...], classes: int) -> nn.Module:
         cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
     return nn.Sequential(*layers)
+
+
+class _LmBlock(nn.Module):
+    """One pre-norm decoder block: causal self-attention (``F.scaled_dot_product_attention``)
+    and a GELU MLP of 4 x width, each around a residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
+
+
+class ByteLM(nn.Module):
+    """A decoder-only transformer over byte tokens: token and learned position embeddings,
+    ``layers`` pre-norm blocks, a final LayerNorm and an untied linear head to 256 logits.
+    ``forward(tokens)`` maps int64 (batch, time <= context) to logits (batch, time, 256)."""
+
+    def __init__(self, *, width: int, layers: int, heads: int, context: int, vocab: int = 256) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.context = context
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(_LmBlock(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        for name, p in self.named_parameters():  # GPT-2's initialization
+            if p.dim() > 1:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.context:
+            raise ValueError(f"{t} tokens exceed the context of {self.context}")
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(self.ln(x))
+        return out
+
+
+def lm_params(width: int, layers: int, context: int, vocab: int = 256) -> int:
+    """:class:`ByteLM`'s parameter count: per block 12 w^2 + 13 w, embeddings (vocab + context) w,
+    final norm 2 w, head w vocab + vocab."""
+    return layers * (12 * width * width + 13 * width) + (vocab + context) * width + 2 * width + width * vocab + vocab

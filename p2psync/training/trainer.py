@@ -23,6 +23,7 @@ takes its state from a live peer.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -41,6 +42,7 @@ from p2psync.training.user_state import UserState, decode, encode
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.errors import Aborted, ConfigError, Diverged
 from p2psync.transport import all_finite
+from p2psync.training.corpus import TokenData
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
 from p2psync.training.partition import BatchSampler
@@ -82,6 +84,23 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float, weight_de
     raise ConfigError(f"unknown optimizer {name!r} (choose sgd, nesterov, adam or adamw)")
 
 
+#: the warm-up share of a ``warmup-cosine`` schedule's steps, and the floor of its decay
+WARMUP_FRACTION = 0.05
+COSINE_FLOOR = 0.1
+
+
+def warmup_cosine(step: int, total: int) -> float:
+    """The ``warmup-cosine`` schedule's multiplier of the peak learning rate at optimizer step
+    ``step`` (0-based) of ``total``: a linear rise over the first :data:`WARMUP_FRACTION` of the
+    steps (at least one), then a cosine from 1 down to :data:`COSINE_FLOOR` at the last step."""
+    warm = max(1, round(WARMUP_FRACTION * total))
+    if step < warm:
+        return (step + 1) / warm
+    span = max(1, total - warm)
+    progress = min(1.0, (step - warm) / span)
+    return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class Trainer:
     """The built-in job's local replica: model, optimizer, this node's data shard and the
     emulated device (see the module docstring). It also implements
@@ -93,9 +112,14 @@ class Trainer:
     ``trainer.forward_backward(session.gate.abandon)`` per iteration.
     """
 
-    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset,
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset | TokenData,
                  indices: np.ndarray, batch_size: int, seed: int, device: torch.device,
-                 eval_batch: int = 2048, slowdown: Slowdown | None = None) -> None:
+                 eval_batch: int = 2048, slowdown: Slowdown | None = None, clip_norm: float | None = None) -> None:
+        """``data``: a classification set (samples: images) or a token corpus (samples: windows
+        of ``data.context`` tokens; the model then maps tokens to next-token logits, runs under
+        bf16 autocast on CUDA, and evaluates to the mean loss per token and the next-token
+        accuracy). ``clip_norm``: every iteration clips the gradient's global norm to it after
+        backward (under a strategy that averages during backward: the group's mean)."""
         self.device = device
         self.model = model.to(device)
         self.optimizer = optimizer
@@ -105,7 +129,8 @@ class Trainer:
         self.user_state = UserState(optimizer)
         self.numel = self.flat.numel
         self.loss_fn = nn.CrossEntropyLoss()
-        self.eval_batch = eval_batch
+        self.eval_batch = eval_batch if not isinstance(data, TokenData) else min(eval_batch, 16)
+        self.clip_norm = clip_norm
         self.batches_done = 0
         self.compute_s = 0.0
         self.samples = 0
@@ -115,8 +140,42 @@ class Trainer:
         self.t0 = time.monotonic()
         self.padded_s = 0.0
         self._burn: torch.Tensor | None = None
-        self._x = torch.from_numpy(data.x_train)
-        self._y = torch.from_numpy(data.y_train)
+        self._tokens = data if isinstance(data, TokenData) else None
+        self._x = torch.from_numpy(data.x_train) if isinstance(data, Dataset) else None
+        self._y = torch.from_numpy(data.y_train) if isinstance(data, Dataset) else None
+
+    @property
+    def n_train(self) -> int:
+        """Training samples of the whole data set (all nodes' partitions together)."""
+        if self._tokens is not None:
+            return self._tokens.n_train
+        assert self._y is not None
+        return len(self._y)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens in one sample: a language model's context, else 1."""
+        return self._tokens.context if self._tokens is not None else 1
+
+    def batch_tensors(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the training samples ``idx``, on the device."""
+        if self._tokens is not None:
+            xs, ys = self._tokens.train_batch(idx)
+            return torch.from_numpy(xs).to(self.device), torch.from_numpy(ys).to(self.device)
+        assert self._x is not None and self._y is not None
+        t = torch.from_numpy(idx)
+        return self._x[t].to(self.device, non_blocking=True), self._y[t].to(self.device, non_blocking=True)
+
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, model output) of one batch (a language model: logits per token, under
+        bf16 autocast on CUDA)."""
+        if self._tokens is None:
+            out = self.model(x)
+            return self.loss_fn(out, y), out
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
+                            enabled=self.device.type == "cuda"):
+            out = self.model(x)
+        return self.loss_fn(out.float().flatten(0, 1), y.flatten()), out
 
     # -- executor plumbing ---------------------------------------------------------------
 
@@ -172,14 +231,15 @@ class Trainer:
 
         t0 = time.perf_counter()
         check()
-        idx = torch.from_numpy(self.sampler.batch(self.batches_done))
-        x = self._x[idx].to(self.device, non_blocking=True)
-        y = self._y[idx].to(self.device, non_blocking=True)
+        idx = self.sampler.batch(self.batches_done)
+        x, y = self.batch_tensors(idx)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        loss = self.loss_fn(self.model(x), y)
+        loss, _ = self.loss_of(x, y)
         check()
-        loss.backward()
+        torch.autograd.backward(loss)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
         check()
         pad = self.slowdown.pad(time.perf_counter() - t0, time.monotonic() - self.t0,
                                 self._jitter.uniform(-1.0, 1.0))
@@ -292,9 +352,21 @@ class Trainer:
         return await self.run(lambda: self.flat.digests(buffers))
 
     def evaluate_now(self) -> tuple[float, float]:
-        """(test loss, test accuracy); call on the thread that owns the model."""
+        """(test loss, test accuracy); call on the thread that owns the model. A language
+        model: (mean loss per validation token in nats, next-token accuracy) on the corpus's
+        fixed evaluation windows."""
         self.model.eval()
         total, correct, loss_sum = 0, 0, 0.0
+        if self._tokens is not None:
+            with torch.no_grad():
+                for xs, ys in self._tokens.eval_batches(self.eval_batch):
+                    x, y = torch.from_numpy(xs).to(self.device), torch.from_numpy(ys).to(self.device)
+                    loss, logits = self.loss_of(x, y)
+                    loss_sum += float(loss) * y.numel()
+                    correct += int((logits.argmax(-1) == y).sum())
+                    total += y.numel()
+            return loss_sum / max(total, 1), correct / max(total, 1)
+        assert isinstance(self.data, Dataset)
         with torch.no_grad():
             for s in range(0, len(self.data.y_test), self.eval_batch):
                 x = torch.from_numpy(self.data.x_test[s: s + self.eval_batch]).to(self.device)

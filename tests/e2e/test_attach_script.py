@@ -93,6 +93,28 @@ def test_the_example_runs_without_p2psync(tmp_path: Path) -> None:
     assert "running as a single node" in r.stderr and "Test set" in r.stdout
 
 
+LM_EXAMPLE = ROOT / "examples" / "lm.py"
+
+
+def test_the_language_model_example_runs_alone_and_under_ssgd(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PSYNC_")}
+    env["PYTHONPATH"] = str(ROOT)
+    small = ["--steps", "4", "--eval-every", "4", "--eval-windows", "8", "--log-interval", "2"]
+    alone = subprocess.run([sys.executable, LM_EXAMPLE, *small], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    assert "running as a single node" in alone.stderr and "step 4 validation" in alone.stdout
+    r = p2psync("run", _topo(tmp_path, 2), "--strategy", "ssgd", "--out", tmp_path, "--run-id", "lm",
+                "--no-progress", "--", sys.executable, LM_EXAMPLE, *small)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    summary = json.loads((tmp_path / "lm" / "summary.json").read_text())
+    nodes = summary["nodes"]
+    assert [nodes[str(i)]["steps"] for i in (0, 1)] == [4, 4]
+    # one model: the same validation loss on both nodes, logged with p2psync.log(val_bpb=...)
+    assert nodes["0"]["final_val_bpb"] == nodes["1"]["final_val_bpb"] == summary["final_val_bpb"] < 8.0
+    assert "val bpb" in r.stdout
+
+
 SCRIPT = """
 import os, sys, torch, p2psync
 node = int(os.environ["P2PSYNC_NODE"])
