@@ -6,9 +6,13 @@ report on arrival with its own clock (the thesis' ``clock_p^push``, spec §6.1: 
 and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, barrier}}``, or
 the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
 worker asks again with the same ``count``, which is then not counted twice; asked again after
-its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts from 1 again; if
-the scheduler held it, its first report waits for that OK instead of counting a push. Messages are a few
-bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
+its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts again from the
+count of its first report, taken as one push: 1, or for a joiner of the parameter-server
+strategies the slowest member's count plus one (it joined at that count: the scheduler admitted
+it there from the view, :meth:`StalenessScheduler.set_workers`); if the scheduler held its previous
+process (the view that removed it never reached the scheduler), that first report waits for
+that OK instead of counting a push. Messages are a few bytes; no tensor passes through the
+coordinator. Remote bad input is a ProtocolError.
 
 Failover: the node that takes over as coordinator registers a fresh service (the strategy's
 ``coordinator_services``), which knows nothing of the run. A worker's first report to a
@@ -90,8 +94,8 @@ class SchedulerService:
         stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
         if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
-            self._inc[caller] = inc
-            self._recorded.pop(caller, None)
+            self._inc[caller] = inc                    # from the one it reports first (1, or the
+            self._recorded[caller] = count - 1         # count a joiner starts at)
             self._granted.pop(caller, None)
         if stop and not self.stopped:
             log.info("%s scheduler: node %d asked to stop", self.name, caller)

@@ -42,8 +42,19 @@ re-split the shards over themselves, restoring the dead owner's shard from the f
 copy (:meth:`p2psync.params.ParamStore.reshard`), and go on. A worker notices the new view at
 the start of a step, while the scheduler holds it, or when a push or pull fails (the failed
 peer's pending receives are aborted at once); a push lost that way is counted (``lost_pushes``
-in the step metrics). Joining a running store is not supported (a joiner is refused with a
-clear error).
+in the step metrics).
+
+Joins: a node that joins the run (the launcher's new process of a node the majority declared
+failed and fenced: a pause, a partition) joins the store: every member of the view that admits
+it re-splits the vector over the new member list, the joiner contributing nothing and taking
+its shard (weights and optimizer state) and the whole vector it starts from
+(:meth:`p2psync.params.ParamStore.reshard`; a leave and a join in one view, such as a member's
+process that restarted before the others saw it leave, are one re-shard: its old shard is
+restored from the freshest pulled copy like a dead owner's). The same re-shard tells the joiner
+the members' clocks: its push count (and :attr:`Strategy.start_step`) is the slowest member's,
+its barrier generation the highest member's, as :mod:`p2psync.coordinator.ssp` ("Joiners")
+admits it. Its LR schedulers and other user state are its own (a fresh process's), not a
+member's.
 
 The coordinator dying is such a failure too (it is a worker and a shard owner like any other):
 the survivors re-shard without it, and the node taking over (the lowest live id) starts a fresh
@@ -69,7 +80,7 @@ from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
-from p2psync.errors import ConfigError, PeerFailure, ProtocolError
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.params import ParamStore
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
@@ -78,6 +89,9 @@ from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.strategies")
+
+#: the largest clock value (push count, barrier generation) a re-shard carries exactly
+_CLOCK_MAX = (1 << 24) - 1
 
 
 class _StoreStrategy(Strategy):
@@ -109,20 +123,69 @@ class _StoreStrategy(Strategy):
         self.count = 0
         self.reshards = 0
         self.gen = 0  # barriers this worker was released from (its pushes' generation)
+        #: the incarnation of every store member's process at the current split (from its view)
+        self._incs: dict[int, int] = {}
         self._next_view = asyncio.Event()  # set when a newer view arrives (a fresh event per view)
 
     async def start(self) -> None:
-        if self.ctx.joining:
-            raise ConfigError(f"{self.name}: joining a running run is not supported yet (the parameter store "
-                              "does not move shards between members)")
+        """Build this node's part of the store; a joiner then joins it (:meth:`_join`)."""
         spec = await self.ctx.replica.optim_spec()
+        view = self.ctx.view
+        joining = self.ctx.joining
         self.store = ParamStore(transport=self.ctx.transport, rpc_server=self.ctx.rpc_server, rpc=self.ctx.rpc,
-                                members=self.ctx.group, params=await self.ctx.replica.get_params(), optim=spec,
+                                members=view.members, params=await self.ctx.replica.get_params(), optim=spec,
                                 piece_bytes=self.ctx.collectives.piece_bytes, timeout=self.ctx.peer_timeout,
                                 name=f"{self.name}.ps", codec=self.ctx.collectives.codec,
                                 error_feedback=self.ctx.collectives.feedback is not None,
-                                rounds=self.scheduler(self.opts, list(self.ctx.group)).lockstep)
+                                rounds=self.scheduler(self.opts, list(view.members)).lockstep,
+                                joining=joining, epoch=max(0, view.epoch - 1) if joining else 0)
+        self._incs = self._incarnations(view)
         self.store.start()
+        if joining:
+            await self._join()
+
+    @staticmethod
+    def _incarnations(view: View) -> dict[int, int]:
+        return {m: view.incarnations[m] for m in view.members if m in view.incarnations}
+
+    async def _join(self) -> None:
+        """A joiner (a new process of a node the members declared failed, or a node joining
+        late) takes part in the members' re-shard over the view that admitted it (a newer one
+        if a re-shard fails, as the members do), then starts from the weights that gives,
+        at the members' clocks (module docstring): its push count is the slowest member's
+        (:attr:`start_step` too), its barrier generation the highest member's."""
+        store = self._store()
+        me = self.ctx.node_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.ctx.peer_timeout
+        while True:
+            view = self.ctx.view
+            if me not in view.members or len(view.members) < 2:
+                if loop.time() > deadline:
+                    raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} {list(view.members)}, "
+                                      "which holds no other member to take the parameter store's state from",
+                                      peers=tuple(m for m in view.members if m != me))
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                w = await store.reshard(view.members, view.epoch, self._allreduce, clock=(0, 0))
+            except (PeerFailure, PeerTimeout) as exc:  # a member failed meanwhile: over the next view
+                if loop.time() > deadline:
+                    raise PeerFailure(f"{self.name}: node {me} could not join the parameter store: {exc}",
+                                      peers=tuple(m for m in view.members if m != me)) from exc
+                await asyncio.sleep(0.05)
+                continue
+            break
+        if not store.clocks:
+            raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch}, but no member of "
+                              f"{list(view.members)} held the parameter store's state", peers=tuple(view.members))
+        self._incs = self._incarnations(view)
+        self.gen = max(g for g, _ in store.clocks.values())
+        self.count = self.start_step = min(c for _, c in store.clocks.values())
+        self.reshards += 1
+        await self.ctx.replica.set_params(w)
+        log.warning("node %d: %s joined the parameter store over %s (view %d) at push count %d, barrier generation "
+                    "%d", me, self.name, list(view.members), view.epoch, self.count, self.gen)
 
     def on_peer_failure(self, peer: int) -> None:
         """A pending push, pull or re-shard waiting on ``peer`` fails now, not at its timeout.
@@ -148,35 +211,51 @@ class _StoreStrategy(Strategy):
         out: np.ndarray = await self.ctx.collectives.allreduce(vec, group, codec="none", tag=tag)
         return out
 
+    def _changes(self, view: View) -> tuple[list[int], list[int]]:
+        """The store members ``view`` removed (failed, or restarted: a new incarnation) and its
+        members that hold no shard (joiners, restarted processes)."""
+        store = self._store()
+        incs = view.incarnations
+
+        def restarted(m: int) -> bool:
+            return m in self._incs and m in incs and incs[m] != self._incs[m]
+        gone = [m for m in store.members if (m not in view.members and m not in view.departed) or restarted(m)]
+        fresh = [m for m in view.members if m not in store.bounds or restarted(m)]
+        return gone, fresh
+
     async def _follow_view(self, failure: PeerFailure | None = None) -> np.ndarray | None:
-        """Re-shard the store when the view dropped some of its members; returns the weights to
-        continue from, or None if nothing changed. After ``failure`` (a push or pull that
-        failed), wait for the view that drops the peer (bounded by the peer timeout)."""
+        """Re-shard the store when the view dropped some of its members or admitted joiners
+        (every member of the view takes part, joiners with nothing; leaves and joins in one
+        view are one re-shard); returns the weights to continue from, or None if nothing
+        changed. After ``failure`` (a push or pull that failed), wait for the view that drops
+        the peer (bounded by the peer timeout)."""
         store = self._store()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.peer_timeout
         while True:
             view = self.ctx.view
-            gone = [m for m in store.members if m not in view.members and m not in view.departed]
-            if not gone:
+            gone, fresh = self._changes(view)
+            if not gone and not fresh:
                 if failure is None:
                     return None
                 if loop.time() > deadline:
                     raise failure
                 await asyncio.sleep(0.05)
                 continue
-            members = [m for m in view.members if m in store.bounds]
+            members = [m for m in view.members if m in store.bounds or m in fresh]
+            clock = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
             try:
-                w = await store.reshard(members, view.epoch, self._allreduce)
-            except PeerFailure as exc:  # another member failed meanwhile: over the next view
-                if loop.time() > deadline:
+                w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=clock)
+            except (PeerFailure, PeerTimeout) as exc:  # another member failed meanwhile (or a joiner
+                if loop.time() > deadline:              # did not come): over the next view
                     raise
-                failure = exc
+                failure = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc), peers=tuple(fresh))
                 await asyncio.sleep(0.05)
                 continue
+            self._incs = self._incarnations(view)
             self.reshards += 1
-            log.warning("node %d: %s store re-sharded over %s (view %d; gone: %s)", self.ctx.transport.node_id,
-                        self.name, members, view.epoch, gone)
+            log.warning("node %d: %s store re-sharded over %s (view %d; gone: %s, joined: %s)",
+                        self.ctx.transport.node_id, self.name, members, view.epoch, gone, fresh)
             return w
 
     async def close(self) -> None:

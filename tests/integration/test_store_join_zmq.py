@@ -1,0 +1,107 @@
+"""A node of the parameter-store strategies leaves and comes back, over real ZeroMQ in one
+process: of three nodes, node 2 crashes, the coordinator declares it failed, the survivors
+re-shard over themselves; a new process of node 2 (a new incarnation) joins the run, the three
+re-shard again with it, and training goes on to the run's last step on all three.
+
+The join's re-shard is exact: the state every owner held when it began (weights and optimizer
+state of its shard, recorded on entry to :meth:`ParamStore.reshard`, when the store stops
+taking pieces) equals, bitwise, the state the three take for the new split (recorded where each
+builds its new shard). Nodes are built as in :mod:`tests.integration.test_leave_join_zmq`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2psync.coordinator.ssp_service import SchedulerService
+from p2psync.params import ParamStore, shard_bounds
+from p2psync.params.optim import ShardOptimizer
+from p2psync.topology import ring
+from tests.helpers import free_port, until
+from tests.integration.test_leave_join_zmq import Node, _crash, _finish, _params, _train, cluster
+
+pytestmark = pytest.mark.timeout(90)
+
+Shard = tuple[int, int, np.ndarray, np.ndarray]  # lo, hi, weights, optimizer state
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, int], Shard], dict[tuple[int, int], Shard]]:
+    """``(before, after)``: per (node, store epoch), the shard a member held when its re-shard
+    to that epoch began, and the one it took."""
+    before: dict[tuple[int, int], Shard] = {}
+    after: dict[tuple[int, int], Shard] = {}
+    reshard, shard = ParamStore.reshard, ParamStore._shard
+
+    async def spy_reshard(self: ParamStore, members: Any, epoch: int, allreduce: Any, **kw: Any) -> np.ndarray:
+        if self.holds:
+            before[self.me, epoch] = (self.lo, self.hi, self.opt.w.copy(), self.opt.export_state().copy())
+        return await reshard(self, members, epoch, allreduce, **kw)
+
+    def spy_shard(self: ParamStore, w: np.ndarray, state: np.ndarray | None = None) -> ShardOptimizer:
+        if self._moving is not None and state is not None:
+            after[self.me, self._moving] = (self.lo, self.hi, w.copy(), state.copy())
+        return shard(self, w, state)
+
+    monkeypatch.setattr(ParamStore, "reshard", spy_reshard)
+    monkeypatch.setattr(ParamStore, "_shard", spy_shard)
+    return before, after
+
+
+def _whole(shards: list[Shard], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    w = np.full(numel, np.nan, np.float32)
+    st = np.full((shards[0][3].shape[0], numel), np.nan, np.float32)
+    for lo, hi, x, s in shards:
+        w[lo:hi], st[:, lo:hi] = x, s
+    return w, st
+
+
+@pytest.mark.parametrize("strategy,options", [("ssp", {"s": 2}), ("elastic_bsp", {"R": 3})])
+async def test_a_failed_node_rejoins_the_store_exactly_and_all_three_train_to_the_end(monkeypatch, strategy,
+                                                                                     options):
+    before, after = _spy(monkeypatch)
+    topo = ring(3, base_port=free_port())
+    async with cluster(topo, strategy, options=options) as nodes:
+        joiner = Node(topo, 2, strategy, options=options)
+        try:
+            await _train(nodes, 10_000, warm=6, stop=lambda: joiner.steps >= 12)
+            survivors = await _crash(nodes, 2)
+            await until(lambda: all(n.strategy.reshards == 1 for n in survivors), 30, "the survivors to re-shard")
+            counts = {n.id: n.strategy.count for n in survivors}
+            await joiner.restart()
+            assert joiner.strategy.ctx.joining
+            joined_at, join_gen = joiner.strategy.count, joiner.strategy.gen
+            joiner.go(10_000)
+            everyone = [*survivors, joiner]
+            ends = await _finish(everyone)
+            params = await _params(everyone)
+            stores = [n.strategy.store for n in everyone]
+            reshards = [n.strategy.reshards for n in everyone]
+            svc = nodes[0].server.handlers[f"{strategy}.pushed"].__self__  # type: ignore[attr-defined]
+            incs = {i: n.ep.incarnation for i, n in ((2, joiner), (0, nodes[0]))}
+            old_inc = nodes[2].ep.incarnation
+        finally:
+            await joiner.close()
+    numel = params[0].size
+    epoch = stores[2].epoch  # the join's re-shard (nothing changed since)
+    assert all(s.epoch == epoch and s.members == [0, 1, 2] for s in stores)
+    assert sorted(i for i, e in before if e == epoch) == [0, 1]  # the owners: the survivors
+    assert sorted(i for i, e in after if e == epoch) == [0, 1, 2]
+    want_w, want_st = _whole([before[i, epoch] for i in (0, 1)], numel)
+    got_w, got_st = _whole([after[i, epoch] for i in (0, 1, 2)], numel)
+    assert [after[i, epoch][:2] for i in (0, 1, 2)] == [shard_bounds(numel, [0, 1, 2])[i] for i in (0, 1, 2)]
+    assert np.isfinite(want_w).all() and got_w.tobytes() == want_w.tobytes()  # bitwise
+    assert np.isfinite(want_st).all() and np.array_equal(got_st, want_st)
+    assert reshards == [2, 2, 1], reshards
+    # the joiner started at the slowest survivor's count, then trained with the others to the end
+    assert min(counts.values()) <= joined_at <= max(n.strategy.count for n in survivors), (counts, joined_at)
+    assert joiner.steps >= 12 and max(ends) >= 10 and all(n.task is not None and n.task.done() for n in everyone)
+    assert isinstance(svc, SchedulerService) and svc.rejected == 0 and set(svc.sched.counts) == {0, 1, 2}
+    assert incs[2] != old_inc
+    if strategy == "elastic_bsp":  # the joiner waits at barriers with the others: released from some
+        assert any(r.get("barrier") for r in joiner.reports), joiner.reports
+        assert join_gen >= 0
+    for p in params[1:]:
+        assert p.tobytes() == params[0].tobytes()  # every node ends with the same weights
+    assert np.isfinite(params[0]).all()
