@@ -40,7 +40,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, int], Shard],
         return await reshard(self, members, epoch, allreduce, **kw)
 
     def spy_shard(self: ParamStore, w: np.ndarray, state: np.ndarray | None = None) -> ShardOptimizer:
-        if self._moving is not None and state is not None:
+        if getattr(self, "_moving", None) is not None and state is not None:
             after[self.me, self._moving] = (self.lo, self.hi, w.copy(), state.copy())
         return shard(self, w, state)
 
