@@ -93,9 +93,9 @@ class SchedulerService:
         gen = int_arg(args, "gen", who="scheduler") if "gen" in args else 0
         stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
-        if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
-            self._inc[caller] = inc                    # from the one it reports first (1, or the
-            self._recorded[caller] = count - 1         # count a joiner starts at)
+        if self._inc.get(caller) != inc:  # a process's first report here (a restarted node's too):
+            self._inc[caller] = inc       # it counts on from the count it reports (1; a joiner's
+            self._recorded[caller] = count - 1  # starting count plus one; or adopted, below)
             self._granted.pop(caller, None)
         if stop and not self.stopped:
             log.info("%s scheduler: node %d asked to stop", self.name, caller)

@@ -71,7 +71,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -92,6 +92,22 @@ log = logging.getLogger("p2psync.strategies")
 
 #: the largest clock value (push count, barrier generation) a re-shard carries exactly
 _CLOCK_MAX = (1 << 24) - 1
+
+
+def store_changes(members: Sequence[int], incarnations: Mapping[int, int],
+                  view: View) -> tuple[list[int], list[int]]:
+    """What ``view`` changes for a store split over ``members`` whose processes had
+    ``incarnations``: the members it lost (gone from the view, not departed; or restarted: the
+    view names another incarnation, whose process holds none of the old one's shard) and its
+    members that hold no shard (joiners, restarted members). An incarnation unknown on either
+    side is taken as unchanged. Pure."""
+    incs = view.incarnations
+
+    def restarted(m: int) -> bool:
+        return m in incarnations and m in incs and incs[m] != incarnations[m]
+    gone = [m for m in members if (m not in view.members and m not in view.departed) or restarted(m)]
+    fresh = [m for m in view.members if m not in members or restarted(m)]
+    return gone, fresh
 
 
 class _StoreStrategy(Strategy):
@@ -160,6 +176,10 @@ class _StoreStrategy(Strategy):
         deadline = loop.time() + 2 * self.ctx.peer_timeout
         while True:
             view = self.ctx.view
+            if me in view.members and len(view.members) < 2 and view.departed:
+                raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} after every other member "
+                                  f"finished ({list(view.departed)}): nobody holds the parameter store's state",
+                                  peers=view.departed)
             if me not in view.members or len(view.members) < 2:
                 if loop.time() > deadline:
                     raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} {list(view.members)}, "
@@ -211,18 +231,6 @@ class _StoreStrategy(Strategy):
         out: np.ndarray = await self.ctx.collectives.allreduce(vec, group, codec="none", tag=tag)
         return out
 
-    def _changes(self, view: View) -> tuple[list[int], list[int]]:
-        """The store members ``view`` removed (failed, or restarted: a new incarnation) and its
-        members that hold no shard (joiners, restarted processes)."""
-        store = self._store()
-        incs = view.incarnations
-
-        def restarted(m: int) -> bool:
-            return m in self._incs and m in incs and incs[m] != self._incs[m]
-        gone = [m for m in store.members if (m not in view.members and m not in view.departed) or restarted(m)]
-        fresh = [m for m in view.members if m not in store.bounds or restarted(m)]
-        return gone, fresh
-
     async def _follow_view(self, failure: PeerFailure | None = None) -> np.ndarray | None:
         """Re-shard the store when the view dropped some of its members or admitted joiners
         (every member of the view takes part, joiners with nothing; leaves and joins in one
@@ -234,7 +242,7 @@ class _StoreStrategy(Strategy):
         deadline = loop.time() + self.ctx.peer_timeout
         while True:
             view = self.ctx.view
-            gone, fresh = self._changes(view)
+            gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
                 if failure is None:
                     return None
