@@ -30,8 +30,11 @@ Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_u
 waits.
 
 Stopping: the first worker that wants to stop tells the scheduler; every held and later report
-is answered STOP. Each worker then waits (an exact allreduce barrier over the group) until
-every worker's last push is applied, and pulls: every node ends with the same weights.
+is answered STOP. Each worker then follows the view (a joiner admitted meanwhile is waiting in
+its re-shard), waits (an exact allreduce barrier over the store's members) until every worker's
+last push is applied, and pulls: every node ends with the same weights. A join admitted after a
+member entered that barrier and before another got its STOP stalls the barrier until the peer
+timeout (that member waits in the barrier, the other in the join's re-shard).
 
 Codecs: pushes are gradients, so every codec applies to their pieces (error feedback per
 shard piece with ``--error-feedback``, always for ``topk``); pulls are exact.
@@ -165,11 +168,11 @@ class _StoreStrategy(Strategy):
         return {m: view.incarnations[m] for m in view.members if m in view.incarnations}
 
     async def _join(self) -> None:
-        """A joiner (a new process of a node the members declared failed, or a node joining
-        late) takes part in the members' re-shard over the view that admitted it (a newer one
-        if a re-shard fails, as the members do), then starts from the weights that gives,
-        at the members' clocks (module docstring): its push count is the slowest member's
-        (:attr:`start_step` too), its barrier generation the highest member's."""
+        """A joiner (a new process of a node the members declared failed) takes part in the
+        members' re-shard over the view that admitted it (over the newest view if that fails,
+        as the members do; PeerFailure after twice the peer timeout), then starts from the
+        weights it gives, at the members' clocks (module docstring): its push count is the
+        slowest member's (:attr:`start_step` too), its barrier generation the highest member's."""
         store = self._store()
         me = self.ctx.node_id
         loop = asyncio.get_running_loop()
@@ -250,7 +253,7 @@ class _StoreStrategy(Strategy):
                     raise failure
                 await asyncio.sleep(0.05)
                 continue
-            members = [m for m in view.members if m in store.bounds or m in fresh]
+            members = list(view.members)  # the store's members that stay, and the fresh ones
             clock = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
             try:
                 w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=clock)
@@ -290,9 +293,10 @@ class _StoreStrategy(Strategy):
         t2 = time.perf_counter()
         extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
                                  "forwarded": forwarded, "lost_pushes": store.lost_pushes, "reshards": self.reshards}
-        if ok is None:  # STOP: every worker's last push is applied before anyone's final pull
-            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), self.ctx.group, codec="none",
-                                                 tag=f"{self.name}.end")
+        if ok is None:  # STOP: every worker's last push is applied before anyone's final pull; a
+            await self._follow_view()  # view that admitted a joiner is followed first (the joiner is
+            group = [m for m in store.members if m in self.ctx.group]  # waiting in that re-shard)
+            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end")
         else:
             extra.update(ok)
         w = await self._pull(ok is not None and bool(ok.get("barrier")))
