@@ -41,7 +41,7 @@ class Nodes:
         server = RpcServer(ep)
         st = ParamStore(transport=ep, rpc_server=server, rpc=RpcClient(ep, local=server), members=[0, 1, 2],
                         params=self.w0, optim=OptimSpec.of(torch.optim.SGD, N, lr=0.1, momentum=0.9),
-                        timeout=2.0, piece_bytes=20, **kw)
+                        timeout=5.0, piece_bytes=20, **kw)
         server.start()
         st.start()
         self.st[i] = st
@@ -108,8 +108,8 @@ async def test_a_joiner_takes_its_shard_and_the_state_after_the_join_is_bitwise_
         # a piece or pull of an older split (meant for node 2's previous process): "moved"
         await ns.st[0].transport.send(2, "ps.push", [np.ones(4, np.float32)], meta={
             "o": 0, "ack": "ps.ack.old", "lo": 0, "hi": 4, "c": "none", "e": 0, "g": 0, "h": [[0, 0.1, 0.9, 0.0, 0.0]]})
-        assert (await ns.st[0].transport.recv("ps.ack.old", timeout=2)).meta == {"moved": 6}
-        assert await ns.st[0].rpc.call(2, "ps.pull", {"tag": "ps.shard.x", "e": 5, "b": 0}, timeout=2) == {"moved": 6}
+        assert (await ns.st[0].transport.recv("ps.ack.old", timeout=5)).meta == {"moved": 6}
+        assert await ns.st[0].rpc.call(2, "ps.pull", {"tag": "ps.shard.x", "e": 5, "b": 0}, timeout=5) == {"moved": 6}
         ws = await asyncio.gather(
             ns.st[0].reshard([0, 1, 2], 7, sums.for_node(0), fresh=[2], clock=(4, 20)),
             ns.st[1].reshard([0, 1, 2], 7, sums.for_node(1), fresh=[2], clock=(4, 18)),
