@@ -56,8 +56,9 @@ process that restarted before the others saw it leave, are one re-shard: its old
 restored from the freshest pulled copy like a dead owner's). The same re-shard tells the joiner
 the members' clocks: its push count (and :attr:`Strategy.start_step`) is the slowest member's,
 its barrier generation the highest member's, as :mod:`p2psync.coordinator.ssp` ("Joiners")
-admits it. Its LR schedulers and other user state are its own (a fresh process's), not a
-member's.
+admits it. It then takes the user state (hyperparameters, LR schedulers, scaler:
+:meth:`Replica.export_meta`) of the slowest member, whose count it joined at, so its pushes
+carry the hyperparameters the schedule gives at that count.
 
 The coordinator dying is such a failure too (it is a worker and a shard owner like any other):
 the survivors re-shard without it, and the node taking over (the lowest live id) starts a fresh
@@ -83,11 +84,12 @@ from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.params import ParamStore
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
-from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.base import (MAX_META_BYTES, StepReport, Strategy, StrategyContext, parse_options,
+                                    register)
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
@@ -159,6 +161,7 @@ class _StoreStrategy(Strategy):
                                 rounds=self.scheduler(self.opts, list(view.members)).lockstep,
                                 joining=joining, epoch=max(0, view.epoch - 1) if joining else 0)
         self._incs = self._incarnations(view)
+        self.ctx.rpc_server.register(f"{self.name}.meta", self._serve_meta)
         self.store.start()
         if joining:
             await self._join()
@@ -209,6 +212,44 @@ class _StoreStrategy(Strategy):
         await self.ctx.replica.set_params(w)
         log.warning("node %d: %s joined the parameter store over %s (view %d) at push count %d, barrier generation "
                     "%d", me, self.name, list(view.members), view.epoch, self.count, self.gen)
+        slowest = sorted(store.clocks, key=lambda m: (store.clocks[m][1], m))
+        await self._fetch_meta([m for m in slowest if m != me])
+
+    async def _serve_meta(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        """A joiner asks for this worker's user state (:meth:`Replica.export_meta`: the
+        optimizer's hyperparameters, LR schedulers, scaler); it goes back as one ``data``
+        message to the joiner's tag."""
+        tag = args.get("tag")
+        if not isinstance(tag, str) or not tag.startswith(f"{self.name}.meta."):
+            raise ProtocolError("state", f"bad user-state tag {tag!r}"[:100])
+        raw = np.frombuffer(await self.ctx.replica.export_meta(), np.uint8)
+        await self.ctx.transport.send(caller, tag, [raw], kind="data", timeout=self.ctx.peer_timeout, relay=True)
+        return {"bytes": int(raw.size)}
+
+    async def _fetch_meta(self, donors: Sequence[int]) -> None:
+        """Take the user state of the first of ``donors`` that gives it (the slowest member
+        first: the joiner is at its count, so its schedules are where the joiner's should be);
+        without any, the joiner keeps its own (a warning)."""
+        me = self.ctx.node_id
+        errors: list[str] = []
+        for d in donors:
+            tag = f"{self.name}.meta.{me}.{self.ctx.transport.incarnation}.{d}"
+            try:
+                await self.ctx.rpc.call(d, f"{self.name}.meta", {"tag": tag}, timeout=self.ctx.peer_timeout)
+                msg = await self.ctx.transport.recv(tag, timeout=self.ctx.peer_timeout)
+                raw = msg.arrays[0] if len(msg.arrays) == 1 else None
+                if raw is None or raw.dtype != np.uint8 or raw.ndim != 1 or raw.size > MAX_META_BYTES:
+                    raise ProtocolError("state", f"node {d} sent a malformed user state")
+                await self.ctx.replica.import_meta(np.asarray(raw).tobytes())
+            except P2PSyncError as exc:
+                errors.append(f"node {d}: {exc}")
+                continue
+            finally:
+                self.ctx.transport.mailbox.retire(tag, exact=True)
+            log.info("node %d: %s took node %d's user state (hyperparameters, schedulers)", me, self.name, d)
+            return
+        log.warning("node %d: %s joined without a member's user state (its LR schedulers and hyperparameters are "
+                    "its own): %s", me, self.name, "; ".join(errors) or "no other member")
 
     def on_peer_failure(self, peer: int) -> None:
         """A pending push, pull or re-shard waiting on ``peer`` fails now, not at its timeout.

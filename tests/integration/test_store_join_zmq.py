@@ -2,7 +2,7 @@
 process: of three nodes, one crashes, the coordinator (or, when it was the coordinator, the node
 taking over) declares it failed, the survivors re-shard over themselves; a new process of that
 node (a new incarnation) joins the run, the three re-shard again with it, and training goes on
-to the run's last step on all three.
+to the run's last step on all three. The joiner takes a member's hyperparameters.
 
 The join's re-shard is exact: the state every owner held when it began (weights and optimizer
 state of its shard, recorded on entry to :meth:`ParamStore.reshard`, when the store stops
@@ -84,9 +84,12 @@ async def test_a_failed_node_rejoins_the_store_exactly_and_all_three_train_to_th
             survivors = await _crash(nodes, victim)
             await until(lambda: all(n.strategy.reshards == 1 for n in survivors), 30, "the survivors to re-shard")
             counts = {n.id: n.strategy.count for n in survivors}
+            for n in survivors:  # a schedule moved the members' learning rate: the joiner takes it
+                await n.trainer.run(lambda n=n: n.trainer.optimizer.param_groups[0].update(lr=0.07))
             await _restart(joiner)
             assert joiner.strategy.ctx.joining
             joined_at = joiner.strategy.count
+            assert joiner.trainer.optimizer.param_groups[0]["lr"] == 0.07
             joiner.go(10_000)
             everyone = sorted([*survivors, joiner], key=lambda n: n.id)
             ends = await _finish(everyone)
