@@ -469,7 +469,9 @@ class ParamStore:
         same number of them on every member) each member contributes; afterwards
         :attr:`clocks` holds every state-holding member's (a joiner reads the members' clocks
         there). ConfigError when the arguments cannot describe a re-split (an owner listed as
-        fresh, a member neither holding a shard nor fresh, no member holding state)."""
+        fresh, a member neither holding a shard nor fresh, no member holding state); PeerFailure
+        when the allreduces fail, or a joiner finds that no member held state (nothing is
+        installed then: it may re-shard again over a newer view)."""
         new = sorted(set(members))
         fresh_set = set(fresh)
         if epoch <= self.epoch:
@@ -530,6 +532,9 @@ class ParamStore:
                         "%d; its optimizer state starts fresh", self.me, self.name, self.bounds[o], o, owners[h],
                         int(v[h * len(lost) + lost.index(o)]) - 1)
         tail = full[(1 + ch) * n:].reshape(len(new), width)
+        if not (tail[:, 0] == 1).any():  # only joiners: there is no state to take (nothing installed)
+            raise PeerFailure(f"{self.name}: no member of {new} held the store's state at epoch {epoch}",
+                              peers=tuple(m for m in new if m != self.me))
         self.clocks = {m: tuple(int(c) for c in tail[r, 2:]) for r, m in enumerate(new) if tail[r, 0] == 1}
         self.bounds = shard_bounds(n, new)
         self.lo, self.hi = self.bounds[self.me]

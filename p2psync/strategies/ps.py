@@ -202,9 +202,6 @@ class _StoreStrategy(Strategy):
                 await asyncio.sleep(0.05)
                 continue
             break
-        if not store.clocks:
-            raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch}, but no member of "
-                              f"{list(view.members)} held the parameter store's state", peers=tuple(view.members))
         self._incs = self._incarnations(view)
         self.gen = max(g for g, _ in store.clocks.values())
         self.count = self.start_step = min(c for _, c in store.clocks.values())

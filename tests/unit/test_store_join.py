@@ -2,7 +2,7 @@
 in-memory transport: the joiner takes its shard of the new split, weights and optimizer state,
 and the whole state after the join is bitwise the state before it; a leave and a join in one
 view (a member's process restarted) are one re-shard; a joiner answers older epochs' pieces and
-pulls "moved" until it has re-sharded."""
+pulls "moved" until it has re-sharded; a re-shard that fails is redone over a newer view."""
 
 from __future__ import annotations
 
@@ -177,6 +177,9 @@ async def test_a_second_view_change_during_a_join_fails_it_and_it_is_redone_over
             await ns.st[0].reshard([0, 1, 2], 3, failing, fresh=[2])
         with pytest.raises(PeerFailure):
             await joiner.reshard([0, 1, 2], 3, failing)
+        with pytest.raises(PeerFailure, match="no member of \\[2\\] held the store's state"):
+            await joiner.reshard([2], 3, sums.for_node(2))  # only joiners (the others finished, say)
+        assert not joiner.holds and joiner.epoch == 2  # nothing installed
         ws = await asyncio.gather(  # ... which was wrong: view 4 has everyone again
             ns.st[0].reshard([0, 1, 2], 4, sums.for_node(0), fresh=[2]),
             ns.st[1].reshard([0, 1, 2], 4, sums.for_node(1), fresh=[2]),
