@@ -30,11 +30,10 @@ Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_u
 waits.
 
 Stopping: the first worker that wants to stop tells the scheduler; every held and later report
-is answered STOP. Each worker then follows the view (a joiner admitted meanwhile is waiting in
-its re-shard), waits (an exact allreduce barrier over the store's members) until every worker's
-last push is applied, and pulls: every node ends with the same weights. A join admitted after a
-member entered that barrier and before another got its STOP stalls the barrier until the peer
-timeout (that member waits in the barrier, the other in the join's re-shard).
+is answered STOP. Each worker then waits (an exact allreduce barrier over the store's members)
+until every worker's last push is applied, and pulls: every node ends with the same weights. A
+join or a failure meanwhile moves the store first: a worker in the barrier leaves it for the
+re-shard (a joiner waits in it), and the barrier and the pull are redone in the new split.
 
 Codecs: pushes are gradients, so every codec applies to their pieces (error feedback per
 shard piece with ``--error-feedback``, always for ``topk``); pulls are exact.
@@ -331,17 +330,51 @@ class _StoreStrategy(Strategy):
         t2 = time.perf_counter()
         extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
                                  "forwarded": forwarded, "lost_pushes": store.lost_pushes, "reshards": self.reshards}
-        if ok is None:  # STOP: every worker's last push is applied before anyone's final pull; a
-            await self._follow_view()  # view that admitted a joiner is followed first (the joiner is
-            group = [m for m in store.members if m in self.ctx.group]  # waiting in that re-shard)
-            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end")
+        if ok is None:
+            w = await self._end()
         else:
             extra.update(ok)
-        w = await self._pull(ok is not None and bool(ok.get("barrier")))
+            w = await self._pull(bool(ok.get("barrier")))
         await self.ctx.replica.set_params(w)
         wait = time.perf_counter() - t1
         return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
                           extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
+
+    async def _end(self) -> np.ndarray:
+        """STOP: every worker's last push is applied before anyone's final pull (an exact
+        allreduce barrier over the store's members in the view, tagged with the store epoch),
+        then the final pull. The store's split must not change meanwhile: a view that admits a
+        joiner or loses a member is followed first (the joiner waits in that re-shard), a barrier
+        such a view interrupts is left, and when the barrier or the pull ends in another split
+        (a member re-sharded after it passed the barrier) both are redone in the new one."""
+        store = self._store()
+        while True:
+            await self._follow_view()
+            epoch = store.epoch
+            group = [m for m in store.members if m in self.ctx.group]
+            changed = self._next_view
+            barrier = asyncio.ensure_future(self.ctx.collectives.allreduce(
+                np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end.e{epoch}"))
+            try:
+                while not await wait_or_event(barrier, changed):
+                    if any(store_changes(store.members, self._incs, self.ctx.view)):
+                        log.info("node %d: %s leaves the end barrier of store epoch %d: view %d moves the store",
+                                 self.ctx.node_id, self.name, epoch, self.ctx.view.epoch)
+                        break  # redone in the new split
+                    changed = self._next_view
+            finally:
+                if not barrier.done():
+                    await cancel_all([barrier])
+            if barrier.cancelled():
+                continue
+            try:
+                barrier.result()
+            except PeerFailure as exc:  # a member failed: over the view without it
+                await self._follow_view(exc)
+                continue
+            w = await self._pull()
+            if store.epoch == epoch:
+                return w
 
     async def _pull(self, barrier: bool = False) -> np.ndarray:
         """The weights after an OK; after a barrier's, as they were at that barrier (identical

@@ -7,10 +7,13 @@ to the run's last step on all three. The joiner takes a member's hyperparameters
 The join's re-shard is exact: the state every owner held when it began (weights and optimizer
 state of its shard, recorded on entry to :meth:`ParamStore.reshard`, when the store stops
 taking pieces) equals, bitwise, the state the three take for the new split (recorded where each
-builds its new shard). Nodes are built as in :mod:`tests.integration.test_leave_join_zmq`."""
+builds its new shard). And a join admitted while the run stops: the end barrier gives way to
+the join's re-shard. Nodes are built as in :mod:`tests.integration.test_leave_join_zmq`."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import numpy as np
@@ -20,6 +23,7 @@ from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.params import ParamStore, shard_bounds
 from p2psync.params.optim import ShardOptimizer
 from p2psync.topology import ring
+from p2psync.training.hetero import parse_profiles
 from tests.helpers import free_port, until
 from tests.integration.test_leave_join_zmq import Node, _crash, _finish, _params, _train, cluster
 
@@ -127,3 +131,43 @@ async def test_a_failed_node_rejoins_the_store_exactly_and_all_three_train_to_th
     for p in params[1:]:
         assert p.tobytes() == params[0].tobytes()  # every node ends with the same weights
     assert np.isfinite(params[0]).all()
+
+
+async def test_a_join_admitted_while_the_run_stops_moves_the_store_before_the_end_barrier(caplog):
+    """The run stops as node 2's new process joins: node 0 got STOP and waits in the end
+    barrier for node 1 (a slow step) when the view admitting node 2 arrives; it leaves the
+    barrier for the join's re-shard (node 2 waits in it), and the three end together, with
+    one model, node 2 after one step."""
+    caplog.set_level(logging.INFO, logger="p2psync.strategies")
+    topo = ring(3, base_port=free_port())
+    stop = {"now": False}
+    async with cluster(topo, "ssp", options={"s": 2}) as nodes:
+        joiner = Node(topo, 2, "ssp", options={"s": 2})
+        try:
+            await _train(nodes, 10_000, warm=6, stop=lambda: stop["now"])
+            survivors = await _crash(nodes, 2)
+            await until(lambda: all(n.strategy.reshards == 1 for n in survivors), 30, "the survivors to re-shard")
+            in_end = asyncio.Event()
+            end = nodes[0].strategy._end
+
+            async def spy_end() -> np.ndarray:
+                in_end.set()
+                return await end()
+            nodes[0].strategy._end = spy_end
+            nodes[1].trainer.slowdown = parse_profiles(step_time="1:2.0")[1]  # from its next step on
+            slow_from = nodes[1].steps + 1
+            await until(lambda: nodes[1].steps > slow_from, 20, "node 1 in a slow step")
+            stop["now"] = True
+            await asyncio.wait_for(in_end.wait(), 20)
+            await _restart(joiner)
+            joiner.go(10_000, lambda: stop["now"])
+            everyone = [*survivors, joiner]
+            await _finish(everyone)
+            params = await _params(everyone)
+            reshards = [n.strategy.reshards for n in everyone]
+        finally:
+            await joiner.close()
+    assert joiner.steps == 1 and reshards == [2, 2, 1], (joiner.steps, reshards)
+    assert "node 0: ssp leaves the end barrier of store epoch" in caplog.text
+    for p in params[1:]:
+        assert p.tobytes() == params[0].tobytes()
