@@ -347,10 +347,11 @@ class ParamStore:
             if e > self.epoch:  # the sender re-sharded first: apply once this node has too
                 self._later.append(m)
                 continue
-            if e < self.epoch or self._moving is not None or not self.holds:  # an older split (or this
-                acks.append((o, ack, {"moved": self._moving or self.epoch}))  # one, being left; or a split
-                continue                                                       # of this node's previous
-                                                                               # process): the push is lost
+            # an older split, or this one being left, or (a joiner's) a split of this node's
+            # previous process: the sender's push is lost
+            if e < self.epoch or self._moving is not None or not self.holds:
+                acks.append((o, ack, {"moved": self._moving or self.epoch}))
+                continue
             if o not in self.bounds:
                 self._reject(m, "origin is not a member")
                 continue
