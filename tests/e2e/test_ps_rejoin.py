@@ -16,15 +16,16 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from bench.faults import node_pid, run_pids
 from p2psync.topology import ring, save
 from tests.e2e.test_cli_run import ROOT, lines, node_logs, wait_for, wait_training
 from tests.helpers import free_port
 
-import pytest
-
 pytestmark = pytest.mark.timeout(240)
 
+#: the run's budget: node 2's new process joins after about a third of it (step ~100-120 here)
 STEPS = 300
 
 
