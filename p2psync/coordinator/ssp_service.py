@@ -7,8 +7,8 @@ and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, b
 the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
 worker asks again with the same ``count``, which is then not counted twice; asked again after
 its OK, it gets the same OK). The first report of a process (a new ``inc``: a worker that
-restarted, or one this service has not heard from) is one push whatever its count, and the
-worker counts on from there: 1 at the run's start, or for a joiner of the parameter-server
+restarted, or one this service has not heard from) is one push whatever its count (an
+adoption at a scheduler rebuilt after a failover, below), and the worker counts on from there: 1 at the run's start, or for a joiner of the parameter-server
 strategies the slowest member's count plus one (it joined at that count; the scheduler admitted
 it at its own slowest count from the view, :meth:`StalenessScheduler.set_workers`); if the
 scheduler held a restarted worker's previous process (the view that removed it never reached
