@@ -53,6 +53,28 @@ second adoption, a push from a held worker: ProtocolError).
   pulls, :mod:`p2psync.params.barriers`). A first report with count 1 and generation 0 is the
   run's first push (no barrier can have passed), taken as an ordinary push.
 
+Joiners (a new view admits a worker: a node joining late, or the new process of a node the
+members declared failed; :meth:`StalenessScheduler.set_workers`, :meth:`ElasticScheduler.set_workers`).
+The thesis has no joins; what its rules imply:
+
+* SSP / DSSP / BSP: a joiner's clock is **the slowest member's push count** (the fewest among
+  the workers heard from). SSP bounds every worker's gap to the slowest (spec §2.2: ``t_p - min
+  t <= s`` at each OK, ``max t - min t <= s + 1``), and the joiner starts from the current
+  weights (it takes them from the store), so any clock in ``[min t, max t]`` keeps both
+  invariants; the slowest's is the one that holds nobody back who was not already held (min t
+  does not drop) and makes the joiner the slowest, which never blocks (§2.1). A clock of 0
+  would hold every other worker until the joiner had replayed their pushes; BSP (s = 0) joins
+  the round the slowest is in. A DSSP joiner starts with r_p = 0.
+* ElasticBSP: a joiner joins the superstep in progress: with a barrier pending it runs one
+  iteration and waits there (its target is its count plus one); while monitoring, the decision
+  waits for its two monitoring pushes like everyone's (§4.7 "all k[q] >= 2"). Its barrier
+  generation is the members' (the strategy takes it from the store's re-shard), so its pulls
+  after the next release are that barrier's, as everyone's.
+
+The worker keeps the same clock (:mod:`p2psync.strategies.ps`: the slowest member's count at
+the store's re-shard), so its reports go on from there, and a scheduler rebuilt after a failover
+adopts a count in line with the others'.
+
 "The slowest worker" (spec §9 item 4; the thesis defines it two ways): the worker with the
 fewest pushes — the one a held worker actually waits for — ties broken by the longest latest
 interval. :func:`p2psync.coordinator.zipline.slowest_worker` (longest interval overall) is the
@@ -134,7 +156,8 @@ class _Counts:
         return self.t[p] - min(self.t.values())
 
     def add(self, w: int) -> None:
-        """A joiner starts at the slowest count heard (it is not ahead of anyone)."""
+        """A joiner starts at the slowest count heard (it is not ahead of anyone; module
+        docstring, "Joiners")."""
         if w not in self.t:
             heard = [c for q, c in self.t.items() if q not in self.unheard]
             self.t[w] = min(heard or self.t.values(), default=0)

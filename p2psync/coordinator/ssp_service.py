@@ -6,9 +6,14 @@ report on arrival with its own clock (the thesis' ``clock_p^push``, spec §6.1: 
 and the call returns as soon as the worker may go on, ``{"ok": {count, gap, r, barrier}}``, or
 the run stops, ``{"stop": true}``, or after :data:`HOLD_S` seconds ``{"wait": true}`` (the
 worker asks again with the same ``count``, which is then not counted twice; asked again after
-its OK, it gets the same OK). A worker that restarted (a new ``inc``) counts from 1 again; if
-the scheduler held it, its first report waits for that OK instead of counting a push. Messages are a few
-bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
+its OK, it gets the same OK). The first report of a process (a new ``inc``: a worker that
+restarted, or one this service has not heard from) is one push whatever its count (an
+adoption at a scheduler rebuilt after a failover, below), and the worker counts on from there: 1 at the run's start, or for a joiner of the parameter-server
+strategies the slowest member's count plus one (it joined at that count; the scheduler admitted
+it at its own slowest count from the view, :meth:`StalenessScheduler.set_workers`); if the
+scheduler held a restarted worker's previous process (the view that removed it never reached
+the scheduler), that first report waits for that OK instead of counting a push. Messages are a
+few bytes; no tensor passes through the coordinator. Remote bad input is a ProtocolError.
 
 Failover: the node that takes over as coordinator registers a fresh service (the strategy's
 ``coordinator_services``), which knows nothing of the run. A worker's first report to a
@@ -89,9 +94,9 @@ class SchedulerService:
         gen = int_arg(args, "gen", who="scheduler") if "gen" in args else 0
         stop = bool_arg(args, "stop", who="scheduler")
         self._view(args)
-        if inc != self._inc.setdefault(caller, inc):  # a restarted node: its counts start again
-            self._inc[caller] = inc
-            self._recorded.pop(caller, None)
+        if self._inc.get(caller) != inc:  # a process's first report here (a restarted node's too):
+            self._inc[caller] = inc       # it counts on from the count it reports (1; a joiner's
+            self._recorded[caller] = count - 1  # starting count plus one; or adopted, below)
             self._granted.pop(caller, None)
         if stop and not self.stopped:
             log.info("%s scheduler: node %d asked to stop", self.name, caller)

@@ -33,20 +33,31 @@ A piece for an owner that is not adjacent is forwarded by the store itself, hop 
 bulk send counted on the NIC it leaves by. Acknowledgements and pull requests are small control
 messages (relayed by the transport). Every wait on a peer has the store's ``timeout``.
 
-**Moving shards on a view change** (:meth:`ParamStore.reshard`): when members leave, the
-survivors re-split the vector among themselves (:func:`shard_bounds` of the new member list) in
-two exact allreduces over the survivors (the store epoch is the view epoch, and every tag
-carries it):
+**Moving shards on a view change** (:meth:`ParamStore.reshard`): when members leave or join,
+the members of the new view re-split the vector among themselves (:func:`shard_bounds` of the
+new member list) in two exact allreduces (the store epoch is the view epoch, and every tag
+carries it). *Owners* are the members that held a shard of the current split; *fresh* members
+bring no state: joiners, and a member whose process restarted (a new incarnation: its old shard
+is lost, as a departed owner's is):
 
-1. *which copy of a lost shard is freshest*: every worker keeps the vector it pulled last and,
-   per owner, the version (pushes applied) the owner's shard had when it was served; the
-   versions of the lost shards are gathered, and for each lost shard the holder of the highest
-   version (the lowest id among equals) supplies it;
-2. *the whole state*: each survivor contributes its own shard's weights and optimizer state (per
-   element: :meth:`ShardOptimizer.export_state`), the chosen holders the lost shards' weights,
-   zeros elsewhere; the sum is the exact state (x + 0 = x), every survivor takes its new shard
-   (weights and optimizer state: the state of a moved slice moves with it) and continues from
-   those weights.
+1. *which copy of a lost shard is freshest* (over the owners; only when a shard was lost):
+   every worker keeps the vector it pulled last and, per owner, the version (pushes applied)
+   the owner's shard had when it was served; the versions of the lost shards are gathered, and
+   for each lost shard the holder of the highest version (the lowest id among equals) supplies
+   it;
+2. *the whole state* (over every member of the new view): each owner contributes its own
+   shard's weights and optimizer state (per element: :meth:`ShardOptimizer.export_state`), the
+   chosen holders the lost shards' weights, fresh members and everyone elsewhere zeros; the sum
+   is the exact state (x + 0 = x), every member takes its new shard (weights and optimizer
+   state: the state of a moved slice moves with it) and continues from those weights. The
+   same vector carries, per member, a few integers (its store generation and the caller's
+   ``clock``) so that a joiner learns where the others are: its store goes on at their
+   barrier generation, and :attr:`ParamStore.clocks` gives the strategy the members' clocks.
+
+A joiner builds its store with ``joining=True`` (no shard, at the store epoch below the view
+that admitted it) and calls :meth:`ParamStore.reshard` with the members of that view, as they
+do; leaves and joins in one view are one re-shard. Until then it answers pieces and pulls of
+older store epochs "moved" (they were meant for its previous process) and keeps newer ones.
 
 What is lost with a dead owner: the pushes its shard applied after the freshest copy was pulled
 (at most the pushes one pull interval holds), and its shard's optimizer state (momentum, Adam's
@@ -57,8 +68,8 @@ gradient). Pieces and pulls carry the store epoch: an owner refuses older epochs
 its current epoch's once its own re-shard has begun (the snapshot it contributes is taken then;
 the sender's push fails, is counted, and the sender re-shards), and keeps newer ones until it
 has re-sharded itself; a pull of a newer epoch waits the same way. A second failure during a re-shard makes it raise
-PeerFailure; the caller re-shards again over the newer view. Members joining the store are not
-supported (a joiner would need a shard: the strategies refuse joins).
+PeerFailure; the caller re-shards again over the newer view (a joiner too: with the members of
+the newer view).
 """
 
 from __future__ import annotations
@@ -103,14 +114,23 @@ class ParamStore:
 
     def __init__(self, *, transport: Transport, rpc_server: RpcServer, rpc: RpcClient, members: Sequence[int],
                  params: np.ndarray, optim: OptimSpec, scale: float | None = None, piece_bytes: int = 1 << 20, timeout: float = 30.0,
-                 name: str = "ps", codec: str = "none", error_feedback: bool = False, rounds: bool = False) -> None:
+                 name: str = "ps", codec: str = "none", error_feedback: bool = False, rounds: bool = False,
+                 joining: bool = False, epoch: int = 0) -> None:
+        """``members`` share the vector ``params`` (every member passes the same) at store epoch
+        ``epoch``. ``joining``: this node joins a running store: it holds no shard (``members``
+        and ``params`` are not used but for the vector's size) until its first :meth:`reshard`,
+        which every current member runs with it; meanwhile it answers pieces and pulls of store
+        epochs up to ``epoch`` "moved" (they were meant for a previous process of this node)
+        and keeps newer ones until it has re-sharded."""
         self.transport, self.rpc, self.name, self.timeout = transport, rpc, name, timeout
         self.me = transport.node_id
         self.numel = int(params.size)
-        self.bounds = shard_bounds(self.numel, members)
-        if self.me not in self.bounds:
+        if type(epoch) is not int or epoch < 0:
+            raise ConfigError(f"{name}: store epoch {epoch!r} must be an integer >= 0")
+        self.bounds = {} if joining else shard_bounds(self.numel, members)
+        if not joining and self.me not in self.bounds:
             raise ConfigError(f"node {self.me} is not a member of the store {sorted(self.bounds)}")
-        self.lo, self.hi = self.bounds[self.me]
+        self.lo, self.hi = self.bounds.get(self.me, (0, 0))
         self.piece = max(1, piece_bytes // 4)
         if optim.numel != self.numel:
             raise ConfigError(f"{name}: the optimizer covers {optim.numel} values, the store {self.numel}")
@@ -129,19 +149,22 @@ class ParamStore:
         self._tasks = TaskSet(f"{name}-{self.me}")
         self.malformed = 0
         prefix = f"{name}."
+        # a joiner relays for anyone: the members' split does not name it yet
         self.fwd = Forwarder(transport=transport, name=name, timeout=timeout,
-                             accept=lambda to, tag: to in self.bounds and tag.startswith(prefix),
+                             accept=lambda to, tag: (to in self.bounds or not self.holds) and tag.startswith(prefix),
                              on_reject=self._reject)
         #: pushes that did not reach every owner (a dead owner, an owner that had moved on)
         self.lost_pushes = 0
         #: the view epoch of the current shard split, and an event set whenever it changes
-        self.epoch = 0
+        self.epoch = epoch
         self._moved = asyncio.Event()
         self._later: list[Message] = []  # pieces of a newer epoch, applied once this node re-sharded
         self._moving: int | None = None  # the epoch a re-shard under way moves to
         #: the vector this worker pulled last and each owner's version in it (a lost shard's replica)
         self.pulled = np.array(params, dtype=np.float32, copy=True)
         self.pulled_versions = {o: 0 for o in self.bounds}
+        #: every member's ``clock`` at the last re-shard (members that held state only)
+        self.clocks: dict[int, tuple[int, ...]] = {}
         rpc_server.register(f"{name}.pull", self._serve_pull)
 
     def _shard(self, w: np.ndarray, state: np.ndarray | None = None) -> ShardOptimizer:
@@ -154,11 +177,20 @@ class ParamStore:
     @property
     def scale(self) -> float:
         """The learning-rate factor of one push outside rounds."""
-        return 1.0 / len(self.bounds) if self._scale is None else self._scale
+        return 1.0 / max(1, len(self.bounds)) if self._scale is None else self._scale
 
     @property
     def members(self) -> list[int]:
         return sorted(self.bounds)
+
+    @property
+    def holds(self) -> bool:
+        """This node owns a shard (False for a joiner until its first :meth:`reshard`)."""
+        return self.me in self.bounds
+
+    def _check_member(self) -> None:
+        if not self.holds:
+            raise ConfigError(f"{self.name}: node {self.me} joins the store and holds no shard yet (re-shard first)")
 
     @property
     def version(self) -> int:
@@ -199,6 +231,7 @@ class ParamStore:
         ``hypers``: every parameter group's hyperparameters for this push
         (:func:`~p2psync.params.optim.read_hypers` of the worker's optimizer; default: the
         values the spec was read with)."""
+        self._check_member()
         if grad.shape != (self.numel,):
             raise ConfigError(f"{self.name}: gradient has shape {grad.shape}, the store holds {self.numel} values")
         if type(gen) is not int or gen < 0:
@@ -265,7 +298,7 @@ class ParamStore:
                 raise PeerTimeout(f"{self.name}: no acknowledgement from shard owner(s) {late} within "
                                   f"{self.timeout:g}s: that part of the push may be lost") from None
             err = msg.meta.get("err")
-            if msg.meta.get("moved"):  # the owner re-sharded already: this push is lost
+            if msg.meta.get("moved") is not None:  # the owner re-sharded already: this push is lost
                 raise PeerFailure(f"{self.name}: node {msg.src} moved to store epoch {msg.meta.get('moved')!r} "
                                   f"(this node is at {self.epoch}): the push is lost", peers=(msg.src,))
             if err is not None:
@@ -314,8 +347,10 @@ class ParamStore:
             if e > self.epoch:  # the sender re-sharded first: apply once this node has too
                 self._later.append(m)
                 continue
-            if e < self.epoch or self._moving is not None:  # an older split (or this one, being left):
-                acks.append((o, ack, {"moved": self._moving or self.epoch}))  # the sender's push is lost
+            # an older split, or this one being left, or (a joiner's) a split of this node's
+            # previous process: the sender's push is lost
+            if e < self.epoch or self._moving is not None or not self.holds:
+                acks.append((o, ack, {"moved": self._moving or self.epoch}))
                 continue
             if o not in self.bounds:
                 self._reject(m, "origin is not a member")
@@ -346,6 +381,7 @@ class ParamStore:
         released this worker; :mod:`p2psync.params.barriers`). PeerFailure when an owner
         is dead, has moved to another store epoch, or could not send its shard (a relay on the
         way died with the pieces in flight): the caller follows the view and re-shards."""
+        self._check_member()
         if type(barrier) is not int or barrier < 0:
             raise ConfigError(f"{self.name}: barrier {barrier!r} must be an integer >= 0")
         out = np.empty(self.numel, np.float32)
@@ -398,7 +434,7 @@ class ParamStore:
             raise ProtocolError("store", f"bad pull from node {caller}")
         if e > self.epoch:  # the caller re-sharded first: serve the new split once this node has too
             await self._until_epoch(e)
-        if e < self.epoch or self._moving is not None:
+        if e < self.epoch or self._moving is not None or not self.holds:
             return {"moved": self._moving or self.epoch}
         if caller not in self.bounds:
             raise ProtocolError("store", f"pull from node {caller}, not a member")
@@ -422,52 +458,94 @@ class ParamStore:
                 raise PeerTimeout(f"{self.name}: node {self.me} did not reach store epoch {e} within "
                                   f"{self.timeout:g}s") from None
 
-    async def reshard(self, members: Sequence[int], epoch: int, allreduce: Allreduce) -> np.ndarray:
-        """Re-split the store over ``members`` (the survivors, the view of ``epoch``); every
-        survivor calls it with the same arguments. Returns the weights to continue from (the
-        whole restored vector). ``allreduce(vec, group, tag)`` sums exactly over the group."""
+    async def reshard(self, members: Sequence[int], epoch: int, allreduce: Allreduce, *,
+                      fresh: Sequence[int] = (), clock: Sequence[int] = ()) -> np.ndarray:
+        """Re-split the store over ``members`` (the view of ``epoch``); every member calls it
+        with the same ``members`` and ``epoch``. Returns the weights to continue from (the whole
+        restored vector). ``allreduce(vec, group, tag)`` sums exactly over the group.
+
+        ``fresh``: members that bring no state (joiners, and members whose process restarted:
+        their old shard is lost like a departed owner's); a joining store (``joining=True``)
+        is fresh itself and need not know the others. ``clock``: small integers (< 2**24, the
+        same number of them on every member) each member contributes; afterwards
+        :attr:`clocks` holds every state-holding member's (a joiner reads the members' clocks
+        there). ConfigError when the arguments cannot describe a re-split (an owner listed as
+        fresh, a member neither holding a shard nor fresh, no member holding state); PeerFailure
+        when the allreduces fail, or a joiner finds that no member held state (nothing is
+        installed then: it may re-shard again over a newer view)."""
         new = sorted(set(members))
+        fresh_set = set(fresh)
         if epoch <= self.epoch:
             raise ConfigError(f"{self.name}: re-shard to epoch {epoch}, the store is at epoch {self.epoch}")
-        joined = [m for m in new if m not in self.bounds]
-        if joined or self.me not in new:
-            raise ConfigError(f"{self.name}: members {joined or [self.me]} cannot take a shard (joining the "
-                              "parameter store is not supported)")
-        lost = [o for o in self.members if o not in new]
-        rank = new.index(self.me)
+        if self.me not in new:
+            raise ConfigError(f"{self.name}: node {self.me} re-shards over {new}, which do not include it")
+        ticks = list(clock)
+        if any(type(c) is not int or not 0 <= c < 1 << 24 for c in ticks):
+            raise ConfigError(f"{self.name}: clock {ticks!r} must hold integers in [0, 2**24)"[:200])
+        joining = not self.holds
+        if joining:
+            fresh_set.add(self.me)
+        elif self.me in fresh_set:
+            raise ConfigError(f"{self.name}: node {self.me} holds a shard and cannot re-shard as fresh")
+        else:
+            stray = [m for m in new if m not in self.bounds and m not in fresh_set]
+            if stray:
+                raise ConfigError(f"{self.name}: members {stray} hold no shard and are not listed as fresh")
+        owners = [m for m in new if m not in fresh_set]  # a joiner may not know them all: not used there
+        if not joining and not owners:
+            raise ConfigError(f"{self.name}: no member of {new} holds the store's state")
         self._moving = epoch  # from now on pieces and pulls of the current split are refused (moved)
         self.barriers.flush(self.opt)  # a BSP round's pieces are acknowledged: part of the state
-        # 1. the freshest copy of every lost shard (version + 1: 0 means "no copy")
-        v = np.zeros(len(new) * max(1, len(lost)), np.float32)
-        for j, o in enumerate(lost):
-            v[rank * len(lost) + j] = self.pulled_versions.get(o, -1) + 1
-        if lost:
-            v = await allreduce(v, new, f"{self.name}.rs{epoch}.v")
-        holders = {o: int(np.argmax(v[j::len(lost)])) for j, o in enumerate(lost)}  # first max: lowest id
-        # 2. the whole state: own shard (weights, optimizer state), the chosen replicas of lost shards
         n = self.numel
         ch = self.opt.channels
-        x = np.zeros((1 + ch) * n, np.float32)
-        x[self.lo:self.hi] = self.opt.w
-        st = self.opt.export_state()
-        for k in range(ch):
-            x[(1 + k) * n + self.lo:(1 + k) * n + self.hi] = st[k]
-        for o, h in holders.items():
-            if h == rank:
-                a, b = self.bounds[o]
-                x[a:b] = self.pulled[a:b]
+        width = 2 + len(ticks)  # per member: holds state, store generation, its clock
+        lost: list[int] = []
+        holders: dict[int, int] = {}
+        v = np.zeros(0, np.float32)
+        if not joining:
+            # 1. the freshest copy of every lost shard, among the owners (version + 1: 0 means
+            # "no copy"); a fresh member's old shard is lost: it is a new process
+            lost = [o for o in self.members if o not in new or o in fresh_set]
+            rank = owners.index(self.me)
+            v = np.zeros(len(owners) * max(1, len(lost)), np.float32)
+            for j, o in enumerate(lost):
+                v[rank * len(lost) + j] = self.pulled_versions.get(o, -1) + 1
+            if lost:
+                v = await allreduce(v, owners, f"{self.name}.rs{epoch}.v")
+            holders = {o: int(np.argmax(v[j::len(lost)])) for j, o in enumerate(lost)}  # first max: lowest id
+        # 2. the whole state over every member: own shard (weights, optimizer state), the chosen
+        # replicas of lost shards, zeros from fresh members; then each member's clock
+        x = np.zeros((1 + ch) * n + len(new) * width, np.float32)
+        if not joining:
+            x[self.lo:self.hi] = self.opt.w
+            st = self.opt.export_state()
+            for k in range(ch):
+                x[(1 + k) * n + self.lo:(1 + k) * n + self.hi] = st[k]
+            for o, h in holders.items():
+                if owners[h] == self.me:
+                    a, b = self.bounds[o]
+                    x[a:b] = self.pulled[a:b]
+            at = (1 + ch) * n + new.index(self.me) * width
+            x[at:at + width] = [1, self.barriers.gen, *ticks]
         full = await allreduce(x, new, f"{self.name}.rs{epoch}.w")
         for o, h in holders.items():
-            log.warning("node %d: %s shard %s of node %d (gone) restored from node %d's copy at version %d; its "
-                        "optimizer state starts fresh", self.me, self.name, self.bounds[o], o, new[h],
+            log.warning("node %d: %s shard %s of node %d (gone or restarted) restored from node %d's copy at version "
+                        "%d; its optimizer state starts fresh", self.me, self.name, self.bounds[o], o, owners[h],
                         int(v[h * len(lost) + lost.index(o)]) - 1)
+        tail = full[(1 + ch) * n:].reshape(len(new), width)
+        if not (tail[:, 0] == 1).any():  # only joiners: there is no state to take (nothing installed)
+            raise PeerFailure(f"{self.name}: no member of {new} held the store's state at epoch {epoch}",
+                              peers=tuple(m for m in new if m != self.me))
+        self.clocks = {m: tuple(int(c) for c in tail[r, 2:]) for r, m in enumerate(new) if tail[r, 0] == 1}
         self.bounds = shard_bounds(n, new)
         self.lo, self.hi = self.bounds[self.me]
-        state = full[n:].reshape(ch, n)[:, self.lo:self.hi]
+        state = full[n:(1 + ch) * n].reshape(ch, n)[:, self.lo:self.hi]
         self.opt = self._shard(full[self.lo:self.hi], np.ascontiguousarray(state))
         if self.feedback is not None:
             self.feedback = ErrorFeedback()  # residues were kept per piece of the old split
         self.barriers.reset(self.lo)
+        if joining:  # the generation goes on where the members' stores are
+            self.barriers.gen = max((int(g) for g, held in zip(tail[:, 1], tail[:, 0]) if held == 1), default=0)
         self.pulled[:] = full[:n]
         self.pulled_versions = {o: 0 for o in new}
         self.epoch = epoch

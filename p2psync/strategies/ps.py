@@ -30,8 +30,10 @@ Options: ``ssp``: ``s`` (staleness, default 3); ``dssp``: ``s_lower`` (3), ``s_u
 waits.
 
 Stopping: the first worker that wants to stop tells the scheduler; every held and later report
-is answered STOP. Each worker then waits (an exact allreduce barrier over the group) until
-every worker's last push is applied, and pulls: every node ends with the same weights.
+is answered STOP. Each worker then waits (an exact allreduce barrier over the store's members)
+until every worker's last push is applied, and pulls: every node ends with the same weights. A
+join or a failure meanwhile moves the store first: a worker in the barrier leaves it for the
+re-shard (a joiner waits in it), and the barrier and the pull are redone in the new split.
 
 Codecs: pushes are gradients, so every codec applies to their pieces (error feedback per
 shard piece with ``--error-feedback``, always for ``topk``); pulls are exact.
@@ -42,8 +44,20 @@ re-split the shards over themselves, restoring the dead owner's shard from the f
 copy (:meth:`p2psync.params.ParamStore.reshard`), and go on. A worker notices the new view at
 the start of a step, while the scheduler holds it, or when a push or pull fails (the failed
 peer's pending receives are aborted at once); a push lost that way is counted (``lost_pushes``
-in the step metrics). Joining a running store is not supported (a joiner is refused with a
-clear error).
+in the step metrics).
+
+Joins: a node that joins the run (the launcher's new process of a node the majority declared
+failed and fenced: a pause, a partition) joins the store: every member of the view that admits
+it re-splits the vector over the new member list, the joiner contributing nothing and taking
+its shard (weights and optimizer state) and the whole vector it starts from
+(:meth:`p2psync.params.ParamStore.reshard`; a leave and a join in one view, such as a member's
+process that restarted before the others saw it leave, are one re-shard: its old shard is
+restored from the freshest pulled copy like a dead owner's). The same re-shard tells the joiner
+the members' clocks: its push count (and :attr:`Strategy.start_step`) is the slowest member's,
+its barrier generation the highest member's, as :mod:`p2psync.coordinator.ssp` ("Joiners")
+admits it. It then takes the user state (hyperparameters, LR schedulers, scaler:
+:meth:`Replica.export_meta`) of the slowest member, whose count it joined at, so its pushes
+carry the hyperparameters the schedule gives at that count.
 
 The coordinator dying is such a failure too (it is a worker and a shard owner like any other):
 the survivors re-shard without it, and the node taking over (the lowest live id) starts a fresh
@@ -60,7 +74,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -69,15 +83,35 @@ from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
 from p2psync.coordinator.ssp_service import SchedulerService
 from p2psync.coordinator.zipline import SEARCHERS
-from p2psync.errors import ConfigError, PeerFailure, ProtocolError
+from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.params import ParamStore
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
-from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.base import (MAX_META_BYTES, StepReport, Strategy, StrategyContext, parse_options,
+                                    register)
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
 log = logging.getLogger("p2psync.strategies")
+
+#: the largest clock value (push count, barrier generation) a re-shard carries exactly
+_CLOCK_MAX = (1 << 24) - 1
+
+
+def store_changes(members: Sequence[int], incarnations: Mapping[int, int],
+                  view: View) -> tuple[list[int], list[int]]:
+    """What ``view`` changes for a store split over ``members`` whose processes had
+    ``incarnations``: the members it lost (gone from the view, not departed; or restarted: the
+    view names another incarnation, whose process holds none of the old one's shard) and its
+    members that hold no shard (joiners, restarted members). An incarnation unknown on either
+    side is taken as unchanged. Pure."""
+    incs = view.incarnations
+
+    def restarted(m: int) -> bool:
+        return m in incarnations and m in incs and incs[m] != incarnations[m]
+    gone = [m for m in members if (m not in view.members and m not in view.departed) or restarted(m)]
+    fresh = [m for m in view.members if m not in members or restarted(m)]
+    return gone, fresh
 
 
 class _StoreStrategy(Strategy):
@@ -109,20 +143,109 @@ class _StoreStrategy(Strategy):
         self.count = 0
         self.reshards = 0
         self.gen = 0  # barriers this worker was released from (its pushes' generation)
+        #: the incarnation of every store member's process at the current split (from its view)
+        self._incs: dict[int, int] = {}
         self._next_view = asyncio.Event()  # set when a newer view arrives (a fresh event per view)
 
     async def start(self) -> None:
-        if self.ctx.joining:
-            raise ConfigError(f"{self.name}: joining a running run is not supported yet (the parameter store "
-                              "does not move shards between members)")
+        """Build this node's part of the store; a joiner then joins it (:meth:`_join`)."""
         spec = await self.ctx.replica.optim_spec()
+        view = self.ctx.view
+        joining = self.ctx.joining
         self.store = ParamStore(transport=self.ctx.transport, rpc_server=self.ctx.rpc_server, rpc=self.ctx.rpc,
-                                members=self.ctx.group, params=await self.ctx.replica.get_params(), optim=spec,
+                                members=view.members, params=await self.ctx.replica.get_params(), optim=spec,
                                 piece_bytes=self.ctx.collectives.piece_bytes, timeout=self.ctx.peer_timeout,
                                 name=f"{self.name}.ps", codec=self.ctx.collectives.codec,
                                 error_feedback=self.ctx.collectives.feedback is not None,
-                                rounds=self.scheduler(self.opts, list(self.ctx.group)).lockstep)
+                                rounds=self.scheduler(self.opts, list(view.members)).lockstep,
+                                joining=joining, epoch=max(0, view.epoch - 1) if joining else 0)
+        self._incs = self._incarnations(view)
+        self.ctx.rpc_server.register(f"{self.name}.meta", self._serve_meta)
         self.store.start()
+        if joining:
+            await self._join()
+
+    @staticmethod
+    def _incarnations(view: View) -> dict[int, int]:
+        return {m: view.incarnations[m] for m in view.members if m in view.incarnations}
+
+    async def _join(self) -> None:
+        """A joiner (a new process of a node the members declared failed) takes part in the
+        members' re-shard over the view that admitted it (over the newest view if that fails,
+        as the members do; PeerFailure after twice the peer timeout), then starts from the
+        weights it gives, at the members' clocks (module docstring): its push count is the
+        slowest member's (:attr:`start_step` too), its barrier generation the highest member's."""
+        store = self._store()
+        me = self.ctx.node_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.ctx.peer_timeout
+        while True:
+            view = self.ctx.view
+            if me in view.members and len(view.members) < 2 and view.departed:
+                raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} after every other member "
+                                  f"finished ({list(view.departed)}): nobody holds the parameter store's state",
+                                  peers=view.departed)
+            if me not in view.members or len(view.members) < 2:
+                if loop.time() > deadline:
+                    raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} {list(view.members)}, "
+                                      "which holds no other member to take the parameter store's state from",
+                                      peers=tuple(m for m in view.members if m != me))
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                w = await store.reshard(view.members, view.epoch, self._allreduce, clock=(0, 0))
+            except (PeerFailure, PeerTimeout) as exc:  # a member failed meanwhile: over the next view
+                if loop.time() > deadline:
+                    raise PeerFailure(f"{self.name}: node {me} could not join the parameter store: {exc}",
+                                      peers=tuple(m for m in view.members if m != me)) from exc
+                await asyncio.sleep(0.05)
+                continue
+            break
+        self._incs = self._incarnations(view)
+        self.gen = max(g for g, _ in store.clocks.values())
+        self.count = self.start_step = min(c for _, c in store.clocks.values())
+        self.reshards += 1
+        await self.ctx.replica.set_params(w)
+        log.warning("node %d: %s joined the parameter store over %s (view %d) at push count %d, barrier generation "
+                    "%d", me, self.name, list(view.members), view.epoch, self.count, self.gen)
+        slowest = sorted(store.clocks, key=lambda m: (store.clocks[m][1], m))
+        await self._fetch_meta([m for m in slowest if m != me])
+
+    async def _serve_meta(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        """A joiner asks for this worker's user state (:meth:`Replica.export_meta`: the
+        optimizer's hyperparameters, LR schedulers, scaler); it goes back as one ``data``
+        message to the joiner's tag."""
+        tag = args.get("tag")
+        if not isinstance(tag, str) or not tag.startswith(f"{self.name}.meta."):
+            raise ProtocolError("state", f"bad user-state tag {tag!r}"[:100])
+        raw = np.frombuffer(await self.ctx.replica.export_meta(), np.uint8)
+        await self.ctx.transport.send(caller, tag, [raw], kind="data", timeout=self.ctx.peer_timeout, relay=True)
+        return {"bytes": int(raw.size)}
+
+    async def _fetch_meta(self, donors: Sequence[int]) -> None:
+        """Take the user state of the first of ``donors`` that gives it (the slowest member
+        first: the joiner is at its count, so its schedules are where the joiner's should be);
+        without any, the joiner keeps its own (a warning)."""
+        me = self.ctx.node_id
+        errors: list[str] = []
+        for d in donors:
+            tag = f"{self.name}.meta.{me}.{self.ctx.transport.incarnation}.{d}"
+            try:
+                await self.ctx.rpc.call(d, f"{self.name}.meta", {"tag": tag}, timeout=self.ctx.peer_timeout)
+                msg = await self.ctx.transport.recv(tag, timeout=self.ctx.peer_timeout)
+                raw = msg.arrays[0] if len(msg.arrays) == 1 else None
+                if raw is None or raw.dtype != np.uint8 or raw.ndim != 1 or raw.size > MAX_META_BYTES:
+                    raise ProtocolError("state", f"node {d} sent a malformed user state")
+                await self.ctx.replica.import_meta(np.asarray(raw).tobytes())
+            except P2PSyncError as exc:
+                errors.append(f"node {d}: {exc}")
+                continue
+            finally:
+                self.ctx.transport.mailbox.retire(tag, exact=True)
+            log.info("node %d: %s took node %d's user state (hyperparameters, schedulers)", me, self.name, d)
+            return
+        log.warning("node %d: %s joined without a member's user state (its LR schedulers and hyperparameters are "
+                    "its own): %s", me, self.name, "; ".join(errors) or "no other member")
 
     def on_peer_failure(self, peer: int) -> None:
         """A pending push, pull or re-shard waiting on ``peer`` fails now, not at its timeout.
@@ -149,34 +272,38 @@ class _StoreStrategy(Strategy):
         return out
 
     async def _follow_view(self, failure: PeerFailure | None = None) -> np.ndarray | None:
-        """Re-shard the store when the view dropped some of its members; returns the weights to
-        continue from, or None if nothing changed. After ``failure`` (a push or pull that
-        failed), wait for the view that drops the peer (bounded by the peer timeout)."""
+        """Re-shard the store when the view dropped some of its members or admitted joiners
+        (every member of the view takes part, joiners with nothing; leaves and joins in one
+        view are one re-shard); returns the weights to continue from, or None if nothing
+        changed. After ``failure`` (a push or pull that failed), wait for the view that drops
+        the peer (bounded by the peer timeout)."""
         store = self._store()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.peer_timeout
         while True:
             view = self.ctx.view
-            gone = [m for m in store.members if m not in view.members and m not in view.departed]
-            if not gone:
+            gone, fresh = store_changes(store.members, self._incs, view)
+            if not gone and not fresh:
                 if failure is None:
                     return None
                 if loop.time() > deadline:
                     raise failure
                 await asyncio.sleep(0.05)
                 continue
-            members = [m for m in view.members if m in store.bounds]
+            members = list(view.members)  # the store's members that stay, and the fresh ones
+            clock = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
             try:
-                w = await store.reshard(members, view.epoch, self._allreduce)
-            except PeerFailure as exc:  # another member failed meanwhile: over the next view
-                if loop.time() > deadline:
+                w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=clock)
+            except (PeerFailure, PeerTimeout) as exc:  # another member failed meanwhile (or a joiner
+                if loop.time() > deadline:              # did not come): over the next view
                     raise
-                failure = exc
+                failure = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc), peers=tuple(fresh))
                 await asyncio.sleep(0.05)
                 continue
+            self._incs = self._incarnations(view)
             self.reshards += 1
-            log.warning("node %d: %s store re-sharded over %s (view %d; gone: %s)", self.ctx.transport.node_id,
-                        self.name, members, view.epoch, gone)
+            log.warning("node %d: %s store re-sharded over %s (view %d; gone: %s, joined: %s)",
+                        self.ctx.transport.node_id, self.name, members, view.epoch, gone, fresh)
             return w
 
     async def close(self) -> None:
@@ -203,16 +330,51 @@ class _StoreStrategy(Strategy):
         t2 = time.perf_counter()
         extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
                                  "forwarded": forwarded, "lost_pushes": store.lost_pushes, "reshards": self.reshards}
-        if ok is None:  # STOP: every worker's last push is applied before anyone's final pull
-            await self.ctx.collectives.allreduce(np.zeros(1, np.float32), self.ctx.group, codec="none",
-                                                 tag=f"{self.name}.end")
+        if ok is None:
+            w = await self._end()
         else:
             extra.update(ok)
-        w = await self._pull(ok is not None and bool(ok.get("barrier")))
+            w = await self._pull(bool(ok.get("barrier")))
         await self.ctx.replica.set_params(w)
         wait = time.perf_counter() - t1
         return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
                           extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
+
+    async def _end(self) -> np.ndarray:
+        """STOP: every worker's last push is applied before anyone's final pull (an exact
+        allreduce barrier over the store's members in the view, tagged with the store epoch),
+        then the final pull. The store's split must not change meanwhile: a view that admits a
+        joiner or loses a member is followed first (the joiner waits in that re-shard), a barrier
+        such a view interrupts is left, and when the barrier or the pull ends in another split
+        (a member re-sharded after it passed the barrier) both are redone in the new one."""
+        store = self._store()
+        while True:
+            await self._follow_view()
+            epoch = store.epoch
+            group = [m for m in store.members if m in self.ctx.group]
+            changed = self._next_view
+            barrier = asyncio.ensure_future(self.ctx.collectives.allreduce(
+                np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end.e{epoch}"))
+            try:
+                while not await wait_or_event(barrier, changed):
+                    if any(store_changes(store.members, self._incs, self.ctx.view)):
+                        log.info("node %d: %s leaves the end barrier of store epoch %d: view %d moves the store",
+                                 self.ctx.node_id, self.name, epoch, self.ctx.view.epoch)
+                        break  # redone in the new split
+                    changed = self._next_view
+            finally:
+                if not barrier.done():
+                    await cancel_all([barrier])
+            if barrier.cancelled():
+                continue
+            try:
+                barrier.result()
+            except PeerFailure as exc:  # a member failed: over the view without it
+                await self._follow_view(exc)
+                continue
+            w = await self._pull()
+            if store.epoch == epoch:
+                return w
 
     async def _pull(self, barrier: bool = False) -> np.ndarray:
         """The weights after an OK; after a barrier's, as they were at that barrier (identical

@@ -141,3 +141,21 @@ async def test_bsp_follows_a_schedule_step_by_step():
                 sc.step()
             seen.append((await st[0].ctx.replica.get_params()).tobytes())
     assert len(set(seen[:3])) == 3 and len(set(seen[2:])) == 1, [hash(s) for s in seen]
+
+
+def test_store_changes_name_lost_members_and_joiners_by_incarnation():
+    from p2psync.strategies.ps import store_changes
+
+    incs = {0: 10, 1: 11, 2: 12}
+    same = View(epoch=3, members=(0, 1, 2), incarnations=dict(incs))
+    assert store_changes([0, 1, 2], incs, same) == ([], [])
+    left = View(epoch=4, members=(0, 1), incarnations={0: 10, 1: 11})
+    assert store_changes([0, 1, 2], incs, left) == ([2], [])
+    assert store_changes([0, 1], {0: 10, 1: 11}, View(epoch=5, members=(0, 1, 2), incarnations={**incs, 2: 13})) \
+        == ([], [2])  # a join after the leave
+    # the leave's view never seen: node 2's new process is a leave and a join in one view
+    assert store_changes([0, 1, 2], incs, View(epoch=5, members=(0, 1, 2), incarnations={**incs, 2: 13})) \
+        == ([2], [2])
+    # a member that finished and left is not lost; unknown incarnations count as unchanged
+    assert store_changes([0, 1, 2], incs, View(epoch=6, members=(0, 1), departed=(2,))) == ([], [])
+    assert store_changes([0, 1], {}, View(epoch=6, members=(0, 1, 3), incarnations={3: 1})) == ([], [3])

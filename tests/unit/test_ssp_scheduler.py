@@ -310,3 +310,73 @@ def test_elastic_leaves_at_random_moments_never_hold_anyone_forever(seed):
         running = {q for _, q in events if q in sched.counts}
         assert running | set(sched.held) == set(sched.counts), (now, running, sched.held)
     assert len(barriers_after) == 3 and barriers_after[-1] >= 3, barriers_after
+
+
+def test_elastic_joiner_runs_one_iteration_to_the_pending_barrier_then_monitors_with_everyone():
+    """A joiner (module docstring, "Joiners"): admitted at the slowest count while a barrier is
+    pending, it runs one iteration and waits there; the barrier releases everyone, it included;
+    the next decision waits for its two monitoring pushes too."""
+    sched = ElasticScheduler(workers=[0, 1], R=5)
+    for t in (1.0, 2.0):
+        sched.push(0, t)
+        sched.push(1, t + 0.5)
+    assert sched.target == {0: 3, 1: 3}
+    assert sched.set_workers([0, 1, 2], 2.6) == []
+    assert sched.counts[2] == 2 and sched.target == {0: 3, 1: 3, 2: 3}
+    assert sched.push(2, 3.2) == [] and sched.push(0, 3.0) == [] and sched.held == (2, 0)
+    got = sched.push(1, 3.5)
+    assert sorted((g.worker, g.barrier) for g in got) == [(0, 1), (1, 1), (2, 1)]
+    for t in (4.0, 5.0):  # monitoring again: no decision until the joiner pushed twice as well
+        sched.push(0, t)
+        sched.push(1, t)
+    assert sched.target is None
+    sched.push(2, 4.5)
+    assert sched.target is None
+    sched.push(2, 5.5)
+    assert sched.target is not None and set(sched.target) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_elastic_leaves_and_rejoins_never_hold_anyone_forever(seed):
+    """Workers leave and come back (a new process joins at the slowest count, its first
+    iteration starting at once): every barrier releases exactly the current workers, every
+    worker is always running or held at a pending barrier, and barriers go on after the last
+    rejoin."""
+    rng = random.Random(100 + seed)
+    base = {w: rng.uniform(1.0, 4.0) for w in range(4)}
+    sched = ElasticScheduler(workers=list(base), R=6)
+    events: list[tuple[float, int]] = [(base[w], w) for w in base]
+    heapq.heapify(events)
+    changes = sorted((rng.uniform(5.0, 120.0), rng.randrange(4)) for _ in range(6))
+    out: set[int] = set()
+    gen = {w: 0 for w in base}  # each process's incarnation: events of a departed one are dropped
+    barriers_after_last = rejoins = 0
+    while events and events[0][0] < 200.0:
+        now, w = heapq.heappop(events)
+        grants = []
+        if changes and now > changes[0][0]:
+            heapq.heappush(events, (now, w))
+            now, who = changes.pop(0)
+            if who in out:  # it comes back: a new process, its first iteration under way
+                out.discard(who)
+                gen[who] += 1
+                rejoins += 1
+                heapq.heappush(events, (now + base[who], who + 10 * gen[who]))
+            elif len(out) < 2:
+                out.add(who)
+            grants = sched.set_workers([q for q in base if q not in out], now)
+            barriers_after_last = 0
+        else:
+            q, g = w % 10, w // 10
+            if q in out or g != gen[q]:
+                continue  # a push of a process that left
+            grants = sched.push(q, now)
+        released = [g.worker for g in grants if g.barrier]
+        if released:
+            assert sorted(released) == sorted(sched.counts)
+            barriers_after_last += 1
+        for g in grants:
+            heapq.heappush(events, (now + base[g.worker] * rng.uniform(0.7, 1.3), g.worker + 10 * gen[g.worker]))
+        running = {e % 10 for _, e in events if e % 10 in sched.counts and e // 10 == gen[e % 10]}
+        assert running | set(sched.held) == set(sched.counts), (now, running, sched.held)
+    assert rejoins >= 1 and barriers_after_last >= 3, (rejoins, barriers_after_last)

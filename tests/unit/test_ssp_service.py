@@ -99,3 +99,40 @@ async def test_fresh_service_adopts_a_first_report_above_one(service):
         with pytest.raises(RemoteError, match="ProtocolError"):
             await report(1, bad)
     assert svc.rejected == 2 and sched.counts == {0: 6, 1: 7, 2: 5}
+
+
+async def test_a_joiner_counts_on_from_the_count_it_joined_at(service):
+    """A new process of a worker the view removed joins at the slowest member's count (the
+    scheduler admits it there from the view); its first report, that count plus one, is one
+    push, and it goes on from there (a scheduler rebuilt later adopts a count in line with the
+    others', not one restarted from 1)."""
+    sched = StalenessScheduler(workers=[0, 1, 2], s_lower=2)
+    svc, report = await service(sched)
+    for c in (1, 2, 3):
+        for w in (0, 1, 2):
+            assert "ok" in await until_ok(report, w, c)
+    sched.set_workers([0, 1], 0.0)  # node 2 failed
+    for c in (4, 5):
+        for w in (0, 1):
+            assert "ok" in await until_ok(report, w, c)
+    sched.set_workers([0, 1, 2], 0.0)  # its new process joined: at the slowest count, 5
+    assert sched.counts == {0: 5, 1: 5, 2: 5}
+    assert "ok" in await report(2, 6, inc=2)  # its first report: one push
+    assert sched.counts[2] == 6 and "ok" in await report(2, 7, inc=2) and sched.counts[2] == 7
+    with pytest.raises(RemoteError, match="ProtocolError"):
+        await report(2, 9, inc=2)
+    assert svc.rejected == 1
+
+
+async def test_a_joiner_at_a_fresh_service_counts_on_from_its_first_report(service):
+    """The coordinator failed over while node 2 was out: the new service never heard of node
+    2's processes; the views dropped it, then admitted its new process at the slowest count;
+    its first report (that count plus one) is one push there too, not a gap."""
+    sched = StalenessScheduler(workers=[0, 1, 2], s_lower=2)
+    svc, report = await service(sched)
+    sched.set_workers([0, 1], 0.0)
+    held = asyncio.ensure_future(until_ok(report, 0, 7))  # adopted (a fresh scheduler), held by 1
+    assert "ok" in await report(1, 8) and "ok" in await held
+    sched.set_workers([0, 1, 2], 0.0)
+    assert sched.counts[2] == 7 and 2 not in sched.unheard
+    assert "ok" in await report(2, 8, inc=5) and sched.counts[2] == 8 and svc.rejected == 0
