@@ -1,0 +1,590 @@
+"""DiLoCo: local steps of the user's own optimizer, and every H steps an outer Nesterov step on a
+global copy of the model from the averaged pseudo-gradient; Streaming DiLoCo's fragments, sent
+in turn and merged τ steps later while training goes on.
+
+Papers: DiLoCo (arXiv 2311.08105, Alg. 1), Streaming DiLoCo (arXiv 2501.18512, Alg. 2, §2.2-2.4);
+the pure parts (outer step, merge, schedule, fragment map) are in
+:mod:`~p2psync.strategies.diloco_state`.
+
+What each node keeps: θ_g, the global copy (host float32, identical on every member after
+every applied outer step) and the outer momentum b (per fragment, created at the fragment's
+first outer step); the user's model holds θ_local and the user's optimizer its own state,
+which DiLoCo never resets nor synchronizes.
+
+One step (``train_step``): the user's optimizer takes its inner step, untouched (AdamW, an LR
+schedule, clipping: whatever the script does). Then, after inner step t:
+
+* **send** (t a multiple of h = H / P_total): fragment f = (t/h − 1) mod P_total;
+  Δ = θ_g[f] − θ_local[f]; ``w·Δ`` is summed over the current view's members by the topology's
+  collectives with the outer codec (tag ``diloco.<op>.e<epoch>.f<f>``), next to an exact side sum
+  of ``[w, stop, non-finite]`` (``.side``), as a background task;
+* **apply** (the fragment sent at t − τ): await it (normally done long ago: training went on),
+  Δ̄ = Σ w·Δ / Σ w, one outer step on θ_g[f] and b[f] (SGD, ``outer_lr``,
+  ``outer_momentum``, Nesterov), then θ_local[f] ← θ_g[f] + α·(θ_local[f] − θ_g[f]) (α = 0 when
+  τ = 0: DiLoCo restarts from θ_g). The next Δ of f is measured from θ_g, never from the merged
+  value, so the α part re-enters it. Every member applies the same bytes (a lossy codec's
+  owner seals decode(encode(sum))), so θ_g stays bitwise identical everywhere.
+
+Options (``--opt NAME=VALUE``; see :class:`DilocoOptions`): ``inner_steps`` H (100),
+``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true), ``fragments`` P (1),
+``fragment_by`` (``blocks``: repeated blocks dealt to P fragments plus one more for every other
+parameter; ``flat``: P contiguous ranges), ``fragment_pattern`` (``strided`` | ``sequential``),
+``tau`` (0), ``alpha`` (0.5), ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit),
+``error_feedback`` (the run's ``--error-feedback``; ``true``/``false``), ``weighting``
+(``uniform`` | ``samples``: each Δ weighted by the samples behind it), ``final_sync``
+(``full``: one last outer step over the whole model at the stop; ``outer``: just the outer
+parameters), ``init_sync`` (true: every member starts from the lowest id's parameters).
+``eager``, ``eager_delay`` (other than 1), ``dylu``, ``dylu_min_steps`` (other than 5) and
+``join_inner_state=copy`` are not built: refused with a ConfigError.
+
+Stop: with a step budget every node stops at the same step; otherwise a node's wish rides in
+the side sum of every operation it launches and every member stops at the apply of the first
+one that carries it (up to h + τ steps late). At the stop every operation in flight is applied,
+``final_sync=full`` folds the work since each fragment's last send into one last outer step,
+θ_local ← θ_g on every node, buffers follow ``--buffers``, and a digest of θ_g is compared
+(one model: ``identical_replicas = "end"``).
+
+Views (``--on-failure continue``): every operation runs through
+:class:`~p2psync.strategies.regroup.Regroup` keyed by its operation number. A failed one is
+redone over the survivors with the same Δ's (error-feedback residuals it consumed are put back
+first); the first operation of a new view compares operation numbers, and a member behind or a
+joiner adopts the lowest-id leader's θ_g, outer momentum and counters (not its local model),
+resets θ_local ← θ_g and takes part in the operation with Δ = 0 and weight 0 (its first send of
+every fragment after that also weighs 0 with ``uniform``). Its loop moves to the leader's step.
+The final sync is not re-formed: a view change during it ends the run with an error.
+
+Checkpoints (``state_dict``): θ_g, the outer momentum, the counters and the operation in flight
+(its Δ and weight, and its result when it has arrived); a resumed run applies it at its step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import numpy as np
+
+from p2psync.collectives import OpStats
+from p2psync.compress import Codec, ErrorFeedback, get_codec
+from p2psync.coordinator import View
+from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch, TrainingEnded
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
+from p2psync.strategies.buffers import sync_buffers
+from p2psync.strategies.canary_colayers import Layer
+from p2psync.strategies.diloco_state import (Counters, Schedule, fragment_map, indices, map_digest, merge,
+                                             outer_step, pack_state, state_size, unpack_state)
+from p2psync.strategies.needs import Needs
+from p2psync.strategies.options import StrategyOptions, option, positive, require
+from p2psync.strategies.regroup import Adopted, Regroup
+from p2psync.tasks import cancel_all, gather_or_cancel
+
+log = logging.getLogger("p2psync.diloco")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+#: the fragment number of the final full-model operation
+FULL = -1
+
+
+@dataclass(frozen=True)
+class DilocoOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy diloco`` (see the module docstring)."""
+
+    inner_steps: int = option(100, "H: inner steps between two syncs of the same parameters")
+    outer_lr: float = option(0.7, "outer learning rate (DiLoCo 0.7, Streaming 0.4)")
+    outer_momentum: float = option(0.9, "outer momentum, 0 <= mu < 1")
+    nesterov: bool = option(True, "Nesterov outer momentum (false: heavy ball)")
+    fragments: int = option(1, "P: fragments synchronized in turn (Streaming DiLoCo)")
+    fragment_by: Literal["blocks", "flat"] = option("blocks", "fragments of repeated blocks (+1 for the rest) "
+                                                              "or contiguous ranges")
+    fragment_pattern: Literal["strided", "sequential"] = option("strided", "which blocks go together")
+    tau: int = option(0, "overlap: a fragment's average is merged tau inner steps after it was sent")
+    alpha: float = option(0.5, "merge weight of the local parameters (tau > 0)")
+    eager: bool = option(False, "eager updates (not built)")
+    eager_delay: int = option(1, "rounds of eager overlap (not built)")
+    outer_codec: str = option("", "codec of the pseudo-gradient allreduce (empty: the run's --codec)")
+    error_feedback: str = option("", "error feedback of the outer codec: true/false (empty: --error-feedback)")
+    weighting: Literal["uniform", "samples"] = option("uniform", "weights of the nodes' pseudo-gradients")
+    dylu: bool = option(False, "per-node inner steps from measured speeds (not built)")
+    dylu_min_steps: int = option(5, "floor of a node's inner steps with dylu (not built)")
+    final_sync: Literal["full", "outer"] = option("full", "at the stop: one last full outer step, or the outer "
+                                                          "parameters as they are")
+    join_inner_state: Literal["fresh", "copy"] = option("fresh", "a joiner keeps its own inner optimizer state "
+                                                                 "(copy: not built)")
+    init_sync: bool = option(True, "start every member from the lowest id's parameters")
+
+    def __post_init__(self) -> None:
+        require(self.inner_steps >= 1, self, "inner_steps", "must be a whole number >= 1")
+        positive(self, "outer_lr")
+        require(0.0 <= self.outer_momentum < 1.0, self, "outer_momentum", "must be in [0, 1)")
+        require(self.fragments >= 1, self, "fragments", "must be a whole number >= 1")
+        require(self.inner_steps % self.fragments == 0, self, "inner_steps",
+                f"must be a multiple of fragments={self.fragments}")
+        require(0 <= self.tau < self.inner_steps // self.fragments, self, "tau",
+                f"must be 0 <= tau < inner_steps / fragments = {self.inner_steps // self.fragments} "
+                "(at most one fragment in flight)")
+        require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0, self, "alpha", "must be in [0, 1]")
+        require(not self.eager, self, "eager", "eager updates are not built in this version of diloco")
+        require(self.eager_delay == 1, self, "eager_delay", "only with eager=true, which is not built")
+        require(not self.dylu, self, "dylu", "dynamic local updates are not built in this version of diloco")
+        require(self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true, which is not built")
+        require(self.join_inner_state == "fresh", self, "join_inner_state",
+                "copy is not built: a joiner keeps its own inner optimizer state (fresh)")
+        require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
+                "true or false (empty: the run's --error-feedback)")
+        if self.outer_codec:
+            try:
+                get_codec(self.outer_codec)
+            except ConfigError as exc:
+                raise ConfigError(f"--opt outer_codec={self.outer_codec}: {exc}") from None
+
+    @property
+    def feedback(self) -> bool | None:
+        """The error_feedback option: True, False, or None (the run's setting)."""
+        v = self.error_feedback.strip().lower()
+        return None if not v else v in _TRUE
+
+
+@dataclass
+class _Op:
+    """One operation: a fragment's (or, ``f == FULL``, the whole model's) weighted
+    pseudo-gradient sum, launched at ``counters``."""
+
+    f: int
+    payload: np.ndarray
+    w: float
+    stop: bool
+    nonfinite: bool
+    counters: Counters
+    task: asyncio.Task[Any] | None = None
+    #: the sums when they arrived before a checkpoint that this op was restored from
+    result: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def k(self) -> int:
+        return self.counters.op
+
+
+@register
+class DiLoCo(Strategy):
+    """``--strategy diloco`` (see the module docstring)."""
+
+    name = "diloco"
+    Options = DilocoOptions
+    opts: DilocoOptions
+    needs = Needs(schedules="honoured: the user's optimizer takes every inner step (the outer lr is constant)",
+                  clipping="clips each node's own gradient (inner steps are local)",
+                  buffers="each node's own between syncs; the lowest member's (or the mean) at the end (--buffers)")
+    identical_replicas = "end"
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.codec = self.opts.outer_codec or ctx.collectives.codec
+        self.regroup = Regroup(ctx=ctx, name="diloco", snapshot=self._snapshot, restore=self._restore,
+                               size=self._state_size)
+        self.elastic = self.regroup.elastic
+        self.schedule: Schedule | None = None
+        self.frags: list[np.ndarray] = []
+        self.theta: np.ndarray | None = None
+        self.bufs: list[np.ndarray | None] = []
+        self.t = 0
+        self.ops = 0
+        self.applied = 0
+        self.inflight: _Op | None = None
+        self._relaunch: _Op | None = None
+        self._launched = Counters(0, 0, 0, 0)
+        self._adopted: tuple[np.ndarray, list[np.ndarray | None], Counters] | None = None
+        self._loaded = False
+        self._want_stop = False
+        #: fragments this node has not trained a full interval on since it adopted a state
+        self.fresh: set[int] = set()
+        self.marks: list[int] = []
+        self.digest = 0.0
+        self.skipped = 0
+        self.blocked = 0
+        self.adoptions = 0
+
+    def codecs(self) -> list[Codec]:
+        return [get_codec(self.codec)]
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        fb = self.opts.feedback
+        coll = self.ctx.collectives
+        if fb is True and coll.feedback is None:
+            coll.feedback = ErrorFeedback()
+        elif fb is False:
+            coll.feedback = None
+        rep = self.ctx.replica
+        layers: list[Layer] = []
+        if self.opts.fragments > 1:
+            try:
+                layers = rep.layers()
+            except ConfigError:
+                if self.opts.fragment_by == "blocks":
+                    raise
+        ranges = fragment_map(layers, rep.numel, self.opts.fragments, by=self.opts.fragment_by,
+                              pattern=self.opts.fragment_pattern)
+        self.frags = [indices(r) for r in ranges]
+        self.digest = map_digest(ranges)
+        self.schedule = Schedule(self.opts.inner_steps, len(self.frags), self.opts.tau)
+        self.bufs = [None] * len(self.frags)
+        self.marks = [rep.samples] * len(self.frags)
+        if self.ctx.joining:
+            got = await self.regroup.join()  # (no op: the leader's state is stashed by _restore)
+            if self._adopted is None:
+                raise PeerFailure("diloco: joined but no member gave its state")
+            self.start_step = self._adopted[2].step + 1
+            log.info("node %d: joins at operation %d (step %d)", self.ctx.node_id, got, self.start_step)
+
+    def on_peer_failure(self, peer: int) -> None:
+        self.regroup.on_peer_failure(peer)
+
+    def on_view(self, view: View) -> None:
+        self.regroup.on_view(view)
+
+    async def close(self) -> None:
+        op, self.inflight = self.inflight, None
+        if op is not None:
+            await cancel_all([op.task])
+
+    # -- the state a member behind adopts (Regroup) ----------------------------------------
+
+    def _state_size(self) -> int:
+        return state_size(self.ctx.replica.numel, len(self.frags))
+
+    async def _snapshot(self) -> np.ndarray:
+        """θ_g, b and the counters as of this node's latest launch (Regroup runs the sync of a
+        new view inside that operation: θ_g changes only when it is applied)."""
+        if self.theta is None:
+            raise PeerFailure("diloco: asked for a state before it has one")
+        return pack_state(self.theta, self.bufs, self.frags, self._launched)
+
+    async def _restore(self, vec: np.ndarray) -> None:
+        """Keep the leader's state; the step loop takes it over (:meth:`_take_adopted`)."""
+        self._adopted = unpack_state(vec, self.ctx.replica.numel, self.frags)
+
+    def state_dict(self) -> dict[str, Any]:
+        """θ_g, the outer momentum, counters, the operation in flight (its Δ and weight; its
+        sums when they have arrived) and the settings a resume must share (tensors and JSON
+        values)."""
+        import torch
+
+        if self.theta is None:
+            return {}
+        mom = pack_state(self.theta, self.bufs, self.frags, Counters(0, 0, 0, 0))[self.theta.size:2 * self.theta.size]
+        out: dict[str, Any] = {
+            "theta_g": torch.from_numpy(self.theta.copy()), "momentum": torch.from_numpy(mom.copy()),
+            "has_momentum": [b is not None for b in self.bufs], "t": self.t, "ops": self.ops,
+            "applied": self.applied, "fresh": sorted(self.fresh), "settings": self._settings()}
+        op = self.inflight
+        if op is not None:
+            c = op.counters
+            rec: dict[str, Any] = {"f": op.f, "w": op.w, "stop": op.stop, "nonfinite": op.nonfinite,
+                                   "counters": [c.op, c.t, c.step, c.applied],
+                                   "payload": torch.from_numpy(op.payload.copy())}
+            res = op.result
+            if res is None and op.task is not None and op.task.done() and not op.task.cancelled() \
+                    and op.task.exception() is None and isinstance(op.task.result(), tuple):
+                s, side, _ = op.task.result()
+                res = (s, side)
+            if res is not None:
+                rec["result"] = [torch.from_numpy(np.array(res[0], np.float32)),
+                                 torch.from_numpy(np.array(res[1], np.float32))]
+            out["inflight"] = rec
+        return out
+
+    def _settings(self) -> list[float]:
+        o = self.opts
+        return [float(o.inner_steps), float(len(self.frags)), float(o.tau), o.outer_lr, o.outer_momentum,
+                float(o.nesterov), self.digest]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume θ_g, the momentum, the counters and the operation in flight."""
+        if not state:
+            return
+        if list(state.get("settings", [])) != self._settings():
+            raise ConfigError("diloco: the checkpoint was taken with other settings (inner_steps, fragments, tau, "
+                              "outer_lr, outer_momentum, nesterov or the model's fragments differ)")
+        self.theta = np.asarray(state["theta_g"].numpy(), np.float32).copy()
+        mom = np.asarray(state["momentum"].numpy(), np.float32)
+        self.bufs = [np.array(mom[idx], copy=True) if have else None
+                     for idx, have in zip(self.frags, state["has_momentum"])]
+        self.t, self.ops, self.applied = int(state["t"]), int(state["ops"]), int(state["applied"])
+        self.fresh = set(int(f) for f in state.get("fresh", []))
+        rec = state.get("inflight")
+        if rec is not None:
+            c = Counters(*(int(v) for v in rec["counters"]))
+            op = _Op(f=int(rec["f"]), payload=np.asarray(rec["payload"].numpy(), np.float32).copy(),
+                     w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c)
+            if "result" in rec:
+                op.result = (np.asarray(rec["result"][0].numpy(), np.float32).copy(),
+                             np.asarray(rec["result"][1].numpy(), np.float32).copy())
+                self.inflight = op
+            else:
+                self._relaunch = op
+            self._launched = c
+        self._loaded = True
+
+    # -- one step ------------------------------------------------------------------------
+
+    async def train_step(self, step: int, want_stop: bool) -> StepReport:
+        self.regroup.check()
+        sched = self.schedule
+        if sched is None:
+            raise ConfigError("diloco: train_step before start")
+        t0 = time.perf_counter()
+        extra: dict[str, Any] = {}
+        if self.theta is None and self._adopted is None:
+            await self._begin()
+        if self._adopted is not None:  # a joiner's first step
+            await self._take_adopted(extra)
+        if self._relaunch is not None:
+            op, self._relaunch = self._relaunch, None
+            self._start(op)
+        wait = time.perf_counter() - t0
+        try:
+            loss, grad = await self.ctx.replica.compute_gradients()
+        except TrainingEnded:
+            await self.close()  # the peers whose loops go on redo it without this node
+            raise
+        await self.ctx.replica.apply_gradients(grad)  # the inner step: the user's optimizer
+        t1 = time.perf_counter()
+        self.t += 1
+        self._want_stop = self._want_stop or want_stop
+        stop = self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
+        next_step: int | None = None
+        f = sched.send(self.t)
+        if f is not None:
+            if self.inflight is not None:  # (only after a resume that saved an op with its result)
+                got = await self._apply(extra)
+                stop = stop or got is True
+            await self._launch(f, step)
+        if sched.apply(self.t) is not None and self.inflight is not None:
+            got = await self._apply(extra)
+            if isinstance(got, Counters):
+                next_step = got.step + 1
+                stop = self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
+            else:
+                stop = stop or got
+        if stop:
+            await self._flush(extra, step)
+        wait += time.perf_counter() - t1
+        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, next_step=next_step, extra={
+            **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
+            "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
+            "reforms": self.regroup.reforms, "adoptions": self.adoptions})
+
+    def _view(self) -> View:
+        return self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
+
+    async def _begin(self) -> None:
+        """First step of a fresh run: every member starts from the lowest id's parameters
+        (``init_sync``) and checks that every member cut the same fragments."""
+        rep, coll, view = self.ctx.replica, self.ctx.collectives, self._view()
+        params = await rep.get_params()
+        tag = f"diloco.init.e{view.epoch}"
+        rows = await coll.allgather(np.array([self.digest, float(len(self.frags))], np.float32), view.members,
+                                    tag=f"{tag}.map")
+        if any(not np.array_equal(r, rows[0]) for r in rows):
+            raise ConfigError("diloco: the members cut different fragments (different models, or different "
+                              "--opt fragments / fragment_by / fragment_pattern)")
+        if self.opts.init_sync and len(view.members) > 1:
+            params = np.asarray(await coll.broadcast(params, min(view.members), view.members, tag=tag), np.float32)
+            await rep.set_params(params)
+        self.theta = np.array(params, np.float32, copy=True)
+
+    def _weight(self, f: int) -> float:
+        rep = self.ctx.replica
+        if self.opts.weighting == "samples":
+            if f == FULL:
+                w = (rep.samples - min(self.marks)) / self.opts.inner_steps
+            else:
+                w = (rep.samples - self.marks[f]) / self.opts.inner_steps
+                self.marks[f] = rep.samples
+            return float(w)
+        if f == FULL:
+            return 0.0 if len(self.fresh) == len(self.frags) else 1.0
+        if f in self.fresh:
+            self.fresh.discard(f)
+            return 0.0
+        return 1.0
+
+    async def _launch(self, f: int, step: int, *, zero: bool = False) -> None:
+        """Send fragment ``f`` (or the whole model, ``FULL``): Δ = θ_g − θ_local, weighted,
+        summed over the view in the background."""
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        idx = self.frags[f] if f != FULL else None
+        g = self.theta[idx] if idx is not None else self.theta
+        if zero:
+            delta = np.zeros_like(g)
+        else:
+            params = await self.ctx.replica.get_params()
+            delta = np.subtract(g, params[idx] if idx is not None else params, dtype=np.float32)
+        nonfinite = not bool(np.isfinite(delta).all())
+        if nonfinite:
+            delta = np.zeros_like(g)
+        w = 0.0 if zero else self._weight(f)
+        payload = delta if w == 1.0 else np.multiply(delta, np.float32(w))
+        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied)
+        self.ops += 1
+        self._launched = c
+        self._start(_Op(f=f, payload=payload, w=w, stop=self._want_stop, nonfinite=nonfinite, counters=c))
+
+    def _start(self, op: _Op) -> None:
+        op.task = asyncio.get_running_loop().create_task(self._run_op(op), name=f"p2psync-diloco.{op.k}")
+        self.inflight = op
+
+    async def _run_op(self, op: _Op) -> Any:
+        return await self.regroup.run(op.k, lambda v: self._reduce(v, op))
+
+    async def _reduce(self, view: View, op: _Op) -> tuple[np.ndarray, np.ndarray, OpStats]:
+        """Σ w·Δ (outer codec) and Σ [w, stop, non-finite] (exact) over ``view``; the
+        error-feedback residuals of this fragment are put back if the attempt fails, so a redo
+        does not add the quantization error twice."""
+        coll = self.ctx.collectives
+        tag = f"diloco.{op.k}.e{view.epoch}"
+        part = "full" if op.f == FULL else f"f{op.f}"
+        side = np.array([op.w, float(op.stop), float(op.nonfinite)], np.float32)
+        fb = coll.feedback
+        family = f"diloco.{part}"
+        kept = {k: v for k, v in fb.residual.items() if isinstance(k, tuple) and family in k} if fb else {}
+        try:
+            (s, st), sums = await gather_or_cancel([
+                coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec),
+                coll.allreduce(side, view.members, op="sum", tag=f"{tag}.side", codec="none")])
+        except BaseException:
+            if fb is not None:
+                for k in [k for k in fb.residual if isinstance(k, tuple) and family in k]:
+                    del fb.residual[k]
+                fb.residual.update(kept)
+            raise
+        return np.asarray(s, np.float32), np.asarray(sums, np.float32), st
+
+    async def _apply(self, extra: dict[str, Any], *, final: bool = False) -> bool | Counters:
+        """Await the operation in flight and apply it (outer step, merge). Returns whether the
+        members agreed to stop, or the counters of a leader's state this node adopted instead."""
+        op = self.inflight
+        if op is None:
+            return False
+        if op.result is not None:
+            s, side = op.result
+            st: OpStats | None = None
+        else:
+            if op.task is None:
+                raise ConfigError("diloco: an operation without a task")
+            if not op.task.done() and not final:
+                self.blocked += 1
+            t0 = time.perf_counter()
+            got = await op.task
+            extra["wait_op_s"] = round(time.perf_counter() - t0, 4)
+            if isinstance(got, Adopted) or got is None:
+                self.inflight = None
+                if final:
+                    raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
+                return await self._take_adopted(extra)
+            s, side, st = got
+        self.inflight = None
+        await self._outer(op, s, side, extra, merge_local=True)
+        if st is not None:
+            extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
+        return bool(side[1] > 0)
+
+    async def _outer(self, op: _Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any], *,
+                     merge_local: bool) -> None:
+        """One outer step per fragment the operation covers, then θ_local of those fragments
+        (``merge_local``: merged with α when τ > 0, else θ_g)."""
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        sw = float(side[0])
+        frags = range(len(self.frags)) if op.f == FULL else [op.f]
+        o = self.opts
+        skip = bool(side[2] > 0) or not sw > 0
+        if skip:
+            self.skipped += int(bool(side[2] > 0))
+            mean = None
+        else:
+            mean = np.divide(s, np.float32(sw), dtype=np.float32)
+            extra.update(delta_norm=float(np.linalg.norm(mean)), sum_w=sw)
+        for f in frags:
+            idx = self.frags[f]
+            if mean is not None:
+                g = self.theta[idx]
+                d = mean if op.f != FULL else mean[idx]
+                self.bufs[f] = outer_step(g, self.bufs[f], d, lr=o.outer_lr, momentum=o.outer_momentum,
+                                          nesterov=o.nesterov)
+                self.theta[idx] = g
+            self.applied += 1
+        if merge_local:
+            params = await self.ctx.replica.get_params()
+            alpha = o.alpha if o.tau > 0 and not skip else 0.0
+            for f in frags:
+                idx = self.frags[f]
+                params[idx] = merge(self.theta[idx], params[idx], alpha)
+            await self.ctx.replica.set_params(params)
+
+    async def _take_adopted(self, extra: dict[str, Any]) -> Counters:
+        """Take the leader's state (Regroup's sync of a new view): θ_g, b, counters;
+        θ_local ← θ_g; then take part in the operation the leader is running with Δ = 0 and
+        weight 0 (applied at once when τ = 0)."""
+        if self._adopted is None or self.schedule is None:
+            raise PeerFailure("diloco: no state to adopt")
+        theta, bufs, c = self._adopted
+        self._adopted = None
+        if self.inflight is not None:
+            await self.close()
+        self.theta, self.bufs = theta, bufs
+        self.t, self.ops, self.applied = c.t, c.op, c.applied
+        await self.ctx.replica.set_params(self.theta.copy())
+        self.fresh = set(range(len(self.frags)))
+        self.marks = [self.ctx.replica.samples] * len(self.frags)
+        self.adoptions += 1
+        f = self.schedule.send(c.t)
+        if f is None:
+            raise PeerFailure(f"diloco: the leader's operation {c.op} is not at a send (inner step {c.t})")
+        await self._launch(f, c.step, zero=True)
+        if self.schedule.apply(c.t) is not None:
+            got = await self._apply(extra)
+            if isinstance(got, Counters):
+                return got
+        log.warning("node %d: adopted the leader's DiLoCo state at operation %d (step %d)", self.ctx.node_id,
+                    c.op, c.step)
+        return c
+
+    async def _flush(self, extra: dict[str, Any], step: int) -> None:
+        """The stop: apply the operation in flight, the final full sync (``final_sync=full``),
+        θ_local ← θ_g, buffers, and a digest check of θ_g over the view."""
+        if self.inflight is not None:
+            await self._apply(extra, final=True)
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        if self.opts.final_sync == "full":
+            await self._launch(FULL, step)
+            op = self.inflight
+            if op is None or op.task is None:
+                raise ConfigError("diloco: the final sync did not start")
+            got = await op.task
+            self.inflight = None
+            if not isinstance(got, tuple):
+                raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
+            s, side, st = got
+            await self._outer(op, s, side, extra, merge_local=False)
+            extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
+        await self.ctx.replica.set_params(self.theta.copy())
+        view = self._view()
+        coll = self.ctx.collectives
+        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=f"diloco.end.e{view.epoch}",
+                           group=view.members)
+        mine = np.frombuffer(hashlib.blake2b(self.theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
+        rows = await coll.allgather(mine, view.members, tag=f"diloco.hash.e{view.epoch}")
+        differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
+        if differ:
+            raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "
+                                  f"{view.members[0]}'s at the end", nodes=differ, tensor="theta_g")

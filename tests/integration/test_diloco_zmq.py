@@ -1,0 +1,119 @@
+"""DiLoCo over real ZeroMQ with real trainers: θ_g bitwise identical on every node after every
+outer step and equal to a single-process run of the same algorithm; Streaming fragments with
+overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
+μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2psync.errors import ConfigError
+from p2psync.strategies.diloco_state import outer_step
+from p2psync.topology import mesh, ring
+from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False):
+    """Train every node ``steps`` steps; returns (final params, θ_g per node after each step,
+    reports per node)."""
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i, **(trainer or {})) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
+                                        codec=codec, error_feedback=error_feedback)
+        try:
+            async def loop(s):
+                reps, thetas, step = [], [], 0
+                while True:
+                    rep = await s.train_step(step, step + 1 >= steps)
+                    reps.append(rep)
+                    thetas.append(s.theta.copy())
+                    step += 1
+                    if rep.stop or step > 3 * steps:
+                        return reps, thetas
+
+            out = await asyncio.gather(*(loop(s) for s in strats))
+            params = [await s.ctx.replica.get_params() for s in strats]
+        finally:
+            await close_strategies(strats)
+    return params, [th for _, th in out], [r for r, _ in out]
+
+
+async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run():
+    topo = ring(2, base_port=free_port())
+    H, steps, lr, mom = 4, 12, 0.7, 0.9
+    opts = {"inner_steps": H, "outer_lr": lr, "outer_momentum": mom, "final_sync": "outer"}
+    params, thetas, reps = await _run(topo, steps, opts)
+    assert [len(r) for r in reps] == [steps, steps]
+    assert reps[0][-1].extra["outer_steps"] == steps // H
+    for k in range(steps):  # after every step, every node holds the same θ_g
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes()
+    # the same algorithm in one process: local trainers, Δ averaged in float32, the outer step
+    local = [make_trainer(topo, i) for i in topo.ids]
+    try:
+        theta = await local[0].get_params()
+        buf = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                deltas = [np.subtract(theta, await tr.get_params(), dtype=np.float32) for tr in local]
+                mean = np.divide(np.add(deltas[0], deltas[1]), np.float32(2), dtype=np.float32)
+                buf = outer_step(theta, buf, mean, lr=lr, momentum=mom, nesterov=True)
+                for tr in local:
+                    await tr.set_params(theta.copy())
+                assert thetas[0][k - 1].tobytes() == theta.tobytes(), f"after outer step {k // H}"
+    finally:
+        for tr in local:
+            tr.close()
+    for p in params:  # the stop leaves θ_g in every model
+        assert p.tobytes() == theta.tobytes()
+
+
+async def test_streaming_fragments_with_overlap_e3m0_feedback_and_adamw_end_with_one_model():
+    topo = mesh(3, base_port=free_port())
+    steps = 26
+    opts = {"inner_steps": 6, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5,
+            "outer_codec": "e3m0", "error_feedback": "true", "outer_lr": 0.4}
+    params, thetas, reps = await _run(topo, steps, opts, trainer={"optimizer": "adamw", "lr": 0.01})
+    assert [len(r) for r in reps] == [steps] * 3
+    for k in range(steps):
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes() == thetas[2][k].tobytes()
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    # fragments 0, 1 sent every 3 steps; each applied a step later; plus the final full sync (2 steps)
+    assert reps[0][-1].extra["outer_steps"] == 8 + 2
+    assert reps[0][3].extra.get("op_nic_bytes") and reps[0][3].extra["compression"] > 6  # 32 / 4.25 bits
+    assert max(r.extra["blocked"] for r in reps[0]) <= 8
+
+
+async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
+    topo = ring(2, base_port=free_port())
+    steps = 10
+    params, _, _ = await _run(topo, steps, {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+                              trainer={"momentum": 0.0})
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i, momentum=0.0) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "ssgd", trainers=trainers, max_steps=steps)
+        try:
+            for step in range(steps):
+                await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+            ref = await strats[0].ctx.replica.get_params()
+        finally:
+            await close_strategies(strats)
+    for p in params:
+        np.testing.assert_allclose(p, ref, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref, make_trainer(topo, 0).flat.get_params())  # it trained
+
+
+async def test_an_option_that_is_not_built_is_refused_before_anything_starts():
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        for bad, name in (({"eager": "true"}, "eager"), ({"tau": 5, "inner_steps": 4}, "tau"),
+                          ({"outer_codec": "zip"}, "outer_codec")):
+            with pytest.raises(ConfigError, match=name):
+                await start_strategies(eps, topo, "diloco", options=bad)
