@@ -349,8 +349,9 @@ class Strategy(ABC):
         here; the flat gradient at the step is still what ``compute_gradients`` returns."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The strategy's own state for a user's checkpoint (JSON-friendly values); the model
-        and optimizer state are in their own state dicts. Called from api/session_state.py
+        """The strategy's own state for a user's checkpoint (JSON values or torch tensors: the
+        checkpoint is a ``torch.save`` dict loaded with ``weights_only=True``); the model and
+        optimizer state are in their own state dicts. Called from api/session_state.py
         when a checkpoint is taken: ``copy.deepcopy(self.strategy.state_dict())``."""
         return {}
 

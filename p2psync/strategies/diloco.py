@@ -431,7 +431,12 @@ class DiLoCo(Strategy):
         nonfinite = not bool(np.isfinite(delta).all())
         if nonfinite:
             delta = np.zeros_like(g)
-        w = 0.0 if zero else self._weight(f)
+        if zero:  # this fragment's first send since adopting: its next one spans a full interval again
+            w = 0.0
+            self.fresh.discard(f)
+            self.marks[f] = self.ctx.replica.samples
+        else:
+            w = self._weight(f)
         payload = delta if w == 1.0 else np.multiply(delta, np.float32(w))
         c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied)
         self.ops += 1

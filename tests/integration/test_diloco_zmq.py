@@ -18,11 +18,11 @@ from tests.helpers import close_strategies, free_port, make_trainer, start_strat
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False):
-    """Train every node ``steps`` steps; returns (final params, θ_g per node after each step,
-    reports per node)."""
+async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None):
+    """Train every node ``steps`` steps (``trainer``: make_trainer keywords; ``per_node``: more
+    of them by node); returns (final params, θ_g per node after each step, reports per node)."""
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i, **(trainer or {})) for i in topo.ids}
+        trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {})) for i in topo.ids}
         strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
                                         codec=codec, error_feedback=error_feedback)
         try:
@@ -73,6 +73,35 @@ async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run()
             tr.close()
     for p in params:  # the stop leaves θ_g in every model
         assert p.tobytes() == theta.tobytes()
+
+
+async def test_samples_weighting_is_the_sample_weighted_mean_bitwise():
+    """I11: nodes with batches of 16 and 8 samples: Δ̄ = (16·Δ_0 + 8·Δ_1) / 24 (weights = samples
+    since the last send / H), θ_g bitwise that of the same sum in one process."""
+    topo = ring(2, base_port=free_port())
+    H, steps = 3, 9
+    opts = {"inner_steps": H, "weighting": "samples", "final_sync": "outer"}
+    sizes = {0: 16, 1: 8}
+    _, thetas, _ = await _run(topo, steps, opts, per_node={i: {"batch_size": b} for i, b in sizes.items()})
+    local = [make_trainer(topo, i, batch_size=sizes[i]) for i in topo.ids]
+    try:
+        theta = await local[0].get_params()
+        buf = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                parts = [np.multiply(np.subtract(theta, await tr.get_params(), dtype=np.float32),
+                                     np.float32(sizes[i] * H / H)) for i, tr in enumerate(local)]
+                mean = np.divide(np.add(parts[0], parts[1]), np.float32(24), dtype=np.float32)
+                buf = outer_step(theta, buf, mean, lr=0.7, momentum=0.9, nesterov=True)
+                for tr in local:
+                    await tr.set_params(theta.copy())
+                assert thetas[0][k - 1].tobytes() == thetas[1][k - 1].tobytes() == theta.tobytes()
+    finally:
+        for tr in local:
+            tr.close()
 
 
 async def test_streaming_fragments_with_overlap_e3m0_feedback_and_adamw_end_with_one_model():
