@@ -34,8 +34,9 @@ parameter; ``flat``: P contiguous ranges), ``fragment_pattern`` (``strided`` | `
 (``uniform`` | ``samples``: each Δ weighted by the samples behind it), ``final_sync``
 (``full``: one last outer step over the whole model at the stop; ``outer``: just the outer
 parameters), ``init_sync`` (true: every member starts from the lowest id's parameters).
-``eager``, ``eager_delay`` (other than 1), ``dylu``, ``dylu_min_steps`` (other than 5) and
-``join_inner_state=copy`` are not built: refused with a ConfigError.
+``join_inner_state`` (``copy``: a joiner takes the leader's inner optimizer state; ``fresh``:
+it keeps its own). ``eager``, ``eager_delay`` (other than 1), ``dylu`` and ``dylu_min_steps``
+(other than 5) are not built: refused with a ConfigError.
 
 Stop: with a step budget every node stops at the same step; otherwise a node's wish rides in
 the side sum of every operation it launches and every member stops at the apply of the first
@@ -48,7 +49,8 @@ Views (``--on-failure continue``): every operation runs through
 :class:`~p2psync.strategies.regroup.Regroup` keyed by its operation number. A failed one is
 redone over the survivors with the same Δ's (error-feedback residuals it consumed are put back
 first); the first operation of a new view compares operation numbers, and a member behind or a
-joiner adopts the lowest-id leader's θ_g, outer momentum and counters (not its local model),
+joiner adopts the lowest-id leader's θ_g, outer momentum and counters (not its local model;
+a joiner also its inner optimizer state with ``join_inner_state=copy``),
 resets θ_local ← θ_g and takes part in the operation with Δ = 0 and weight 0 (its first send of
 every fragment after that also weighs 0 with ``uniform``). Its loop moves to the leader's step.
 The final sync is not re-formed: a view change during it ends the run with an error.
@@ -114,8 +116,8 @@ class DilocoOptions(StrategyOptions):
     dylu_min_steps: int = option(5, "floor of a node's inner steps with dylu (not built)")
     final_sync: Literal["full", "outer"] = option("full", "at the stop: one last full outer step, or the outer "
                                                           "parameters as they are")
-    join_inner_state: Literal["fresh", "copy"] = option("fresh", "a joiner keeps its own inner optimizer state "
-                                                                 "(copy: not built)")
+    join_inner_state: Literal["copy", "fresh"] = option("copy", "a joiner copies the leader's inner optimizer "
+                                                                "state, or keeps its own (fresh)")
     init_sync: bool = option(True, "start every member from the lowest id's parameters")
 
     def __post_init__(self) -> None:
@@ -133,8 +135,6 @@ class DilocoOptions(StrategyOptions):
         require(self.eager_delay == 1, self, "eager_delay", "only with eager=true, which is not built")
         require(not self.dylu, self, "dylu", "dynamic local updates are not built in this version of diloco")
         require(self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true, which is not built")
-        require(self.join_inner_state == "fresh", self, "join_inner_state",
-                "copy is not built: a joiner keeps its own inner optimizer state (fresh)")
         require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
                 "true or false (empty: the run's --error-feedback)")
         if self.outer_codec:
@@ -199,6 +199,8 @@ class DiLoCo(Strategy):
         self._relaunch: _Op | None = None
         self._launched = Counters(0, 0, 0, 0)
         self._adopted: tuple[np.ndarray, list[np.ndarray | None], Counters] | None = None
+        #: the leader's inner optimizer state a joiner takes (``join_inner_state=copy``)
+        self._inner: np.ndarray | None = None
         self._loaded = False
         self._want_stop = False
         #: fragments this node has not trained a full interval on since it adopted a state
@@ -257,18 +259,25 @@ class DiLoCo(Strategy):
     # -- the state a member behind adopts (Regroup) ----------------------------------------
 
     def _state_size(self) -> int:
-        return state_size(self.ctx.replica.numel, len(self.frags))
+        inner = self.ctx.replica.state_size() if self.opts.join_inner_state == "copy" else 0
+        return state_size(self.ctx.replica.numel, len(self.frags)) + inner
 
     async def _snapshot(self) -> np.ndarray:
         """θ_g, b and the counters as of this node's latest launch (Regroup runs the sync of a
-        new view inside that operation: θ_g changes only when it is applied)."""
+        new view inside that operation: θ_g changes only when it is applied); with
+        ``join_inner_state=copy`` this node's model and optimizer state after them."""
         if self.theta is None:
             raise PeerFailure("diloco: asked for a state before it has one")
-        return pack_state(self.theta, self.bufs, self.frags, self._launched)
+        vec = pack_state(self.theta, self.bufs, self.frags, self._launched)
+        if self.opts.join_inner_state == "copy":
+            vec = np.concatenate([vec, await self.ctx.replica.export_state()])
+        return vec
 
     async def _restore(self, vec: np.ndarray) -> None:
         """Keep the leader's state; the step loop takes it over (:meth:`_take_adopted`)."""
-        self._adopted = unpack_state(vec, self.ctx.replica.numel, self.frags)
+        own = state_size(self.ctx.replica.numel, len(self.frags))
+        self._adopted = unpack_state(vec[:own], self.ctx.replica.numel, self.frags)
+        self._inner = np.array(vec[own:], np.float32, copy=True) if vec.size > own else None
 
     def state_dict(self) -> dict[str, Any]:
         """θ_g, the outer momentum, counters, the operation in flight (its Δ and weight; its
@@ -547,6 +556,9 @@ class DiLoCo(Strategy):
             await self.close()
         self.theta, self.bufs = theta, bufs
         self.t, self.ops, self.applied = c.t, c.op, c.applied
+        inner, self._inner = self._inner, None
+        if inner is not None and self.ctx.joining and self.adoptions == 0:  # a joiner: the leader's inner state
+            await self.ctx.replica.import_state(inner)
         await self.ctx.replica.set_params(self.theta.copy())
         self.fresh = set(range(len(self.frags)))
         self.marks = [self.ctx.replica.samples] * len(self.frags)

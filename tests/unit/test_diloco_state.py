@@ -160,7 +160,7 @@ def test_the_adopted_state_round_trips():
     ({"fragments": 3, "inner_steps": 10}, "inner_steps"), ({"tau": 10, "inner_steps": 10}, "tau"),
     ({"alpha": 1.5}, "alpha"), ({"eager": "true"}, "eager"), ({"eager_delay": 2}, "eager_delay"),
     ({"dylu": "true"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
-    ({"join_inner_state": "copy"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
+    ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
     ({"error_feedback": "maybe"}, "error_feedback"), ({"weighting": "tokens"}, "weighting"),
     ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta")])
 def test_every_bad_option_is_a_config_error_naming_it(raw, name):
