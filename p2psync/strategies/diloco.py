@@ -35,10 +35,14 @@ parameter; ``flat``: P contiguous ranges), ``fragment_pattern`` (``strided`` | `
 (``full``: one last outer step over the whole model at the stop; ``outer``: just the outer
 parameters), ``init_sync`` (true: every member starts from the lowest id's parameters).
 ``join_inner_state`` (``copy``: a joiner takes the leader's inner optimizer state; ``fresh``:
-it keeps its own). ``eager``, ``eager_delay`` (other than 1), ``dylu`` and ``dylu_min_steps``
-(other than 5) are not built: refused with a ConfigError.
+it keeps its own), ``dylu`` (Dynamic Local Updates: each cycle a node takes
+h_m = max(⌈dylu_min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋) inner steps per fragment, v its
+measured compute speed, published in every side sum, so slow and fast nodes arrive at a sum
+together; operations are matched by number, not by step). ``eager`` and ``eager_delay`` (other
+than 1) are not built: refused with a ConfigError.
 
-Stop: with a step budget every node stops at the same step; otherwise a node's wish rides in
+Stop: with a step budget every node stops at the same step (with DyLU the fastest node's budget:
+its wish rides with the sums); otherwise a node's wish rides in
 the side sum of every operation it launches and every member stops at the apply of the first
 one that carries it (up to h + τ steps late). At the stop every operation in flight is applied,
 ``final_sync=full`` folds the work since each fragment's last send into one last outer step,
@@ -78,8 +82,8 @@ from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch, TrainingEn
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.strategies.canary_colayers import Layer
-from p2psync.strategies.diloco_state import (Counters, Schedule, fragment_map, indices, map_digest, merge,
-                                             outer_step, pack_state, state_size, unpack_state)
+from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, fragment_map, indices,
+                                             map_digest, merge, outer_step, pack_state, state_size, unpack_state)
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.strategies.regroup import Adopted, Regroup
@@ -112,8 +116,8 @@ class DilocoOptions(StrategyOptions):
     outer_codec: str = option("", "codec of the pseudo-gradient allreduce (empty: the run's --codec)")
     error_feedback: str = option("", "error feedback of the outer codec: true/false (empty: --error-feedback)")
     weighting: Literal["uniform", "samples"] = option("uniform", "weights of the nodes' pseudo-gradients")
-    dylu: bool = option(False, "per-node inner steps from measured speeds (not built)")
-    dylu_min_steps: int = option(5, "floor of a node's inner steps with dylu (not built)")
+    dylu: bool = option(False, "per-node inner steps proportional to the node's measured speed")
+    dylu_min_steps: int = option(5, "with dylu: the fewest inner steps a node takes per cycle")
     final_sync: Literal["full", "outer"] = option("full", "at the stop: one last full outer step, or the outer "
                                                           "parameters as they are")
     join_inner_state: Literal["copy", "fresh"] = option("copy", "a joiner copies the leader's inner optimizer "
@@ -133,8 +137,9 @@ class DilocoOptions(StrategyOptions):
         require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0, self, "alpha", "must be in [0, 1]")
         require(not self.eager, self, "eager", "eager updates are not built in this version of diloco")
         require(self.eager_delay == 1, self, "eager_delay", "only with eager=true, which is not built")
-        require(not self.dylu, self, "dylu", "dynamic local updates are not built in this version of diloco")
-        require(self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true, which is not built")
+        require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
+        require(self.dylu or self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true")
+        require(not (self.dylu and self.eager), self, "dylu", "not with eager")
         require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
                 "true or false (empty: the run's --error-feedback)")
         if self.outer_codec:
@@ -161,6 +166,8 @@ class _Op:
     stop: bool
     nonfinite: bool
     counters: Counters
+    #: this node's inner steps per second when it launched the op (DyLU)
+    speed: float = 0.0
     task: asyncio.Task[Any] | None = None
     #: the sums when they arrived before a checkpoint that this op was restored from
     result: tuple[np.ndarray, np.ndarray] | None = None
@@ -189,6 +196,11 @@ class DiLoCo(Strategy):
                                size=self._state_size)
         self.elastic = self.regroup.elastic
         self.schedule: Schedule | None = None
+        self.cursor: Cursor | None = None
+        #: inner steps per second (EMA over compute time only) and the fastest member's (DyLU)
+        self.speed = 0.0
+        self.fastest = 0.0
+        self._measured = 0
         self.frags: list[np.ndarray] = []
         self.theta: np.ndarray | None = None
         self.bufs: list[np.ndarray | None] = []
@@ -236,6 +248,7 @@ class DiLoCo(Strategy):
         self.frags = [indices(r) for r in ranges]
         self.digest = map_digest(ranges)
         self.schedule = Schedule(self.opts.inner_steps, len(self.frags), self.opts.tau)
+        self.cursor = Cursor(parts=len(self.frags), interval=self.schedule.interval, delay=self.opts.tau)
         self.bufs = [None] * len(self.frags)
         self.marks = [rep.samples] * len(self.frags)
         if self.ctx.joining:
@@ -291,12 +304,16 @@ class DiLoCo(Strategy):
         out: dict[str, Any] = {
             "theta_g": torch.from_numpy(self.theta.copy()), "momentum": torch.from_numpy(mom.copy()),
             "has_momentum": [b is not None for b in self.bufs], "t": self.t, "ops": self.ops,
-            "applied": self.applied, "fresh": sorted(self.fresh), "settings": self._settings()}
+            "applied": self.applied, "fresh": sorted(self.fresh), "settings": self._settings(),
+            "speed": self.speed, "fastest": self.fastest}
+        cur = self.cursor
+        if cur is not None:
+            out["cursor"] = [cur.interval, cur.delay, cur.since, cur.next_frag, -1 if cur.due is None else cur.due]
         op = self.inflight
         if op is not None:
             c = op.counters
             rec: dict[str, Any] = {"f": op.f, "w": op.w, "stop": op.stop, "nonfinite": op.nonfinite,
-                                   "counters": [c.op, c.t, c.step, c.applied],
+                                   "counters": [c.op, c.t, c.step, c.applied, c.frag], "speed": op.speed,
                                    "payload": torch.from_numpy(op.payload.copy())}
             res = op.result
             if res is None and op.task is not None and op.task.done() and not op.task.cancelled() \
@@ -327,11 +344,18 @@ class DiLoCo(Strategy):
                      for idx, have in zip(self.frags, state["has_momentum"])]
         self.t, self.ops, self.applied = int(state["t"]), int(state["ops"]), int(state["applied"])
         self.fresh = set(int(f) for f in state.get("fresh", []))
+        self.speed, self.fastest = float(state.get("speed", 0.0)), float(state.get("fastest", 0.0))
+        cur = state.get("cursor")
+        if cur is not None and self.cursor is not None:
+            h, d, since, nxt, due = (int(v) for v in cur)
+            self.cursor = Cursor(parts=len(self.frags), interval=h, delay=d, since=since, next_frag=nxt,
+                                 due=None if due < 0 else due)
         rec = state.get("inflight")
         if rec is not None:
             c = Counters(*(int(v) for v in rec["counters"]))
             op = _Op(f=int(rec["f"]), payload=np.asarray(rec["payload"].numpy(), np.float32).copy(),
-                     w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c)
+                     w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c,
+                     speed=float(rec.get("speed", 0.0)))
             if "result" in rec:
                 op.result = (np.asarray(rec["result"][0].numpy(), np.float32).copy(),
                              np.asarray(rec["result"][1].numpy(), np.float32).copy())
@@ -357,7 +381,11 @@ class DiLoCo(Strategy):
         if self._relaunch is not None:
             op, self._relaunch = self._relaunch, None
             self._start(op)
+        cur = self.cursor
+        if cur is None:
+            raise ConfigError("diloco: train_step before start")
         wait = time.perf_counter() - t0
+        tc = time.perf_counter()
         try:
             loss, grad = await self.ctx.replica.compute_gradients()
         except TrainingEnded:
@@ -365,17 +393,18 @@ class DiLoCo(Strategy):
             raise
         await self.ctx.replica.apply_gradients(grad)  # the inner step: the user's optimizer
         t1 = time.perf_counter()
+        self._measure(t1 - tc)
         self.t += 1
         self._want_stop = self._want_stop or want_stop
-        stop = self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
+        # a step budget stops every node at the same step, known in advance; with DyLU the
+        # nodes' steps differ: the stop rides with the sums (the fastest node raises it)
+        stop = not self.opts.dylu and self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
         next_step: int | None = None
-        f = sched.send(self.t)
+        f, apply = cur.step()
         if f is not None:
-            if self.inflight is not None:  # (only after a resume that saved an op with its result)
-                got = await self._apply(extra)
-                stop = stop or got is True
             await self._launch(f, step)
-        if sched.apply(self.t) is not None and self.inflight is not None:
+            apply = cur.apply_now()
+        if apply and self.inflight is not None:
             got = await self._apply(extra)
             if isinstance(got, Counters):
                 next_step = got.step + 1
@@ -388,7 +417,17 @@ class DiLoCo(Strategy):
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, next_step=next_step, extra={
             **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
             "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
-            "reforms": self.regroup.reforms, "adoptions": self.adoptions})
+            "reforms": self.regroup.reforms, "adoptions": self.adoptions,
+            **({"h_m": cur.interval, "speed": round(self.speed, 3)} if self.opts.dylu else {})})
+
+    def _measure(self, seconds: float) -> None:
+        """The inner-step speed (steps/s of compute, exchanges excluded), an EMA (0.9); the
+        first step (warm-up: kernels load, caches fill) is not counted."""
+        self._measured += 1
+        if seconds <= 0 or self._measured <= 1:
+            return
+        v = 1.0 / seconds
+        self.speed = v if self.speed == 0 else 0.9 * self.speed + 0.1 * v
 
     def _view(self) -> View:
         return self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
@@ -447,10 +486,13 @@ class DiLoCo(Strategy):
         else:
             w = self._weight(f)
         payload = delta if w == 1.0 else np.multiply(delta, np.float32(w))
-        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied)
+        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=max(f, 0))
         self.ops += 1
         self._launched = c
-        self._start(_Op(f=f, payload=payload, w=w, stop=self._want_stop, nonfinite=nonfinite, counters=c))
+        self._start(_Op(f=f, payload=payload, w=w, stop=self._want_stop, nonfinite=nonfinite, counters=c,
+                        speed=float(np.float32(self.speed))))  # (as the side sum carries it)
+        if f != FULL and self.cursor is not None:
+            self.cursor.sent(f)
 
     def _start(self, op: _Op) -> None:
         op.task = asyncio.get_running_loop().create_task(self._run_op(op), name=f"p2psync-diloco.{op.k}")
@@ -466,7 +508,10 @@ class DiLoCo(Strategy):
         coll = self.ctx.collectives
         tag = f"diloco.{op.k}.e{view.epoch}"
         part = "full" if op.f == FULL else f"f{op.f}"
-        side = np.array([op.w, float(op.stop), float(op.nonfinite)], np.float32)
+        side = np.zeros(3 + (len(view.members) if self.opts.dylu else 0), np.float32)
+        side[:3] = op.w, float(op.stop), float(op.nonfinite)
+        if self.opts.dylu:
+            side[3 + view.members.index(self.ctx.node_id)] = op.speed
         fb = coll.feedback
         family = f"diloco.{part}"
         kept = {k: v for k, v in fb.residual.items() if isinstance(k, tuple) and family in k} if fb else {}
@@ -506,6 +551,16 @@ class DiLoCo(Strategy):
                 return await self._take_adopted(extra)
             s, side, st = got
         self.inflight = None
+        if self.cursor is not None:
+            self.cursor.applied()
+        if self.opts.dylu and side.size > 3:
+            self.fastest = float(side[3:].max())
+            if op.f == len(self.frags) - 1 and self.cursor is not None:  # a cycle's last: the next cycles' length
+                # this node's speed as it published it in this op, against the fastest published there
+                h = dylu_interval(op.speed, self.fastest, self.opts.inner_steps, len(self.frags),
+                                  self.opts.dylu_min_steps)
+                self.cursor.interval = h
+                self.cursor.delay = min(self.opts.tau, h - 1)
         await self._outer(op, s, side, extra, merge_local=True)
         if st is not None:
             extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
@@ -563,11 +618,12 @@ class DiLoCo(Strategy):
         self.fresh = set(range(len(self.frags)))
         self.marks = [self.ctx.replica.samples] * len(self.frags)
         self.adoptions += 1
-        f = self.schedule.send(c.t)
-        if f is None:
-            raise PeerFailure(f"diloco: the leader's operation {c.op} is not at a send (inner step {c.t})")
-        await self._launch(f, c.step, zero=True)
-        if self.schedule.apply(c.t) is not None:
+        cur = self.cursor
+        if cur is None or not 0 <= c.frag < len(self.frags):
+            raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
+        cur.since, cur.next_frag, cur.due = 0, c.frag, None
+        await self._launch(c.frag, c.step, zero=True)
+        if cur.apply_now():
             got = await self._apply(extra)
             if isinstance(got, Counters):
                 return got

@@ -22,6 +22,7 @@ Conventions (the notes' §1-§3):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -209,29 +210,82 @@ _SPLIT = 1 << 20
 
 @dataclass(frozen=True)
 class Counters:
-    """Where a node stands when it launches operation ``op``: its inner step ``t``, its loop's
-    step, and the outer steps applied so far."""
+    """Where a node stands when it launches operation ``op`` (of fragment ``frag``): its inner
+    step ``t``, its loop's step, and the outer steps applied so far."""
 
     op: int
     t: int
     step: int
     applied: int
+    frag: int = 0
 
     def pack(self) -> np.ndarray:
-        vals = (self.op, self.t, self.step, self.applied)
+        vals = (self.op, self.t, self.step, self.applied, self.frag + 1)
         if any(v < 0 or v >= 1 << 43 for v in vals):
             raise ConfigError(f"DiLoCo counters out of range: {vals}")
         return np.array([x for v in vals for x in divmod(v, _SPLIT)], np.float32)
 
     @classmethod
     def unpack(cls, vec: np.ndarray) -> Counters:
-        if vec.size != 8 or not np.isfinite(vec).all() or (vec < 0).any() or (vec != np.floor(vec)).any():
+        if vec.size != COUNTERS or not np.isfinite(vec).all() or (vec < 0).any() or (vec != np.floor(vec)).any():
             raise ProtocolError("state", "malformed DiLoCo counters")
-        v = [int(vec[2 * i]) * _SPLIT + int(vec[2 * i + 1]) for i in range(4)]
-        return cls(op=v[0], t=v[1], step=v[2], applied=v[3])
+        v = [int(vec[2 * i]) * _SPLIT + int(vec[2 * i + 1]) for i in range(5)]
+        return cls(op=v[0], t=v[1], step=v[2], applied=v[3], frag=v[4] - 1)
 
 
-COUNTERS = 8
+COUNTERS = 10
+
+
+@dataclass
+class Cursor:
+    """One node's place in the schedule: it sends fragment ``next_frag`` once ``since`` inner
+    steps since its last send reach ``interval``, and applies the fragment in flight ``delay``
+    steps after it was sent (``due``: steps left, None when nothing is in flight). Fragments
+    go out in the order 0, 1, ..., ``parts`` − 1, again and again. With a constant interval h
+    and delay τ it is :class:`Schedule` (sends after inner steps h, 2h, ...); DyLU changes the
+    interval of a node between cycles (:func:`dylu_interval`)."""
+
+    parts: int
+    interval: int
+    delay: int
+    since: int = 0
+    next_frag: int = 0
+    due: int | None = None
+
+    def step(self) -> tuple[int | None, bool]:
+        """One inner step done: (the fragment to send now or None, whether the fragment in
+        flight is applied now — after the send, which comes first when ``delay`` is 0)."""
+        self.since += 1
+        send: int | None = None
+        if self.due is not None:
+            self.due -= 1
+        if self.since >= self.interval:
+            send = self.next_frag
+        apply = self.due is not None and self.due <= 0 and send is None
+        return send, apply
+
+    def sent(self, frag: int) -> bool:
+        """Fragment ``frag`` went out now; True when that ended a cycle (the last fragment)."""
+        self.since = 0
+        self.next_frag = (frag + 1) % self.parts
+        self.due = self.delay
+        return self.next_frag == 0
+
+    def applied(self) -> None:
+        self.due = None
+
+    def apply_now(self) -> bool:
+        """After a send: whether its fragment is applied at once (``delay`` 0)."""
+        return self.due is not None and self.due <= 0
+
+
+def dylu_interval(speed: float, fastest: float, inner_steps: int, parts: int, min_steps: int) -> int:
+    """Dynamic Local Updates (Async Local-SGD Eq. 6, per fragment): a node's steps between two
+    sends, h_m = max(⌈min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋); equal speeds give H / P."""
+    if not (speed > 0 and fastest > 0):
+        return inner_steps // parts
+    steps = math.floor(min(1.0, speed / fastest) * inner_steps)
+    return max(-(-min_steps // parts), steps // parts, 1)
 
 
 def state_size(numel: int, parts: int) -> int:
@@ -265,5 +319,5 @@ def unpack_state(vec: np.ndarray, numel: int, frags: Sequence[np.ndarray]
     return theta, bufs, Counters.unpack(np.asarray(vec[2 * numel + parts:]))
 
 
-__all__ = ["COUNTERS", "Counters", "Ranges", "Schedule", "fragment_map", "indices", "map_digest", "merge",
+__all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "fragment_map", "indices", "map_digest", "merge",
            "outer_step", "pack_state", "state_size", "unpack_state"]

@@ -212,3 +212,38 @@ async def test_a_checkpoint_with_a_fragment_in_flight_resumes_bitwise(drop_resul
     got = await _resumable(ring(2, base_port=free_port()), opts, steps, 8, drop_result=drop_result)
     for i in range(2):
         assert [w.tobytes() for w in want[i]] == got[i]
+
+
+async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end():
+    """I20 over ZeroMQ: node 1 takes 4x as long per step (emulated): after the first cycle it
+    takes about a quarter of the fast node's inner steps per sum, so the fast node does not wait
+    for it; the run still ends with one θ_g everywhere."""
+    from tests.helpers import slowed_trainers
+
+    topo = ring(2, base_port=free_port())
+    steps = 40
+    trainers = slowed_trainers(topo, "0:0.02,1:0.08")
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "diloco", options={"inner_steps": 8, "dylu": "true",
+                                                                           "dylu_min_steps": 1},
+                                        trainers=trainers, max_steps=steps)
+        try:
+            async def loop(s):
+                reps, step = [], 0
+                while True:
+                    rep = await s.train_step(step, step + 1 >= steps)
+                    reps.append(rep)
+                    step += 1
+                    if rep.stop or step > 3 * steps:
+                        return reps
+
+            reps = await asyncio.gather(*(loop(s) for s in strats))
+            params = [await s.ctx.replica.get_params() for s in strats]
+            thetas = [s.theta.copy() for s in strats]
+        finally:
+            await close_strategies(strats)
+    fast, slow = reps
+    assert steps <= len(fast) <= steps + 8 and len(slow) < 0.6 * len(fast), (len(fast), len(slow))
+    assert fast[-1].extra["outer_steps"] == slow[-1].extra["outer_steps"]  # the same sums, in the same order
+    assert fast[-1].extra["h_m"] == 8 and 1 <= slow[-1].extra["h_m"] <= 4, (fast[-1].extra, slow[-1].extra)
+    assert thetas[0].tobytes() == thetas[1].tobytes() and params[0].tobytes() == params[1].tobytes()

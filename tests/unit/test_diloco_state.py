@@ -13,7 +13,8 @@ import torch
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies.base import get_strategy, parse_options
 from p2psync.strategies.canary_colayers import Layer
-from p2psync.strategies.diloco_state import (Counters, Schedule, fragment_map, indices, merge, outer_step,
+from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, fragment_map, indices, merge,
+                                             outer_step,
                                              pack_state, unpack_state)
 from p2psync.topology import ring
 
@@ -159,7 +160,8 @@ def test_the_adopted_state_round_trips():
     ({"inner_steps": 0}, "inner_steps"), ({"outer_lr": -1}, "outer_lr"), ({"outer_momentum": 1}, "outer_momentum"),
     ({"fragments": 3, "inner_steps": 10}, "inner_steps"), ({"tau": 10, "inner_steps": 10}, "tau"),
     ({"alpha": 1.5}, "alpha"), ({"eager": "true"}, "eager"), ({"eager_delay": 2}, "eager_delay"),
-    ({"dylu": "true"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
+    ({"dylu": "maybe"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
+    ({"dylu": "true", "dylu_min_steps": 0}, "dylu_min_steps"),
     ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
     ({"error_feedback": "maybe"}, "error_feedback"), ({"weighting": "tokens"}, "weighting"),
     ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta")])
@@ -173,3 +175,28 @@ def test_good_options_parse():
                                                "outer_codec": "e3m0:64", "error_feedback": "on"})
     assert (o.inner_steps, o.fragments, o.tau, o.outer_codec, o.feedback) == (12, 3, 2, "e3m0:64", True)
     assert parse_options(get_strategy("diloco"), {}).feedback is None
+
+
+def test_the_cursor_is_the_schedule_when_its_interval_is_constant():
+    for h_total, parts, tau in ((12, 3, 2), (5, 1, 0), (8, 2, 1), (6, 3, 0)):
+        s = Schedule(h_total, parts, tau)
+        c = Cursor(parts=parts, interval=s.interval, delay=tau)
+        for t in range(1, 40):
+            f, apply = c.step()
+            if f is not None:
+                c.sent(f)
+                apply = c.apply_now()
+            assert f == s.send(t), (h_total, parts, tau, t)
+            assert (s.apply(t) is not None) == apply, (h_total, parts, tau, t)
+            if apply:
+                c.applied()
+
+
+def test_dylu_intervals_of_the_worked_example():
+    """§5.7: 0.58, 0.75, 1.51, 3.33 s/step, H = 100: H_m = 100, 77, 38, 17 (I20: equal speeds give H)."""
+    speeds = [1 / 0.58, 1 / 0.75, 1 / 1.51, 1 / 3.33]
+    assert [dylu_interval(v, max(speeds), 100, 1, 5) for v in speeds] == [100, 77, 38, 17]
+    assert [dylu_interval(v, max(speeds), 100, 4, 5) for v in speeds] == [25, 19, 9, 4]
+    assert dylu_interval(0.01, 1.0, 100, 1, 5) == 5 and dylu_interval(0.01, 1.0, 100, 4, 5) == 2  # the floor
+    assert dylu_interval(2.0, 2.0, 100, 4, 5) == 25
+    assert dylu_interval(0.0, 0.0, 100, 4, 5) == 25  # nothing measured yet: H
