@@ -414,7 +414,10 @@ class DiLoCo(Strategy):
         if stop:
             await self._flush(extra, step)
         wait += time.perf_counter() - t1
-        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, next_step=next_step, extra={
+        # comm_s: everything outside the inner step (reading and writing the model, the outer
+        # steps, sums); wait_s: only the time blocked on a sum that had not arrived yet
+        blocked = float(extra.get("wait_op_s", 0.0))
+        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=blocked, next_step=next_step, extra={
             **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
             "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
             "reforms": self.regroup.reforms, "adoptions": self.adoptions,
@@ -543,7 +546,7 @@ class DiLoCo(Strategy):
                 self.blocked += 1
             t0 = time.perf_counter()
             got = await op.task
-            extra["wait_op_s"] = round(time.perf_counter() - t0, 4)
+            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + time.perf_counter() - t0, 4)
             if isinstance(got, Adopted) or got is None:
                 self.inflight = None
                 if final:
@@ -643,7 +646,9 @@ class DiLoCo(Strategy):
             op = self.inflight
             if op is None or op.task is None:
                 raise ConfigError("diloco: the final sync did not start")
+            t0 = time.perf_counter()
             got = await op.task
+            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + time.perf_counter() - t0, 4)
             self.inflight = None
             if not isinstance(got, tuple):
                 raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
