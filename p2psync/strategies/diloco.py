@@ -213,7 +213,6 @@ class DiLoCo(Strategy):
         self._adopted: tuple[np.ndarray, list[np.ndarray | None], Counters] | None = None
         #: the leader's inner optimizer state a joiner takes (``join_inner_state=copy``)
         self._inner: np.ndarray | None = None
-        self._loaded = False
         self._want_stop = False
         #: fragments this node has not trained a full interval on since it adopted a state
         self.fresh: set[int] = set()
@@ -363,7 +362,6 @@ class DiLoCo(Strategy):
             else:
                 self._relaunch = op
             self._launched = c
-        self._loaded = True
 
     # -- one step ------------------------------------------------------------------------
 
@@ -408,7 +406,7 @@ class DiLoCo(Strategy):
             got = await self._apply(extra)
             if isinstance(got, Counters):
                 next_step = got.step + 1
-                stop = self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
+                stop = not self.opts.dylu and self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
             else:
                 stop = stop or got
         if stop:
@@ -447,8 +445,10 @@ class DiLoCo(Strategy):
             raise ConfigError("diloco: the members cut different fragments (different models, or different "
                               "--opt fragments / fragment_by / fragment_pattern)")
         if self.opts.init_sync and len(view.members) > 1:
-            params = np.asarray(await coll.broadcast(params, min(view.members), view.members, tag=tag), np.float32)
-            await rep.set_params(params)
+            root = np.asarray(await coll.broadcast(params, min(view.members), view.members, tag=tag), np.float32)
+            if root.tobytes() != params.tobytes():  # (a session's start gave every member the same already;
+                await rep.set_params(root)          # replacing them would skip the iteration parked now)
+            params = root
         self.theta = np.array(params, np.float32, copy=True)
 
     def _weight(self, f: int) -> float:
