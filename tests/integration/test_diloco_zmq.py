@@ -247,3 +247,34 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end
     assert fast[-1].extra["outer_steps"] == slow[-1].extra["outer_steps"]  # the same sums, in the same order
     assert fast[-1].extra["h_m"] == 8 and 1 <= slow[-1].extra["h_m"] <= 4, (fast[-1].extra, slow[-1].extra)
     assert thetas[0].tobytes() == thetas[1].tobytes() and params[0].tobytes() == params[1].tobytes()
+
+
+async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed():
+    """E12 / I17: an attempt abandoned (here: the peer never joins it) leaves the outer codec's
+    residuals as they were, so its redo does not add the quantization error twice."""
+    from p2psync.coordinator import View
+    from p2psync.errors import PeerFailure
+    from p2psync.strategies.diloco import _Op
+    from p2psync.strategies.diloco_state import Counters
+
+    topo = ring(2, base_port=free_port())
+    opts = {"inner_steps": 2, "outer_codec": "e3m0", "error_feedback": "true", "final_sync": "outer"}
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "diloco", options=opts, max_steps=100)
+        try:
+            for step in range(2):  # one sum of fragment 0, applied: residuals recorded
+                await asyncio.gather(*(s.train_step(step, False) for s in strats))
+            coll = strats[0].ctx.collectives
+            before = {k: v.copy() for k, v in coll.feedback.residual.items()}
+            assert any("diloco.f0" in k for k in before)
+            coll.timeout = 0.5
+            n = strats[0].ctx.replica.numel
+            op = _Op(f=0, payload=np.full(n, 0.3, np.float32), w=1.0, stop=False, nonfinite=False,
+                     counters=Counters(op=7, t=4, step=3, applied=1))
+            with pytest.raises(PeerFailure):
+                await strats[0]._reduce(View(epoch=0, members=(0, 1)), op)
+            after = coll.feedback.residual
+            assert sorted(map(repr, after)) == sorted(map(repr, before))
+            assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
+        finally:
+            await close_strategies(strats)
