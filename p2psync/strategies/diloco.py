@@ -23,7 +23,8 @@ schedule, clipping: whatever the script does). Then, after inner step t:
   ``outer_momentum``, Nesterov), then θ_local[f] ← θ_g[f] + α·(θ_local[f] − θ_g[f]) (α = 0 when
   τ = 0: DiLoCo restarts from θ_g). The next Δ of f is measured from θ_g, never from the merged
   value, so the α part re-enters it. Every member applies the same bytes (a lossy codec's
-  owner seals decode(encode(sum))), so θ_g stays bitwise identical everywhere.
+  owner seals decode(encode(sum))), so θ_g stays bitwise identical everywhere (except with
+``eager``, below).
 
 Options (``--opt NAME=VALUE``; see :class:`DilocoOptions`): ``inner_steps`` H (100),
 ``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true), ``fragments`` P (1),
@@ -38,8 +39,13 @@ parameters), ``init_sync`` (true: every member starts from the lowest id's param
 it keeps its own), ``dylu`` (Dynamic Local Updates: each cycle a node takes
 h_m = max(⌈dylu_min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋) inner steps per fragment, v its
 measured compute speed, published in every side sum, so slow and fast nodes arrive at a sum
-together; operations are matched by number, not by step). ``eager`` and ``eager_delay`` (other
-than 1) are not built: refused with a ConfigError.
+together; operations are matched by number, not by step), ``eager`` (Eager updates, with
+``fragments=1``, ``tau=0``, ``weighting=uniform``: a round's sum is awaited only at the next
+round's send, a whole round later, and each node steps its own θ_g with its fresh Δ over the
+members plus the others' Δ of the previous round; the nodes' θ_g differ between flushes, and
+the stop applies a completion step and then an exact mean of θ_g and the momentum).
+``eager_delay`` other than 1, and eager with streamed fragments, are not built: refused with a
+ConfigError.
 
 Stop: with a step budget every node stops at the same step (with DyLU the fastest node's budget:
 its wish rides with the sums); otherwise a node's wish rides in
@@ -82,11 +88,12 @@ from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch, TrainingEn
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.strategies.canary_colayers import Layer
-from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, fragment_map, indices,
-                                             map_digest, merge, outer_step, pack_state, state_size, unpack_state)
+from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
+                                             indices, map_digest, merge, others_mean, outer_step, pack_state,
+                                             state_size, unpack_state)
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
-from p2psync.strategies.regroup import Adopted, Regroup
+from p2psync.strategies.regroup import Adopted, Regroup, exact_mean_input
 from p2psync.tasks import cancel_all, gather_or_cancel
 
 log = logging.getLogger("p2psync.diloco")
@@ -111,8 +118,9 @@ class DilocoOptions(StrategyOptions):
     fragment_pattern: Literal["strided", "sequential"] = option("strided", "which blocks go together")
     tau: int = option(0, "overlap: a fragment's average is merged tau inner steps after it was sent")
     alpha: float = option(0.5, "merge weight of the local parameters (tau > 0)")
-    eager: bool = option(False, "eager updates (not built)")
-    eager_delay: int = option(1, "rounds of eager overlap (not built)")
+    eager: bool = option(False, "eager updates: a round's sum is applied a whole round later, each node's own "
+                                "contribution at once")
+    eager_delay: int = option(1, "rounds of eager overlap (only 1 is built)")
     outer_codec: str = option("", "codec of the pseudo-gradient allreduce (empty: the run's --codec)")
     error_feedback: str = option("", "error feedback of the outer codec: true/false (empty: --error-feedback)")
     weighting: Literal["uniform", "samples"] = option("uniform", "weights of the nodes' pseudo-gradients")
@@ -135,8 +143,12 @@ class DilocoOptions(StrategyOptions):
                 f"must be 0 <= tau < inner_steps / fragments = {self.inner_steps // self.fragments} "
                 "(at most one fragment in flight)")
         require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0, self, "alpha", "must be in [0, 1]")
-        require(not self.eager, self, "eager", "eager updates are not built in this version of diloco")
-        require(self.eager_delay == 1, self, "eager_delay", "only with eager=true, which is not built")
+        require(not self.eager or self.fragments == 1, self, "eager", "only with fragments=1 (eager updates of "
+                "streamed fragments are not built)")
+        require(not self.eager or self.tau == 0, self, "eager", "only with tau=0 (the overlap is a whole round)")
+        require(not self.eager or self.weighting == "uniform", self, "eager", "only with weighting=uniform")
+        require(not self.eager or not self.outer_codec.startswith("topk"), self, "eager", "not with a topk outer_codec")
+        require(self.eager_delay == 1, self, "eager_delay", "only 1 is built (2-outer-steps eager is not)")
         require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
         require(self.dylu or self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true")
         require(not (self.dylu and self.eager), self, "dylu", "not with eager")
@@ -399,7 +411,14 @@ class DiLoCo(Strategy):
         stop = not self.opts.dylu and self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
         next_step: int | None = None
         f, apply = cur.step()
-        if f is not None:
+        if self.opts.eager:
+            apply, got_eager = False, await self._eager_round(f, step, extra) if f is not None else False
+            if isinstance(got_eager, Counters):
+                next_step = got_eager.step + 1
+                stop = self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
+            else:
+                stop = stop or got_eager
+        elif f is not None:
             await self._launch(f, step)
             apply = cur.apply_now()
         if apply and self.inflight is not None:
@@ -467,13 +486,13 @@ class DiLoCo(Strategy):
             return 0.0
         return 1.0
 
-    async def _launch(self, f: int, step: int, *, zero: bool = False) -> None:
-        """Send fragment ``f`` (or the whole model, ``FULL``): Δ = θ_g − θ_local, weighted,
-        summed over the view in the background."""
+    async def _launch(self, f: int, step: int, *, zero: bool = False, ref: np.ndarray | None = None) -> None:
+        """Send fragment ``f`` (or the whole model, ``FULL``): Δ = θ_g − θ_local (``ref``
+        instead of θ_g for the whole model), weighted, summed over the view in the background."""
         if self.theta is None:
             raise ConfigError("diloco: no global copy yet")
         idx = self.frags[f] if f != FULL else None
-        g = self.theta[idx] if idx is not None else self.theta
+        g = self.theta[idx] if idx is not None else self.theta if ref is None else ref
         if zero:
             delta = np.zeros_like(g)
         else:
@@ -530,15 +549,16 @@ class DiLoCo(Strategy):
             raise
         return np.asarray(s, np.float32), np.asarray(sums, np.float32), st
 
-    async def _apply(self, extra: dict[str, Any], *, final: bool = False) -> bool | Counters:
-        """Await the operation in flight and apply it (outer step, merge). Returns whether the
-        members agreed to stop, or the counters of a leader's state this node adopted instead."""
+    async def _collect(self, extra: dict[str, Any], *, final: bool = False
+                       ) -> tuple[_Op, np.ndarray, np.ndarray, OpStats | None] | Counters | None:
+        """Await the operation in flight: (op, Σ w·Δ, the side sums, stats), or the counters of
+        a leader's state this node adopted instead, or None when nothing is in flight."""
         op = self.inflight
         if op is None:
-            return False
+            return None
+        st: OpStats | None = None
         if op.result is not None:
             s, side = op.result
-            st: OpStats | None = None
         else:
             if op.task is None:
                 raise ConfigError("diloco: an operation without a task")
@@ -564,10 +584,57 @@ class DiLoCo(Strategy):
                                   self.opts.dylu_min_steps)
                 self.cursor.interval = h
                 self.cursor.delay = min(self.opts.tau, h - 1)
-        await self._outer(op, s, side, extra, merge_local=True)
         if st is not None:
             extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
+        return op, s, side, st
+
+    async def _apply(self, extra: dict[str, Any], *, final: bool = False) -> bool | Counters:
+        """Await the operation in flight and apply it (outer step, merge). Returns whether the
+        members agreed to stop, or the counters of a leader's state this node adopted instead."""
+        got = await self._collect(extra, final=final)
+        if got is None or isinstance(got, Counters):
+            return False if got is None else got
+        op, s, side, _ = got
+        await self._outer(op, s, side, extra, merge_local=True)
         return bool(side[1] > 0)
+
+    def _late_part(self, op: _Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any]) -> np.ndarray | None:
+        """Eager: the others' contributions of a finished round (None when it is skipped)."""
+        sw = float(side[0])
+        if side[2] > 0 or not sw > 0:
+            self.skipped += int(bool(side[2] > 0))
+            return None
+        extra.update(sum_w=sw)
+        return others_mean(s, op.payload, sw)
+
+    async def _eager_round(self, f: int, step: int, extra: dict[str, Any]) -> bool | Counters:
+        """Eager updates (fragments=1): await the previous round's sum, launch this round's,
+        then one outer step on this node's θ_g with its own fresh pseudo-gradient and the
+        others' previous ones (:func:`~p2psync.strategies.diloco_state.eager_gradient`), and
+        θ_local ← θ_g. Returns whether the previous round carried a stop, or adopted counters."""
+        if self.theta is None or self.cursor is None:
+            raise ConfigError("diloco: no global copy yet")
+        got = await self._collect(extra)
+        if isinstance(got, Counters):
+            return got
+        stop, others = False, None
+        if got is not None:
+            prev, s, side, _ = got
+            stop = bool(side[1] > 0)
+            others = self._late_part(prev, s, side, extra)
+        await self._launch(f, step)
+        self.cursor.applied()  # (the round's own sum is awaited at the next send)
+        new = self.inflight
+        if new is None:
+            raise ConfigError("diloco: the round did not start")
+        g = eager_gradient(new.payload, float(len(self._view().members)), others)
+        extra.update(delta_norm=float(np.linalg.norm(g)))
+        o = self.opts
+        self.bufs[0] = outer_step(self.theta, self.bufs[0], g, lr=o.outer_lr, momentum=o.outer_momentum,
+                                  nesterov=o.nesterov)
+        self.applied += 1
+        await self.ctx.replica.set_params(self.theta.copy())
+        return stop
 
     async def _outer(self, op: _Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any], *,
                      merge_local: bool) -> None:
@@ -626,7 +693,9 @@ class DiLoCo(Strategy):
             raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
         cur.since, cur.next_frag, cur.due = 0, c.frag, None
         await self._launch(c.frag, c.step, zero=True)
-        if cur.apply_now():
+        if self.opts.eager:
+            cur.applied()  # (awaited at the next send)
+        elif cur.apply_now():
             got = await self._apply(extra)
             if isinstance(got, Counters):
                 return got
@@ -637,27 +706,46 @@ class DiLoCo(Strategy):
     async def _flush(self, extra: dict[str, Any], step: int) -> None:
         """The stop: apply the operation in flight, the final full sync (``final_sync=full``),
         θ_local ← θ_g, buffers, and a digest check of θ_g over the view."""
-        if self.inflight is not None:
-            await self._apply(extra, final=True)
         if self.theta is None:
             raise ConfigError("diloco: no global copy yet")
+        # the model's progress since the last send is measured from θ_g as it was then (eager's
+        # completion step below moves θ_g without any local step behind it)
+        since = self.theta.copy()
+        if self.opts.eager:  # the completion step: the others' last contributions, no new own one
+            last = await self._collect(extra, final=True)
+            if isinstance(last, tuple):
+                late = self._late_part(last[0], last[1], last[2], extra)
+                if late is not None:
+                    o = self.opts
+                    self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
+                                              momentum=o.outer_momentum, nesterov=o.nesterov)
+        elif self.inflight is not None:
+            await self._apply(extra, final=True)
         if self.opts.final_sync == "full":
-            await self._launch(FULL, step)
-            op = self.inflight
-            if op is None or op.task is None:
+            await self._launch(FULL, step, ref=since if self.opts.eager else None)
+            full = self.inflight
+            if full is None or full.task is None:
                 raise ConfigError("diloco: the final sync did not start")
             t0 = time.perf_counter()
-            got = await op.task
+            got = await full.task
             extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + time.perf_counter() - t0, 4)
             self.inflight = None
             if not isinstance(got, tuple):
                 raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
             s, side, st = got
-            await self._outer(op, s, side, extra, merge_local=False)
+            await self._outer(full, s, side, extra, merge_local=False)
             extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
-        await self.ctx.replica.set_params(self.theta.copy())
         view = self._view()
         coll = self.ctx.collectives
+        if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
+            tag = f"diloco.mean.e{view.epoch}"
+            mom = self.bufs[0] if self.bufs[0] is not None else np.zeros_like(self.theta)
+            th, mo = await gather_or_cancel([
+                coll.allreduce(exact_mean_input(self.theta), view.members, op="mean", codec="none", tag=tag),
+                coll.allreduce(exact_mean_input(mom), view.members, op="mean", codec="none", tag=f"{tag}.b")])
+            self.theta = np.asarray(th, np.float32)
+            self.bufs[0] = np.asarray(mo, np.float32)
+        await self.ctx.replica.set_params(self.theta.copy())
         await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=f"diloco.end.e{view.epoch}",
                            group=view.members)
         mine = np.frombuffer(hashlib.blake2b(self.theta.tobytes(), digest_size=8).digest(), np.uint8).copy()

@@ -107,6 +107,30 @@ class Schedule:
         return self.send(t - self.tau)
 
 
+def eager_gradient(own: np.ndarray, expected: float, others: np.ndarray | None) -> np.ndarray:
+    """The outer gradient of one node in an eager round (Eager updates, the notes' §3.7, in
+    the "replace your own stale contribution" form): its own fresh weighted pseudo-gradient
+    over the members expected in this round, plus the others' contributions of the previous
+    round (:func:`others_mean`; None in the first round)::
+
+        g = w·Δ_m(r) / M_r + (Σ_i w_i·Δ_i(r−1) − w_m·Δ_m(r−1)) / Σ_i w_i(r−1)
+
+    Every contribution enters a node's θ_g exactly once: its own at once, the others' one round
+    late. (The formula is reconstructed from secondary summaries of the paper's Algorithm 3.)"""
+    g: np.ndarray = np.divide(own, np.float32(expected), dtype=np.float32)
+    if others is not None:
+        np.add(g, others, out=g)
+    return g
+
+
+def others_mean(total: np.ndarray, own: np.ndarray, sum_w: float) -> np.ndarray:
+    """The previous round's sum without this node's own weighted contribution, over the
+    round's total weight (an eager round's late part, and the completion step at the end)."""
+    out: np.ndarray = np.subtract(total, own, dtype=np.float32)
+    np.divide(out, np.float32(sum_w), out=out)
+    return out
+
+
 def _block_key(name: str) -> tuple[str, int] | None:
     """(prefix, index) of a module name inside a repeated block (``blocks.3.attn`` ->
     ``("blocks", 3)``; ``3`` -> ``("", 3)``), else None."""
@@ -319,5 +343,5 @@ def unpack_state(vec: np.ndarray, numel: int, frags: Sequence[np.ndarray]
     return theta, bufs, Counters.unpack(np.asarray(vec[2 * numel + parts:]))
 
 
-__all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "fragment_map", "indices", "map_digest", "merge",
+__all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "eager_gradient", "others_mean", "fragment_map", "indices", "map_digest", "merge",
            "outer_step", "pack_state", "state_size", "unpack_state"]

@@ -142,7 +142,7 @@ async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
 async def test_an_option_that_is_not_built_is_refused_before_anything_starts():
     topo = ring(2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        for bad, name in (({"eager": "true"}, "eager"), ({"tau": 5, "inner_steps": 4}, "tau"),
+        for bad, name in (({"eager_delay": 2}, "eager_delay"), ({"tau": 5, "inner_steps": 4}, "tau"),
                           ({"outer_codec": "zip"}, "outer_codec")):
             with pytest.raises(ConfigError, match=name):
                 await start_strategies(eps, topo, "diloco", options=bad)
@@ -278,3 +278,50 @@ async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed()
             assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
         finally:
             await close_strategies(strats)
+
+
+async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean():
+    """Eager updates over ZeroMQ against the same rounds in one process: every node's own θ_g
+    after every step bitwise (its fresh Δ at once, the other's one round late), the completion
+    step and the exact mean at the stop (I5, I12)."""
+    from p2psync.strategies.diloco_state import eager_gradient, others_mean
+    from p2psync.strategies.regroup import exact_mean_input
+
+    topo = ring(2, base_port=free_port())
+    H, steps, lr, mom = 3, 12, 0.7, 0.9
+    opts = {"inner_steps": H, "eager": "true", "final_sync": "outer"}
+    params, thetas, reps = await _run(topo, steps, opts)
+    assert [len(r) for r in reps] == [steps, steps]
+    assert thetas[0][H].tobytes() != thetas[1][H].tobytes()  # per node between flushes
+    local = [make_trainer(topo, i) for i in topo.ids]
+    try:
+        start = await local[0].get_params()
+        theta = [start.copy(), start.copy()]
+        bufs: list = [None, None]
+        prev: list | None = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                deltas = [np.subtract(theta[m], await local[m].get_params(), dtype=np.float32) for m in range(2)]
+                total = np.add(prev[0], prev[1]) if prev is not None else None
+                for m in range(2):
+                    others = None if total is None else others_mean(total, prev[m], 2.0)
+                    bufs[m] = outer_step(theta[m], bufs[m], eager_gradient(deltas[m], 2.0, others), lr=lr,
+                                         momentum=mom, nesterov=True)
+                    await local[m].set_params(theta[m].copy())
+                prev = deltas
+            if k < steps:
+                for m in range(2):
+                    assert thetas[m][k - 1].tobytes() == theta[m].tobytes(), (k, m)
+        total = np.add(prev[0], prev[1])
+        for m in range(2):
+            bufs[m] = outer_step(theta[m], bufs[m], others_mean(total, prev[m], 2.0), lr=lr, momentum=mom,
+                                 nesterov=True)
+        final = (np.asarray(exact_mean_input(theta[0]) + exact_mean_input(theta[1]), np.float64) / 2).astype(np.float32)
+    finally:
+        for tr in local:
+            tr.close()
+    np.testing.assert_allclose(params[0], final, rtol=1e-6, atol=1e-7)
+    assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes() == thetas[1][-1].tobytes()

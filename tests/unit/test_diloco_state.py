@@ -13,7 +13,8 @@ import torch
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies.base import get_strategy, parse_options
 from p2psync.strategies.canary_colayers import Layer
-from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, fragment_map, indices, merge,
+from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
+                                             indices, merge, others_mean,
                                              outer_step,
                                              pack_state, unpack_state)
 from p2psync.topology import ring
@@ -159,7 +160,9 @@ def test_the_adopted_state_round_trips():
 @pytest.mark.parametrize("raw,name", [
     ({"inner_steps": 0}, "inner_steps"), ({"outer_lr": -1}, "outer_lr"), ({"outer_momentum": 1}, "outer_momentum"),
     ({"fragments": 3, "inner_steps": 10}, "inner_steps"), ({"tau": 10, "inner_steps": 10}, "tau"),
-    ({"alpha": 1.5}, "alpha"), ({"eager": "true"}, "eager"), ({"eager_delay": 2}, "eager_delay"),
+    ({"alpha": 1.5}, "alpha"), ({"eager": "true", "fragments": 2, "inner_steps": 4}, "eager"),
+    ({"eager": "true", "tau": 1}, "eager"), ({"eager": "true", "weighting": "samples"}, "eager"),
+    ({"eager": "true", "outer_codec": "topk"}, "eager"), ({"eager_delay": 2}, "eager_delay"),
     ({"dylu": "maybe"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
     ({"dylu": "true", "dylu_min_steps": 0}, "dylu_min_steps"),
     ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
@@ -200,3 +203,38 @@ def test_dylu_intervals_of_the_worked_example():
     assert dylu_interval(0.01, 1.0, 100, 1, 5) == 5 and dylu_interval(0.01, 1.0, 100, 4, 5) == 2  # the floor
     assert dylu_interval(2.0, 2.0, 100, 4, 5) == 25
     assert dylu_interval(0.0, 0.0, 100, 4, 5) == 25  # nothing measured yet: H
+
+
+def _eager_run(mu: float) -> tuple[list[list[float]], list[float], list[float]]:
+    """§5.6: two nodes, η = 1, the given outer gradients per round; θ per node after each round,
+    then each node's θ and buffer after the completion step."""
+    rounds = [[1.0, 3.0], [2.0, 0.0], [-1.0, 1.0]]
+    theta = [_f32([0.0]), _f32([0.0])]
+    bufs: list = [None, None]
+    seen: list[list[float]] = []
+    prev = None
+    for r in rounds:
+        for m in range(2):
+            others = None if prev is None else others_mean(_f32([sum(prev)]), _f32([prev[m]]), 2.0)
+            g = eager_gradient(_f32([r[m]]), 2.0, others)
+            bufs[m] = outer_step(theta[m], bufs[m], g, lr=1.0, momentum=mu, nesterov=True)
+        seen.append([float(theta[0][0]), float(theta[1][0])])
+        prev = r
+    for m in range(2):  # completion: the others' last contributions, no new own one
+        bufs[m] = outer_step(theta[m], bufs[m], others_mean(_f32([sum(prev)]), _f32([prev[m]]), 2.0),
+                             lr=1.0, momentum=mu, nesterov=True)
+    return seen, [float(t[0]) for t in theta], [float(b[0]) if b is not None else 0.0 for b in bufs]
+
+
+def test_eager_rounds_of_the_worked_example():
+    """§5.6 / I5: μ = 0: −0.5/−1.5, −3/−2, −2.5/−3.5, and the completion brings both to −3;
+    μ = 0.9: −0.95/−2.85, −6.105/−5.015, −7.5445/−9.3635, completion −10.24005/−10.97715,
+    buffers 2.4395/2.3485 (their mean, −10.6086 and 2.394, is every node's final state)."""
+    seen, final, _ = _eager_run(0.0)
+    np.testing.assert_allclose(seen, [[-0.5, -1.5], [-3.0, -2.0], [-2.5, -3.5]], rtol=1e-6)
+    np.testing.assert_allclose(final, [-3.0, -3.0], rtol=1e-6)
+    seen, final, bufs = _eager_run(0.9)
+    np.testing.assert_allclose(seen, [[-0.95, -2.85], [-6.105, -5.015], [-7.5445, -9.3635]], rtol=1e-5)
+    np.testing.assert_allclose(final, [-10.24005, -10.97715], rtol=1e-5)
+    np.testing.assert_allclose(bufs, [2.4395, 2.3485], rtol=1e-5)
+    np.testing.assert_allclose([np.mean(final), np.mean(bufs)], [-10.6086, 2.394], rtol=1e-5)
