@@ -262,6 +262,12 @@ class DiLoCo(Strategy):
         self.cursor = Cursor(parts=len(self.frags), interval=self.schedule.interval, delay=self.opts.tau)
         self.bufs = [None] * len(self.frags)
         self.marks = [rep.samples] * len(self.frags)
+        codec = get_codec(self.codec)
+        if codec.lossy and codec.name not in ("topk",) and len(self.ctx.group) > 2 and self.ctx.node_id == min(self.ctx.group):
+            log.warning("diloco: the outer codec %s re-encodes partial sums at every hop of a reduce-scatter over %d "
+                        "members (each contribution is not encoded just once and summed in float32 at the piece's "
+                        "owner: that plan is not built); 4-bit outer gradients lose more than the paper's",
+                        codec.spec, len(self.ctx.group))
         if self.ctx.joining:
             got = await self.regroup.join()  # (no op: the leader's state is stashed by _restore)
             if self._adopted is None:
