@@ -263,7 +263,8 @@ class DiLoCo(Strategy):
         self.bufs = [None] * len(self.frags)
         self.marks = [rep.samples] * len(self.frags)
         codec = get_codec(self.codec)
-        if codec.lossy and codec.name not in ("topk",) and len(self.ctx.group) > 2 and self.ctx.node_id == min(self.ctx.group):
+        group = self.ctx.group
+        if codec.lossy and codec.name != "topk" and len(group) > 2 and self.ctx.node_id == min(group):
             log.warning("diloco: the outer codec %s re-encodes partial sums at every hop of a reduce-scatter over %d "
                         "members (each contribution is not encoded just once and summed in float32 at the piece's "
                         "owner: that plan is not built); 4-bit outer gradients lose more than the paper's",

@@ -343,5 +343,5 @@ def unpack_state(vec: np.ndarray, numel: int, frags: Sequence[np.ndarray]
     return theta, bufs, Counters.unpack(np.asarray(vec[2 * numel + parts:]))
 
 
-__all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "eager_gradient", "others_mean", "fragment_map", "indices", "map_digest", "merge",
-           "outer_step", "pack_state", "state_size", "unpack_state"]
+__all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "eager_gradient", "fragment_map",
+           "indices", "map_digest", "merge", "others_mean", "outer_step", "pack_state", "state_size", "unpack_state"]
