@@ -26,26 +26,30 @@ schedule, clipping: whatever the script does). Then, after inner step t:
   owner seals decode(encode(sum))), so θ_g stays bitwise identical everywhere (except with
 ``eager``, below).
 
-Options (``--opt NAME=VALUE``; see :class:`DilocoOptions`): ``inner_steps`` H (100),
-``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true), ``fragments`` P (1),
-``fragment_by`` (``blocks``: repeated blocks dealt to P fragments plus one more for every other
-parameter; ``flat``: P contiguous ranges), ``fragment_pattern`` (``strided`` | ``sequential``),
-``tau`` (0), ``alpha`` (0.5), ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit),
-``error_feedback`` (the run's ``--error-feedback``; ``true``/``false``), ``weighting``
-(``uniform`` | ``samples``: each Δ weighted by the samples behind it), ``final_sync``
-(``full``: one last outer step over the whole model at the stop; ``outer``: just the outer
-parameters), ``init_sync`` (true: every member starts from the lowest id's parameters).
-``join_inner_state`` (``copy``: a joiner takes the leader's inner optimizer state; ``fresh``:
-it keeps its own), ``dylu`` (Dynamic Local Updates: each cycle a node takes
-h_m = max(⌈dylu_min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋) inner steps per fragment, v its
-measured compute speed, published in every side sum, so slow and fast nodes arrive at a sum
-together; operations are matched by number, not by step), ``eager`` (Eager updates, with
-``fragments=1``, ``tau=0``, ``weighting=uniform``: a round's sum is awaited only at the next
-round's send, a whole round later, and each node steps its own θ_g with its fresh Δ over the
-members plus the others' Δ of the previous round; the nodes' θ_g differ between flushes, and
-the stop applies a completion step and then an exact mean of θ_g and the momentum).
-``eager_delay`` other than 1, and eager with streamed fragments, are not built: refused with a
-ConfigError.
+Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
+
+* ``inner_steps`` H (100), ``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true);
+* ``fragments`` P (1), ``fragment_by`` (``blocks``: repeated blocks dealt to P fragments, plus one
+  more for every other parameter; ``flat``: P contiguous ranges), ``fragment_pattern``
+  (``strided`` | ``sequential``), ``tau`` (0), ``alpha`` (0.5);
+* ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit), ``error_feedback`` (the run's
+  ``--error-feedback``; ``true`` | ``false``);
+* ``weighting`` (``uniform`` | ``samples``: each Δ weighted by the samples behind it);
+* ``final_sync`` (``full``: one last outer step over the whole model at the stop; ``outer``: the
+  outer parameters as they are), ``init_sync`` (true: every member starts from the lowest id's
+  parameters), ``join_inner_state`` (``copy``: a joiner takes the leader's inner optimizer state;
+  ``fresh``: it keeps its own);
+* ``dylu`` (Dynamic Local Updates: after each cycle a node takes
+  h_m = max(⌈dylu_min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋) inner steps per fragment, v its
+  measured compute speed, published in every side sum, so slow and fast nodes reach each sum
+  together; operations are matched by number, not by step), ``dylu_min_steps`` (5);
+* ``eager`` (Eager updates; ``fragments=1``, ``tau=0``, ``weighting=uniform``: a round's sum is
+  awaited only at the next round's send, a whole round later, and each node steps its own θ_g
+  with its fresh Δ over the members plus the others' Δ of the previous round; the nodes' θ_g
+  differ until the stop, which applies a completion step and then an exact mean of θ_g and the
+  momentum), ``eager_delay`` (1; more is not built).
+
+Bad or unbuilt combinations are a ConfigError naming the option.
 
 Stop: with a step budget every node stops at the same step (with DyLU the fastest node's budget:
 its wish rides with the sums); otherwise a node's wish rides in
@@ -53,7 +57,8 @@ the side sum of every operation it launches and every member stops at the apply 
 one that carries it (up to h + τ steps late). At the stop every operation in flight is applied,
 ``final_sync=full`` folds the work since each fragment's last send into one last outer step,
 θ_local ← θ_g on every node, buffers follow ``--buffers``, and a digest of θ_g is compared
-(one model: ``identical_replicas = "end"``).
+(one model: ``identical_replicas = "end"``). A script whose loop just ends, without an agreed
+stop, leaves every node with its own local model.
 
 Views (``--on-failure continue``): every operation runs through
 :class:`~p2psync.strategies.regroup.Regroup` keyed by its operation number. A failed one is
