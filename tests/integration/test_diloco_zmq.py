@@ -325,3 +325,31 @@ async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean(
             tr.close()
     np.testing.assert_allclose(params[0], final, rtol=1e-6, atol=1e-7)
     assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes() == thetas[1][-1].tobytes()
+
+
+async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
+    """I10 / E16: two fragments move half the model per sum, but every fragment still moves
+    once per H steps: bytes per inner step stay those of one fragment (side sums aside)."""
+    steps, opts = 16, {"inner_steps": 8, "final_sync": "outer", "init_sync": "false"}
+
+    async def traffic(extra_opts):
+        topo = ring(2, base_port=free_port())
+        async with zmq_cluster(topo) as eps:
+            strats = await start_strategies(eps, topo, "diloco", options={**opts, **extra_opts}, max_steps=steps)
+            try:
+                peaks = []
+                for step in range(steps):
+                    reps = await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                    if "op_nic_bytes" in reps[0].extra:
+                        peaks.append(sum(reps[0].extra["op_nic_bytes"].values()))
+                sent = sum(v.bytes_sent for v in eps[0].nic_stats.values())
+                largest = max(f.size for f in strats[0].frags) / strats[0].ctx.replica.numel
+            finally:
+                await close_strategies(strats)
+        return sent, max(peaks), largest
+
+    one_sent, one_peak, _ = await traffic({})
+    two_sent, two_peak, largest = await traffic({"fragments": 2, "fragment_by": "flat"})
+    # (the MLP's two layers hold 87 % and 13 % of it: flat fragments are cut at layer boundaries)
+    assert largest < 0.9 and two_peak == pytest.approx(largest * one_peak, rel=0.05), (one_peak, two_peak, largest)
+    assert two_sent == pytest.approx(one_sent, rel=0.15), (one_sent, two_sent)
