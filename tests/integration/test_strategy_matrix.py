@@ -164,7 +164,8 @@ async def test_store_strategies_train_with_the_users_optimizer(strategy, optimiz
 
 
 #: the strategies whose local steps are the user's optimizer's own: the same optimizer axis
-USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary") for o in ("nesterov", "adamw")]
+USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary", "diloco")
+                   for o in ("nesterov", "adamw")]
 
 
 @pytest.mark.parametrize("strategy,optimizer", USER_OPTIMIZERS, ids=[f"{s}-{o}" for s, o in USER_OPTIMIZERS])
@@ -176,10 +177,10 @@ async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy,
     lr = 0.01 if optimizer == "adamw" else (0.05 if strategy == "asgd" else 0.1)
     trainers = {i: make_trainer(topo, i, lr=lr, optimizer=optimizer, weight_decay=1e-4) for i in topo.ids}
     assert all(type(t.optimizer).__name__ == ("AdamW" if optimizer == "adamw" else "SGD") for t in trainers.values())
-    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers)
+    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers, options=OPTIONS.get(strategy))
     done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
     assert max(n for n, _ in done) == steps, done
-    if strategy == "ssgd":  # one model: the same optimizer arithmetic on the same mean everywhere
+    if strategy in ("ssgd", "diloco"):  # one model (diloco: θ_g, at the stop)
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)
     accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
