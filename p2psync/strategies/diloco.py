@@ -70,6 +70,10 @@ resets θ_local ← θ_g and takes part in the operation with Δ = 0 and weight 
 every fragment after that also weighs 0 with ``uniform``). Its loop moves to the leader's step.
 The final sync is not re-formed: a view change during it ends the run with an error.
 
+Memory: θ_g and b (2n float32 on the host) persist; a fragment's send and merge read and write
+only its own parameters (``Replica.get_params_range`` / ``set_params_range``), so the transient
+copies are a fragment's size (the final full sync and an adoption touch the whole model).
+
 Checkpoints (``state_dict``): θ_g, the outer momentum, the counters and the operation in flight
 (its Δ and weight, and its result when it has arrived); a resumed run applies it at its step.
 """
@@ -95,7 +99,7 @@ from p2psync.strategies.buffers import sync_buffers
 from p2psync.strategies.canary_colayers import Layer
 from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
                                              indices, map_digest, merge, others_mean, outer_step, pack_state,
-                                             state_size, unpack_state)
+                                             Ranges, state_size, unpack_state)
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.strategies.regroup import Adopted, Regroup, exact_mean_input
@@ -218,6 +222,8 @@ class DiLoCo(Strategy):
         self.speed = 0.0
         self.fastest = 0.0
         self._measured = 0
+        #: each fragment's (lo, hi) ranges of the flat vector, and its positions there (in that order)
+        self.ranges: list[Ranges] = []
         self.frags: list[np.ndarray] = []
         self.theta: np.ndarray | None = None
         self.bufs: list[np.ndarray | None] = []
@@ -261,6 +267,7 @@ class DiLoCo(Strategy):
                     raise
         ranges = fragment_map(layers, rep.numel, self.opts.fragments, by=self.opts.fragment_by,
                               pattern=self.opts.fragment_pattern)
+        self.ranges = ranges
         self.frags = [indices(r) for r in ranges]
         self.digest = map_digest(ranges)
         self.schedule = Schedule(self.opts.inner_steps, len(self.frags), self.opts.tau)
@@ -507,9 +514,10 @@ class DiLoCo(Strategy):
         g = self.theta[idx] if idx is not None else self.theta if ref is None else ref
         if zero:
             delta = np.zeros_like(g)
-        else:
-            params = await self.ctx.replica.get_params()
-            delta = np.subtract(g, params[idx] if idx is not None else params, dtype=np.float32)
+        else:  # (a fragment's own values only: no copy of the whole model)
+            rep = self.ctx.replica
+            local = await rep.get_params_range(self.ranges[f]) if idx is not None else await rep.get_params()
+            delta = np.subtract(g, local, dtype=np.float32)
         nonfinite = not bool(np.isfinite(delta).all())
         if nonfinite:
             delta = np.zeros_like(g)
@@ -674,12 +682,11 @@ class DiLoCo(Strategy):
                 self.theta[idx] = g
             self.applied += 1
         if merge_local:
-            params = await self.ctx.replica.get_params()
             alpha = o.alpha if o.tau > 0 and not skip else 0.0
             for f in frags:
-                idx = self.frags[f]
-                params[idx] = merge(self.theta[idx], params[idx], alpha)
-            await self.ctx.replica.set_params(params)
+                g = self.theta[self.frags[f]]
+                local = g if alpha == 0.0 else await self.ctx.replica.get_params_range(self.ranges[f])
+                await self.ctx.replica.set_params_range(self.ranges[f], merge(g, local, alpha))
 
     async def _take_adopted(self, extra: dict[str, Any]) -> Counters:
         """Take the leader's state (Regroup's sync of a new view): θ_g, b, counters;
