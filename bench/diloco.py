@@ -5,7 +5,7 @@ time to SSGD's final accuracy, steps that waited on the network.
                            [--configs ssgd diloco ...] [--out DIR]
 
 Checks the claims of the DiLoCo family (DiLoCo 2311.08105, Streaming DiLoCo 2501.18512, Async
-Local-SGD 2401.09135; the reading notes' §7) at small scale, every run through the CLI
+Local-SGD 2401.09135) at small scale, every run through the CLI
 (``p2psync run``: one process per node) on a ring of ``--nodes`` nodes with the in-process
 shaper: uniform one-way latency (``--latencies``, ms) and ``--nic-mbps`` (100) per NIC. The
 workload is the built-in job's ``--model`` (``mlp`` on the digits by default; the flag is passed
@@ -29,7 +29,7 @@ Per row: bytes sent per node per inner step (NIC counters) and SSGD's / this, fi
 accuracy (mean over nodes) at equal steps, wall seconds, the time until the run's evaluations
 reach SSGD's final accuracy (lower median over nodes) and the speed-up against SSGD, and the
 fraction of steps whose wait on peers exceeded ``--waited-ms`` (20 ms). Peak bytes in flight are
-not measured. Targets (the issue's, ratios in the same run): >= 300x fewer bytes per inner step
+not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
 than SSGD with e3m0 at H = 50; final accuracy within 3 % of SSGD's; >= 3x sooner to SSGD's final
 accuracy at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
 dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the

@@ -1,9 +1,9 @@
 """DiLoCo's arithmetic and schedule as pure functions: the outer Nesterov step, the α merge, which
 fragment is sent and applied after which inner step, the fragment map, and the state vector a
-member behind adopts. Used by :mod:`p2psync.strategies.diloco`; unit-tested against the worked
-vectors of the DiLoCo notes.
+member behind adopts. Used by :mod:`p2psync.strategies.diloco`; unit-tested against worked
+examples computed by hand (tests/unit/test_diloco_state.py).
 
-Conventions (the notes' §1-§3):
+Conventions:
 
 * The outer gradient is ``Δ = θ_g − θ_local`` (start point minus end point: it points uphill
   like a gradient) and the outer optimizer descends: ``θ_g ← θ_g − η·(Nesterov-filtered Δ̄)``.
@@ -108,8 +108,8 @@ class Schedule:
 
 
 def eager_gradient(own: np.ndarray, expected: float, others: np.ndarray | None) -> np.ndarray:
-    """The outer gradient of one node in an eager round (Eager updates, the notes' §3.7, in
-    the "replace your own stale contribution" form): its own fresh weighted pseudo-gradient
+    """The outer gradient of one node in an eager round (Eager updates, Kale, Douillard,
+    Donchev, arXiv 2502.12996, in the "replace your own stale contribution" form): its own fresh weighted pseudo-gradient
     over the members expected in this round, plus the others' contributions of the previous
     round (:func:`others_mean`; None in the first round)::
 
@@ -143,7 +143,8 @@ def _block_key(name: str) -> tuple[str, int] | None:
 
 def fragment_map(layers: Sequence[Layer], numel: int, fragments: int, *, by: Literal["blocks", "flat"],
                  pattern: Literal["strided", "sequential"]) -> list[Ranges]:
-    """The fragments of a flat vector of ``numel`` values (see the notes' §3.3).
+    """The fragments of a flat vector of ``numel`` values (Streaming DiLoCo §2.2: strided or
+    sequential groups of blocks).
 
     ``fragments`` = 1: the whole vector. ``by="blocks"``: the repeated blocks (modules named
     ``<prefix>.<index>...``; the prefix with the most indices wins) are dealt to ``fragments``

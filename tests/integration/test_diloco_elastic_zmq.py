@@ -1,7 +1,7 @@
 """DiLoCo when nodes leave and join, over real ZeroMQ in one process (the nodes of
 tests/integration/test_leave_join_zmq.py): a crash while a fragment's sum is in flight is redone
 over the survivors, which end with one model and one θ_g; a restarted node adopts the leader's
-θ_g and outer momentum and ends with the same model (I13, I15)."""
+θ_g and outer momentum and ends with the same model."""
 
 from __future__ import annotations
 

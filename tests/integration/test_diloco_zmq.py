@@ -76,7 +76,7 @@ async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run()
 
 
 async def test_samples_weighting_is_the_sample_weighted_mean_bitwise():
-    """I11: nodes with batches of 16 and 8 samples: Δ̄ = (16·Δ_0 + 8·Δ_1) / 24 (weights = samples
+    """Nodes with batches of 16 and 8 samples: Δ̄ = (16·Δ_0 + 8·Δ_1) / 24 (weights = samples
     since the last send / H), θ_g bitwise that of the same sum in one process."""
     topo = ring(2, base_port=free_port())
     H, steps = 3, 9
@@ -203,7 +203,7 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
 
 @pytest.mark.parametrize("drop_result", [False, True], ids=["sum-saved", "sum-relaunched"])
 async def test_a_checkpoint_with_a_fragment_in_flight_resumes_bitwise(drop_result):
-    """I16: stopped with a fragment's sum in flight and resumed (its saved sums applied, or the
+    """Stopped with a fragment's sum in flight and resumed (its saved sums applied, or the
     op relaunched from its saved Δ): θ_g after every step is bitwise that of the uninterrupted run."""
     opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1}
     steps = 14
@@ -215,7 +215,7 @@ async def test_a_checkpoint_with_a_fragment_in_flight_resumes_bitwise(drop_resul
 
 
 async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end():
-    """I20 over ZeroMQ: node 1 takes 4x as long per step (emulated): after the first cycle it
+    """DyLU over ZeroMQ: node 1 takes 4x as long per step (emulated): after the first cycle it
     takes about a quarter of the fast node's inner steps per sum, so the fast node does not wait
     for it; the run still ends with one θ_g everywhere."""
     from tests.helpers import slowed_trainers
@@ -250,7 +250,7 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end
 
 
 async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed():
-    """E12 / I17: an attempt abandoned (here: the peer never joins it) leaves the outer codec's
+    """An attempt abandoned (here: the peer never joins it) leaves the outer codec's
     residuals as they were, so its redo does not add the quantization error twice."""
     from p2psync.coordinator import View
     from p2psync.errors import PeerFailure
@@ -283,7 +283,7 @@ async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed()
 async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean():
     """Eager updates over ZeroMQ against the same rounds in one process: every node's own θ_g
     after every step bitwise (its fresh Δ at once, the other's one round late), the completion
-    step and the exact mean at the stop (I5, I12)."""
+    step and the exact mean at the stop."""
     from p2psync.strategies.diloco_state import eager_gradient, others_mean
     from p2psync.strategies.regroup import exact_mean_input
 
@@ -328,7 +328,7 @@ async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean(
 
 
 async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
-    """I10 / E16: two fragments move half the model per sum, but every fragment still moves
+    """Two fragments move half the model per sum, but every fragment still moves
     once per H steps: bytes per inner step stay those of one fragment (side sums aside)."""
     steps, opts = 16, {"inner_steps": 8, "final_sync": "outer", "init_sync": "false"}
 

@@ -1,5 +1,5 @@
-"""DiLoCo's pure parts against the worked vectors of the DiLoCo notes: the outer Nesterov step
-(§5.1, I2), periodic averaging (§5.2, I4), the Streaming schedule (§5.3, I8), the α merge (§5.4),
+"""DiLoCo's pure parts against worked examples: the outer Nesterov step (and torch's SGD),
+periodic averaging, the Streaming schedule, the α merge, eager rounds, DyLU,
 the fragment map, the adopted state, and the options' checks."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _f32(x):
 
 
 def test_two_outer_rounds_of_the_worked_example():
-    """§5.1: η = 0.7, μ = 0.9, two workers, two rounds."""
+    """η = 0.7, μ = 0.9, two workers, two rounds."""
     theta = _f32([1.0, -2.0, 0.5])
     d1 = (_f32([0.1, -0.2, 0.0]) + _f32([0.3, 0.2, -0.1])) / np.float32(2)
     buf = outer_step(theta, None, d1, lr=0.7, momentum=0.9, nesterov=True)
@@ -52,7 +52,7 @@ def test_dyadic_rounds_are_exact_against_fractions():
 
 
 def test_the_outer_step_is_torch_sgd_with_nesterov_over_ten_rounds():
-    """I2: a random 1k vector, 10 rounds, against torch.optim.SGD fed Δ̄ as the gradient."""
+    """A random 1k vector, 10 rounds, against torch.optim.SGD fed Δ̄ as the gradient."""
     rng = np.random.default_rng(0)
     theta = rng.standard_normal(1000).astype(np.float32)
     p = torch.nn.Parameter(torch.from_numpy(theta.copy()))
@@ -78,7 +78,7 @@ def test_the_outer_step_is_torch_sgd_with_nesterov_over_ten_rounds():
 
 
 def test_outer_lr_1_without_momentum_is_model_averaging():
-    """§5.2: θ_g − 1·mean(θ_g − θ_m) = mean θ_m; inner SGD: the SSGD step [0.95, 1.9]."""
+    """θ_g − 1·mean(θ_g − θ_m) = mean θ_m; inner SGD: the SSGD step [0.95, 1.9]."""
     theta = _f32([1.0, 2.0])
     locals_ = [theta - np.float32(0.1) * _f32([1, 0]), theta - np.float32(0.1) * _f32([0, 2])]
     mean = np.mean([theta - x for x in locals_], axis=0).astype(np.float32)
@@ -87,7 +87,7 @@ def test_outer_lr_1_without_momentum_is_model_averaging():
 
 
 def test_the_streaming_schedule_h12_p3_tau2():
-    """§5.3 / I8: fragment f sent at (f+1)·4 + 12k, applied 2 steps later; at most one in flight."""
+    """H = 12, three fragments, tau = 2: fragment f sent at (f+1)·4 + 12k, applied 2 steps later; at most one in flight."""
     s = Schedule(12, 3, 2)
     sends = [(t, s.send(t)) for t in range(1, 31) if s.send(t) is not None]
     applies = [(t, s.apply(t)) for t in range(1, 31) if s.apply(t) is not None]
@@ -107,7 +107,7 @@ def test_the_streaming_schedule_h12_p3_tau2():
 
 
 def test_the_alpha_merge():
-    """§5.4: θ_g[f] = [0.601, 2.133] after the outer step; worker 1 trained on to [0.7, 2.3]."""
+    """θ_g[f] = [0.601, 2.133] after the outer step; worker 1 trained on to [0.7, 2.3]."""
     theta = _f32([1.0, 2.0])
     buf = outer_step(theta, None, _f32([0.3, -0.1]), lr=0.7, momentum=0.9, nesterov=True)
     assert buf is not None
@@ -196,7 +196,8 @@ def test_the_cursor_is_the_schedule_when_its_interval_is_constant():
 
 
 def test_dylu_intervals_of_the_worked_example():
-    """§5.7: 0.58, 0.75, 1.51, 3.33 s/step, H = 100: H_m = 100, 77, 38, 17 (I20: equal speeds give H)."""
+    """0.58, 0.75, 1.51, 3.33 s/step (the Async Local-SGD toy example's devices), H = 100:
+    H_m = 100, 77, 38, 17; equal speeds give H."""
     speeds = [1 / 0.58, 1 / 0.75, 1 / 1.51, 1 / 3.33]
     assert [dylu_interval(v, max(speeds), 100, 1, 5) for v in speeds] == [100, 77, 38, 17]
     assert [dylu_interval(v, max(speeds), 100, 4, 5) for v in speeds] == [25, 19, 9, 4]
@@ -206,7 +207,7 @@ def test_dylu_intervals_of_the_worked_example():
 
 
 def _eager_run(mu: float) -> tuple[list[list[float]], list[float], list[float]]:
-    """§5.6: two nodes, η = 1, the given outer gradients per round; θ per node after each round,
+    """Two nodes, η = 1, the given outer gradients per round; θ per node after each round,
     then each node's θ and buffer after the completion step."""
     rounds = [[1.0, 3.0], [2.0, 0.0], [-1.0, 1.0]]
     theta = [_f32([0.0]), _f32([0.0])]
@@ -227,7 +228,7 @@ def _eager_run(mu: float) -> tuple[list[list[float]], list[float], list[float]]:
 
 
 def test_eager_rounds_of_the_worked_example():
-    """§5.6 / I5: μ = 0: −0.5/−1.5, −3/−2, −2.5/−3.5, and the completion brings both to −3;
+    """μ = 0: −0.5/−1.5, −3/−2, −2.5/−3.5, and the completion brings both to −3;
     μ = 0.9: −0.95/−2.85, −6.105/−5.015, −7.5445/−9.3635, completion −10.24005/−10.97715,
     buffers 2.4395/2.3485 (their mean, −10.6086 and 2.394, is every node's final state)."""
     seen, final, _ = _eager_run(0.0)

@@ -1,6 +1,5 @@
-"""The ``e3m0`` codec: the worked vector of the DiLoCo notes (§5.5), the error bound, zero
-blocks, odd lengths, non-finite input, the decode table, numba == numpy, error feedback (I17,
-I18)."""
+"""The ``e3m0`` codec: a worked vector (block of 8), the error bound, zero blocks, odd lengths,
+non-finite input, the decode table, numba == numpy, error feedback."""
 
 from __future__ import annotations
 
@@ -87,7 +86,7 @@ def test_registry_parameters_and_usage():
 
 
 def test_error_feedback_tracks_the_sum_within_one_quantization_error():
-    """I17: R rounds of a constant Δ: what was decoded sums to R·Δ minus the last residual."""
+    """R rounds of a constant Δ: what was decoded sums to R·Δ minus the last residual."""
     c, fb = E3M0(block=16), ErrorFeedback()
     d = np.random.default_rng(3).standard_normal(64).astype(np.float32)
     total = np.zeros_like(d)
