@@ -1,5 +1,5 @@
-"""DiLoCo against SSGD and DTS on an emulated WAN: bytes per inner step, accuracy at equal steps,
-time to SSGD's final accuracy, steps that waited on the network.
+"""DiLoCo against SSGD and DTS on an emulated WAN: bytes per inner step, model quality at equal
+steps, time to SSGD's final quality, steps that waited on the network.
 
     python -m bench.diloco [--model mlp] [--quick] [--steps 400] [--nodes 4] [--latencies 0 50 200]
                            [--configs ssgd diloco ...] [--out DIR]
@@ -9,8 +9,8 @@ Local-SGD 2401.09135) at small scale, every run through the CLI
 (``p2psync run``: one process per node) on a ring of ``--nodes`` nodes with the in-process
 shaper: uniform one-way latency (``--latencies``, ms) and ``--nic-mbps`` (100) per NIC. The
 workload is the built-in job's ``--model`` (``mlp`` on the digits by default; the flag is passed
-through, so a language-model workload the CLI learns later runs here unchanged, its accuracy
-column then being whatever the job evaluates). Configurations:
+through). Quality is the evaluations' ``val_bpb`` (validation bits per byte, lower is better)
+where the job reports it (a language model), else test ``accuracy``. Configurations:
 
 * ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
@@ -25,17 +25,17 @@ the time a step was blocked on an exchange that had not arrived (``wait_s``).
 Inner optimizer: AdamW (lr ``--lr``) for SSGD and DiLoCo, as the papers keep the data-parallel
 baseline's optimizer; SGD lr 0.1 momentum 0.9 for DTS.
 
-Per row: bytes sent per node per inner step (NIC counters) and SSGD's / this, final test
-accuracy (mean over nodes) at equal steps, wall seconds, the time until the run's evaluations
-reach SSGD's final accuracy (lower median over nodes) and the speed-up against SSGD, and the
+Per row: bytes sent per node per inner step (NIC counters) and SSGD's / this, the final quality
+(mean over nodes) at equal steps, wall seconds, the time until the run's evaluations reach
+SSGD's final quality (lower median over nodes) and the speed-up against SSGD, and the
 fraction of steps whose wait on peers exceeded ``--waited-ms`` (20 ms). Peak bytes in flight are
 not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
-than SSGD with e3m0 at H = 50; final accuracy within 3 % of SSGD's; >= 3x sooner to SSGD's final
-accuracy at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
+than SSGD with e3m0 at H = 50; final quality within 3 % of SSGD's; >= 3x sooner to SSGD's final
+quality at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
 dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the
 targets are stated for (validation bits per byte): read the verdicts as such.
 
-Output: markdown tables on stdout, bench/out/diloco.png (accuracy against wall time per latency,
+Output: markdown tables on stdout, bench/out/diloco.png (quality against wall time per latency,
 bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
 (about 2 minutes on a 2-core machine).
 """
@@ -51,8 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import (ROOT, Bars, Panel, accuracy_curve, cell, first_reach, lower_median, markdown_table,
-                           plot_panels, speedup, verdict)
+from bench._common import ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
 from bench.wan import uniform_profile
 from p2psync.topology import ring, save
 from p2psync.training.metrics import bytes_sent
@@ -89,7 +88,9 @@ class Row:
     latency_ms: float
     steps: float
     bytes_per_step: float
-    accuracy: float
+    #: the final quality: val_bpb (lower is better) where the job reports it, else accuracy
+    quality: float
+    metric: str
     wall_s: float
     waited: float
     nodes: list[list[dict[str, Any]]]
@@ -98,6 +99,7 @@ class Row:
 def reduce(key: str, latency: float, nodes: list[list[dict[str, Any]]], waited_s: float) -> Row:
     """A row from every node's records (pure)."""
     steps, per_step, walls, waits, accs = [], [], [], [], []
+    metric = "val_bpb" if any(r.get("val_bpb") is not None for recs in nodes for r in recs) else "accuracy"
     for recs in nodes:
         last = recs[-1]
         n = max(1, int(last.get("step", len(recs))))
@@ -108,11 +110,12 @@ def reduce(key: str, latency: float, nodes: list[list[dict[str, Any]]], waited_s
         cum = [float(r.get("comm_s" if key == "ssgd" else "wait_s", 0.0)) for r in recs]
         diffs = [b - a for a, b in zip([0.0, *cum], cum)]
         waits.append(sum(d > waited_s for d in diffs) / max(1, len(diffs)))
-        evald = [r["accuracy"] for r in recs if r.get("accuracy") is not None]
+        evald = [r[metric] for r in recs if r.get(metric) is not None]
         if evald:
             accs.append(float(evald[-1]))
     return Row(key=key, latency_ms=latency, steps=statistics.mean(steps), bytes_per_step=statistics.mean(per_step),
-               accuracy=statistics.mean(accs) if accs else 0.0, wall_s=max(walls), waited=statistics.mean(waits),
+               quality=statistics.mean(accs) if accs else float("nan"), metric=metric, wall_s=max(walls),
+               waited=statistics.mean(waits),
                nodes=nodes)
 
 
@@ -135,35 +138,50 @@ def run_one(cfg: Config, latency: float, args: argparse.Namespace, tmp: Path) ->
     return reduce(cfg.key, latency, nodes, args.waited_ms / 1000)
 
 
+def first_at(recs: Sequence[dict[str, Any]], metric: str, target: float) -> float:
+    """The time of a node's first evaluation at ``target`` or better (inf if none)."""
+    for r in recs:
+        v = r.get(metric)
+        if v is not None and (v <= target if metric == "val_bpb" else v >= target):
+            return float(r["time"])
+    return float("inf")
+
+
+def curve(recs: Sequence[dict[str, Any]], metric: str) -> list[tuple[float, float]]:
+    return [(float(r["time"]), float(r[metric])) for r in recs if r.get(metric) is not None]
+
+
 def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
     """The table and the target lines (pure)."""
     out, lines = [], []
     base = {r.latency_ms: r for r in rows if r.key == "ssgd"}
+    metric = rows[0].metric if rows else "accuracy"
     for r in rows:
         b = base.get(r.latency_ms)
-        target = b.accuracy if b else None
-        t_me = lower_median([first_reach(n, target) for n in r.nodes]) if target is not None else float("inf")
-        t_b = lower_median([first_reach(n, target) for n in b.nodes]) if b is not None and target is not None \
+        target = b.quality if b else None
+        t_me = lower_median([first_at(n, metric, target) for n in r.nodes]) if target is not None else float("inf")
+        t_b = lower_median([first_at(n, metric, target) for n in b.nodes]) if b is not None and target is not None \
             else float("inf")
         ratio = b.bytes_per_step / r.bytes_per_step if b and r.bytes_per_step else None
         out.append([r.key, f"{r.latency_ms:g}", f"{r.steps:.0f}", f"{r.bytes_per_step:,.0f}",
-                    cell(ratio, "{:.0f}x"), f"{r.accuracy:.3f}", f"{r.wall_s:.1f}", cell(t_me, "{:.1f}"),
+                    cell(ratio, "{:.0f}x"), f"{r.quality:.3f}", f"{r.wall_s:.1f}", cell(t_me, "{:.1f}"),
                     cell(speedup(t_b, t_me), "{:.2f}x"), f"{r.waited:.2f}"])
-    table = markdown_table(["config", "one-way ms", "steps", "bytes/step/node", "ssgd/this", "final acc",
-                            "wall s", "s to ssgd's acc", "speed-up", "steps waited"], out)
+    table = markdown_table(["config", "one-way ms", "steps", "bytes/step/node", "ssgd/this", f"final {metric}",
+                            "wall s", f"s to ssgd's {metric}", "speed-up", "steps waited"], out)
     top = max(base) if base else 0.0
     by = {(r.key, r.latency_ms): r for r in rows}
     e3 = by.get(("diloco-e3m0", 0.0)) or by.get(("diloco-e3m0", top))
-    if e3 is not None and (e3.key, e3.latency_ms) and base.get(e3.latency_ms):
+    if e3 is not None and base.get(e3.latency_ms):
         ratio = base[e3.latency_ms].bytes_per_step / e3.bytes_per_step
         lines.append(f"bytes per inner step, e3m0 at H = {inner_steps}: {ratio:.0f}x fewer than ssgd (target >= 300x, "
                      f"at H = 50): {verdict(ratio >= 300)}")
     for key in ("diloco", "diloco-e3m0", "streaming"):
         r = by.get((key, top))
         if r is not None and base.get(top):
-            gap = (base[top].accuracy - r.accuracy) / max(base[top].accuracy, 1e-9)
-            lines.append(f"{key} final accuracy vs ssgd at {top:g} ms: {-100 * gap:+.1f} % (target within 3 %): "
-                         f"{verdict(gap <= 0.03)}")
+            q, bq = r.quality, base[top].quality
+            worse = (q - bq) / bq if metric == "val_bpb" else (bq - q) / max(bq, 1e-9)
+            lines.append(f"{key} final {metric} vs ssgd at {top:g} ms: {100 * worse:+.1f} % worse (target within "
+                         f"3 %): {verdict(worse <= 0.03)}")
     s = by.get(("streaming", top))
     if s is not None:
         lines.append(f"streaming (tau = 1) steps that waited at {top:g} ms: {s.waited:.2f} (target 0): "
@@ -177,14 +195,28 @@ def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
     return table, lines
 
 
-def plot(rows: Sequence[Row], target: float) -> Path:
+def plot(rows: Sequence[Row]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     lats = sorted({r.latency_ms for r in rows})
-    panels = [Panel(f"{lat:g} ms one way", [(r.key, accuracy_curve(r.nodes[0])) for r in rows if r.latency_ms == lat])
-              for lat in lats]
+    metric = rows[0].metric
+    fig, axes = plt.subplots(1, len(lats) + 1, figsize=(4.5 * (len(lats) + 1), 4))
+    for ax, lat in zip(axes, lats):
+        for r in rows:
+            if r.latency_ms == lat and curve(r.nodes[0], metric):
+                ax.plot(*zip(*curve(r.nodes[0], metric)), label=r.key)
+        ax.set(title=f"{lat:g} ms one way", xlabel="seconds", ylabel=metric)
+        ax.legend(fontsize=8)
     first = [r for r in rows if r.latency_ms == lats[0]]
-    bars = Bars("bytes per inner step (first latency)", [r.key for r in first], [r.bytes_per_step for r in first],
-                "bytes / step / node", [r.accuracy for r in first], "final accuracy")
-    return plot_panels("diloco.png", panels, bars, target=target, ylabel="test accuracy", width=4.5)
+    ax = axes[-1]
+    ax.bar(range(len(first)), [r.bytes_per_step for r in first], color="tab:blue")
+    ax.set_xticks(range(len(first)), [r.key for r in first], fontsize=7, rotation=60)
+    ax.set_yscale("log")
+    ax.set(title="bytes per inner step per node (first latency)")
+    return save_png(fig, "diloco.png")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -217,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if cfg.hetero and lat != args.latencies[0]:
                     continue
                 row = run_one(cfg, lat, args, tmp)
-                print(f"  {cfg.key} at {lat:g} ms: acc {row.accuracy:.3f}, {row.bytes_per_step:,.0f} B/step, "
+                print(f"  {cfg.key} at {lat:g} ms: {row.metric} {row.quality:.3f}, {row.bytes_per_step:,.0f} B/step, "
                       f"{row.wall_s:.1f} s", file=sys.stderr)
                 rows.append(row)
     table, lines = report(rows, args.inner_steps)
@@ -225,8 +257,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     for ln in lines:
         print(f"- {ln}")
-    ssgd = [r.accuracy for r in rows if r.key == "ssgd"]
-    print(f"\nplot: {plot(rows, ssgd[0] if ssgd else 0.9)}")
+    print(f"\nplot: {plot(rows)}")
 
 
 if __name__ == "__main__":
