@@ -240,6 +240,18 @@ class HookedReplica:
             self._replaced()
         await self.gate.run(go)
 
+    async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """See :meth:`Replica.get_params_range <p2psync.strategies.base.Replica.get_params_range>`."""
+        return await self.gate.run(lambda: self.flat.get_params_range(ranges))
+
+    async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
+        """See :meth:`Replica.set_params_range <p2psync.strategies.base.Replica.set_params_range>`;
+        iterations computed before it are then skipped."""
+        def go() -> None:
+            self.flat.set_params_range(ranges, vec)
+            self._replaced()
+        await self.gate.run(go)
+
     async def export_meta(self) -> bytes:
         """See :meth:`Replica.export_meta <p2psync.strategies.base.Replica.export_meta>`."""
         return await self.gate.run(lambda: encode(self.user_state.capture()))

@@ -29,7 +29,7 @@ from p2psync.coordinator.zipline import SEARCHERS, predict
 
 #: every spec whose encode or decode reaches a numba kernel (``sketch8:6``: the bit packing;
 #: ``sketch8:auto``: the width search)
-CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto")
+CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto", "e3m0")
 
 
 def warm_codecs() -> list[str]:

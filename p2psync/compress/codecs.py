@@ -2,7 +2,8 @@
 sketch, ../shared/papers/canary.md §4.3.1) and ``sketch8p`` (the same sketch exactly as the paper
 describes it: quantile boundaries, midpoint representatives), plus error feedback for any lossy codec, and the
 registry ``CODECS`` / :func:`get_codec` (which also knows ``topk[:FRACTION]``, the sparsifying
-codec of :mod:`p2psync.compress.topk`). Pure.
+codec of :mod:`p2psync.compress.topk`, and ``e3m0[:BLOCK]``, the 4-bit floats of
+:mod:`p2psync.compress.e3m0`). Pure.
 
 A codec turns one float32 piece into a few arrays for the wire and back. ``sketch8`` follows the
 paper's three steps:
@@ -53,6 +54,7 @@ import numpy as np
 from p2psync.compress import kernels as K
 from p2psync.compress.base import Codec
 from p2psync.compress.base import expect_arrays as _expect
+from p2psync.compress.e3m0 import E3M0
 from p2psync.compress.topk import TopK
 from p2psync.errors import ConfigError
 
@@ -332,7 +334,7 @@ class Sketch8Paper(Sketch8):
                          bits=bits, tol=tol)
 
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, Sketch8Paper, TopK)}
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCodec, Fp16, Int8Uniform, Sketch8, Sketch8Paper, TopK, E3M0)}
 
 
 def codec_usage() -> str:

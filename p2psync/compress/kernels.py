@@ -474,3 +474,101 @@ def auto_bits_np(s: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, t
             if sketch_error_np(s, sketch_bounds_np(s, lo, hi, w, hybrid), mid) <= tol:
                 return w
     return most
+
+
+# -- e3m0: 4-bit floats (sign, 3 exponent bits, no mantissa) with one scale per block ------------
+
+@njit(cache=True, nogil=True)
+def e3m0_encode(x: np.ndarray, block: int, codes: np.ndarray, scales: np.ndarray) -> bool:
+    """Codes (two per byte, element 2j in the low nibble) and block scales (the block's largest
+    magnitude) of float32 ``x``; ``codes`` zeroed, ceil(n/2) bytes; ``scales`` ceil(n/block).
+    Round to nearest level, ties toward the smaller magnitude (thresholds in float32: s/128,
+    then 1.5 times each level s/64 .. s/2). False when ``x`` holds NaN or infinity (outputs
+    then undefined)."""
+    n = x.shape[0]
+    nb = scales.shape[0]
+    t = np.empty(7, np.float32)
+    for b in range(nb):
+        lo = b * block
+        hi = min(n, lo + block)
+        s = np.float32(0.0)
+        for i in range(lo, hi):
+            a = abs(x[i])
+            if not a <= np.float32(np.inf) or a == np.float32(np.inf):  # NaN or infinity
+                return False
+            if a > s:
+                s = a
+        scales[b] = s
+        if s == 0:
+            continue
+        t[0] = s * np.float32(0.0078125)  # s / 128: the midpoint of 0 and s / 64
+        level = s * np.float32(0.015625)  # s / 64
+        for e in range(1, 7):
+            t[e] = level * np.float32(1.5)
+            level = level * np.float32(2.0)
+        for i in range(lo, hi):
+            v = x[i]
+            a = abs(v)
+            e = 0
+            for k in range(7):
+                e += a > t[k]
+            c = e | (8 if (v < 0 and e > 0) else 0)
+            if i & 1:
+                codes[i >> 1] |= np.uint8(c << 4)
+            else:
+                codes[i >> 1] |= np.uint8(c)
+    return True
+
+
+@njit(cache=True, nogil=True)
+def e3m0_decode(codes: np.ndarray, scales: np.ndarray, block: int, out: np.ndarray) -> None:
+    """Values of :func:`e3m0_encode`'s codes: 0 for exponent 0, else +-scale * 2**(e - 7)."""
+    n = out.shape[0]
+    table = np.empty(16, np.float32)
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        table[0] = 0.0
+        table[8] = 0.0
+        p = np.float32(0.015625)
+        for e in range(1, 8):
+            table[e] = s * p
+            table[8 + e] = -(s * p)
+            p = p * np.float32(2.0)
+        lo = b * block
+        hi = min(n, lo + block)
+        for i in range(lo, hi):
+            byte = np.int64(codes[i >> 1])
+            c = (byte >> 4) if i & 1 else (byte & 15)
+            out[i] = table[c]
+
+
+def e3m0_encode_np(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`e3m0_encode` in numpy: (codes, scales), or None for a non-finite input."""
+    n = x.size
+    if not np.isfinite(x).all():
+        return None
+    nb = -(-n // block)
+    a = np.abs(x.astype(np.float32))
+    pad = np.zeros(nb * block, np.float32)
+    pad[:n] = a
+    s = pad.reshape(nb, block).max(axis=1) if nb else np.zeros(0, np.float32)
+    levels = s[:, None] * (np.float32(2.0) ** np.arange(-6, 0, dtype=np.float32))[None, :]  # s/64 .. s/2
+    t = np.concatenate([(s * np.float32(0.0078125))[:, None], (levels * np.float32(1.5)).astype(np.float32)], axis=1)
+    e = (pad.reshape(nb, block)[:, :, None] > t[:, None, :]).sum(axis=2).reshape(-1)[:n].astype(np.uint8)
+    c = e | np.where((x < 0) & (e > 0), 8, 0).astype(np.uint8)
+    if n & 1:
+        c = np.concatenate([c, np.zeros(1, np.uint8)])
+    codes = (c[0::2] | (c[1::2] << 4)).astype(np.uint8)
+    return codes, s.astype(np.float32)
+
+
+def e3m0_decode_np(codes: np.ndarray, scales: np.ndarray, block: int, n: int) -> np.ndarray:
+    """:func:`e3m0_decode` in numpy."""
+    c = np.empty(2 * codes.size, np.uint8)
+    c[0::2] = codes & 15
+    c[1::2] = codes >> 4
+    c = c[:n]
+    e = (c & 7).astype(np.int32)
+    mag = np.repeat(scales, block)[:n] * np.where(e > 0, np.ldexp(np.float32(1.0), e - 7), 0).astype(np.float32)
+    out: np.ndarray = np.where(((c & 8) > 0) & (e > 0), -mag, mag).astype(np.float32)
+    return out

@@ -139,6 +139,16 @@ class Replica(Protocol):
         """Replace the parameters with the flat ``vec`` (optimizer state unchanged). Called
         from e.g. esync.py: ``await self.ctx.replica.set_params(w_t + ... * mean)``."""
 
+    async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The parameters in ``ranges`` ((lo, hi) of the flat vector), concatenated, as float32:
+        a part of :meth:`get_params` without a copy of the whole model. Called from diloco.py
+        for one fragment: ``local = await self.ctx.replica.get_params_range(self.ranges[f])``."""
+
+    async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
+        """Replace the parameters in ``ranges`` with ``vec`` (their values, concatenated); the
+        rest of the model and the optimizer state unchanged. Called from diloco.py after a
+        fragment's outer step: ``await self.ctx.replica.set_params_range(self.ranges[f], merged)``."""
+
     async def export_state(self) -> np.ndarray:
         """Parameters + optimizer state as one float32 vector (same length on every node of a
         run). Called from regroup.py when serving a joiner: ``vec = await ctx.replica.export_state()``."""
@@ -349,8 +359,9 @@ class Strategy(ABC):
         here; the flat gradient at the step is still what ``compute_gradients`` returns."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The strategy's own state for a user's checkpoint (JSON-friendly values); the model
-        and optimizer state are in their own state dicts. Called from api/session_state.py
+        """The strategy's own state for a user's checkpoint (JSON values or torch tensors: the
+        checkpoint is a ``torch.save`` dict loaded with ``weights_only=True``); the model and
+        optimizer state are in their own state dicts. Called from api/session_state.py
         when a checkpoint is taken: ``copy.deepcopy(self.strategy.state_dict())``."""
         return {}
 

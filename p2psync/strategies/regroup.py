@@ -109,12 +109,18 @@ class Regroup:
 
     def __init__(self, *, ctx: StrategyContext, name: str,
                  snapshot: Callable[[], Awaitable[np.ndarray]] | None = None,
-                 restore: Callable[[np.ndarray], Awaitable[None]] | None = None) -> None:
+                 restore: Callable[[np.ndarray], Awaitable[None]] | None = None,
+                 size: Callable[[], int] | None = None) -> None:
+        """``snapshot`` / ``restore`` / ``size``: the state a member behind adopts (default: the
+        replica's parameters and optimizer state, ``export_state`` / ``import_state`` /
+        ``state_size``); a strategy with state of its own (DiLoCo's global copy and outer
+        momentum) passes its own three."""
         self.ctx = ctx
         self.name = name
         self.failstop = FailStop(ctx, name, f"{name}.")
         self.snapshot = snapshot if snapshot is not None else ctx.replica.export_state
         self.restore = restore if restore is not None else ctx.replica.import_state
+        self.size = size if size is not None else ctx.replica.state_size
         #: re-form over survivors (else fail-stop): needs views and --on-failure continue
         self.elastic = ctx.on_failure == "continue" and ctx.membership.view is not None
         #: the epoch whose members last agreed on their state: none yet, so every node runs one
@@ -307,7 +313,7 @@ class Regroup:
             self.synced = view.epoch
             return None
         donor, top = decision
-        size = self.ctx.replica.state_size()
+        size = self.size()
         buf = await self.snapshot() if me == donor else np.zeros(size, np.float32)
         if buf.size != size or buf.dtype != np.float32:
             raise ConfigError(f"{self.name}: state snapshot has {buf.size} {buf.dtype} values, expected {size} float32")

@@ -16,7 +16,7 @@ A joining node takes its state from a live peer.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -132,6 +132,47 @@ class FlatModel:
         with torch.no_grad():
             for p, v in self._per_param(vec, "parameter"):
                 p.copy_(v)
+
+    def _slices(self, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(parameter, first, end within it, position in the ranges' concatenation) for every
+        piece of a parameter the ``ranges`` of the flat vector cover, in order."""
+        pos = 0
+        for lo, hi in ranges:
+            if not 0 <= lo <= hi <= self.numel:
+                raise ValueError(f"range [{lo}, {hi}) outside the {self.numel} parameters")
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                a, b = max(lo, off), min(hi, off + n)
+                if a < b:
+                    yield p, a - off, b - off, pos + a - lo
+                off += n
+            pos += hi - lo
+
+    def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """A host float32 copy of the flat vector's ``ranges`` (lo, hi), concatenated: what
+        :meth:`get_params` holds there, without a copy of the whole vector."""
+        parts = [p.detach().reshape(-1)[a:b] for p, a, b, _ in self._slices(ranges)]
+        if not parts:
+            return np.zeros(0, np.float32)
+        return self._to_host(torch.cat(parts))
+
+    def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
+        """Copy ``vec`` (the ranges' values, concatenated) into the parameters there; the rest
+        of the model and the optimizer state untouched (ValueError on a length mismatch)."""
+        size = sum(hi - lo for lo, hi in ranges)
+        if vec.size != size:
+            raise ValueError(f"parameter range vector has {vec.size} elements, the ranges hold {size}")
+        src = self._to_device(vec)
+        with torch.no_grad():
+            for p, a, b, at in self._slices(ranges):
+                part = src[at:at + b - a].to(p.device, p.dtype)
+                if p.is_contiguous():
+                    p.view(-1)[a:b].copy_(part)
+                else:  # (a strided parameter: written back whole)
+                    whole = p.detach().reshape(-1).clone()
+                    whole[a:b] = part
+                    p.copy_(whole.view_as(p))
 
     # -- module buffers (BatchNorm statistics) -----------------------------------------------
 

@@ -334,6 +334,14 @@ class Trainer:
         """Replace the parameters with the flat ``vec`` (a compute job)."""
         await self.run(lambda: self.flat.set_params(vec))
 
+    async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The parameters in ``ranges``, concatenated (a compute job)."""
+        return await self.run(lambda: self.flat.get_params_range(ranges))
+
+    async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
+        """Replace the parameters in ``ranges`` (a compute job)."""
+        await self.run(lambda: self.flat.set_params_range(ranges, vec))
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the model's buffers."""

@@ -62,7 +62,7 @@ DTYPES: frozenset[str] = frozenset(
 #: Payload codecs a frame may declare (see ``p2psync.compress``). ``raw`` = not a tensor codec.
 #: ``topk`` frames are (indices, values) of a sparsified tensor (ASGD's gradients; the sparse
 #: allreduce itself travels as plain ``none`` byte frames through the allgather).
-WireCodec = Literal["none", "fp16", "int8", "sketch8", "sketch8p", "topk", "raw"]
+WireCodec = Literal["none", "fp16", "int8", "sketch8", "sketch8p", "topk", "e3m0", "raw"]
 CODECS: frozenset[str] = frozenset(get_args(WireCodec))
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})

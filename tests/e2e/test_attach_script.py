@@ -45,7 +45,7 @@ def _final_accuracy(log: Path) -> float:
     return int(right) / int(total)
 
 
-@pytest.mark.parametrize("strategy", ["ssgd", "asgd", "esync", "dts", "preduce"])
+@pytest.mark.parametrize("strategy", ["ssgd", "asgd", "esync", "dts", "preduce", "diloco"])
 def test_the_example_trains_under_every_strategy(tmp_path: Path, strategy: str) -> None:
     topo = _topo(tmp_path)
     # ASGD applies every peer's gradient as its own optimizer step (momentum included): three
@@ -61,6 +61,9 @@ def test_the_example_trains_under_every_strategy(tmp_path: Path, strategy: str) 
     # DTS: ~90 local steps is short for the default delay 4 and period 4 (the model each node
     # evaluates at its loop's end still lacks up to t + p - 1 steps of averaging)
     opts = ["--opt", "t=2", "--opt", "p=2"] if strategy == "dts" else []
+    if strategy == "diloco":  # ~90 local steps: H = 10 (default 100), two fragments in turn, 4-bit, overlapped
+        opts = ["--opt", "inner_steps=10", "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", "tau=2",
+                "--opt", "outer_codec=e3m0"]
     r = p2psync("run", topo, "--strategy", strategy, *opts, "--out", tmp_path, "--run-id", "ex", "--no-progress",
                 "--", sys.executable, EXAMPLE, "--epochs", epochs, *extra)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]

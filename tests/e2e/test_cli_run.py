@@ -385,6 +385,30 @@ def test_ring4_ssgd_killed_node_restarted_rejoins(tmp_path):
     assert len(lines(run / "node-2.jsonl")) > n_before  # the new process trained
 
 
+@pytest.mark.slow
+def test_ring4_diloco_killed_node_restarted_rejoins(tmp_path):
+    """DiLoCo (Streaming: 2 fragments, tau=2) through node processes: kill -9 node 2 and restart
+    it while the run goes on; the survivors redo their sum without it, the new process adopts
+    the leader's global copy, outer momentum and inner state, and every node ends at the same
+    step with the same model. (~75 s; the shorter equivalent, in one process, is
+    tests/integration/test_diloco_elastic_zmq.py.)"""
+    budget = ("--steps", "300", "--lr-schedule", "cosine", "--opt", "inner_steps=10", "--opt", "tau=2",
+              "--opt", "fragments=2")
+    with ring_run(tmp_path, "rj", *budget, strategy="diloco", step_s=0.1) as (start, run, procs):
+        procs[2].send_signal(signal.SIGKILL)
+        wait_for(lambda: any(r.get("members") == 3 for r in lines(run / "node-0.jsonl")), 30,
+                 "the survivors to re-form")
+        n_before = len(lines(run / "node-2.jsonl"))
+        procs.append(start(2))
+        errs = exit_0(procs, (0, 1, 3, 4), timeout=120)
+    assert "adopted the leader's DiLoCo state" in errs[4], errs[4][-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["nodes"]) == {"0", "1", "2", "3"} and summary["failed"] == []
+    steps, hashes = agreement(summary)
+    assert steps == {300} and len(hashes) == 1, summary["nodes"]
+    assert len(lines(run / "node-2.jsonl")) > n_before  # the new process trained
+
+
 def test_a_port_in_use_is_named_with_how_to_choose_others(tmp_path):
     """Node 0's port is held by another program: the node's error names the address and port
     and points to --base-port (or the topology file)."""

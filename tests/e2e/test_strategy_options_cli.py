@@ -22,6 +22,7 @@ BAD = {
     "asgd": ("send_timeout=0", "send_timeout=0"),
     "esync": ("mode=fast", "mode='fast'"),
     "dts": ("t=-1", "t=-1"),
+    "diloco": ("eager_delay=2", "eager_delay=2"),
     "preduce": ("P=9", "P=9"),  # more than the topology's 4 nodes: checked against the topology
     "canary": ("sketch_bits=9", "sketch_bits=9"),
     "ssp": ("s=three", "s=three"),

@@ -43,6 +43,8 @@ FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "ca
 #: registry codec that changes what goes on the wire from piece to piece: its own case
 CODEC_CASES = ([(c, False) for c in sorted(CODECS)] + [("sketch8:auto", False)]
                + [(c, True) for c in sorted(CODECS) if CODECS[c].lossy and not CODECS[c].always_feedback])
+#: options a strategy needs to exchange at all within STEPS (DiLoCo's default H is 100 inner steps)
+OPTIONS = {"diloco": {"inner_steps": 10}}
 #: the parameter-store strategies share one codec path (the store's push pieces): ``ssp`` runs
 #: every codec case, the other four the uncompressed one (the suite's time budget)
 STORE_SHARED_CODEC = {"bsp", "asp", "dssp", "elastic_bsp"}
@@ -52,11 +54,28 @@ TOPOLOGIES = {"ring": lambda port: ring(4, base_port=port), "mesh": lambda port:
               "star": lambda port: star(4, base_port=port), "bcube": lambda port: bcube(2, 2, base_port=port)}
 
 
+#: DiLoCo's pseudo-gradients go through the same dense allreduce as SSGD's gradients: besides
+#: ``none`` on every topology it runs its own codec (4-bit, with and without error feedback), the
+#: sparse allreduce and one 8-bit codec (the suite's time budget)
+DILOCO_CODECS = {("e3m0", False), ("e3m0", True), ("topk", False), ("int8", False)}
+#: ``e3m0 + error feedback`` runs with the strategies whose exchange feeds an outer step or a
+#: gradient average directly (the others run ``e3m0`` alone; the suite's time budget)
+E3M0_FEEDBACK = {"diloco", "ssgd"}
+
+
+def _codec_cases(s: str) -> list[tuple[str, bool]]:
+    if s in STORE_SHARED_CODEC:
+        return [("none", False)]
+    if s == "diloco":
+        return [(c, f) for c, f in CODEC_CASES if (c, f) in DILOCO_CODECS]
+    return [(c, f) for c, f in CODEC_CASES if not (c == "e3m0" and f and s not in E3M0_FEEDBACK)]
+
+
 def _cases() -> list[tuple[str, str, bool, str]]:
     kinds = sorted(TOPOLOGIES)
     out = []
     for si, s in enumerate(sorted(REGISTRY)):
-        codec_cases = [(c, f) for c, f in CODEC_CASES if s not in STORE_SHARED_CODEC or c == "none"]
+        codec_cases = _codec_cases(s)
         for ci, (c, f) in enumerate(codec_cases):
             out.append((s, c, f, kinds[(si + ci) % len(kinds)]))
         covered = {t for s2, c, f, t in out if s2 == s and c == "none" and not f}
@@ -96,7 +115,7 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
     # the step budget is known in advance (as --steps gives it): DTS, which agrees on
     # stopping only once per window, stops exactly at the last step too
     strats = await strategies(eps, topo, strategy, codec=codec, error_feedback=feedback,
-                              trainers=trainers, max_steps=STEPS)
+                              trainers=trainers, max_steps=STEPS, options=OPTIONS.get(strategy))
     done = await asyncio.gather(*(_run_until_stop(s, STEPS) for s in strats))
     if strategy == "asgd":  # no barrier: remote gradients are still trickling in
         await until(lambda: all(s.applied_remote == 3 * STEPS for s in strats), 20,
@@ -147,7 +166,8 @@ async def test_store_strategies_train_with_the_users_optimizer(strategy, optimiz
 
 
 #: the strategies whose local steps are the user's optimizer's own: the same optimizer axis
-USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary") for o in ("nesterov", "adamw")]
+USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary", "diloco")
+                   for o in ("nesterov", "adamw")]
 
 
 @pytest.mark.parametrize("strategy,optimizer", USER_OPTIMIZERS, ids=[f"{s}-{o}" for s, o in USER_OPTIMIZERS])
@@ -159,10 +179,10 @@ async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy,
     lr = 0.01 if optimizer == "adamw" else (0.05 if strategy == "asgd" else 0.1)
     trainers = {i: make_trainer(topo, i, lr=lr, optimizer=optimizer, weight_decay=1e-4) for i in topo.ids}
     assert all(type(t.optimizer).__name__ == ("AdamW" if optimizer == "adamw" else "SGD") for t in trainers.values())
-    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers)
+    strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers, options=OPTIONS.get(strategy))
     done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
     assert max(n for n, _ in done) == steps, done
-    if strategy == "ssgd":  # one model: the same optimizer arithmetic on the same mean everywhere
+    if strategy in ("ssgd", "diloco"):  # one model (diloco: θ_g, at the stop)
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)
     accs = [(await s.ctx.replica.evaluate())[1] for s in strats]

@@ -42,3 +42,34 @@ def test_corrections_add_to_weights_and_momentum():
     f.add_to_momentum(dw)
     np.testing.assert_allclose(f.get_params(), w0 + 0.5)
     np.testing.assert_allclose(f.export_state()[f.numel:], s0[f.numel:] + 0.5)
+
+
+def test_parameter_ranges_read_and_write_what_the_whole_vector_holds_there():
+    """DiLoCo's fragments: ranges across parameter boundaries (a Linear's weight and bias, the
+    next layer's weight) read and write exactly the flat vector's values there, and nothing
+    else: the optimizer state is untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 12 + 4 + 8 + 2 = 26
+    f = FlatModel(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    f.model(torch.ones(2, 3)).sum().backward()
+    f.optimizer.step()
+    state = f.export_state()
+    whole = f.get_params()
+    ranges = ((2, 5), (10, 20), (25, 26))
+    idx = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
+    assert f.get_params_range(ranges).tobytes() == whole[idx].tobytes()
+    new = np.arange(idx.size, dtype=np.float32) - 7
+    f.set_params_range(ranges, new)
+    want = whole.copy()
+    want[idx] = new
+    assert f.get_params().tobytes() == want.tobytes()
+    after = f.export_state()
+    assert after[f.numel:].tobytes() == state[f.numel:].tobytes()  # optimizer state as it was
+    assert f.get_params_range(()).size == 0
+    for bad in (((0, 27),), ((5, 3),)):
+        try:
+            f.get_params_range(bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(bad)

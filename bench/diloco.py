@@ -1,0 +1,264 @@
+"""DiLoCo against SSGD and DTS on an emulated WAN: bytes per inner step, model quality at equal
+steps, time to SSGD's final quality, steps that waited on the network.
+
+    python -m bench.diloco [--model mlp] [--quick] [--steps 400] [--nodes 4] [--latencies 0 50 200]
+                           [--configs ssgd diloco ...] [--out DIR]
+
+Checks the claims of the DiLoCo family (DiLoCo 2311.08105, Streaming DiLoCo 2501.18512, Async
+Local-SGD 2401.09135) at small scale, every run through the CLI
+(``p2psync run``: one process per node) on a ring of ``--nodes`` nodes with the in-process
+shaper: uniform one-way latency (``--latencies``, ms) and ``--nic-mbps`` (100) per NIC. The
+workload is the built-in job's ``--model`` (``mlp`` on the digits by default; the flag is passed
+through). Quality is the evaluations' ``val_bpb`` (validation bits per byte, lower is better)
+where the job reports it (a language model), else test ``accuracy``. Configurations:
+
+* ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
+* ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
+* ``diloco`` — H = ``--inner-steps`` (50), codec none; ``diloco-e3m0`` — the same with 4-bit outer
+  gradients; ``streaming`` — 2 fragments, tau = 1, alpha = 0.5, e3m0, outer lr 0.4;
+* ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``), diloco with fixed H, and with
+  ``dylu=true`` (only at the first latency).
+
+"Steps waited": SSGD's steps are its blocking allreduce (``comm_s``); DTS and DiLoCo report only
+the time a step was blocked on an exchange that had not arrived (``wait_s``).
+
+Inner optimizer: AdamW (lr ``--lr``) for SSGD and DiLoCo, as the papers keep the data-parallel
+baseline's optimizer; SGD lr 0.1 momentum 0.9 for DTS.
+
+Per row: bytes sent per node per inner step (NIC counters) and SSGD's / this, the final quality
+(mean over nodes) at equal steps, wall seconds, the time until the run's evaluations reach
+SSGD's final quality (lower median over nodes) and the speed-up against SSGD, and the
+fraction of steps whose wait on peers exceeded ``--waited-ms`` (20 ms). Peak bytes in flight are
+not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
+than SSGD with e3m0 at H = 50; final quality within 3 % of SSGD's; >= 3x sooner to SSGD's final
+quality at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
+dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the
+targets are stated for (validation bits per byte): read the verdicts as such.
+
+Output: markdown tables on stdout, bench/out/diloco.png (quality against wall time per latency,
+bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
+(about 2 minutes on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench._common import ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
+from bench.wan import uniform_profile
+from p2psync.topology import ring, save
+from p2psync.training.metrics import bytes_sent
+from tests.helpers import free_port
+
+HETERO = "0:1,1:1,2:2,3:4"
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    args: tuple[str, ...]
+    hetero: bool = False
+
+
+def configs(inner_steps: int, lr: float) -> list[Config]:
+    adamw = ("--optimizer", "adamw", "--lr", str(lr))
+    h = ("--opt", f"inner_steps={inner_steps}")
+    dl = ("--strategy", "diloco", *h, *adamw)
+    return [Config("ssgd", ("--strategy", "ssgd", *adamw)),
+            Config("dts", ("--strategy", "dts", "--opt", "t=4", "--opt", "p=4", "--optimizer", "sgd", "--lr", "0.1",
+                           "--momentum", "0.9")),
+            Config("diloco", dl),
+            Config("diloco-e3m0", (*dl, "--opt", "outer_codec=e3m0")),
+            Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", "tau=1",
+                                 "--opt", "outer_codec=e3m0", "--opt", "outer_lr=0.4")),
+            Config("hetero", (*dl, "--slowdown", HETERO), hetero=True),
+            Config("hetero-dylu", (*dl, "--opt", "dylu=true", "--slowdown", HETERO), hetero=True)]
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    latency_ms: float
+    steps: float
+    bytes_per_step: float
+    #: the final quality: val_bpb (lower is better) where the job reports it, else accuracy
+    quality: float
+    metric: str
+    wall_s: float
+    waited: float
+    nodes: list[list[dict[str, Any]]]
+
+
+def reduce(key: str, latency: float, nodes: list[list[dict[str, Any]]], waited_s: float) -> Row:
+    """A row from every node's records (pure)."""
+    steps, per_step, walls, waits, accs = [], [], [], [], []
+    metric = "val_bpb" if any(r.get("val_bpb") is not None for recs in nodes for r in recs) else "accuracy"
+    for recs in nodes:
+        last = recs[-1]
+        n = max(1, int(last.get("step", len(recs))))
+        steps.append(n)
+        per_step.append(bytes_sent(last) / n)
+        walls.append(float(last["time"]))
+        # SSGD reports its blocking allreduce as comm_s; the others report only blocked time as wait_s
+        cum = [float(r.get("comm_s" if key == "ssgd" else "wait_s", 0.0)) for r in recs]
+        diffs = [b - a for a, b in zip([0.0, *cum], cum)]
+        waits.append(sum(d > waited_s for d in diffs) / max(1, len(diffs)))
+        evald = [r[metric] for r in recs if r.get(metric) is not None]
+        if evald:
+            accs.append(float(evald[-1]))
+    return Row(key=key, latency_ms=latency, steps=statistics.mean(steps), bytes_per_step=statistics.mean(per_step),
+               quality=statistics.mean(accs) if accs else float("nan"), metric=metric, wall_s=max(walls),
+               waited=statistics.mean(waits),
+               nodes=nodes)
+
+
+def run_one(cfg: Config, latency: float, args: argparse.Namespace, tmp: Path) -> Row:
+    topo = tmp / f"ring-{args.nodes}-{cfg.key}-{latency:g}.json"
+    save(ring(args.nodes, base_port=free_port()), topo)  # ports of its own: other runs may hold the defaults
+    prof = tmp / f"wan-{latency:g}.json"
+    prof.write_text(json.dumps(uniform_profile(latency, args.nodes)))
+    run_id = f"{cfg.key}-{latency:g}ms"
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.args, "--model", args.model, "--steps",
+           str(args.steps), "--eval-every", str(max(1, args.steps // 10)), "--shaper", "inproc", "--wan", str(prof),
+           "--nic-mbps", str(args.nic_mbps), "--out", str(tmp), "--run-id", run_id, "--no-progress"]
+    import subprocess
+
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"{run_id} failed:\n{r.stderr[-3000:]}")
+    nodes = [[json.loads(ln) for ln in (tmp / run_id / f"node-{i}.jsonl").read_text().splitlines() if ln.strip()]
+             for i in range(args.nodes)]
+    return reduce(cfg.key, latency, nodes, args.waited_ms / 1000)
+
+
+def first_at(recs: Sequence[dict[str, Any]], metric: str, target: float) -> float:
+    """The time of a node's first evaluation at ``target`` or better (inf if none)."""
+    for r in recs:
+        v = r.get(metric)
+        if v is not None and (v <= target if metric == "val_bpb" else v >= target):
+            return float(r["time"])
+    return float("inf")
+
+
+def curve(recs: Sequence[dict[str, Any]], metric: str) -> list[tuple[float, float]]:
+    return [(float(r["time"]), float(r[metric])) for r in recs if r.get(metric) is not None]
+
+
+def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
+    """The table and the target lines (pure)."""
+    out, lines = [], []
+    base = {r.latency_ms: r for r in rows if r.key == "ssgd"}
+    metric = rows[0].metric if rows else "accuracy"
+    for r in rows:
+        b = base.get(r.latency_ms)
+        target = b.quality if b else None
+        t_me = lower_median([first_at(n, metric, target) for n in r.nodes]) if target is not None else float("inf")
+        t_b = lower_median([first_at(n, metric, target) for n in b.nodes]) if b is not None and target is not None \
+            else float("inf")
+        ratio = b.bytes_per_step / r.bytes_per_step if b and r.bytes_per_step else None
+        out.append([r.key, f"{r.latency_ms:g}", f"{r.steps:.0f}", f"{r.bytes_per_step:,.0f}",
+                    cell(ratio, "{:.0f}x"), f"{r.quality:.3f}", f"{r.wall_s:.1f}", cell(t_me, "{:.1f}"),
+                    cell(speedup(t_b, t_me), "{:.2f}x"), f"{r.waited:.2f}"])
+    table = markdown_table(["config", "one-way ms", "steps", "bytes/step/node", "ssgd/this", f"final {metric}",
+                            "wall s", f"s to ssgd's {metric}", "speed-up", "steps waited"], out)
+    top = max(base) if base else 0.0
+    by = {(r.key, r.latency_ms): r for r in rows}
+    e3 = by.get(("diloco-e3m0", 0.0)) or by.get(("diloco-e3m0", top))
+    if e3 is not None and base.get(e3.latency_ms):
+        ratio = base[e3.latency_ms].bytes_per_step / e3.bytes_per_step
+        lines.append(f"bytes per inner step, e3m0 at H = {inner_steps}: {ratio:.0f}x fewer than ssgd (target >= 300x, "
+                     f"at H = 50): {verdict(ratio >= 300)}")
+    for key in ("diloco", "diloco-e3m0", "streaming"):
+        r = by.get((key, top))
+        if r is not None and base.get(top):
+            q, bq = r.quality, base[top].quality
+            worse = (q - bq) / bq if metric == "val_bpb" else (bq - q) / max(bq, 1e-9)
+            lines.append(f"{key} final {metric} vs ssgd at {top:g} ms: {100 * worse:+.1f} % worse (target within "
+                         f"3 %): {verdict(worse <= 0.03)}")
+    s = by.get(("streaming", top))
+    if s is not None:
+        lines.append(f"streaming (tau = 1) steps that waited at {top:g} ms: {s.waited:.2f} (target 0): "
+                     f"{verdict(s.waited == 0)}")
+    low = min(base) if base else 0.0
+    fixed, dylu = by.get(("hetero", low)), by.get(("hetero-dylu", low))
+    if fixed is not None and dylu is not None:
+        ok = fixed.wall_s >= 1.3 * dylu.wall_s
+        lines.append(f"1:1:2:4 devices: wall {fixed.wall_s:.1f} s fixed H vs {dylu.wall_s:.1f} s dylu "
+                     f"({fixed.wall_s / dylu.wall_s:.2f}x; target >= 1.3x sooner): {verdict(ok)}")
+    return table, lines
+
+
+def plot(rows: Sequence[Row]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lats = sorted({r.latency_ms for r in rows})
+    metric = rows[0].metric
+    fig, axes = plt.subplots(1, len(lats) + 1, figsize=(4.5 * (len(lats) + 1), 4))
+    for ax, lat in zip(axes, lats):
+        for r in rows:
+            if r.latency_ms == lat and curve(r.nodes[0], metric):
+                ax.plot(*zip(*curve(r.nodes[0], metric)), label=r.key)
+        ax.set(title=f"{lat:g} ms one way", xlabel="seconds", ylabel=metric)
+        ax.legend(fontsize=8)
+    first = [r for r in rows if r.latency_ms == lats[0]]
+    ax = axes[-1]
+    ax.bar(range(len(first)), [r.bytes_per_step for r in first], color="tab:blue")
+    ax.set_xticks(range(len(first)), [r.key for r in first], fontsize=7, rotation=60)
+    ax.set_yscale("log")
+    ax.set(title="bytes per inner step per node (first latency)")
+    return save_png(fig, "diloco.png")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="mlp", help="the built-in job's --model (passed through)")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--inner-steps", type=int, default=50)
+    ap.add_argument("--lr", type=float, default=0.003, help="AdamW's learning rate (ssgd, diloco)")
+    ap.add_argument("--latencies", type=float, nargs="+", default=None, help="one-way ms (default 0 50 200)")
+    ap.add_argument("--nic-mbps", type=float, default=100.0)
+    ap.add_argument("--configs", nargs="+", default=None)
+    ap.add_argument("--waited-ms", type=float, default=20.0)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.inner_steps = 60, 10
+        args.latencies = args.latencies or [0.0]
+        args.configs = args.configs or ["ssgd", "diloco-e3m0", "streaming"]
+    args.latencies = args.latencies or [0.0, 50.0, 200.0]
+    cfgs = [c for c in configs(args.inner_steps, args.lr) if args.configs is None or c.key in args.configs]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as td:
+        tmp = args.out or Path(td)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for lat in args.latencies:
+            for cfg in cfgs:
+                if cfg.hetero and lat != args.latencies[0]:
+                    continue
+                row = run_one(cfg, lat, args, tmp)
+                print(f"  {cfg.key} at {lat:g} ms: {row.metric} {row.quality:.3f}, {row.bytes_per_step:,.0f} B/step, "
+                      f"{row.wall_s:.1f} s", file=sys.stderr)
+                rows.append(row)
+    table, lines = report(rows, args.inner_steps)
+    print(table)
+    print()
+    for ln in lines:
+        print(f"- {ln}")
+    print(f"\nplot: {plot(rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""DiLoCo over real ZeroMQ with real trainers: θ_g bitwise identical on every node after every
+outer step and equal to a single-process run of the same algorithm; Streaming fragments with
+overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
+μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2psync.errors import ConfigError
+from p2psync.strategies.diloco_state import outer_step
+from p2psync.topology import mesh, ring
+from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None):
+    """Train every node ``steps`` steps (``trainer``: make_trainer keywords; ``per_node``: more
+    of them by node); returns (final params, θ_g per node after each step, reports per node)."""
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {})) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
+                                        codec=codec, error_feedback=error_feedback)
+        try:
+            async def loop(s):
+                reps, thetas, step = [], [], 0
+                while True:
+                    rep = await s.train_step(step, step + 1 >= steps)
+                    reps.append(rep)
+                    thetas.append(s.theta.copy())
+                    step += 1
+                    if rep.stop or step > 3 * steps:
+                        return reps, thetas
+
+            out = await asyncio.gather(*(loop(s) for s in strats))
+            params = [await s.ctx.replica.get_params() for s in strats]
+        finally:
+            await close_strategies(strats)
+    return params, [th for _, th in out], [r for r, _ in out]
+
+
+async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run():
+    topo = ring(2, base_port=free_port())
+    H, steps, lr, mom = 4, 12, 0.7, 0.9
+    opts = {"inner_steps": H, "outer_lr": lr, "outer_momentum": mom, "final_sync": "outer"}
+    params, thetas, reps = await _run(topo, steps, opts)
+    assert [len(r) for r in reps] == [steps, steps]
+    assert reps[0][-1].extra["outer_steps"] == steps // H
+    for k in range(steps):  # after every step, every node holds the same θ_g
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes()
+    # the same algorithm in one process: local trainers, Δ averaged in float32, the outer step
+    local = [make_trainer(topo, i) for i in topo.ids]
+    try:
+        theta = await local[0].get_params()
+        buf = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                deltas = [np.subtract(theta, await tr.get_params(), dtype=np.float32) for tr in local]
+                mean = np.divide(np.add(deltas[0], deltas[1]), np.float32(2), dtype=np.float32)
+                buf = outer_step(theta, buf, mean, lr=lr, momentum=mom, nesterov=True)
+                for tr in local:
+                    await tr.set_params(theta.copy())
+                assert thetas[0][k - 1].tobytes() == theta.tobytes(), f"after outer step {k // H}"
+    finally:
+        for tr in local:
+            tr.close()
+    for p in params:  # the stop leaves θ_g in every model
+        assert p.tobytes() == theta.tobytes()
+
+
+async def test_samples_weighting_is_the_sample_weighted_mean_bitwise():
+    """Nodes with batches of 16 and 8 samples: Δ̄ = (16·Δ_0 + 8·Δ_1) / 24 (weights = samples
+    since the last send / H), θ_g bitwise that of the same sum in one process."""
+    topo = ring(2, base_port=free_port())
+    H, steps = 3, 9
+    opts = {"inner_steps": H, "weighting": "samples", "final_sync": "outer"}
+    sizes = {0: 16, 1: 8}
+    _, thetas, _ = await _run(topo, steps, opts, per_node={i: {"batch_size": b} for i, b in sizes.items()})
+    local = [make_trainer(topo, i, batch_size=sizes[i]) for i in topo.ids]
+    try:
+        theta = await local[0].get_params()
+        buf = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                parts = [np.multiply(np.subtract(theta, await tr.get_params(), dtype=np.float32),
+                                     np.float32(sizes[i] * H / H)) for i, tr in enumerate(local)]
+                mean = np.divide(np.add(parts[0], parts[1]), np.float32(24), dtype=np.float32)
+                buf = outer_step(theta, buf, mean, lr=0.7, momentum=0.9, nesterov=True)
+                for tr in local:
+                    await tr.set_params(theta.copy())
+                assert thetas[0][k - 1].tobytes() == thetas[1][k - 1].tobytes() == theta.tobytes()
+    finally:
+        for tr in local:
+            tr.close()
+
+
+async def test_streaming_fragments_with_overlap_e3m0_feedback_and_adamw_end_with_one_model():
+    topo = mesh(3, base_port=free_port())
+    steps = 26
+    opts = {"inner_steps": 6, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5,
+            "outer_codec": "e3m0", "error_feedback": "true", "outer_lr": 0.4}
+    params, thetas, reps = await _run(topo, steps, opts, trainer={"optimizer": "adamw", "lr": 0.01})
+    assert [len(r) for r in reps] == [steps] * 3
+    for k in range(steps):
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes() == thetas[2][k].tobytes()
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    # fragments 0, 1 sent every 3 steps; each applied a step later; plus the final full sync (2 steps)
+    assert reps[0][-1].extra["outer_steps"] == 8 + 2
+    assert reps[0][3].extra.get("op_nic_bytes") and reps[0][3].extra["compression"] > 6  # 32 / 4.25 bits
+    assert max(r.extra["blocked"] for r in reps[0]) <= 8
+
+
+async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
+    topo = ring(2, base_port=free_port())
+    steps = 10
+    params, _, _ = await _run(topo, steps, {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+                              trainer={"momentum": 0.0})
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i, momentum=0.0) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "ssgd", trainers=trainers, max_steps=steps)
+        try:
+            for step in range(steps):
+                await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+            ref = await strats[0].ctx.replica.get_params()
+        finally:
+            await close_strategies(strats)
+    for p in params:
+        np.testing.assert_allclose(p, ref, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref, make_trainer(topo, 0).flat.get_params())  # it trained
+
+
+async def test_an_option_that_is_not_built_is_refused_before_anything_starts():
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        for bad, name in (({"eager_delay": 2}, "eager_delay"), ({"tau": 5, "inner_steps": 4}, "tau"),
+                          ({"outer_codec": "zip"}, "outer_codec")):
+            with pytest.raises(ConfigError, match=name):
+                await start_strategies(eps, topo, "diloco", options=bad)
+
+
+async def _resumable(topo, opts, steps, cut, *, drop_result):
+    """θ_g after every step of a run stopped after step ``cut - 1`` (a checkpoint of every
+    node: strategy state through torch.save / weights_only load, model and optimizer state,
+    data position) and resumed in fresh processes' stead."""
+    import io
+
+    import torch
+
+    thetas: list[list[bytes]] = [[] for _ in topo.ids]
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps)
+        try:
+            for step in range(cut):
+                await asyncio.gather(*(s.train_step(step, False) for s in strats))
+                for i, s in enumerate(strats):
+                    thetas[i].append(s.theta.tobytes())
+            assert all(s.inflight is not None for s in strats)  # a fragment's sum is in flight
+            if not drop_result:  # (arrived, not applied yet: the checkpoint keeps the sums)
+                await asyncio.gather(*(s.inflight.task for s in strats))
+            saved = []
+            for s in strats:
+                buf = io.BytesIO()
+                torch.save(s.state_dict(), buf)
+                buf.seek(0)
+                st = torch.load(buf, weights_only=True)
+                if drop_result:  # the op is relaunched from its saved Δ
+                    st["inflight"].pop("result", None)
+                else:
+                    assert "result" in st["inflight"]
+                saved.append((st, await s.ctx.replica.export_state(), s.ctx.replica.batches_done))
+        finally:
+            await close_strategies(strats)
+    topo = ring(len(topo.ids), base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        trainers = {i: make_trainer(topo, i) for i in topo.ids}
+        for i, (_, state, done) in zip(topo.ids, saved):
+            await trainers[i].import_state(state)
+            trainers[i].batches_done = done
+        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps)
+        try:
+            for s, (st, _, _) in zip(strats, saved):
+                s.load_state_dict(st)
+            for step in range(cut, steps):
+                reps = await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                for i, s in enumerate(strats):
+                    thetas[i].append(s.theta.tobytes())
+            assert all(r.stop for r in reps)
+        finally:
+            await close_strategies(strats)
+    return thetas
+
+
+@pytest.mark.parametrize("drop_result", [False, True], ids=["sum-saved", "sum-relaunched"])
+async def test_a_checkpoint_with_a_fragment_in_flight_resumes_bitwise(drop_result):
+    """Stopped with a fragment's sum in flight and resumed (its saved sums applied, or the
+    op relaunched from its saved Δ): θ_g after every step is bitwise that of the uninterrupted run."""
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1}
+    steps = 14
+    topo = ring(2, base_port=free_port())
+    _, want, _ = await _run(topo, steps, opts)
+    got = await _resumable(ring(2, base_port=free_port()), opts, steps, 8, drop_result=drop_result)
+    for i in range(2):
+        assert [w.tobytes() for w in want[i]] == got[i]
+
+
+async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end():
+    """DyLU over ZeroMQ: node 1 takes 4x as long per step (emulated): after the first cycle it
+    takes about a quarter of the fast node's inner steps per sum, so the fast node does not wait
+    for it; the run still ends with one θ_g everywhere."""
+    from tests.helpers import slowed_trainers
+
+    topo = ring(2, base_port=free_port())
+    steps = 40
+    trainers = slowed_trainers(topo, "0:0.02,1:0.08")
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "diloco", options={"inner_steps": 8, "dylu": "true",
+                                                                           "dylu_min_steps": 1},
+                                        trainers=trainers, max_steps=steps)
+        try:
+            async def loop(s):
+                reps, step = [], 0
+                while True:
+                    rep = await s.train_step(step, step + 1 >= steps)
+                    reps.append(rep)
+                    step += 1
+                    if rep.stop or step > 3 * steps:
+                        return reps
+
+            reps = await asyncio.gather(*(loop(s) for s in strats))
+            params = [await s.ctx.replica.get_params() for s in strats]
+            thetas = [s.theta.copy() for s in strats]
+        finally:
+            await close_strategies(strats)
+    fast, slow = reps
+    assert steps <= len(fast) <= steps + 8 and len(slow) < 0.6 * len(fast), (len(fast), len(slow))
+    assert fast[-1].extra["outer_steps"] == slow[-1].extra["outer_steps"]  # the same sums, in the same order
+    assert fast[-1].extra["h_m"] == 8 and 1 <= slow[-1].extra["h_m"] <= 4, (fast[-1].extra, slow[-1].extra)
+    assert thetas[0].tobytes() == thetas[1].tobytes() and params[0].tobytes() == params[1].tobytes()
+
+
+async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed():
+    """An attempt abandoned (here: the peer never joins it) leaves the outer codec's
+    residuals as they were, so its redo does not add the quantization error twice."""
+    from p2psync.coordinator import View
+    from p2psync.errors import PeerFailure
+    from p2psync.strategies.diloco import _Op
+    from p2psync.strategies.diloco_state import Counters
+
+    topo = ring(2, base_port=free_port())
+    opts = {"inner_steps": 2, "outer_codec": "e3m0", "error_feedback": "true", "final_sync": "outer"}
+    async with zmq_cluster(topo) as eps:
+        strats = await start_strategies(eps, topo, "diloco", options=opts, max_steps=100)
+        try:
+            for step in range(2):  # one sum of fragment 0, applied: residuals recorded
+                await asyncio.gather(*(s.train_step(step, False) for s in strats))
+            coll = strats[0].ctx.collectives
+            before = {k: v.copy() for k, v in coll.feedback.residual.items()}
+            assert any("diloco.f0" in k for k in before)
+            coll.timeout = 0.5
+            n = strats[0].ctx.replica.numel
+            op = _Op(f=0, payload=np.full(n, 0.3, np.float32), w=1.0, stop=False, nonfinite=False,
+                     counters=Counters(op=7, t=4, step=3, applied=1))
+            with pytest.raises(PeerFailure):
+                await strats[0]._reduce(View(epoch=0, members=(0, 1)), op)
+            after = coll.feedback.residual
+            assert sorted(map(repr, after)) == sorted(map(repr, before))
+            assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
+        finally:
+            await close_strategies(strats)
+
+
+async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean():
+    """Eager updates over ZeroMQ against the same rounds in one process: every node's own θ_g
+    after every step bitwise (its fresh Δ at once, the other's one round late), the completion
+    step and the exact mean at the stop."""
+    from p2psync.strategies.diloco_state import eager_gradient, others_mean
+    from p2psync.strategies.regroup import exact_mean_input
+
+    topo = ring(2, base_port=free_port())
+    H, steps, lr, mom = 3, 12, 0.7, 0.9
+    opts = {"inner_steps": H, "eager": "true", "final_sync": "outer"}
+    params, thetas, reps = await _run(topo, steps, opts)
+    assert [len(r) for r in reps] == [steps, steps]
+    assert thetas[0][H].tobytes() != thetas[1][H].tobytes()  # per node between flushes
+    local = [make_trainer(topo, i) for i in topo.ids]
+    try:
+        start = await local[0].get_params()
+        theta = [start.copy(), start.copy()]
+        bufs: list = [None, None]
+        prev: list | None = None
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                deltas = [np.subtract(theta[m], await local[m].get_params(), dtype=np.float32) for m in range(2)]
+                total = np.add(prev[0], prev[1]) if prev is not None else None
+                for m in range(2):
+                    others = None if total is None else others_mean(total, prev[m], 2.0)
+                    bufs[m] = outer_step(theta[m], bufs[m], eager_gradient(deltas[m], 2.0, others), lr=lr,
+                                         momentum=mom, nesterov=True)
+                    await local[m].set_params(theta[m].copy())
+                prev = deltas
+            if k < steps:
+                for m in range(2):
+                    assert thetas[m][k - 1].tobytes() == theta[m].tobytes(), (k, m)
+        total = np.add(prev[0], prev[1])
+        for m in range(2):
+            bufs[m] = outer_step(theta[m], bufs[m], others_mean(total, prev[m], 2.0), lr=lr, momentum=mom,
+                                 nesterov=True)
+        final = (np.asarray(exact_mean_input(theta[0]) + exact_mean_input(theta[1]), np.float64) / 2).astype(np.float32)
+    finally:
+        for tr in local:
+            tr.close()
+    np.testing.assert_allclose(params[0], final, rtol=1e-6, atol=1e-7)
+    assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes() == thetas[1][-1].tobytes()
+
+
+async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
+    """Two fragments move half the model per sum, but every fragment still moves
+    once per H steps: bytes per inner step stay those of one fragment (side sums aside)."""
+    steps, opts = 16, {"inner_steps": 8, "final_sync": "outer", "init_sync": "false"}
+
+    async def traffic(extra_opts):
+        topo = ring(2, base_port=free_port())
+        async with zmq_cluster(topo) as eps:
+            strats = await start_strategies(eps, topo, "diloco", options={**opts, **extra_opts}, max_steps=steps)
+            try:
+                peaks = []
+                for step in range(steps):
+                    reps = await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                    if "op_nic_bytes" in reps[0].extra:
+                        peaks.append(sum(reps[0].extra["op_nic_bytes"].values()))
+                sent = sum(v.bytes_sent for v in eps[0].nic_stats.values())
+                largest = max(f.size for f in strats[0].frags) / strats[0].ctx.replica.numel
+            finally:
+                await close_strategies(strats)
+        return sent, max(peaks), largest
+
+    one_sent, one_peak, _ = await traffic({})
+    two_sent, two_peak, largest = await traffic({"fragments": 2, "fragment_by": "flat"})
+    # (the MLP's two layers hold 87 % and 13 % of it: flat fragments are cut at layer boundaries)
+    assert largest < 0.9 and two_peak == pytest.approx(largest * one_peak, rel=0.05), (one_peak, two_peak, largest)
+    assert two_sent == pytest.approx(one_sent, rel=0.15), (one_sent, two_sent)

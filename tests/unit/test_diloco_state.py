@@ -1,0 +1,241 @@
+"""DiLoCo's pure parts against worked examples: the outer Nesterov step (and torch's SGD),
+periodic averaging, the Streaming schedule, the α merge, eager rounds, DyLU,
+the fragment map, the adopted state, and the options' checks."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.errors import ConfigError, ProtocolError
+from p2psync.strategies.base import get_strategy, parse_options
+from p2psync.strategies.canary_colayers import Layer
+from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
+                                             indices, merge, others_mean,
+                                             outer_step,
+                                             pack_state, unpack_state)
+from p2psync.topology import ring
+
+
+def _f32(x):
+    return np.array(x, np.float32)
+
+
+def test_two_outer_rounds_of_the_worked_example():
+    """η = 0.7, μ = 0.9, two workers, two rounds."""
+    theta = _f32([1.0, -2.0, 0.5])
+    d1 = (_f32([0.1, -0.2, 0.0]) + _f32([0.3, 0.2, -0.1])) / np.float32(2)
+    buf = outer_step(theta, None, d1, lr=0.7, momentum=0.9, nesterov=True)
+    np.testing.assert_allclose(buf, [0.2, 0.0, -0.05], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(theta, [0.734, -2.0, 0.5665], rtol=1e-6)
+    buf = outer_step(theta, buf, _f32([0.1, 0.0, 0.05]), lr=0.7, momentum=0.9, nesterov=True)
+    np.testing.assert_allclose(buf, [0.28, 0.0, 0.005], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(theta, [0.4876, -2.0, 0.52835], rtol=1e-6)
+
+
+def test_dyadic_rounds_are_exact_against_fractions():
+    """Dyadic inputs: every float32 operation is exact, so the result equals the rational one."""
+    lr, mu = 0.5, 0.75
+    theta, buf = _f32([1.0, -2.0]), None
+    th = [Fraction(1), Fraction(-2)]
+    b: list[Fraction] | None = None
+    for g in ([0.25, -0.5], [0.125, 0.0], [-0.5, 0.25]):
+        buf = outer_step(theta, buf, _f32(g), lr=lr, momentum=mu, nesterov=True)
+        gf = [Fraction(x) for x in g]
+        b = gf if b is None else [Fraction(mu) * bi + gi for bi, gi in zip(b, gf)]
+        th = [t - Fraction(lr) * (gi + Fraction(mu) * bi) for t, gi, bi in zip(th, gf, b)]
+        assert [Fraction(float(x)) for x in theta] == th
+        assert [Fraction(float(x)) for x in buf] == b
+
+
+def test_the_outer_step_is_torch_sgd_with_nesterov_over_ten_rounds():
+    """A random 1k vector, 10 rounds, against torch.optim.SGD fed Δ̄ as the gradient."""
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal(1000).astype(np.float32)
+    p = torch.nn.Parameter(torch.from_numpy(theta.copy()))
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    buf = None
+    for _ in range(10):
+        g = rng.standard_normal(1000).astype(np.float32) * np.float32(0.1)
+        buf = outer_step(theta, buf, g, lr=0.7, momentum=0.9, nesterov=True)
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    np.testing.assert_allclose(theta, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    # heavy ball (nesterov=false) and no momentum
+    t2, q = _f32([1.0]), torch.nn.Parameter(torch.tensor([1.0]))
+    o2 = torch.optim.SGD([q], lr=0.5, momentum=0.5)
+    b2 = None
+    for g in (0.5, 0.25):
+        b2 = outer_step(t2, b2, _f32([g]), lr=0.5, momentum=0.5, nesterov=False)
+        q.grad = torch.tensor([g])
+        o2.step()
+    assert float(t2[0]) == pytest.approx(float(q.detach()[0]))
+    t3 = _f32([1.0])
+    assert outer_step(t3, None, _f32([0.25]), lr=1.0, momentum=0.0, nesterov=True) is None and t3[0] == 0.75
+
+
+def test_outer_lr_1_without_momentum_is_model_averaging():
+    """θ_g − 1·mean(θ_g − θ_m) = mean θ_m; inner SGD: the SSGD step [0.95, 1.9]."""
+    theta = _f32([1.0, 2.0])
+    locals_ = [theta - np.float32(0.1) * _f32([1, 0]), theta - np.float32(0.1) * _f32([0, 2])]
+    mean = np.mean([theta - x for x in locals_], axis=0).astype(np.float32)
+    outer_step(theta, None, mean, lr=1.0, momentum=0.0, nesterov=True)
+    np.testing.assert_allclose(theta, [0.95, 1.9], rtol=1e-6)
+
+
+def test_the_streaming_schedule_h12_p3_tau2():
+    """H = 12, three fragments, tau = 2: fragment f sent at (f+1)·4 + 12k, applied 2 steps later; at most one in flight."""
+    s = Schedule(12, 3, 2)
+    sends = [(t, s.send(t)) for t in range(1, 31) if s.send(t) is not None]
+    applies = [(t, s.apply(t)) for t in range(1, 31) if s.apply(t) is not None]
+    assert sends == [(4, 0), (8, 1), (12, 2), (16, 0), (20, 1), (24, 2), (28, 0)]
+    assert applies == [(6, 0), (10, 1), (14, 2), (18, 0), (22, 1), (26, 2), (30, 0)]
+    inflight = 0
+    for t in range(1, 31):
+        inflight += s.send(t) is not None
+        assert inflight <= 1
+        inflight -= s.apply(t) is not None
+    plain = Schedule(5, 1, 0)  # DiLoCo: send and apply after the same step, every H
+    assert [t for t in range(1, 16) if plain.send(t) is not None] == [5, 10, 15]
+    assert all(plain.send(t) == plain.apply(t) for t in range(1, 16))
+    for bad in ((12, 5, 0), (12, 3, 4)):
+        with pytest.raises(ConfigError):
+            Schedule(*bad)
+
+
+def test_the_alpha_merge():
+    """θ_g[f] = [0.601, 2.133] after the outer step; worker 1 trained on to [0.7, 2.3]."""
+    theta = _f32([1.0, 2.0])
+    buf = outer_step(theta, None, _f32([0.3, -0.1]), lr=0.7, momentum=0.9, nesterov=True)
+    assert buf is not None
+    np.testing.assert_allclose(theta, [0.601, 2.133], rtol=1e-6)
+    loc = _f32([0.7, 2.3])
+    assert merge(theta, loc, 0.0).tobytes() == theta.tobytes()
+    np.testing.assert_allclose(merge(theta, loc, 0.5), [0.6505, 2.2165], rtol=1e-6)
+    assert merge(theta, loc, 1.0).tobytes() == loc.tobytes()
+
+
+def _layers(names_sizes):
+    out, off = [], 0
+    for i, (name, n) in enumerate(names_sizes):
+        out.append(Layer(name=name, kind="fc", offset=off, numel=n, params=(i,)))
+        off += n
+    return out, off
+
+
+def test_fragment_maps_strided_sequential_flat():
+    layers, n = _layers([("emb", 10), ("blocks.0.a", 4), ("blocks.0.b", 2), ("blocks.1.a", 4), ("blocks.1.b", 2),
+                         ("blocks.2.a", 4), ("blocks.2.b", 2), ("blocks.3.a", 4), ("blocks.3.b", 2), ("head", 3)])
+    assert fragment_map(layers, n, 1, by="blocks", pattern="strided") == [((0, n),)]
+    strided = fragment_map(layers, n, 2, by="blocks", pattern="strided")
+    assert strided == [((10, 16), (22, 28)), ((16, 22), (28, 34)), ((0, 10), (34, 37))]  # E last
+    seq = fragment_map(layers, n, 2, by="blocks", pattern="sequential")
+    assert seq == [((10, 22),), ((22, 34),), ((0, 10), (34, 37))]
+    flat = fragment_map(layers, n, 2, by="flat", pattern="strided")
+    assert len(flat) == 2 and flat[0][0][0] == 0 and flat[-1][-1][1] == n
+    got = np.sort(np.concatenate([indices(r) for r in strided]))
+    assert np.array_equal(got, np.arange(n))  # a partition of the vector
+    with pytest.raises(ConfigError, match="fragments=5"):
+        fragment_map(layers, n, 5, by="blocks", pattern="strided")
+    plain, m = _layers([("a", 3), ("b", 3)])
+    with pytest.raises(ConfigError, match="fragment_by=flat"):
+        fragment_map(plain, m, 2, by="blocks", pattern="strided")
+
+
+def test_the_adopted_state_round_trips():
+    frags = [np.array([0, 1]), np.array([2, 3, 4])]
+    theta = _f32([1, 2, 3, 4, 5])
+    c = Counters(op=7, t=(1 << 30) + 5, step=123456789, applied=3)
+    vec = pack_state(theta, [None, _f32([0.5, 0.25, -1])], frags, c)
+    th, bufs, c2 = unpack_state(vec, 5, frags)
+    assert th.tobytes() == theta.tobytes() and bufs[0] is None and bufs[1].tolist() == [0.5, 0.25, -1]
+    assert c2 == c
+    with pytest.raises(ProtocolError):
+        unpack_state(vec[:-1], 5, frags)
+
+
+@pytest.mark.parametrize("raw,name", [
+    ({"inner_steps": 0}, "inner_steps"), ({"outer_lr": -1}, "outer_lr"), ({"outer_momentum": 1}, "outer_momentum"),
+    ({"fragments": 3, "inner_steps": 10}, "inner_steps"), ({"tau": 10, "inner_steps": 10}, "tau"),
+    ({"alpha": 1.5}, "alpha"), ({"eager": "true", "fragments": 2, "inner_steps": 4}, "eager"),
+    ({"eager": "true", "tau": 1}, "eager"), ({"eager": "true", "weighting": "samples"}, "eager"),
+    ({"eager": "true", "outer_codec": "topk"}, "eager"), ({"eager_delay": 2}, "eager_delay"),
+    ({"dylu": "maybe"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
+    ({"dylu": "true", "dylu_min_steps": 0}, "dylu_min_steps"),
+    ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
+    ({"error_feedback": "maybe"}, "error_feedback"), ({"weighting": "tokens"}, "weighting"),
+    ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta")])
+def test_every_bad_option_is_a_config_error_naming_it(raw, name):
+    with pytest.raises(ConfigError, match=name):
+        parse_options(get_strategy("diloco"), raw, topology=ring(4))
+
+
+def test_good_options_parse():
+    o = parse_options(get_strategy("diloco"), {"inner_steps": "12", "fragments": "3", "tau": "2",
+                                               "outer_codec": "e3m0:64", "error_feedback": "on"})
+    assert (o.inner_steps, o.fragments, o.tau, o.outer_codec, o.feedback) == (12, 3, 2, "e3m0:64", True)
+    assert parse_options(get_strategy("diloco"), {}).feedback is None
+
+
+def test_the_cursor_is_the_schedule_when_its_interval_is_constant():
+    for h_total, parts, tau in ((12, 3, 2), (5, 1, 0), (8, 2, 1), (6, 3, 0)):
+        s = Schedule(h_total, parts, tau)
+        c = Cursor(parts=parts, interval=s.interval, delay=tau)
+        for t in range(1, 40):
+            f, apply = c.step()
+            if f is not None:
+                c.sent(f)
+                apply = c.apply_now()
+            assert f == s.send(t), (h_total, parts, tau, t)
+            assert (s.apply(t) is not None) == apply, (h_total, parts, tau, t)
+            if apply:
+                c.applied()
+
+
+def test_dylu_intervals_of_the_worked_example():
+    """0.58, 0.75, 1.51, 3.33 s/step (the Async Local-SGD toy example's devices), H = 100:
+    H_m = 100, 77, 38, 17; equal speeds give H."""
+    speeds = [1 / 0.58, 1 / 0.75, 1 / 1.51, 1 / 3.33]
+    assert [dylu_interval(v, max(speeds), 100, 1, 5) for v in speeds] == [100, 77, 38, 17]
+    assert [dylu_interval(v, max(speeds), 100, 4, 5) for v in speeds] == [25, 19, 9, 4]
+    assert dylu_interval(0.01, 1.0, 100, 1, 5) == 5 and dylu_interval(0.01, 1.0, 100, 4, 5) == 2  # the floor
+    assert dylu_interval(2.0, 2.0, 100, 4, 5) == 25
+    assert dylu_interval(0.0, 0.0, 100, 4, 5) == 25  # nothing measured yet: H
+
+
+def _eager_run(mu: float) -> tuple[list[list[float]], list[float], list[float]]:
+    """Two nodes, η = 1, the given outer gradients per round; θ per node after each round,
+    then each node's θ and buffer after the completion step."""
+    rounds = [[1.0, 3.0], [2.0, 0.0], [-1.0, 1.0]]
+    theta = [_f32([0.0]), _f32([0.0])]
+    bufs: list = [None, None]
+    seen: list[list[float]] = []
+    prev = None
+    for r in rounds:
+        for m in range(2):
+            others = None if prev is None else others_mean(_f32([sum(prev)]), _f32([prev[m]]), 2.0)
+            g = eager_gradient(_f32([r[m]]), 2.0, others)
+            bufs[m] = outer_step(theta[m], bufs[m], g, lr=1.0, momentum=mu, nesterov=True)
+        seen.append([float(theta[0][0]), float(theta[1][0])])
+        prev = r
+    for m in range(2):  # completion: the others' last contributions, no new own one
+        bufs[m] = outer_step(theta[m], bufs[m], others_mean(_f32([sum(prev)]), _f32([prev[m]]), 2.0),
+                             lr=1.0, momentum=mu, nesterov=True)
+    return seen, [float(t[0]) for t in theta], [float(b[0]) if b is not None else 0.0 for b in bufs]
+
+
+def test_eager_rounds_of_the_worked_example():
+    """μ = 0: −0.5/−1.5, −3/−2, −2.5/−3.5, and the completion brings both to −3;
+    μ = 0.9: −0.95/−2.85, −6.105/−5.015, −7.5445/−9.3635, completion −10.24005/−10.97715,
+    buffers 2.4395/2.3485 (their mean, −10.6086 and 2.394, is every node's final state)."""
+    seen, final, _ = _eager_run(0.0)
+    np.testing.assert_allclose(seen, [[-0.5, -1.5], [-3.0, -2.0], [-2.5, -3.5]], rtol=1e-6)
+    np.testing.assert_allclose(final, [-3.0, -3.0], rtol=1e-6)
+    seen, final, bufs = _eager_run(0.9)
+    np.testing.assert_allclose(seen, [[-0.95, -2.85], [-6.105, -5.015], [-7.5445, -9.3635]], rtol=1e-5)
+    np.testing.assert_allclose(final, [-10.24005, -10.97715], rtol=1e-5)
+    np.testing.assert_allclose(bufs, [2.4395, 2.3485], rtol=1e-5)
+    np.testing.assert_allclose([np.mean(final), np.mean(bufs)], [-10.6086, 2.394], rtol=1e-5)
