@@ -1,6 +1,6 @@
 """The built-in job of ``p2psync run``: an ordinary training script on :class:`p2psync.Session`.
 
-Why: there is one training path (DESIGN). The job builds its model, optimizer and data shard
+Why: there is one training path (docs/architecture.md). The job builds its model, optimizer and data shard
 (:func:`~p2psync.training.node.build_trainer`), attaches the optimizer, and runs the plain loop
 ``forward / backward / optimizer.step()`` until the run agrees to stop (``--time``, ``--steps``,
 ``--epochs``; ``--lr-schedule cosine`` / ``warmup-cosine``: an LR scheduler created after

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def hard_exit(code: int) -> NoReturn:
     """End a node process of the built-in job (``run TOPOLOGY --node I``) whose session has closed
     its sockets, metrics and run files: flush, and skip the interpreter's teardown of torch, numba
-    and friends (0.3-1 s per process, every process at once at the end of a run; issue 17)."""
+    and friends (0.3-1 s per process, every process at once at the end of a run)."""
     try:
         logging.shutdown()
         sys.stdout.flush()

@@ -1,5 +1,5 @@
 """Piece codecs: ``none``, ``fp16``, ``int8`` (uniform min/max), ``sketch8`` (Canary's gradient
-sketch, ../shared/papers/canary.md §4.3.1) and ``sketch8p`` (the same sketch exactly as the paper
+sketch, *Canary* §4.3.1) and ``sketch8p`` (the same sketch exactly as the paper
 describes it: quantile boundaries, midpoint representatives), plus error feedback for any lossy codec, and the
 registry ``CODECS`` / :func:`get_codec` (which also knows ``topk[:FRACTION]``, the sparsifying
 codec of :mod:`p2psync.compress.topk`, and ``e3m0[:BLOCK]``, the 4-bit floats of
@@ -37,7 +37,7 @@ relative L2 error within TOL (0.1 by default), estimated on the sorted sample (C
 ``--opt sketch_bits=0``).
 
 ``sketch8p[:BITS]`` is the paper-exact variant (``boundaries="quantile"``,
-``representative="mid"``; ../shared/specs/canary.md §2.2, its worked example §2.4 / C13), for
+``representative="mid"``), for
 comparing the paper's sketch with p2psync's default on a run (``--codec sketch8p``).
 
 Decoding is a table lookup. All hot loops are numba kernels (``kernels.py``); the bucket search

@@ -1,12 +1,11 @@
 """The parameter-server schedulers of the thesis: BSP, ASP, SSP, Dynamic SSP and ElasticBSP.
 Pure: no I/O, times are arguments (the coordinator's own clock at a push report's arrival).
 
-Paper: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md — §3.1.1-3.1.3 (BSP, ASP, SSP,
+Paper: the thesis *Elastic Synchronization for Efficient and Effective Distributed Deep Learning*, §3.1.1-3.1.3 (BSP, ASP, SSP,
 Fig. 3.3), ch. 5 (DSSP: Alg. 1 server part, Alg. 2 synchronization_controller), ch. 6
-(ElasticBSP: prediction §6.3-6.4, ZipLine §6.5). Reading notes with the resolved errata:
-../shared/specs/ssp-dssp-elasticbsp.md §2.2 (the push-count form of SSP, checked against Fig. 3.3),
-§3.4 (Alg. 1-2 as printed do not enforce s_U: the fixed pseudocode implemented here), §4.7 (the
-online ElasticBSP protocol), §9.
+(ElasticBSP: prediction §6.3-6.4, ZipLine §6.5). Read with these errata resolved: SSP in its
+push-count form (checked against Fig. 3.3); DSSP's Alg. 1-2 as printed do not enforce s_U, so
+the fixed pseudocode is implemented here; ElasticBSP as an online protocol.
 
 A worker's loop (spec §5): wait for OK, pull the weights, compute a gradient, push it, report
 the push to the scheduler (:meth:`StalenessScheduler.push`), which answers with the OKs it grants
@@ -25,7 +24,7 @@ now — the pusher's own and those of held workers the push released.
   while a barrier is pending makes ZipLine run again over the survivors' timelines predicted
   from that moment (:meth:`ElasticScheduler._replan`).
 
-Rebuilt after a coordinator failover (DESIGN: the coordinator role moves to the lowest live id;
+Rebuilt after a coordinator failover (the coordinator role moves to the lowest live id;
 the node taking over starts a fresh scheduler, as ESync's State Server rebuilds from the members'
 next calls). A scheduler starts with every worker *unheard*, at count 0; a worker's first report
 to it is an **adoption** (:meth:`StalenessScheduler.adopt`, :meth:`ElasticScheduler.adopt`): it

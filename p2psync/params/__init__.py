@@ -1,5 +1,5 @@
-"""The sharded parameter store (DESIGN "Parameter-server algorithms ... run on a sharded
-parameter store"; ../shared/specs/ssp-dssp-elasticbsp.md §6.1)."""
+"""The sharded parameter store (docs/architecture.md, "Parameter-server algorithms run on a
+sharded store")."""
 
 from p2psync.params.optim import OptimSpec, ShardOptimizer, read_hypers, read_spec
 from p2psync.params.shards import piece_ranges, shard_bounds

@@ -1,4 +1,4 @@
-"""A parameter server sharded over the peers (../shared/specs/ssp-dssp-elasticbsp.md §6.1).
+"""A parameter server sharded over the peers.
 
 The flat parameter vector is split into one contiguous shard per member
 (:func:`~p2psync.params.shards.shard_bounds`); the owner of a shard holds its weights **and its

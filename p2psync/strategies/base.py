@@ -9,7 +9,7 @@ Only :meth:`Strategy.train_step` is abstract. ``want_stop`` tells the strategy t
 like to stop after this step; the strategy returns ``stop=True`` when the run ends (synchronous
 strategies agree on it collectively, so all nodes stop at the same step).
 
-Membership changes (issue 10 item 5, DESIGN "Membership is a sequence of views") reach every
+Membership changes (docs/architecture.md, "Membership is a sequence of views") reach every
 strategy through one hook, :meth:`Strategy.on_view`, called on the event loop with every newer
 :class:`~p2psync.coordinator.views.View` (``on_peer_failure`` is still called once per failed
 peer, before the view that removes it). :attr:`StrategyContext.group` and
@@ -56,7 +56,7 @@ PerElement = float | np.ndarray
 @dataclass(frozen=True)
 class SgdHyper:
     """The plain-SGD hyper-parameters in effect for the next step (DTS's compensation needs
-    them, ../shared/specs/dts.md §1.7)."""
+    them)."""
 
     lr: PerElement
     momentum: float

@@ -1,9 +1,9 @@
 """DTS: delayed and temporally sparse updates with error compensation.
 
-Paper: ../shared/papers/dts-training-across-the-world.md, Sec. 3.1 (delayed update), Sec. 3.2
+Paper: *Distributed Training Across the World*, Sec. 3.1 (delayed update), Sec. 3.2
 (temporally sparse update), Sec. 3.3 (both), Table 1 (network requirements). The compensation
-itself is pure and lives in :mod:`~p2psync.strategies.dts_state` (the reading notes'
-normalized rule, ../shared/specs/dts.md §1.7, with the paper's errors corrected there).
+itself is pure and lives in :mod:`~p2psync.strategies.dts_state` (one normalized
+rule, with the paper's errors corrected there).
 
 Options (``--opt NAME=VALUE``):
 
@@ -40,7 +40,7 @@ every node ends with the same model (up to rounding; with a lossy codec, the sam
 averages). A time limit (``--time``) or ``p2psync.request_stop()`` therefore ends the run up to
 ``p - 1 + t`` steps late.
 
-Failures and views (DESIGN "Membership is a sequence of views"): every exchange runs over the
+Failures and views (docs/architecture.md, "Membership is a sequence of views"): every exchange runs over the
 members of the view it started in, with the view epoch in its tag (``dts.win.<r>.e<epoch>``).
 With ``--on-failure stop`` a failed peer ends the run with PeerFailure. With ``continue`` (the
 default) a failed exchange or a newer view drops every window in flight *without applying any*

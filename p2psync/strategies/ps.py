@@ -1,12 +1,12 @@
 """BSP, ASP, SSP, Dynamic SSP and ElasticBSP on the sharded parameter store.
 
-Thesis: ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md §3.1 (BSP, ASP, SSP), ch. 5
-(DSSP), ch. 6 (ElasticBSP); reading notes ../shared/specs/ssp-dssp-elasticbsp.md, whose §6.1
-mapping this is: a scheduler on the coordinator (:mod:`p2psync.coordinator.ssp`, the fixed DSSP
-of §3.4, the online ElasticBSP of §4.7) plus a parameter store sharded over the peers
+Thesis: *Elastic Synchronization for Efficient and Effective Distributed Deep Learning*, §3.1
+(BSP, ASP, SSP), ch. 5 (DSSP), ch. 6 (ElasticBSP), mapped onto p2psync as a scheduler on the
+coordinator (:mod:`p2psync.coordinator.ssp`: DSSP with its pseudocode fixed to enforce s_U,
+ElasticBSP as an online protocol) plus a parameter store sharded over the peers
 (:mod:`p2psync.params`), so that all five run on one mechanism and compare honestly.
 
-A worker's step (spec §5): the user's iteration computes a gradient on the weights it holds
+A worker's step: the user's iteration computes a gradient on the weights it holds
 (the first on the run's identical initial weights), the gradient is pushed to the shard owners
 (applied on arrival, acknowledged), the push is reported to the scheduler, which answers OK
 (now or when the slowest worker catches up; at an ElasticBSP barrier when everyone arrived),

@@ -49,7 +49,7 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tup
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits (images (1797, 8, 8), targets), read straight from the CSV file it
-    ships: ``import sklearn.datasets`` costs about 1.5 s per node process (start-up, issue 17);
+    ships: ``import sklearn.datasets`` costs about 1.5 s per node process (start-up);
     the package's own loader (same values) when the file is not where it usually is."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     for root in (spec.submodule_search_locations or []) if spec is not None else []:
