@@ -16,7 +16,7 @@ the p2psync rows) or ``ipc`` (Unix domain sockets).
 in from there by the receiver) and a one-byte ZeroMQ notification per piece: what the ring
 would cost with ZeroMQ's TCP path taken out, for peers on one host.
 
-``curve`` (issue 16): the same with CurveZMQ on both sockets (:func:`floor_keys`; the PULL
+``curve``: the same with CurveZMQ on both sockets (:func:`floor_keys`; the PULL
 socket a CURVE server, the PUSH socket a client that knows its right neighbour's public key),
 so the floor pays ZeroMQ's own encryption and decryption, as a keyed p2psync cluster does. No
 ZAP handler: p2psync's is asked once per handshake, nothing per message. ``io_threads``: the

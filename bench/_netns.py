@@ -1,4 +1,4 @@
-"""Kernel-shaped links for the benchmarks (issue 17): network namespaces, veth pairs, one ``tbf``
+"""Kernel-shaped links for the benchmarks: network namespaces, veth pairs, one ``tbf``
 per NIC.
 
 :func:`shaped_network` builds the namespaces of a topology with

@@ -15,7 +15,7 @@ CPU-bound, and so is the row. Bus bandwidth = 2(N-1)/N * bytes / time (the traff
 must move in an optimal allreduce). For compressed runs the *effective* bus bandwidth counts the
 uncompressed bytes.
 
-The floor rows (issue 17) are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
+The floor rows are bare pyzmq moving exactly the p2psync ring's traffic (same pieces,
 same chunks, same adds; :mod:`bench._floor`), over ipc:// and over tcp:// on 127.0.0.x as the
 p2psync rows: what ZeroMQ and numpy alone need. ``× floor`` is a row's bus bandwidth over the
 tcp floor's in the same run. The shared-memory floor (``floor-shm``) moves the same pieces
@@ -24,14 +24,14 @@ piece: the ring with ZeroMQ's and the kernel's TCP path taken out, which only pe
 host can do. ``ring+shm`` is the p2psync ring with that path (``SocketOptions(shm=True)``,
 ``p2psync run --shm``: :mod:`p2psync.transport.shm`).
 
-``--shaped`` (issue 17) measures on kernel-shaped links instead (:mod:`bench._netns`): every
+``--shaped`` measures on kernel-shaped links instead (:mod:`bench._netns`): every
 node in its own network namespace, veth pairs to one bridge per network, a ``tbf`` of
 ``--rate-mbit`` on every NIC, addresses from the benchmarking range 198.18.0.0/15. gloo, the
 floor and the p2psync ring run on a one-NIC topology (all nodes on one network, as gloo needs
 one interface); p2psync BCube(2, 2) stripes over two NICs per node. Link utilisation = bytes
 each NIC must send / time / rate (the ring: busbw / rate; BCube: busbw / (2 rate)).
 
-The CURVE rows (issue 16): the plain p2psync ring again with a keyed cluster (every socket runs
+The CURVE rows: the plain p2psync ring again with a keyed cluster (every socket runs
 CurveZMQ, encrypted and authenticated), and the tcp floor again with CurveZMQ on its sockets
 (``bench._floor``, ``curve``). Their ratios to the plain rows of the same run, side by side,
 separate what CURVE costs ZeroMQ itself on this machine from what p2psync adds on top;

@@ -1,6 +1,5 @@
-"""Canary vs BSP on multi-NIC BCube with bandwidth-limited NICs (issue 15; paper
-../shared/papers/canary.md §6.4 Fig. 21 (traffic, peak utilisation) and §6.6 Fig. 23
-(convergence time), reading notes ../shared/specs/canary.md §7).
+"""Canary vs BSP on multi-NIC BCube with bandwidth-limited NICs (Zhou et al.,
+*Canary*, §6.4 Fig. 21: traffic, peak utilisation; §6.6 Fig. 23: convergence time).
 
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
                            [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
@@ -78,7 +77,7 @@ Measured per run (every node's node-*.jsonl):
 * **final accuracy**: the mean of the nodes' last evaluations (every node ends with the same
   model: Canary averages at the stop, BSP replicas are identical).
 
-Targets (issue 15): Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" and "on
+Targets: Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" and "on
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 

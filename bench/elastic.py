@@ -1,6 +1,6 @@
 """BSP, ASP, SSP, DSSP and ElasticBSP on the sharded parameter store, heterogeneous cluster
-(issue 14; thesis ../shared/papers/elastic-sync-dssp-elasticbsp-thesis.md §5.4 / Table 5.1 and
-§6.6 / Fig. 6.13, reading notes ../shared/specs/ssp-dssp-elasticbsp.md §8).
+(the thesis *Elastic Synchronization for Efficient and Effective Distributed Deep Learning*,
+§5.4 / Table 5.1 and §6.6 / Fig. 6.13).
 
     python -m bench.elastic [--nodes 4] [--seconds 20] [--target 0.93] [--repeats 2]
                             [--speeds 1,1,2,3] [--base 0.04] [--jitter 0.2] [--mode wait|compute]
@@ -35,7 +35,7 @@ Measured (per run, from every node's node-*.jsonl):
 * **pushes**: all the gradients the store applied (updates), and **traffic**: MB sent by all the
   nodes per second of training.
 
-Targets (issue 14): ElasticBSP (the faster R) reaches the target >= 1.5x sooner than BSP (thesis
+Targets: ElasticBSP (the faster R) reaches the target >= 1.5x sooner than BSP (thesis
 1.77x, VGG-16/ImageNet); DSSP reaches it sooner than SSP (thesis 1.84-1.88x, Table 5.1).
 Output: a markdown table and the target lines on stdout, bench/out/elastic.png (accuracy against
 time; wait per iteration and pushes per configuration).

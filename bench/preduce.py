@@ -1,5 +1,5 @@
-"""P-Reduce vs all-reduce on a heterogeneous 8-node cluster (issue 13; Sec. 5.2 / Table 1 and
-Fig. 8 of ../shared/papers/partial-reduce.md, reading notes ../shared/specs/preduce.md §3.3).
+"""P-Reduce vs all-reduce on a heterogeneous 8-node cluster (Sec. 5.2 / Table 1 and
+Fig. 8 of Miao et al., *Heterogeneity-Aware Distributed Machine Learning Training via Partial Reduce*).
 
     python -m bench.preduce [--nodes 8] [--seconds 30] [--target 0.93] [--repeats 2] [--base 0.05]
                             [--quick] [--mode wait|compute] [--out DIR]
@@ -27,7 +27,7 @@ Measured (per run, from every node's node-*.jsonl):
   the paper's "#update": one P-reduce = one update, Sec. 3.1.2).
 * **per-update time** = time to target / updates to target (the paper's Table 1 column).
 
-Targets (issue 13): at HL = 3 the best P-Reduce reaches the target >= 1.5x sooner than AR
+Targets: at HL = 3 the best P-Reduce reaches the target >= 1.5x sooner than AR
 (paper: 1.48-2.01x); DYN needs no more updates than CON at P = 3; Fig. 8's shape (per-update
 time rises from P = 3 to P = 5, updates fall). Output: a markdown table and the target lines on
 stdout, bench/out/preduce.png (accuracy against time per HL; per-update time and updates).

@@ -9,7 +9,7 @@ the responder runs in a second process, as a peer node would.
     python -m bench.transport [--total-mib 512] [--rtt-count 2000] [--rtt-turns 200] [--rtt-only]
 
 The round-trip table has a full RPC row (RpcClient.call to an RpcServer handler in the peer
-process) next to the endpoint's own send/recv ping-pong and raw pyzmq (issue 17 item 5); the
+process) next to the endpoint's own send/recv ping-pong and raw pyzmq; the
 three rows are measured in alternating turns (:func:`round_trips`), 200 by default: with 10
 turns of a few hundred calls each, a burst of load on this VM could fall on one row's turn and
 move the ratio by 0.1 either way between runs; with 200 turns of 10-20 calls every row sees the
