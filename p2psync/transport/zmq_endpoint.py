@@ -346,6 +346,9 @@ class ZmqEndpoint(Transport, LocalChannel):
             if peer is None:
                 continue
             if ev["event"] == zmq.EVENT_DISCONNECTED:
+                if peer not in down:
+                    log.info("node %d: %s connection to node %d on NIC %s dropped", self.node_id,
+                             "control" if control else "bulk", peer, nic)
                 down.add(peer)
                 if self._shm_out is not None and not control:
                     self._shm_out.forget(peer)
@@ -354,6 +357,9 @@ class ZmqEndpoint(Transport, LocalChannel):
                     if not fut.done():
                         fut.set_result(None)
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if peer in down:
+                    log.info("node %d: %s connection to node %d on NIC %s up", self.node_id,
+                             "control" if control else "bulk", peer, nic)
                 down.discard(peer)
             elif ev["event"] & _HANDSHAKE_FAILED:
                 self._reject(nic, str(peer), "handshake_failed",
