@@ -110,6 +110,8 @@ class MembershipClient:
         #: members this node reports for exclusion (they sent it non-finite tensor values)
         self.offenders: set[int] = set()
         transport.offence_listeners.append(self._offence)
+        #: this node's loop ended first and it asked to leave the run (finish with ``depart``)
+        self.departing = False
         #: (epoch, peers): an operation of that view failed waiting for live peers; reported in
         #: every heartbeat until a newer view arrives (:meth:`request_redo`)
         self.redo: tuple[int, tuple[int, ...]] | None = None
@@ -128,6 +130,15 @@ class MembershipClient:
         #: the highest term another node ran or voted in that this node heard of (its vote
         #: requests, its probes); see :attr:`seen_term`
         self.heard_term = -1
+
+    @property
+    def left(self) -> bool:
+        """Whether this node is leaving or left the run (its loop ended first: it called
+        :meth:`finish` with ``depart``, or a view names it departed). It is no member: it never
+        runs for coordinator and never waits for a majority, so its bounded finish barrier
+        ends even when it hears nobody (it stays only as a relay)."""
+        view = self.view
+        return self.departing or (view is not None and self.transport.node_id in view.departed)
 
     def hear_term(self, term: int) -> None:
         """Another node ran, or voted, in ``term`` (a vote request, a probe)."""
@@ -362,7 +373,7 @@ class MembershipClient:
                                               f"node {new} coordinates now", peers=(old,)))
         moved, self._moved = self._moved, asyncio.Event()
         moved.set()
-        if new == me and self.on_takeover is not None:
+        if new == me and self.on_takeover is not None and not self.left:
             self.on_takeover(sorted(self.succession.deposed))
         for cb in list(self.coordinator_listeners):
             cb(new)
@@ -603,7 +614,7 @@ class MembershipClient:
         the failed peers are then current at the new coordinator).
 
         While this node hears no coordinator holding a majority (:attr:`has_quorum`; cut off
-        by a partition, or during an election) it calls nobody: it waits for one
+        by a partition, or during an election) and has not :attr:`left` the run, it calls nobody: it waits for one
         (:meth:`wait_quorum`, up to :attr:`quorum_timeout`: :class:`NoQuorum` after it,
         :class:`Fenced` when this node learns meanwhile that it was removed), and ``timeout``
         counts from then. A call that fails while the majority is lost waits the same way.
@@ -613,7 +624,7 @@ class MembershipClient:
         deadline = loop.time() + timeout
         pause = 0.02
         while True:
-            if self._started and (not self.has_quorum or self.fenced is not None):
+            if self._started and not self.left and (not self.has_quorum or self.fenced is not None):
                 await self.wait_quorum(self.quorum_timeout)
                 deadline = max(deadline, loop.time() + timeout)
             c, moved = self.coordinator, self._moved
@@ -631,7 +642,7 @@ class MembershipClient:
                 if exc.kind not in RETRY_KINDS:
                     raise
                 err, wait_for_move = exc, False
-            if self._started and not self.has_quorum:
+            if self._started and not self.left and not self.has_quorum:
                 continue  # the majority is lost: wait for it (above), then call again
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -642,7 +653,7 @@ class MembershipClient:
                 try:
                     await asyncio.wait_for(moved.wait(), remaining)
                 except asyncio.TimeoutError:
-                    if self._started and not self.has_quorum:
+                    if self._started and not self.left and not self.has_quorum:
                         continue
                     raise err from None
             else:  # the new coordinator is starting its services
@@ -651,7 +662,10 @@ class MembershipClient:
 
     async def finish(self, stats: Any, timeout: float, *, depart: bool = False) -> dict[str, Any]:
         """Report final stats and wait (bounded) until every live node has finished; when the
-        coordinator dies meanwhile, the stats are re-sent to the new one."""
+        coordinator dies meanwhile, the stats are re-sent to the new one. With ``depart`` this
+        node is :attr:`left` from now on."""
+        if depart:
+            self.departing = True
         try:
             return dict(await self.call_coordinator("membership.finish", {"stats": stats, "timeout": timeout,
                                                                           "depart": depart},

@@ -120,3 +120,21 @@ async def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences(
         with pytest.raises(Fenced):
             await nodes[1].client.call_coordinator("svc.echo", {"fence": True}, timeout=5)
         assert nodes[1].client.fenced is not None and len(calls) == n_calls + 1
+
+
+async def test_a_node_that_leaves_while_cut_off_ends_its_finish_barrier_without_running_for_coordinator():
+    """A node whose loop ended first asks to leave (finish with ``depart``) and then hears
+    nobody (its links drop: under load, or a partition). It is no member any more: it neither
+    runs for coordinator nor waits for a majority, and its finish barrier ends within its bound
+    instead of after the quorum timeout (before, it deposed every coordinator, campaigned alone
+    and hung its training thread)."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo) as nodes:
+        cut(nodes, [(2, 1), (2, 3)])
+        t0 = asyncio.get_running_loop().time()
+        rep = await asyncio.wait_for(nodes[2].client.finish({"steps": 1}, timeout=2.0, depart=True), 30)
+        assert rep == {}  # the barrier failed: nobody to wait for
+        assert asyncio.get_running_loop().time() - t0 < 20
+        assert nodes[2].client.left and not nodes[2].host.coordinating
+        await asyncio.sleep(3.0)  # the detector has deposed everyone it cannot hear by now
+        assert not nodes[2].host.coordinating and not len(nodes[2].host._election)
