@@ -380,20 +380,25 @@ async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], 
             await e.close()
 
 
-async def run_until_stop(strats: Any, steps: int) -> list[list[dict[str, Any]]]:
+async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
     """Every node's loop (``want_stop`` from the last requested step on) until its strategy
-    reports ``stop`` (bounded: 3x the steps); each node's step reports' ``extra``."""
+    reports ``stop`` (bounded: 3x the steps); each node's step reports."""
     import asyncio
 
-    async def loop(s: Any) -> list[dict[str, Any]]:
+    async def loop(s: Any) -> list[Any]:
         step, reps = 0, []
         while True:
             rep = await s.train_step(step, step + 1 >= steps)
-            reps.append(rep.extra)
+            reps.append(rep)
             step += 1
             if rep.stop or step >= 3 * steps:
                 return reps
     return list(await asyncio.gather(*(loop(s) for s in strats)))
+
+
+async def run_until_stop(strats: Any, steps: int) -> list[list[dict[str, Any]]]:
+    """:func:`drive_until_stop`, each node's step reports' ``extra``."""
+    return [[rep.extra for rep in reps] for reps in await drive_until_stop(strats, steps)]
 
 
 def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),

@@ -13,7 +13,7 @@ import pytest
 from p2psync.errors import ConfigError
 from p2psync.strategies.diloco_state import outer_step
 from p2psync.topology import mesh, ring
-from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, drive_until_stop, free_port, make_trainer, start_strategies, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,16 +228,7 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end
                                                                            "dylu_min_steps": 1},
                                         trainers=trainers, max_steps=steps)
         try:
-            async def loop(s):
-                reps, step = [], 0
-                while True:
-                    rep = await s.train_step(step, step + 1 >= steps)
-                    reps.append(rep)
-                    step += 1
-                    if rep.stop or step > 3 * steps:
-                        return reps
-
-            reps = await asyncio.gather(*(loop(s) for s in strats))
+            reps = await drive_until_stop(strats, steps)
             params = [await s.ctx.replica.get_params() for s in strats]
             thetas = [s.theta.copy() for s in strats]
         finally:

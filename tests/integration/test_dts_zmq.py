@@ -15,7 +15,7 @@ import torch
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.training.hetero import Slowdown
 from p2psync.transport.shaping import InprocShaper, LinkSpec
-from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, drive_until_stop, free_port, make_trainer, start_strategies, zmq_cluster
 from p2psync.topology import mesh, ring
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,16 +34,7 @@ async def _run(topo, name, steps, *, momentum=0.9, options=None, trainers=None, 
             setup(trainers)
         strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, max_steps=steps)
         try:
-            async def loop(s):
-                reps, step = [], 0
-                while True:
-                    rep = await s.train_step(step, step + 1 >= steps)
-                    reps.append(rep)
-                    step += 1
-                    if rep.stop or step > 3 * steps:
-                        return reps
-
-            reps = await asyncio.gather(*(loop(s) for s in strats))
+            reps = await drive_until_stop(strats, steps)
             params = [await s.ctx.replica.get_params() for s in strats]
             sent = [sum(v.bytes_sent for v in eps[i].nic_stats.values()) for i in topo.ids]
         finally:
