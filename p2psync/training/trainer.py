@@ -140,36 +140,32 @@ class Trainer:
         self.t0 = time.monotonic()
         self.padded_s = 0.0
         self._burn: torch.Tensor | None = None
-        self._tokens = data if isinstance(data, TokenData) else None
-        self._x = torch.from_numpy(data.x_train) if isinstance(data, Dataset) else None
-        self._y = torch.from_numpy(data.y_train) if isinstance(data, Dataset) else None
 
     @property
     def n_train(self) -> int:
         """Training samples of the whole data set (all nodes' partitions together)."""
-        if self._tokens is not None:
-            return self._tokens.n_train
-        assert self._y is not None
-        return len(self._y)
+        if isinstance(self.data, TokenData):
+            return self.data.n_train
+        return len(self.data.y_train)
 
     @property
     def tokens_per_sample(self) -> int:
         """Tokens in one sample: a language model's context, else 1."""
-        return self._tokens.context if self._tokens is not None else 1
+        return self.data.context if isinstance(self.data, TokenData) else 1
 
     def batch_tensors(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the training samples ``idx``, on the device."""
-        if self._tokens is not None:
-            xs, ys = self._tokens.train_batch(idx)
-            return torch.from_numpy(xs).to(self.device), torch.from_numpy(ys).to(self.device)
-        assert self._x is not None and self._y is not None
-        t = torch.from_numpy(idx)
-        return self._x[t].to(self.device, non_blocking=True), self._y[t].to(self.device, non_blocking=True)
+        if isinstance(self.data, TokenData):
+            xs, ys = self.data.train_batch(idx)
+        else:  # (rows picked by numpy, as torch's indexing of the same arrays would)
+            xs, ys = self.data.x_train[idx], self.data.y_train[idx]
+        dev = self.device
+        return torch.from_numpy(xs).to(dev, non_blocking=True), torch.from_numpy(ys).to(dev, non_blocking=True)
 
     def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss, model output) of one batch (a language model: logits per token, under
         bf16 autocast on CUDA)."""
-        if self._tokens is None:
+        if not isinstance(self.data, TokenData):
             out = self.model(x)
             return self.loss_fn(out, y), out
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
@@ -365,16 +361,15 @@ class Trainer:
         fixed evaluation windows."""
         self.model.eval()
         total, correct, loss_sum = 0, 0, 0.0
-        if self._tokens is not None:
+        if isinstance(self.data, TokenData):
             with torch.no_grad():
-                for xs, ys in self._tokens.eval_batches(self.eval_batch):
+                for xs, ys in self.data.eval_batches(self.eval_batch):
                     x, y = torch.from_numpy(xs).to(self.device), torch.from_numpy(ys).to(self.device)
                     loss, logits = self.loss_of(x, y)
                     loss_sum += float(loss) * y.numel()
                     correct += int((logits.argmax(-1) == y).sum())
                     total += y.numel()
             return loss_sum / max(total, 1), correct / max(total, 1)
-        assert isinstance(self.data, Dataset)
         with torch.no_grad():
             for s in range(0, len(self.data.y_test), self.eval_batch):
                 x = torch.from_numpy(self.data.x_test[s: s + self.eval_batch]).to(self.device)
