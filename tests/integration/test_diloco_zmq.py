@@ -43,6 +43,30 @@ async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedba
     return params, [th for _, th in out], [r for r, _ in out]
 
 
+async def _single_process(local, steps: int, H: int, mean_of, *, lr: float = 0.7, mom: float = 0.9):
+    """The same algorithm in one process over the trainers ``local``: inner steps, every ``H``
+    steps ``mean_of(deltas)`` (each node's float32 Δ) applied with the outer Nesterov step.
+    Returns θ_g after every outer step (by the step that ended it) and the final θ_g; closes
+    the trainers."""
+    try:
+        theta = await local[0].get_params()
+        buf, after = None, {}
+        for k in range(1, steps + 1):
+            for tr in local:
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % H == 0:
+                deltas = [np.subtract(theta, await tr.get_params(), dtype=np.float32) for tr in local]
+                buf = outer_step(theta, buf, mean_of(deltas), lr=lr, momentum=mom, nesterov=True)
+                for tr in local:
+                    await tr.set_params(theta.copy())
+                after[k] = theta.copy()
+        return after, theta
+    finally:
+        for tr in local:
+            tr.close()
+
+
 async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run():
     topo = ring(2, base_port=free_port())
     H, steps, lr, mom = 4, 12, 0.7, 0.9
@@ -53,24 +77,11 @@ async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run()
     for k in range(steps):  # after every step, every node holds the same θ_g
         assert thetas[0][k].tobytes() == thetas[1][k].tobytes()
     # the same algorithm in one process: local trainers, Δ averaged in float32, the outer step
-    local = [make_trainer(topo, i) for i in topo.ids]
-    try:
-        theta = await local[0].get_params()
-        buf = None
-        for k in range(1, steps + 1):
-            for tr in local:
-                _, g = await tr.compute_gradients()
-                await tr.apply_gradients(g)
-            if k % H == 0:
-                deltas = [np.subtract(theta, await tr.get_params(), dtype=np.float32) for tr in local]
-                mean = np.divide(np.add(deltas[0], deltas[1]), np.float32(2), dtype=np.float32)
-                buf = outer_step(theta, buf, mean, lr=lr, momentum=mom, nesterov=True)
-                for tr in local:
-                    await tr.set_params(theta.copy())
-                assert thetas[0][k - 1].tobytes() == theta.tobytes(), f"after outer step {k // H}"
-    finally:
-        for tr in local:
-            tr.close()
+    after, theta = await _single_process(
+        [make_trainer(topo, i) for i in topo.ids], steps, H,
+        lambda d: np.divide(np.add(d[0], d[1]), np.float32(2), dtype=np.float32), lr=lr, mom=mom)
+    for k, want in after.items():
+        assert thetas[0][k - 1].tobytes() == want.tobytes(), f"after outer step {k // H}"
     for p in params:  # the stop leaves θ_g in every model
         assert p.tobytes() == theta.tobytes()
 
@@ -83,25 +94,13 @@ async def test_samples_weighting_is_the_sample_weighted_mean_bitwise():
     opts = {"inner_steps": H, "weighting": "samples", "final_sync": "outer"}
     sizes = {0: 16, 1: 8}
     _, thetas, _ = await _run(topo, steps, opts, per_node={i: {"batch_size": b} for i, b in sizes.items()})
-    local = [make_trainer(topo, i, batch_size=sizes[i]) for i in topo.ids]
-    try:
-        theta = await local[0].get_params()
-        buf = None
-        for k in range(1, steps + 1):
-            for tr in local:
-                _, g = await tr.compute_gradients()
-                await tr.apply_gradients(g)
-            if k % H == 0:
-                parts = [np.multiply(np.subtract(theta, await tr.get_params(), dtype=np.float32),
-                                     np.float32(sizes[i] * H / H)) for i, tr in enumerate(local)]
-                mean = np.divide(np.add(parts[0], parts[1]), np.float32(24), dtype=np.float32)
-                buf = outer_step(theta, buf, mean, lr=0.7, momentum=0.9, nesterov=True)
-                for tr in local:
-                    await tr.set_params(theta.copy())
-                assert thetas[0][k - 1].tobytes() == thetas[1][k - 1].tobytes() == theta.tobytes()
-    finally:
-        for tr in local:
-            tr.close()
+    weights = [np.float32(sizes[i] * H / H) for i in topo.ids]
+    after, _ = await _single_process(
+        [make_trainer(topo, i, batch_size=sizes[i]) for i in topo.ids], steps, H,
+        lambda d: np.divide(np.add(np.multiply(d[0], weights[0]), np.multiply(d[1], weights[1])), np.float32(24),
+                            dtype=np.float32))
+    for k, want in after.items():
+        assert thetas[0][k - 1].tobytes() == thetas[1][k - 1].tobytes() == want.tobytes()
 
 
 async def test_streaming_fragments_with_overlap_e3m0_feedback_and_adamw_end_with_one_model():
