@@ -159,3 +159,32 @@ def test_store_changes_name_lost_members_and_joiners_by_incarnation():
     # a member that finished and left is not lost; unknown incarnations count as unchanged
     assert store_changes([0, 1, 2], incs, View(epoch=6, members=(0, 1), departed=(2,))) == ([], [])
     assert store_changes([0, 1], {}, View(epoch=6, members=(0, 1, 3), incarnations={3: 1})) == ([], [3])
+
+
+async def test_a_re_shard_over_a_view_one_member_never_saw_gives_way_to_the_newer_view():
+    """A partition: the coordinator publishes view 1 (node 3 dropped) that reaches nodes 0 and 1
+    but not node 2, which is cut off; after the heal node 2 learns only view 3 (same members).
+    Nodes 0 and 1, re-sharding over view 1 (which needs node 2), must give that re-shard up
+    when view 3 arrives and re-shard over it with node 2, not wait out their timeout and fail.
+    All three end at store epoch 3 with the exact state (identical pulled weights)."""
+    async with memory_strategies(mesh(4), "elastic_bsp", {"R": 3}) as st:
+        before = [await s.ctx.replica.get_params() for s in st[:3]]
+        assert before[0].tobytes() == before[1].tobytes() == before[2].tobytes()
+        old = View(epoch=1, members=(0, 1, 2))
+        for s in st[:2]:
+            s.ctx.membership.views.apply(old)
+            s.on_view(old)
+        moving = [asyncio.ensure_future(s._follow_view()) for s in st[:2]]
+        try:
+            await until(lambda: all(s.store._moving == 1 for s in st[:2]), 10, "nodes 0 and 1 to re-shard over view 1")
+            await asyncio.sleep(0.3)  # waiting for node 2, which never saw view 1
+            new = View(epoch=3, members=(0, 1, 2))
+            for s in st[:3]:
+                s.ctx.membership.views.apply(new)
+                s.on_view(new)
+            got = await asyncio.wait_for(asyncio.gather(*moving, st[2]._follow_view()), 8)
+        finally:
+            await cancel_all(moving)
+        assert [s.store.epoch for s in st[:3]] == [3, 3, 3] and [s.reshards for s in st[:3]] == [1, 1, 1]
+        for w in got:
+            assert w is not None and w.tobytes() == before[0].tobytes()
