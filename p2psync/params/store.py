@@ -69,7 +69,8 @@ its current epoch's once its own re-shard has begun (the snapshot it contributes
 the sender's push fails, is counted, and the sender re-shards), and keeps newer ones until it
 has re-sharded itself; a pull of a newer epoch waits the same way. A second failure during a re-shard makes it raise
 PeerFailure; the caller re-shards again over the newer view (a joiner too: with the members of
-the newer view).
+the newer view). A re-shard given up (a failure, or :meth:`ParamStore.abort_reshard` when a
+newer view supersedes it) leaves the current split in place, taking pieces again.
 """
 
 from __future__ import annotations
@@ -507,6 +508,15 @@ class ParamStore:
         if not joining and not owners:
             raise ConfigError(f"{self.name}: no member of {new} holds the store's state")
         self._moving = epoch  # from now on pieces and pulls of the current split are refused (moved)
+        try:
+            return await self._resplit(new, owners, joining, epoch, ticks, allreduce)
+        except BaseException:  # given up (a newer view, a failure): the current split goes on
+            self._moving = None
+            raise
+
+    async def _resplit(self, new: list[int], owners: list[int], joining: bool, epoch: int, ticks: list[int],
+                       allreduce: Allreduce) -> np.ndarray:
+        """:meth:`reshard`'s two allreduces and the installation of the new split."""
         self.barriers.flush(self.opt)  # a BSP round's pieces are acknowledged: part of the state
         n = self.numel
         ch = self.opt.channels
@@ -517,7 +527,7 @@ class ParamStore:
         if not joining:
             # 1. the freshest copy of every lost shard, among the owners (version + 1: 0 means
             # "no copy"); a fresh member's old shard is lost: it is a new process
-            lost = [o for o in self.members if o not in new or o in fresh_set]
+            lost = [o for o in self.members if o not in owners]
             rank = owners.index(self.me)
             v = np.zeros(len(owners) * max(1, len(lost)), np.float32)
             for j, o in enumerate(lost):

@@ -303,18 +303,21 @@ class _StoreStrategy(Strategy):
         """Re-shard the store when the view dropped some of its members or admitted joiners
         (every member of the view takes part, joiners with nothing; leaves and joins in one
         view are one re-shard); returns the weights to continue from, or None if nothing
-        changed. After ``failure`` (a push or pull that failed), wait for the view that drops
-        the peer (bounded by the peer timeout)."""
+        changed. After ``failure`` (a push or pull that failed), wait for a newer view: one
+        that drops the peer re-shards; one that keeps every member (a suspicion that healed,
+        e.g. a partition: the push stays lost and counted) goes on. Bounded by the peer timeout
+        from the last view seen, and while this node hears no majority by the quorum wait."""
         store = self._store()
         loop = asyncio.get_running_loop()
         bound = self.ctx.peer_timeout
-        deadline, seen = loop.time() + bound, self.ctx.view.epoch
+        first = self.ctx.view.epoch
+        deadline, seen = loop.time() + bound, first
         while True:
             view = self.ctx.view
             gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
-                if failure is None:
-                    return None
+                if failure is None or view.epoch > first:  # a newer view keeps every member: the
+                    return None                            # failure was a suspicion since healed
                 deadline, seen = await self._retry_after(failure, deadline, seen, bound)
                 continue
             members = list(view.members)  # the store's members that stay, and the fresh ones

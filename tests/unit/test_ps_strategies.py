@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from p2psync.coordinator.views import View
+from p2psync.errors import PeerFailure
 from p2psync.tasks import cancel_all
 from p2psync.topology import mesh
 from tests.helpers import memory_strategies, record_barrier_pulls, run_until_stop, until
@@ -188,3 +189,22 @@ async def test_a_re_shard_over_a_view_one_member_never_saw_gives_way_to_the_newe
         assert [s.store.epoch for s in st[:3]] == [3, 3, 3] and [s.reshards for s in st[:3]] == [1, 1, 1]
         for w in got:
             assert w is not None and w.tobytes() == before[0].tobytes()
+
+
+async def test_a_failed_push_over_a_suspicion_that_healed_goes_on_with_the_store_as_it_is():
+    """A partition: node 1 followed another coordinator and took node 0 for failed, so its push
+    failed; after the heal a newer view names every member again (no one was declared failed).
+    The store has nothing to move: node 1 goes on at once (the push stays lost and counted),
+    rather than wait out its timeout for a view that drops node 0 and then fail."""
+    async with memory_strategies(mesh(3), "elastic_bsp", {"R": 3}) as st:
+        waiting = asyncio.ensure_future(st[1]._follow_view(PeerFailure("elastic_bsp: peer 0 failed", peers=(0,))))
+        try:
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # no newer view yet: it waits for one
+            healed = View(epoch=2, members=(0, 1, 2))
+            st[1].ctx.membership.views.apply(healed)
+            st[1].on_view(healed)
+            assert await asyncio.wait_for(waiting, 3) is None
+        finally:
+            await cancel_all([waiting])
+        assert st[1].reshards == 0 and st[1].store.members == [0, 1, 2] and st[1].store.moving is None
