@@ -16,8 +16,9 @@ only when the sender asks (``send(..., relay=True)``: a collective over a group 
 are not adjacent): then hop by hop on the bulk channel, flow-controlled at every hop, within
 a byte budget at every relay (:mod:`p2psync.transport.relay`).
 
-Incoming frames go through :meth:`Transport._ingest`, which decodes strictly, rejects and counts
-bad messages (logged once per peer and reason, in bounded memory; a sender label the sender
+Incoming frames go through the sans-IO ingest pipeline (:mod:`p2psync.transport.ingest`:
+decode, authenticate, admit, route), whose decision :meth:`Transport._ingest` acts on: it
+delivers, forwards, or rejects and counts bad messages (logged once per peer and reason, in bounded memory; a sender label the sender
 chose, such as an unknown routing id, once per NIC and reason) and never raises. Every header
 carries the run id and the sender's incarnation: traffic of another run (``wrong_run``) or of
 an older incarnation of a node than the one the membership registered (``stale_incarnation``,
@@ -68,13 +69,14 @@ from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.finite_checks import FiniteChecks
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.incarnation import clock_incarnation
+from p2psync.transport.ingest import Forward, Ingest, Reject, Revive
 from p2psync.transport.lending import Lending, Releasable, own
 from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
 from p2psync.transport.relay import Relaying
-from p2psync.transport.relay_auth import ReplayWindow
+from p2psync.transport.relay_auth import OriginAuth
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frames_len,
+from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len,
                           placed)
 
 log = logging.getLogger("p2psync.transport")
@@ -159,7 +161,6 @@ class Transport(Relaying, FiniteChecks, ABC):
         self._deferred_finite: Counter[str] = Counter()
         #: who borrows frames received through shared memory (:meth:`lend`)
         self.lending = Lending()
-        self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = shaper
         #: run id stamped on every header and required on every incoming one (set before start)
@@ -172,6 +173,9 @@ class Transport(Relaying, FiniteChecks, ABC):
         self.peer_incarnations: dict[int, int] = {}
         #: node -> monotonic time its latest accepted message arrived (proof of life)
         self.last_arrival: dict[int, float] = {}
+        self._pipeline = Ingest(node_id=node_id, nodes=frozenset(topology.ids), limits=limits,
+                                incarnations=self.peer_incarnations, dead=self.dead,
+                                auth=OriginAuth(node_id, self.relay_keys) if self.relay_keys is not None else None)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -418,62 +422,30 @@ class Transport(Relaying, FiniteChecks, ABC):
 
     def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any],
                 lease: Releasable | None = None) -> None:
-        """Decode and deliver one received message; never raises. ``lease``: some frames view
-        memory to give back (shared memory): lent to a borrower, else copied (:meth:`lend`)."""
-        nbytes = frames_len(frames)
+        """Act on the ingest pipeline's decision for one received message (:mod:`.ingest`):
+        record what it proves alive, revive a node it proves restarted, then deliver, forward or
+        count it rejected; never raises. ``lease``: some frames view memory to give back (shared
+        memory): lent to a borrower, else copied (:meth:`lend`)."""
         st = self.nic_stats[nic]
-        st.bytes_recv += nbytes
+        st.bytes_recv += frames_len(frames)
         st.msgs_recv += 1
         msg: Message | None = None
         try:
-            if peer_id is None:
-                self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology", per_peer=False)
+            decision = self._pipeline.admit(frames, peer_id, self.run_id)
+            msg = decision.message
+            if decision.alive or decision.revive is not None:
+                self._arrived(decision.alive, decision.revive)
+            if isinstance(decision, Reject):
+                self._reject(nic, peer_label, decision.reason, decision.detail, per_peer=peer_id is not None)
+                if msg is not None:
+                    msg.release()
                 return
-            msg = decode(frames, self.limits)
-            h = msg.header
-            if h.src != peer_id and (h.dst is None or h.hops == 0):
-                raise ProtocolError("src_mismatch", f"header src {h.src} on connection of {peer_id}")
-            origin_ok = h.src == peer_id or self._relayed_ok(msg, frames)
-            if h.run != self.run_id:
-                raise ProtocolError("wrong_run", f"run id {h.run:#x} is not this run's ({self.run_id:#x})")
-            known = self.peer_incarnations.get(h.src)
-            if known is not None and h.inc < known:
-                raise ProtocolError("stale_incarnation",
-                                    f"node {h.src}'s incarnation {h.inc} is older than the one this node already "
-                                    f"knows, {known}: a message of its previous process, or a restarted process "
-                                    "with a stepped-back clock? (its messages are dropped until it runs with a "
-                                    "newer incarnation)")
-            now = time.monotonic()
-            # what a message says about its origin is recorded only when the origin is proven
-            # (received from it, or a relayed message whose digest this node verified): a relay
-            # must not let a forged "new life" of a dead node outrank its real restart
-            if origin_ok and known is not None and h.inc > known and h.src in self.dead:
-                # a new life of a node declared dead (restarted to rejoin): reachable again, so
-                # it can be answered; the membership view decides whether it is a member
-                self.peer_incarnations[h.src] = h.inc
-                self.revive(h.src)
-            elif origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
-                self.last_arrival[h.src] = now  # proves nothing about the registered process
-            if peer_id != h.src:
-                self.last_arrival[peer_id] = now
-            msg.nic = nic
-            passing = h.dst is not None and h.dst != self.node_id
-            if lease is not None:  # copied out (then scanned) unless borrowed (scanned by its borrower)
-                held, lease = lease, None
-                if passing:  # relayed on: never lent (the next send may outlive any loan)
-                    try:
-                        own(msg)
-                    finally:
-                        held.release()
-                else:
-                    self.lending.place(msg, held)
-            if passing:  # its destination checks it (and blames its origin)
-                self._forward(msg, peer_id)
-                return
-            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, h.src):
-                msg.release()
-                return
-            self.mailbox.deliver(msg)
+            decision.message.nic = nic
+            held, lease = lease, None
+            if isinstance(decision, Forward):
+                self._pass_on(decision.message, decision.came_from, held)
+            else:
+                self._take(decision.message, held)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
             if msg is not None:
@@ -485,6 +457,39 @@ class Transport(Relaying, FiniteChecks, ABC):
         finally:
             if lease is not None:  # not decoded: nothing reads its frames
                 lease.release()
+
+    def _arrived(self, alive: tuple[int, ...], revive: Revive | None) -> None:
+        """Record what an admitted message proves: the arrival time of every node in ``alive``
+        (:attr:`last_arrival`), and a restarted node's new incarnation (reachable again; the
+        membership view decides whether it is a member)."""
+        now = time.monotonic()
+        for node in alive:
+            self.last_arrival[node] = now
+        if revive is not None:
+            self.peer_incarnations[revive.node] = revive.incarnation
+            self.revive(revive.node)
+
+    def _pass_on(self, msg: Message, came_from: int, lease: Releasable | None) -> None:
+        """Forward a message for another node; what came through shared memory is copied out
+        first (the next send may outlive any loan). Its destination checks its values."""
+        if lease is not None:
+            try:
+                own(msg)
+            finally:
+                lease.release()
+        self._forward(msg, came_from)
+
+    def _take(self, msg: Message, lease: Releasable | None) -> None:
+        """Deliver a message for this node to the mailbox: its shared memory lent to a borrower
+        (else copied, :meth:`lend`); a tensor message with NaN or infinity is rejected here
+        unless its consumer checks it (:meth:`defer_finite`)."""
+        if lease is not None:
+            self.lending.place(msg, lease)
+        h = msg.header
+        if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, h.src):
+            msg.release()
+            return
+        self.mailbox.deliver(msg)
 
     def lend(self, prefix: str, depth: int) -> contextlib.AbstractContextManager[None]:
         """While open, ``data`` messages tagged ``prefix`` plus ``depth`` more dot-separated

@@ -46,8 +46,8 @@ from typing import Any, Mapping, Sequence, cast
 from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.topology.paths import hop_distances, next_hops
-from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
-from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len, parse_header, placed
+from p2psync.transport.relay_auth import relay_digest
+from p2psync.wire import RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len, parse_header, placed
 
 log = logging.getLogger("p2psync.transport")
 
@@ -71,7 +71,6 @@ class Relaying:
     #: accepted (keyed)
     _relay_ctr: "itertools.count[int]"
     _relay_data_ctr: "itertools.count[int]"
-    _replays: ReplayWindow
     shaper: Any
     #: bytes of relayed data this node holds until the next hop takes them, and their bound
     _relay_held: int
@@ -274,33 +273,10 @@ class Relaying:
         self._relay_tasks.add(task)
         task.add_done_callback(self._relay_tasks.discard)
 
-    def _relayed_ok(self, msg: Message, frames: Sequence[Any]) -> bool:
-        """A relayed message (its origin is not the neighbour that handed it over): in a keyed
-        cluster it must carry its origin's digest and counter, verified here if it is for this
-        node (a counter seen before is a replay). Returns whether its origin is proven: only
-        then may it count as proof of the origin's life or revive it."""
-        if self.relay_keys is None:
-            return True
-        h = msg.header
-        if h.auth is None or h.ctr is None:
-            raise ProtocolError("relay_auth", f"relayed message from node {h.src} without its origin's digest")
-        if h.dst != self.node_id:
-            return False  # for another node: its destination checks it
-        key = self.relay_keys.get(h.src)
-        if key is None or not verify(key, h, frames[1:]):
-            raise ProtocolError("relay_auth", f"relayed message claiming origin node {h.src}: its digest "
-                                "does not verify (forged or altered on the way)")
-        if not self._replays.accept(h.src, h.inc, h.ctr, lane=int(h.kind == "data")):
-            raise ProtocolError("relay_replay", f"relayed message {h.tag!r} from node {h.src} (incarnation "
-                                f"{h.inc}, counter {h.ctr}) was delivered before, or is too old")
-        return True
-
     def _forward(self, msg: Message, came_from: int) -> None:
+        """Pass on a message for another node (one the ingest pipeline routed on: its hop count
+        and destination are valid); ProtocolError when it is refused here."""
         h = msg.header
-        if h.hops + 1 > MAX_HOPS:
-            raise ProtocolError("relay", f"hop limit reached for message to node {h.dst}")
-        if h.dst not in self.topology.ids:
-            raise ProtocolError("relay", f"unknown destination {h.dst}")
         fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
                       codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc, auth=h.auth,
                       ctr=h.ctr)
