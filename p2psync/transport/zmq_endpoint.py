@@ -69,7 +69,7 @@ when the send fails; ``_drain`` takes it as a view of the sender's ring, with a 
 ``_ingest`` lends to a consumer that borrows it or releases after a copy (``Transport.lend``).
 An *unordered* bulk message (the collectives' pieces) to such a peer skips ZeroMQ when it can:
 marker, header and small frames go as one Unix datagram (:mod:`p2psync.transport.local`; its
-big frames in a ring of their own), taken by ``_drain_local``. Unkeyed endpoints only.
+big frames in a ring of their own), taken by ``LocalChannel.drain``. Unkeyed endpoints only.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ from typing import Any, Collection, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import ConfigError, TransportError, translate
+from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
 from p2psync.topology import Nic, Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
+from p2psync.transport.lending import Releasable
 from p2psync.transport.local import LocalChannel
 from p2psync.transport.shm import Inbound, Outbound, same_host
 from p2psync.transport.socket_options import SocketOptions
@@ -144,7 +145,7 @@ def bind_error(exc: zmq.ZMQError, topology: Topology, node_id: int, nic: Nic) ->
                           f"PORT', or edit {field} in the topology file")
 
 
-class ZmqEndpoint(Transport, LocalChannel):
+class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
                  context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
@@ -201,7 +202,10 @@ class ZmqEndpoint(Transport, LocalChannel):
         if keys is None:  # every endpoint takes marked messages and datagrams; sending them is the option
             self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
-        self._init_local()
+        #: unordered bulk messages to and from the peers on this host as datagrams (unkeyed)
+        self.datagrams = LocalChannel(node_id=node_id, topology=topology, loopback=self._loopback,
+                                      on_host=self._on_host, take_in=self._take_datagram,
+                                      reject=self._reject_datagram)
 
     async def start(self) -> None:
         if self._socks:
@@ -228,7 +232,7 @@ class ZmqEndpoint(Transport, LocalChannel):
                 with translate({zmq.ZMQError: lambda e: bind_error(e, self.topology, self.node_id, nic)}):
                     s.bind(nic.endpoint)
             if self.keys is None:
-                self._start_local()
+                self._fds.extend(self.datagrams.start(self._loop, send=self._shm_out is not None))
         except BaseException:
             await self.close()
             raise
@@ -434,6 +438,34 @@ class ZmqEndpoint(Transport, LocalChannel):
         if self._loop is not None:  # more may be waiting: continue after other callbacks ran
             self._loop.call_soon(self._drain, nic, control, True)
 
+    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
+        """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
+        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
+        lease: Releasable | None = None
+        if marked and self._shm_in is not None and Inbound.marked(frames):
+            try:
+                frames, lease = self._shm_in.take(src, frames)
+            except ProtocolError as exc:
+                self._reject(nic, label, exc.reason, exc.detail)
+                return
+        self._ingest(nic, src, label, frames, lease)
+
+    def _take_datagram(self, nic: str, src: int, label: str, frames: list[Any]) -> None:
+        self._take_in(nic, src, label, frames, True)
+
+    def _reject_datagram(self, nic: str, label: str, reason: str, detail: str) -> None:
+        self._reject(nic, label, reason, detail, per_peer=False)
+
+    @property
+    def local_sent(self) -> int:
+        """Messages this endpoint sent as datagrams (:mod:`p2psync.transport.local`)."""
+        return self.datagrams.sent
+
+    @property
+    def local_received(self) -> int:
+        """Messages it took as datagrams."""
+        return self.datagrams.received
+
     def _authentic(self, frame: "zmq.Frame", rid: bytes, node: int, nic: str, control: bool) -> bool:
         """Does the connection a message came on belong to ``node``, whose routing id it bears?
         Incoming (ZAP gave it a user id): that user id must be ``node``, whatever the routing id.
@@ -463,7 +495,7 @@ class ZmqEndpoint(Transport, LocalChannel):
         rid = self._rid_cache.get(key) or self._rid_cache.setdefault(key, routing_id(peer, route.remote_nic))
         shm, seg = self._shm_out, None
         if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
-            if unordered and self._send_local(shm, peer, route, frames):  # a datagram (transport/local.py)
+            if unordered and self.datagrams.send(shm, peer, route, frames):  # a datagram (transport/local.py)
                 return
             frames, seg, head, count = shm.stage(peer, route.local_nic, frames)  # (computes Fills)
         elif bulk:  # Fills are computed into their own arrays
@@ -524,4 +556,4 @@ class ZmqEndpoint(Transport, LocalChannel):
         for shm in (self._shm_out, self._shm_in):
             if shm is not None:
                 shm.close()
-        self._close_local()
+        self.datagrams.close()
