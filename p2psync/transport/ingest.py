@@ -48,7 +48,7 @@ Reason = Literal["unknown_peer", "src_mismatch", "relay_auth", "relay_replay", "
                  "relay"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Revive:
     """A proven message of ``node``, marked dead, from a newer ``incarnation`` than the
     registered one: register it and route through ``node`` again."""
@@ -57,7 +57,7 @@ class Revive:
     incarnation: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Deliver:
     """The message is for this node: hand it to the mailbox (after the finiteness check)."""
 
@@ -67,7 +67,7 @@ class Deliver:
     revive: Revive | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forward:
     """The message is for node ``message.header.dst``: pass it on towards it, never back to
     ``came_from`` (the neighbour that handed it over)."""
@@ -78,7 +78,7 @@ class Forward:
     revive: Revive | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reject:
     """Drop the message; count it under ``reason`` (a :data:`Reason` or the decoder's).
     ``message``: the decoded message, when decoding got that far (to release). A message refused
@@ -92,6 +92,8 @@ class Reject:
     revive: Revive | None = None
 
 
+#: a decision is a value: nothing changes it once the pipeline made it (plain slotted
+#: dataclasses, not frozen ones, whose construction costs several times more per message)
 Decision = Union[Deliver, Forward, Reject]
 
 
@@ -140,7 +142,8 @@ class Ingest:
                           f"node {h.src}'s incarnation {h.inc} is older than the one this node already knows, "
                           f"{known}: a message of its previous process, or a restarted process with a stepped-back "
                           "clock? (its messages are dropped until it runs with a newer incarnation)", "admit", msg)
-        return self._route(msg, peer, *self._liveness(h.src, h.inc, known, peer, proven))
+        alive, revive = self._liveness(h.src, h.inc, known, peer, proven)
+        return self._route(msg, peer, alive, revive)
 
     def _liveness(self, src: int, inc: int, known: int | None, peer: int,
                   proven: bool) -> tuple[tuple[int, ...], Revive | None]:
