@@ -148,7 +148,9 @@ class Ingest:
     def _liveness(self, src: int, inc: int, known: int | None, peer: int,
                   proven: bool) -> tuple[tuple[int, ...], Revive | None]:
         """What an admitted message from ``src`` (incarnation ``inc``; ``known``: the registered
-        one) that ``peer`` handed over proves: the nodes it proves alive, and a revival."""
+        one) that ``peer`` handed over proves: the nodes it proves alive, and a revival. What it
+        says about its origin counts only when the origin is ``proven``: a relay must not let a
+        forged new life of a dead node outrank its real restart."""
         revive = None
         alive: tuple[int, ...] = ()
         if proven and known is not None and inc > known and src in self.dead:
