@@ -4,7 +4,7 @@ node marked dead surfaced as an output (the pipeline itself changes nothing)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def signed(key: bytes, **kw: Any) -> list[Any]:
     fields: dict[str, Any] = dict(kind="event", src=3, tag="t", run=RUN, inc=30, dst=ME, hops=1, ctr=1)
     fields.update(kw)
     raw = encode(**fields)
-    digest = relay_digest(key, parse_header(raw[0], DEFAULT_LIMITS), raw[1:])
+    digest = relay_digest(key, parse_header(cast(bytes, raw[0]), DEFAULT_LIMITS), raw[1:])
     return list(encode(auth=digest, **fields))
 
 
@@ -79,7 +79,8 @@ def test_rejected(opts: dict[str, Any], fr: list[Any], peer: int | None, expecte
 def test_malformed_payload_keeps_the_decoders_reason() -> None:
     fr = frames(kind="data", arrays=[np.arange(4, dtype=np.float32)])
     d = pipeline().admit([fr[0], b"123"], 1, RUN)  # 3 bytes for 16
-    assert reject(d) == ("nbytes_mismatch", "decode") and "declared 16, got 3" in d.detail
+    assert reject(d) == ("nbytes_mismatch", "decode")
+    assert isinstance(d, Reject) and "declared 16, got 3" in d.detail
 
 
 # (name, pipeline options, frames, peer, expected decision type, alive, revive)

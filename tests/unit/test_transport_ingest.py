@@ -4,7 +4,7 @@ node registered and routed through again, forwarding and delivery; and its route
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, cast
 
 import pytest
 
@@ -31,7 +31,7 @@ async def ring4() -> AsyncIterator[dict[int, MemoryTransport]]:
 def _frames(**kw: Any) -> list[Any]:
     fields: dict[str, Any] = dict(kind="event", src=1, tag="t", run=RUN, inc=10)
     fields.update(kw)
-    return [bytes(f) for f in encode(**fields)]
+    return [bytes(cast(bytes, f)) for f in encode(**fields)]
 
 
 def _nic(t: MemoryTransport) -> str:
