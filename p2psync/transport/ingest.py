@@ -2,9 +2,11 @@
 
 :class:`Ingest` takes the frames of one message as a link handed them over, the neighbour that
 sent them and this run's id, and returns a decision: :class:`Deliver` (the message is for this
-node), :class:`Forward` (for another node: pass it on) or :class:`Reject` (drop it, counted
-under its reason). It does no IO, starts no task, reads no clock and never raises; the
-transport acts on the decision (:meth:`p2psync.transport.base.Transport._ingest`).
+node), :class:`Forward` (for another node: pass it on; the relay picks the next hop, which
+depends on the links' state) or :class:`Reject` (drop it, counted under its reason). It does no
+IO, starts no task, reads no clock and reports every refusal as a :class:`Reject`, never as an
+exception; the transport acts on the decision
+(:meth:`p2psync.transport.base.Transport._ingest`).
 
 The stages, in order (the first that refuses names the reason):
 
