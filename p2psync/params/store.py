@@ -35,7 +35,7 @@ messages (relayed by the transport). Every wait on a peer has the store's ``time
 
 **Moving shards on a view change** (:meth:`ParamStore.reshard`): when members leave or join,
 the members of the new view re-split the vector among themselves (:func:`shard_bounds` of the
-new member list) in two exact allreduces (the store epoch is the view epoch, and every tag
+new member list) in exact allreduces (step 0 below, then two; the store epoch is the view epoch, and every tag
 carries it). *Owners* are the members that held a shard of the current split; *fresh* members
 bring no state: joiners, and a member whose process restarted (a new incarnation: its old shard
 is lost, as a departed owner's is):
@@ -70,7 +70,12 @@ the sender's push fails, is counted, and the sender re-shards), and keeps newer 
 has re-sharded itself; a pull of a newer epoch waits the same way. A second failure during a re-shard makes it raise
 PeerFailure; the caller re-shards again over the newer view (a joiner too: with the members of
 the newer view). A re-shard given up (a failure, or :meth:`ParamStore.abort_reshard` when a
-newer view supersedes it) leaves the current split in place, taking pieces again.
+newer view supersedes it) leaves the current split in place, taking pieces again. Since one can
+end on some members and be given up on others (its last pieces arrive as a newer view does),
+every re-shard begins with a tiny allreduce of each member's store epoch (step 0): members at an
+older epoch than the newest bring no state, as fresh members do, and the ranges they would
+have supplied are restored like a lost shard's, from the newest owners' pulled copies (their
+optimizer state starts fresh; pushes they applied after giving up are lost).
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ import numpy as np
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, PeerUnreachable,
-                             ProtocolError, RemoteError, TrainingError, TransportError)
+                             ProtocolError, RemoteError, TransportError)
 from p2psync.params.barriers import BarrierState, Piece
 from p2psync.params.optim import (Hypers, OptimSpec, ShardOptimizer, decode_hypers, encode_hypers)
 from p2psync.params.shards import piece_ranges, shard_bounds
@@ -483,9 +488,8 @@ class ParamStore:
         there). ConfigError when the arguments cannot describe a re-split (an owner listed as
         fresh, a member neither holding a shard nor fresh, no member holding state); PeerFailure
         when the allreduces fail, or a joiner finds that no member held state (nothing is
-        installed then: it may re-shard again over a newer view); TrainingError when the
-        members holding state are at different store epochs (an earlier re-shard ended on some
-        of them only: their shards overlap, and nothing is installed)."""
+        installed then: it may re-shard again over a newer view). Members left at an older
+        split by a re-shard that ended on others only bring no state (module docstring)."""
         new = sorted(set(members))
         fresh_set = set(fresh)
         if epoch <= self.epoch:
@@ -520,11 +524,27 @@ class ParamStore:
         self.barriers.flush(self.opt)  # a BSP round's pieces are acknowledged: part of the state
         n = self.numel
         ch = self.opt.channels
-        width = 3 + len(ticks)  # per member: holds state, store generation, store epoch, its clock
+        # 0. who holds the newest split: a re-shard that ended on some members only (a newer view
+        # superseded it as its last pieces arrived) left the others at their older split; those
+        # bring no state, as fresh members do, and their ranges come from the newest owners
+        mine = np.zeros(len(new), np.float32)
+        if not joining:
+            mine[new.index(self.me)] = self.epoch + 1
+        at = await allreduce(mine, new, f"{self.name}.rs{epoch}.s")
+        held = {m: int(at[r]) - 1 for r, m in enumerate(new) if at[r] > 0}
+        top = max(held.values(), default=-1)
+        behind = sorted(m for m, e in held.items() if e < top)
+        if behind:
+            log.warning("node %d: %s members %s are at older store epochs than %d (%s): their shards are dropped "
+                        "and their ranges taken from the members at %d", self.me, self.name, behind, top,
+                        {m: held[m] for m in behind}, top)
+        owners = [m for m in owners if m in held and m not in behind]  # a member holding nothing is fresh
+        bring = not joining and self.me not in behind  # this node contributes its state
+        width = 2 + len(ticks)  # per member: holds state, store generation, its clock
         lost: list[int] = []
         holders: dict[int, int] = {}
         v = np.zeros(0, np.float32)
-        if not joining:
+        if bring:
             # 1. the freshest copy of every lost shard, among the owners (version + 1: 0 means
             # "no copy"); a fresh member's old shard is lost: it is a new process
             lost = [o for o in self.members if o not in owners]
@@ -538,7 +558,7 @@ class ParamStore:
         # 2. the whole state over every member: own shard (weights, optimizer state), the chosen
         # replicas of lost shards, zeros from fresh members; then each member's clock
         x = np.zeros((1 + ch) * n + len(new) * width, np.float32)
-        if not joining:
+        if bring:
             x[self.lo:self.hi] = self.opt.w
             st = self.opt.export_state()
             for k in range(ch):
@@ -547,8 +567,8 @@ class ParamStore:
                 if owners[h] == self.me:
                     a, b = self.bounds[o]
                     x[a:b] = self.pulled[a:b]
-            at = (1 + ch) * n + new.index(self.me) * width
-            x[at:at + width] = [1, self.barriers.gen, self.epoch, *ticks]
+            row = (1 + ch) * n + new.index(self.me) * width
+            x[row:row + width] = [1, self.barriers.gen, *ticks]
         full = await allreduce(x, new, f"{self.name}.rs{epoch}.w")
         for o, h in holders.items():
             log.warning("node %d: %s shard %s of node %d (gone or restarted) restored from node %d's copy at version "
@@ -558,11 +578,7 @@ class ParamStore:
         if not (tail[:, 0] == 1).any():  # only joiners: there is no state to take (nothing installed)
             raise PeerFailure(f"{self.name}: no member of {new} held the store's state at epoch {epoch}",
                               peers=tuple(m for m in new if m != self.me))
-        epochs = {m: int(tail[r, 2]) for r, m in enumerate(new) if tail[r, 0] == 1}
-        if len(set(epochs.values())) > 1:  # an earlier re-shard ended on some members only
-            raise TrainingError(f"{self.name}: the members holding state are at different store epochs {epochs}: "
-                             f"their shards overlap and the re-shard to epoch {epoch} cannot be exact")
-        self.clocks = {m: tuple(int(c) for c in tail[r, 3:]) for r, m in enumerate(new) if tail[r, 0] == 1}
+        self.clocks = {m: tuple(int(c) for c in tail[r, 2:]) for r, m in enumerate(new) if tail[r, 0] == 1}
         self.bounds = shard_bounds(n, new)
         self.lo, self.hi = self.bounds[self.me]
         state = full[n:(1 + ch) * n].reshape(ch, n)[:, self.lo:self.hi]
@@ -570,7 +586,7 @@ class ParamStore:
         if self.feedback is not None:
             self.feedback = ErrorFeedback()  # residues were kept per piece of the old split
         self.barriers.reset(self.lo)
-        if joining:  # the generation goes on where the members' stores are
+        if not bring:  # the generation goes on where the members' stores are
             self.barriers.gen = max((int(g) for g, held in zip(tail[:, 1], tail[:, 0]) if held == 1), default=0)
         self.pulled[:] = full[:n]
         self.pulled_versions = {o: 0 for o in new}

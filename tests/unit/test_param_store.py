@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from p2psync.coordinator import RpcClient, RpcServer
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, TrainingError
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout
 from p2psync.params import OptimSpec, ParamStore, ShardOptimizer, piece_ranges, shard_bounds
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
@@ -264,18 +264,34 @@ async def test_rounds_are_applied_in_origin_order_whatever_the_arrival_order():
     assert results[0].tobytes() == results[1].tobytes()
 
 
-async def test_a_reshard_between_members_at_different_store_epochs_refuses_loudly():
-    """Should an earlier re-shard have ended on some members only (a newer view superseded it
-    as its last pieces arrived), their shards overlap the others': summing them would be a
-    silent wrong state. Each member's store epoch travels with its state, and the re-shard
-    raises TrainingError on every member instead of installing anything."""
+async def test_a_reshard_after_one_that_ended_on_some_members_only_takes_the_newest_split():
+    """A re-shard can end on some members and be given up on others (a newer view superseded it
+    as its last pieces arrived): node 1 moved to the new split (epoch 2, members [1, 2]: node 0
+    was dropped and came back), nodes 0 and 2 stayed at the old one. The next re-shard must not
+    sum overlapping shards: members at an older epoch bring no state, the ranges come from the
+    newest split's owners (node 2's range from node 1's pulled copy, its optimizer state fresh),
+    and every member ends at the new epoch with the exact weights of the newest split."""
+    rng = np.random.default_rng(5)
+    n = 24
+    w0 = rng.standard_normal(n).astype(np.float32)
     sums = SumOver()
-    async with stores(mesh(2), np.arange(8, dtype=np.float32)) as st:
-        st[1].epoch = 2  # as if node 1 alone had finished a re-shard to epoch 2
-        before = [(st[i].bounds, st[i].opt.w.copy()) for i in (0, 1)]
-        got = await asyncio.gather(*(st[i].reshard([0, 1], 5, sums.for_node(i)) for i in (0, 1)),
-                                   return_exceptions=True)
-        for exc in got:
-            assert isinstance(exc, TrainingError) and "different store epochs" in str(exc), exc
-        for i, (bounds, w) in enumerate(before):
-            assert st[i].bounds == bounds and st[i].opt.w.tobytes() == w.tobytes()
+    async with stores(mesh(3), w0, momentum=0.9, piece_bytes=16) as st:
+        await asyncio.gather(*(st[i].push(rng.standard_normal(n).astype(np.float32)) for i in range(3)))
+        await asyncio.gather(*(st[i].pull() for i in range(3)))
+        # node 1 alone installs the split of epoch 2 over [1, 2] from the true state (what the
+        # epoch-2 allreduce gave it); nodes 0 and 2 gave that re-shard up
+        truth = np.concatenate([st[o].opt.w for o in (0, 1, 2)])
+        st[1].bounds = shard_bounds(n, [1, 2])
+        st[1].lo, st[1].hi = st[1].bounds[1]
+        st[1].opt = st[1]._shard(truth[st[1].lo:st[1].hi].copy())
+        st[1].pulled[:] = truth
+        st[1].pulled_versions = {1: 0, 2: 0}
+        st[1].epoch = 2
+        ws = await asyncio.gather(*(st[i].reshard([0, 1, 2], 5, sums.for_node(i), fresh=[0] if i == 1 else [])
+                                    for i in range(3)))
+        for w in ws:
+            assert w.tobytes() == truth.tobytes()  # the newest split's weights, not a sum of overlapping shards
+        assert [st[i].epoch for i in range(3)] == [5, 5, 5]
+        assert all(st[i].bounds == shard_bounds(n, [0, 1, 2]) for i in range(3))
+        pulls = await asyncio.gather(*(st[i].pull() for i in range(3)))
+        assert pulls[0].tobytes() == pulls[1].tobytes() == pulls[2].tobytes() == truth.tobytes()
