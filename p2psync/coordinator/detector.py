@@ -200,7 +200,7 @@ class StallMeter:
     def tick(self, now: float) -> float:
         """The stall since the previous tick (seconds past ``interval``, 0 if none). Called
         from the periodic checks, e.g. membership.py's ``_monitor``:
-        ``self.state.detector.pause(stalls.tick(time.monotonic()))``."""
+        ``self.state.detector.pause(stalls.tick(clock.now()))``."""
         stall = max(0.0, now - self.prev - self.interval)
         self.prev = now
         return stall

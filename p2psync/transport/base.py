@@ -56,12 +56,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
+from p2psync import clock
 from p2psync.errors import PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
@@ -357,10 +357,10 @@ class Transport(Relaying, FiniteChecks, ABC):
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
-        deadline = time.monotonic() + budget
+        deadline = clock.now() + budget
         delay, nbytes = 0.0005, frames_len(frames)
         while not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
-            if time.monotonic() >= deadline:
+            if clock.now() >= deadline:
                 raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
                                       f"{route.local_nic} for {budget:g}s", peers=(peer,))
             await asyncio.sleep(delay)
@@ -443,7 +443,7 @@ class Transport(Relaying, FiniteChecks, ABC):
                                     f"knows, {known}: a message of its previous process, or a restarted process "
                                     "with a stepped-back clock? (its messages are dropped until it runs with a "
                                     "newer incarnation)")
-            now = time.monotonic()
+            now = clock.now()
             # what a message says about its origin is recorded only when the origin is proven
             # (received from it, or a relayed message whose digest this node verified): a relay
             # must not let a forged "new life" of a dead node outrank its real restart
