@@ -33,16 +33,17 @@ import contextvars
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.coordinator.views import View
-from p2psync.errors import ConfigError, P2PSyncError, SimulationError
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
 from p2psync.sim import invariants as inv
 from p2psync.sim.faults import Fault
 from p2psync.sim.loop import ACTOR, VirtualLoop
+from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Route, Topology
 from p2psync.topology.paths import hop_distances
 from p2psync.transport import MemoryHub
@@ -199,15 +200,15 @@ class SimCluster:
             node.membership.view_listeners.append(self._recorder(i))
             node.membership.fence_listeners.append(self._fence_recorder(i))
 
-    def _recorder(self, i: int) -> Any:
+    def _recorder(self, i: int) -> Callable[[View], None]:
         def seen(v: View) -> None:
             self.views.append(inv.ViewSeen(t=self._loop().time() - self.t0, node=i, term=v.term, epoch=v.epoch,
                                            coordinator=v.coordinator, members=tuple(v.members),
                                            departed=tuple(v.departed)))
         return seen
 
-    def _fence_recorder(self, i: int) -> Any:
-        def fenced(_: P2PSyncError) -> None:
+    def _fence_recorder(self, i: int) -> Callable[[Fenced], None]:
+        def fenced(_: Fenced) -> None:
             node = self.nodes[i]
             if node.fenced_at is None:
                 node.fenced_at = self._loop().time() - self.t0
@@ -232,8 +233,8 @@ class SimCluster:
         virtual seconds it took. Fault times count from its end."""
         loop = self._loop()
         t = loop.time()
-        starts = [loop.spawn(n.start(), actor=i, name=f"start-{i}") for i, n in self.nodes.items()]
-        await asyncio.gather(*starts)
+        # one failing start (a rendezvous that timed out) cancels the others
+        await gather_or_cancel([loop.spawn(n.start(), actor=i, name=f"start-{i}") for i, n in self.nodes.items()])
         self.t0 = loop.time()
         self.views = [replace(v, t=v.t - self.t0) for v in self.views]  # (recorded with t0 = 0)
         for f in self.faults:
