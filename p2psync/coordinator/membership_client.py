@@ -146,11 +146,17 @@ class MembershipClient:
 
     @property
     def seen_term(self) -> int:
-        """The highest term this node voted in or heard of. Its probes, and its heartbeats while
-        it is above its view's term, carry it (``seen_term``): a coordinator with a majority in
-        a lower term is then re-elected above it (:meth:`CoordinatorHost.outrank`), since a node
-        that voted in a term applies no view of a lower one."""
-        return max(self.ballot.promised, self.heard_term)
+        """The highest term this node voted in or heard of, and at least one above its view's
+        term once it deposed that view's coordinator (it applies no more views of that
+        coordinator in that term). Its probes, and its heartbeats while it is above its view's
+        term, carry it (``seen_term``): a coordinator with a majority in a lower term is then
+        re-elected above it (:meth:`CoordinatorHost.outrank`), since a node that voted in a
+        term applies no view of a lower one, and its new view, of a newer term, reaches a node
+        that deposed it without ever voting (cut off from every candidate): the node follows it
+        again, or learns that it was removed."""
+        view = self.view
+        left = view.term + 1 if view is not None and view.coordinator in self.succession.deposed else -1
+        return max(self.ballot.promised, self.heard_term, left)
 
     @property
     def coordinator(self) -> int:
