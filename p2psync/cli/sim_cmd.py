@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn faults (--faults random:N)")
     p.add_argument("--faults", default="",
                    help="comma list: kill:17@30, pause:5@40+15, partition:0-7|8-15@60+20 (times in virtual "
-                        "seconds after the rendezvous), or random:N (N faults drawn from --seed)")
+                        "seconds after the rendezvous; let the last one end a few detection times before "
+                        "the end, or one_view_at_end cannot hold), or random:N (N faults drawn from --seed)")
     p.add_argument("--virtual-seconds", type=float, default=60.0, help="virtual seconds to run (default 60)")
     p.add_argument("--latency-ms", type=float, default=1.0,
                    help="one-way latency of every link in ms (default 1; -1: the topology's link attributes)")
@@ -62,7 +63,7 @@ def topology_arg(text: str) -> Topology:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2psync.sim.cluster import SimCluster, SimOptions
+    from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
     from p2psync.sim.faults import draw, parse_faults
     from p2psync.sim.loop import VirtualLoop
     from p2psync.sim.loop import run as run_virtual
@@ -73,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--virtual-seconds must be > 0")
     topo = topology_arg(args.topology)
     m = re.fullmatch(r"random:(\d+)", args.faults.strip())
-    faults = (draw(random.Random(args.seed), topo.ids, int(m.group(1)), start=5.0,
-                   end=max(5.0, 0.7 * args.virtual_seconds))
-              if m is not None else parse_faults(args.faults, topo.ids))
     opts = SimOptions(heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,
                       latency_s=None if args.latency_ms < 0 else args.latency_ms / 1e3)
+    # drawn faults are over four detection bounds before the end: the views can settle
+    settle = 4 * detection_bound(topo, opts)
+    faults = (draw(random.Random(args.seed), topo.ids, int(m.group(1)), start=5.0,
+                   end=max(5.0, args.virtual_seconds - settle))
+              if m is not None else parse_faults(args.faults, topo.ids))
 
     async def main() -> dict[str, Any]:
         async with SimCluster(topo, opts=opts, faults=faults) as cluster:

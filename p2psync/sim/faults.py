@@ -113,16 +113,17 @@ def parse_faults(spec: str, ids: Sequence[int]) -> list[Fault]:
 
 
 def draw(rng: random.Random, ids: Sequence[int], count: int, *, start: float, end: float) -> list[Fault]:
-    """``count`` faults drawn from ``rng`` between ``start`` and ``end``: kills and pauses of
-    single nodes (never the same node twice; any node, the coordinator included) and partitions into
-    a contiguous block and the rest, lasting 1 to 20 seconds."""
+    """``count`` faults drawn from ``rng`` that start and end between ``start`` and ``end``:
+    kills and pauses of single nodes (never the same node twice; any node, the coordinator
+    included) and partitions into a contiguous block and the rest, lasting 1 to 20 seconds
+    (less when ``end`` comes first)."""
     nodes = sorted(ids)
     out: list[Fault] = []
     used: set[int] = set()
     for _ in range(count):
         kind = rng.choice(("kill", "pause", "partition"))
         at = round(rng.uniform(start, end), 3)
-        dur = round(rng.uniform(1.0, 20.0), 3)
+        dur = round(min(rng.uniform(1.0, 20.0), max(end - at, 0.001)), 3)
         if kind == "partition":
             size = rng.randint(1, max(1, len(nodes) // 2))
             first = rng.randrange(len(nodes))

@@ -173,4 +173,5 @@ def test_fault_specs_parse_and_print_back() -> None:
             parse_faults(bad, ids)
     drawn = draw(random.Random(7), ids, 6, start=5.0, end=50.0)
     assert drawn == draw(random.Random(7), ids, 6, start=5.0, end=50.0) and len(drawn) <= 6
+    assert all(5.0 <= f.at and (f.end is None or f.end <= 50.0) for f in drawn)
     assert parse_faults(",".join(f.spec() for f in drawn), ids) == drawn
