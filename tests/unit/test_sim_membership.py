@@ -76,10 +76,10 @@ def test_links_have_latency_and_the_bound_counts_it() -> None:
     assert s["rendezvous_s"] == pytest.approx(0.4, abs=0.02)
 
 
-def test_a_ring_of_64_nodes_rendezvous_over_32_hops() -> None:
-    s, _ = simulate(ring(64), "", 5.0)
-    assert s["invariants"] == ALL_HELD and s["final_view"]["members"] == list(range(64))
-    assert s["rendezvous_s"] == pytest.approx(2 * 32 * 0.001, abs=0.01)  # the farthest node's round trip
+def test_a_ring_of_40_nodes_rendezvous_over_20_hops() -> None:
+    s, _ = simulate(ring(40), "", 3.0)
+    assert s["invariants"] == ALL_HELD and s["final_view"]["members"] == list(range(40))
+    assert s["rendezvous_s"] == pytest.approx(2 * 20 * 0.001, abs=0.01)  # the farthest node's round trip
 
 
 @pytest.mark.xfail(strict=True, reason="a kill in a ring: the nodes behind the dead relay lose the "
