@@ -482,6 +482,12 @@ class MembershipClient:
         return (det.timeout() if det is not None else self.failure_timeout) + self.interval
 
     @property
+    def registered(self) -> bool:
+        """Whether this node registered with the run's membership service (False: nothing
+        hosts one, e.g. a strategy driven alone in a test; no majority applies then)."""
+        return bool(self.info)
+
+    @property
     def has_quorum(self) -> bool:
         """Whether this node follows a coordinator that recently said it hears a majority of
         the run (see the module docstring); False once fenced."""

@@ -69,7 +69,8 @@ its current epoch's once its own re-shard has begun (the snapshot it contributes
 the sender's push fails, is counted, and the sender re-shards), and keeps newer ones until it
 has re-sharded itself; a pull of a newer epoch waits the same way. A second failure during a re-shard makes it raise
 PeerFailure; the caller re-shards again over the newer view (a joiner too: with the members of
-the newer view).
+the newer view). A re-shard given up (a failure, or :meth:`ParamStore.abort_reshard` when a
+newer view supersedes it) leaves the current split in place, taking pieces again.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ import numpy as np
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, PeerTimeout, PeerUnreachable,
-                             ProtocolError, RemoteError, TransportError)
+                             ProtocolError, RemoteError, TrainingError, TransportError)
 from p2psync.params.barriers import BarrierState, Piece
 from p2psync.params.optim import (Hypers, OptimSpec, ShardOptimizer, decode_hypers, encode_hypers)
 from p2psync.params.shards import piece_ranges, shard_bounds
@@ -204,6 +205,16 @@ class ParamStore:
     async def close(self) -> None:
         await self._tasks.close()
         await self.fwd.close()
+
+    @property
+    def moving(self) -> int | None:
+        """The store epoch a re-shard under (or left by a failed) :meth:`reshard` moves to."""
+        return self._moving
+
+    def abort_reshard(self, exc: P2PSyncError) -> int:
+        """Fail the allreduces of a re-shard under way with ``exc`` now (a newer view supersedes
+        its member list); :meth:`reshard` raises it and may be called again over the newer view."""
+        return self.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.rs"))
 
     def abort_waits(self, exc: P2PSyncError) -> int:
         """Fail this store's pending client waits (acknowledgements, shard pieces of a pull,
@@ -472,7 +483,9 @@ class ParamStore:
         there). ConfigError when the arguments cannot describe a re-split (an owner listed as
         fresh, a member neither holding a shard nor fresh, no member holding state); PeerFailure
         when the allreduces fail, or a joiner finds that no member held state (nothing is
-        installed then: it may re-shard again over a newer view)."""
+        installed then: it may re-shard again over a newer view); TrainingError when the
+        members holding state are at different store epochs (an earlier re-shard ended on some
+        of them only: their shards overlap, and nothing is installed)."""
         new = sorted(set(members))
         fresh_set = set(fresh)
         if epoch <= self.epoch:
@@ -495,17 +508,26 @@ class ParamStore:
         if not joining and not owners:
             raise ConfigError(f"{self.name}: no member of {new} holds the store's state")
         self._moving = epoch  # from now on pieces and pulls of the current split are refused (moved)
+        try:
+            return await self._resplit(new, owners, joining, epoch, ticks, allreduce)
+        except BaseException:  # given up (a newer view, a failure): the current split goes on
+            self._moving = None
+            raise
+
+    async def _resplit(self, new: list[int], owners: list[int], joining: bool, epoch: int, ticks: list[int],
+                       allreduce: Allreduce) -> np.ndarray:
+        """:meth:`reshard`'s two allreduces and the installation of the new split."""
         self.barriers.flush(self.opt)  # a BSP round's pieces are acknowledged: part of the state
         n = self.numel
         ch = self.opt.channels
-        width = 2 + len(ticks)  # per member: holds state, store generation, its clock
+        width = 3 + len(ticks)  # per member: holds state, store generation, store epoch, its clock
         lost: list[int] = []
         holders: dict[int, int] = {}
         v = np.zeros(0, np.float32)
         if not joining:
             # 1. the freshest copy of every lost shard, among the owners (version + 1: 0 means
             # "no copy"); a fresh member's old shard is lost: it is a new process
-            lost = [o for o in self.members if o not in new or o in fresh_set]
+            lost = [o for o in self.members if o not in owners]
             rank = owners.index(self.me)
             v = np.zeros(len(owners) * max(1, len(lost)), np.float32)
             for j, o in enumerate(lost):
@@ -526,7 +548,7 @@ class ParamStore:
                     a, b = self.bounds[o]
                     x[a:b] = self.pulled[a:b]
             at = (1 + ch) * n + new.index(self.me) * width
-            x[at:at + width] = [1, self.barriers.gen, *ticks]
+            x[at:at + width] = [1, self.barriers.gen, self.epoch, *ticks]
         full = await allreduce(x, new, f"{self.name}.rs{epoch}.w")
         for o, h in holders.items():
             log.warning("node %d: %s shard %s of node %d (gone or restarted) restored from node %d's copy at version "
@@ -536,7 +558,11 @@ class ParamStore:
         if not (tail[:, 0] == 1).any():  # only joiners: there is no state to take (nothing installed)
             raise PeerFailure(f"{self.name}: no member of {new} held the store's state at epoch {epoch}",
                               peers=tuple(m for m in new if m != self.me))
-        self.clocks = {m: tuple(int(c) for c in tail[r, 2:]) for r, m in enumerate(new) if tail[r, 0] == 1}
+        epochs = {m: int(tail[r, 2]) for r, m in enumerate(new) if tail[r, 0] == 1}
+        if len(set(epochs.values())) > 1:  # an earlier re-shard ended on some members only
+            raise TrainingError(f"{self.name}: the members holding state are at different store epochs {epochs}: "
+                             f"their shards overlap and the re-shard to epoch {epoch} cannot be exact")
+        self.clocks = {m: tuple(int(c) for c in tail[r, 3:]) for r, m in enumerate(new) if tail[r, 0] == 1}
         self.bounds = shard_bounds(n, new)
         self.lo, self.hi = self.bounds[self.me]
         state = full[n:(1 + ch) * n].reshape(ch, n)[:, self.lo:self.hi]

@@ -178,7 +178,7 @@ class _StoreStrategy(Strategy):
         store = self._store()
         me = self.ctx.node_id
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2 * self.ctx.peer_timeout
+        deadline, seen = loop.time() + 2 * self.ctx.peer_timeout, self.ctx.view.epoch
         while True:
             view = self.ctx.view
             if me in view.members and len(view.members) < 2 and view.departed:
@@ -195,10 +195,9 @@ class _StoreStrategy(Strategy):
             try:
                 w = await store.reshard(view.members, view.epoch, self._allreduce, clock=(0, 0))
             except (PeerFailure, PeerTimeout) as exc:  # a member failed meanwhile: over the next view
-                if loop.time() > deadline:
-                    raise PeerFailure(f"{self.name}: node {me} could not join the parameter store: {exc}",
-                                      peers=tuple(m for m in view.members if m != me)) from exc
-                await asyncio.sleep(0.05)
+                lost = PeerFailure(f"{self.name}: node {me} could not join the parameter store: {exc}",
+                                   peers=tuple(m for m in view.members if m != me))
+                deadline, seen = await self._retry_after(lost, deadline, seen, 2 * self.ctx.peer_timeout)
                 continue
             break
         self._incs = self._incarnations(view)
@@ -259,8 +258,37 @@ class _StoreStrategy(Strategy):
         self.ctx.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.end"))
 
     def on_view(self, view: View) -> None:
+        """A newer view wakes the waits for one, and supersedes a re-shard under way over an
+        older view: its allreduces fail now (a member may never adopt the older view, e.g. one
+        cut off by a partition that learns only the views after the heal) and the caller
+        re-shards over this one."""
         ev, self._next_view = self._next_view, asyncio.Event()
         ev.set()
+        store = self.store
+        if store is not None and store.moving is not None and store.moving < view.epoch:
+            store.abort_reshard(PeerFailure(f"{self.name}: view {view.epoch} supersedes the re-shard over view "
+                                            f"{store.moving}"))
+
+    async def _retry_after(self, exc: PeerFailure, deadline: float, seen: int, bound: float) -> tuple[float, int]:
+        """Between two tries of a re-shard (or of the wait for the view after a failed push):
+        returns the (deadline, newest view epoch seen) to go on with, or raises ``exc`` past the
+        deadline. A newer view than ``seen`` renews the deadline (``bound`` from now: the run
+        moves); while this node hears no majority of the run it waits for one, bounded by the
+        quorum timeout (the minority side of a partition waits for the heal), and raises
+        :class:`~p2psync.errors.Fenced` once removed."""
+        loop = asyncio.get_running_loop()
+        m = self.ctx.membership
+        if m.fenced is not None:
+            raise m.fenced
+        if m.registered and not m.has_quorum:
+            await m.wait_quorum(self.ctx.quorum_timeout)
+            deadline = max(deadline, loop.time() + bound)
+        if self.ctx.view.epoch > seen:
+            return max(deadline, loop.time() + bound), self.ctx.view.epoch
+        if loop.time() > deadline:
+            raise exc
+        await asyncio.sleep(0.05)
+        return deadline, seen
 
     def _store(self) -> ParamStore:
         if self.store is None:
@@ -275,30 +303,31 @@ class _StoreStrategy(Strategy):
         """Re-shard the store when the view dropped some of its members or admitted joiners
         (every member of the view takes part, joiners with nothing; leaves and joins in one
         view are one re-shard); returns the weights to continue from, or None if nothing
-        changed. After ``failure`` (a push or pull that failed), wait for the view that drops
-        the peer (bounded by the peer timeout)."""
+        changed. After ``failure`` (a push or pull that failed), wait for a newer view: one
+        that drops the peer re-shards; one that keeps every member (a suspicion that healed,
+        e.g. a partition: the push stays lost and counted) goes on. Bounded by the peer timeout
+        from the last view seen, and while this node hears no majority by the quorum wait."""
         store = self._store()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ctx.peer_timeout
+        bound = self.ctx.peer_timeout
+        first = self.ctx.view.epoch
+        deadline, seen = loop.time() + bound, first
         while True:
             view = self.ctx.view
             gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
-                if failure is None:
-                    return None
-                if loop.time() > deadline:
-                    raise failure
-                await asyncio.sleep(0.05)
+                if failure is None or view.epoch > first:  # a newer view keeps every member: the
+                    return None                            # failure was a suspicion since healed
+                deadline, seen = await self._retry_after(failure, deadline, seen, bound)
                 continue
             members = list(view.members)  # the store's members that stay, and the fresh ones
             clock = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
             try:
                 w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=clock)
-            except (PeerFailure, PeerTimeout) as exc:  # another member failed meanwhile (or a joiner
-                if loop.time() > deadline:              # did not come): over the next view
-                    raise
+            except (PeerFailure, PeerTimeout) as exc:  # another member failed meanwhile, a joiner did
+                # not come, or a newer view superseded this one (on_view): over the next view
                 failure = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc), peers=tuple(fresh))
-                await asyncio.sleep(0.05)
+                deadline, seen = await self._retry_after(failure, deadline, seen, bound)
                 continue
             self._incs = self._incarnations(view)
             self.reshards += 1

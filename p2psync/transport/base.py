@@ -16,9 +16,11 @@ only when the sender asks (``send(..., relay=True)``: a collective over a group 
 are not adjacent): then hop by hop on the bulk channel, flow-controlled at every hop, within
 a byte budget at every relay (:mod:`p2psync.transport.relay`).
 
-Incoming frames go through :meth:`Transport._ingest`, which decodes strictly, rejects and counts
-bad messages (logged once per peer and reason, in bounded memory; a sender label the sender
-chose, such as an unknown routing id, once per NIC and reason) and never raises. Every header
+Incoming frames go through the sans-IO ingest pipeline (:mod:`p2psync.transport.ingest`:
+decode, authenticate, admit, route), whose decision :meth:`Transport._ingest` acts on: it
+delivers, forwards, or rejects and counts bad messages (logged once per peer and reason, in
+bounded memory; a sender label the sender chose, such as an unknown routing id, once per NIC
+and reason) and never raises. Every header
 carries the run id and the sender's incarnation: traffic of another run (``wrong_run``) or of
 an older incarnation of a node than the one the membership registered (``stale_incarnation``,
 :attr:`Transport.peer_incarnations`) is rejected, counted in :attr:`Transport.rejected` and never
@@ -54,27 +56,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
+import numpy as np
+
 from p2psync import clock
-from p2psync.errors import PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.finite_checks import FiniteChecks
 from p2psync.transport.flow import ByteWindow
 from p2psync.transport.incarnation import clock_incarnation
+from p2psync.transport.ingest import Forward, Ingest, Reject, Revive
 from p2psync.transport.lending import Lending, Releasable, own
 from p2psync.transport.log_once import LogOnce
 from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
-from p2psync.transport.relay import Relaying
-from p2psync.transport.relay_auth import ReplayWindow
+from p2psync.transport.relay import Relay
+from p2psync.transport.relay_auth import OriginAuth
+from p2psync.transport.router import Router
 from p2psync.transport.shaping import Shaper
-from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, decode, encode, frames_len,
+from p2psync.wire import (DEFAULT_LIMITS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len,
                           placed)
 
 log = logging.getLogger("p2psync.transport")
@@ -101,7 +106,7 @@ class NotReady(Exception):
     """Raised by ``_transmit`` when the peer cannot take the message yet (retry later)."""
 
 
-class Transport(Relaying, FiniteChecks, ABC):
+class Transport(ABC):
     """One node's messaging endpoint: tagged messages to and from its peers, relaying, flow
     control, strict ingest and the mailbox (see the module docstring).
 
@@ -111,6 +116,13 @@ class Transport(Relaying, FiniteChecks, ABC):
     uses it, e.g. regroup.py: ``await ctx.transport.send(caller, tag, [vec], kind="data",
     step=max(0, at), timeout=ctx.peer_timeout)`` and ``msg = await ctx.transport.recv(tag,
     timeout=ctx.peer_timeout)``.
+
+    It is composed of parts that each take what they need in their constructor: the ingest
+    pipeline (:class:`~p2psync.transport.ingest.Ingest`), the :attr:`router` (live nodes and
+    paths), the :attr:`relaying` (:class:`~p2psync.transport.relay.Relay`, which sends through
+    this transport's send path), the :attr:`finite_checks`
+    (:class:`~p2psync.transport.finite_checks.FiniteChecks`), the :attr:`mailbox`, the flow
+    windows and :attr:`lending`.
     """
 
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
@@ -126,10 +138,6 @@ class Transport(Relaying, FiniteChecks, ABC):
         self.topology = topology
         #: keyed cluster: the key this node shares with each other node (relayed messages)
         self.relay_keys = dict(relay_keys) if relay_keys is not None else None
-        #: node -> tensor pieces with non-finite values it sent (rejected)
-        self.offences: Counter[int] = Counter()
-        #: called with (node, reason) for every offence (the membership client reports it)
-        self.offence_listeners: list[Callable[[int, str], None]] = []
         self.node_id = node_id
         self.node = topology.node(node_id)
         self.limits = limits
@@ -138,28 +146,25 @@ class Transport(Relaying, FiniteChecks, ABC):
                                max_control_pending=max_control_pending, on_drop=self._mailbox_drop)
         if window_bytes < 1:
             raise ValueError("window_bytes must be >= 1")
-        if relay_budget_bytes < 1:
-            raise ValueError("relay_budget_bytes must be >= 1")
         self.window_bytes = window_bytes
-        self.relay_budget_bytes = relay_budget_bytes
-        self._relay_held = 0
         self._windows: dict[int, ByteWindow] = {}
         self.nic_stats: dict[str, NicStats] = {n.name: NicStats() for n in self.node.nics}
         self.rejected: Counter[str] = Counter()
         #: (sender, reason) pairs already logged (bounded; see transport/log_once.py)
         self._log_once = LogOnce()
         self._closed = False
-        self.dead: set[int] = set()
-        self.relayed = 0
-        self._dist: dict[int, dict[int, int]] = {}
-        self._relay_tasks: set[asyncio.Task[None]] = set()
-        self._relay_ctr = itertools.count(1)
-        self._relay_data_ctr = itertools.count(1)
-        #: tag prefix -> consumers that check the finiteness of these data messages themselves
-        self._deferred_finite: Counter[str] = Counter()
+        #: live nodes and the paths between them
+        self.router = Router(topology, node_id)
+        #: what this node relays for itself and for others
+        self.relaying = Relay(node_id=node_id, topology=topology, router=self.router, limits=limits,
+                              default_timeout=default_timeout, budget_bytes=relay_budget_bytes,
+                              keys=self.relay_keys, route=self.route, send_direct=self._send_direct,
+                              send_now=self._send_now, link_up=self._link_up,
+                              shaped=lambda: self.shaper is not None)
+        #: NaN / infinity checks of received tensor pieces, and offences
+        self.finite_checks = FiniteChecks(node_id, mailbox=self.mailbox, count=self._count_offence)
         #: who borrows frames received through shared memory (:meth:`lend`)
         self.lending = Lending()
-        self._replays = ReplayWindow()
         #: link shaping on the send path (see transport/shaping.py); None = real network
         self.shaper: Shaper | None = shaper
         #: run id stamped on every header and required on every incoming one (set before start)
@@ -172,6 +177,9 @@ class Transport(Relaying, FiniteChecks, ABC):
         self.peer_incarnations: dict[int, int] = {}
         #: node -> monotonic time its latest accepted message arrived (proof of life)
         self.last_arrival: dict[int, float] = {}
+        self._pipeline = Ingest(node_id=node_id, nodes=frozenset(topology.ids), limits=limits,
+                                incarnations=self.peer_incarnations, dead=self.router.dead,
+                                auth=OriginAuth(node_id, self.relay_keys) if self.relay_keys is not None else None)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -185,7 +193,7 @@ class Transport(Relaying, FiniteChecks, ABC):
         shaper, fail every waiter (the transport is closed from here on), then release the
         subclass's IO (:meth:`_close_io`). Idempotent."""
         if not self._closed:
-            await self._drain_relays()
+            await self.relaying.drain()
             await self._close_shaper()
             self._closing()
         await self._close_io()
@@ -221,6 +229,35 @@ class Transport(Relaying, FiniteChecks, ABC):
             if r.local_nic == nic:
                 return r
         raise TransportError(f"node {self.node_id} cannot reach node {peer} over NIC {nic!r}")
+
+    @property
+    def dead(self) -> set[int]:
+        """Nodes marked dead (:meth:`mark_dead`; read it, change it through the methods)."""
+        return self.router.dead
+
+    def mark_dead(self, peer: int) -> None:
+        """``peer`` failed: sends to it fail at once (also those already retrying), and control
+        traffic is routed around it (routes are recomputed over the live nodes)."""
+        self.router.mark_dead(peer)
+
+    def revive(self, peer: int) -> None:
+        """``peer`` is a member again (a new view): route through it again."""
+        self.router.revive(peer)
+
+    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
+                  to_dead: bool = False, shortest: bool = False) -> list[int]:
+        """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
+        return self.router.next_hops(dst, exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
+
+    def _link_up(self, peer: int) -> bool:
+        """Whether this node's connection to adjacent ``peer`` is up as far as it knows (a
+        transport that cannot tell says yes): relayed data prefers such a next hop."""
+        return True
+
+    @property
+    def relayed(self) -> int:
+        """Messages this node passed on for others."""
+        return self.relaying.relayed
 
     # -- send / receive ------------------------------------------------------------------
 
@@ -270,29 +307,39 @@ class Transport(Relaying, FiniteChecks, ABC):
                 and not self.topology.routes(self.node_id, peer) and self.topology.has(peer):
             # (a reply goes back even to a node marked dead: it asked, so it lives, and it may
             # be a removed node that must learn it was fenced)
-            await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=step,
-                              arrays=arrays, codecs=codecs, meta=meta, run=self.run_id,
-                              inc=self.incarnation), budget)
+            await self.relaying.control(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
+                                                   meta=meta, run=self.run_id, inc=self.incarnation), budget)
             return
         if relay and kind == "data" and peer != self.node_id and not self.topology.routes(self.node_id, peer) \
                 and self.topology.has(peer):
-            await self._send_relayed(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
+            await self.relaying.data(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
                                                 meta=meta, run=self.run_id, inc=self.incarnation), budget)
             return
         frames = encode(kind=kind, src=self.node_id, tag=tag, step=step, arrays=arrays, codecs=codecs, meta=meta,
                         run=self.run_id, inc=self.incarnation)
         route, bulk = self.route(peer, nic), kind not in RELAY_KINDS
-        if bulk and self.shaper is None:  # the common case: it goes at once, no coroutine below this one
-            win, nbytes = self.window(peer), frames_len(frames)
-            held = win.try_acquire(nbytes)
-            if held is not None:
-                try:
-                    if self._attempt(peer, route, frames, nbytes, True, unordered):
-                        return
-                finally:
-                    win.release(held)
+        if bulk and self.shaper is None and self._send_now(peer, route, frames, unordered):
+            return  # the common case: it went at once, no coroutine below this one
         await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered,
                                 to_dead=kind == "reply" or (to_dead and not bulk))
+
+    async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
+                           arrays: Sequence[Any] = (), timeout: float | None = None,
+                           attempt: int = 0, to_dead: bool = False) -> None:
+        """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
+        the k-th candidate first hop first (so a retry goes around a relay that died).
+        ``to_dead``: an adjacent ``peer`` gets it even when marked dead (see :meth:`send`)."""
+        if kind not in RELAY_KINDS:
+            raise ValueError(f"{kind!r} is not a control kind")
+        if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
+                or not self.topology.has(peer):
+            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout, to_dead=to_dead)
+            return
+        if self._closed:
+            raise TransportError("transport is closed")
+        budget = self.default_timeout if timeout is None else timeout
+        await self.relaying.control(peer, dict(kind=kind, tag=tag, step=0, arrays=arrays, codecs=None, meta=meta,
+                                               run=self.run_id, inc=self.incarnation), budget, rotate=attempt)
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""
@@ -326,6 +373,19 @@ class Transport(Relaying, FiniteChecks, ABC):
         finally:
             win.release(held)
 
+    def _send_now(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> bool:
+        """Hand bulk frames to adjacent ``peer`` at once if its flow-control window and its
+        connection take them: whether they went (False: it has to wait, :meth:`_send_direct`).
+        PeerFailure when ``peer`` is marked dead."""
+        win, nbytes = self.window(peer), frames_len(frames)
+        held = win.try_acquire(nbytes)
+        if held is None:
+            return False
+        try:
+            return self._attempt(peer, route, frames, nbytes, True, unordered)
+        finally:
+            win.release(held)
+
     def _shape_and_deliver(self, peer: int, route: Route, budget: float, frames: list[Any],
                            bulk: bool, unordered: bool = False, to_dead: bool = False) -> Awaitable[None]:
         """The delivery to await: straight to ``_deliver``, or through the shaper. A plain
@@ -344,7 +404,7 @@ class Transport(Relaying, FiniteChecks, ABC):
                  unordered: bool = False, to_dead: bool = False) -> bool:
         """One try at handing the frames (``nbytes`` in all) over: whether they went (False:
         retry later). A peer marked dead fails at once, unless ``to_dead``."""
-        if peer in self.dead and not to_dead:
+        if peer in self.router.dead and not to_dead:
             raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
         try:
             self._transmit(peer, route, frames, bulk=bulk, unordered=unordered)
@@ -397,6 +457,9 @@ class Transport(Relaying, FiniteChecks, ABC):
             self.nic_stats[nic].rejected += 1
         return self._log_once.check(who, reason)
 
+    def _count_offence(self, peer: int, reason: str, detail: str) -> None:
+        self._reject("", str(peer), reason, detail)
+
     def _mailbox_drop(self, msg: Message, reason: str) -> None:
         """The mailbox dropped a queued or arriving message (budget, expiry, retired tag); a
         borrowed one gives its shared memory back (nobody will read it)."""
@@ -418,62 +481,30 @@ class Transport(Relaying, FiniteChecks, ABC):
 
     def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any],
                 lease: Releasable | None = None) -> None:
-        """Decode and deliver one received message; never raises. ``lease``: some frames view
-        memory to give back (shared memory): lent to a borrower, else copied (:meth:`lend`)."""
-        nbytes = frames_len(frames)
+        """Act on the ingest pipeline's decision for one received message (:mod:`.ingest`):
+        record what it proves alive, revive a node it proves restarted, then deliver, forward or
+        count it rejected; never raises. ``lease``: some frames view memory to give back (shared
+        memory): lent to a borrower, else copied (:meth:`lend`)."""
         st = self.nic_stats[nic]
-        st.bytes_recv += nbytes
+        st.bytes_recv += frames_len(frames)
         st.msgs_recv += 1
         msg: Message | None = None
         try:
-            if peer_id is None:
-                self._reject(nic, peer_label, "unknown_peer", "sender is not a node of the topology", per_peer=False)
+            decision = self._pipeline.admit(frames, peer_id, self.run_id)
+            msg = decision.message
+            if decision.alive or decision.revive is not None:
+                self._arrived(decision.alive, decision.revive)
+            if isinstance(decision, Reject):
+                self._reject(nic, peer_label, decision.reason, decision.detail, per_peer=peer_id is not None)
+                if msg is not None:
+                    msg.release()
                 return
-            msg = decode(frames, self.limits)
-            h = msg.header
-            if h.src != peer_id and (h.dst is None or h.hops == 0):
-                raise ProtocolError("src_mismatch", f"header src {h.src} on connection of {peer_id}")
-            origin_ok = h.src == peer_id or self._relayed_ok(msg, frames)
-            if h.run != self.run_id:
-                raise ProtocolError("wrong_run", f"run id {h.run:#x} is not this run's ({self.run_id:#x})")
-            known = self.peer_incarnations.get(h.src)
-            if known is not None and h.inc < known:
-                raise ProtocolError("stale_incarnation",
-                                    f"node {h.src}'s incarnation {h.inc} is older than the one this node already "
-                                    f"knows, {known}: a message of its previous process, or a restarted process "
-                                    "with a stepped-back clock? (its messages are dropped until it runs with a "
-                                    "newer incarnation)")
-            now = clock.now()
-            # what a message says about its origin is recorded only when the origin is proven
-            # (received from it, or a relayed message whose digest this node verified): a relay
-            # must not let a forged "new life" of a dead node outrank its real restart
-            if origin_ok and known is not None and h.inc > known and h.src in self.dead:
-                # a new life of a node declared dead (restarted to rejoin): reachable again, so
-                # it can be answered; the membership view decides whether it is a member
-                self.peer_incarnations[h.src] = h.inc
-                self.revive(h.src)
-            elif origin_ok and (known is None or h.inc == known):  # a newer, unregistered life
-                self.last_arrival[h.src] = now  # proves nothing about the registered process
-            if peer_id != h.src:
-                self.last_arrival[peer_id] = now
-            msg.nic = nic
-            passing = h.dst is not None and h.dst != self.node_id
-            if lease is not None:  # copied out (then scanned) unless borrowed (scanned by its borrower)
-                held, lease = lease, None
-                if passing:  # relayed on: never lent (the next send may outlive any loan)
-                    try:
-                        own(msg)
-                    finally:
-                        held.release()
-                else:
-                    self.lending.place(msg, held)
-            if passing:  # its destination checks it (and blames its origin)
-                self._forward(msg, peer_id)
-                return
-            if h.kind == "data" and not self._finite_deferred(h.tag) and not self._finite(msg, h.src):
-                msg.release()
-                return
-            self.mailbox.deliver(msg)
+            decision.message.nic = nic
+            held, lease = lease, None
+            if isinstance(decision, Forward):
+                self._pass_on(decision.message, decision.came_from, held)
+            else:
+                self._take(decision.message, held)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
             if msg is not None:
@@ -485,6 +516,63 @@ class Transport(Relaying, FiniteChecks, ABC):
         finally:
             if lease is not None:  # not decoded: nothing reads its frames
                 lease.release()
+
+    def _arrived(self, alive: tuple[int, ...], revive: Revive | None) -> None:
+        """Record what an admitted message proves: the arrival time of every node in ``alive``
+        (:attr:`last_arrival`), and a restarted node's new incarnation (reachable again; the
+        membership view decides whether it is a member)."""
+        now = clock.now()
+        for node in alive:
+            self.last_arrival[node] = now
+        if revive is not None:
+            self.peer_incarnations[revive.node] = revive.incarnation
+            self.revive(revive.node)
+
+    def _pass_on(self, msg: Message, came_from: int, lease: Releasable | None) -> None:
+        """Forward a message for another node; what came through shared memory is copied out
+        first (the next send may outlive any loan). Its destination checks its values."""
+        if lease is not None:
+            try:
+                own(msg)
+            finally:
+                lease.release()
+        self.relaying.forward(msg, came_from)
+
+    def _take(self, msg: Message, lease: Releasable | None) -> None:
+        """Deliver a message for this node to the mailbox: its shared memory lent to a borrower
+        (else copied, :meth:`lend`); a tensor message with NaN or infinity is rejected here
+        unless its consumer checks it (:meth:`defer_finite`)."""
+        if lease is not None:
+            self.lending.place(msg, lease)
+        if msg.header.kind == "data" and not self.finite_checks.admits(msg, msg.header.src):
+            msg.release()
+            return
+        self.mailbox.deliver(msg)
+
+    # -- untrusted values ------------------------------------------------------------------
+
+    @property
+    def offences(self) -> Counter[int]:
+        """Node -> tensor pieces with non-finite values it sent (rejected)."""
+        return self.finite_checks.offences
+
+    @property
+    def offence_listeners(self) -> list[Callable[[int, str], None]]:
+        """Called with (node, reason) for every offence (the membership client reports it)."""
+        return self.finite_checks.listeners
+
+    def defer_finite(self, prefix: str) -> contextlib.AbstractContextManager[None]:
+        """While open, ``data`` messages whose tag starts with ``prefix`` are delivered without
+        the NaN / infinity scan: the consumer (the collectives, which fuse the check with the
+        add that reads the piece anyway) promises to call :meth:`check_finite` on every one it
+        uses (:meth:`FiniteChecks.defer <p2psync.transport.finite_checks.FiniteChecks.defer>`)."""
+        return self.finite_checks.defer(prefix)
+
+    def check_finite(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
+        """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
+        an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
+        finite values and other dtypes pass (None)."""
+        return self.finite_checks.check(src, arr, what, raise_=raise_)
 
     def lend(self, prefix: str, depth: int) -> contextlib.AbstractContextManager[None]:
         """While open, ``data`` messages tagged ``prefix`` plus ``depth`` more dot-separated
@@ -509,8 +597,7 @@ class Transport(Relaying, FiniteChecks, ABC):
 
     def _closing(self) -> None:
         self._closed = True
-        for t in self._relay_tasks:
-            t.cancel()
+        self.relaying.cancel()
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
 
 

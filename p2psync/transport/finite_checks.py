@@ -1,10 +1,10 @@
-"""The NaN / infinity checks of received tensor pieces, and offences (split from :mod:`.base`).
+"""The NaN / infinity checks of received tensor pieces, and offences.
 
-:class:`FiniteChecks` is the part of :class:`~p2psync.transport.base.Transport` that rejects a
-``data`` message with NaN or infinity on arrival (:meth:`FiniteChecks._finite`), unless its
-consumer promised to check what it uses itself (:meth:`FiniteChecks.defer_finite`: the
-collectives fuse the check with the add that reads the piece anyway), and counts each such
-value as an offence of the node that sent it (:meth:`FiniteChecks.check_finite`).
+A :class:`FiniteChecks`, held by :class:`~p2psync.transport.base.Transport`, rejects a ``data``
+message with NaN or infinity on arrival (:meth:`FiniteChecks.admits`), unless its consumer
+promised to check what it uses itself (:meth:`FiniteChecks.defer`: the collectives fuse the
+check with the add that reads the piece anyway), and counts each such value as an offence of
+the node that sent it (:meth:`FiniteChecks.check`).
 """
 
 from __future__ import annotations
@@ -22,54 +22,53 @@ from p2psync.wire import Message
 
 
 class FiniteChecks:
-    """Mixin of :class:`~p2psync.transport.base.Transport` (which sets these attributes)."""
+    """The finiteness checks of node ``node_id`` (see the module docstring)."""
 
-    node_id: int
-    mailbox: Mailbox
-    #: node -> tensor pieces with non-finite values it sent (rejected)
-    offences: Counter[int]
-    #: called with (node, reason) for every offence (the membership client reports it)
-    offence_listeners: list[Callable[[int, str], None]]
-    #: tag prefix -> open :meth:`defer_finite` scopes
-    _deferred_finite: Counter[str]
-
-    def _reject(self, nic: str, peer: str, reason: str, detail: str, *, per_peer: bool = True) -> None:
-        raise NotImplementedError
+    def __init__(self, node_id: int, *, mailbox: Mailbox, count: Callable[[int, str, str], None]) -> None:
+        """``mailbox``: whose waiters for a rejected piece's tag fail at once; ``count``: counts
+        and logs one rejected value of a node, ``(node, reason, detail)``."""
+        self.node_id = node_id
+        self.mailbox = mailbox
+        self._count = count
+        #: node -> tensor pieces with non-finite values it sent (rejected)
+        self.offences: Counter[int] = Counter()
+        #: called with (node, reason) for every offence (the membership client reports it)
+        self.listeners: list[Callable[[int, str], None]] = []
+        #: tag prefix -> open :meth:`defer` scopes
+        self._deferred: Counter[str] = Counter()
 
     @contextlib.contextmanager
-    def defer_finite(self, prefix: str) -> Iterator[None]:
-        """While open, ``data`` messages whose tag starts with ``prefix`` are delivered without
-        the NaN / infinity scan of :meth:`_finite`: the consumer (the collectives, which fuse the
-        check with the add that reads the piece anyway) promises to call :meth:`check_finite`
+    def defer(self, prefix: str) -> Iterator[None]:
+        """While open, ``data`` messages whose tag starts with ``prefix`` are admitted without
+        the NaN / infinity scan of :meth:`admits`: the consumer promises to call :meth:`check`
         (offence, :class:`NonFinitePiece`) on every one it uses. Messages arriving before or
         after are scanned as usual."""
-        self._deferred_finite[prefix] += 1
+        self._deferred[prefix] += 1
         try:
             yield
         finally:
-            self._deferred_finite[prefix] -= 1
-            if not self._deferred_finite[prefix]:
-                del self._deferred_finite[prefix]
+            self._deferred[prefix] -= 1
+            if not self._deferred[prefix]:
+                del self._deferred[prefix]
 
-    def _finite_deferred(self, tag: str) -> bool:
-        return bool(self._deferred_finite) and any(tag.startswith(p) for p in self._deferred_finite)
-
-    def _finite(self, msg: Message, sender: int) -> bool:
-        """A tensor message (``data``) with NaN or infinity in a floating-point frame is rejected
-        here, for every consumer: counted as an offence of ``sender``, the node the value came
-        from (the neighbour that handed it over, or a relayed message's origin: relays pass
-        data on unscanned, and in a keyed cluster its destination has verified the origin's
-        digest), and a consumer already waiting for its tag fails at once with
-        :class:`NonFinitePiece` naming that node."""
+    def admits(self, msg: Message, sender: int) -> bool:
+        """Whether the tensor message ``msg`` (``data``) may be delivered: its consumer checks it
+        (:meth:`defer`), or no floating-point frame holds NaN or infinity. A rejected one counts
+        as an offence of ``sender``, the node the value came from (the neighbour that handed it
+        over, or a relayed message's origin: relays pass data on unscanned, and in a keyed
+        cluster its destination has verified the origin's digest), and a consumer already
+        waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
+        if self._deferred and any(msg.tag.startswith(p) for p in self._deferred):
+            return True
         for a in msg.arrays:
             if not all_finite(a):
-                exc = self.check_finite(sender, a, f"piece {msg.tag!r}", raise_=False)
+                exc = self.check(sender, a, f"piece {msg.tag!r}", raise_=False)
                 if exc is not None:
                     self.mailbox.abort(exc, match=lambda t: t == msg.tag)
                 return False
         return True
 
-    def check_finite(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
+    def check(self, src: int, arr: np.ndarray, what: str, *, raise_: bool = True) -> NonFinitePiece | None:
         """If the floating-point array ``arr`` that node ``src`` sent holds NaN or infinity: count
         an offence of ``src`` and raise (or, ``raise_=False``, return) :class:`NonFinitePiece`;
         finite values and other dtypes pass (None)."""
@@ -85,8 +84,8 @@ class FiniteChecks:
     def offence(self, peer: int, reason: str, detail: str) -> None:
         """Node ``peer`` sent a value this node rejected (counted, logged once, reported)."""
         self.offences[peer] += 1
-        self._reject("", str(peer), reason, detail)
-        for cb in list(self.offence_listeners):
+        self._count(peer, reason, detail)
+        for cb in list(self.listeners):
             cb(peer, reason)
 
 

@@ -55,12 +55,11 @@ import os
 import socket
 import struct
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from p2psync.errors import ProtocolError, TransportError
-from p2psync.topology import Node, Route, Topology
-from p2psync.transport.lending import Releasable
-from p2psync.transport.shm import DATAGRAM, Inbound, Outbound
+from p2psync.topology import Route, Topology
+from p2psync.transport.shm import DATAGRAM, Outbound
 
 log = logging.getLogger("p2psync.transport")
 
@@ -178,89 +177,88 @@ class LocalIn:
 
 
 class LocalChannel:
-    """Mixin of :class:`~p2psync.transport.zmq_endpoint.ZmqEndpoint` (which sets these
-    attributes and calls :meth:`_init_local`): the datagram channel to and from the peers on
-    this host, and the hand-over of received frames (a shared-memory marker resolved first)
-    that its receive path and ZeroMQ's share."""
+    """The datagram channel of one endpoint (:class:`~p2psync.transport.zmq_endpoint.ZmqEndpoint`)
+    to and from the peers on its host: one :class:`LocalIn` per loopback NIC, one
+    :class:`LocalOut` when the endpoint sends through shared memory."""
 
-    node_id: int
-    node: Node
-    topology: Topology
-    _loop: asyncio.AbstractEventLoop | None
-    _fds: list[int]
-    _shm_in: Inbound | None
-    _shm_out: Outbound | None
-    _loopback: frozenset[str]
-    _on_host: frozenset[tuple[int, str]]
-
-    def _reject(self, nic: str, peer: str, reason: str, detail: str, *, per_peer: bool = True) -> None:
-        raise NotImplementedError
-
-    def _ingest(self, nic: str, peer_id: int | None, peer_label: str, frames: Sequence[Any],
-                lease: Releasable | None = None) -> None:
-        raise NotImplementedError
-
-    def _init_local(self) -> None:
-        """Before start: an endpoint that sends through shared memory (``_shm_out``) sends its
-        unordered bulk messages to peers on this host as datagrams, from :meth:`_start_local` on."""
-        self._local_out: LocalOut | None = None
-        self._local_in: dict[str, LocalIn] = {}
-        self._local_to: dict[tuple[int, str], bytes] = {}
+    def __init__(self, *, node_id: int, topology: Topology, loopback: frozenset[str],
+                 on_host: frozenset[tuple[int, str]], take_in: Callable[[str, int, str, list[Any]], None],
+                 reject: Callable[[str, str, str, str], None]) -> None:
+        """``loopback``: this node's NICs with loopback addresses; ``on_host``: the routes
+        (peer, our NIC) whose both ends are loopback. ``take_in(nic, node, label, frames)``
+        hands a received datagram's frames over (a shared-memory marker may come first);
+        ``reject(nic, label, reason, detail)`` counts and logs a refused datagram (its label is
+        the sender's word, so logged once per NIC and reason)."""
+        self.node_id = node_id
+        self.topology = topology
+        self.node = topology.node(node_id)
+        self.loopback = loopback
+        self._take_in = take_in
+        self._reject = reject
+        #: the sending side (from :meth:`start` on, when this endpoint sends through shared memory)
+        self.out: LocalOut | None = None
+        #: the receiving side of each loopback NIC (from :meth:`start` on)
+        self.inbound: dict[str, LocalIn] = {}
+        self._to: dict[tuple[int, str], bytes] = {}
         #: per loopback NIC of ours, the neighbours on this host that reach us over it
-        self._local_from = {nic: frozenset(p for p, n in self._on_host if n == nic) for nic in self._loopback}
+        self._from = {nic: frozenset(p for p, n in on_host if n == nic) for nic in loopback}
 
-    def _start_local(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, *, send: bool) -> list[int]:
         """Bind the datagram socket of every loopback NIC (after its TCP port: see the module
-        docstring) and watch it."""
-        if not available() or self._loop is None:
-            return
-        if self._shm_out is not None and self._local_out is None:
-            self._local_out = LocalOut(self.node_id)
+        docstring) and watch it on ``loop``; ``send``: send unordered bulk messages to peers on
+        this host as datagrams from now on. Returns the descriptors watched (the caller stops
+        watching them before :meth:`close`). Nothing on a platform without the channel."""
+        if not available():
+            return []
+        if send and self.out is None:
+            self.out = LocalOut(self.node_id)
+        fds = []
         for nic in self.node.nics:
-            if nic.name not in self._loopback:
+            if nic.name not in self.loopback:
                 continue
             try:
                 ch = LocalIn(address(nic.endpoint))
             except OSError as exc:
                 raise TransportError(f"node {self.node_id} NIC {nic.name}: cannot bind the local datagram "
                                      f"address of {nic.endpoint}: {exc.strerror}") from None
-            self._local_in[nic.name] = ch
-            self._fds.append(ch.fileno())
-            self._loop.add_reader(ch.fileno(), self._drain_local, nic.name)
+            self.inbound[nic.name] = ch
+            fds.append(ch.fileno())
+            loop.add_reader(ch.fileno(), self.drain, nic.name)
+        return fds
 
-    def _send_local(self, shm: Outbound, peer: int, route: Route, frames: list[Any]) -> bool:
+    def send(self, shm: Outbound, peer: int, route: Route, frames: list[Any]) -> bool:
         """Send an unordered bulk message to ``peer`` as a datagram, its big frames through the
         datagram ring (:data:`~p2psync.transport.shm.DATAGRAM`; the receiver takes a ring's
         frames only in order, and datagrams keep their order among themselves, not with ZeroMQ):
         whether it went. When it did not, the ring space is given back and the caller sends the
         message over ZeroMQ, staged in ZeroMQ's own ring."""
-        if self._local_out is None:
+        if self.out is None:
             return False
         key = (peer, route.remote_nic)
-        to = self._local_to.get(key)
+        to = self._to.get(key)
         if to is None:
-            to = self._local_to[key] = address(self.topology.node(peer).nic(route.remote_nic).endpoint)
+            to = self._to[key] = address(self.topology.node(peer).nic(route.remote_nic).endpoint)
         staged, seg, head, count = shm.stage(peer, route.local_nic, frames, DATAGRAM)  # (computes Fills)
         went = False
         try:
-            went = self._local_out.send(to, staged)
+            went = self.out.send(to, staged)
         finally:
             if not went and seg is not None:
                 shm.rollback(seg, head, count)
         return went
 
-    def _drain_local(self, nic: str) -> None:
+    def drain(self, nic: str) -> None:
         """Take the next datagram waiting on ``nic``'s socket (loop callback; never raises). One
         per call: the loop watches the socket level-triggered, so it calls again while more
         wait, and looking for a second one would mostly find none (an exception, and a system
         call, per message)."""
-        ch = self._local_in.get(nic)
+        ch = self.inbound.get(nic)
         if ch is None or ch.sock.fileno() < 0:
             return
         try:
             got = ch.recv()
         except ProtocolError as exc:
-            self._reject(nic, f"a datagram on {nic}", exc.reason, exc.detail, per_peer=False)
+            self._reject(nic, f"a datagram on {nic}", exc.reason, exc.detail)
             return
         except OSError as exc:
             log.warning("node %d NIC %s: datagram receive error %s", self.node_id, nic, exc)
@@ -268,41 +266,29 @@ class LocalChannel:
         if got is None:
             return
         src, frames = got
-        if src not in self._local_from.get(nic, ()):
+        if src not in self._from.get(nic, ()):
             self._reject(nic, f"a datagram on {nic}", "unknown_peer",
-                         f"node {src} is not a neighbour on this host over NIC {nic}", per_peer=False)
+                         f"node {src} is not a neighbour on this host over NIC {nic}")
             return
-        self._take_in(nic, src, f"{src}/datagram", frames, True)
+        self._take_in(nic, src, f"{src}/datagram", frames)
 
-    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
-        """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
-        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
-        lease = None
-        if marked and self._shm_in is not None and Inbound.marked(frames):
-            try:
-                frames, lease = self._shm_in.take(src, frames)
-            except ProtocolError as exc:
-                self._reject(nic, label, exc.reason, exc.detail)
-                return
-        self._ingest(nic, src, label, frames, lease)
-
-    def _close_local(self) -> None:
-        for ch in self._local_in.values():
+    def close(self) -> None:
+        for ch in self.inbound.values():
             ch.close()
-        self._local_in.clear()
-        if self._local_out is not None:
-            self._local_out.close()
-            self._local_out = None
+        self.inbound.clear()
+        if self.out is not None:
+            self.out.close()
+            self.out = None
 
     @property
-    def local_sent(self) -> int:
-        """Messages this endpoint sent as datagrams (:mod:`p2psync.transport.local`)."""
-        return self._local_out.sent if self._local_out is not None else 0
+    def sent(self) -> int:
+        """Messages sent as datagrams."""
+        return self.out.sent if self.out is not None else 0
 
     @property
-    def local_received(self) -> int:
-        """Messages it took as datagrams."""
-        return sum(ch.received for ch in self._local_in.values())
+    def received(self) -> int:
+        """Messages taken as datagrams."""
+        return sum(ch.received for ch in self.inbound.values())
 
 
 __all__ = ["LocalChannel", "LocalIn", "LocalOut", "MAX_DATAGRAM", "address", "available"]

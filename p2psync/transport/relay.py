@@ -1,12 +1,13 @@
-"""Relaying messages hop by hop over live nodes (split from :mod:`.base`).
+"""Relaying messages hop by hop over live nodes.
 
-:class:`Relaying` is the part of :class:`~p2psync.transport.base.Transport` that moves control
-messages (``rpc``, ``reply``, ``event``, ``hb``) to nodes that are not adjacent: shortest paths
-over the nodes not marked dead (a distance cache dropped whenever that set changes),
-``send_control`` retries over another first hop, forwarding of what passes through this node
-(owned tasks, drained on close), and, in a keyed cluster, the origin's digest and counter on
-what this node relays for itself and their check at the destination
-(:mod:`p2psync.transport.relay_auth`).
+A :class:`Relay`, held by :class:`~p2psync.transport.base.Transport`, moves control messages
+(``rpc``, ``reply``, ``event``, ``hb``) to nodes that are not adjacent: shortest paths over the
+nodes not marked dead (:class:`~p2psync.transport.router.Router`), a retry over another first
+hop (``rotate``), forwarding of what passes through this node (owned tasks, drained on close),
+and, in a keyed cluster, the origin's digest and counter on what this node relays for itself
+(checked at the destination by the ingest pipeline, :mod:`p2psync.transport.relay_auth`). It
+hands frames to adjacent nodes only through the callables it is given (the transport's send
+path).
 
 **Relayed data.** A ``data`` message whose sender asks for it (``send(..., relay=True)``: the
 collectives' transfers between members that are not adjacent) takes the same header route
@@ -32,7 +33,7 @@ lane), with what bulk needs instead of what control needs:
 A message passing through this node towards a node it has declared dead is still forwarded,
 to a live neighbour of that node: in a keyed cluster a relay cannot verify the origin of what
 it forwards, so it does not revive a node on a relayed message's word (see
-:meth:`p2psync.transport.base.Transport._ingest`), yet a restarted node's registration reply
+:mod:`p2psync.transport.ingest`), yet a restarted node's registration reply
 must reach it before the view that readmits it does.
 """
 
@@ -41,128 +42,91 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Awaitable, Callable, Mapping, Protocol, cast
 
-from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolError
 from p2psync.topology import Route, Topology
-from p2psync.topology.paths import hop_distances, next_hops
-from p2psync.transport.relay_auth import ReplayWindow, relay_digest, verify
-from p2psync.wire import MAX_HOPS, RELAY_KINDS, Message, MessageKind, WireLimits, encode, frames_len, parse_header, placed
+from p2psync.transport.relay_auth import relay_digest
+from p2psync.transport.router import Router
+from p2psync.wire import Message, WireLimits, encode, frames_len, parse_header, placed
 
 log = logging.getLogger("p2psync.transport")
 
 
-class Relaying:
-    """Mixin of :class:`~p2psync.transport.base.Transport` (which sets these attributes)."""
+class SendDirect(Protocol):
+    """Send frames to adjacent ``peer`` over ``route`` within ``budget`` seconds (``bulk``:
+    through its flow-control window; ``to_dead``: even when it is marked dead); PeerFailure or
+    PeerUnreachable when it cannot."""
 
-    topology: Topology
-    node_id: int
-    limits: WireLimits
-    default_timeout: float
-    dead: set[int]
-    relayed: int
-    run_id: int
-    incarnation: int
-    relay_keys: dict[int, bytes] | None
-    _dist: dict[int, dict[int, int]]
-    _relay_tasks: set[asyncio.Task[None]]
-    _closed: bool
-    #: counters of the relayed messages this node signs (control, data), and the ones it
-    #: accepted (keyed)
-    _relay_ctr: "itertools.count[int]"
-    _relay_data_ctr: "itertools.count[int]"
-    _replays: ReplayWindow
-    shaper: Any
-    #: bytes of relayed data this node holds until the next hop takes them, and their bound
-    _relay_held: int
-    relay_budget_bytes: int
+    def __call__(self, peer: int, route: Route, budget: float, frames: list[Any], *, bulk: bool = False,
+                 unordered: bool = False, to_dead: bool = False) -> Awaitable[None]: ...
 
-    def route(self, peer: int, nic: str | None = None) -> Route:
-        raise NotImplementedError
 
-    async def send(self, peer: int, tag: str, arrays: Sequence[Any] = (), *, kind: MessageKind = "data",
-                   step: int = 0, meta: Mapping[str, Any] | None = None,
-                   codecs: Sequence[str] | None = None, nic: str | None = None,
-                   timeout: float | None = None, to_dead: bool = False) -> None:
-        raise NotImplementedError
+class Relay:
+    """The relaying of one node (see the module docstring)."""
 
-    async def _send_direct(self, peer: int, route: Route, budget: float, frames: list[Any], *,
-                           bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
-        raise NotImplementedError
+    def __init__(self, *, node_id: int, topology: Topology, router: Router, limits: WireLimits,
+                 default_timeout: float, budget_bytes: int, keys: Mapping[int, bytes] | None,
+                 route: Callable[[int], Route], send_direct: SendDirect,
+                 send_now: Callable[[int, Route, list[Any]], bool], link_up: Callable[[int], bool],
+                 shaped: Callable[[], bool]) -> None:
+        """``budget_bytes``: relayed data this node holds at most while next hops are busy;
+        ``keys``: the key this node shares with each other node (keyed cluster), else None.
+        The send path: ``route`` (the direct route to an adjacent node), ``send_direct``
+        (send there, waiting within a budget), ``send_now`` (hand bulk frames over at once if
+        the peer's window and connection take them: whether they went), ``link_up``
+        (whether the connection to an adjacent node is up, as far as the transport knows) and
+        ``shaped`` (whether a shaper decides when bulk leaves: then nothing is handed over at
+        once)."""
+        if budget_bytes < 1:
+            raise ValueError("relay_budget_bytes must be >= 1")
+        self.node_id = node_id
+        self.topology = topology
+        self.router = router
+        self.limits = limits
+        self.default_timeout = default_timeout
+        self.budget_bytes = budget_bytes
+        self.keys = keys
+        self._route = route
+        self._send_direct = send_direct
+        self._send_now = send_now
+        self._link_up = link_up
+        self._shaped = shaped
+        #: messages this node passed on for others
+        self.relayed = 0
+        #: bytes of relayed data this node holds until the next hop takes them
+        self.held = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: counters of the relayed messages this node signs (control, data lanes)
+        self._ctr = itertools.count(1)
+        self._data_ctr = itertools.count(1)
 
-    def window(self, peer: int) -> Any:
-        raise NotImplementedError
+    # -- control ---------------------------------------------------------------------------
 
-    def _attempt(self, peer: int, route: Route, frames: list[Any], nbytes: int, bulk: bool,
-                 unordered: bool = False) -> bool:
-        raise NotImplementedError
-
-    def _link_up(self, peer: int) -> bool:
-        """Whether this node's connection to adjacent ``peer`` is up as far as it knows (a
-        transport that cannot tell says yes): relayed data prefers such a next hop."""
-        return True
-
-    def mark_dead(self, peer: int) -> None:
-        """``peer`` failed: sends to it fail at once (also those already retrying), and control
-        traffic is routed around it (routes are recomputed over the live nodes)."""
-        if peer not in self.dead:
-            self.dead.add(peer)
-            self._dist.clear()
-
-    def revive(self, peer: int) -> None:
-        """``peer`` is a member again (a new view): route through it again."""
-        if peer in self.dead:
-            self.dead.discard(peer)
-            self._dist.clear()
-
-    def _distances(self, src: int) -> dict[int, int]:
-        """Hop counts from ``src`` over the live nodes (cached until a node dies or revives)."""
-        if src not in self._dist:
-            self._dist[src] = hop_distances(self.topology, src, avoid=self.dead)
-        return self._dist[src]
-
-    def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
-                  to_dead: bool = False, shortest: bool = False) -> list[int]:
-        """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
-        return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self._distances,
-                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
-
-    async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
-                           arrays: Sequence[Any] = (), timeout: float | None = None,
-                           attempt: int = 0, to_dead: bool = False) -> None:
-        """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
-        the k-th candidate first hop (so a retry goes around a relay that died). ``to_dead``:
-        an adjacent ``peer`` gets it even when marked dead (see ``Transport.send``)."""
-        if kind not in RELAY_KINDS:
-            raise ValueError(f"{kind!r} is not a control kind")
-        if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
-                or not self.topology.has(peer):
-            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout, to_dead=to_dead)
-            return
-        if self._closed:
-            raise TransportError("transport is closed")
-        budget = self.default_timeout if timeout is None else timeout
-        await self._relay(self.node_id, peer, 0, dict(kind=kind, tag=tag, step=0, arrays=arrays,
-                          codecs=None, meta=meta, run=self.run_id, inc=self.incarnation),
-                          budget, rotate=attempt)
+    async def control(self, dst: int, fields: dict[str, Any], budget: float, rotate: int = 0) -> None:
+        """Send a control message of this node (``fields``: :func:`~p2psync.wire.encode`'s,
+        without the addresses) to ``dst``, which is not adjacent; ``rotate``: relay through the
+        k-th candidate first hop first. PeerUnreachable when no next hop takes it in time."""
+        await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
                      budget: float, came_from: int | None = None, rotate: int = 0) -> None:
         reply = fields["kind"] == "reply"  # goes back even to a node marked dead (it asked)
-        if reply and dst in self.dead and self.topology.routes(self.node_id, dst):
+        if reply and dst in self.router.dead and self.topology.routes(self.node_id, dst):
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
             try:
-                await self._send_direct(dst, self.route(dst), budget, frames, to_dead=True)
+                await self._send_direct(dst, self._route(dst), budget, frames, to_dead=True)
                 return
             except PeerFailure:
                 pass
-        hops_list = self.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None or reply)
+        hops_list = self.router.next_hops(dst, exclude=came_from, rotate=rotate,
+                                          to_dead=came_from is not None or reply)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
-        if origin == self.node_id and self.relay_keys is not None:  # number and sign it for the destination
-            fields = {**fields, "ctr": next(self._relay_ctr)}
+        if origin == self.node_id and self.keys is not None:  # number and sign it for the destination
+            fields = {**fields, "ctr": next(self._ctr)}
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
-            digest = relay_digest(self.relay_keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
+            digest = relay_digest(self.keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
             frames = encode(src=origin, dst=dst, hops=hops, auth=digest, **fields)
         else:
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
@@ -172,7 +136,7 @@ class Relaying:
         for share in (0.0, budget / len(hops_list)):
             for nb in hops_list:
                 try:
-                    await self._send_direct(nb, self.route(nb), share, frames)
+                    await self._send_direct(nb, self._route(nb), share, frames)
                     return
                 except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
                     last = exc
@@ -180,18 +144,18 @@ class Relaying:
 
     # -- relayed data ----------------------------------------------------------------------
 
-    async def _send_relayed(self, dst: int, fields: dict[str, Any], budget: float) -> None:
+    async def data(self, dst: int, fields: dict[str, Any], budget: float) -> None:
         """Send a ``data`` message (``fields``: :func:`~p2psync.wire.encode`'s) to ``dst``, which
         is not adjacent, through relays (see the module docstring); in a keyed cluster signed
         for ``dst`` and numbered in this node's data lane. PeerFailure when ``dst`` has failed
         or no live path leads there, PeerUnreachable when the next hop takes nothing in time."""
-        if dst in self.dead:
+        if dst in self.router.dead:
             raise PeerFailure(f"node {self.node_id}: node {dst} has failed", peers=(dst,))
         me = self.node_id
-        if self.relay_keys is not None:
-            fields = {**fields, "ctr": next(self._relay_data_ctr)}
+        if self.keys is not None:
+            fields = {**fields, "ctr": next(self._data_ctr)}
             frames = placed(encode(src=me, dst=dst, hops=0, **fields))  # a Fill is computed once, here
-            digest = relay_digest(self.relay_keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
+            digest = relay_digest(self.keys[dst], parse_header(cast(bytes, frames[0]), self.limits), frames[1:])
             frames = placed(encode(src=me, dst=dst, hops=0, auth=digest, **fields))  # (Fills: owned now)
         else:
             frames = placed(encode(src=me, dst=dst, hops=0, **fields))
@@ -203,7 +167,7 @@ class Relaying:
         connection is up first; in id order within each when ``origin < dst``, else in reverse
         (the two directions between two nodes take different relays where there is a choice,
         e.g. 1 -> 3 through 0 and 3 -> 1 through 2 on ring-4)."""
-        hops = self.next_hops(dst, exclude=came_from, shortest=True)
+        hops = self.router.next_hops(dst, exclude=came_from, shortest=True)
         if not hops:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin > dst:
@@ -211,20 +175,13 @@ class Relaying:
         return sorted(hops, key=lambda nb: not self._link_up(nb))
 
     def _relay_now(self, origin: int, dst: int, frames: list[Any], came_from: int | None) -> bool:
-        """Hand relayed data to its first next hop at once if that hop's window and connection
-        take it (no coroutine, no task); False: it has to wait (:meth:`_relay_bulk`). Never
-        with a shaper (whose queue decides when bulk leaves)."""
-        if self.shaper is not None:
+        """Hand relayed data to its first next hop at once if that hop takes it (no coroutine,
+        no task); False: it has to wait (:meth:`_relay_bulk`). Never with a shaper (whose queue
+        decides when bulk leaves)."""
+        if self._shaped():
             return False
         nb = self._bulk_hops(origin, dst, came_from)[0]
-        win, nbytes = self.window(nb), frames_len(frames)
-        held = win.try_acquire(nbytes)
-        if held is None:
-            return False
-        try:
-            return self._attempt(nb, self.route(nb), frames, nbytes, True)
-        finally:
-            win.release(held)
+        return self._send_now(nb, self._route(nb), frames)
 
     async def _relay_bulk(self, origin: int, dst: int, frames: list[Any], budget: float,
                           came_from: int | None) -> None:
@@ -234,7 +191,7 @@ class Relaying:
         last: PeerFailure | None = None
         for nb in hops:
             try:
-                await self._send_direct(nb, self.route(nb), budget / len(hops), frames, bulk=True)
+                await self._send_direct(nb, self._route(nb), budget / len(hops), frames, bulk=True)
                 return
             except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
                 last = exc
@@ -242,11 +199,11 @@ class Relaying:
 
     def _forward_data(self, msg: Message, came_from: int, fields: dict[str, Any]) -> None:
         """Pass on a ``data`` message for another node: at once when the next hop takes it,
-        else held (within ``relay_budget_bytes``) until it does; ProtocolError (counted by the
+        else held (within ``budget_bytes``) until it does; ProtocolError (counted by the
         caller) when it is refused here."""
         h = msg.header
         dst = cast(int, h.dst)
-        if dst in self.dead:
+        if dst in self.router.dead:
             raise ProtocolError("relay", f"data for node {dst}, which has failed")
         frames = encode(src=h.src, dst=dst, hops=h.hops + 1, **fields)
         try:
@@ -256,10 +213,10 @@ class Relaying:
         except PeerFailure as exc:
             raise ProtocolError("relay", f"data for node {dst}: {exc}") from None
         nbytes = frames_len(frames)
-        if self._relay_held + nbytes > self.relay_budget_bytes:
+        if self.held + nbytes > self.budget_bytes:
             raise ProtocolError("relay_budget", f"{nbytes} bytes for node {dst} do not fit in the "
-                                f"{self.relay_budget_bytes} bytes this node holds for relaying")
-        self._relay_held += nbytes
+                                f"{self.budget_bytes} bytes this node holds for relaying")
+        self.held += nbytes
 
         async def go() -> None:
             try:
@@ -268,39 +225,17 @@ class Relaying:
             except P2PSyncError as exc:
                 log.info("node %d: dropped relayed data %r for node %d: %s", self.node_id, h.tag, dst, exc)
             finally:
-                self._relay_held -= nbytes
+                self.held -= nbytes
 
-        task = asyncio.get_running_loop().create_task(go())
-        self._relay_tasks.add(task)
-        task.add_done_callback(self._relay_tasks.discard)
+        self._own(asyncio.get_running_loop().create_task(go()))
 
-    def _relayed_ok(self, msg: Message, frames: Sequence[Any]) -> bool:
-        """A relayed message (its origin is not the neighbour that handed it over): in a keyed
-        cluster it must carry its origin's digest and counter, verified here if it is for this
-        node (a counter seen before is a replay). Returns whether its origin is proven: only
-        then may it count as proof of the origin's life or revive it."""
-        if self.relay_keys is None:
-            return True
+    # -- passing on ------------------------------------------------------------------------
+
+    def forward(self, msg: Message, came_from: int) -> None:
+        """Pass on a message for another node (one the ingest pipeline routed on: its hop count
+        and destination are valid), never back to ``came_from``; ProtocolError when it is
+        refused here."""
         h = msg.header
-        if h.auth is None or h.ctr is None:
-            raise ProtocolError("relay_auth", f"relayed message from node {h.src} without its origin's digest")
-        if h.dst != self.node_id:
-            return False  # for another node: its destination checks it
-        key = self.relay_keys.get(h.src)
-        if key is None or not verify(key, h, frames[1:]):
-            raise ProtocolError("relay_auth", f"relayed message claiming origin node {h.src}: its digest "
-                                "does not verify (forged or altered on the way)")
-        if not self._replays.accept(h.src, h.inc, h.ctr, lane=int(h.kind == "data")):
-            raise ProtocolError("relay_replay", f"relayed message {h.tag!r} from node {h.src} (incarnation "
-                                f"{h.inc}, counter {h.ctr}) was delivered before, or is too old")
-        return True
-
-    def _forward(self, msg: Message, came_from: int) -> None:
-        h = msg.header
-        if h.hops + 1 > MAX_HOPS:
-            raise ProtocolError("relay", f"hop limit reached for message to node {h.dst}")
-        if h.dst not in self.topology.ids:
-            raise ProtocolError("relay", f"unknown destination {h.dst}")
         fields = dict(kind=h.kind, tag=h.tag, step=h.step, arrays=msg.arrays,
                       codecs=[f.codec for f in h.frames], meta=h.meta, run=h.run, inc=h.inc, auth=h.auth,
                       ctr=h.ctr)
@@ -316,14 +251,21 @@ class Relaying:
             except P2PSyncError as exc:
                 log.info("node %d: dropped relayed message for node %s: %s", self.node_id, h.dst, exc)
 
-        task = asyncio.get_running_loop().create_task(go())
-        self._relay_tasks.add(task)
-        task.add_done_callback(self._relay_tasks.discard)
+        self._own(asyncio.get_running_loop().create_task(go()))
 
-    async def _drain_relays(self, timeout: float = 1.0) -> None:
-        """Let control messages this node is relaying for others go out before closing."""
-        if self._relay_tasks:
-            await asyncio.wait(set(self._relay_tasks), timeout=timeout)
+    def _own(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout: float = 1.0) -> None:
+        """Let the messages this node is relaying for others go out (before closing)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
+    def cancel(self) -> None:
+        """Stop relaying what is still held (the transport closes)."""
+        for t in self._tasks:
+            t.cancel()
 
 
-__all__ = ["Relaying"]
+__all__ = ["Relay", "SendDirect"]

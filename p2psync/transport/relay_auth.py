@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import msgpack
 
+from p2psync.errors import ProtocolError
 from p2psync.wire import Header
 
 #: counters below the highest one seen from an origin that are still accepted once each
@@ -84,4 +85,35 @@ class ReplayWindow:
         return True
 
 
-__all__ = ["WINDOW", "ReplayWindow", "relay_digest", "verify"]
+class OriginAuth:
+    """The destination's side of relayed-message authentication in a keyed cluster: whether
+    the origin a relayed message names is proven. Holds this node's :class:`ReplayWindow`."""
+
+    def __init__(self, node_id: int, keys: Mapping[int, bytes], window: int = WINDOW) -> None:
+        """``keys``: the key this node shares with each other node."""
+        self.node_id = node_id
+        self.keys = keys
+        self.replays = ReplayWindow(window)
+
+    def proven(self, header: Header, payload: Sequence[Any]) -> bool:
+        """For a message whose origin is not the neighbour that handed it over (``payload``: its
+        raw payload frames): it must carry its origin's digest and counter, and one for this
+        node must verify and be new (its counter is remembered). True: the origin is proven;
+        False: it is for another node (its destination checks it). Raises
+        :class:`~p2psync.errors.ProtocolError` (``relay_auth``, ``relay_replay``) otherwise."""
+        if header.auth is None or header.ctr is None:
+            raise ProtocolError("relay_auth", f"relayed message from node {header.src} without its origin's digest")
+        if header.dst != self.node_id:
+            return False
+        key = self.keys.get(header.src)
+        if key is None or not verify(key, header, payload):
+            raise ProtocolError("relay_auth", f"relayed message claiming origin node {header.src}: its digest "
+                                "does not verify (forged or altered on the way)")
+        if not self.replays.accept(header.src, header.inc, header.ctr, lane=int(header.kind == "data")):
+            raise ProtocolError("relay_replay", f"relayed message {header.tag!r} from node {header.src} "
+                                f"(incarnation {header.inc}, counter {header.ctr}) was delivered before, or is "
+                                "too old")
+        return True
+
+
+__all__ = ["WINDOW", "OriginAuth", "ReplayWindow", "relay_digest", "verify"]

@@ -51,7 +51,7 @@ CurveZMQ: a socket is a CURVE client on each connect (with the server key of the
 connects to, from the topology, so an outgoing pipe provably reaches that node) and a CURVE
 server on its bind, with the ZAP handler of :mod:`p2psync.transport.zap` (one per endpoint, on
 the endpoint's own context) accepting only the topology's keys. The identity check sits in
-:meth:`ZmqEndpoint._drain`, before a message is decoded: on an incoming connection the
+:meth:`ZmqEndpoint._hand_over`, before a message is decoded: on an incoming connection the
 ``User-Id`` that ZAP gave its key must be the node of the routing id the peer claims (else
 ``identity_mismatch``); a message without a ``User-Id`` must come on one of our own outgoing
 pipes. Each keyed connection claims its id with a secret random suffix (``"...#<16 hex>"``,
@@ -63,13 +63,17 @@ first is logged, once per NIC (a sender can make fresh keys without end). Relaye
 :mod:`p2psync.transport.relay_auth`.
 
 **Shared memory** (``SocketOptions.shm``, :mod:`p2psync.transport.shm`). Between loopback NICs
-a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``: ``_transmit``
-stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
-when the send fails; ``_drain`` takes it as a view of the sender's ring, with a lease that
+a bulk frame of 64 KiB or more can travel through a ring buffer in ``/dev/shm``: the
+:class:`ShmLink` stages it there (a marker frame first, an empty frame in its place) and rolls the ring back
+when the send fails; ``_take_in`` takes it as a view of the sender's ring, with a lease that
 ``_ingest`` lends to a consumer that borrows it or releases after a copy (``Transport.lend``).
 An *unordered* bulk message (the collectives' pieces) to such a peer skips ZeroMQ when it can:
 marker, header and small frames go as one Unix datagram (:mod:`p2psync.transport.local`; its
-big frames in a ring of their own), taken by ``_drain_local``. Unkeyed endpoints only.
+big frames in a ring of their own), taken by ``LocalChannel.drain``. Unkeyed endpoints only.
+
+**Data paths.** ``_transmit`` hands a message to one of three :class:`Link` objects: the control
+and bulk :class:`ZmqLink` (our outgoing pipes of each channel) and, to a peer on this host when
+this endpoint sends through shared memory, the :class:`ShmLink` (ring, datagram, bulk pipe).
 """
 
 from __future__ import annotations
@@ -78,15 +82,16 @@ import asyncio
 import errno
 import logging
 import secrets
-from typing import Any, Collection, cast
+from typing import Any, Callable, Collection, Mapping, Protocol, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2psync.errors import ConfigError, TransportError, translate
+from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
 from p2psync.topology import Nic, Route, Topology
 from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
+from p2psync.transport.lending import Releasable
 from p2psync.transport.local import LocalChannel
 from p2psync.transport.shm import Inbound, Outbound, same_host
 from p2psync.transport.socket_options import SocketOptions
@@ -144,7 +149,93 @@ def bind_error(exc: zmq.ZMQError, topology: Topology, node_id: int, nic: Nic) ->
                           f"PORT', or edit {field} in the topology file")
 
 
-class ZmqEndpoint(Transport, LocalChannel):
+class Link(Protocol):
+    """One data path to adjacent peers."""
+
+    def send(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> None:
+        """Hand one message's frames to ``peer`` over ``route`` without waiting. ``unordered``:
+        the message may overtake, or be overtaken by, others to the same peer. Raises
+        :class:`~p2psync.transport.base.NotReady` when nothing of it went (retry later), or
+        :class:`~p2psync.errors.TransportError`."""
+
+
+class ZmqLink:
+    """Our own outgoing ZeroMQ pipes of one channel (bulk or control), one socket per NIC: a
+    message leaves on the pipe this node opened to the peer's NIC, named by the peer's routing
+    id (see the module docstring)."""
+
+    def __init__(self, socks: Mapping[str, "zmq.Socket[Any]"], down: Collection[int], *, bulk: bool,
+                 rearm: Callable[[str, "zmq.Socket[Any]"], None] | None = None) -> None:
+        """``socks``: NIC name -> socket (filled when the endpoint starts); ``down``: peers whose
+        connection on this channel is down (a send to one is NotReady); ``bulk``: Fills are
+        computed into arrays of their own before they go; ``rearm``: called after every send
+        attempt (a socket that also receives has an edge-triggered descriptor, and a send may
+        consume its readable edge)."""
+        self.socks = socks
+        self.down = down
+        self.bulk = bulk
+        self._rearm = rearm
+        self._rids: dict[tuple[int, str], bytes] = {}
+
+    def ready(self, peer: int, route: Route) -> "zmq.Socket[Any]":
+        """The socket a message to ``peer`` over ``route`` leaves on; NotReady while the
+        connection is down, TransportError before the endpoint started."""
+        sock = self.socks.get(route.local_nic)
+        if sock is None:
+            raise TransportError("endpoint is not started")
+        if peer in self.down:
+            raise NotReady
+        return sock
+
+    def put(self, sock: "zmq.Socket[Any]", peer: int, route: Route, frames: list[Any]) -> None:
+        """Send ``frames`` (buffers as they are) on ``sock``'s pipe to ``peer``: all of them or,
+        raising NotReady or TransportError, none."""
+        key = (peer, route.remote_nic)
+        rid = self._rids.get(key) or self._rids.setdefault(key, routing_id(peer, route.remote_nic))
+        try:
+            # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
+            # once it is in, the rest of the multipart message always goes
+            _send(sock, rid, _NOBLOCK_MORE if frames else _NOBLOCK, copy=False)
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                _send(sock, f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if isinstance(exc, zmq.Again) or exc.errno == errno.EHOSTUNREACH:
+                raise NotReady from None
+            raise TransportError(f"send to node {peer} failed: {exc.strerror}") from None
+        finally:
+            if self._rearm is not None:
+                self._rearm(route.local_nic, sock)
+
+    def send(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> None:
+        self.put(self.ready(peer, route), peer, route, placed(frames) if self.bulk else frames)
+
+
+class ShmLink:
+    """Bulk messages to a peer on this host: frames of 64 KiB or more through a shared-memory
+    ring (:mod:`p2psync.transport.shm`), marker, header and small frames on the ZeroMQ bulk
+    pipe; an unordered message as one datagram when the datagram channel takes it
+    (:mod:`p2psync.transport.local`)."""
+
+    def __init__(self, pipe: ZmqLink, out: Outbound, datagrams: LocalChannel) -> None:
+        self.pipe = pipe
+        self.out = out
+        self.datagrams = datagrams
+
+    def send(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> None:
+        sock = self.pipe.ready(peer, route)
+        if unordered and self.datagrams.send(self.out, peer, route, frames):
+            return
+        staged, seg, head, count = self.out.stage(peer, route.local_nic, frames)  # (computes Fills)
+        try:
+            self.pipe.put(sock, peer, route, staged)
+        except (NotReady, TransportError):
+            if seg is not None:  # nothing of it went: the retry stages it again
+                self.out.rollback(seg, head, count)
+            raise
+
+
+class ZmqEndpoint(Transport):
     def __init__(self, *, topology: Topology, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
                  default_timeout: float = 30.0, options: SocketOptions = SocketOptions(),
                  context: "zmq.Context[Any] | None" = None, keys: NodeKeys | None = None,
@@ -188,7 +279,6 @@ class ZmqEndpoint(Transport, LocalChannel):
                 self._peers_by_rid[routing_id(n.id, c.name)] = (n.id, label)
                 self._peers_by_rid[claimed_id(n.id, c.name, control=False)] = (n.id, label)
                 self._peers_by_rid[claimed_id(n.id, c.name, control=True)] = (n.id, f"{label}/c")
-        self._rid_cache: dict[tuple[int, str], bytes] = {}
         self._shm_out: Outbound | None = None
         self._shm_in: Inbound | None = None
         #: our NICs with loopback addresses, and the routes (peer, our NIC) whose both ends are
@@ -201,7 +291,14 @@ class ZmqEndpoint(Transport, LocalChannel):
         if keys is None:  # every endpoint takes marked messages and datagrams; sending them is the option
             self._shm_in = Inbound(node_id, limits.max_frame_bytes)
             self._shm_out = Outbound(node_id) if options.shm else None
-        self._init_local()
+        #: unordered bulk messages to and from the peers on this host as datagrams (unkeyed)
+        self.datagrams = LocalChannel(node_id=node_id, topology=topology, loopback=self._loopback,
+                                      on_host=self._on_host, take_in=self._take_datagram,
+                                      reject=self._reject_datagram)
+        #: the data paths: control, bulk, and bulk to a peer on this host (shared memory on)
+        self._control_link = ZmqLink(self._ctl_socks, self.control_down, bulk=False)
+        self._bulk_link = ZmqLink(self._socks, self.down, bulk=True, rearm=self._rearm)
+        self._shm_link = ShmLink(self._bulk_link, self._shm_out, self.datagrams) if self._shm_out is not None else None
 
     async def start(self) -> None:
         if self._socks:
@@ -228,7 +325,7 @@ class ZmqEndpoint(Transport, LocalChannel):
                 with translate({zmq.ZMQError: lambda e: bind_error(e, self.topology, self.node_id, nic)}):
                     s.bind(nic.endpoint)
             if self.keys is None:
-                self._start_local()
+                self._fds.extend(self.datagrams.start(self._loop, send=self._shm_out is not None))
         except BaseException:
             await self.close()
             raise
@@ -415,24 +512,59 @@ class ZmqEndpoint(Transport, LocalChannel):
                 if not sock.closed:
                     log.warning("node %d NIC %s: receive error %s", self.node_id, nic, exc)
                 return
-            rid = frames[0].bytes
-            known = self._peers_by_rid.get(rid.partition(b"#")[0])
-            if known is not None and self.keys is not None and not self._authentic(frames[0], rid, known[0], nic,
-                                                                                  control):
-                self._reject(nic, known[1], "identity_mismatch",
-                             f"routing id {rid!r} on a connection authenticated as node {self._user_id(frames[0])}")
-                continue
-            if known is None:
-                self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
-            else:  # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is
-                # on this host); anywhere else it is a malformed header
-                self._take_in(nic, known[0], known[1], [f.buffer for f in frames[1:]],
-                              not control and not known[1].endswith("/c") and nic in self._loopback)
+            self._hand_over(nic, control, frames)
             if not (i or more) and self._loop is not None:
                 self._loop.call_soon(self._drain, nic, control, True)
                 return
         if self._loop is not None:  # more may be waiting: continue after other callbacks ran
             self._loop.call_soon(self._drain, nic, control, True)
+
+    def _hand_over(self, nic: str, control: bool, frames: list["zmq.Frame"]) -> None:
+        """One message received on ``nic``'s socket (``control``: the control socket's), its
+        routing id first: name the node it came from, check (keyed) that the connection belongs
+        to that node, and hand it to ``_ingest``."""
+        rid = frames[0].bytes
+        known = self._peers_by_rid.get(rid.partition(b"#")[0])
+        if known is None:
+            self._ingest(nic, None, repr(rid[:32]), [f.buffer for f in frames[1:]])
+            return
+        node, label = known
+        if self.keys is not None and not self._authentic(frames[0], rid, node, nic, control):
+            self._reject(nic, label, "identity_mismatch",
+                         f"routing id {rid!r} on a connection authenticated as node {self._user_id(frames[0])}")
+            return
+        # a marker counts only on a peer's bulk pipe into a loopback NIC (the sender is on this
+        # host); anywhere else it is a malformed header
+        self._take_in(nic, node, label, [f.buffer for f in frames[1:]],
+                      not control and not label.endswith("/c") and nic in self._loopback)
+
+    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
+        """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
+        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
+        lease: Releasable | None = None
+        if marked and self._shm_in is not None and Inbound.marked(frames):
+            try:
+                frames, lease = self._shm_in.take(src, frames)
+            except ProtocolError as exc:
+                self._reject(nic, label, exc.reason, exc.detail)
+                return
+        self._ingest(nic, src, label, frames, lease)
+
+    def _take_datagram(self, nic: str, src: int, label: str, frames: list[Any]) -> None:
+        self._take_in(nic, src, label, frames, True)
+
+    def _reject_datagram(self, nic: str, label: str, reason: str, detail: str) -> None:
+        self._reject(nic, label, reason, detail, per_peer=False)
+
+    @property
+    def local_sent(self) -> int:
+        """Messages this endpoint sent as datagrams (:mod:`p2psync.transport.local`)."""
+        return self.datagrams.sent
+
+    @property
+    def local_received(self) -> int:
+        """Messages it took as datagrams."""
+        return self.datagrams.received
 
     def _authentic(self, frame: "zmq.Frame", rid: bytes, node: int, nic: str, control: bool) -> bool:
         """Does the connection a message came on belong to ``node``, whose routing id it bears?
@@ -453,39 +585,21 @@ class ZmqEndpoint(Transport, LocalChannel):
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
-        """Send on our own outgoing pipe to ``peer`` (the control socket's for control)."""
-        sock = (self._socks if bulk else self._ctl_socks).get(route.local_nic)
-        if sock is None:
-            raise TransportError("endpoint is not started")
-        if peer in (self.down if bulk else self.control_down):
-            raise NotReady
-        key = (peer, route.remote_nic)
-        rid = self._rid_cache.get(key) or self._rid_cache.setdefault(key, routing_id(peer, route.remote_nic))
-        shm, seg = self._shm_out, None
-        if bulk and shm is not None and (peer, route.local_nic) in self._on_host:
-            if unordered and self._send_local(shm, peer, route, frames):  # a datagram (transport/local.py)
-                return
-            frames, seg, head, count = shm.stage(peer, route.local_nic, frames)  # (computes Fills)
-        elif bulk:  # Fills are computed into their own arrays
-            frames = placed(frames)
-        try:
-            # EAGAIN / EHOSTUNREACH come on the routing id or not at all (nothing queued then);
-            # once it is in, the rest of the multipart message always goes
-            _send(sock, rid, _NOBLOCK_MORE if frames else _NOBLOCK, copy=False)
-            last = len(frames) - 1
-            for i, f in enumerate(frames):
-                _send(sock, f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            if shm is not None and seg is not None:  # nothing of it went: the retry stages it again
-                shm.rollback(seg, head, count)
-            if isinstance(exc, zmq.Again) or exc.errno == errno.EHOSTUNREACH:
-                raise NotReady from None
-            raise TransportError(f"send to node {peer} failed: {exc.strerror}") from None
-        finally:
-            # the FD is edge-triggered: a send may have consumed the readable edge. Only NIC
-            # sockets receive (a control socket's pipes are all outgoing: nobody sends on them)
-            if bulk and not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
-                self._loop.call_soon(self._drain, route.local_nic, False)
+        """Send on our own outgoing pipe to ``peer``: control on the control link; bulk to a peer
+        on this host through shared memory when this endpoint sends so, else on the bulk link."""
+        if not bulk:
+            self._control_link.send(peer, route, frames)
+        elif self._shm_link is not None and (peer, route.local_nic) in self._on_host:
+            self._shm_link.send(peer, route, frames, unordered)
+        else:
+            self._bulk_link.send(peer, route, frames, unordered)
+
+    def _rearm(self, nic: str, sock: "zmq.Socket[Any]") -> None:
+        """After a send on ``nic``'s socket: the descriptor is edge-triggered and the send may
+        have consumed the readable edge, so drain when input is waiting. Only NIC sockets
+        receive (a control socket's pipes are all outgoing: nobody sends on them)."""
+        if not sock.closed and _get_int(sock, _EVENTS) & _POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain, nic, False)
 
     @property
     def shm_frames(self) -> int:
@@ -524,4 +638,4 @@ class ZmqEndpoint(Transport, LocalChannel):
         for shm in (self._shm_out, self._shm_in):
             if shm is not None:
                 shm.close()
-        self._close_local()
+        self.datagrams.close()

@@ -83,7 +83,7 @@ async def test_without_shared_memory_or_with_keys_nothing_goes_as_a_datagram(how
         assert all(o.tolist() == [3.0] * 10 for o in outs)
         assert all(e.local_sent == 0 and e.local_received == 0 for e in eps.values())
         if how == "keys":  # and it binds no datagram socket either
-            assert all(not e._local_in for e in eps.values())
+            assert all(not e.datagrams.inbound for e in eps.values())
 
 
 def _datagram(src: int, frames: list[bytes]) -> bytes:
@@ -121,13 +121,13 @@ async def test_a_receiver_that_takes_no_datagram_gets_the_message_over_zeromq():
     topo = ring(2, base_port=free_port())
     async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
         b = eps[1]
-        for ch in b._local_in.values():  # its datagram socket is gone (as before it binds)
+        for ch in b.datagrams.inbound.values():  # its datagram socket is gone (as before it binds)
             b._loop.remove_reader(ch.fileno())
             b._fds.remove(ch.fileno())
-        b._close_local()
+        b.datagrams.close()
         await eps[0].send(1, "late", [np.ones(3, np.float32)], timeout=10, unordered=True)
         assert (await b.recv("late", timeout=10)).arrays[0].tolist() == [1.0] * 3
-        assert eps[0].local_sent == 0 and eps[0]._local_out.refused == 1
+        assert eps[0].local_sent == 0 and eps[0].datagrams.out.refused == 1
 
 
 async def test_ordered_big_messages_and_datagrams_to_one_peer_never_reject_each_other():
@@ -143,18 +143,18 @@ async def test_ordered_big_messages_and_datagrams_to_one_peer_never_reject_each_
         await a.send(1, "huge", [huge], timeout=10)
         await a.send(1, "ordered", [big], timeout=10)
         await a.send(1, "dgram", [big * 2], timeout=10, unordered=True)
-        real, calls = a._local_out.send, [0]
+        real, calls = a.datagrams.out.send, [0]
 
         def refuse_first(to, frames):
             calls[0] += 1
             return False if calls[0] == 1 else real(to, frames)  # as when the receiver's queue is full
-        a._local_out.send = refuse_first
+        a.datagrams.out.send = refuse_first
         await a.send(1, "refused", [big * 3], timeout=10, unordered=True)
         await a.send(1, "next", [big * 4], timeout=10, unordered=True)
         got = {t: (await b.recv(t, timeout=10)).arrays for t in ("dgram", "next", "huge", "ordered", "refused")}
         assert [float(got[t][0][0]) for t in ("ordered", "dgram", "refused", "next")] == [1.0, 2.0, 3.0, 4.0]
         assert got["huge"][0].size == huge.size
-        assert not b.rejected and a.local_sent == 2 and a._local_out.refused == 0
+        assert not b.rejected and a.local_sent == 2 and a.datagrams.out.refused == 0
         assert a.shm_frames == b._shm_in.frames == 4
 
 
@@ -198,12 +198,12 @@ async def test_a_receive_error_of_the_datagram_socket_does_not_escape(monkeypatc
     topo = ring(2, base_port=free_port())
     async with zmq_cluster(topo, options=SocketOptions(shm=True)) as eps:
         b = eps[1]
-        nic = next(iter(b._local_in))
+        nic = next(iter(b.datagrams.inbound))
 
         def broken(self):
             raise OSError(5, "I/O error")
         with monkeypatch.context() as m:
             m.setattr(local.LocalIn, "recv", broken)
-            b._drain_local(nic)  # a loop callback: never raises
+            b.datagrams.drain(nic)  # a loop callback: never raises
         await eps[0].send(1, "after", [np.ones(2, np.float32)], timeout=10, unordered=True)
         assert (await b.recv("after", timeout=10)).arrays[0].tolist() == [1.0, 1.0]

@@ -82,10 +82,9 @@ async def test_a_forged_marker_is_rejected_and_counted():
         (dst, _, _), seg = next((k, v) for k, v in ep1._shm_out._segs.items() if v is not None)
         route = topo.routes(1, dst)[0]
         forged = seg.name.replace(f"{shm.PREFIX}1-", f"{shm.PREFIX}0-", 1)
-        out, ep1._shm_out = ep1._shm_out, None  # raw frames: nothing staged
         for name, entries in ((forged, [[1, 0, 4]]), (seg.name, [[1, 1 << 40, 4]]), (seg.name, [[5, 0, 4]])):
-            ep1._transmit(dst, route, [shm.MARKER + msgpack.packb([name, entries]), b""], bulk=True)
-        ep1._shm_out = out
+            # raw frames on the bulk pipe: nothing staged
+            ep1._bulk_link.send(dst, route, [shm.MARKER + msgpack.packb([name, entries]), b""])
         await until(lambda: eps[dst].rejected["shm"] >= 3, 10, "the three forged markers rejected")
         assert eps[dst].rejected["shm"] == 3
         ok = await asyncio.gather(*(c[i].allreduce(x, tag="after") for i in topo.ids))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from p2psync.coordinator import RpcClient, RpcServer
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout
+from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, TrainingError
 from p2psync.params import OptimSpec, ParamStore, ShardOptimizer, piece_ranges, shard_bounds
 from p2psync.topology import mesh
 from p2psync.transport import MemoryHub
@@ -262,3 +262,20 @@ async def test_rounds_are_applied_in_origin_order_whatever_the_arrival_order():
                     np.testing.assert_allclose(pulled, want, rtol=1e-5, atol=1e-5)
             results.append(await st[0].pull())
     assert results[0].tobytes() == results[1].tobytes()
+
+
+async def test_a_reshard_between_members_at_different_store_epochs_refuses_loudly():
+    """Should an earlier re-shard have ended on some members only (a newer view superseded it
+    as its last pieces arrived), their shards overlap the others': summing them would be a
+    silent wrong state. Each member's store epoch travels with its state, and the re-shard
+    raises TrainingError on every member instead of installing anything."""
+    sums = SumOver()
+    async with stores(mesh(2), np.arange(8, dtype=np.float32)) as st:
+        st[1].epoch = 2  # as if node 1 alone had finished a re-shard to epoch 2
+        before = [(st[i].bounds, st[i].opt.w.copy()) for i in (0, 1)]
+        got = await asyncio.gather(*(st[i].reshard([0, 1], 5, sums.for_node(i)) for i in (0, 1)),
+                                   return_exceptions=True)
+        for exc in got:
+            assert isinstance(exc, TrainingError) and "different store epochs" in str(exc), exc
+        for i, (bounds, w) in enumerate(before):
+            assert st[i].bounds == bounds and st[i].opt.w.tobytes() == w.tobytes()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from p2psync.coordinator.views import View
+from p2psync.errors import PeerFailure
 from p2psync.tasks import cancel_all
 from p2psync.topology import mesh
 from tests.helpers import memory_strategies, record_barrier_pulls, run_until_stop, until
@@ -159,3 +160,51 @@ def test_store_changes_name_lost_members_and_joiners_by_incarnation():
     # a member that finished and left is not lost; unknown incarnations count as unchanged
     assert store_changes([0, 1, 2], incs, View(epoch=6, members=(0, 1), departed=(2,))) == ([], [])
     assert store_changes([0, 1], {}, View(epoch=6, members=(0, 1, 3), incarnations={3: 1})) == ([], [3])
+
+
+async def test_a_re_shard_over_a_view_one_member_never_saw_gives_way_to_the_newer_view():
+    """A partition: the coordinator publishes view 1 (node 3 dropped) that reaches nodes 0 and 1
+    but not node 2, which is cut off; after the heal node 2 learns only view 3 (same members).
+    Nodes 0 and 1, re-sharding over view 1 (which needs node 2), must give that re-shard up
+    when view 3 arrives and re-shard over it with node 2, not wait out their timeout and fail.
+    All three end at store epoch 3 with the exact state (identical pulled weights)."""
+    async with memory_strategies(mesh(4), "elastic_bsp", {"R": 3}) as st:
+        before = [await s.ctx.replica.get_params() for s in st[:3]]
+        assert before[0].tobytes() == before[1].tobytes() == before[2].tobytes()
+        old = View(epoch=1, members=(0, 1, 2))
+        for s in st[:2]:
+            s.ctx.membership.views.apply(old)
+            s.on_view(old)
+        moving = [asyncio.ensure_future(s._follow_view()) for s in st[:2]]
+        try:
+            await until(lambda: all(s.store._moving == 1 for s in st[:2]), 10, "nodes 0 and 1 to re-shard over view 1")
+            await asyncio.sleep(0.3)  # waiting for node 2, which never saw view 1
+            new = View(epoch=3, members=(0, 1, 2))
+            for s in st[:3]:
+                s.ctx.membership.views.apply(new)
+                s.on_view(new)
+            got = await asyncio.wait_for(asyncio.gather(*moving, st[2]._follow_view()), 8)
+        finally:
+            await cancel_all(moving)
+        assert [s.store.epoch for s in st[:3]] == [3, 3, 3] and [s.reshards for s in st[:3]] == [1, 1, 1]
+        for w in got:
+            assert w is not None and w.tobytes() == before[0].tobytes()
+
+
+async def test_a_failed_push_over_a_suspicion_that_healed_goes_on_with_the_store_as_it_is():
+    """A partition: node 1 followed another coordinator and took node 0 for failed, so its push
+    failed; after the heal a newer view names every member again (no one was declared failed).
+    The store has nothing to move: node 1 goes on at once (the push stays lost and counted),
+    rather than wait out its timeout for a view that drops node 0 and then fail."""
+    async with memory_strategies(mesh(3), "elastic_bsp", {"R": 3}) as st:
+        waiting = asyncio.ensure_future(st[1]._follow_view(PeerFailure("elastic_bsp: peer 0 failed", peers=(0,))))
+        try:
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # no newer view yet: it waits for one
+            healed = View(epoch=2, members=(0, 1, 2))
+            st[1].ctx.membership.views.apply(healed)
+            st[1].on_view(healed)
+            assert await asyncio.wait_for(waiting, 3) is None
+        finally:
+            await cancel_all([waiting])
+        assert st[1].reshards == 0 and st[1].store.members == [0, 1, 2] and st[1].store.moving is None

@@ -65,12 +65,12 @@ async def test_a_relay_holds_what_it_cannot_pass_on_within_its_budget_and_drops_
         await eps[1].send(3, "a", [x], relay=True)
         await eps[1].send(3, "b", [x], relay=True)  # would be 2000 held: over the budget
         await asyncio.sleep(0.05)
-        assert relay.rejected["relay_budget"] == 1 and relay._relay_held > 1000
+        assert relay.rejected["relay_budget"] == 1 and relay.relaying.held > 1000
         win.release(held)
         assert (await eps[3].recv("a", timeout=5)).arrays[0].sum() == 250
         assert eps[3].recv_nowait("b") is None
         await asyncio.sleep(0.01)
-        assert relay._relay_held == 0 and relay.relayed == 1
+        assert relay.relaying.held == 0 and relay.relayed == 1
 
 
 async def test_a_nan_relayed_is_blamed_on_its_origin_at_its_destination() -> None:

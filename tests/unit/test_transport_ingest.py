@@ -1,0 +1,93 @@
+"""What the transport does with the ingest pipeline's decision (the in-memory transport's real
+``_ingest``): rejections counted by reason, arrival times recorded, a proven restart of a dead
+node registered and routed through again, forwarding and delivery; and its router."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, cast
+
+import pytest
+
+from p2psync.topology import ring
+from p2psync.transport.memory import MemoryHub, MemoryTransport
+from p2psync.transport.router import Router
+from p2psync.wire import MAX_HOPS, encode
+
+RUN = 0x77
+
+
+@pytest.fixture
+async def ring4() -> AsyncIterator[dict[int, MemoryTransport]]:
+    hub = MemoryHub(ring(4))
+    eps = {i: hub.endpoint(i, default_timeout=2) for i in range(4)}
+    for e in eps.values():
+        e.run_id = RUN
+        await e.start()
+    yield eps
+    for e in eps.values():
+        await e.close()
+
+
+def _frames(**kw: Any) -> list[Any]:
+    fields: dict[str, Any] = dict(kind="event", src=1, tag="t", run=RUN, inc=10)
+    fields.update(kw)
+    return [bytes(cast(bytes, f)) for f in encode(**fields)]
+
+
+def _nic(t: MemoryTransport) -> str:
+    return t.node.nics[0].name
+
+
+async def test_rejections_are_counted_by_reason_and_deliver_nothing(ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[0]
+    t.peer_incarnations[1] = 11
+    for fr, peer in ((_frames(), 1), (_frames(run=RUN + 1), 1), (_frames(src=3), 1), ([b"\xc1"], 1), (_frames(), None)):
+        t._ingest(_nic(t), peer, "1/n", fr)
+    assert t.rejected == {"stale_incarnation": 1, "wrong_run": 1, "src_mismatch": 1, "header_msgpack": 1,
+                          "unknown_peer": 1}
+    assert t.nic_stats[_nic(t)].rejected == 5 and t.nic_stats[_nic(t)].msgs_recv == 5
+    assert t.recv_nowait("t") is None and t.last_arrival == {}
+
+
+async def test_an_accepted_message_records_its_origin_and_neighbour_alive(ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[0]
+    t._ingest(_nic(t), 1, "1/n", _frames(src=2, inc=20, dst=0, hops=1))  # relayed by 1 from 2
+    msg = t.recv_nowait("t")
+    assert msg is not None and msg.src == 2 and msg.nic == _nic(t)
+    assert set(t.last_arrival) == {1, 2}
+
+
+async def test_a_proven_restart_of_a_dead_node_is_registered_and_routed_through(
+        ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[0]
+    t.peer_incarnations[1] = 9
+    t.mark_dead(1)
+    assert t.next_hops(2) == [3]
+    t._ingest(_nic(t), 1, "1/n", _frames(inc=10))
+    assert t.peer_incarnations[1] == 10 and 1 not in t.dead and sorted(t.next_hops(2)) == [1, 3]
+    assert 1 not in t.last_arrival  # a new life proves nothing about the registered process
+    assert t.recv_nowait("t") is not None  # and it is delivered
+
+
+async def test_a_message_for_another_node_is_forwarded(ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[1]  # 0 -> 1 -> 2 on ring-4
+    t._ingest(_nic(t), 0, "0/n", _frames(src=0, inc=1, dst=2, hops=0))
+    got = await ring4[2].recv("t", timeout=2)
+    assert got.src == 0 and got.header.hops == 1
+    assert t.relayed == 1 and t.recv_nowait("t") is None
+
+
+async def test_a_message_past_its_hop_limit_is_rejected_but_proves_its_neighbour_alive(
+        ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[1]
+    t._ingest(_nic(t), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=MAX_HOPS))
+    assert t.rejected == {"relay": 1} and t.relayed == 0 and set(t.last_arrival) == {0, 3}
+
+
+def test_the_router_recomputes_paths_when_a_node_dies_or_revives() -> None:
+    r = Router(ring(4), 0)
+    assert sorted(r.next_hops(2)) == [1, 3]
+    r.mark_dead(1)
+    assert r.next_hops(2) == [3] and r.distances(0).get(1) is None
+    r.revive(1)
+    assert sorted(r.next_hops(2)) == [1, 3] and r.distances(0)[1] == 1
