@@ -151,6 +151,12 @@ class TrainingEnded(P2PSyncError):
     """The user's training loop ended (the script closed its session): no more local steps."""
 
 
+class SimulationError(P2PSyncError):
+    """A virtual-time simulation cannot go on: nothing is ready or scheduled while the awaited
+    result is not done (a deadlock, in virtual time), or a foreign thread tried to schedule work
+    on the simulated loop (its arrival time would not be reproducible)."""
+
+
 #: foreign exception type(s) -> the p2psync error built from the caught exception
 Rules = Mapping["type[BaseException] | tuple[type[BaseException], ...]", Callable[[Any], P2PSyncError]]
 

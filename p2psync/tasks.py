@@ -45,17 +45,22 @@ class TaskSet:
 
     def __init__(self, name: str = "") -> None:
         self.name = name
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: insertion-ordered (a dict, not a set): closing cancels in the order tasks were
+        #: spawned, the same in every run (a set of tasks iterates in memory-address order)
+        self._tasks: dict[asyncio.Task[Any], None] = {}
         self._closed = False
 
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.Task[T]:
         """Start ``coro`` as a task of this set (call on the event loop)."""
         task = asyncio.get_running_loop().create_task(coro, name=name or self.name or None)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(self._discard)
         if self._closed:
             task.cancel()
         return task
+
+    def _discard(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.pop(task, None)
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -72,7 +77,7 @@ class TaskSet:
         """Wait (at most ``timeout`` seconds) until every task now running has ended, without
         cancelling any (e.g. replies still being computed get a grace period)."""
         if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
+            await asyncio.wait(list(self._tasks), timeout=timeout)
 
     async def close(self, grace: float | None = None) -> None:
         """Give the running tasks ``grace`` seconds to end (None: none), then cancel and reap

@@ -33,6 +33,7 @@ from typing import Any, Collection
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives import Collectives
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
@@ -284,7 +285,7 @@ class NodeRuntime:
         """The run's --time budget left for this node (a joiner ends with the run)."""
         limit = self.cfg.time_limit
         if limit is not None and self.joined and self.membership.run_started is not None:
-            return max(0.0, limit - (time.monotonic() - self.membership.run_started))
+            return max(0.0, limit - (clock.now() - self.membership.run_started))
         return limit
 
     def nic_bytes(self) -> dict[str, dict[str, int]]:
@@ -325,12 +326,12 @@ class NodeRuntime:
                 await tr.wait_gone(behind, RELAY_LINGER_S)
         service = self.host.service
         if service is not None and self.host.coordinating and self.membership.fenced is None:
-            if not service.state.has_quorum(time.monotonic()):
+            if not service.state.has_quorum(clock.now()):
                 st = service.state
                 log.error("node %d: coordinates no majority of the run at its end: summary.json is not written "
                           "(the majority's coordinator writes it); agreed view %s, members %s, silent %s, blocked %s",
                           self.node_id, sorted(st.agreement.members) if st.agreement is not None else None,
-                          st.alive_nodes, st.detector.suspects(time.monotonic()), st.blocked)
+                          st.alive_nodes, st.detector.suspects(clock.now()), st.blocked)
                 return
             if not (self.run_dir / "config.json").exists():  # took over on another host
                 self._write_config()

@@ -22,12 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     topo_cmd.add_parser(sub)
-    from p2psync.cli import keys_cmd, netns_cmd, report_cmd, run_cmd
+    from p2psync.cli import keys_cmd, netns_cmd, report_cmd, run_cmd, sim_cmd
 
     run_cmd.add_parser(sub)
     keys_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
     netns_cmd.add_parser(sub)
+    sim_cmd.add_parser(sub)
     return p
 
 

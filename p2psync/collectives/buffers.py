@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from typing import Any, Callable
 
 import numpy as np
+
+from p2psync import clock
 
 _WIDE = {np.dtype(np.float16): np.dtype(np.float32)}  # accumulate 16-bit floats in float32
 
@@ -85,9 +86,9 @@ async def sends_done(free: Callable[[], bool], nbytes: int) -> bool:
     buffer that copies in under 4 ms (up to about 8 MB) does not wait."""
     if free():
         return True
-    # time.monotonic: uvloop's loop.time() is cached per iteration in whole milliseconds
-    end = time.monotonic() + wait_budget(nbytes)
-    while end - time.monotonic() >= POLL:
+    # clock.now(), not loop.time(): uvloop's loop.time() is cached per iteration in whole milliseconds
+    end = clock.now() + wait_budget(nbytes)
+    while end - clock.now() >= POLL:
         await asyncio.sleep(POLL)
         if free():
             return True

@@ -86,13 +86,13 @@ be silent surprises; convert to float first.
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections import deque
 from typing import Any, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
 from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
 from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
@@ -329,7 +329,7 @@ class Collectives:
         if c.lossy and buf.dtype != np.float32:
             raise ConfigError(f"codec {c.name} works on float32 (or 16-bit float) tensors, got {buf.dtype}")
         stats = OpStats(op, plan.algo, c.name, tag)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         if len(plan.group) > 1:
             if bounds is None:
                 bounds = self._bounds(buf, len(plan.group))
@@ -346,7 +346,7 @@ class Collectives:
                     except GroupCutOff as cut:
                         raise cut from exc
                 raise
-        stats.seconds = time.perf_counter() - t0
+        stats.seconds = clock.now() - t0
         if record:
             self.history.append(stats)
         return stats

@@ -52,11 +52,11 @@ the dense allreduce. A dense fallback records the dense operation's stats (codec
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.compress import TopK
 from p2psync.compress.topk import check_sparse, index_dtype
 from p2psync.errors import ConfigError, Diverged, ProtocolError
@@ -147,7 +147,7 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     as a fresh float32 array; see the module docstring. ``buf`` is this node's private copy."""
     if buf.dtype != np.float32:
         raise ConfigError(f"codec {codec.spec} works on float32 (or 16-bit float) tensors, got {buf.dtype}")
-    t0 = time.perf_counter()
+    t0 = clock.now()
     n = buf.size
     k = codec.k(n)
     key = ("topk", family, n)
@@ -170,7 +170,7 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     stats.wire_bytes = gst.wire_bytes
     stats.nic_bytes = dict(gst.nic_bytes)
     stats.raw_bytes = dense_bytes(coll, g, buf, algo)
-    stats.seconds = time.perf_counter() - t0
+    stats.seconds = clock.now() - t0
     coll.history.append(stats)
     return out
 

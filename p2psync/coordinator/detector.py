@@ -125,11 +125,16 @@ class PeerDetector:
         self.intervals: deque[float] = deque([iv - iv / 4, iv + iv / 4], maxlen=params.window)
         self.srtt = 0.0
         self.rttvar = 0.0
+        #: :meth:`timeout` as of the current samples (None: to compute); every change of the
+        #: inter-arrival samples or of the RTT drops it, so it is computed once per change,
+        #: not once per question (a coordinator asks about every member on every heartbeat)
+        self._timeout: float | None = None
 
     def heartbeat(self, now: float) -> None:
         """A heartbeat from the peer arrived at ``now``: one inter-arrival sample, and proof of life."""
         if self.last_heartbeat is not None and now > self.last_heartbeat:
             self.intervals.append(now - self.last_heartbeat)
+            self._timeout = None
         self.last_heartbeat = now
         self.alive(now)
 
@@ -140,8 +145,10 @@ class PeerDetector:
 
     def rtt(self, srtt: float, rttvar: float) -> None:
         """The measured round trip to this peer (smoothed, with its variation)."""
-        if math.isfinite(srtt) and srtt >= 0 and math.isfinite(rttvar) and rttvar >= 0:
+        if math.isfinite(srtt) and srtt >= 0 and math.isfinite(rttvar) and rttvar >= 0 \
+                and (srtt, rttvar) != (self.srtt, self.rttvar):
             self.srtt, self.rttvar = srtt, rttvar
+            self._timeout = None
 
     def _dist(self) -> tuple[float, float]:
         n = len(self.intervals)
@@ -159,6 +166,11 @@ class PeerDetector:
 
     def timeout(self) -> float:
         """Silence after which the peer is suspected (the phi threshold, RTT and floor)."""
+        if self._timeout is None:
+            self._timeout = self._compute_timeout()
+        return self._timeout
+
+    def _compute_timeout(self) -> float:
         mean, std = self._dist()
         # invert the survival function: P(X > t) = 10^-threshold  (bisection; monotone)
         target = 10.0 ** (-self.params.threshold)
@@ -200,7 +212,7 @@ class StallMeter:
     def tick(self, now: float) -> float:
         """The stall since the previous tick (seconds past ``interval``, 0 if none). Called
         from the periodic checks, e.g. membership.py's ``_monitor``:
-        ``self.state.detector.pause(stalls.tick(time.monotonic()))``."""
+        ``self.state.detector.pause(stalls.tick(clock.now()))``."""
         stall = max(0.0, now - self.prev - self.interval)
         self.prev = now
         return stall

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
 from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest
 from p2psync.coordinator.membership_client import MembershipClient
@@ -243,7 +243,7 @@ class CoordinatorHost:
         if svc is None or not self.coordinating:
             self.membership.hear_term(seen)
             return
-        now = time.monotonic()
+        now = clock.now()
         if seen <= svc.state.term or len(self._reelection) or now < self._reelect_after \
                 or not svc.state.has_quorum(now):
             return
@@ -271,7 +271,7 @@ class CoordinatorHost:
         if self.service is not svc or not self.coordinating:
             return
         if not cand.won:
-            self._reelect_after = time.monotonic() + REELECT_RETRY_S
+            self._reelect_after = clock.now() + REELECT_RETRY_S
             log.warning("node %d: re-election above term %d (for term %d): votes of %s out of %s: not re-elected; "
                         "it coordinates on in term %d", self.me, seen, term, sorted(cand.granted), sorted(voters),
                         st.term)
@@ -307,7 +307,7 @@ class CoordinatorHost:
             raise ProtocolError("vote", "a vote request needs a term and the candidate's view [term, epoch]")
         m = self.membership
         svc = self.service
-        now = time.monotonic()
+        now = clock.now()
         follows = m.coordinator
         # a coordinator counts as heard only while it says it holds a majority: a node that follows
         # a candidate (its election not won) or a coordinator cut off from the majority may vote
@@ -325,7 +325,7 @@ class CoordinatorHost:
         """This node won the election of ``term``: host membership and the services, with
         ``failed`` left out of its first view."""
         m = self.membership
-        now = time.monotonic()  # the clock of MembershipService
+        now = clock.now()  # the clock of MembershipService
         state = rebuild_state(expected=self.expected, view=m.view, failed=failed,
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,

@@ -53,12 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.rpc import Handler, RpcServer
@@ -378,7 +378,7 @@ class MembershipService:
         self._changed = asyncio.Event()
         #: the failure monitor and the view pushes (``event.view``) in flight
         self._tasks = TaskSet("membership-service")
-        self._t0 = time.monotonic()
+        self._t0 = clock.now()
         #: when the rendezvous completed (this node's clock); a rebuilt service is given it
         self.run_started: float | None = None
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
@@ -390,7 +390,7 @@ class MembershipService:
     def start(self) -> None:
         """Start the failure monitor (an owned task); a rebuilt service also marks the failed
         nodes dead and publishes its view at once. Called from failover.py: ``svc.start()``."""
-        self._t0 = time.monotonic()
+        self._t0 = clock.now()
         self._tasks.spawn(self._monitor(), name="membership-monitor")
         if self.rebuilt:
             for n in self.state.failed:
@@ -407,7 +407,7 @@ class MembershipService:
 
     async def _wait_until(self, pred: Callable[[], bool], deadline: float) -> bool:
         while not pred():
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock.now()
             if remaining <= 0:
                 return False
             ev = self._changed
@@ -423,11 +423,11 @@ class MembershipService:
             raise ProtocolError("register", f"bad incarnation {inc!r}"[:100])
         addr = str(args.get("address", "?"))[:200]
         before = self.state.epoch
-        if self.state.started and not self.state.has_quorum(time.monotonic()):
+        if self.state.started and not self.state.has_quorum(clock.now()):
             # a coordinator cut off from the majority admits nobody: the joiner asks elsewhere
             raise RemoteError("NotCoordinator", f"node {self.transport.node_id} coordinates no majority of "
                                                 "the run now")
-        joined = self.state.register(caller, str(args.get("fingerprint", "")), time.monotonic(),
+        joined = self.state.register(caller, str(args.get("fingerprint", "")), clock.now(),
                                      incarnation=inc, address=addr)
         self.transport.peer_incarnations[caller] = inc
         self._notify()
@@ -441,7 +441,7 @@ class MembershipService:
         if not ok:
             raise PeerTimeout(f"nodes {self.state.missing} never registered with the coordinator "
                               f"(node {self.transport.node_id}) within {self.start_timeout:g}s")
-        now = time.monotonic()
+        now = clock.now()
         if self.run_started is None:
             self.run_started = now
         # ``elapsed``: how long the run has been going, so a joiner's time budget (--time) ends
@@ -474,7 +474,7 @@ class MembershipService:
         term = args.get("term", 0)
         applied = (term, epoch) if type(term) is int and type(epoch) is int \
             and coord == self.state.coordinator else None
-        now = time.monotonic()
+        now = clock.now()
         if isinstance(srtt, float) and isinstance(rttvar, float):
             self.state.heartbeat(caller, now, srtt=srtt, rttvar=rttvar, applied=applied)
         else:
@@ -490,7 +490,7 @@ class MembershipService:
         epoch, peers = redo.get("epoch"), redo.get("peers", [])
         if type(epoch) is not int or not isinstance(peers, list) or not all(type(n) is int for n in peers):
             return
-        if self.state.redo(caller, epoch, peers, time.monotonic()):
+        if self.state.redo(caller, epoch, peers, clock.now()):
             view = self.state.view()
             log.warning("coordinator %d: node %d's operation of view %d failed waiting for live nodes %s: "
                         "view epoch %d members %s, so it is redone", self.transport.node_id, caller, epoch,
@@ -527,20 +527,20 @@ class MembershipService:
             self._publish(view, skip=caller)
         self._notify()
         timeout = float(args.get("timeout", 30.0))
-        await self._wait_until(lambda: self.state.all_finished, time.monotonic() + timeout)
+        await self._wait_until(lambda: self.state.all_finished, clock.now() + timeout)
         return {"finished": sorted(self.state.finished), "failed": sorted(self.state.failed)}
 
     async def _monitor(self) -> None:
         me = self.transport.node_id
-        stalls = StallMeter(self.check_interval, time.monotonic())
+        stalls = StallMeter(self.check_interval, clock.now())
         quorum = True
         while True:
             await asyncio.sleep(self.check_interval)
-            self.state.detector.pause(stalls.tick(time.monotonic()))
+            self.state.detector.pause(stalls.tick(clock.now()))
             for n, at in list(self.transport.last_arrival.items()):
                 if n != me:
                     self.state.alive(n, at)
-            now = time.monotonic()
+            now = clock.now()
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}
             new = self.state.check(now)
             self._failed(new, f"silent for {[round(silences.get(n, 0.0), 2) for n in new]} s")

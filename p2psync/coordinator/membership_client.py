@@ -42,9 +42,9 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from typing import Any, Callable, Mapping, Sequence
 
+from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS
 from p2psync.coordinator.quorum import Ballot
@@ -146,11 +146,17 @@ class MembershipClient:
 
     @property
     def seen_term(self) -> int:
-        """The highest term this node voted in or heard of. Its probes, and its heartbeats while
-        it is above its view's term, carry it (``seen_term``): a coordinator with a majority in
-        a lower term is then re-elected above it (:meth:`CoordinatorHost.outrank`), since a node
-        that voted in a term applies no view of a lower one."""
-        return max(self.ballot.promised, self.heard_term)
+        """The highest term this node voted in or heard of, and at least one above its view's
+        term once it deposed that view's coordinator (it applies no more views of that
+        coordinator in that term). Its probes, and its heartbeats while it is above its view's
+        term, carry it (``seen_term``): a coordinator with a majority in a lower term is then
+        re-elected above it (:meth:`CoordinatorHost.outrank`), since a node that voted in a
+        term applies no view of a lower one, and its new view, of a newer term, reaches a node
+        that deposed it without ever voting (cut off from every candidate): the node follows it
+        again, or learns that it was removed."""
+        view = self.view
+        left = view.term + 1 if view is not None and view.coordinator in self.succession.deposed else -1
+        return max(self.ballot.promised, self.heard_term, left)
 
     @property
     def coordinator(self) -> int:
@@ -213,9 +219,9 @@ class MembershipClient:
         elapsed = self.info.get("elapsed", 0.0)
         elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and 0 <= elapsed < 1e9 else 0.0
         #: when the run started, on this node's clock (a joiner's run started before it did)
-        self.run_started = time.monotonic() - elapsed
+        self.run_started = clock.now() - elapsed
         self._apply_view(self.info.get("view"), src=self.coordinator)
-        self._quorum_at = time.monotonic()  # the coordinator answered with every node in
+        self._quorum_at = clock.now()  # the coordinator answered with every node in
         return self.info
 
     async def discover(self, *, timeout: float) -> View | None:
@@ -243,7 +249,7 @@ class MembershipClient:
         """Start the heartbeats and the view-event receiver (owned tasks), after
         :meth:`register`; ``NodeRuntime.rendezvous`` calls ``self.membership.start()``."""
         if self.coordinator != self.transport.node_id:
-            self.detector.watch(self.coordinator, time.monotonic())
+            self.detector.watch(self.coordinator, clock.now())
         self._started = True
         self._tasks.spawn(self._heartbeats(), name="heartbeats")
         self._tasks.spawn(self._events(), name="membership-events")
@@ -264,7 +270,7 @@ class MembershipClient:
             self.failed.add(p)
             if p != self.coordinator:
                 self.transport.mark_dead(p)
-            log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, time.time())
+            log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, clock.wall())
             for cb in list(self.listeners):
                 cb(p)
 
@@ -363,10 +369,10 @@ class MembershipClient:
         """This node now follows :attr:`coordinator` instead of ``old`` (deposed)."""
         me, new = self.transport.node_id, self.coordinator
         log.warning("node %d: following coordinator %d, coordinator %d deposed (%s) (at %.3f)",
-                    me, new, old, why, time.time())
+                    me, new, old, why, clock.wall())
         self.detector.forget(old)
         if new != me:
-            self.detector.watch(new, time.monotonic())
+            self.detector.watch(new, clock.now())
         self.coordinator_suspected = False
         self._declare([old])
         self.rpc.abort_calls(old, PeerFailure(f"node {me}: coordinator {old} was deposed; "
@@ -446,7 +452,7 @@ class MembershipClient:
         if c == self.coordinator:
             self._set_quorum(rep.get("quorum") is not False)
         if c == self.coordinator and c != me:
-            self.detector.heartbeat(c, time.monotonic())
+            self.detector.heartbeat(c, clock.now())
             if est.srtt is not None:
                 self.detector.rtt(c, est.srtt, est.rttvar)
             if self.coordinator_suspected:
@@ -462,7 +468,7 @@ class MembershipClient:
 
     def _set_quorum(self, held: bool) -> None:
         before = self.has_quorum
-        self._quorum_at = time.monotonic() if held else None
+        self._quorum_at = clock.now() if held else None
         if held != before:
             if not held:
                 log.error("node %d: coordinator %d hears no majority of the run: this node stops stepping "
@@ -486,7 +492,7 @@ class MembershipClient:
         """Whether this node follows a coordinator that recently said it hears a majority of
         the run (see the module docstring); False once fenced."""
         at = self._quorum_at
-        return self.fenced is None and at is not None and time.monotonic() - at <= self._quorum_window()
+        return self.fenced is None and at is not None and clock.now() - at <= self._quorum_window()
 
     async def wait_quorum(self, timeout: float) -> float:
         """Wait until :attr:`has_quorum` (returns at once when it is); returns the seconds
@@ -575,16 +581,16 @@ class MembershipClient:
 
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
-        stalls = StallMeter(self.interval, time.monotonic())
-        cpu = time.process_time()
+        stalls = StallMeter(self.interval, clock.now())
+        cpu = clock.cpu()
         while True:
             self._send_beat()
             await asyncio.sleep(self.interval)
-            stall = stalls.tick(time.monotonic())
+            stall = stalls.tick(clock.now())
             self.detector.pause(stall)
-            was, cpu = cpu, time.process_time()
-            self._after_stop(stall, cpu - was, time.monotonic())
-            now = time.monotonic()
+            was, cpu = cpu, clock.cpu()
+            self._after_stop(stall, cpu - was, clock.now())
+            now = clock.now()
             if not self.has_quorum and self.fenced is None and now - self._probed_at >= PROBE_EVERY_S \
                     and self.view is not None:
                 self._probed_at = now
@@ -595,7 +601,7 @@ class MembershipClient:
             at = self.transport.last_arrival.get(c)
             if at is not None:
                 self.detector.alive(c, at)
-            now = time.monotonic()
+            now = clock.now()
             if not self.coordinator_suspected and c in self.detector.suspects(now):
                 self.coordinator_suspected = True
                 log.warning("node %d: coordinator %d silent for %.2fs (phi %.1f)", me, c,

@@ -32,12 +32,12 @@ membership service and works wherever the coordinator role lives.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import BadRequest, ConfigError, RemoteError
 
@@ -172,7 +172,7 @@ class StateServerService:
                                         f"removed from the run")
 
     async def _query(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        now = time.monotonic()
+        now = clock.now()
         self._view(args, now)
         self._member(caller)
         k = args.get("k")
@@ -190,7 +190,7 @@ class StateServerService:
         rnd = args.get("round")
         if type(rnd) is not int or rnd < 0:
             raise BadRequest("esync.reset: round must be a non-negative integer")
-        self._view(args, time.monotonic())
+        self._view(args, clock.now())
         self._member(caller)
-        self.state.reset(caller, rnd, time.monotonic() - self._num(args, "rtt") / 2)
+        self.state.reset(caller, rnd, clock.now() - self._num(args, "rtt") / 2)
         return {}

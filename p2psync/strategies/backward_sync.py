@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, PeerFailure, ProtocolError
@@ -212,7 +212,7 @@ class BackwardAverager:
         armed = self._armed
         if armed is None or armed.failed:
             return None
-        t0 = time.perf_counter()
+        t0 = clock.now()
         for j in range(len(self.buckets)):
             if j not in p.started:
                 self._start(p, j)
@@ -244,7 +244,7 @@ class BackwardAverager:
             mean[self.offsets[lo]:self.offsets[hi]] = part
             armed.stats.append(st)
         armed.passes += 1
-        armed.comm_s += time.perf_counter() - t0
+        armed.comm_s += clock.now() - t0
         return PassResult(grads=mean, buffers=bufs.result() if bufs is not None else None)
 
     # -- strategy side ---------------------------------------------------------------------
@@ -371,7 +371,7 @@ class BackwardAverager:
 
     def _mark_failed(self, armed: _Armed) -> None:
         if not armed.failed:
-            self.failed_at = time.monotonic()
+            self.failed_at = clock.now()
         armed.failed = True
 
     def _cancel(self, armed: _Armed) -> None:

@@ -112,11 +112,11 @@ import collections
 import dataclasses
 import logging
 import math
-import time
 from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import Codec, Sketch8, get_codec
 from p2psync.coordinator import View
@@ -223,7 +223,7 @@ class Canary(Strategy):
         self._warned_grad = False
         self._pulls = 0
         self.counts = {b.value: 0 for b in Branch}
-        #: (iteration, colayer, perf_counter when its exchange started) of the last rounds
+        #: (iteration, colayer, clock.now() when its exchange started) of the last rounds
         self.timeline: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=256)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -343,7 +343,7 @@ class Canary(Strategy):
         if self._resync_due:
             stop_now = await self._resync()
         loss, grad = await self.ctx.replica.compute_gradients()
-        t0 = time.perf_counter()
+        t0 = clock.now()
         if stop_now:  # a member stopped during the re-synchronization: nothing more to send
             await self._cancel_rounds()
             return StepReport(loss=loss, stop=True, extra=self._metrics())
@@ -374,7 +374,7 @@ class Canary(Strategy):
         self.next_step = step + 1
         if stop:
             await self._finish()
-        wait = time.perf_counter() - t0
+        wait = clock.now() - t0
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={**extra, **self._metrics()})
 
     async def _decide(self, t: int, grad: np.ndarray, results: list[RoundResult]) -> dict[str, Any]:

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives.canary_flow import Datum, Flow
 from p2psync.collectives.canary_plan import Layout
 from p2psync.compress import Codec, get_codec
@@ -82,7 +82,7 @@ class RoundResult:
     counts: np.ndarray
     mask: int
     seconds: float
-    #: ``time.perf_counter()`` when the round started (its first push leaves right after)
+    #: ``clock.now()`` when the round started (its first push leaves right after)
     started: float = 0.0
     #: a contributor to what this round summed asked to stop
     stop: bool = False
@@ -188,7 +188,7 @@ class Exchange:
 
     async def round(self, z: int, t: int, grad: np.ndarray) -> RoundResult:
         """Exchange colayer ``z`` of iteration ``t`` (``grad``: its flat gradient)."""
-        t0 = time.perf_counter()
+        t0 = clock.now()
         self._in_round[z] = self._in_round.get(z, 0) + 1
         try:
             self.contribute(z, t, grad)
@@ -196,7 +196,7 @@ class Exchange:
         finally:
             self._in_round[z] -= 1
         sums, counts, mask, stop = self.collect(z)
-        return RoundResult(sums, counts, mask, time.perf_counter() - t0, t0, stop)
+        return RoundResult(sums, counts, mask, clock.now() - t0, t0, stop)
 
     def contribute(self, z: int, t: int, grad: np.ndarray) -> None:
         """This node's own gradient of colayer ``z`` at iteration ``t`` into every slot (its own

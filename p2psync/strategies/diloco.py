@@ -84,12 +84,12 @@ import asyncio
 import hashlib
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives import OpStats
 from p2psync.compress import Codec, ErrorFeedback, get_codec
 from p2psync.coordinator import View
@@ -401,7 +401,7 @@ class DiLoCo(Strategy):
         sched = self.schedule
         if sched is None:
             raise ConfigError("diloco: train_step before start")
-        t0 = time.perf_counter()
+        t0 = clock.now()
         extra: dict[str, Any] = {}
         if self.theta is None and self._adopted is None:
             await self._begin()
@@ -413,15 +413,15 @@ class DiLoCo(Strategy):
         cur = self.cursor
         if cur is None:
             raise ConfigError("diloco: train_step before start")
-        wait = time.perf_counter() - t0
-        tc = time.perf_counter()
+        wait = clock.now() - t0
+        tc = clock.now()
         try:
             loss, grad = await self.ctx.replica.compute_gradients()
         except TrainingEnded:
             await self.close()  # the peers whose loops go on redo it without this node
             raise
         await self.ctx.replica.apply_gradients(grad)  # the inner step: the user's optimizer
-        t1 = time.perf_counter()
+        t1 = clock.now()
         self._measure(t1 - tc)
         self.t += 1
         self._want_stop = self._want_stop or want_stop
@@ -449,7 +449,7 @@ class DiLoCo(Strategy):
                 stop = stop or got
         if stop:
             await self._flush(extra, step)
-        wait += time.perf_counter() - t1
+        wait += clock.now() - t1
         # comm_s: everything outside the inner step (reading and writing the model, the outer
         # steps, sums); wait_s: only the time blocked on a sum that had not arrived yet
         blocked = float(extra.get("wait_op_s", 0.0))
@@ -584,9 +584,9 @@ class DiLoCo(Strategy):
                 raise ConfigError("diloco: an operation without a task")
             if not op.task.done() and not final:
                 self.blocked += 1
-            t0 = time.perf_counter()
+            t0 = clock.now()
             got = await op.task
-            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + time.perf_counter() - t0, 4)
+            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + clock.now() - t0, 4)
             if isinstance(got, Adopted) or got is None:
                 self.inflight = None
                 if final:
@@ -745,9 +745,9 @@ class DiLoCo(Strategy):
             full = self.inflight
             if full is None or full.task is None:
                 raise ConfigError("diloco: the final sync did not start")
-            t0 = time.perf_counter()
+            t0 = clock.now()
             got = await full.task
-            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + time.perf_counter() - t0, 4)
+            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + clock.now() - t0, 4)
             self.inflight = None
             if not isinstance(got, tuple):
                 raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")

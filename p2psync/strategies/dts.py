@@ -57,12 +57,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
@@ -203,7 +203,7 @@ class DTS(Strategy):
                               "the compensation assumes a constant momentum (cycle_momentum=False)")
         self._want_stop = self._want_stop or want_stop
         win = self.state.step(step, stepped.grad, stepped.hyper.lr)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         extra: dict[str, Any] = {}
         next_step: int | None = None
         stop = self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
@@ -228,7 +228,7 @@ class DTS(Strategy):
             # every member agreed on the step and holds the same state: stop together there
             go_on = step + 1 if next_step is None else next_step
             stop = self.ctx.max_steps is not None and go_on >= self.ctx.max_steps
-        wait = time.perf_counter() - t0
+        wait = clock.now() - t0
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=wait, extra={
             **extra, "in_flight": len(self.flights), "windows_sent": self.windows_sent,
             "windows_applied": self.windows_applied, "blocked": self.blocked, "resyncs": self.resyncs,

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
@@ -96,16 +96,16 @@ class ESync(Strategy):
         self.round = 0
         self.rtt = 0.0
         # Alg. 1 line 3: RUN-BATCH-DATA-TEST measures the capability (gradient discarded)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         await self.ctx.replica.compute_gradients()
-        self.c = time.perf_counter() - t0
+        self.c = clock.now() - t0
         if self.ctx.joining:  # take w_t of the round the members are in, then train it
             self.start_step = self.round = await self.regroup.join()
             await self._reset()
         else:
             # everyone starts round 0 together (a slow device's batch test takes longer)
             await self.ctx.collectives.allreduce(np.zeros(1, np.float32), tag="esync.start")
-        self.t_e = time.monotonic()
+        self.t_e = clock.now()
 
     def on_peer_failure(self, peer: int) -> None:
         self.regroup.on_peer_failure(peer)
@@ -121,7 +121,7 @@ class ESync(Strategy):
         return vec
 
     async def _reset(self) -> None:
-        t_r = time.monotonic()
+        t_r = clock.now()
         await self.ctx.membership.call_coordinator("esync.reset", {"round": self.round, "rtt": self.rtt,
                                                                    **self._view_args()},
                                                    timeout=self.opts.query_timeout)
@@ -131,20 +131,20 @@ class ESync(Strategy):
         return {"epoch": self.ctx.epoch, "members": list(self.ctx.group)}
 
     async def _query(self, k: int) -> bool:
-        t0 = time.monotonic()
+        t0 = clock.now()
         # at the current coordinator (ctx.coordinator), retried there if it moves; "round" lets
         # a State Server rebuilt after a takeover learn where this device is
         rep = await self.ctx.membership.call_coordinator("esync.query", {
             "k": k, "c": self.c + (self.rtt if self.opts.mode == "nonblocking" else 0.0),
             "age": max(0.0, t0 - self.t_e), "rtt": self.rtt, "round": self.round, **self._view_args()},
             timeout=self.opts.query_timeout)
-        self.rtt = time.monotonic() - t0
+        self.rtt = clock.now() - t0
         return bool(rep["ready"])
 
     async def _finish_iteration(self, t_s: float, loss: float, grad: np.ndarray) -> float:
         """Apply the iteration's gradient (Alg. 1 line 13) and record t_e and c (lines 14-15)."""
         await self.ctx.replica.apply_gradients(grad)
-        self.t_e = time.monotonic()
+        self.t_e = clock.now()
         self.c = self.t_e - t_s
         return loss
 
@@ -152,7 +152,7 @@ class ESync(Strategy):
         losses: list[float] = []
         while not await self._query(len(losses)):
             self.regroup.check()
-            t_s = time.monotonic()
+            t_s = clock.now()
             losses.append(await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients()))
         return losses, 0
 
@@ -183,7 +183,7 @@ class ESync(Strategy):
                 return losses, 0
             self._ask(len(losses), signal, ready, errors)
             abort = threading.Event()
-            t_s = time.monotonic()
+            t_s = clock.now()
             it = asyncio.ensure_future(self.ctx.replica.compute_gradients(abort))
             try:
                 while not it.done() and not ready and not errors:
@@ -216,18 +216,18 @@ class ESync(Strategy):
         early = await self.regroup.run(step, None)  # a new view: agree on w_t before training
         if isinstance(early, Adopted):
             return await self._adopted(early, 0.0)
-        t0 = time.monotonic()
+        t0 = clock.now()
         if self.opts.mode == "blocking":
             losses, abandoned = await self._blocking()
         else:
             losses, abandoned = await self._nonblocking()
-        local_s = time.monotonic() - t0
+        local_s = clock.now() - t0
         w = await self.ctx.replica.get_params()
-        t1 = time.monotonic()
+        t1 = clock.now()
         coll, delta = self.ctx.collectives, w - w_t
         out = await self.regroup.run(step, lambda v: mean_and_agree(  # Eq. 6-7
             coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members))
-        blocking = time.monotonic() - t1
+        blocking = clock.now() - t1
         if out is None or isinstance(out, Adopted):
             return await self._adopted(out or Adopted(step + 1), blocking)
         mean, stop, st = out

@@ -62,12 +62,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.compress import get_codec
 from p2psync.compress.topk import TopK
 from p2psync.coordinator import View
@@ -239,19 +239,19 @@ class PReduce(Strategy):
             return await self._loop_ended(want_stop)
         await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
         self.steps, self.k = step + 1, self.k + 1
-        t0 = time.perf_counter()
+        t0 = clock.now()
         answer = await self._ready(want_stop)  # lines 5-6
-        queued = time.perf_counter() - t0
+        queued = clock.now() - t0
         extra: dict[str, Any] = {"queue_s": round(queued, 5), "k": self.k}
         if answer is None:  # STOP: the run ends with the average of all models (line 8)
-            t1 = time.perf_counter()
+            t1 = clock.now()
             await self._final_average()
-            wait = queued + time.perf_counter() - t1
+            wait = queued + clock.now() - t1
             return StepReport(loss=loss, stop=True, comm_s=wait, wait_s=wait, extra={
-                **extra, **self._totals(), "final_s": round(time.perf_counter() - t1, 4)})
-        t1 = time.perf_counter()
+                **extra, **self._totals(), "final_s": round(clock.now() - t1, 4)})
+        t1 = clock.now()
         applied = await self._reduce(answer)  # line 7
-        reduced = time.perf_counter() - t1
+        reduced = clock.now() - t1
         extra.update(op=answer.op, group=len(answer.members), applied=applied, reduce_s=round(reduced, 5),
                      weight=round(answer.weights[answer.members.index(self.ctx.node_id)], 5))
         return StepReport(loss=loss, comm_s=reduced, wait_s=queued + reduced, extra={**extra, **self._totals()})
@@ -260,7 +260,7 @@ class PReduce(Strategy):
         """The user's loop ended (a script without ``should_stop()``): this worker reached its
         budget, and the first worker at its budget stops the run (Alg. 2), which ends with the
         average of every member's model, as at an agreed stop."""
-        t0 = time.perf_counter()
+        t0 = clock.now()
         answer = await self._ready(True)
         if answer is not None:  # grouped before the stop reached the controller: not counted
             log.info("node %d: preduce: the loop ended while grouped in op %d; stopping", self.ctx.node_id, answer.op)
@@ -268,7 +268,7 @@ class PReduce(Strategy):
             while answer is not None:
                 answer = await self._ready(True)
         await self._final_average()
-        wait = time.perf_counter() - t0
+        wait = clock.now() - t0
         return StepReport(loss=float("nan"), stop=True, comm_s=wait, wait_s=wait,
                           extra={**self._totals(), "loop_ended": True})
 

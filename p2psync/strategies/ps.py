@@ -72,12 +72,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
@@ -346,7 +346,7 @@ class _StoreStrategy(Strategy):
             await self.ctx.replica.set_params(moved)
         loss, grad = await self.ctx.replica.compute_gradients()
         hypers = await self.ctx.replica.optim_hypers(store.optim)  # this iteration's (the schedule's)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         forwarded = 0
         try:
             forwarded = (await store.push(grad, gen=self.gen, hypers=hypers)).forwarded
@@ -354,9 +354,9 @@ class _StoreStrategy(Strategy):
             log.warning("node %d: %s push lost: %s", self.ctx.transport.node_id, self.name, exc)
             await self._follow_view(exc)
         self.count += 1
-        t1 = time.perf_counter()
+        t1 = clock.now()
         ok = await self._report(want_stop)
-        t2 = time.perf_counter()
+        t2 = clock.now()
         extra: dict[str, Any] = {"push_s": round(t1 - t0, 5), "gate_s": round(t2 - t1, 5),
                                  "forwarded": forwarded, "lost_pushes": store.lost_pushes, "reshards": self.reshards}
         if ok is None:
@@ -365,9 +365,9 @@ class _StoreStrategy(Strategy):
             extra.update(ok)
             w = await self._pull(bool(ok.get("barrier")))
         await self.ctx.replica.set_params(w)
-        wait = time.perf_counter() - t1
-        return StepReport(loss=loss, stop=ok is None, comm_s=time.perf_counter() - t0, wait_s=wait,
-                          extra={**extra, "pull_s": round(time.perf_counter() - t2, 5), "pushes": self.count})
+        wait = clock.now() - t1
+        return StepReport(loss=loss, stop=ok is None, comm_s=clock.now() - t0, wait_s=wait,
+                          extra={**extra, "pull_s": round(clock.now() - t2, 5), "pushes": self.count})
 
     async def _end(self) -> np.ndarray:
         """STOP: every worker's last push is applied before anyone's final pull (an exact

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
@@ -207,7 +207,7 @@ class Regroup:
                 # new one moves past the old one's epoch once a member reports it), so the
                 # members disagree until the newer view arrives: wait for it, as for a failure.
                 if failed_at is None:
-                    failed_at = time.monotonic()
+                    failed_at = clock.now()
                 log.warning("node %d: %s step %d over view %d failed (%s); waiting for a newer view",
                             me, self.name, step, view.epoch, exc)
                 self._retire(view)
@@ -249,7 +249,7 @@ class Regroup:
     def _reformed(self, failed_at: float | None) -> None:
         if failed_at is not None:
             self.reforms += 1
-            self.last_reform_s = time.monotonic() - failed_at
+            self.last_reform_s = clock.now() - failed_at
             log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
                         self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)
 

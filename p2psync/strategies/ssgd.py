@@ -37,12 +37,12 @@ failed peer ends the run with :class:`PeerFailure` naming it.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.collectives import OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError
@@ -118,17 +118,17 @@ class SSGD(Strategy):
                                   extra={"adopted": True, "members": len(self.ctx.group)})
             armed = got
         loss, grad = await self.ctx.replica.compute_gradients()
-        t0 = time.perf_counter()
+        t0 = clock.now()
         failed_at: float | None = None
         if bw is not None and armed:
             done = await bw.outcome(step)
             if done is not None:  # averaged during backward: step with .grad as the user left it
                 await self.ctx.replica.apply_gradients(grad)
-                return StepReport(loss=loss, stop=done.stop, comm_s=time.perf_counter() - t0 + done.comm_s,
+                return StepReport(loss=loss, stop=done.stop, comm_s=clock.now() - t0 + done.comm_s,
                                   extra={"compression": round(done.compression, 3), "op_nic_bytes": done.nic_bytes,
                                          "members": len(self.ctx.group), "reforms": self.regroup.reforms,
                                          "passes": done.passes})
-            failed_at = bw.failed_at if bw.failed_at is not None else time.monotonic()
+            failed_at = bw.failed_at if bw.failed_at is not None else clock.now()
             if not self._warned_redo:
                 self._warned_redo = True
                 log.warning("node %d: ssgd step %d: the gradient could not be averaged during backward (a member "
@@ -140,7 +140,7 @@ class SSGD(Strategy):
         mine = await own_buffers(self.ctx.replica, self.ctx.buffers)
         out = await self.regroup.run(step, lambda v: self._average(v, step, grad, want_stop, mine),
                                      failed_at=failed_at)
-        comm = time.perf_counter() - t0
+        comm = clock.now() - t0
         if out is None or isinstance(out, Adopted):  # our gradient was for a step we skipped
             return StepReport(loss=loss, comm_s=comm, next_step=out.step if out else step + 1,
                               extra={"adopted": True, "members": len(self.ctx.group)})

@@ -57,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -65,6 +64,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
@@ -417,10 +417,10 @@ class Transport(ABC):
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
-        deadline = time.monotonic() + budget
+        deadline = clock.now() + budget
         delay, nbytes = 0.0005, frames_len(frames)
         while not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
-            if time.monotonic() >= deadline:
+            if clock.now() >= deadline:
                 raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
                                       f"{route.local_nic} for {budget:g}s", peers=(peer,))
             await asyncio.sleep(delay)
@@ -521,7 +521,7 @@ class Transport(ABC):
         """Record what an admitted message proves: the arrival time of every node in ``alive``
         (:attr:`last_arrival`), and a restarted node's new incarnation (reachable again; the
         membership view decides whether it is a member)."""
-        now = time.monotonic()
+        now = clock.now()
         for node in alive:
             self.last_arrival[node] = now
         if revive is not None:

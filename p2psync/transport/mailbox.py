@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections import Counter, deque
 from typing import Any, Callable, Coroutine
 
+from p2psync.clock import now as clock_now
 from p2psync.errors import P2PSyncError, PeerTimeout, ProtocolError
 from p2psync.transport.retired import RetiredTags
 from p2psync.wire import Message
@@ -102,7 +102,7 @@ class Mailbox:
 
     def __init__(self, *, max_pending: int = 65536, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  max_control_pending: int = 4096, ttl: float | None = DEFAULT_TTL,
-                 max_retired: int = 65536, clock: Callable[[], float] = time.monotonic,
+                 max_retired: int = 65536, clock: Callable[[], float] = clock_now,
                  on_drop: DropHook | None = None) -> None:
         if max_pending < 1 or budget_bytes < 1 or max_control_pending < 1 or max_retired < 1:
             raise ValueError("mailbox caps must be >= 1")

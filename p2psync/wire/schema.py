@@ -73,7 +73,9 @@ AUTH_BYTES = 32
 #: control kinds: relayed hop by hop to a node that is not adjacent whenever they are sent
 #: there (``data`` is relayed only when its sender asks: ``Transport.send(..., relay=True)``)
 RELAY_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
-MAX_HOPS = 16
+#: the most hops a relayed message takes: a shortest path across the largest topology the
+#: builders make (4096 nodes; a ring of N needs N/2 hops), so it only ends a routing loop
+MAX_HOPS = 4096
 #: run ids and incarnations are unsigned 64-bit integers
 MAX_U64 = (1 << 64) - 1
 

@@ -1,0 +1,329 @@
+"""N nodes of the real membership over the in-memory transport, in virtual time, with faults.
+
+:class:`SimCluster` builds, for every node of a topology, exactly what a node runtime builds
+for membership (:class:`~p2psync.api.runtime.NodeRuntime`): a transport, an RPC server and
+client, a :class:`~p2psync.coordinator.MembershipClient` and a
+:class:`~p2psync.coordinator.failover.CoordinatorHost` (the topology's coordinator hosts the
+run; every node can take over). The transport is the in-memory one (:class:`SimTransport`)
+with per-link one-way latency from the in-process shaper; each node runs as an actor of the
+:class:`~p2psync.sim.loop.VirtualLoop` (it must be the running loop). No strategy runs.
+
+Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the rendezvous:
+
+* **kill**: the node's endpoint leaves the medium (sends to it are retried, then fail, as to
+  a node whose connection is down) and the node is held for good: it runs nothing more.
+* **pause**: the node is held (its timers, tasks and the messages delivered to it wait) and
+  released after the duration: it resumes late, as after ``SIGSTOP`` / ``SIGCONT``.
+* **partition**: every link between the two sides is down for the duration (a send across is
+  retried within its budget, as over a connection that is down).
+
+Every message goes to its receiver as a callback of the receiver's actor, one loop iteration
+after it was handed over (after the link latency when the link has one): a held receiver
+takes it once released, in order.
+
+:meth:`SimCluster.run` returns the summary: virtual and wall seconds, the views every node
+applied (counted) and the final one, the detections, messages per node, and the invariants
+(:mod:`p2psync.sim.invariants`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
+from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.coordinator.views import View
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
+from p2psync.sim import invariants as inv
+from p2psync.sim.faults import Fault
+from p2psync.sim.loop import ACTOR, VirtualLoop
+from p2psync.tasks import gather_or_cancel
+from p2psync.topology import Route, Topology
+from p2psync.topology.paths import hop_distances
+from p2psync.transport import MemoryHub
+from p2psync.transport.base import NotReady
+from p2psync.transport.memory import MemoryTransport
+from p2psync.transport.shaping import InprocShaper, LinkSpec
+from p2psync.wire import placed
+
+log = logging.getLogger("p2psync.sim")
+
+
+class SimHub(MemoryHub):
+    """The simulated medium: in-memory endpoints, links cut by partitions, and each node's
+    actor context (deliveries run in it)."""
+
+    def __init__(self, topology: Topology) -> None:
+        super().__init__(topology)
+        #: pairs of sides whose links are down now
+        self.cuts: list[tuple[frozenset[int], frozenset[int]]] = []
+        self.contexts: dict[int, contextvars.Context] = {}
+        #: sends refused because the link was cut (retried by the sender)
+        self.refused = 0
+
+    def context(self, node: int) -> contextvars.Context:
+        """The context that ``node``'s code runs in (its :data:`ACTOR`)."""
+        ctx = self.contexts.get(node)
+        if ctx is None:
+            ctx = self.contexts[node] = contextvars.copy_context()
+            ctx.run(ACTOR.set, node)
+        return ctx
+
+    def cut(self, a: int, b: int) -> bool:
+        """Whether the link between ``a`` and ``b`` is down now."""
+        return any((a in x and b in y) or (a in y and b in x) for x, y in self.cuts)
+
+
+class SimTransport(MemoryTransport):
+    """A :class:`MemoryTransport` whose deliveries run as callbacks of the receiver's actor
+    and stop at cut links (see the module docstring)."""
+
+    def __init__(self, *, hub: SimHub, node_id: int, **options: Any) -> None:
+        super().__init__(hub=hub, node_id=node_id, **options)
+        self.sim = hub
+
+    def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
+                  unordered: bool = False) -> None:
+        hub = self.sim
+        target = hub.endpoints.get(peer)
+        if target is None:
+            raise NotReady
+        if hub.cuts and hub.cut(self.node_id, peer):
+            hub.refused += 1
+            raise NotReady
+        copied = [bytes(f) for f in placed(frames)]
+        asyncio.get_running_loop().call_soon(target._ingest, route.remote_nic, self.node_id,
+                                             f"{self.node_id}/{route.local_nic}", copied,
+                                             context=hub.context(peer))
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The membership's settings (as ``p2psync run`` takes them) and the links' latency:
+    ``latency_s`` one way per link (None: the topology's link attributes)."""
+
+    heartbeat: float = DEFAULT_INTERVAL
+    failure_timeout: float = DEFAULT_FLOOR
+    phi_threshold: float = DEFAULT_THRESHOLD
+    check_interval: float = 0.1
+    peer_timeout: float = 5.0
+    start_timeout: float = 60.0
+    quorum_timeout: float = 300.0
+    latency_s: float | None = 0.001
+
+
+class SimNode:
+    """One node's membership stack (see the module docstring)."""
+
+    def __init__(self, *, hub: SimHub, node_id: int, opts: SimOptions) -> None:
+        topo = hub.topology
+        self.id = node_id
+        self.transport = SimTransport(hub=hub, node_id=node_id, default_timeout=opts.peer_timeout,
+                                      shaper=_shaper(topo, node_id, opts))
+        self.transport.run_id = 1
+        self.transport.incarnation = 1  # (the wall clock's would differ between runs)
+        self.server = RpcServer(self.transport)
+        self.rpc = RpcClient(self.transport, local=self.server)
+        self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
+                                           heartbeat_interval=opts.heartbeat, failure_timeout=opts.failure_timeout,
+                                           phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout)
+        self.host = CoordinatorHost(server=self.server, membership=self.membership, expected=topo.ids,
+                                    start_timeout=opts.start_timeout, failure_timeout=opts.failure_timeout,
+                                    heartbeat_interval=opts.heartbeat, phi_threshold=opts.phi_threshold,
+                                    check_interval=opts.check_interval, run_info={"run_id": "sim"})
+        self.opts = opts
+        self.fenced_at: float | None = None
+        self.killed_at: float | None = None
+
+    async def start(self) -> None:
+        """Bind, host the run (the topology's coordinator), register, start heartbeats: the
+        rendezvous of ``NodeRuntime`` for a fresh run (no run to discover)."""
+        await self.transport.start()
+        self.server.start()
+        if self.id == self.transport.topology.coordinator:
+            self.host.host()
+        await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
+        self.membership.start()
+
+    async def close(self) -> None:
+        """Close membership, host, RPC server and transport, in that order."""
+        for closing in (self.membership.close, self.host.close, self.server.close, self.transport.close):
+            try:
+                await closing()
+            except P2PSyncError as exc:
+                log.info("node %d: closing: %s", self.id, exc)
+
+
+def _shaper(topo: Topology, node: int, opts: SimOptions) -> InprocShaper | None:
+    """Latency on each link to a neighbour (relayed messages pay it on every hop)."""
+    specs = {nb: (LinkSpec(latency_s=opts.latency_s) if opts.latency_s is not None
+                  else LinkSpec.from_attrs(topo.link(node, nb))) for nb in topo.neighbors(node)}
+    specs = {nb: s for nb, s in specs.items() if not s.trivial}
+    return InprocShaper(specs) if specs else None
+
+
+def detection_bound(topo: Topology, opts: SimOptions) -> float:
+    """How long after a fault it must be declared: the failure timeout, two heartbeat
+    intervals and a check interval, plus four round trips over the longest path to the
+    coordinator (a heartbeat's, and an election's when the coordinator is the one that failed)."""
+    hops = max(hop_distances(topo, topo.coordinator).values(), default=0)
+    lat = opts.latency_s if opts.latency_s is not None else max(
+        (topo.link(a, b).latency_ms / 1e3 for a in topo.ids for b in topo.neighbors(a)), default=0.0)
+    rtt = 2 * hops * lat
+    return opts.failure_timeout + 2 * opts.heartbeat + opts.check_interval + 4 * rtt
+
+
+class SimCluster:
+    """Every node of ``topo`` in simulation (see the module docstring); ``async with`` closes
+    every node, whatever happened. Build and run it on a :class:`VirtualLoop`."""
+
+    def __init__(self, topo: Topology, *, opts: SimOptions | None = None, faults: Sequence[Fault] = ()) -> None:
+        self.topo = topo
+        self.opts = opts or SimOptions()
+        self.faults = sorted(faults, key=lambda f: f.at)
+        for f in self.faults:
+            unknown = sorted((set(f.nodes) | set(f.other)) - set(topo.ids))
+            if unknown:
+                raise ConfigError(f"fault {f.spec()}: nodes {unknown} are not in topology {topo.name}")
+        self.hub = SimHub(topo)
+        self.nodes = {i: SimNode(hub=self.hub, node_id=i, opts=self.opts) for i in topo.ids}
+        self.views: list[inv.ViewSeen] = []
+        self.t0 = 0.0
+        self._timers: list[asyncio.TimerHandle] = []
+        for i, node in self.nodes.items():
+            node.membership.view_listeners.append(self._recorder(i))
+            node.membership.fence_listeners.append(self._fence_recorder(i))
+
+    def _recorder(self, i: int) -> Callable[[View], None]:
+        def seen(v: View) -> None:
+            self.views.append(inv.ViewSeen(t=self._loop().time() - self.t0, node=i, term=v.term, epoch=v.epoch,
+                                           coordinator=v.coordinator, members=tuple(v.members),
+                                           departed=tuple(v.departed)))
+        return seen
+
+    def _fence_recorder(self, i: int) -> Callable[[Fenced], None]:
+        def fenced(_: Fenced) -> None:
+            node = self.nodes[i]
+            if node.fenced_at is None:
+                node.fenced_at = self._loop().time() - self.t0
+        return fenced
+
+    @staticmethod
+    def _loop() -> VirtualLoop:
+        loop = asyncio.get_running_loop()
+        if not isinstance(loop, VirtualLoop):
+            raise SimulationError("a SimCluster runs on a VirtualLoop (p2psync.sim.loop.run)")
+        return loop
+
+    async def __aenter__(self) -> "SimCluster":
+        self._loop()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> float:
+        """Start every node (each as its actor) and wait for the rendezvous; returns the
+        virtual seconds it took. Fault times count from its end."""
+        loop = self._loop()
+        t = loop.time()
+        # one failing start (a rendezvous that timed out) cancels the others
+        await gather_or_cancel([loop.spawn(n.start(), actor=i, name=f"start-{i}") for i, n in self.nodes.items()])
+        self.t0 = loop.time()
+        self.views = [replace(v, t=v.t - self.t0) for v in self.views]  # (recorded with t0 = 0)
+        for f in self.faults:
+            self._timers.append(loop.call_at(self.t0 + f.at, self._begin, f))
+            if f.end is not None:
+                self._timers.append(loop.call_at(self.t0 + f.end, self._end, f))
+        return self.t0 - t
+
+    def _begin(self, f: Fault) -> None:
+        loop = self._loop()
+        log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
+        if f.kind == "kill":
+            for n in f.nodes:
+                self.nodes[n].killed_at = loop.time() - self.t0
+                self.hub.endpoints.pop(n, None)
+                loop.hold(n)
+        elif f.kind == "pause":
+            for n in f.nodes:
+                loop.hold(n)
+        else:
+            self.hub.cuts.append((frozenset(f.nodes), frozenset(f.other)))
+
+    def _end(self, f: Fault) -> None:
+        loop = self._loop()
+        log.info("sim t=%.3f: end of %s", loop.time() - self.t0, f.spec())
+        if f.kind == "pause":
+            for n in f.nodes:
+                if self.nodes[n].killed_at is None:
+                    loop.release(n)
+        elif f.kind == "partition":
+            self.hub.cuts.remove((frozenset(f.nodes), frozenset(f.other)))
+
+    async def run(self, virtual_seconds: float) -> dict[str, Any]:
+        """Start, run until ``virtual_seconds`` after the rendezvous, and summarize (the nodes
+        stay up until :meth:`close`)."""
+        loop = self._loop()
+        wall0 = time.perf_counter()
+        rendezvous = await self.start()
+        await asyncio.sleep(max(0.0, self.t0 + virtual_seconds - loop.time()))
+        return self.summary(virtual_seconds=virtual_seconds, rendezvous_s=rendezvous,
+                            wall_s=time.perf_counter() - wall0)
+
+    def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
+        """What the run did and whether every invariant held (see the module docstring)."""
+        opts = self.opts
+        bound = detection_bound(self.topo, opts)
+        final: dict[int, inv.ViewSeen | None] = {i: None for i in self.nodes}
+        for v in self.views:
+            final[v.node] = v
+        live = [i for i, n in self.nodes.items() if n.killed_at is None and n.membership.fenced is None]
+        found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout)
+        end = next((final[i] for i in live if final[i] is not None), None)
+        msgs = {str(i): {"sent": sum(s.msgs_sent for s in n.transport.nic_stats.values()),
+                         "recv": sum(s.msgs_recv for s in n.transport.nic_stats.values())}
+                for i, n in self.nodes.items()}
+        coord = end.coordinator if end is not None else self.topo.coordinator
+        return {
+            "topology": self.topo.name, "nodes": len(self.nodes), "virtual_s": virtual_seconds,
+            "rendezvous_s": round(rendezvous_s, 6), "wall_s": round(wall_s, 3),
+            "detection_bound_s": round(bound, 6), "faults": [f.spec() for f in self.faults],
+            "views_applied": len(self.views),
+            "final_view": None if end is None else {"term": end.term, "epoch": end.epoch,
+                                                    "coordinator": end.coordinator, "members": list(end.members)},
+            "declared": [{"t": round(d.t, 6), "node": d.node, "by": d.coordinator, "term": d.term}
+                         for d in inv.declarations(self.views)],
+            "fenced": {str(i): round(n.fenced_at, 6) for i, n in self.nodes.items() if n.fenced_at is not None},
+            "killed": [i for i, n in self.nodes.items() if n.killed_at is not None],
+            "detections": found,
+            "messages": msgs,
+            "coordinator_msgs_per_s": round((msgs[str(coord)]["sent"] + msgs[str(coord)]["recv"])
+                                            / max(virtual_seconds, 1e-9), 3),
+            "link_refusals": self.hub.refused,
+            "invariants": {
+                "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
+                "faults_detected_in_bound": detected,
+                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound),
+                "one_view_at_end": inv.one_view_at_end(final, live),
+            },
+        }
+
+    async def close(self) -> None:
+        """Stop the faults, release every held node and close every node."""
+        loop = self._loop()
+        for t in self._timers:
+            t.cancel()
+        for i in self.nodes:
+            loop.release(i)
+        self.hub.cuts.clear()
+        await asyncio.gather(*(loop.spawn(n.close(), actor=i) for i, n in self.nodes.items()))
+
+
+__all__ = ["SimCluster", "SimHub", "SimNode", "SimOptions", "SimTransport", "detection_bound"]

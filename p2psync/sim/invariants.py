@@ -1,0 +1,189 @@
+"""The invariants a simulated run is checked against, over what its nodes saw. Pure.
+
+Input: every view a node applied (:class:`ViewSeen`, in virtual time), the faults injected
+and the detection bound. Each check answers ``"held"`` or a description of the violation:
+
+* ``one_coordinator_per_term``: no two views of one term name different coordinators.
+* ``faults_detected_in_bound``: a killed node, a node paused for at least the bound, and the
+  members cut off from a majority side by a partition lasting at least the bound are declared
+  failed (left out of a view) within the bound of the fault's start; a node paused for less
+  than the failure timeout is not declared failed at all; no node is removed by a partition
+  in which neither side holds a majority.
+* ``no_false_failure``: every node declared failed had a fault on it: killed before, paused,
+  or left by a partition on the side without a majority, within the fault's time plus the
+  bound.
+* ``one_view_at_end``: every node that is neither killed nor fenced holds the same view at the
+  end, and its members are exactly those nodes.
+
+:func:`declarations` derives who was declared failed, when and by which coordinator, from
+the views (a node left out of a node's next view, not as departed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from p2psync.sim.faults import Fault
+
+HELD = "held"
+
+
+@dataclass(frozen=True)
+class ViewSeen:
+    """Node ``node`` applied the view (``term``, ``epoch``) of ``coordinator`` at virtual time ``t``."""
+
+    t: float
+    node: int
+    term: int
+    epoch: int
+    coordinator: int
+    members: tuple[int, ...]
+    departed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """``node`` was first seen declared failed at ``t`` in a view of ``coordinator`` (``term``)."""
+
+    t: float
+    coordinator: int
+    term: int
+    node: int
+
+
+def declarations(views: Iterable[ViewSeen]) -> list[Declaration]:
+    """Removals from the views: a node left out of a node's next view (not as departed). Each
+    removal counts once, at its earliest sighting: a node is declared failed again only after
+    a view newer than the one that removed it listed it as a member again (a rejoin)."""
+    prev: dict[int, ViewSeen] = {}
+    removed: dict[int, tuple[int, int]] = {}  # node -> (term, epoch) of the view that removed it
+    out: list[Declaration] = []
+    for v in sorted(views, key=lambda v: v.t):
+        for n in v.members:
+            if n in removed and (v.term, v.epoch) > removed[n]:
+                del removed[n]
+        before = prev.get(v.node)
+        prev[v.node] = v
+        if before is None:
+            continue
+        for n in sorted(set(before.members) - set(v.members) - set(v.departed)):
+            if n not in removed:
+                removed[n] = (v.term, v.epoch)
+                out.append(Declaration(t=v.t, coordinator=v.coordinator, term=v.term, node=n))
+    return sorted(out, key=lambda d: (d.t, d.node))
+
+
+def one_coordinator_per_term(views: Iterable[ViewSeen]) -> str:
+    by_term: dict[int, set[int]] = {}
+    for v in views:
+        by_term.setdefault(v.term, set()).add(v.coordinator)
+    bad = {t: sorted(c) for t, c in sorted(by_term.items()) if len(c) > 1}
+    return HELD if not bad else f"terms with more than one coordinator: {bad}"
+
+
+def _members_before(views: Sequence[ViewSeen], t: float) -> tuple[int, ...]:
+    """The members of the newest view (by term, epoch) applied before ``t``."""
+    seen = [v for v in views if v.t <= t]
+    if not seen:
+        return ()
+    return max(seen, key=lambda v: (v.term, v.epoch)).members
+
+
+def _majority_side(f: Fault, members: Sequence[int]) -> tuple[int, ...] | None:
+    """The side of partition ``f`` holding a strict majority of ``members``, or None."""
+    for side in (f.nodes, f.other):
+        if 2 * len(set(side) & set(members)) > len(members):
+            return side
+    return None
+
+
+def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
+               failure_timeout: float) -> tuple[list[dict[str, object]], str]:
+    """Per fault, who was declared failed how long after it started; and the verdict of
+    ``faults_detected_in_bound`` (see the module docstring)."""
+    decls = declarations(views)
+    out: list[dict[str, object]] = []
+    problems: list[str] = []
+    for f in faults:
+        members = _members_before(views, f.at)
+        end = f.end if f.end is not None else float("inf")
+        if f.kind == "partition":
+            major = _majority_side(f, members)
+            cut = [n for n in members if major is not None and n not in major]
+        else:
+            major, cut = None, [n for n in f.nodes if n in members]
+        seen: dict[int, float] = {}
+        for d in decls:
+            if d.node in cut or (f.kind == "partition" and major is None and d.node in members):
+                if f.at <= d.t <= end + bound and d.node not in seen:
+                    seen[d.node] = round(d.t - f.at, 6)
+        rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
+        out.append(rec)
+        must = f.kind == "kill" or (f.duration is not None and f.duration >= bound)
+        if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout and seen:
+            problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
+                            f"{failure_timeout:g}s, yet declared failed ({rec['declared_after_s']})")
+        if f.kind == "partition" and major is None:
+            rec["majority"] = None
+            if seen:
+                problems.append(f"{f.spec()}: no side holds a majority of {len(members)} members, yet "
+                                f"{sorted(seen)} were declared failed")
+            continue
+        if must:
+            late = {n: s for n, s in seen.items() if s > bound}
+            missed = [n for n in cut if n not in seen]
+            if missed or late:
+                problems.append(f"{f.spec()}: " + "; ".join(
+                    ([f"never declared failed: {missed}"] if missed else [])
+                    + ([f"declared after more than {bound:.3f}s: {late}"] if late else [])))
+    return out, (HELD if not problems else " | ".join(problems))
+
+
+def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float) -> str:
+    """See the module docstring: a declaration is covered by a kill of the node before it, a
+    pause of the node, or a partition that left the node on the side without a majority (then
+    whoever the majority elected may declare it), up to the fault's end plus ``bound``."""
+    bad: list[str] = []
+    for d in declarations(views):
+        ok = False
+        for f in faults:
+            end = (f.end if f.end is not None else float("inf")) + bound
+            if not f.at <= d.t <= end:
+                continue
+            if f.kind in ("kill", "pause") and d.node in f.nodes:
+                ok = True
+            elif f.kind == "partition":
+                major = _majority_side(f, _members_before(views, f.at))
+                ok = ok or (major is not None and d.node not in major)
+        if not ok:
+            bad.append(f"node {d.node} declared failed by coordinator {d.coordinator} (term {d.term}) at "
+                       f"{d.t:.3f}s with no fault on it, nor a partition leaving it without a majority")
+    return HELD if not bad else "; ".join(bad)
+
+
+def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -> str:
+    """``final``: each node's last view (None: none); ``live``: the nodes neither killed nor
+    fenced. See the module docstring."""
+    live = sorted(live)
+    views = {n: final.get(n) for n in live}
+    missing = [n for n, v in views.items() if v is None]
+    if missing:
+        return f"nodes {missing} hold no view"
+    keys = {(v.term, v.epoch, v.coordinator, v.members) for v in views.values() if v is not None}
+    if len(keys) > 1:
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for n, v in views.items():
+            if v is not None:
+                groups.setdefault((v.term, v.epoch, v.coordinator), []).append(n)
+        return f"{len(keys)} views at the end: " + "; ".join(
+            f"(term {t}, epoch {e}, coordinator {c}): nodes {ns}" for (t, e, c), ns in sorted(groups.items()))
+    (term, epoch, coord, members), = keys
+    if sorted(members) != live:
+        return (f"the view (term {term}, epoch {epoch}) lists members {list(members)}, but the live, unfenced "
+                f"nodes are {live}")
+    return HELD
+
+
+__all__ = ["Declaration", "HELD", "ViewSeen", "declarations", "detections", "no_false_failure",
+           "one_coordinator_per_term", "one_view_at_end"]
