@@ -418,20 +418,23 @@ def parse_options(cls: type[Strategy], raw: Mapping[str, Any], *,
 
 class FailStop:
     """For synchronous strategies: a failed peer ends the run with PeerFailure naming it, and
-    the receives of the strategy's pending collective (tags starting with ``prefix``) are
-    aborted at once instead of waiting for their timeout."""
+    the receives of the strategy's pending collectives (its operations' scope: the tags
+    starting with ``prefix``, opened with this object) fail at once instead of waiting for
+    their timeout."""
 
     def __init__(self, ctx: StrategyContext, name: str, prefix: str) -> None:
         self.ctx = ctx
         self.name = name
-        self.prefix = prefix
+        #: the strategy's operations: every receive under ``prefix``
+        self.scope = ctx.transport.scope(prefix)
         self.failed: set[int] = set()
 
     def on_peer_failure(self, peer: int) -> None:
-        """Remember ``peer`` and abort the pending receives under ``prefix`` with PeerFailure.
-        Called from the owning strategy's own ``on_peer_failure`` (dts.py, regroup.py)."""
+        """Remember ``peer`` and fail the pending receives of the strategy's scope with
+        PeerFailure. Called from the owning strategy's own ``on_peer_failure`` (dts.py,
+        regroup.py)."""
         self.failed.add(peer)
-        self.ctx.transport.mailbox.abort(self._error((peer,)), match=lambda tag: tag.startswith(self.prefix))
+        self.scope.abort(self._error((peer,)))
 
     def _error(self, peers: tuple[int, ...]) -> PeerFailure:
         departed = [p for p in peers if p in self.ctx.membership.departed]

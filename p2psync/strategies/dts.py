@@ -72,6 +72,7 @@ from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all, wait_or_event
+from p2psync.transport import Scope
 
 log = logging.getLogger("p2psync.dts")
 
@@ -88,6 +89,8 @@ class _Flight:
     epoch: int
     tag: str
     task: asyncio.Task[Exchange]
+    #: the receives of its exchange (the payload's and the flag's allreduces)
+    scope: Scope
 
 
 class _Broken(Exception):
@@ -248,10 +251,11 @@ class DTS(Strategy):
         # the re-sync count keeps a window's tag unique when windows restart within one view
         tag = f"dts.win.{self.resyncs}.{win.index}.e{self.epoch}"
         first, *more = self.state.payload_parts(win)
+        scope = self.ctx.transport.scope(f"{tag}.")
         coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,
                               more=more)
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
-        self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
+        self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task, scope=scope)
         self.windows_sent += 1
         self.max_flight = max(self.max_flight, len(self.flights))
 
@@ -266,6 +270,7 @@ class DTS(Strategy):
         except BaseException:  # kept so that close() or the re-sync cancels and reaps it
             self.flights[fl.win.index] = fl
             raise
+        fl.scope.close()
         dw, du = self.state.correction(fl.win, avg, step)
         await self.ctx.replica.correct(dw, du)
         self.windows_applied += 1
@@ -316,7 +321,7 @@ class DTS(Strategy):
         self.flights.clear()
         await cancel_all(fl.task for fl in flights)
         for fl in flights:
-            self.ctx.transport.mailbox.retire(f"{fl.tag}.")  # the payload's and the flag's
+            fl.scope.retire()  # its pieces still on their way are dropped
         if self.state is not None:
             self.windows_dropped += len(self.state.pending)
 

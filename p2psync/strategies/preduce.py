@@ -316,18 +316,20 @@ class PReduce(Strategy):
         whole = self.opts.average_momentum
         failed: asyncio.Future[PeerFailure] = asyncio.get_running_loop().create_future()
         self._running = (g, failed)
+        scope = self.ctx.transport.scope(f"{g.tag}.")  # the group's allreduce
         try:
             avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
             if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
                 raise
             self.failed_groups += 1
-            self.ctx.transport.mailbox.retire(f"{g.tag}.")
+            scope.retire()  # its pieces still on their way are dropped
             log.warning("node %d: P-reduce group %d %s abandoned (own model kept): %s", self.ctx.node_id,
                         g.op, list(g.members), exc)
             return False
         finally:
             self._running = None
+            scope.close()
         avg = np.asarray(avg, dtype=np.float32)
         await (rep.import_state(avg) if whole else rep.set_params(avg))
         # the group's newest version only once its average is in: an abandoned reduce keeps this

@@ -146,6 +146,8 @@ class _StoreStrategy(Strategy):
         #: the incarnation of every store member's process at the current split (from its view)
         self._incs: dict[int, int] = {}
         self._next_view = asyncio.Event()  # set when a newer view arrives (a fresh event per view)
+        #: the receives of the end-of-training exchange (failed when a peer fails)
+        self._end_ops = ctx.transport.scope(f"{self.name}.end")
 
     async def start(self) -> None:
         """Build this node's part of the store; a joiner then joins it (:meth:`_join`)."""
@@ -255,7 +257,7 @@ class _StoreStrategy(Strategy):
         exc = PeerFailure(f"{self.name}: peer {peer} failed", peers=(peer,))
         if self.store is not None:
             self.store.abort_waits(exc)
-        self.ctx.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.end"))
+        self._end_ops.abort(exc)
 
     def on_view(self, view: View) -> None:
         """A newer view wakes the waits for one, and supersedes a re-shard under way over an

@@ -52,6 +52,7 @@ from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology.paths import hop_distances
+from p2psync.transport import Scope
 
 log = logging.getLogger("p2psync.regroup")
 
@@ -132,7 +133,6 @@ class Regroup:
         self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
         self.reforms = 0
         self.adoptions = 0
-        self._active: dict[int, tuple[int, ...]] = {}  # epoch -> step of the operation in flight
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
         #: steps before this one run the plain operation in the synced epoch (:func:`backward_from`)
@@ -188,14 +188,16 @@ class Regroup:
             if me not in view.members:
                 raise PeerFailure(f"{self.name}: node {me} is not a member of view {view.epoch} "
                                   "(the coordinator declared it failed)", peers=(me,))
-            self._active = {view.epoch: (step,)}
+            attempt = self._scope(view, step)
             try:
                 if view.epoch != self.synced:
-                    adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view)
+                    adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view,
+                                               attempt)
                     if adopted is not None:
                         self._reformed(failed_at)
                         return Adopted(adopted)
-                out = None if op is None else await self._race(op(view), view)
+                out = None if op is None else await self._race(op(view), view, attempt)
+                attempt.close()
                 self._reformed(failed_at)
                 return out
             except (PeerFailure, ProtocolError) as exc:
@@ -210,7 +212,7 @@ class Regroup:
                     failed_at = time.monotonic()
                 log.warning("node %d: %s step %d over view %d failed (%s); waiting for a newer view",
                             me, self.name, step, view.epoch, exc)
-                self._retire(view)
+                attempt.retire()  # its pieces still on their way are dropped
                 err = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc))
                 if not isinstance(exc, NonFinitePiece):  # (its sender's exclusion is the next view)
                     self.ctx.membership.request_redo(view.epoch, err.peers)
@@ -253,8 +255,9 @@ class Regroup:
             log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
                         self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)
 
-    async def _race(self, coro: Awaitable[T], view: View) -> T:
-        """``coro``, abandoned (PeerFailure) as soon as a view newer than ``view`` arrives."""
+    async def _race(self, coro: Awaitable[T], view: View, scope: Scope) -> T:
+        """``coro``, abandoned (PeerFailure, ``scope`` retired) as soon as a view newer than
+        ``view`` arrives."""
         task = asyncio.ensure_future(coro)
         try:
             if self.ctx.epoch == view.epoch:
@@ -262,23 +265,19 @@ class Regroup:
         finally:
             await cancel_all([task])  # a newer view (or this call cancelled): abandoned
         if task.cancelled():
-            self._retire(view)
+            scope.retire()
             now = self.ctx.view
             left = tuple(sorted(set(view.members) - set(now.members)))
             raise PeerFailure(f"{self.name}: view {view.epoch} replaced by view {now.epoch} "
                               f"(left {list(left)}, members {list(now.members)})", peers=left)
         return task.result()
 
-    def _retire(self, view: View) -> None:
-        """The operations of an abandoned epoch are finished for good: pieces of them that are
-        queued, or still on their way, are dropped (bounded memory). Tags
-        follow ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
-        mb = self.ctx.transport.mailbox
-        for kind in ("sync", "state", *(str(s) for s in self._steps_at(view))):
-            mb.retire(f"{self.name}.{kind}.e{view.epoch}.")
-
-    def _steps_at(self, view: View) -> tuple[int, ...]:
-        return self._active.get(view.epoch, ())
+    def _scope(self, view: View, step: int) -> Scope:
+        """The receives of one attempt of ``step`` over ``view``: its sync, its state transfer
+        and its operation. Retired when the attempt fails, so that pieces of it that are
+        queued, or still on their way, are dropped (bounded memory). Tags follow
+        ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
+        return self.ctx.transport.scope(*(f"{self.name}.{kind}.e{view.epoch}." for kind in ("sync", "state", step)))
 
     async def _await_newer(self, view: View, exc: PeerFailure) -> None:
         """Wait for a view newer than ``view``: bounded by :attr:`bound`, or, while this node
