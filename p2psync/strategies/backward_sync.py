@@ -352,7 +352,8 @@ class BackwardAverager:
         lo, hi = self.buckets[j]
         part = p.flat[self.offsets[lo]:self.offsets[hi]]
         p.started[j] = asyncio.ensure_future(self.ctx.collectives.allreduce_with_stats(
-            part, armed.view.members, op="mean", tag=f"{self.name}.{armed.tag}.p{p.k}.b{j}"))
+            part, armed.view.members, op="mean", tag=f"{self.name}.{armed.tag}.p{p.k}.b{j}",
+            feedback=(self.name, "bucket", p.k, j)))
 
     async def _wait_armed(self, p: _Pass) -> bool:
         """Wait (bounded) until a step is armed and ``p`` is bound to it."""

@@ -555,11 +555,12 @@ class DiLoCo(Strategy):
         if self.opts.dylu:
             side[3 + view.members.index(self.ctx.node_id)] = op.speed
         fb = coll.feedback
-        family = f"diloco.{part}"
+        family = ("diloco", part)  # the error-feedback key of this fragment's pseudo-gradient
         kept = {k: v for k, v in fb.residual.items() if isinstance(k, tuple) and family in k} if fb else {}
         try:
             (s, st), sums = await gather_or_cancel([
-                coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec),
+                coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec,
+                                          feedback=family),
                 coll.allreduce(side, view.members, op="sum", tag=f"{tag}.side", codec="none")])
         except BaseException:
             if fb is not None:

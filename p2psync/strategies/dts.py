@@ -253,7 +253,7 @@ class DTS(Strategy):
         first, *more = self.state.payload_parts(win)
         scope = self.ctx.transport.scope(f"{tag}.")
         coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,
-                              more=more)
+                              more=more, feedback=("dts", "window"))
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
         self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task, scope=scope)
         self.windows_sent += 1

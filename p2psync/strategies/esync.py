@@ -226,7 +226,7 @@ class ESync(Strategy):
         t1 = time.monotonic()
         coll, delta = self.ctx.collectives, w - w_t
         out = await self.regroup.run(step, lambda v: mean_and_agree(  # Eq. 6-7
-            coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members))
+            coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members, feedback=("esync", "delta")))
         blocking = time.monotonic() - t1
         if out is None or isinstance(out, Adopted):
             return await self._adopted(out or Adopted(step + 1), blocking)

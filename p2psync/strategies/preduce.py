@@ -348,7 +348,8 @@ class PReduce(Strategy):
             raise PeerFailure(f"preduce: group {g.op} member {dead[0]} has failed", peers=tuple(dead))
         x = await (rep.export_state() if whole else rep.get_params())
         op = asyncio.ensure_future(self.ctx.collectives.allreduce(
-            x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag))
+            x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag,
+            feedback=("preduce", "model")))
         try:
             await asyncio.wait({op, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -179,6 +179,7 @@ class SSGD(Strategy):
                        mine: Buffers | None) -> tuple[np.ndarray, bool, OpStats, Buffers | None]:
         tag = f"ssgd.{step}.e{v.epoch}"
         coll = self.ctx.collectives
-        (mean, stop, st), bufs = await alongside(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members),
+        (mean, stop, st), bufs = await alongside(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members,
+                                                                feedback=("ssgd", "grad")),
                                                  coll, mine, self.ctx.buffers, tag=tag, group=v.members)
         return mean, stop, st, bufs
