@@ -69,7 +69,7 @@ class RpcServer:
         self.transport = transport
         self.handlers: dict[str, Handler] = {}
         #: requests being handled (each in its own task: handlers may wait)
-        self._inflight = TaskSet(f"rpc-request-{transport.node_id}")
+        self._inflight = TaskSet(f"rpc-request-{transport.node_id}", isolated=True)  # a request fails alone
         self._started = False
         self.bad_requests = 0
         self.duplicates = 0

@@ -146,8 +146,9 @@ class Exchange:
         self.stats = ExchangeStats()
         self.uid = next(_UIDS)
         self._seq = itertools.count(1)
-        #: the push listener (native mode) and the replies being sent
-        self._tasks = TaskSet(f"{name}-exchange")
+        #: the push listener (native mode) and the replies being sent; a reply fails alone (the
+        #: pusher counts it as an empty packet), and so does the listener, logged
+        self._tasks = TaskSet(f"{name}-exchange", isolated=True)
         self._listening = False
         self.push_tag = f"{name}.p"
         self._reply_prefix = f"{name}.r.{self.me}.{transport.incarnation}.{self.uid}."

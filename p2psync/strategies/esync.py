@@ -83,7 +83,7 @@ class ESync(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         #: State Server queries in flight (non-blocking mode, §4.2)
-        self._queries = TaskSet("esync-query")
+        self._queries = TaskSet("esync-query", isolated=True)  # each query records its own outcome
         self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
