@@ -288,7 +288,7 @@ class ParamStore:
                 raise
         finally:
             await cancel_all(s for _, s in sends)  # done ones are left as they are
-            self.transport.mailbox.retire(ack, exact=True)
+            self.transport.retire(ack)
         st.seconds = loop.time() - t0
         return st
 
@@ -439,7 +439,7 @@ class ParamStore:
             raise PeerFailure(f"{self.name}: pull of shard [{lo}, {hi}) from node {owner} failed: {exc}",
                               peers=(owner,)) from exc
         finally:
-            self.transport.mailbox.retire(tag, exact=True)
+            self.transport.retire(tag)
 
     async def _serve_pull(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         tag, e, barrier = args.get("tag"), args.get("e"), args.get("b")

@@ -256,7 +256,7 @@ class Exchange:
             log.info("node %d: canary exchange with node %d (colayer %d, step %d) got no answer: %s",
                      self.me, y, z, k, exc)
         finally:
-            self.tr.mailbox.retire(rq, exact=True)
+            self.tr.retire(rq)
 
     async def _bsp_step(self, z: int, th: int, k: int, y: int, t: int) -> None:
         def abandoned(why: str) -> PeerFailure:

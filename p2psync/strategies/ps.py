@@ -242,7 +242,7 @@ class _StoreStrategy(Strategy):
                 errors.append(f"node {d}: {exc}")
                 continue
             finally:
-                self.ctx.transport.mailbox.retire(tag, exact=True)
+                self.ctx.transport.retire(tag)
             log.info("node %d: %s took node %d's user state (hyperparameters, schedulers)", me, self.name, d)
             return
         log.warning("node %d: %s joined without a member's user state (its LR schedulers and hyperparameters are "

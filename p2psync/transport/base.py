@@ -434,6 +434,11 @@ class Transport(ABC):
         fail it. (The mailbox's coroutine itself: one frame less on every receive.)"""
         return self.mailbox.get(tag, self.default_timeout if timeout is None else timeout, peer=peer)
 
+    def retire(self, tag: str) -> None:
+        """The receive of exactly ``tag`` is over (answered or given up): a message with it that
+        is queued now, or arrives later with nobody waiting, is dropped (reason ``retired``)."""
+        self.mailbox.retire(tag, exact=True)
+
     def scope(self, *roots: str) -> Scope:
         """A :class:`~p2psync.transport.mailbox.Scope` owning the receives under ``roots`` (tag
         prefixes) begun from now on: the handle an operation's owner aborts or cancels."""
