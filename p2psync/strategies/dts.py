@@ -63,7 +63,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from p2psync.collectives import OpStats
+from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
@@ -249,7 +249,7 @@ class DTS(Strategy):
             return
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         # the re-sync count keeps a window's tag unique when windows restart within one view
-        tag = f"dts.win.{self.resyncs}.{win.index}.e{self.epoch}"
+        tag = OpId("dts.win", (self.resyncs, win.index), self.epoch).tag
         first, *more = self.state.payload_parts(win)
         scope = self.ctx.transport.scope(f"{tag}.")
         coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,

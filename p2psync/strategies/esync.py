@@ -45,6 +45,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
@@ -226,7 +227,7 @@ class ESync(Strategy):
         t1 = time.monotonic()
         coll, delta = self.ctx.collectives, w - w_t
         out = await self.regroup.run(step, lambda v: mean_and_agree(  # Eq. 6-7
-            coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members, feedback=("esync", "delta")))
+            coll, delta, want_stop, tag=OpId("esync", step, v.epoch).tag, group=v.members, feedback=("esync", "delta")))
         blocking = time.monotonic() - t1
         if out is None or isinstance(out, Adopted):
             return await self._adopted(out or Adopted(step + 1), blocking)

@@ -68,6 +68,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from p2psync.collectives import OpId
 from p2psync.compress import get_codec
 from p2psync.compress.topk import TopK
 from p2psync.coordinator import View
@@ -139,7 +140,7 @@ class GroupMsg:
 
     @property
     def tag(self) -> str:
-        return f"preduce.{self.ctl}.{self.op}.e{self.epoch}"
+        return OpId("preduce", (self.ctl, self.op), self.epoch).tag
 
 
 def parse_group(raw: Any, me: int, ids: frozenset[int]) -> GroupMsg:
@@ -365,7 +366,7 @@ class PReduce(Strategy):
 
         async def mean(view: View) -> tuple[Any, Buffers | None]:
             vec = await rep.export_state()
-            tag = f"preduce.end.0.e{view.epoch}"
+            tag = OpId("preduce.end", 0, view.epoch).tag
             return await alongside(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
                                                   tag=tag), coll, await own_buffers(rep, self.ctx.buffers),
                                    self.ctx.buffers, tag=tag, group=view.members)

@@ -78,6 +78,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from p2psync.collectives import OpId
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
@@ -385,7 +386,7 @@ class _StoreStrategy(Strategy):
             group = [m for m in store.members if m in self.ctx.group]
             changed = self._next_view
             barrier = asyncio.ensure_future(self.ctx.collectives.allreduce(
-                np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end.e{epoch}"))
+                np.zeros(1, np.float32), group, codec="none", tag=OpId(self.name, "end", epoch).tag))
             try:
                 while not await wait_or_event(barrier, changed):
                     if any(store_changes(store.members, self._incs, self.ctx.view)):

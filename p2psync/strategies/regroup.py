@@ -46,6 +46,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
@@ -235,7 +236,7 @@ class Regroup:
 
     async def _mean_state(self, view: View, count: int, step: int, flag: bool) -> tuple[int, bool]:
         coll = self.ctx.collectives
-        tag = f"{self.name}.{count}.e{view.epoch}"
+        tag = OpId(self.name, count, view.epoch).tag
         steps = asyncio.ensure_future(coll.allgather(np.array([step, int(flag)], np.int64), view.members,
                                                      tag=f"{tag}.steps"))
         try:
@@ -277,7 +278,7 @@ class Regroup:
         and its operation. Retired when the attempt fails, so that pieces of it that are
         queued, or still on their way, are dropped (bounded memory). Tags follow
         ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
-        return self.ctx.transport.scope(*(f"{self.name}.{kind}.e{view.epoch}." for kind in ("sync", "state", step)))
+        return self.ctx.transport.scope(*(OpId(self.name, kind, view.epoch).root for kind in ("sync", "state", step)))
 
     async def _await_newer(self, view: View, exc: PeerFailure) -> None:
         """Wait for a view newer than ``view``: bounded by :attr:`bound`, or, while this node
@@ -304,7 +305,7 @@ class Regroup:
     async def _sync(self, step: int, view: View, *, redo: bool = False) -> int | None:
         """The state sync of a new epoch (see the module docstring); returns the step adopted."""
         coll, me, members = self.ctx.collectives, self.ctx.node_id, view.members
-        got = await coll.allgather(np.array([float(step), float(redo)]), members, tag=f"{self.name}.sync.e{view.epoch}")
+        got = await coll.allgather(np.array([float(step), float(redo)]), members, tag=OpId(self.name, "sync", view.epoch).tag)
         steps = {n: int(a[0]) for n, a in zip(members, got, strict=True)}
         self.backward_from = backward_from(steps, any(a[1] for a in got))
         decision = sync_decision(steps)
@@ -316,8 +317,9 @@ class Regroup:
         buf = await self.snapshot() if me == donor else np.zeros(size, np.float32)
         if buf.size != size or buf.dtype != np.float32:
             raise ConfigError(f"{self.name}: state snapshot has {buf.size} {buf.dtype} values, expected {size} float32")
-        state = await coll.broadcast(buf, donor, members, tag=f"{self.name}.state.e{view.epoch}")
-        meta = await self._meta(donor, members, f"{self.name}.state.e{view.epoch}")
+        state_op = OpId(self.name, "state", view.epoch)
+        state = await coll.broadcast(buf, donor, members, tag=state_op.tag)
+        meta = await self._meta(donor, members, state_op.tag)
         self.synced = view.epoch
         if steps[me] >= top:
             log.info("node %d: gave/kept the state of step %d at view %d", me, top, view.epoch)
