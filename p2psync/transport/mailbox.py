@@ -217,8 +217,8 @@ class Mailbox:
         self._closed: BaseException | None = None
         #: tag -> callback that takes every message with exactly that tag (:meth:`subscribe`)
         self._subscribers: dict[str, Callable[[Message], None]] = {}
-        #: open scopes by the family of each root (None: a root without a dot)
-        self._scopes: dict[str | None, weakref.WeakSet[Scope]] = {}
+        #: open scopes (weakly) by the family of each root (None: a root without a dot)
+        self._scopes: dict[str | None, list[weakref.ref[Scope]]] = {}
 
     # -- counters ------------------------------------------------------------------------
 
@@ -530,25 +530,29 @@ class Mailbox:
         """Open a :class:`Scope` over the tags starting with any of ``roots``: the waits begun
         under them from now on are registered with it (see :class:`Scope`)."""
         sc = Scope(self, roots)
-        for root in roots:
-            self._scopes.setdefault(_family(root), weakref.WeakSet()).add(sc)
+        ref = weakref.ref(sc)
+        for fam in {_family(root) for root in roots}:
+            live = self._scopes.setdefault(fam, [])
+            live[:] = [r for r in live if r() is not None]  # forget dropped scopes
+            live.append(ref)
         return sc
 
     def _scopes_over(self, key: str) -> tuple[Scope, ...]:
         """The open scopes that cover a wait for ``key`` (a tag or a prefix)."""
-        found: list[Scope] = []
-        for fam in {_family(key), None}:
-            for sc in self._scopes.get(fam, ()):
-                if sc.covers(key) and sc not in found:
-                    found.append(sc)
-        return tuple(found)
+        found: tuple[Scope, ...] = ()
+        fam = _family(key)
+        for live in (self._scopes.get(fam, ()) if fam is not None else (), self._scopes.get(None, ())):
+            for ref in live:
+                sc = ref()
+                if sc is not None and key.startswith(sc.roots) and sc not in found:
+                    found += (sc,)
+        return found
 
     def _unregister(self, sc: Scope) -> None:
-        for root in sc.roots:
-            fam = _family(root)
+        for fam in {_family(root) for root in sc.roots}:
             live = self._scopes.get(fam)
             if live is not None:
-                live.discard(sc)
+                live[:] = [r for r in live if r() is not None and r() is not sc]
                 if not live:
                     del self._scopes[fam]
 
