@@ -15,8 +15,9 @@ its owner and nobody writes the cancel-and-reap loop by hand::
             await self._tasks.close()  # cancelled and awaited; a child's failure is raised
 
 A task set is a nursery: the first child that fails (an exception other than cancellation)
-cancels its siblings, and its error reaches the owner: passed to ``on_error`` at once, raised by
-:meth:`TaskSet.wait` and :meth:`TaskSet.close`, kept in :attr:`TaskSet.error`. Children that are
+cancels its siblings, and its error reaches the owner: passed to ``on_error`` at once (logged
+when there is none), raised by :meth:`TaskSet.wait` and :meth:`TaskSet.close`, kept in
+:attr:`TaskSet.error`. Children that are
 independent of each other (one per request, per peer, per reply) go into an ``isolated`` set
 instead: a failure there ends that child alone and is handed to ``on_error`` (logged when there
 is none); the set's other children, :meth:`TaskSet.wait` and :meth:`TaskSet.close` go on as if
@@ -101,6 +102,9 @@ class TaskSet:
             t.cancel()
         if self.on_error is not None:
             self.on_error(exc)
+        else:  # the owner hears of it at wait() or close(); the log tells it now
+            log.error("task %s of %s failed; its siblings are cancelled", task.get_name(),
+                      self.name or "a task set", exc_info=exc)
 
     def __len__(self) -> int:
         return len(self._tasks)

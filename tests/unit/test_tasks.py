@@ -167,6 +167,21 @@ async def test_an_isolated_childs_failure_is_its_own(caplog):
     await quiet.close()
 
 
+async def test_a_nursery_without_a_hook_logs_the_failure_at_once(caplog):
+    ts = TaskSet("loops")
+
+    async def fails() -> None:
+        raise OSError("loop crashed")
+
+    with caplog.at_level("ERROR", logger="p2psync.tasks"):
+        t = ts.spawn(fails(), name="heartbeats")
+        await asyncio.wait({t})
+        await asyncio.sleep(0)
+    assert any("heartbeats" in r.getMessage() and "loops" in r.getMessage() for r in caplog.records)
+    with pytest.raises(OSError):
+        await ts.close()
+
+
 async def test_a_cancelled_child_is_no_failure():
     ts = TaskSet("n")
     t = ts.spawn(asyncio.Event().wait())
