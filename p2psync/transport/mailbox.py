@@ -570,7 +570,7 @@ class Mailbox:
     def abort(self, exc: P2PSyncError, match: Callable[[str], bool] | None = None) -> int:
         """Fail every pending waiter (or those whose tag/prefix ``match``es) with ``exc``.
         Operations end through their :class:`Scope`; this is for the transport's own waits
-        (closing, one tag's receive) and the RPC client's calls."""
+        (closing, one tag's receive)."""
         hit = [w for dq in self._exact.values() for w in dq
                if match is None or match(w.exact or "")]
         hit += [w for w in self._prefix if match is None or match(w.prefix or "")]
