@@ -249,9 +249,10 @@ class DTS(Strategy):
             return
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         # the re-sync count keeps a window's tag unique when windows restart within one view
-        tag = OpId("dts.win", (self.resyncs, win.index), self.epoch).tag
+        op = OpId("dts.win", (self.resyncs, win.index), self.epoch)
+        tag = op.tag
         first, *more = self.state.payload_parts(win)
-        scope = self.ctx.transport.scope(f"{tag}.")
+        scope = self.ctx.transport.scope(op.root)
         coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,
                               more=more, feedback=("dts", "window"))
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")

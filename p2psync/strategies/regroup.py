@@ -195,6 +195,7 @@ class Regroup:
                     adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view,
                                                attempt)
                     if adopted is not None:
+                        attempt.close()
                         self._reformed(failed_at)
                         return Adopted(adopted)
                 out = None if op is None else await self._race(op(view), view, attempt)
