@@ -93,11 +93,11 @@ def p2psync_worker(rank: int, n: int, elems: int, algo: str, codec: str, port: i
         coll = Collectives(ep, timeout=120, codec=codec, algo=algo, piece_bytes=piece_kib << 10)
         x = np.random.default_rng(rank).standard_normal(elems).astype(np.float32)
         await coll.allreduce(np.zeros(1, np.float32), tag="b.0")  # barrier: everyone connected
-        await coll.allreduce(x, tag="x.warm")  # warm-up
+        await coll.allreduce(x, tag="x.warm", feedback="x")  # warm-up
         await coll.allreduce(np.zeros(1, np.float32), tag="b.1")
         t0, c0 = time.perf_counter(), cpu_seconds()
         for r in range(reps):
-            await coll.allreduce(x, tag=f"x.{r}")
+            await coll.allreduce(x, tag=f"x.{r}", feedback="x")
         q.put((rank, (time.perf_counter() - t0) / reps, (cpu_seconds() - c0) / reps))
         await coll.allreduce(np.zeros(1, np.float32), tag="b.2")  # nobody leaves early
         await ep.close()

@@ -12,7 +12,16 @@ its owner and nobody writes the cancel-and-reap loop by hand::
             self._tasks.spawn(self._serve(), name="serve")
 
         async def close(self) -> None:
-            await self._tasks.close()  # cancelled, awaited, their outcomes consumed
+            await self._tasks.close()  # cancelled and awaited; a child's failure is raised
+
+A task set is a nursery: the first child that fails (an exception other than cancellation)
+cancels its siblings, and its error reaches the owner: passed to ``on_error`` at once (logged
+when there is none), raised by :meth:`TaskSet.wait` and :meth:`TaskSet.close`, kept in
+:attr:`TaskSet.error`. Children that are
+independent of each other (one per request, per peer, per reply) go into an ``isolated`` set
+instead: a failure there ends that child alone and is handed to ``on_error`` (logged when there
+is none); the set's other children, :meth:`TaskSet.wait` and :meth:`TaskSet.close` go on as if
+it had returned.
 
 :func:`gather_or_cancel` runs awaitables together and cancels the rest when one fails;
 :func:`wait_or_event` waits for a future or an event, whichever comes first.
@@ -21,9 +30,15 @@ its owner and nobody writes the cancel-and-reap loop by hand::
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Coroutine, Iterable, Iterator, TypeVar
+import logging
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: ``on_error(exc)``: told of a child's failure as it happens (on the event loop; must not raise)
+ErrorHook = Callable[[BaseException], None]
 
 
 async def cancel_all(tasks: Iterable[asyncio.Future[Any] | None]) -> None:
@@ -41,26 +56,57 @@ class TaskSet:
     """The tasks one component owns: :meth:`spawn` starts one (a finished one is dropped at
     once), :meth:`close` cancels and reaps every one still running. After :meth:`close`, a
     spawned coroutine is cancelled before it runs (a callback firing during shutdown cannot
-    leave an orphan)."""
+    leave an orphan).
 
-    def __init__(self, name: str = "") -> None:
+    Failures (see the module docstring): by default the set is a nursery, whose first failed
+    child cancels the others and every later spawn, and is raised by :meth:`wait` and
+    :meth:`close`; with ``isolated`` each child fails alone. Either way ``on_error`` hears of
+    a failure when it happens, and no failure goes unretrieved."""
+
+    def __init__(self, name: str = "", *, isolated: bool = False, on_error: ErrorHook | None = None) -> None:
         self.name = name
+        self.isolated = isolated
+        self.on_error = on_error
         #: insertion-ordered (a dict, not a set): closing cancels in the order tasks were
         #: spawned, the same in every run (a set of tasks iterates in memory-address order)
         self._tasks: dict[asyncio.Task[Any], None] = {}
         self._closed = False
+        #: the first child failure (nursery sets only; None while every child is fine)
+        self.error: BaseException | None = None
 
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.Task[T]:
-        """Start ``coro`` as a task of this set (call on the event loop)."""
+        """Start ``coro`` as a task of this set (call on the event loop). Once the set is
+        closed, or a nursery set has failed, the task is cancelled before it runs."""
         task = asyncio.get_running_loop().create_task(coro, name=name or self.name or None)
         self._tasks[task] = None
-        task.add_done_callback(self._discard)
-        if self._closed:
+        task.add_done_callback(self._ended)
+        if self._closed or self.error is not None:
             task.cancel()
         return task
 
-    def _discard(self, task: asyncio.Task[Any]) -> None:
+    def _ended(self, task: asyncio.Task[Any]) -> None:
         self._tasks.pop(task, None)
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved here: never "exception was never retrieved"
+        if exc is None:
+            return
+        if self.isolated:
+            if self.on_error is not None:
+                self.on_error(exc)
+            else:
+                log.error("task %s of %s failed", task.get_name(), self.name or "a task set", exc_info=exc)
+            return
+        if self.error is not None:  # a sibling failed first (or failed while being cancelled)
+            return
+        self.error = exc
+        for t in self._tasks:
+            t.cancel()
+        if self.on_error is not None:
+            self.on_error(exc)
+        else:  # the owner hears of it at wait() or close(); the log tells it now
+            log.error("task %s of %s failed; its siblings are cancelled", task.get_name(),
+                      self.name or "a task set", exc_info=exc)
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -73,20 +119,28 @@ class TaskSet:
         """:meth:`close` was called: tasks spawned from now on are cancelled at once."""
         return self._closed
 
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
     async def wait(self, timeout: float | None = None) -> None:
         """Wait (at most ``timeout`` seconds) until every task now running has ended, without
-        cancelling any (e.g. replies still being computed get a grace period)."""
+        cancelling any (e.g. replies still being computed get a grace period). A nursery
+        set's child failure is raised."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
+        self._raise()
 
     async def close(self, grace: float | None = None) -> None:
         """Give the running tasks ``grace`` seconds to end (None: none), then cancel and reap
-        them; spawning afterwards starts nothing. Safe to call more than once."""
+        them; spawning afterwards starts nothing. Raises a nursery set's child failure, after
+        every task has ended. Safe to call more than once (each call raises it)."""
         self._closed = True
-        if grace:
-            await self.wait(grace)
+        if grace and self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace)
         while live := [t for t in self._tasks if not t.done()]:  # one may spawn as it unwinds
             await cancel_all(live)
+        self._raise()
 
 
 async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:

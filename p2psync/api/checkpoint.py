@@ -123,11 +123,17 @@ def restore_rng(state: Mapping[str, Any], device: torch.device | None = None) ->
 # -- error feedback residuals ------------------------------------------------------------------
 
 def feedback_state(fb: ErrorFeedback | None) -> dict[str, torch.Tensor]:
-    """The residuals of an :class:`ErrorFeedback`, keys as JSON text (they are tuples)."""
+    """The residuals of an :class:`ErrorFeedback`, keys as JSON text (tuples, possibly nested:
+    the collectives' keys hold their callers' keys, become lists; :func:`load_feedback` turns
+    them back)."""
     if fb is None:
         return {}
-    return {json.dumps(list(k) if isinstance(k, tuple) else k): torch.from_numpy(v.copy())
-            for k, v in fb.residual.items()}
+    return {json.dumps(k): torch.from_numpy(v.copy()) for k, v in fb.residual.items()}
+
+
+def _key(raw: Any) -> Any:
+    """A residual key read back from JSON: lists, at any depth, are tuples again."""
+    return tuple(_key(x) for x in raw) if isinstance(raw, list) else raw
 
 
 def feedback_states(feedback: tuple[ErrorFeedback | None, ErrorFeedback | None]) -> dict[str, Any]:
@@ -140,8 +146,7 @@ def load_feedback(fb: ErrorFeedback | None, state: Mapping[str, Any]) -> None:
     if fb is None:
         return
     for k, v in state.items():
-        key = json.loads(k)
-        fb.residual[tuple(key) if isinstance(key, list) else key] = v.numpy().copy()
+        fb.residual[_key(json.loads(k))] = v.numpy().copy()
 
 
 

@@ -58,6 +58,7 @@ from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
 from p2psync.api.session_state import SessionState
 from p2psync.api.start import identical_start
+from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, TrainingEnded, TrainingError
 from p2psync.files import write_text_or_warn
@@ -518,7 +519,7 @@ class Session(SessionState):
         ctx = strategy.ctx
         digests = await self.replica.digests(buffers=self.cfg.buffers != "local")
         try:
-            await audit_replicas(self.runtime.collectives, digests, tag=f"audit.{label}.e{ctx.epoch}",
+            await audit_replicas(self.runtime.collectives, digests, tag=OpId("audit", label, ctx.epoch).tag,
                                  group=ctx.group, step=self.step)
         except ReplicaMismatch:
             raise

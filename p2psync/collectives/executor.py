@@ -32,7 +32,10 @@ ConfigError. For any other lossy codec the result is kept identical on every nod
 owner of a fully reduced piece replaces its own copy by decode(encode(piece)) and the encoded
 bytes are then forwarded unchanged during the allgather, so everyone decodes the same bytes.
 With error feedback the part of a contribution a codec failed to send is added to this node's
-next contribution to the same piece (reduce-scatter sends and owner quantization alike).
+next contribution to the same piece (reduce-scatter sends and owner quantization alike). The
+caller names the tensor whose residuals these are: ``feedback=`` a key that is the same on
+every operation that sends the same tensor (``("ssgd", "grad")``), whatever its tags; an
+operation without a key applies and keeps no residual.
 
 The caller's tensor is never written: the result is a new tensor. Most operations work on a
 copy of it. A lossless allreduce sum or mean of a host tensor that needs no conversion (numpy
@@ -88,13 +91,13 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Any, Hashable, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
 from p2psync import clock
 from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
-from p2psync.collectives.piece_run import OpStats, PieceCheck, Run, feedback_family
+from p2psync.collectives.piece_run import OpStats, PieceCheck, Run
 from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
 from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
@@ -146,19 +149,23 @@ class Collectives:
 
     async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                         op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
-                        algo: str | None = None, codec: str | None = None) -> Any:
+                        algo: str | None = None, codec: str | None = None,
+                        feedback: Hashable | None = None) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
         codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`.
+        ``feedback``: the key of this tensor's error-feedback state under a lossy codec (see the
+        module docstring; None: none is applied or kept).
         :meth:`allreduce_with_stats` also returns the operation's :class:`OpStats`.
         ``tensor`` is not written, and must not change until this returns (a lossless sum or
         mean reads it as the operation goes; see the module docstring)."""
         result, _ = await self.allreduce_with_stats(tensor, group, tag=tag, op=op, weights=weights, algo=algo,
-                                                    codec=codec)
+                                                    codec=codec, feedback=feedback)
         return result
 
     async def allreduce_with_stats(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                                    op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
-                                   algo: str | None = None, codec: str | None = None) -> tuple[Any, OpStats]:
+                                   algo: str | None = None, codec: str | None = None,
+                                   feedback: Hashable | None = None) -> tuple[Any, OpStats]:
         """:meth:`allreduce` and the stats of this very operation (bytes per NIC, compression,
         seconds), without looking them up in :attr:`history` by tag."""
         if op not in get_args(ReduceOp):
@@ -181,10 +188,11 @@ class Collectives:
         if isinstance(c, TopK):
             _check_tag(tag)
             stats = OpStats(f"allreduce:{op}", "topk", c.spec, tag)
-            out = await sparse_allreduce(self, buf, g, c, stats=stats, family=feedback_family(tag), algo=algo)
+            out = await sparse_allreduce(self, buf, g, c, stats=stats, feedback=feedback, algo=algo)
             return back(out / out.dtype.type(len(g)) if op == "mean" else out), stats
         plan = self._plan(g, buf, algo)
-        stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"), src=src)
+        stats = await self._execute(f"allreduce:{op}", plan, buf, tag, codec, phases=("rs", "ag"), src=src,
+                                    feedback=feedback)
         if not await sends_done(lambda: refs(buf) == alone, buf.nbytes):
             # ZeroMQ may still be reading the last pieces: never touch ``buf``
             return back(buf / buf.dtype.type(len(g)) if op == "mean" else buf.copy()), stats
@@ -193,10 +201,10 @@ class Collectives:
         return back(buf), stats
 
     async def reduce_scatter(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
-                             algo: str | None = None,
-                             codec: str | None = None) -> dict[tuple[int, int], np.ndarray]:
+                             algo: str | None = None, codec: str | None = None,
+                             feedback: Hashable | None = None) -> dict[tuple[int, int], np.ndarray]:
         """Sum over ``group``; returns this node's fully reduced element ranges {(lo, hi): values}
-        (numpy, in the input's dtype)."""
+        (numpy, in the input's dtype). ``feedback``: as for :meth:`allreduce`."""
         g = self._group(group)
         if isinstance(get_codec(codec or self.codec), TopK):
             raise ConfigError("codec topk supports allreduce only (a reduce-scatter would re-sparsify partial "
@@ -204,7 +212,7 @@ class Collectives:
         dtype = np.dtype(tensor.dtype) if isinstance(tensor, np.ndarray) else None
         buf, _ = to_numpy(tensor)
         plan = self._plan(g, buf, algo)
-        await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",))
+        await self._execute("reduce_scatter", plan, buf, tag, codec, phases=("rs",), feedback=feedback)
         bounds = self._bounds(buf, len(g))
         return {(int(bounds[lo]), int(bounds[hi])): buf[bounds[lo]:bounds[hi]].astype(dtype or buf.dtype)
                 for lo, hi in plan.owner[self.transport.node_id]}
@@ -318,7 +326,7 @@ class Collectives:
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
                        *, phases: tuple[str, ...], bounds: np.ndarray | None = None,
                        record: bool = True, check: PieceCheck | None = None,
-                       src: np.ndarray | None = None) -> OpStats:
+                       src: np.ndarray | None = None, feedback: Hashable | None = None) -> OpStats:
         """Run ``plan`` on ``buf``. ``src``: ``buf`` is not filled yet, this node's values are
         there (read only; lossless codecs): each piece is read from it until the first piece
         that arrives for it is added to it (or replaces it) into ``buf``, or until this node
@@ -336,7 +344,7 @@ class Collectives:
             sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
                                    len(bounds))).encode())
             sched = self._schedule(plan, phases, len(bounds) - 1, Run.fuses(c, check))
-            run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src)
+            run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src, feedback)
             try:
                 await run.execute(c.lossy and "ag" in phases)
             except PeerFailure as exc:  # relays that died meanwhile may have cut the group apart
@@ -352,4 +360,4 @@ class Collectives:
         return stats
 
 
-__all__ = ["Collectives", "OpStats", "PieceCheck", "ReduceOp", "feedback_family"]
+__all__ = ["Collectives", "OpStats", "PieceCheck", "ReduceOp"]

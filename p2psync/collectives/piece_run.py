@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, cast
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, cast
 
 import numpy as np
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
 #: ``check(lo, hi, piece, src)``: validates a received piece (buffer elements ``lo:hi``) that
 #: neighbour ``src`` delivered, before it is used or passed on; raises to reject it
 PieceCheck = Callable[[int, int, np.ndarray, int], None]
-
-_STEP_PART = re.compile(r"\.e?[0-9]+(?=\.|$)")  # step numbers and view epochs (".e3")
 
 
 @dataclass
@@ -50,14 +47,6 @@ class OpStats:
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
-def feedback_family(tag: str) -> str:
-    """The tensor a tag names, without its step numbers and view epochs (``"ssgd.12.e3"`` ->
-    ``"ssgd"``): error feedback residuals carry over between steps of the same tensor (also
-    across view changes, where a piece that changed shape starts afresh), never between
-    tensors."""
-    return _STEP_PART.sub("", tag) or tag
-
-
 async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
     """Await them all as tasks; if one fails, cancel the others and wait for them to end
     before raising, so none goes on alone (a send still to compute its Fill from a piece
@@ -77,9 +66,10 @@ class Run:
 
     def __init__(self, owner: Collectives, sched: Schedule, buf: np.ndarray, bounds: np.ndarray,
                  codec: Codec, tag: str, stats: OpStats, sig: int, check: PieceCheck | None = None,
-                 src: np.ndarray | None = None) -> None:
+                 src: np.ndarray | None = None, feedback: Hashable | None = None) -> None:
         """``sched``: this node's steps of the plan (:func:`~p2psync.collectives.schedule.schedule`,
-        computed with ``fused=Run.fuses(codec, check)``)."""
+        computed with ``fused=Run.fuses(codec, check)``). ``feedback``: the caller's key of the
+        error-feedback state of this tensor (None: no residual is applied or kept)."""
         self.owner = owner
         self.me = owner.transport.node_id
         self.sched = sched
@@ -91,8 +81,8 @@ class Run:
         self.sig = sig
         self.meta = {"sig": sig}
         self.cache: dict[int, list[np.ndarray]] = {}
-        self.fb = owner.feedback if codec.lossy else None
-        self.family = feedback_family(tag) if codec.lossy else tag  # (only error feedback reads it)
+        self.fb = owner.feedback if codec.lossy and feedback is not None else None
+        self.fbkey = feedback
         self.check = check
         #: pieces whose current values are known finite: copied from a received piece (the
         #: transport rejects non-finite ones on arrival) or checked here since the last add;
@@ -161,7 +151,7 @@ class Run:
 
     def seal(self, k: int) -> None:
         """The owner quantizes a fully reduced piece once; those bytes are what everyone gets."""
-        enc = self._encode(k, ("own", self.family, self.buf.size, k))
+        enc = self._encode(k, ("own", self.fbkey, self.buf.size, k))
         self.cache[k] = enc
         self.piece(k)[...] = self.codec.decode(enc, self.piece(k).size)
 
@@ -250,7 +240,7 @@ class Run:
                     elif not t.reduce and k in self.cache:
                         arrays = self.cache[k]
                     else:
-                        arrays = self._encode(k, ("rs", self.family, self.buf.size, k))
+                        arrays = self._encode(k, ("rs", self.fbkey, self.buf.size, k))
                     nbytes = sum(a.nbytes for a in arrays)
                     self.stats.wire_bytes += nbytes
                     self.stats.raw_bytes += self.piece(k).nbytes
@@ -302,4 +292,4 @@ class Run:
             self.seal(k)
 
 
-__all__ = ["OpStats", "PieceCheck", "Run", "feedback_family"]
+__all__ = ["OpStats", "PieceCheck", "Run"]

@@ -8,11 +8,13 @@ sparsifies each node's own contribution once and exchanges the sparse vectors; t
 does that:
 
 1. x = this node's contribution (already multiplied by its weight for ``op="weighted"``) plus
-   its error-feedback residual for the tensor (keyed by ``feedback_family(tag)`` and the
-   tensor's size, so ``ssgd.12`` and ``ssgd.13`` share one residual and two tensors never do);
+   its error-feedback residual for the tensor (keyed by the caller's ``feedback`` key and the
+   tensor's size, so the steps of one tensor share one residual and two tensors never do;
+   without a key, what is not sent is dropped);
 2. keep its k = ceil(f * n) largest-magnitude entries (:func:`~p2psync.compress.topk.select_topk`;
    k is the same on every node since n and f are); the rest, x - sparse(x), becomes the new
-   residual. ``topk`` always uses error feedback, whatever ``error_feedback`` says;
+   residual. ``topk`` uses error feedback whenever the caller gives a key, whatever
+   ``error_feedback`` says;
 3. allgather (indices, values) with :meth:`Collectives.allgather <p2psync.collectives.Collectives.allgather>`
    (exact, over the topology's plans): k * 8 bytes per node (int32 indices + float32 values;
    int64 indices for n >= 2**31), packed into one array of 32-bit words (:func:`pack`: the
@@ -52,7 +54,7 @@ the dense allreduce. A dense fallback records the dense operation's stats (codec
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 
@@ -142,7 +144,7 @@ async def gather_sum(coll: Collectives, idx: np.ndarray, vals: np.ndarray, g: tu
 
 
 async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...], codec: TopK, *,
-                           stats: OpStats, family: str, algo: str | None) -> np.ndarray:
+                           stats: OpStats, feedback: Hashable | None, algo: str | None) -> np.ndarray:
     """The sum over ``g`` of every member's sparsified ``buf`` (error-feedback compensated),
     as a fresh float32 array; see the module docstring. ``buf`` is this node's private copy."""
     if buf.dtype != np.float32:
@@ -150,8 +152,8 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     t0 = clock.now()
     n = buf.size
     k = codec.k(n)
-    key = ("topk", family, n)
-    r = coll.sparse_feedback.residual.get(key)
+    key = ("topk", feedback, n)
+    r = coll.sparse_feedback.residual.get(key) if feedback is not None else None
     x = buf + r if r is not None and r.shape == buf.shape else buf
     if not all_finite(x):  # packed as words, the transport's own check would not see it
         raise Diverged(f"node {coll.transport.node_id}'s contribution to {stats.tag!r} holds NaN or infinity (not sent)")
@@ -165,7 +167,8 @@ async def sparse_allreduce(coll: Collectives, buf: np.ndarray, g: tuple[int, ...
     else:
         idx, vals = _split(codec, x)
     out, gst = await gather_sum(coll, idx, vals, g, n, stats.tag)
-    coll.sparse_feedback.residual[key] = x  # committed only now that the exchange succeeded
+    if feedback is not None:
+        coll.sparse_feedback.residual[key] = x  # committed only now that the exchange succeeded
     stats.algo = f"topk/{gst.algo}"
     stats.wire_bytes = gst.wire_bytes
     stats.nic_bytes = dict(gst.nic_bytes)

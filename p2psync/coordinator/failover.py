@@ -143,8 +143,8 @@ class CoordinatorHost:
         self.service: MembershipService | None = None
         #: services started here and closed since (a newer view deposed this node)
         self._retired: list[MembershipService] = []
-        #: deposed services still closing
-        self._closing = TaskSet("close-deposed-service")
+        #: deposed services still closing (each on its own: one that fails to close is logged)
+        self._closing = TaskSet("close-deposed-service", isolated=True)
         self._services_registered = False
         self.took_over_at: float | None = None
         #: the election this node runs as the successor (at most one at a time)

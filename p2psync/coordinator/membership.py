@@ -376,8 +376,11 @@ class MembershipService:
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
         self._changed = asyncio.Event()
-        #: the failure monitor and the view pushes (``event.view``) in flight
+        #: the failure monitor
         self._tasks = TaskSet("membership-service")
+        #: the view pushes (``event.view``) in flight: one per peer, each on its own (the next
+        #: heartbeat reply carries the view anyway), so they fail alone, logged
+        self._tells = TaskSet("view-push", isolated=True)
         self._t0 = clock.now()
         #: when the rendezvous completed (this node's clock); a rebuilt service is given it
         self.run_started: float | None = None
@@ -398,7 +401,9 @@ class MembershipService:
             self._publish(self.state.view())
 
     async def close(self) -> None:
-        """Cancel the failure monitor and the view pushes in flight (``CoordinatorHost.close``)."""
+        """Cancel the view pushes in flight and the failure monitor (``CoordinatorHost.close``);
+        raises the monitor's failure, if it failed."""
+        await self._tells.close()
         await self._tasks.close()
 
     def _notify(self) -> None:
@@ -582,7 +587,7 @@ class MembershipService:
         coordinator's own client learns it from its (local) heartbeat reply."""
         for peer in view.members:
             if peer not in (self.transport.node_id, skip):
-                self._tasks.spawn(self._tell(peer, view), name=f"view-to-{peer}")
+                self._tells.spawn(self._tell(peer, view), name=f"view-to-{peer}")
 
     async def _tell(self, peer: int, view: View, *, excluded: str | None = None) -> None:
         meta = view.to_wire()

@@ -100,8 +100,9 @@ class MembershipClient:
         self.fingerprint = ""
         #: the heartbeat loop and the view listener (started by :meth:`start`)
         self._tasks = TaskSet("membership-client")
-        #: heartbeats in flight (pipelined, at most MAX_HEARTBEATS_IN_FLIGHT)
-        self._beats = TaskSet("heartbeat")
+        #: heartbeats and probes in flight (pipelined, at most MAX_HEARTBEATS_IN_FLIGHT): each
+        #: is on its own (the next one replaces a failed one), so they fail alone, logged
+        self._beats = TaskSet("heartbeat", isolated=True)
         self._started = False
         self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
         self.info: dict[str, Any] = {}

@@ -47,6 +47,8 @@ log = logging.getLogger("p2psync.rpc")
 Handler = Callable[[int, Mapping[str, Any], Sequence[np.ndarray]], Awaitable[Any]]
 
 CALL_TAG = "rpc.call"
+#: the tag of the reply to call ``<id>``: ``REPLY_PREFIX + str(id)``
+REPLY_PREFIX = "rpc.ret."
 #: finished requests whose replies are kept for duplicates
 REPLY_CACHE = 1024
 #: requests of one caller handled at once; more from that caller are dropped and counted
@@ -69,7 +71,7 @@ class RpcServer:
         self.transport = transport
         self.handlers: dict[str, Handler] = {}
         #: requests being handled (each in its own task: handlers may wait)
-        self._inflight = TaskSet(f"rpc-request-{transport.node_id}")
+        self._inflight = TaskSet(f"rpc-request-{transport.node_id}", isolated=True)  # a request fails alone
         self._started = False
         self.bad_requests = 0
         self.duplicates = 0
@@ -160,7 +162,7 @@ class RpcServer:
 
     async def _reply(self, dst: int, rid: int, reply: dict[str, Any]) -> None:
         try:
-            await self.transport.send(dst, f"rpc.ret.{rid}", kind="reply", meta=reply, timeout=10.0)
+            await self.transport.send(dst, f"{REPLY_PREFIX}{rid}", kind="reply", meta=reply, timeout=10.0)
         except P2PSyncError as exc:
             log.info("node %d: could not reply to node %d: %s", self.transport.node_id, dst, exc)
 
@@ -204,14 +206,15 @@ class RpcClient:
         self.retries = 0
         self._calls: dict[str, int] = {}  # reply tag of a remote call in flight -> destination
         self._aborted: dict[str, P2PSyncError] = {}  # reply tag -> why its call was aborted
+        #: the reply waits of the calls in flight, each labelled with the node called
+        self._replies = transport.scope(REPLY_PREFIX)
 
     def abort_calls(self, node: int, exc: P2PSyncError) -> int:
         """Fail every remote call in flight to ``node`` with ``exc`` at once (its coordinator
         role moved or it was declared dead: waiting for its replies is pointless)."""
-        tags = {t for t, n in self._calls.items() if n == node}
-        for t in tags:  # a call between two attempts (sending, or about to resend) sees it too
-            self._aborted[t] = exc
-        return self.transport.mailbox.abort(exc, match=lambda tag: tag in tags) if tags else 0
+        for t in [t for t, n in self._calls.items() if n == node]:
+            self._aborted[t] = exc  # a call between two attempts (sending, or about to resend) sees it too
+        return self._replies.abort(exc, peer=node)
 
     def _check_abort(self, tag: str, node: int, to_dead: bool = False) -> None:
         """Raise when the call was aborted (:meth:`abort_calls`) or its node declared dead
@@ -254,7 +257,7 @@ class RpcClient:
         rto = est.rto()
         first = self._path.get(node, 0)
         meta = {"id": rid, "method": method, "args": args}
-        tag = f"rpc.ret.{rid}"
+        tag = f"{REPLY_PREFIX}{rid}"
         self._calls[tag] = node
         try:
             attempt = 0
@@ -271,7 +274,7 @@ class RpcClient:
                 self._check_abort(tag, node, to_dead)
                 wait = min(rto, deadline - loop.time())
                 try:
-                    rep = await self.transport.recv(tag, timeout=max(0.0, wait))
+                    rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
                     break
                 except PeerTimeout:
                     if loop.time() >= deadline:
@@ -285,7 +288,7 @@ class RpcClient:
                 else:
                     rto = min(est.max_rto, rto * 2)
         except BaseException:
-            self.transport.mailbox.retire(tag, exact=True)  # a late reply is dropped on arrival
+            self.transport.retire(tag)  # a late reply is dropped on arrival
             raise
         finally:
             self._calls.pop(tag, None)
@@ -293,7 +296,7 @@ class RpcClient:
         if attempt == 0 and measure:
             est.sample(loop.time() - sent_at)
         elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival
-            self.transport.mailbox.retire(tag, exact=True)
+            self.transport.retire(tag)
         self._path[node] = first + attempt
         if "err" in rep.meta:
             err = rep.meta["err"]

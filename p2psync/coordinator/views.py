@@ -44,7 +44,7 @@ class View:
     """One membership view: the training group (``members``) of one ``epoch``, published by the
     coordinator on every change. Strategies get each newer one in ``Strategy.on_view`` and the
     current one as ``ctx.view``; e.g. ssgd.py tags its allreduce with it:
-    ``tag=f"ssgd.{step}.e{v.epoch}", group=v.members``."""
+    ``tag = OpId("ssgd", step, v.epoch).tag`` (``"ssgd.<step>.e<epoch>"``), ``group=v.members``."""
 
     epoch: int
     members: tuple[int, ...]

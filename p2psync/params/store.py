@@ -171,6 +171,10 @@ class ParamStore:
         self.pulled_versions = {o: 0 for o in self.bounds}
         #: every member's ``clock`` at the last re-shard (members that held state only)
         self.clocks: dict[int, tuple[int, ...]] = {}
+        #: a re-shard's allreduces, and every client wait (acknowledgements, a pull's shard
+        #: pieces, a re-shard's allreduces)
+        self._reshard = transport.scope(f"{name}.rs")
+        self._waits = transport.scope(*(f"{name}.{k}" for k in ("ack.", "shard.", "rs")))
         rpc_server.register(f"{name}.pull", self._serve_pull)
 
     def _shard(self, w: np.ndarray, state: np.ndarray | None = None) -> ShardOptimizer:
@@ -219,13 +223,12 @@ class ParamStore:
     def abort_reshard(self, exc: P2PSyncError) -> int:
         """Fail the allreduces of a re-shard under way with ``exc`` now (a newer view supersedes
         its member list); :meth:`reshard` raises it and may be called again over the newer view."""
-        return self.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.rs"))
+        return self._reshard.abort(exc)
 
     def abort_waits(self, exc: P2PSyncError) -> int:
         """Fail this store's pending client waits (acknowledgements, shard pieces of a pull,
         a re-shard's allreduces) with ``exc`` now; its serving loops keep running."""
-        waits = tuple(f"{self.name}.{k}" for k in ("ack.", "shard.", "rs"))
-        return self.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(waits))
+        return self._waits.abort(exc)
 
     # -- sending tensors over direct links ------------------------------------------------
 
@@ -290,7 +293,7 @@ class ParamStore:
                 raise
         finally:
             await cancel_all(s for _, s in sends)  # done ones are left as they are
-            self.transport.mailbox.retire(ack, exact=True)
+            self.transport.retire(ack)
         st.seconds = loop.time() - t0
         return st
 
@@ -441,7 +444,7 @@ class ParamStore:
             raise PeerFailure(f"{self.name}: pull of shard [{lo}, {hi}) from node {owner} failed: {exc}",
                               peers=(owner,)) from exc
         finally:
-            self.transport.mailbox.retire(tag, exact=True)
+            self.transport.retire(tag)
 
     async def _serve_pull(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         tag, e, barrier = args.get("tag"), args.get("e"), args.get("b")

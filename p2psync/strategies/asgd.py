@@ -78,8 +78,9 @@ class ASGD(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._rx = TaskSet("asgd-receive")
-        #: gradient sends in flight (a step waits while there are more than max_inflight)
-        self._sends = TaskSet("asgd-send")
+        #: gradient sends in flight (a step waits while there are more than max_inflight); each
+        #: fails alone (a dropped send is counted by the send itself)
+        self._sends = TaskSet("asgd-send", isolated=True)
 
     async def start(self) -> None:
         self.alive = set(self.ctx.topology.ids)

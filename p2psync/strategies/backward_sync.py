@@ -37,7 +37,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpStats
+from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import StrategyContext
@@ -123,9 +123,9 @@ class _Armed:
     comm_s: float = 0.0
     stats: list[OpStats] = field(default_factory=list)
 
-    @property
-    def tag(self) -> str:
-        return f"{self.step}.e{self.view.epoch}"
+    def op(self, name: str) -> OpId:
+        """The step's operation of the strategy ``name``."""
+        return OpId(name, self.step, self.view.epoch)
 
 
 class _Pass:
@@ -219,7 +219,7 @@ class BackwardAverager:
         bufs: asyncio.Task[Buffers | None] | None = None
         if buffers is not None:
             bufs = asyncio.ensure_future(exchange_buffers(
-                self.ctx.collectives, buffers, self.buffer_mode, tag=f"{self.name}.{armed.tag}.p{p.k}",
+                self.ctx.collectives, buffers, self.buffer_mode, tag=armed.op(self.name).sub(f"p{p.k}"),
                 group=armed.view.members))
             p.extra.append(bufs)
         tasks: list[asyncio.Future[Any]] = [*p.started.values(), *p.extra]
@@ -257,7 +257,7 @@ class BackwardAverager:
         self._local = False
         self.failed_at = None
         one = np.array([1.0 if want_stop else 0.0], dtype=np.float32)
-        tag = f"{self.name}.{step}.e{view.epoch}.bflag"
+        tag = OpId(self.name, step, view.epoch).sub("bflag")
         flag = asyncio.ensure_future(self.ctx.collectives.allreduce(one, view.members, op="sum", tag=tag,
                                                                     codec="none"))
         self._armed = _Armed(step=step, view=view, flag=flag)
@@ -352,7 +352,8 @@ class BackwardAverager:
         lo, hi = self.buckets[j]
         part = p.flat[self.offsets[lo]:self.offsets[hi]]
         p.started[j] = asyncio.ensure_future(self.ctx.collectives.allreduce_with_stats(
-            part, armed.view.members, op="mean", tag=f"{self.name}.{armed.tag}.p{p.k}.b{j}"))
+            part, armed.view.members, op="mean", tag=armed.op(self.name).sub(f"p{p.k}.b{j}"),
+            feedback=(self.name, "bucket", p.k, j)))
 
     async def _wait_armed(self, p: _Pass) -> bool:
         """Wait (bounded) until a step is armed and ``p`` is bound to it."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Hashable, Literal, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -418,20 +418,23 @@ def parse_options(cls: type[Strategy], raw: Mapping[str, Any], *,
 
 class FailStop:
     """For synchronous strategies: a failed peer ends the run with PeerFailure naming it, and
-    the receives of the strategy's pending collective (tags starting with ``prefix``) are
-    aborted at once instead of waiting for their timeout."""
+    the receives of the strategy's pending collectives (its operations' scope: the tags
+    starting with ``prefix``, opened with this object) fail at once instead of waiting for
+    their timeout."""
 
     def __init__(self, ctx: StrategyContext, name: str, prefix: str) -> None:
         self.ctx = ctx
         self.name = name
-        self.prefix = prefix
+        #: the strategy's operations: every receive under ``prefix``
+        self.scope = ctx.transport.scope(prefix)
         self.failed: set[int] = set()
 
     def on_peer_failure(self, peer: int) -> None:
-        """Remember ``peer`` and abort the pending receives under ``prefix`` with PeerFailure.
-        Called from the owning strategy's own ``on_peer_failure`` (dts.py, regroup.py)."""
+        """Remember ``peer`` and fail the pending receives of the strategy's scope with
+        PeerFailure. Called from the owning strategy's own ``on_peer_failure`` (dts.py,
+        regroup.py)."""
         self.failed.add(peer)
-        self.ctx.transport.mailbox.abort(self._error((peer,)), match=lambda tag: tag.startswith(self.prefix))
+        self.scope.abort(self._error((peer,)))
 
     def _error(self, peers: tuple[int, ...]) -> PeerFailure:
         departed = [p for p in peers if p in self.ctx.membership.departed]
@@ -449,11 +452,14 @@ class FailStop:
             raise self._error(tuple(sorted(self.failed)))
 
 
-async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag: str,
+async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag: str, feedback: Hashable,
                          group: Sequence[int] | None = None,
                          more: Sequence[np.ndarray] = ()) -> tuple[np.ndarray, bool, OpStats]:
     """The mean of ``vec`` over ``group`` (default every node; through the run's codec, which may be lossy) and
     whether any node raised ``flag``, plus the stats of the vector's allreduce.
+
+    ``feedback``: the error-feedback key of ``vec`` (the same at every step of the strategy);
+    ``more[k]`` is keyed ``(feedback, "m", k)``.
 
     ``more``: further tensors averaged by their own allreduces (``<tag>.m<k>``: a lossy codec
     with error feedback then selects within each tensor); their means are appended to the
@@ -466,9 +472,10 @@ async def mean_and_agree(coll: Collectives, vec: np.ndarray, flag: bool, *, tag:
     """
     one = np.array([1.0 if flag else 0.0], dtype=np.float32)
     (mean, stats), flags, *others = await gather_or_cancel([
-        coll.allreduce_with_stats(vec, group, op="mean", tag=tag),
+        coll.allreduce_with_stats(vec, group, op="mean", tag=tag, feedback=feedback),
         coll.allreduce(one, group, op="sum", tag=f"{tag}.flag", codec="none"),
-        *(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}") for k, x in enumerate(more))])
+        *(coll.allreduce(x, group, op="mean", tag=f"{tag}.m{k}", feedback=(feedback, "m", k))
+          for k, x in enumerate(more))])
     if others:
         mean = np.concatenate([mean, *others])
     return mean, bool(flags[0] > 0), stats

@@ -462,7 +462,7 @@ class Canary(Strategy):
                 log.warning("node %d: canary overtime: no model from node %d: %s", me, n, exc)
                 continue
             finally:
-                self.ctx.transport.mailbox.retire(tag, exact=True)
+                self.ctx.transport.retire(tag)
             await self.ctx.replica.set_params(np.array(vec, copy=True))
             self.gei.see(it, n)
             log.info("node %d: canary overtime at iteration %d (ζ %d): took node %d's model (its iteration %d)",

@@ -146,12 +146,15 @@ class Exchange:
         self.stats = ExchangeStats()
         self.uid = next(_UIDS)
         self._seq = itertools.count(1)
-        #: the push listener (native mode) and the replies being sent
-        self._tasks = TaskSet(f"{name}-exchange")
+        #: the push listener (native mode) and the replies being sent; a reply fails alone (the
+        #: pusher counts it as an empty packet), and so does the listener, logged
+        self._tasks = TaskSet(f"{name}-exchange", isolated=True)
         self._listening = False
         self.push_tag = f"{name}.p"
         self._reply_prefix = f"{name}.r.{self.me}.{transport.incarnation}.{self.uid}."
         self._bsp_prefix = f"{name}.b.{epoch}.{plan}."
+        #: the answers to this exchange's pushes (native) and its rounds' pieces (bsp)
+        self._scopes = (transport.scope(self._reply_prefix), transport.scope(self._bsp_prefix))
         #: a newer view replaced this exchange's: rounds in progress end at once (no new waits)
         self.retired = False
 
@@ -165,8 +168,8 @@ class Exchange:
     async def close(self) -> None:
         self.retired = True
         await self._tasks.close()
-        self.tr.mailbox.retire(self._reply_prefix)
-        self.tr.mailbox.retire(self._bsp_prefix)
+        for sc in self._scopes:
+            sc.retire()
 
     def retire(self, exc: P2PSyncError) -> None:
         """A newer view: pending answers fail with ``exc`` and the rounds in progress take no
@@ -178,11 +181,8 @@ class Exchange:
     def abort_waits(self, exc: P2PSyncError, peer: int | None = None) -> None:
         """Fail the pending answers (of ``peer``, or all): native rounds take them as empty
         packets, bsp rounds are abandoned."""
-        def hit(tag: str) -> bool:
-            if tag.startswith(self._bsp_prefix):
-                return peer is None or tag.endswith(f".{peer}")
-            return tag.startswith(self._reply_prefix) and (peer is None or tag.endswith(f".p{peer}"))
-        self.tr.mailbox.abort(exc, match=hit)
+        for sc in self._scopes:
+            sc.abort(exc, peer=peer)
 
     # -- one round -------------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class Exchange:
             await self._send(y, self.push_tag, z, th, k, reply_to=rq)
             if self.retired:  # replaced while the push was on its way out
                 return
-            msg = await self.tr.recv(rq, timeout=self.timeout)
+            msg = await self.tr.recv(rq, timeout=self.timeout, peer=y)
             self._ingest(msg, z, th, k, y)
         except ProtocolError as exc:  # native: a malformed answer counts as an empty packet
             self._malformed(exc)
@@ -256,7 +256,7 @@ class Exchange:
             log.info("node %d: canary exchange with node %d (colayer %d, step %d) got no answer: %s",
                      self.me, y, z, k, exc)
         finally:
-            self.tr.mailbox.retire(rq, exact=True)
+            self.tr.retire(rq)
 
     async def _bsp_step(self, z: int, th: int, k: int, y: int, t: int) -> None:
         def abandoned(why: str) -> PeerFailure:
@@ -269,7 +269,7 @@ class Exchange:
             await self._send(y, f"{tag}{self.me}", z, th, k, reply_to=None)
             if self.retired:
                 raise abandoned(f"view {self.epoch} was replaced")
-            msg = await self.tr.recv(f"{tag}{y}", timeout=self.timeout)
+            msg = await self.tr.recv(f"{tag}{y}", timeout=self.timeout, peer=y)
             self._ingest(msg, z, th, k, y)
         except (PeerTimeout, ProtocolError) as exc:  # the round cannot complete: abandoned
             raise abandoned(str(exc)) from exc

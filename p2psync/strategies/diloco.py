@@ -90,7 +90,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpStats
+from p2psync.collectives import OpId, OpStats
 from p2psync.compress import Codec, ErrorFeedback, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch, TrainingEnded
@@ -476,7 +476,7 @@ class DiLoCo(Strategy):
         (``init_sync``) and checks that every member cut the same fragments."""
         rep, coll, view = self.ctx.replica, self.ctx.collectives, self._view()
         params = await rep.get_params()
-        tag = f"diloco.init.e{view.epoch}"
+        tag = OpId("diloco", "init", view.epoch).tag
         rows = await coll.allgather(np.array([self.digest, float(len(self.frags))], np.float32), view.members,
                                     tag=f"{tag}.map")
         if any(not np.array_equal(r, rows[0]) for r in rows):
@@ -548,18 +548,19 @@ class DiLoCo(Strategy):
         error-feedback residuals of this fragment are put back if the attempt fails, so a redo
         does not add the quantization error twice."""
         coll = self.ctx.collectives
-        tag = f"diloco.{op.k}.e{view.epoch}"
+        tag = OpId("diloco", op.k, view.epoch).tag
         part = "full" if op.f == FULL else f"f{op.f}"
         side = np.zeros(3 + (len(view.members) if self.opts.dylu else 0), np.float32)
         side[:3] = op.w, float(op.stop), float(op.nonfinite)
         if self.opts.dylu:
             side[3 + view.members.index(self.ctx.node_id)] = op.speed
         fb = coll.feedback
-        family = f"diloco.{part}"
+        family = ("diloco", part)  # the error-feedback key of this fragment's pseudo-gradient
         kept = {k: v for k, v in fb.residual.items() if isinstance(k, tuple) and family in k} if fb else {}
         try:
             (s, st), sums = await gather_or_cancel([
-                coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec),
+                coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec,
+                                          feedback=family),
                 coll.allreduce(side, view.members, op="sum", tag=f"{tag}.side", codec="none")])
         except BaseException:
             if fb is not None:
@@ -757,7 +758,7 @@ class DiLoCo(Strategy):
         view = self._view()
         coll = self.ctx.collectives
         if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
-            tag = f"diloco.mean.e{view.epoch}"
+            tag = OpId("diloco", "mean", view.epoch).tag
             mom = self.bufs[0] if self.bufs[0] is not None else np.zeros_like(self.theta)
             th, mo = await gather_or_cancel([
                 coll.allreduce(exact_mean_input(self.theta), view.members, op="mean", codec="none", tag=tag),
@@ -765,10 +766,10 @@ class DiLoCo(Strategy):
             self.theta = np.asarray(th, np.float32)
             self.bufs[0] = np.asarray(mo, np.float32)
         await self.ctx.replica.set_params(self.theta.copy())
-        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=f"diloco.end.e{view.epoch}",
+        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=OpId("diloco", "end", view.epoch).tag,
                            group=view.members)
         mine = np.frombuffer(hashlib.blake2b(self.theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
-        rows = await coll.allgather(mine, view.members, tag=f"diloco.hash.e{view.epoch}")
+        rows = await coll.allgather(mine, view.members, tag=OpId("diloco", "hash", view.epoch).tag)
         differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
         if differ:
             raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "

@@ -63,7 +63,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpStats
+from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
@@ -72,6 +72,7 @@ from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all, wait_or_event
+from p2psync.transport import Scope
 
 log = logging.getLogger("p2psync.dts")
 
@@ -88,6 +89,8 @@ class _Flight:
     epoch: int
     tag: str
     task: asyncio.Task[Exchange]
+    #: the receives of its exchange (the payload's and the flag's allreduces)
+    scope: Scope
 
 
 class _Broken(Exception):
@@ -246,12 +249,14 @@ class DTS(Strategy):
             return
         view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
         # the re-sync count keeps a window's tag unique when windows restart within one view
-        tag = f"dts.win.{self.resyncs}.{win.index}.e{self.epoch}"
+        op = OpId("dts.win", (self.resyncs, win.index), self.epoch)
+        tag = op.tag
         first, *more = self.state.payload_parts(win)
+        scope = self.ctx.transport.scope(op.root)
         coro = mean_and_agree(self.ctx.collectives, first, self._want_stop, tag=tag, group=view.members,
-                              more=more)
+                              more=more, feedback=("dts", "window"))
         task = asyncio.get_running_loop().create_task(coro, name=f"p2psync-{tag}")
-        self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task)
+        self.flights[win.index] = _Flight(win=win, epoch=self.epoch, tag=tag, task=task, scope=scope)
         self.windows_sent += 1
         self.max_flight = max(self.max_flight, len(self.flights))
 
@@ -266,6 +271,7 @@ class DTS(Strategy):
         except BaseException:  # kept so that close() or the re-sync cancels and reaps it
             self.flights[fl.win.index] = fl
             raise
+        fl.scope.close()
         dw, du = self.state.correction(fl.win, avg, step)
         await self.ctx.replica.correct(dw, du)
         self.windows_applied += 1
@@ -316,7 +322,7 @@ class DTS(Strategy):
         self.flights.clear()
         await cancel_all(fl.task for fl in flights)
         for fl in flights:
-            self.ctx.transport.mailbox.retire(f"{fl.tag}.")  # the payload's and the flag's
+            fl.scope.retire()  # its pieces still on their way are dropped
         if self.state is not None:
             self.windows_dropped += len(self.state.pending)
 

@@ -45,6 +45,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from p2psync import clock
+from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
@@ -83,7 +84,7 @@ class ESync(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         #: State Server queries in flight (non-blocking mode, §4.2)
-        self._queries = TaskSet("esync-query")
+        self._queries = TaskSet("esync-query", isolated=True)  # each query records its own outcome
         self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
@@ -226,7 +227,7 @@ class ESync(Strategy):
         t1 = clock.now()
         coll, delta = self.ctx.collectives, w - w_t
         out = await self.regroup.run(step, lambda v: mean_and_agree(  # Eq. 6-7
-            coll, delta, want_stop, tag=f"esync.{step}.e{v.epoch}", group=v.members))
+            coll, delta, want_stop, tag=OpId("esync", step, v.epoch).tag, group=v.members, feedback=("esync", "delta")))
         blocking = clock.now() - t1
         if out is None or isinstance(out, Adopted):
             return await self._adopted(out or Adopted(step + 1), blocking)

@@ -68,6 +68,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from p2psync import clock
+from p2psync.collectives import OpId
 from p2psync.compress import get_codec
 from p2psync.compress.topk import TopK
 from p2psync.coordinator import View
@@ -139,7 +140,7 @@ class GroupMsg:
 
     @property
     def tag(self) -> str:
-        return f"preduce.{self.ctl}.{self.op}.e{self.epoch}"
+        return OpId("preduce", (self.ctl, self.op), self.epoch).tag
 
 
 def parse_group(raw: Any, me: int, ids: frozenset[int]) -> GroupMsg:
@@ -316,18 +317,20 @@ class PReduce(Strategy):
         whole = self.opts.average_momentum
         failed: asyncio.Future[PeerFailure] = asyncio.get_running_loop().create_future()
         self._running = (g, failed)
+        scope = self.ctx.transport.scope(f"{g.tag}.")  # the group's allreduce
         try:
             avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
             if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
                 raise
             self.failed_groups += 1
-            self.ctx.transport.mailbox.retire(f"{g.tag}.")
+            scope.retire()  # its pieces still on their way are dropped
             log.warning("node %d: P-reduce group %d %s abandoned (own model kept): %s", self.ctx.node_id,
                         g.op, list(g.members), exc)
             return False
         finally:
             self._running = None
+            scope.close()
         avg = np.asarray(avg, dtype=np.float32)
         await (rep.import_state(avg) if whole else rep.set_params(avg))
         # the group's newest version only once its average is in: an abandoned reduce keeps this
@@ -346,7 +349,8 @@ class PReduce(Strategy):
             raise PeerFailure(f"preduce: group {g.op} member {dead[0]} has failed", peers=tuple(dead))
         x = await (rep.export_state() if whole else rep.get_params())
         op = asyncio.ensure_future(self.ctx.collectives.allreduce(
-            x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag))
+            x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag,
+            feedback=("preduce", "model")))
         try:
             await asyncio.wait({op, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -362,7 +366,7 @@ class PReduce(Strategy):
 
         async def mean(view: View) -> tuple[Any, Buffers | None]:
             vec = await rep.export_state()
-            tag = f"preduce.end.0.e{view.epoch}"
+            tag = OpId("preduce.end", 0, view.epoch).tag
             return await alongside(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
                                                   tag=tag), coll, await own_buffers(rep, self.ctx.buffers),
                                    self.ctx.buffers, tag=tag, group=view.members)

@@ -78,6 +78,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from p2psync import clock
+from p2psync.collectives import OpId
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.views import View
 from p2psync.coordinator.ssp import ElasticScheduler, StalenessScheduler
@@ -146,6 +147,8 @@ class _StoreStrategy(Strategy):
         #: the incarnation of every store member's process at the current split (from its view)
         self._incs: dict[int, int] = {}
         self._next_view = asyncio.Event()  # set when a newer view arrives (a fresh event per view)
+        #: the receives of the end-of-training exchange (failed when a peer fails)
+        self._end_ops = ctx.transport.scope(f"{self.name}.end")
 
     async def start(self) -> None:
         """Build this node's part of the store; a joiner then joins it (:meth:`_join`)."""
@@ -240,7 +243,7 @@ class _StoreStrategy(Strategy):
                 errors.append(f"node {d}: {exc}")
                 continue
             finally:
-                self.ctx.transport.mailbox.retire(tag, exact=True)
+                self.ctx.transport.retire(tag)
             log.info("node %d: %s took node %d's user state (hyperparameters, schedulers)", me, self.name, d)
             return
         log.warning("node %d: %s joined without a member's user state (its LR schedulers and hyperparameters are "
@@ -255,7 +258,7 @@ class _StoreStrategy(Strategy):
         exc = PeerFailure(f"{self.name}: peer {peer} failed", peers=(peer,))
         if self.store is not None:
             self.store.abort_waits(exc)
-        self.ctx.transport.mailbox.abort(exc, match=lambda tag: tag.startswith(f"{self.name}.end"))
+        self._end_ops.abort(exc)
 
     def on_view(self, view: View) -> None:
         """A newer view wakes the waits for one, and supersedes a re-shard under way over an
@@ -383,7 +386,7 @@ class _StoreStrategy(Strategy):
             group = [m for m in store.members if m in self.ctx.group]
             changed = self._next_view
             barrier = asyncio.ensure_future(self.ctx.collectives.allreduce(
-                np.zeros(1, np.float32), group, codec="none", tag=f"{self.name}.end.e{epoch}"))
+                np.zeros(1, np.float32), group, codec="none", tag=OpId(self.name, "end", epoch).tag))
             try:
                 while not await wait_or_event(barrier, changed):
                     if any(store_changes(store.members, self._incs, self.ctx.view)):

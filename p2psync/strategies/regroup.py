@@ -46,12 +46,14 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from p2psync import clock
+from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology.paths import hop_distances
+from p2psync.transport import Scope
 
 log = logging.getLogger("p2psync.regroup")
 
@@ -132,7 +134,6 @@ class Regroup:
         self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
         self.reforms = 0
         self.adoptions = 0
-        self._active: dict[int, tuple[int, ...]] = {}  # epoch -> step of the operation in flight
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
         #: steps before this one run the plain operation in the synced epoch (:func:`backward_from`)
@@ -188,14 +189,17 @@ class Regroup:
             if me not in view.members:
                 raise PeerFailure(f"{self.name}: node {me} is not a member of view {view.epoch} "
                                   "(the coordinator declared it failed)", peers=(me,))
-            self._active = {view.epoch: (step,)}
+            attempt = self._scope(view, step)
             try:
                 if view.epoch != self.synced:
-                    adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view)
+                    adopted = await self._race(self._sync(step, view, redo=redo or failed_at is not None), view,
+                                               attempt)
                     if adopted is not None:
+                        attempt.close()
                         self._reformed(failed_at)
                         return Adopted(adopted)
-                out = None if op is None else await self._race(op(view), view)
+                out = None if op is None else await self._race(op(view), view, attempt)
+                attempt.close()
                 self._reformed(failed_at)
                 return out
             except (PeerFailure, ProtocolError) as exc:
@@ -210,7 +214,7 @@ class Regroup:
                     failed_at = clock.now()
                 log.warning("node %d: %s step %d over view %d failed (%s); waiting for a newer view",
                             me, self.name, step, view.epoch, exc)
-                self._retire(view)
+                attempt.retire()  # its pieces still on their way are dropped
                 err = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc))
                 if not isinstance(exc, NonFinitePiece):  # (its sender's exclusion is the next view)
                     self.ctx.membership.request_redo(view.epoch, err.peers)
@@ -233,7 +237,7 @@ class Regroup:
 
     async def _mean_state(self, view: View, count: int, step: int, flag: bool) -> tuple[int, bool]:
         coll = self.ctx.collectives
-        tag = f"{self.name}.{count}.e{view.epoch}"
+        tag = OpId(self.name, count, view.epoch).tag
         steps = asyncio.ensure_future(coll.allgather(np.array([step, int(flag)], np.int64), view.members,
                                                      tag=f"{tag}.steps"))
         try:
@@ -253,8 +257,9 @@ class Regroup:
             log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
                         self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)
 
-    async def _race(self, coro: Awaitable[T], view: View) -> T:
-        """``coro``, abandoned (PeerFailure) as soon as a view newer than ``view`` arrives."""
+    async def _race(self, coro: Awaitable[T], view: View, scope: Scope) -> T:
+        """``coro``, abandoned (PeerFailure, ``scope`` retired) as soon as a view newer than
+        ``view`` arrives."""
         task = asyncio.ensure_future(coro)
         try:
             if self.ctx.epoch == view.epoch:
@@ -262,23 +267,19 @@ class Regroup:
         finally:
             await cancel_all([task])  # a newer view (or this call cancelled): abandoned
         if task.cancelled():
-            self._retire(view)
+            scope.retire()
             now = self.ctx.view
             left = tuple(sorted(set(view.members) - set(now.members)))
             raise PeerFailure(f"{self.name}: view {view.epoch} replaced by view {now.epoch} "
                               f"(left {list(left)}, members {list(now.members)})", peers=left)
         return task.result()
 
-    def _retire(self, view: View) -> None:
-        """The operations of an abandoned epoch are finished for good: pieces of them that are
-        queued, or still on their way, are dropped (bounded memory). Tags
-        follow ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
-        mb = self.ctx.transport.mailbox
-        for kind in ("sync", "state", *(str(s) for s in self._steps_at(view))):
-            mb.retire(f"{self.name}.{kind}.e{view.epoch}.")
-
-    def _steps_at(self, view: View) -> tuple[int, ...]:
-        return self._active.get(view.epoch, ())
+    def _scope(self, view: View, step: int) -> Scope:
+        """The receives of one attempt of ``step`` over ``view``: its sync, its state transfer
+        and its operation. Retired when the attempt fails, so that pieces of it that are
+        queued, or still on their way, are dropped (bounded memory). Tags follow
+        ``<name>.<step|sync|state>.e<epoch>``; pieces add ``.<phase>...``."""
+        return self.ctx.transport.scope(*(OpId(self.name, kind, view.epoch).root for kind in ("sync", "state", step)))
 
     async def _await_newer(self, view: View, exc: PeerFailure) -> None:
         """Wait for a view newer than ``view``: bounded by :attr:`bound`, or, while this node
@@ -305,7 +306,7 @@ class Regroup:
     async def _sync(self, step: int, view: View, *, redo: bool = False) -> int | None:
         """The state sync of a new epoch (see the module docstring); returns the step adopted."""
         coll, me, members = self.ctx.collectives, self.ctx.node_id, view.members
-        got = await coll.allgather(np.array([float(step), float(redo)]), members, tag=f"{self.name}.sync.e{view.epoch}")
+        got = await coll.allgather(np.array([float(step), float(redo)]), members, tag=OpId(self.name, "sync", view.epoch).tag)
         steps = {n: int(a[0]) for n, a in zip(members, got, strict=True)}
         self.backward_from = backward_from(steps, any(a[1] for a in got))
         decision = sync_decision(steps)
@@ -317,8 +318,9 @@ class Regroup:
         buf = await self.snapshot() if me == donor else np.zeros(size, np.float32)
         if buf.size != size or buf.dtype != np.float32:
             raise ConfigError(f"{self.name}: state snapshot has {buf.size} {buf.dtype} values, expected {size} float32")
-        state = await coll.broadcast(buf, donor, members, tag=f"{self.name}.state.e{view.epoch}")
-        meta = await self._meta(donor, members, f"{self.name}.state.e{view.epoch}")
+        state_op = OpId(self.name, "state", view.epoch)
+        state = await coll.broadcast(buf, donor, members, tag=state_op.tag)
+        meta = await self._meta(donor, members, state_op.tag)
         self.synced = view.epoch
         if steps[me] >= top:
             log.info("node %d: gave/kept the state of step %d at view %d", me, top, view.epoch)

@@ -43,7 +43,7 @@ from typing import Literal
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpStats
+from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError
 from p2psync.strategies.backward_sync import BackwardAverager, BackwardHooks
@@ -177,8 +177,9 @@ class SSGD(Strategy):
 
     async def _average(self, v: View, step: int, grad: np.ndarray, want_stop: bool,
                        mine: Buffers | None) -> tuple[np.ndarray, bool, OpStats, Buffers | None]:
-        tag = f"ssgd.{step}.e{v.epoch}"
+        tag = OpId("ssgd", step, v.epoch).tag
         coll = self.ctx.collectives
-        (mean, stop, st), bufs = await alongside(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members),
+        (mean, stop, st), bufs = await alongside(mean_and_agree(coll, grad, want_stop, tag=tag, group=v.members,
+                                                                feedback=("ssgd", "grad")),
                                                  coll, mine, self.ctx.buffers, tag=tag, group=v.members)
         return mean, stop, st, bufs

@@ -74,7 +74,7 @@ from p2psync.transport.incarnation import clock_incarnation
 from p2psync.transport.ingest import Forward, Ingest, Reject, Revive
 from p2psync.transport.lending import Lending, Releasable, own
 from p2psync.transport.log_once import LogOnce
-from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox
+from p2psync.transport.mailbox import DEFAULT_BUDGET_BYTES, DEFAULT_TTL, Mailbox, Scope
 from p2psync.transport.relay import Relay
 from p2psync.transport.relay_auth import OriginAuth
 from p2psync.transport.router import Router
@@ -426,11 +426,23 @@ class Transport(ABC):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def recv(self, tag: str, timeout: float | None = None) -> Coroutine[Any, Any, Message]:
+    def recv(self, tag: str, timeout: float | None = None, *,
+             peer: int | None = None) -> Coroutine[Any, Any, Message]:
         """The next message with ``tag``; raises PeerTimeout after ``timeout`` seconds
         (None: the transport's ``default_timeout``, never "forever": use :meth:`listen`).
-        (The mailbox's coroutine itself: one frame less on every receive.)"""
-        return self.mailbox.get(tag, self.default_timeout if timeout is None else timeout)
+        ``peer``: the node it is expected from, so that ``Scope.abort(exc, peer=...)`` can
+        fail it. (The mailbox's coroutine itself: one frame less on every receive.)"""
+        return self.mailbox.get(tag, self.default_timeout if timeout is None else timeout, peer=peer)
+
+    def retire(self, tag: str) -> None:
+        """The receive of exactly ``tag`` is over (answered or given up): a message with it that
+        is queued now, or arrives later with nobody waiting, is dropped (reason ``retired``)."""
+        self.mailbox.retire(tag, exact=True)
+
+    def scope(self, *roots: str) -> Scope:
+        """A :class:`~p2psync.transport.mailbox.Scope` owning the receives under ``roots`` (tag
+        prefixes) begun from now on: the handle an operation's owner aborts or cancels."""
+        return self.mailbox.scope(*roots)
 
     def listen(self, tag: str) -> Coroutine[Any, Any, Message]:
         """The next message with ``tag``, with no time limit: for the receive loops of servers

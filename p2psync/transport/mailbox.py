@@ -26,6 +26,9 @@ Memory is bounded:
 * expiry: a message unclaimed for ``ttl`` seconds (default 600 s; None: never) is dropped at the
   next delivery or :meth:`Mailbox.sweep` (``expired``); :meth:`Mailbox.expire` drops queued
   messages by prefix or predicate now.
+* scopes: a :class:`Scope` owns the receives of one operation, or of a family of operations
+  (the tags under its roots); cancelling it fails its pending waits and retires its tags (below).
+  Components end operations through their scopes, never by matching tags themselves.
 * retire: :meth:`Mailbox.retire` declares a tag (``exact=True``) or a tag family (prefix)
   finished: queued messages are dropped and later arrivals that no waiter wants are dropped too
   (``retired``). The memory of retired tags is bounded (``max_retired`` exact tags, oldest
@@ -41,8 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections import Counter, deque
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Iterable
 
 from p2psync.clock import now as clock_now
 from p2psync.errors import P2PSyncError, PeerTimeout, ProtocolError
@@ -59,14 +63,92 @@ DropHook = Callable[[Message, str], None]
 
 
 class _Waiter:
-    __slots__ = ("exact", "prefix", "future", "seq")
+    __slots__ = ("exact", "prefix", "future", "seq", "peer", "scopes")
 
     def __init__(self, exact: str | None, prefix: str | None, future: asyncio.Future[Message],
-                 seq: int) -> None:
+                 seq: int, peer: int | None) -> None:
         self.exact = exact
         self.prefix = prefix
         self.future = future
         self.seq = seq
+        self.peer = peer
+        self.scopes: tuple[Scope, ...] = ()
+
+
+class Scope:
+    """The receives of one operation, or of one family of operations (this epoch's operations,
+    one re-shard, one exchange), on one mailbox: the tags that start with one of its ``roots``.
+    Opened with :meth:`Mailbox.scope` (``Transport.scope``); the owner ends the operations
+    through it instead of matching tags itself.
+
+    * Every wait (:meth:`Mailbox.get`, :meth:`Mailbox.get_prefix`) begun while the scope is
+      open whose tag, or prefix, starts with one of the roots is registered with it until the
+      wait ends. A wait begun before the scope was opened, or after it was closed, is not.
+    * :meth:`abort` fails the registered waits (or those that expect a message from one peer)
+      with an error; the scope stays open and later operations under it go on.
+    * :meth:`retire` ends the operations for good: the roots are retired (queued messages
+      under them are dropped now, later ones that no waiter takes are dropped on arrival,
+      reason ``retired``), so late pieces cost no memory. :meth:`cancel` fails the registered
+      waits first.
+    * :meth:`close` ends the scope without touching anything (the operations completed).
+
+    The mailbox holds open scopes weakly: a scope its owner drops is forgotten (its pending
+    waits keep it alive while they last)."""
+
+    __slots__ = ("roots", "_mailbox", "_waits", "_open", "__weakref__")
+
+    def __init__(self, mailbox: Mailbox, roots: tuple[str, ...]) -> None:
+        if not roots or any(not r for r in roots):
+            raise ValueError("a scope needs at least one non-empty root")
+        self.roots = roots
+        self._mailbox = mailbox
+        self._waits: set[_Waiter] = set()
+        self._open = True
+
+    @property
+    def open(self) -> bool:
+        """New waits under the roots are registered (not closed or cancelled yet)."""
+        return self._open
+
+    @property
+    def waiting(self) -> int:
+        """Registered waits still pending."""
+        return sum(1 for w in self._waits if not w.future.done())
+
+    def covers(self, tag: str) -> bool:
+        """``tag`` (or a wait's prefix) lies under one of the roots."""
+        return tag.startswith(self.roots)
+
+    def abort(self, exc: P2PSyncError, *, peer: int | None = None) -> int:
+        """Fail the registered pending waits with ``exc``: every one, or with ``peer`` those
+        that expect a message from that node (``Transport.recv(..., peer=)``). Returns how many
+        failed. The scope stays open."""
+        return self._mailbox._fail([w for w in self._waits if peer is None or w.peer == peer], exc)
+
+    def cancel(self, exc: P2PSyncError) -> int:
+        """End the operations for good: fail the registered pending waits with ``exc``, then
+        :meth:`retire`. Returns how many waits failed. Safe to call again."""
+        n = self.abort(exc)
+        self.retire()
+        return n
+
+    def retire(self) -> int:
+        """The operations are over: close the scope and retire its roots (queued messages under
+        them are dropped now, later ones that no waiter takes on arrival). Waits still pending
+        are left to end by themselves (a message they wait for still reaches them). Returns
+        how many queued messages were dropped. Safe to call again."""
+        self.close()
+        return sum(self._mailbox.retire(root) for root in self.roots)
+
+    def close(self) -> None:
+        """Stop registering new waits; pending ones and the roots are left as they are."""
+        if self._open:
+            self._open = False
+            self._mailbox._unregister(self)
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"Scope({', '.join(map(repr, self.roots))}, {state}, waiting={self.waiting})"
 
 
 class _Entry:
@@ -96,8 +178,8 @@ class Mailbox:
     bounded memory (see the module docstring).
 
     One per transport (``Transport.mailbox``): ``Transport._ingest`` calls :meth:`deliver`,
-    ``Transport.recv`` calls :meth:`get`; strategies reach it to abort or retire tags, e.g.
-    base.py's FailStop: ``self.ctx.transport.mailbox.abort(..., match=lambda tag: tag.startswith(self.prefix))``.
+    ``Transport.recv`` calls :meth:`get`; components that run operations open a :class:`Scope`
+    per operation or family (``Transport.scope``) and end them through it.
     """
 
     def __init__(self, *, max_pending: int = 65536, budget_bytes: int = DEFAULT_BUDGET_BYTES,
@@ -135,6 +217,8 @@ class Mailbox:
         self._closed: BaseException | None = None
         #: tag -> callback that takes every message with exactly that tag (:meth:`subscribe`)
         self._subscribers: dict[str, Callable[[Message], None]] = {}
+        #: open scopes (weakly) by the family of each root (None: a root without a dot)
+        self._scopes: dict[str | None, list[weakref.ref[Scope]]] = {}
 
     # -- counters ------------------------------------------------------------------------
 
@@ -177,6 +261,8 @@ class Mailbox:
         return best
 
     def _unlink(self, w: _Waiter) -> None:
+        for sc in w.scopes:
+            sc._waits.discard(w)
         if w.exact is not None:
             dq = self._exact.get(w.exact)
             if dq is not None:
@@ -356,7 +442,8 @@ class Mailbox:
                     best = head
         return self._pop(best.tag) if best is not None else None
 
-    async def _get(self, exact: str | None, prefix: str | None, timeout: float | None) -> Message:
+    async def _get(self, exact: str | None, prefix: str | None, timeout: float | None,
+                   peer: int | None = None) -> Message:
         msg = self._take(exact, prefix)
         if msg is not None:
             return msg
@@ -364,7 +451,11 @@ class Mailbox:
             raise self._closed
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Message] = loop.create_future()
-        waiter = _Waiter(exact, prefix, fut, next(self._wseq))
+        waiter = _Waiter(exact, prefix, fut, next(self._wseq), peer)
+        if self._scopes:
+            waiter.scopes = self._scopes_over(exact if exact is not None else prefix or "")
+            for sc in waiter.scopes:
+                sc._waits.add(waiter)
         if exact is not None:
             self._exact.setdefault(exact, deque()).append(waiter)
         else:
@@ -420,31 +511,70 @@ class Mailbox:
         """A queued message with this tag, or None."""
         return self._take(tag, None)
 
-    def get(self, tag: str, timeout: float | None = None) -> Coroutine[Any, Any, Message]:
+    def get(self, tag: str, timeout: float | None = None, *,
+            peer: int | None = None) -> Coroutine[Any, Any, Message]:
         """The next message with ``tag`` (queued, else the next to arrive); PeerTimeout after
-        ``timeout`` seconds (None: no limit); the close error once closed. Called from
-        ``Transport.recv`` and ``Transport.listen``."""
-        return self._get(tag, None, timeout)
+        ``timeout`` seconds (None: no limit); the close error once closed. ``peer``: the node
+        the message is expected from, for :meth:`Scope.abort` (the message is not checked
+        against it). Called from ``Transport.recv`` and ``Transport.listen``."""
+        return self._get(tag, None, timeout, peer)
 
     def get_prefix(self, prefix: str, timeout: float | None = None) -> Coroutine[Any, Any, Message]:
         """Like :meth:`get` for the oldest message whose tag starts with ``prefix``
         (``Transport.recv_any``)."""
         return self._get(None, prefix, timeout)
 
-    # -- abort, expiry, retire -----------------------------------------------------------
+    # -- scopes --------------------------------------------------------------------------
 
-    def abort(self, exc: P2PSyncError, match: Callable[[str], bool] | None = None) -> int:
-        """Fail every pending waiter (or those whose tag/prefix ``match``es) with ``exc``."""
+    def scope(self, *roots: str) -> Scope:
+        """Open a :class:`Scope` over the tags starting with any of ``roots``: the waits begun
+        under them from now on are registered with it (see :class:`Scope`)."""
+        sc = Scope(self, roots)
+        ref = weakref.ref(sc)
+        for fam in {_family(root) for root in roots}:
+            live = self._scopes.setdefault(fam, [])
+            live[:] = [r for r in live if r() is not None]  # forget dropped scopes
+            live.append(ref)
+        return sc
+
+    def _scopes_over(self, key: str) -> tuple[Scope, ...]:
+        """The open scopes that cover a wait for ``key`` (a tag or a prefix)."""
+        found: tuple[Scope, ...] = ()
+        fam = _family(key)
+        for live in (self._scopes.get(fam, ()) if fam is not None else (), self._scopes.get(None, ())):
+            for ref in live:
+                sc = ref()
+                if sc is not None and key.startswith(sc.roots) and sc not in found:
+                    found += (sc,)
+        return found
+
+    def _unregister(self, sc: Scope) -> None:
+        for fam in {_family(root) for root in sc.roots}:
+            live = self._scopes.get(fam)
+            if live is not None:
+                live[:] = [r for r in live if r() is not None and r() is not sc]
+                if not live:
+                    del self._scopes[fam]
+
+    def _fail(self, waiters: Iterable[_Waiter], exc: P2PSyncError) -> int:
         n = 0
-        hit = [w for dq in self._exact.values() for w in dq
-               if match is None or match(w.exact or "")]
-        hit += [w for w in self._prefix if match is None or match(w.prefix or "")]
-        for w in hit:
+        for w in list(waiters):
             self._unlink(w)
             if not w.future.done():
                 w.future.set_exception(exc)
                 n += 1
         return n
+
+    # -- abort, expiry, retire -----------------------------------------------------------
+
+    def abort(self, exc: P2PSyncError, match: Callable[[str], bool] | None = None) -> int:
+        """Fail every pending waiter (or those whose tag/prefix ``match``es) with ``exc``.
+        Operations end through their :class:`Scope`; this is for the transport's own waits
+        (closing, one tag's receive)."""
+        hit = [w for dq in self._exact.values() for w in dq
+               if match is None or match(w.exact or "")]
+        hit += [w for w in self._prefix if match is None or match(w.prefix or "")]
+        return self._fail(hit, exc)
 
     def expire(self, what: str | Callable[[str], bool]) -> int:
         """Drop queued messages whose tag starts with ``what`` (or satisfies it, a predicate);

@@ -59,7 +59,7 @@ async def test_sparse_sum_is_exact_and_identical_everywhere(name):
             xs = {i: (rng.standard_t(3, n) * 1e-2).astype(np.float32) for i in topo.ids}
             ref, residuals = expected(cs, xs, codec, "g")
             before = {i: cs[i].transport.stats()["nics"] for i in topo.ids}
-            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"g.{step}") for i in topo.ids))
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"g.{step}", feedback="g") for i in topo.ids))
             for o in outs:
                 assert o.dtype == np.float32 and o.shape == (n,)
                 assert o.tobytes() == outs[0].tobytes()  # bitwise identical everywhere
@@ -94,12 +94,12 @@ async def test_mean_weighted_and_torch():
         rng = np.random.default_rng(8)
         xs = {i: rng.standard_normal(n).astype(np.float32) for i in topo.ids}
         ref, _ = expected(cs, xs, codec, "mean")
-        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], op="mean", tag="mean.0") for i in topo.ids))
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], op="mean", tag="mean.0", feedback="mean") for i in topo.ids))
         assert all(o.tobytes() == outs[0].tobytes() for o in outs)
         np.testing.assert_array_equal(outs[0], ref / np.float32(4))
         w = {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4}
         ref, _ = expected(cs, xs, codec, "w", weights=w)
-        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], op="weighted", weights=w, tag="w.0")
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], op="weighted", weights=w, tag="w.0", feedback="w")
                                       for i in topo.ids))
         assert all(o.tobytes() == outs[0].tobytes() for o in outs)
         np.testing.assert_array_equal(outs[0], ref)
@@ -109,7 +109,7 @@ async def test_mean_weighted_and_torch():
         ts = {i: torch.from_numpy(xs[i].reshape(100, 200).copy()) for i in topo.ids}
         copies = {i: ts[i].clone() for i in topo.ids}
         ref, _ = expected(cs, xs, codec, "t")
-        outs = await asyncio.gather(*(cs[i].allreduce(ts[i], tag="t.0") for i in topo.ids))
+        outs = await asyncio.gather(*(cs[i].allreduce(ts[i], tag="t.0", feedback="t") for i in topo.ids))
         for o in outs:
             assert isinstance(o, torch.Tensor) and o.shape == (100, 200) and o.dtype == torch.float32
             assert torch.equal(o, outs[0])

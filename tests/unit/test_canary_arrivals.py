@@ -33,6 +33,7 @@ from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.strategies.canary_gei import GEIMatrix, full_mask, node_bit
 from p2psync.strategies.canary_wire import Header, pack
 from p2psync.topology import mesh
+from p2psync.transport import Mailbox
 from p2psync.wire import Message, decode, encode
 
 ME, T, PEERS = 0, 6, (1, 2, 3)
@@ -63,7 +64,7 @@ def _exchange(gei: GEIMatrix) -> Exchange:
     topo = mesh(4)
     progress = Progress(iteration=lambda: T, zeta=lambda: (gei.zeta, gei.zeta_node), stopping=lambda: False,
                         on_header=lambda h: gei.heard(h.origin, h.it, h.zeta, h.zeta_node))
-    return Exchange(transport=SimpleNamespace(node_id=ME, incarnation=1), fwd=None,  # type: ignore[arg-type]
+    return Exchange(transport=SimpleNamespace(node_id=ME, incarnation=1, scope=Mailbox().scope), fwd=None,  # type: ignore[arg-type]
                     layout=layout_for(topo, topo.ids), sizes=SIZES, codec=get_codec("none"), mode="native",
                     staleness=100.0, timeout=1.0, epoch=0, plan=0, progress=progress, piece=2)
 

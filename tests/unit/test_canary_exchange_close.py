@@ -16,12 +16,13 @@ from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import get_codec
 from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import mesh
+from p2psync.transport import Mailbox
 
 
 def _exchange() -> Exchange:
     topo = mesh(4)
     progress = Progress(iteration=lambda: 0, zeta=lambda: (0, 0), stopping=lambda: False, on_header=lambda h: None)
-    return Exchange(transport=SimpleNamespace(node_id=0, incarnation=1), fwd=None,  # type: ignore[arg-type]
+    return Exchange(transport=SimpleNamespace(node_id=0, incarnation=1, scope=Mailbox().scope), fwd=None,  # type: ignore[arg-type]
                     layout=layout_for(topo, topo.ids), sizes=[8], codec=get_codec("none"), mode="native",
                     staleness=100.0, timeout=1.0, epoch=0, plan=0, progress=progress, piece=2)
 

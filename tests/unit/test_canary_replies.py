@@ -29,6 +29,7 @@ from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.strategies.canary_gei import node_bit
 from p2psync.strategies.canary_wire import Header, pack
 from p2psync.topology import mesh
+from p2psync.transport import Mailbox
 from p2psync.wire import Message, decode, encode
 
 ME, PEER, T = 0, 1, 4
@@ -52,7 +53,7 @@ def _exchange(replies: str, stopping: bool = False) -> tuple[Exchange, Recorder]
     rec = Recorder()
     progress = Progress(iteration=lambda: T, zeta=lambda: (T, ME), stopping=lambda: stopping,
                         on_header=lambda h: None)
-    ex = Exchange(transport=SimpleNamespace(node_id=ME, incarnation=1), fwd=rec,  # type: ignore[arg-type]
+    ex = Exchange(transport=SimpleNamespace(node_id=ME, incarnation=1, scope=Mailbox().scope), fwd=rec,  # type: ignore[arg-type]
                   layout=layout_for(topo, topo.ids), sizes=[8], codec=get_codec("none"), mode="native",
                   staleness=100.0, timeout=1.0, epoch=0, plan=0, progress=progress, piece=2,
                   replies=replies)  # type: ignore[arg-type]

@@ -300,3 +300,19 @@ def test_write_text_or_warn_replaces_atomically_or_says_why(tmp_path: Path, capl
         assert not write_text_or_warn(path / "y", "{}", what="run summary", failures=wf)
     assert wf.as_dict() == {"run summary": 2} and len(caplog.records) == 1
     assert f"cannot write the run summary {path / 'x'}: Not a directory (ENOTDIR)" in caplog.text
+
+
+def test_error_feedback_residuals_with_nested_keys_survive_a_checkpoint():
+    """The collectives key residuals by their callers' keys, which may be tuples themselves
+    (``("rs", ("ssgd", "grad"), n, k)``): they come back as the same, hashable keys."""
+    from p2psync.compress import ErrorFeedback
+
+    fb = ErrorFeedback()
+    keys = [("rs", ("ssgd", "grad"), 8, 0), ("own", (("dts", "window"), "m", 1), 8, 2), ("topk", "ef", 8), "asgd"]
+    for i, k in enumerate(keys):
+        fb.residual[k] = np.full(8, i, np.float32)
+    back = ErrorFeedback()
+    checkpoint.load_feedback(back, checkpoint.feedback_state(fb))
+    assert set(back.residual) == set(keys)
+    for k in keys:
+        np.testing.assert_array_equal(back.residual[k], fb.residual[k])

@@ -105,3 +105,26 @@ async def test_asgd_continues_without_failed_peer():
     await asyncio.gather(*(_run(s, 3) for s in strats[:2]))
     assert all(s.alive == {0, 1} for s in strats[:2])
     await _close(strats)
+
+
+async def test_an_abandoned_attempt_retires_its_steps_sync_state_and_operation_only():
+    """Regroup's scope of one attempt covers the tags of that step's sync, state transfer and
+    operation over that view; retiring it drops their late pieces and nothing else."""
+    from p2psync.coordinator import View
+    from p2psync.wire import decode, encode
+
+    strats = await _nodes(mesh(2), "ssgd")
+    try:
+        regroup, tr = strats[0].regroup, strats[0].ctx.transport
+        attempt = regroup._scope(View(epoch=3, members=(0, 1)), 7)
+        late = ["ssgd.sync.e3.ag0.1.0", "ssgd.state.e3.ag0.1.0", "ssgd.7.e3.rs0.1.0", "ssgd.7.e3.flag.rs0.1.0"]
+        kept = ["ssgd.7.e30.rs0.1.0", "ssgd.8.e3.rs0.1.0", "ssgd.sync.e4.ag0.1.0", "ssgd.77.e3.rs0.1.0"]
+        assert all(attempt.covers(t) for t in late) and not any(attempt.covers(t) for t in kept)
+        attempt.retire()
+        before = tr.mailbox.pending
+        for t in late + kept:
+            tr.mailbox.deliver(decode(encode(kind="data", src=1, tag=t)))
+        assert tr.mailbox.pending == before + len(kept)
+        assert all(tr.recv_nowait(t) is not None for t in kept)
+    finally:
+        await _close(strats)

@@ -86,3 +86,107 @@ async def test_wait_or_event_returns_which_came_first_and_leaves_the_future_alon
     fut.set_result(1)
     assert await wait_or_event(fut, asyncio.Event()) is True
     await cancel_all([None, asyncio.ensure_future(asyncio.sleep(10))])  # None entries are skipped
+
+
+async def _forever(cancelled: list[str], name: str) -> None:
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.append(name)
+        raise
+
+
+async def test_a_nursery_childs_failure_cancels_its_siblings_and_reaches_the_owner():
+    heard: list[BaseException] = []
+    ts = TaskSet("n", on_error=heard.append)
+    cancelled: list[str] = []
+    ts.spawn(_forever(cancelled, "a"))
+    ts.spawn(_forever(cancelled, "b"))
+
+    async def fails() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("boom")
+
+    ts.spawn(fails())
+    with pytest.raises(ValueError, match="boom"):
+        await ts.wait(5)  # the owner waiting on its children gets the failure
+    assert sorted(cancelled) == ["a", "b"]
+    assert isinstance(ts.error, ValueError) and heard == [ts.error]
+    late = ts.spawn(_forever(cancelled, "late"))  # a failed nursery starts nothing more
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    with pytest.raises(ValueError, match="boom"):
+        await ts.close()
+    assert len(ts) == 0
+
+
+async def test_only_the_first_failure_is_kept_and_told():
+    heard: list[BaseException] = []
+    ts = TaskSet("n", on_error=heard.append)
+
+    async def fails(msg: str, after_cancel: bool) -> None:
+        try:
+            await asyncio.sleep(0 if not after_cancel else 10)
+        except asyncio.CancelledError:
+            raise RuntimeError(msg) from None  # fails again while being cancelled
+        raise RuntimeError(msg)
+
+    ts.spawn(fails("second", True))
+    ts.spawn(fails("first", False))
+    with pytest.raises(RuntimeError, match="first"):
+        await ts.close(grace=5)
+    assert [str(e) for e in heard] == ["first"]
+
+
+async def test_an_isolated_childs_failure_is_its_own(caplog):
+    heard: list[BaseException] = []
+    ts = TaskSet("iso", isolated=True, on_error=heard.append)
+    cancelled: list[str] = []
+    sibling = ts.spawn(_forever(cancelled, "sibling"))
+
+    async def fails() -> None:
+        raise KeyError("one request")
+
+    bad = ts.spawn(fails())
+    await asyncio.wait({bad})
+    await asyncio.sleep(0)
+    assert not sibling.done() and ts.error is None
+    assert len(heard) == 1 and isinstance(heard[0], KeyError)
+    await ts.wait(0.01)  # does not raise
+    ok = ts.spawn(asyncio.sleep(0, result=3))  # still takes new work
+    assert await ok == 3
+    await ts.close()  # does not raise
+    assert cancelled == ["sibling"]
+    # without a hook the failure is logged, never left unretrieved
+    quiet = TaskSet("quiet", isolated=True)
+    with caplog.at_level("ERROR", logger="p2psync.tasks"):
+        t = quiet.spawn(fails())
+        await asyncio.wait({t})
+        await asyncio.sleep(0)
+    assert any("quiet" in r.getMessage() and r.exc_info for r in caplog.records)
+    await quiet.close()
+
+
+async def test_a_nursery_without_a_hook_logs_the_failure_at_once(caplog):
+    ts = TaskSet("loops")
+
+    async def fails() -> None:
+        raise OSError("loop crashed")
+
+    with caplog.at_level("ERROR", logger="p2psync.tasks"):
+        t = ts.spawn(fails(), name="heartbeats")
+        await asyncio.wait({t})
+        await asyncio.sleep(0)
+    assert any("heartbeats" in r.getMessage() and "loops" in r.getMessage() for r in caplog.records)
+    with pytest.raises(OSError):
+        await ts.close()
+
+
+async def test_a_cancelled_child_is_no_failure():
+    ts = TaskSet("n")
+    t = ts.spawn(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    t.cancel()
+    await asyncio.gather(t, return_exceptions=True)
+    assert ts.error is None
+    await ts.close()

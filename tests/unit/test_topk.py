@@ -140,14 +140,14 @@ async def test_error_feedback_sum_of_sent_tracks_sum_of_inputs():
     n, rounds, f = 2000, 120, 0.02
     rng = np.random.default_rng(4)
     c = TopK(fraction=f)
-    async with memory(ring(4), codec=f"topk:{f}") as cs:  # error_feedback=False: topk uses it anyway
+    async with memory(ring(4), codec=f"topk:{f}") as cs:  # error_feedback=False: topk keeps it under the key anyway
         true_sum = np.zeros(n)
         sent = np.zeros(n)
         no_fb = np.zeros(n)
         norms = []
         for t in range(rounds):
             xs = {i: (rng.standard_normal(n) * 1e-2 + 2e-3).astype(np.float32) for i in cs}  # biased
-            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"ef.{t}") for i in cs))
+            outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag=f"ef.{t}", feedback="ef") for i in cs))
             assert all(o.tobytes() == outs[0].tobytes() for o in outs)
             sent += outs[0]
             true_sum += sum(xs.values())
@@ -164,11 +164,11 @@ async def test_dense_fallback_is_exact_and_flushes_the_residual():
     async with memory(mesh(3)) as cs:
         xs = {i: np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in cs}
         # k = 4 of 400: sparse, leaves a residual
-        await asyncio.gather(*(cs[i].allreduce(xs[i], tag="fb.1", codec="topk:0.01") for i in cs))
+        await asyncio.gather(*(cs[i].allreduce(xs[i], tag="fb.1", codec="topk:0.01", feedback="fb") for i in cs))
         res = {i: cs[i].sparse_feedback.residual[("topk", "fb", n)].copy() for i in cs}
         assert cs[0].stats_for("fb.1").codec == "topk:0.01"
         # k = 200 of 400 with 3 members: 3 * 200 * 8 > 400 * 4 -> exact dense allreduce of x + residual
-        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="fb.2", codec="topk:0.5") for i in cs))
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="fb.2", codec="topk:0.5", feedback="fb") for i in cs))
         assert all(("topk", "fb", n) not in cs[i].sparse_feedback.residual for i in cs)
         assert cs[0].stats_for("fb.2").codec == "none"
     ref = sum(xs[i] + res[i] for i in cs)
@@ -199,10 +199,10 @@ async def test_aborted_exchange_keeps_the_old_residual_and_other_ops():
         for c in cs.values():
             c.timeout = 0.3
         x = np.arange(100, dtype=np.float32)
-        await asyncio.gather(*(cs[i].allreduce(x, tag="ab.1") for i in cs))
+        await asyncio.gather(*(cs[i].allreduce(x, tag="ab.1", feedback="ab") for i in cs))
         before = cs[0].sparse_feedback.residual[("topk", "ab", 100)].copy()
         with pytest.raises(PeerFailure):  # node 1 does not take part: the allgather times out
-            await cs[0].allreduce(x, tag="ab.2")
+            await cs[0].allreduce(x, tag="ab.2", feedback="ab")
         np.testing.assert_array_equal(cs[0].sparse_feedback.residual[("topk", "ab", 100)], before)
         with pytest.raises(ConfigError, match="allreduce only"):
             await cs[0].reduce_scatter(x, tag="rs")
