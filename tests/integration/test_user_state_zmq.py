@@ -14,6 +14,7 @@ check in tests/unit/test_ps_strategies.py.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,8 +69,12 @@ def run_nodes(tmp_path: Path, topo: Topology, strategy: str, body: Callable[[Ses
     threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in topo.ids]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(100)
+    deadline = time.monotonic() + 100
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        failed = [(i, v) for i, v in list(out.items()) if isinstance(v, BaseException)]
+        if failed:  # at once: the others may wait on the failed node for a long time
+            raise AssertionError(f"node {failed[0][0]} failed: {failed[0][1]!r}") from failed[0][1]
+        time.sleep(0.05)
     for i in topo.ids:
         if i not in out:
             raise AssertionError(f"node {i} did not finish within 100 s")
