@@ -101,6 +101,17 @@ def test_the_nodes_behind_a_dead_relay_keep_their_live_coordinator(n: int, kille
     assert s["fenced"] == {}
 
 
+def test_a_coordinator_paused_on_a_ring_is_replaced_and_fenced_and_declares_nobody() -> None:
+    # its successor takes over in a new term; once it resumes it learns that it was removed
+    # (fenced) and its own service, which credited its detectors with the pause, closes before
+    # it declares the members it no longer hears failed in the term the run has left
+    s, _ = simulate(ring(16), "pause:0@5+8", 30.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(0, 1)]
+    assert list(s["fenced"]) == ["0"] and 13.0 <= s["fenced"]["0"] <= 13.0 + s["detection_bound_s"]
+    assert s["final_view"]["coordinator"] == 1 and s["final_view"]["members"] == list(range(1, 16))
+
+
 def test_after_a_partition_heals_the_minority_learns_it_was_removed() -> None:
     # the cut-off side deposed the coordinator without ever voting (every successor it tried
     # was across the cut): it reports the term above, the coordinator is re-elected in a newer
