@@ -16,7 +16,8 @@ node becomes the coordinator (its client's ``on_takeover``), the host builds a
 epoch above the last one) and registers the strategy's coordinator services (``services``,
 e.g. ESync's State Server, which rebuilds its records from the members' next queries). Members
 then heartbeat and re-send their finish stats to it. The host owns the service it started and
-closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this node).
+closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this node, or the node
+is fenced).
 
 Re-election above a higher term. A node cut off from the majority (a partition's minority side)
 deposes the coordinator it cannot hear and votes, or runs, in a new term; having voted there, it
@@ -49,7 +50,7 @@ from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteReq
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
-from p2psync.errors import P2PSyncError, ProtocolError, RemoteError
+from p2psync.errors import Fenced, P2PSyncError, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.failover")
@@ -162,6 +163,7 @@ class CoordinatorHost:
         server.register(VOTE, self._vote)
         membership.on_takeover = self._take_over
         membership.coordinator_listeners.append(self._followed)
+        membership.fence_listeners.append(self._fenced)
 
     @property
     def coordinating(self) -> bool:
@@ -344,6 +346,18 @@ class CoordinatorHost:
         if coordinator == self.me or svc is None:
             return
         log.warning("node %d: deposed as coordinator by a newer view naming node %d", self.me, coordinator)
+        self.service = None
+        self._retired.append(svc)
+        self._closing.spawn(svc.close())
+
+    def _fenced(self, why: Fenced) -> None:
+        """The node was removed from the run: it coordinates nothing from now on (a service
+        of its own would declare the members it no longer hears failed, in a term the run
+        has left); close it."""
+        svc = self.service
+        if svc is None:
+            return
+        log.warning("node %d: fenced while coordinating: its membership service closes", self.me)
         self.service = None
         self._retired.append(svc)
         self._closing.spawn(svc.close())

@@ -2,8 +2,9 @@
 
 A :class:`Relay`, held by :class:`~p2psync.transport.base.Transport`, moves control messages
 (``rpc``, ``reply``, ``event``, ``hb``) to nodes that are not adjacent: shortest paths over the
-nodes not marked dead (:class:`~p2psync.transport.router.Router`), a retry over another first
-hop (``rotate``), forwarding of what passes through this node (owned tasks, drained on close),
+nodes not marked dead (:class:`~p2psync.transport.router.Router`), a reply back through the
+neighbour its request came from first (:meth:`~p2psync.transport.router.Router.reply_hops`), a
+retry over another first hop (``rotate``), forwarding of what passes through this node (owned tasks, drained on close),
 and, in a keyed cluster, the origin's digest and counter on what this node relays for itself
 (checked at the destination by the ingest pipeline, :mod:`p2psync.transport.relay_auth`). It
 hands frames to adjacent nodes only through the callables it is given (the transport's send
@@ -119,8 +120,8 @@ class Relay:
                 return
             except PeerFailure:
                 pass
-        hops_list = self.router.next_hops(dst, exclude=came_from, rotate=rotate,
-                                          to_dead=came_from is not None or reply)
+        hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate) if reply else
+                     self.router.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None))
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin == self.node_id and self.keys is not None:  # number and sign it for the destination

@@ -5,6 +5,16 @@ them (computed on demand per source node, dropped whenever the set changes), and
 neighbours lead towards a destination (:func:`p2psync.topology.paths.next_hops`). It does no
 IO; the transport consults it to relay (:mod:`p2psync.transport.relay`), refuse sends to dead
 nodes, and to tell the ingest pipeline which nodes are dead.
+
+**Replies go back the way their request came.** For every origin, the router remembers the
+neighbour through which that origin's latest relayed message reached this node
+(:meth:`Router.heard`); a reply to that origin is handed to that neighbour first
+(:meth:`Router.reply_hops`), at the origin's responder and at every relay on the way back, so it
+retraces the path its request has just crossed. Shortest paths are computed over the nodes this
+node has marked dead only: when a relay dies, the nodes that do not know it yet (every node but
+the coordinator, until its view declares it) keep routing towards it, and a node next to it has
+no other way forward. A requester that goes around the dead relay (its retries take other first
+hops) is then answered around it too, instead of losing every reply until the relay is declared.
 """
 
 from __future__ import annotations
@@ -22,6 +32,15 @@ class Router:
         #: nodes marked dead (changed only by :meth:`mark_dead` and :meth:`revive`)
         self.dead: set[int] = set()
         self._dist: dict[int, dict[int, int]] = {}
+        #: origin -> the neighbour its latest relayed message reached this node through
+        self.back: dict[int, int] = {}
+        self._neighbors = frozenset(topology.neighbors(node_id))
+
+    def heard(self, origin: int, via: int) -> None:
+        """A message from ``origin`` reached this node through neighbour ``via`` (admitted by the
+        ingest pipeline; ``via == origin`` for a direct one, which sets nothing)."""
+        if via != origin and via in self._neighbors:
+            self.back[origin] = via
 
     def mark_dead(self, node: int) -> None:
         """Route around ``node`` from now on."""
@@ -46,6 +65,17 @@ class Router:
         """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self.distances,
                          exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
+
+    def reply_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
+        """Neighbours to relay a reply through towards ``dst`` (which may be marked dead: it
+        asked), never ``exclude``: the neighbour ``dst``'s latest relayed message came through
+        first (:meth:`heard`) unless that one is marked dead, then :meth:`next_hops`
+        (``to_dead``) in its order."""
+        hops = self.next_hops(dst, exclude=exclude, rotate=rotate, to_dead=True)
+        back = self.back.get(dst)
+        if back is None or back == exclude or back in self.dead:
+            return hops
+        return [back, *(h for h in hops if h != back)]
 
 
 __all__ = ["Router"]

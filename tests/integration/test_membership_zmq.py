@@ -20,10 +20,12 @@ pytestmark = pytest.mark.timeout(90)
 class Node(MemberNode):
     """A member; the coordinator hosts the membership service."""
 
-    def __init__(self, topo: Topology, i: int, *, shaper: ShaperName = "none", run_id: int = 0) -> None:
+    def __init__(self, topo: Topology, i: int, *, shaper: ShaperName = "none", run_id: int = 0,
+                 failure_timeout: float = 2.0) -> None:
         super().__init__(topo, i, shaper=make_shaper(shaper, topo, i))
         self.ep.run_id = run_id
-        self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=20)
+        self.service = (MembershipService(server=self.server, expected=topo.ids, start_timeout=20,
+                                          failure_timeout=failure_timeout)
                         if i == topo.coordinator else None)
 
     def start_hosted(self) -> None:
@@ -35,10 +37,12 @@ class Node(MemberNode):
             await self.service.close()
 
 
-def cluster(topo: Topology, *, shaper: ShaperName = "none",
-            run_id: int = 0) -> AsyncContextManager[dict[int, Node]]:
-    """Every node started and registered (``shaper``, ``run_id``: every node's)."""
-    return member_cluster(topo, lambda i: Node(topo, i, shaper=shaper, run_id=run_id))
+def cluster(topo: Topology, *, shaper: ShaperName = "none", run_id: int = 0,
+            failure_timeout: float = 2.0) -> AsyncContextManager[dict[int, Node]]:
+    """Every node started and registered (``shaper``, ``run_id``: every node's;
+    ``failure_timeout``: the membership service's, on the coordinator)."""
+    return member_cluster(topo, lambda i: Node(topo, i, shaper=shaper, run_id=run_id,
+                                               failure_timeout=failure_timeout))
 
 
 async def _until(pred, timeout: float, what: str) -> float:
@@ -100,6 +104,37 @@ async def test_ring6_dead_relay_only_it_is_declared_failed():
             assert 1 in n.ep.dead
         assert nodes[0].service is not None and nodes[0].service.state.failed == {1}
         print(f"ring6: node 1 declared failed by every survivor {elapsed:.2f}s after it died")
+
+
+async def test_ring8_nodes_behind_a_dead_relay_keep_hearing_the_coordinator():
+    """Node 3 reaches coordinator 0 through node 2 (3 hops against 5), and node 0's replies took
+    the same way back. Once node 2 dies, node 3's heartbeats go round the other way, and so
+    must their replies: nobody suspects the live coordinator, only node 2 is declared failed.
+    The coordinator declares node 2 after 4 s of silence, twice the members' own failure
+    timeout: node 3 would suspect the coordinator long before if its replies were lost."""
+    topo = ring(8, base_port=free_port())
+    async with cluster(topo, failure_timeout=4.0) as nodes:
+        await _until(lambda: full_views(nodes), 10, "full views and RTT estimates")
+        await nodes[2].close()
+        survivors = [n for i, n in nodes.items() if i != 2]
+        suspected: set[int] = set()
+
+        def settled() -> bool:
+            suspected.update(n.ep.node_id for n in survivors if n.client.coordinator_suspected or n.client.coordinator != 0)
+            return all(n.client.failed == {2} for n in survivors)
+
+        elapsed = await _until(settled, 10, "every survivor to declare node 2 failed")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # observation period: the coordinator stays followed
+            settled()
+            await asyncio.sleep(0.02)
+        assert suspected == set(), suspected
+        for n in survivors:
+            assert n.client.failed == {2} and n.client.coordinator == 0, (n.ep.node_id, n.client.failed)
+            assert n.client.view is not None and n.client.view.members == (0, 1, 3, 4, 5, 6, 7)
+        assert nodes[0].service is not None and nodes[0].service.state.failed == {2}
+        print(f"ring8: node 2 declared failed by every survivor {elapsed:.2f}s after it died; nobody "
+              "suspected the coordinator")
 
 
 async def test_traffic_of_another_run_or_older_incarnation_is_rejected(caplog):

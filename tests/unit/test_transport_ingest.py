@@ -91,3 +91,25 @@ def test_the_router_recomputes_paths_when_a_node_dies_or_revives() -> None:
     assert r.next_hops(2) == [3] and r.distances(0).get(1) is None
     r.revive(1)
     assert sorted(r.next_hops(2)) == [1, 3] and r.distances(0)[1] == 1
+
+
+def test_a_reply_goes_back_first_through_the_neighbour_its_origin_was_last_heard_through() -> None:
+    r = Router(ring(8), 0)
+    assert r.reply_hops(3) == [1, 7]  # nothing heard from 3 yet: shortest first
+    r.heard(1, 1)  # a direct message sets nothing
+    r.heard(3, 7)  # 3's latest relayed message came the long way round (through 7)
+    assert r.back == {3: 7} and r.reply_hops(3) == [7, 1]
+    assert r.reply_hops(3, exclude=7) == [1]  # never back where the reply came from
+    r.mark_dead(7)
+    assert r.reply_hops(3) == [1]
+    r.revive(7)
+    r.heard(3, 4)  # not a neighbour: ignored
+    assert r.reply_hops(3) == [7, 1] and r.next_hops(3) == [1, 7]  # other control keeps its paths
+
+
+async def test_a_relayed_message_teaches_the_way_back_to_its_origin(ring4: dict[int, MemoryTransport]) -> None:
+    t = ring4[0]
+    t._ingest(_nic(t), 3, "3/n", _frames(src=2, inc=20, dst=0, hops=1))  # relayed by 3 from 2
+    assert t.router.back == {2: 3}
+    ring4[1]._ingest(_nic(ring4[1]), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=1))  # forwarded by 1
+    assert ring4[1].router.back == {3: 0}
