@@ -94,13 +94,16 @@ class Expect:
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One step: ``sends`` under the operation's tag plus ``send_suffix``, and ``expects``, in
-    sender order (the order their values are applied in). ``base_mine``: a ``SUM_FILL`` adds
-    to the caller's tensor's values (the piece is fresh), else to the working buffer's."""
+    sender order (the order their values are applied in). ``fill``: ``OWN_FILL`` or
+    ``SUM_FILL`` when every send of the step sends one fill computed where it is sent from
+    (the payload of each of ``sends``), else None. ``base_mine``: a ``SUM_FILL`` adds to the
+    caller's tensor's values (the piece is fresh), else to the working buffer's."""
 
     phase: str
     send_suffix: str
     sends: tuple[Send, ...]
     expects: tuple[Expect, ...]
+    fill: Payload | None
     base_mine: bool
 
     @property
@@ -174,14 +177,15 @@ class PieceMachine:
         step = self.steps[self._i]
         self._i += 1
         self._defer = step.defer
-        self._fill = fill = bool(step.sends) and (self.held or self.fresh)
+        self._fill = bool(step.sends) and (self.held or self.fresh)
+        fill = (Payload.SUM_FILL if self.held else Payload.OWN_FILL) if self._fill else None
         sends = tuple(self._send(t, fill) for t in step.sends)
         expects = tuple(Expect(src, sfx, reduce) for (src, reduce), sfx in zip(step.incoming, step.recv_suffixes))
-        return Exchange(step.phase, step.send_suffix, sends, expects, base_mine=self.fresh)
+        return Exchange(step.phase, step.send_suffix, sends, expects, fill, self.fresh)
 
-    def _send(self, t: Transfer, fill: bool) -> Send:
-        if fill:
-            return Send(t, Payload.SUM_FILL if self.held else Payload.OWN_FILL, Check.YES)
+    def _send(self, t: Transfer, fill: Payload | None) -> Send:
+        if fill is not None:
+            return Send(t, fill, Check.YES)
         payload = Payload.CACHED if not t.reduce and self.cached else Payload.ENCODE
         if self.lossy:
             return Send(t, payload, Check.NO)

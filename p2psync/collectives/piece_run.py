@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, cast
 import numpy as np
 
 from p2psync.collectives.piece_machine import Apply, Check, Exchange, Hold, Payload, PieceMachine, Seal, Verdict
+from p2psync.collectives.plan import Transfer
 from p2psync.collectives.schedule import Schedule
 from p2psync.compress import Codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
@@ -249,45 +250,46 @@ class Run:
 
     async def _exchange(self, k: int, ex: Exchange, m: PieceMachine,
                         held: tuple[Message, np.ndarray] | None) -> tuple[Fill | None, list[Message]]:
-        """Perform one step's sends and receives of piece ``k``: the step's fill (one, whatever
-        the number of sends) and the messages received, in ``ex.expects`` order. Counts the
-        bytes sent (``stats``: raw, on the wire, per NIC)."""
+        """Perform one step's sends and receives of piece ``k``: returns the step's fill (one,
+        whatever the number of sends) and the messages received, in ``ex.expects`` order."""
         tag = self.tag + ex.send_suffix
         fill: Fill | None = None
+        if ex.fill is Payload.SUM_FILL:
+            fill = self._sum_fill(k, *cast("tuple[Message, np.ndarray]", held), tag, ex.base_mine)
+        elif ex.fill is Payload.OWN_FILL:
+            fill = self._own_fill(k, tag)
         scan: bool | None = None  # the piece's values scanned once for the step's Check.SCAN sends
-        stats, tr, timeout = self.stats, self.owner.transport, self.owner.timeout
         sends = []
         for s in ex.sends:
-            t = s.transfer
-            if s.payload is Payload.SUM_FILL or s.payload is Payload.OWN_FILL:
-                if fill is None:
-                    fill = (self._sum_fill(k, *cast("tuple[Message, np.ndarray]", held), tag, ex.base_mine)
-                            if s.payload is Payload.SUM_FILL else self._own_fill(k, tag))
+            if fill is not None:
                 arrays: list[Any] = [fill]
             elif s.payload is Payload.CACHED:
                 arrays = self.cache[k]
             else:
                 arrays = self._encode(k, ("rs", self.fbkey, self.buf.size, k))
-            nbytes = sum(a.nbytes for a in arrays)
-            stats.wire_bytes += nbytes
-            stats.raw_bytes += self.piece(k).nbytes
-            stats.nic_bytes[t.nic] = stats.nic_bytes.get(t.nic, 0) + nbytes
-            if s.check is Check.SCAN:  # sent as is: check once, here, while hot
-                if scan is None:  # (if not finite, the transport's scan raises Diverged)
-                    scan = all_finite(arrays[0])
-                    m.scanned(scan)
-                checked = scan
-            else:
-                checked = s.check is Check.YES
-            sends.append(tr.send(t.dst, tag, arrays, codecs=[self.codec.name] * len(arrays),
-                                 nic=None if t.via else t.nic, meta=self.meta, timeout=timeout,
-                                 checked=checked, unordered=True, relay=bool(t.via)))
+            if s.check is Check.SCAN and scan is None:  # sent as is: check once, here, while hot
+                scan = all_finite(arrays[0])  # (if not finite, the transport's scan raises Diverged)
+                m.scanned(scan)
+            sends.append(self._send(k, s.transfer, tag, arrays, bool(scan) if s.check is Check.SCAN
+                                    else s.check is Check.YES))
         recvs = [self._recv(e.src, self.tag + e.suffix) for e in ex.expects]
         if ex.single:  # e.g. every step of a ring: no task, no gather
             one = await (sends or recvs)[0]
             return fill, ([] if sends else [cast(Message, one)])
         results = await _all([*sends, *recvs])  # sends return None
         return fill, cast("list[Message]", results[len(sends):])
+
+    def _send(self, k: int, t: Transfer, tag: str, arrays: list[Any], checked: bool) -> Awaitable[None]:
+        """Send piece ``k``'s frames ``arrays`` as ``t`` says, counting the bytes in ``stats``
+        (raw, on the wire, per NIC). ``checked``: its values are known finite."""
+        nbytes = sum(a.nbytes for a in arrays)
+        stats = self.stats
+        stats.wire_bytes += nbytes
+        stats.raw_bytes += self.piece(k).nbytes
+        stats.nic_bytes[t.nic] = stats.nic_bytes.get(t.nic, 0) + nbytes
+        return self.owner.transport.send(t.dst, tag, arrays, codecs=[self.codec.name] * len(arrays),
+                                         nic=None if t.via else t.nic, meta=self.meta, timeout=self.owner.timeout,
+                                         checked=checked, unordered=True, relay=bool(t.via))
 
 
 __all__ = ["OpStats", "PieceCheck", "Run"]
