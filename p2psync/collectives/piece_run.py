@@ -143,7 +143,7 @@ class Run:
 
     @staticmethod
     def fuses(codec: Codec, check: PieceCheck | None) -> bool:
-        """Whether a Run checks the pieces it receives itself, fused with their use (``_use``,
+        """Whether a Run checks the pieces it receives itself, fused with their use (``_apply``,
         ``_sum_fill``): lossless codecs without an extra ``check``. Only then may a received
         partial sum be sent straight on (:func:`~p2psync.collectives.schedule.deferrable`)."""
         return not codec.lossy and check is None
