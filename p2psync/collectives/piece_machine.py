@@ -27,6 +27,9 @@ State (per piece): ``fresh`` (its values are still only in the caller's tensor, 
 working buffer), ``clean`` (its working-buffer values are known finite), ``cached`` (the codec's
 frames of its current values are kept, lossy codecs), ``held`` (a received partial sum waits for
 the next send) and ``seal`` (the seal is still to do).
+
+Actions are values the loop reads and never changes; they are plain slotted dataclasses, not
+frozen ones, as one is made per piece and step (a frozen one costs about twice as much to make).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Verdict(enum.Enum):
     SCAN = "scan"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     """Send the piece to ``transfer.dst`` (over ``transfer.nic``, or relayed when
     ``transfer.via``), its frames from ``payload``, finiteness as ``check`` says."""
@@ -82,7 +85,7 @@ class Send:
     check: Check
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Expect:
     """Receive the piece from ``src`` under the operation's tag plus ``suffix``."""
 
@@ -91,7 +94,7 @@ class Expect:
     reduce: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Exchange:
     """One step: ``sends`` under the operation's tag plus ``send_suffix``, and ``expects``, in
     sender order (the order their values are applied in). ``fill``: ``OWN_FILL`` or
@@ -112,22 +115,22 @@ class Exchange:
         return len(self.sends) + len(self.expects) == 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Seal:
     """Quantize the fully reduced piece once (lossy codecs): those frames are what everyone gets."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     """Give back the held partial sum (a borrowed piece views the sender's ring)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hold:
     """Keep the arrived partial sum (do not release it): the next send adds it in."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Apply:
     """Add the arrived values into the working buffer's piece (``reduce``) or copy them over
     it; ``base_mine``: add them to the caller's tensor's values instead (the piece's first
