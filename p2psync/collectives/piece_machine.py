@@ -8,8 +8,9 @@ The loop asks :meth:`PieceMachine.next` for the next action until it returns Non
 * :class:`Seal`: the owner of a fully reduced piece quantizes it once (lossy codecs), before the
   first allgather step or, without one, at the end;
 * :class:`Exchange`: one step of the plan: the :class:`Send` of every transfer of the piece from
-  this node and the :class:`Expect` of every transfer to it, performed together (awaited alone
-  when there is only one: :attr:`Exchange.single`). Each send says where its frames come from
+  this node and the :class:`~p2psync.collectives.schedule.Expect` of every transfer to it (made
+  once per schedule), performed together (awaited alone when there is only one:
+  :attr:`Exchange.single`). Each send says where its frames come from
   (:class:`Payload`) and whether its values are known finite (:class:`Check`).
 
 and reports what happened:
@@ -38,7 +39,7 @@ import enum
 from dataclasses import dataclass
 
 from p2psync.collectives.plan import Transfer
-from p2psync.collectives.schedule import Step
+from p2psync.collectives.schedule import Expect, Step
 
 
 class Payload(enum.Enum):
@@ -83,15 +84,6 @@ class Send:
     transfer: Transfer
     payload: Payload
     check: Check
-
-
-@dataclass(slots=True)
-class Expect:
-    """Receive the piece from ``src`` under the operation's tag plus ``suffix``."""
-
-    src: int
-    suffix: str
-    reduce: bool
 
 
 @dataclass(slots=True)
@@ -183,8 +175,7 @@ class PieceMachine:
         self._fill = bool(step.sends) and (self.held or self.fresh)
         fill = (Payload.SUM_FILL if self.held else Payload.OWN_FILL) if self._fill else None
         sends = tuple(self._send(t, fill) for t in step.sends)
-        expects = tuple(Expect(src, sfx, reduce) for (src, reduce), sfx in zip(step.incoming, step.recv_suffixes))
-        return Exchange(step.phase, step.send_suffix, sends, expects, fill, self.fresh)
+        return Exchange(step.phase, step.send_suffix, sends, step.expects, fill, self.fresh)
 
     def _send(self, t: Transfer, fill: Payload | None) -> Send:
         if fill is not None:

@@ -21,7 +21,7 @@ def _step(phase: str = "rs0", sends: tuple[bool, ...] = (), incoming: tuple[tupl
     """A step of node 0 for piece 0: one send per entry of ``sends`` (its ``reduce``)."""
     ts = tuple(Transfer(0, d + 1, "eth0", 0, 1, reduce=r) for d, r in enumerate(sends))
     return Step(phase=phase, sends=ts, send_suffix=f".{phase}.0.0", incoming=incoming,
-                recv_suffixes=tuple(f".{phase}.{s}.0" for s, _ in incoming), defer=defer)
+                expects=tuple(Expect(s, f".{phase}.{s}.0", r) for s, r in incoming), defer=defer)
 
 
 def _machine(steps: tuple[Step, ...], *, lossy: bool = False, fused: bool = True, fresh: bool = False,
