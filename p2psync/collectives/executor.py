@@ -6,7 +6,11 @@ the round says, await the pieces that come in for it (each receive with a timeou
 in sender order (sums do not depend on arrival order), go on to the next round. A piece moves
 on as soon as its own inputs are in, so the plan runs pipelined — while one piece is still in
 round r another is already in round r+1 — with many pieces in flight on every NIC and no
-barrier, global or per round.
+barrier, global or per round. What a piece's coroutine does at each step is decided without
+IO by its :class:`~p2psync.collectives.piece_machine.PieceMachine` (which frames each send
+takes, whether its values are known finite, whether an arrived piece is added, copied or held
+for the next send, when the owner seals); the coroutine (:mod:`p2psync.collectives.piece_run`)
+performs those actions over the transport and counts the bytes.
 
 Outgoing pieces are sent zero-copy from the working buffer. During the operation that is safe
 because every plan is causal: this node only ever overwrites or adds into a piece after

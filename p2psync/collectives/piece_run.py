@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, cast
 
 import numpy as np
 
-from p2psync.collectives.schedule import Schedule, Step
+from p2psync.collectives.piece_machine import Apply, Check, Exchange, Hold, Payload, PieceMachine, Seal, Verdict
+from p2psync.collectives.plan import Transfer
+from p2psync.collectives.schedule import Schedule
 from p2psync.compress import Codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
 from p2psync.transport import all_finite, diverged
@@ -84,18 +86,14 @@ class Run:
         self.fb = owner.feedback if codec.lossy and feedback is not None else None
         self.fbkey = feedback
         self.check = check
-        #: pieces whose current values are known finite: copied from a received piece (the
-        #: transport rejects non-finite ones on arrival) or checked here since the last add;
-        #: their sends skip the transport's own scan (``checked=True``)
-        self.clean: set[int] = set()
-        #: the arrival check of lossless pieces happens here, fused with their use (_use)
+        #: the arrival check of lossless pieces happens here, fused with their use (_apply)
         self.fused_check = self.fuses(codec, check)
         if src is not None and codec.lossy:
             raise ConfigError("a lossy codec encodes from the working buffer: it needs it filled")
-        #: this node's own values (the caller's tensor, read only), and the pieces whose values
-        #: are still only there, not in ``buf`` yet (none without ``src``: ``buf`` has them)
+        #: this node's own values (the caller's tensor, read only); ``fresh``: each piece's
+        #: values are only there at first, not in ``buf`` yet (not so without ``src``: ``buf`` has them)
         self.src = buf if src is None else src
-        self.fresh: set[int] = set(range(len(bounds) - 1)) if src is not None else set()
+        self.fresh = src is not None
 
     def piece(self, k: int) -> np.ndarray:
         return self.buf[self.bounds[k]:self.bounds[k + 1]]
@@ -128,11 +126,12 @@ class Run:
                 raise diverged(me, tag)
         return Fill(self.piece(k), fill)
 
-    def _sum_fill(self, k: int, msg: Message, vals: np.ndarray, tag: str) -> Fill:
+    def _sum_fill(self, k: int, msg: Message, vals: np.ndarray, tag: str, base_mine: bool) -> Fill:
         """Piece ``k``'s partial sum with the received ``vals``, computed where it is sent from
-        (:func:`~p2psync.collectives.schedule.deferrable`) and checked there as :meth:`_use`
-        would: a NaN / infinity in ``vals`` is the sender's offence, else the sum overflowed here."""
-        base = self.mine(k) if k in self.fresh else self.piece(k)
+        (:func:`~p2psync.collectives.schedule.deferrable`) and checked there as :meth:`_apply`
+        would: a NaN / infinity in ``vals`` is the sender's offence, else the sum overflowed here.
+        ``base_mine``: ``vals`` are added to this node's own values (``src``), else to ``buf``'s."""
+        base = self.mine(k) if base_mine else self.piece(k)
         tr, me = self.owner.transport, self.me
 
         def fill(out: np.ndarray) -> None:
@@ -144,7 +143,7 @@ class Run:
 
     @staticmethod
     def fuses(codec: Codec, check: PieceCheck | None) -> bool:
-        """Whether a Run checks the pieces it receives itself, fused with their use (``_use``,
+        """Whether a Run checks the pieces it receives itself, fused with their use (``_apply``,
         ``_sum_fill``): lossless codecs without an extra ``check``. Only then may a received
         partial sum be sent straight on (:func:`~p2psync.collectives.schedule.deferrable`)."""
         return not codec.lossy and check is None
@@ -177,119 +176,120 @@ class Run:
             raise PeerFailure(f"{self.tag}: no piece from node {src} within {self.owner.timeout:g}s",
                               peers=(src,)) from None
 
-    def _use(self, k: int, vals: np.ndarray, msg: Message, reduce: bool) -> None:
-        """Add ``vals`` into piece ``k`` (``reduce``) or replace it. With the fused check the
-        transport has not scanned ``vals``: the piece is checked right after, while hot, and a
-        non-finite result is blamed on the sender when ``vals`` holds the NaN / infinity (else
-        the sum overflowed here, and sending it raises Diverged as usual). The first value a
-        piece gets is written into the working buffer from the caller's tensor (``fresh``)."""
-        piece = base = self.piece(k)
-        if k in self.fresh:  # the first value for it: from the caller's tensor into ``buf``
-            self.fresh.discard(k)
-            base = self.mine(k)
-        if reduce:
-            np.add(base, vals, out=piece)
+    def _apply(self, k: int, vals: np.ndarray, msg: Message, a: Apply, m: PieceMachine) -> None:
+        """Add ``vals`` into piece ``k`` or copy them over it, as ``a`` says. With the fused
+        check (``Verdict.SCAN``) the transport has not scanned ``vals``: the piece is checked
+        right after, while hot, and a non-finite result is blamed on the sender when ``vals``
+        holds the NaN / infinity (else the sum overflowed here, and sending it raises Diverged
+        as usual). The first value a piece gets is added to the caller's tensor's values
+        (``a.base_mine``) into the working buffer."""
+        piece = self.piece(k)
+        if a.reduce:
+            np.add(self.mine(k) if a.base_mine else piece, vals, out=piece)
         else:
             piece[...] = vals
-            if self.codec.lossy:
-                self.cache[k] = list(msg.arrays)
-        if not self.fused_check:
-            if reduce:
-                self.clean.discard(k)
-            else:
-                self.clean.add(k)  # the transport checked it on arrival
-        elif all_finite(piece):
-            self.clean.add(k)
-        else:
-            self.clean.discard(k)
-            self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
+        if a.cache:
+            self.cache[k] = list(msg.arrays)
+        if a.verdict is Verdict.SCAN:
+            finite = all_finite(piece)
+            m.applied(finite)
+            if not finite:
+                self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
 
     async def execute(self, seal: bool) -> None:
         """Run every piece's steps. ``seal``: a lossy codec's owner quantizes its fully reduced
         pieces before the allgather (:meth:`seal`)."""
         owned = self.sched.owned
         # lossless pieces: the finiteness check of what arrives is fused with the add / copy
-        # into the working buffer (one read of the piece instead of two; see _use)
+        # into the working buffer (one read of the piece instead of two; see _apply)
         # and pieces that came through shared memory are added / copied straight from the
         # sender's ring (borrowed, released once used: _piece), not copied out first
         tr = self.owner.transport
         defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
         lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
+        lossy, fused, fresh = self.codec.lossy, self.fused_check, self.fresh
+        machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
+                    for k, steps in enumerate(self.sched.pieces)]
         with defer, lend:
-            await _all([self._piece(k, steps, seal and k in owned) for k, steps in enumerate(self.sched.pieces)])
-        for k in self.fresh:  # never sent nor received here (an allreduce receives every piece)
-            self.piece(k)[...] = self.mine(k)
-        self.fresh.clear()
+            await _all([self._piece(k, m) for k, m in enumerate(machines)])
+        for k, m in enumerate(machines):  # never sent nor received here (an allreduce receives every piece)
+            if m.fresh:
+                self.piece(k)[...] = self.mine(k)
 
-    async def _piece(self, k: int, steps: tuple[Step, ...], seal: bool) -> None:
+    async def _piece(self, k: int, m: PieceMachine) -> None:
+        """Perform piece ``k``'s actions as its machine ``m`` decides them (see
+        :mod:`~p2psync.collectives.piece_machine`)."""
         #: a received partial sum not added yet: added straight into the next send (_sum_fill)
         held: tuple[Message, np.ndarray] | None = None
         try:
-            for step in steps:
-                if seal and step.phase.startswith("ag"):
+            while (act := m.next()) is not None:
+                if isinstance(act, Seal):
                     self.seal(k)
-                    seal = False
-                sends = []
-                fill: Fill | None = None  # one per step, whatever the number of sends
-                tag = self.tag + step.send_suffix
-                for t in step.sends:
-                    if held is not None or k in self.fresh:  # lossless, computed where it is sent from
-                        if fill is None:
-                            fill = self._sum_fill(k, *held, tag) if held is not None else self._own_fill(k, tag)
-                        arrays: list[Any] = [fill]
-                    elif not t.reduce and k in self.cache:
-                        arrays = self.cache[k]
-                    else:
-                        arrays = self._encode(k, ("rs", self.fbkey, self.buf.size, k))
-                    nbytes = sum(a.nbytes for a in arrays)
-                    self.stats.wire_bytes += nbytes
-                    self.stats.raw_bytes += self.piece(k).nbytes
-                    self.stats.nic_bytes[t.nic] = self.stats.nic_bytes.get(t.nic, 0) + nbytes
-                    checked = fill is not None  # a Fill checks what it computes
-                    if not self.codec.lossy and not checked:  # sent as is: check once, here, while hot
-                        checked = k in self.clean or all_finite(arrays[0])
-                        if checked:  # (if not, the transport's scan raises Diverged)
-                            self.clean.add(k)
-                    sends.append(self.owner.transport.send(t.dst, tag, arrays,
-                                                           codecs=[self.codec.name] * len(arrays),
-                                                           nic=None if t.via else t.nic,
-                                                           meta=self.meta, timeout=self.owner.timeout,
-                                                           checked=checked, unordered=True, relay=bool(t.via)))
-                incoming = step.incoming
-                recvs = [self._recv(src, self.tag + sfx) for (src, _), sfx in zip(incoming, step.recv_suffixes)]
-                if len(sends) + len(recvs) == 1:  # e.g. every step of a ring: no task, no gather
-                    one = await (sends or recvs)[0]
-                    msgs = [] if sends else [cast(Message, one)]
-                else:
-                    results = await _all([*sends, *recvs])  # sends return None
-                    msgs = cast("list[Message]", results[len(sends):])
-                if fill is not None:  # it went: its values are in ``buf`` only if it was owned there
-                    if fill.owned:  # (and checked)
-                        self.clean.add(k)
-                        self.fresh.discard(k)
-                    if held is not None:  # a partial sum that nothing reads any more (Step.defer)
-                        held[0].release()
-                        held = None
-                        self.fresh.discard(k)
-                defer = step.defer
-                for (_src, reduce), msg in zip(incoming, msgs, strict=True):
+                    continue
+                fill, msgs = await self._exchange(k, act, m, held)
+                if m.exchanged(fill is not None and fill.owned) is not None and held is not None:
+                    held[0].release()
+                    held = None
+                for e, msg in zip(act.expects, msgs, strict=True):
                     keep = False
                     try:
                         vals = self._decode(msg, k)
                         if self.check is not None:
                             self.check(int(self.bounds[k]), int(self.bounds[k + 1]), vals, msg.src)
-                        if defer:
+                        use = m.arrived(e)
+                        if isinstance(use, Hold):
                             held, keep = (msg, vals), True
                         else:
-                            self._use(k, vals, msg, reduce)
+                            self._apply(k, vals, msg, use, m)
                     finally:  # a borrowed piece views the sender's ring: read no more from here
                         if not keep:
                             msg.release()
         finally:
             if held is not None:
                 held[0].release()
-        if seal:  # owner with no allgather step for this piece (e.g. a plan without one)
-            self.seal(k)
+
+    async def _exchange(self, k: int, ex: Exchange, m: PieceMachine,
+                        held: tuple[Message, np.ndarray] | None) -> tuple[Fill | None, list[Message]]:
+        """Perform one step's sends and receives of piece ``k``: returns the step's fill (one,
+        whatever the number of sends) and the messages received, in ``ex.expects`` order."""
+        tag = self.tag + ex.send_suffix
+        fill: Fill | None = None
+        if ex.fill is Payload.SUM_FILL:
+            fill = self._sum_fill(k, *cast("tuple[Message, np.ndarray]", held), tag, ex.base_mine)
+        elif ex.fill is Payload.OWN_FILL:
+            fill = self._own_fill(k, tag)
+        scan: bool | None = None  # the piece's values scanned once for the step's Check.SCAN sends
+        sends = []
+        for s in ex.sends:
+            if fill is not None:
+                arrays: list[Any] = [fill]
+            elif s.payload is Payload.CACHED:
+                arrays = self.cache[k]
+            else:
+                arrays = self._encode(k, ("rs", self.fbkey, self.buf.size, k))
+            if s.check is Check.SCAN and scan is None:  # sent as is: check once, here, while hot
+                scan = all_finite(arrays[0])  # (if not finite, the transport's scan raises Diverged)
+                m.scanned(scan)
+            sends.append(self._send(k, s.transfer, tag, arrays, bool(scan) if s.check is Check.SCAN
+                                    else s.check is Check.YES))
+        recvs = [self._recv(e.src, self.tag + e.suffix) for e in ex.expects]
+        if ex.single:  # e.g. every step of a ring: no task, no gather
+            one = await (sends or recvs)[0]
+            return fill, ([] if sends else [cast(Message, one)])
+        results = await _all([*sends, *recvs])  # sends return None
+        return fill, cast("list[Message]", results[len(sends):])
+
+    def _send(self, k: int, t: Transfer, tag: str, arrays: list[Any], checked: bool) -> Awaitable[None]:
+        """Send piece ``k``'s frames ``arrays`` as ``t`` says, counting the bytes in ``stats``
+        (raw, on the wire, per NIC). ``checked``: its values are known finite."""
+        nbytes = sum(a.nbytes for a in arrays)
+        stats = self.stats
+        stats.wire_bytes += nbytes
+        stats.raw_bytes += self.piece(k).nbytes
+        stats.nic_bytes[t.nic] = stats.nic_bytes.get(t.nic, 0) + nbytes
+        return self.owner.transport.send(t.dst, tag, arrays, codecs=[self.codec.name] * len(arrays),
+                                         nic=None if t.via else t.nic, meta=self.meta, timeout=self.owner.timeout,
+                                         checked=checked, unordered=True, relay=bool(t.via))
 
 
 __all__ = ["OpStats", "PieceCheck", "Run"]

@@ -17,20 +17,31 @@ from typing import Sequence
 from p2psync.collectives.plan import Plan, Transfer
 
 
+@dataclass(slots=True)
+class Expect:
+    """A receive of one piece: from ``src`` under the operation's tag plus ``suffix``
+    (``.<phase>.<src>.<piece>``); ``reduce``: its values are added in, else copied over. A
+    value: never changed once made."""
+
+    src: int
+    suffix: str
+    reduce: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     """What one round does with one piece on this node: ``sends`` (this node's transfers of
-    the piece, to each ``dst`` over ``nic``), ``incoming`` (``(src, reduce)`` per transfer of
-    the piece to this node, in sender order: sums do not depend on arrival order, their
-    rounding does), and the tag suffixes of both (``.<phase>.<src>.<piece>``, appended to the
-    operation's tag). ``defer``: what arrives is a partial sum that nothing but the next
-    step's send reads (:func:`deferrable`)."""
+    the piece, to each ``dst`` over ``nic``) under the operation's tag plus ``send_suffix``
+    (``.<phase>.<me>.<piece>``), ``incoming`` (``(src, reduce)`` per transfer of the piece to
+    this node, in sender order: sums do not depend on arrival order, their rounding does) and
+    their receives (``expects``, in the same order). ``defer``: what arrives is a partial sum
+    that nothing but the next step's send reads (:func:`deferrable`)."""
 
     phase: str
     sends: tuple[Transfer, ...]
     send_suffix: str
     incoming: tuple[tuple[int, bool], ...]
-    recv_suffixes: tuple[str, ...]
+    expects: tuple[Expect, ...]
     defer: bool
 
 
@@ -74,11 +85,11 @@ def schedule(plan: Plan, me: int, pieces: int, phases: tuple[str, ...], fused: b
             incoming = tuple(sorted((t.src, t.reduce) for t in ts if t.dst == me))
             steps.append(Step(phase=phase, sends=tuple(t for t in ts if t.src == me),
                               send_suffix=f".{phase}.{me}.{k}", incoming=incoming,
-                              recv_suffixes=tuple(f".{phase}.{src}.{k}" for src, _ in incoming),
+                              expects=tuple(Expect(src, f".{phase}.{src}.{k}", reduce) for src, reduce in incoming),
                               defer=fused and bool(incoming) and deferrable(me, mine, j)))
         out.append(tuple(steps))
     owned = frozenset(k for lo, hi in plan.owner.get(me, ()) for k in range(lo, hi))
     return Schedule(pieces=tuple(out), owned=owned)
 
 
-__all__ = ["Schedule", "Step", "deferrable", "schedule"]
+__all__ = ["Expect", "Schedule", "Step", "deferrable", "schedule"]
