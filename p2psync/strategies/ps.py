@@ -115,6 +115,23 @@ def store_changes(members: Sequence[int], incarnations: Mapping[int, int],
     return gone, fresh
 
 
+class _ViewWait:
+    """The bound of a wait that a newer view ends: ``bound`` seconds on the one clock, renewed
+    (:meth:`renew`) whenever the run moves; ``seen`` is the newest view epoch seen so far."""
+
+    def __init__(self, bound: float, seen: int) -> None:
+        self.bound = bound
+        self.seen = seen
+        self.deadline = clock.now() + bound
+
+    def renew(self) -> None:
+        self.deadline = max(self.deadline, clock.now() + self.bound)
+
+    @property
+    def expired(self) -> bool:
+        return clock.now() > self.deadline
+
+
 class _StoreStrategy(Strategy):
     """The worker loop shared by the five (spec §5)."""
 
@@ -180,8 +197,7 @@ class _StoreStrategy(Strategy):
         slowest member's (:attr:`start_step` too), its barrier generation the highest member's."""
         store = self._store()
         me = self.ctx.node_id
-        loop = asyncio.get_running_loop()
-        deadline, seen = loop.time() + 2 * self.ctx.peer_timeout, self.ctx.view.epoch
+        wait = _ViewWait(2 * self.ctx.peer_timeout, self.ctx.view.epoch)
         while True:
             view = self.ctx.view
             if me in view.members and len(view.members) < 2 and view.departed:
@@ -189,7 +205,7 @@ class _StoreStrategy(Strategy):
                                   f"finished ({list(view.departed)}): nobody holds the parameter store's state",
                                   peers=view.departed)
             if me not in view.members or len(view.members) < 2:
-                if loop.time() > deadline:
+                if wait.expired:
                     raise PeerFailure(f"{self.name}: node {me} joined view {view.epoch} {list(view.members)}, "
                                       "which holds no other member to take the parameter store's state from",
                                       peers=tuple(m for m in view.members if m != me))
@@ -200,7 +216,7 @@ class _StoreStrategy(Strategy):
             except (PeerFailure, PeerTimeout) as exc:  # a member failed meanwhile: over the next view
                 lost = PeerFailure(f"{self.name}: node {me} could not join the parameter store: {exc}",
                                    peers=tuple(m for m in view.members if m != me))
-                deadline, seen = await self._retry_after(lost, deadline, seen, 2 * self.ctx.peer_timeout)
+                await self._retry_after(wait, lost)
                 continue
             break
         self._incs = self._incarnations(view)
@@ -272,26 +288,25 @@ class _StoreStrategy(Strategy):
             store.abort_reshard(PeerFailure(f"{self.name}: view {view.epoch} supersedes the re-shard over view "
                                             f"{store.moving}"))
 
-    async def _retry_after(self, exc: PeerFailure, deadline: float, seen: int, bound: float) -> tuple[float, int]:
+    async def _retry_after(self, wait: _ViewWait, exc: PeerFailure) -> None:
         """Between two tries of a re-shard (or of the wait for the view after a failed push):
-        returns the (deadline, newest view epoch seen) to go on with, or raises ``exc`` past the
-        deadline. A newer view than ``seen`` renews the deadline (``bound`` from now: the run
-        moves); while this node hears no majority of the run it waits for one, bounded by the
-        quorum timeout (the minority side of a partition waits for the heal), and raises
-        :class:`~p2psync.errors.Fenced` once removed."""
-        loop = asyncio.get_running_loop()
+        returns when the next try may begin, or raises ``exc`` past ``wait``'s deadline. A
+        newer view renews the deadline (the run moves); while this node hears no majority of
+        the run it waits for one, bounded by the quorum timeout (the minority side of a
+        partition waits for the heal), and raises :class:`~p2psync.errors.Fenced` once removed."""
         m = self.ctx.membership
         if m.fenced is not None:
             raise m.fenced
         if m.registered and not m.has_quorum:
             await m.wait_quorum(self.ctx.quorum_timeout)
-            deadline = max(deadline, loop.time() + bound)
-        if self.ctx.view.epoch > seen:
-            return max(deadline, loop.time() + bound), self.ctx.view.epoch
-        if loop.time() > deadline:
+            wait.renew()
+        if self.ctx.view.epoch > wait.seen:
+            wait.seen = self.ctx.view.epoch
+            wait.renew()
+            return
+        if wait.expired:
             raise exc
-        await asyncio.sleep(0.05)
-        return deadline, seen
+        await asyncio.sleep(0.05)  # the pace of tries over the same view
 
     def _store(self) -> ParamStore:
         if self.store is None:
@@ -311,26 +326,24 @@ class _StoreStrategy(Strategy):
         e.g. a partition: the push stays lost and counted) goes on. Bounded by the peer timeout
         from the last view seen, and while this node hears no majority by the quorum wait."""
         store = self._store()
-        loop = asyncio.get_running_loop()
-        bound = self.ctx.peer_timeout
         first = self.ctx.view.epoch
-        deadline, seen = loop.time() + bound, first
+        wait = _ViewWait(self.ctx.peer_timeout, first)
         while True:
             view = self.ctx.view
             gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
                 if failure is None or view.epoch > first:  # a newer view keeps every member: the
                     return None                            # failure was a suspicion since healed
-                deadline, seen = await self._retry_after(failure, deadline, seen, bound)
+                await self._retry_after(wait, failure)
                 continue
             members = list(view.members)  # the store's members that stay, and the fresh ones
-            clock = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
+            ticks = (min(self.gen, _CLOCK_MAX), min(self.count, _CLOCK_MAX))
             try:
-                w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=clock)
+                w = await store.reshard(members, view.epoch, self._allreduce, fresh=fresh, clock=ticks)
             except (PeerFailure, PeerTimeout) as exc:  # another member failed meanwhile, a joiner did
                 # not come, or a newer view superseded this one (on_view): over the next view
                 failure = exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc), peers=tuple(fresh))
-                deadline, seen = await self._retry_after(failure, deadline, seen, bound)
+                await self._retry_after(wait, failure)
                 continue
             self._incs = self._incarnations(view)
             self.reshards += 1

@@ -58,6 +58,8 @@ def run_nodes(tmp_path: Path, topo: Topology, strategy: str, body: Callable[[Ses
     save(topo, path)
     out: dict[int, Any] = {}
 
+    ended = threading.Event()  # set whenever a node's body returns or raises
+
     def node(i: int) -> None:
         try:
             s = Session(str(path), i, strategy, out=str(tmp_path), run_id=f"{strategy}-{tag}", start_timeout=30,
@@ -65,16 +67,19 @@ def run_nodes(tmp_path: Path, topo: Topology, strategy: str, body: Callable[[Ses
             out[i] = body(s, i)
         except BaseException as exc:  # reported by the test
             out[i] = exc
+        finally:
+            ended.set()
 
     threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in topo.ids]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 100
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+    while len(out) < len(threads) and time.monotonic() < deadline:
+        ended.wait(deadline - time.monotonic())
+        ended.clear()
         failed = [(i, v) for i, v in list(out.items()) if isinstance(v, BaseException)]
         if failed:  # at once: the others may wait on the failed node for a long time
             raise AssertionError(f"node {failed[0][0]} failed: {failed[0][1]!r}") from failed[0][1]
-        time.sleep(0.05)
     for i in topo.ids:
         if i not in out:
             raise AssertionError(f"node {i} did not finish within 100 s")

@@ -178,7 +178,6 @@ async def test_a_re_shard_over_a_view_one_member_never_saw_gives_way_to_the_newe
         moving = [asyncio.ensure_future(s._follow_view()) for s in st[:2]]
         try:
             await until(lambda: all(s.store._moving == 1 for s in st[:2]), 10, "nodes 0 and 1 to re-shard over view 1")
-            await asyncio.sleep(0.3)  # waiting for node 2, which never saw view 1
             new = View(epoch=3, members=(0, 1, 2))
             for s in st[:3]:
                 s.ctx.membership.views.apply(new)
