@@ -35,8 +35,7 @@ import numpy as np
 
 from p2psync import clock
 from p2psync.collectives import Collectives
-from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
-from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.coordinator.stack import membership_stack
 from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.files import WriteFailures, write_text_or_warn
 from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
@@ -200,19 +199,14 @@ class NodeRuntime:
         # the clock did (a run without --run-id has no folder before the rendezvous: the clock)
         self.transport.incarnation = next_incarnation(
             Path(cfg.out) / cfg.run_id / f"node-{node_id}" if cfg.run_id else None, failures=self.write_failures)
-        self.server = RpcServer(self.transport)
-        self.rpc = RpcClient(self.transport, local=self.server)
-        self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
-                                           heartbeat_interval=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
-                                           phi_threshold=cfg.phi_threshold, quorum_timeout=cfg.quorum_timeout)
         strategy_cls = self.strategy_cls
-        self.host = CoordinatorHost(
-            server=self.server, membership=self.membership, expected=topo.ids,
+        stack = membership_stack(
+            self.transport, topo, heartbeat=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
+            phi_threshold=cfg.phi_threshold, quorum_timeout=cfg.quorum_timeout, start_timeout=cfg.start_timeout,
             services=lambda srv: strategy_cls.coordinator_services(srv, topo, dict(cfg.strategy_options)),
-            start_timeout=cfg.start_timeout, failure_timeout=cfg.failure_timeout,
-            heartbeat_interval=cfg.heartbeat, phi_threshold=cfg.phi_threshold,
             run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)},
             allow_join=cfg.on_failure == "continue")
+        self.server, self.rpc, self.membership, self.host = stack.server, stack.rpc, stack.membership, stack.host
         #: one per node: the identical start and the strategy share its plans and residuals
         self.collectives = Collectives(self.transport, piece_bytes=cfg.piece_kib << 10, timeout=cfg.peer_timeout,
                                        codec=cfg.codec, error_feedback=cfg.error_feedback, algo=cfg.collective)

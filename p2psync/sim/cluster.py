@@ -35,9 +35,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
-from p2psync.coordinator.failover import CoordinatorHost
+from p2psync.coordinator.stack import membership_stack
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
 from p2psync.sim import invariants as inv
@@ -128,15 +127,11 @@ class SimNode:
                                       shaper=_shaper(topo, node_id, opts))
         self.transport.run_id = 1
         self.transport.incarnation = 1  # (the wall clock's would differ between runs)
-        self.server = RpcServer(self.transport)
-        self.rpc = RpcClient(self.transport, local=self.server)
-        self.membership = MembershipClient(transport=self.transport, rpc=self.rpc, coordinator=topo.coordinator,
-                                           heartbeat_interval=opts.heartbeat, failure_timeout=opts.failure_timeout,
-                                           phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout)
-        self.host = CoordinatorHost(server=self.server, membership=self.membership, expected=topo.ids,
-                                    start_timeout=opts.start_timeout, failure_timeout=opts.failure_timeout,
-                                    heartbeat_interval=opts.heartbeat, phi_threshold=opts.phi_threshold,
-                                    check_interval=opts.check_interval, run_info={"run_id": "sim"})
+        stack = membership_stack(self.transport, topo, heartbeat=opts.heartbeat, failure_timeout=opts.failure_timeout,
+                                 phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout,
+                                 start_timeout=opts.start_timeout, check_interval=opts.check_interval,
+                                 run_info={"run_id": "sim"})
+        self.server, self.rpc, self.membership, self.host = stack.server, stack.rpc, stack.membership, stack.host
         self.opts = opts
         self.fenced_at: float | None = None
         self.killed_at: float | None = None
