@@ -73,3 +73,27 @@ def test_measure_fake_run(tmp_path):
 def test_preflight_names_what_the_cli_rejects():
     assert wan.preflight(["run", str(RING), "--codec", "fp16"]) is None
     assert "codec" in (wan.preflight(["run", str(RING), "--codec", "no-such-codec"]) or "")
+
+
+def test_a_language_model_runs_with_momentum_sgd_and_compares_validation_bpb(tmp_path):
+    """``--model lm-tiny``: the CLI gets the model, its corpus and plain momentum SGD (DTS's
+    compensation is defined for it only) and no ``--lr`` (the model's own); the run's final
+    ``val_bpb`` is what is measured, and lower is better in the comparison."""
+    args = wan.build_parser().parse_args(["--model", "lm-tiny", "--scale", "5"])
+    argv = wan.common_argv(args, tmp_path, "x", 10)
+    assert argv[argv.index("--model") + 1] == "lm-tiny" and argv[argv.index("--data") + 1] == "pysource"
+    assert argv[argv.index("--optimizer") + 1] == "sgd" and "--lr" not in argv
+    assert wan.preflight(argv) is None
+    assert wan.t_compute_s(args) == pytest.approx(0.3) and wan.metric(args) == "val_bpb"
+    mlp = wan.build_parser().parse_args([])
+    assert "--lr" in wan.common_argv(mlp, tmp_path, "x", 10) and wan.t_compute_s(mlp) == pytest.approx(0.06)
+    w = MetricsWriter(tmp_path / "node-0.jsonl")
+    for step in range(1, 6):
+        w.write({"node": 0, "step": step, "time": float(step), "nics": {"a": {"sent": step}}})
+    w.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"nodes": {"0": {"final_accuracy": 0.1,
+                                                                       "final_val_bpb": 3.5}}}))
+    assert wan.measure(tmp_path, [0], warmup=1, period=1, metric="val_bpb").accuracy == pytest.approx(3.5)
+    assert wan.accuracy_delta(3.6, 3.5, lm=True)[1] and not wan.accuracy_delta(3.7, 3.5, lm=True)[1]
+    assert wan.accuracy_delta(3.0, 3.5, lm=True)[1]  # lower bpb is better
+    assert wan.accuracy_delta(0.896, 0.9, lm=False)[1] and not wan.accuracy_delta(0.89, 0.9, lm=False)[1]
