@@ -68,7 +68,13 @@ joiner adopts the lowest-id leader's θ_g, outer momentum and counters (not its 
 a joiner also its inner optimizer state with ``join_inner_state=copy``),
 resets θ_local ← θ_g and takes part in the operation with Δ = 0 and weight 0 (its first send of
 every fragment after that also weighs 0 with ``uniform``). Its loop moves to the leader's step.
-The final sync is not re-formed: a view change during it ends the run with an error.
+The stop is re-formed the same way: the final full-model sync is an operation like the others,
+and the closing checks after it (eager's exact mean, buffers, the digest of θ_g) run as one more
+operation (:data:`CLOSE`). A member that missed an operation the others completed there (it
+failed on it alone) adopts the leader's θ_g — with the final sync in it once the leader is in
+the closing checks — and takes part in what the leader runs; a member that missed the agreed
+stop learns it from the leader's counters. Eager updates re-form their rounds but not the
+completion step of their stop: a view change there ends the run with an error.
 
 Memory: θ_g and b (2n float32 on the host) persist; a fragment's send and merge read and write
 only its own parameters (``Replica.get_params_range`` / ``set_params_range``), so the transient
@@ -111,6 +117,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 #: the fragment number of the final full-model operation
 FULL = -1
+#: the counters' fragment of the stop's closing checks (after the final sync)
+CLOSE = -2
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,10 @@ class DiLoCo(Strategy):
         #: the leader's inner optimizer state a joiner takes (``join_inner_state=copy``)
         self._inner: np.ndarray | None = None
         self._want_stop = False
+        #: the leader's counters showed it at the stop (a member that missed the agreed stop)
+        self._stopping = False
+        #: θ_g holds the final sync already (adopted from a leader in the closing checks)
+        self._final_done = False
         #: fragments this node has not trained a full interval on since it adopted a state
         self.fresh: set[int] = set()
         self.marks: list[int] = []
@@ -447,6 +459,7 @@ class DiLoCo(Strategy):
                 stop = not self.opts.dylu and self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
             else:
                 stop = stop or got
+        stop = stop or self._stopping
         if stop:
             await self._flush(extra, step)
         wait += clock.now() - t1
@@ -523,12 +536,13 @@ class DiLoCo(Strategy):
             delta = np.zeros_like(g)
         if zero:  # this fragment's first send since adopting: its next one spans a full interval again
             w = 0.0
-            self.fresh.discard(f)
-            self.marks[f] = self.ctx.replica.samples
+            if f != FULL:
+                self.fresh.discard(f)
+                self.marks[f] = self.ctx.replica.samples
         else:
             w = self._weight(f)
         payload = delta if w == 1.0 else np.multiply(delta, np.float32(w))
-        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=max(f, 0))
+        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=f)
         self.ops += 1
         self._launched = c
         self._start(_Op(f=f, payload=payload, w=w, stop=self._want_stop, nonfinite=nonfinite, counters=c,
@@ -590,8 +604,9 @@ class DiLoCo(Strategy):
             extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + clock.now() - t0, 4)
             if isinstance(got, Adopted) or got is None:
                 self.inflight = None
-                if final:
-                    raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
+                if final and self.opts.eager:
+                    raise PeerFailure("diloco: a view changed during the completion step of eager updates' stop "
+                                      "(it is not re-formed)")
                 return await self._take_adopted(extra)
             s, side, st = got
         self.inflight = None
@@ -709,6 +724,15 @@ class DiLoCo(Strategy):
         self.marks = [self.ctx.replica.samples] * len(self.frags)
         self.adoptions += 1
         cur = self.cursor
+        if c.frag in (FULL, CLOSE) and not self.opts.eager:  # the leader is at the stop
+            self._stopping = True
+            log.warning("node %d: adopted the leader's DiLoCo state at its stop (operation %d, %s)", self.ctx.node_id,
+                        c.op, "final sync" if c.frag == FULL else "closing checks")
+            if c.frag == FULL:  # take part in the leader's final sync with Δ = 0
+                await self._launch(FULL, c.step, zero=True)
+            else:
+                self._final_done = True
+            return c
         if cur is None or not 0 <= c.frag < len(self.frags):
             raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
         cur.since, cur.next_frag, cur.due = 0, c.frag, None
@@ -725,7 +749,8 @@ class DiLoCo(Strategy):
 
     async def _flush(self, extra: dict[str, Any], step: int) -> None:
         """The stop: apply the operation in flight, the final full sync (``final_sync=full``),
-        θ_local ← θ_g, buffers, and a digest check of θ_g over the view."""
+        then the closing checks (:meth:`_close_checks`) as one more operation. A member that
+        adopts a leader's state on the way joins what the leader runs (the module docstring)."""
         if self.theta is None:
             raise ConfigError("diloco: no global copy yet")
         # the model's progress since the last send is measured from θ_g as it was then (eager's
@@ -739,38 +764,52 @@ class DiLoCo(Strategy):
                     o = self.opts
                     self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
                                               momentum=o.outer_momentum, nesterov=o.nesterov)
-        elif self.inflight is not None:
-            await self._apply(extra, final=True)
-        if self.opts.final_sync == "full":
-            await self._launch(FULL, step, ref=since if self.opts.eager else None)
-            full = self.inflight
-            if full is None or full.task is None:
-                raise ConfigError("diloco: the final sync did not start")
-            t0 = clock.now()
-            got = await full.task
-            extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + clock.now() - t0, 4)
-            self.inflight = None
-            if not isinstance(got, tuple):
-                raise PeerFailure("diloco: a view changed during the final sync (it is not re-formed)")
-            s, side, st = got
-            await self._outer(full, s, side, extra, merge_local=False)
-            extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
-        view = self._view()
+        elif self.inflight is not None and self.inflight.f != FULL:
+            await self._apply(extra, final=True)  # (an adoption here may launch the leader's final sync)
+        if self.opts.final_sync == "full" and not self._final_done:
+            if self.inflight is None or self.inflight.f != FULL:
+                await self._launch(FULL, step, ref=since if self.opts.eager else None)
+            got = await self._collect(extra, final=True)
+            if isinstance(got, tuple):
+                full, s, side, _ = got
+                await self._outer(full, s, side, extra, merge_local=False)
+            elif got is None or got.frag != CLOSE:
+                raise PeerFailure("diloco: the final sync ended without a result")
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        self._launched = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=CLOSE)
+        done = await self.regroup.run(self.ops, self._close_checks)
+        if isinstance(done, Adopted):  # it missed the final sync: the leader's θ_g holds it
+            await self._take_adopted(extra)
+            if not self._final_done:
+                raise PeerFailure("diloco: adopted a state that is not at the stop's closing checks")
+            done = await self.regroup.run(self.ops, self._close_checks)
+        if isinstance(done, Adopted):
+            raise PeerFailure("diloco: the members did not agree on the stop's closing checks")
+
+    async def _close_checks(self, view: View) -> None:
+        """The stop's last operation over ``view``: eager's exact mean of θ_g and the momentum,
+        θ_local ← θ_g, buffers as ``--buffers`` says, and a digest of θ_g compared over the
+        members (a mismatch is a :class:`~p2psync.errors.ReplicaMismatch`)."""
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
         coll = self.ctx.collectives
+        op = OpId("diloco", self.ops, view.epoch).tag
+        theta, mom = self.theta, self.bufs[0]
         if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
-            tag = OpId("diloco", "mean", view.epoch).tag
-            mom = self.bufs[0] if self.bufs[0] is not None else np.zeros_like(self.theta)
+            m = mom if mom is not None else np.zeros_like(theta)
             th, mo = await gather_or_cancel([
-                coll.allreduce(exact_mean_input(self.theta), view.members, op="mean", codec="none", tag=tag),
-                coll.allreduce(exact_mean_input(mom), view.members, op="mean", codec="none", tag=f"{tag}.b")])
-            self.theta = np.asarray(th, np.float32)
-            self.bufs[0] = np.asarray(mo, np.float32)
-        await self.ctx.replica.set_params(self.theta.copy())
-        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=OpId("diloco", "end", view.epoch).tag,
-                           group=view.members)
-        mine = np.frombuffer(hashlib.blake2b(self.theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
-        rows = await coll.allgather(mine, view.members, tag=OpId("diloco", "hash", view.epoch).tag)
+                coll.allreduce(exact_mean_input(theta), view.members, op="mean", codec="none", tag=f"{op}.mean"),
+                coll.allreduce(exact_mean_input(m), view.members, op="mean", codec="none", tag=f"{op}.mean.b")])
+            theta, mom = np.asarray(th, np.float32), np.asarray(mo, np.float32)
+        await self.ctx.replica.set_params(theta.copy())
+        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=f"{op}.end", group=view.members)
+        mine = np.frombuffer(hashlib.blake2b(theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
+        rows = await coll.allgather(mine, view.members, tag=f"{op}.hash")
         differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
         if differ:
             raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "
                                   f"{view.members[0]}'s at the end", nodes=differ, tensor="theta_g")
+        self.theta = theta  # (kept only once every member holds it: a redo starts from the same θ_g)
+        if self.opts.eager:
+            self.bufs[0] = mom

@@ -235,8 +235,9 @@ _SPLIT = 1 << 20
 
 @dataclass(frozen=True)
 class Counters:
-    """Where a node stands when it launches operation ``op`` (of fragment ``frag``): its inner
-    step ``t``, its loop's step, and the outer steps applied so far."""
+    """Where a node stands when it launches operation ``op`` (of fragment ``frag``: -1 for the
+    final full-model sync, -2 for the stop's closing checks after it): its inner step ``t``,
+    its loop's step, and the outer steps applied so far."""
 
     op: int
     t: int
@@ -245,7 +246,7 @@ class Counters:
     frag: int = 0
 
     def pack(self) -> np.ndarray:
-        vals = (self.op, self.t, self.step, self.applied, self.frag + 1)
+        vals = (self.op, self.t, self.step, self.applied, self.frag + 2)  # (frag >= -2: the stop's markers)
         if any(v < 0 or v >= 1 << 43 for v in vals):
             raise ConfigError(f"DiLoCo counters out of range: {vals}")
         return np.array([x for v in vals for x in divmod(v, _SPLIT)], np.float32)
@@ -255,7 +256,7 @@ class Counters:
         if vec.size != COUNTERS or not np.isfinite(vec).all() or (vec < 0).any() or (vec != np.floor(vec)).any():
             raise ProtocolError("state", "malformed DiLoCo counters")
         v = [int(vec[2 * i]) * _SPLIT + int(vec[2 * i + 1]) for i in range(5)]
-        return cls(op=v[0], t=v[1], step=v[2], applied=v[3], frag=v[4] - 1)
+        return cls(op=v[0], t=v[1], step=v[2], applied=v[3], frag=v[4] - 2)
 
 
 COUNTERS = 10

@@ -5,9 +5,14 @@ over the survivors, which end with one model and one θ_g; a restarted node adop
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import numpy as np
 import pytest
 
+from p2psync.errors import PeerFailure
+from p2psync.strategies.diloco import FULL
 from p2psync.topology import ring
 from tests.helpers import free_port, until
 from tests.integration.test_leave_join_zmq import Node, _crash, _finish, _params, _train, cluster
@@ -52,3 +57,64 @@ async def test_a_restarted_node_adopts_the_global_copy_and_ends_with_the_same_mo
     assert len(set(ends)) == 1, ends
     assert adopted == 1
     assert all(p.tobytes() == params[0].tobytes() for p in params)
+
+
+async def test_a_crash_during_the_final_sync_is_redone_over_the_survivors_who_end_with_one_model():
+    """Node 2 dies right after it sent its part of the final full-model sync: the survivors'
+    final operation fails, is redone over the next view with their unchanged pseudo-gradients,
+    and they end with one model equal to one θ_g (their digest check passes)."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=OPTS) as nodes:
+        victim = nodes[2].strategy
+        launch = victim._launch
+        killed: list[asyncio.Task[None]] = []
+
+        async def launch_then_die(f: int, step: int, **kw: Any) -> None:
+            await launch(f, step, **kw)
+            if f == FULL and not killed:  # the final sync's own part is on its way: die now
+                killed.append(asyncio.ensure_future(nodes[2].crash()))
+
+        victim._launch = launch_then_die
+        await _train(nodes, 24, warm=5)
+        survivors = [n for i, n in nodes.items() if i != 2]
+        ends = await _finish(survivors)
+        assert killed, "node 2 never reached the final sync"
+        await asyncio.gather(*killed)
+        params = await _params(survivors)
+        thetas = [n.strategy.theta for n in survivors]
+        reforms = [n.strategy.regroup.reforms for n in survivors]
+    assert len(set(ends)) == 1, ends
+    assert all(r >= 1 for r in reforms), reforms
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
+async def test_a_member_that_failed_the_final_sync_alone_adopts_the_leaders_result_and_ends_with_it():
+    """Node 3's final sync fails on it alone (its sums arrived, then a failure): the others
+    apply the final outer step and go on to the closing checks. Node 3 asks for a redo; at the
+    new epoch it is one operation behind, adopts the leader's θ_g (the final step in it) and
+    joins the closing checks: every node ends with the same model."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=OPTS) as nodes:
+        late = nodes[3].strategy
+        reduce = late._reduce
+        failed: list[int] = []
+
+        async def fail_once(view: Any, op: Any) -> Any:
+            got = await reduce(view, op)
+            if op.f == FULL and not failed:
+                failed.append(op.k)
+                raise PeerFailure("test: the final sync fails on node 3 alone")
+            return got
+
+        late._reduce = fail_once
+        await _train(nodes, 24, warm=5)
+        ends = await _finish(list(nodes.values()))
+        params = await _params(list(nodes.values()))
+        thetas = [n.strategy.theta for n in nodes.values()]
+        adoptions = late.adoptions
+    assert failed, "node 3 never reached the final sync"
+    assert len(set(ends)) == 1, ends
+    assert adoptions == 1
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
