@@ -25,12 +25,15 @@ it had returned.
 
 :func:`gather_or_cancel` runs awaitables together and cancels the rest when one fails;
 :func:`wait_or_event` waits for a future or an event, whichever comes first.
+:class:`AbortEvent` is a :class:`threading.Event` that also tells listeners when it is set, so
+a coroutine can wait for it without polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -168,3 +171,38 @@ async def wait_or_event(fut: asyncio.Future[Any], event: asyncio.Event) -> bool:
     finally:
         await cancel_all([woke])
     return fut.done()
+
+
+class AbortEvent(threading.Event):
+    """A :class:`threading.Event` that calls its listeners once when it is set (on the thread
+    that sets it; a listener must be quick and must not raise). A thread waits on it as on any
+    event; a coroutine subscribes with :meth:`listen` and is woken, never polls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            if self.is_set():
+                return
+            super().set()
+            listeners, self._listeners = self._listeners, []
+        for fn in listeners:
+            fn()
+
+    def listen(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` when the event is set (at once when it already is); returns a function
+        that unsubscribes it."""
+        with self._lock:
+            if not self.is_set():
+                self._listeners.append(fn)
+                return lambda: self._forget(fn)
+        fn()
+        return lambda: None
+
+    def _forget(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)

@@ -19,6 +19,13 @@ built-in job's emulated device time) to cut it short. When the user's loop ends
 
 Threads: ``arrive``, ``serve`` and ``end`` are called on the training thread; everything else
 on the event loop thread.
+
+Waits: nothing here polls. The training thread blocks on its inbox, and everything that can
+end its wait puts an item there: a job, a release, the session's failure (:meth:`fail`), a
+nudge (:meth:`nudge`, for a caller of ``serve(until=...)`` whose condition changed) and the end
+of the event loop (:meth:`loop_stopped`, called by the loop's thread when ``run_forever``
+returns). The loop side waits on an :class:`asyncio.Event` that arrivals, the loop's end and
+an :class:`~p2psync.tasks.AbortEvent` set.
 """
 
 from __future__ import annotations
@@ -30,14 +37,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from p2psync.errors import Aborted, P2PSyncError, TrainingEnded
+from p2psync import clock
+from p2psync.errors import Aborted, P2PSyncError, TrainingEnded, TrainingError
+from p2psync.tasks import AbortEvent
 
 T = TypeVar("T")
-
-#: how often a parked thread checks that the event loop is still alive (seconds)
-PARK_POLL_S = 1.0
-#: how often a strategy waiting for an iteration checks its abort event (seconds)
-ABORT_POLL_S = 0.005
 
 
 @dataclass
@@ -63,6 +67,14 @@ class _Release:
         self.gen = gen
 
 
+class _Nudge:
+    """Wakes a thread in ``serve(until=...)`` so that it looks at its condition again."""
+
+
+class _LoopGone:
+    """The event loop stopped: nothing will release or serve the training thread any more."""
+
+
 class StepGate:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -85,6 +97,9 @@ class StepGate:
         self._gen = 0  # parks so far (training thread's count)
         self._park_gen = 0  # the park the loop knows of
         self._finished = False  # the strategy's driver ended: arrivals pass at once
+        self._loop_gone = False  # the event loop stopped (loop_stopped)
+        #: set once a strategy waits for an iteration that has not arrived (event loop)
+        self.wanted = asyncio.Event()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -110,19 +125,35 @@ class StepGate:
             self._left_at = time.perf_counter()
             self.parked_s += self._left_at - t
 
-    def serve(self, gen: int | None = None, *, until: Callable[[], bool] | None = None) -> None:
+    def serve(self, gen: int | None = None, *, until: Callable[[], bool] | None = None,
+              timeout: float | None = None) -> None:
         """Run jobs until released (a release of park ``gen``; tokens of other parks are
         stale and ignored) or, with ``until``, until it holds (releases and the session's
-        failure are then ignored: the caller waits for its own future). Raises the session's
-        failure, or when the event loop died."""
+        failure are then ignored: the caller waits for its own future, and whatever makes
+        ``until`` hold must :meth:`nudge` the gate). ``timeout`` (with ``until`` only) bounds
+        the wait: seconds, after which it returns whether or not ``until`` holds. Raises the
+        session's failure (parked), or P2PSyncError when the event loop stopped."""
+        if timeout is not None and until is None:
+            raise TrainingError("StepGate.serve: a timeout bounds a wait for a condition (until=...)")
+        deadline = None if timeout is None else clock.now() + timeout
         while until is None or not until():
             try:
-                item = self._inbox.get(timeout=PARK_POLL_S if until is None else 0.05)
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 if until is None and self._failure is not None:
-                    raise self._failure
-                if self._loop.is_closed() or not self._loop.is_running():
-                    raise P2PSyncError("the node's event loop stopped while the training thread waited")
+                    raise self._failure from None
+                if self._loop_gone or self._loop.is_closed():
+                    raise P2PSyncError("the node's event loop stopped while the training thread waited") from None
+                left = None if deadline is None else deadline - clock.now()
+                if left is not None and left <= 0:
+                    return
+                try:
+                    item = self._inbox.get(timeout=left)
+                except queue.Empty:
+                    return  # the bound passed
+            if isinstance(item, _LoopGone):
+                raise P2PSyncError("the node's event loop stopped while the training thread waited")
+            if isinstance(item, _Nudge):
                 continue
             if isinstance(item, _Release):
                 if until is None and (item.gen is None or item.gen == gen):
@@ -151,7 +182,14 @@ class StepGate:
     def nudge(self) -> None:
         """Wake a thread in :meth:`serve` ``(until=...)`` so it looks at its condition now
         (any thread; a parked thread ignores it)."""
-        self._inbox.put(_Release(-1))
+        self._inbox.put(_Nudge())
+
+    def loop_stopped(self) -> None:
+        """The event loop stopped (any thread; the loop's own thread calls it when
+        ``run_forever`` returns): a training thread waiting at the gate, or arriving later,
+        raises P2PSyncError instead of waiting for a loop that is gone."""
+        self._loop_gone = True
+        self._inbox.put(_LoopGone())
 
     def end(self) -> None:
         """The user's loop is over: a strategy waiting for an iteration gets TrainingEnded."""
@@ -213,36 +251,47 @@ class StepGate:
     async def next_iteration(self, abort: threading.Event | None = None) -> Arrival:
         """Release the iteration taken before (if any) and take the next one. Raises Aborted
         when ``abort`` is set first (that iteration will be released unstepped when it arrives),
-        TrainingEnded when the user's loop ended."""
+        TrainingEnded when the user's loop ended. An ``abort`` that may be set while this
+        waits must be an :class:`~p2psync.tasks.AbortEvent` (it wakes the wait); a plain
+        :class:`threading.Event` is accepted only already set."""
         if self._taken:
             self.release()
-        while True:
-            while self._pending is None:
-                if self._ended:
-                    raise TrainingEnded("the training loop ended")
-                if abort is not None and abort.is_set():
-                    self._skip += 1
-                    self.abandon.set()
-                    raise Aborted("iteration abandoned before it reached optimizer.step()")
-                self._wake.clear()
-                if abort is None:
+        unlisten: Callable[[], None] | None = None
+        if isinstance(abort, AbortEvent):
+            unlisten = abort.listen(self._wake_threadsafe)
+        elif abort is not None and not abort.is_set():
+            raise TrainingError("StepGate.next_iteration: an abort event set later must be a "
+                                "p2psync.tasks.AbortEvent (a plain threading.Event cannot wake the wait)")
+        try:
+            while True:
+                while self._pending is None:
+                    if self._ended:
+                        raise TrainingEnded("the training loop ended")
+                    if abort is not None and abort.is_set():
+                        self._skip += 1
+                        self.abandon.set()
+                        raise Aborted("iteration abandoned before it reached optimizer.step()")
+                    self._wake.clear()
+                    self.wanted.set()
                     await self._wake.wait()
-                else:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), ABORT_POLL_S)
-                    except asyncio.TimeoutError:
-                        pass
-            a, self._pending = self._pending, None
-            self.abandon.clear()
-            if self._skip:
-                self._skip -= 1
-                self.skipped += 1
-                self.release()
-                continue
-            self._taken = True
-            self.samples += a.samples
-            self.compute_s += a.compute_s
-            return a
+                a, self._pending = self._pending, None
+                self.abandon.clear()
+                if self._skip:
+                    self._skip -= 1
+                    self.skipped += 1
+                    self.release()
+                    continue
+                self._taken = True
+                self.samples += a.samples
+                self.compute_s += a.compute_s
+                return a
+        finally:
+            if unlisten is not None:
+                unlisten()
+
+    def _wake_threadsafe(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
 
 
 def _done(fut: asyncio.Future[Any], res: Any) -> None:

@@ -361,13 +361,13 @@ class Strategy(ABC):
     def state_dict(self) -> dict[str, Any]:
         """The strategy's own state for a user's checkpoint (JSON values or torch tensors: the
         checkpoint is a ``torch.save`` dict loaded with ``weights_only=True``); the model and
-        optimizer state are in their own state dicts. Called from api/session_state.py
+        optimizer state are in their own state dicts. Called on the event loop (api/driver.py)
         when a checkpoint is taken: ``copy.deepcopy(self.strategy.state_dict())``."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (called after :meth:`start`, before the first step, by
-        the session's step loop: ``strategy.load_state_dict(self._strategy_state)``)."""
+        the session's step loop, with the state of the checkpoint the node resumes from)."""
 
     def on_view(self, view: View) -> None:
         """A newer membership view (a node left or joined; called on the event loop, after

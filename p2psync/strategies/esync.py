@@ -38,7 +38,6 @@ dead device would otherwise stay the slowest forever) and admits joined ones. Wi
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -53,7 +52,7 @@ from p2psync.errors import Aborted, P2PSyncError
 from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, parse_options, register
 from p2psync.strategies.regroup import Adopted, Regroup
-from p2psync.tasks import TaskSet, wait_or_event
+from p2psync.tasks import AbortEvent, TaskSet, wait_or_event
 from p2psync.topology import Topology
 
 
@@ -183,7 +182,7 @@ class ESync(Strategy):
             if ready:
                 return losses, 0
             self._ask(len(losses), signal, ready, errors)
-            abort = threading.Event()
+            abort = AbortEvent()
             t_s = clock.now()
             it = asyncio.ensure_future(self.ctx.replica.compute_gradients(abort))
             try:
