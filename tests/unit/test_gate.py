@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, Callable, Coroutine
 
 import numpy as np
@@ -16,7 +17,8 @@ import torch
 
 from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
-from p2psync.errors import Aborted, TrainingEnded
+from p2psync.errors import Aborted, P2PSyncError, TrainingEnded, TrainingError
+from p2psync.tasks import AbortEvent
 from p2psync.training.flat import FlatModel
 
 pytestmark = pytest.mark.timeout(30)
@@ -241,5 +243,65 @@ def test_an_iteration_computed_on_replaced_parameters_is_skipped() -> None:
             arrive()
         fut.result(5)
         assert lp.gate.skipped == 1
+    finally:
+        lp.close()
+
+
+def test_an_abort_set_while_the_strategy_waits_wakes_it() -> None:
+    """No polling: the abort event itself wakes a strategy waiting for an iteration."""
+    lp, model, opt, flat, replica, user_step = _setup()
+    abort = AbortEvent()
+    waiting = threading.Event()
+
+    async def strategy() -> str:
+        lp.loop.call_soon(waiting.set)  # once the wait below has begun
+        try:
+            await replica.compute_gradients(abort)
+        except Aborted:
+            return "aborted"
+        return "took"
+
+    try:
+        fut = lp.spawn(strategy())
+        assert waiting.wait(5)
+        assert lp.gate.wanted.is_set()
+        abort.set()  # from this thread: the gate hears of it through the event
+        assert fut.result(5) == "aborted" and lp.gate.abandon.is_set()
+    finally:
+        lp.close()
+
+
+def test_a_plain_event_that_is_not_set_is_refused_as_an_abort() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    try:
+        with pytest.raises(TrainingError, match="AbortEvent"):
+            lp.spawn(replica.compute_gradients(threading.Event())).result(5)
+    finally:
+        lp.close()
+
+
+def test_a_parked_thread_learns_that_the_loop_stopped() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    try:
+        lp.loop.call_soon_threadsafe(lambda: lp.loop.call_later(0.1, lp.gate.loop_stopped))
+        with pytest.raises(P2PSyncError, match="event loop stopped"):
+            _backward(model)
+            user_step()
+        with pytest.raises(P2PSyncError, match="event loop stopped"):  # and every later arrival
+            user_step()
+    finally:
+        lp.close()
+
+
+def test_serving_until_a_condition_wakes_on_a_nudge_and_a_timeout_bounds_it() -> None:
+    lp, model, opt, flat, replica, user_step = _setup()
+    try:
+        done = threading.Event()
+        lp.loop.call_soon_threadsafe(lambda: lp.loop.call_later(0.05, lambda: (done.set(), lp.gate.nudge())))
+        lp.gate.serve(until=done.is_set)
+        assert done.is_set()
+        t0 = time.monotonic()
+        lp.gate.serve(until=lambda: False, timeout=0.2)  # nothing makes it hold: the bound ends it
+        assert 0.15 <= time.monotonic() - t0 < 5
     finally:
         lp.close()

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from p2psync.tasks import TaskSet, cancel_all, gather_or_cancel, wait_or_event
+from p2psync.tasks import AbortEvent, TaskSet, cancel_all, gather_or_cancel, wait_or_event
 
 
 async def test_a_task_set_drops_finished_tasks_and_cancels_the_rest_on_close():
@@ -190,3 +190,16 @@ async def test_a_cancelled_child_is_no_failure():
     await asyncio.gather(t, return_exceptions=True)
     assert ts.error is None
     await ts.close()
+
+
+def test_an_abort_event_tells_its_listeners_once() -> None:
+    ev = AbortEvent()
+    heard: list[str] = []
+    ev.listen(lambda: heard.append("a"))
+    forget = ev.listen(lambda: heard.append("b"))
+    forget()
+    ev.set()
+    ev.set()
+    assert heard == ["a"] and ev.is_set() and ev.wait(0)
+    ev.listen(lambda: heard.append("late"))  # already set: told at once
+    assert heard == ["a", "late"]
