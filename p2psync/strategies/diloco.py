@@ -223,7 +223,6 @@ class DiLoCo(Strategy):
         self.codec = self.opts.outer_codec or ctx.collectives.codec
         self.regroup = Regroup(ctx=ctx, name="diloco", snapshot=self._snapshot, restore=self._restore,
                                size=self._state_size)
-        self.elastic = self.regroup.elastic
         self.schedule: Schedule | None = None
         self.cursor: Cursor | None = None
         #: inner steps per second (EMA over compute time only) and the fastest member's (DyLU)
@@ -482,7 +481,7 @@ class DiLoCo(Strategy):
         self.speed = v if self.speed == 0 else 0.9 * self.speed + 0.1 * v
 
     def _view(self) -> View:
-        return self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
+        return self.regroup.failure.view()
 
     async def _begin(self) -> None:
         """First step of a fresh run: every member starts from the lowest id's parameters

@@ -66,7 +66,7 @@ from p2psync import clock
 from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
-from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, mean_and_agree, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
@@ -132,14 +132,14 @@ class DTS(Strategy):
         super().__init__(ctx)
         self.t = self.opts.t
         self.p = self.opts.p
-        self.failstop = FailStop(ctx, "dts", "dts.")
         self.regroup = Regroup(ctx=ctx, name="dts")
-        self.elastic = self.regroup.elastic
+        #: the failure policy (re-form or stop), shared with the regroup
+        self.failure = self.regroup.failure
         self.momentum = 0.0
         self.opt_momentum = 0.0
         self.state: DtsState | None = None
         self.flights: dict[int, _Flight] = {}
-        self.epoch = ctx.epoch if self.elastic else 0
+        self.epoch = self.failure.view().epoch
         self.resyncs = 0  # re-synchronizations done (the same count on every member)
         self._resync_due = False
         self._want_stop = False
@@ -163,10 +163,7 @@ class DTS(Strategy):
             self._resync_due = True
 
     def on_peer_failure(self, peer: int) -> None:
-        if self.elastic:
-            self.regroup.on_peer_failure(peer)
-        else:
-            self.failstop.on_peer_failure(peer)
+        self.failure.on_peer_failure(peer)
 
     def on_view(self, view: View) -> None:
         self.regroup.on_view(view)
@@ -190,8 +187,7 @@ class DTS(Strategy):
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        if not self.elastic:
-            self.failstop.check()
+        self.failure.check()
         if self.state is None:
             self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=step)
         try:
@@ -213,7 +209,7 @@ class DTS(Strategy):
         try:
             if self._resync_due:
                 raise _Broken("joined the run, or resumed from a checkpoint taken between syncs")
-            if self.elastic and self.ctx.epoch != self.epoch:
+            if self.failure.view().epoch != self.epoch:
                 raise _Broken(f"view {self.ctx.epoch} replaced view {self.epoch}")
             r = self.state.due(step)
             # the window due is applied before the one closing now is launched (unless it is
@@ -247,7 +243,7 @@ class DTS(Strategy):
     def _launch(self, win: Window) -> None:
         if self.state is None:
             return
-        view = self.ctx.view if self.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
+        view = self.failure.view()
         # the re-sync count keeps a window's tag unique when windows restart within one view
         op = OpId("dts.win", (self.resyncs, win.index), self.epoch)
         tag = op.tag
@@ -278,7 +274,7 @@ class DTS(Strategy):
         return flag, st
 
     async def _await(self, fl: _Flight) -> Exchange:
-        if not self.elastic:  # a failed peer's PeerFailure (FailStop aborts the receives)
+        if not self.failure.reforms:  # a failed peer's PeerFailure (Stop aborts the receives)
             return await fl.task
         if self.ctx.epoch == fl.epoch:
             await wait_or_event(fl.task, self.regroup.next_view)

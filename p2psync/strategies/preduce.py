@@ -78,7 +78,8 @@ from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
-from p2psync.strategies.base import FailStop, StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
+from p2psync.strategies.failure import failure_policy
 from p2psync.strategies.buffers import Buffers, alongside, own_buffers
 from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
 from p2psync.tasks import cancel_all, wait_or_event
@@ -184,9 +185,10 @@ class PReduce(Strategy):
         if isinstance(get_codec(ctx.collectives.codec), TopK):
             raise ConfigError("preduce averages whole models: --codec topk would keep only the largest 1 % of "
                               "a model's weights; use none, fp16, int8 or sketch8")
-        self.failstop = FailStop(ctx, "preduce", "preduce.")
+        #: the failure policy (re-form or stop) of the strategy's operations; the final
+        #: average's regroup holds its own, decided alike
+        self.failure = failure_policy(ctx, "preduce")
         self.final = Regroup(ctx=ctx, name="preduce.end")
-        self.elastic = self.final.elastic
         self.k = 0  # the version (spec B11)
         self.steps = 0  # local steps taken (the training loop's counter)
         self.seq = 0  # READYs sent
@@ -214,10 +216,9 @@ class PReduce(Strategy):
             self.start_step = self.steps = self.k = await fetch_state(self.ctx, "preduce")
 
     def on_peer_failure(self, peer: int) -> None:
-        if not self.elastic:
-            self.failstop.on_peer_failure(peer)
+        self.failure.on_peer_failure(peer)
         self.final.on_peer_failure(peer)
-        if not self.elastic or self._running is None:
+        if not self.failure.reforms or self._running is None:
             return
         g, failed = self._running
         if peer in g.members and not failed.done():
@@ -230,12 +231,11 @@ class PReduce(Strategy):
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        if not self.elastic:
-            self.failstop.check()
+        self.failure.check()
         try:
             loss, grad = await self.ctx.replica.compute_gradients()
         except TrainingEnded:
-            if not self.elastic:
+            if not self.failure.reforms:
                 raise
             return await self._loop_ended(want_stop)
         await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
@@ -321,7 +321,7 @@ class PReduce(Strategy):
         try:
             avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
-            if not self.elastic or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
+            if not self.failure.reforms or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
                 raise
             self.failed_groups += 1
             scope.retire()  # its pieces still on their way are dropped

@@ -32,8 +32,10 @@ Why this protocol (and not another):
   (SSGD stays bitwise equal). A group the live nodes no longer join fails with
   :class:`~p2psync.errors.GroupCutOff` (a PeerFailure: the node waits for a newer view).
 
-With ``--on-failure stop``, or without a membership service (unit tests), the old fail-stop
-(:class:`~p2psync.strategies.base.FailStop`) applies and the group is every node.
+With ``--on-failure stop``, or without a membership service (unit tests), the strategy's
+failure policy is :class:`~p2psync.strategies.failure.Stop`: an operation runs once over every
+node and a failed peer ends the run. :class:`Regroup` reads the policy (:attr:`Regroup.failure`)
+so that the strategies using it never test the setting.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from p2psync import clock
 from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
-from p2psync.strategies.base import MAX_META_BYTES, FailStop, StrategyContext
+from p2psync.strategies.base import MAX_META_BYTES, StrategyContext
+from p2psync.strategies.failure import FailurePolicy, failure_policy
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology.paths import hop_distances
@@ -112,19 +115,19 @@ class Regroup:
     def __init__(self, *, ctx: StrategyContext, name: str,
                  snapshot: Callable[[], Awaitable[np.ndarray]] | None = None,
                  restore: Callable[[np.ndarray], Awaitable[None]] | None = None,
-                 size: Callable[[], int] | None = None) -> None:
+                 size: Callable[[], int] | None = None, failure: FailurePolicy | None = None) -> None:
         """``snapshot`` / ``restore`` / ``size``: the state a member behind adopts (default: the
         replica's parameters and optimizer state, ``export_state`` / ``import_state`` /
         ``state_size``); a strategy with state of its own (DiLoCo's global copy and outer
-        momentum) passes its own three."""
+        momentum) passes its own three. ``failure``: the strategy's failure policy (default:
+        :func:`~p2psync.strategies.failure.failure_policy` of ``name``)."""
         self.ctx = ctx
         self.name = name
-        self.failstop = FailStop(ctx, name, f"{name}.")
+        #: re-form over survivors (Reform) or stop (Stop): decided once
+        self.failure = failure if failure is not None else failure_policy(ctx, name)
         self.snapshot = snapshot if snapshot is not None else ctx.replica.export_state
         self.restore = restore if restore is not None else ctx.replica.import_state
         self.size = size if size is not None else ctx.replica.state_size
-        #: re-form over survivors (else fail-stop): needs views and --on-failure continue
-        self.elastic = ctx.on_failure == "continue" and ctx.membership.view is not None
         #: the epoch whose members last agreed on their state: none yet, so every node runs one
         #: sync on its first operation (one tiny allgather). Starting from the epoch seen at
         #: construction could differ between nodes (a view may land between two nodes'
@@ -142,8 +145,7 @@ class Regroup:
     # -- hooks (event loop) --------------------------------------------------------------
 
     def on_peer_failure(self, peer: int) -> None:
-        if not self.elastic:
-            self.failstop.on_peer_failure(peer)
+        self.failure.on_peer_failure(peer)
 
     def on_view(self, view: View) -> None:
         ev, self._changed = self._changed, asyncio.Event()
@@ -155,15 +157,15 @@ class Regroup:
         return self._changed
 
     def check(self) -> None:
-        """Fail-stop mode: raise PeerFailure if a peer failed (no-op when re-forming)."""
-        if not self.elastic:
-            self.failstop.check()
+        """Raise PeerFailure when the policy stops the run on a failed peer (never when
+        re-forming)."""
+        self.failure.check()
 
     # -- the retry loop ------------------------------------------------------------------
 
     async def join(self) -> int:
         """A joiner: take the state of the members at their current step; returns that step."""
-        if not self.elastic:
+        if not self.failure.reforms:
             raise ConfigError(f"{self.name}: joining a running run needs --on-failure continue")
         got = await self.run(JOINING, None)
         if not isinstance(got, Adopted):
@@ -178,10 +180,10 @@ class Regroup:
         None when ``op`` is None and nothing was adopted. ``redo``: this step was already
         attempted and failed (outside this call, at ``failed_at``); the members of the next
         sync learn it (:attr:`backward_from`)."""
-        if not self.elastic:
-            self.failstop.check()
-            out = None if op is None else await op(View(epoch=0, members=tuple(self.ctx.topology.ids)))
-            self.failstop.check()
+        if not self.failure.reforms:  # once, over every node; a failed peer ends the run
+            self.failure.check()
+            out = None if op is None else await op(self.failure.view())
+            self.failure.check()
             return out
         while True:
             view = self.ctx.view
@@ -219,6 +221,22 @@ class Regroup:
                 if not isinstance(exc, NonFinitePiece):  # (its sender's exclusion is the next view)
                     self.ctx.membership.request_redo(view.epoch, err.peers)
                 await self._await_newer(view, err)
+
+    async def prepare(self, step: int) -> View | Adopted | None:
+        """Before an operation of ``step`` that runs outside :meth:`run` (SSGD's averaging
+        during backward): the members of a new epoch agree on their state first. Returns the
+        view to run it over, :class:`Adopted` when this node took a peer's state instead, or
+        None when this step must run the plain operation through :meth:`run` (the first step
+        of a sync that a member redoes, adopts or joins at: :func:`backward_from`)."""
+        if not self.failure.reforms:
+            return self.failure.view()
+        if self.ctx.epoch != self.synced:
+            got = await self.run(step, None)
+            if isinstance(got, Adopted):
+                return got
+        if step < self.backward_from:
+            return None
+        return self.ctx.view
 
     async def average_state(self, count: int, step: int, flag: bool = False) -> tuple[int, int, bool]:
         """Every member of the current view averages its whole state (weights and optimizer

@@ -164,15 +164,13 @@ class SSGD(Strategy):
         False: this step runs the plain averaging at ``optimizer.step()`` on every member
         (the first step of a sync that a member redoes, adopts or joins at:
         :func:`~p2psync.strategies.regroup.backward_from`); its backward passes stay local."""
-        if self.regroup.elastic and self.ctx.epoch != self.regroup.synced:
-            got = await self.regroup.run(step, None)
-            if isinstance(got, Adopted):
-                return got
-        if self.regroup.elastic and step < self.regroup.backward_from:
+        got = await self.regroup.prepare(step)
+        if isinstance(got, Adopted):
+            return got
+        if got is None:
             bw.pass_through(step)
             return False
-        view = self.ctx.view if self.regroup.elastic else View(epoch=0, members=tuple(self.ctx.topology.ids))
-        bw.arm(step, want_stop, view)
+        bw.arm(step, want_stop, got)
         return True
 
     async def _average(self, v: View, step: int, grad: np.ndarray, want_stop: bool,

@@ -169,13 +169,14 @@ async def test_the_controller_rejects_malformed_readies_and_answers_repeated_pol
 async def test_an_abandoned_reduce_keeps_the_workers_own_version():
     """A group whose reduce fails (a member died) is abandoned and the worker keeps its own model:
     it must keep its own iteration number too, or the controller's dynamic weights would treat
-    its model as the group's newest version. (Elastic mode needs a membership view; it is set
+    its model as the group's newest version. (Re-forming needs a membership view; the Reform policy is set
     directly here, the view-driven path runs over ZeroMQ in test_leave_join_zmq.)"""
+    from p2psync.strategies.failure import Reform
     from p2psync.strategies.preduce import GroupMsg
 
     async with memory_strategies(mesh(3), "preduce", {"P": 2}, momentum=0.0) as pr:
         s0 = pr[0]
-        s0.elastic = True
+        s0.failure = Reform(s0.ctx)
         s0.k = 3
         before = await s0.ctx.replica.get_params()
         g = GroupMsg(ctl=0, op=7, epoch=0, members=(0, 1), weights=(0.5, 0.5), k=10)
@@ -191,11 +192,12 @@ async def test_a_member_failing_before_the_reduce_waits_for_pieces_still_ends_it
     """The failure of a member can come while the reduce is still reading the model (nothing in
     the mailbox to abort yet): the reduce must still end at once, not wait for the dead member's
     pieces until the collective's timeout. (Seen under load: the test above then waited 10 s.)"""
+    from p2psync.strategies.failure import Reform
     from p2psync.strategies.preduce import GroupMsg
 
     async with memory_strategies(mesh(3), "preduce", {"P": 2}, momentum=0.0) as pr:
         s0 = pr[0]
-        s0.elastic = True
+        s0.failure = Reform(s0.ctx)
         read = s0.ctx.replica.get_params
 
         async def read_then_fail() -> np.ndarray:

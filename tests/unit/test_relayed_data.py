@@ -89,6 +89,7 @@ async def test_preduce_final_average_over_members_joined_through_other_nodes() -
     """P-Reduce's final average over the view {1, 3} of ring-4 (nodes 0 and 2 up, not
     members): exact, through the relays, both members ending with the same state."""
     from p2psync.coordinator import View
+    from p2psync.strategies.failure import Reform
     from tests.helpers import memory_strategies
 
     async with memory_strategies(ring(4), "preduce", {}) as strats:
@@ -96,7 +97,7 @@ async def test_preduce_final_average_over_members_joined_through_other_nodes() -
         before = [await s.ctx.replica.export_state() for s in pair]
         for s in pair:
             s.ctx.membership.views.apply(View(epoch=1, members=(1, 3)))
-            s.final.elastic = s.elastic = True  # (re-forming over views: no rendezvous in this test)
+            s.final.failure = s.failure = Reform(s.ctx)  # (re-forming over views: no rendezvous in this test)
             s.on_view(s.ctx.view)
         await asyncio.gather(*(s._final_average() for s in pair))
         after = [await s.ctx.replica.export_state() for s in pair]
