@@ -11,9 +11,9 @@ failover, the strategy). :meth:`Session.attach` installs a hook on the optimizer
 each call *arrives* at the :class:`~p2psync.api.gate.StepGate` and waits there only as long as
 the strategy says, running the strategy's model jobs (replace gradients, run or skip the local
 step, replace parameters and optimizer state). The strategy is driven on the event loop by
-:meth:`StepDriver._drive <p2psync.api.driver.StepDriver>`, step after step, exactly as the built-in job's loop used to drive it;
-its ``train_step`` takes the user's iterations through the replica
-(:class:`~p2psync.api.replica.HookedReplica`), so every strategy is written once.
+:class:`~p2psync.api.driver.StepDriver`, step after step; its ``train_step`` takes the user's
+iterations through the replica (:class:`~p2psync.api.replica.HookedReplica`), so every strategy
+is written once.
 
 The class is a thin handle on the training thread; the node's side is a
 :class:`~p2psync.api.driver.StepDriver` on the event loop, and where the session is (created,

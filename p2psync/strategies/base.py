@@ -265,7 +265,7 @@ class StepReport:
     after it, the seconds spent communicating and waiting, strategy fields for the metrics
     (``extra``) and, when the strategy moved elsewhere, the next step to run.
 
-    Read by the session's step loop (api/session.py ``_drive``): ``self.step = self.step + 1
+    Read by the session's step loop (api/driver.py ``StepDriver._drive``): ``self.step = self.step + 1
     if rep.next_step is None else rep.next_step``; one metrics record per report.
     """
 
@@ -336,7 +336,7 @@ class Strategy(ABC):
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         """Run one step (compute + exchange) and report it. ``want_stop``: this node would like
         to stop after this step (``--steps``/``--time`` reached, or ``Session.request_stop()``).
-        Called by the session's step loop (api/session.py ``_drive``):
+        Called by the session's step loop (api/driver.py ``StepDriver._drive``):
         ``rep = await strategy.train_step(self.step, want_stop)``."""
 
     def on_peer_failure(self, peer: int) -> None:
@@ -431,8 +431,7 @@ class FailStop:
 
     def on_peer_failure(self, peer: int) -> None:
         """Remember ``peer`` and fail the pending receives of the strategy's scope with
-        PeerFailure. Called from the owning strategy's own ``on_peer_failure`` (dts.py,
-        regroup.py)."""
+        PeerFailure. Called by the strategy's failure policy (strategies/failure.py ``Stop``)."""
         self.failed.add(peer)
         self.scope.abort(self._error((peer,)))
 
@@ -447,7 +446,7 @@ class FailStop:
 
     def check(self) -> None:
         """Raise PeerFailure naming the failed peers, if any; strategies call it at the start
-        of a step, e.g. dts.py: ``self.failstop.check()``."""
+        of a step through their failure policy (strategies/failure.py ``Stop.check``)."""
         if self.failed:
             raise self._error(tuple(sorted(self.failed)))
 
