@@ -24,8 +24,8 @@ Waits: nothing here polls. The training thread blocks on its inbox, and everythi
 end its wait puts an item there: a job, a release, the session's failure (:meth:`fail`), a
 nudge (:meth:`nudge`, for a caller of ``serve(until=...)`` whose condition changed) and the end
 of the event loop (:meth:`loop_stopped`, called by the loop's thread when ``run_forever``
-returns). The loop side waits on an :class:`asyncio.Event` that arrivals, the loop's end and
-an :class:`~p2psync.tasks.AbortEvent` set.
+returns). The loop side waits on an :class:`asyncio.Event` that arrivals, the end of the
+user's loop (:meth:`end`) and an :class:`~p2psync.tasks.AbortEvent` set.
 """
 
 from __future__ import annotations

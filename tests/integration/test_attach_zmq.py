@@ -439,3 +439,38 @@ def test_a_grad_scaler_unscales_the_mean_and_stays_equal(tmp_path: Path) -> None
     (n0, sc0, w0), (n1, sc1, w1) = out[0], out[1]
     assert n0 == n1 and sc0 == sc1 and w0.tobytes() == w1.tobytes()
     assert sc0["scale"] != 2.0 ** 16  # the scaler did work (it grew)
+
+
+def test_a_session_moves_through_its_phases_and_a_step_after_the_stop_changes_nothing(tmp_path: Path) -> None:
+    """CREATED, RUNNING once attached (attach returns with the strategy started), STOPPED when
+    the run agreed to stop (``should_stop``), CLOSED after close; an ``optimizer.step()`` after
+    the stop leaves the model as the run ended it."""
+    from p2psync.api.lifecycle import Phase
+
+    def body(s: Session, i: int) -> Any:
+        phases = [s.phase]
+        model = _model(7)
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        phases.append(s.phase)
+        k = 0
+        while not s.should_stop:
+            opt.zero_grad()
+            x, y = _batches(i)[k][0]
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            k += 1
+        phases.append(s.phase)
+        final = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()  # after the stop: no change (one warning)
+        after = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        stats = s.close()
+        phases.append(s.phase)
+        return phases, k, stats["steps"], torch.equal(final, after)
+
+    out = _two_nodes(tmp_path, "ssgd", body, tag="phases", max_steps=STEPS)
+    for i in (0, 1):
+        phases, k, steps, unchanged = out[i]
+        assert phases == [Phase.CREATED, Phase.RUNNING, Phase.STOPPED, Phase.CLOSED], phases
+        assert k == steps == STEPS and unchanged
