@@ -96,7 +96,7 @@ class StepDriver:
     """The event-loop side of one session (see the module docstring)."""
 
     def __init__(self, *, cfg: RunConfig, topo: Topology, node_id: int, max_steps: int, gate: StepGate,
-                 life: Lifecycle, ckpt: Checkpoints, steps: StepLog, info: dict[str, Any]) -> None:
+                 life: Lifecycle, ckpt: Checkpoints, reports: StepLog, info: dict[str, Any]) -> None:
         self.cfg = cfg
         self.topo = topo
         self.node_id = node_id
@@ -104,7 +104,7 @@ class StepDriver:
         self.gate = gate
         self.life = life
         self.ckpt = ckpt
-        self.steps = steps
+        self.reports = reports
         self.info = info
         #: set by the training thread (``Session.request_stop``): stop at the next agreed step
         self.stop_requested = threading.Event()
@@ -288,7 +288,7 @@ class StepDriver:
         """Write a step's record with the values logged since the last one."""
         if self.metrics is None:
             raise TrainingError("the session is not started (attach() first)")
-        logged = self.steps.take()
+        logged = self.reports.take()
         self.metrics.write({**rec, **logged}, flush="accuracy" in logged)
 
     # -- replica audits ------------------------------------------------------------------
@@ -384,7 +384,7 @@ class StepDriver:
         finally:
             replica.remove_hooks()
             if self.metrics is not None:
-                if self._last_record is None and self.steps.logged:
+                if self._last_record is None and self.reports.logged:
                     self._last_record = {"node": self.node_id, "step": self.step,
                                          "time": round(time.monotonic() - self.t0, 4)}
                 if self._last_record is not None:
@@ -397,10 +397,10 @@ class StepDriver:
         nics = rt.nic_bytes()
         params = await replica.get_params()
         buffers = await replica.get_buffers()
-        gate, steps = self.gate, self.steps
+        gate, reports = self.gate, self.reports
         stats: dict[str, Any] = {
             "node": self.node_id, "steps": self.step, "wall_s": round(wall, 3),
-            "final_accuracy": steps.last_accuracy, "final_test_loss": steps.last_test_loss,
+            "final_accuracy": reports.last_accuracy, "final_test_loss": reports.last_test_loss,
             "samples": gate.samples,
             "samples_per_s": gate.samples / wall if wall > 0 else 0.0,
             "compute_s": round(gate.compute_s, 3), "comm_s": round(self.comm_s, 3),
@@ -414,8 +414,8 @@ class StepDriver:
             "params_sha1": hashlib.sha1(params.tobytes() + buffers.raw.tobytes()).hexdigest()[:16],
             "audits": self.audits.as_dict(),
         }
-        if steps.last_val_bpb is not None:
-            stats["final_val_bpb"] = steps.last_val_bpb
+        if reports.last_val_bpb is not None:
+            stats["final_val_bpb"] = reports.last_val_bpb
         per = self.info.get("tokens_per_sample")
         if isinstance(per, int):
             stats["tokens_per_s"] = stats["samples_per_s"] * per

@@ -118,13 +118,13 @@ class Session:
         self.life = Lifecycle()
         self.replica: HookedReplica | None = None
         #: what the user's loop logged since the last record, and its last evaluation
-        self.steps = StepLog()
+        self.reports = StepLog()
         #: facts about this node's job that its final stats carry as they are (the built-in
         #: job: ``data``, its corpus's identity; ``tokens_per_sample``, which adds ``tokens_per_s``)
         self.info: dict[str, Any] = {}
         self.ckpt = Checkpoints(strategy=config.strategy)
         self.driver = StepDriver(cfg=config, topo=self.topo, node_id=node, max_steps=self.max_steps, gate=self.gate,
-                                 life=self.life, ckpt=self.ckpt, steps=self.steps, info=self.info)
+                                 life=self.life, ckpt=self.ckpt, reports=self.reports, info=self.info)
         self._warned_after_stop = False
 
     # -- what the driver holds, as the user sees it ---------------------------------------
@@ -160,15 +160,15 @@ class Session:
 
     @property
     def last_accuracy(self) -> float | None:
-        return self.steps.last_accuracy
+        return self.reports.last_accuracy
 
     @property
     def last_test_loss(self) -> float | None:
-        return self.steps.last_test_loss
+        return self.reports.last_test_loss
 
     @property
     def last_val_bpb(self) -> float | None:
-        return self.steps.last_val_bpb
+        return self.reports.last_val_bpb
 
     # -- training thread: the user's side ----------------------------------------------
 
@@ -274,7 +274,7 @@ class Session:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self.steps.pending_loss = float(loss)
+            self.reports.pending_loss = float(loss)
         life = self.life
         if life.error is not None:
             raise life.error
@@ -285,7 +285,7 @@ class Session:
                             "model (it stays the run's final one); end the loop when p2psync.should_stop() is true",
                             self.node_id, self.step)
             return loss
-        samples, self.steps.pending_samples = self.steps.pending_samples, 0
+        samples, self.reports.pending_samples = self.reports.pending_samples, 0
         if self.replica is None:  # unreachable: step is hooked by attach, which sets the replica
             raise TrainingError("optimizer.step() hooked without a replica")
         self.replica.user_state.on_step()
@@ -296,7 +296,7 @@ class Session:
                                       "holds NaN or infinity (nothing was sent; no peer is blamed)"))
             raise life.error  # type: ignore[misc]
         self.replica.flush_grad_ready()  # backward's gradients reach the loop before this iteration
-        self.gate.arrive(loss=self.steps.pending_loss, samples=samples, grads=grads,
+        self.gate.arrive(loss=self.reports.pending_loss, samples=samples, grads=grads,
                          params_gen=self.replica.params_gen)
         if life.error is not None:
             raise life.error
@@ -345,18 +345,18 @@ class Session:
         ``test_loss`` and ``val_bpb`` (evaluations; the last ones are the final stats'
         ``final_accuracy``, ``final_test_loss``, ``final_val_bpb``), anything else goes into the
         metrics record as is."""
-        steps = self.steps
+        reports = self.reports
         if "loss" in values:
-            steps.pending_loss = float(values.pop("loss"))
+            reports.pending_loss = float(values.pop("loss"))
         if "samples" in values:
-            steps.pending_samples += int(values.pop("samples"))
+            reports.pending_samples += int(values.pop("samples"))
         if "accuracy" in values:
-            steps.last_accuracy = float(values["accuracy"])
+            reports.last_accuracy = float(values["accuracy"])
         if "test_loss" in values:
-            steps.last_test_loss = float(values["test_loss"])
+            reports.last_test_loss = float(values["test_loss"])
         if "val_bpb" in values:
-            steps.last_val_bpb = float(values["val_bpb"])
-        steps.logged.update(values)
+            reports.last_val_bpb = float(values["val_bpb"])
+        reports.logged.update(values)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
