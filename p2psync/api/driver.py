@@ -37,12 +37,12 @@ import enum
 import hashlib
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from p2psync import clock
 from p2psync.api import checkpoint
 from p2psync.api.gate import StepGate
 from p2psync.api.lifecycle import Lifecycle, Phase
@@ -118,7 +118,7 @@ class StepDriver:
         self.outcome: Outcome | None = None
         self.step = 0
         self.stats: dict[str, Any] = {}
-        self.t0 = time.monotonic()
+        self.t0 = clock.now()
         self.comm_s = 0.0
         self.wait_s = 0.0
         self._last_record: dict[str, Any] | None = None
@@ -194,7 +194,7 @@ class StepDriver:
         """This node would stop after the step about to run: asked to, the step budget, or
         the time budget spent."""
         return (self.stop_requested.is_set() or self.step + 1 >= self.max_steps
-                or (limit is not None and time.monotonic() - self.t0 >= limit))
+                or (limit is not None and clock.now() - self.t0 >= limit))
 
     async def _drive(self) -> None:
         """The strategy's step loop (see the module docstring)."""
@@ -209,7 +209,7 @@ class StepDriver:
             self._strategy_started.set()
             self.step = max(strategy.start_step, self.ckpt.resume_step)
             limit = rt.time_left()
-            self.t0 = time.monotonic()
+            self.t0 = clock.now()
             while True:
                 want_stop = self._want_stop(limit)
                 if not rt.membership.has_quorum:  # cut off from the majority: no step until heard
@@ -273,7 +273,7 @@ class StepDriver:
         rt = self.runtime
         if rt is None:
             raise TrainingError("the session is not started (attach() first)")
-        now = time.monotonic() - self.t0
+        now = clock.now() - self.t0
         return {
             "node": self.node_id, "step": self.step, "time": round(now, 4), "loss": rep.loss,
             "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self.comm_s, 4),
@@ -386,14 +386,14 @@ class StepDriver:
             if self.metrics is not None:
                 if self._last_record is None and self.reports.logged:
                     self._last_record = {"node": self.node_id, "step": self.step,
-                                         "time": round(time.monotonic() - self.t0, 4)}
+                                         "time": round(clock.now() - self.t0, 4)}
                 if self._last_record is not None:
                     self._write(self._last_record)
                 self.metrics.close()
             await rt.close()
 
     async def _final_stats(self, rt: NodeRuntime, replica: HookedReplica) -> dict[str, Any]:
-        wall = time.monotonic() - self.t0
+        wall = clock.now() - self.t0
         nics = rt.nic_bytes()
         params = await replica.get_params()
         buffers = await replica.get_buffers()
