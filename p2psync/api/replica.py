@@ -1,8 +1,10 @@
 """The replica a strategy sees in the attach path: the user's model and optimizer behind the
 :class:`~p2psync.api.gate.StepGate`.
 
-It implements the :class:`~p2psync.strategies.base.Replica` protocol, so every strategy is
-written once and runs unchanged in the built-in job and in users' scripts:
+It implements the core :class:`~p2psync.model.replica.Replica` protocol and every capability
+of :mod:`p2psync.model.replica`, so every strategy is written once and runs unchanged in the
+built-in job, in users' scripts and in the tests (which drive it with a training thread running
+the built-in job's plain loop):
 
 * ``compute_gradients`` waits for the user's next iteration to reach ``optimizer.step()`` and
   returns its loss and flat gradient, copied on arrival, before any job (such as ASGD applying
@@ -31,17 +33,17 @@ from torch.autograd import Variable
 
 from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.backward_sync import BackwardAverager
-from p2psync.strategies.base import SgdHyper, SgdStep
-from p2psync.strategies.buffers import Buffers
-from p2psync.strategies.canary_colayers import Layer
-from p2psync.training.flat import FlatModel
+from p2psync.model import SgdHyper, SgdStep
+from p2psync.model import Buffers
+from p2psync.model import Layer
+from p2psync.model.flat import FlatModel
 from p2psync.training.user_state import UserState, decode, encode
 from p2psync.training.grad_copies import GradCallback, GradCopies
 from p2psync.api.gate import StepGate
 
 
 class HookedReplica:
-    """Implements :class:`~p2psync.strategies.base.Replica` on the user's model and optimizer
+    """Implements :class:`~p2psync.model.replica.Replica` and its capabilities on the user's model and optimizer
     through the :class:`~p2psync.api.gate.StepGate`: every model access is a job run on the
     training thread while it is parked in ``optimizer.step()``.
 
@@ -163,7 +165,7 @@ class HookedReplica:
 
     @property
     def samples(self) -> int:
-        """See :attr:`Replica.samples <p2psync.strategies.base.Replica.samples>` (the gate's count)."""
+        """See :attr:`Replica.samples <p2psync.model.replica.Replica.samples>` (the gate's count)."""
         return self.gate.samples
 
     @property
@@ -172,7 +174,7 @@ class HookedReplica:
         return self.gate.compute_s
 
     async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
-        """See :meth:`Replica.compute_gradients <p2psync.strategies.base.Replica.compute_gradients>`:
+        """See :meth:`Replica.compute_gradients <p2psync.model.replica.Replica.compute_gradients>`:
         takes the next iteration parked at the gate, skipping those computed on parameters
         replaced since."""
         while True:
@@ -190,7 +192,7 @@ class HookedReplica:
         self.steps_taken += 1
 
     async def apply_gradients(self, vec: np.ndarray) -> None:
-        """See :meth:`Replica.apply_gradients <p2psync.strategies.base.Replica.apply_gradients>`."""
+        """See :meth:`Replica.apply_gradients <p2psync.model.replica.Replica.apply_gradients>`."""
         await self.gate.run(lambda: self._apply(vec))
 
     async def sgd_step(self, vec: np.ndarray) -> SgdStep:
@@ -206,11 +208,11 @@ class HookedReplica:
         return await self.gate.run(self.flat.sgd_hyper)
 
     async def optim_spec(self) -> OptimSpec:
-        """See :meth:`Replica.optim_spec <p2psync.strategies.base.Replica.optim_spec>`."""
+        """See :meth:`Replica.optim_spec <p2psync.model.replica.OptimizerShards.optim_spec>`."""
         return await self.gate.run(self.flat.optim_spec)
 
     async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
-        """See :meth:`Replica.optim_hypers <p2psync.strategies.base.Replica.optim_hypers>`."""
+        """See :meth:`Replica.optim_hypers <p2psync.model.replica.OptimizerShards.optim_hypers>`."""
         return await self.gate.run(lambda: self.flat.optim_hypers(spec))
 
     async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
@@ -219,21 +221,21 @@ class HookedReplica:
         await self.gate.run(lambda: self.flat.correct(dw, du))
 
     async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
-        """See :meth:`Replica.apply_each <p2psync.strategies.base.Replica.apply_each>`."""
+        """See :meth:`Replica.apply_each <p2psync.model.replica.StepEach.apply_each>`."""
         def go() -> None:
             for v in vecs:
                 self._apply(v)
         await self.gate.run(go)
 
     async def get_params(self) -> np.ndarray:
-        """See :meth:`Replica.get_params <p2psync.strategies.base.Replica.get_params>`."""
+        """See :meth:`Replica.get_params <p2psync.model.replica.Replica.get_params>`."""
         return await self.gate.run(self.flat.get_params)
 
     def _replaced(self) -> None:
         self.params_gen += 1
 
     async def set_params(self, vec: np.ndarray) -> None:
-        """See :meth:`Replica.set_params <p2psync.strategies.base.Replica.set_params>`; iterations
+        """See :meth:`Replica.set_params <p2psync.model.replica.Replica.set_params>`; iterations
         computed before it are then skipped."""
         def go() -> None:
             self.flat.set_params(vec)
@@ -241,11 +243,11 @@ class HookedReplica:
         await self.gate.run(go)
 
     async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-        """See :meth:`Replica.get_params_range <p2psync.strategies.base.Replica.get_params_range>`."""
+        """See :meth:`Replica.get_params_range <p2psync.model.replica.ParamRanges.get_params_range>`."""
         return await self.gate.run(lambda: self.flat.get_params_range(ranges))
 
     async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
-        """See :meth:`Replica.set_params_range <p2psync.strategies.base.Replica.set_params_range>`;
+        """See :meth:`Replica.set_params_range <p2psync.model.replica.ParamRanges.set_params_range>`;
         iterations computed before it are then skipped."""
         def go() -> None:
             self.flat.set_params_range(ranges, vec)
@@ -253,21 +255,21 @@ class HookedReplica:
         await self.gate.run(go)
 
     async def export_meta(self) -> bytes:
-        """See :meth:`Replica.export_meta <p2psync.strategies.base.Replica.export_meta>`."""
+        """See :meth:`Replica.export_meta <p2psync.model.replica.Replica.export_meta>`."""
         return await self.gate.run(lambda: encode(self.user_state.capture()))
 
     async def import_meta(self, raw: bytes) -> None:
-        """See :meth:`Replica.import_meta <p2psync.strategies.base.Replica.import_meta>`: the
+        """See :meth:`Replica.import_meta <p2psync.model.replica.Replica.import_meta>`: the
         iteration parked now is skipped, so the scheduler step its loop makes next is absorbed."""
         state = decode(raw)
         await self.gate.run(lambda: self.user_state.restore(state, absorb=True))
 
     async def export_state(self) -> np.ndarray:
-        """See :meth:`Replica.export_state <p2psync.strategies.base.Replica.export_state>`."""
+        """See :meth:`Replica.export_state <p2psync.model.replica.Replica.export_state>`."""
         return await self.gate.run(self.flat.export_state)
 
     async def import_state(self, vec: np.ndarray) -> None:
-        """See :meth:`Replica.import_state <p2psync.strategies.base.Replica.import_state>`; iterations
+        """See :meth:`Replica.import_state <p2psync.model.replica.Replica.import_state>`; iterations
         computed before it are then skipped."""
         def go() -> None:
             self.flat.import_state(vec)
@@ -276,27 +278,28 @@ class HookedReplica:
 
     @property
     def buffer_bytes(self) -> int:
-        """See :attr:`Replica.buffer_bytes <p2psync.strategies.base.Replica.buffer_bytes>`."""
+        """See :attr:`Replica.buffer_bytes <p2psync.model.replica.ModelBuffers.buffer_bytes>`."""
         return self.flat.buffer_bytes
 
     async def get_buffers(self, floats: bool = False) -> Buffers:
-        """See :meth:`Replica.get_buffers <p2psync.strategies.base.Replica.get_buffers>`."""
+        """See :meth:`Replica.get_buffers <p2psync.model.replica.ModelBuffers.get_buffers>`."""
         return await self.gate.run(lambda: self.flat.read_buffers(floats))
 
     async def set_buffers(self, buffers: Buffers) -> None:
-        """See :meth:`Replica.set_buffers <p2psync.strategies.base.Replica.set_buffers>`."""
+        """See :meth:`Replica.set_buffers <p2psync.model.replica.ModelBuffers.set_buffers>`."""
         await self.gate.run(lambda: self.flat.write_buffers(buffers))
 
     async def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
-        """See :meth:`Replica.digests <p2psync.strategies.base.Replica.digests>`."""
+        """(name, 8-byte digest) of every parameter and (``buffers``) buffer: what the replica
+        audit compares (strategies/audit.py)."""
         return await self.gate.run(lambda: self.flat.digests(buffers))
 
     def state_size(self) -> int:
-        """See :meth:`Replica.state_size <p2psync.strategies.base.Replica.state_size>`."""
+        """See :meth:`Replica.state_size <p2psync.model.replica.Replica.state_size>`."""
         return self.flat.state_size()
 
     def layers(self) -> list[Layer]:
-        """See :meth:`Replica.layers <p2psync.strategies.base.Replica.layers>`."""
+        """See :meth:`Replica.layers <p2psync.model.replica.Layered.layers>`."""
         return self.flat.layers()
 
 

@@ -38,7 +38,8 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator.stack import membership_stack
 from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.files import WriteFailures, write_text_or_warn
-from p2psync.strategies.base import Replica, Strategy, StrategyContext, get_strategy, parse_options
+from p2psync.model import Replica
+from p2psync.strategies.base import Strategy, StrategyContext, get_strategy, parse_options
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.topology.paths import direct_links, hop_distances, joined

@@ -68,7 +68,7 @@ from p2psync.strategies.base import Strategy, get_strategy, parse_options
 from p2psync.strategies.needs import OptimizerInfo, check
 from p2psync.topology import Topology, load
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
-from p2psync.training.flat import FlatModel
+from p2psync.model.flat import FlatModel
 from p2psync.training.metrics import MetricsWriter
 from p2psync.training.user_state import UserState
 from p2psync.transport import all_finite

@@ -40,6 +40,7 @@ import numpy as np
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, ProtocolError, TransportError
+from p2psync.model import STEP_EACH
 from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.regroup import fetch_state, serve_state
@@ -72,6 +73,7 @@ class ASGD(Strategy):
     arrival (see the module docstring)."""
 
     name = "asgd"
+    requires = (STEP_EACH,)
     Options = ASGDOptions
     opts: ASGDOptions
 
@@ -169,7 +171,7 @@ class ASGD(Strategy):
             grads = [g for _, g in decoded if g is not None]
             for m in batch:  # the encoded bytes travel on unchanged
                 self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
-            await self.ctx.replica.apply_each([g * self.scale for g in grads])
+            await STEP_EACH.of(self.ctx.replica).apply_each([g * self.scale for g in grads])
             self.applied_remote += len(grads)
             self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
 

@@ -41,7 +41,8 @@ from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import StrategyContext
-from p2psync.strategies.buffers import Buffers, exchange_buffers
+from p2psync.model import Buffers
+from p2psync.strategies.buffers import exchange_buffers
 from p2psync.tasks import cancel_all
 from p2psync.vocab import BufferMode
 

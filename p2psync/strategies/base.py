@@ -1,9 +1,10 @@
 """The strategy interface, its context and the name registry.
 
-A strategy owns one training step end to end — local compute through the
-:class:`~p2psync.training.trainer.Trainer`-like replica, and whatever it exchanges through
-collectives and coordinator clients — so each algorithm can overlap communication with compute
-its own way. It never touches sockets directly.
+A strategy owns one training step end to end — local compute through the replica
+(:class:`~p2psync.model.replica.Replica`: a small core, plus the capabilities the strategy
+declares in :attr:`Strategy.requires`, checked when it is built), and whatever it exchanges
+through collectives and coordinator clients — so each algorithm can overlap communication with
+compute its own way. It never touches sockets directly.
 
 Only :meth:`Strategy.train_step` is abstract. ``want_stop`` tells the strategy this node would
 like to stop after this step; the strategy returns ``stop=True`` when the run ends (synchronous
@@ -23,10 +24,9 @@ another step (``StepReport.next_step``) when it adopted a peer's state instead o
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Hashable, Literal, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -34,160 +34,13 @@ from p2psync.collectives import Collectives, OpStats
 from p2psync.compress import Codec, get_codec
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer, View
 from p2psync.errors import ConfigError, PeerFailure
-from p2psync.params.optim import HyperValues, OptimSpec
-from p2psync.strategies.buffers import Buffers
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model import Capability, Replica, check_replica
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, build_options
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
 from p2psync.vocab import ON_FAILURE, BufferMode, OnFailure
-
-
-#: bytes of an encoded training state (``Replica.export_meta``) a peer may send
-MAX_META_BYTES = 16 << 20
-
-#: a learning rate or weight decay: one number, or one value per parameter element when the
-#: optimizer's parameter groups differ
-PerElement = float | np.ndarray
-
-
-@dataclass(frozen=True)
-class SgdHyper:
-    """The plain-SGD hyper-parameters in effect for the next step (DTS's compensation needs
-    them)."""
-
-    lr: PerElement
-    momentum: float
-    weight_decay: PerElement
-
-
-@dataclass(frozen=True)
-class SgdStep:
-    """One local SGD step: ``grad`` is what SGD fed to its momentum buffer (the gradient plus
-    weight_decay times the parameters before the step), ``hyper`` the numbers it used."""
-
-    grad: np.ndarray
-    hyper: SgdHyper
-
-
-class Replica(Protocol):
-    """What a strategy needs of the local model: the strategy's only way to compute, step and
-    read or replace the model.
-
-    Implemented by :class:`~p2psync.api.replica.HookedReplica` (the user's model behind the
-    step gate; what ``p2psync run`` and ``attach`` use) and by
-    :class:`~p2psync.training.trainer.Trainer` (a one-thread compute executor; tests). The
-    coroutines are awaited on the node's event loop; the model itself is only touched on the
-    thread that owns it (the training thread, or the Trainer's compute thread), one job at a
-    time, so communication goes on while they run.
-
-    Example: ``ctx.replica`` of the :class:`StrategyContext` a strategy is built with; in
-    ssgd.py: ``loss, grad = await self.ctx.replica.compute_gradients()``.
-    """
-
-    #: elements of the flat parameter vector (the length of gradients and parameters)
-    numel: int
-
-    @property
-    def samples(self) -> int:
-        """Training samples in the local iterations the strategy has taken so far."""
-
-    async def compute_gradients(self, abort: threading.Event | None = None) -> tuple[float, np.ndarray]:
-        """The next local iteration's (loss, flat float32 gradient copy); the model is not
-        stepped. Raises Aborted when ``abort`` is set first, TrainingEnded when the user's
-        loop ended. Called from every strategy's ``train_step``, e.g. ssgd.py:
-        ``loss, grad = await self.ctx.replica.compute_gradients()``."""
-
-    async def apply_gradients(self, vec: np.ndarray) -> None:
-        """Set the gradients to the flat ``vec`` and run one optimizer step (the user's own
-        optimizer: LR schedule, momentum, weight decay apply). Called from e.g. ssgd.py:
-        ``await self.ctx.replica.apply_gradients(mean)``."""
-
-    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
-        """One optimizer step per gradient in ``vecs``, in order, in one job. Called from
-        asgd.py's receiver: ``await self.ctx.replica.apply_each([g * self.scale for g in grads])``."""
-
-    async def sgd_step(self, vec: np.ndarray) -> SgdStep:
-        """One local step with plain SGD, reporting the tensor SGD fed to its buffer (DTS).
-        Called from dts.py: ``stepped = await self.ctx.replica.sgd_step(grad)``."""
-
-    async def sgd_hyper(self) -> SgdHyper:
-        """The optimizer's plain-SGD numbers (ConfigError for any other optimizer). Called
-        from dts.py's ``start``: ``hyper = await self.ctx.replica.sgd_hyper()``."""
-
-    async def optim_spec(self) -> OptimSpec:
-        """The optimizer's class, options and parameter-group layout as the parameter store's
-        owners run it (ConfigError for an optimizer that cannot be sharded). Called from
-        ps.py's ``start``: ``spec = await self.ctx.replica.optim_spec()``."""
-
-    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
-        """Every parameter group's numeric hyperparameters as they are now (the user's LR
-        scheduler changes them). Called from ps.py before each push:
-        ``hypers = await self.ctx.replica.optim_hypers(spec)``."""
-
-    async def correct(self, dw: np.ndarray, du: np.ndarray | None) -> None:
-        """Parameters += ``dw``, SGD momentum buffers += ``du`` (DTS's compensation). Called
-        from dts.py: ``await self.ctx.replica.correct(dw, du)``."""
-
-    async def get_params(self) -> np.ndarray:
-        """A copy of the parameters as one flat float32 vector. Called from e.g. esync.py:
-        ``w = await self.ctx.replica.get_params()``."""
-
-    async def set_params(self, vec: np.ndarray) -> None:
-        """Replace the parameters with the flat ``vec`` (optimizer state unchanged). Called
-        from e.g. esync.py: ``await self.ctx.replica.set_params(w_t + ... * mean)``."""
-
-    async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-        """The parameters in ``ranges`` ((lo, hi) of the flat vector), concatenated, as float32:
-        a part of :meth:`get_params` without a copy of the whole model. Called from diloco.py
-        for one fragment: ``local = await self.ctx.replica.get_params_range(self.ranges[f])``."""
-
-    async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
-        """Replace the parameters in ``ranges`` with ``vec`` (their values, concatenated); the
-        rest of the model and the optimizer state unchanged. Called from diloco.py after a
-        fragment's outer step: ``await self.ctx.replica.set_params_range(self.ranges[f], merged)``."""
-
-    async def export_state(self) -> np.ndarray:
-        """Parameters + optimizer state as one float32 vector (same length on every node of a
-        run). Called from regroup.py when serving a joiner: ``vec = await ctx.replica.export_state()``."""
-
-    async def import_state(self, vec: np.ndarray) -> None:
-        """Replace parameters and optimizer state with an :meth:`export_state` vector. Called
-        from regroup.py's ``fetch_state``: ``await ctx.replica.import_state(np.array(vec, copy=True))``."""
-
-    async def export_meta(self) -> bytes:
-        """The rest of the training state a joiner takes with :meth:`export_state`: the
-        optimizer's hyperparameters, its LR schedulers and a scaler, encoded
-        (training/user_state.py). Called from regroup.py next to ``export_state``."""
-
-    async def import_meta(self, raw: bytes) -> None:
-        """Take an :meth:`export_meta` state (ProtocolError when malformed)."""
-
-    def state_size(self) -> int:
-        """The length of :meth:`export_state`'s vector (regroup.py checks a fetched state
-        against it)."""
-
-    def layers(self) -> list[Layer]:
-        """The modules with trainable parameters, in the flat vector's order (Canary's
-        colayers). Called from canary.py's ``start``: ``layers = self.ctx.replica.layers()``."""
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the model's buffers (0: it has none; nothing to synchronize)."""
-
-    async def get_buffers(self, floats: bool = False) -> Buffers:
-        """A copy of the model's buffers (BatchNorm statistics): their raw bytes and, with
-        ``floats``, the floating-point ones as float32. Called from ssgd.py:
-        ``mine = await self.ctx.replica.get_buffers(floats=...)``."""
-
-    async def set_buffers(self, buffers: Buffers) -> None:
-        """Write :class:`Buffers` back (raw bytes first, then the float values if given)."""
-
-    async def digests(self, buffers: bool = True) -> list[tuple[str, bytes]]:
-        """(name, 8-byte digest) of every parameter and (``buffers``) buffer: what the replica
-        audit compares (strategies/audit.py)."""
 
 
 @dataclass
@@ -300,11 +153,16 @@ class Strategy(ABC):
     #: what it needs of the user's script (optimizer, schedules, clipping), checked once per run
     #: before anything starts (strategies/needs.py) and shown in the README's table
     needs: ClassVar[Needs] = Needs()
+    #: what it needs of the replica beyond the core :class:`~p2psync.model.replica.Replica`
+    #: (p2psync/model/replica.py), checked when the strategy is built (ConfigError naming
+    #: what is missing); e.g. dts.py: ``requires = (SGD_COMPENSATION, MODEL_BUFFERS)``
+    requires: ClassVar[tuple[Capability[Any], ...]] = ()
     #: what one :meth:`train_step` is, as tables name it: ``"step"`` (one local iteration) or
     #: ``"round"`` (several local iterations, then one exchange)
     step_unit: ClassVar[Literal["step", "round"]] = "step"
 
     def __init__(self, ctx: StrategyContext) -> None:
+        check_replica(ctx.replica, type(self).requires, f"--strategy {type(self).name}")
         self.ctx = ctx
         self.opts: StrategyOptions = parse_options(type(self), ctx.options, topology=ctx.topology)
         #: the first step the training loop runs (a joiner sets it to the step it joined at)

@@ -16,36 +16,17 @@ Tags: ``<tag>.buf`` (the broadcast) and ``<tag>.bufmean`` (the mean).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 from typing import Awaitable, Sequence, TypeVar
 
 import numpy as np
 
 from p2psync.collectives import Collectives
-from typing import TYPE_CHECKING
-
+from p2psync.model import Buffers, ModelBuffers
 from p2psync.tasks import gather_or_cancel
 from p2psync.vocab import BufferMode
 
-if TYPE_CHECKING:
-    from p2psync.strategies.base import Replica
-
 T = TypeVar("T")
-
-
-
-@dataclass(frozen=True)
-class Buffers:
-    """A replica's buffers: ``raw`` every buffer's bytes (uint8), ``floats`` the floating-point
-    ones as one float32 vector (only read for ``average``, else None)."""
-
-    raw: np.ndarray
-    floats: np.ndarray | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.raw.size == 0
 
 
 async def exchange_buffers(coll: Collectives, mine: Buffers, mode: BufferMode, *, tag: str,
@@ -64,7 +45,7 @@ async def exchange_buffers(coll: Collectives, mine: Buffers, mode: BufferMode, *
     return Buffers(raw=np.asarray(raw, np.uint8), floats=np.asarray(mean, np.float32))
 
 
-async def own_buffers(replica: Replica, mode: BufferMode) -> Buffers | None:
+async def own_buffers(replica: ModelBuffers, mode: BufferMode) -> Buffers | None:
     """``replica``'s buffers as ``mode`` exchanges them (None: nothing to exchange)."""
     if mode == "local" or replica.buffer_bytes == 0:
         return None
@@ -83,7 +64,7 @@ async def alongside(op: Awaitable[T], coll: Collectives, mine: Buffers | None, m
     return res.result(), bufs.result()
 
 
-async def sync_buffers(replica: Replica, coll: Collectives, mode: BufferMode, *, tag: str,
+async def sync_buffers(replica: ModelBuffers, coll: Collectives, mode: BufferMode, *, tag: str,
                        group: Sequence[int]) -> None:
     """Read ``replica``'s buffers, take the group's (:func:`exchange_buffers`) and write them
     back: what a strategy's "one model" ending adds to its averaged parameters."""
@@ -93,4 +74,4 @@ async def sync_buffers(replica: Replica, coll: Collectives, mode: BufferMode, *,
         await replica.set_buffers(got)
 
 
-__all__ = ["Buffers", "alongside", "exchange_buffers", "own_buffers", "sync_buffers"]
+__all__ = ["alongside", "exchange_buffers", "own_buffers", "sync_buffers"]

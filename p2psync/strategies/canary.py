@@ -121,6 +121,7 @@ from p2psync.collectives.canary_plan import layout_for
 from p2psync.compress import Codec, Sketch8, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
+from p2psync.model import LAYERED, MODEL_BUFFERS
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
@@ -190,6 +191,7 @@ class Canary(Strategy):
     bounding (see the module docstring)."""
 
     name = "canary"
+    requires = (LAYERED, MODEL_BUFFERS)
     identical_replicas = "end"
     needs = Needs(clipping="not applied to what is sent: colayers leave during backward (a changed .grad is "
                            "warned about; --opt pipeline=false sends what the step sees)",
@@ -233,7 +235,7 @@ class Canary(Strategy):
         return [self.codec]
 
     async def start(self) -> None:
-        layers = self.ctx.replica.layers()
+        layers = LAYERED.of(self.ctx.replica).layers()
         self.colayers = group(layers, count=self.opts.colayers, layers_per_colayer=self.layer_counts,
                               max_bytes=self.opts.colayer_kib << 10)
         self.param_colayer = {p: c.index for c in self.colayers for p in c.params}

@@ -20,16 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from p2psync.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Layer:
-    name: str
-    kind: str  # "fc" or "conv" (convolutions, norms and anything else)
-    offset: int  # first element in the flat parameter vector
-    numel: int
-    #: indices of its parameters in the flat parameter list
-    params: tuple[int, ...]
+from p2psync.model import Layer
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch, TrainingEnded
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.buffers import sync_buffers
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model import LAYERED, MODEL_BUFFERS, PARAM_RANGES, Layer
 from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
                                              indices, map_digest, merge, others_mean, outer_step, pack_state,
                                              Ranges, state_size, unpack_state)
@@ -211,6 +211,7 @@ class DiLoCo(Strategy):
     """``--strategy diloco`` (see the module docstring)."""
 
     name = "diloco"
+    requires = (PARAM_RANGES, LAYERED, MODEL_BUFFERS)
     Options = DilocoOptions
     opts: DilocoOptions
     needs = Needs(schedules="honoured: the user's optimizer takes every inner step (the outer lr is constant)",
@@ -272,7 +273,7 @@ class DiLoCo(Strategy):
         layers: list[Layer] = []
         if self.opts.fragments > 1:
             try:
-                layers = rep.layers()
+                layers = LAYERED.of(rep).layers()
             except ConfigError:
                 if self.opts.fragment_by == "blocks":
                     raise
@@ -528,7 +529,7 @@ class DiLoCo(Strategy):
             delta = np.zeros_like(g)
         else:  # (a fragment's own values only: no copy of the whole model)
             rep = self.ctx.replica
-            local = await rep.get_params_range(self.ranges[f]) if idx is not None else await rep.get_params()
+            local = await PARAM_RANGES.of(rep).get_params_range(self.ranges[f]) if idx is not None else await rep.get_params()
             delta = np.subtract(g, local, dtype=np.float32)
         nonfinite = not bool(np.isfinite(delta).all())
         if nonfinite:
@@ -700,8 +701,9 @@ class DiLoCo(Strategy):
             alpha = o.alpha if o.tau > 0 and not skip else 0.0
             for f in frags:
                 g = self.theta[self.frags[f]]
-                local = g if alpha == 0.0 else await self.ctx.replica.get_params_range(self.ranges[f])
-                await self.ctx.replica.set_params_range(self.ranges[f], merge(g, local, alpha))
+                ranged = PARAM_RANGES.of(self.ctx.replica)
+                local = g if alpha == 0.0 else await ranged.get_params_range(self.ranges[f])
+                await ranged.set_params_range(self.ranges[f], merge(g, local, alpha))
 
     async def _take_adopted(self, extra: dict[str, Any]) -> Counters:
         """Take the leader's state (Regroup's sync of a new view): θ_g, b, counters;
@@ -802,7 +804,8 @@ class DiLoCo(Strategy):
                 coll.allreduce(exact_mean_input(m), view.members, op="mean", codec="none", tag=f"{op}.mean.b")])
             theta, mom = np.asarray(th, np.float32), np.asarray(mo, np.float32)
         await self.ctx.replica.set_params(theta.copy())
-        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=f"{op}.end", group=view.members)
+        await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica), coll, self.ctx.buffers, tag=f"{op}.end",
+                           group=view.members)
         mine = np.frombuffer(hashlib.blake2b(theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
         rows = await coll.allgather(mine, view.members, tag=f"{op}.hash")
         differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))

@@ -30,7 +30,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from p2psync.errors import ConfigError, ProtocolError
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model import Layer
 
 #: a fragment: (lo, hi) ranges of the flat parameter vector, in increasing order
 Ranges = tuple[tuple[int, int], ...]

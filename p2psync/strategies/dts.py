@@ -66,6 +66,7 @@ from p2psync import clock
 from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
+from p2psync.model import MODEL_BUFFERS, SGD_COMPENSATION
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
@@ -118,6 +119,7 @@ class DTS(Strategy):
     module docstring)."""
 
     name = "dts"
+    requires = (SGD_COMPENSATION, MODEL_BUFFERS)
     needs = Needs(optimizer="plain_sgd",
                   schedules="honoured: the lr is read at every local step (momentum must stay constant)",
                   buffers="each node's own; whole-state averages (re-forms) take the lowest member's (--buffers)",
@@ -154,7 +156,7 @@ class DTS(Strategy):
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        hyper = await self.ctx.replica.sgd_hyper()  # refuses Adam, Nesterov, dampening
+        hyper = await SGD_COMPENSATION.of(self.ctx.replica).sgd_hyper()  # refuses Adam, Nesterov, dampening
         self.opt_momentum = hyper.momentum
         self.momentum = hyper.momentum if self.opts.momentum_compensation else 0.0
         validate(self.t, self.p, self.momentum)
@@ -195,7 +197,7 @@ class DTS(Strategy):
         except TrainingEnded:
             await self._settle()
             raise
-        stepped = await self.ctx.replica.sgd_step(grad)  # the local step (Eq. 2/4)
+        stepped = await SGD_COMPENSATION.of(self.ctx.replica).sgd_step(grad)  # the local step (Eq. 2/4)
         if stepped.hyper.momentum != self.opt_momentum:
             raise ConfigError(f"dts: the optimizer's momentum changed from {self.opt_momentum} to "
                               f"{stepped.hyper.momentum} (a scheduler cycling momentum, e.g. OneCycleLR): "
@@ -269,7 +271,7 @@ class DTS(Strategy):
             raise
         fl.scope.close()
         dw, du = self.state.correction(fl.win, avg, step)
-        await self.ctx.replica.correct(dw, du)
+        await SGD_COMPENSATION.of(self.ctx.replica).correct(dw, du)
         self.windows_applied += 1
         return flag, st
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2psync.errors import ConfigError
-from p2psync.strategies.base import PerElement
+from p2psync.model import PerElement
 
 
 @dataclass

@@ -49,6 +49,7 @@ from p2psync.coordinator import View
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.state_server import StateServerService
 from p2psync.errors import Aborted, P2PSyncError
+from p2psync.model import MODEL_BUFFERS
 from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, parse_options, register
 from p2psync.strategies.regroup import Adopted, Regroup
@@ -76,6 +77,7 @@ class ESync(Strategy):
     round (see the module docstring)."""
 
     name = "esync"
+    requires = (MODEL_BUFFERS,)
     Options = ESyncOptions
     step_unit = "round"
     opts: ESyncOptions

@@ -78,9 +78,10 @@ from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
+from p2psync.model import MODEL_BUFFERS, Buffers
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.strategies.failure import failure_policy
-from p2psync.strategies.buffers import Buffers, alongside, own_buffers
+from p2psync.strategies.buffers import alongside, own_buffers
 from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
@@ -170,6 +171,7 @@ class PReduce(Strategy):
     formed by the coordinator's controller (see the module docstring)."""
 
     name = "preduce"
+    requires = (MODEL_BUFFERS,)
     identical_replicas = "end"
     needs = Needs(buffers="each node's own; the final average takes the lowest member's (--buffers)")
     Options = PReduceOptions
@@ -363,16 +365,17 @@ class PReduce(Strategy):
     async def _final_average(self) -> None:
         """Alg. 2 line 8: every member ends with the exact mean of the members' states."""
         rep, coll = self.ctx.replica, self.ctx.collectives
+        bufs = MODEL_BUFFERS.of(rep)
 
         async def mean(view: View) -> tuple[Any, Buffers | None]:
             vec = await rep.export_state()
             tag = OpId("preduce.end", 0, view.epoch).tag
             return await alongside(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
-                                                  tag=tag), coll, await own_buffers(rep, self.ctx.buffers),
+                                                  tag=tag), coll, await own_buffers(bufs, self.ctx.buffers),
                                    self.ctx.buffers, tag=tag, group=view.members)
 
         out = await self.final.run(0, mean)  # applied once it succeeded (a redo averages the originals)
         if isinstance(out, tuple):
             await rep.import_state(np.asarray(out[0], dtype=np.float32))
             if out[1] is not None:
-                await rep.set_buffers(out[1])
+                await bufs.set_buffers(out[1])

@@ -88,7 +88,8 @@ from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, PeerTimeout, 
 from p2psync.params import ParamStore
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
-from p2psync.strategies.base import (MAX_META_BYTES, StepReport, Strategy, StrategyContext, parse_options,
+from p2psync.model import MAX_META_BYTES, OPTIMIZER_SHARDS
+from p2psync.strategies.base import (StepReport, Strategy, StrategyContext, parse_options,
                                     register)
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
@@ -136,6 +137,7 @@ class _StoreStrategy(Strategy):
     """The worker loop shared by the five (spec §5)."""
 
     kind: ClassVar[str] = ""
+    requires = (OPTIMIZER_SHARDS,)
     needs = Needs(optimizer="elementwise",
                   schedules="honoured: every push carries the worker's current hyperparameters of every "
                             "parameter group",
@@ -169,7 +171,7 @@ class _StoreStrategy(Strategy):
 
     async def start(self) -> None:
         """Build this node's part of the store; a joiner then joins it (:meth:`_join`)."""
-        spec = await self.ctx.replica.optim_spec()
+        spec = await OPTIMIZER_SHARDS.of(self.ctx.replica).optim_spec()
         view = self.ctx.view
         joining = self.ctx.joining
         self.store = ParamStore(transport=self.ctx.transport, rpc_server=self.ctx.rpc_server, rpc=self.ctx.rpc,
@@ -361,7 +363,7 @@ class _StoreStrategy(Strategy):
         if moved is not None:  # the weights this iteration starts from: the restored state
             await self.ctx.replica.set_params(moved)
         loss, grad = await self.ctx.replica.compute_gradients()
-        hypers = await self.ctx.replica.optim_hypers(store.optim)  # this iteration's (the schedule's)
+        hypers = await OPTIMIZER_SHARDS.of(self.ctx.replica).optim_hypers(store.optim)  # this iteration's (the schedule's)
         t0 = clock.now()
         forwarded = 0
         try:

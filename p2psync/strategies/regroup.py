@@ -51,7 +51,8 @@ from p2psync import clock
 from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
-from p2psync.strategies.base import MAX_META_BYTES, StrategyContext
+from p2psync.model import MAX_META_BYTES, MODEL_BUFFERS
+from p2psync.strategies.base import StrategyContext
 from p2psync.strategies.failure import FailurePolicy, failure_policy
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
@@ -265,7 +266,7 @@ class Regroup:
         finally:
             await cancel_all([steps])  # when the average failed first
         await self.restore(np.asarray(mean, dtype=np.float32))
-        await sync_buffers(self.ctx.replica, coll, self.ctx.buffers, tag=tag, group=view.members)
+        await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica, self.name), coll, self.ctx.buffers, tag=tag, group=view.members)
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
 
     def _reformed(self, failed_at: float | None) -> None:

@@ -48,7 +48,8 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError
 from p2psync.strategies.backward_sync import BackwardAverager, BackwardHooks
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
-from p2psync.strategies.buffers import Buffers, alongside, own_buffers
+from p2psync.model import MODEL_BUFFERS, Buffers
+from p2psync.strategies.buffers import alongside, own_buffers
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.regroup import Adopted, Regroup
@@ -75,6 +76,7 @@ class SSGD(Strategy):
     module docstring); the smallest complete :class:`~p2psync.strategies.base.Strategy`."""
 
     name = "ssgd"
+    requires = (MODEL_BUFFERS,)
     Options = SSGDOptions
     opts: SSGDOptions
     needs = Needs(clipping="clips the group's mean gradient: backward returns with it, as DDP (--opt sync=step: "
@@ -137,7 +139,7 @@ class SSGD(Strategy):
                             self.ctx.node_id, step)
         elif bw is not None:
             await bw.outcome(step)
-        mine = await own_buffers(self.ctx.replica, self.ctx.buffers)
+        mine = await own_buffers(MODEL_BUFFERS.of(self.ctx.replica), self.ctx.buffers)
         out = await self.regroup.run(step, lambda v: self._average(v, step, grad, want_stop, mine),
                                      failed_at=failed_at)
         comm = clock.now() - t0
@@ -147,7 +149,7 @@ class SSGD(Strategy):
         mean, stop, st, bufs = out
         await self.ctx.replica.apply_gradients(mean)
         if bufs is not None:
-            await self.ctx.replica.set_buffers(bufs)
+            await MODEL_BUFFERS.of(self.ctx.replica).set_buffers(bufs)
         if stop and bw is not None:
             bw.close()
         return StepReport(loss=loss, stop=stop, comm_s=comm,

@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from p2psync.params.optim import HyperValues, OptimSpec
-from p2psync.strategies.base import SgdHyper, SgdStep
-from p2psync.strategies.buffers import Buffers
-from p2psync.training.flat import FlatModel
+from p2psync.model import SgdHyper, SgdStep
+from p2psync.model import Buffers
+from p2psync.model.flat import FlatModel
 from p2psync.training.user_state import UserState, decode, encode
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model import Layer
 from p2psync.errors import Aborted, ConfigError, Diverged
 from p2psync.transport import all_finite
 from p2psync.training.corpus import TokenData

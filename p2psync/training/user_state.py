@@ -41,7 +41,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from p2psync.errors import ConfigError, ProtocolError, translate
-from p2psync.strategies.base import MAX_META_BYTES
+from p2psync.model import MAX_META_BYTES
 
 log = logging.getLogger("p2psync.state")
 

@@ -11,7 +11,7 @@ from torch import nn
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies.audit import DIGEST, first_mismatch
 from p2psync.strategies.backward_sync import plan_buckets
-from p2psync.training.flat import FlatModel
+from p2psync.model.flat import FlatModel
 from p2psync.training.user_state import UserState, decode, encode
 
 

@@ -16,7 +16,7 @@ from p2psync.api import checkpoint
 from p2psync.collectives import Collectives
 from p2psync.collectives.buffers import to_numpy
 from p2psync.topology import bcube
-from p2psync.training.flat import FlatModel
+from p2psync.model.flat import FlatModel
 from tests.helpers import free_port, zmq_cluster
 
 pytestmark = [pytest.mark.timeout(120),

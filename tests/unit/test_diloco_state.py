@@ -12,7 +12,7 @@ import torch
 
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies.base import get_strategy, parse_options
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model import Layer
 from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
                                              indices, merge, others_mean,
                                              outer_step,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from p2psync.training.flat import FlatModel
+from p2psync.model.flat import FlatModel
 
 
 def _flat() -> FlatModel:

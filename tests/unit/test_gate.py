@@ -19,7 +19,7 @@ from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.errors import Aborted, P2PSyncError, TrainingEnded, TrainingError
 from p2psync.tasks import AbortEvent
-from p2psync.training.flat import FlatModel
+from p2psync.model.flat import FlatModel
 
 pytestmark = pytest.mark.timeout(30)
 

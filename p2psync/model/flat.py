@@ -24,9 +24,8 @@ from torch import nn
 
 from p2psync.errors import ConfigError
 from p2psync.params.optim import HyperValues, OptimSpec, read_hypers, read_spec
-from p2psync.strategies.base import PerElement, SgdHyper, SgdStep
-from p2psync.strategies.buffers import Buffers
-from p2psync.strategies.canary_colayers import Layer
+from p2psync.model.values import Buffers, Layer, PerElement, SgdHyper, SgdStep
+
 
 class FlatModel:
     """A torch model and its optimizer read and written as flat float32 vectors: gradients,
@@ -219,12 +218,12 @@ class FlatModel:
             raise ValueError(f"float buffers: got {vec.size} values, the model's hold {off}")
 
     def read_buffers(self, floats: bool = False) -> Buffers:
-        """The buffers as :class:`~p2psync.strategies.buffers.Buffers` (``floats``: with the
+        """The buffers as :class:`~p2psync.model.values.Buffers` (``floats``: with the
         floating-point ones as float32 too)."""
         return Buffers(raw=self.get_buffers(), floats=self.float_buffers() if floats else None)
 
     def write_buffers(self, buffers: Buffers) -> None:
-        """Write :class:`~p2psync.strategies.buffers.Buffers` back: raw bytes, then floats."""
+        """Write :class:`~p2psync.model.values.Buffers` back: raw bytes, then floats."""
         self.set_buffers(buffers.raw)
         if buffers.floats is not None:
             self.set_float_buffers(buffers.floats)
