@@ -209,6 +209,132 @@ def slowed_trainers(topo: Topology, step_time: str, *, mode: str = "wait", **tra
     return trainers
 
 
+class GatePath:
+    """A :func:`make_trainer` Trainer's model on the gate path, as ``Session.attach`` builds it
+    without the node runtime: a :class:`~p2psync.api.gate.StepGate` on the running event loop, a
+    :class:`~p2psync.api.replica.HookedReplica` over the model and its optimizer, whose ``step``
+    is hooked (it arrives at the gate), and a training thread running the built-in job's plain
+    loop (``forward_backward(gate.abandon)``, then ``optimizer.step()``) until :meth:`close`.
+
+    The thread serves the gate's jobs from the start (hooks are installed before the first
+    iteration) and begins the loop at :meth:`go`. Build it
+    on the event loop thread; :meth:`release` (what ``Session._drive`` does after each step) lets
+    the thread compute the next iteration while the strategy's background exchange goes on.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        import threading
+        import types
+
+        from p2psync.api.gate import StepGate
+        from p2psync.api.replica import HookedReplica
+        from p2psync.model.flat import FlatModel
+        from p2psync.training.user_state import UserState
+
+        self.trainer = trainer
+        self.gate = StepGate(asyncio.get_running_loop())
+        opt = trainer.optimizer
+        self._own_step = opt.step
+        self.replica = HookedReplica(flat=FlatModel(model=trainer.model, optimizer=opt), gate=self.gate,
+                                     step=self._own_step, user_state=UserState(opt))
+        self._go = threading.Event()
+        self._closing = threading.Event()
+        self._pending = (float("nan"), 0)
+        #: what ended the training thread other than :meth:`close` (a divergence), if anything
+        self.error: BaseException | None = None
+        opt.step = types.MethodType(lambda _opt, closure=None: self._on_step(), opt)
+        _PATHS[id(self.replica)] = self
+        self._thread = threading.Thread(target=self._run, daemon=True, name="p2psync-test-training")
+        self._thread.start()
+
+    def go(self) -> None:
+        """Start the training loop (after the strategy started)."""
+        self._go.set()
+        self.gate.nudge()
+
+    def release(self) -> None:
+        """Let the parked training thread compute its next iteration (event loop thread)."""
+        self.gate.release()
+
+    def _run(self) -> None:
+        from p2psync.errors import Aborted
+
+        tr = self.trainer
+        try:
+            self.gate.serve(until=lambda: self._go.is_set() or self._closing.is_set())
+            while not self._closing.is_set():
+                try:
+                    self._pending = tr.forward_backward(self.gate.abandon)
+                except Aborted:  # abandoned by the strategy: the step below is skipped
+                    self._pending = (float("nan"), 0)
+                tr.optimizer.step()
+        except BaseException as exc:  # close() ends a parked thread with an exception
+            if not self._closing.is_set():
+                self.error = exc
+                self.gate.end()  # a strategy waiting for an iteration learns the loop ended
+
+    def _on_step(self) -> None:
+        """The hooked ``optimizer.step()`` (Session._on_step without the session)."""
+        from p2psync.errors import Diverged
+        from p2psync.transport import all_finite
+
+        rep = self.replica
+        loss, samples = self._pending
+        self._pending = (float("nan"), 0)
+        rep.user_state.on_step()
+        grads = rep.flat.grads()
+        if not all_finite(grads):  # before any strategy can send it
+            raise Diverged(f"training diverged after {self.trainer.batches_done} batches: the gradient holds NaN "
+                           "or infinity (nothing was sent; no peer is blamed)")
+        rep.flush_grad_ready()
+        self.gate.arrive(loss=loss, samples=samples, grads=grads, params_gen=rep.params_gen)
+
+    async def evaluate(self) -> tuple[float, float]:
+        """(test loss, test accuracy), computed on the training thread while it is parked."""
+        return await self.gate.run(self.trainer.evaluate_now)
+
+    async def close(self) -> None:
+        """End the loop: the thread leaves the gate (or its backward's wait) and stops; the
+        optimizer's own ``step`` is put back."""
+        from p2psync.errors import P2PSyncError
+
+        self._closing.set()
+        self.gate.end()
+        self.gate.finish()
+        self.gate.fail(P2PSyncError("test training loop closed"))
+        await asyncio.to_thread(self._thread.join, 30)
+        assert not self._thread.is_alive(), "the test training thread did not end"
+        self.replica.remove_hooks()
+        self.trainer.optimizer.step = self._own_step
+        _PATHS.pop(id(self.replica), None)
+
+
+#: every open GatePath by ``id`` of its replica (:func:`gate_path`)
+_PATHS: dict[int, GatePath] = {}
+
+
+def gate_path(s: Any) -> GatePath:
+    """The :class:`GatePath` behind strategy ``s`` (or its replica)."""
+    replica = s.ctx.replica if hasattr(s, "ctx") else s
+    return _PATHS[id(replica)]
+
+
+async def evaluate(s: Any) -> tuple[float, float]:
+    """(test loss, test accuracy) of strategy ``s``'s model (on its training thread)."""
+    return await gate_path(s).evaluate()
+
+
+def trainer_params(trainer: Any) -> Any:
+    """A Trainer's parameters as one flat float32 vector, read directly (before its gate path
+    starts, or after it closed: no other thread touches the model then)."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return np.concatenate([p.detach().reshape(-1).to("cpu", torch.float32).numpy()
+                               for p in trainer.model.parameters() if p.requires_grad])
+
+
 def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10.0, options=None,
                  codec: str = "none", error_feedback: bool = False, max_steps: int | None = None):
     from p2psync.collectives import Collectives
@@ -228,34 +354,38 @@ def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10
 async def start_strategies(transports, topo: Topology, name: str, *, options=None, codec: str = "none",
                            error_feedback: bool = False, trainers=None, max_steps: int | None = None):
     """One started strategy per node (coordinator services and RPC servers included), as node
-    processes build them."""
-    import asyncio
-
+    processes build them, each on the gate path of its Trainer (``trainers``, else
+    :func:`make_trainer`'s): a :class:`GatePath` whose training loop starts, as under
+    ``Session``, after the gradient-ready hooks (Canary's) and before the strategy's ``start``."""
     from p2psync.strategies import get_strategy
 
     cls = get_strategy(name)
     strats: list[Any] = []
-    servers, replicas = [], []
+    servers, paths = [], []
     try:
         for i in topo.ids:
             tr = trainers[i] if trainers is not None else make_trainer(topo, i)
-            replicas.append(tr)
-            ctx = make_context(topo, transports[i], tr, options=options, codec=codec,
+            path = GatePath(tr)
+            paths.append(path)
+            ctx = make_context(topo, transports[i], path.replica, options=options, codec=codec,
                                error_feedback=error_feedback, max_steps=max_steps)
             servers.append(ctx.rpc_server)
             if i == topo.coordinator:
                 cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
             ctx.rpc_server.start()
             strats.append(cls(ctx))
+        for s, path in zip(strats, paths):  # as Session: hooks first, then the loop and the strategy's start
+            if cls.grad_ready:
+                await path.replica.enable_grad_ready(s.on_grad_ready)
+            path.go()
         await asyncio.gather(*(s.start() for s in strats))
     except BaseException:  # a bad option or a failed start: nothing created here outlives the call
         for s in strats:
             await s.close()
         for srv in servers:
             await srv.close()
-        if trainers is None:  # the caller's own trainers are the caller's to close
-            for tr in replicas:
-                tr.close()
+        for path in paths:
+            await path.close()
         raise
     return strats
 
@@ -264,7 +394,7 @@ async def close_strategies(strats) -> None:
     for s in strats:
         await s.close()
         await s.ctx.rpc_server.close()
-        s.ctx.replica.close()
+        await gate_path(s).close()
 
 
 def in_threads(fn: Any, ids: Any, timeout: float) -> dict[int, Any]:
@@ -382,8 +512,8 @@ async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], 
 
 async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
     """Every node's loop (``want_stop`` from the last requested step on) until its strategy
-    reports ``stop`` (bounded: 3x the steps); each node's step reports."""
-    import asyncio
+    reports ``stop`` (bounded: 3x the steps), releasing the training thread after each step as
+    ``Session._drive`` does; each node's step reports."""
 
     async def loop(s: Any) -> list[Any]:
         step, reps = 0, []
@@ -393,6 +523,7 @@ async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
             step += 1
             if rep.stop or step >= 3 * steps:
                 return reps
+            gate_path(s).release()
     return list(await asyncio.gather(*(loop(s) for s in strats)))
 
 

@@ -35,42 +35,39 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     built already (:func:`~p2psync.training.node.build_trainer`; tests build them in turn)."""
     topo = load(cfg.topology)
     trainer = trainer if trainer is not None else build_trainer(cfg, topo, node_id)
-    try:
-        session = Session(config=cfg, node=node_id, topo=topo,
-                          max_steps=cfg.max_steps(trainer.n_train, topo.size))
-        register_trainer_state(session, trainer)
-        lm = isinstance(trainer.data, TokenData)
-        if isinstance(trainer.data, TokenData):
-            session.info.update(data=trainer.data.corpus.meta, tokens_per_sample=trainer.tokens_per_sample)
-        with session:
-            opt = session.attach(trainer.model, trainer.optimizer)
-            total = max(1, session.max_steps)
-            sched: torch.optim.lr_scheduler.LRScheduler | None = None
-            if cfg.lr_schedule == "cosine":
-                sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
-            elif cfg.lr_schedule == "warmup-cosine":
-                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_cosine(k, total))
-            trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
-            last_eval, last_eval_step = time.monotonic(), 0
-            while not session.should_stop:
-                try:
-                    loss, n = trainer.forward_backward(session.gate.abandon)
-                    session.log(loss=loss, samples=n, factor=trainer.factor)
-                except Aborted:  # abandoned by the strategy: the step below is skipped
-                    pass
-                opt.step()
-                if sched is not None:
-                    sched.step()
-                due = (session.step - last_eval_step >= cfg.eval_every
-                       or (cfg.eval_seconds is not None and time.monotonic() - last_eval >= cfg.eval_seconds))
-                if due or session.should_stop:
-                    last_eval, last_eval_step = time.monotonic(), session.step
-                    test_loss, acc = trainer.evaluate_now()
-                    session.log(test_loss=test_loss, accuracy=acc,
-                                **({"val_bpb": bits_per_byte(test_loss)} if lm else {}))
-        return session.stats
-    finally:
-        trainer.close()
+    session = Session(config=cfg, node=node_id, topo=topo,
+                      max_steps=cfg.max_steps(trainer.n_train, topo.size))
+    register_trainer_state(session, trainer)
+    lm = isinstance(trainer.data, TokenData)
+    if isinstance(trainer.data, TokenData):
+        session.info.update(data=trainer.data.corpus.meta, tokens_per_sample=trainer.tokens_per_sample)
+    with session:
+        opt = session.attach(trainer.model, trainer.optimizer)
+        total = max(1, session.max_steps)
+        sched: torch.optim.lr_scheduler.LRScheduler | None = None
+        if cfg.lr_schedule == "cosine":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+        elif cfg.lr_schedule == "warmup-cosine":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: warmup_cosine(k, total))
+        trainer.t0 = time.monotonic()  # slowdown schedules count from the start of training
+        last_eval, last_eval_step = time.monotonic(), 0
+        while not session.should_stop:
+            try:
+                loss, n = trainer.forward_backward(session.gate.abandon)
+                session.log(loss=loss, samples=n, factor=trainer.factor)
+            except Aborted:  # abandoned by the strategy: the step below is skipped
+                pass
+            opt.step()
+            if sched is not None:
+                sched.step()
+            due = (session.step - last_eval_step >= cfg.eval_every
+                   or (cfg.eval_seconds is not None and time.monotonic() - last_eval >= cfg.eval_seconds))
+            if due or session.should_stop:
+                last_eval, last_eval_step = time.monotonic(), session.step
+                test_loss, acc = trainer.evaluate_now()
+                session.log(test_loss=test_loss, accuracy=acc,
+                            **({"val_bpb": bits_per_byte(test_loss)} if lm else {}))
+    return session.stats
 
 
 def register_trainer_state(session: Session, trainer: Trainer) -> None:

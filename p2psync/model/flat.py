@@ -1,9 +1,9 @@
 """A model and its optimizer seen as flat float32 vectors (what crosses the network).
 
-Synchronous methods; call them on the thread that owns the model (the training thread, or a
-replica's compute thread). Vectors are host numpy arrays; on a GPU, tensors cross to the host
-through a pinned (page-locked) staging buffer of the model's size, copied asynchronously and
-synchronized once, and back from pinned memory.
+Synchronous methods; call them on the thread that owns the model (the training thread).
+Vectors are host numpy arrays; on a GPU, tensors cross to the host through a pinned
+(page-locked) staging buffer of the model's size, copied asynchronously and synchronized once,
+and back from pinned memory.
 
 :meth:`FlatModel.export_state` / :meth:`FlatModel.import_state` move the whole replica —
 parameters and the torch optimizer's state (momentum buffers; Adam's moments and step counts) —
@@ -32,9 +32,9 @@ class FlatModel:
     parameters, and the whole state (parameters + optimizer buffers).
 
     Built by ``Session.attach`` (api/session.py: ``flat = FlatModel(model=model,
-    optimizer=optimizer)``, wrapped by :class:`~p2psync.api.replica.HookedReplica`) and by
-    :class:`~p2psync.training.trainer.Trainer`. Call its methods on the thread that owns the
-    model. ConfigError when the model has no trainable parameters.
+    optimizer=optimizer)``, wrapped by :class:`~p2psync.api.replica.HookedReplica`). Call its
+    methods on the thread that owns the model. ConfigError when the model has no trainable
+    parameters.
     """
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -81,7 +81,7 @@ def redoable(exc: BaseException) -> bool:
 @runtime_checkable
 class BackwardHooks(Protocol):
     """A replica that can average its gradients during backward (the ``attach`` path's
-    :class:`~p2psync.api.replica.HookedReplica`; the test double has no hooks)."""
+    :class:`~p2psync.api.replica.HookedReplica`); SSGD without it averages at the step."""
 
     async def enable_backward_sync(self, averager: "BackwardAverager") -> None:
         """Hand every backward pass to ``averager`` (see the module docstring)."""

@@ -2,7 +2,9 @@
 real ZeroMQ.
 
 Each run drives the strategies the way the training loop does (``want_stop`` on the last
-requested step, then until a strategy reports ``stop``) and checks that every node runs exactly
+requested step, then until a strategy reports ``stop``), on the gate path users run: every
+node's model behind a step gate, with a training thread running the built-in job's plain loop
+(tests/helpers.py ``GatePath``), and checks that every node runs exactly
 the requested number of steps and learns something. Regression for issue 9.1: the stop flag
 used to ride inside the quantized vector, and int8 / sketch8 ended SSGD and ESync after 1-6
 steps. This matrix grows with every new strategy and codec: the parameter lists are the
@@ -26,7 +28,7 @@ from p2psync.compress.codecs import CODECS
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import REGISTRY, get_strategy
 from p2psync.topology import Topology, bcube, mesh, ring, star
-from tests.helpers import free_port, make_trainer, until
+from tests.helpers import evaluate, free_port, gate_path, make_trainer, trainer_params, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,6 +100,7 @@ async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
         step += 1
         if rep.stop or step >= 3 * steps:  # bounded: a strategy that never stops fails the test
             return step, rep.loss
+        gate_path(strat).release()  # as Session._drive: the next iteration overlaps the exchange
 
 
 @pytest.mark.parametrize("strategy,codec,feedback,kind", CASES,
@@ -120,7 +123,7 @@ async def test_every_strategy_runs_exactly_the_requested_steps(strategy, codec, 
     if strategy == "asgd":  # no barrier: remote gradients are still trickling in
         await until(lambda: all(s.applied_remote == 3 * STEPS for s in strats), 20,
                     "every gradient applied everywhere")
-    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    accs = [(await evaluate(s))[1] for s in strats]
     steps = [n for n, _ in done]
     if strategy in FIRST_WORKER_STOPS:
         # a coordinator service decides the stop: the first worker to reach its budget stops
@@ -160,7 +163,7 @@ async def test_store_strategies_train_with_the_users_optimizer(strategy, optimiz
     strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers)
     assert all(s.store.optim.cls.__name__ == ("AdamW" if optimizer == "adamw" else "SGD") for s in strats)
     done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
-    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    accs = [(await evaluate(s))[1] for s in strats]
     assert max(n for n, _ in done) == steps, done
     assert min(accs) > 0.3, accs
 
@@ -185,7 +188,7 @@ async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy,
     if strategy in ("ssgd", "diloco"):  # one model (diloco: θ_g, at the stop)
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)
-    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    accs = [(await evaluate(s))[1] for s in strats]
     assert min(accs) > (0.2 if strategy == "asgd" else 0.3), accs
 
 
@@ -205,7 +208,7 @@ async def test_every_strategy_trains_the_language_model(strategy, zmq_endpoints,
     trainers = {i: make_trainer(topo, i, model="lm-tiny", batch_size=1, lr=lr, optimizer=optimizer,
                                 weight_decay=0.1) for i in topo.ids}
     assert all(t.clip_norm == 1.0 for t in trainers.values())
-    before = await trainers[0].get_params()
+    before = trainer_params(trainers[0])
     strats = await strategies(eps, topo, strategy, trainers=trainers, max_steps=LM_STEPS, options=opts)
     done = await asyncio.gather(*(_run_until_stop(s, LM_STEPS) for s in strats))
     if strategy == "asgd":  # no barrier: remote gradients are still trickling in
