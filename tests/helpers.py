@@ -324,6 +324,32 @@ async def evaluate(s: Any) -> tuple[float, float]:
     return await gate_path(s).evaluate()
 
 
+def gate_replica(trainer: Any) -> Any:
+    """``trainer``'s model on a started :class:`GatePath` (its loop running): its
+    HookedReplica, for a hand-built :func:`make_context`; close it with :func:`close_replica`."""
+    path = GatePath(trainer)
+    path.go()
+    return path.replica
+
+
+async def close_replica(replica: Any) -> None:
+    """Close the :class:`GatePath` behind ``replica`` (a strategy's ``ctx.replica``)."""
+    await gate_path(replica).close()
+
+
+@contextlib.asynccontextmanager
+async def gated(trainers: Iterable[Any]) -> AsyncIterator[list[Any]]:
+    """Every trainer's model on a started :class:`GatePath`: their HookedReplicas, in order
+    (a single-process reference run: ``compute_gradients``, ``apply_gradients``, ...); closed
+    on the way out."""
+    replicas = [gate_replica(tr) for tr in trainers]
+    try:
+        yield replicas
+    finally:
+        for r in replicas:
+            await close_replica(r)
+
+
 def trainer_params(trainer: Any) -> Any:
     """A Trainer's parameters as one flat float32 vector, read directly (before its gate path
     starts, or after it closed: no other thread touches the model then)."""

@@ -15,7 +15,8 @@ import torch
 from p2psync.errors import ConfigError, PeerFailure
 from p2psync.training.hetero import Slowdown
 from p2psync.transport.shaping import InprocShaper, LinkSpec
-from tests.helpers import close_strategies, drive_until_stop, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import (close_strategies, drive_until_stop, free_port, gated, make_trainer, start_strategies,
+                           trainer_params, zmq_cluster)
 from p2psync.topology import mesh, ring
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,7 @@ async def test_no_delay_no_sparsity_equals_ssgd(momentum):
     assert all(len(r) == steps for r in reps)
     for p in got:
         np.testing.assert_allclose(p, ref[0], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(ref[0], make_trainer(topo, 0).flat.get_params())  # it trained
+    assert not np.allclose(ref[0], trainer_params(make_trainer(topo, 0)))  # it trained
 
 
 async def test_no_delay_sparse_equals_local_sgd_averaging_weights_and_momentum():
@@ -60,17 +61,17 @@ async def test_no_delay_sparse_equals_local_sgd_averaging_weights_and_momentum()
     steps, p = 24, 4
     got, _, _, _ = await _run(topo, "dts", steps, options={"t": 0, "p": p})
     # reference: four local trainers, whole state (weights + momentum) averaged every p steps
-    local = [make_trainer(topo, i) for i in topo.ids]
-    for k in range(steps):
-        for tr in local:
-            _, g = await tr.compute_gradients()
-            await tr.apply_gradients(g)
-        if k % p == p - 1:
-            states = [await tr.export_state() for tr in local]
-            mean = np.mean(states, axis=0).astype(np.float32)
+    async with gated(make_trainer(topo, i) for i in topo.ids) as local:
+        for k in range(steps):
             for tr in local:
-                await tr.import_state(mean)
-    want = await local[0].get_params()
+                _, g = await tr.compute_gradients()
+                await tr.apply_gradients(g)
+            if k % p == p - 1:
+                states = [await tr.export_state() for tr in local]
+                mean = np.mean(states, axis=0).astype(np.float32)
+                for tr in local:
+                    await tr.import_state(mean)
+        want = await local[0].get_params()
     for params in got:
         np.testing.assert_allclose(params, want, rtol=1e-4, atol=1e-5)
 
@@ -125,7 +126,6 @@ async def test_adam_is_refused_with_a_clear_error():
     trainers = {i: make_trainer(topo, i) for i in topo.ids}
     for tr in trainers.values():
         tr.optimizer = torch.optim.Adam(tr.model.parameters(), lr=1e-3)
-        tr.flat.optimizer = tr.optimizer
     async with zmq_cluster(topo) as eps:
         with pytest.raises(ConfigError, match="needs torch.optim.SGD"):
             await start_strategies(eps, topo, "dts", trainers=trainers)
@@ -165,7 +165,6 @@ async def test_weight_decay_and_parameter_groups_end_with_one_model():
             params = list(tr.model.parameters())
             tr.optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.1, "weight_decay": 1e-2},
                                             {"params": params[1:], "lr": 0.05}], lr=0.1, momentum=0.9)
-            tr.flat.optimizer = tr.optimizer
 
     got, reps, _, _ = await _run(topo, "dts", 15, options={"t": 2, "p": 3}, setup=groups)
     for params in got[1:]:
@@ -209,7 +208,6 @@ async def test_bad_options_and_optimizers_get_clear_errors():
         trainers = {i: make_trainer(topo, i) for i in topo.ids}
         for tr in trainers.values():  # a frozen-by-omission parameter: not in the optimizer
             tr.optimizer = torch.optim.SGD(list(tr.model.parameters())[1:], lr=0.1, momentum=0.9)
-            tr.flat.optimizer = tr.optimizer
         with pytest.raises(ConfigError, match="in no parameter group"):
             await start_strategies(eps, topo, "dts", trainers=trainers)
 
@@ -219,6 +217,6 @@ async def test_a_momentum_that_changes_during_the_run_is_refused(zmq_endpoints, 
     strats = await strategies(await zmq_endpoints(topo), topo, "dts", options={"t": 0, "p": 1})
     await asyncio.gather(*(s.train_step(0, False) for s in strats))
     for s in strats:  # what OneCycleLR(cycle_momentum=True) does
-        s.ctx.replica.optimizer.param_groups[0]["momentum"] = 0.8
+        s.ctx.replica.flat.optimizer.param_groups[0]["momentum"] = 0.8
     with pytest.raises(ConfigError, match="momentum changed"):
         await strats[0].train_step(1, False)

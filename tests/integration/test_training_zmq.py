@@ -8,25 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from p2psync.strategies import get_strategy
 from p2psync.topology import bcube, mesh, ring
-from tests.helpers import free_port, make_context, make_trainer, zmq_cluster
+from tests.helpers import (close_strategies, drive_until_stop, evaluate, free_port, make_trainer, start_strategies,
+                           trainer_params, zmq_cluster)
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def _train(eps, topo, name, steps, lr=0.1, **opts):
-    strats = []
-    for i in topo.ids:
-        s = get_strategy(name)(make_context(topo, eps[i], make_trainer(topo, i, lr=lr), options=opts))
-        await s.start()
-        strats.append(s)
-
-    async def run(s):
-        for k in range(steps):
-            await s.train_step(k, k == steps - 1)
-
-    await asyncio.gather(*(run(s) for s in strats))
+    strats = await start_strategies(eps, topo, name, options=opts,
+                                    trainers={i: make_trainer(topo, i, lr=lr) for i in topo.ids})
+    await drive_until_stop(strats, steps)
     return strats
 
 
@@ -37,8 +29,7 @@ async def test_ssgd_equals_single_process_on_union_of_batches(make):
     async with zmq_cluster(topo) as eps:
         strats = await _train(eps, topo, "ssgd", steps)
         params = [await s.ctx.replica.get_params() for s in strats]
-        for s in strats:
-            await s.close()
+        await close_strategies(strats)
     assert all(p.tobytes() == params[0].tobytes() for p in params)  # identical replicas
 
     # replay: one model, same init, each step on the concatenation of the four nodes' batches
@@ -50,9 +41,9 @@ async def test_ssgd_equals_single_process_on_union_of_batches(make):
         ref.optimizer.zero_grad()
         ref.loss_fn(ref.model(x[idx]), y[idx]).backward()
         ref.optimizer.step()
-    expect = ref.flat.get_params()
+    expect = trainer_params(ref)
     np.testing.assert_allclose(params[0], expect, rtol=1e-4, atol=1e-6)
-    assert not np.allclose(params[0], make_trainer(topo, 0).flat.get_params())  # it did train
+    assert not np.allclose(params[0], trainer_params(make_trainer(topo, 0)))  # it did train
 
 
 async def test_asgd_converges():
@@ -66,7 +57,6 @@ async def test_asgd_converges():
                 break
             await asyncio.sleep(0.01)
         assert all(s.applied_remote == 3 * STEPS for s in strats)
-        accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
-        for s in strats:
-            await s.close()
+        accs = [(await evaluate(s))[1] for s in strats]
+        await close_strategies(strats)
     assert min(accs) > 0.8, accs
