@@ -13,7 +13,8 @@ import pytest
 from p2psync.errors import ConfigError
 from p2psync.strategies.diloco_state import outer_step
 from p2psync.topology import mesh, ring
-from tests.helpers import close_strategies, drive_until_stop, free_port, make_trainer, start_strategies, zmq_cluster
+from tests.helpers import (close_strategies, drive_until_stop, free_port, gate_path, gated, make_trainer, start_strategies,
+                           trainer_params, zmq_cluster)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,12 +44,12 @@ async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedba
     return params, [th for _, th in out], [r for r, _ in out]
 
 
-async def _single_process(local, steps: int, H: int, mean_of, *, lr: float = 0.7, mom: float = 0.9):
-    """The same algorithm in one process over the trainers ``local``: inner steps, every ``H``
-    steps ``mean_of(deltas)`` (each node's float32 Δ) applied with the outer Nesterov step.
-    Returns θ_g after every outer step (by the step that ended it) and the final θ_g; closes
-    the trainers."""
-    try:
+async def _single_process(trainers, steps: int, H: int, mean_of, *, lr: float = 0.7, mom: float = 0.9):
+    """The same algorithm in one process over ``trainers`` (on the gate path): inner steps,
+    every ``H`` steps ``mean_of(deltas)`` (each node's float32 Δ) applied with the outer
+    Nesterov step. Returns θ_g after every outer step (by the step that ended it) and the final
+    θ_g."""
+    async with gated(trainers) as local:
         theta = await local[0].get_params()
         buf, after = None, {}
         for k in range(1, steps + 1):
@@ -62,9 +63,6 @@ async def _single_process(local, steps: int, H: int, mean_of, *, lr: float = 0.7
                     await tr.set_params(theta.copy())
                 after[k] = theta.copy()
         return after, theta
-    finally:
-        for tr in local:
-            tr.close()
 
 
 async def test_theta_g_is_bitwise_equal_everywhere_and_to_a_single_process_run():
@@ -135,7 +133,7 @@ async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
             await close_strategies(strats)
     for p in params:
         np.testing.assert_allclose(p, ref, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(ref, make_trainer(topo, 0).flat.get_params())  # it trained
+    assert not np.allclose(ref, trainer_params(make_trainer(topo, 0)))  # it trained
 
 
 async def test_an_option_that_is_not_built_is_refused_before_anything_starts():
@@ -154,6 +152,8 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
     import io
 
     import torch
+
+    from p2psync.model.flat import FlatModel
 
     thetas: list[list[bytes]] = [[] for _ in topo.ids]
     async with zmq_cluster(topo) as eps:
@@ -177,14 +177,14 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
                     st["inflight"].pop("result", None)
                 else:
                     assert "result" in st["inflight"]
-                saved.append((st, await s.ctx.replica.export_state(), s.ctx.replica.batches_done))
+                saved.append((st, await s.ctx.replica.export_state(), gate_path(s).trainer.batches_done))
         finally:
             await close_strategies(strats)
     topo = ring(len(topo.ids), base_port=free_port())
     async with zmq_cluster(topo) as eps:
         trainers = {i: make_trainer(topo, i) for i in topo.ids}
-        for i, (_, state, done) in zip(topo.ids, saved):
-            await trainers[i].import_state(state)
+        for i, (_, state, done) in zip(topo.ids, saved):  # (before their training threads start)
+            FlatModel(model=trainers[i].model, optimizer=trainers[i].optimizer).import_state(state)
             trainers[i].batches_done = done
         strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps)
         try:
@@ -283,8 +283,7 @@ async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean(
     params, thetas, reps = await _run(topo, steps, opts)
     assert [len(r) for r in reps] == [steps, steps]
     assert thetas[0][H].tobytes() != thetas[1][H].tobytes()  # per node between flushes
-    local = [make_trainer(topo, i) for i in topo.ids]
-    try:
+    async with gated(make_trainer(topo, i) for i in topo.ids) as local:
         start = await local[0].get_params()
         theta = [start.copy(), start.copy()]
         bufs: list = [None, None]
@@ -310,9 +309,6 @@ async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean(
             bufs[m] = outer_step(theta[m], bufs[m], others_mean(total, prev[m], 2.0), lr=lr, momentum=mom,
                                  nesterov=True)
         final = (np.asarray(exact_mean_input(theta[0]) + exact_mean_input(theta[1]), np.float64) / 2).astype(np.float32)
-    finally:
-        for tr in local:
-            tr.close()
     np.testing.assert_allclose(params[0], final, rtol=1e-6, atol=1e-7)
     assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes() == thetas[1][-1].tobytes()
 
