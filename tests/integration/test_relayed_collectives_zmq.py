@@ -17,7 +17,7 @@ from p2psync.errors import GroupCutOff
 from p2psync.strategies.regroup import Adopted, Regroup, fetch_state, serve_state
 from p2psync.topology import bcube, ring
 from p2psync.wire import encode
-from tests.helpers import free_port, keyed, make_context, make_trainer, until, zmq_cluster
+from tests.helpers import close_replica, free_port, gate_replica, keyed, make_context, make_trainer, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -110,7 +110,7 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
     topo = ring(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         members = (1, 3)
-        trainers = {i: make_trainer(topo, i, seed=i) for i in members}
+        trainers = {i: gate_replica(make_trainer(topo, i, seed=i)) for i in members}
         ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
         await eps[2].close()  # dead: the pieces go through node 0
         for i in members:
@@ -135,7 +135,7 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
             for c in ctxs.values():
                 await c.rpc_server.close()
             for t in trainers.values():
-                t.close()
+                await close_replica(t)
     assert avg == [(1, 10, False)] * 2
     np.testing.assert_allclose(after[0], np.mean(before, axis=0), rtol=1e-6, atol=1e-7)
     assert after[0].tobytes() == after[1].tobytes()
@@ -148,7 +148,7 @@ async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> 
     topo = ring(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         members = (1, 3)
-        trainers = {i: make_trainer(topo, i, seed=i) for i in members}
+        trainers = {i: gate_replica(make_trainer(topo, i, seed=i)) for i in members}
         ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
         await eps[0].close()
         for i in members:
@@ -163,5 +163,5 @@ async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> 
             for c in ctxs.values():
                 await c.rpc_server.close()
             for t in trainers.values():
-                t.close()
+                await close_replica(t)
     assert mine.tobytes() == theirs.tobytes() and eps[2].relayed > 0

@@ -10,7 +10,7 @@ from p2psync.errors import PeerFailure
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh, ring
 from p2psync.transport import MemoryHub
-from tests.helpers import make_context, make_trainer, until
+from tests.helpers import close_replica, gate_replica, make_context, make_trainer, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +21,7 @@ async def _nodes(topo, name, **opts):
     for i in topo.ids:
         t = hub.endpoint(i, default_timeout=10)
         await t.start()
-        ctx = make_context(topo, t, make_trainer(topo, i), options=opts)
+        ctx = make_context(topo, t, gate_replica(make_trainer(topo, i)), options=opts)
         s = get_strategy(name)(ctx)
         await s.start()
         out.append(s)
@@ -31,7 +31,7 @@ async def _nodes(topo, name, **opts):
 async def _close(strats):
     for s in strats:
         await s.close()
-        s.ctx.replica.close()
+        await close_replica(s.ctx.replica)
         await s.ctx.transport.close()
 
 
