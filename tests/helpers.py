@@ -243,18 +243,42 @@ class GatePath:
         #: what ended the training thread other than :meth:`close` (a divergence), if anything
         self.error: BaseException | None = None
         opt.step = types.MethodType(lambda _opt, closure=None: self._on_step(), opt)
+        # the user state's one scan of every object for a GradScaler, done here, while no
+        # training thread of this process runs: a thread that builds a tuple while another
+        # holds gc.get_objects()'s list fails in CPython (SystemError in _PyTuple_Resize)
+        self.replica.user_state.on_step()
         _PATHS[id(self.replica)] = self
         self._thread = threading.Thread(target=self._run, daemon=True, name="p2psync-test-training")
+
+    def start(self) -> None:
+        """Start the training thread: it serves the gate's jobs until :meth:`go`."""
         self._thread.start()
 
     def go(self) -> None:
-        """Start the training loop (after the strategy started)."""
+        """Start the training loop (the thread too, if :meth:`start` was not called)."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
         self._go.set()
         self.gate.nudge()
 
     def release(self) -> None:
         """Let the parked training thread compute its next iteration (event loop thread)."""
         self.gate.release()
+
+    def drive(self, strategy: Any) -> Any:
+        """``strategy`` with its ``train_step`` followed, as ``Session._drive`` does, by
+        :meth:`release` unless the step stopped the run: the next iteration's forward and
+        backward overlap the strategy's background exchange (and Canary's colayers leave during
+        that backward)."""
+        step = strategy.train_step
+
+        async def train_step(*args: Any, **kw: Any) -> Any:
+            rep = await step(*args, **kw)
+            if not rep.stop:
+                self.release()
+            return rep
+        strategy.train_step = train_step
+        return strategy
 
     def _run(self) -> None:
         from p2psync.errors import Aborted
@@ -302,8 +326,9 @@ class GatePath:
         self.gate.end()
         self.gate.finish()
         self.gate.fail(P2PSyncError("test training loop closed"))
-        await asyncio.to_thread(self._thread.join, 30)
-        assert not self._thread.is_alive(), "the test training thread did not end"
+        if self._thread.ident is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            assert not self._thread.is_alive(), "the test training thread did not end"
         self.replica.remove_hooks()
         self.trainer.optimizer.step = self._own_step
         _PATHS.pop(id(self.replica), None)
@@ -324,12 +349,19 @@ async def evaluate(s: Any) -> tuple[float, float]:
     return await gate_path(s).evaluate()
 
 
-def gate_replica(trainer: Any) -> Any:
-    """``trainer``'s model on a started :class:`GatePath` (its loop running): its
-    HookedReplica, for a hand-built :func:`make_context`; close it with :func:`close_replica`."""
-    path = GatePath(trainer)
-    path.go()
-    return path.replica
+def gate_replicas(trainers: Any) -> Any:
+    """Every trainer's model on a running :class:`GatePath` (all built before any training
+    thread starts): their HookedReplicas, by the same keys (a dict) or in order (an iterable),
+    for hand-built :func:`make_context` calls; close each with :func:`close_replica`."""
+    if isinstance(trainers, Mapping):
+        paths = {k: GatePath(tr) for k, tr in trainers.items()}
+        for p in paths.values():
+            p.go()
+        return {k: p.replica for k, p in paths.items()}
+    built = [GatePath(tr) for tr in trainers]
+    for p in built:
+        p.go()
+    return [p.replica for p in built]
 
 
 async def close_replica(replica: Any) -> None:
@@ -342,7 +374,7 @@ async def gated(trainers: Iterable[Any]) -> AsyncIterator[list[Any]]:
     """Every trainer's model on a started :class:`GatePath`: their HookedReplicas, in order
     (a single-process reference run: ``compute_gradients``, ``apply_gradients``, ...); closed
     on the way out."""
-    replicas = [gate_replica(tr) for tr in trainers]
+    replicas = gate_replicas(trainers)
     try:
         yield replicas
     finally:
@@ -382,7 +414,8 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
     """One started strategy per node (coordinator services and RPC servers included), as node
     processes build them, each on the gate path of its Trainer (``trainers``, else
     :func:`make_trainer`'s): a :class:`GatePath` whose training loop starts, as under
-    ``Session``, after the gradient-ready hooks (Canary's) and before the strategy's ``start``."""
+    ``Session``, after the gradient-ready hooks (Canary's) and before the strategy's ``start``,
+    and which is released after every step that did not stop the run (:meth:`GatePath.drive`)."""
     from p2psync.strategies import get_strategy
 
     cls = get_strategy(name)
@@ -399,7 +432,9 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
             if i == topo.coordinator:
                 cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
             ctx.rpc_server.start()
-            strats.append(cls(ctx))
+            strats.append(path.drive(cls(ctx)))
+        for path in paths:  # (every path built first: see GatePath's user-state scan)
+            path.start()
         for s, path in zip(strats, paths):  # as Session: hooks first, then the loop and the strategy's start
             if cls.grad_ready:
                 await path.replica.enable_grad_ready(s.on_grad_ready)
@@ -538,8 +573,7 @@ async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], 
 
 async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
     """Every node's loop (``want_stop`` from the last requested step on) until its strategy
-    reports ``stop`` (bounded: 3x the steps), releasing the training thread after each step as
-    ``Session._drive`` does; each node's step reports."""
+    reports ``stop`` (bounded: 3x the steps); each node's step reports."""
 
     async def loop(s: Any) -> list[Any]:
         step, reps = 0, []
@@ -549,7 +583,6 @@ async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
             step += 1
             if rep.stop or step >= 3 * steps:
                 return reps
-            gate_path(s).release()
     return list(await asyncio.gather(*(loop(s) for s in strats)))
 
 

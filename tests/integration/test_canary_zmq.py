@@ -16,7 +16,7 @@ from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import encode
-from tests.helpers import close_strategies, free_port, slowed_trainers, start_strategies, zmq_cluster
+from tests.helpers import close_strategies, evaluate, free_port, gate_path, slowed_trainers, start_strategies, zmq_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,7 +98,7 @@ async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_r
         try:
             reps = await _run(strats, 1000, stop_after=3.0)
             params = await _params(strats)
-            accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+            accs = [(await evaluate(s))[1] for s in strats]
         finally:
             await close_strategies(strats)
     iters = [len(r) for r in reps]
@@ -207,6 +207,7 @@ async def test_overtime_pull_falls_back_to_the_next_candidate():
             mine, theirs = await s0.ctx.replica.get_params(), await strats[1].ctx.replica.get_params()
         finally:
             await close_strategies(strats[:2])
+            await gate_path(strats[2]).close()
     assert got == 57 and mine.tobytes() == theirs.tobytes()
 
 

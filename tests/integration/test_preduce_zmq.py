@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from p2psync.topology import mesh
-from tests.helpers import free_port, run_until_stop, slowed_trainers
+from tests.helpers import evaluate, free_port, run_until_stop, slowed_trainers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +32,7 @@ async def test_six_nodes_p3_heterogeneous_fast_workers_do_not_wait(weights, zmq_
                               trainers=slowed_trainers(topo, times))
     reps = await asyncio.wait_for(run_until_stop(strats, STEPS), 90)
     out = [(len(r), r) for r in reps]
-    accs = [(await s.ctx.replica.evaluate())[1] for s in strats]
+    accs = [(await evaluate(s))[1] for s in strats]
     params = [await s.ctx.replica.get_params() for s in strats]
     steps = [n for n, _ in out]
     groups = [r for _, reps in out for r in reps if "op" in r]

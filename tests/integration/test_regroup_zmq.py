@@ -11,7 +11,7 @@ import pytest
 
 from p2psync.strategies.regroup import Regroup
 from p2psync.topology import ring
-from tests.helpers import close_replica, free_port, gate_replica, make_context, make_trainer, zmq_cluster
+from tests.helpers import close_replica, free_port, gate_replicas, make_context, make_trainer, zmq_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 async def test_average_state_agrees_on_the_step_and_carries_a_flag():
     topo = ring(3, base_port=free_port())
     async with zmq_cluster(topo) as eps:
-        trainers = {i: gate_replica(make_trainer(topo, i, seed=i)) for i in topo.ids}
+        trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in topo.ids})
         ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in topo.ids}
         for c in ctxs.values():
             c.rpc_server.start()

@@ -17,7 +17,7 @@ from p2psync.errors import GroupCutOff
 from p2psync.strategies.regroup import Adopted, Regroup, fetch_state, serve_state
 from p2psync.topology import bcube, ring
 from p2psync.wire import encode
-from tests.helpers import close_replica, free_port, gate_replica, keyed, make_context, make_trainer, until, zmq_cluster
+from tests.helpers import close_replica, free_port, gate_replicas, keyed, make_context, make_trainer, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -110,7 +110,7 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
     topo = ring(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         members = (1, 3)
-        trainers = {i: gate_replica(make_trainer(topo, i, seed=i)) for i in members}
+        trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in members})
         ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
         await eps[2].close()  # dead: the pieces go through node 0
         for i in members:
@@ -148,7 +148,7 @@ async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> 
     topo = ring(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         members = (1, 3)
-        trainers = {i: gate_replica(make_trainer(topo, i, seed=i)) for i in members}
+        trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in members})
         ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
         await eps[0].close()
         for i in members:

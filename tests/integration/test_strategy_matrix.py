@@ -4,7 +4,7 @@ real ZeroMQ.
 Each run drives the strategies the way the training loop does (``want_stop`` on the last
 requested step, then until a strategy reports ``stop``), on the gate path users run: every
 node's model behind a step gate, with a training thread running the built-in job's plain loop
-(tests/helpers.py ``GatePath``), and checks that every node runs exactly
+(tests/helpers.py ``GatePath``, released after each step as the session's driver does), and checks that every node runs exactly
 the requested number of steps and learns something. Regression for issue 9.1: the stop flag
 used to ride inside the quantized vector, and int8 / sketch8 ended SSGD and ESync after 1-6
 steps. This matrix grows with every new strategy and codec: the parameter lists are the
@@ -28,7 +28,7 @@ from p2psync.compress.codecs import CODECS
 from p2psync.errors import ConfigError
 from p2psync.strategies.base import REGISTRY, get_strategy
 from p2psync.topology import Topology, bcube, mesh, ring, star
-from tests.helpers import evaluate, free_port, gate_path, make_trainer, trainer_params, until
+from tests.helpers import evaluate, free_port, make_trainer, trainer_params, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,7 +100,6 @@ async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
         step += 1
         if rep.stop or step >= 3 * steps:  # bounded: a strategy that never stops fails the test
             return step, rep.loss
-        gate_path(strat).release()  # as Session._drive: the next iteration overlaps the exchange
 
 
 @pytest.mark.parametrize("strategy,codec,feedback,kind", CASES,

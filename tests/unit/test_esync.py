@@ -15,7 +15,7 @@ from p2psync.strategies import get_strategy
 from p2psync.topology import mesh
 from p2psync.training.hetero import Slowdown, default_profile, parse_profiles
 from p2psync.transport import MemoryHub
-from tests.helpers import close_replica, gate_replica, make_context, make_trainer
+from tests.helpers import close_replica, gate_replicas, make_context, make_trainer
 
 
 def _server(caps, now=0.0, eps=0.0):
@@ -176,10 +176,12 @@ async def run_esync_rounds(transports, topo, rounds=4, mode="blocking"):
     after every round; returns the local iterations per node per round."""
     profiles = parse_profiles(step_time="0:0.01,1:0.01,2:0.02,3:0.08")
     strats = []
-    for i in topo.ids:
-        tr = make_trainer(topo, i)
+    trainers = {i: make_trainer(topo, i) for i in topo.ids}
+    for i, tr in trainers.items():
         tr.slowdown = profiles[i]
-        ctx = make_context(topo, transports[i], gate_replica(tr), options={"mode": mode})
+    replicas = gate_replicas(trainers)
+    for i in topo.ids:
+        ctx = make_context(topo, transports[i], replicas[i], options={"mode": mode})
         if i == topo.coordinator:
             get_strategy("esync").coordinator_services(ctx.rpc_server, topo, {})
         ctx.rpc_server.start()

@@ -10,7 +10,7 @@ from p2psync.errors import PeerFailure
 from p2psync.strategies import get_strategy
 from p2psync.topology import mesh, ring
 from p2psync.transport import MemoryHub
-from tests.helpers import close_replica, gate_replica, make_context, make_trainer, until
+from tests.helpers import close_replica, gate_replicas, make_context, make_trainer, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,10 +18,11 @@ pytestmark = pytest.mark.timeout(60)
 async def _nodes(topo, name, **opts):
     hub = MemoryHub(topo)
     out = []
+    replicas = gate_replicas({i: make_trainer(topo, i) for i in topo.ids})
     for i in topo.ids:
         t = hub.endpoint(i, default_timeout=10)
         await t.start()
-        ctx = make_context(topo, t, gate_replica(make_trainer(topo, i)), options=opts)
+        ctx = make_context(topo, t, replicas[i], options=opts)
         s = get_strategy(name)(ctx)
         await s.start()
         out.append(s)
