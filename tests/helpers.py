@@ -410,12 +410,15 @@ def make_context(topo: Topology, transport, replica, *, peer_timeout: float = 10
 
 
 async def start_strategies(transports, topo: Topology, name: str, *, options=None, codec: str = "none",
-                           error_feedback: bool = False, trainers=None, max_steps: int | None = None):
+                           error_feedback: bool = False, trainers=None, max_steps: int | None = None,
+                           release: bool = True):
     """One started strategy per node (coordinator services and RPC servers included), as node
     processes build them, each on the gate path of its Trainer (``trainers``, else
     :func:`make_trainer`'s): a :class:`GatePath` whose training loop starts, as under
     ``Session``, after the gradient-ready hooks (Canary's) and before the strategy's ``start``,
-    and which is released after every step that did not stop the run (:meth:`GatePath.drive`)."""
+    and which is released after every step that did not stop the run (:meth:`GatePath.drive`;
+    ``release=False``: a step's iteration is computed only when the step asks for it, so what
+    one step sends is all sent within it)."""
     from p2psync.strategies import get_strategy
 
     cls = get_strategy(name)
@@ -432,7 +435,7 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
             if i == topo.coordinator:
                 cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
             ctx.rpc_server.start()
-            strats.append(path.drive(cls(ctx)))
+            strats.append(path.drive(cls(ctx)) if release else cls(ctx))
         for path in paths:  # (every path built first: see GatePath's user-state scan)
             path.start()
         for s, path in zip(strats, paths):  # as Session: hooks first, then the loop and the strategy's start
@@ -550,9 +553,10 @@ async def memory_collectives(topo: Topology, **kw: Any) -> AsyncIterator[dict[in
 
 @contextlib.asynccontextmanager
 async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], *, codec: str = "none",
-                            step_times: str = "", **trainer: Any) -> AsyncIterator[list[Any]]:
+                            step_times: str = "", release: bool = True, **trainer: Any) -> AsyncIterator[list[Any]]:
     """Started strategies for every node over the in-memory transport, with real trainers
-    (``trainer``: make_trainer keywords; ``step_times``: emulated ``NODE:SECONDS,...``)."""
+    (``trainer``: make_trainer keywords; ``step_times``: emulated ``NODE:SECONDS,...``;
+    ``release``: as :func:`start_strategies`)."""
     from p2psync.transport.memory import MemoryHub
 
     hub = MemoryHub(topo)
@@ -561,7 +565,8 @@ async def memory_strategies(topo: Topology, name: str, options: dict[str, Any], 
         await e.start()
     trainers = slowed_trainers(topo, step_times, **trainer)
     try:
-        strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, codec=codec)
+        strats = await start_strategies(eps, topo, name, options=options, trainers=trainers, codec=codec,
+                                        release=release)
         try:
             yield strats
         finally:

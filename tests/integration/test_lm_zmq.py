@@ -65,7 +65,6 @@ def test_ssgd_on_lm_tiny_is_one_process_on_the_union_of_the_batches(tmp_path: Pa
         ref.optimizer.step()
         sched.step()
         expect.append(float(loss.detach()))
-    ref.close()
     np.testing.assert_allclose(group, expect, rtol=1e-5, atol=1e-5)
     assert np.mean(expect[-10:]) < np.mean(expect[:5]) - 0.5  # it learnt
     final_bpb = out[0]["final_val_bpb"]

@@ -47,7 +47,9 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
         opts["sketch_bits"] = "0"  # a width per piece
     elif codec == "sketch8":
         opts["sketch_bits"] = "8"  # the paper's width (sketch8:5, 5 bits, is Canary's default)
-    async with memory_strategies(topo, "canary", opts) as strats:
+    # release=False: an iteration's colayers leave during its backward, which then runs inside
+    # the step that takes it, so the window below holds exactly ``iters`` iterations' sends
+    async with memory_strategies(topo, "canary", opts, release=False) as strats:
         await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
         before = _nics(strats)
         for step in range(1, 1 + iters):

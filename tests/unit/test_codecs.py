@@ -15,7 +15,7 @@ from p2psync.compress.base import WARM_VALUES
 from p2psync.compress import ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8, Sketch8Paper, codec_usage, get_codec
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.topology import mesh
-from tests.helpers import make_trainer
+from tests.helpers import gated, make_trainer
 
 floats = hnp.arrays(np.float32, st.integers(0, 3000),
                     elements=st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False))
@@ -108,18 +108,16 @@ def test_the_paper_sketch_is_a_codec_of_its_own():
 def _real_gradients():
     out = []
     for model in ("mlp", "cnn"):
-        tr = make_trainer(mesh(1), 0, model=model)
-
-        async def go():
+        async def go(model=model):
             grads = []
-            for k in range(12):
-                _, g = await tr.compute_gradients()
-                await tr.apply_gradients(g)
-                grads.append(g)
+            async with gated([make_trainer(mesh(1), 0, model=model)]) as (tr,):
+                for k in range(12):
+                    _, g = await tr.compute_gradients()
+                    await tr.apply_gradients(g)
+                    grads.append(g)
             return grads
 
         out += asyncio.run(go())[::4]
-        tr.close()
     return out
 
 

@@ -115,26 +115,23 @@ def test_a_few_steps_of_lm_tiny_lower_the_training_loss() -> None:
     cfg = RunConfig(topology="-", model="lm-tiny", data="pysource", optimizer="adamw", lr=3e-3, batch_size=4,
                     threads=1, device="cpu")
     tr = build_trainer(cfg, ring(2), 0)
-    try:
-        assert tr.clip_norm == 1.0 and tr.tokens_per_sample == 128
-        fixed = tr.sampler.batch(0)
-        x, y = tr.batch_tensors(fixed)
+    assert tr.clip_norm == 1.0 and tr.tokens_per_sample == 128
+    fixed = tr.sampler.batch(0)
+    x, y = tr.batch_tensors(fixed)
 
-        def loss_now() -> float:
-            with torch.no_grad():
-                return float(tr.loss_of(x, y)[0])
+    def loss_now() -> float:
+        with torch.no_grad():
+            return float(tr.loss_of(x, y)[0])
 
-        before = loss_now()
-        assert abs(before - math.log(256)) < 0.3  # the initial model is close to uniform
-        for _ in range(6):
-            tr.batches_done = 0  # the same batch: the loss on it must fall
-            tr.forward_backward()
-            tr.optimizer.step()
-        assert loss_now() < before - 0.5
-        test_loss, acc = tr.evaluate_now()
-        assert math.isfinite(test_loss) and 0 <= acc <= 1
-    finally:
-        tr.close()
+    before = loss_now()
+    assert abs(before - math.log(256)) < 0.3  # the initial model is close to uniform
+    for _ in range(6):
+        tr.batches_done = 0  # the same batch: the loss on it must fall
+        tr.forward_backward()
+        tr.optimizer.step()
+    assert loss_now() < before - 0.5
+    test_loss, acc = tr.evaluate_now()
+    assert math.isfinite(test_loss) and 0 <= acc <= 1
 
 
 def test_a_language_model_trains_on_text_only() -> None:

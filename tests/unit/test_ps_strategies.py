@@ -120,7 +120,7 @@ async def test_a_schedule_that_sets_lr_to_zero_freezes_every_store_strategy(name
     async with memory_strategies(mesh(3), name, opts, weight_decay=1e-3) as st:
         w0 = await st[0].ctx.replica.get_params()
         for s in st:
-            torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.optimizer, lambda step: 0.0)
+            torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.flat.optimizer, lambda step: 0.0)
         await run_until_stop(st, 10)
         got = [await s.ctx.replica.get_params() for s in st]
     assert all(g.tobytes() == w0.tobytes() for g in got)
@@ -133,7 +133,7 @@ async def test_bsp_follows_a_schedule_step_by_step():
     import torch
 
     async with memory_strategies(mesh(3), "bsp", {}) as st:
-        scheds = [torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.optimizer, lambda step: 1.0 if step < 3 else 0.0)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(s.ctx.replica.flat.optimizer, lambda step: 1.0 if step < 3 else 0.0)
                   for s in st]
         seen = []
         for step in range(6):

@@ -1,5 +1,5 @@
-"""The trainer's compute job: abortable iterations and the two device-emulation modes (issue 9
-items 2 and 3)."""
+"""The trainer's iteration: abortable, and the two device-emulation modes (issue 9 items 2
+and 3)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import pytest
 
 from p2psync.errors import Aborted, ConfigError
+from p2psync.model.flat import FlatModel
 from p2psync.topology import mesh
 from p2psync.training.hetero import Slowdown, parse_profiles
 from tests.helpers import make_trainer
@@ -18,9 +19,13 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def trainer():
-    tr = make_trainer(mesh(1), 0)
-    yield tr
-    tr.close()
+    return make_trainer(mesh(1), 0)
+
+
+def _iteration(tr, abort=None):
+    """One iteration (forward, backward, the emulated device's time): (loss, flat gradient)."""
+    loss, _ = tr.forward_backward(abort)
+    return loss, FlatModel(model=tr.model, optimizer=tr.optimizer).grads()
 
 
 async def test_an_abandoned_iteration_leaves_no_trace(trainer):
@@ -29,16 +34,14 @@ async def test_an_abandoned_iteration_leaves_no_trace(trainer):
     t0 = time.monotonic()
     threading.Timer(0.2, abort.set).start()
     with pytest.raises(Aborted):
-        await trainer.compute_gradients(abort)
+        _iteration(trainer, abort)
     assert time.monotonic() - t0 < 2.0  # cut short, not 5 s
     assert trainer.batches_done == 0 and trainer.samples == 0
     trainer.slowdown = Slowdown()
-    loss_after_abort, g1 = await trainer.compute_gradients()
+    loss_after_abort, g1 = _iteration(trainer)
     assert trainer.batches_done == 1 and trainer.samples == trainer.sampler.batch_size
     # the next iteration took the batch the abandoned one would have used
-    ref = make_trainer(mesh(1), 0)
-    loss_ref, g2 = await ref.compute_gradients()
-    ref.close()
+    loss_ref, g2 = _iteration(make_trainer(mesh(1), 0))
     assert loss_after_abort == loss_ref and (g1 == g2).all()
 
 
@@ -46,7 +49,7 @@ async def test_abort_before_start(trainer):
     abort = threading.Event()
     abort.set()
     with pytest.raises(Aborted):
-        await trainer.compute_gradients(abort)
+        _iteration(trainer, abort)
     assert trainer.batches_done == 0
 
 
@@ -54,9 +57,9 @@ async def test_abort_before_start(trainer):
 async def test_slowdown_modes_wait_or_compute(trainer, mode):
     """Both modes hold the compute thread for the step time; only ``compute`` burns CPU."""
     trainer.slowdown = Slowdown(step_time=0.6, mode=mode)
-    await trainer.compute_gradients()  # warm-up
+    _iteration(trainer)  # warm-up
     cpu0, wall0 = time.process_time(), time.monotonic()
-    await trainer.compute_gradients()
+    _iteration(trainer)
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     assert wall >= 0.6
     if mode == "compute":
