@@ -243,10 +243,10 @@ class GatePath:
         #: what ended the training thread other than :meth:`close` (a divergence), if anything
         self.error: BaseException | None = None
         opt.step = types.MethodType(lambda _opt, closure=None: self._on_step(), opt)
-        # the user state's one scan of every object for a GradScaler, done here, while no
-        # training thread of this process runs: a thread that builds a tuple while another
-        # holds gc.get_objects()'s list fails in CPython (SystemError in _PyTuple_Resize)
-        self.replica.user_state.on_step()
+        # the test models train without a GradScaler: no scan of every object for one (with
+        # several training threads in one process, a thread that builds a tuple while another
+        # holds gc.get_objects()'s list fails in CPython: SystemError in _PyTuple_Resize)
+        self.replica.user_state._scanned_scalers = True
         _PATHS[id(self.replica)] = self
         self._thread = threading.Thread(target=self._run, daemon=True, name="p2psync-test-training")
 
@@ -350,8 +350,7 @@ async def evaluate(s: Any) -> tuple[float, float]:
 
 
 def gate_replicas(trainers: Any) -> Any:
-    """Every trainer's model on a running :class:`GatePath` (all built before any training
-    thread starts): their HookedReplicas, by the same keys (a dict) or in order (an iterable),
+    """Every trainer's model on a running :class:`GatePath`: their HookedReplicas, by the same keys (a dict) or in order (an iterable),
     for hand-built :func:`make_context` calls; close each with :func:`close_replica`."""
     if isinstance(trainers, Mapping):
         paths = {k: GatePath(tr) for k, tr in trainers.items()}
@@ -436,7 +435,7 @@ async def start_strategies(transports, topo: Topology, name: str, *, options=Non
                 cls.coordinator_services(ctx.rpc_server, topo, dict(options or {}))
             ctx.rpc_server.start()
             strats.append(path.drive(cls(ctx)) if release else cls(ctx))
-        for path in paths:  # (every path built first: see GatePath's user-state scan)
+        for path in paths:
             path.start()
         for s, path in zip(strats, paths):  # as Session: hooks first, then the loop and the strategy's start
             if cls.grad_ready:

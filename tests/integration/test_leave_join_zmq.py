@@ -24,7 +24,7 @@ from p2psync.strategies import StrategyContext, get_strategy
 from p2psync.topology import Topology, ring
 from p2psync.training.hetero import parse_profiles
 from p2psync.transport import ZmqEndpoint
-from tests.helpers import free_port, make_trainer, until
+from tests.helpers import GatePath, free_port, make_trainer, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +57,8 @@ class Node:
         lr = 0.05 if strategy == "asgd" else 0.1
         self.trainer = make_trainer(topo, i, lr=lr)
         self.trainer.slowdown = parse_profiles(step_time=f"{i}:{STEP_S}")[i]
+        #: the trainer's model on the gate path (its loop starts when the node joins the run)
+        self.path: GatePath | None = None
         self.strategy: Any = None
         self.steps = 0  # train_step calls done
         self.reports: list[dict[str, Any]] = []  # every step report's ``extra``
@@ -82,12 +84,14 @@ class Node:
     async def join_run(self) -> None:
         info = await self.client.register("fp", timeout=30)
         self.client.start()
+        self.path = GatePath(self.trainer)
+        self.path.go()
         ctx = StrategyContext(node_id=self.id, topology=self.topo, transport=self.ep, rpc=self.rpc,
-                              rpc_server=self.server, membership=self.client, replica=self.trainer,
+                              rpc_server=self.server, membership=self.client, replica=self.path.replica,
                               collectives=Collectives(self.ep, timeout=10.0), peer_timeout=10.0,
                               options=self.options, on_failure=self.on_failure,
                               joining=bool(info.get("joined")))
-        self.strategy = get_strategy(self.name)(ctx)
+        self.strategy = self.path.drive(get_strategy(self.name)(ctx))
         self.client.listeners.append(self.strategy.on_peer_failure)
         self.client.view_listeners.append(self.strategy.on_view)
         await self.strategy.start()
@@ -128,7 +132,8 @@ class Node:
             await self.host.close()
         await self.server.close(grace=0.1)
         await self.ep.close()
-        self.trainer.close()
+        if self.path is not None:
+            await self.path.close()
 
 
 @contextlib.asynccontextmanager
@@ -165,7 +170,7 @@ async def _finish(nodes: list[Node], timeout: float = 60) -> list[int]:
 
 
 async def _params(nodes: list[Node]) -> list[np.ndarray]:
-    return [await n.trainer.get_params() for n in nodes]
+    return [await n.strategy.ctx.replica.get_params() for n in nodes]
 
 
 @pytest.mark.parametrize("strategy", ["ssgd", "esync"])
@@ -249,7 +254,7 @@ async def test_asgd_restarted_node_rejoins_the_flooding_trees():
             joiner.go(200)
             ends = await _finish([*survivors, joiner])
             await until(lambda: joiner.strategy.applied_remote > 0, 10, "gradients reach the joiner")
-            acc = (await joiner.trainer.evaluate())[1]
+            acc = (await joiner.path.evaluate())[1]
         finally:
             await joiner.close()
     assert ends == [200] * 4
