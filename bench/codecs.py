@@ -9,32 +9,28 @@ CNN and ResNet-18 models on the digits data.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 
 import numpy as np
 
 from bench._common import markdown_table, save_png
 from p2psync.compress import Fp16, Int8Uniform, NoCodec, Sketch8
+from p2psync.model.flat import FlatModel
 from p2psync.topology import mesh
 from p2psync.training.config import RunConfig
 from p2psync.training.node import build_trainer
 
 
 def real_gradient(model: str, steps: int = 5) -> np.ndarray:
+    """The flat gradient of the built-in job's ``model`` after ``steps - 1`` plain SGD steps."""
     tr = build_trainer(RunConfig(topology="-", model=model, device="cpu", threads=1), mesh(1), 0)
-
-    async def go() -> np.ndarray:
-        g = np.zeros(0, np.float32)
-        for _ in range(steps):
-            _, g = await tr.compute_gradients()
-            await tr.apply_gradients(g)
-        return g
-
-    try:
-        return asyncio.run(go())
-    finally:
-        tr.close()
+    flat = FlatModel(model=tr.model, optimizer=tr.optimizer)
+    g = np.zeros(0, np.float32)
+    for _ in range(steps):
+        tr.forward_backward()
+        g = flat.grads()
+        tr.optimizer.step()
+    return g
 
 
 def best_time(fn, reps: int = 5) -> float:
