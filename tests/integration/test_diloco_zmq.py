@@ -19,13 +19,15 @@ from tests.helpers import (close_strategies, drive_until_stop, free_port, gate_p
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None):
+async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None,
+               release=True):
     """Train every node ``steps`` steps (``trainer``: make_trainer keywords; ``per_node``: more
-    of them by node); returns (final params, θ_g per node after each step, reports per node)."""
+    of them by node; ``release``: as start_strategies'); returns (final params, θ_g per node
+    after each step, reports per node)."""
     async with zmq_cluster(topo) as eps:
         trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {})) for i in topo.ids}
         strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
-                                        codec=codec, error_feedback=error_feedback)
+                                        codec=codec, error_feedback=error_feedback, release=release)
         try:
             async def loop(s):
                 reps, thetas, step = [], [], 0
@@ -148,7 +150,9 @@ async def test_an_option_that_is_not_built_is_refused_before_anything_starts():
 async def _resumable(topo, opts, steps, cut, *, drop_result):
     """θ_g after every step of a run stopped after step ``cut - 1`` (a checkpoint of every
     node: strategy state through torch.save / weights_only load, model and optimizer state,
-    data position) and resumed in fresh processes' stead."""
+    data position) and resumed in fresh processes' stead. The training threads are not released
+    between steps: the checkpoint is taken with the thread parked at the step's iteration, as the
+    session's driver takes it (before it releases the thread)."""
     import io
 
     import torch
@@ -158,7 +162,8 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
     thetas: list[list[bytes]] = [[] for _ in topo.ids]
     async with zmq_cluster(topo) as eps:
         trainers = {i: make_trainer(topo, i) for i in topo.ids}
-        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps)
+        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps,
+                                        release=False)
         try:
             for step in range(cut):
                 await asyncio.gather(*(s.train_step(step, False) for s in strats))
@@ -186,7 +191,8 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
         for i, (_, state, done) in zip(topo.ids, saved):  # (before their training threads start)
             FlatModel(model=trainers[i].model, optimizer=trainers[i].optimizer).import_state(state)
             trainers[i].batches_done = done
-        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps)
+        strats = await start_strategies(eps, topo, "diloco", options=opts, trainers=trainers, max_steps=steps,
+                                        release=False)
         try:
             for s, (st, _, _) in zip(strats, saved):
                 s.load_state_dict(st)
@@ -207,7 +213,7 @@ async def test_a_checkpoint_with_a_fragment_in_flight_resumes_bitwise(drop_resul
     opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1}
     steps = 14
     topo = ring(2, base_port=free_port())
-    _, want, _ = await _run(topo, steps, opts)
+    _, want, _ = await _run(topo, steps, opts, release=False)  # driven as _resumable drives
     got = await _resumable(ring(2, base_port=free_port()), opts, steps, 8, drop_result=drop_result)
     for i in range(2):
         assert [w.tobytes() for w in want[i]] == got[i]
