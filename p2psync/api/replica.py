@@ -33,9 +33,7 @@ from torch.autograd import Variable
 
 from p2psync.params.optim import HyperValues, OptimSpec
 from p2psync.strategies.backward_sync import BackwardAverager
-from p2psync.model import SgdHyper, SgdStep
-from p2psync.model import Buffers
-from p2psync.model import Layer
+from p2psync.model import Buffers, Layer, SgdHyper, SgdStep
 from p2psync.model.flat import FlatModel
 from p2psync.training.user_state import UserState, decode, encode
 from p2psync.training.grad_copies import GradCallback, GradCopies
@@ -43,9 +41,9 @@ from p2psync.api.gate import StepGate
 
 
 class HookedReplica:
-    """Implements :class:`~p2psync.model.replica.Replica` and its capabilities on the user's model and optimizer
-    through the :class:`~p2psync.api.gate.StepGate`: every model access is a job run on the
-    training thread while it is parked in ``optimizer.step()``.
+    """Implements :class:`~p2psync.model.replica.Replica` and every capability on the user's
+    model and optimizer through the :class:`~p2psync.api.gate.StepGate`: every model access is
+    a job run on the training thread while it is parked in ``optimizer.step()``.
 
     Built by ``Session.attach`` (api/session.py: ``HookedReplica(flat=flat, gate=self.gate,
     step=own_step)``) and handed to the strategy as ``ctx.replica``. ``step``: the optimizer's

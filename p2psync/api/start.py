@@ -45,8 +45,7 @@ import numpy as np
 from p2psync.api.replica import HookedReplica
 from p2psync.api.runtime import NodeRuntime
 from p2psync.errors import ConfigError, ProtocolError
-from p2psync.model import Buffers
-from p2psync.model import MAX_META_BYTES
+from p2psync.model import MAX_META_BYTES, Buffers
 
 log = logging.getLogger("p2psync.session")
 
