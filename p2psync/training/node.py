@@ -1,5 +1,6 @@
-"""Building one node's local replica for the built-in job: data, partition, model, optimizer,
-emulated device (the runtime that joins the run is :mod:`p2psync.api.runtime`)."""
+"""Building one node's :class:`~p2psync.training.trainer.Trainer` for the built-in job: data,
+partition, model, optimizer, emulated device (the job attaches its model and optimizer to a
+session, whose replica strategies use: :mod:`p2psync.api.replica`)."""
 
 from __future__ import annotations
 
