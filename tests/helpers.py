@@ -350,8 +350,9 @@ async def evaluate(s: Any) -> tuple[float, float]:
 
 
 def gate_replicas(trainers: Any) -> Any:
-    """Every trainer's model on a running :class:`GatePath`: their HookedReplicas, by the same keys (a dict) or in order (an iterable),
-    for hand-built :func:`make_context` calls; close each with :func:`close_replica`."""
+    """Every trainer's model on a running :class:`GatePath`: their HookedReplicas, by the same
+    keys (a dict) or in order (an iterable), for hand-built :func:`make_context` calls; close
+    each with :func:`close_replica`."""
     if isinstance(trainers, Mapping):
         paths = {k: GatePath(tr) for k, tr in trainers.items()}
         for p in paths.values():

@@ -529,7 +529,8 @@ class DiLoCo(Strategy):
             delta = np.zeros_like(g)
         else:  # (a fragment's own values only: no copy of the whole model)
             rep = self.ctx.replica
-            local = await PARAM_RANGES.of(rep).get_params_range(self.ranges[f]) if idx is not None else await rep.get_params()
+            local = (await PARAM_RANGES.of(rep).get_params_range(self.ranges[f]) if idx is not None
+                     else await rep.get_params())
             delta = np.subtract(g, local, dtype=np.float32)
         nonfinite = not bool(np.isfinite(delta).all())
         if nonfinite:

@@ -363,7 +363,8 @@ class _StoreStrategy(Strategy):
         if moved is not None:  # the weights this iteration starts from: the restored state
             await self.ctx.replica.set_params(moved)
         loss, grad = await self.ctx.replica.compute_gradients()
-        hypers = await OPTIMIZER_SHARDS.of(self.ctx.replica).optim_hypers(store.optim)  # this iteration's (the schedule's)
+        # this iteration's (the schedule's)
+        hypers = await OPTIMIZER_SHARDS.of(self.ctx.replica).optim_hypers(store.optim)
         t0 = clock.now()
         forwarded = 0
         try:

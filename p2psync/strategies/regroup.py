@@ -266,7 +266,8 @@ class Regroup:
         finally:
             await cancel_all([steps])  # when the average failed first
         await self.restore(np.asarray(mean, dtype=np.float32))
-        await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica, self.name), coll, self.ctx.buffers, tag=tag, group=view.members)
+        await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica, self.name), coll, self.ctx.buffers, tag=tag,
+                           group=view.members)
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
 
     def _reformed(self, failed_at: float | None) -> None:

@@ -16,7 +16,8 @@ from p2psync.strategies.canary_exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import encode
-from tests.helpers import close_strategies, evaluate, free_port, gate_path, slowed_trainers, start_strategies, zmq_cluster
+from tests.helpers import (close_strategies, evaluate, free_port, gate_path, slowed_trainers, start_strategies,
+                           zmq_cluster)
 
 pytestmark = pytest.mark.timeout(120)
 

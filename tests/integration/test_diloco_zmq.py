@@ -13,8 +13,8 @@ import pytest
 from p2psync.errors import ConfigError
 from p2psync.strategies.diloco_state import outer_step
 from p2psync.topology import mesh, ring
-from tests.helpers import (close_strategies, drive_until_stop, free_port, gate_path, gated, make_trainer, start_strategies,
-                           trainer_params, zmq_cluster)
+from tests.helpers import (close_strategies, drive_until_stop, free_port, gate_path, gated, make_trainer,
+                           start_strategies, trainer_params, zmq_cluster)
 
 pytestmark = pytest.mark.timeout(120)
 

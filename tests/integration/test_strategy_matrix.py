@@ -4,11 +4,11 @@ real ZeroMQ.
 Each run drives the strategies the way the training loop does (``want_stop`` on the last
 requested step, then until a strategy reports ``stop``), on the gate path users run: every
 node's model behind a step gate, with a training thread running the built-in job's plain loop
-(tests/helpers.py ``GatePath``, released after each step as the session's driver does), and checks that every node runs exactly
-the requested number of steps and learns something. Regression for issue 9.1: the stop flag
-used to ride inside the quantized vector, and int8 / sketch8 ended SSGD and ESync after 1-6
-steps. This matrix grows with every new strategy and codec: the parameter lists are the
-registries themselves.
+(tests/helpers.py ``GatePath``, released after each step as the session's driver does), and
+checks that every node runs exactly the requested number of steps and learns something.
+Regression for issue 9.1: the stop flag used to ride inside the quantized vector, and int8 /
+sketch8 ended SSGD and ESync after 1-6 steps. This matrix grows with every new strategy and
+codec: the parameter lists are the registries themselves.
 
 Topologies (ring, mesh, star and BCube(2,2), four nodes each) are a third axis covered
 pairwise rather than as a full product (the suite's time budget): every strategy runs
