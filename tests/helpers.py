@@ -217,9 +217,9 @@ class GatePath:
     loop (``forward_backward(gate.abandon)``, then ``optimizer.step()``) until :meth:`close`.
 
     The thread serves the gate's jobs from the start (hooks are installed before the first
-    iteration) and begins the loop at :meth:`go`. Build it
-    on the event loop thread; :meth:`release` (what ``Session._drive`` does after each step) lets
-    the thread compute the next iteration while the strategy's background exchange goes on.
+    iteration) and begins the loop at :meth:`go`. Build it on the event loop thread;
+    :meth:`release` (what the session's ``StepDriver._drive`` does after each step) lets the
+    thread compute the next iteration while the strategy's background exchange goes on.
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -266,7 +266,7 @@ class GatePath:
         self.gate.release()
 
     def drive(self, strategy: Any) -> Any:
-        """``strategy`` with its ``train_step`` followed, as ``Session._drive`` does, by
+        """``strategy`` with its ``train_step`` followed, as ``StepDriver._drive`` does, by
         :meth:`release` unless the step stopped the run: the next iteration's forward and
         backward overlap the strategy's background exchange (and Canary's colayers leave during
         that backward)."""
