@@ -243,10 +243,6 @@ class GatePath:
         #: what ended the training thread other than :meth:`close` (a divergence), if anything
         self.error: BaseException | None = None
         opt.step = types.MethodType(lambda _opt, closure=None: self._on_step(), opt)
-        # the test models train without a GradScaler: no scan of every object for one (with
-        # several training threads in one process, a thread that builds a tuple while another
-        # holds gc.get_objects()'s list fails in CPython: SystemError in _PyTuple_Resize)
-        self.replica.user_state._scanned_scalers = True
         _PATHS[id(self.replica)] = self
         self._thread = threading.Thread(target=self._run, daemon=True, name="p2psync-test-training")
 

@@ -7,8 +7,10 @@ others (and SSGD ends bitwise equal).
 Which objects: the schedulers of the attached optimizer are found without the user naming
 them (every ``torch.optim.lr_scheduler.LRScheduler`` whose ``optimizer`` is it, looked up among
 the optimizer's referrers), at ``attach`` and again at the first ``optimizer.step()`` (a
-script usually creates its scheduler after ``attach``); a ``GradScaler`` is found among live
-objects at the first step. ``p2psync.attach(model, optimizer, scheduler=..., scaler=...)``
+script usually creates its scheduler after ``attach``); a ``GradScaler`` is the one on the call
+stack of ``optimizer.step()`` (``GradScaler.step`` calls it), looked for at every step until
+one is found. (Not among all live objects: ``gc.get_objects()`` would hold a reference to a
+tuple another thread is still building, and that thread's ``_PyTuple_Resize`` then fails.) ``p2psync.attach(model, optimizer, scheduler=..., scaler=...)``
 names them explicitly.
 
 When: the state is what holds *at the start of a step*, i.e. when an iteration arrives at
@@ -33,6 +35,7 @@ import copy
 import gc
 import io
 import logging
+import sys
 import types
 import weakref
 from typing import Any, Callable, Mapping
@@ -45,6 +48,35 @@ from p2psync.model import MAX_META_BYTES
 
 log = logging.getLogger("p2psync.state")
 
+
+
+#: how many frames above ``optimizer.step()`` are searched for the GradScaler that called it
+SCALER_FRAMES = 32
+#: the GradScaler methods on the way to ``optimizer.step()`` (``step`` -> ``_maybe_opt_step``)
+_SCALER_CALLS = frozenset({"step", "_maybe_opt_step"})
+
+
+def _scaler_kinds() -> tuple[type, ...]:
+    return tuple(k for k in (getattr(torch.amp, "GradScaler", None),
+                             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(k, type))
+
+
+def calling_scalers(frame: types.FrameType | None) -> list[Any]:
+    """The GradScalers whose ``step`` is on the call stack from ``frame`` up (at most
+    :data:`SCALER_FRAMES` frames), innermost first, each once. Reads only the frames of the
+    calling thread."""
+    kinds = _scaler_kinds()
+    out: list[Any] = []
+    for _ in range(SCALER_FRAMES):
+        if frame is None or not kinds:
+            break
+        if frame.f_code.co_name in _SCALER_CALLS and frame.f_code.co_argcount > 0:
+            me = frame.f_locals.get(frame.f_code.co_varnames[0])
+            # by type, not isinstance: that would read __class__ (some objects warn)
+            if me is not None and issubclass(type(me), kinds) and all(me is not o for o in out):
+                out.append(me)
+        frame = frame.f_back
+    return out
 
 
 class UserState:
@@ -90,14 +122,14 @@ class UserState:
                 self._wrap(s)
 
     def _scan_scalers(self) -> None:
+        """Look for the GradScaler that is stepping the optimizer now; once one is found the
+        search ends (the scalers named at attach end it before it starts)."""
         if self._scanned_scalers:
             return
-        self._scanned_scalers = True
-        kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None),
-                                  getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if k is not None)
-        if kinds:
-            # by type, not isinstance: that would read __class__ of every object (some warn)
-            self.scalers = [o for o in gc.get_objects() if issubclass(type(o), kinds)]
+        found = calling_scalers(sys._getframe(1))
+        if found:
+            self.scalers = found
+            self._scanned_scalers = True
 
     def _wrap(self, sched: Any) -> None:
         own: Callable[..., Any] = sched.step
