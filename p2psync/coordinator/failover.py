@@ -47,6 +47,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
 from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest
+from p2psync.coordinator.takeover import silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
@@ -59,6 +60,8 @@ METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
 VOTE = "membership.vote"
 #: seconds a coordinator waits after losing a re-election before it runs another
 REELECT_RETRY_S = 2.0
+#: successors probed at once at first when a node deposes its coordinator (then twice as many)
+PROBE_BATCH = 8
 
 
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
@@ -158,6 +161,8 @@ class CoordinatorHost:
         self._reelection = TaskSet("re-election")
         #: no re-election before this time (monotonic; a lost one waits REELECT_RETRY_S)
         self._reelect_after = 0.0
+        #: the probes of the successors ahead of the one this node follows (at most one walk)
+        self._walk = TaskSet("succession-probe")
         for method in METHODS:
             server.register(method, self._dispatcher(method))
         server.register(VOTE, self._vote)
@@ -341,7 +346,12 @@ class CoordinatorHost:
         self._start(state)
 
     def _followed(self, coordinator: int) -> None:
-        """The node follows another coordinator: a service of its own is deposed, close it."""
+        """The node follows another coordinator: a service of its own is deposed, close it;
+        when that one is a successor not elected yet, probe the successors ahead
+        (:meth:`_probe_line`)."""
+        m = self.membership
+        if coordinator != self.me and not len(self._walk) and m.succession.line(m.view):
+            self._walk.spawn(self._probe_line(), name="succession-probe")
         svc = self.service
         if coordinator == self.me or svc is None:
             return
@@ -349,6 +359,62 @@ class CoordinatorHost:
         self.service = None
         self._retired.append(svc)
         self._closing.spawn(svc.close())
+
+    def probe_time(self) -> float:
+        """How long a successor has to answer a probe before it is passed over: a heartbeat
+        interval plus two of the longest round trips this node measured (the failure
+        detection bound leaves that much after the coordinator's own detection)."""
+        rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
+        return self.heartbeat_interval + 2 * max(rtts, default=0.0)
+
+    async def _alive(self, node: int, timeout: float) -> bool:
+        """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer)."""
+        try:
+            await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout)
+        except RemoteError:
+            return True
+        except P2PSyncError:
+            return False
+        return True
+
+    async def _probe_line(self) -> None:
+        """This node follows a successor that is not elected yet: ask it and the successors
+        after it (:meth:`Succession.line`) whether they live, all at once (in batches of
+        :data:`PROBE_BATCH`, doubling), and depose each that does not answer within
+        :meth:`probe_time` while it is the one followed (:func:`silent_ahead`), so that the
+        node reaches the lowest live one in about one probe time, not one detection time per
+        successor (see :mod:`p2psync.coordinator.takeover`). Ends once the successor followed
+        answered, or the node follows itself, an elected coordinator or nobody of the line."""
+        m = self.membership
+        line = m.succession.line(m.view)
+        timeout = self.probe_time()
+        probes: dict[int, asyncio.Task[bool]] = {}
+        asked = TaskSet("succession-probes", isolated=True)
+        batch = PROBE_BATCH
+        try:
+            while m.fenced is None and m.coordinator in line and m.coordinator != self.me \
+                    and (m.view is None or m.view.coordinator != m.coordinator):
+                c = m.coordinator
+                if c not in probes:
+                    for n in line[line.index(c):line.index(c) + batch]:
+                        if n not in probes:
+                            probes[n] = asked.spawn(self._alive(n, timeout), name=f"probe-{n}")
+                    batch *= 2
+                await asyncio.wait([probes[c]])
+                if m.coordinator != c:
+                    continue  # moved on meanwhile (a view, the detector): judge the one followed now
+                answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
+                silent = silent_ahead(line[line.index(c):], answered)
+                if not silent:
+                    return
+                for n in silent:
+                    if m.coordinator != n or m.fenced is not None:
+                        break
+                    m.pass_over(n, f"no answer to a probe within {timeout:.2f}s")
+                if m.coordinator == c:
+                    return
+        finally:
+            await asked.close()
 
     def _fenced(self, why: Fenced) -> None:
         """The node was removed from the run: it coordinates nothing from now on (a service
@@ -386,6 +452,7 @@ class CoordinatorHost:
         return dispatch
 
     async def close(self) -> None:
+        await self._walk.close()
         await self._election.close()
         await self._reelection.close()
         svcs = [s for s in (self.service, *self._retired) if s is not None]

@@ -395,6 +395,14 @@ class MembershipClient:
         else:
             self._declare([c])
 
+    def pass_over(self, node: int, why: str) -> None:
+        """``node``, the successor this node follows (not elected yet), did not answer a probe:
+        depose it as its detector would, and follow the next successor (the probes:
+        :class:`~p2psync.coordinator.failover.CoordinatorHost`)."""
+        if node == self.coordinator and node != self.transport.node_id:
+            log.warning("node %d: successor %d passed over: %s", self.transport.node_id, node, why)
+            self._suspect(node, why)
+
     def take_over(self, theirs: Sequence[int]) -> bool:
         """A member that deposed ``theirs`` asks this node to coordinate; True when it took over
         (see :meth:`Succession.contacted`)."""
