@@ -46,7 +46,7 @@ import numpy as np
 
 from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
-from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest
+from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest, holds_majority
 from p2psync.coordinator.takeover import silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
@@ -266,22 +266,34 @@ class CoordinatorHost:
         voters = frozenset(st.agreement.members if st.agreement is not None else st.alive_nodes) | {self.me}
         cand = Candidacy(me=self.me, term=term, voters=voters)
         req = VoteRequest(candidate=self.me, term=term, view=key)
-        cand.record(self.me, m.ballot.decide(req, mine=key, coordinating_with_quorum=False, hears_coordinator=None))
         others = sorted(voters - {self.me})
         answers = await asyncio.gather(*(self._ask(v, req) for v in others))
         floor = st.epoch
+        newer = False
         for v, ans in zip(others, answers, strict=True):
             cand.record(v, ans)
             if ans is not None:
                 self._seen_term = max(self._seen_term, ans.voted_term)
                 floor = max(floor, ans.view[1])
+                newer = newer or ans.view > key
         if self.service is not svc or not self.coordinating:
             return
+        # its own vote last, and only when it completes a majority: a lost re-election leaves
+        # no vote of this node in ``term``, so it can still apply the views of a coordinator
+        # elected meanwhile in a lower term (below: when voters follow one)
+        if holds_majority(cand.granted | {self.me}, voters):
+            cand.record(self.me, m.ballot.decide(req, mine=key, coordinating_with_quorum=False,
+                                                 hears_coordinator=None))
         if not cand.won:
             self._reelect_after = clock.now() + REELECT_RETRY_S
             log.warning("node %d: re-election above term %d (for term %d): votes of %s out of %s: not re-elected; "
                         "it coordinates on in term %d", self.me, seen, term, sorted(cand.granted), sorted(voters),
                         st.term)
+            if newer:
+                # voters applied a view newer than this coordinator's: another coordinator was
+                # elected while this one could not run (paused, cut off); its view says whether
+                # this node is still a member (then it follows it) or was removed (fenced)
+                m.probe_now()
             return
         old = st.term
         st.term, st.epoch = term, max(st.epoch, floor) + 1

@@ -543,6 +543,13 @@ class MembershipClient:
         for cb in list(self.fence_listeners):
             cb(self.fenced)
 
+    def probe_now(self) -> None:
+        """Ask every node for its view now (:meth:`_probe`, in an owned task), whatever the
+        quorum: this node, a coordinator, learnt that a newer coordinator was elected."""
+        if self._started and self.fenced is None:
+            self._probed_at = clock.now()
+            self._beats.spawn(self._probe(), name="probe")
+
     async def _probe(self) -> None:
         """Ask every other node for its view (no proof of life); apply the newest one that
         names this node, or be fenced by a newer one that does not.

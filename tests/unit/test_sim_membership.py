@@ -112,6 +112,17 @@ def test_a_coordinator_paused_on_a_ring_is_replaced_and_fenced_and_declares_nobo
     assert s["final_view"]["coordinator"] == 1 and s["final_view"]["members"] == list(range(1, 16))
 
 
+def test_a_coordinator_paused_on_a_mesh_is_replaced_and_fenced() -> None:
+    # once resumed, its detectors (credited with the pause) and the members' answers to its
+    # re-election kept it "holding a majority": it never probed, so never learnt its successor's
+    # view. Voters that answer with a newer view now make it ask for that view: it is fenced
+    s, _ = simulate(mesh(16), "pause:0@5+8", 30.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(0, 1)]
+    assert list(s["fenced"]) == ["0"] and 13.0 <= s["fenced"]["0"] <= 13.0 + s["detection_bound_s"]
+    assert s["final_view"]["coordinator"] == 1 and s["final_view"]["members"] == list(range(1, 16))
+
+
 def test_after_a_partition_heals_the_minority_learns_it_was_removed() -> None:
     # the cut-off side deposed the coordinator without ever voting (every successor it tried
     # was across the cut): it reports the term above, the coordinator is re-elected in a newer
