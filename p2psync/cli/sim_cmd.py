@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="chaos: N runs, run i with seed --seed + i and --faults random:K drawn from it (TOPOLOGY may "
                         "be a comma list, taken in turn); prints a table and each failing run's replay command, "
                         "writes chaos.md and chaos.json")
+    p.add_argument("--overlap", action="store_true",
+                   help="with --runs: draw faults that may overlap (default: one after another, two detection "
+                        "bounds apart, as the invariants judge each fault alone)")
     p.add_argument("--out", default=".", help="folder for summary.json (default: here)")
     p.set_defaults(func=run)
 
@@ -132,7 +135,7 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
                 print(f"  {name}: {why[:600]}", file=sys.stderr)
 
     runs = chaos(topos, runs=args.runs, seed=args.seed, count=count, virtual_seconds=args.virtual_seconds,
-                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f), progress=progress)
+                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f), progress=progress, overlap=args.overlap)
     report = table(runs)
     out = Path(args.out)
     _write(out / "chaos.md", report)

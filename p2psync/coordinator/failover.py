@@ -67,7 +67,7 @@ PROBE_BATCH = 8
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
                   fingerprint: str, now: float, grace: float, failure_timeout: float = 2.0,
                   heartbeat_interval: float = 0.5, phi_threshold: float = 8.0, term: int = 0,
-                  epoch_floor: int = 0) -> MembershipState:
+                  epoch_floor: int = 0, quiet: Collection[int] = (), asked: float | None = None) -> MembershipState:
     """The membership state of a node taking over as coordinator of ``term``. Pure.
 
     Members are the last view's members minus ``failed`` (the deposed coordinators that did
@@ -78,7 +78,9 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     had applied). The agreed view is the last view's members (the majority that elected this
     node was counted over them). Members are watched from ``now + grace``: they detect the old
     coordinator's death up to about one detection time after this node, and need that long
-    to reach it."""
+    to reach it; but the ``quiet`` ones, which did not answer this node's vote request sent
+    at ``asked`` (cut off with the old coordinator, most likely), are watched from ``asked``:
+    a live one gets the first view at once and heartbeats within an interval."""
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
     departed = (set(view.departed) if view is not None else set()) - members
@@ -96,7 +98,7 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     st.failed = dead
     st.started = True  # the run is going: no rendezvous to wait for
     for n in members:
-        st.detector.watch(n, now + grace)
+        st.detector.watch(n, asked if asked is not None and n in quiet else now + grace)
     st.epoch = max(view.epoch if view is not None else 0, epoch_floor) + 1
     st.term = term
     base = (set(view.members) if view is not None else set(expected)) - departed
@@ -218,10 +220,10 @@ class CoordinatorHost:
             cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
                                                  hears_coordinator=None))
             others = sorted(voters - {self.me})
-            answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+            asked = clock.now()
+            answers = await self._votes(others, req, cand)
             floor = mine[1]
-            for v, ans in zip(others, answers, strict=True):
-                cand.record(v, ans)
+            for v, ans in answers.items():
                 if ans is not None:
                     # it voted for another in a term this one must pass; not when its view is
                     # newer: another coordinator won, and a higher term would only disrupt it
@@ -231,8 +233,11 @@ class CoordinatorHost:
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
                 return
             if cand.won:
-                # the deposed and failed nodes that did not answer leave; those that answered live
-                self._become(term, sorted((m.failed | set(deposed)) - cand.answered), floor, sorted(cand.granted))
+                # the deposed and failed nodes that did not answer leave; those that answered live;
+                # the other members that did not answer (yet) are watched from the vote request on
+                failed = sorted((m.failed | set(deposed)) - cand.answered)
+                quiet = sorted(voters - cand.answered - set(failed) - {self.me})
+                self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked)
                 return
             if rounds % 10 == 0:
                 log.warning("node %d: election for term %d: votes of %s out of %s (answers from %s): no "
@@ -240,6 +245,27 @@ class CoordinatorHost:
                             sorted(cand.answered))
             rounds += 1
             await asyncio.sleep(self.heartbeat_interval)
+
+    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy) -> dict[int, VoteAnswer | None]:
+        """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
+        comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
+        is won or every voter answered or timed out. The requests still out are then given
+        up: a voter cut off with the old coordinator must not hold the election up for the
+        whole vote timeout."""
+        asks = TaskSet("vote-requests", isolated=True)
+        voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
+        out: dict[int, VoteAnswer | None] = {}
+        try:
+            pending = set(voter_of)
+            while pending and not cand.won:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=voter_of.__getitem__):  # in voter order: deterministic
+                    v = voter_of[t]
+                    out[v] = None if t.cancelled() else t.result()
+                    cand.record(v, out[v])
+        finally:
+            await asks.close()
+        return out
 
     def outrank(self, seen: int) -> None:
         """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
@@ -340,16 +366,18 @@ class CoordinatorHost:
         self.outrank(term)  # a coordinator with a majority goes above it; a member tells its coordinator
         return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
 
-    def _become(self, term: int, failed: list[int], floor: int, voters: list[int]) -> None:
+    def _become(self, term: int, failed: list[int], floor: int, voters: list[int], *,
+                quiet: Sequence[int] = (), asked: float | None = None) -> None:
         """This node won the election of ``term``: host membership and the services, with
-        ``failed`` left out of its first view."""
+        ``failed`` left out of its first view; ``quiet`` members did not answer the vote
+        request sent at ``asked`` (:func:`rebuild_state`)."""
         m = self.membership
         now = clock.now()  # the clock of MembershipService
         state = rebuild_state(expected=self.expected, view=m.view, failed=failed,
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,
                               heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold,
-                              term=term, epoch_floor=floor)
+                              term=term, epoch_floor=floor, quiet=quiet, asked=asked)
         state.allow_join = self.allow_join
         self.took_over_at = now
         self.terms.append(term)
@@ -456,7 +484,7 @@ class CoordinatorHost:
             svc = self.service
             if svc is not None:
                 return await svc.handlers[method](caller, args, arrays)
-            view = self.membership.view
+            view = self.membership.newest_view
             if method == "membership.heartbeat" and view is not None:
                 return {"view": view.to_wire(), "redirect": True}
             raise RemoteError("NotCoordinator", f"node {self.me} does not coordinate (it follows node "

@@ -30,12 +30,15 @@ FAULTS_FROM_S = 5.0
 CRASHED = "crashed"
 
 
-def draw_faults(topo: Topology, opts: SimOptions, seed: int, count: int, virtual_seconds: float) -> list[Fault]:
+def draw_faults(topo: Topology, opts: SimOptions, seed: int, count: int, virtual_seconds: float, *,
+                spaced: bool = False) -> list[Fault]:
     """``count`` faults drawn from ``seed`` (:func:`p2psync.sim.faults.draw`), over before
-    the last four detection bounds of the run: the views can settle before it ends."""
-    settle = 4 * detection_bound(topo, opts)
+    the last four detection bounds of the run: the views can settle before it ends.
+    ``spaced``: one after another, two detection bounds apart at least (the invariants judge
+    each fault alone: a fault during another's failover is not covered by them)."""
+    bound = detection_bound(topo, opts)
     return draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
-                end=max(FAULTS_FROM_S, virtual_seconds - settle))
+                end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
 
 
 def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_seconds: float) -> dict[str, Any]:
@@ -72,17 +75,18 @@ class ChaosRun:
 
 def chaos(topologies: Sequence[tuple[str, Topology]], *, runs: int, seed: int, count: int,
           virtual_seconds: float, opts: SimOptions, replay: Callable[[str, int, Sequence[Fault]], str],
-          progress: Callable[[ChaosRun], None] | None = None) -> list[ChaosRun]:
+          progress: Callable[[ChaosRun], None] | None = None, overlap: bool = False) -> list[ChaosRun]:
     """``runs`` simulated runs (see the module docstring); ``topologies``: (text, topology)
     pairs taken in turn; ``replay(text, seed, faults)``: the command that replays one run;
-    ``progress`` is called after each."""
+    ``progress`` is called after each. The faults of a run come one after another
+    (:func:`draw_faults` ``spaced``) unless ``overlap``."""
     if runs < 1 or not topologies:
         raise ValueError("chaos needs at least one run and one topology")
     out: list[ChaosRun] = []
     for i in range(runs):
         text, topo = topologies[i % len(topologies)]
         s = seed + i
-        faults = draw_faults(topo, opts, s, count, virtual_seconds)
+        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap)
         specs = tuple(f.spec() for f in faults)
         cmd = replay(text, s, faults)
         wall = time.perf_counter()

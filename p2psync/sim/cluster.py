@@ -279,8 +279,14 @@ class SimCluster:
         final: dict[int, inv.ViewSeen | None] = {i: None for i in self.nodes}
         for v in self.views:
             final[v.node] = v
-        live = [i for i, n in self.nodes.items() if n.killed_at is None and n.membership.fenced is None]
-        found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout)
+        links = {i: list(self.topo.neighbors(i)) for i in self.topo.ids}
+        killed = [i for i, n in self.nodes.items() if n.killed_at is not None]
+        # nodes that the kills cut off from the majority for good can learn nothing more
+        cut_off = set(inv.stranded(links, killed, list(self.topo.ids)) or [])
+        live = [i for i, n in self.nodes.items() if n.killed_at is None and n.membership.fenced is None
+                and i not in cut_off]
+        found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
+                                         links=links)
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": sum(s.msgs_sent for s in n.transport.nic_stats.values()),
                          "recv": sum(s.msgs_recv for s in n.transport.nic_stats.values())}
@@ -302,10 +308,11 @@ class SimCluster:
             "coordinator_msgs_per_s": round((msgs[str(coord)]["sent"] + msgs[str(coord)]["recv"])
                                             / max(virtual_seconds, 1e-9), 3),
             "link_refusals": self.hub.refused,
+            "stranded": sorted(cut_off),
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
-                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound),
+                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound, links=links),
                 "one_view_at_end": inv.one_view_at_end(final, live),
             },
         }

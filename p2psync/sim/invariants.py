@@ -4,16 +4,19 @@ Input: every view a node applied (:class:`ViewSeen`, in virtual time), the fault
 and the detection bound. Each check answers ``"held"`` or a description of the violation:
 
 * ``one_coordinator_per_term``: no two views of one term name different coordinators.
-* ``faults_detected_in_bound``: a killed node, a node paused for at least the bound, and the
-  members cut off from a majority side by a partition lasting at least the bound are declared
-  failed (left out of a view) within the bound of the fault's start; a node paused for less
+* ``faults_detected_in_bound``: a killed node, a node paused for at least the bound, the
+  members cut off from a majority side by a partition lasting at least the bound, and the
+  members that kills cut off from the majority for good (:func:`stranded`: the shorter arc of
+  a ring with two nodes killed) are declared failed (left out of a view) within the bound of
+  the fault's start (within two bounds for the members cut off together with the
+  coordinator: its successor is elected first, and only then watches them); a node paused for less
   than the failure timeout is not declared failed at all; no node is removed by a partition
   in which neither side holds a majority.
 * ``no_false_failure``: every node declared failed had a fault on it: killed before, paused,
-  or left by a partition on the side without a majority, within the fault's time plus the
-  bound.
-* ``one_view_at_end``: every node that is neither killed nor fenced holds the same view at the
-  end, and its members are exactly those nodes.
+  left by a partition on the side without a majority, within the fault's time plus the
+  bound, or cut off from the majority by kills.
+* ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good by
+  kills holds the same view at the end, and its members are exactly those nodes.
 
 :func:`declarations` derives who was declared failed, when and by which coordinator, from
 the views (a node left out of a node's next view, not as departed).
@@ -82,12 +85,16 @@ def one_coordinator_per_term(views: Iterable[ViewSeen]) -> str:
     return HELD if not bad else f"terms with more than one coordinator: {bad}"
 
 
+def _newest_before(views: Sequence[ViewSeen], t: float) -> ViewSeen | None:
+    """The newest view (by term, epoch) applied before ``t``."""
+    seen = [v for v in views if v.t <= t]
+    return max(seen, key=lambda v: (v.term, v.epoch)) if seen else None
+
+
 def _members_before(views: Sequence[ViewSeen], t: float) -> tuple[int, ...]:
     """The members of the newest view (by term, epoch) applied before ``t``."""
-    seen = [v for v in views if v.t <= t]
-    if not seen:
-        return ()
-    return max(seen, key=lambda v: (v.term, v.epoch)).members
+    v = _newest_before(views, t)
+    return () if v is None else v.members
 
 
 def _majority_side(f: Fault, members: Sequence[int]) -> tuple[int, ...] | None:
@@ -98,10 +105,52 @@ def _majority_side(f: Fault, members: Sequence[int]) -> tuple[int, ...] | None:
     return None
 
 
+#: node -> its neighbours (the topology's links); None: every node reaches every other
+Links = Mapping[int, Sequence[int]]
+
+
+def components(links: Links, removed: Iterable[int]) -> list[set[int]]:
+    """The connected groups of the nodes of ``links`` that are not ``removed``."""
+    gone = set(removed)
+    seen: set[int] = set()
+    out: list[set[int]] = []
+    for start in sorted(links):
+        if start in gone or start in seen:
+            continue
+        group, todo = {start}, [start]
+        while todo:
+            for nb in links[todo.pop()]:
+                if nb not in gone and nb not in group:
+                    group.add(nb)
+                    todo.append(nb)
+        seen |= group
+        out.append(group)
+    return out
+
+
+def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
+    """The nodes killed at or before ``t``."""
+    return {n for f in faults if f.kind == "kill" and f.at <= t for n in f.nodes}
+
+
+def stranded(links: Links | None, killed: Iterable[int], members: Sequence[int]) -> list[int] | None:
+    """The live ``members`` that the kills of ``killed`` cut off from the group of live nodes
+    holding a majority of ``members`` (a ring with two nodes killed is two arcs: the shorter
+    one is cut off for good, as by a partition that never heals); None when no group holds
+    such a majority."""
+    dead = set(killed)
+    groups = [set(members) - dead] if links is None else components(links, dead)
+    major = next((g for g in groups if 2 * len(g & set(members)) > len(members)), None)
+    if major is None:
+        return None
+    return sorted(n for n in members if n not in dead and n not in major)
+
+
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
-               failure_timeout: float) -> tuple[list[dict[str, object]], str]:
+               failure_timeout: float, links: Links | None = None) -> tuple[list[dict[str, object]], str]:
     """Per fault, who was declared failed how long after it started; and the verdict of
-    ``faults_detected_in_bound`` (see the module docstring)."""
+    ``faults_detected_in_bound`` (see the module docstring). ``links``: the topology's links
+    (a kill may also cut off the nodes behind the killed one)."""
     decls = declarations(views)
     out: list[dict[str, object]] = []
     problems: list[str] = []
@@ -113,6 +162,13 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
             cut = [n for n in members if major is not None and n not in major]
         else:
             major, cut = None, [n for n in f.nodes if n in members]
+            if f.kind == "kill":
+                cut += stranded(links, killed_by(faults, f.at), members) or []
+        before = _newest_before(views, f.at)
+        # with the coordinator among them, its successor must be elected before it watches the
+        # others: they are declared within two bounds (one for the coordinator, one for them)
+        lead = before is not None and before.coordinator in cut
+        limit = {n: bound if not lead or n == before.coordinator else 2 * bound for n in cut}
         seen: dict[int, float] = {}
         for d in decls:
             if d.node in cut or (f.kind == "partition" and major is None and d.node in members):
@@ -131,19 +187,23 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
                                 f"{sorted(seen)} were declared failed")
             continue
         if must:
-            late = {n: s for n, s in seen.items() if s > bound}
+            late = {n: s for n, s in seen.items() if s > limit.get(n, bound)}
             missed = [n for n in cut if n not in seen]
             if missed or late:
                 problems.append(f"{f.spec()}: " + "; ".join(
                     ([f"never declared failed: {missed}"] if missed else [])
-                    + ([f"declared after more than {bound:.3f}s: {late}"] if late else [])))
+                    + ([f"declared after more than {bound:.3f}s"
+                        + (" (twice that for those cut off with the coordinator)" if lead else "")
+                        + f": {late}"] if late else [])))
     return out, (HELD if not problems else " | ".join(problems))
 
 
-def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float) -> str:
+def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
+                     links: Links | None = None) -> str:
     """See the module docstring: a declaration is covered by a kill of the node before it, a
-    pause of the node, or a partition that left the node on the side without a majority (then
-    whoever the majority elected may declare it), up to the fault's end plus ``bound``."""
+    pause of the node, a partition that left the node on the side without a majority (then
+    whoever the majority elected may declare it), up to the fault's end plus ``bound``, or
+    kills that cut it off from the majority (``links``: the topology's links)."""
     bad: list[str] = []
     for d in declarations(views):
         ok = False
@@ -153,6 +213,8 @@ def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, boun
                 continue
             if f.kind in ("kill", "pause") and d.node in f.nodes:
                 ok = True
+            elif f.kind == "kill":
+                ok = ok or d.node in (stranded(links, killed_by(faults, f.at), _members_before(views, f.at)) or [])
             elif f.kind == "partition":
                 major = _majority_side(f, _members_before(views, f.at))
                 ok = ok or (major is not None and d.node not in major)
@@ -185,5 +247,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -
     return HELD
 
 
-__all__ = ["Declaration", "HELD", "ViewSeen", "declarations", "detections", "no_false_failure",
-           "one_coordinator_per_term", "one_view_at_end"]
+__all__ = ["Declaration", "HELD", "Links", "ViewSeen", "components", "declarations", "detections", "killed_by",
+           "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "stranded"]

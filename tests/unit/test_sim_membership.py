@@ -143,6 +143,31 @@ def test_a_partition_cutting_off_the_coordinator_fails_over_in_bound() -> None:
     assert all(d["by"] == 5 for d in s["declared"]) and sorted(d["node"] for d in s["declared"]) == [0, 1, 2, 3, 4]
 
 
+def test_two_kills_that_cut_a_ring_into_arcs_elect_a_coordinator_on_the_longer_arc() -> None:
+    # ring-16 without 5 and then 0: the arc 1-4 is cut off for good (a partition that never
+    # heals), the arc 6-15 holds the majority. The arc 6-15 probes the successors 1 to 4 at
+    # once, passes over them and elects node 6 within the bound; 1-4 keep their old view,
+    # hear no majority and stop (they can learn nothing more: not held against one_view_at_end)
+    s, _ = simulate(ring(16), "kill:5@5,kill:0@15", 30.0)
+    assert s["invariants"] == ALL_HELD
+    assert s["stranded"] == [1, 2, 3, 4]
+    assert s["final_view"]["coordinator"] == 6 and s["final_view"]["members"] == list(range(6, 16))
+    after = {d["fault"]: d["declared_after_s"] for d in s["detections"]}
+    assert set(after["kill:0@15"]) == {"0", "1", "2", "3", "4"}
+    assert max(after["kill:0@15"].values()) <= s["detection_bound_s"]
+
+
+def test_an_even_split_removes_nobody_after_the_heal() -> None:
+    # 8|8: neither side holds a majority. The side without the coordinator used to walk its
+    # successors one detection time each and reach node 4 right at the heal, which then won the
+    # votes of the others and removed 0-3; now it passes over 1-7 at once, node 8 cannot win,
+    # and after the heal node 0 is heard again and re-elected above the term 8 ran in
+    s, _ = simulate(mesh(16), "partition:0-7|8-15@5+10", 30.0)
+    assert s["invariants"] == ALL_HELD
+    assert s["declared"] == [] and s["fenced"] == {}
+    assert s["final_view"]["coordinator"] == 0 and s["final_view"]["members"] == list(range(16))
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
@@ -187,6 +212,30 @@ def test_detection_and_false_failure_checks_fail_when_they_should() -> None:
     four = [_v(0, n, (0, 1, 2, 3)) for n in range(4)]
     assert "no side holds a majority" in inv.detections([even], [*four, _v(11, 1, (0, 1), epoch=2)], bound=3.0,
                                                        failure_timeout=2.0)[1]
+
+
+def test_kills_that_cut_a_ring_strand_the_shorter_arc() -> None:
+    links = {i: [(i - 1) % 9, (i + 1) % 9] for i in range(9)}
+    assert inv.components(links, [2, 5]) == [{0, 1, 6, 7, 8}, {3, 4}]
+    assert inv.stranded(links, [2], list(range(9))) == []
+    assert inv.stranded(links, [0, 3], list(range(9))) == [1, 2]
+    assert inv.stranded(links, [0, 4], list(range(9))) is None  # 3 | 4 of 9: no majority
+    assert inv.stranded(None, [0, 3], list(range(9))) == []
+    base = [_v(0, n, tuple(range(9))) for n in range(9)]
+    kills = [Fault(kind="kill", at=5.0, nodes=(0,)), Fault(kind="kill", at=10.0, nodes=(3,))]
+    arcs = [*base, _v(7.0, 4, tuple(range(1, 9)), term=1, epoch=2, coord=1),
+            _v(12.0, 4, (4, 5, 6, 7, 8), term=2, epoch=3, coord=4)]
+    assert inv.no_false_failure(kills, arcs, bound=3.0, links=links) == "held"
+    assert "node 1 declared failed" in inv.no_false_failure(kills, arcs, bound=3.0)
+    found, verdict = inv.detections(kills, arcs, bound=3.0, failure_timeout=2.0, links=links)
+    assert found[1]["declared_after_s"] == {"1": 2.0, "2": 2.0, "3": 2.0} and verdict == "held"
+    # the coordinator cut off with them: one bound for it, two for the others (its successor
+    # is elected first, and only then watches them)
+    cut = [Fault(kind="kill", at=5.0, nodes=(3,)), Fault(kind="kill", at=10.0, nodes=(0,))]
+    late = [*base, _v(7.0, 4, (0, 1, 2, 4, 5, 6, 7, 8), epoch=2),
+            _v(14.5, 4, (4, 5, 6, 7, 8), term=1, epoch=3, coord=4)]
+    assert inv.detections(cut, late, bound=3.0, failure_timeout=2.0, links=links)[1] == (
+        "kill:0@10: declared after more than 3.000s (twice that for those cut off with the coordinator): {0: 4.5}")
 
 
 def test_one_view_at_end_names_the_split() -> None:
