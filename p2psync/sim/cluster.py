@@ -280,9 +280,10 @@ class SimCluster:
         for v in self.views:
             final[v.node] = v
         links = {i: list(self.topo.neighbors(i)) for i in self.topo.ids}
-        killed = [i for i, n in self.nodes.items() if n.killed_at is not None]
-        # nodes that the kills cut off from the majority for good can learn nothing more
-        cut_off = set(inv.stranded(links, killed, list(self.topo.ids)) or [])
+        gone = [i for i, n in self.nodes.items() if n.killed_at is not None or n.membership.fenced is not None]
+        # nodes that kills and removals (nobody relays through a removed node; the simulation
+        # restarts no fenced node) cut off from the majority for good can learn nothing more
+        cut_off = set(inv.stranded(links, gone, [i for i in self.topo.ids if i not in gone]) or [])
         live = [i for i, n in self.nodes.items() if n.killed_at is None and n.membership.fenced is None
                 and i not in cut_off]
         found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,

@@ -4,19 +4,20 @@ Input: every view a node applied (:class:`ViewSeen`, in virtual time), the fault
 and the detection bound. Each check answers ``"held"`` or a description of the violation:
 
 * ``one_coordinator_per_term``: no two views of one term name different coordinators.
-* ``faults_detected_in_bound``: a killed node, a node paused for at least the bound, the
-  members cut off from a majority side by a partition lasting at least the bound, and the
-  members that kills cut off from the majority for good (:func:`stranded`: the shorter arc of
-  a ring with two nodes killed) are declared failed (left out of a view) within the bound of
-  the fault's start (within two bounds for the members cut off together with the
-  coordinator: its successor is elected first, and only then watches them); a node paused for less
-  than the failure timeout is not declared failed at all; no node is removed by a partition
-  in which neither side holds a majority.
-* ``no_false_failure``: every node declared failed had a fault on it: killed before, paused,
-  left by a partition on the side without a majority, within the fault's time plus the
-  bound, or cut off from the majority by kills.
-* ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good by
-  kills holds the same view at the end, and its members are exactly those nodes.
+* ``faults_detected_in_bound``: the members a fault cuts off from the group of nodes holding
+  a majority (:func:`cut_by`: a killed node, a paused one, the side of a partition without
+  the majority, and the nodes that reach the majority only through such nodes, such as the
+  shorter arc of a ring with two nodes killed) are declared failed (left out of a view)
+  within the bound of the fault's start when the fault is a kill or lasts at least the bound
+  (within two bounds for the members cut off together with the coordinator: its successor is
+  elected first, and only then watches them); a node paused for less than the failure
+  timeout is not declared failed at all; no node is removed by a fault after which no group
+  holds a majority (an even split).
+* ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
+  the fault's start and its end plus the bound.
+* ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good
+  (:func:`stranded`; the simulation restarts no fenced node, and nobody relays through it)
+  holds the same view at the end, and its members are exactly those nodes.
 
 :func:`declarations` derives who was declared failed, when and by which coordinator, from
 the views (a node left out of a node's next view, not as departed).
@@ -25,7 +26,7 @@ the views (a node left out of a node's next view, not as departed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from p2psync.sim.faults import Fault
 
@@ -97,21 +98,16 @@ def _members_before(views: Sequence[ViewSeen], t: float) -> tuple[int, ...]:
     return () if v is None else v.members
 
 
-def _majority_side(f: Fault, members: Sequence[int]) -> tuple[int, ...] | None:
-    """The side of partition ``f`` holding a strict majority of ``members``, or None."""
-    for side in (f.nodes, f.other):
-        if 2 * len(set(side) & set(members)) > len(members):
-            return side
-    return None
-
-
 #: node -> its neighbours (the topology's links); None: every node reaches every other
 Links = Mapping[int, Sequence[int]]
 
 
-def components(links: Links, removed: Iterable[int]) -> list[set[int]]:
-    """The connected groups of the nodes of ``links`` that are not ``removed``."""
+def components(links: Links, removed: Iterable[int],
+               split: tuple[Collection[int], Collection[int]] | None = None) -> list[set[int]]:
+    """The connected groups of the nodes of ``links`` that are not ``removed``, over the links
+    that do not join the two sides of ``split`` (a partition)."""
     gone = set(removed)
+    a, b = (set(split[0]), set(split[1])) if split is not None else (set(), set())
     seen: set[int] = set()
     out: list[set[int]] = []
     for start in sorted(links):
@@ -119,8 +115,9 @@ def components(links: Links, removed: Iterable[int]) -> list[set[int]]:
             continue
         group, todo = {start}, [start]
         while todo:
-            for nb in links[todo.pop()]:
-                if nb not in gone and nb not in group:
+            n = todo.pop()
+            for nb in links[n]:
+                if nb not in gone and nb not in group and not ((n in a and nb in b) or (n in b and nb in a)):
                     group.add(nb)
                     todo.append(nb)
         seen |= group
@@ -133,45 +130,70 @@ def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
     return {n for f in faults if f.kind == "kill" and f.at <= t for n in f.nodes}
 
 
+def _gone(faults: Sequence[Fault], t: float, members: Sequence[int], links: Links | None) -> set[int]:
+    """The nodes that relay nothing at ``t``: those killed, and those the view ``members``
+    left out (every node routes around the nodes declared failed; a fenced node stays out
+    until restarted)."""
+    return killed_by(faults, t) | (set(links or ()) - set(members))
+
+
+def _major(groups: Iterable[set[int]], members: Sequence[int]) -> set[int] | None:
+    return next((g for g in groups if 2 * len(g & set(members)) > len(members)), None)
+
+
 def stranded(links: Links | None, killed: Iterable[int], members: Sequence[int]) -> list[int] | None:
-    """The live ``members`` that the kills of ``killed`` cut off from the group of live nodes
-    holding a majority of ``members`` (a ring with two nodes killed is two arcs: the shorter
-    one is cut off for good, as by a partition that never heals); None when no group holds
-    such a majority."""
+    """The live ``members`` that the loss of the nodes ``killed`` (killed, or removed from the
+    view: nobody relays through them) cuts off from the group of live nodes holding a majority
+    of ``members`` (a ring with two nodes killed is two arcs: the shorter one is cut off for
+    good, as by a partition that never heals); None when no group holds such a majority."""
     dead = set(killed)
-    groups = [set(members) - dead] if links is None else components(links, dead)
-    major = next((g for g in groups if 2 * len(g & set(members)) > len(members)), None)
+    major = _major([set(members) - dead] if links is None else components(links, dead), members)
     if major is None:
         return None
     return sorted(n for n in members if n not in dead and n not in major)
+
+
+def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Links | None) -> list[int] | None:
+    """The ``members`` that fault ``f`` cuts off from the group of nodes holding a majority of
+    ``members``: the nodes it kills or stops, the side of a partition without the majority,
+    and the nodes behind them (that reach the majority only through them; the nodes killed or
+    removed from the view before relay nothing either). None when no group holds a majority."""
+    gone = _gone(faults, f.at, members, links)
+    if f.kind != "partition":
+        gone |= set(f.nodes)
+    split = (f.nodes, f.other) if f.kind == "partition" else None
+    if links is not None:
+        groups = components(links, gone, split)
+    elif split is not None:
+        groups = [set(split[0]) - gone, set(split[1]) - gone]
+    else:
+        groups = [set(members) - gone]
+    major = _major(groups, members)
+    return None if major is None else sorted(n for n in members if n not in major)
 
 
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
                failure_timeout: float, links: Links | None = None) -> tuple[list[dict[str, object]], str]:
     """Per fault, who was declared failed how long after it started; and the verdict of
     ``faults_detected_in_bound`` (see the module docstring). ``links``: the topology's links
-    (a kill may also cut off the nodes behind the killed one)."""
+    (a fault also cuts off the nodes behind the ones it stops, :func:`cut_by`)."""
     decls = declarations(views)
     out: list[dict[str, object]] = []
     problems: list[str] = []
     for f in faults:
         members = _members_before(views, f.at)
         end = f.end if f.end is not None else float("inf")
-        if f.kind == "partition":
-            major = _majority_side(f, members)
-            cut = [n for n in members if major is not None and n not in major]
-        else:
-            major, cut = None, [n for n in f.nodes if n in members]
-            if f.kind == "kill":
-                cut += stranded(links, killed_by(faults, f.at), members) or []
+        found = cut_by(f, faults, members, links)
+        cut = found if found is not None else []
         before = _newest_before(views, f.at)
         # with the coordinator among them, its successor must be elected before it watches the
         # others: they are declared within two bounds (one for the coordinator, one for them)
-        lead = before is not None and before.coordinator in cut
-        limit = {n: bound if not lead or n == before.coordinator else 2 * bound for n in cut}
+        lead_by = before.coordinator if before is not None and before.coordinator in cut else None
+        lead = lead_by is not None
+        limit = {n: bound if lead_by is None or n == lead_by else 2 * bound for n in cut}
         seen: dict[int, float] = {}
         for d in decls:
-            if d.node in cut or (f.kind == "partition" and major is None and d.node in members):
+            if d.node in cut or (found is None and d.node in members):
                 if f.at <= d.t <= end + bound and d.node not in seen:
                     seen[d.node] = round(d.t - f.at, 6)
         rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
@@ -180,10 +202,10 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
         if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout and seen:
             problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
                             f"{failure_timeout:g}s, yet declared failed ({rec['declared_after_s']})")
-        if f.kind == "partition" and major is None:
+        if found is None:
             rec["majority"] = None
             if seen:
-                problems.append(f"{f.spec()}: no side holds a majority of {len(members)} members, yet "
+                problems.append(f"{f.spec()}: no group of nodes holds a majority of {len(members)} members, yet "
                                 f"{sorted(seen)} were declared failed")
             continue
         if must:
@@ -200,24 +222,18 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
 
 def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
                      links: Links | None = None) -> str:
-    """See the module docstring: a declaration is covered by a kill of the node before it, a
-    pause of the node, a partition that left the node on the side without a majority (then
-    whoever the majority elected may declare it), up to the fault's end plus ``bound``, or
-    kills that cut it off from the majority (``links``: the topology's links)."""
+    """See the module docstring: a declaration is covered by a fault that cut the node off
+    from the majority (:func:`cut_by`: it was killed or paused, on the side of a partition
+    without the majority, or behind such nodes; ``links``: the topology's links), from the
+    fault's start to its end plus ``bound``."""
     bad: list[str] = []
     for d in declarations(views):
         ok = False
         for f in faults:
             end = (f.end if f.end is not None else float("inf")) + bound
-            if not f.at <= d.t <= end:
-                continue
-            if f.kind in ("kill", "pause") and d.node in f.nodes:
+            if f.at <= d.t <= end and d.node in (cut_by(f, faults, _members_before(views, f.at), links) or []):
                 ok = True
-            elif f.kind == "kill":
-                ok = ok or d.node in (stranded(links, killed_by(faults, f.at), _members_before(views, f.at)) or [])
-            elif f.kind == "partition":
-                major = _majority_side(f, _members_before(views, f.at))
-                ok = ok or (major is not None and d.node not in major)
+                break
         if not ok:
             bad.append(f"node {d.node} declared failed by coordinator {d.coordinator} (term {d.term}) at "
                        f"{d.t:.3f}s with no fault on it, nor a partition leaving it without a majority")
@@ -248,4 +264,4 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -
 
 
 __all__ = ["Declaration", "HELD", "Links", "ViewSeen", "components", "declarations", "detections", "killed_by",
-           "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "stranded"]
+           "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "stranded"]
