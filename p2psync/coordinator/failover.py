@@ -67,7 +67,8 @@ PROBE_BATCH = 8
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
                   fingerprint: str, now: float, grace: float, failure_timeout: float = 2.0,
                   heartbeat_interval: float = 0.5, phi_threshold: float = 8.0, term: int = 0,
-                  epoch_floor: int = 0, quiet: Collection[int] = (), asked: float | None = None) -> MembershipState:
+                  epoch_floor: int = 0, quiet: Collection[int] = (), asked: float | None = None,
+                  kept: Collection[int] = ()) -> MembershipState:
     """The membership state of a node taking over as coordinator of ``term``. Pure.
 
     Members are the last view's members minus ``failed`` (the deposed coordinators that did
@@ -80,7 +81,10 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     coordinator's death up to about one detection time after this node, and need that long
     to reach it; but the ``quiet`` ones, which did not answer this node's vote request sent
     at ``asked`` (cut off with the old coordinator, most likely), are watched from ``asked``:
-    a live one gets the first view at once and heartbeats within an interval."""
+    a live one gets the first view at once and heartbeats within an interval. The ``kept``
+    members, deposed by the voters long before (through a split that healed since), are not
+    declared failed on the reports of members that have not applied this node's first view
+    yet (those reports concern that deposition): its own detector judges them."""
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
     departed = (set(view.departed) if view is not None else set()) - members
@@ -100,6 +104,8 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     for n in members:
         st.detector.watch(n, asked if asked is not None and n in quiet else now + grace)
     st.epoch = max(view.epoch if view is not None else 0, epoch_floor) + 1
+    for n in set(kept) & members:
+        st.joined_epoch[n] = st.epoch
     st.term = term
     base = (set(view.members) if view is not None else set(expected)) - departed
     st.agreement = Agreement(me=me, members=frozenset(base | ({me} if view is None else set())),
@@ -165,6 +171,8 @@ class CoordinatorHost:
         self._reelect_after = 0.0
         #: the probes of the successors ahead of the one this node follows (at most one walk)
         self._walk = TaskSet("succession-probe")
+        #: node -> when this node first counted it deposed (while it stays deposed)
+        self._deposed_at: dict[int, float] = {}
         for method in METHODS:
             server.register(method, self._dispatcher(method))
         server.register(VOTE, self._vote)
@@ -233,11 +241,17 @@ class CoordinatorHost:
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
                 return
             if cand.won:
-                # the deposed and failed nodes that did not answer leave; those that answered live;
-                # the other members that did not answer (yet) are watched from the vote request on
-                failed = sorted((m.failed | set(deposed)) - cand.answered)
+                # the deposed and failed nodes that did not answer leave, unless deposed long
+                # ago (stale: the election waited for a majority, e.g. through an even split
+                # that healed since; watched like any member, not removed unheard); those that
+                # answered live; the other members that did not answer (yet) are watched from
+                # the vote request on
+                stale = clock.now() - self.failure_timeout - 2 * self.heartbeat_interval
+                unheard = (m.failed | set(deposed)) - cand.answered
+                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale)
+                failed = sorted(unheard - set(kept))
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
-                self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked)
+                self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked, kept=kept)
                 return
             if rounds % 10 == 0:
                 log.warning("node %d: election for term %d: votes of %s out of %s (answers from %s): no "
@@ -367,17 +381,17 @@ class CoordinatorHost:
         return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
 
     def _become(self, term: int, failed: list[int], floor: int, voters: list[int], *,
-                quiet: Sequence[int] = (), asked: float | None = None) -> None:
+                quiet: Sequence[int] = (), asked: float | None = None, kept: Sequence[int] = ()) -> None:
         """This node won the election of ``term``: host membership and the services, with
         ``failed`` left out of its first view; ``quiet`` members did not answer the vote
-        request sent at ``asked`` (:func:`rebuild_state`)."""
+        request sent at ``asked``; ``kept``: members deposed long ago (:func:`rebuild_state`)."""
         m = self.membership
         now = clock.now()  # the clock of MembershipService
         state = rebuild_state(expected=self.expected, view=m.view, failed=failed,
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,
                               heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold,
-                              term=term, epoch_floor=floor, quiet=quiet, asked=asked)
+                              term=term, epoch_floor=floor, quiet=quiet, asked=asked, kept=kept)
         state.allow_join = self.allow_join
         self.took_over_at = now
         self.terms.append(term)
@@ -390,6 +404,11 @@ class CoordinatorHost:
         when that one is a successor not elected yet, probe the successors ahead
         (:meth:`_probe_line`)."""
         m = self.membership
+        now, deposed = clock.now(), m.succession.deposed
+        for n in deposed:
+            self._deposed_at.setdefault(n, now)
+        for n in [n for n in self._deposed_at if n not in deposed]:
+            del self._deposed_at[n]
         if coordinator != self.me and not len(self._walk) and m.succession.line(m.view):
             self._walk.spawn(self._probe_line(), name="succession-probe")
         svc = self.service
