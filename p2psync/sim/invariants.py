@@ -16,8 +16,10 @@ and the detection bound. Each check answers ``"held"`` or a description of the v
 * ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
   the fault's start and its end plus the bound.
 * ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good
-  (:func:`stranded`; the simulation restarts no fenced node, and nobody relays through it)
-  holds the same view at the end, and its members are exactly those nodes.
+  from the group of nodes holding a majority of the newest view (the simulation restarts no
+  fenced node, and nobody relays through it) holds the same view at the end, and its members
+  are exactly those nodes; when no group holds such a majority (nothing can change), each
+  connected group holds one view (:func:`one_view_per_group`).
 
 :func:`declarations` derives who was declared failed, when and by which coordinator, from
 the views (a node left out of a node's next view, not as departed).
@@ -240,6 +242,17 @@ def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, boun
     return HELD if not bad else "; ".join(bad)
 
 
+def one_view_per_group(final: Mapping[int, ViewSeen | None], groups: Iterable[Sequence[int]]) -> str:
+    """With no group of nodes holding a majority at the end (nothing can change): the live
+    nodes of each connected group (``groups``) hold one view."""
+    split = []
+    for g in groups:
+        keys = {(v.term, v.epoch, v.coordinator) for n in g if (v := final.get(n)) is not None}
+        if len(keys) > 1:
+            split.append(f"nodes {list(g)} hold {len(keys)} views: {sorted(keys)}")
+    return HELD if not split else "no group holds a majority at the end, and " + "; ".join(split)
+
+
 def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -> str:
     """``final``: each node's last view (None: none); ``live``: the nodes neither killed nor
     fenced. See the module docstring."""
@@ -264,4 +277,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -
 
 
 __all__ = ["Declaration", "HELD", "Links", "ViewSeen", "components", "declarations", "detections", "killed_by",
-           "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "stranded"]
+           "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "one_view_per_group",
+           "stranded"]

@@ -210,7 +210,7 @@ def test_detection_and_false_failure_checks_fail_when_they_should() -> None:
     assert "node 2 declared failed" in inv.no_false_failure([split], cut_majority, bound=3.0)
     even = Fault(kind="partition", at=10.0, nodes=(0, 1), duration=5.0, other=(2, 3))
     four = [_v(0, n, (0, 1, 2, 3)) for n in range(4)]
-    assert "no side holds a majority" in inv.detections([even], [*four, _v(11, 1, (0, 1), epoch=2)], bound=3.0,
+    assert "no group of nodes holds a majority" in inv.detections([even], [*four, _v(11, 1, (0, 1), epoch=2)], bound=3.0,
                                                        failure_timeout=2.0)[1]
 
 
