@@ -127,7 +127,20 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
         raise ConfigError("--runs draws its faults: give --faults random:K (K faults per run)")
     topos = [(t, topology_arg(t)) for t in args.topology.split(",") if t]
 
+    out = Path(args.out)
+    done: list[ChaosRun] = []
+
+    def save(runs: list[ChaosRun]) -> str:
+        report = table(runs)
+        _write(out / "chaos.md", report)
+        _write(out / "chaos.json", json.dumps([{"topology": r.topology, "seed": r.seed, "faults": list(r.faults),
+                                                "broken": r.broken, "wall_s": r.wall_s, "events": r.events,
+                                                "digest": r.digest, "replay": r.replay} for r in runs], indent=2))
+        return report
+
     def progress(r: ChaosRun) -> None:
+        done.append(r)
+        save(done)  # after every run: an interrupted series keeps its table
         if r.broken:
             print(f"seed {r.seed} ({r.topology}): {', '.join(sorted(r.broken))} violated; replay: {r.replay}",
                   file=sys.stderr)
@@ -136,11 +149,5 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
 
     runs = chaos(topos, runs=args.runs, seed=args.seed, count=count, virtual_seconds=args.virtual_seconds,
                  opts=opts, replay=lambda t, s, f: _replay(args, t, s, f), progress=progress, overlap=args.overlap)
-    report = table(runs)
-    out = Path(args.out)
-    _write(out / "chaos.md", report)
-    _write(out / "chaos.json", json.dumps([{"topology": r.topology, "seed": r.seed, "faults": list(r.faults),
-                                            "broken": r.broken, "wall_s": r.wall_s, "events": r.events,
-                                            "digest": r.digest, "replay": r.replay} for r in runs], indent=2))
-    print(report, end="")
+    print(save(runs), end="")
     return EXIT_OK if not any(r.broken for r in runs) else EXIT_FAILED
