@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
@@ -243,12 +244,17 @@ class CoordinatorHost:
             if cand.won:
                 # the deposed and failed nodes that did not answer leave, unless deposed long
                 # ago (stale: the election waited for a majority, e.g. through an even split
-                # that healed since; watched like any member, not removed unheard); those that
+                # that healed since; kept: watched like any member, not removed unheard); those that
                 # answered live; the other members that did not answer (yet) are watched from
                 # the vote request on
-                stale = clock.now() - self.failure_timeout - 2 * self.heartbeat_interval
+                # also kept: those this node itself heard within the failure timeout (deposed
+                # on another member's word, e.g. one that was cut off from them)
+                now = clock.now()
+                stale = now - self.failure_timeout - 2 * self.heartbeat_interval
                 unheard = (m.failed | set(deposed)) - cand.answered
-                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale)
+                heard = m.transport.last_arrival
+                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale
+                              or now - heard.get(n, -math.inf) < self.failure_timeout)
                 failed = sorted(unheard - set(kept))
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
                 self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked, kept=kept)

@@ -292,7 +292,7 @@ class SimCluster:
         cut_off = {i for i in up if major is not None and i not in major}
         live = [i for i in up if i not in cut_off]
         found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
-                                         links=links)
+                                         links=links, interval=opts.heartbeat)
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": sum(s.msgs_sent for s in n.transport.nic_stats.values()),
                          "recv": sum(s.msgs_recv for s in n.transport.nic_stats.values())}

@@ -9,9 +9,10 @@ and the detection bound. Each check answers ``"held"`` or a description of the v
   the majority, and the nodes that reach the majority only through such nodes, such as the
   shorter arc of a ring with two nodes killed) are declared failed (left out of a view)
   within the bound of the fault's start when the fault is a kill or lasts at least the bound
-  (within two bounds for the members cut off together with the coordinator: its successor is
-  elected first, and only then watches them); a node paused for less than the failure
-  timeout is not declared failed at all; no node is removed by a fault after which no group
+  (within two bounds for the members cut off together with the coordinator, when the fault
+  lasts that long: its successor is elected first, and only then watches them); a node
+  paused for less than the failure timeout less a heartbeat interval is not declared failed
+  at all; no node is removed by a fault after which no group
   holds a majority (an even split).
 * ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
   the fault's start and its end plus the bound.
@@ -175,10 +176,13 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
 
 
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
-               failure_timeout: float, links: Links | None = None) -> tuple[list[dict[str, object]], str]:
+               failure_timeout: float, links: Links | None = None,
+               interval: float = 0.0) -> tuple[list[dict[str, object]], str]:
     """Per fault, who was declared failed how long after it started; and the verdict of
     ``faults_detected_in_bound`` (see the module docstring). ``links``: the topology's links
-    (a fault also cuts off the nodes behind the ones it stops, :func:`cut_by`)."""
+    (a fault also cuts off the nodes behind the ones it stops, :func:`cut_by`); ``interval``:
+    the heartbeat interval (a node's silence starts at its last heartbeat, up to an interval
+    before the fault: a pause under the failure timeout less an interval is never declared)."""
     decls = declarations(views)
     out: list[dict[str, object]] = []
     problems: list[str] = []
@@ -200,25 +204,27 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
                     seen[d.node] = round(d.t - f.at, 6)
         rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
         out.append(rec)
-        must = f.kind == "kill" or (f.duration is not None and f.duration >= bound)
-        if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout and seen:
+        def must(n: int) -> bool:  # cut off long enough to be declared in its limit
+            return f.kind == "kill" or (f.duration is not None and f.duration >= limit.get(n, bound))
+
+        if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout - interval and seen:
             problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
-                            f"{failure_timeout:g}s, yet declared failed ({rec['declared_after_s']})")
+                            f"{failure_timeout:g}s less a heartbeat interval, yet declared failed "
+                            f"({rec['declared_after_s']})")
         if found is None:
             rec["majority"] = None
             if seen:
                 problems.append(f"{f.spec()}: no group of nodes holds a majority of {len(members)} members, yet "
                                 f"{sorted(seen)} were declared failed")
             continue
-        if must:
-            late = {n: s for n, s in seen.items() if s > limit.get(n, bound)}
-            missed = [n for n in cut if n not in seen]
-            if missed or late:
-                problems.append(f"{f.spec()}: " + "; ".join(
-                    ([f"never declared failed: {missed}"] if missed else [])
-                    + ([f"declared after more than {bound:.3f}s"
-                        + (" (twice that for those cut off with the coordinator)" if lead else "")
-                        + f": {late}"] if late else [])))
+        late = {n: s for n, s in seen.items() if must(n) and s > limit.get(n, bound)}
+        missed = [n for n in cut if n not in seen and must(n)]
+        if missed or late:
+            problems.append(f"{f.spec()}: " + "; ".join(
+                ([f"never declared failed: {missed}"] if missed else [])
+                + ([f"declared after more than {bound:.3f}s"
+                    + (" (twice that for those cut off with the coordinator)" if lead else "")
+                    + f": {late}"] if late else [])))
     return out, (HELD if not problems else " | ".join(problems))
 
 
