@@ -119,6 +119,8 @@ class MembershipState:
     #: suspected nodes this coordinator may not declare failed: that would leave less than a
     #: majority of the agreed view (it has lost its quorum until they are heard again)
     blocked: list[int] = field(default_factory=list)
+    #: after a time ``blocked``, no failure is declared before this time (None: not waiting)
+    settle_until: float | None = None
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -259,7 +261,16 @@ class MembershipState:
                and n != self.coordinator and self.join_grace.get(n, now) <= now]
         if new and not self._may_remove(new, now):
             self.blocked = sorted(new)  # no majority without them: declare nothing, wait
+            self.settle_until = None
             return []
+        if new and self.blocked:
+            # the majority is heard again (a split healed): the rest of the other side is
+            # heard a moment later, over longer paths; declare nobody for two intervals
+            if self.settle_until is None:
+                self.settle_until = now + 2 * self.heartbeat_interval
+            if now < self.settle_until:
+                return []
+        self.settle_until = None
         self.blocked = []
         if new:
             self.failed.update(new)
