@@ -207,6 +207,22 @@ def test_an_even_split_of_a_ring_removes_nobody(faults: str) -> None:
     assert s["declared"] == [] and s["fenced"] == {}
 
 
+@pytest.mark.xfail(strict=True, reason="after a split with no majority, the far arc has deposed the coordinator and "
+                   "heartbeats its own candidate: once the split ends the coordinator holds a majority again and "
+                   "declares that arc failed (it hears nothing from it) before its re-election above the arc's term "
+                   "brings it back")
+def test_a_second_pause_on_a_ring_with_a_node_removed_removes_nobody() -> None:
+    # ring-16: node 9 paused, removed and fenced (it is not restarted here: nobody relays
+    # through it); then node 1 paused: the arcs 2-8 and 10-15.0 hold 7 of 15 each, so nobody
+    # may be removed, and nobody is while node 1 is stopped. The arc 2-8 deposes node 0 and
+    # runs node 2 for coordinator; when node 1 resumes, node 0 hears 8 of 15 again and, after
+    # its settling time, declares 2-8 failed. (Chaos seeds 5048, 5010, 5038, 1018:
+    # p2psync sim ring:16 --seed 5048 --faults 'pause:9@8.828+8.439,pause:1@29.605+8.017'
+    # --virtual-seconds 60.)
+    s, _ = simulate(ring(16), "pause:9@3+8,pause:1@15+8", 30.0)
+    assert s["invariants"] == ALL_HELD
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
