@@ -6,6 +6,10 @@ no strategy. TOPOLOGY is a topology file or a generated one (``ring:16``, ``mesh
 ``star:8``, ``bcube:4x3``). The exit code is 0 when every invariant held, 1 otherwise. The
 simulated nodes' own logs are shown with ``-v`` only. ``summary.json`` carries ``replay``, the
 command that runs the same events again (``digest`` is their hash).
+
+``--runs N`` is the seeded chaos runner (:mod:`p2psync.sim.chaos`): N runs with faults drawn
+from seeds ``--seed`` .. ``--seed + N - 1``, a markdown table of the runs and of the violations
+per invariant, and, for every failing run, the command that replays it exactly.
 """
 
 from __future__ import annotations
@@ -13,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import re
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_OK
 from p2psync.errors import ConfigError
@@ -45,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval in seconds (default 0.5)")
     p.add_argument("--failure-timeout", type=float, default=2.0,
                    help="least silence before a node is declared failed, seconds (default 2)")
+    p.add_argument("--runs", type=int, default=None,
+                   help="chaos: N runs, run i with seed --seed + i and --faults random:K drawn from it (TOPOLOGY may "
+                        "be a comma list, taken in turn); prints a table and each failing run's replay command, "
+                        "writes chaos.md and chaos.json")
+    p.add_argument("--overlap", action="store_true",
+                   help="with --runs: draw faults that may overlap (default: one after another, two detection "
+                        "bounds apart, as the invariants judge each fault alone)")
     p.add_argument("--out", default=".", help="folder for summary.json (default: here)")
     p.set_defaults(func=run)
 
@@ -62,46 +71,42 @@ def topology_arg(text: str) -> Topology:
     return load(text)
 
 
+def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence[Any]) -> str:
+    """The command that runs the same events as a run of ``topology`` with ``faults``."""
+    return (f"p2psync sim {topology} --seed {seed} --faults '{','.join(f.spec() for f in faults)}' "
+            f"--virtual-seconds {args.virtual_seconds:g} --latency-ms {args.latency_ms:g} "
+            f"--heartbeat {args.heartbeat:g} --failure-timeout {args.failure_timeout:g}")
+
+
+def _write(out: Path, text: str) -> None:
+    try:
+        write_atomic(out, lambda f: f.write(text.encode()), mode=0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
-    from p2psync.sim.faults import draw, parse_faults
-    from p2psync.sim.loop import VirtualLoop
-    from p2psync.sim.loop import run as run_virtual
+    from p2psync.sim.chaos import draw_faults, simulate
+    from p2psync.sim.cluster import SimOptions
+    from p2psync.sim.faults import parse_faults
 
     if not args.verbose:  # every simulated node logs each failure it sees: with -v only
         logging.getLogger("p2psync").setLevel(logging.CRITICAL)
     if not args.virtual_seconds > 0:
         raise ConfigError("--virtual-seconds must be > 0")
-    topo = topology_arg(args.topology)
-    m = re.fullmatch(r"random:(\d+)", args.faults.strip())
     opts = SimOptions(heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,
                       latency_s=None if args.latency_ms < 0 else args.latency_ms / 1e3)
-    # drawn faults are over four detection bounds before the end: the views can settle
-    settle = 4 * detection_bound(topo, opts)
-    faults = (draw(random.Random(args.seed), topo.ids, int(m.group(1)), start=5.0,
-                   end=max(5.0, args.virtual_seconds - settle))
+    m = re.fullmatch(r"random:(\d+)", args.faults.strip())
+    if args.runs is not None:
+        return _chaos(args, opts, int(m.group(1)) if m is not None else -1)
+    topo = topology_arg(args.topology)
+    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds)
               if m is not None else parse_faults(args.faults, topo.ids))
-
-    async def main() -> dict[str, Any]:
-        async with SimCluster(topo, opts=opts, faults=faults) as cluster:
-            return await cluster.run(args.virtual_seconds)
-
-    wall = time.perf_counter()
-    loop = VirtualLoop()
-    summary = run_virtual(main(), loop=loop)
-    summary["wall_s"] = round(time.perf_counter() - wall, 3)  # the close of every node included
+    summary = simulate(topo, faults, opts, args.virtual_seconds)
     summary["seed"] = args.seed
-    summary["events"] = loop.steps
-    summary["digest"] = loop.digest()
-    summary["replay"] = (f"p2psync sim {args.topology} --seed {args.seed} --faults "
-                         f"'{','.join(f.spec() for f in faults)}' --virtual-seconds {args.virtual_seconds:g} "
-                         f"--latency-ms {args.latency_ms:g} --heartbeat {args.heartbeat:g} "
-                         f"--failure-timeout {args.failure_timeout:g}")
+    summary["replay"] = _replay(args, args.topology, args.seed, faults)
     out = Path(args.out) / "summary.json"
-    try:
-        write_atomic(out, lambda f: f.write(json.dumps(summary, indent=2).encode()), mode=0o644)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    _write(out, json.dumps(summary, indent=2))
     broken = {k: v for k, v in summary["invariants"].items() if v != "held"}
     print(f"p2psync sim {topo.name}: {summary['nodes']} nodes, {args.virtual_seconds:g} virtual s in "
           f"{summary['wall_s']:.2f} wall s, {summary['events']} events, {len(faults)} faults; "
@@ -109,3 +114,40 @@ def run(args: argparse.Namespace) -> int:
     for name, why in broken.items():
         print(f"  {name}: {why}", file=sys.stderr)
     return EXIT_OK if not broken else EXIT_FAILED
+
+
+def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
+    """``--runs N``: N runs of drawn faults (:func:`p2psync.sim.chaos.chaos`); writes
+    ``chaos.json`` and ``chaos.md`` and prints the table and each failing run's replay."""
+    from p2psync.sim.chaos import ChaosRun, chaos, table
+
+    if args.runs < 1:
+        raise ConfigError("--runs must be >= 1")
+    if count < 0:
+        raise ConfigError("--runs draws its faults: give --faults random:K (K faults per run)")
+    topos = [(t, topology_arg(t)) for t in args.topology.split(",") if t]
+
+    out = Path(args.out)
+    done: list[ChaosRun] = []
+
+    def save(runs: list[ChaosRun]) -> str:
+        report = table(runs)
+        _write(out / "chaos.md", report)
+        _write(out / "chaos.json", json.dumps([{"topology": r.topology, "seed": r.seed, "faults": list(r.faults),
+                                                "broken": r.broken, "wall_s": r.wall_s, "events": r.events,
+                                                "digest": r.digest, "replay": r.replay} for r in runs], indent=2))
+        return report
+
+    def progress(r: ChaosRun) -> None:
+        done.append(r)
+        save(done)  # after every run: an interrupted series keeps its table
+        if r.broken:
+            print(f"seed {r.seed} ({r.topology}): {', '.join(sorted(r.broken))} violated; replay: {r.replay}",
+                  file=sys.stderr)
+            for name, why in sorted(r.broken.items()):
+                print(f"  {name}: {why[:600]}", file=sys.stderr)
+
+    runs = chaos(topos, runs=args.runs, seed=args.seed, count=count, virtual_seconds=args.virtual_seconds,
+                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f), progress=progress, overlap=args.overlap)
+    print(save(runs), end="")
+    return EXIT_OK if not any(r.broken for r in runs) else EXIT_FAILED

@@ -131,10 +131,15 @@ class PeerDetector:
         self._timeout: float | None = None
 
     def heartbeat(self, now: float) -> None:
-        """A heartbeat from the peer arrived at ``now``: one inter-arrival sample, and proof of life."""
+        """A heartbeat from the peer arrived at ``now``: one inter-arrival sample, and proof of
+        life. A gap longer than the timeout in force is no sample: the peer was suspected
+        through it (an outage whose declaration was blocked, e.g. a split without a majority),
+        and learning it would stretch the timeout for long after."""
         if self.last_heartbeat is not None and now > self.last_heartbeat:
-            self.intervals.append(now - self.last_heartbeat)
-            self._timeout = None
+            gap = now - self.last_heartbeat
+            if gap <= self.timeout():
+                self.intervals.append(gap)
+                self._timeout = None
         self.last_heartbeat = now
         self.alive(now)
 

@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
 from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
-from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest
+from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest, holds_majority
+from p2psync.coordinator.takeover import silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View
@@ -59,12 +61,15 @@ METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
 VOTE = "membership.vote"
 #: seconds a coordinator waits after losing a re-election before it runs another
 REELECT_RETRY_S = 2.0
+#: successors probed at once at first when a node deposes its coordinator (then twice as many)
+PROBE_BATCH = 8
 
 
 def rebuild_state(*, expected: Collection[int], view: View | None, failed: Collection[int], me: int,
                   fingerprint: str, now: float, grace: float, failure_timeout: float = 2.0,
                   heartbeat_interval: float = 0.5, phi_threshold: float = 8.0, term: int = 0,
-                  epoch_floor: int = 0) -> MembershipState:
+                  epoch_floor: int = 0, quiet: Collection[int] = (), asked: float | None = None,
+                  kept: Collection[int] = ()) -> MembershipState:
     """The membership state of a node taking over as coordinator of ``term``. Pure.
 
     Members are the last view's members minus ``failed`` (the deposed coordinators that did
@@ -75,7 +80,12 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     had applied). The agreed view is the last view's members (the majority that elected this
     node was counted over them). Members are watched from ``now + grace``: they detect the old
     coordinator's death up to about one detection time after this node, and need that long
-    to reach it."""
+    to reach it; but the ``quiet`` ones, which did not answer this node's vote request sent
+    at ``asked`` (cut off with the old coordinator, most likely), are watched from ``asked``:
+    a live one gets the first view at once and heartbeats within an interval. The ``kept``
+    members, deposed by the voters long before (through a split that healed since), are not
+    declared failed on the reports of members that have not applied this node's first view
+    yet (those reports concern that deposition): its own detector judges them."""
     members = set(view.members) if view is not None else set(expected)
     members = (members | {me}) - set(failed)
     departed = (set(view.departed) if view is not None else set()) - members
@@ -93,8 +103,10 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     st.failed = dead
     st.started = True  # the run is going: no rendezvous to wait for
     for n in members:
-        st.detector.watch(n, now + grace)
+        st.detector.watch(n, asked if asked is not None and n in quiet else now + grace)
     st.epoch = max(view.epoch if view is not None else 0, epoch_floor) + 1
+    for n in set(kept) & members:
+        st.joined_epoch[n] = st.epoch
     st.term = term
     base = (set(view.members) if view is not None else set(expected)) - departed
     st.agreement = Agreement(me=me, members=frozenset(base | ({me} if view is None else set())),
@@ -158,6 +170,10 @@ class CoordinatorHost:
         self._reelection = TaskSet("re-election")
         #: no re-election before this time (monotonic; a lost one waits REELECT_RETRY_S)
         self._reelect_after = 0.0
+        #: the probes of the successors ahead of the one this node follows (at most one walk)
+        self._walk = TaskSet("succession-probe")
+        #: node -> when this node first counted it deposed (while it stays deposed)
+        self._deposed_at: dict[int, float] = {}
         for method in METHODS:
             server.register(method, self._dispatcher(method))
         server.register(VOTE, self._vote)
@@ -213,10 +229,10 @@ class CoordinatorHost:
             cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
                                                  hears_coordinator=None))
             others = sorted(voters - {self.me})
-            answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+            asked = clock.now()
+            answers = await self._votes(others, req, cand)
             floor = mine[1]
-            for v, ans in zip(others, answers, strict=True):
-                cand.record(v, ans)
+            for v, ans in answers.items():
                 if ans is not None:
                     # it voted for another in a term this one must pass; not when its view is
                     # newer: another coordinator won, and a higher term would only disrupt it
@@ -226,8 +242,22 @@ class CoordinatorHost:
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
                 return
             if cand.won:
-                # the deposed and failed nodes that did not answer leave; those that answered live
-                self._become(term, sorted((m.failed | set(deposed)) - cand.answered), floor, sorted(cand.granted))
+                # the deposed and failed nodes that did not answer leave, unless deposed long
+                # ago (stale: the election waited for a majority, e.g. through an even split
+                # that healed since; kept: watched like any member, not removed unheard); those that
+                # answered live; the other members that did not answer (yet) are watched from
+                # the vote request on
+                # also kept: those this node itself heard within the failure timeout (deposed
+                # on another member's word, e.g. one that was cut off from them)
+                now = clock.now()
+                stale = now - self.failure_timeout - 2 * self.heartbeat_interval
+                unheard = (m.failed | set(deposed)) - cand.answered
+                heard = m.transport.last_arrival
+                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale
+                              or now - heard.get(n, -math.inf) < self.failure_timeout)
+                failed = sorted(unheard - set(kept))
+                quiet = sorted(voters - cand.answered - set(failed) - {self.me})
+                self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked, kept=kept)
                 return
             if rounds % 10 == 0:
                 log.warning("node %d: election for term %d: votes of %s out of %s (answers from %s): no "
@@ -235,6 +265,27 @@ class CoordinatorHost:
                             sorted(cand.answered))
             rounds += 1
             await asyncio.sleep(self.heartbeat_interval)
+
+    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy) -> dict[int, VoteAnswer | None]:
+        """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
+        comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
+        is won or every voter answered or timed out. The requests still out are then given
+        up: a voter cut off with the old coordinator must not hold the election up for the
+        whole vote timeout."""
+        asks = TaskSet("vote-requests", isolated=True)
+        voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
+        out: dict[int, VoteAnswer | None] = {}
+        try:
+            pending = set(voter_of)
+            while pending and not cand.won:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=voter_of.__getitem__):  # in voter order: deterministic
+                    v = voter_of[t]
+                    out[v] = None if t.cancelled() else t.result()
+                    cand.record(v, out[v])
+        finally:
+            await asks.close()
+        return out
 
     def outrank(self, seen: int) -> None:
         """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
@@ -261,22 +312,34 @@ class CoordinatorHost:
         voters = frozenset(st.agreement.members if st.agreement is not None else st.alive_nodes) | {self.me}
         cand = Candidacy(me=self.me, term=term, voters=voters)
         req = VoteRequest(candidate=self.me, term=term, view=key)
-        cand.record(self.me, m.ballot.decide(req, mine=key, coordinating_with_quorum=False, hears_coordinator=None))
         others = sorted(voters - {self.me})
         answers = await asyncio.gather(*(self._ask(v, req) for v in others))
         floor = st.epoch
+        newer = False
         for v, ans in zip(others, answers, strict=True):
             cand.record(v, ans)
             if ans is not None:
                 self._seen_term = max(self._seen_term, ans.voted_term)
                 floor = max(floor, ans.view[1])
+                newer = newer or ans.view > key
         if self.service is not svc or not self.coordinating:
             return
+        # its own vote last, and only when it completes a majority: a lost re-election leaves
+        # no vote of this node in ``term``, so it can still apply the views of a coordinator
+        # elected meanwhile in a lower term (below: when voters follow one)
+        if holds_majority(cand.granted | {self.me}, voters):
+            cand.record(self.me, m.ballot.decide(req, mine=key, coordinating_with_quorum=False,
+                                                 hears_coordinator=None))
         if not cand.won:
             self._reelect_after = clock.now() + REELECT_RETRY_S
             log.warning("node %d: re-election above term %d (for term %d): votes of %s out of %s: not re-elected; "
                         "it coordinates on in term %d", self.me, seen, term, sorted(cand.granted), sorted(voters),
                         st.term)
+            if newer:
+                # voters applied a view newer than this coordinator's: another coordinator was
+                # elected while this one could not run (paused, cut off); its view says whether
+                # this node is still a member (then it follows it) or was removed (fenced)
+                m.probe_now()
             return
         old = st.term
         st.term, st.epoch = term, max(st.epoch, floor) + 1
@@ -323,16 +386,18 @@ class CoordinatorHost:
         self.outrank(term)  # a coordinator with a majority goes above it; a member tells its coordinator
         return {"granted": ans.granted, "reason": ans.reason, "view": list(ans.view), "voted": ans.voted_term}
 
-    def _become(self, term: int, failed: list[int], floor: int, voters: list[int]) -> None:
+    def _become(self, term: int, failed: list[int], floor: int, voters: list[int], *,
+                quiet: Sequence[int] = (), asked: float | None = None, kept: Sequence[int] = ()) -> None:
         """This node won the election of ``term``: host membership and the services, with
-        ``failed`` left out of its first view."""
+        ``failed`` left out of its first view; ``quiet`` members did not answer the vote
+        request sent at ``asked``; ``kept``: members deposed long ago (:func:`rebuild_state`)."""
         m = self.membership
         now = clock.now()  # the clock of MembershipService
         state = rebuild_state(expected=self.expected, view=m.view, failed=failed,
                               me=self.me, fingerprint=m.fingerprint, now=now,
                               grace=self.failure_timeout, failure_timeout=self.failure_timeout,
                               heartbeat_interval=self.heartbeat_interval, phi_threshold=self.phi_threshold,
-                              term=term, epoch_floor=floor)
+                              term=term, epoch_floor=floor, quiet=quiet, asked=asked, kept=kept)
         state.allow_join = self.allow_join
         self.took_over_at = now
         self.terms.append(term)
@@ -341,7 +406,17 @@ class CoordinatorHost:
         self._start(state)
 
     def _followed(self, coordinator: int) -> None:
-        """The node follows another coordinator: a service of its own is deposed, close it."""
+        """The node follows another coordinator: a service of its own is deposed, close it;
+        when that one is a successor not elected yet, probe the successors ahead
+        (:meth:`_probe_line`)."""
+        m = self.membership
+        now, deposed = clock.now(), m.succession.deposed
+        for n in deposed:
+            self._deposed_at.setdefault(n, now)
+        for n in [n for n in self._deposed_at if n not in deposed]:
+            del self._deposed_at[n]
+        if coordinator != self.me and not len(self._walk) and m.succession.line(m.view):
+            self._walk.spawn(self._probe_line(), name="succession-probe")
         svc = self.service
         if coordinator == self.me or svc is None:
             return
@@ -349,6 +424,62 @@ class CoordinatorHost:
         self.service = None
         self._retired.append(svc)
         self._closing.spawn(svc.close())
+
+    def probe_time(self) -> float:
+        """How long a successor has to answer a probe before it is passed over: a heartbeat
+        interval plus two of the longest round trips this node measured (the failure
+        detection bound leaves that much after the coordinator's own detection)."""
+        rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
+        return self.heartbeat_interval + 2 * max(rtts, default=0.0)
+
+    async def _alive(self, node: int, timeout: float) -> bool:
+        """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer)."""
+        try:
+            await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout)
+        except RemoteError:
+            return True
+        except P2PSyncError:
+            return False
+        return True
+
+    async def _probe_line(self) -> None:
+        """This node follows a successor that is not elected yet: ask it and the successors
+        after it (:meth:`Succession.line`) whether they live, all at once (in batches of
+        :data:`PROBE_BATCH`, doubling), and depose each that does not answer within
+        :meth:`probe_time` while it is the one followed (:func:`silent_ahead`), so that the
+        node reaches the lowest live one in about one probe time, not one detection time per
+        successor (see :mod:`p2psync.coordinator.takeover`). Ends once the successor followed
+        answered, or the node follows itself, an elected coordinator or nobody of the line."""
+        m = self.membership
+        line = m.succession.line(m.view)
+        timeout = self.probe_time()
+        probes: dict[int, asyncio.Task[bool]] = {}
+        asked = TaskSet("succession-probes", isolated=True)
+        batch = PROBE_BATCH
+        try:
+            while m.fenced is None and m.coordinator in line and m.coordinator != self.me \
+                    and (m.view is None or m.view.coordinator != m.coordinator):
+                c = m.coordinator
+                if c not in probes:
+                    for n in line[line.index(c):line.index(c) + batch]:
+                        if n not in probes:
+                            probes[n] = asked.spawn(self._alive(n, timeout), name=f"probe-{n}")
+                    batch *= 2
+                await asyncio.wait([probes[c]])
+                if m.coordinator != c:
+                    continue  # moved on meanwhile (a view, the detector): judge the one followed now
+                answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
+                silent = silent_ahead(line[line.index(c):], answered)
+                if not silent:
+                    return
+                for n in silent:
+                    if m.coordinator != n or m.fenced is not None:
+                        break
+                    m.pass_over(n, f"no answer to a probe within {timeout:.2f}s")
+                if m.coordinator == c:
+                    return
+        finally:
+            await asked.close()
 
     def _fenced(self, why: Fenced) -> None:
         """The node was removed from the run: it coordinates nothing from now on (a service
@@ -378,7 +509,7 @@ class CoordinatorHost:
             svc = self.service
             if svc is not None:
                 return await svc.handlers[method](caller, args, arrays)
-            view = self.membership.view
+            view = self.membership.newest_view
             if method == "membership.heartbeat" and view is not None:
                 return {"view": view.to_wire(), "redirect": True}
             raise RemoteError("NotCoordinator", f"node {self.me} does not coordinate (it follows node "
@@ -386,6 +517,7 @@ class CoordinatorHost:
         return dispatch
 
     async def close(self) -> None:
+        await self._walk.close()
         await self._election.close()
         await self._reelection.close()
         svcs = [s for s in (self.service, *self._retired) if s is not None]

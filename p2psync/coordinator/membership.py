@@ -119,6 +119,8 @@ class MembershipState:
     #: suspected nodes this coordinator may not declare failed: that would leave less than a
     #: majority of the agreed view (it has lost its quorum until they are heard again)
     blocked: list[int] = field(default_factory=list)
+    #: after a time ``blocked``, no failure is declared before this time (None: not waiting)
+    settle_until: float | None = None
 
     def __post_init__(self) -> None:
         if self.coordinator < 0:
@@ -222,11 +224,23 @@ class MembershipState:
         heard = [n for n in self.alive_nodes if n not in suspects or n in self.finished]
         return not self.blocked and self.agreement.quorum(heard)
 
-    def _may_remove(self, nodes: Sequence[int]) -> bool:
-        """Whether declaring ``nodes`` failed keeps a majority of the agreed view."""
+    def _may_remove(self, nodes: Sequence[int], now: float | None = None) -> bool:
+        """Whether declaring ``nodes`` failed keeps a majority of the agreed view. With ``now``,
+        only the members heard lately (:meth:`_fresh`) count for that majority: members
+        silent for almost as long as ``nodes``, cut off by the same split but heard a moment
+        later, are not a majority's support (an even split would otherwise remove the half
+        that falls silent first)."""
         if self.agreement is None:
             return True
-        return self.agreement.may_remove(set(self.alive_nodes) - set(nodes))
+        alive = set(self.alive_nodes) - set(nodes)
+        if now is not None:
+            alive = {n for n in alive if n == self.coordinator or n in self.finished or self._fresh(n, now)}
+        return self.agreement.may_remove(alive)
+
+    def _fresh(self, node: int, now: float) -> bool:
+        """Whether ``node`` was heard within two heartbeat intervals, or half the failure
+        timeout if that is longer, before ``now``."""
+        return self.detector.silence(node, now) <= max(2 * self.heartbeat_interval, self.failure_timeout / 2)
 
     def alive(self, node: int, at: float) -> None:
         """Any message from ``node`` arrived at ``at`` (proof of life)."""
@@ -245,9 +259,18 @@ class MembershipState:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
                and n != self.coordinator and self.join_grace.get(n, now) <= now]
-        if new and not self._may_remove(new):
+        if new and not self._may_remove(new, now):
             self.blocked = sorted(new)  # no majority without them: declare nothing, wait
+            self.settle_until = None
             return []
+        if new and self.blocked:
+            # the majority is heard again (a split healed): the rest of the other side is
+            # heard a moment later, over longer paths; declare nobody for two intervals
+            if self.settle_until is None:
+                self.settle_until = now + 2 * self.heartbeat_interval
+            if now < self.settle_until:
+                return []
+        self.settle_until = None
         self.blocked = []
         if new:
             self.failed.update(new)

@@ -120,6 +120,9 @@ class MembershipClient:
         self.ballot = Ballot(me=transport.node_id)
         #: why this node is no member any more (fenced), or None
         self.fenced: Fenced | None = None
+        #: the view that fenced this node (it does not name it; never applied here), or None;
+        #: this node answers probes with it (:attr:`newest_view`)
+        self.removed_by: View | None = None
         #: called once with the Fenced error when this node learns it was removed
         self.fence_listeners: list[Callable[[Fenced], None]] = []
         #: when the coordinator last said it holds a majority (None: not now)
@@ -163,6 +166,14 @@ class MembershipClient:
     def coordinator(self) -> int:
         """The coordinator this node follows now."""
         return self.succession.coordinator
+
+    @property
+    def newest_view(self) -> View | None:
+        """The newest view this node knows of: the one that fenced it (:attr:`removed_by`), else
+        :attr:`view`. A node that does not coordinate answers probes with it, so that a node
+        cut off behind a fenced one (its only path to the run) learns that it was removed too."""
+        removed, view = self.removed_by, self.view
+        return removed if removed is not None and (view is None or removed.key > view.key) else view
 
     @property
     def view(self) -> View | None:
@@ -327,6 +338,8 @@ class MembershipClient:
             return
         me = self.transport.node_id
         if me not in view.members and me not in view.departed and self.view is not None:
+            if self.removed_by is None or view.key > self.removed_by.key:
+                self.removed_by = view
             excluded = raw.get("excluded") if isinstance(raw, dict) else None
             if isinstance(excluded, str):
                 self._fence(f"coordinator {view.coordinator} excluded it: it {excluded[:300]}", rejoin=False)
@@ -394,6 +407,14 @@ class MembershipClient:
             self._moved_to(old, why)
         else:
             self._declare([c])
+
+    def pass_over(self, node: int, why: str) -> None:
+        """``node``, the successor this node follows (not elected yet), did not answer a probe:
+        depose it as its detector would, and follow the next successor (the probes:
+        :class:`~p2psync.coordinator.failover.CoordinatorHost`)."""
+        if node == self.coordinator and node != self.transport.node_id:
+            log.warning("node %d: successor %d passed over: %s", self.transport.node_id, node, why)
+            self._suspect(node, why)
 
     def take_over(self, theirs: Sequence[int]) -> bool:
         """A member that deposed ``theirs`` asks this node to coordinate; True when it took over
@@ -534,6 +555,13 @@ class MembershipClient:
         ev.set()
         for cb in list(self.fence_listeners):
             cb(self.fenced)
+
+    def probe_now(self) -> None:
+        """Ask every node for its view now (:meth:`_probe`, in an owned task), whatever the
+        quorum: this node, a coordinator, learnt that a newer coordinator was elected."""
+        if self._started and self.fenced is None:
+            self._probed_at = clock.now()
+            self._beats.spawn(self._probe(), name="probe")
 
     async def _probe(self) -> None:
         """Ask every other node for its view (no proof of life); apply the newest one that

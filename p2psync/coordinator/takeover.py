@@ -10,8 +10,15 @@ highest view epoch it applied.
 
 * A node whose detector suspects its coordinator deposes it and follows the successor:
   :func:`successor` of its current view's members, minus every deposed node
-  (:meth:`Succession.suspect`). If the successor is dead too, the same detector suspects it in
-  turn and the next lowest follows (each step bounded by one detection time).
+  (:meth:`Succession.suspect`). If the successor is dead or cut off too, the same detector
+  would suspect it only one detection time later, and the next one a detection time after
+  that; so at the deposition the node also asks the successors it would try in turn
+  (:meth:`Succession.line`) whether they live, all at once: one that does not answer within a
+  short probe time is deposed at once (:func:`silent_ahead`), and the node follows the lowest
+  that answers (the probes run in :class:`~p2psync.coordinator.failover.CoordinatorHost`).
+  The failover then takes about one detection time plus one probe time, whatever the number
+  of successors cut off; deposing a live but slow successor costs no safety (the election
+  still needs a majority), only a vote that may go to the next one.
 * A node contacted by a member that deposed the coordinator it follows takes over at once when
   it is itself the successor of its own view minus both deposed sets
   (:meth:`Succession.contacted`): detectors suspect at slightly different times, and the first
@@ -34,7 +41,7 @@ view of the old coordinator pushes the new one's epoch above it (see ``Membershi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Mapping, Sequence
 
 from p2psync.coordinator.views import View
 
@@ -78,6 +85,17 @@ class Succession:
         self.coordinator = self.me if nxt is None else nxt
         return self.coordinator
 
+    def line(self, view: View | None) -> list[int]:
+        """The successors this node would follow in turn, each falling silent after the one
+        before, starting with the one it follows now: the members of ``view`` below this node
+        that are not deposed, lowest first. Empty when it follows itself, or a coordinator
+        that published ``view`` (elected: the detector watches it), or has no view."""
+        c = self.coordinator
+        if view is None or c == self.me or c == view.coordinator or self.me in view.departed:
+            return []
+        ahead = sorted(m for m in view.members if m < self.me and m not in self.deposed)
+        return ahead if c in ahead and ahead[0] == c else []
+
     def contacted(self, theirs: Collection[int], view: View | None) -> bool:
         """A member that deposed ``theirs`` asks this node to coordinate: True when this node
         should take over (it follows one of ``theirs`` and is the successor of its own view
@@ -117,4 +135,16 @@ class Succession:
         return old
 
 
-__all__ = ["Succession", "successor"]
+def silent_ahead(line: Sequence[int], answered: Mapping[int, bool]) -> list[int]:
+    """The successors of ``line`` (:meth:`Succession.line`) to depose now, given the probes
+    that ended (``answered``: node -> whether it answered): the leading run of those that did
+    not answer. It stops at the first that answered or whose probe has not ended."""
+    out: list[int] = []
+    for n in line:
+        if answered.get(n, True):
+            break
+        out.append(n)
+    return out
+
+
+__all__ = ["Succession", "silent_ahead", "successor"]

@@ -112,18 +112,29 @@ def parse_faults(spec: str, ids: Sequence[int]) -> list[Fault]:
     return sorted(out, key=lambda f: f.at)
 
 
-def draw(rng: random.Random, ids: Sequence[int], count: int, *, start: float, end: float) -> list[Fault]:
+def draw(rng: random.Random, ids: Sequence[int], count: int, *, start: float, end: float,
+         gap: float | None = None) -> list[Fault]:
     """``count`` faults drawn from ``rng`` that start and end between ``start`` and ``end``:
     kills and pauses of single nodes (never the same node twice; any node, the coordinator
     included) and partitions into a contiguous block and the rest, lasting 1 to 20 seconds
-    (less when ``end`` comes first)."""
+    (less when ``end`` comes first). With ``gap`` they come one after another instead, each
+    starting ``gap`` to ``2 * gap`` seconds after the previous one ended (a kill ends at
+    once), lasting 1 to 10 seconds; those that would end after ``end`` are left out."""
     nodes = sorted(ids)
     out: list[Fault] = []
     used: set[int] = set()
+    t = start
     for _ in range(count):
         kind = rng.choice(("kill", "pause", "partition"))
-        at = round(rng.uniform(start, end), 3)
-        dur = round(min(rng.uniform(1.0, 20.0), max(end - at, 0.001)), 3)
+        if gap is not None:
+            at = round(t + rng.uniform(0.0, gap), 3)
+            dur = round(rng.uniform(1.0, 10.0), 3)
+            if at + (dur if kind != "kill" else 0.0) > end:
+                break
+            t = at + (dur if kind != "kill" else 0.0) + gap
+        else:
+            at = round(rng.uniform(start, end), 3)
+            dur = round(min(rng.uniform(1.0, 20.0), max(end - at, 0.001)), 3)
         if kind == "partition":
             size = rng.randint(1, max(1, len(nodes) // 2))
             first = rng.randrange(len(nodes))

@@ -58,6 +58,20 @@ def test_silence_is_suspected_within_the_bound():
         assert det.phi(t) >= 0
 
 
+def test_an_outage_longer_than_the_timeout_is_not_learnt_as_an_inter_arrival_time():
+    # a peer silent through a split whose declaration was blocked (no majority): the 7 s gap
+    # must not stretch the timeout (it made a later pause of that peer declared after 7.3 s)
+    det = PeerDetector(params=DetectorParams(), now=0.0)
+    for k in range(1, 21):
+        det.heartbeat(0.5 * k)
+    before = det.timeout()
+    for k in range(0, 20):
+        det.heartbeat(17.0 + 0.5 * k)  # back after 7 s of silence
+    assert det.timeout() == pytest.approx(before) and max(det.intervals) < 1.0
+    det.heartbeat(26.5 + 0.9 * before)  # a slow gap under the timeout is learnt
+    assert det.intervals[-1] == pytest.approx(0.9 * before)
+
+
 def test_jitter_widens_the_timeout_and_any_traffic_is_proof_of_life():
     rng = random.Random(2)
     calm, noisy = (PeerDetector(params=DetectorParams(), now=0.0) for _ in range(2))

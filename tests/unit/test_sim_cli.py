@@ -48,3 +48,21 @@ def test_bad_input_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert topology_arg("bcube:2x3").size == 8 and topology_arg("ring:5").kind == "ring"
     with pytest.raises(ConfigError):
         topology_arg("ring:x")
+
+
+def test_chaos_runs_are_seeded_and_each_failing_run_is_printed_with_its_replay(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["sim", "mesh:8,ring:8", "--runs", "2", "--seed", "5", "--faults", "random:2", "--virtual-seconds", "20"]
+    rc = main([*args, "--out", str(tmp_path / "a")])
+    a = json.loads((tmp_path / "a" / "chaos.json").read_text())
+    assert [(r["topology"], r["seed"]) for r in a] == [("mesh:8", 5), ("ring:8", 6)]
+    assert rc == (1 if any(r["broken"] for r in a) else 0)
+    out = capsys.readouterr()
+    assert "| runs | topologies |" in out.out and (tmp_path / "a" / "chaos.md").read_text() in out.out
+    assert main([*args, "--out", str(tmp_path / "b")]) == rc
+    b = json.loads((tmp_path / "b" / "chaos.json").read_text())
+    assert [r["digest"] for r in a] == [r["digest"] for r in b]  # same seeds: same events
+    for r in a:  # each run's replay runs the same events
+        assert main([*shlex.split(r["replay"])[1:], "--out", str(tmp_path / "c")]) == (1 if r["broken"] else 0)
+        assert json.loads((tmp_path / "c" / "summary.json").read_text())["digest"] == r["digest"]
+    assert main(["sim", "mesh:8", "--runs", "2", "--faults", "kill:1@2", "--out", str(tmp_path)]) == 2

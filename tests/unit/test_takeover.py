@@ -11,7 +11,7 @@ import pytest
 from p2psync.coordinator import MembershipState
 from p2psync.coordinator.failover import rebuild_state
 from p2psync.coordinator.state_server import StateServer
-from p2psync.coordinator.takeover import Succession, successor
+from p2psync.coordinator.takeover import Succession, silent_ahead, successor
 from p2psync.coordinator.views import View
 from p2psync.errors import ProtocolError
 
@@ -253,3 +253,20 @@ def test_a_stale_failure_report_does_not_fail_a_joiner_again():
     assert st.declare_failed([0], seen_epoch=before) == []  # a report from before the join
     assert 0 not in st.failed
     assert st.declare_failed([0], seen_epoch=st.epoch) == [0]  # a report that saw the join
+
+
+def test_the_line_of_successors_and_the_silent_ones_passed_over():
+    v = _view(5, (0, 1, 2, 3, 4, 5, 6), 0)
+    s = Succession(me=5, coordinator=0)
+    assert s.line(v) == []  # it follows the view's coordinator: its detector watches it
+    assert s.suspect(0, v) == 1
+    assert s.line(v) == [1, 2, 3, 4]  # ahead of it, lowest first; never itself nor those above
+    assert silent_ahead([1, 2, 3, 4], {1: False, 2: False, 3: True, 4: False}) == [1, 2]
+    assert silent_ahead([1, 2, 3, 4], {1: False, 3: False}) == [1]  # 2's probe has not ended
+    assert silent_ahead([1, 2, 3, 4], {1: True, 2: False}) == []
+    assert s.suspect(1, v) == 2 and s.line(v) == [2, 3, 4]
+    s.deposed.add(3)
+    assert s.line(v) == [2, 4]
+    lowest = Succession(me=1, coordinator=0)
+    assert lowest.suspect(0, v) == 1 and lowest.line(v) == []  # it follows itself: it runs
+    assert Succession(me=5, coordinator=2).line(None) == []

@@ -1,0 +1,134 @@
+"""Seeded chaos: many simulated runs, each with faults drawn from its own seed, and what broke.
+
+:func:`simulate` runs one :class:`~p2psync.sim.cluster.SimCluster` on a fresh
+:class:`~p2psync.sim.loop.VirtualLoop` and returns its summary with the event count and
+digest (the same topology, options, faults and seconds give the same events). :func:`chaos`
+runs ``runs`` of them: run ``i`` takes the ``i``-th topology of a list (round robin) and seed
+``seed + i``, draws ``count`` faults from that seed (:func:`draw_faults`, as ``--faults
+random:N`` does), and records whether every invariant held, or which did not (a run that
+raised is recorded as ``crashed``). :func:`table` is the markdown report: one line per
+failing run with the command that replays it, and the violations counted per invariant.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from p2psync.errors import P2PSyncError
+from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
+from p2psync.sim.faults import Fault, draw
+from p2psync.sim.loop import VirtualLoop
+from p2psync.sim.loop import run as run_virtual
+from p2psync.topology import Topology
+
+#: drawn faults start this many virtual seconds after the rendezvous
+FAULTS_FROM_S = 5.0
+#: the invariant name a run that raised is counted under
+CRASHED = "crashed"
+
+
+def draw_faults(topo: Topology, opts: SimOptions, seed: int, count: int, virtual_seconds: float, *,
+                spaced: bool = False) -> list[Fault]:
+    """``count`` faults drawn from ``seed`` (:func:`p2psync.sim.faults.draw`), over before
+    the last four detection bounds of the run: the views can settle before it ends.
+    ``spaced``: one after another, two detection bounds apart at least (the invariants judge
+    each fault alone: a fault during another's failover is not covered by them)."""
+    bound = detection_bound(topo, opts)
+    return draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
+                end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
+
+
+def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_seconds: float) -> dict[str, Any]:
+    """One simulated run's summary (:meth:`SimCluster.run`) with ``wall_s`` counting the
+    close of every node, ``events`` (callbacks run) and ``digest`` (their hash)."""
+    async def main() -> dict[str, Any]:
+        async with SimCluster(topo, opts=opts, faults=faults) as cluster:
+            return await cluster.run(virtual_seconds)
+
+    wall = time.perf_counter()
+    loop = VirtualLoop()
+    summary = run_virtual(main(), loop=loop)
+    summary["wall_s"] = round(time.perf_counter() - wall, 3)
+    summary["events"] = loop.steps
+    summary["digest"] = loop.digest()
+    return summary
+
+
+@dataclass(frozen=True)
+class ChaosRun:
+    """One run of :func:`chaos`: its topology (as given), seed, faults, the invariants that did
+    not hold (name -> why; empty: every one held), wall seconds, events, digest and the
+    command that replays it."""
+
+    topology: str
+    seed: int
+    faults: tuple[str, ...]
+    broken: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    events: int = 0
+    digest: str = ""
+    replay: str = ""
+
+
+def chaos(topologies: Sequence[tuple[str, Topology]], *, runs: int, seed: int, count: int,
+          virtual_seconds: float, opts: SimOptions, replay: Callable[[str, int, Sequence[Fault]], str],
+          progress: Callable[[ChaosRun], None] | None = None, overlap: bool = False) -> list[ChaosRun]:
+    """``runs`` simulated runs (see the module docstring); ``topologies``: (text, topology)
+    pairs taken in turn; ``replay(text, seed, faults)``: the command that replays one run;
+    ``progress`` is called after each. The faults of a run come one after another
+    (:func:`draw_faults` ``spaced``) unless ``overlap``."""
+    if runs < 1 or not topologies:
+        raise ValueError("chaos needs at least one run and one topology")
+    out: list[ChaosRun] = []
+    for i in range(runs):
+        text, topo = topologies[i % len(topologies)]
+        s = seed + i
+        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap)
+        specs = tuple(f.spec() for f in faults)
+        cmd = replay(text, s, faults)
+        wall = time.perf_counter()
+        try:
+            summary = simulate(topo, faults, opts, virtual_seconds)
+        except P2PSyncError as exc:
+            run = ChaosRun(topology=text, seed=s, faults=specs, broken={CRASHED: f"{type(exc).__name__}: {exc}"[:500]},
+                           wall_s=round(time.perf_counter() - wall, 3), replay=cmd)
+        else:
+            broken = {k: v for k, v in summary["invariants"].items() if v != "held"}
+            run = ChaosRun(topology=text, seed=s, faults=specs, broken=broken, wall_s=summary["wall_s"],
+                           events=summary["events"], digest=summary["digest"], replay=cmd)
+        out.append(run)
+        if progress is not None:
+            progress(run)
+    return out
+
+
+def table(runs: Sequence[ChaosRun]) -> str:
+    """The markdown report of :func:`chaos`'s runs (see the module docstring)."""
+    bad = [r for r in runs if r.broken]
+    names: dict[str, int] = {}
+    for r in bad:
+        for k in r.broken:
+            names[k] = names.get(k, 0) + 1
+    wall = sum(r.wall_s for r in runs)
+    topos = sorted({r.topology for r in runs})
+    lines = [
+        "| runs | topologies | seeds | every invariant held | violated | wall s (sum) | wall s (slowest) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {len(runs)} | {', '.join(topos)} | {min(r.seed for r in runs)}..{max(r.seed for r in runs)} | "
+        f"{len(runs) - len(bad)} | {len(bad)} | {wall:.1f} | {max(r.wall_s for r in runs):.2f} |",
+        "",
+        "| invariant | runs violating it |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in sorted(names.items())] or ["| (none) | 0 |"]
+    if bad:
+        lines += ["", "| seed | topology | faults | violated | replay |", "|---|---|---|---|---|"]
+        lines += [f"| {r.seed} | {r.topology} | `{','.join(r.faults)}` | {', '.join(sorted(r.broken))} | "
+                  f"`{r.replay}` |" for r in bad]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["CRASHED", "ChaosRun", "FAULTS_FROM_S", "chaos", "draw_faults", "simulate", "table"]
