@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from p2psync.collectives.canary_plan import layout_for
+from p2psync.strategies.canary.plan import layout_for
 from p2psync.compress import get_codec
-from p2psync.strategies.canary_exchange import Exchange, Progress
+from p2psync.strategies.canary.exchange import Exchange, Progress
 from p2psync.topology import bcube, ring
 from p2psync.transport.forward import Forwarder
 from p2psync.wire import encode

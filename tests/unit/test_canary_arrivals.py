@@ -1,6 +1,6 @@
 """ζ and the GEI masks under out-of-order arrivals (spec ../shared/specs/canary.md §4.3-§4.4,
 §6.5), through the exchange's real receive path (wire messages, ``Exchange._ingest``, the
-routing of ``canary_flow``) and the strategy's header fold (``GEIMatrix.heard``).
+routing of ``strategies/canary/flow.py``) and the strategy's header fold (``GEIMatrix.heard``).
 
 Node 0 of a 4-node mesh, at iteration 6, three colayers cut into several slots each, takes the
 messages of one round from its three peers in many random orders: data and empty packets of
@@ -26,12 +26,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from p2psync.collectives.canary_flow import Datum
-from p2psync.collectives.canary_plan import Slot, layout_for
+from p2psync.strategies.canary.flow import Datum
+from p2psync.strategies.canary.plan import Slot, layout_for
 from p2psync.compress import get_codec
-from p2psync.strategies.canary_exchange import Exchange, Progress
-from p2psync.strategies.canary_gei import GEIMatrix, full_mask, node_bit
-from p2psync.strategies.canary_wire import Header, pack
+from p2psync.strategies.canary.exchange import Exchange, Progress
+from p2psync.strategies.canary.gei import GEIMatrix, full_mask, node_bit
+from p2psync.strategies.canary.wire import Header, pack
 from p2psync.topology import mesh
 from p2psync.transport import Mailbox
 from p2psync.wire import Message, decode, encode

@@ -12,9 +12,9 @@ import gc
 import warnings
 from types import SimpleNamespace
 
-from p2psync.collectives.canary_plan import layout_for
+from p2psync.strategies.canary.plan import layout_for
 from p2psync.compress import get_codec
-from p2psync.strategies.canary_exchange import Exchange, Progress
+from p2psync.strategies.canary.exchange import Exchange, Progress
 from p2psync.topology import mesh
 from p2psync.transport import Mailbox
 

@@ -10,8 +10,8 @@ import pytest
 
 from p2psync.errors import ConfigError
 from p2psync.model import Layer
-from p2psync.strategies.canary_colayers import group, parse_counts
-from p2psync.strategies.canary_gei import (Branch, GEIMatrix, calc_proportion, calc_staleness, check_proportion,
+from p2psync.strategies.canary.colayers import group, parse_counts
+from p2psync.strategies.canary.gei import (Branch, GEIMatrix, calc_proportion, calc_staleness, check_proportion,
                                            decide, decode_workers, encode_workers, full_mask,
                                            literal_check_proportion, members_mask, node_bit, own_bit, validate)
 

@@ -10,8 +10,8 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from p2psync.collectives.canary_flow import Datum, Flow
-from p2psync.collectives.canary_plan import Layout, layout_for
+from p2psync.strategies.canary.flow import Datum, Flow
+from p2psync.strategies.canary.plan import Layout, layout_for
 from p2psync.topology import bcube, mesh, ring
 
 

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2psync.collectives.canary_flow import Datum
-from p2psync.collectives.canary_plan import layout_for
+from p2psync.strategies.canary.flow import Datum
+from p2psync.strategies.canary.plan import layout_for
 from p2psync.compress import get_codec
-from p2psync.strategies.canary_exchange import Exchange, Progress
-from p2psync.strategies.canary_gei import node_bit
-from p2psync.strategies.canary_wire import Header, pack
+from p2psync.strategies.canary.exchange import Exchange, Progress
+from p2psync.strategies.canary.gei import node_bit
+from p2psync.strategies.canary.wire import Header, pack
 from p2psync.topology import mesh
 from p2psync.transport import Mailbox
 from p2psync.wire import Message, decode, encode

@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from p2psync.collectives.canary_flow import Datum
-from p2psync.collectives.canary_plan import Slot
+from p2psync.strategies.canary.flow import Datum
+from p2psync.strategies.canary.plan import Slot
 from p2psync.compress import Codec
 from p2psync.errors import ProtocolError
 

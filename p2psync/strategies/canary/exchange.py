@@ -6,18 +6,18 @@ computation or has exchanged current gradient in prior communication"), built as
 immediate-reply protocol.
 
 One :class:`Exchange` per node and *plan* (a view's members, re-planned after every
-re-synchronization): a :class:`~p2psync.collectives.canary_flow.Flow` per colayer (results
-and outboxes, routed as :mod:`~p2psync.collectives.canary_plan` says), and the wire protocol
+re-synchronization): a :class:`~p2psync.strategies.canary.flow.Flow` per colayer (results
+and outboxes, routed as :mod:`~p2psync.strategies.canary.plan` says), and the wire protocol
 of a *round* (one colayer of one iteration): the node adds its own gradient, then each thread
 (one per BCube level, so one per NIC) walks its steps; at a step it sends each peer of that
 step its outbox for that peer and awaits the peer's answer. Messages:
-:mod:`~p2psync.strategies.canary_wire`.
+:mod:`~p2psync.strategies.canary.wire`.
 
 * ``native`` mode (Canary's asynchronous exchange): the answer is the peer's *reply*, sent at
   once by the peer's receive task with whatever the peer's outbox holds for this node at that
   step: its data, or an empty packet when it has nothing (still computing, or it sent it
   before). Nobody waits for anyone's computation; data a slow node could not take part in
-  stays in an outbox and leaves with its next exchange (exactly once, see canary_plan). A
+  stays in an outbox and leaves with its next exchange (exactly once, see plan.py). A
   peer that does not answer within the timeout, or answers from another plan, counts as an
   empty packet (its data in that exchange is lost, counted in ``lost`` / ``moved``).
 * ``bsp`` mode (§5.3's BSP restriction: every ``r^[z] = 2^n − 1``): the answer is the peer's
@@ -45,12 +45,12 @@ from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence, get_arg
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives.canary_flow import Datum, Flow
-from p2psync.collectives.canary_plan import Layout
+from p2psync.strategies.canary.flow import Datum, Flow
+from p2psync.strategies.canary.plan import Layout
 from p2psync.compress import Codec, get_codec
 from p2psync.errors import P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, TransportError
-from p2psync.strategies.canary_gei import node_bit
-from p2psync.strategies.canary_wire import Header, pack, parse_header, unpack
+from p2psync.strategies.canary.gei import node_bit
+from p2psync.strategies.canary.wire import Header, pack, parse_header, unpack
 from p2psync.tasks import TaskSet, gather_or_cancel
 from p2psync.transport import Transport
 from p2psync.transport.forward import Forwarder

@@ -4,11 +4,11 @@ bounding (Zhou et al., *Canary*, §4.3-§5).
 What a node does per iteration ``t`` (spec §6.6):
 
 1. Backward produces the colayers' gradients output layer first (§4.3.2; grouping:
-   :mod:`~p2psync.strategies.canary_colayers`). As soon as the last parameter of colayer
+   :mod:`~p2psync.strategies.canary.colayers`). As soon as the last parameter of colayer
    ``c^[z]`` has its gradient (``register_post_accumulate_grad_hook``, through the one training
    path's gradient-ready hook) its exchange starts, overlapping the rest of backward (and, in
    the built-in job, the emulated device time): pipelining, §4.3.2 advantage 2.
-2. The exchange (:mod:`~p2psync.strategies.canary_exchange`) runs the §6.3 BCube schedule (α·β
+2. The exchange (:mod:`~p2psync.strategies.canary.exchange`) runs the §6.3 BCube schedule (α·β
    slots per colayer, one thread per level/NIC; a mesh scatter/gather on other topologies,
    Fig. 14), every payload through the gradient sketch by default (§4.3.1; what an encoding
    drops leaves with the next data, never lost; ``--codec sketch8p``: the sketch exactly as
@@ -27,7 +27,7 @@ What a node does per iteration ``t`` (spec §6.6):
    packet when it has nothing for this node (§4.4.2), and data a slow node could not take
    part in leaves with its next exchange.
 3. The GEI row of ``t`` records whose contributions each colayer's aggregate holds (the AND of
-   its slots' masks; :mod:`~p2psync.strategies.canary_gei`). ``ζ`` (the newest iteration any
+   its slots' masks; :mod:`~p2psync.strategies.canary.gei`). ``ζ`` (the newest iteration any
    worker reported) and the node at ζ (the lowest id of those seen there: neither depends on
    the order messages arrive in) ride in every message header, so ζ spreads to every worker
    hop by hop (§4.3).
@@ -117,7 +117,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives.canary_plan import layout_for
+from p2psync.strategies.canary.plan import layout_for
 from p2psync.compress import Codec, Sketch8, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, P2PSyncError, PeerFailure, ProtocolError
@@ -125,10 +125,10 @@ from p2psync.model import LAYERED, MODEL_BUFFERS
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, require
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
-from p2psync.strategies.canary_colayers import Colayer, group, parse_counts
-from p2psync.strategies.canary_exchange import CanaryMode, Exchange, Progress, ReplyPolicy, RoundResult
-from p2psync.strategies.canary_gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
-from p2psync.strategies.canary_wire import Header
+from p2psync.strategies.canary.colayers import Colayer, group, parse_counts
+from p2psync.strategies.canary.exchange import CanaryMode, Exchange, Progress, ReplyPolicy, RoundResult
+from p2psync.strategies.canary.gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
+from p2psync.strategies.canary.wire import Header
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all
 from p2psync.transport.forward import Forwarder

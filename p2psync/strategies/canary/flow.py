@@ -1,6 +1,6 @@
 """What one node holds of Canary's exchange of one colayer: results and outboxes (pure).
 
-Follows the routing rules of :mod:`p2psync.collectives.canary_plan` (additive, exactly once).
+Follows the routing rules of :mod:`p2psync.strategies.canary.plan` (additive, exactly once).
 Every piece of data is a :class:`Datum`: the sum of some contributions (the gradient of one
 colayer slot from one worker and iteration each), how many, the mask of the workers they come
 from (Canary's GEI bits, paper §4.4.2: masks travel with partial sums and
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from p2psync.collectives.canary_plan import Layout, Slot
+from p2psync.strategies.canary.plan import Layout, Slot
 
 
 @dataclass
