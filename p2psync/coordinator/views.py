@@ -2,8 +2,8 @@
 
 A :class:`View` is ``(epoch, members, incarnations, coordinator, term)``; the coordinator bumps the
 epoch on every membership change (a registration, a failure, a coordinator takeover; joins of a
-running run later) and publishes the view in every heartbeat reply and as an ``event.view``
-event. The view names the coordinator that published it: after a failover (see
+running run later) and publishes the view as an ``event.view`` event and in the reply to every
+heartbeat of a node that has not applied it yet. The view names the coordinator that published it: after a failover (see
 :mod:`p2psync.coordinator.takeover`) nodes follow the coordinator named by the highest-epoch
 view. Wire form (message meta)::
 
