@@ -78,6 +78,13 @@ class SimHub(MemoryHub):
         #: relayed control messages that took the express path, and the relay hops it stood for
         self.expressed = 0
         self.express_hops = 0
+        #: bumped whenever a node's router marks a node dead or revives one: express paths kept
+        #: from before are walked again
+        self.generation = 0
+        #: bumped whenever a fault begins or ends (express paths are checked again)
+        self.faults = 0
+        #: (sender, first relay, destination, reply) -> the express path kept
+        self.paths: dict[tuple[int, int, int, bool], _Path] = {}
 
     def context(self, node: int) -> contextvars.Context:
         """The context that ``node``'s code runs in (its :data:`ACTOR`)."""
@@ -133,75 +140,151 @@ class SimTransport(MemoryTransport):
 
     def _express(self, peer: int, frames: list[bytes], loop: asyncio.AbstractEventLoop) -> bool:
         """Deliver a relayed control message over its whole path at once, if the path is clear
-        (see the class docstring); False: it goes to ``peer`` the ordinary way."""
+        (see the class docstring); False: it goes to ``peer`` the ordinary way. The path is
+        walked once per change of any router's dead nodes (:attr:`SimHub.generation`) and kept;
+        what changes between messages (nodes up and held, cut links, a relay's memory of the
+        way back, incarnations) is checked on every use."""
         hub = self.sim
         try:
             header = msgpack.unpackb(frames[0], raw=False)
         except (ValueError, msgpack.ExtraData):
             return False
+        if not isinstance(header, dict):
+            return False
         dst, src, kind = header.get("dst"), header.get("src"), header.get("kind")
-        if (not isinstance(header, dict) or type(dst) is not int or dst == peer or kind == "data"
-                or type(src) is not int or header.get("auth") is not None):
-            return False
         inc, hops = header.get("inc"), header.get("hops", 0)
-        if type(inc) is not int or type(hops) is not int:
+        if (type(dst) is not int or dst == peer or kind == "data" or type(src) is not int
+                or header.get("auth") is not None or type(inc) is not int or type(hops) is not int):
             return False
-        held = getattr(loop, "held", None)
-        path = [self.node_id, peer]  # the sender of this hop, then every node the message reaches
-        latency = 0.0
-        while path[-1] != dst:
-            prev, cur = path[-2], path[-1]
-            rt = hub.endpoints.get(cur)
-            if not isinstance(rt, SimTransport) or (held is not None and held(cur)) or rt.relay_keys is not None \
-                    or hops + len(path) - 1 > MAX_HOPS or len(path) > len(hub.endpoints) + 1:
+        reply = kind == "reply"
+        key = (self.node_id, peer, dst, reply)
+        path = hub.paths.get(key)
+        if path is None or path.generation != hub.generation or not path.clear(hub, loop, src, inc):
+            path = _walk(hub, self.node_id, peer, dst, reply)
+            if path is None or hops + len(path.nodes) - 1 > MAX_HOPS or not path.clear(hub, loop, src, inc):
                 return False
-            known = rt.peer_incarnations.get(src)
-            if known is not None and inc != known:  # a stale message or a new life: judged hop by hop
-                return False
-            router = rt.router
-            if dst in router.dead:
-                return False
-            nbs = router.reply_hops(dst, exclude=prev) if kind == "reply" else \
-                router.next_hops(dst, exclude=prev, to_dead=True)
-            if not nbs:
-                return False
-            nb = nbs[0]
-            if nb in router.dead or nb not in hub.endpoints or (hub.cuts and hub.cut(cur, nb)):
-                return False
-            latency += hub.latency(cur, nb)
-            path.append(nb)
-        target = hub.endpoints[dst]
-        if held is not None and held(dst) or not isinstance(target, SimTransport):
-            return False
+            if len(hub.paths) >= 4 * len(hub.endpoints) + 1024:
+                hub.paths.clear()  # (kept for the steady traffic: heartbeats and their replies)
+            hub.paths[key] = path
         now = clock.now()
         size = sum(len(f) for f in frames)
-        for prev, cur, nxt in zip(path, path[1:-1], path[2:]):  # every relay, as if it passed it on
+        nodes = path.nodes
+        for i in range(1, len(nodes) - 1):  # every relay, as if it passed the message on
+            prev, cur = nodes[i - 1], nodes[i]
             rt = cast(SimTransport, hub.endpoints[cur])
-            rt._count(rt.route(prev).local_nic, size, recv=True)
-            rt._count(rt.route(nxt).local_nic, size, recv=False)
-            rt.last_arrival[src] = now
-            if prev != src:
-                rt.last_arrival[prev] = now
-            rt.router.heard(src, prev)
-            rt.relaying.relayed += 1
-        last = path[-2]
-        header["hops"] = hops + len(path) - 2
-        out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
-        route = hub.endpoints[last].route(dst)
-        loop.call_at(loop.time() + latency, target._ingest, route.remote_nic, last, f"{last}/{route.local_nic}",
-                     out, context=hub.context(dst))
-        hub.expressed += 1
-        hub.express_hops += len(path) - 2
-        return True
-
-    def _count(self, nic: str, size: int, *, recv: bool) -> None:
-        st = self.nic_stats[nic]
-        if recv:
+            recv_nic, send_nic = path.nics[i]
+            st = rt.nic_stats[recv_nic]
             st.bytes_recv += size
             st.msgs_recv += 1
-        else:
+            st = rt.nic_stats[send_nic]
             st.bytes_sent += size
             st.msgs_sent += 1
+            arrivals = rt.last_arrival
+            arrivals[src] = now
+            if prev != src:
+                arrivals[prev] = now
+                if rt.router.back.get(src) != prev:
+                    rt.router.heard(src, prev)
+            rt.relaying.relayed += 1
+        last = nodes[-2]
+        header["hops"] = hops + len(nodes) - 2
+        out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+        loop.call_at(loop.time() + path.latency, hub.endpoints[dst]._ingest, path.final_nic, last,
+                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(dst))
+        hub.expressed += 1
+        hub.express_hops += len(nodes) - 2
+        return True
+
+    def mark_dead(self, peer: int) -> None:
+        if peer not in self.router.dead:
+            self.sim.generation += 1  # every kept express path is walked again
+        super().mark_dead(peer)
+
+    def revive(self, peer: int) -> None:
+        if peer in self.router.dead:
+            self.sim.generation += 1
+        super().revive(peer)
+
+
+@dataclass
+class _Path:
+    """An express path (see :class:`SimTransport`): ``nodes`` from the sender of the first hop
+    to the destination; per node, the NICs it receives on and sends on (the last entry: the
+    last relay's NIC towards the destination); ``backs``: each relay's memory of the way back
+    to the destination when walked (replies follow it); the links' summed latency after the
+    first hop; ``final_nic``: the destination's NIC the message arrives on."""
+
+    generation: int
+    nodes: list[int]
+    nics: list[tuple[str, str]]
+    backs: list[int | None]
+    latency: float
+    final_nic: str
+    reply: bool
+
+    #: the origin and incarnation of the message last checked, and :attr:`SimHub.faults` then
+    src: int = -1
+    inc: int = -1
+    faults: int = -1
+
+    def clear(self, hub: SimHub, loop: asyncio.AbstractEventLoop, src: int, inc: int) -> bool:
+        """Whether the message can cross the whole path now (see :class:`SimTransport`): every
+        node up and not held, no link cut, each relay's incarnation of ``src`` (if it knows
+        one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
+        incarnations are checked again only after a fault began or ended, or for another
+        origin or incarnation."""
+        nodes = self.nodes
+        dst = nodes[-1]
+        if self.faults == hub.faults and self.src == src and self.inc == inc:
+            if self.reply:
+                endpoints, backs = hub.endpoints, self.backs
+                for i in range(1, len(nodes) - 1):
+                    if endpoints[nodes[i]].router.back.get(dst) != backs[i]:
+                        return False
+            return True
+        held = getattr(loop, "held", None)
+        endpoints = hub.endpoints
+        for i in range(1, len(nodes)):
+            n = nodes[i]
+            rt = endpoints.get(n)
+            if rt is None or (held is not None and held(n)) or (hub.cuts and hub.cut(nodes[i - 1], n)):
+                return False
+            if i < len(nodes) - 1:
+                known = rt.peer_incarnations.get(src)
+                if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
+                    return False
+                if self.reply and rt.router.back.get(dst) != self.backs[i]:
+                    return False
+        self.faults, self.src, self.inc = hub.faults, src, inc
+        return True
+
+
+def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
+    """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
+    ``dst`` (the first candidate, never back where it came from), or None when a relay would
+    do anything else than pass it on to that candidate at once."""
+    nodes, nics = [sender, peer], [("", "")]
+    backs: list[int | None] = [None]
+    latency = 0.0
+    while nodes[-1] != dst:
+        prev, cur = nodes[-2], nodes[-1]
+        rt = hub.endpoints.get(cur)
+        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(hub.endpoints) + 1:
+            return None
+        router = rt.router
+        if dst in router.dead:
+            return None
+        nbs = router.reply_hops(dst, exclude=prev) if reply else router.next_hops(dst, exclude=prev, to_dead=True)
+        if not nbs or nbs[0] in router.dead or nbs[0] not in hub.endpoints:
+            return None
+        nb = nbs[0]
+        nics.append((rt.route(prev).local_nic, rt.route(nb).local_nic))
+        backs.append(router.back.get(dst))
+        latency += hub.latency(cur, nb)
+        nodes.append(nb)
+    last = hub.endpoints[nodes[-2]]
+    return _Path(generation=hub.generation, nodes=nodes, nics=nics, backs=backs, latency=latency,
+                 final_nic=last.route(dst).remote_nic, reply=reply)
 
 
 @dataclass(frozen=True)
@@ -353,6 +436,7 @@ class SimCluster:
 
     def _begin(self, f: Fault) -> None:
         loop = self._loop()
+        self.hub.faults += 1
         log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
         if f.kind == "kill":
             for n in f.nodes:
@@ -367,6 +451,7 @@ class SimCluster:
 
     def _end(self, f: Fault) -> None:
         loop = self._loop()
+        self.hub.faults += 1
         log.info("sim t=%.3f: end of %s", loop.time() - self.t0, f.spec())
         if f.kind == "pause":
             for n in f.nodes:
@@ -432,6 +517,7 @@ class SimCluster:
         for i in self.nodes:
             loop.release(i)
         self.hub.cuts.clear()
+        self.hub.faults += 1
         await asyncio.gather(*(loop.spawn(n.close(), actor=i) for i, n in self.nodes.items()))
 
 
