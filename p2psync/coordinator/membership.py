@@ -194,8 +194,10 @@ class MembershipState:
 
     @property
     def complete(self) -> bool:
-        """Every expected node has registered: the rendezvous is done."""
-        return not self.missing
+        """Every expected node has registered: the rendezvous is done (O(1) until as many
+        nodes registered as are expected: every waiter of the rendezvous asks it on every
+        registration)."""
+        return len(self.registered) >= len(self.expected) and not self.missing
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0,
                   applied: tuple[int, int] | None = None) -> None:

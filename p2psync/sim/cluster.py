@@ -81,10 +81,18 @@ class SimHub(MemoryHub):
         #: bumped whenever a node's router marks a node dead or revives one: express paths kept
         #: from before are walked again
         self.generation = 0
+        #: every node's transport, killed ones too (their counters)
+        self.transports: dict[int, SimTransport] = {}
         #: bumped whenever a fault begins or ends (express paths are checked again)
         self.faults = 0
         #: (sender, first relay, destination, reply) -> the express path kept
         self.paths: dict[tuple[int, int, int, bool], _Path] = {}
+
+    def flush(self) -> None:
+        """Bring every relay's counters up to date with the express paths' traffic (their
+        messages are counted on the paths as they cross, and credited here)."""
+        for path in self.paths.values():
+            path.flush(self)
 
     def context(self, node: int) -> contextvars.Context:
         """The context that ``node``'s code runs in (its :data:`ACTOR`)."""
@@ -111,9 +119,10 @@ class SimTransport(MemoryTransport):
     or ``reply_hops`` for a reply, never back where it came from) in one step, when that whole
     path is clear now: every relay and the destination up and not held, no link on it cut,
     no next hop marked dead by the relay before it, no keys, no revival or stale incarnation
-    to judge on the way. Each relay is credited as if it had passed the message on (a message
-    received and one sent, :meth:`Router.heard`, the proof of life its ingest records, one
-    relayed), and the destination ingests it after the latencies of the links of the path, with
+    to judge on the way. Each relay is credited as if it had passed the message on:
+    :meth:`Router.heard` and the proof of life its ingest records at once; a message received
+    and one sent on its NICs' counters, and one relayed, when :meth:`SimHub.flush` brings the
+    counters up to date (the summary does), and the destination ingests it after the latencies of the links of the path, with
     its hop count, from the last relay. When the path is not clear the message goes hop by
     hop, as always. What the express path does not model: a relay that fails or is cut off
     while the message crosses it (a few link latencies)."""
@@ -121,6 +130,7 @@ class SimTransport(MemoryTransport):
     def __init__(self, *, hub: SimHub, node_id: int, **options: Any) -> None:
         super().__init__(hub=hub, node_id=node_id, **options)
         self.sim = hub
+        hub.transports[node_id] = self
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
@@ -164,28 +174,25 @@ class SimTransport(MemoryTransport):
             if path is None or hops + len(path.nodes) - 1 > MAX_HOPS or not path.clear(hub, loop, src, inc):
                 return False
             if len(hub.paths) >= 4 * len(hub.endpoints) + 1024:
+                hub.flush()
                 hub.paths.clear()  # (kept for the steady traffic: heartbeats and their replies)
+            old = hub.paths.get(key)
+            if old is not None:
+                old.flush(hub)
             hub.paths[key] = path
         now = clock.now()
-        size = sum(len(f) for f in frames)
-        nodes = path.nodes
+        nodes, endpoints = path.nodes, hub.endpoints
+        path.uses += 1  # (the relays' counters: SimHub.flush)
+        path.bytes += sum(len(f) for f in frames)
         for i in range(1, len(nodes) - 1):  # every relay, as if it passed the message on
-            prev, cur = nodes[i - 1], nodes[i]
-            rt = cast(SimTransport, hub.endpoints[cur])
-            recv_nic, send_nic = path.nics[i]
-            st = rt.nic_stats[recv_nic]
-            st.bytes_recv += size
-            st.msgs_recv += 1
-            st = rt.nic_stats[send_nic]
-            st.bytes_sent += size
-            st.msgs_sent += 1
+            prev = nodes[i - 1]
+            rt = endpoints[nodes[i]]
             arrivals = rt.last_arrival
             arrivals[src] = now
             if prev != src:
                 arrivals[prev] = now
                 if rt.router.back.get(src) != prev:
                     rt.router.heard(src, prev)
-            rt.relaying.relayed += 1
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
@@ -221,6 +228,29 @@ class _Path:
     latency: float
     final_nic: str
     reply: bool
+    #: messages and bytes that crossed it since the relays' counters were last brought up to date
+    uses: int = 0
+    bytes: int = 0
+
+    def flush(self, hub: SimHub) -> None:
+        """Credit every relay with the messages that crossed the path since the last flush:
+        received and sent (its NICs' counters) and relayed."""
+        if not self.uses:
+            return
+        nodes = self.nodes
+        for i in range(1, len(nodes) - 1):
+            rt = hub.transports.get(nodes[i])
+            if rt is None:
+                continue
+            recv_nic, send_nic = self.nics[i]
+            st = rt.nic_stats[recv_nic]
+            st.bytes_recv += self.bytes
+            st.msgs_recv += self.uses
+            st = rt.nic_stats[send_nic]
+            st.bytes_sent += self.bytes
+            st.msgs_sent += self.uses
+            rt.relaying.relayed += self.uses
+        self.uses = self.bytes = 0
 
     #: the origin and incarnation of the message last checked, and :attr:`SimHub.faults` then
     src: int = -1
@@ -474,6 +504,7 @@ class SimCluster:
         """What the run did and whether every invariant held (see the module docstring)."""
         opts = self.opts
         bound = detection_bound(self.topo, opts)
+        self.hub.flush()
         final: dict[int, inv.ViewSeen | None] = {i: None for i in self.nodes}
         for v in self.views:
             final[v.node] = v
