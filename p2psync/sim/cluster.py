@@ -79,7 +79,7 @@ class SimHub(MemoryHub):
         self.expressed = 0
         self.express_hops = 0
         #: bumped whenever a node's router marks a node dead or revives one: express paths kept
-        #: from before are walked again
+        #: from before are checked again
         self.generation = 0
         #: every node's transport, killed ones too (their counters)
         self.transports: dict[int, SimTransport] = {}
@@ -131,6 +131,8 @@ class SimTransport(MemoryTransport):
         super().__init__(hub=hub, node_id=node_id, **options)
         self.sim = hub
         hub.transports[node_id] = self
+        #: bumped whenever this node's router marks a node dead or revives one
+        self.routes_version = 0
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
@@ -151,7 +153,7 @@ class SimTransport(MemoryTransport):
     def _express(self, peer: int, frames: list[bytes], loop: asyncio.AbstractEventLoop) -> bool:
         """Deliver a relayed control message over its whole path at once, if the path is clear
         (see the class docstring); False: it goes to ``peer`` the ordinary way. The path is
-        walked once per change of any router's dead nodes (:attr:`SimHub.generation`) and kept;
+        walked again only when a router on it changed its dead nodes (:meth:`_Path.current`);
         what changes between messages (nodes up and held, cut links, a relay's memory of the
         way back, incarnations) is checked on every use."""
         hub = self.sim
@@ -169,7 +171,7 @@ class SimTransport(MemoryTransport):
         reply = kind == "reply"
         key = (self.node_id, peer, dst, reply)
         path = hub.paths.get(key)
-        if path is None or path.generation != hub.generation or not path.clear(hub, loop, src, inc):
+        if path is None or not path.current(hub) or not path.clear(hub, loop, src, inc):
             path = _walk(hub, self.node_id, peer, dst, reply)
             if path is None or hops + len(path.nodes) - 1 > MAX_HOPS or not path.clear(hub, loop, src, inc):
                 return False
@@ -204,12 +206,14 @@ class SimTransport(MemoryTransport):
 
     def mark_dead(self, peer: int) -> None:
         if peer not in self.router.dead:
-            self.sim.generation += 1  # every kept express path is walked again
+            self.sim.generation += 1  # kept express paths through this node are walked again
+            self.routes_version += 1
         super().mark_dead(peer)
 
     def revive(self, peer: int) -> None:
         if peer in self.router.dead:
             self.sim.generation += 1
+            self.routes_version += 1
         super().revive(peer)
 
 
@@ -222,6 +226,8 @@ class _Path:
     first hop; ``final_nic``: the destination's NIC the message arrives on."""
 
     generation: int
+    #: each node's :attr:`SimTransport.routes_version` when walked
+    versions: list[int]
     nodes: list[int]
     nics: list[tuple[str, str]]
     backs: list[int | None]
@@ -251,6 +257,18 @@ class _Path:
             st.msgs_sent += self.uses
             rt.relaying.relayed += self.uses
         self.uses = self.bytes = 0
+
+    def current(self, hub: SimHub) -> bool:
+        """Whether no router on the path changed its dead nodes since the path was walked
+        (checked node by node only when some router anywhere changed since the last check)."""
+        if self.generation == hub.generation:
+            return True
+        transports = hub.transports
+        for n, v in zip(self.nodes, self.versions):
+            if transports[n].routes_version != v:
+                return False
+        self.generation = hub.generation
+        return True
 
     #: the origin and incarnation of the message last checked, and :attr:`SimHub.faults` then
     src: int = -1
@@ -313,7 +331,8 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
         latency += hub.latency(cur, nb)
         nodes.append(nb)
     last = hub.endpoints[nodes[-2]]
-    return _Path(generation=hub.generation, nodes=nodes, nics=nics, backs=backs, latency=latency,
+    versions = [hub.transports[n].routes_version for n in nodes]
+    return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
                  final_nic=last.route(dst).remote_nic, reply=reply)
 
 
