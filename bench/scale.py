@@ -226,7 +226,11 @@ def plot(results: Sequence[dict[str, Any]], name: str = "scale.png") -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     fits = exponents(results)
+    sizes = sorted({r["n"] for r in results})
+    colors = {k: f"C{i}" for i, k in enumerate(KINDS)}
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     for ax, (key, label) in zip(axes.flat, METRICS):
         for kind in fits:
@@ -235,9 +239,12 @@ def plot(results: Sequence[dict[str, Any]], name: str = "scale.png") -> Any:
             if not pts:
                 continue
             e = fits[kind][key]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors.get(kind),
                     label=f"{kind} (N^{e:.2f})" if e is not None else kind)
         ax.set(xscale="log", yscale="log", xlabel="nodes", title=label)
+        ax.set_xticks(sizes)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes.flat[-1].axis("off")
