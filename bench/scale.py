@@ -13,7 +13,8 @@ virtual seconds after the rendezvous. Measured over the run after the rendezvous
   on a loaded machine);
 * **coordinator msgs / virtual s** (sent and received at the coordinator's transport, relayed
   ones included) and **coordinator CPU / virtual s** (the CPU time of the coordinator's own
-  callbacks, :attr:`VirtualLoop.actor_cpu`);
+  callbacks, :attr:`VirtualLoop.actor_cpu`, without the simulator's express relaying that its
+  sends start: a real coordinator does not walk its replies' paths);
 * **detection s**: from the kill until the coordinator's view drops the node, next to the
   simulator's bound (:func:`p2psync.sim.cluster.detection_bound`);
 * **convergence s**: from the first node applying that view to the last live member applying
