@@ -65,7 +65,7 @@ from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.rpc import Handler, RpcServer
-from p2psync.coordinator.views import MAX_END_CHARS, View
+from p2psync.coordinator.views import MAX_END_CHARS, View, news_for
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
@@ -485,7 +485,8 @@ class MembershipService:
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if args.get("probe") is True:  # a starting process asks for the view: no proof of life
-            return {"view": self.state.wire_view()}
+            # (a probe naming the prober's view gets this one only when it is newer)
+            return {"view": self.state.wire_view()} if news_for(self.state.view(), args) else {}
         if self.state.started and caller in self.state.failed:
             # fenced: a node declared failed (it paused, or was cut off) learns that it is no
             # member; its progress since is void, it rejoins as a new process

@@ -107,6 +107,21 @@ class View:
                     coordinator=coord, departed=tuple(sorted(set(dep))), ended=ended, term=term)
 
 
+def news_for(view: View | None, args: Any) -> bool:
+    """Whether ``view`` is news to a node whose request ``args`` name the view it applied
+    (``"epoch"``, ``"term"``; a probe's): True when they name none, or an older one. A node
+    applies only views newer than its own (:class:`ViewTracker`), so an answer without the
+    view loses nothing otherwise, and costs O(1) instead of O(N)."""
+    if view is None:
+        return False
+    if not isinstance(args, Mapping):
+        return True
+    epoch, term = args.get("epoch"), args.get("term")
+    if type(epoch) is not int or type(term) is not int:
+        return True
+    return view.key > (term, epoch)
+
+
 @dataclass(frozen=True)
 class ViewChange:
     """What applying a newer view changed: the nodes that ``left`` and ``joined`` the members
@@ -135,4 +150,4 @@ class ViewTracker:
                           joined=tuple(sorted(after - before)))
 
 
-__all__ = ["View", "ViewChange", "ViewTracker"]
+__all__ = ["View", "ViewChange", "ViewTracker", "news_for"]
