@@ -320,8 +320,9 @@ class _Path:
 
 def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
     """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
-    ``dst`` (the first candidate, never back where it came from), or None when a relay would
-    do anything else than pass it on to that candidate at once."""
+    ``dst`` (the first candidate, never back where it came from; a reply to a node the relay
+    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), or None
+    when a relay would do anything else than pass it on to that candidate at once."""
     nodes, nics = [sender, peer], [("", "")]
     backs: list[int | None] = [None]
     latency = 0.0
@@ -331,12 +332,18 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
         if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(hub.endpoints) + 1:
             return None
         router = rt.router
-        if dst in router.dead:
+        if dst in router.dead and not reply:
             return None
-        nbs = router.reply_hops(dst, exclude=prev) if reply else router.next_hops(dst, exclude=prev, to_dead=True)
-        if not nbs or nbs[0] in router.dead or nbs[0] not in hub.endpoints:
+        if dst in router.dead and rt.topology.routes(cur, dst):
+            nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
+        else:
+            nbs = router.reply_hops(dst, exclude=prev) if reply else \
+                router.next_hops(dst, exclude=prev, to_dead=True)
+            if not nbs or nbs[0] in router.dead:
+                return None
+            nb = nbs[0]
+        if nb not in hub.endpoints:
             return None
-        nb = nbs[0]
         nics.append((rt.route(prev).local_nic, rt.route(nb).local_nic))
         backs.append(router.back.get(dst))
         latency += hub.latency(cur, nb)
