@@ -51,7 +51,7 @@ from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteReq
 from p2psync.coordinator.takeover import silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
-from p2psync.coordinator.views import View
+from p2psync.coordinator.views import View, news_for
 from p2psync.errors import Fenced, P2PSyncError, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
@@ -511,6 +511,8 @@ class CoordinatorHost:
                 return await svc.handlers[method](caller, args, arrays)
             view = self.membership.newest_view
             if method == "membership.heartbeat" and view is not None:
+                if args.get("probe") is True and not news_for(view, args):
+                    return {"redirect": True}  # a probe from a node that has this view or a newer one
                 return {"view": view.to_wire(), "redirect": True}
             raise RemoteError("NotCoordinator", f"node {self.me} does not coordinate (it follows node "
                                                 f"{self.membership.coordinator})")

@@ -7,7 +7,10 @@ any other traffic (``Transport.last_arrival``) and the RTT each client measures.
 
 :class:`MembershipService` exposes it over RPC on the coordinator node; on every change it bumps
 the view's epoch and publishes the view to every live node as an ``event.view`` event (owned
-tasks) and in every heartbeat reply (so a lost event is repaired by the next reply). A second
+tasks) and in the reply to every heartbeat whose sender has not applied it yet (a heartbeat
+names the sender's view: epoch, coordinator and term), so a lost event is repaired by the next
+reply while a heartbeat of an up-to-date member costs O(1) bytes whatever the size of the run.
+A second
 registration under a node id whose registered process is alive is rejected with an error naming
 both incarnations and addresses.
 
@@ -62,7 +65,7 @@ from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.rpc import Handler, RpcServer
-from p2psync.coordinator.views import MAX_END_CHARS, View
+from p2psync.coordinator.views import MAX_END_CHARS, View, news_for
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
 
@@ -123,6 +126,8 @@ class MembershipState:
     settle_until: float | None = None
 
     def __post_init__(self) -> None:
+        self._view_cache: tuple[tuple[Any, ...], View] | None = None
+        self._wire_cache: tuple[View, dict[str, Any]] | None = None
         if self.coordinator < 0:
             self.coordinator = min(self.expected)
         self.detector = FailureDetector(params=DetectorParams(
@@ -191,8 +196,10 @@ class MembershipState:
 
     @property
     def complete(self) -> bool:
-        """Every expected node has registered: the rendezvous is done."""
-        return not self.missing
+        """Every expected node has registered: the rendezvous is done (O(1) until as many
+        nodes registered as are expected: every waiter of the rendezvous asks it on every
+        registration)."""
+        return len(self.registered) >= len(self.expected) and not self.missing
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0,
                   applied: tuple[int, int] | None = None) -> None:
@@ -363,16 +370,36 @@ class MembershipState:
 
     def view(self) -> View:
         """The current view: the epoch, the live members with their incarnations, the
-        coordinator, the departed nodes and why the run ended (``ended``, or "")."""
-        members = self.alive_nodes
+        coordinator, the departed nodes and why the run ended (``ended``, or "").
+
+        Built once per change (memoized on the epoch, term, coordinator, ``ended`` and the
+        sizes of the registered, failed and departed sets: every change of the members bumps
+        the epoch), so a heartbeat costs no O(N) rebuild."""
+        key = (self.epoch, self.term, self.coordinator, self.diverged, len(self.registered), len(self.failed),
+               len(self.departed))
+        cached = self._view_cache
+        if cached is not None and cached[0] == key:
+            view = cached[1]
+        else:
+            members = self.alive_nodes
+            view = View(epoch=self.epoch, members=tuple(members),
+                        incarnations={n: self.incarnations.get(n, 0) for n in members},
+                        coordinator=self.coordinator, departed=tuple(sorted(self.departed)), ended=self.diverged,
+                        term=self.term)
+            self._view_cache = (key, view)
         agreement = self.agreement
         if agreement is not None and (agreement.latest is None or agreement.latest[0] != self.epoch) \
                 and self.epoch > agreement.epoch:
-            agreement.publish(self.epoch, members)
-        return View(epoch=self.epoch, members=tuple(members),
-                    incarnations={n: self.incarnations.get(n, 0) for n in members},
-                    coordinator=self.coordinator, departed=tuple(sorted(self.departed)), ended=self.diverged,
-                    term=self.term)
+            agreement.publish(self.epoch, view.members)
+        return view
+
+    def wire_view(self) -> dict[str, Any]:
+        """:meth:`view` in wire form (:meth:`View.to_wire`), also built once per change."""
+        view = self.view()
+        cached = self._wire_cache
+        if cached is None or cached[0] is not view:
+            cached = self._wire_cache = (view, view.to_wire())
+        return cached[1]
 
 
 class MembershipService:
@@ -405,6 +432,8 @@ class MembershipService:
         #: heartbeat reply carries the view anyway), so they fail alone, logged
         self._tells = TaskSet("view-push", isolated=True)
         self._t0 = clock.now()
+        #: (when, whether) the majority was last found heard (:meth:`_quorum`)
+        self._quorum_seen: tuple[float, bool] | None = None
         #: when the rendezvous completed (this node's clock); a rebuilt service is given it
         self.run_started: float | None = None
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
@@ -474,17 +503,18 @@ class MembershipService:
             self.run_started = now
         # ``elapsed``: how long the run has been going, so a joiner's time budget (--time) ends
         # with the run's, not a full budget after its own start
-        return {"members": sorted(self.state.registered), "view": self.state.view().to_wire(),
+        return {"members": sorted(self.state.registered), "view": self.state.wire_view(),
                 "joined": joined, "elapsed": now - self.run_started, **self.run_info}
 
     async def _heartbeat(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if args.get("probe") is True:  # a starting process asks for the view: no proof of life
-            return {"view": self.state.view().to_wire()}
+            # (a probe naming the prober's view gets this one only when it is newer)
+            return {"view": self.state.wire_view()} if news_for(self.state.view(), args) else {}
         if self.state.started and caller in self.state.failed:
             # fenced: a node declared failed (it paused, or was cut off) learns that it is no
             # member; its progress since is void, it rejoins as a new process
             why = self.state.excluded.get(caller, "declared failed")
-            return {"fenced": True, "why": why, "view": self.state.view().to_wire()}
+            return {"fenced": True, "why": why, "view": self.state.wire_view()}
         epoch, coord = args.get("epoch"), args.get("coord")
         if type(epoch) is int and epoch < 1 << 62 and (epoch > self.state.epoch or (
                 epoch == self.state.epoch and coord != self.state.coordinator)):
@@ -507,8 +537,20 @@ class MembershipService:
             self.state.heartbeat(caller, now, srtt=srtt, rttvar=rttvar, applied=applied)
         else:
             self.state.heartbeat(caller, now, applied=applied)
-        return {"view": self.state.view().to_wire(), "failed": sorted(self.state.failed),
-                "quorum": self.state.has_quorum(now)}
+        reply: dict[str, Any] = {"quorum": self._quorum(now)}
+        view = self.state.view()
+        if (epoch, coord, term) != (view.epoch, view.coordinator, view.term):
+            reply["view"] = self.state.wire_view()  # the caller has not applied it yet
+        return reply
+
+    def _quorum(self, now: float) -> bool:
+        """Whether this coordinator hears a majority (:meth:`MembershipState.has_quorum`), as
+        the failure monitor found it at most ``check_interval`` ago: the answer of every
+        heartbeat reply, at O(N) once per check instead of once per heartbeat."""
+        last = self._quorum_seen
+        if last is None or not 0 <= now - last[0] <= self.check_interval:
+            last = self._quorum_seen = (now, self.state.has_quorum(now))
+        return last[1]
 
     def _redo(self, caller: int, redo: Any) -> None:
         """A member's report ``{"epoch": e, "peers": [...]}`` that an operation of view ``e``
@@ -573,6 +615,7 @@ class MembershipService:
             new = self.state.check(now)
             self._failed(new, f"silent for {[round(silences.get(n, 0.0), 2) for n in new]} s")
             held = self.state.has_quorum(now)
+            self._quorum_seen = (now, held)
             if held != quorum:
                 quorum = held
                 agreed = sorted(self.state.agreement.members) if self.state.agreement is not None else []

@@ -574,7 +574,9 @@ class MembershipClient:
         a majority whose term is lower is re-elected above it
         (:class:`~p2psync.coordinator.failover.CoordinatorHost`; another node passes it on to its
         coordinator), since this node applies no view of a lower term than one it voted in."""
-        args = {"probe": True, "seen_term": self.seen_term}
+        args: dict[str, Any] = {"probe": True, "seen_term": self.seen_term}
+        if self.view is not None:  # only a newer view comes back (the others would change nothing)
+            args["epoch"], args["term"] = self.view.epoch, self.view.term
         for raw in await self._ask_views(args, max(0.5, 2 * self.interval), to_dead=True):
             self._apply_view(raw, src=None)
 

@@ -19,7 +19,12 @@ hop (:meth:`Transport.send_control`); the first hop that worked last time is tri
 time. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
 request still running is dropped (its reply goes out when done, over the routes live then), a
 duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
-per request. RTT samples come from first-attempt replies only (Karn), and only from calls made
+per request. The reply cache is bounded per caller, not by the size of the run: every request
+carries ``low``, the lowest request id its caller still waits for (``{"id", "low", "method",
+"args"}``), and the server forgets that caller's replies below it and drops any request
+below it that still comes (counted ``stale``: the caller gave that call up); at most ``REPLY_CACHE_PER_CALLER`` finished
+replies are kept per caller in any case (the oldest go first), and only for its newest
+incarnation. RTT samples come from first-attempt replies only (Karn), and only from calls made
 with ``measure=True`` (long polls would distort them). A reply that arrives after its call gave
 up is dropped on arrival (its tag is retired). :meth:`RpcClient.abort_calls` fails the calls in
 flight to one node at once (its coordinator role moved: callers retry at the new coordinator).
@@ -49,8 +54,9 @@ Handler = Callable[[int, Mapping[str, Any], Sequence[np.ndarray]], Awaitable[Any
 CALL_TAG = "rpc.call"
 #: the tag of the reply to call ``<id>``: ``REPLY_PREFIX + str(id)``
 REPLY_PREFIX = "rpc.ret."
-#: finished requests whose replies are kept for duplicates
-REPLY_CACHE = 1024
+#: finished requests of one caller whose replies are kept for duplicates, at most (fewer once
+#: the caller's ``low`` passes them, see the module docstring)
+REPLY_CACHE_PER_CALLER = 256
 #: requests of one caller handled at once; more from that caller are dropped and counted
 #: (``overloaded``): a flood must not grow memory without bound, and a real caller resends after
 #: its retransmission timeout. Per caller, not in all: long polls (a rendezvous holds every
@@ -78,8 +84,10 @@ class RpcServer:
         self.overloaded = 0
         #: caller -> its requests being handled now
         self._busy: Counter[int] = Counter()
-        #: (caller, incarnation, request id) -> reply (None while the handler runs)
-        self._seen: OrderedDict[tuple[int, int, int], dict[str, Any] | None] = OrderedDict()
+        #: caller -> the replies of its newest incarnation
+        self._seen: dict[int, _Replies] = {}
+        #: requests dropped because their caller no longer waited for them (or was restarted)
+        self.stale = 0
 
     def register(self, method: str, handler: Handler) -> None:
         """Serve ``method`` with ``handler(caller, args, arrays)`` (ValueError when taken).
@@ -142,23 +150,39 @@ class RpcServer:
             self.bad_requests += 1
             log.warning("node %d: malformed RPC request from node %d", self.transport.node_id, msg.src)
             return
-        key = (msg.src, msg.header.inc, rid)
-        if key in self._seen:
+        low = meta.get("low", 0)
+        seen = self._replies_of(msg.src, msg.header.inc, low if type(low) is int else 0)
+        if seen is None or rid < seen.low:  # its caller gave that call up: no reply is awaited
+            self.stale += 1
+            return
+        if rid in seen.replies:
             self.duplicates += 1
-            cached = self._seen[key]
+            cached = seen.replies[rid]
             if cached is not None:  # finished: its reply may have been lost, send it again
                 await self._reply(msg.src, rid, cached)
             return
-        self._seen[key] = None
+        seen.replies[rid] = None
         reply = await self._run(msg, method, args)
-        self._seen[key] = reply
-        while len(self._seen) > REPLY_CACHE:
-            k, v = next(iter(self._seen.items()))
-            if v is None:  # still running: keep (running requests are few)
-                self._seen.move_to_end(k)
-                break
-            self._seen.popitem(last=False)
+        if rid in seen.replies:  # (not when the caller's ``low`` passed it meanwhile)
+            seen.replies[rid] = reply
+            seen.trim(REPLY_CACHE_PER_CALLER)
         await self._reply(msg.src, rid, reply)
+
+    def _replies_of(self, caller: int, inc: int, low: int) -> "_Replies | None":
+        """The reply cache of ``caller``'s incarnation ``inc`` (an older incarnation's is
+        dropped; None for a request of an incarnation older than the cached one), without the
+        requests below ``low``."""
+        seen = self._seen.get(caller)
+        if seen is None or seen.inc < inc:
+            seen = self._seen[caller] = _Replies(inc)
+        elif seen.inc > inc:
+            return None
+        seen.forget_below(low)
+        return seen
+
+    def cached_replies(self) -> int:
+        """How many requests are remembered for deduplication now (finished or running)."""
+        return sum(len(seen.replies) for seen in self._seen.values())
 
     async def _reply(self, dst: int, rid: int, reply: dict[str, Any]) -> None:
         try:
@@ -187,6 +211,32 @@ class RpcServer:
         await self._inflight.close(grace=grace)
 
 
+class _Replies:
+    """One caller incarnation's requests, for deduplication: request id -> reply (None while
+    the handler runs), in arrival order; ``low``: the lowest request id the caller still waits
+    for (ids below it are neither cached nor served again)."""
+
+    def __init__(self, inc: int) -> None:
+        self.inc = inc
+        self.low = 0
+        self.replies: OrderedDict[int, dict[str, Any] | None] = OrderedDict()
+
+    def forget_below(self, low: int) -> None:
+        """The caller waits for no request below ``low`` any more (it never moves back)."""
+        if low <= self.low:
+            return
+        self.low = low
+        for rid in [r for r in self.replies if r < low]:  # (few: calls finished since the last request)
+            del self.replies[rid]
+
+    def trim(self, keep: int) -> None:
+        """Forget the oldest finished replies beyond ``keep`` (running requests stay)."""
+        over = len(self.replies) - keep
+        if over > 0:
+            for rid in [r for r, v in self.replies.items() if v is not None][:over]:
+                del self.replies[rid]
+
+
 class RpcClient:
     """Calls RPC methods on other nodes, resending over other first hops after each
     retransmission timeout (one :class:`RttEstimator` per destination); calls to this node go
@@ -205,6 +255,7 @@ class RpcClient:
         self._path: dict[int, int] = {}  # destination -> attempt index (first hop) that worked
         self.retries = 0
         self._calls: dict[str, int] = {}  # reply tag of a remote call in flight -> destination
+        self._waiting: set[int] = set()  # the ids of the remote calls in flight
         self._aborted: dict[str, P2PSyncError] = {}  # reply tag -> why its call was aborted
         #: the reply waits of the calls in flight, each labelled with the node called
         self._replies = transport.scope(REPLY_PREFIX)
@@ -256,7 +307,8 @@ class RpcClient:
         est = self.estimator(node)
         rto = est.rto()
         first = self._path.get(node, 0)
-        meta = {"id": rid, "method": method, "args": args}
+        self._waiting.add(rid)
+        meta = {"id": rid, "low": min(self._waiting), "method": method, "args": args}
         tag = f"{REPLY_PREFIX}{rid}"
         self._calls[tag] = node
         try:
@@ -293,6 +345,7 @@ class RpcClient:
         finally:
             self._calls.pop(tag, None)
             self._aborted.pop(tag, None)
+            self._waiting.discard(rid)
         if attempt == 0 and measure:
             est.sample(loop.time() - sent_at)
         elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival

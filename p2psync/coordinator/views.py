@@ -2,8 +2,8 @@
 
 A :class:`View` is ``(epoch, members, incarnations, coordinator, term)``; the coordinator bumps the
 epoch on every membership change (a registration, a failure, a coordinator takeover; joins of a
-running run later) and publishes the view in every heartbeat reply and as an ``event.view``
-event. The view names the coordinator that published it: after a failover (see
+running run later) and publishes the view as an ``event.view`` event and in the reply to every
+heartbeat of a node that has not applied it yet. The view names the coordinator that published it: after a failover (see
 :mod:`p2psync.coordinator.takeover`) nodes follow the coordinator named by the highest-epoch
 view. Wire form (message meta)::
 
@@ -107,6 +107,21 @@ class View:
                     coordinator=coord, departed=tuple(sorted(set(dep))), ended=ended, term=term)
 
 
+def news_for(view: View | None, args: Any) -> bool:
+    """Whether ``view`` is news to a node whose request ``args`` name the view it applied
+    (``"epoch"``, ``"term"``; a probe's): True when they name none, or an older one. A node
+    applies only views newer than its own (:class:`ViewTracker`), so an answer without the
+    view loses nothing otherwise, and costs O(1) instead of O(N)."""
+    if view is None:
+        return False
+    if not isinstance(args, Mapping):
+        return True
+    epoch, term = args.get("epoch"), args.get("term")
+    if type(epoch) is not int or type(term) is not int:
+        return True
+    return view.key > (term, epoch)
+
+
 @dataclass(frozen=True)
 class ViewChange:
     """What applying a newer view changed: the nodes that ``left`` and ``joined`` the members
@@ -135,4 +150,4 @@ class ViewTracker:
                           joined=tuple(sorted(after - before)))
 
 
-__all__ = ["View", "ViewChange", "ViewTracker"]
+__all__ = ["View", "ViewChange", "ViewTracker", "news_for"]

@@ -33,8 +33,11 @@ import contextvars
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
+import msgpack
+
+from p2psync import clock
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
 from p2psync.coordinator.stack import membership_stack
 from p2psync.coordinator.views import View
@@ -50,21 +53,46 @@ from p2psync.transport.base import NotReady
 from p2psync.transport.memory import MemoryTransport
 from p2psync.transport.shaping import InprocShaper, LinkSpec
 from p2psync.wire import placed
+from p2psync.wire.schema import MAX_HOPS
 
 log = logging.getLogger("p2psync.sim")
 
 
 class SimHub(MemoryHub):
     """The simulated medium: in-memory endpoints, links cut by partitions, and each node's
-    actor context (deliveries run in it)."""
+    actor context (deliveries run in it).
 
-    def __init__(self, topology: Topology) -> None:
+    ``latency(a, b)``: the one-way latency of the link between neighbours ``a`` and ``b``;
+    ``express``: relayed control messages take the express path (see :class:`SimTransport`)."""
+
+    def __init__(self, topology: Topology, *, latency: Callable[[int, int], float] | None = None,
+                 express: bool = False) -> None:
         super().__init__(topology)
         #: pairs of sides whose links are down now
         self.cuts: list[tuple[frozenset[int], frozenset[int]]] = []
         self.contexts: dict[int, contextvars.Context] = {}
         #: sends refused because the link was cut (retried by the sender)
         self.refused = 0
+        self.latency = latency or (lambda a, b: 0.0)
+        self.express = express
+        #: relayed control messages that took the express path, and the relay hops it stood for
+        self.expressed = 0
+        self.express_hops = 0
+        #: bumped whenever a node's router marks a node dead or revives one: express paths kept
+        #: from before are checked again
+        self.generation = 0
+        #: every node's transport, killed ones too (their counters)
+        self.transports: dict[int, SimTransport] = {}
+        #: bumped whenever a fault begins or ends (express paths are checked again)
+        self.faults = 0
+        #: (sender, first relay, destination, reply) -> the express path kept
+        self.paths: dict[tuple[int, int, int, bool], _Path] = {}
+
+    def flush(self) -> None:
+        """Bring every relay's counters up to date with the express paths' traffic (their
+        messages are counted on the paths as they cross, and credited here)."""
+        for path in self.paths.values():
+            path.flush(self)
 
     def context(self, node: int) -> contextvars.Context:
         """The context that ``node``'s code runs in (its :data:`ACTOR`)."""
@@ -81,11 +109,30 @@ class SimHub(MemoryHub):
 
 class SimTransport(MemoryTransport):
     """A :class:`MemoryTransport` whose deliveries run as callbacks of the receiver's actor
-    and stop at cut links (see the module docstring)."""
+    and stop at cut links (see the module docstring).
+
+    **Express path** (``hub.express``). On a ring of N nodes a control message to the
+    coordinator crosses N/4 relays on average, so the heartbeats alone cost O(N²) relay steps
+    per interval: a simulation of 1024 nodes would spend its time re-encoding relayed
+    heartbeats. A relayed control message handed to its first relay therefore takes the path
+    that every relay's own decisions give (the first candidate of its router's ``next_hops``,
+    or ``reply_hops`` for a reply, never back where it came from) in one step, when that whole
+    path is clear now: every relay and the destination up and not held, no link on it cut,
+    no next hop marked dead by the relay before it, no keys, no revival or stale incarnation
+    to judge on the way. Each relay is credited as if it had passed the message on:
+    :meth:`Router.heard` and the proof of life its ingest records at once; a message received
+    and one sent on its NICs' counters, and one relayed, when :meth:`SimHub.flush` brings the
+    counters up to date (the summary does), and the destination ingests it after the latencies of the links of the path, with
+    its hop count, from the last relay. When the path is not clear the message goes hop by
+    hop, as always. What the express path does not model: a relay that fails or is cut off
+    while the message crosses it (a few link latencies)."""
 
     def __init__(self, *, hub: SimHub, node_id: int, **options: Any) -> None:
         super().__init__(hub=hub, node_id=node_id, **options)
         self.sim = hub
+        hub.transports[node_id] = self
+        #: bumped whenever this node's router marks a node dead or revives one
+        self.routes_version = 0
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
@@ -97,9 +144,214 @@ class SimTransport(MemoryTransport):
             hub.refused += 1
             raise NotReady
         copied = [bytes(f) for f in placed(frames)]
-        asyncio.get_running_loop().call_soon(target._ingest, route.remote_nic, self.node_id,
-                                             f"{self.node_id}/{route.local_nic}", copied,
-                                             context=hub.context(peer))
+        loop = asyncio.get_running_loop()
+        if hub.express and not bulk:
+            cpu = getattr(loop, "actor_cpu", None)
+            if cpu is None:
+                if self._express(peer, copied, loop):
+                    return
+            else:  # the express path is the simulator's work, not the sender's (VirtualLoop.actor_cpu)
+                t = time.process_time()
+                done = self._express(peer, copied, loop)
+                spent = time.process_time() - t
+                cpu[ACTOR.get()] -= spent
+                cpu[None] += spent
+                if done:
+                    return
+        loop.call_soon(target._ingest, route.remote_nic, self.node_id, f"{self.node_id}/{route.local_nic}",
+                       copied, context=hub.context(peer))
+
+    def _express(self, peer: int, frames: list[bytes], loop: asyncio.AbstractEventLoop) -> bool:
+        """Deliver a relayed control message over its whole path at once, if the path is clear
+        (see the class docstring); False: it goes to ``peer`` the ordinary way. The path is
+        walked again only when a router on it changed its dead nodes (:meth:`_Path.current`);
+        what changes between messages (nodes up and held, cut links, a relay's memory of the
+        way back, incarnations) is checked on every use."""
+        hub = self.sim
+        try:
+            header = msgpack.unpackb(frames[0], raw=False)
+        except (ValueError, msgpack.ExtraData):
+            return False
+        if not isinstance(header, dict):
+            return False
+        dst, src, kind = header.get("dst"), header.get("src"), header.get("kind")
+        inc, hops = header.get("inc"), header.get("hops", 0)
+        if (type(dst) is not int or dst == peer or kind == "data" or type(src) is not int
+                or header.get("auth") is not None or type(inc) is not int or type(hops) is not int):
+            return False
+        reply = kind == "reply"
+        key = (self.node_id, peer, dst, reply)
+        path = hub.paths.get(key)
+        if path is None or not path.current(hub) or not path.clear(hub, loop, src, inc):
+            path = _walk(hub, self.node_id, peer, dst, reply)
+            if path is None or hops + len(path.nodes) - 1 > MAX_HOPS or not path.clear(hub, loop, src, inc):
+                return False
+            if len(hub.paths) >= 4 * len(hub.endpoints) + 1024:
+                hub.flush()
+                hub.paths.clear()  # (kept for the steady traffic: heartbeats and their replies)
+            old = hub.paths.get(key)
+            if old is not None:
+                old.flush(hub)
+            hub.paths[key] = path
+        now = clock.now()
+        nodes, endpoints = path.nodes, hub.endpoints
+        path.uses += 1  # (the relays' counters: SimHub.flush)
+        path.bytes += sum(len(f) for f in frames)
+        for i in range(1, len(nodes) - 1):  # every relay, as if it passed the message on
+            prev = nodes[i - 1]
+            rt = endpoints[nodes[i]]
+            arrivals = rt.last_arrival
+            arrivals[src] = now
+            if prev != src:
+                arrivals[prev] = now
+                if rt.router.back.get(src) != prev:
+                    rt.router.heard(src, prev)
+        last = nodes[-2]
+        header["hops"] = hops + len(nodes) - 2
+        out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+        loop.call_at(loop.time() + path.latency, hub.endpoints[dst]._ingest, path.final_nic, last,
+                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(dst))
+        hub.expressed += 1
+        hub.express_hops += len(nodes) - 2
+        return True
+
+    def mark_dead(self, peer: int) -> None:
+        if peer not in self.router.dead:
+            self.sim.generation += 1  # kept express paths through this node are walked again
+            self.routes_version += 1
+        super().mark_dead(peer)
+
+    def revive(self, peer: int) -> None:
+        if peer in self.router.dead:
+            self.sim.generation += 1
+            self.routes_version += 1
+        super().revive(peer)
+
+
+@dataclass
+class _Path:
+    """An express path (see :class:`SimTransport`): ``nodes`` from the sender of the first hop
+    to the destination; per node, the NICs it receives on and sends on (the last entry: the
+    last relay's NIC towards the destination); ``backs``: each relay's memory of the way back
+    to the destination when walked (replies follow it); the links' summed latency after the
+    first hop; ``final_nic``: the destination's NIC the message arrives on."""
+
+    generation: int
+    #: each node's :attr:`SimTransport.routes_version` when walked
+    versions: list[int]
+    nodes: list[int]
+    nics: list[tuple[str, str]]
+    backs: list[int | None]
+    latency: float
+    final_nic: str
+    reply: bool
+    #: messages and bytes that crossed it since the relays' counters were last brought up to date
+    uses: int = 0
+    bytes: int = 0
+
+    def flush(self, hub: SimHub) -> None:
+        """Credit every relay with the messages that crossed the path since the last flush:
+        received and sent (its NICs' counters) and relayed."""
+        if not self.uses:
+            return
+        nodes = self.nodes
+        for i in range(1, len(nodes) - 1):
+            rt = hub.transports.get(nodes[i])
+            if rt is None:
+                continue
+            recv_nic, send_nic = self.nics[i]
+            st = rt.nic_stats[recv_nic]
+            st.bytes_recv += self.bytes
+            st.msgs_recv += self.uses
+            st = rt.nic_stats[send_nic]
+            st.bytes_sent += self.bytes
+            st.msgs_sent += self.uses
+            rt.relaying.relayed += self.uses
+        self.uses = self.bytes = 0
+
+    def current(self, hub: SimHub) -> bool:
+        """Whether no router on the path changed its dead nodes since the path was walked
+        (checked node by node only when some router anywhere changed since the last check)."""
+        if self.generation == hub.generation:
+            return True
+        transports = hub.transports
+        for n, v in zip(self.nodes, self.versions):
+            if transports[n].routes_version != v:
+                return False
+        self.generation = hub.generation
+        return True
+
+    #: the origin and incarnation of the message last checked, and :attr:`SimHub.faults` then
+    src: int = -1
+    inc: int = -1
+    faults: int = -1
+
+    def clear(self, hub: SimHub, loop: asyncio.AbstractEventLoop, src: int, inc: int) -> bool:
+        """Whether the message can cross the whole path now (see :class:`SimTransport`): every
+        node up and not held, no link cut, each relay's incarnation of ``src`` (if it knows
+        one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
+        incarnations are checked again only after a fault began or ended, or for another
+        origin or incarnation."""
+        nodes = self.nodes
+        dst = nodes[-1]
+        if self.faults == hub.faults and self.src == src and self.inc == inc:
+            if self.reply:
+                endpoints, backs = hub.endpoints, self.backs
+                for i in range(1, len(nodes) - 1):
+                    if endpoints[nodes[i]].router.back.get(dst) != backs[i]:
+                        return False
+            return True
+        held = getattr(loop, "held", None)
+        endpoints = hub.endpoints
+        for i in range(1, len(nodes)):
+            n = nodes[i]
+            rt = endpoints.get(n)
+            if rt is None or (held is not None and held(n)) or (hub.cuts and hub.cut(nodes[i - 1], n)):
+                return False
+            if i < len(nodes) - 1:
+                known = rt.peer_incarnations.get(src)
+                if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
+                    return False
+                if self.reply and rt.router.back.get(dst) != self.backs[i]:
+                    return False
+        self.faults, self.src, self.inc = hub.faults, src, inc
+        return True
+
+
+def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
+    """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
+    ``dst`` (the first candidate, never back where it came from; a reply to a node the relay
+    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), or None
+    when a relay would do anything else than pass it on to that candidate at once."""
+    nodes, nics = [sender, peer], [("", "")]
+    backs: list[int | None] = [None]
+    latency = 0.0
+    while nodes[-1] != dst:
+        prev, cur = nodes[-2], nodes[-1]
+        rt = hub.endpoints.get(cur)
+        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(hub.endpoints) + 1:
+            return None
+        router = rt.router
+        if dst in router.dead and not reply:
+            return None
+        if dst in router.dead and rt.topology.routes(cur, dst):
+            nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
+        else:
+            nbs = router.reply_hops(dst, exclude=prev) if reply else \
+                router.next_hops(dst, exclude=prev, to_dead=True)
+            if not nbs or nbs[0] in router.dead:
+                return None
+            nb = nbs[0]
+        if nb not in hub.endpoints:
+            return None
+        nics.append((rt.route(prev).local_nic, rt.route(nb).local_nic))
+        backs.append(router.back.get(dst))
+        latency += hub.latency(cur, nb)
+        nodes.append(nb)
+    last = hub.endpoints[nodes[-2]]
+    versions = [hub.transports[n].routes_version for n in nodes]
+    return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
+                 final_nic=last.route(dst).remote_nic, reply=reply)
 
 
 @dataclass(frozen=True)
@@ -115,6 +367,9 @@ class SimOptions:
     start_timeout: float = 60.0
     quorum_timeout: float = 300.0
     latency_s: float | None = 0.001
+    #: relayed control messages take the express path when it is clear (:class:`SimTransport`);
+    #: only with ``latency_s`` (a link of the topology's attributes may have jitter or loss)
+    express: bool = True
 
 
 class SimNode:
@@ -163,6 +418,14 @@ def _shaper(topo: Topology, node: int, opts: SimOptions) -> InprocShaper | None:
     return InprocShaper(specs) if specs else None
 
 
+def _latency(topo: Topology, opts: SimOptions) -> Callable[[int, int], float]:
+    """The one-way latency of the link between neighbours (what :func:`_shaper` gives them)."""
+    if opts.latency_s is not None:
+        fixed = opts.latency_s
+        return lambda a, b: fixed
+    return lambda a, b: LinkSpec.from_attrs(topo.link(a, b)).latency_s
+
+
 def detection_bound(topo: Topology, opts: SimOptions) -> float:
     """How long after a fault it must be declared: the failure timeout, two heartbeat
     intervals and a check interval, plus four round trips over the longest path to the
@@ -186,7 +449,7 @@ class SimCluster:
             unknown = sorted((set(f.nodes) | set(f.other)) - set(topo.ids))
             if unknown:
                 raise ConfigError(f"fault {f.spec()}: nodes {unknown} are not in topology {topo.name}")
-        self.hub = SimHub(topo)
+        self.hub = SimHub(topo, latency=_latency(topo, self.opts), express=self.opts.express and self.opts.latency_s is not None)
         self.nodes = {i: SimNode(hub=self.hub, node_id=i, opts=self.opts) for i in topo.ids}
         self.views: list[inv.ViewSeen] = []
         self.t0 = 0.0
@@ -240,6 +503,7 @@ class SimCluster:
 
     def _begin(self, f: Fault) -> None:
         loop = self._loop()
+        self.hub.faults += 1
         log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
         if f.kind == "kill":
             for n in f.nodes:
@@ -254,6 +518,7 @@ class SimCluster:
 
     def _end(self, f: Fault) -> None:
         loop = self._loop()
+        self.hub.faults += 1
         log.info("sim t=%.3f: end of %s", loop.time() - self.t0, f.spec())
         if f.kind == "pause":
             for n in f.nodes:
@@ -276,6 +541,7 @@ class SimCluster:
         """What the run did and whether every invariant held (see the module docstring)."""
         opts = self.opts
         bound = detection_bound(self.topo, opts)
+        self.hub.flush()
         final: dict[int, inv.ViewSeen | None] = {i: None for i in self.nodes}
         for v in self.views:
             final[v.node] = v
@@ -316,6 +582,7 @@ class SimCluster:
             "link_refusals": self.hub.refused,
             "stranded": sorted(cut_off),
             "majority_at_end": major is not None,
+            "expressed": {"messages": self.hub.expressed, "relay_hops": self.hub.express_hops},
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
@@ -333,6 +600,7 @@ class SimCluster:
         for i in self.nodes:
             loop.release(i)
         self.hub.cuts.clear()
+        self.hub.faults += 1
         await asyncio.gather(*(loop.spawn(n.close(), actor=i) for i, n in self.nodes.items()))
 
 

@@ -126,3 +126,48 @@ def _request():
     from p2psync.wire import decode, encode
 
     return decode(encode(kind="rpc", src=1, tag="rpc.call", meta={"id": 1, "method": "x", "args": {}}))
+
+
+async def test_the_reply_cache_keeps_only_the_calls_a_caller_still_waits_for(memory_server):
+    """Each request names the lowest call its caller still waits for: the server forgets the
+    replies below it, so sequential calls leave one cached reply however many were made."""
+    eps, server = await memory_server(3)
+
+    async def echo(caller, args, arrays):
+        return args["x"]
+
+    server.register("t.echo", echo)
+    server.start()
+    client = RpcClient(eps[1])
+    for x in range(300):
+        assert await client.call(0, "t.echo", {"x": x}) == x
+    assert server.cached_replies() <= 1
+
+
+async def test_the_reply_cache_is_bounded_per_caller_and_a_given_up_call_is_not_run_again(memory_server):
+    """A caller that never names its lowest call keeps at most REPLY_CACHE_PER_CALLER replies;
+    a request below a caller's lowest call is dropped (counted ``stale``), not run again."""
+    from p2psync.coordinator import rpc as rpc_mod
+
+    eps, server = await memory_server(3)
+    runs: list[int] = []
+
+    async def count(caller, args, arrays):
+        runs.append(args["x"])
+        return args["x"]
+
+    server.register("t.count", count)
+    server.start()
+    n = rpc_mod.REPLY_CACHE_PER_CALLER + 40
+    for rid in range(1, n + 1):  # raw requests without "low" (an older client)
+        await eps[1].send(0, rpc_mod.CALL_TAG, kind="rpc", meta={"id": rid, "method": "t.count", "args": {"x": rid}})
+        await eps[1].recv(f"{rpc_mod.REPLY_PREFIX}{rid}", timeout=5)
+    assert server.cached_replies() == rpc_mod.REPLY_CACHE_PER_CALLER
+    # the caller now waits for nothing below n + 1: a late duplicate of call 5 runs nothing
+    await eps[1].send(0, rpc_mod.CALL_TAG, kind="rpc",
+                      meta={"id": n + 1, "low": n + 1, "method": "t.count", "args": {"x": n + 1}})
+    await eps[1].recv(f"{rpc_mod.REPLY_PREFIX}{n + 1}", timeout=5)
+    assert server.cached_replies() == 1
+    await eps[1].send(0, rpc_mod.CALL_TAG, kind="rpc", meta={"id": 5, "method": "t.count", "args": {"x": 5}})
+    await until(lambda: server.stale == 1, 5, "the stale request counted")
+    assert runs.count(5) == 1

@@ -325,3 +325,23 @@ def test_fault_specs_parse_and_print_back() -> None:
     assert drawn == draw(random.Random(7), ids, 6, start=5.0, end=50.0) and len(drawn) <= 6
     assert all(5.0 <= f.at and (f.end is None or f.end <= 50.0) for f in drawn)
     assert parse_faults(",".join(f.spec() for f in drawn), ids) == drawn
+
+
+@pytest.mark.parametrize("topo,faults,seconds", [
+    (ring(24), "pause:3@5+1,kill:0@12", 35.0),  # a short pause, then the coordinator killed: failover
+    (ring(24), "pause:9@5+6", 30.0),  # declared, fenced when it resumes (a relay no more)
+])
+def test_the_express_path_of_relayed_messages_changes_no_outcome(topo: Any, faults: str, seconds: float) -> None:
+    """Relayed control messages crossing a clear path in one step (``SimOptions.express``) give
+    what the run hop by hop gives: the same detections, fencing and final view, the relays
+    credited with the messages they would have passed on."""
+    hop, _ = simulate(topo, faults, seconds, express=False)
+    fast, _ = simulate(topo, faults, seconds)
+    assert fast["invariants"] == hop["invariants"] == ALL_HELD
+    assert hop["expressed"]["messages"] == 0 < fast["expressed"]["messages"]
+    assert fast["final_view"]["members"] == hop["final_view"]["members"]
+    assert fast["final_view"]["coordinator"] == hop["final_view"]["coordinator"]
+    assert set(fast["fenced"]) == set(hop["fenced"]) and fast["killed"] == hop["killed"]
+    assert {d["node"] for d in fast["declared"]} == {d["node"] for d in hop["declared"]}
+    sent = lambda s: sum(m["sent"] for m in s["messages"].values())  # noqa: E731
+    assert abs(sent(fast) - sent(hop)) <= 0.1 * sent(hop)

@@ -191,19 +191,20 @@ async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members
         first = await eps[2].recv("event.view", timeout=5)  # published at once to every member
         assert View.from_wire(dict(first.meta)) == st.view()
         hb = svc.handlers["membership.heartbeat"]
-        rep = await hb(2, {"epoch": 8, "coord": 1}, [])
-        assert rep["view"]["epoch"] == 8 and rep["view"]["coord"] == 1  # our own view: no change
+        term = st.term
+        rep = await hb(2, {"epoch": 8, "coord": 1, "term": term}, [])
+        assert "view" not in rep and st.epoch == 8  # the caller applied our view: no change, none sent
         # node 3 applied a view the old coordinator published late with the same epoch
-        rep = await hb(3, {"epoch": 8, "coord": 0}, [])
+        rep = await hb(3, {"epoch": 8, "coord": 0, "term": term}, [])
         assert rep["view"]["epoch"] == 9
-        rep = await hb(3, {"epoch": 9, "coord": 1}, [])
-        assert rep["view"]["epoch"] == 9
+        rep = await hb(3, {"epoch": 9, "coord": 1, "term": term}, [])
+        assert "view" not in rep and st.epoch == 9
         # failures members learnt from the old coordinator are merged (never the new one)
-        rep = await hb(2, {"epoch": 9, "coord": 1, "failed": [0, 3, 1]}, [])
-        assert rep["view"]["members"] == [1, 2, 4] and rep["failed"] == [0, 3] and 3 in eps[1].dead
+        rep = await hb(2, {"epoch": 9, "coord": 1, "term": term, "failed": [0, 3, 1]}, [])
+        assert rep["view"]["members"] == [1, 2, 4] and st.failed == {0, 3} and 3 in eps[1].dead
         # never below a majority of the agreed five: a report of 4 as well is not taken
-        rep = await hb(2, {"epoch": 10, "coord": 1, "failed": [4]}, [])
-        assert rep["view"]["members"] == [1, 2, 4] and rep["failed"] == [0, 3]
+        rep = await hb(2, {"epoch": 10, "coord": 1, "term": term, "failed": [4]}, [])
+        assert "view" not in rep and st.view().members == (1, 2, 4) and st.failed == {0, 3}
         # a node declared failed learns it in the answer to its next heartbeat (fenced)
         rep = await hb(3, {"epoch": 9, "coord": 1}, [])
         assert rep["fenced"] is True and rep["view"]["members"] == [1, 2, 4]

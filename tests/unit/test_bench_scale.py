@@ -1,0 +1,37 @@
+"""bench/scale.py on tiny sizes: every figure is measured, the exponents are fitted and the
+report names the targets."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bench import scale
+
+
+def test_exponent_is_the_log_log_slope() -> None:
+    assert scale.exponent([(4, 8.0), (16, 32.0), (64, 128.0)]) == pytest.approx(1.0)
+    assert scale.exponent([(4, 16.0), (16, 256.0)]) == pytest.approx(2.0)
+    assert scale.exponent([(4, None), (16, 1.0)]) is None
+
+
+def test_topologies_of_each_kind_have_the_sizes_asked() -> None:
+    assert len(scale.topology("bcube", 16).ids) == 16 and len(scale.topology("bcube", 8).ids) == 8
+    assert len(scale.topology("ring", 5).ids) == 5
+    with pytest.raises(ValueError):
+        scale.topology("bcube", 12)
+
+
+def test_a_quick_run_measures_every_figure_and_reports(capsys: pytest.CaptureFixture[str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL)
+    results = scale.main(["--sizes", "4,8", "--kinds", "ring,bcube", "--virtual-seconds", "6", "--kill-at", "2",
+                          "--in-process", "--png", "scale-test.png"])
+    assert [(r["kind"], r["n"]) for r in results] == [("ring", 4), ("ring", 8), ("bcube", 4), ("bcube", 8)]
+    for r in results:
+        assert r["invariants"] == "held"
+        assert 0 < r["detection_s"] <= r["bound_s"] and 0 <= r["convergence_s"] < 1
+        assert r["coord_msgs_per_vs"] > 0 and r["cpu_per_vs"] > 0
+    out = capsys.readouterr().out
+    assert "Fitted exponents" in out and "coordinator messages grow as N^" in out and "not simulated" in out
