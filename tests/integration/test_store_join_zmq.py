@@ -89,7 +89,8 @@ async def test_a_failed_node_rejoins_the_store_exactly_and_all_three_train_to_th
             await until(lambda: all(n.strategy.reshards == 1 for n in survivors), 30, "the survivors to re-shard")
             counts = {n.id: n.strategy.count for n in survivors}
             for n in survivors:  # a schedule moved the members' learning rate: the joiner takes it
-                await n.trainer.run(lambda n=n: n.trainer.optimizer.param_groups[0].update(lr=0.07))
+                assert n.path is not None  # (a job on the node's training thread)
+                await n.path.gate.run(lambda n=n: n.trainer.optimizer.param_groups[0].update(lr=0.07))
             await _restart(joiner)
             assert joiner.strategy.ctx.joining
             joined_at = joiner.strategy.count
