@@ -86,12 +86,23 @@ def _write(out: Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``p2psync sim``: one simulated run, or ``--runs`` of them; the level of the ``p2psync``
+    logger is restored afterwards (the command may run inside another program, or a test)."""
+    root = logging.getLogger("p2psync")
+    level = root.level
+    if not args.verbose:  # every simulated node logs each failure it sees: with -v only
+        root.setLevel(logging.CRITICAL)
+    try:
+        return _run(args)
+    finally:
+        root.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     from p2psync.sim.chaos import draw_faults, simulate
     from p2psync.sim.cluster import SimOptions
     from p2psync.sim.faults import parse_faults
 
-    if not args.verbose:  # every simulated node logs each failure it sees: with -v only
-        logging.getLogger("p2psync").setLevel(logging.CRITICAL)
     if not args.virtual_seconds > 0:
         raise ConfigError("--virtual-seconds must be > 0")
     opts = SimOptions(heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,

@@ -64,20 +64,26 @@ def _name(cb: Any) -> str:
     return str(getattr(cb, "__qualname__", None) or type(cb).__qualname__)
 
 
+def _run_admitted(handle: events.Handle, run: Callable[[], None]) -> None:
+    """Run a ready callback or timer (``run``: its own ``_run``) unless its actor is held (then
+    the loop parks it); with ``actor_cpu`` the CPU it took is added to its actor's."""
+    loop: VirtualLoop = handle._loop  # type: ignore[attr-defined]
+    if loop._admit(handle, handle._context):  # type: ignore[attr-defined]
+        if loop.actor_cpu is None:
+            run()
+        else:
+            t = time.process_time()
+            run()
+            loop.actor_cpu[handle._context.get(ACTOR)] += time.process_time() - t  # type: ignore[attr-defined]
+
+
 class _Handle(events.Handle):
     """A ready callback that may be parked while its actor is held."""
 
     __slots__ = ()
 
     def _run(self) -> None:
-        loop: VirtualLoop = self._loop  # type: ignore[attr-defined]
-        if loop._admit(self, self._context):  # type: ignore[attr-defined]
-            if loop.actor_cpu is None:
-                super()._run()
-            else:
-                t = time.process_time()
-                super()._run()
-                loop.actor_cpu[self._context.get(ACTOR)] += time.process_time() - t  # type: ignore[attr-defined]
+        _run_admitted(self, super()._run)
 
 
 class _Timer(events.TimerHandle):
@@ -96,14 +102,7 @@ class _Timer(events.TimerHandle):
         return NotImplemented
 
     def _run(self) -> None:
-        loop: VirtualLoop = self._loop  # type: ignore[attr-defined]
-        if loop._admit(self, self._context):  # type: ignore[attr-defined]
-            if loop.actor_cpu is None:
-                super()._run()
-            else:
-                t = time.process_time()
-                super()._run()
-                loop.actor_cpu[self._context.get(ACTOR)] += time.process_time() - t  # type: ignore[attr-defined]
+        _run_admitted(self, super()._run)
 
 
 class _Jump:

@@ -66,3 +66,16 @@ def test_chaos_runs_are_seeded_and_each_failing_run_is_printed_with_its_replay(
         assert main([*shlex.split(r["replay"])[1:], "--out", str(tmp_path / "c")]) == (1 if r["broken"] else 0)
         assert json.loads((tmp_path / "c" / "summary.json").read_text())["digest"] == r["digest"]
     assert main(["sim", "mesh:8", "--runs", "2", "--faults", "kill:1@2", "--out", str(tmp_path)]) == 2
+
+
+def test_the_command_leaves_the_loggers_as_it_found_them(tmp_path) -> None:
+    """Quiet while it runs (every simulated node would log each failure it sees), then the
+    ``p2psync`` logger's level is what it was: other code in the process still logs."""
+    import logging
+
+    from p2psync.cli.main import main
+
+    log = logging.getLogger("p2psync")
+    before = log.level
+    main(["sim", "ring:4", "--virtual-seconds", "2", "--out", str(tmp_path)])
+    assert log.level == before
