@@ -96,6 +96,10 @@ class ASGD(Strategy):
         wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
         self.feedback = ErrorFeedback() if wants_feedback and self.codec.lossy else None
         self.malformed = 0
+        #: set when this node's first iteration arrives: peers' gradients that come earlier are
+        #: forwarded at once but applied only then, so ``attach`` returns with the run's
+        #: identical start (DDP's: every replica equal until the first step)
+        self._stepping = asyncio.Event()
         serve_state(self.ctx, "asgd", lambda: self.local_step)
         if self.ctx.joining:
             self.alive = set(self.ctx.group)
@@ -171,12 +175,14 @@ class ASGD(Strategy):
             grads = [g for _, g in decoded if g is not None]
             for m in batch:  # the encoded bytes travel on unchanged
                 self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
+            await self._stepping.wait()
             await STEP_EACH.of(self.ctx.replica).apply_each([g * self.scale for g in grads])
             self.applied_remote += len(grads)
             self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         loss, grad = await self.ctx.replica.compute_gradients()
+        self._stepping.set()  # (the user's loop is past attach: its first iteration is here)
         await self.ctx.replica.apply_gradients(grad * self.scale)
         self.local_step = step
         self._forward(self.ctx.node_id, self._encode(grad), step)

@@ -66,6 +66,7 @@ async def test_asgd_receiver_applies_gradients_after_idling() -> None:
     async with zmq_cluster(topo, timeout=IDLE) as eps:
         strats = await start_strategies(eps, topo, "asgd")
         try:
+            await strats[1].train_step(0, False)  # (a node applies peers' gradients from its first step)
             await asyncio.sleep(1.0)
             before = strats[1].applied_remote
             await strats[0].train_step(0, False)
@@ -83,3 +84,20 @@ async def test_listen_ends_when_the_transport_closes() -> None:
         await eps[1].close()
         with pytest.raises(TransportError):
             await asyncio.wait_for(waiting, 5)
+
+
+async def test_asgd_applies_no_peer_gradient_before_its_first_step() -> None:
+    """A gradient that arrives before a node's first iteration is forwarded but applied only
+    once that iteration arrives: until then the model is the run's identical start (what
+    ``attach`` returned)."""
+    topo = mesh(2, base_port=free_port())
+    async with zmq_cluster(topo, timeout=IDLE) as eps:
+        strats = await start_strategies(eps, topo, "asgd")
+        try:
+            await strats[0].train_step(0, False)
+            await asyncio.sleep(1.0)
+            assert strats[1].applied_remote == 0
+            await strats[1].train_step(0, False)
+            await until(lambda: strats[1].applied_remote >= 1, 10, "node 1 to apply node 0's gradient")
+        finally:
+            await close_strategies(strats)
