@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import multiprocessing as mp
 import resource
@@ -71,9 +70,8 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
     """One run (see the module docstring), in this process; its figures."""
     from p2psync.sim.cluster import SimCluster, SimOptions
     from p2psync.sim.faults import parse_faults
-    from p2psync.sim.loop import VirtualLoop, run
+    from p2psync.sim.loop import VirtualLoop, quiet_logs, run
 
-    logging.getLogger("p2psync").setLevel(logging.CRITICAL)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     topo = topology(kind, n)
     victim = n // 2
@@ -120,7 +118,8 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
                 "expressed": s["expressed"]["messages"],
             }
 
-    out = run(main(), loop=loop)
+    with quiet_logs():
+        out = run(main(), loop=loop)
     out["kb_per_node"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / n
     return out
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import sys
 from pathlib import Path
@@ -88,14 +87,10 @@ def _write(out: Path, text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """``p2psync sim``: one simulated run, or ``--runs`` of them; the level of the ``p2psync``
     logger is restored afterwards (the command may run inside another program, or a test)."""
-    root = logging.getLogger("p2psync")
-    level = root.level
-    if not args.verbose:  # every simulated node logs each failure it sees: with -v only
-        root.setLevel(logging.CRITICAL)
-    try:
+    from p2psync.sim.loop import quiet_logs
+
+    with quiet_logs(not args.verbose):  # every simulated node logs each failure it sees: with -v only
         return _run(args)
-    finally:
-        root.setLevel(level)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -38,15 +38,17 @@ Use :func:`run` (``asyncio.run`` for this loop), or build one and ``run_until_co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import heapq
 import itertools
+import logging
 import threading
 import time
 from asyncio import base_events, events
 from collections import defaultdict
-from typing import Any, Callable, Coroutine, Hashable, TypeVar
+from typing import Any, Callable, Coroutine, Hashable, Iterator, TypeVar
 
 from p2psync.clock import LOOP_ATTRIBUTE
 from p2psync.errors import SimulationError
@@ -62,6 +64,21 @@ WALL_EPOCH = 1.7e9
 def _name(cb: Any) -> str:
     """A callback's name that is the same in every run (no ids, no addresses)."""
     return str(getattr(cb, "__qualname__", None) or type(cb).__qualname__)
+
+
+@contextlib.contextmanager
+def quiet_logs(quiet: bool = True, name: str = "p2psync") -> Iterator[None]:
+    """While it lasts, the ``name`` logger reports only CRITICAL (every simulated node logs each
+    failure it sees); its level is restored after, so the rest of the process (a test, a
+    benchmark) keeps its logging. ``quiet=False``: no change."""
+    log = logging.getLogger(name)
+    level = log.level
+    if quiet:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _run_admitted(handle: events.Handle, run: Callable[[], None]) -> None:

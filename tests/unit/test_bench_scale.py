@@ -35,3 +35,14 @@ def test_a_quick_run_measures_every_figure_and_reports(capsys: pytest.CaptureFix
         assert r["coord_msgs_per_vs"] > 0 and r["cpu_per_vs"] > 0
     out = capsys.readouterr().out
     assert "Fitted exponents" in out and "coordinator messages grow as N^" in out and "not simulated" in out
+
+
+def test_a_measurement_leaves_the_loggers_as_it_found_them() -> None:
+    """Quiet while it simulates, then the ``p2psync`` logger's level is what it was (the bench
+    runs in-process here, and later tests of this process read the logs)."""
+    import logging
+
+    log = logging.getLogger("p2psync")
+    before = log.level
+    scale.measure("ring", 4, virtual_s=2.0, kill_at=1.0)
+    assert log.level == before
