@@ -32,6 +32,7 @@ Threads: every method runs on the training thread (or as a model job).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import logging
@@ -56,6 +57,7 @@ SCALER_FRAMES = 32
 _SCALER_CALLS = frozenset({"step", "_maybe_opt_step"})
 
 
+@functools.cache
 def _scaler_kinds() -> tuple[type, ...]:
     return tuple(k for k in (getattr(torch.amp, "GradScaler", None),
                              getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(k, type))
