@@ -579,7 +579,7 @@ async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
     async def loop(s: Any) -> list[Any]:
         step, reps = 0, []
         while True:
-            rep = await s.train_step(step, step + 1 >= steps)
+            rep = await s.run_step(step, step + 1 >= steps)
             reps.append(rep)
             step += 1
             if rep.stop or step >= 3 * steps:

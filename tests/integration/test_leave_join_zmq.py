@@ -60,7 +60,7 @@ class Node:
         #: the trainer's model on the gate path (its loop starts when the node joins the run)
         self.path: GatePath | None = None
         self.strategy: Any = None
-        self.steps = 0  # train_step calls done
+        self.steps = 0  # run_step calls done
         self.reports: list[dict[str, Any]] = []  # every step report's ``extra``
         self.step = 0  # the loop's step
         self.task: asyncio.Task[int] | None = None
@@ -100,7 +100,7 @@ class Node:
     async def train(self, steps: int, stop: Any = lambda: False) -> int:
         """The training loop's logic; returns the step it ended at."""
         while True:
-            rep = await self.strategy.train_step(self.step, self.step + 1 >= steps or stop())
+            rep = await self.strategy.run_step(self.step, self.step + 1 >= steps or stop())
             self.reports.append(rep.extra)
             self.step = self.step + 1 if rep.next_step is None else rep.next_step
             self.steps += 1
