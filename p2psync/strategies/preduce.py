@@ -239,9 +239,10 @@ class PReduce(Strategy):
         try:
             loss, grad = await self.ctx.replica.compute_gradients()
         except TrainingEnded as ended:
-            async def leave(_: View) -> StepReport:  # a failed peer ends the run: so does this one's leaving
+            async def leave(_: View) -> StepReport:  # this node leaves: its departure ends the others' run
                 raise ended
 
+            # under the policy: leave, or (re-forming) stop the run with every member's average
             return await self.failure.run(leave, lambda: self._loop_ended(want_stop))
         await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
         self.steps, self.k = step + 1, self.k + 1
