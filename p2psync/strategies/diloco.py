@@ -472,7 +472,7 @@ class DiLoCo(Strategy):
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=blocked, next_step=next_step, extra={
             **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
             "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
-            "reforms": self.regroup.reforms, "adoptions": self.adoptions,
+            "reforms": self.regroup.reformations, "adoptions": self.adoptions,
             **({"h_m": cur.interval, "speed": round(self.speed, 3)} if self.opts.dylu else {})})
 
     def _measure(self, seconds: float) -> None:

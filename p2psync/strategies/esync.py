@@ -246,7 +246,7 @@ class ESync(Strategy):
                               "n_local": len(losses), "abandoned": abandoned,
                               "local_s": round(local_s, 4), "blocking_s": round(blocking, 4),
                               "query_rtt_s": round(self.rtt, 5), "round": self.round,
-                              "members": len(self.ctx.group), "reforms": self.regroup.reforms,
+                              "members": len(self.ctx.group), "reforms": self.regroup.reformations,
                               "op_nic_bytes": st.nic_bytes, "compression": round(st.compression, 3)})
 
     async def _adopted(self, adopted: Adopted, blocking: float) -> StepReport:

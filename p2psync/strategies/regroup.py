@@ -137,7 +137,10 @@ class Regroup:
         self.synced: int | None = None
         self._changed = asyncio.Event()
         self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
-        self.reforms = 0
+        #: failed operations that later succeeded over a newer view (the strategies' metrics
+        #: report it as ``reforms``)
+        self.reformations = 0
+        #: states this node took from a peer at a new epoch's sync
         self.adoptions = 0
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
@@ -291,7 +294,7 @@ class Regroup:
 
     def _reformed(self, failed_at: float | None) -> None:
         if failed_at is not None:
-            self.reforms += 1
+            self.reformations += 1
             self.last_reform_s = clock.now() - failed_at
             log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
                         self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)

@@ -131,7 +131,7 @@ class SSGD(Strategy):
                 await self.ctx.replica.apply_gradients(grad)
                 return StepReport(loss=loss, stop=done.stop, comm_s=clock.now() - t0 + done.comm_s,
                                   extra={"compression": round(done.compression, 3), "op_nic_bytes": done.nic_bytes,
-                                         "members": len(self.ctx.group), "reforms": self.regroup.reforms,
+                                         "members": len(self.ctx.group), "reforms": self.regroup.reformations,
                                          "passes": done.passes})
             failed_at = bw.failed_at if bw.failed_at is not None else clock.now()
             if not self._warned_redo:
@@ -157,7 +157,7 @@ class SSGD(Strategy):
             bw.close()
         return StepReport(loss=loss, stop=stop, comm_s=comm,
                           extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes,
-                                 "members": len(self.ctx.group), "reforms": self.regroup.reforms})
+                                 "members": len(self.ctx.group), "reforms": self.regroup.reformations})
 
     async def close(self) -> None:
         if self.backward is not None:
