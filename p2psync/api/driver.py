@@ -13,10 +13,10 @@ on the node's event loop, in this order:
    user's next step), not ``attach``'s.
 2. :meth:`StepDriver._drive`: the strategy's steps (``run_step``: the failure policy's check,
    then ``train_step``) one after another, each one taking the user's iterations through the
-   gate; between steps the quorum wait, the replica audit, the checkpoint, the metrics record and the release of the training thread. It ends when a
-   report says ``stop`` (:attr:`Outcome.AGREED`), when the user's loop ended first
-   (:attr:`Outcome.LOOP_ENDED`: this node leaves the run at close), or with an error
-   (:meth:`StepDriver.fail`).
+   gate; between steps the quorum wait, the replica audit, the checkpoint, the metrics record
+   and the release of the training thread. It ends when a report says ``stop``
+   (:attr:`Outcome.AGREED`), when the user's loop ended first (:attr:`Outcome.LOOP_ENDED`: this
+   node leaves the run at close), or with an error (:meth:`StepDriver.fail`).
 3. :meth:`StepDriver.finish` (``close``): the driver's end, the pending checkpoint, the audit of
    a loop that ended first, the final stats and the finish barrier, then the runtime closes.
 

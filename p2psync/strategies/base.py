@@ -145,8 +145,9 @@ class Strategy(ABC):
     :meth:`train_step`; every other hook has a do-nothing default. ``NodeRuntime`` builds it
     with the node's :class:`StrategyContext`, calls :meth:`start`, then the session's step
     loop calls ``rep = await strategy.run_step(self.step, want_stop)`` (the failure policy's
-    check, then :meth:`train_step`) until a report says ``stop``; :meth:`close` runs at the end. Everything runs on the node's event loop; the model
-    is reached only through ``self.ctx.replica``. See ssgd.py for the smallest complete one.
+    check, then :meth:`train_step`) until a report says ``stop``; :meth:`close` runs at the
+    end. Everything runs on the node's event loop; the model is reached only through
+    ``self.ctx.replica``. See ssgd.py for the smallest complete one.
     """
 
     #: the name ``--strategy`` selects (the :data:`REGISTRY` key)

@@ -254,7 +254,7 @@ class Regroup:
     async def _prepare(self, step: int) -> View | Adopted | None:
         """:meth:`prepare` re-forming."""
         if self.ctx.epoch != self.synced:
-            got = await self.run(step, None)
+            got = await self._reform(step, None)
             if isinstance(got, Adopted):
                 return got
         if step < self.backward_from:
