@@ -294,20 +294,17 @@ class GatePath:
                 self.gate.end()  # a strategy waiting for an iteration learns the loop ended
 
     def _on_step(self) -> None:
-        """The hooked ``optimizer.step()`` (Session._on_step without the session)."""
+        """The hooked ``optimizer.step()``: Session._on_step's arrival (``HookedReplica.arrive``)
+        without the session's closure, checkpoint and lifecycle."""
         from p2psync.errors import Diverged
-        from p2psync.transport import all_finite
 
         rep = self.replica
         loss, samples = self._pending
         self._pending = (float("nan"), 0)
         rep.user_state.on_step()
-        grads = rep.flat.grads()
-        if not all_finite(grads):  # before any strategy can send it
+        if not rep.arrive(loss=loss, samples=samples):
             raise Diverged(f"training diverged after {self.trainer.batches_done} batches: the gradient holds NaN "
                            "or infinity (nothing was sent; no peer is blamed)")
-        rep.flush_grad_ready()
-        self.gate.arrive(loss=loss, samples=samples, grads=grads, params_gen=rep.params_gen)
 
     async def evaluate(self) -> tuple[float, float]:
         """(test loss, test accuracy), computed on the training thread while it is parked."""
@@ -579,7 +576,7 @@ async def drive_until_stop(strats: Any, steps: int) -> list[list[Any]]:
     async def loop(s: Any) -> list[Any]:
         step, reps = 0, []
         while True:
-            rep = await s.train_step(step, step + 1 >= steps)
+            rep = await s.run_step(step, step + 1 >= steps)
             reps.append(rep)
             step += 1
             if rep.stop or step >= 3 * steps:

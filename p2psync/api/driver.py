@@ -11,12 +11,12 @@ on the node's event loop, in this order:
    the loop ended: the strategy's hooks (averaging during backward) are in place before the
    user's first backward. An error starting the strategy is the run's error (raised at the
    user's next step), not ``attach``'s.
-2. :meth:`StepDriver._drive`: the strategy's ``train_step`` step after step, each one taking the
-   user's iterations through the gate; between steps the quorum wait, the replica audit, the
-   checkpoint, the metrics record and the release of the training thread. It ends when a
-   report says ``stop`` (:attr:`Outcome.AGREED`), when the user's loop ended first
-   (:attr:`Outcome.LOOP_ENDED`: this node leaves the run at close), or with an error
-   (:meth:`StepDriver.fail`).
+2. :meth:`StepDriver._drive`: the strategy's steps (``run_step``: the failure policy's check,
+   then ``train_step``) one after another, each one taking the user's iterations through the
+   gate; between steps the quorum wait, the replica audit, the checkpoint, the metrics record
+   and the release of the training thread. It ends when a report says ``stop``
+   (:attr:`Outcome.AGREED`), when the user's loop ended first (:attr:`Outcome.LOOP_ENDED`: this
+   node leaves the run at close), or with an error (:meth:`StepDriver.fail`).
 3. :meth:`StepDriver.finish` (``close``): the driver's end, the pending checkpoint, the audit of
    a loop that ended first, the final stats and the finish barrier, then the runtime closes.
 
@@ -214,7 +214,7 @@ class StepDriver:
                 want_stop = self._want_stop(limit)
                 if not rt.membership.has_quorum:  # cut off from the majority: no step until heard
                     self.wait_s += await rt.membership.wait_quorum(self.cfg.quorum_timeout)
-                rep = await strategy.train_step(self.step, want_stop)
+                rep = await strategy.run_step(self.step, want_stop)
                 self.step = self.step + 1 if rep.next_step is None else rep.next_step
                 if self._audit_due(strategy, rep.stop, rep.next_step is not None):
                     await self._audit(strategy, "end" if rep.stop else str(self.step))

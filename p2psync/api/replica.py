@@ -38,6 +38,7 @@ from p2psync.model.flat import FlatModel
 from p2psync.training.user_state import UserState, decode, encode
 from p2psync.training.grad_copies import GradCallback, GradCopies
 from p2psync.api.gate import StepGate
+from p2psync.transport import all_finite
 
 
 class HookedReplica:
@@ -94,6 +95,22 @@ class HookedReplica:
         before the iteration arrives at the gate)."""
         if self._copies is not None:
             self._copies.flush()
+
+    def arrive(self, *, loss: float, samples: int) -> bool:
+        """The user's iteration reached ``optimizer.step()`` (training thread, after
+        ``user_state.on_step()``): False, and nothing arrives, when its gradient holds NaN or
+        infinity (this node's own divergence, caught before any strategy can send it: the
+        caller reports it); else the gradient copies still in flight are posted
+        (:meth:`flush_grad_ready`) and the iteration arrives at the gate with a copy of its
+        gradient, parked until the strategy releases it (:meth:`StepGate.arrive
+        <p2psync.api.gate.StepGate.arrive>`). The one arrival path of ``Session`` and of the
+        tests' training loop."""
+        grads = self.flat.grads()
+        if not all_finite(grads):
+            return False
+        self.flush_grad_ready()
+        self.gate.arrive(loss=loss, samples=samples, grads=grads, params_gen=self.params_gen)
+        return True
 
     # -- gradients averaged during backward (SSGD's sync=backward) --------------------------
 

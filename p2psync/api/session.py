@@ -71,7 +71,6 @@ from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
 from p2psync.model.flat import FlatModel
 from p2psync.training.metrics import MetricsWriter
 from p2psync.training.user_state import UserState
-from p2psync.transport import all_finite
 
 log = logging.getLogger("p2psync.session")
 
@@ -290,14 +289,10 @@ class Session:
             raise TrainingError("optimizer.step() hooked without a replica")
         self.replica.user_state.on_step()
         self._write_pending_checkpoint()
-        grads = self.replica.flat.grads()
-        if not all_finite(grads):  # before any strategy can send it: this node's own divergence
+        if not self.replica.arrive(loss=self.reports.pending_loss, samples=samples):  # this node's own divergence
             self.driver.fail(Diverged(f"training diverged at step {self.step} on node {self.node_id}: its gradient "
                                       "holds NaN or infinity (nothing was sent; no peer is blamed)"))
             raise life.error  # type: ignore[misc]
-        self.replica.flush_grad_ready()  # backward's gradients reach the loop before this iteration
-        self.gate.arrive(loss=self.reports.pending_loss, samples=samples, grads=grads,
-                         params_gen=self.replica.params_gen)
         if life.error is not None:
             raise life.error
         return loss

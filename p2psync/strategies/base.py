@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Hashable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Literal, Mapping, Sequence, final
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
 from p2psync.transport import Transport
 from p2psync.vocab import ON_FAILURE, BufferMode, OnFailure
+
+if TYPE_CHECKING:
+    from p2psync.strategies.failure import FailurePolicy
 
 
 @dataclass
@@ -141,9 +144,10 @@ class Strategy(ABC):
     Subclass it, set :attr:`name`, decorate it with :func:`register` and implement
     :meth:`train_step`; every other hook has a do-nothing default. ``NodeRuntime`` builds it
     with the node's :class:`StrategyContext`, calls :meth:`start`, then the session's step
-    loop calls ``rep = await strategy.train_step(self.step, want_stop)`` until a report says
-    ``stop``; :meth:`close` runs at the end. Everything runs on the node's event loop; the model
-    is reached only through ``self.ctx.replica``. See ssgd.py for the smallest complete one.
+    loop calls ``rep = await strategy.run_step(self.step, want_stop)`` (the failure policy's
+    check, then :meth:`train_step`) until a report says ``stop``; :meth:`close` runs at the
+    end. Everything runs on the node's event loop; the model is reached only through
+    ``self.ctx.replica``. See ssgd.py for the smallest complete one.
     """
 
     #: the name ``--strategy`` selects (the :data:`REGISTRY` key)
@@ -160,6 +164,11 @@ class Strategy(ABC):
     #: what one :meth:`train_step` is, as tables name it: ``"step"`` (one local iteration) or
     #: ``"round"`` (several local iterations, then one exchange)
     step_unit: ClassVar[Literal["step", "round"]] = "step"
+
+    #: the failure policy of a synchronous strategy (strategies/failure.py, set in its
+    #: constructor), applied around its steps by :meth:`run_step`; None: a failed peer is the
+    #: strategy's own business (asynchronous strategies)
+    failure: FailurePolicy | None = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         check_replica(ctx.replica, type(self).requires, f"--strategy {type(self).name}")
@@ -194,8 +203,18 @@ class Strategy(ABC):
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         """Run one step (compute + exchange) and report it. ``want_stop``: this node would like
         to stop after this step (``--steps``/``--time`` reached, or ``Session.request_stop()``).
-        Called by the session's step loop (api/driver.py ``StepDriver._drive``):
-        ``rep = await strategy.train_step(self.step, want_stop)``."""
+        Called through :meth:`run_step` only, which has checked :attr:`failure` first."""
+
+    @final
+    async def run_step(self, step: int, want_stop: bool) -> StepReport:
+        """One step under the failure policy: PeerFailure when :attr:`failure` stops the run
+        (:meth:`~p2psync.strategies.failure.FailurePolicy.check`), else :meth:`train_step`.
+        The one way a step is run: the session's step loop (api/driver.py
+        ``StepDriver._drive``: ``rep = await strategy.run_step(self.step, want_stop)``) and
+        test harnesses."""
+        if self.failure is not None:
+            self.failure.check()
+        return await self.train_step(step, want_stop)
 
     def on_peer_failure(self, peer: int) -> None:
         """A peer was declared failed by the membership service, or finished and left (called
@@ -303,8 +322,8 @@ class FailStop:
                            "continue", peers=peers)
 
     def check(self) -> None:
-        """Raise PeerFailure naming the failed peers, if any; strategies call it at the start
-        of a step through their failure policy (strategies/failure.py ``Stop.check``)."""
+        """Raise PeerFailure naming the failed peers, if any; called through the failure
+        policy (strategies/failure.py ``Stop.check``) before every step and within one."""
         if self.failed:
             raise self._error(tuple(sorted(self.failed)))
 

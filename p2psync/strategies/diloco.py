@@ -108,6 +108,7 @@ from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_in
                                              Ranges, state_size, unpack_state)
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.regroup import Adopted, Regroup, exact_mean_input
 from p2psync.tasks import cancel_all, gather_or_cancel
 
@@ -214,6 +215,7 @@ class DiLoCo(Strategy):
     requires = (PARAM_RANGES, LAYERED, MODEL_BUFFERS)
     Options = DilocoOptions
     opts: DilocoOptions
+    failure: FailurePolicy
     needs = Needs(schedules="honoured: the user's optimizer takes every inner step (the outer lr is constant)",
                   clipping="clips each node's own gradient (inner steps are local)",
                   buffers="each node's own between syncs; the lowest member's (or the mean) at the end (--buffers)")
@@ -224,6 +226,8 @@ class DiLoCo(Strategy):
         self.codec = self.opts.outer_codec or ctx.collectives.codec
         self.regroup = Regroup(ctx=ctx, name="diloco", snapshot=self._snapshot, restore=self._restore,
                                size=self._state_size)
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
+        self.failure = self.regroup.failure
         self.schedule: Schedule | None = None
         self.cursor: Cursor | None = None
         #: inner steps per second (EMA over compute time only) and the fastest member's (DyLU)
@@ -409,7 +413,6 @@ class DiLoCo(Strategy):
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.regroup.check()
         sched = self.schedule
         if sched is None:
             raise ConfigError("diloco: train_step before start")
@@ -469,7 +472,7 @@ class DiLoCo(Strategy):
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=blocked, next_step=next_step, extra={
             **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
             "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
-            "reforms": self.regroup.reforms, "adoptions": self.adoptions,
+            "reforms": self.regroup.reformations, "adoptions": self.adoptions,
             **({"h_m": cur.interval, "speed": round(self.speed, 3)} if self.opts.dylu else {})})
 
     def _measure(self, seconds: float) -> None:
@@ -482,7 +485,7 @@ class DiLoCo(Strategy):
         self.speed = v if self.speed == 0 else 0.9 * self.speed + 0.1 * v
 
     def _view(self) -> View:
-        return self.regroup.failure.view()
+        return self.failure.view()
 
     async def _begin(self) -> None:
         """First step of a fresh run: every member starts from the lowest id's parameters

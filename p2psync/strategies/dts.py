@@ -65,12 +65,13 @@ import numpy as np
 from p2psync import clock
 from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
+from p2psync.errors import ConfigError, TrainingEnded
 from p2psync.model import MODEL_BUFFERS, SGD_COMPENSATION
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, register
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
 from p2psync.strategies.dts_state import DtsState, Window, max_in_flight, validate
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.transport import Scope
@@ -129,13 +130,14 @@ class DTS(Strategy):
                       "optimizers are not")
     Options = DTSOptions
     opts: DTSOptions
+    failure: FailurePolicy
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.t = self.opts.t
         self.p = self.opts.p
         self.regroup = Regroup(ctx=ctx, name="dts")
-        #: the failure policy (re-form or stop), shared with the regroup
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
         self.failure = self.regroup.failure
         self.momentum = 0.0
         self.opt_momentum = 0.0
@@ -189,7 +191,6 @@ class DTS(Strategy):
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.failure.check()
         if self.state is None:
             self.state = DtsState(t=self.t, p=self.p, momentum=self.momentum, base=step)
         try:
@@ -276,8 +277,17 @@ class DTS(Strategy):
         return flag, st
 
     async def _await(self, fl: _Flight) -> Exchange:
-        if not self.failure.reforms:  # a failed peer's PeerFailure (Stop aborts the receives)
+        """The average of window ``fl``, under the failure policy. Once: the exchange's result
+        or its error (a failed peer's PeerFailure: Stop aborts its receives). Re-forming:
+        :class:`_Broken` when a newer view comes first or the exchange fails with an error the
+        policy recovers from."""
+
+        async def once(_: View) -> Exchange:
             return await fl.task
+
+        return await self.failure.run(once, lambda: self._await_reforming(fl))
+
+    async def _await_reforming(self, fl: _Flight) -> Exchange:
         if self.ctx.epoch == fl.epoch:
             await wait_or_event(fl.task, self.regroup.next_view)
         if not fl.task.done():
@@ -285,8 +295,7 @@ class DTS(Strategy):
         exc = fl.task.exception()
         if exc is None:
             return fl.task.result()
-        if isinstance(exc, (PeerFailure, PeerTimeout)) or (
-                isinstance(exc, ProtocolError) and exc.reason == "collective_mismatch"):
+        if self.failure.recovers(exc):
             raise _Broken(f"window {fl.win.index} failed: {exc}")
         raise exc
 

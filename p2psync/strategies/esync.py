@@ -52,6 +52,7 @@ from p2psync.errors import Aborted, P2PSyncError
 from p2psync.model import MODEL_BUFFERS
 from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, mean_and_agree, parse_options, register
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.regroup import Adopted, Regroup
 from p2psync.tasks import AbortEvent, TaskSet, wait_or_event
 from p2psync.topology import Topology
@@ -81,12 +82,15 @@ class ESync(Strategy):
     Options = ESyncOptions
     step_unit = "round"
     opts: ESyncOptions
+    failure: FailurePolicy
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         #: State Server queries in flight (non-blocking mode, §4.2)
         self._queries = TaskSet("esync-query", isolated=True)  # each query records its own outcome
         self.regroup = Regroup(ctx=ctx, name="esync", snapshot=self._snapshot)
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
+        self.failure = self.regroup.failure
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
 
     @classmethod
@@ -213,7 +217,6 @@ class ESync(Strategy):
         await self._queries.wait()
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.regroup.check()
         w_t = self.w_round = await self.ctx.replica.get_params()
         early = await self.regroup.run(step, None)  # a new view: agree on w_t before training
         if isinstance(early, Adopted):
@@ -243,7 +246,7 @@ class ESync(Strategy):
                               "n_local": len(losses), "abandoned": abandoned,
                               "local_s": round(local_s, 4), "blocking_s": round(blocking, 4),
                               "query_rtt_s": round(self.rtt, 5), "round": self.round,
-                              "members": len(self.ctx.group), "reforms": self.regroup.reforms,
+                              "members": len(self.ctx.group), "reforms": self.regroup.reformations,
                               "op_nic_bytes": st.nic_bytes, "compression": round(st.compression, 3)})
 
     async def _adopted(self, adopted: Adopted, blocking: float) -> StepReport:

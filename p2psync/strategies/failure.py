@@ -9,26 +9,29 @@
   :class:`~p2psync.errors.PeerFailure` naming it (the pending receives of the strategy's
   operations fail at once: :class:`~p2psync.strategies.base.FailStop`).
 
-:func:`failure_policy` is the one place that chooses; a strategy asks its policy for the view
-an operation runs over (:meth:`FailurePolicy.view`), hands it peer failures
-(:meth:`FailurePolicy.on_peer_failure`) and lets it check, at the start of a step, whether the
-run can go on (:meth:`FailurePolicy.check`), without testing the setting itself.
+:func:`failure_policy` is the one place that chooses. A strategy exposes its policy as
+:attr:`~p2psync.strategies.base.Strategy.failure`; the step driver checks it before every step
+(:meth:`FailurePolicy.check`, through :meth:`~p2psync.strategies.base.Strategy.run_step`). The
+strategy asks it for the view an operation runs over (:meth:`FailurePolicy.view`), hands it
+peer failures (:meth:`FailurePolicy.on_peer_failure`), runs an operation under it
+(:meth:`FailurePolicy.run`: once, or the strategy's re-forming path) and asks it which errors
+are recovered from (:meth:`FailurePolicy.recovers`), without testing the setting itself.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Awaitable, Callable, TypeVar
 
 from p2psync.coordinator import View
+from p2psync.errors import PeerFailure, PeerTimeout, ProtocolError
 from p2psync.strategies.base import FailStop, StrategyContext
+
+T = TypeVar("T")
 
 
 class FailurePolicy(ABC):
     """One strategy's answer to a member's failure (see the module docstring)."""
-
-    #: a failed operation is redone over the next view (else a failed peer ends the run)
-    reforms: ClassVar[bool]
 
     @abstractmethod
     def view(self) -> View:
@@ -40,13 +43,24 @@ class FailurePolicy(ABC):
 
     @abstractmethod
     def check(self) -> None:
-        """Raise PeerFailure when the run cannot go on (a strategy calls it as a step starts)."""
+        """Raise PeerFailure when the run cannot go on (the step driver calls it before every
+        step: :meth:`~p2psync.strategies.base.Strategy.run_step`)."""
+
+    @abstractmethod
+    def recovers(self, exc: BaseException) -> bool:
+        """Whether an operation that failed with ``exc`` is given up and redone over the next
+        view (True), or ``exc`` ends the run (False)."""
+
+    @abstractmethod
+    async def run(self, once: Callable[[View], Awaitable[T]], reform: Callable[[], Awaitable[T]]) -> T:
+        """An operation under the policy, given both ways of running it: ``once(view)`` runs it
+        over :meth:`view` a single time (a failure ends the run); ``reform()`` runs it over the
+        current view and redoes it over the next one when it fails. Returns what the chosen one
+        returns, raises what it raises."""
 
 
 class Reform(FailurePolicy):
     """Operations run over the current view; failures are handled by the next view."""
-
-    reforms = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -60,11 +74,22 @@ class Reform(FailurePolicy):
     def check(self) -> None:
         """Never stops the run: a failed operation waits for the next view instead."""
 
+    def recovers(self, exc: BaseException) -> bool:
+        """A member's failure (PeerFailure, which includes a peer's non-finite piece), a wait
+        on a peer that timed out (PeerTimeout), or members that ran the operation over
+        different groups (ProtocolError ``collective_mismatch``: two views with the same epoch
+        around a coordinator takeover, until the newer one arrives). Any other error ends the
+        run."""
+        return isinstance(exc, (PeerFailure, PeerTimeout)) or (
+            isinstance(exc, ProtocolError) and exc.reason == "collective_mismatch")
+
+    async def run(self, once: Callable[[View], Awaitable[T]], reform: Callable[[], Awaitable[T]]) -> T:
+        """``reform()``."""
+        return await reform()
+
 
 class Stop(FailurePolicy):
     """Operations run over every node at epoch 0; a failed peer ends the run."""
-
-    reforms = False
 
     def __init__(self, ctx: StrategyContext, name: str, prefix: str) -> None:
         #: the failed peers, and the scope of the strategy's operations (tags under ``prefix``)
@@ -81,6 +106,14 @@ class Stop(FailurePolicy):
     def check(self) -> None:
         """PeerFailure naming the failed peers, if any."""
         self.failstop.check()
+
+    def recovers(self, exc: BaseException) -> bool:
+        """Never: every failure ends the run."""
+        return False
+
+    async def run(self, once: Callable[[View], Awaitable[T]], reform: Callable[[], Awaitable[T]]) -> T:
+        """``once(view)`` over every node at epoch 0."""
+        return await once(self._view)
 
 
 def failure_policy(ctx: StrategyContext, name: str, prefix: str | None = None) -> FailurePolicy:

@@ -75,12 +75,12 @@ from p2psync.coordinator import View
 from p2psync.coordinator.preduce import Approx, Controller, Tail, Weights
 from p2psync.coordinator.preduce_service import PReduceService
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
+from p2psync.errors import ConfigError, NonFinitePiece, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 from p2psync.model import MODEL_BUFFERS, Buffers
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
-from p2psync.strategies.failure import failure_policy
+from p2psync.strategies.failure import FailurePolicy, failure_policy
 from p2psync.strategies.buffers import alongside, own_buffers
 from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
 from p2psync.tasks import cancel_all, wait_or_event
@@ -176,6 +176,7 @@ class PReduce(Strategy):
     needs = Needs(buffers="each node's own; the final average takes the lowest member's (--buffers)")
     Options = PReduceOptions
     opts: PReduceOptions
+    failure: FailurePolicy
 
     @classmethod
     def check_options(cls, opts: PReduceOptions, topology: Topology) -> None:
@@ -187,8 +188,8 @@ class PReduce(Strategy):
         if isinstance(get_codec(ctx.collectives.codec), TopK):
             raise ConfigError("preduce averages whole models: --codec topk would keep only the largest 1 % of "
                               "a model's weights; use none, fp16, int8 or sketch8")
-        #: the failure policy (re-form or stop) of the strategy's operations; the final
-        #: average's regroup holds its own, decided alike
+        #: the failure policy (re-form or stop) of the strategy's operations, applied by the
+        #: step driver; the final average's regroup holds its own, decided alike
         self.failure = failure_policy(ctx, "preduce")
         self.final = Regroup(ctx=ctx, name="preduce.end")
         self.k = 0  # the version (spec B11)
@@ -220,12 +221,14 @@ class PReduce(Strategy):
     def on_peer_failure(self, peer: int) -> None:
         self.failure.on_peer_failure(peer)
         self.final.on_peer_failure(peer)
-        if not self.failure.reforms or self._running is None:
+        if self._running is None:
             return
         g, failed = self._running
-        if peer in g.members and not failed.done():
-            # ends the reduce at once, whatever it is doing (reading the model, sending, waiting)
-            failed.set_result(PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,)))
+        err = PeerFailure(f"preduce: group {g.op} member {peer} failed", peers=(peer,))
+        if peer in g.members and not failed.done() and self.failure.recovers(err):
+            # ends the reduce at once, whatever it is doing (reading the model, sending, waiting),
+            # to be abandoned; a policy that does not recover has failed its receives already
+            failed.set_result(err)
 
     def on_view(self, view: View) -> None:
         self.final.on_view(view)
@@ -233,13 +236,14 @@ class PReduce(Strategy):
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.failure.check()
         try:
             loss, grad = await self.ctx.replica.compute_gradients()
-        except TrainingEnded:
-            if not self.failure.reforms:
-                raise
-            return await self._loop_ended(want_stop)
+        except TrainingEnded as ended:
+            async def leave(_: View) -> StepReport:  # this node leaves: its departure ends the others' run
+                raise ended
+
+            # under the policy: leave, or (re-forming) stop the run with every member's average
+            return await self.failure.run(leave, lambda: self._loop_ended(want_stop))
         await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
         self.steps, self.k = step + 1, self.k + 1
         t0 = clock.now()
@@ -323,8 +327,8 @@ class PReduce(Strategy):
         try:
             avg = await self._group_allreduce(g, whole, failed)
         except (PeerFailure, PeerTimeout, ProtocolError) as exc:
-            if not self.failure.reforms or (isinstance(exc, ProtocolError) and exc.reason != "collective_mismatch"):
-                raise
+            if not self.failure.recovers(exc) or isinstance(exc, NonFinitePiece):
+                raise  # (a member's non-finite model ends the run)
             self.failed_groups += 1
             scope.retire()  # its pieces still on their way are dropped
             log.warning("node %d: P-reduce group %d %s abandoned (own model kept): %s", self.ctx.node_id,

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -145,8 +146,11 @@ class _StoreStrategy(Strategy):
                   why="the shard owners run the optimizer's class on slices of the flat parameter vector")
 
     @classmethod
+    @abstractmethod
     def scheduler(cls, opts: Any, ids: list[int]) -> StalenessScheduler | ElasticScheduler:
-        raise NotImplementedError
+        """The coordinator's scheduler of this strategy over workers ``ids``, built from
+        ``opts`` (its :attr:`Options`); ConfigError when the options do not fit (checked by
+        :meth:`check_options` before anything starts)."""
 
     @classmethod
     def check_options(cls, opts: Any, topology: Topology) -> None:

@@ -34,8 +34,9 @@ Why this protocol (and not another):
 
 With ``--on-failure stop``, or without a membership service (unit tests), the strategy's
 failure policy is :class:`~p2psync.strategies.failure.Stop`: an operation runs once over every
-node and a failed peer ends the run. :class:`Regroup` reads the policy (:attr:`Regroup.failure`)
-so that the strategies using it never test the setting.
+node and a failed peer ends the run. :class:`Regroup` runs its operations under the policy
+(:attr:`Regroup.failure`, :meth:`~p2psync.strategies.failure.FailurePolicy.run`), so neither it
+nor the strategies using it test the setting.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ class Regroup:
         self.synced: int | None = None
         self._changed = asyncio.Event()
         self.bound = regroup_bound(ctx.membership.failure_timeout, ctx.membership.interval)
-        self.reforms = 0
+        #: failed operations that later succeeded over a newer view (the strategies' metrics
+        #: report it as ``reforms``)
+        self.reformations = 0
+        #: states this node took from a peer at a new epoch's sync
         self.adoptions = 0
         #: seconds from the failed operation to the first operation that succeeded after it
         self.last_reform_s: float | None = None
@@ -159,16 +163,18 @@ class Regroup:
 
     def check(self) -> None:
         """Raise PeerFailure when the policy stops the run on a failed peer (never when
-        re-forming)."""
+        re-forming). The step driver checks the policy before every step; a strategy calls
+        this within a step (between local iterations)."""
         self.failure.check()
 
     # -- the retry loop ------------------------------------------------------------------
 
     async def join(self) -> int:
         """A joiner: take the state of the members at their current step; returns that step."""
-        if not self.failure.reforms:
+        async def refuse(_: View) -> None:
             raise ConfigError(f"{self.name}: joining a running run needs --on-failure continue")
-        got = await self.run(JOINING, None)
+
+        got = await self.failure.run(refuse, lambda: self._reform(JOINING, None))
         if not isinstance(got, Adopted):
             raise PeerFailure(f"{self.name}: joined but no member gave its state")
         return got.step
@@ -180,12 +186,21 @@ class Regroup:
         :class:`Adopted` when this node took a peer's state instead (then op did not run), or
         None when ``op`` is None and nothing was adopted. ``redo``: this step was already
         attempted and failed (outside this call, at ``failed_at``); the members of the next
-        sync learn it (:attr:`backward_from`)."""
-        if not self.failure.reforms:  # once, over every node; a failed peer ends the run
+        sync learn it (:attr:`backward_from`). The failure policy runs it once over its view
+        (a failed peer ends the run: PeerFailure before or after ``op``) or re-forms."""
+
+        async def once(view: View) -> T | Adopted | None:
             self.failure.check()
-            out = None if op is None else await op(self.failure.view())
+            out = None if op is None else await op(view)
             self.failure.check()
             return out
+
+        return await self.failure.run(once, lambda: self._reform(step, op, redo=redo, failed_at=failed_at))
+
+    async def _reform(self, step: int, op: Callable[[View], Awaitable[T]] | None, *, redo: bool = False,
+                      failed_at: float | None = None) -> T | Adopted | None:
+        """:meth:`run` re-forming: the state sync of a new epoch, then ``op``, redone over the
+        next view while they fail with an error the policy recovers from."""
         while True:
             view = self.ctx.view
             me = self.ctx.node_id
@@ -205,10 +220,10 @@ class Regroup:
                 attempt.close()
                 self._reformed(failed_at)
                 return out
-            except (PeerFailure, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError) and not isinstance(exc, PeerFailure) \
-                        and exc.reason != "collective_mismatch":
-                    raise  # (a NonFinitePiece is both: its sender is being excluded, wait for that view)
+            except (PeerFailure, ProtocolError) as exc:  # (a PeerTimeout is not redone here: it ends the run)
+                if not self.failure.recovers(exc):
+                    raise
+                # A NonFinitePiece is a PeerFailure: its sender is being excluded, wait for that view.
                 # collective_mismatch: a member runs this epoch's operation over another group.
                 # Two coordinators can publish views with the same epoch around a takeover (the
                 # new one moves past the old one's epoch once a member reports it), so the
@@ -228,11 +243,18 @@ class Regroup:
         during backward): the members of a new epoch agree on their state first. Returns the
         view to run it over, :class:`Adopted` when this node took a peer's state instead, or
         None when this step must run the plain operation through :meth:`run` (the first step
-        of a sync that a member redoes, adopts or joins at: :func:`backward_from`)."""
-        if not self.failure.reforms:
-            return self.failure.view()
+        of a sync that a member redoes, adopts or joins at: :func:`backward_from`). Without
+        re-forming, the policy's view."""
+
+        async def fixed(view: View) -> View | Adopted | None:
+            return view
+
+        return await self.failure.run(fixed, lambda: self._prepare(step))
+
+    async def _prepare(self, step: int) -> View | Adopted | None:
+        """:meth:`prepare` re-forming."""
         if self.ctx.epoch != self.synced:
-            got = await self.run(step, None)
+            got = await self._reform(step, None)
             if isinstance(got, Adopted):
                 return got
         if step < self.backward_from:
@@ -272,7 +294,7 @@ class Regroup:
 
     def _reformed(self, failed_at: float | None) -> None:
         if failed_at is not None:
-            self.reforms += 1
+            self.reformations += 1
             self.last_reform_s = clock.now() - failed_at
             log.warning("node %d: %s re-formed over view %d (members %s) in %.2fs", self.ctx.node_id,
                         self.name, self.ctx.epoch, list(self.ctx.group), self.last_reform_s)

@@ -52,6 +52,7 @@ from p2psync.model import MODEL_BUFFERS, Buffers
 from p2psync.strategies.buffers import alongside, own_buffers
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.regroup import Adopted, Regroup
 
 log = logging.getLogger("p2psync.ssgd")
@@ -79,6 +80,7 @@ class SSGD(Strategy):
     requires = (MODEL_BUFFERS,)
     Options = SSGDOptions
     opts: SSGDOptions
+    failure: FailurePolicy
     needs = Needs(clipping="clips the group's mean gradient: backward returns with it, as DDP (--opt sync=step: "
                            "this node's own, averaged at optimizer.step())",
                   buffers="the lowest member's at every step (--buffers broadcast; average: the mean)")
@@ -87,6 +89,8 @@ class SSGD(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.regroup = Regroup(ctx=ctx, name="ssgd")
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
+        self.failure = self.regroup.failure
         self.backward: BackwardAverager | None = None
         self._warned_redo = False
 
@@ -110,7 +114,6 @@ class SSGD(Strategy):
             self.backward.on_view(view)
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        self.regroup.check()
         bw = self.backward
         armed = False
         if bw is not None:
@@ -128,7 +131,7 @@ class SSGD(Strategy):
                 await self.ctx.replica.apply_gradients(grad)
                 return StepReport(loss=loss, stop=done.stop, comm_s=clock.now() - t0 + done.comm_s,
                                   extra={"compression": round(done.compression, 3), "op_nic_bytes": done.nic_bytes,
-                                         "members": len(self.ctx.group), "reforms": self.regroup.reforms,
+                                         "members": len(self.ctx.group), "reforms": self.regroup.reformations,
                                          "passes": done.passes})
             failed_at = bw.failed_at if bw.failed_at is not None else clock.now()
             if not self._warned_redo:
@@ -154,7 +157,7 @@ class SSGD(Strategy):
             bw.close()
         return StepReport(loss=loss, stop=stop, comm_s=comm,
                           extra={"compression": round(st.compression, 3), "op_nic_bytes": st.nic_bytes,
-                                 "members": len(self.ctx.group), "reforms": self.regroup.reforms})
+                                 "members": len(self.ctx.group), "reforms": self.regroup.reformations})
 
     async def close(self) -> None:
         if self.backward is not None:

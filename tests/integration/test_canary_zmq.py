@@ -61,7 +61,7 @@ async def _run(strats, steps: int, stop_after: float | None = None) -> list[list
         reps, step = [], 0
         while True:
             want = step + 1 >= steps if stop_after is None else time.monotonic() - t0 >= stop_after
-            rep = await s.train_step(step, want)
+            rep = await s.run_step(step, want)
             reps.append(rep)
             step += 1
             if rep.stop or step >= 20 * steps:

@@ -30,7 +30,7 @@ async def test_a_crash_mid_run_is_redone_over_the_survivors_who_end_with_one_mod
         ends = await _finish(survivors)
         params = await _params(survivors)
         thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reforms + n.strategy.adoptions for n in survivors]
+        reforms = [n.strategy.regroup.reformations + n.strategy.adoptions for n in survivors]
     assert len(set(ends)) == 1 and 40 <= ends[0] <= 40 + 2 + 1, ends  # the stop rides with the next sum: h + tau late
     assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
@@ -43,7 +43,7 @@ async def test_a_restarted_node_adopts_the_global_copy_and_ends_with_the_same_mo
         joiner = Node(topo, 3, "diloco", options=OPTS)
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
         survivors = await _crash(nodes, 3)
-        await until(lambda: all(n.strategy.regroup.reforms + n.strategy.adoptions >= 1 for n in survivors), 30,
+        await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
                     "re-formed")
         try:
             await joiner.restart()
@@ -82,7 +82,7 @@ async def test_a_crash_during_the_final_sync_is_redone_over_the_survivors_who_en
         await asyncio.gather(*killed)
         params = await _params(survivors)
         thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reforms for n in survivors]
+        reforms = [n.strategy.regroup.reformations for n in survivors]
     assert len(set(ends)) == 1, ends
     assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)

@@ -32,7 +32,7 @@ async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedba
             async def loop(s):
                 reps, thetas, step = [], [], 0
                 while True:
-                    rep = await s.train_step(step, step + 1 >= steps)
+                    rep = await s.run_step(step, step + 1 >= steps)
                     reps.append(rep)
                     thetas.append(s.theta.copy())
                     step += 1
@@ -129,7 +129,7 @@ async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
         strats = await start_strategies(eps, topo, "ssgd", trainers=trainers, max_steps=steps)
         try:
             for step in range(steps):
-                await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                await asyncio.gather(*(s.run_step(step, step + 1 >= steps) for s in strats))
             ref = await strats[0].ctx.replica.get_params()
         finally:
             await close_strategies(strats)
@@ -166,7 +166,7 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
                                         release=False)
         try:
             for step in range(cut):
-                await asyncio.gather(*(s.train_step(step, False) for s in strats))
+                await asyncio.gather(*(s.run_step(step, False) for s in strats))
                 for i, s in enumerate(strats):
                     thetas[i].append(s.theta.tobytes())
             assert all(s.inflight is not None for s in strats)  # a fragment's sum is in flight
@@ -197,7 +197,7 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
             for s, (st, _, _) in zip(strats, saved):
                 s.load_state_dict(st)
             for step in range(cut, steps):
-                reps = await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                reps = await asyncio.gather(*(s.run_step(step, step + 1 >= steps) for s in strats))
                 for i, s in enumerate(strats):
                     thetas[i].append(s.theta.tobytes())
             assert all(r.stop for r in reps)
@@ -259,7 +259,7 @@ async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed()
         strats = await start_strategies(eps, topo, "diloco", options=opts, max_steps=100)
         try:
             for step in range(2):  # one sum of fragment 0, applied: residuals recorded
-                await asyncio.gather(*(s.train_step(step, False) for s in strats))
+                await asyncio.gather(*(s.run_step(step, False) for s in strats))
             coll = strats[0].ctx.collectives
             before = {k: v.copy() for k, v in coll.feedback.residual.items()}
             assert any(("diloco", "f0") in k for k in before)  # keyed by the fragment
@@ -331,7 +331,7 @@ async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
             try:
                 peaks = []
                 for step in range(steps):
-                    reps = await asyncio.gather(*(s.train_step(step, step + 1 >= steps) for s in strats))
+                    reps = await asyncio.gather(*(s.run_step(step, step + 1 >= steps) for s in strats))
                     if "op_nic_bytes" in reps[0].extra:
                         peaks.append(sum(reps[0].extra["op_nic_bytes"].values()))
                 sent = sum(v.bytes_sent for v in eps[0].nic_stats.values())

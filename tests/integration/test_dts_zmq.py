@@ -140,14 +140,14 @@ async def test_a_failed_peer_ends_the_run_in_bounded_time_under_fail_stop():
         strats = await start_strategies(eps, topo, "dts", options={"t": 2, "p": 2}, trainers=trainers)
         try:
             for k in range(5):
-                await asyncio.gather(*(s.train_step(k, False) for s in strats))
+                await asyncio.gather(*(s.run_step(k, False) for s in strats))
             survivors = strats[:3]
             for s in survivors:  # what the membership service does when node 3 dies
                 s.on_peer_failure(3)
 
             async def go(s):
                 for k in range(5, 30):
-                    await s.train_step(k, False)
+                    await s.run_step(k, False)
 
             results = await asyncio.wait_for(asyncio.gather(*(go(s) for s in survivors),
                                                             return_exceptions=True), 30)
@@ -182,7 +182,7 @@ async def test_windows_restart_after_a_resync_within_one_view():
         try:
             async def go(s, first, last):
                 for k in range(first, last):
-                    rep = await s.train_step(k, k + 1 >= 20)
+                    rep = await s.run_step(k, k + 1 >= 20)
                 return rep
 
             await asyncio.wait_for(asyncio.gather(*(go(s, 0, 6) for s in strats)), 60)
@@ -215,8 +215,8 @@ async def test_bad_options_and_optimizers_get_clear_errors():
 async def test_a_momentum_that_changes_during_the_run_is_refused(zmq_endpoints, strategies):
     topo = ring(2, base_port=free_port())
     strats = await strategies(await zmq_endpoints(topo), topo, "dts", options={"t": 0, "p": 1})
-    await asyncio.gather(*(s.train_step(0, False) for s in strats))
+    await asyncio.gather(*(s.run_step(0, False) for s in strats))
     for s in strats:  # what OneCycleLR(cycle_momentum=True) does
         s.ctx.replica.flat.optimizer.param_groups[0]["momentum"] = 0.8
     with pytest.raises(ConfigError, match="momentum changed"):
-        await strats[0].train_step(1, False)
+        await strats[0].run_step(1, False)

@@ -36,7 +36,7 @@ async def _timed_rounds(mode: str, slowdown_mode: str, rounds: int = 6):
             times, reps = [], []
             for r in range(rounds):
                 t0 = time.monotonic()
-                reps.append(await asyncio.gather(*(s.train_step(r, r == rounds - 1) for s in strats)))
+                reps.append(await asyncio.gather(*(s.run_step(r, r == rounds - 1) for s in strats)))
                 times.append(time.monotonic() - t0)
             for i, tr in trainers.items():  # batch test + completed local iterations, nothing else
                 done = 1 + sum(rr[i].extra["n_local"] for rr in reps)

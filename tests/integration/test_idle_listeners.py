@@ -66,10 +66,10 @@ async def test_asgd_receiver_applies_gradients_after_idling() -> None:
     async with zmq_cluster(topo, timeout=IDLE) as eps:
         strats = await start_strategies(eps, topo, "asgd")
         try:
-            await strats[1].train_step(0, False)  # (a node applies peers' gradients from its first step)
+            await strats[1].run_step(0, False)  # (a node applies peers' gradients from its first step)
             await asyncio.sleep(1.0)
             before = strats[1].applied_remote
-            await strats[0].train_step(0, False)
+            await strats[0].run_step(0, False)
             await until(lambda: strats[1].applied_remote > before, 10, "node 1 to apply node 0's gradient")
         finally:
             await close_strategies(strats)
@@ -94,10 +94,10 @@ async def test_asgd_applies_no_peer_gradient_before_its_first_step() -> None:
     async with zmq_cluster(topo, timeout=IDLE) as eps:
         strats = await start_strategies(eps, topo, "asgd")
         try:
-            await strats[0].train_step(0, False)
+            await strats[0].run_step(0, False)
             await asyncio.sleep(1.0)
             assert strats[1].applied_remote == 0
-            await strats[1].train_step(0, False)
+            await strats[1].run_step(0, False)
             await until(lambda: strats[1].applied_remote >= 1, 10, "node 1 to apply node 0's gradient")
         finally:
             await close_strategies(strats)

@@ -60,7 +60,7 @@ class Node:
         #: the trainer's model on the gate path (its loop starts when the node joins the run)
         self.path: GatePath | None = None
         self.strategy: Any = None
-        self.steps = 0  # train_step calls done
+        self.steps = 0  # run_step calls done
         self.reports: list[dict[str, Any]] = []  # every step report's ``extra``
         self.step = 0  # the loop's step
         self.task: asyncio.Task[int] | None = None
@@ -100,7 +100,7 @@ class Node:
     async def train(self, steps: int, stop: Any = lambda: False) -> int:
         """The training loop's logic; returns the step it ended at."""
         while True:
-            rep = await self.strategy.train_step(self.step, self.step + 1 >= steps or stop())
+            rep = await self.strategy.run_step(self.step, self.step + 1 >= steps or stop())
             self.reports.append(rep.extra)
             self.step = self.step + 1 if rep.next_step is None else rep.next_step
             self.steps += 1
@@ -182,12 +182,12 @@ async def test_crash_mid_run_survivors_reform_and_finish_identical(strategy):
         loop = asyncio.get_running_loop()
         t_kill = loop.time()
         survivors = await _crash(nodes, 2)
-        await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
+        await until(lambda: all(n.strategy.regroup.reformations >= 1 for n in survivors), 30, "re-formed")
         print(f"{strategy}: kill -> every survivor re-formed in {loop.time() - t_kill:.2f}s "
               f"(failure detection floor {FAIL}s)")
         ends = await _finish(survivors)
         params = await _params(survivors)
-        reforms = [n.strategy.regroup.reforms for n in survivors]
+        reforms = [n.strategy.regroup.reformations for n in survivors]
     assert ends == [steps] * 3, ends
     assert all(p.tobytes() == params[0].tobytes() for p in params)  # bitwise identical
     assert all(r >= 1 for r in reforms), reforms
@@ -222,7 +222,7 @@ async def test_restarted_node_rejoins_with_the_same_parameters(strategy):
         joiner = Node(topo, 3, strategy)
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 6)
         survivors = await _crash(nodes, 3)
-        await until(lambda: all(n.strategy.regroup.reforms >= 1 for n in survivors), 30, "re-formed")
+        await until(lambda: all(n.strategy.regroup.reformations >= 1 for n in survivors), 30, "re-formed")
         crashed_at = max(n.step for n in survivors)
         try:
             await joiner.restart()

@@ -96,7 +96,7 @@ STORE_OPTIMIZERS = [(s, o) for s in sorted({"ssp"} | STORE_SHARED_CODEC) for o i
 async def _run_until_stop(strat, steps: int) -> tuple[int, float]:
     step = 0
     while True:
-        rep = await strat.train_step(step, step + 1 >= steps)
+        rep = await strat.run_step(step, step + 1 >= steps)
         step += 1
         if rep.stop or step >= 3 * steps:  # bounded: a strategy that never stops fails the test
             return step, rep.loss

@@ -50,10 +50,10 @@ async def test_a_bsp_iteration_sends_the_schedules_bytes_on_every_nic(alpha, cod
     # release=False: an iteration's colayers leave during its backward, which then runs inside
     # the step that takes it, so the window below holds exactly ``iters`` iterations' sends
     async with memory_strategies(topo, "canary", opts, release=False) as strats:
-        await asyncio.gather(*(s.train_step(0, False) for s in strats))  # warm up
+        await asyncio.gather(*(s.run_step(0, False) for s in strats))  # warm up
         before = _nics(strats)
         for step in range(1, 1 + iters):
-            await asyncio.gather(*(s.train_step(step, False) for s in strats))
+            await asyncio.gather(*(s.run_step(step, False) for s in strats))
         after = _nics(strats)
         sizes = strats[0].exchange.sizes
         for s in strats:

@@ -189,7 +189,7 @@ async def run_esync_rounds(transports, topo, rounds=4, mode="blocking"):
     await asyncio.gather(*(s.start() for s in strats))
     n_local = {i: [] for i in topo.ids}
     for rnd in range(rounds):
-        reps = await asyncio.gather(*(s.train_step(rnd, rnd == rounds - 1) for s in strats))
+        reps = await asyncio.gather(*(s.run_step(rnd, rnd == rounds - 1) for s in strats))
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)  # identical w_t
         for i, r in zip(topo.ids, reps):

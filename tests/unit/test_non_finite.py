@@ -85,7 +85,7 @@ async def test_a_step_failing_on_a_non_finite_piece_waits_for_the_next_view() ->
 
     try:
         assert await asyncio.wait_for(regroup.run(3, op), 10) == "done"
-        assert calls == [1, 2] and regroup.reforms == 1
+        assert calls == [1, 2] and regroup.reformations == 1
     finally:
         await t.close()
 

@@ -68,7 +68,7 @@ async def test_constant_weights_preserve_the_sum_and_members_end_equal():
     with the same model."""
     async with memory_strategies(mesh(4), "preduce", {"P": 2}, lr=1e-30, momentum=0.0) as pr:
         await set_all(pr, [1.0, 2.0, 3.0, 10.0])
-        reps = await asyncio.gather(*(s.train_step(0, False) for s in pr))
+        reps = await asyncio.gather(*(s.run_step(0, False) for s in pr))
         xs = [await s.ctx.replica.get_params() for s in pr]
     assert all(r.extra["group"] == 2 and r.extra["applied"] for r in reps)
     np.testing.assert_allclose(sum(xs), 16.0, rtol=1e-6)
@@ -86,7 +86,7 @@ async def test_dynamic_weights_applied_by_the_members():
                      lr=1e-30, momentum=0.0) as pr:
         await set_all(pr, [1.0, 4.0])
         pr[0].k, pr[1].k = 11, 9  # the local step makes them 12 and 10
-        reps = await asyncio.gather(*(s.train_step(0, False) for s in pr))
+        reps = await asyncio.gather(*(s.run_step(0, False) for s in pr))
         xs = [await s.ctx.replica.get_params() for s in pr]
     assert [r.extra["weight"] for r in reps] == [pytest.approx(4 / 7, abs=1e-5), pytest.approx(3 / 7, abs=1e-5)]
     for x in xs:
@@ -102,7 +102,7 @@ async def test_one_nodes_stop_ends_the_run_and_every_node_ends_with_one_model():
         async def loop(s: Any) -> int:
             step = 0
             while True:
-                rep = await s.train_step(step, s.ctx.node_id == 1 and step >= 5)
+                rep = await s.run_step(step, s.ctx.node_id == 1 and step >= 5)
                 step += 1
                 if rep.stop or step > 100:
                     return step

@@ -96,14 +96,14 @@ async def test_a_worker_held_by_the_scheduler_follows_a_view_that_drops_a_store_
     async with memory_strategies(mesh(3), "ssp", {"s": 0}) as st:
         svc = st[0].ctx.rpc_server.handlers["ssp.pushed"].__self__
         svc.hold = 3600.0  # no "wait" answer ends node 1's report
-        held = asyncio.ensure_future(st[1].train_step(0, False))
+        held = asyncio.ensure_future(st[1].run_step(0, False))
         try:
             await until(lambda: 1 in svc._waiting, 10, "node 1 to be held by the scheduler")
             view = View(epoch=1, members=(0, 1))
             for s in st[:2]:
                 s.ctx.membership.views.apply(view)
                 s.on_view(view)
-            reps = await asyncio.wait_for(asyncio.gather(st[0].train_step(0, False), held), 30)
+            reps = await asyncio.wait_for(asyncio.gather(st[0].run_step(0, False), held), 30)
         finally:
             await cancel_all([held])
         assert [s.reshards for s in st[:2]] == [1, 1] and [s.store.members for s in st[:2]] == [[0, 1]] * 2
@@ -137,7 +137,7 @@ async def test_bsp_follows_a_schedule_step_by_step():
                   for s in st]
         seen = []
         for step in range(6):
-            await asyncio.gather(*(s.train_step(step, step == 5) for s in st))
+            await asyncio.gather(*(s.run_step(step, step == 5) for s in st))
             for sc in scheds:
                 sc.step()
             seen.append((await st[0].ctx.replica.get_params()).tobytes())

@@ -39,7 +39,7 @@ async def _close(strats):
 async def test_ssgd_keeps_replicas_identical_and_agrees_on_stop():
     strats = await _nodes(ring(3), "ssgd")
     for step in range(4):
-        reps = await asyncio.gather(*(s.train_step(step, want_stop=(s.ctx.node_id == 1 and step == 3))
+        reps = await asyncio.gather(*(s.run_step(step, want_stop=(s.ctx.node_id == 1 and step == 3))
                                       for s in strats))
         assert all(r.stop == (step == 3) for r in reps)  # one node's wish stops everyone
     params = [await s.ctx.replica.get_params() for s in strats]
@@ -51,7 +51,7 @@ async def test_ssgd_peer_failure_aborts_with_named_peer():
     strats = await _nodes(mesh(3), "ssgd")
     await strats[2].ctx.transport.close()  # node 2 is gone
     idle = [s.ctx.transport.mailbox.waiting for s in strats[:2]]
-    task = asyncio.gather(strats[0].train_step(0, False), strats[1].train_step(0, False))
+    task = asyncio.gather(strats[0].run_step(0, False), strats[1].run_step(0, False))
     await until(lambda: all(s.ctx.transport.mailbox.waiting > n for s, n in zip(strats, idle)), 5.0,
                 "both survivors waiting for the step's pieces")
     for s in strats[:2]:  # what the membership client does on a failure event
@@ -61,7 +61,7 @@ async def test_ssgd_peer_failure_aborts_with_named_peer():
         await task
     assert ei.value.peers == (2,)
     with pytest.raises(PeerFailure, match=r"peer\(s\) \[2\] failed"):
-        await strats[0].train_step(1, False)
+        await strats[0].run_step(1, False)
     await _close(strats)
 
 
@@ -78,7 +78,7 @@ async def test_asgd_applies_every_gradient_once_everywhere():
 
 async def _run(s, steps):
     for k in range(steps):
-        await s.train_step(k, k == steps - 1)
+        await s.run_step(k, k == steps - 1)
 
 
 async def test_asgd_members_joined_only_through_other_nodes_still_get_every_gradient():

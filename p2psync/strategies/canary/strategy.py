@@ -129,6 +129,7 @@ from p2psync.strategies.canary.colayers import Colayer, group, parse_counts
 from p2psync.strategies.canary.exchange import CanaryMode, Exchange, Progress, ReplyPolicy, RoundResult
 from p2psync.strategies.canary.gei import Branch, GEIMatrix, decide, members_mask, node_bit, validate
 from p2psync.strategies.canary.wire import Header
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.regroup import Regroup
 from p2psync.tasks import cancel_all
 from p2psync.transport.forward import Forwarder
@@ -199,6 +200,7 @@ class Canary(Strategy):
     grad_ready = True
     Options = CanaryOptions
     opts: CanaryOptions
+    failure: FailurePolicy
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -209,6 +211,8 @@ class Canary(Strategy):
                              else get_codec("none"))
         self.plain = get_codec("none")
         self.regroup = Regroup(ctx=ctx, name="canary")
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
+        self.failure = self.regroup.failure
         self.fwd = Forwarder(transport=ctx.transport, name="canary", timeout=ctx.peer_timeout,
                              accept=lambda to, tag: to in ctx.topology.ids and tag.startswith("canary."))
         self.exchange: Exchange | None = None
@@ -340,7 +344,6 @@ class Canary(Strategy):
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         self.next_step = step
-        self.regroup.check()
         stop_now = False
         if self._resync_due:
             stop_now = await self._resync()
