@@ -104,8 +104,9 @@ async def test_native_mode_a_slow_worker_does_not_hold_back_the_others_and_the_r
             await close_strategies(strats)
     iters = [len(r) for r in reps]
     # no barrier: the fast ones run up to 6x as many (less the per-message cost of four nodes
-    # sharing this process's event loop); a barrier would give every node the same count
-    assert min(iters[:3]) >= 2 * iters[3], iters
+    # sharing this process's event loop, which a loaded machine makes dominant); a barrier
+    # would give every node the same count, give or take one
+    assert min(iters[:3]) >= max(1.5 * iters[3], iters[3] + 3), iters
     assert all(p.tobytes() == params[0].tobytes() for p in params)  # averaged at the stop
     assert min(accs) > 0.6, accs
     last = [r[-1].extra for r in reps]
