@@ -10,7 +10,11 @@ also weighs 0 with ``uniform``). Its loop moves to the leader's step.
 At the stop (:mod:`.stop`) the leader's counters name :data:`~.state.FULL` (it is in the final
 sync: this node takes part in it with Δ = 0) or :data:`~.state.CLOSE` (θ_g holds the final sync
 already: this node joins the closing checks); a member that missed the agreed stop learns it
-there (not with ``eager``: :mod:`.stop`).
+there. The same holds with ``eager``: the leader's θ_g and momentum then hold its completion
+step, and the closing checks' exact mean makes every member's θ_g and momentum one. An eager
+leader may also be in the round its completion step awaits (launched after the stop was
+agreed: its counters are ``at_stop``): this node takes part in that round with Δ = 0 and
+stops with the leader.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class Adoption(Operations):
         self.marks = [self.ctx.replica.samples] * len(self.frags)
         self.adoptions += 1
         cur = self.cursor
-        if c.frag in (FULL, CLOSE) and not self.opts.eager:  # the leader is at the stop
+        if c.frag in (FULL, CLOSE):  # the leader is at the stop
             self._stopping = True
             log.warning("node %d: adopted the leader's DiLoCo state at its stop (operation %d, %s)", self.ctx.node_id,
                         c.op, "final sync" if c.frag == FULL else "closing checks")
@@ -83,14 +87,16 @@ class Adoption(Operations):
             return c
         if cur is None or not 0 <= c.frag < len(self.frags):
             raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
+        if c.at_stop:  # eager's completion round: the leader is at the stop, and so is this node now
+            self._stopping = True
         cur.since, cur.next_frag, cur.due = 0, c.frag, None
-        await self._launch(c.frag, c.step, zero=True)
+        await self._launch(c.frag, c.step, zero=True, at_stop=c.at_stop)
         if self.opts.eager:
             cur.applied()  # (awaited at the next send)
         elif cur.apply_now():
             got = await self._apply(extra)
             if isinstance(got, Counters):
                 return got
-        log.warning("node %d: adopted the leader's DiLoCo state at operation %d (step %d)", self.ctx.node_id,
-                    c.op, c.step)
+        log.warning("node %d: adopted the leader's DiLoCo state at operation %d (step %d%s)", self.ctx.node_id,
+                    c.op, c.step, ", at its stop" if c.at_stop else "")
         return c

@@ -28,7 +28,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, PeerFailure
+from p2psync.errors import ConfigError
 from p2psync.model import PARAM_RANGES
 from p2psync.strategies.base import Strategy, StrategyContext
 from p2psync.strategies.diloco.options import DilocoOptions
@@ -151,9 +151,12 @@ class Operations(Strategy):
             return 0.0
         return 1.0
 
-    async def _launch(self, f: int, step: int, *, zero: bool = False, ref: np.ndarray | None = None) -> None:
+    async def _launch(self, f: int, step: int, *, zero: bool = False, ref: np.ndarray | None = None,
+                      at_stop: bool = False) -> None:
         """Send fragment ``f`` (or the whole model, ``FULL``): Δ = θ_g − θ_local (``ref``
-        instead of θ_g for the whole model), weighted, summed over the view in the background."""
+        instead of θ_g for the whole model), weighted, summed over the view in the background.
+        ``at_stop``: the members agreed to stop already (its counters say so to a member
+        that adopts this node's state during it)."""
         if self.theta is None:
             raise ConfigError("diloco: no global copy yet")
         idx = self.frags[f] if f != FULL else None
@@ -176,11 +179,11 @@ class Operations(Strategy):
         else:
             w = self._weight(f)
         payload = delta if w == 1.0 else np.multiply(delta, np.float32(w))
-        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=f)
+        c = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=f, at_stop=at_stop)
         self.ops += 1
         self._launched = c
         self._start(Op(f=f, payload=payload, w=w, stop=self._want_stop, nonfinite=nonfinite, counters=c,
-                        speed=float(np.float32(self.speed))))  # (as the side sum carries it)
+                       speed=float(np.float32(self.speed))))  # (as the side sum carries it)
         if f != FULL and self.cursor is not None:
             self.cursor.sent(f)
 
@@ -238,9 +241,6 @@ class Operations(Strategy):
             extra["wait_op_s"] = round(float(extra.get("wait_op_s", 0.0)) + clock.now() - t0, 4)
             if isinstance(got, Adopted) or got is None:
                 self.inflight = None
-                if final and self.opts.eager:
-                    raise PeerFailure("diloco: a view changed during the completion step of eager updates' stop "
-                                      "(it is not re-formed)")
                 return await self._take_adopted(extra)
             s, side, st = got
         self.inflight = None

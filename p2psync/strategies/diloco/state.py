@@ -24,16 +24,20 @@ _SPLIT = 1 << 20
 class Counters:
     """Where a node stands when it launches operation ``op`` (of fragment ``frag``: :data:`FULL`
     for the final full-model sync, :data:`CLOSE` for the stop's closing checks after it): its
-    inner step ``t``, its loop's step, and the outer steps applied so far."""
+    inner step ``t``, its loop's step, and the outer steps applied so far. ``at_stop``: the
+    members had agreed to stop when it was launched (eager's completion round, a fragment's
+    operation that the stop's completion step awaits)."""
 
     op: int
     t: int
     step: int
     applied: int
     frag: int = 0
+    at_stop: bool = False
 
     def pack(self) -> np.ndarray:
-        vals = (self.op, self.t, self.step, self.applied, self.frag + 2)  # (frag >= -2: the stop's markers)
+        vals = (self.op, self.t, self.step, self.applied, self.frag + 2,  # (frag >= -2: the stop's markers)
+                int(self.at_stop))
         if any(v < 0 or v >= 1 << 43 for v in vals):
             raise ConfigError(f"DiLoCo counters out of range: {vals}")
         return np.array([x for v in vals for x in divmod(v, _SPLIT)], np.float32)
@@ -42,11 +46,13 @@ class Counters:
     def unpack(cls, vec: np.ndarray) -> Counters:
         if vec.size != COUNTERS or not np.isfinite(vec).all() or (vec < 0).any() or (vec != np.floor(vec)).any():
             raise ProtocolError("state", "malformed DiLoCo counters")
-        v = [int(vec[2 * i]) * _SPLIT + int(vec[2 * i + 1]) for i in range(5)]
-        return cls(op=v[0], t=v[1], step=v[2], applied=v[3], frag=v[4] - 2)
+        v = [int(vec[2 * i]) * _SPLIT + int(vec[2 * i + 1]) for i in range(6)]
+        if v[5] > 1:
+            raise ProtocolError("state", "malformed DiLoCo counters")
+        return cls(op=v[0], t=v[1], step=v[2], applied=v[3], frag=v[4] - 2, at_stop=bool(v[5]))
 
 
-COUNTERS = 10
+COUNTERS = 12
 
 
 def state_size(numel: int, parts: int) -> int:

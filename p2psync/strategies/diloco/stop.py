@@ -15,8 +15,10 @@ buffers, the digest of θ_g) run as one more operation (:data:`~.state.CLOSE`), 
 :class:`~p2psync.strategies.regroup.Regroup`. A member that missed an operation the others
 completed there (it failed on it alone) adopts the leader's θ_g — with the final sync in it once
 the leader is in the closing checks — and takes part in what the leader runs (:mod:`.adoption`).
-Eager updates re-form their rounds but not the completion step of their stop: a view change
-there ends the run with an error.
+With ``eager`` the completion step awaits the round in flight like any operation: a member
+that failed it alone (or the final sync after it) adopts the leader's θ_g and momentum, which
+hold the leader's completion step, and the closing checks' exact mean ends the run with one
+θ_g over the members that reached it.
 """
 
 from __future__ import annotations
@@ -42,24 +44,27 @@ class Stopping(Adoption):
     """The stop's protocol: :meth:`_flush`, then :meth:`_close_checks` as one more operation."""
 
     async def _flush(self, extra: dict[str, Any], step: int) -> None:
-        """The stop: apply the operation in flight, the final full sync (``final_sync=full``),
-        then the closing checks (:meth:`_close_checks`) as one more operation. A member that
-        adopts a leader's state on the way joins what the leader runs (the module docstring)."""
+        """The stop: apply the operation in flight (eager: its completion step), the final full
+        sync (``final_sync=full``), then the closing checks (:meth:`_close_checks`) as one more
+        operation. A member that adopts a leader's state on the way joins what the leader runs
+        (the module docstring)."""
         if self.theta is None:
             raise ConfigError("diloco: no global copy yet")
         # the model's progress since the last send is measured from θ_g as it was then (eager's
         # completion step below moves θ_g without any local step behind it)
         since = self.theta.copy()
-        if self.opts.eager:  # the completion step: the others' last contributions, no new own one
-            last = await self._collect(extra, final=True)
-            if isinstance(last, tuple):
-                late = self._late_part(last[0], last[1], last[2], extra)
-                if late is not None:
-                    o = self.opts
-                    self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
-                                              momentum=o.outer_momentum, nesterov=o.nesterov)
-        elif self.inflight is not None and self.inflight.f != FULL:
-            await self._apply(extra, final=True)  # (an adoption here may launch the leader's final sync)
+        # (an adoption on the way may launch the leader's final sync, or take a θ_g that holds it)
+        if self.inflight is not None and self.inflight.f != FULL:
+            if self.opts.eager:  # the completion step: the others' last contributions, no new own one
+                last = await self._collect(extra, final=True)
+                if isinstance(last, tuple):
+                    late = self._late_part(last[0], last[1], last[2], extra)
+                    if late is not None:
+                        o = self.opts
+                        self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
+                                                  momentum=o.outer_momentum, nesterov=o.nesterov)
+            else:
+                await self._apply(extra, final=True)
         if self.opts.final_sync == "full" and not self._final_done:
             if self.inflight is None or self.inflight.f != FULL:
                 await self._launch(FULL, step, ref=since if self.opts.eager else None)

@@ -185,10 +185,11 @@ class DiLoCo(Stopping):
                                  due=None if due < 0 else due)
         rec = state.get("inflight")
         if rec is not None:
-            c = Counters(*(int(v) for v in rec["counters"]))
+            op_, t, at, applied, frag = (int(v) for v in rec["counters"])
+            c = Counters(op=op_, t=t, step=at, applied=applied, frag=frag)
             op = Op(f=int(rec["f"]), payload=np.asarray(rec["payload"].numpy(), np.float32).copy(),
-                     w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c,
-                     speed=float(rec.get("speed", 0.0)))
+                    w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c,
+                    speed=float(rec.get("speed", 0.0)))
             if "result" in rec:
                 op.result = (np.asarray(rec["result"][0].numpy(), np.float32).copy(),
                              np.asarray(rec["result"][1].numpy(), np.float32).copy())
@@ -234,7 +235,7 @@ class DiLoCo(Stopping):
         next_step: int | None = None
         f, apply = cur.step()
         if self.opts.eager:
-            apply, got_eager = False, await self._eager_round(f, step, extra) if f is not None else False
+            apply, got_eager = False, await self._eager_round(f, step, extra, stopping=stop) if f is not None else False
             if isinstance(got_eager, Counters):
                 next_step = got_eager.step + 1
                 stop = self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
@@ -290,11 +291,13 @@ class DiLoCo(Stopping):
             params = root
         self.theta = np.array(params, np.float32, copy=True)
 
-    async def _eager_round(self, f: int, step: int, extra: dict[str, Any]) -> bool | Counters:
+    async def _eager_round(self, f: int, step: int, extra: dict[str, Any], *, stopping: bool) -> bool | Counters:
         """Eager updates (fragments=1): await the previous round's sum, launch this round's,
         then one outer step on this node's θ_g with its own fresh pseudo-gradient and the
         others' previous ones (:func:`~p2psync.strategies.diloco.outer.eager_gradient`), and
-        θ_local ← θ_g. Returns whether the previous round carried a stop, or adopted counters."""
+        θ_local ← θ_g. Returns whether the previous round carried a stop, or adopted counters.
+        ``stopping`` (the step budget ends here) or a stop carried by the previous round makes
+        this round the one the stop's completion step awaits (launched ``at_stop``)."""
         if self.theta is None or self.cursor is None:
             raise ConfigError("diloco: no global copy yet")
         got = await self._collect(extra)
@@ -305,7 +308,7 @@ class DiLoCo(Stopping):
             prev, s, side, _ = got
             stop = bool(side[1] > 0)
             others = self._late_part(prev, s, side, extra)
-        await self._launch(f, step)
+        await self._launch(f, step, at_stop=stopping or stop)
         self.cursor.applied()  # (the round's own sum is awaited at the next send)
         new = self.inflight
         if new is None:
