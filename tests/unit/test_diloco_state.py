@@ -163,6 +163,7 @@ def test_the_counters_carry_the_stops_markers(frag, at_stop):
     the members agreed to stop (eager's completion round), reach a member that adopts them."""
     c = Counters(op=3, t=12, step=11, applied=2, frag=frag, at_stop=at_stop)
     assert Counters.unpack(c.pack()) == c
+    assert c.stopping == (frag != 1)
     bad = c.pack()
     bad[-1] = 2  # the flag is 0 or 1
     with pytest.raises(ProtocolError):

@@ -76,8 +76,8 @@ class Adoption(Operations):
         self.marks = [self.ctx.replica.samples] * len(self.frags)
         self.adoptions += 1
         cur = self.cursor
-        if c.frag in (FULL, CLOSE):  # the leader is at the stop
-            self._stopping = True
+        self._stopping = self._stopping or c.stopping  # (a member that missed the agreed stop learns it)
+        if c.frag in (FULL, CLOSE):
             log.warning("node %d: adopted the leader's DiLoCo state at its stop (operation %d, %s)", self.ctx.node_id,
                         c.op, "final sync" if c.frag == FULL else "closing checks")
             if c.frag == FULL:  # take part in the leader's final sync with Δ = 0
@@ -87,8 +87,6 @@ class Adoption(Operations):
             return c
         if cur is None or not 0 <= c.frag < len(self.frags):
             raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
-        if c.at_stop:  # eager's completion round: the leader is at the stop, and so is this node now
-            self._stopping = True
         cur.since, cur.next_frag, cur.due = 0, c.frag, None
         await self._launch(c.frag, c.step, zero=True, at_stop=c.at_stop)
         if self.opts.eager:

@@ -35,6 +35,12 @@ class Counters:
     frag: int = 0
     at_stop: bool = False
 
+    @property
+    def stopping(self) -> bool:
+        """The members had agreed to stop when this operation was launched: the final sync,
+        the closing checks, or a round ``at_stop``."""
+        return self.frag in (FULL, CLOSE) or self.at_stop
+
     def pack(self) -> np.ndarray:
         vals = (self.op, self.t, self.step, self.applied, self.frag + 2,  # (frag >= -2: the stop's markers)
                 int(self.at_stop))
