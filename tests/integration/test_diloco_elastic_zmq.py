@@ -1,7 +1,8 @@
 """DiLoCo when nodes leave and join, over real ZeroMQ in one process (the nodes of
 tests/integration/test_leave_join_zmq.py): a crash while a fragment's sum is in flight is redone
 over the survivors, which end with one model and one θ_g; a restarted node adopts the leader's
-θ_g and outer momentum and ends with the same model."""
+θ_g and outer momentum and ends with the same model; the stop (final sync, closing checks,
+eager's completion round) is re-formed the same way."""
 
 from __future__ import annotations
 
@@ -116,5 +117,88 @@ async def test_a_member_that_failed_the_final_sync_alone_adopts_the_leaders_resu
     assert failed, "node 3 never reached the final sync"
     assert len(set(ends)) == 1, ends
     assert adoptions == 1
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
+EAGER = {"inner_steps": 4, "eager": True, "outer_lr": 0.7}
+
+
+@pytest.mark.parametrize("which", ["stop", "completion", "final sync"])
+async def test_an_eager_stop_that_failed_on_a_member_alone_is_re_formed_and_ends_with_one_model(which):
+    """Eager updates' stop: node 3's sum fails on it alone (its sums arrived, then a failure):
+    the first round that carries the stop (node 3 misses the agreed stop and learns it from
+    the leader's counters), the round the completion step awaits (the one launched where the
+    stop was seen, right after it) or the final sync. The others complete it and go on; node 3
+    asks for a redo, adopts the leader's θ_g and momentum at the new epoch, takes part in what
+    the leader runs, and the closing checks' exact mean leaves every node with one model equal
+    to one θ_g."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=EAGER) as nodes:
+        late = nodes[3].strategy
+        reduce = late._reduce
+        stops: list[int] = []
+        failed: list[int] = []
+
+        def target(op: Any) -> bool:
+            if which == "final sync":
+                return op.f == FULL
+            if op.f != FULL and op.stop and op.k not in stops:
+                stops.append(op.k)
+            return op.f != FULL and bool(stops) and op.k == stops[0] + (which == "completion")
+
+        async def fail_once(view: Any, op: Any) -> Any:
+            got = await reduce(view, op)
+            if target(op) and not failed:
+                failed.append(op.k)
+                raise PeerFailure(f"test: the {which} fails on node 3 alone")
+            return got
+
+        late._reduce = fail_once
+        await _train(nodes, 24, warm=5)
+        ends = await _finish(list(nodes.values()))
+        params = await _params(list(nodes.values()))
+        thetas = [n.strategy.theta for n in nodes.values()]
+        adoptions = late.adoptions
+    assert failed, f"node 3 never reached the {which}"
+    assert len(set(ends)) == 1, ends
+    assert adoptions == 1
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
+async def test_a_crash_during_an_eager_stops_completion_is_redone_over_the_survivors_who_end_with_one_model():
+    """Eager updates' stop: node 2 dies right after it launched the round the completion step
+    awaits (the operation after the first one that carries the stop). The survivors' round is
+    redone over the next view with their unchanged pseudo-gradients, and the completion step,
+    the final sync and the closing checks' exact mean leave them with one model equal to one
+    θ_g."""
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=EAGER) as nodes:
+        victim = nodes[2].strategy
+        launch = victim._launch
+        stops: list[int] = []
+        killed: list[asyncio.Task[None]] = []
+
+        async def launch_then_die(f: int, step: int, **kw: Any) -> None:
+            await launch(f, step, **kw)
+            op = victim.inflight
+            if op is None or op.f == FULL or not op.stop:
+                return
+            stops.append(op.k)
+            if op.k == stops[0] + 1 and not killed:  # its part of the completion's round is on its way
+                killed.append(asyncio.ensure_future(nodes[2].crash()))
+
+        victim._launch = launch_then_die
+        await _train(nodes, 24, warm=5)
+        survivors = [n for i, n in nodes.items() if i != 2]
+        ends = await _finish(survivors)
+        assert killed, "node 2 never reached the stop's completion"
+        await asyncio.gather(*killed)
+        params = await _params(survivors)
+        thetas = [n.strategy.theta for n in survivors]
+        reforms = [n.strategy.regroup.reforms for n in survivors]
+    assert len(set(ends)) == 1, ends
+    assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
     assert all(p.tobytes() == thetas[0].tobytes() for p in params)

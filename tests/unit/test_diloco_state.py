@@ -157,6 +157,19 @@ def test_the_adopted_state_round_trips():
         unpack_state(vec[:-1], 5, frags)
 
 
+@pytest.mark.parametrize("frag,at_stop", [(0, True), (1, False), (-1, False), (-2, False)])
+def test_the_counters_carry_the_stops_markers(frag, at_stop):
+    """The final sync's and the closing checks' fragment numbers, and a round launched after
+    the members agreed to stop (eager's completion round), reach a member that adopts them."""
+    c = Counters(op=3, t=12, step=11, applied=2, frag=frag, at_stop=at_stop)
+    assert Counters.unpack(c.pack()) == c
+    assert c.stopping == (frag != 1)
+    bad = c.pack()
+    bad[-1] = 2  # the flag is 0 or 1
+    with pytest.raises(ProtocolError):
+        Counters.unpack(bad)
+
+
 @pytest.mark.parametrize("raw,name", [
     ({"inner_steps": 0}, "inner_steps"), ({"outer_lr": -1}, "outer_lr"), ({"outer_momentum": 1}, "outer_momentum"),
     ({"fragments": 3, "inner_steps": 10}, "inner_steps"), ({"tau": 10, "inner_steps": 10}, "tau"),

@@ -1,0 +1,27 @@
+"""DiLoCo (DiLoCo, Streaming DiLoCo, eager updates, DyLU): the strategy and its parts, one module
+per concept (the algorithm: :mod:`~p2psync.strategies.diloco.strategy`).
+
+* ``strategy.py`` — the :class:`DiLoCo` strategy: the step loop (inner step, send, apply, eager
+  rounds), start, checkpoints (registered as ``--strategy diloco``);
+* ``options.py`` — its ``--opt`` options (:class:`DilocoOptions`);
+* ``ops.py`` — one operation (a fragment's pseudo-gradient sum over a view, redone over the
+  next view when it fails) and the outer step that applies it (IO);
+* ``adoption.py`` — a member behind or a joiner adopts a leader's state (IO);
+* ``stop.py`` — the stop: the operations in flight, the final sync, the closing checks (IO);
+* ``outer.py`` — the outer Nesterov step, the α merge, the eager gradient (pure);
+* ``schedule.py`` — which fragment is sent and applied after which inner step, DyLU (pure);
+* ``fragments.py`` — the fragment map (pure);
+* ``state.py`` — the counters and the state vector a member behind adopts (pure).
+
+Imports flow one way: the pure modules, then ``ops`` → ``adoption`` → ``stop`` → ``strategy``.
+"""
+
+from p2psync.strategies.diloco.options import DilocoOptions
+from p2psync.strategies.diloco.ops import Op
+from p2psync.strategies.diloco.state import CLOSE, FULL
+from p2psync.strategies.diloco.strategy import DiLoCo
+
+#: :class:`Op`, also under this name
+_Op = Op
+
+__all__ = ["CLOSE", "FULL", "DiLoCo", "DilocoOptions", "Op"]

@@ -1,0 +1,106 @@
+"""The ``--opt`` options of ``--strategy diloco``.
+
+Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
+
+* ``inner_steps`` H (100), ``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true);
+* ``fragments`` P (1), ``fragment_by`` (``blocks``: repeated blocks dealt to P fragments, plus one
+  more for every other parameter; ``flat``: P contiguous ranges), ``fragment_pattern``
+  (``strided`` | ``sequential``), ``tau`` (0), ``alpha`` (0.5);
+* ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit), ``error_feedback`` (the run's
+  ``--error-feedback``; ``true`` | ``false``);
+* ``weighting`` (``uniform`` | ``samples``: each Δ weighted by the samples behind it);
+* ``final_sync`` (``full``: one last outer step over the whole model at the stop; ``outer``: the
+  outer parameters as they are), ``init_sync`` (true: every member starts from the lowest id's
+  parameters), ``join_inner_state`` (``copy``: a joiner takes the leader's inner optimizer state;
+  ``fresh``: it keeps its own);
+* ``dylu`` (Dynamic Local Updates: after each cycle a node takes
+  h_m = max(⌈dylu_min_steps / P⌉, ⌊⌊v_m / max v · H⌋ / P⌋) inner steps per fragment, v its
+  measured compute speed, published in every side sum, so slow and fast nodes reach each sum
+  together; operations are matched by number, not by step), ``dylu_min_steps`` (5);
+* ``eager`` (Eager updates; ``fragments=1``, ``tau=0``, ``weighting=uniform``: a round's sum is
+  awaited only at the next round's send, a whole round later, and each node steps its own θ_g
+  with its fresh Δ over the members plus the others' Δ of the previous round; the nodes' θ_g
+  differ until the stop, which applies a completion step and then an exact mean of θ_g and the
+  momentum), ``eager_delay`` (1; more is not built).
+
+Bad or unbuilt combinations are a ConfigError naming the option.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from p2psync.compress import get_codec
+from p2psync.errors import ConfigError
+from p2psync.strategies.options import StrategyOptions, option, positive, require
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class DilocoOptions(StrategyOptions):
+    """``--opt`` options of ``--strategy diloco`` (see the module docstring)."""
+
+    inner_steps: int = option(100, "H: inner steps between two syncs of the same parameters")
+    outer_lr: float = option(0.7, "outer learning rate (DiLoCo 0.7, Streaming 0.4)")
+    outer_momentum: float = option(0.9, "outer momentum, 0 <= mu < 1")
+    nesterov: bool = option(True, "Nesterov outer momentum (false: heavy ball)")
+    fragments: int = option(1, "P: fragments synchronized in turn (Streaming DiLoCo)")
+    fragment_by: Literal["blocks", "flat"] = option("blocks", "fragments of repeated blocks (+1 for the rest) "
+                                                              "or contiguous ranges")
+    fragment_pattern: Literal["strided", "sequential"] = option("strided", "which blocks go together")
+    tau: int = option(0, "overlap: a fragment's average is merged tau inner steps after it was sent")
+    alpha: float = option(0.5, "merge weight of the local parameters (tau > 0)")
+    eager: bool = option(False, "eager updates: a round's sum is applied a whole round later, each node's own "
+                                "contribution at once")
+    eager_delay: int = option(1, "rounds of eager overlap (only 1 is built)")
+    outer_codec: str = option("", "codec of the pseudo-gradient allreduce (empty: the run's --codec)")
+    error_feedback: str = option("", "error feedback of the outer codec: true/false (empty: --error-feedback)")
+    weighting: Literal["uniform", "samples"] = option("uniform", "weights of the nodes' pseudo-gradients")
+    dylu: bool = option(False, "per-node inner steps proportional to the node's measured speed")
+    dylu_min_steps: int = option(5, "with dylu: the fewest inner steps a node takes per cycle")
+    final_sync: Literal["full", "outer"] = option("full", "at the stop: one last full outer step, or the outer "
+                                                          "parameters as they are")
+    join_inner_state: Literal["copy", "fresh"] = option("copy", "a joiner copies the leader's inner optimizer "
+                                                                "state, or keeps its own (fresh)")
+    init_sync: bool = option(True, "start every member from the lowest id's parameters")
+
+    def __post_init__(self) -> None:
+        require(self.inner_steps >= 1, self, "inner_steps", "must be a whole number >= 1")
+        positive(self, "outer_lr")
+        require(0.0 <= self.outer_momentum < 1.0, self, "outer_momentum", "must be in [0, 1)")
+        require(self.fragments >= 1, self, "fragments", "must be a whole number >= 1")
+        require(self.inner_steps % self.fragments == 0, self, "inner_steps",
+                f"must be a multiple of fragments={self.fragments}")
+        require(0 <= self.tau < self.inner_steps // self.fragments, self, "tau",
+                f"must be 0 <= tau < inner_steps / fragments = {self.inner_steps // self.fragments} "
+                "(at most one fragment in flight)")
+        require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0, self, "alpha", "must be in [0, 1]")
+        require(not self.eager or self.fragments == 1, self, "eager", "only with fragments=1 (eager updates of "
+                "streamed fragments are not built)")
+        require(not self.eager or self.tau == 0, self, "eager", "only with tau=0 (the overlap is a whole round)")
+        require(not self.eager or self.weighting == "uniform", self, "eager", "only with weighting=uniform")
+        require(not self.eager or not self.outer_codec.startswith("topk"), self, "eager", "not with a topk outer_codec")
+        require(self.eager_delay == 1, self, "eager_delay", "only 1 is built (2-outer-steps eager is not)")
+        require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
+        require(self.dylu or self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true")
+        require(not (self.dylu and self.eager), self, "dylu", "not with eager")
+        require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
+                "true or false (empty: the run's --error-feedback)")
+        if self.outer_codec:
+            try:
+                get_codec(self.outer_codec)
+            except ConfigError as exc:
+                raise ConfigError(f"--opt outer_codec={self.outer_codec}: {exc}") from None
+
+    @property
+    def feedback(self) -> bool | None:
+        """The error_feedback option: True, False, or None (the run's setting)."""
+        v = self.error_feedback.strip().lower()
+        return None if not v else v in _TRUE
+
+
+__all__ = ["DilocoOptions"]

@@ -1,0 +1,115 @@
+"""The stop (IO): the operations in flight applied, the final sync, and the closing checks.
+
+Stop: with a step budget every node stops at the same step (with DyLU the fastest node's budget:
+its wish rides with the sums); otherwise a node's wish rides in
+the side sum of every operation it launches and every member stops at the apply of the first
+one that carries it (up to h + τ steps late). At the stop every operation in flight is applied,
+``final_sync=full`` folds the work since each fragment's last send into one last outer step,
+θ_local ← θ_g on every node, buffers follow ``--buffers``, and a digest of θ_g is compared
+(one model: ``identical_replicas = "end"``). A script whose loop just ends, without an agreed
+stop, leaves every node with its own local model.
+
+The stop is re-formed over the survivors like every other operation: the final full-model sync
+is an operation (:data:`~.state.FULL`), and the closing checks after it (eager's exact mean,
+buffers, the digest of θ_g) run as one more operation (:data:`~.state.CLOSE`), both through
+:class:`~p2psync.strategies.regroup.Regroup`. A member that missed an operation the others
+completed there (it failed on it alone) adopts the leader's θ_g — with the final sync in it once
+the leader is in the closing checks — and takes part in what the leader runs (:mod:`.adoption`).
+With ``eager`` the completion step awaits the round in flight like any operation: a member
+that failed it alone (or the final sync after it) adopts the leader's θ_g and momentum, which
+hold the leader's completion step, and the closing checks' exact mean ends the run with one
+θ_g over the members that reached it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from p2psync.collectives import OpId
+from p2psync.coordinator import View
+from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch
+from p2psync.model import MODEL_BUFFERS
+from p2psync.strategies.buffers import sync_buffers
+from p2psync.strategies.diloco.adoption import Adoption
+from p2psync.strategies.diloco.outer import outer_step
+from p2psync.strategies.diloco.state import CLOSE, FULL, Counters
+from p2psync.strategies.regroup import Adopted, exact_mean_input
+from p2psync.tasks import gather_or_cancel
+
+
+class Stopping(Adoption):
+    """The stop's protocol: :meth:`_flush`, then :meth:`_close_checks` as one more operation."""
+
+    async def _flush(self, extra: dict[str, Any], step: int) -> None:
+        """The stop: apply the operation in flight (eager: its completion step), the final full
+        sync (``final_sync=full``), then the closing checks (:meth:`_close_checks`) as one more
+        operation. A member that adopts a leader's state on the way joins what the leader runs
+        (the module docstring)."""
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        # the model's progress since the last send is measured from θ_g as it was then (eager's
+        # completion step below moves θ_g without any local step behind it)
+        since = self.theta.copy()
+        # (an adoption on the way may launch the leader's final sync, or take a θ_g that holds it)
+        if self.inflight is not None and self.inflight.f != FULL:
+            if self.opts.eager:  # the completion step: the others' last contributions, no new own one
+                last = await self._collect(extra, final=True)
+                if isinstance(last, tuple):
+                    late = self._late_part(last[0], last[1], last[2], extra)
+                    if late is not None:
+                        o = self.opts
+                        self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
+                                                  momentum=o.outer_momentum, nesterov=o.nesterov)
+            else:
+                await self._apply(extra, final=True)
+        if self.opts.final_sync == "full" and not self._final_done:
+            if self.inflight is None or self.inflight.f != FULL:
+                await self._launch(FULL, step, ref=since if self.opts.eager else None)
+            got = await self._collect(extra, final=True)
+            if isinstance(got, tuple):
+                full, s, side, _ = got
+                await self._outer(full, s, side, extra, merge_local=False)
+            elif got is None or got.frag != CLOSE:
+                raise PeerFailure("diloco: the final sync ended without a result")
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        self._launched = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=CLOSE)
+        done = await self.regroup.run(self.ops, self._close_checks)
+        if isinstance(done, Adopted):  # it missed the final sync: the leader's θ_g holds it
+            await self._take_adopted(extra)
+            if not self._final_done:
+                raise PeerFailure("diloco: adopted a state that is not at the stop's closing checks")
+            done = await self.regroup.run(self.ops, self._close_checks)
+        if isinstance(done, Adopted):
+            raise PeerFailure("diloco: the members did not agree on the stop's closing checks")
+
+    async def _close_checks(self, view: View) -> None:
+        """The stop's last operation over ``view``: eager's exact mean of θ_g and the momentum,
+        θ_local ← θ_g, buffers as ``--buffers`` says, and a digest of θ_g compared over the
+        members (a mismatch is a :class:`~p2psync.errors.ReplicaMismatch`)."""
+        if self.theta is None:
+            raise ConfigError("diloco: no global copy yet")
+        coll = self.ctx.collectives
+        op = OpId("diloco", self.ops, view.epoch).tag
+        theta, mom = self.theta, self.bufs[0]
+        if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
+            m = mom if mom is not None else np.zeros_like(theta)
+            th, mo = await gather_or_cancel([
+                coll.allreduce(exact_mean_input(theta), view.members, op="mean", codec="none", tag=f"{op}.mean"),
+                coll.allreduce(exact_mean_input(m), view.members, op="mean", codec="none", tag=f"{op}.mean.b")])
+            theta, mom = np.asarray(th, np.float32), np.asarray(mo, np.float32)
+        await self.ctx.replica.set_params(theta.copy())
+        await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica), coll, self.ctx.buffers, tag=f"{op}.end",
+                           group=view.members)
+        mine = np.frombuffer(hashlib.blake2b(theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
+        rows = await coll.allgather(mine, view.members, tag=f"{op}.hash")
+        differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
+        if differ:
+            raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "
+                                  f"{view.members[0]}'s at the end", nodes=differ, tensor="theta_g")
+        self.theta = theta  # (kept only once every member holds it: a redo starts from the same θ_g)
+        if self.opts.eager:
+            self.bufs[0] = mom
