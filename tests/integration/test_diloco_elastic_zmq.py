@@ -197,7 +197,7 @@ async def test_a_crash_during_an_eager_stops_completion_is_redone_over_the_survi
         await asyncio.gather(*killed)
         params = await _params(survivors)
         thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reforms for n in survivors]
+        reforms = [n.strategy.regroup.reformations for n in survivors]
     assert len(set(ends)) == 1, ends
     assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
