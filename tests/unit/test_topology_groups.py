@@ -123,3 +123,16 @@ def test_sim_with_the_topologys_latencies_uses_the_wan_between_groups(tmp_path: 
         assert set(runs[lat]["invariants"].values()) == {"held"}
     assert runs["-1"]["rendezvous_s"] >= 2 * 0.020 > 5 * runs["1"]["rendezvous_s"]
     assert runs["-1"]["detection_bound_s"] > runs["1"]["detection_bound_s"]
+
+
+def test_cli_topo_groups_writes_a_file_that_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "g.json"
+    assert main(["topo", "groups", "--groups", "3", "--size", "4", "--gateways", "2", "--wan-ms", "40",
+                 "-o", str(out)]) == 0
+    t = load(out)
+    assert t.size == 12 and t.link(0, 4).latency_ms == 40 and t.link(0, 1).latency_ms == 0.2
+    assert t.neighbors_on(1, "wan") == [5, 9]
+    assert main(["topo", "groups", "--groups", "3", "--size", "4", "--gateways", "5"]) == 2
+    assert "--gateways: must be in 1..s (4), got 5" in capsys.readouterr().err
+    assert main(["topo", "groups", "--groups", "0", "--size", "4"]) == 2
+    assert "--groups: " in capsys.readouterr().err
