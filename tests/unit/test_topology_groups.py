@@ -111,6 +111,17 @@ def test_sim_of_a_mesh_of_groups_with_a_kill_holds_every_invariant(tmp_path: Pat
     assert 0 < d["declared_after_s"]["5"] <= s["detection_bound_s"]
 
 
+def test_a_dead_gateway_cuts_its_whole_group_off_and_the_invariants_say_so(tmp_path: Path) -> None:
+    """Killing group 1's only gateway (4) strands 5, 6 and 7: they are declared failed with it,
+    and the invariants count that as the kill's doing."""
+    assert main(["sim", "groups:4x4", "--faults", "kill:4@5", "--virtual-seconds", "20",
+                 "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert set(s["invariants"].values()) == {"held"} and s["killed"] == [4]
+    (d,) = s["detections"]
+    assert sorted(d["declared_after_s"]) == ["4", "5", "6", "7"]
+
+
 def test_sim_with_the_topologys_latencies_uses_the_wan_between_groups(tmp_path: Path) -> None:
     """``--latency-ms -1``: a member of another group reaches the coordinator over a 20 ms WAN
     link, so the rendezvous takes at least a WAN round trip; with 1 ms links far less."""
