@@ -69,10 +69,12 @@ def group_shape(n: int) -> tuple[int, int]:
 def victim(topo: Any) -> int:
     """The node killed: N/2, or in a mesh of groups the first member of N/2's group that is not
     a gateway (a gateway's death would cut its whole group off)."""
+    from p2psync.topology import is_gateway
+
     n = topo.size // 2
     if topo.kind == "groups":
         size, gateways = topo.params["size"], topo.params["gateways"]
-        if n % size < gateways:
+        if is_gateway(n, size, gateways):
             n = n - n % size + gateways
     return n
 

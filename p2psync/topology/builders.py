@@ -210,7 +210,8 @@ def groups(g: int, s: int, *, gateways: int = 1, lan_ms: float = 0.2, wan_ms: fl
 
     Link attributes: :attr:`Topology.default_link` is the LAN (``lan_ms`` one way, ``lan_mbps``),
     and every WAN pair is in :attr:`Topology.links` (``wan_ms``, ``wan_mbps``); a bandwidth of
-    None is unlimited. ``params`` records every argument but the addresses. ConfigError naming
+    None is unlimited (``link(a, b)`` of two nodes that are not adjacent is the LAN too, and
+    means nothing). The LAN networks have level 0, the WAN ones level 1. ``params`` records every argument but the addresses. ConfigError naming
     the argument when ``g`` < 1, ``s`` < 1, ``g * s`` < 2, ``gateways`` is not in 1..``s``, a
     latency is not a finite number >= 0 or a bandwidth is not None nor a finite number > 0.
     """
