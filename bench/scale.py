@@ -1,13 +1,18 @@
 """How the real membership's costs grow with the number of nodes, in the deterministic simulator.
 
-    python -m bench.scale [--sizes 16,64,256] [--kinds ring,mesh,bcube] [--virtual-seconds 15]
+    python -m bench.scale [--sizes 16,64,256] [--kinds ring,mesh,bcube,groups] [--virtual-seconds 15]
                           [--kill-at 5] [--timeout 600]
 
 Every (topology, N) runs in a fresh child process: ``p2psync.sim.cluster.SimCluster`` over
-``ring:N``, ``mesh:N`` (one switch: every node adjacent to every other) or BCube(4, k) with
-4**k = N nodes (BCube(2, k) when N is a power of 2 only), 1 ms links, the default membership
-settings (heartbeat 0.5 s, failure timeout 2 s), and one fault: node N/2 killed ``--kill-at``
-virtual seconds after the rendezvous. Measured over the run after the rendezvous:
+``ring:N``, ``mesh:N`` (one switch: every node adjacent to every other), BCube(4, k) with
+4**k = N nodes (BCube(2, k) when N is a power of 2 only) or a mesh of groups ``groups:GxS``
+(G sites of S nodes, G the largest divisor of N not above sqrt(N): 16x16 for 256, 32x32 for
+1024; a LAN inside a site, the sites' gateways linked to each other), 1 ms links (the groups'
+LAN/WAN attributes are not used: every family is timed over the same links), the default
+membership settings (heartbeat 0.5 s, failure timeout 2 s), and one fault: node N/2 (in a mesh
+of groups, the first member of its group that is not a gateway, whose death cuts no site off)
+killed ``--kill-at`` virtual seconds after the rendezvous. Measured over the run after the
+rendezvous:
 
 * **wall s / virtual s** and **CPU s / virtual s** (the whole simulation; CPU is the robust one
   on a loaded machine);
@@ -44,21 +49,47 @@ from typing import Any, Sequence
 
 from bench._common import markdown_table, save_png
 
-KINDS = ("ring", "mesh", "bcube")
+KINDS = ("ring", "mesh", "bcube", "groups")
 #: the columns fitted against N: (key, label)
 METRICS = (("wall_per_vs", "wall s / virtual s"), ("cpu_per_vs", "CPU s / virtual s"),
            ("coord_msgs_per_vs", "coordinator msgs / virtual s"), ("coord_cpu_per_vs", "coordinator CPU s / virtual s"),
            ("detection_s", "detection s"), ("convergence_s", "convergence s"), ("kb_per_node", "memory KiB / node"))
 
 
+def group_shape(n: int) -> tuple[int, int]:
+    """(G, S) of the mesh of groups with ``n`` nodes: G the largest divisor of ``n`` not above
+    sqrt(n), S = n / G (32x32 for 1024, 2x4 for 8); ValueError when G would be 1 (``n`` prime
+    or below 4)."""
+    g = max(d for d in range(1, math.isqrt(max(n, 1)) + 1) if n % d == 0)
+    if g < 2:
+        raise ValueError(f"no mesh of at least 2 groups of at least 2 nodes has {n} nodes")
+    return g, n // g
+
+
+def victim(topo: Any) -> int:
+    """The node killed: N/2, or in a mesh of groups the first member of N/2's group that is not
+    a gateway (a gateway's death would cut its whole group off)."""
+    from p2psync.topology import is_gateway
+
+    n = topo.size // 2
+    if topo.kind == "groups":
+        size, gateways = topo.params["size"], topo.params["gateways"]
+        if is_gateway(n, size, gateways):
+            n = n - n % size + gateways
+    return n
+
+
 def topology(kind: str, n: int) -> Any:
-    """``ring:n``, ``mesh:n``, or BCube(4, k) / BCube(2, k) with ``n`` nodes."""
-    from p2psync.topology import bcube, mesh, ring
+    """``ring:n``, ``mesh:n``, ``groups:GxS`` (:func:`group_shape`), or BCube(4, k) / BCube(2, k)
+    with ``n`` nodes."""
+    from p2psync.topology import bcube, groups, mesh, ring
 
     if kind == "ring":
         return ring(n)
     if kind == "mesh":
         return mesh(n)
+    if kind == "groups":
+        return groups(*group_shape(n))
     for alpha in (4, 2):
         beta = round(math.log(n, alpha))
         if beta >= 1 and alpha**beta == n:
@@ -74,8 +105,8 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     topo = topology(kind, n)
-    victim = n // 2
-    faults = parse_faults(f"kill:{victim}@{kill_at:g}", topo.ids)
+    dead = victim(topo)
+    faults = parse_faults(f"kill:{dead}@{kill_at:g}", topo.ids)
     loop = VirtualLoop(trace=False, actor_cpu=True)
     coord = topo.coordinator
 
@@ -95,13 +126,13 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
             m2 = sum(s.msgs_sent + s.msgs_recv for s in stats)
             s = c.summary(virtual_seconds=virtual_s, rendezvous_s=rendezvous, wall_s=w2 - w0)
             after = [d["declared_after_s"] for d in s["detections"]][0]
-            gone = [v for v in c.views if victim not in v.members]
+            gone = [v for v in c.views if dead not in v.members]
             conv = None
             if gone:
                 first = min(gone, key=lambda v: v.t)
                 key = (first.term, first.epoch)
                 # (the coordinator's own client learns the view from its next local heartbeat)
-                live = [i for i in topo.ids if i not in (victim, first.coordinator)]
+                live = [i for i in topo.ids if i not in (dead, first.coordinator)]
                 applied = {}
                 for v in c.views:
                     if v.node in live and v.node not in applied and (v.term, v.epoch) >= key:
@@ -112,7 +143,7 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
                 "rendezvous_wall_s": w1 - w0, "rendezvous_cpu_s": c1 - c0,
                 "wall_per_vs": (w2 - w1) / virtual_s, "cpu_per_vs": (c2 - c1) / virtual_s,
                 "coord_msgs_per_vs": (m2 - m1) / virtual_s, "coord_cpu_per_vs": (loop.actor_cpu[coord] - k1) / virtual_s,
-                "detection_s": after.get(str(victim)), "bound_s": s["detection_bound_s"], "convergence_s": conv,
+                "detection_s": after.get(str(dead)), "bound_s": s["detection_bound_s"], "convergence_s": conv,
                 "invariants": "held" if all(v == "held" for v in s["invariants"].values()) else
                               "; ".join(f"{k}: {v}" for k, v in s["invariants"].items() if v != "held"),
                 "expressed": s["expressed"]["messages"],
@@ -204,7 +235,8 @@ def report(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         if "error" in r:
             continue
-        rtt = 2 * 0.001 * {"ring": r["n"] // 2, "mesh": 1}.get(r["kind"], round(math.log(r["n"], 4)) or 1)
+        hops = {"ring": r["n"] // 2, "mesh": 1, "groups": 3}.get(r["kind"], round(math.log(r["n"], 4)) or 1)
+        rtt = 2 * 0.001 * hops
         conv, det = r["convergence_s"], r["detection_s"]
         ok = conv is not None and conv <= 1 + rtt and det is not None and det <= r["bound_s"]
         if not ok:
@@ -255,7 +287,7 @@ def plot(results: Sequence[dict[str, Any]], name: str = "scale.png") -> Any:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="16,64,256", help="comma list of N (default 16,64,256; 1024 takes minutes)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of ring, mesh, bcube")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of ring, mesh, bcube, groups")
     p.add_argument("--virtual-seconds", type=float, default=15.0)
     p.add_argument("--kill-at", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=600.0, help="wall seconds per run at most (default 600)")

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_OK
 from p2psync.errors import ConfigError
 from p2psync.files import write_atomic
-from p2psync.topology import Topology, bcube, load, mesh, ring, star
+from p2psync.topology import Topology, bcube, groups, load, mesh, ring, star
 
 
 
@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                    "every node of TOPOLOGY in one process over the in-memory transport, on a "
                                    "virtual clock, with faults; check the invariants and write summary.json. "
                                    "Exit code 0 when every invariant held, 1 when one did not.")
-    p.add_argument("topology", help="a topology file, or ring:N, mesh:N, star:N, bcube:AxB")
+    p.add_argument("topology", help="a topology file, or ring:N, mesh:N, star:N, bcube:AxB, groups:GxS "
+                                    "(G groups of S nodes: a LAN per group, WAN links between the groups' gateways)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn faults (--faults random:N)")
     p.add_argument("--faults", default="",
                    help="comma list: kill:17@30, pause:5@40+15, partition:0-7|8-15@60+20 (times in virtual "
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "the end, or one_view_at_end cannot hold), or random:N (N faults drawn from --seed)")
     p.add_argument("--virtual-seconds", type=float, default=60.0, help="virtual seconds to run (default 60)")
     p.add_argument("--latency-ms", type=float, default=1.0,
-                   help="one-way latency of every link in ms (default 1; -1: the topology's link attributes)")
+                   help="one-way latency of every link in ms (default 1; -1: the topology's link attributes, "
+                        "e.g. groups:GxS's LAN and WAN latencies)")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval in seconds (default 0.5)")
     p.add_argument("--failure-timeout", type=float, default=2.0,
                    help="least silence before a node is declared failed, seconds (default 2)")
@@ -58,15 +60,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def topology_arg(text: str) -> Topology:
-    """A generated topology (``ring:16``, ``mesh:64``, ``star:8``, ``bcube:4x3``) or a file."""
+    """A generated topology (``ring:16``, ``mesh:64``, ``star:8``, ``bcube:4x3``, ``groups:8x8``:
+    :func:`~p2psync.topology.builders.groups` with its default LAN/WAN attributes) or a file;
+    ConfigError when ``text`` is neither."""
     m = re.fullmatch(r"(ring|mesh|star):(\d+)", text)
     if m is not None:
         return {"ring": ring, "mesh": mesh, "star": star}[m.group(1)](int(m.group(2)))
     m = re.fullmatch(r"bcube:(\d+)x(\d+)", text)
     if m is not None:
         return bcube(int(m.group(1)), int(m.group(2)))
+    m = re.fullmatch(r"groups:(\d+)x(\d+)", text)
+    if m is not None:
+        return groups(int(m.group(1)), int(m.group(2)))
     if not Path(text).exists():
-        raise ConfigError(f"{text}: no such topology file, nor ring:N, mesh:N, star:N, bcube:AxB")
+        raise ConfigError(f"{text}: no such topology file, nor ring:N, mesh:N, star:N, bcube:AxB, groups:GxS")
     return load(text)
 
 

@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from p2psync.errors import ConfigError
-from p2psync.topology import bcube, dumps, load, mesh, ring, save, star
+from p2psync.topology import bcube, dumps, groups, load, mesh, ring, save, star
 from p2psync.topology.builders import DEFAULT_PORT
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("topo", help="write a ring/mesh/star/bcube topology, or check a file",
+    p = sub.add_parser("topo", help="write a ring/mesh/star/bcube/groups topology, or check a file",
                        description="Write a topology JSON file (stdout unless -o), or check one.")
     tsub = p.add_subparsers(dest="topo_kind", required=True, metavar="KIND")
     for kind, helptext in (("ring", "n nodes in a ring of point-to-point links"),
@@ -24,6 +24,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     b.add_argument("--alpha", type=int, required=True, help="switch port count (>= 2)")
     b.add_argument("--beta", type=int, required=True, help="number of levels (>= 1)")
     _common(b)
+    g = tsub.add_parser("groups", help="a mesh of groups: G groups of S nodes, a LAN switch per group, WAN links "
+                                       "between the groups' gateways (their lowest ids)")
+    g.add_argument("--groups", type=int, required=True, help="number of groups G (>= 1)")
+    g.add_argument("--size", type=int, required=True, help="nodes per group S (>= 1; G * S >= 2)")
+    g.add_argument("--gateways", type=int, default=1, help="gateways per group, 1..S (default 1)")
+    g.add_argument("--lan-ms", type=float, default=0.2, help="one-way LAN latency in ms (default 0.2)")
+    g.add_argument("--wan-ms", type=float, default=20.0, help="one-way WAN latency in ms (default 20)")
+    g.add_argument("--lan-mbps", type=float, default=10_000.0, help="LAN bandwidth in Mb/s (default 10000)")
+    g.add_argument("--wan-mbps", type=float, default=1_000.0, help="WAN bandwidth in Mb/s (default 1000)")
+    _common(g)
     c = tsub.add_parser("check", help="validate a topology file and print a summary")
     c.add_argument("file")
     p.set_defaults(func=run)
@@ -51,6 +61,15 @@ def run(args: argparse.Namespace) -> int:
     kw = {"base_port": args.base_port, "hosts": hosts, "subnet": args.subnet}
     if args.topo_kind == "bcube":
         topo = bcube(args.alpha, args.beta, **kw)
+    elif args.topo_kind == "groups":
+        try:
+            topo = groups(args.groups, args.size, gateways=args.gateways, lan_ms=args.lan_ms, wan_ms=args.wan_ms,
+                          lan_mbps=args.lan_mbps, wan_mbps=args.wan_mbps, **kw)
+        except ConfigError as exc:  # name the option, not the builder's argument
+            if exc.field is None:
+                raise
+            option = {"g": "groups", "s": "size"}.get(exc.field, exc.field).replace("_", "-")
+            raise ConfigError(str(exc).removeprefix(f"{exc.field}: "), field=f"--{option}") from None
     else:
         topo = {"ring": ring, "mesh": mesh, "star": star}[args.topo_kind](args.nodes, **kw)
     if args.coordinator not in topo.ids:

@@ -1,4 +1,4 @@
-"""Topology builders: ring, mesh, star and BCube. Pure.
+"""Topology builders: ring, mesh, star, BCube and a mesh of groups. Pure.
 
 Addresses: by default every NIC gets its own loopback address (127.0.1.1, 127.0.1.2, ...) on
 one port, so a whole cluster runs on one host. With ``hosts`` (one per node, cycled), every
@@ -9,18 +9,23 @@ BCube(alpha, beta) follows Canary §4.4.1 (after Guo et al.): ``alpha**beta`` no
 levels; node ``i`` has digits ``d_l = (i // alpha**l) % alpha``; the level-l switch joins the
 ``alpha`` nodes that differ only in digit ``l``; each node has one NIC per level (``l0``,
 ``l1``, ...), and level-l traffic goes over NIC ``l``.
+
+A mesh of groups (:func:`groups`) is G sites of S nodes each: a LAN switch per site joins its
+nodes, and the site's gateways reach the other sites' gateways over WAN links; it is the one
+builder that sets link attributes (LAN and WAN latency and bandwidth).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from p2psync.errors import ConfigError
 from p2psync.topology.io import loopback_address
-from p2psync.topology.model import Network, Nic, Node, Topology
+from p2psync.topology.model import LinkAttrs, Network, Nic, Node, Topology
 
 DEFAULT_PORT = 29500
 
@@ -170,6 +175,88 @@ def bcube(alpha: int, beta: int, *, base_port: int = DEFAULT_PORT,
         for level in range(beta):
             asm.attach(i, f"l{level}", f"bcube-l{level}-s{bcube_switch(i, level, alpha, beta)}")
     return asm.build(name=f"bcube-{alpha}x{beta}", kind="bcube", params={"alpha": alpha, "beta": beta})
+
+
+def _latency(value: float, name: str) -> float:
+    """``value`` as a float when it is a finite number >= 0, else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"must be a finite number >= 0 (ms), got {value!r}", field=name)
+    return float(value)
+
+
+def _bandwidth(value: float | None, name: str) -> float | None:
+    """None (unlimited), or ``value`` as a float when it is a finite number > 0, else a
+    ConfigError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"must be a finite number > 0 (Mb/s) or None, got {value!r}", field=name)
+    return float(value)
+
+
+def groups(g: int, s: int, *, gateways: int = 1, lan_ms: float = 0.2, wan_ms: float = 20.0,
+           lan_mbps: float | None = 10_000.0, wan_mbps: float | None = 1_000.0,
+           base_port: int = DEFAULT_PORT, hosts: Sequence[str] | None = None,
+           subnet: str | None = None) -> Topology:
+    """A mesh of groups: ``g`` groups (sites) of ``s`` nodes, ``g * s`` nodes in all.
+
+    Group ``k`` holds the contiguous ids ``k*s .. k*s + s - 1``; its nodes share the LAN switch
+    ``group-<k>`` over their NIC ``lan`` (every pair of them adjacent). Its ``gateways`` lowest
+    ids are its gateways: gateway ``j`` (id ``k*s + j``) has a second NIC ``wan`` on the WAN
+    network ``wan-<j>``, which joins gateway ``j`` of every group, so each gateway is adjacent
+    to the same-rank gateway of every other group and traffic between groups relays
+    member -> gateway -> gateway -> member. Adjacent pairs: ``g*s*(s-1)/2`` on the LANs plus
+    ``gateways * g*(g-1)/2`` on the WANs.
+
+    Link attributes: :attr:`Topology.default_link` is the LAN (``lan_ms`` one way, ``lan_mbps``),
+    and every WAN pair is in :attr:`Topology.links` (``wan_ms``, ``wan_mbps``); a bandwidth of
+    None is unlimited (``link(a, b)`` of two nodes that are not adjacent is the LAN too, and
+    means nothing). The LAN networks have level 0, the WAN ones level 1. ``params`` records every argument but the addresses. ConfigError naming
+    the argument when ``g`` < 1, ``s`` < 1, ``g * s`` < 2, ``gateways`` is not in 1..``s``, a
+    latency is not a finite number >= 0 or a bandwidth is not None nor a finite number > 0.
+    """
+    for value, name in ((g, "g"), (s, "s"), (gateways, "gateways")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"must be an integer, got {value!r}", field=name)
+    if g < 1:
+        raise ConfigError(f"a mesh of groups needs at least 1 group, got {g}", field="g")
+    if s < 1:
+        raise ConfigError(f"a group needs at least 1 node, got {s}", field="s")
+    if g * s < 2:
+        raise ConfigError("a mesh of groups needs at least 2 nodes (g * s >= 2)", field="s")
+    if not 1 <= gateways <= s:
+        raise ConfigError(f"must be in 1..s ({s}), got {gateways}", field="gateways")
+    lan = LinkAttrs(latency_ms=_latency(lan_ms, "lan_ms"), bandwidth_mbps=_bandwidth(lan_mbps, "lan_mbps"))
+    wan = LinkAttrs(latency_ms=_latency(wan_ms, "wan_ms"), bandwidth_mbps=_bandwidth(wan_mbps, "wan_mbps"))
+    n = g * s
+    asm = _Assembler(n, _plan(base_port, hosts, subnet))
+    for k in range(g):
+        net = asm.network(f"group-{k}", level=0)
+        for i in range(k * s, (k + 1) * s):
+            asm.attach(i, "lan", net)
+    links: dict[tuple[int, int], LinkAttrs] = {}
+    if g > 1:
+        for j in range(gateways):
+            net = asm.network(f"wan-{j}", level=1)
+            for k in range(g):
+                asm.attach(k * s + j, "wan", net)
+                links.update({(h * s + j, k * s + j): wan for h in range(k)})
+    topo = asm.build(name=f"groups-{g}x{s}", kind="groups",
+                     params={"groups": g, "size": s, "gateways": gateways, "lan_ms": lan.latency_ms,
+                             "wan_ms": wan.latency_ms, "lan_mbps": lan.bandwidth_mbps,
+                             "wan_mbps": wan.bandwidth_mbps})
+    return replace(topo, links=links, default_link=lan)
+
+
+def group_of(node: int, s: int) -> int:
+    """The group of ``node`` in a mesh of groups of ``s`` nodes each (:func:`groups`)."""
+    return node // s
+
+
+def is_gateway(node: int, s: int, gateways: int = 1) -> bool:
+    """Whether ``node`` is a gateway in a mesh of groups of ``s`` nodes with ``gateways``
+    gateways per group (:func:`groups`: the lowest ids of each group)."""
+    return node % s < gateways
 
 
 BUILDERS = {"ring": ring, "mesh": mesh, "star": star}

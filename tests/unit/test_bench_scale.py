@@ -21,6 +21,17 @@ def test_topologies_of_each_kind_have_the_sizes_asked() -> None:
     assert len(scale.topology("ring", 5).ids) == 5
     with pytest.raises(ValueError):
         scale.topology("bcube", 12)
+    assert scale.topology("groups", 16).params["groups"] == 4 and len(scale.topology("groups", 8).ids) == 8
+    with pytest.raises(ValueError):
+        scale.topology("groups", 7)
+
+
+def test_a_mesh_of_groups_is_nearly_square_and_loses_a_member_not_a_gateway() -> None:
+    assert [scale.group_shape(n) for n in (16, 64, 256, 1024, 8, 128, 12)] == \
+        [(4, 4), (8, 8), (16, 16), (32, 32), (2, 4), (8, 16), (3, 4)]
+    assert scale.victim(scale.topology("groups", 64)) == 33  # 32 is group 4's gateway
+    assert scale.victim(scale.topology("groups", 12)) == 6   # a member of group 1 (4..7), not its gateway
+    assert scale.victim(scale.topology("mesh", 64)) == 32
 
 
 def test_a_quick_run_measures_every_figure_and_reports(capsys: pytest.CaptureFixture[str],
