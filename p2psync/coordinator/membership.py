@@ -122,8 +122,10 @@ class MembershipState:
     #: suspected nodes this coordinator may not declare failed: that would leave less than a
     #: majority of the agreed view (it has lost its quorum until they are heard again)
     blocked: list[int] = field(default_factory=list)
-    #: after a time ``blocked``, no failure is declared before this time (None: not waiting)
-    settle_until: float | None = None
+    #: when this coordinator heard a majority of the agreed view again after it had lost it
+    #: (``blocked``); None: it has not lost it since. A member's silence counts against it
+    #: only from then on (:meth:`check`)
+    regained_at: float | None = None
 
     def __post_init__(self) -> None:
         self._view_cache: tuple[tuple[Any, ...], View] | None = None
@@ -261,24 +263,35 @@ class MembershipState:
         Nothing is declared before the rendezvous completes: a registered node only starts
         heartbeating once every node has registered (its register call is the server's own
         long poll until then), and missing nodes are the start timeout's business. The
-        registration that completes the rendezvous starts every member's detector afresh."""
+        registration that completes the rendezvous starts every member's detector afresh.
+
+        Silence counts only while this coordinator holds a majority of the agreed view. When
+        the suspects cannot be removed without losing that majority, nobody is declared
+        (:attr:`blocked`: the quorum is lost). Once a majority is heard again
+        (:attr:`regained_at`), a member is declared failed only after a full detection window
+        (its detector's timeout) from then: while no majority was heard, its members deposed
+        this coordinator and followed a candidate, as they must, and they heartbeat it again
+        only after it learns of their term and is re-elected above it, which it may do only
+        now that it holds the majority again (and the far side of a healed split is heard a
+        moment later, over longer paths). A member silent that long since is failed: the
+        majority's coordinator reaches every live one within it."""
         if not self.complete:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
                and n != self.coordinator and self.join_grace.get(n, now) <= now]
         if new and not self._may_remove(new, now):
             self.blocked = sorted(new)  # no majority without them: declare nothing, wait
-            self.settle_until = None
+            self.regained_at = None
             return []
-        if new and self.blocked:
-            # the majority is heard again (a split healed): the rest of the other side is
-            # heard a moment later, over longer paths; declare nobody for two intervals
-            if self.settle_until is None:
-                self.settle_until = now + 2 * self.heartbeat_interval
-            if now < self.settle_until:
-                return []
-        self.settle_until = None
-        self.blocked = []
+        if self.blocked:  # a majority is heard again: the silence counts from now on
+            self.blocked = []
+            self.regained_at = now
+        since = self.regained_at
+        if since is not None:
+            peers = self.detector.peers
+            new = [n for n in new if now - since > peers[n].timeout()]
+            if all(now - since > d.timeout() for d in peers.values()):
+                self.regained_at = None  # every member has had its full window
         if new:
             self.failed.update(new)
             for n in new:
