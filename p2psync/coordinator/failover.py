@@ -266,18 +266,20 @@ class CoordinatorHost:
             rounds += 1
             await asyncio.sleep(self.heartbeat_interval)
 
-    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy) -> dict[int, VoteAnswer | None]:
+    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
+                     enough: Callable[[], bool] | None = None) -> dict[int, VoteAnswer | None]:
         """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
         comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
-        is won or every voter answered or timed out. The requests still out are then given
-        up: a voter cut off with the old coordinator must not hold the election up for the
-        whole vote timeout."""
+        is won (or ``enough()`` holds, when given) or every voter answered or timed out. The
+        requests still out are then given up: a voter cut off with the old coordinator must
+        not hold the election up for the whole vote timeout."""
+        won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
         out: dict[int, VoteAnswer | None] = {}
         try:
             pending = set(voter_of)
-            while pending and not cand.won:
+            while pending and not won():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in sorted(done, key=voter_of.__getitem__):  # in voter order: deterministic
                     v = voter_of[t]
@@ -291,14 +293,23 @@ class CoordinatorHost:
         """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
         lower term, it is re-elected above ``seen`` (see the module docstring; in an owned task,
         one at a time, and after a lost one not before :data:`REELECT_RETRY_S`). A node that
-        does not coordinate passes ``seen`` on to its coordinator in its heartbeats."""
+        does not coordinate passes ``seen`` on to its coordinator in its heartbeats. A
+        coordinator that hears no majority now keeps ``seen`` the same way (its own client's
+        heartbeats carry it to its service): once it hears the majority again it is re-elected
+        above ``seen`` within a heartbeat interval, before the silence of the members that
+        follow a candidate of that term can count against them
+        (:meth:`MembershipState.check`)."""
         svc = self.service
         if svc is None or not self.coordinating:
             self.membership.hear_term(seen)
             return
         now = clock.now()
-        if seen <= svc.state.term or len(self._reelection) or now < self._reelect_after \
-                or not svc.state.has_quorum(now):
+        if seen <= svc.state.term:
+            return
+        if not svc.state.has_quorum(now):
+            self.membership.hear_term(seen)
+            return
+        if len(self._reelection) or now < self._reelect_after:
             return
         self._reelection.spawn(self._reelect(svc, seen), name="re-election")
 
@@ -313,11 +324,13 @@ class CoordinatorHost:
         cand = Candidacy(me=self.me, term=term, voters=voters)
         req = VoteRequest(candidate=self.me, term=term, view=key)
         others = sorted(voters - {self.me})
-        answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+        # over once the others' votes and its own make a majority: members cut off, or that
+        # cannot route their answers back yet, must not hold up the view that reaches them
+        answers = await self._votes(others, req, cand,
+                                    enough=lambda: holds_majority(cand.granted | {self.me}, voters))
         floor = st.epoch
         newer = False
-        for v, ans in zip(others, answers, strict=True):
-            cand.record(v, ans)
+        for ans in answers.values():
             if ans is not None:
                 self._seen_term = max(self._seen_term, ans.voted_term)
                 floor = max(floor, ans.view[1])
