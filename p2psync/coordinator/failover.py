@@ -355,7 +355,7 @@ class CoordinatorHost:
                 m.probe_now()
             return
         old = st.term
-        st.term, st.epoch = term, max(st.epoch, floor) + 1
+        st.reelected(term, max(st.epoch, floor) + 1, cand.granted, clock.now())
         self.terms.append(term)
         view = st.view()
         log.warning("node %d: re-elected coordinator in term %d above term %d that node(s) voted in (votes of %s; "
