@@ -29,7 +29,10 @@ it heard of: a cut-off node may reach only nodes that do not coordinate) runs an
 that term among the members of its agreed view (:meth:`CoordinatorHost.outrank`): they follow it
 and grant their votes, and its next view, of the new term, is applied by every node: the
 minority's nodes rejoin its view, or find that it no longer names them (fenced). It coordinates
-throughout; the election only renumbers its term. Losing it (a member voted for another node in
+throughout; the election only renumbers its term, and it does not declare the members that did
+not vote for it failed before a full detection window (they follow it only once they apply the
+new term's view). A coordinator that hears of a higher term while it holds no majority keeps it
+and runs that election as soon as it holds one again. Losing it (a member voted for another node in
 that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
 candidate raises its own term only over voters whose view is not newer than its own (a voter
 with a newer view follows a coordinator that won; outbidding it would only start the race
@@ -296,9 +299,8 @@ class CoordinatorHost:
         does not coordinate passes ``seen`` on to its coordinator in its heartbeats. A
         coordinator that hears no majority now keeps ``seen`` the same way (its own client's
         heartbeats carry it to its service): once it hears the majority again it is re-elected
-        above ``seen`` within a heartbeat interval, before the silence of the members that
-        follow a candidate of that term can count against them
-        (:meth:`MembershipState.check`)."""
+        above ``seen`` within a heartbeat interval, inside the detection window that spares the
+        members that follow a candidate of that term (:meth:`MembershipState.check`)."""
         svc = self.service
         if svc is None or not self.coordinating:
             self.membership.hear_term(seen)
@@ -315,8 +317,10 @@ class CoordinatorHost:
 
     async def _reelect(self, svc: MembershipService, seen: int) -> None:
         """One election of this coordinator in a term above ``seen`` and every term it knows,
-        over the members of its agreed view; won: its state moves to that term and its view is
-        published at once."""
+        over the members of its agreed view, over once a majority granted; won: its state moves
+        to that term (:meth:`MembershipState.reelected`: the members that did not vote for it
+        are not declared failed before a full detection window) and its view is published at
+        once."""
         m, st = self.membership, svc.state
         term = max(seen, st.term, m.ballot.promised, self._seen_term) + 1
         key = (st.term, st.epoch)
