@@ -29,7 +29,10 @@ it heard of: a cut-off node may reach only nodes that do not coordinate) runs an
 that term among the members of its agreed view (:meth:`CoordinatorHost.outrank`): they follow it
 and grant their votes, and its next view, of the new term, is applied by every node: the
 minority's nodes rejoin its view, or find that it no longer names them (fenced). It coordinates
-throughout; the election only renumbers its term. Losing it (a member voted for another node in
+throughout; the election only renumbers its term, and it does not declare the members that did
+not vote for it failed before a full detection window (they follow it only once they apply the
+new term's view). A coordinator that hears of a higher term while it holds no majority keeps it
+and runs that election as soon as it holds one again. Losing it (a member voted for another node in
 that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
 candidate raises its own term only over voters whose view is not newer than its own (a voter
 with a newer view follows a coordinator that won; outbidding it would only start the race
@@ -266,18 +269,20 @@ class CoordinatorHost:
             rounds += 1
             await asyncio.sleep(self.heartbeat_interval)
 
-    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy) -> dict[int, VoteAnswer | None]:
+    async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
+                     enough: Callable[[], bool] | None = None) -> dict[int, VoteAnswer | None]:
         """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
         comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
-        is won or every voter answered or timed out. The requests still out are then given
-        up: a voter cut off with the old coordinator must not hold the election up for the
-        whole vote timeout."""
+        is won (or ``enough()`` holds, when given) or every voter answered or timed out. The
+        requests still out are then given up: a voter cut off with the old coordinator must
+        not hold the election up for the whole vote timeout."""
+        won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
         out: dict[int, VoteAnswer | None] = {}
         try:
             pending = set(voter_of)
-            while pending and not cand.won:
+            while pending and not won():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in sorted(done, key=voter_of.__getitem__):  # in voter order: deterministic
                     v = voter_of[t]
@@ -291,21 +296,31 @@ class CoordinatorHost:
         """A node voted or ran in term ``seen``: if this node coordinates with a majority in a
         lower term, it is re-elected above ``seen`` (see the module docstring; in an owned task,
         one at a time, and after a lost one not before :data:`REELECT_RETRY_S`). A node that
-        does not coordinate passes ``seen`` on to its coordinator in its heartbeats."""
+        does not coordinate passes ``seen`` on to its coordinator in its heartbeats. A
+        coordinator that hears no majority now keeps ``seen`` the same way (its own client's
+        heartbeats carry it to its service): once it hears the majority again it is re-elected
+        above ``seen`` within a heartbeat interval, inside the detection window that spares the
+        members that follow a candidate of that term (:meth:`MembershipState.check`)."""
         svc = self.service
         if svc is None or not self.coordinating:
             self.membership.hear_term(seen)
             return
         now = clock.now()
-        if seen <= svc.state.term or len(self._reelection) or now < self._reelect_after \
-                or not svc.state.has_quorum(now):
+        if seen <= svc.state.term:
+            return
+        if not svc.state.has_quorum(now):
+            self.membership.hear_term(seen)
+            return
+        if len(self._reelection) or now < self._reelect_after:
             return
         self._reelection.spawn(self._reelect(svc, seen), name="re-election")
 
     async def _reelect(self, svc: MembershipService, seen: int) -> None:
         """One election of this coordinator in a term above ``seen`` and every term it knows,
-        over the members of its agreed view; won: its state moves to that term and its view is
-        published at once."""
+        over the members of its agreed view, over once a majority granted; won: its state moves
+        to that term (:meth:`MembershipState.reelected`: the members that did not vote for it
+        are not declared failed before a full detection window) and its view is published at
+        once."""
         m, st = self.membership, svc.state
         term = max(seen, st.term, m.ballot.promised, self._seen_term) + 1
         key = (st.term, st.epoch)
@@ -313,11 +328,13 @@ class CoordinatorHost:
         cand = Candidacy(me=self.me, term=term, voters=voters)
         req = VoteRequest(candidate=self.me, term=term, view=key)
         others = sorted(voters - {self.me})
-        answers = await asyncio.gather(*(self._ask(v, req) for v in others))
+        # over once the others' votes and its own make a majority: members cut off, or that
+        # cannot route their answers back yet, must not hold up the view that reaches them
+        answers = await self._votes(others, req, cand,
+                                    enough=lambda: holds_majority(cand.granted | {self.me}, voters))
         floor = st.epoch
         newer = False
-        for v, ans in zip(others, answers, strict=True):
-            cand.record(v, ans)
+        for ans in answers.values():
             if ans is not None:
                 self._seen_term = max(self._seen_term, ans.voted_term)
                 floor = max(floor, ans.view[1])
@@ -342,7 +359,7 @@ class CoordinatorHost:
                 m.probe_now()
             return
         old = st.term
-        st.term, st.epoch = term, max(st.epoch, floor) + 1
+        st.reelected(term, max(st.epoch, floor) + 1, cand.granted, clock.now())
         self.terms.append(term)
         view = st.view()
         log.warning("node %d: re-elected coordinator in term %d above term %d that node(s) voted in (votes of %s; "

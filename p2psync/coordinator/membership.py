@@ -57,7 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -122,8 +122,10 @@ class MembershipState:
     #: suspected nodes this coordinator may not declare failed: that would leave less than a
     #: majority of the agreed view (it has lost its quorum until they are heard again)
     blocked: list[int] = field(default_factory=list)
-    #: after a time ``blocked``, no failure is declared before this time (None: not waiting)
-    settle_until: float | None = None
+    #: member -> time before which it is not declared failed unless heard meanwhile: its
+    #: silence counts only from when it could know to heartbeat this coordinator (:meth:`check`,
+    #: :meth:`reelected`)
+    spared: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._view_cache: tuple[tuple[Any, ...], View] | None = None
@@ -210,6 +212,7 @@ class MembershipState:
         service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
             self.join_grace.pop(node, None)
+            self.spared.pop(node, None)
             self.detector.heartbeat(node, now)
             if srtt is not None:
                 self.detector.rtt(node, srtt, rttvar)
@@ -261,30 +264,58 @@ class MembershipState:
         Nothing is declared before the rendezvous completes: a registered node only starts
         heartbeating once every node has registered (its register call is the server's own
         long poll until then), and missing nodes are the start timeout's business. The
-        registration that completes the rendezvous starts every member's detector afresh."""
+        registration that completes the rendezvous starts every member's detector afresh.
+
+        A member's silence counts against it only while this coordinator holds a majority
+        of the agreed view and the member can know that it is to heartbeat it:
+
+        * when the suspects cannot be removed without losing that majority, nobody is
+          declared (:attr:`blocked`: the quorum is lost);
+        * once a majority is heard again, every member is spared (:attr:`spared`) a full
+          detection window (its detector's timeout) from then, unless heard meanwhile: while
+          no majority was heard, members deposed this coordinator and followed a candidate, as
+          they must, and they heartbeat it again only once it is re-elected above that
+          candidate's term, which it may do only now that it holds the majority again (and the
+          far side of a healed split is heard a moment later, over longer paths);
+        * when it is re-elected in a new term, every member that did not vote for it is
+          spared the same way (:meth:`reelected`): it followed another candidate, or could not
+          answer, and heartbeats this coordinator only once it applies the new term's view.
+
+        A member silent through such a window is failed: the coordinator of a majority reaches
+        every live member within it."""
         if not self.complete:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
                and n != self.coordinator and self.join_grace.get(n, now) <= now]
         if new and not self._may_remove(new, now):
             self.blocked = sorted(new)  # no majority without them: declare nothing, wait
-            self.settle_until = None
             return []
-        if new and self.blocked:
-            # the majority is heard again (a split healed): the rest of the other side is
-            # heard a moment later, over longer paths; declare nobody for two intervals
-            if self.settle_until is None:
-                self.settle_until = now + 2 * self.heartbeat_interval
-            if now < self.settle_until:
-                return []
-        self.settle_until = None
-        self.blocked = []
+        if self.blocked:  # a majority is heard again: the silence counts from now on
+            self.blocked = []
+            self._spare(self.alive_nodes, now)
+        new = [n for n in new if self.spared.get(n, now) <= now]
         if new:
             self.failed.update(new)
             for n in new:
                 self.detector.forget(n)
+                self.spared.pop(n, None)
             self.epoch += 1
         return sorted(new)
+
+    def reelected(self, term: int, epoch: int, voters: Collection[int], now: float) -> None:
+        """This coordinator won the election of ``term`` (above its own) with the votes of
+        ``voters``; its next view has ``epoch``. Every other member is spared a full detection
+        window from ``now`` (unless heard meanwhile): it followed another candidate, or could
+        not answer, and heartbeats this coordinator only once it applies that view."""
+        self.term, self.epoch = term, epoch
+        self._spare([n for n in self.alive_nodes if n not in voters], now)
+
+    def _spare(self, nodes: Collection[int], now: float) -> None:
+        """Declare none of ``nodes`` failed before a full detection window from ``now``."""
+        peers = self.detector.peers
+        for n in nodes:
+            if n != self.coordinator and n in peers:
+                self.spared[n] = max(self.spared.get(n, now), now + peers[n].timeout())
 
     def declare_failed(self, nodes: Sequence[int], *, seen_epoch: int | None = None) -> list[int]:
         """Nodes reported failed by someone else (a member after a coordinator takeover):

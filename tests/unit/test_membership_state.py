@@ -60,3 +60,53 @@ def test_redo_moves_the_epoch_once_when_every_named_peer_lives():
     assert not st.redo(1, e + 1, [2], 2.6)  # 2 is suspected: the detector decides, not the report
     assert st.check(2.6) == [2] and st.epoch == e + 2
     assert not st.redo(1, e + 2, [0], 10.0)  # 1 silent meanwhile: no majority of the agreed view
+
+
+def test_silence_counts_against_a_member_only_while_the_coordinator_holds_a_majority():
+    """A coordinator that lost the majority and hears it again declares a member failed only
+    after a full detection window from then: while it had none, its members deposed it and
+    followed a candidate, and they heartbeat it again only once it is re-elected above that
+    candidate's term. A member heard within the window stays; one silent through it is failed."""
+    st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
+    for n in range(5):
+        st.register(n, "f", now=0.0)
+    for i in range(1, 21):
+        for n in (1, 2, 3, 4):
+            st.heartbeat(n, 0.5 * i)
+    # everyone silent from 10 s on: 0 alone is no majority of five, nobody is declared
+    assert st.check(13.0) == [] and st.blocked == [1, 2, 3, 4] and not st.has_quorum(13.0)
+    for t in (15.0, 15.5, 16.0, 16.5, 17.0, 17.5):  # 1 and 2 heard again: a majority with 0
+        st.heartbeat(1, t)
+        st.heartbeat(2, t)
+        if t == 15.0:
+            # 3 and 4 silent for 5 s, but only now does the coordinator hold the majority
+            assert st.check(15.1) == [] and st.blocked == [] and st.has_quorum(15.1)
+        if t == 16.5:
+            assert st.check(16.6) == []  # within the window (the detection timeout, 2 s)
+            st.heartbeat(3, 16.8)  # 3 follows this coordinator again (its re-election reached it)
+    assert st.check(17.2) == [4] and st.alive_nodes == [0, 1, 2, 3] and st.spared == {}
+
+
+def test_a_reelected_coordinator_spares_the_members_that_did_not_vote_for_it():
+    """Re-elected in a new term, the coordinator declares a member that did not vote for it
+    only after a full detection window from then: it followed another candidate (or could not
+    answer) and heartbeats this coordinator only once it applies the new term's view. Its
+    voters are judged as before."""
+    st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
+    for n in range(5):
+        st.register(n, "f", now=0.0)
+    for i in range(1, 21):
+        for n in (1, 2, 3, 4):
+            st.heartbeat(n, 0.5 * i)
+    for t in (10.5, 11.0, 11.5):
+        for n in (1, 2):
+            st.heartbeat(n, t)
+    # 3 last heard at 10.0 (it follows a candidate since), 4 too (it died)
+    st.reelected(2, st.epoch + 1, {0, 1, 2}, 11.6)
+    assert st.term == 2 and st.view().term == 2
+    for t in (12.0, 12.5, 13.0, 13.5):
+        for n in (1, 2):
+            st.heartbeat(n, t)
+        assert st.check(t + 0.05) == []  # 3 and 4 silent for 2 s and more, but spared
+    st.heartbeat(3, 13.4)  # 3 applied the new view and follows this coordinator
+    assert st.check(13.7) == [4] and st.alive_nodes == [0, 1, 2, 3]
