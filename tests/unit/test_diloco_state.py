@@ -4,6 +4,7 @@ the fragment map, the adopted state, and the options' checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -325,3 +326,28 @@ def test_an_eager_member_that_adopts_counts_the_leaders_contribution_once():
     assert after[2].tobytes() == after[0].tobytes()  # it adopted node 0's θ_g of round 2
     # the same own term in round 3 as node 0: its late parts are node 0's, bit for bit, so is its θ_g
     assert final[2].tobytes() == final[0].tobytes() != final[1].tobytes()
+
+
+def test_a_skipped_eager_round_takes_the_held_term_out_and_adds_nothing():
+    """A round whose sums carry the non-finite flag (or no weight) is skipped everywhere: the
+    late part of a node whose θ_g holds its own fresh term of that round is that term negated,
+    so the round leaves nothing in θ_g; a node that holds none (its Δ was the non-finite one,
+    sent as zeros) gets no late part."""
+    from types import SimpleNamespace
+
+    from p2psync.strategies.diloco import Op
+    from p2psync.strategies.diloco.ops import Operations
+
+    node = SimpleNamespace(skipped=0)
+    held = own_term(_f32([3.0, -6.0]), 3.0)
+    op = Op(f=0, payload=_f32([3.0, -6.0]), w=1.0, stop=False, nonfinite=False,
+            counters=Counters(op=4, t=16, step=15, applied=3), held=held)
+    total = _f32([9.0, 9.0])
+    for side in (_f32([3.0, 0.0, 1.0]), _f32([0.0, 0.0, 0.0])):
+        late = Operations._late_part(node, op, total, side, {})
+        assert late is not None and late.tolist() == [-1.0, 2.0]
+    assert node.skipped == 1  # (only the non-finite one counts)
+    op.held = np.zeros(2, np.float32)
+    assert Operations._late_part(node, op, total, _f32([3.0, 0.0, 1.0]), {}) is None
+    late = Operations._late_part(node, replace(op, held=held), total, _f32([3.0, 0.0, 0.0]), {})
+    assert late is not None and late.tolist() == [2.0, 5.0]  # a round that counts: Σ/Σw − held

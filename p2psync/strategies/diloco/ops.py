@@ -275,12 +275,13 @@ class Operations(Strategy):
         return bool(side[1] > 0)
 
     def _late_part(self, op: Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any]) -> np.ndarray | None:
-        """Eager: a finished round's mean less the own fresh term θ_g holds of it (``op.held``;
-        None when the round is skipped)."""
+        """Eager: a finished round's mean less the own fresh term θ_g holds of it (``op.held``).
+        A skipped round (a non-finite Δ somewhere, or no weight) adds nothing: its late part only
+        takes the held term out again (None when there is none)."""
         sw = float(side[0])
         if side[2] > 0 or not sw > 0:
             self.skipped += int(bool(side[2] > 0))
-            return None
+            return None if op.held is None or not op.held.any() else np.negative(op.held)
         extra.update(sum_w=sw)
         if op.held is None:  # (a round restored from a checkpoint without its held term: over Σw)
             return others_mean(s, op.payload, sw)
