@@ -57,7 +57,6 @@ def merge(theta_g: np.ndarray, local: np.ndarray, alpha: float) -> np.ndarray:
     return out
 
 
-
 def own_term(own: np.ndarray, expected: float) -> np.ndarray:
     """An eager round's own fresh term: this node's weighted pseudo-gradient over the members
     expected in the round, ``w·Δ_m(r) / M_r`` (float32). A node's θ_g holds it from the round's
