@@ -6,9 +6,10 @@ computed by hand (tests/unit/test_diloco_state.py)."""
 from __future__ import annotations
 
 from p2psync.strategies.diloco.fragments import Ranges, fragment_map, indices, map_digest
-from p2psync.strategies.diloco.outer import eager_gradient, merge, others_mean, outer_step
+from p2psync.strategies.diloco.outer import eager_gradient, late_part, merge, others_mean, outer_step, own_term
 from p2psync.strategies.diloco.schedule import Cursor, Schedule, dylu_interval
 from p2psync.strategies.diloco.state import COUNTERS, Counters, pack_state, state_size, unpack_state
 
 __all__ = ["COUNTERS", "Counters", "Cursor", "Ranges", "Schedule", "dylu_interval", "eager_gradient", "fragment_map",
-           "indices", "map_digest", "merge", "others_mean", "outer_step", "pack_state", "state_size", "unpack_state"]
+           "indices", "late_part", "map_digest", "merge", "others_mean", "outer_step", "own_term", "pack_state",
+           "state_size", "unpack_state"]

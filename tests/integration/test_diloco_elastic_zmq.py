@@ -202,3 +202,103 @@ async def test_a_crash_during_an_eager_stops_completion_is_redone_over_the_survi
     assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
     assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
+async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_once():
+    """Eager updates, μ = 0: node 3's round 2 fails on it alone (its sums arrived, then a
+    failure); the others complete it and node 3 adopts the leader's θ_g in the next round, with
+    the leader's own fresh contribution of that round in it and node 3's own weight 0. Every
+    contribution of every round enters every node's θ_g exactly once, with the weight the round's
+    mean gives it, so the run ends (completion step, exact mean) at θ_start − η·Σ_r Σw·Δ(r)/Σw(r)
+    over the rounds' sums as the members received them."""
+    lr = 0.5
+    opts = {"inner_steps": 4, "eager": True, "outer_lr": lr, "outer_momentum": 0.0, "final_sync": "outer"}
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=opts) as nodes:
+        lead, late = nodes[0].strategy, nodes[3].strategy
+        begin, reduce0, reduce3 = lead._begin, lead._reduce, late._reduce
+        start: list[np.ndarray] = []
+        sums: dict[int, tuple[np.ndarray, float]] = {}
+        failed: list[int] = []
+
+        async def begin_and_keep() -> None:
+            await begin()
+            start.append(lead.theta.copy())
+
+        async def keep_sums(view: Any, op: Any) -> Any:
+            got = await reduce0(view, op)
+            if op.f != FULL:
+                sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
+            return got
+
+        async def fail_once(view: Any, op: Any) -> Any:
+            got = await reduce3(view, op)
+            if op.f != FULL and op.k == 2 and not failed:
+                failed.append(op.k)
+                raise PeerFailure("test: round 2 fails on node 3 alone")
+            return got
+
+        lead._begin, lead._reduce, late._reduce = begin_and_keep, keep_sums, fail_once
+        await _train(nodes, 24, warm=5)
+        ends = await _finish(list(nodes.values()))
+        params = await _params(list(nodes.values()))
+        thetas = [n.strategy.theta for n in nodes.values()]
+        adoptions = late.adoptions
+    assert failed, "node 3 never reached round 2"
+    assert adoptions == 1
+    assert len(set(ends)) == 1, ends
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+    assert 3 in sums and sums[3][1] == 3.0  # the round node 3 adopted in: its weight 0
+    want = np.asarray(start[0], np.float64) - lr * sum(s / sw for s, sw in sums.values() if sw > 0)
+    np.testing.assert_allclose(thetas[0], want, rtol=0, atol=2e-6)
+
+
+async def test_an_eager_run_that_loses_a_node_and_takes_it_back_counts_every_contribution_once():
+    """Eager updates, μ = 0: node 3 crashes (the round in flight is redone over three members,
+    whose own fresh terms entered over four), then restarts and joins, adopting the leader's
+    θ_g with the leader's fresh term of the round in flight in it. Every contribution of every
+    round enters every node's θ_g exactly once, with the weight its round's mean gives it: the
+    run ends at θ_start − η·Σ_r Σw·Δ(r)/Σw(r) over the sums the leader received."""
+    lr = 0.5
+    opts = {"inner_steps": 4, "eager": True, "outer_lr": lr, "outer_momentum": 0.0, "final_sync": "outer"}
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=opts) as nodes:
+        lead = nodes[0].strategy
+        begin, reduce0 = lead._begin, lead._reduce
+        start: list[np.ndarray] = []
+        sums: dict[int, tuple[np.ndarray, float]] = {}
+
+        async def begin_and_keep() -> None:
+            await begin()
+            start.append(lead.theta.copy())
+
+        async def keep_sums(view: Any, op: Any) -> Any:
+            got = await reduce0(view, op)
+            if op.f != FULL:
+                sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
+            return got
+
+        lead._begin, lead._reduce = begin_and_keep, keep_sums
+        joiner = Node(topo, 3, "diloco", options=opts)
+        await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
+        survivors = await _crash(nodes, 3)
+        await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
+                    "re-formed")
+        try:
+            await joiner.restart()
+            assert joiner.strategy.ctx.joining
+            joiner.go(10_000)
+            ends = await _finish([*survivors, joiner])
+            params = await _params([*survivors, joiner])
+            thetas = [n.strategy.theta for n in [*survivors, joiner]]
+            adopted = joiner.strategy.adoptions
+        finally:
+            await joiner.close()
+    assert len(set(ends)) == 1, ends
+    assert adopted == 1
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+    assert any(sw == 3.0 for _, sw in sums.values())  # rounds without node 3 (or with it at weight 0)
+    want = np.asarray(start[0], np.float64) - lr * sum(s / sw for s, sw in sums.values() if sw > 0)
+    np.testing.assert_allclose(thetas[0], want, rtol=0, atol=2e-6)

@@ -4,6 +4,7 @@ the fragment map, the adopted state, and the options' checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -16,7 +17,7 @@ from p2psync.model import Layer
 from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
                                              indices, merge, others_mean,
                                              outer_step,
-                                             pack_state, unpack_state)
+                                             late_part, own_term, pack_state, state_size, unpack_state)
 from p2psync.topology import ring
 
 
@@ -150,11 +151,28 @@ def test_the_adopted_state_round_trips():
     theta = _f32([1, 2, 3, 4, 5])
     c = Counters(op=7, t=(1 << 30) + 5, step=123456789, applied=3)
     vec = pack_state(theta, [None, _f32([0.5, 0.25, -1])], frags, c)
-    th, bufs, c2 = unpack_state(vec, 5, frags)
+    th, bufs, c2, held = unpack_state(vec, 5, frags)
     assert th.tobytes() == theta.tobytes() and bufs[0] is None and bufs[1].tolist() == [0.5, 0.25, -1]
-    assert c2 == c
+    assert c2 == c and held is None
     with pytest.raises(ProtocolError):
         unpack_state(vec[:-1], 5, frags)
+
+
+def test_the_adopted_eager_state_carries_the_held_term():
+    """With eager updates the state also carries the own fresh term θ_g holds of the round in
+    flight; a vector of the other layout is refused."""
+    frags = [np.arange(4)]
+    theta, held = _f32([1, 2, 3, 4]), _f32([0.25, -0.5, 0, 1e-30])
+    c = Counters(op=5, t=20, step=19, applied=4)
+    vec = pack_state(theta, [_f32([1, 1, 2, 2])], frags, c, held)
+    assert vec.size == state_size(4, 1, eager=True) == state_size(4, 1) + 4
+    th, bufs, c2, h = unpack_state(vec, 4, frags, eager=True)
+    assert th.tobytes() == theta.tobytes() and bufs[0].tolist() == [1, 1, 2, 2] and c2 == c
+    assert h is not None and h.tobytes() == held.tobytes()
+    with pytest.raises(ProtocolError):
+        unpack_state(vec, 4, frags)
+    with pytest.raises(ProtocolError):
+        unpack_state(pack_state(theta, [None], frags, c), 4, frags, eager=True)
 
 
 @pytest.mark.parametrize("frag,at_stop", [(0, True), (1, False), (-1, False), (-2, False)])
@@ -252,3 +270,84 @@ def test_eager_rounds_of_the_worked_example():
     np.testing.assert_allclose(final, [-10.24005, -10.97715], rtol=1e-5)
     np.testing.assert_allclose(bufs, [2.4395, 2.3485], rtol=1e-5)
     np.testing.assert_allclose([np.mean(final), np.mean(bufs)], [-10.6086, 2.394], rtol=1e-5)
+
+
+def _eager_adoption_run(mu: float, *, adopt: bool, last: tuple[float, float, float] = (6.0, 6.0, -12.0)
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Three nodes, η = 1, given weighted pseudo-gradients per round (multiples of 6: every
+    float32 operation below is exact). Node 2's round 1 fails on it alone (``adopt``): its
+    contribution of round 1 is in the others' sum, and in round 2 it adopts node 0's state
+    through the state vector, taking part with Δ = 0 and weight 0. Returns each node's θ_g after
+    round 2 and after the completion step (``last``: the pseudo-gradients of round 3)."""
+    rounds = [[6.0, 12.0, -6.0], [12.0, -6.0, 24.0], [-18.0, 6.0, 12.0], list(last)]
+    frags = [np.arange(1)]
+    theta = [_f32([0.0]) for _ in range(3)]
+    bufs: list = [None] * 3
+    held: list = [None] * 3
+    late: list = [None] * 3
+    after: list[np.ndarray] = []
+    for r, deltas in enumerate(rounds):
+        w = [0.0 if adopt and r == 2 and m == 2 else 1.0 for m in range(3)]
+        payload = [_f32([deltas[m] * w[m]]) for m in range(3)]
+        total, sum_w = _f32([sum(float(p[0]) for p in payload)]), sum(w)
+        for m in range(3):
+            if adopt and r == 2 and m == 2:  # node 2 adopts node 0's state of round 2
+                vec = pack_state(theta[0], [bufs[0]], frags, Counters(op=r, t=4 * r, step=4 * r, applied=r),
+                                 held[0])
+                th, (b,), _, h = unpack_state(vec, 1, frags, eager=True)
+                theta[2], bufs[2], held[2] = th, b, h
+                continue
+            g = eager_gradient(payload[m], 3.0, late[m])
+            bufs[m] = outer_step(theta[m], bufs[m], g, lr=1.0, momentum=mu, nesterov=True)
+            held[m] = own_term(payload[m], 3.0)
+        late = [late_part(total, sum_w, held[m]) for m in range(3)]
+        if r == 2:
+            after = [t.copy() for t in theta]
+    for m in range(3):  # completion: the last round's late part, no new own term
+        bufs[m] = outer_step(theta[m], bufs[m], late[m], lr=1.0, momentum=mu, nesterov=True)
+    return after, theta
+
+
+def test_an_eager_member_that_adopts_counts_the_leaders_contribution_once():
+    """μ = 0: every contribution enters every node's θ_g once, with the weight its round's mean
+    gives it — the adopter too (the leader's fresh term of the adoption round is in the θ_g it
+    adopts, and its next late part takes it out of that round's mean, as the leader's does) —
+    so after the completion step every node holds −Σ_r Σ w·Δ(r) / Σw(r) exactly. μ = 0.9: the
+    adopter's θ_g differs from the leader's by its own fresh terms only, as a node that never
+    lagged does."""
+    want = -(6 + 12 - 6) / 3 - (12 - 6 + 24) / 3 - (-18 + 6) / 2 - (6 + 6 - 12) / 3
+    _, final = _eager_adoption_run(0.0, adopt=True)
+    assert [float(t[0]) for t in final] == [want] * 3
+    _, final = _eager_adoption_run(0.0, adopt=False)  # nobody adopts: the same sum, every round over 3
+    assert [float(t[0]) for t in final] == [-(12 + 30 + 0 + 0) / 3] * 3
+    _, final = _eager_adoption_run(0.0, adopt=True, last=(6.0, 6.0, 6.0))
+    assert [float(t[0]) for t in final] == [want - 6] * 3
+    after, final = _eager_adoption_run(0.9, adopt=True, last=(6.0, 6.0, 6.0))
+    assert after[2].tobytes() == after[0].tobytes()  # it adopted node 0's θ_g of round 2
+    # the same own term in round 3 as node 0: its late parts are node 0's, bit for bit, so is its θ_g
+    assert final[2].tobytes() == final[0].tobytes() != final[1].tobytes()
+
+
+def test_a_skipped_eager_round_takes_the_held_term_out_and_adds_nothing():
+    """A round whose sums carry the non-finite flag (or no weight) is skipped everywhere: the
+    late part of a node whose θ_g holds its own fresh term of that round is that term negated,
+    so the round leaves nothing in θ_g; a node that holds none (its Δ was the non-finite one,
+    sent as zeros) gets no late part."""
+    from types import SimpleNamespace
+
+    from p2psync.strategies.diloco import Op
+    from p2psync.strategies.diloco.ops import Operations
+
+    node = SimpleNamespace(skipped=0)
+    held = own_term(_f32([3.0, -6.0]), 3.0)
+    op = Op(f=0, payload=_f32([3.0, -6.0]), w=1.0, stop=False, nonfinite=False,
+            counters=Counters(op=4, t=16, step=15, applied=3), held=held)
+    total = _f32([9.0, 9.0])
+    for side in (_f32([3.0, 0.0, 1.0]), _f32([0.0, 0.0, 0.0])):
+        late = Operations._late_part(node, op, total, side, {})
+        assert late is not None and late.tolist() == [-1.0, 2.0]
+    assert node.skipped == 1  # (only the non-finite one counts)
+    op.held = np.zeros(2, np.float32)
+    assert Operations._late_part(node, op, total, _f32([3.0, 0.0, 1.0]), {}) is None
+    late = Operations._late_part(node, replace(op, held=held), total, _f32([3.0, 0.0, 0.0]), {})
+    assert late is not None and late.tolist() == [2.0, 5.0]  # a round that counts: Σ/Σw − held

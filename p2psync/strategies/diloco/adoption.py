@@ -7,6 +7,13 @@ optimizer state with ``join_inner_state=copy``), resets θ_local ← θ_g and ta
 operation the leader runs with Δ = 0 and weight 0 (its first send of every fragment after that
 also weighs 0 with ``uniform``). Its loop moves to the leader's step.
 
+With ``eager`` the leader's θ_g holds its outer step of the round in flight already, and with
+it the leader's own fresh term of that round (:func:`~.outer.own_term`), which the state carries
+too. This node takes that term as the one its θ_g holds of the round, in place of its own (it
+takes part with Δ = 0): its next late part takes the leader's term out of the round's mean, as
+the leader's does, so the leader's contribution enters its θ_g once, and from then on it
+computes what the leader computes except for its own fresh terms.
+
 At the stop (:mod:`.stop`) the leader's counters name :data:`~.state.FULL` (it is in the final
 sync: this node takes part in it with Δ = 0) or :data:`~.state.CLOSE` (θ_g holds the final sync
 already: this node joins the closing checks); a member that missed the agreed stop learns it
@@ -37,23 +44,34 @@ class Adoption(Operations):
 
     def _state_size(self) -> int:
         inner = self.ctx.replica.state_size() if self.opts.join_inner_state == "copy" else 0
-        return state_size(self.ctx.replica.numel, len(self.frags)) + inner
+        return state_size(self.ctx.replica.numel, len(self.frags), eager=self.opts.eager) + inner
+
+    def _held(self) -> np.ndarray | None:
+        """Eager: the own fresh term θ_g holds of the round this node launched last (zeros when
+        it holds none: the stop's final sync and closing checks); None without ``eager``."""
+        if not self.opts.eager or self.theta is None:
+            return None
+        op = self.inflight
+        if op is not None and op.k == self._launched.op and op.f != FULL and op.held is not None:
+            return op.held
+        return np.zeros_like(self.theta)
 
     async def _snapshot(self) -> np.ndarray:
-        """θ_g, b and the counters as of this node's latest launch (Regroup runs the sync of a
-        new view inside that operation: θ_g changes only when it is applied); with
-        ``join_inner_state=copy`` this node's model and optimizer state after them."""
+        """θ_g, b, (eager) the own fresh term θ_g holds of the round in flight, and the counters
+        as of this node's latest launch (Regroup runs the sync of a new view inside that
+        operation: θ_g changes only when it is applied, or, eager, when the round is launched);
+        with ``join_inner_state=copy`` this node's model and optimizer state after them."""
         if self.theta is None:
             raise PeerFailure("diloco: asked for a state before it has one")
-        vec = pack_state(self.theta, self.bufs, self.frags, self._launched)
+        vec = pack_state(self.theta, self.bufs, self.frags, self._launched, self._held())
         if self.opts.join_inner_state == "copy":
             vec = np.concatenate([vec, await self.ctx.replica.export_state()])
         return vec
 
     async def _restore(self, vec: np.ndarray) -> None:
         """Keep the leader's state; the step loop takes it over (:meth:`_take_adopted`)."""
-        own = state_size(self.ctx.replica.numel, len(self.frags))
-        self._adopted = unpack_state(vec[:own], self.ctx.replica.numel, self.frags)
+        own = state_size(self.ctx.replica.numel, len(self.frags), eager=self.opts.eager)
+        self._adopted = unpack_state(vec[:own], self.ctx.replica.numel, self.frags, eager=self.opts.eager)
         self._inner = np.array(vec[own:], np.float32, copy=True) if vec.size > own else None
 
     async def _take_adopted(self, extra: dict[str, Any]) -> Counters:
@@ -62,7 +80,7 @@ class Adoption(Operations):
         weight 0 (applied at once when τ = 0)."""
         if self._adopted is None or self.schedule is None:
             raise PeerFailure("diloco: no state to adopt")
-        theta, bufs, c = self._adopted
+        theta, bufs, c, held = self._adopted
         self._adopted = None
         if self.inflight is not None:
             await self.close()
@@ -89,8 +107,11 @@ class Adoption(Operations):
             raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
         cur.since, cur.next_frag, cur.due = 0, c.frag, None
         await self._launch(c.frag, c.step, zero=True, at_stop=c.at_stop)
-        if self.opts.eager:
+        if self.opts.eager:  # θ_g holds the leader's step of this round, its own fresh term in it
             cur.applied()  # (awaited at the next send)
+            self.applied += 1
+            if self.inflight is not None:
+                self.inflight.held = held
         elif cur.apply_now():
             got = await self._apply(extra)
             if isinstance(got, Counters):

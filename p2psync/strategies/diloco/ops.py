@@ -32,7 +32,7 @@ from p2psync.errors import ConfigError
 from p2psync.model import PARAM_RANGES
 from p2psync.strategies.base import Strategy, StrategyContext
 from p2psync.strategies.diloco.options import DilocoOptions
-from p2psync.strategies.diloco.outer import merge, others_mean, outer_step
+from p2psync.strategies.diloco.outer import late_part, merge, others_mean, outer_step
 from p2psync.strategies.diloco.schedule import Cursor, Schedule, dylu_interval
 from p2psync.strategies.diloco.fragments import Ranges
 from p2psync.strategies.diloco.state import FULL, Counters
@@ -59,6 +59,9 @@ class Op:
     task: asyncio.Task[Any] | None = None
     #: the sums when they arrived before a checkpoint that this op was restored from
     result: tuple[np.ndarray, np.ndarray] | None = None
+    #: eager: the own fresh term of this round that θ_g holds (:func:`~.outer.own_term`):
+    #: this node's, or the leader's when it adopted the leader's state in this round
+    held: np.ndarray | None = None
 
     @property
     def k(self) -> int:
@@ -98,7 +101,7 @@ class Operations(Strategy):
         self.inflight: Op | None = None
         self._relaunch: Op | None = None
         self._launched = Counters(0, 0, 0, 0)
-        self._adopted: tuple[np.ndarray, list[np.ndarray | None], Counters] | None = None
+        self._adopted: tuple[np.ndarray, list[np.ndarray | None], Counters, np.ndarray | None] | None = None
         #: the leader's inner optimizer state a joiner takes (``join_inner_state=copy``)
         self._inner: np.ndarray | None = None
         self._want_stop = False
@@ -272,13 +275,17 @@ class Operations(Strategy):
         return bool(side[1] > 0)
 
     def _late_part(self, op: Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any]) -> np.ndarray | None:
-        """Eager: the others' contributions of a finished round (None when it is skipped)."""
+        """Eager: a finished round's mean less the own fresh term θ_g holds of it (``op.held``).
+        A skipped round (a non-finite Δ somewhere, or no weight) adds nothing: its late part only
+        takes the held term out again (None when there is none)."""
         sw = float(side[0])
         if side[2] > 0 or not sw > 0:
             self.skipped += int(bool(side[2] > 0))
-            return None
+            return None if op.held is None or not op.held.any() else np.negative(op.held)
         extra.update(sum_w=sw)
-        return others_mean(s, op.payload, sw)
+        if op.held is None:  # (a round restored from a checkpoint without its held term: over Σw)
+            return others_mean(s, op.payload, sw)
+        return late_part(s, sw, op.held)
 
     async def _outer(self, op: Op, s: np.ndarray, side: np.ndarray, extra: dict[str, Any], *,
                      merge_local: bool) -> None:

@@ -19,7 +19,8 @@ Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
   together; operations are matched by number, not by step), ``dylu_min_steps`` (5);
 * ``eager`` (Eager updates; ``fragments=1``, ``tau=0``, ``weighting=uniform``: a round's sum is
   awaited only at the next round's send, a whole round later, and each node steps its own θ_g
-  with its fresh Δ over the members plus the others' Δ of the previous round; the nodes' θ_g
+  with its fresh Δ over the members plus the previous round's mean less its own fresh term of
+  that round (the others' Δ: each contribution enters once); the nodes' θ_g
   differ until the stop, which applies a completion step and then an exact mean of θ_g and the
   momentum), ``eager_delay`` (1; more is not built).
 

@@ -57,29 +57,46 @@ def merge(theta_g: np.ndarray, local: np.ndarray, alpha: float) -> np.ndarray:
     return out
 
 
+def own_term(own: np.ndarray, expected: float) -> np.ndarray:
+    """An eager round's own fresh term: this node's weighted pseudo-gradient over the members
+    expected in the round, ``w·Δ_m(r) / M_r`` (float32). A node's θ_g holds it from the round's
+    outer step until its :func:`late_part` takes it out again."""
+    out: np.ndarray = np.divide(own, np.float32(expected), dtype=np.float32)
+    return out
+
 
 def eager_gradient(own: np.ndarray, expected: float, others: np.ndarray | None) -> np.ndarray:
     """The outer gradient of one node in an eager round (Eager updates, Kale, Douillard,
-    Donchev, arXiv 2502.12996, in the "replace your own stale contribution" form): its own fresh weighted pseudo-gradient
-    over the members expected in this round, plus the others' contributions of the previous
-    round (:func:`others_mean`; None in the first round)::
+    Donchev, arXiv 2502.12996, in the "replace your own stale contribution" form): its own fresh
+    term (:func:`own_term`) plus the previous round's late part (:func:`late_part`; None in the
+    first round)::
 
-        g = w·Δ_m(r) / M_r + (Σ_i w_i·Δ_i(r−1) − w_m·Δ_m(r−1)) / Σ_i w_i(r−1)
+        g = w·Δ_m(r) / M_r + Σ_i w_i·Δ_i(r−1) / Σ_i w_i(r−1) − w_m·Δ_m(r−1) / M_{r−1}
 
-    Every contribution enters a node's θ_g exactly once: its own at once, the others' one round
-    late. (The formula is reconstructed from secondary summaries of the paper's Algorithm 3.)"""
-    g: np.ndarray = np.divide(own, np.float32(expected), dtype=np.float32)
+    Every contribution enters a node's θ_g exactly once, with the weight the round's mean gives
+    it: the others' one round late, its own at once over M_r, exchanged one round later for its
+    share of the mean (the terms over M cancel however Σw turns out). (The formula is
+    reconstructed from secondary summaries of the paper's Algorithm 3.)"""
+    g = own_term(own, expected)
     if others is not None:
         np.add(g, others, out=g)
     return g
 
 
-def others_mean(total: np.ndarray, own: np.ndarray, sum_w: float) -> np.ndarray:
-    """The previous round's sum without this node's own weighted contribution, over the
-    round's total weight (an eager round's late part, and the completion step at the end)."""
-    out: np.ndarray = np.subtract(total, own, dtype=np.float32)
-    np.divide(out, np.float32(sum_w), out=out)
+def late_part(total: np.ndarray, sum_w: float, held: np.ndarray) -> np.ndarray:
+    """An eager round's late part (and the stop's completion step): the round's mean
+    ``total / sum_w`` less the own fresh term ``held`` (:func:`own_term`) that θ_g holds already
+    of that round — this node's own, or, in the round it adopted a leader's state in, the
+    leader's (its θ_g holds that one)."""
+    out: np.ndarray = np.divide(total, np.float32(sum_w), dtype=np.float32)
+    np.subtract(out, held, out=out)
     return out
 
 
-__all__ = ["eager_gradient", "merge", "others_mean", "outer_step"]
+def others_mean(total: np.ndarray, own: np.ndarray, sum_w: float, expected: float | None = None) -> np.ndarray:
+    """:func:`late_part` of a node whose own fresh term of the round was ``own`` over
+    ``expected`` members (``sum_w`` when None: every expected member took part with weight 1)."""
+    return late_part(total, sum_w, own_term(own, sum_w if expected is None else expected))
+
+
+__all__ = ["eager_gradient", "late_part", "merge", "others_mean", "outer_step", "own_term"]

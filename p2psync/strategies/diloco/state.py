@@ -1,5 +1,7 @@
-"""The state a member behind adopts (pure): θ_g, the outer momentum and the counters of the
-operation the donor launched last, packed as one float32 vector (Regroup broadcasts it).
+"""The state a member behind adopts (pure): θ_g, the outer momentum, with eager updates the own
+fresh term θ_g holds of the round in flight, and the counters of the operation the donor
+launched last, packed as one float32 vector (Regroup broadcasts it). Its length and layout
+follow from the options every member shares (``eager``); the counters check their own range.
 """
 
 from __future__ import annotations
@@ -61,35 +63,52 @@ class Counters:
 COUNTERS = 12
 
 
-def state_size(numel: int, parts: int) -> int:
-    """Length of :func:`pack_state`'s vector."""
-    return 2 * numel + parts + COUNTERS
+def state_size(numel: int, parts: int, *, eager: bool = False) -> int:
+    """Length of :func:`pack_state`'s vector (``eager``: with the own fresh term θ_g holds)."""
+    return (3 if eager else 2) * numel + parts + COUNTERS
 
 
 def pack_state(theta: np.ndarray, bufs: Sequence[np.ndarray | None], frags: Sequence[np.ndarray],
-               counters: Counters) -> np.ndarray:
-    """θ_g ‖ b (zeros where a fragment has no buffer yet) ‖ which fragments have one ‖ counters."""
+               counters: Counters, held: np.ndarray | None = None) -> np.ndarray:
+    """θ_g ‖ b (zeros where a fragment has no buffer yet) ‖ (eager) ``held`` ‖ which fragments
+    have a buffer ‖ counters.
+
+    ``held`` (eager updates only, one value per parameter): the own fresh term
+    (:func:`~.outer.own_term`) of the round ``counters`` launched that θ_g holds already (zeros
+    when θ_g holds none: the stop's final sync and closing checks). A member that adopts this
+    state takes it out of that round's mean in its next late part instead of its own (it took
+    part with Δ = 0), so the donor's contribution enters its θ_g once, as it enters the donor's."""
     mom = np.zeros_like(theta)
     have = np.zeros(len(frags), np.float32)
     for f, (b, idx) in enumerate(zip(bufs, frags)):
         if b is not None:
             mom[idx] = b
             have[f] = 1.0
-    return np.concatenate([theta, mom, have, counters.pack()]).astype(np.float32, copy=False)
+    pieces = [theta, mom] + ([] if held is None else [np.asarray(held, np.float32)]) + [have, counters.pack()]
+    if held is not None and held.size != theta.size:
+        raise ConfigError(f"DiLoCo: a held term of {held.size} values for a θ_g of {theta.size}")
+    return np.concatenate(pieces).astype(np.float32, copy=False)
 
 
-def unpack_state(vec: np.ndarray, numel: int, frags: Sequence[np.ndarray]
-                 ) -> tuple[np.ndarray, list[np.ndarray | None], Counters]:
-    """:func:`pack_state`'s parts back: θ_g, the buffers, the counters."""
+def unpack_state(vec: np.ndarray, numel: int, frags: Sequence[np.ndarray], *, eager: bool = False
+                 ) -> tuple[np.ndarray, list[np.ndarray | None], Counters, np.ndarray | None]:
+    """:func:`pack_state`'s parts back: θ_g, the buffers, the counters, and (``eager``) the
+    held own fresh term (None otherwise)."""
     parts = len(frags)
-    if vec.size != state_size(numel, parts):
-        raise ProtocolError("state", f"a DiLoCo state of {vec.size} values, expected {state_size(numel, parts)}")
+    if vec.size != state_size(numel, parts, eager=eager):
+        raise ProtocolError("state", f"a DiLoCo state of {vec.size} values, expected "
+                                     f"{state_size(numel, parts, eager=eager)}")
     theta = np.array(vec[:numel], np.float32, copy=True)
     mom = vec[numel:2 * numel]
-    have = vec[2 * numel:2 * numel + parts]
+    at = 2 * numel
+    held: np.ndarray | None = None
+    if eager:
+        held = np.array(vec[at:at + numel], np.float32, copy=True)
+        at += numel
+    have = vec[at:at + parts]
     bufs: list[np.ndarray | None] = [np.array(mom[idx], np.float32, copy=True) if have[f] else None
                                      for f, idx in enumerate(frags)]
-    return theta, bufs, Counters.unpack(np.asarray(vec[2 * numel + parts:]))
+    return theta, bufs, Counters.unpack(np.asarray(vec[at + parts:])), held
 
 
 __all__ = ["CLOSE", "COUNTERS", "FULL", "Counters", "pack_state", "state_size", "unpack_state"]

@@ -54,7 +54,7 @@ from p2psync.model import LAYERED, MODEL_BUFFERS, PARAM_RANGES, Layer
 from p2psync.strategies.base import StepReport, register
 from p2psync.strategies.diloco.fragments import fragment_map, indices, map_digest
 from p2psync.strategies.diloco.ops import Op
-from p2psync.strategies.diloco.outer import eager_gradient, outer_step
+from p2psync.strategies.diloco.outer import eager_gradient, outer_step, own_term
 from p2psync.strategies.diloco.schedule import Cursor, Schedule
 from p2psync.strategies.diloco.state import Counters, pack_state
 from p2psync.strategies.diloco.stop import Stopping
@@ -153,6 +153,8 @@ class DiLoCo(Stopping):
                     and op.task.exception() is None and isinstance(op.task.result(), tuple):
                 s, side, _ = op.task.result()
                 res = (s, side)
+            if op.held is not None:
+                rec["held"] = torch.from_numpy(op.held.copy())
             if res is not None:
                 rec["result"] = [torch.from_numpy(np.array(res[0], np.float32)),
                                  torch.from_numpy(np.array(res[1], np.float32))]
@@ -190,6 +192,8 @@ class DiLoCo(Stopping):
             op = Op(f=int(rec["f"]), payload=np.asarray(rec["payload"].numpy(), np.float32).copy(),
                     w=float(rec["w"]), stop=bool(rec["stop"]), nonfinite=bool(rec["nonfinite"]), counters=c,
                     speed=float(rec.get("speed", 0.0)))
+            if "held" in rec:
+                op.held = np.asarray(rec["held"].numpy(), np.float32).copy()
             if "result" in rec:
                 op.result = (np.asarray(rec["result"][0].numpy(), np.float32).copy(),
                              np.asarray(rec["result"][1].numpy(), np.float32).copy())
@@ -293,8 +297,9 @@ class DiLoCo(Stopping):
     async def _eager_round(self, f: int, step: int, extra: dict[str, Any], *, stopping: bool) -> bool | Counters:
         """Eager updates (fragments=1): await the previous round's sum, launch this round's,
         then one outer step on this node's θ_g with its own fresh pseudo-gradient and the
-        others' previous ones (:func:`~p2psync.strategies.diloco.outer.eager_gradient`), and
-        θ_local ← θ_g. Returns whether the previous round carried a stop, or adopted counters.
+        others' previous ones (:func:`~p2psync.strategies.diloco.outer.eager_gradient`: the own
+        fresh term is kept with the round, ``Op.held``, for its late part), and θ_local ← θ_g.
+        Returns whether the previous round carried a stop, or adopted counters.
         ``stopping`` (the step budget ends here) or a stop carried by the previous round makes
         this round the one the stop's completion step awaits (launched ``at_stop``)."""
         if self.theta is None or self.cursor is None:
@@ -312,7 +317,9 @@ class DiLoCo(Stopping):
         new = self.inflight
         if new is None:
             raise ConfigError("diloco: the round did not start")
-        g = eager_gradient(new.payload, float(len(self._view().members)), others)
+        expected = float(len(self._view().members))
+        g = eager_gradient(new.payload, expected, others)
+        new.held = own_term(new.payload, expected)  # (the term g holds: its late part takes it out)
         extra.update(delta_norm=float(np.linalg.norm(g)))
         o = self.opts
         self.bufs[0] = outer_step(self.theta, self.bufs[0], g, lr=o.outer_lr, momentum=o.outer_momentum,
