@@ -3,9 +3,8 @@
     python -m bench.wan [--scale 5] [--quick] [--configs ssgd dts-t4-p4 ...] [--out DIR]
     python -m bench.wan --model lm-tiny [--compute-ms 1500] ...   # the byte-level language model
 
-Checks the claims of "Distributed Training Across the World" (DTS: delayed and temporally
-sparse updates; shared/papers/dts-training-across-the-world.md, reading notes
-shared/specs/dts.md §1.5, §2.2, §3.3) on four emulated nodes (topologies/ring-4.json, ring
+Checks the claims of "Distributed Training Across the World" (Zhu et al.; DTS: delayed and
+temporally sparse updates; Table 1, Sec. 4.4) on four emulated nodes (topologies/ring-4.json, ring
 allreduce like the paper's Horovod; ``--collective``/``--topology`` to change), momentum SGD
 (0.9), the default digits data and MLP. Every run goes through the CLI (``p2psync run``: one
 process per node). Configurations: SSGD, DTS t=4 p=1 (delay only), DTS t=0 p=4 (temporal
