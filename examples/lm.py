@@ -71,13 +71,13 @@ class Windows(Dataset):
     """Windows of ``context + 1`` bytes starting every ``context`` bytes: (inputs, next bytes)."""
 
     def __init__(self, data: np.ndarray, context: int) -> None:
-        self.data, self.context = torch.from_numpy(data.astype(np.int64)), context
+        self.data, self.context = torch.from_numpy(data), context  # the bytes, as loaded
 
     def __len__(self) -> int:
         return (len(self.data) - 1) // self.context
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.data[i * self.context: i * self.context + self.context + 1]
+        w = self.data[i * self.context: i * self.context + self.context + 1].long()
         return w[:-1], w[1:]
 
 

@@ -59,7 +59,7 @@ from p2psync.strategies.base import StepReport, Strategy
 from p2psync.tasks import cancel_all
 from p2psync.topology import Topology
 from p2psync.training.config import UNBOUNDED_STEPS, RunConfig
-from p2psync.training.metrics import MetricsWriter, bytes_sent
+from p2psync.training.metrics import MetricsWriter, bytes_sent, peak_rss_bytes
 
 log = logging.getLogger("p2psync.session")
 
@@ -279,7 +279,7 @@ class StepDriver:
             "compute_s": round(self.gate.compute_s, 4), "comm_s": round(self.comm_s, 4),
             "wait_s": round(self.wait_s, 4), "samples": self.gate.samples,
             "samples_per_s": self.gate.samples / now if now > 0 else 0.0,
-            "nics": rt.nic_bytes(), **rep.extra,
+            "nics": rt.nic_bytes(), "peak_rss_bytes": peak_rss_bytes(), **rep.extra,
             # nodes whose non-finite tensor pieces this node rejected (they are excluded)
             **({"offences": {str(n): c for n, c in sorted(rt.transport.offences.items())}}
                if rt.transport.offences else {})}
@@ -411,8 +411,10 @@ class StepDriver:
             "local_steps": gate.arrivals - gate.skipped,
             # parameters and buffers: equal on every member of a synchronous run (SSGD:
             # bitwise), joiners included
-            "params_sha1": hashlib.sha1(params.tobytes() + buffers.raw.tobytes()).hexdigest()[:16],
+            "params_sha1": _sha1(params, buffers.raw),
             "audits": self.audits.as_dict(),
+            # what this node's process held at most, against the model's flat size (bench.memory)
+            "peak_rss_bytes": peak_rss_bytes(), "model_bytes": int(params.nbytes),
         }
         if reports.last_val_bpb is not None:
             stats["final_val_bpb"] = reports.last_val_bpb
@@ -421,6 +423,14 @@ class StepDriver:
             stats["tokens_per_s"] = stats["samples_per_s"] * per
         stats.update({k: v for k, v in self.info.items() if k not in stats})
         return stats
+
+
+def _sha1(*arrays: np.ndarray) -> str:
+    """The first 16 hex digits of the SHA-1 of the arrays' bytes in turn (no copy of them)."""
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()[:16]
 
 
 async def _first(task: asyncio.Task[None], *events: asyncio.Event) -> None:

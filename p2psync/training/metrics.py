@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, TextIO
@@ -81,6 +82,17 @@ class MetricsWriter:
 def bytes_sent(record: Mapping[str, Any]) -> int:
     """Bytes a node sent over all its NICs, from a metrics record (0 if it has none)."""
     return sum(v.get("sent", 0) for v in record.get("nics", {}).values())
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far, in bytes (``getrusage``'s
+    ``ru_maxrss``: KiB on Linux, bytes on macOS); 0 where the platform has no ``resource``."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
