@@ -429,7 +429,7 @@ def _sha1(*arrays: np.ndarray) -> str:
     """The first 16 hex digits of the SHA-1 of the arrays' bytes in turn (no copy of them)."""
     h = hashlib.sha1()
     for a in arrays:
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+        h.update(np.ascontiguousarray(a).data.cast("B"))
     return h.hexdigest()[:16]
 
 
