@@ -8,7 +8,8 @@ small by design: coordinator services hold no model tensors).
 :class:`CoordinatorHost` runs on every node. It owns the ``membership.*`` RPC methods of the
 node's server: while the node does not coordinate, a heartbeat or finish from a member that
 deposed the coordinator this node follows makes it take over if it is the successor
-(:meth:`MembershipClient.take_over`); otherwise heartbeats get a *redirect* reply carrying the
+(:meth:`MembershipClient.take_over`; not when the member's view, whose term its heartbeat
+carries, is of a term below the one that coordinator was elected in); otherwise heartbeats get a *redirect* reply carrying the
 view this node follows, and other calls a ``NotCoordinator`` error (callers retry). When this
 node becomes the coordinator (its client's ``on_takeover``), the host builds a
 :class:`MembershipService` on a state rebuilt from what the node knows
@@ -517,7 +518,9 @@ class CoordinatorHost:
             if self.service is None and method != "membership.register" and view is not None \
                     and caller in view.members:
                 theirs = _ids(args.get("deposed"))
-                if theirs and self.membership.take_over(theirs):
+                term = args.get("term")
+                their_term = term if type(term) is int and 0 <= term < 1 << 62 else None
+                if theirs and self.membership.take_over(theirs, their_term):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",
                                 self.me, caller, theirs)
             seen = args.get("seen_term") if method == "membership.heartbeat" else None

@@ -237,6 +237,22 @@ def test_a_second_pause_on_a_ring_with_a_node_removed_removes_nobody() -> None:
     assert final["members"] == [n for n in range(16) if n != 9]
 
 
+def test_a_member_cut_off_before_an_election_does_not_bring_in_another_successor_after_the_heal() -> None:
+    # ring-16 with node 1 removed is a line 2..15-0; the partition isolates node 0 (the
+    # coordinator) and cuts 14-15 off: 2 is elected in term 1, while 14 and 15 pass over 2..9
+    # (unreachable) and follow 10. After the heal node 15 contacts node 10 with that deposition
+    # made in term 0: node 10, which hears its coordinator 2 elected in term 1, no longer takes
+    # over on its word (it ran, stopped relaying to 2, and 2 declared 10-13 failed); 14 and 15
+    # apply view 18 from its redirect. (Chaos seed 1048:
+    # p2psync sim ring:16 --seed 1048 --faults
+    # 'pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775,pause:7@26.954+4.694' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775", 26.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(1, 0), (0, 2)]
+    final = s["final_view"]
+    assert final["coordinator"] == 2 and final["members"] == list(range(2, 16))
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:

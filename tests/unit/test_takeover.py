@@ -58,6 +58,20 @@ def test_contacted_successor_takes_over_others_do_not():
     assert not Succession(me=2, coordinator=1).contacted([0, 2], v)  # the caller deposed this node
 
 
+def test_a_deposition_in_a_lower_term_does_not_count_against_a_coordinator_elected_since():
+    # node 2 won term 1 (view epoch 18); node 15, cut off meanwhile with the view of term 0, passed
+    # over 0 and 2..9 and contacts node 10: node 10 hears of the election and does not take over
+    elected = View(epoch=18, members=tuple(range(2, 16)), incarnations={m: 100 + m for m in range(2, 16)},
+                   coordinator=2, term=1)
+    ten = Succession(me=10, coordinator=2, key=(1, 18))
+    theirs = [0, *range(2, 10)]
+    assert not ten.contacted(theirs, elected, their_term=0)
+    assert ten.contacted(theirs, elected, their_term=1)  # deposed in the term it was elected in
+    assert ten.contacted(theirs, elected)  # the caller's term unknown: its word counts
+    # following a successor not elected yet (not the view's coordinator): the term does not matter
+    assert Succession(me=10, coordinator=3, deposed={2}).contacted(theirs, elected, their_term=0)
+
+
 def test_views_of_a_deposed_coordinator_are_ignored_and_newer_views_move_the_coordinator():
     s = Succession(me=3, coordinator=0)
     v5 = _view(5, (0, 1, 2, 3), 0)
