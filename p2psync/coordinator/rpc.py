@@ -16,7 +16,8 @@ client therefore resends a request that got no reply within the retransmission t
 (:class:`~p2psync.coordinator.detector.RttEstimator`, RFC 6298, per destination; doubled on
 every retry) until the call's own timeout, each attempt relayed through the next candidate first
 hop (:meth:`Transport.send_control`); the first hop that worked last time is tried first next
-time. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
+time. A relayed call resends at the latest after half its timeout (:func:`attempt_wait`), so
+that a call shorter than the RTO still tries two first hops. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
 request still running is dropped (its reply goes out when done, over the routes live then), a
 duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
 per request. The reply cache is bounded per caller, not by the size of the run: every request
@@ -237,6 +238,21 @@ class _Replies:
                 del self.replies[rid]
 
 
+def attempt_wait(*, rto: float, left: float, timeout: float, attempt: int, relayed: bool) -> float:
+    """How long attempt ``attempt`` (0: the first) of a call with ``timeout`` waits for its reply
+    before the request is resent: the retransmission timeout ``rto``, within the ``left``
+    seconds of the call. The first attempt of a ``relayed`` call (its destination is not
+    adjacent: a resend may take another first hop) waits at most half the call's timeout, so
+    that a call shorter than its RTO (a probe; a destination not measured yet has the initial
+    RTO) still tries a second first hop: the first one tried is the one the last call to that
+    destination ended on (:meth:`RpcClient.call`), which may lead across a partition that cut
+    it off then."""
+    wait = min(rto, left)
+    if attempt == 0 and relayed:
+        wait = min(wait, timeout / 2)
+    return max(0.0, wait)
+
+
 class RpcClient:
     """Calls RPC methods on other nodes, resending over other first hops after each
     retransmission timeout (one :class:`RttEstimator` per destination); calls to this node go
@@ -324,7 +340,9 @@ class RpcClient:
                     if loop.time() >= deadline or (node in self.transport.dead and not to_dead):
                         raise
                 self._check_abort(tag, node, to_dead)
-                wait = min(rto, deadline - loop.time())
+                left = deadline - loop.time()
+                wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt,
+                                    relayed=not self.transport.topology.routes(self.transport.node_id, node))
                 try:
                     rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
                     break
@@ -334,6 +352,8 @@ class RpcClient:
                         raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
                 attempt += 1
                 self.retries += 1
+                if wait < min(rto, left):
+                    continue  # resent before the RTO ran out (attempt_wait): no backoff
                 if measure:  # the estimate backs off (RFC 6298 5.5) only for quick calls:
                     est.backoff()  # a long poll (register, finish) is slow by design
                     rto = est.rto()

@@ -253,6 +253,24 @@ def test_a_member_cut_off_before_an_election_does_not_bring_in_another_successor
     assert final["coordinator"] == 2 and final["members"] == list(range(2, 16))
 
 
+def test_a_probe_shorter_than_the_rto_reaches_a_live_successor_after_a_healed_partition() -> None:
+    # ring-16: the first partition cuts 13-15.0-3 off, and node 13's calls to 5-11 time out: its
+    # next calls to them take the other first hop (14, the long way round). 4 is elected and
+    # removes 0-3, leaving the line 4..15. The second partition cuts 4-6 and 15 off; node 13
+    # deposes 4 and probes 5..12 (0.54 s, under the initial RTO of 1 s): the one attempt went
+    # the long way, across the cut, and node 13 passed over the live 7..11 and brought in 12
+    # (then 12 brought in 13), which split the majority: 14 declared failed, three views at the
+    # end. A relayed call now resends over the next first hop after half its timeout. (Chaos
+    # seed 1014: p2psync sim ring:16 --seed 1014 --faults
+    # 'partition:0-3.13-15|4-12@5.036+3.286,partition:0-6.15|7-14@20.811+6.598,pause:15@38.856+4.753'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:0-3.13-15|4-12@5.036+3.286,partition:0-6.15|7-14@20.811+6.598", 34.0)
+    assert s["invariants"] == ALL_HELD
+    assert sorted(d["node"] for d in s["declared"]) == [0, 1, 2, 3, 4, 5, 6, 15]
+    final = s["final_view"]
+    assert final["coordinator"] == 7 and final["members"] == list(range(7, 15))
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
