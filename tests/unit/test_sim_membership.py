@@ -271,6 +271,24 @@ def test_a_probe_shorter_than_the_rto_reaches_a_live_successor_after_a_healed_pa
     assert final["coordinator"] == 7 and final["members"] == list(range(7, 15))
 
 
+def test_a_voter_that_refused_while_it_still_heard_the_coordinator_is_asked_again_within_the_round() -> None:
+    # ring-16 with node 9 removed is a line 10..15-0-8; the partition cuts 0 (the coordinator)
+    # and 13-15 off, and 10-12 behind them: 1..8 hold 8 of 15. Node 1's first vote request
+    # reached node 4 a moment before node 4's detector suspected node 0 (refused: it still
+    # heard it), and 7 of 15 granted; the round then waited the vote timeout for the voters
+    # cut off, and node 1 won only in the next round: node 0 declared after 4.8 s, 10-15 after
+    # 6.8 s (bound 3.16 s, twice that for those cut off with the coordinator). A voter that
+    # refused is now asked again a heartbeat interval later within the round. (Chaos seed 5036:
+    # p2psync sim ring:16 --seed 5036 --faults 'partition:9|0-8.10-15@5.36+1.967,
+    # partition:0.13-15|1-12@14.718+7.543,partition:0-4.13-15|5-12@29.412+1.269' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:9|0-8.10-15@5.36+1.967,partition:0.13-15|1-12@14.718+7.543", 26.0)
+    assert s["invariants"] == ALL_HELD
+    after = s["detections"][1]["declared_after_s"]
+    bound = s["detection_bound_s"]
+    assert after["0"] <= bound and all(after[str(n)] <= 2 * bound for n in range(10, 16))
+    assert s["final_view"]["coordinator"] == 1 and s["final_view"]["members"] == list(range(1, 9))
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
