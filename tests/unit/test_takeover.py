@@ -125,6 +125,8 @@ def test_rebuilt_state_from_the_last_view():
     st.heartbeat(3, 102.6, applied=(1, 8))
     assert not st.agreement.pending and st.agreement.members == {1, 2, 3}
     # members get the grace period to find the new coordinator, then the usual detection
+    for t in (103.0, 103.5):  # 2 heard throughout: with 1, a majority of [1, 2, 3]
+        st.heartbeat(2, t)
     assert st.check(103.9) == []
     st.heartbeat(1, 104.0)
     st.heartbeat(2, 104.0)
@@ -260,8 +262,9 @@ def test_a_stale_failure_report_does_not_fail_a_joiner_again():
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0, coordinator=1)
     for n in (0, 1, 2):
         st.register(n, "f", 0.0, incarnation=10 + n)
-    st.heartbeat(1, 1.9)
-    st.heartbeat(2, 1.9)
+    for t in (0.5, 1.0, 1.5, 1.9):  # 2 heard throughout: with 1, a majority
+        st.heartbeat(1, t)
+        st.heartbeat(2, t)
     assert st.check(2.5) == [0]
     before = st.epoch
     assert st.register(0, "f", 3.0, incarnation=99) is True  # node 0 restarted: a join
