@@ -9,8 +9,8 @@ small by design: coordinator services hold no model tensors).
 node's server: while the node does not coordinate, a heartbeat or finish from a member that
 deposed the coordinator this node follows makes it take over if it is the successor
 (:meth:`MembershipClient.take_over`; not when the member's view, whose term its heartbeat
-carries, is of a term below the one that coordinator was elected in); otherwise heartbeats get a *redirect* reply carrying the
-view this node follows, and other calls a ``NotCoordinator`` error (callers retry). When this
+carries, is of a term below the one that coordinator was elected in); otherwise heartbeats get
+a *redirect* reply carrying the view this node follows, and other calls a ``NotCoordinator`` error (callers retry). When this
 node becomes the coordinator (its client's ``on_takeover``), the host builds a
 :class:`MembershipService` on a state rebuilt from what the node knows
 (:func:`rebuild_state`: the last view with its incarnations, the failed and deposed nodes, an
@@ -291,10 +291,9 @@ class CoordinatorHost:
         not hold the election up for the whole vote timeout. ``again``: a voter that refused
         (with a view not newer than the candidate's) is asked again that many seconds later,
         while the first requests of the round are still out (:func:`ask_again`; those asked
-        again are given up with them): its detector
-        may suspect the old coordinator a moment after the candidate's did (silence counts
-        from each node's own last heartbeat), and the voters that cannot answer must not make
-        it wait for the next round."""
+        again are given up with them): its detector may suspect the old coordinator a moment
+        after the candidate's did (silence counts from each node's own last heartbeat), and
+        the voters that cannot answer must not make it wait for the next round."""
         won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}

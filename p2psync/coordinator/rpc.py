@@ -17,9 +17,10 @@ client therefore resends a request that got no reply within the retransmission t
 every retry) until the call's own timeout, each attempt relayed through the next candidate first
 hop (:meth:`Transport.send_control`); the first hop that worked last time is tried first next
 time. A relayed call resends at the latest after half its timeout (:func:`attempt_wait`), so
-that a call shorter than the RTO still tries two first hops. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
-request still running is dropped (its reply goes out when done, over the routes live then), a
-duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
+that a call shorter than the RTO still tries two first hops. The server deduplicates by
+(caller, caller incarnation, request id): a duplicate of a request still running is dropped
+(its reply goes out when done, over the routes live then), a duplicate of a finished one gets
+the cached reply again. Handlers therefore run at most once
 per request. The reply cache is bounded per caller, not by the size of the run: every request
 carries ``low``, the lowest request id its caller still waits for (``{"id", "low", "method",
 "args"}``), and the server forgets that caller's replies below it and drops any request

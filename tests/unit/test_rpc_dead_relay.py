@@ -57,8 +57,8 @@ def test_the_first_attempt_of_a_relayed_call_waits_at_most_half_its_timeout() ->
 async def test_a_call_shorter_than_the_rto_tries_a_second_first_hop() -> None:
     # node 3's last call to node 0 ended on its second first hop (4, the long way round: a
     # partition cut the short way then); node 7 on that way is dead now. A call shorter than
-    # the initial RTO used to make that one attempt only and give up (a probe passing over a
-    # live successor); it now resends over node 2 after half its timeout
+    # the initial RTO must not make that one attempt only and give up (a probe would pass over
+    # a live successor): it resends over node 2 after half its timeout
     hub = MemoryHub(ring(8))
     eps: dict[int, MemoryTransport] = {i: hub.endpoint(i, default_timeout=2) for i in range(8)}
     for e in eps.values():

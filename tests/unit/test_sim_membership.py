@@ -241,9 +241,9 @@ def test_a_member_cut_off_before_an_election_does_not_bring_in_another_successor
     # ring-16 with node 1 removed is a line 2..15-0; the partition isolates node 0 (the
     # coordinator) and cuts 14-15 off: 2 is elected in term 1, while 14 and 15 pass over 2..9
     # (unreachable) and follow 10. After the heal node 15 contacts node 10 with that deposition
-    # made in term 0: node 10, which hears its coordinator 2 elected in term 1, no longer takes
-    # over on its word (it ran, stopped relaying to 2, and 2 declared 10-13 failed); 14 and 15
-    # apply view 18 from its redirect. (Chaos seed 1048:
+    # made in term 0: node 10, which hears its coordinator 2 elected in term 1, does not take
+    # over on its word (had it run, it would stop relaying to 2, and 2 would declare 10-13
+    # failed); 14 and 15 apply view 18 from its redirect. (Chaos seed 1048:
     # p2psync sim ring:16 --seed 1048 --faults
     # 'pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775,pause:7@26.954+4.694' --virtual-seconds 60)
     s, _ = simulate(ring(16), "pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775", 26.0)
@@ -260,7 +260,7 @@ def test_a_probe_shorter_than_the_rto_reaches_a_live_successor_after_a_healed_pa
     # deposes 4 and probes 5..12 (0.54 s, under the initial RTO of 1 s): the one attempt went
     # the long way, across the cut, and node 13 passed over the live 7..11 and brought in 12
     # (then 12 brought in 13), which split the majority: 14 declared failed, three views at the
-    # end. A relayed call now resends over the next first hop after half its timeout. (Chaos
+    # end. A relayed call resends over the next first hop after half its timeout. (Chaos
     # seed 1014: p2psync sim ring:16 --seed 1014 --faults
     # 'partition:0-3.13-15|4-12@5.036+3.286,partition:0-6.15|7-14@20.811+6.598,pause:15@38.856+4.753'
     # --virtual-seconds 60)
@@ -278,7 +278,7 @@ def test_a_voter_that_refused_while_it_still_heard_the_coordinator_is_asked_agai
     # heard it), and 7 of 15 granted; the round then waited the vote timeout for the voters
     # cut off, and node 1 won only in the next round: node 0 declared after 4.8 s, 10-15 after
     # 6.8 s (bound 3.16 s, twice that for those cut off with the coordinator). A voter that
-    # refused is now asked again a heartbeat interval later within the round. (Chaos seed 5036:
+    # refused is asked again a heartbeat interval later within the round. (Chaos seed 5036:
     # p2psync sim ring:16 --seed 5036 --faults 'partition:9|0-8.10-15@5.36+1.967,
     # partition:0.13-15|1-12@14.718+7.543,partition:0-4.13-15|5-12@29.412+1.269' --virtual-seconds 60)
     s, _ = simulate(ring(16), "partition:9|0-8.10-15@5.36+1.967,partition:0.13-15|1-12@14.718+7.543", 26.0)
@@ -294,7 +294,7 @@ def test_a_split_without_a_majority_shorter_than_the_failure_timeout_removes_nob
     # 14), 1-7 (7) and node 10 alone: no majority anywhere, for 1.68 s. The coordinator suspected
     # nobody through it (no silence was long enough), so nothing blocked; after the heal 1-7 were
     # heard at once and node 10, its heartbeat delayed over the longer way, was declared failed
-    # (silent 2.08 s). Its silence now counts only from when the majority was heard again.
+    # (silent 2.08 s). Its silence counts only from when the majority was heard again.
     # (Chaos seed 2002: p2psync sim ring:16 --seed 2002 --faults
     # 'partition:8-9|0-7.10-15@5.003+3.912,pause:8@19.029+1.015,partition:0.11-15|1-10@28.322+1.683'
     # --virtual-seconds 60)
