@@ -76,6 +76,7 @@ async def test_a_call_shorter_than_the_rto_tries_a_second_first_hop() -> None:
         assert await rpc.call(0, "echo", {"x": 1}, timeout=0.6, measure=True) == {"caller": 3, "x": 1}
         assert 0.3 <= loop.time() - t0 < 0.6
         assert rpc.estimator(0).rto() == 1.0  # an early resend is no RTO expiry: no backoff
+        assert rpc._path[0] == 2  # the reply names the copy it answers: the one sent over node 2
     finally:
         await server.close(grace=0.1)
         for i, e in eps.items():

@@ -305,6 +305,23 @@ def test_a_split_without_a_majority_shorter_than_the_failure_timeout_removes_nob
     assert s["final_view"]["members"] == [n for n in range(16) if n not in (8, 9)]
 
 
+def test_a_reply_to_a_copy_held_at_a_relay_keeps_that_copys_first_hop() -> None:
+    # ring-16 with 3 and 4-8 removed is a line 9..15-0-2; the last partition cuts 12-13 off
+    # (no majority anywhere). A probe of node 0 to 12 sent during it was held at node 14 (the
+    # relay waits for the link) and answered after the heal, while its resend went the other
+    # way (through 1, a dead end): taken for the answer to the resend, that way became node
+    # 0's first hop to 12 and 13, its re-election requests to them were lost, and 9-11 (cut
+    # off behind 12, which had deposed them) were declared failed after the spare. The reply
+    # names the attempt whose copy it answers. (Chaos seed 1018:
+    # p2psync sim ring:16 --seed 1018 --faults
+    # 'pause:3@9.063+4.552,partition:5-8|0-4.9-15@21.339+6.31,partition:12-13|0-11.14-15@38.549+4.7'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:3@9.063+4.552,partition:5-8|0-4.9-15@21.339+6.31,"
+                              "partition:12-13|0-11.14-15@38.549+4.7", 48.0)
+    assert s["invariants"] == ALL_HELD
+    assert sorted(d["node"] for d in s["declared"]) == [3, 4, 5, 6, 7, 8]
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
