@@ -125,6 +125,10 @@ class PeerDetector:
         self.intervals: deque[float] = deque([iv - iv / 4, iv + iv / 4], maxlen=params.window)
         self.srtt = 0.0
         self.rttvar = 0.0
+        #: the latest silence longer than :meth:`outage_length` (two heartbeat intervals, or half
+        #: the floor if that is longer): (the proof of life before it, the one that ended it);
+        #: None: none since watched
+        self.outage: tuple[float, float] | None = None
         #: :meth:`timeout` as of the current samples (None: to compute); every change of the
         #: inter-arrival samples or of the RTT drops it, so it is computed once per change,
         #: not once per question (a coordinator asks about every member on every heartbeat)
@@ -144,9 +148,17 @@ class PeerDetector:
         self.alive(now)
 
     def alive(self, at: float) -> None:
-        """Any message from the peer arrived at ``at``."""
+        """Any message from the peer arrived at ``at`` (a silence before it longer than
+        :meth:`outage_length` is kept as :attr:`outage`)."""
         if at > self.last:
+            if at - self.last > self.outage_length():
+                self.outage = (self.last, at)
             self.last = at
+
+    def outage_length(self) -> float:
+        """The silence that counts as an outage of the peer: two heartbeat intervals, or half
+        the floor if that is longer (a peer heard within it is heard lately)."""
+        return max(2 * self.params.interval, self.params.floor / 2)
 
     def rtt(self, srtt: float, rttvar: float) -> None:
         """The measured round trip to this peer (smoothed, with its variation)."""

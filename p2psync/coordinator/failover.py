@@ -8,8 +8,9 @@ small by design: coordinator services hold no model tensors).
 :class:`CoordinatorHost` runs on every node. It owns the ``membership.*`` RPC methods of the
 node's server: while the node does not coordinate, a heartbeat or finish from a member that
 deposed the coordinator this node follows makes it take over if it is the successor
-(:meth:`MembershipClient.take_over`); otherwise heartbeats get a *redirect* reply carrying the
-view this node follows, and other calls a ``NotCoordinator`` error (callers retry). When this
+(:meth:`MembershipClient.take_over`; not when the member's view, whose term its heartbeat
+carries, is of a term below the one that coordinator was elected in); otherwise heartbeats get
+a *redirect* reply carrying the view this node follows, and other calls a ``NotCoordinator`` error (callers retry). When this
 node becomes the coordinator (its client's ``on_takeover``), the host builds a
 :class:`MembershipService` on a state rebuilt from what the node knows
 (:func:`rebuild_state`: the last view with its incarnations, the failed and deposed nodes, an
@@ -135,6 +136,17 @@ def _answer(rep: Any) -> VoteAnswer:
     return VoteAnswer(granted=granted, reason=reason[:200], view=(view[0], view[1]), voted_term=voted)
 
 
+def ask_again(answer: VoteAnswer | None, req: VoteRequest, *, waiting: bool) -> bool:
+    """Whether a candidate asks a voter that gave ``answer`` to ``req`` again within the same
+    round (:meth:`CoordinatorHost._votes`): it refused, its view is not newer than the
+    candidate's (a voter with a newer view follows a coordinator that won), and it has not
+    voted in the request's term or above (it never grants this one); only while first requests
+    of the round are still out (``waiting``): the round ends when they do, and the next one
+    asks every voter again."""
+    return waiting and answer is not None and not answer.granted and answer.view <= req.view \
+        and answer.voted_term < req.term
+
+
 class CoordinatorHost:
     """Every node: hosts membership and the strategy's coordinator services while it coordinates."""
 
@@ -233,7 +245,7 @@ class CoordinatorHost:
                                                  hears_coordinator=None))
             others = sorted(voters - {self.me})
             asked = clock.now()
-            answers = await self._votes(others, req, cand)
+            answers = await self._votes(others, req, cand, again=self.heartbeat_interval)
             floor = mine[1]
             for v, ans in answers.items():
                 if ans is not None:
@@ -270,24 +282,38 @@ class CoordinatorHost:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
-                     enough: Callable[[], bool] | None = None) -> dict[int, VoteAnswer | None]:
+                     enough: Callable[[], bool] | None = None,
+                     again: float | None = None) -> dict[int, VoteAnswer | None]:
         """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
         comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
         is won (or ``enough()`` holds, when given) or every voter answered or timed out. The
         requests still out are then given up: a voter cut off with the old coordinator must
-        not hold the election up for the whole vote timeout."""
+        not hold the election up for the whole vote timeout. ``again``: a voter that refused
+        (with a view not newer than the candidate's) is asked again that many seconds later,
+        while the first requests of the round are still out (:func:`ask_again`; those asked
+        again are given up with them): its detector may suspect the old coordinator a moment
+        after the candidate's did (silence counts from each node's own last heartbeat), and
+        the voters that cannot answer must not make it wait for the next round."""
         won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
+        first = set(voter_of)
         out: dict[int, VoteAnswer | None] = {}
         try:
             pending = set(voter_of)
-            while pending and not won():
+            while pending & first and not won():  # asked again: only while the round lasts
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in sorted(done, key=voter_of.__getitem__):  # in voter order: deterministic
                     v = voter_of[t]
-                    out[v] = None if t.cancelled() else t.result()
-                    cand.record(v, out[v])
+                    ans = None if t.cancelled() else t.result()
+                    if ans is None and v in out:
+                        continue  # a request asked again went unanswered: keep the refusal
+                    out[v] = ans
+                    cand.record(v, ans)
+                    if again is not None and ask_again(ans, req, waiting=bool(pending & first)):
+                        t2 = asks.spawn(self._ask(v, req, delay=again), name=f"vote-{v}-again")
+                        voter_of[t2] = v
+                        pending.add(t2)
         finally:
             await asks.close()
         return out
@@ -367,9 +393,11 @@ class CoordinatorHost:
                     view.epoch, list(view.members))
         svc.publish_now(view)
 
-    async def _ask(self, voter: int, req: VoteRequest) -> VoteAnswer | None:
-        """One vote request (bounded); None when the voter does not answer in time or answers
-        nonsense."""
+    async def _ask(self, voter: int, req: VoteRequest, delay: float = 0.0) -> VoteAnswer | None:
+        """One vote request (bounded), after ``delay`` seconds; None when the voter does not
+        answer in time or answers nonsense."""
+        if delay > 0:
+            await asyncio.sleep(delay)
         try:
             rep = await self.membership.rpc.call(voter, VOTE, {"term": req.term, "view": list(req.view)},
                                                  timeout=max(1.0, 4 * self.heartbeat_interval))
@@ -517,7 +545,9 @@ class CoordinatorHost:
             if self.service is None and method != "membership.register" and view is not None \
                     and caller in view.members:
                 theirs = _ids(args.get("deposed"))
-                if theirs and self.membership.take_over(theirs):
+                term = args.get("term")
+                their_term = term if type(term) is int and 0 <= term < 1 << 62 else None
+                if theirs and self.membership.take_over(theirs, their_term):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",
                                 self.me, caller, theirs)
             seen = args.get("seen_term") if method == "membership.heartbeat" else None
@@ -548,4 +578,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "rebuild_state"]
+__all__ = ["CoordinatorHost", "ask_again", "rebuild_state"]

@@ -78,6 +78,26 @@ MAX_HEARTBEATS_IN_FLIGHT = 8
 RETRY_KINDS = frozenset({"UnknownMethod", "NotCoordinator"})
 
 
+def majority_regained(since: float, outages: Mapping[int, tuple[float, float] | None],
+                      quorum: Callable[[Collection[int]], bool]) -> float | None:
+    """When the coordinator heard a majority again, if it lost it after ``since`` (a suspect's
+    last proof of life): ``outages`` maps the members heard lately to their latest outage
+    (start, end: when it was heard again; None: none), ``quorum`` says whether a set of members
+    is a majority. Those with no outage ending after ``since`` were heard throughout; when they
+    are no majority, the majority came back when enough of the others were heard again (the
+    outages are taken to overlap: a split silences its far side at once). None: a majority was
+    heard throughout (or is not heard even now: :meth:`MembershipState.check` blocks then)."""
+    throughout = {m for m, o in outages.items() if o is None or o[1] <= since}
+    if quorum(throughout):
+        return None
+    got = set(throughout)
+    for end, m in sorted((o[1], m) for m, o in outages.items() if o is not None and o[1] > since):
+        got.add(m)
+        if quorum(got):
+            return end
+    return None
+
+
 @dataclass
 class MembershipState:
     """Pure bookkeeping; every method takes ``now`` so tests control time.
@@ -247,6 +267,15 @@ class MembershipState:
             alive = {n for n in alive if n == self.coordinator or n in self.finished or self._fresh(n, now)}
         return self.agreement.may_remove(alive)
 
+    def _outages(self, now: float) -> dict[int, tuple[float, float] | None]:
+        """The members heard lately (:meth:`_fresh`), each with its latest outage
+        (:attr:`PeerDetector.outage`; None: none, as for this coordinator and the members that
+        finished, which count as heard)."""
+        peers = self.detector.peers
+        return {n: (peers[n].outage if n in peers and n != self.coordinator and n not in self.finished else None)
+                for n in self.alive_nodes
+                if n == self.coordinator or n in self.finished or self._fresh(n, now)}
+
     def _fresh(self, node: int, now: float) -> bool:
         """Whether ``node`` was heard within two heartbeat intervals, or half the failure
         timeout if that is longer, before ``now``."""
@@ -277,6 +306,10 @@ class MembershipState:
           they must, and they heartbeat it again only once it is re-elected above that
           candidate's term, which it may do only now that it holds the majority again (and the
           far side of a healed split is heard a moment later, over longer paths);
+        * a majority lost without anyone suspected (a split shorter than the failure
+          timeout: the far side heard again before its silence was long enough) counts the
+          same way: a suspect's silence counts only from when a majority was heard again
+          (:func:`majority_regained`, over the members' latest outages);
         * when it is re-elected in a new term, every member that did not vote for it is
           spared the same way (:meth:`reelected`): it followed another candidate, or could not
           answer, and heartbeats this coordinator only once it applies the new term's view.
@@ -293,6 +326,15 @@ class MembershipState:
         if self.blocked:  # a majority is heard again: the silence counts from now on
             self.blocked = []
             self._spare(self.alive_nodes, now)
+        for n in new:
+            # its silence counts only from when a majority was heard again, if that was lost
+            # meanwhile without this coordinator suspecting anyone (a split shorter than the
+            # failure timeout, healed before the members on the far side were suspected)
+            d = self.detector.peers[n]
+            back = majority_regained(d.last, self._outages(now), self.agreement.quorum) \
+                if self.agreement is not None else None
+            if back is not None:
+                self.spared[n] = max(self.spared.get(n, now), back + d.timeout())
         new = [n for n in new if self.spared.get(n, now) <= now]
         if new:
             self.failed.update(new)
@@ -699,4 +741,4 @@ class MembershipService:
 # the client lives in its own module (it imports the names above)
 from p2psync.coordinator.membership_client import MembershipClient  # noqa: E402
 
-__all__ = ["EVENT_VIEW", "MembershipClient", "MembershipService", "MembershipState"]
+__all__ = ["EVENT_VIEW", "MembershipClient", "MembershipService", "MembershipState", "majority_regained"]

@@ -416,10 +416,11 @@ class MembershipClient:
             log.warning("node %d: successor %d passed over: %s", self.transport.node_id, node, why)
             self._suspect(node, why)
 
-    def take_over(self, theirs: Sequence[int]) -> bool:
-        """A member that deposed ``theirs`` asks this node to coordinate; True when it took over
-        (see :meth:`Succession.contacted`)."""
-        if not self.succession.contacted(theirs, self.view):
+    def take_over(self, theirs: Sequence[int], their_term: int | None = None) -> bool:
+        """A member that deposed ``theirs`` asks this node to coordinate (``their_term``: the
+        term of its view, None: not told); True when it took over (see
+        :meth:`Succession.contacted`)."""
+        if not self.succession.contacted(theirs, self.view, their_term):
             return False
         old = self.coordinator
         deposed = self.succession.take_over(theirs)

@@ -1,9 +1,10 @@
 """A small request/response RPC over the transport; coordinator services plug into it.
 
 Request: kind ``rpc``, tag ``rpc.call``, meta ``{"id": int, "method": str, "args": {...}}``
-(optional arrays). Reply: kind ``reply``, tag ``rpc.ret.<id>``, meta ``{"ok": value}`` or
-``{"err": {"kind": str, "message": str}}``. Requests to non-adjacent nodes are relayed by the
-transport. A call to the local node runs the handler in-process. A call that fails or times out
+(optional arrays; ``"att"``: the attempt, i.e. the first hop it was relayed through). Reply:
+kind ``reply``, tag ``rpc.ret.<id>``, meta ``{"ok": value}`` or ``{"err": {"kind": str,
+"message": str}}``, with the ``"att"`` of the copy it answers. Requests to non-adjacent nodes
+are relayed by the transport. A call to the local node runs the handler in-process. A call that fails or times out
 retires its reply tag in the mailbox, so a reply that comes late is dropped (counted as
 ``retired``) instead of piling up. Handlers may wait (long
 polls such as a rendezvous): each request runs in its own task, started as the request is
@@ -16,9 +17,12 @@ client therefore resends a request that got no reply within the retransmission t
 (:class:`~p2psync.coordinator.detector.RttEstimator`, RFC 6298, per destination; doubled on
 every retry) until the call's own timeout, each attempt relayed through the next candidate first
 hop (:meth:`Transport.send_control`); the first hop that worked last time is tried first next
-time. The server deduplicates by (caller, caller incarnation, request id): a duplicate of a
-request still running is dropped (its reply goes out when done, over the routes live then), a
-duplicate of a finished one gets the cached reply again. Handlers therefore run at most once
+time (the reply names the attempt whose copy it answers: an earlier copy held up at a relay may
+be answered after a resend; a call that got no reply over any hop leaves it). A relayed call resends at the latest after half its timeout (:func:`attempt_wait`), so
+that a call shorter than the RTO still tries two first hops. The server deduplicates by
+(caller, caller incarnation, request id): a duplicate of a request still running is dropped
+(its reply goes out when done, over the routes live then), a duplicate of a finished one gets
+the cached reply again. Handlers therefore run at most once
 per request. The reply cache is bounded per caller, not by the size of the run: every request
 carries ``low``, the lowest request id its caller still waits for (``{"id", "low", "method",
 "args"}``), and the server forgets that caller's replies below it and drops any request
@@ -155,18 +159,20 @@ class RpcServer:
         if seen is None or rid < seen.low:  # its caller gave that call up: no reply is awaited
             self.stale += 1
             return
+        att = meta.get("att")
+        att = att if type(att) is int else None
         if rid in seen.replies:
             self.duplicates += 1
             cached = seen.replies[rid]
             if cached is not None:  # finished: its reply may have been lost, send it again
-                await self._reply(msg.src, rid, cached)
+                await self._reply(msg.src, rid, cached, att)
             return
         seen.replies[rid] = None
         reply = await self._run(msg, method, args)
         if rid in seen.replies:  # (not when the caller's ``low`` passed it meanwhile)
             seen.replies[rid] = reply
             seen.trim(REPLY_CACHE_PER_CALLER)
-        await self._reply(msg.src, rid, reply)
+        await self._reply(msg.src, rid, reply, att)
 
     def _replies_of(self, caller: int, inc: int, low: int) -> "_Replies | None":
         """The reply cache of ``caller``'s incarnation ``inc`` (an older incarnation's is
@@ -184,9 +190,12 @@ class RpcServer:
         """How many requests are remembered for deduplication now (finished or running)."""
         return sum(len(seen.replies) for seen in self._seen.values())
 
-    async def _reply(self, dst: int, rid: int, reply: dict[str, Any]) -> None:
+    async def _reply(self, dst: int, rid: int, reply: dict[str, Any], att: int | None = None) -> None:
+        """Send ``reply`` to request ``rid`` of ``dst``, naming the attempt ``att`` of the copy
+        it answers (:meth:`RpcClient.call` keeps that copy's first hop for its next calls)."""
+        meta = reply if att is None else {**reply, "att": att}
         try:
-            await self.transport.send(dst, f"{REPLY_PREFIX}{rid}", kind="reply", meta=reply, timeout=10.0)
+            await self.transport.send(dst, f"{REPLY_PREFIX}{rid}", kind="reply", meta=meta, timeout=10.0)
         except P2PSyncError as exc:
             log.info("node %d: could not reply to node %d: %s", self.transport.node_id, dst, exc)
 
@@ -235,6 +244,21 @@ class _Replies:
         if over > 0:
             for rid in [r for r, v in self.replies.items() if v is not None][:over]:
                 del self.replies[rid]
+
+
+def attempt_wait(*, rto: float, left: float, timeout: float, attempt: int, relayed: bool) -> float:
+    """How long attempt ``attempt`` (0: the first) of a call with ``timeout`` waits for its reply
+    before the request is resent: the retransmission timeout ``rto``, within the ``left``
+    seconds of the call. The first attempt of a ``relayed`` call (its destination is not
+    adjacent: a resend may take another first hop) waits at most half the call's timeout, so
+    that a call shorter than its RTO (a probe; a destination not measured yet has the initial
+    RTO) still tries a second first hop: the first one tried is the one the last call to that
+    destination ended on (:meth:`RpcClient.call`), which may lead across a partition that cut
+    it off then."""
+    wait = min(rto, left)
+    if attempt == 0 and relayed:
+        wait = min(wait, timeout / 2)
+    return max(0.0, wait)
 
 
 class RpcClient:
@@ -317,23 +341,29 @@ class RpcClient:
                 self._check_abort(tag, node, to_dead)
                 sent_at = loop.time()
                 try:
-                    await self.transport.send_control(node, CALL_TAG, kind="rpc", meta=meta, arrays=arrays,
+                    await self.transport.send_control(node, CALL_TAG, kind="rpc", meta={**meta, "att": first + attempt},
+                                                      arrays=arrays,
                                                       timeout=max(0.0, deadline - sent_at),
                                                       attempt=first + attempt, to_dead=to_dead)
                 except PeerFailure:
                     if loop.time() >= deadline or (node in self.transport.dead and not to_dead):
                         raise
                 self._check_abort(tag, node, to_dead)
-                wait = min(rto, deadline - loop.time())
+                left = deadline - loop.time()
+                wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt,
+                                    relayed=not self.transport.topology.routes(self.transport.node_id, node))
                 try:
                     rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
                     break
                 except PeerTimeout:
                     if loop.time() >= deadline:
-                        self._path[node] = first + attempt + 1  # try another first hop next time
+                        # unanswered over every first hop it tried (at least two when relayed):
+                        # no reason to prefer another one; the one that worked last stays first
                         raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
                 attempt += 1
                 self.retries += 1
+                if wait < min(rto, left):
+                    continue  # resent before the RTO ran out (attempt_wait): no backoff
                 if measure:  # the estimate backs off (RFC 6298 5.5) only for quick calls:
                     est.backoff()  # a long poll (register, finish) is slow by design
                     rto = est.rto()
@@ -350,7 +380,8 @@ class RpcClient:
             est.sample(loop.time() - sent_at)
         elif attempt:  # a resent request may be answered twice: drop the duplicate on arrival
             self.transport.retire(tag)
-        self._path[node] = first + attempt
+        att = rep.meta.get("att")  # the attempt (first hop) whose copy was answered
+        self._path[node] = att if type(att) is int and first <= att <= first + attempt else first + attempt
         if "err" in rep.meta:
             err = rep.meta["err"]
             raise RemoteError(str(err.get("kind", "Error")), str(err.get("message", "")))

@@ -22,7 +22,10 @@ highest view epoch it applied.
 * A node contacted by a member that deposed the coordinator it follows takes over at once when
   it is itself the successor of its own view minus both deposed sets
   (:meth:`Succession.contacted`): detectors suspect at slightly different times, and the first
-  member to suspect brings the successor in.
+  member to suspect brings the successor in. Not when the member's view is of a lower term
+  than the view whose coordinator this node follows: that coordinator was elected after the
+  member deposed it (e.g. while the member was cut off it passed over the successors it could
+  not reach), and the member follows it once it applies this node's view.
 * The successor becomes the coordinator only once a majority of its view's members voted for
   it in a new term (:mod:`p2psync.coordinator.quorum`; the election runs in
   :class:`~p2psync.coordinator.failover.CoordinatorHost`). Until then it coordinates nothing.
@@ -96,11 +99,18 @@ class Succession:
         ahead = sorted(m for m in view.members if m < self.me and m not in self.deposed)
         return ahead if c in ahead and ahead[0] == c else []
 
-    def contacted(self, theirs: Collection[int], view: View | None) -> bool:
+    def contacted(self, theirs: Collection[int], view: View | None, their_term: int | None = None) -> bool:
         """A member that deposed ``theirs`` asks this node to coordinate: True when this node
         should take over (it follows one of ``theirs`` and is the successor of its own view
-        minus every deposed node)."""
+        minus every deposed node). ``their_term``: the term of the member's view (None: not
+        told). A deposition made in a term below that of this node's view does not count
+        against the coordinator that published this view: it was elected after that member
+        last learnt of it (as :meth:`adopt` forgets the deposition of a node elected in a
+        newer term); the member learns of the election from this node's redirect instead."""
         if self.coordinator == self.me or self.coordinator not in theirs or self.me in theirs:
+            return False
+        if their_term is not None and view is not None and view.coordinator == self.coordinator \
+                and their_term < view.term:
             return False
         return successor(self._members(view, ()), self.deposed | set(theirs)) == self.me
 

@@ -119,6 +119,7 @@ def test_views_epochs_and_tracker():
     st.heartbeat(0, 0.9)
     st.heartbeat(1, 0.9)
     st.alive(2, 0.95)
+    st.heartbeat(1, 1.4)  # 1 heard throughout: with 0, a majority
     assert st.check(1.5) == []
     st.heartbeat(0, 2.0)
     st.alive(1, 2.0)
@@ -153,6 +154,8 @@ def test_second_registration_of_a_live_node_is_rejected_naming_both():
     closed = MembershipState(expected=frozenset({0, 1, 2}), allow_join=False)
     for n in (0, 1, 2):
         closed.register(n, "f", 0.0, incarnation=111 + n)
+    for i in range(1, 20):  # 2 heard throughout: with 0, a majority
+        closed.heartbeat(2, 0.5 * i)
     closed.heartbeat(2, 9.9)
     assert closed.check(10.0) == [1]
     with pytest.raises(ConfigError, match="declared failed"):  # --on-failure stop: no joins
@@ -164,8 +167,9 @@ def test_failed_node_rejoins_with_a_newer_incarnation():
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0)
     for n in (0, 1, 2):
         assert st.register(n, "f", 0.0, incarnation=10 + n) is False
-    st.heartbeat(0, 1.9)
-    st.heartbeat(1, 1.9)
+    for t in (0.5, 1.0, 1.5, 1.9):  # 1 heard throughout: with 0, a majority
+        st.heartbeat(0, t)
+        st.heartbeat(1, t)
     assert st.check(2.5) == [2]
     e = st.view().epoch
     with pytest.raises(ConfigError, match="different configuration"):
@@ -252,6 +256,8 @@ def test_the_coordinator_never_declares_its_own_host_failed():
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0, heartbeat_interval=0.5)
     for n in (0, 1, 2):
         st.register(n, "fp", 0.0, incarnation=1)
+    for i in range(1, 20):  # 2 heard throughout: with 0 (this coordinator), a majority
+        st.heartbeat(2, 0.5 * i)
     st.heartbeat(2, 9.9)
     assert st.check(10.0) == [1]  # 0 and 1 silent for 10 s: only the other node is declared
 

@@ -25,8 +25,9 @@ def test_membership_state_failure_detection_and_finish():
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0)
     for n in (0, 1, 2):
         st.register(n, "f", now=0.0)
-    st.heartbeat(0, 1.9)
-    st.heartbeat(1, 1.9)
+    for t in (0.5, 1.0, 1.5, 1.9):  # 1 heard throughout: with 0, a majority (a member silent
+        st.heartbeat(0, t)            # for more than two intervals is not heard lately)
+        st.heartbeat(1, t)
     assert st.check(2.0) == []
     assert st.check(2.01) == [2]  # silent for more than 2 s
     # everyone silent now: 0 hosts the state, and 0 alone is no majority of [0, 1, 2]
@@ -56,7 +57,8 @@ def test_redo_moves_the_epoch_once_when_every_named_peer_lives():
     assert st.view().members == (0, 1, 2)
     assert not st.redo(2, e, [1], 1.0) and st.epoch == e + 1  # the same failed epoch: moved past
     assert not st.redo(7, e + 1, [1], 1.0)  # not a member
-    st.heartbeat(1, 2.4)
+    for t in (1.0, 1.5, 2.0, 2.4):  # 1 heard throughout: with 0, a majority
+        st.heartbeat(1, t)
     assert not st.redo(1, e + 1, [2], 2.6)  # 2 is suspected: the detector decides, not the report
     assert st.check(2.6) == [2] and st.epoch == e + 2
     assert not st.redo(1, e + 2, [0], 10.0)  # 1 silent meanwhile: no majority of the agreed view
@@ -110,3 +112,47 @@ def test_a_reelected_coordinator_spares_the_members_that_did_not_vote_for_it():
         assert st.check(t + 0.05) == []  # 3 and 4 silent for 2 s and more, but spared
     st.heartbeat(3, 13.4)  # 3 applied the new view and follows this coordinator
     assert st.check(13.7) == [4] and st.alive_nodes == [0, 1, 2, 3]
+
+
+def test_a_majority_lost_and_regained_before_anyone_was_suspected_still_spares_the_far_side():
+    """A split shorter than the failure timeout: the coordinator hears no majority through it,
+    but suspects nobody (no silence is long enough yet), so nothing blocks. A member of the far
+    side heard again a moment after the others (a longer path back) is not declared failed:
+    its silence counts only from when the majority was heard again. One silent with a majority
+    heard throughout is declared as before."""
+    st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
+    for n in range(5):
+        st.register(n, "f", now=0.0)
+    for i in range(1, 21):
+        for n in (1, 2, 3, 4):
+            st.heartbeat(n, 0.5 * i)
+    # 1, 2 and 3 cut off from 10.0 to 11.7: the coordinator hears only 4 (no majority of five)
+    for t in (10.5, 11.0, 11.5):
+        st.heartbeat(4, t)
+        assert st.check(t + 0.05) == [] and st.blocked == []
+    for t in (11.7, 12.2):
+        st.heartbeat(1, t)
+        st.heartbeat(2, t)
+        st.heartbeat(4, t)
+    assert st.check(12.25) == [] and 3 in st.spared  # 3 silent 2.25 s, but the majority is back since 11.7
+    st.heartbeat(3, 12.3)
+    assert st.check(12.35) == [] and st.alive_nodes == [0, 1, 2, 3, 4]
+    # 4 dies; the majority 0-3 is heard throughout: declared after the usual silence
+    for t in (12.7, 13.2, 13.7, 14.2, 14.7):
+        for n in (1, 2, 3):
+            st.heartbeat(n, t)
+    assert st.check(14.75) == [4]
+
+
+def test_majority_regained_is_when_enough_of_the_far_side_was_heard_again():
+    from p2psync.coordinator.membership import majority_regained
+    from p2psync.coordinator.quorum import holds_majority
+
+    def quorum(heard: object) -> bool:
+        return holds_majority(set(heard) | {0}, set(range(5)))  # type: ignore[call-overload]
+
+    out = {0: None, 1: (10.0, 11.7), 2: (10.0, 11.8), 4: None}
+    assert majority_regained(10.0, out, quorum) == 11.7  # 0 and 4 throughout, 1 back at 11.7: three of five
+    assert majority_regained(12.0, out, quorum) is None  # the outages ended before that silence began
+    assert majority_regained(10.0, {0: None, 1: None, 2: (10.0, 11.8), 4: None}, quorum) is None  # heard throughout
+    assert majority_regained(10.0, {0: None, 1: (10.0, 11.7)}, quorum) is None  # no majority even now

@@ -165,3 +165,23 @@ def test_views_are_ordered_by_term_then_epoch_and_never_below_a_promised_term():
     s.adopt(_view(2, 9, (0, 1, 2, 3), 0))
     assert s.coordinator == 0 and 0 not in s.deposed
     assert View.from_wire(_view(2, 9, (0, 1), 0).to_wire()).key == (2, 9)
+
+
+def test_a_candidate_asks_again_within_the_round_only_a_voter_that_may_still_grant():
+    from p2psync.coordinator.failover import ask_again
+    from p2psync.coordinator.quorum import VoteAnswer
+    req = VoteRequest(candidate=1, term=3, view=(2, 18))
+    # it still heard its coordinator: its own detector may suspect it a moment later
+    hears = VoteAnswer(granted=False, reason="this node still hears its coordinator 0", view=(2, 18), voted_term=2)
+    assert ask_again(hears, req, waiting=True)
+    assert not ask_again(hears, req, waiting=False)  # the round's first requests all ended
+    assert not ask_again(None, req, waiting=True)  # no answer: the next round asks it
+    assert not ask_again(VoteAnswer(granted=True, reason="granted", view=(2, 18), voted_term=3), req, waiting=True)
+    newer = VoteAnswer(granted=False, reason="older view", view=(3, 19), voted_term=3)
+    assert not ask_again(newer, req, waiting=True)  # it follows a coordinator that won
+    other = VoteAnswer(granted=False, reason="voted for node 2 in term 3", view=(2, 18), voted_term=3)
+    assert not ask_again(other, req, waiting=True)  # it never grants this term
+    # the voter's ballot agrees: refused while it hears its coordinator, granted once it does not
+    b = Ballot(me=4)
+    assert not b.decide(req, mine=(2, 18), coordinating_with_quorum=False, hears_coordinator=0).granted
+    assert b.decide(req, mine=(2, 18), coordinating_with_quorum=False, hears_coordinator=None).granted

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any, Mapping, Sequence
 
 from p2psync.coordinator import RpcClient, RpcServer
+from p2psync.coordinator.rpc import attempt_wait
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub, MemoryTransport
 
@@ -41,4 +42,43 @@ async def test_calls_across_a_dead_undeclared_relay_are_answered_around_it() -> 
         await server.close(grace=0.1)
         for i, e in eps.items():
             if i != 2:
+                await e.close()
+
+
+def test_the_first_attempt_of_a_relayed_call_waits_at_most_half_its_timeout() -> None:
+    # a probe (0.54 s) to a destination not measured yet (initial RTO 1 s): two attempts
+    assert attempt_wait(rto=1.0, left=0.54, timeout=0.54, attempt=0, relayed=True) == 0.27
+    assert attempt_wait(rto=1.0, left=0.27, timeout=0.54, attempt=1, relayed=True) == 0.27  # the rest
+    assert attempt_wait(rto=1.0, left=0.54, timeout=0.54, attempt=0, relayed=False) == 0.54  # one link
+    assert attempt_wait(rto=0.25, left=2.0, timeout=2.0, attempt=0, relayed=True) == 0.25  # the RTO first
+    assert attempt_wait(rto=0.25, left=-0.1, timeout=2.0, attempt=3, relayed=True) == 0.0
+
+
+async def test_a_call_shorter_than_the_rto_tries_a_second_first_hop() -> None:
+    # node 3's last call to node 0 ended on its second first hop (4, the long way round: a
+    # partition cut the short way then); node 7 on that way is dead now. A call shorter than
+    # the initial RTO must not make that one attempt only and give up (a probe would pass over
+    # a live successor): it resends over node 2 after half its timeout
+    hub = MemoryHub(ring(8))
+    eps: dict[int, MemoryTransport] = {i: hub.endpoint(i, default_timeout=2) for i in range(8)}
+    for e in eps.values():
+        await e.start()
+    server = RpcServer(eps[0])
+    server.register("echo", _echo)
+    server.start()
+    rpc = RpcClient(eps[3], local=None)
+    try:
+        await eps[7].close()
+        rpc._path[0] = 1
+        assert rpc.estimator(0).rto() == 1.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await rpc.call(0, "echo", {"x": 1}, timeout=0.6, measure=True) == {"caller": 3, "x": 1}
+        assert 0.3 <= loop.time() - t0 < 0.6
+        assert rpc.estimator(0).rto() == 1.0  # an early resend is no RTO expiry: no backoff
+        assert rpc._path[0] == 2  # the reply names the copy it answers: the one sent over node 2
+    finally:
+        await server.close(grace=0.1)
+        for i, e in eps.items():
+            if i != 7:
                 await e.close()

@@ -237,6 +237,91 @@ def test_a_second_pause_on_a_ring_with_a_node_removed_removes_nobody() -> None:
     assert final["members"] == [n for n in range(16) if n != 9]
 
 
+def test_a_member_cut_off_before_an_election_does_not_bring_in_another_successor_after_the_heal() -> None:
+    # ring-16 with node 1 removed is a line 2..15-0; the partition isolates node 0 (the
+    # coordinator) and cuts 14-15 off: 2 is elected in term 1, while 14 and 15 pass over 2..9
+    # (unreachable) and follow 10. After the heal node 15 contacts node 10 with that deposition
+    # made in term 0: node 10, which hears its coordinator 2 elected in term 1, does not take
+    # over on its word (had it run, it would stop relaying to 2, and 2 would declare 10-13
+    # failed); 14 and 15 apply view 18 from its redirect. (Chaos seed 1048:
+    # p2psync sim ring:16 --seed 1048 --faults
+    # 'pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775,pause:7@26.954+4.694' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:1@6.763+2.891,partition:14-15|0-13@16.472+2.775", 26.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(1, 0), (0, 2)]
+    final = s["final_view"]
+    assert final["coordinator"] == 2 and final["members"] == list(range(2, 16))
+
+
+def test_a_probe_shorter_than_the_rto_reaches_a_live_successor_after_a_healed_partition() -> None:
+    # ring-16: the first partition cuts 13-15.0-3 off, and node 13's calls to 5-11 time out: its
+    # next calls to them take the other first hop (14, the long way round). 4 is elected and
+    # removes 0-3, leaving the line 4..15. The second partition cuts 4-6 and 15 off; node 13
+    # deposes 4 and probes 5..12 (0.54 s, under the initial RTO of 1 s): the one attempt went
+    # the long way, across the cut, and node 13 passed over the live 7..11 and brought in 12
+    # (then 12 brought in 13), which split the majority: 14 declared failed, three views at the
+    # end. A relayed call resends over the next first hop after half its timeout. (Chaos
+    # seed 1014: p2psync sim ring:16 --seed 1014 --faults
+    # 'partition:0-3.13-15|4-12@5.036+3.286,partition:0-6.15|7-14@20.811+6.598,pause:15@38.856+4.753'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:0-3.13-15|4-12@5.036+3.286,partition:0-6.15|7-14@20.811+6.598", 34.0)
+    assert s["invariants"] == ALL_HELD
+    assert sorted(d["node"] for d in s["declared"]) == [0, 1, 2, 3, 4, 5, 6, 15]
+    final = s["final_view"]
+    assert final["coordinator"] == 7 and final["members"] == list(range(7, 15))
+
+
+def test_a_voter_that_refused_while_it_still_heard_the_coordinator_is_asked_again_within_the_round() -> None:
+    # ring-16 with node 9 removed is a line 10..15-0-8; the partition cuts 0 (the coordinator)
+    # and 13-15 off, and 10-12 behind them: 1..8 hold 8 of 15. Node 1's first vote request
+    # reached node 4 a moment before node 4's detector suspected node 0 (refused: it still
+    # heard it), and 7 of 15 granted; the round then waited the vote timeout for the voters
+    # cut off, and node 1 won only in the next round: node 0 declared after 4.8 s, 10-15 after
+    # 6.8 s (bound 3.16 s, twice that for those cut off with the coordinator). A voter that
+    # refused is asked again a heartbeat interval later within the round. (Chaos seed 5036:
+    # p2psync sim ring:16 --seed 5036 --faults 'partition:9|0-8.10-15@5.36+1.967,
+    # partition:0.13-15|1-12@14.718+7.543,partition:0-4.13-15|5-12@29.412+1.269' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:9|0-8.10-15@5.36+1.967,partition:0.13-15|1-12@14.718+7.543", 26.0)
+    assert s["invariants"] == ALL_HELD
+    after = s["detections"][1]["declared_after_s"]
+    bound = s["detection_bound_s"]
+    assert after["0"] <= bound and all(after[str(n)] <= 2 * bound for n in range(10, 16))
+    assert s["final_view"]["coordinator"] == 1 and s["final_view"]["members"] == list(range(1, 9))
+
+
+def test_a_split_without_a_majority_shorter_than_the_failure_timeout_removes_nobody() -> None:
+    # ring-16 with 8 and 9 removed is a line 10..15-0-7; the last partition leaves 0.11-15 (6 of
+    # 14), 1-7 (7) and node 10 alone: no majority anywhere, for 1.68 s. The coordinator suspected
+    # nobody through it (no silence was long enough), so nothing blocked; after the heal 1-7 were
+    # heard at once and node 10, its heartbeat delayed over the longer way, was declared failed
+    # (silent 2.08 s). Its silence counts only from when the majority was heard again.
+    # (Chaos seed 2002: p2psync sim ring:16 --seed 2002 --faults
+    # 'partition:8-9|0-7.10-15@5.003+3.912,pause:8@19.029+1.015,partition:0.11-15|1-10@28.322+1.683'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:8-9|0-7.10-15@5.003+3.912,pause:8@19.029+1.015,"
+                              "partition:0.11-15|1-10@28.322+1.683", 36.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [8, 9]
+    assert s["final_view"]["members"] == [n for n in range(16) if n not in (8, 9)]
+
+
+def test_a_reply_to_a_copy_held_at_a_relay_keeps_that_copys_first_hop() -> None:
+    # ring-16 with 3 and 4-8 removed is a line 9..15-0-2; the last partition cuts 12-13 off
+    # (no majority anywhere). A probe of node 0 to 12 sent during it was held at node 14 (the
+    # relay waits for the link) and answered after the heal, while its resend went the other
+    # way (through 1, a dead end): taken for the answer to the resend, that way became node
+    # 0's first hop to 12 and 13, its re-election requests to them were lost, and 9-11 (cut
+    # off behind 12, which had deposed them) were declared failed after the spare. The reply
+    # names the attempt whose copy it answers. (Chaos seed 1018:
+    # p2psync sim ring:16 --seed 1018 --faults
+    # 'pause:3@9.063+4.552,partition:5-8|0-4.9-15@21.339+6.31,partition:12-13|0-11.14-15@38.549+4.7'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:3@9.063+4.552,partition:5-8|0-4.9-15@21.339+6.31,"
+                              "partition:12-13|0-11.14-15@38.549+4.7", 48.0)
+    assert s["invariants"] == ALL_HELD
+    assert sorted(d["node"] for d in s["declared"]) == [3, 4, 5, 6, 7, 8]
+
+
 # -- the invariant checks on crafted views -------------------------------------------------
 
 def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:

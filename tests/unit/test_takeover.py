@@ -58,6 +58,20 @@ def test_contacted_successor_takes_over_others_do_not():
     assert not Succession(me=2, coordinator=1).contacted([0, 2], v)  # the caller deposed this node
 
 
+def test_a_deposition_in_a_lower_term_does_not_count_against_a_coordinator_elected_since():
+    # node 2 won term 1 (view epoch 18); node 15, cut off meanwhile with the view of term 0, passed
+    # over 0 and 2..9 and contacts node 10: node 10 hears of the election and does not take over
+    elected = View(epoch=18, members=tuple(range(2, 16)), incarnations={m: 100 + m for m in range(2, 16)},
+                   coordinator=2, term=1)
+    ten = Succession(me=10, coordinator=2, key=(1, 18))
+    theirs = [0, *range(2, 10)]
+    assert not ten.contacted(theirs, elected, their_term=0)
+    assert ten.contacted(theirs, elected, their_term=1)  # deposed in the term it was elected in
+    assert ten.contacted(theirs, elected)  # the caller's term unknown: its word counts
+    # following a successor not elected yet (not the view's coordinator): the term does not matter
+    assert Succession(me=10, coordinator=3, deposed={2}).contacted(theirs, elected, their_term=0)
+
+
 def test_views_of_a_deposed_coordinator_are_ignored_and_newer_views_move_the_coordinator():
     s = Succession(me=3, coordinator=0)
     v5 = _view(5, (0, 1, 2, 3), 0)
@@ -111,6 +125,8 @@ def test_rebuilt_state_from_the_last_view():
     st.heartbeat(3, 102.6, applied=(1, 8))
     assert not st.agreement.pending and st.agreement.members == {1, 2, 3}
     # members get the grace period to find the new coordinator, then the usual detection
+    for t in (103.0, 103.5):  # 2 heard throughout: with 1, a majority of [1, 2, 3]
+        st.heartbeat(2, t)
     assert st.check(103.9) == []
     st.heartbeat(1, 104.0)
     st.heartbeat(2, 104.0)
@@ -246,8 +262,9 @@ def test_a_stale_failure_report_does_not_fail_a_joiner_again():
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=1.0, coordinator=1)
     for n in (0, 1, 2):
         st.register(n, "f", 0.0, incarnation=10 + n)
-    st.heartbeat(1, 1.9)
-    st.heartbeat(2, 1.9)
+    for t in (0.5, 1.0, 1.5, 1.9):  # 2 heard throughout: with 1, a majority
+        st.heartbeat(1, t)
+        st.heartbeat(2, t)
     assert st.check(2.5) == [0]
     before = st.epoch
     assert st.register(0, "f", 3.0, incarnation=99) is True  # node 0 restarted: a join
