@@ -29,11 +29,14 @@ applied (counted) and the final one, the detections, messages per node, and the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
+import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import msgpack
 
@@ -87,6 +90,9 @@ class SimHub(MemoryHub):
         self.faults = 0
         #: (sender, first relay, destination, reply) -> the express path kept
         self.paths: dict[tuple[int, int, int, bool], _Path] = {}
+        #: bumped whenever a router's memory of the way back to an origin changes (express
+        #: paths whose relays' ways back were checked before are checked again)
+        self.back_changes = 0
 
     def flush(self) -> None:
         """Bring every relay's counters up to date with the express paths' traffic (their
@@ -133,6 +139,7 @@ class SimTransport(MemoryTransport):
         hub.transports[node_id] = self
         #: bumped whenever this node's router marks a node dead or revives one
         self.routes_version = 0
+        self.router.back = _Backs(hub)
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
@@ -194,18 +201,21 @@ class SimTransport(MemoryTransport):
                 old.flush(hub)
             hub.paths[key] = path
         now = clock.now()
-        nodes, endpoints = path.nodes, hub.endpoints
+        nodes = path.nodes
         path.uses += 1  # (the relays' counters: SimHub.flush)
         path.bytes += sum(len(f) for f in frames)
-        for i in range(1, len(nodes) - 1):  # every relay, as if it passed the message on
-            prev = nodes[i - 1]
-            rt = endpoints[nodes[i]]
-            arrivals = rt.last_arrival
-            arrivals[src] = now
-            if prev != src:
-                arrivals[prev] = now
-                if rt.router.back.get(src) != prev:
-                    rt.router.heard(src, prev)
+        # every relay, as if it passed the message on: the arrival of the origin and of the
+        # neighbour it came from (in that order), and its way back to the origin (set once:
+        # checked again only when some router's way back changed, or for another origin)
+        _consume(map(operator.setitem, path.arrivals, itertools.repeat(src), itertools.repeat(now)))
+        _consume(map(operator.setitem, path.arrivals, nodes[:-2], itertools.repeat(now)))
+        if path.backs_src != src or path.backs_seen != hub.back_changes:
+            for i in range(1, len(nodes) - 1):
+                prev = nodes[i - 1]
+                router = path.relays[i - 1].router
+                if prev != src and router.back.get(src) != prev:
+                    router.heard(src, prev)
+            path.backs_src, path.backs_seen = src, hub.back_changes
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
@@ -245,9 +255,18 @@ class _Path:
     latency: float
     final_nic: str
     reply: bool
+    #: the relays' transports (``nodes[1:-1]``) and their arrival times (``last_arrival``)
+    relays: list["SimTransport"]
+    arrivals: list[dict[int, float]]
     #: messages and bytes that crossed it since the relays' counters were last brought up to date
     uses: int = 0
     bytes: int = 0
+    #: the origin whose way back every relay was last set to, and :attr:`SimHub.back_changes` then
+    backs_src: int = -1
+    backs_seen: int = -1
+    #: :attr:`SimHub.back_changes` when the relays' ways back to a reply's destination were
+    #: last found as when walked
+    replies_seen: int = -1
 
     def flush(self, hub: SimHub) -> None:
         """Credit every relay with the messages that crossed the path since the last flush:
@@ -295,11 +314,12 @@ class _Path:
         nodes = self.nodes
         dst = nodes[-1]
         if self.faults == hub.faults and self.src == src and self.inc == inc:
-            if self.reply:
-                endpoints, backs = hub.endpoints, self.backs
-                for i in range(1, len(nodes) - 1):
-                    if endpoints[nodes[i]].router.back.get(dst) != backs[i]:
+            if self.reply and self.replies_seen != hub.back_changes:
+                backs = self.backs
+                for i, relay in enumerate(self.relays, 1):
+                    if relay.router.back.get(dst) != backs[i]:
                         return False
+                self.replies_seen = hub.back_changes
             return True
         held = getattr(loop, "held", None)
         endpoints = hub.endpoints
@@ -308,6 +328,8 @@ class _Path:
             rt = endpoints.get(n)
             if rt is None or (held is not None and held(n)) or (hub.cuts and hub.cut(nodes[i - 1], n)):
                 return False
+            if i < len(nodes) - 1 and rt is not self.relays[i - 1]:
+                return False
             if i < len(nodes) - 1:
                 known = rt.peer_incarnations.get(src)
                 if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
@@ -315,6 +337,7 @@ class _Path:
                 if self.reply and rt.router.back.get(dst) != self.backs[i]:
                     return False
         self.faults, self.src, self.inc = hub.faults, src, inc
+        self.replies_seen = hub.back_changes
         return True
 
 
@@ -350,8 +373,31 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
         nodes.append(nb)
     last = hub.endpoints[nodes[-2]]
     versions = [hub.transports[n].routes_version for n in nodes]
+    relays = [hub.transports[n] for n in nodes[1:-1]]
     return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
-                 final_nic=last.route(dst).remote_nic, reply=reply)
+                 final_nic=last.route(dst).remote_nic, reply=reply, relays=relays,
+                 arrivals=[rt.last_arrival for rt in relays])
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator to its end (in C: the express path's per-relay bookkeeping)."""
+    collections.deque(it, maxlen=0)
+
+
+class _Backs(dict[int, int]):
+    """A router's :attr:`~p2psync.transport.router.Router.back` that bumps
+    :attr:`SimHub.back_changes` whenever a value changes (the express paths' checks)."""
+
+    __slots__ = ("hub",)
+
+    def __init__(self, hub: SimHub) -> None:
+        super().__init__()
+        self.hub = hub
+
+    def __setitem__(self, key: int, value: int) -> None:
+        if dict.get(self, key) != value:
+            self.hub.back_changes += 1
+        dict.__setitem__(self, key, value)
 
 
 @dataclass(frozen=True)
