@@ -93,6 +93,8 @@ class SimHub(MemoryHub):
         #: bumped whenever a router's memory of the way back to an origin changes (express
         #: paths whose relays' ways back were checked before are checked again)
         self.back_changes = 0
+        #: (previous node, relay, destination, reply) -> the relay's decision (:func:`_walk`)
+        self.hops: dict[tuple[int, int, int, bool], _Hop] = {}
 
     def flush(self) -> None:
         """Bring every relay's counters up to date with the express paths' traffic (their
@@ -349,27 +351,26 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
     nodes, nics = [sender, peer], [("", "")]
     backs: list[int | None] = [None]
     latency = 0.0
+    endpoints, memo = hub.endpoints, hub.hops
+    if len(memo) >= MAX_HOP_MEMO:
+        memo.clear()
     while nodes[-1] != dst:
         prev, cur = nodes[-2], nodes[-1]
-        rt = hub.endpoints.get(cur)
-        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(hub.endpoints) + 1:
+        rt = endpoints.get(cur)
+        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(endpoints) + 1:
             return None
-        router = rt.router
-        if dst in router.dead and not reply:
+        back = rt.router.back.get(dst)
+        key = (prev, cur, dst, reply)
+        hop = memo.get(key)
+        if hop is None or hop.transport is not rt or hop.version != rt.routes_version \
+                or (reply and hop.back != back):
+            hop = memo[key] = _hop(hub, rt, prev, dst, reply, back)
+        nb = hop.next
+        if nb is None or nb not in endpoints:
             return None
-        if dst in router.dead and rt.topology.routes(cur, dst):
-            nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
-        else:
-            nbs = router.reply_hops(dst, exclude=prev) if reply else \
-                router.next_hops(dst, exclude=prev, to_dead=True)
-            if not nbs or nbs[0] in router.dead:
-                return None
-            nb = nbs[0]
-        if nb not in hub.endpoints:
-            return None
-        nics.append((rt.route(prev).local_nic, rt.route(nb).local_nic))
-        backs.append(router.back.get(dst))
-        latency += hub.latency(cur, nb)
+        nics.append(hop.nics)
+        backs.append(back)
+        latency += hop.latency
         nodes.append(nb)
     last = hub.endpoints[nodes[-2]]
     versions = [hub.transports[n].routes_version for n in nodes]
@@ -377,6 +378,42 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
     return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
                  final_nic=last.route(dst).remote_nic, reply=reply, relays=relays,
                  arrivals=[rt.last_arrival for rt in relays])
+
+
+#: decisions of relays that :func:`_walk` keeps (cleared when there are this many)
+MAX_HOP_MEMO = 1 << 21
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """What relay ``transport`` does with a message for ``dst`` that came from ``prev`` (see
+    :func:`_walk`), as decided when its routes were at ``version`` and, for a reply, its way
+    back to ``dst`` was ``back``: ``next`` (None: anything but passing it on at once), the
+    NICs it receives and sends it on, and the latency of the link to ``next``."""
+
+    transport: "SimTransport"
+    version: int
+    back: int | None
+    next: int | None
+    nics: tuple[str, str]
+    latency: float
+
+
+def _hop(hub: SimHub, rt: "SimTransport", prev: int, dst: int, reply: bool, back: int | None) -> _Hop:
+    """The decision of relay ``rt`` (see :class:`_Hop`), from its router now."""
+    router, cur = rt.router, rt.node_id
+    nb: int | None
+    if dst in router.dead and not reply:
+        nb = None
+    elif dst in router.dead and rt.topology.routes(cur, dst):
+        nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
+    else:
+        nbs = router.reply_hops(dst, exclude=prev) if reply else router.next_hops(dst, exclude=prev, to_dead=True)
+        nb = nbs[0] if nbs and nbs[0] not in router.dead else None
+    if nb is None:
+        return _Hop(rt, rt.routes_version, back, None, ("", ""), 0.0)
+    return _Hop(rt, rt.routes_version, back, nb, (rt.route(prev).local_nic, rt.route(nb).local_nic),
+                hub.latency(cur, nb))
 
 
 def _consume(it: Iterable[object]) -> None:
