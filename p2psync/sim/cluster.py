@@ -127,7 +127,9 @@ class SimTransport(MemoryTransport):
     or ``reply_hops`` for a reply, never back where it came from) in one step, when that whole
     path is clear now: every relay and the destination up and not held, no link on it cut,
     no next hop marked dead by the relay before it, no keys, no revival or stale incarnation
-    to judge on the way. Each relay is credited as if it had passed the message on:
+    to judge on the way. The path ends early at a node that would do anything else than pass
+    the message on at once (e.g. the end of a line that a kill left, with no next hop): the
+    relays before it are crossed in one step and it ingests the message as usual. Each relay is credited as if it had passed the message on:
     :meth:`Router.heard` and the proof of life its ingest records at once; a message received
     and one sent on its NICs' counters, and one relayed, when :meth:`SimHub.flush` brings the
     counters up to date (the summary does), and the destination ingests it after the latencies of the links of the path, with
@@ -221,8 +223,9 @@ class SimTransport(MemoryTransport):
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
-        loop.call_at(loop.time() + path.latency, hub.endpoints[dst]._ingest, path.final_nic, last,
-                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(dst))
+        end = nodes[-1]  # the destination, or the node that does anything else than pass it on
+        loop.call_at(loop.time() + path.latency, hub.endpoints[end]._ingest, path.final_nic, last,
+                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(end))
         hub.expressed += 1
         hub.express_hops += len(nodes) - 2
         return True
@@ -257,6 +260,9 @@ class _Path:
     latency: float
     final_nic: str
     reply: bool
+    #: the message's destination (``nodes[-1]`` unless the path ends where a node does anything
+    #: else than pass it on at once)
+    dst: int
     #: the relays' transports (``nodes[1:-1]``) and their arrival times (``last_arrival``)
     relays: list["SimTransport"]
     arrivals: list[dict[int, float]]
@@ -313,8 +319,7 @@ class _Path:
         one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
         incarnations are checked again only after a fault began or ended, or for another
         origin or incarnation."""
-        nodes = self.nodes
-        dst = nodes[-1]
+        nodes, dst = self.nodes, self.dst
         if self.faults == hub.faults and self.src == src and self.inc == inc:
             if self.reply and self.replies_seen != hub.back_changes:
                 backs = self.backs
@@ -346,8 +351,10 @@ class _Path:
 def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
     """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
     ``dst`` (the first candidate, never back where it came from; a reply to a node the relay
-    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), or None
-    when a relay would do anything else than pass it on to that candidate at once."""
+    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), up to
+    ``dst`` or to the first node that would do anything else than pass it on to that candidate
+    at once (no candidate, a candidate marked dead or gone: it ingests the message as usual and
+    its own code decides); None when that is ``peer`` itself, for a keyed relay, or a loop."""
     nodes, nics = [sender, peer], [("", "")]
     backs: list[int | None] = [None]
     latency = 0.0
@@ -366,17 +373,19 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
                 or (reply and hop.back != back):
             hop = memo[key] = _hop(hub, rt, prev, dst, reply, back)
         nb = hop.next
-        if nb is None or nb not in endpoints:
-            return None
+        if nb is None or nb not in endpoints:  # the message stops being passed on at once here
+            if len(nodes) < 3:
+                return None
+            break
         nics.append(hop.nics)
         backs.append(back)
         latency += hop.latency
         nodes.append(nb)
-    last = hub.endpoints[nodes[-2]]
+    last, end = hub.endpoints[nodes[-2]], nodes[-1]
     versions = [hub.transports[n].routes_version for n in nodes]
     relays = [hub.transports[n] for n in nodes[1:-1]]
     return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
-                 final_nic=last.route(dst).remote_nic, reply=reply, relays=relays,
+                 final_nic=last.route(end).remote_nic, reply=reply, dst=dst, relays=relays,
                  arrivals=[rt.last_arrival for rt in relays])
 
 
