@@ -29,11 +29,14 @@ applied (counted) and the final one, the detections, messages per node, and the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
+import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import msgpack
 
@@ -87,6 +90,11 @@ class SimHub(MemoryHub):
         self.faults = 0
         #: (sender, first relay, destination, reply) -> the express path kept
         self.paths: dict[tuple[int, int, int, bool], _Path] = {}
+        #: bumped whenever a router's memory of the way back to an origin changes (express
+        #: paths whose relays' ways back were checked before are checked again)
+        self.back_changes = 0
+        #: (previous node, relay, destination, reply) -> the relay's decision (:func:`_walk`)
+        self.hops: dict[tuple[int, int, int, bool], _Hop] = {}
 
     def flush(self) -> None:
         """Bring every relay's counters up to date with the express paths' traffic (their
@@ -119,7 +127,9 @@ class SimTransport(MemoryTransport):
     or ``reply_hops`` for a reply, never back where it came from) in one step, when that whole
     path is clear now: every relay and the destination up and not held, no link on it cut,
     no next hop marked dead by the relay before it, no keys, no revival or stale incarnation
-    to judge on the way. Each relay is credited as if it had passed the message on:
+    to judge on the way. The path ends early at a node that would do anything else than pass
+    the message on at once (e.g. the end of a line that a kill left, with no next hop): the
+    relays before it are crossed in one step and it ingests the message as usual. Each relay is credited as if it had passed the message on:
     :meth:`Router.heard` and the proof of life its ingest records at once; a message received
     and one sent on its NICs' counters, and one relayed, when :meth:`SimHub.flush` brings the
     counters up to date (the summary does), and the destination ingests it after the latencies of the links of the path, with
@@ -133,6 +143,7 @@ class SimTransport(MemoryTransport):
         hub.transports[node_id] = self
         #: bumped whenever this node's router marks a node dead or revives one
         self.routes_version = 0
+        self.router.back = _Backs(hub)
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:
@@ -194,23 +205,27 @@ class SimTransport(MemoryTransport):
                 old.flush(hub)
             hub.paths[key] = path
         now = clock.now()
-        nodes, endpoints = path.nodes, hub.endpoints
+        nodes = path.nodes
         path.uses += 1  # (the relays' counters: SimHub.flush)
         path.bytes += sum(len(f) for f in frames)
-        for i in range(1, len(nodes) - 1):  # every relay, as if it passed the message on
-            prev = nodes[i - 1]
-            rt = endpoints[nodes[i]]
-            arrivals = rt.last_arrival
-            arrivals[src] = now
-            if prev != src:
-                arrivals[prev] = now
-                if rt.router.back.get(src) != prev:
-                    rt.router.heard(src, prev)
+        # every relay, as if it passed the message on: the arrival of the origin and of the
+        # neighbour it came from (in that order), and its way back to the origin (set once:
+        # checked again only when some router's way back changed, or for another origin)
+        _consume(map(operator.setitem, path.arrivals, itertools.repeat(src), itertools.repeat(now)))
+        _consume(map(operator.setitem, path.arrivals, nodes[:-2], itertools.repeat(now)))
+        if path.backs_src != src or path.backs_seen != hub.back_changes:
+            for i in range(1, len(nodes) - 1):
+                prev = nodes[i - 1]
+                router = path.relays[i - 1].router
+                if prev != src and router.back.get(src) != prev:
+                    router.heard(src, prev)
+            path.backs_src, path.backs_seen = src, hub.back_changes
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
-        loop.call_at(loop.time() + path.latency, hub.endpoints[dst]._ingest, path.final_nic, last,
-                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(dst))
+        end = nodes[-1]  # the destination, or the node that does anything else than pass it on
+        loop.call_at(loop.time() + path.latency, hub.endpoints[end]._ingest, path.final_nic, last,
+                     f"{last}/{path.nics[-1][1]}", out, context=hub.context(end))
         hub.expressed += 1
         hub.express_hops += len(nodes) - 2
         return True
@@ -245,9 +260,21 @@ class _Path:
     latency: float
     final_nic: str
     reply: bool
+    #: the message's destination (``nodes[-1]`` unless the path ends where a node does anything
+    #: else than pass it on at once)
+    dst: int
+    #: the relays' transports (``nodes[1:-1]``) and their arrival times (``last_arrival``)
+    relays: list["SimTransport"]
+    arrivals: list[dict[int, float]]
     #: messages and bytes that crossed it since the relays' counters were last brought up to date
     uses: int = 0
     bytes: int = 0
+    #: the origin whose way back every relay was last set to, and :attr:`SimHub.back_changes` then
+    backs_src: int = -1
+    backs_seen: int = -1
+    #: :attr:`SimHub.back_changes` when the relays' ways back to a reply's destination were
+    #: last found as when walked
+    replies_seen: int = -1
 
     def flush(self, hub: SimHub) -> None:
         """Credit every relay with the messages that crossed the path since the last flush:
@@ -292,14 +319,14 @@ class _Path:
         one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
         incarnations are checked again only after a fault began or ended, or for another
         origin or incarnation."""
-        nodes = self.nodes
-        dst = nodes[-1]
+        nodes, dst = self.nodes, self.dst
         if self.faults == hub.faults and self.src == src and self.inc == inc:
-            if self.reply:
-                endpoints, backs = hub.endpoints, self.backs
-                for i in range(1, len(nodes) - 1):
-                    if endpoints[nodes[i]].router.back.get(dst) != backs[i]:
+            if self.reply and self.replies_seen != hub.back_changes:
+                backs = self.backs
+                for i, relay in enumerate(self.relays, 1):
+                    if relay.router.back.get(dst) != backs[i]:
                         return False
+                self.replies_seen = hub.back_changes
             return True
         held = getattr(loop, "held", None)
         endpoints = hub.endpoints
@@ -308,6 +335,8 @@ class _Path:
             rt = endpoints.get(n)
             if rt is None or (held is not None and held(n)) or (hub.cuts and hub.cut(nodes[i - 1], n)):
                 return False
+            if i < len(nodes) - 1 and rt is not self.relays[i - 1]:
+                return False
             if i < len(nodes) - 1:
                 known = rt.peer_incarnations.get(src)
                 if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
@@ -315,43 +344,106 @@ class _Path:
                 if self.reply and rt.router.back.get(dst) != self.backs[i]:
                     return False
         self.faults, self.src, self.inc = hub.faults, src, inc
+        self.replies_seen = hub.back_changes
         return True
 
 
 def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
     """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
     ``dst`` (the first candidate, never back where it came from; a reply to a node the relay
-    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), or None
-    when a relay would do anything else than pass it on to that candidate at once."""
+    marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), up to
+    ``dst`` or to the first node that would do anything else than pass it on to that candidate
+    at once (no candidate, a candidate marked dead or gone: it ingests the message as usual and
+    its own code decides); None when that is ``peer`` itself, for a keyed relay, or a loop."""
     nodes, nics = [sender, peer], [("", "")]
     backs: list[int | None] = [None]
     latency = 0.0
+    endpoints, memo = hub.endpoints, hub.hops
+    if len(memo) >= MAX_HOP_MEMO:
+        memo.clear()
     while nodes[-1] != dst:
         prev, cur = nodes[-2], nodes[-1]
-        rt = hub.endpoints.get(cur)
-        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(hub.endpoints) + 1:
+        rt = endpoints.get(cur)
+        if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(endpoints) + 1:
             return None
-        router = rt.router
-        if dst in router.dead and not reply:
-            return None
-        if dst in router.dead and rt.topology.routes(cur, dst):
-            nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
-        else:
-            nbs = router.reply_hops(dst, exclude=prev) if reply else \
-                router.next_hops(dst, exclude=prev, to_dead=True)
-            if not nbs or nbs[0] in router.dead:
+        back = rt.router.back.get(dst)
+        key = (prev, cur, dst, reply)
+        hop = memo.get(key)
+        if hop is None or hop.transport is not rt or hop.version != rt.routes_version \
+                or (reply and hop.back != back):
+            hop = memo[key] = _hop(hub, rt, prev, dst, reply, back)
+        nb = hop.next
+        if nb is None or nb not in endpoints:  # the message stops being passed on at once here
+            if len(nodes) < 3:
                 return None
-            nb = nbs[0]
-        if nb not in hub.endpoints:
-            return None
-        nics.append((rt.route(prev).local_nic, rt.route(nb).local_nic))
-        backs.append(router.back.get(dst))
-        latency += hub.latency(cur, nb)
+            break
+        nics.append(hop.nics)
+        backs.append(back)
+        latency += hop.latency
         nodes.append(nb)
-    last = hub.endpoints[nodes[-2]]
+    last, end = hub.endpoints[nodes[-2]], nodes[-1]
     versions = [hub.transports[n].routes_version for n in nodes]
+    relays = [hub.transports[n] for n in nodes[1:-1]]
     return _Path(generation=hub.generation, versions=versions, nodes=nodes, nics=nics, backs=backs, latency=latency,
-                 final_nic=last.route(dst).remote_nic, reply=reply)
+                 final_nic=last.route(end).remote_nic, reply=reply, dst=dst, relays=relays,
+                 arrivals=[rt.last_arrival for rt in relays])
+
+
+#: decisions of relays that :func:`_walk` keeps (cleared when there are this many)
+MAX_HOP_MEMO = 1 << 21
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """What relay ``transport`` does with a message for ``dst`` that came from ``prev`` (see
+    :func:`_walk`), as decided when its routes were at ``version`` and, for a reply, its way
+    back to ``dst`` was ``back``: ``next`` (None: anything but passing it on at once), the
+    NICs it receives and sends it on, and the latency of the link to ``next``."""
+
+    transport: "SimTransport"
+    version: int
+    back: int | None
+    next: int | None
+    nics: tuple[str, str]
+    latency: float
+
+
+def _hop(hub: SimHub, rt: "SimTransport", prev: int, dst: int, reply: bool, back: int | None) -> _Hop:
+    """The decision of relay ``rt`` (see :class:`_Hop`), from its router now."""
+    router, cur = rt.router, rt.node_id
+    nb: int | None
+    if dst in router.dead and not reply:
+        nb = None
+    elif dst in router.dead and rt.topology.routes(cur, dst):
+        nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
+    else:
+        nbs = router.reply_hops(dst, exclude=prev) if reply else router.next_hops(dst, exclude=prev, to_dead=True)
+        nb = nbs[0] if nbs and nbs[0] not in router.dead else None
+    if nb is None:
+        return _Hop(rt, rt.routes_version, back, None, ("", ""), 0.0)
+    return _Hop(rt, rt.routes_version, back, nb, (rt.route(prev).local_nic, rt.route(nb).local_nic),
+                hub.latency(cur, nb))
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator to its end (in C: the express path's per-relay bookkeeping)."""
+    collections.deque(it, maxlen=0)
+
+
+class _Backs(dict[int, int]):
+    """A router's :attr:`~p2psync.transport.router.Router.back` that bumps
+    :attr:`SimHub.back_changes` whenever a value changes (the express paths' checks)."""
+
+    __slots__ = ("hub",)
+
+    def __init__(self, hub: SimHub) -> None:
+        super().__init__()
+        self.hub = hub
+
+    def __setitem__(self, key: int, value: int) -> None:
+        if dict.get(self, key) != value:
+            self.hub.back_changes += 1
+        dict.__setitem__(self, key, value)
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,9 @@ class _Timer(events.TimerHandle):
         self._seq = seq
 
     def __lt__(self, other: object) -> bool:
-        if isinstance(other, _Timer):
-            return (self.when(), self._seq) < (other.when(), other._seq)
+        if type(other) is _Timer:  # (the heap compares timers most of the time the loop runs)
+            when, other_when = self._when, other._when  # type: ignore[attr-defined]
+            return when < other_when or (when == other_when and self._seq < other._seq)
         return NotImplemented
 
     def _run(self) -> None:
