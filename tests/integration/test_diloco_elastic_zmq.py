@@ -23,6 +23,25 @@ pytestmark = pytest.mark.timeout(120)
 OPTS = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "outer_lr": 0.7}
 
 
+async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead: int,
+                                                  killed: list[asyncio.Task[None]], what: str) -> None:
+    """Train, node ``dead`` crashing on the way (``killed`` holds its crash once it began), then
+    finish the survivors: they agree on the end, re-formed at least once, and hold one θ_g as
+    their model, bitwise."""
+    await _train(nodes, 24, warm=5)
+    survivors = [n for i, n in nodes.items() if i != dead]
+    ends = await _finish(survivors)
+    assert killed, f"node {dead} never reached {what}"
+    await asyncio.gather(*killed)
+    params = await _params(survivors)
+    thetas = [n.strategy.theta for n in survivors]
+    reforms = [n.strategy.regroup.reformations for n in survivors]
+    assert len(set(ends)) == 1, ends
+    assert all(r >= 1 for r in reforms), reforms
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
 async def test_a_crash_mid_run_is_redone_over_the_survivors_who_end_with_one_model():
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=OPTS) as nodes:
@@ -76,18 +95,7 @@ async def test_a_crash_during_the_final_sync_is_redone_over_the_survivors_who_en
                 killed.append(asyncio.ensure_future(nodes[2].crash()))
 
         victim._launch = launch_then_die
-        await _train(nodes, 24, warm=5)
-        survivors = [n for i, n in nodes.items() if i != 2]
-        ends = await _finish(survivors)
-        assert killed, "node 2 never reached the final sync"
-        await asyncio.gather(*killed)
-        params = await _params(survivors)
-        thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reformations for n in survivors]
-    assert len(set(ends)) == 1, ends
-    assert all(r >= 1 for r in reforms), reforms
-    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
-    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+        await _survivors_of_a_crash_end_with_one_model(nodes, 2, killed, "the final sync")
 
 
 async def test_a_member_that_failed_the_final_sync_alone_adopts_the_leaders_result_and_ends_with_it():
@@ -190,18 +198,7 @@ async def test_a_crash_during_an_eager_stops_completion_is_redone_over_the_survi
                 killed.append(asyncio.ensure_future(nodes[2].crash()))
 
         victim._launch = launch_then_die
-        await _train(nodes, 24, warm=5)
-        survivors = [n for i, n in nodes.items() if i != 2]
-        ends = await _finish(survivors)
-        assert killed, "node 2 never reached the stop's completion"
-        await asyncio.gather(*killed)
-        params = await _params(survivors)
-        thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reformations for n in survivors]
-    assert len(set(ends)) == 1, ends
-    assert all(r >= 1 for r in reforms), reforms
-    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
-    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+        await _survivors_of_a_crash_end_with_one_model(nodes, 2, killed, "the stop's completion")
 
 
 async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_once():
