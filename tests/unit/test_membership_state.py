@@ -64,17 +64,24 @@ def test_redo_moves_the_epoch_once_when_every_named_peer_lives():
     assert not st.redo(1, e + 2, [0], 10.0)  # 1 silent meanwhile: no majority of the agreed view
 
 
-def test_silence_counts_against_a_member_only_while_the_coordinator_holds_a_majority():
-    """A coordinator that lost the majority and hears it again declares a member failed only
-    after a full detection window from then: while it had none, its members deposed it and
-    followed a candidate, and they heartbeat it again only once it is re-elected above that
-    candidate's term. A member heard within the window stays; one silent through it is failed."""
+def _five_heard_until_10() -> MembershipState:
+    """Coordinator 0 of five members (failure timeout 2 s), every other member heard every
+    half second up to 10.0."""
     st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
     for n in range(5):
         st.register(n, "f", now=0.0)
     for i in range(1, 21):
         for n in (1, 2, 3, 4):
             st.heartbeat(n, 0.5 * i)
+    return st
+
+
+def test_silence_counts_against_a_member_only_while_the_coordinator_holds_a_majority():
+    """A coordinator that lost the majority and hears it again declares a member failed only
+    after a full detection window from then: while it had none, its members deposed it and
+    followed a candidate, and they heartbeat it again only once it is re-elected above that
+    candidate's term. A member heard within the window stays; one silent through it is failed."""
+    st = _five_heard_until_10()
     # everyone silent from 10 s on: 0 alone is no majority of five, nobody is declared
     assert st.check(13.0) == [] and st.blocked == [1, 2, 3, 4] and not st.has_quorum(13.0)
     for t in (15.0, 15.5, 16.0, 16.5, 17.0, 17.5):  # 1 and 2 heard again: a majority with 0
@@ -94,12 +101,7 @@ def test_a_reelected_coordinator_spares_the_members_that_did_not_vote_for_it():
     only after a full detection window from then: it followed another candidate (or could not
     answer) and heartbeats this coordinator only once it applies the new term's view. Its
     voters are judged as before."""
-    st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
-    for n in range(5):
-        st.register(n, "f", now=0.0)
-    for i in range(1, 21):
-        for n in (1, 2, 3, 4):
-            st.heartbeat(n, 0.5 * i)
+    st = _five_heard_until_10()
     for t in (10.5, 11.0, 11.5):
         for n in (1, 2):
             st.heartbeat(n, t)
@@ -120,12 +122,7 @@ def test_a_majority_lost_and_regained_before_anyone_was_suspected_still_spares_t
     side heard again a moment after the others (a longer path back) is not declared failed:
     its silence counts only from when the majority was heard again. One silent with a majority
     heard throughout is declared as before."""
-    st = MembershipState(expected=frozenset(range(5)), failure_timeout=2.0, heartbeat_interval=0.5)
-    for n in range(5):
-        st.register(n, "f", now=0.0)
-    for i in range(1, 21):
-        for n in (1, 2, 3, 4):
-            st.heartbeat(n, 0.5 * i)
+    st = _five_heard_until_10()
     # 1, 2 and 3 cut off from 10.0 to 11.7: the coordinator hears only 4 (no majority of five)
     for t in (10.5, 11.0, 11.5):
         st.heartbeat(4, t)

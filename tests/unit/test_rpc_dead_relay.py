@@ -17,7 +17,8 @@ async def _echo(caller: int, args: Mapping[str, Any], arrays: Sequence[Any]) -> 
     return {"caller": caller, **args}
 
 
-async def test_calls_across_a_dead_undeclared_relay_are_answered_around_it() -> None:
+async def _ring8_echo() -> tuple[dict[int, MemoryTransport], RpcServer]:
+    """Eight in-memory endpoints on a ring, started, and node 0 serving ``echo``."""
     hub = MemoryHub(ring(8))
     eps: dict[int, MemoryTransport] = {i: hub.endpoint(i, default_timeout=2) for i in range(8)}
     for e in eps.values():
@@ -25,6 +26,18 @@ async def test_calls_across_a_dead_undeclared_relay_are_answered_around_it() -> 
     server = RpcServer(eps[0])
     server.register("echo", _echo)
     server.start()
+    return eps, server
+
+
+async def _close(server: RpcServer, eps: dict[int, MemoryTransport], *, dead: int) -> None:
+    await server.close(grace=0.1)
+    for i, e in eps.items():
+        if i != dead:  # closed by the test (it died)
+            await e.close()
+
+
+async def test_calls_across_a_dead_undeclared_relay_are_answered_around_it() -> None:
+    eps, server = await _ring8_echo()
     rpc = {i: RpcClient(eps[i], local=None) for i in (3, 4)}
     try:
         # before: node 3 reaches node 0 through 2 and 1, node 4 both ways (a tie)
@@ -39,10 +52,7 @@ async def test_calls_across_a_dead_undeclared_relay_are_answered_around_it() -> 
         assert eps[0].router.back[3] == 7  # the reply went back the long way round: 0-7-6-5-4-3
         assert await rpc[4].call(0, "echo", timeout=1.5) == {"caller": 4}
     finally:
-        await server.close(grace=0.1)
-        for i, e in eps.items():
-            if i != 2:
-                await e.close()
+        await _close(server, eps, dead=2)
 
 
 def test_the_first_attempt_of_a_relayed_call_waits_at_most_half_its_timeout() -> None:
@@ -59,13 +69,7 @@ async def test_a_call_shorter_than_the_rto_tries_a_second_first_hop() -> None:
     # partition cut the short way then); node 7 on that way is dead now. A call shorter than
     # the initial RTO must not make that one attempt only and give up (a probe would pass over
     # a live successor): it resends over node 2 after half its timeout
-    hub = MemoryHub(ring(8))
-    eps: dict[int, MemoryTransport] = {i: hub.endpoint(i, default_timeout=2) for i in range(8)}
-    for e in eps.values():
-        await e.start()
-    server = RpcServer(eps[0])
-    server.register("echo", _echo)
-    server.start()
+    eps, server = await _ring8_echo()
     rpc = RpcClient(eps[3], local=None)
     try:
         await eps[7].close()
@@ -78,7 +82,4 @@ async def test_a_call_shorter_than_the_rto_tries_a_second_first_hop() -> None:
         assert rpc.estimator(0).rto() == 1.0  # an early resend is no RTO expiry: no backoff
         assert rpc._path[0] == 2  # the reply names the copy it answers: the one sent over node 2
     finally:
-        await server.close(grace=0.1)
-        for i, e in eps.items():
-            if i != 7:
-                await e.close()
+        await _close(server, eps, dead=7)
