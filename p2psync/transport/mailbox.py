@@ -102,7 +102,9 @@ class Scope:
             raise ValueError("a scope needs at least one non-empty root")
         self.roots = roots
         self._mailbox = mailbox
-        self._waits: set[_Waiter] = set()
+        #: insertion-ordered (a dict, not a set): an abort fails its waits in the order they
+        #: were registered, the same in every run (a set of objects iterates by address)
+        self._waits: dict[_Waiter, None] = {}
         self._open = True
 
     @property
@@ -262,7 +264,7 @@ class Mailbox:
 
     def _unlink(self, w: _Waiter) -> None:
         for sc in w.scopes:
-            sc._waits.discard(w)
+            sc._waits.pop(w, None)
         if w.exact is not None:
             dq = self._exact.get(w.exact)
             if dq is not None:
@@ -455,7 +457,7 @@ class Mailbox:
         if self._scopes:
             waiter.scopes = self._scopes_over(exact if exact is not None else prefix or "")
             for sc in waiter.scopes:
-                sc._waits.add(waiter)
+                sc._waits[waiter] = None
         if exact is not None:
             self._exact.setdefault(exact, deque()).append(waiter)
         else:

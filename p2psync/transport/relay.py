@@ -97,7 +97,8 @@ class Relay:
         self.relayed = 0
         #: bytes of relayed data this node holds until the next hop takes them
         self.held = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: insertion-ordered, so that cancelling them goes in the same order in every run
+        self._tasks: dict[asyncio.Task[None], None] = {}
         #: counters of the relayed messages this node signs (control, data lanes)
         self._ctr = itertools.count(1)
         self._data_ctr = itertools.count(1)
@@ -255,8 +256,8 @@ class Relay:
         self._own(asyncio.get_running_loop().create_task(go()))
 
     def _own(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(lambda t: self._tasks.pop(t, None))
 
     async def drain(self, timeout: float = 1.0) -> None:
         """Let the messages this node is relaying for others go out (before closing)."""
@@ -265,7 +266,7 @@ class Relay:
 
     def cancel(self) -> None:
         """Stop relaying what is still held (the transport closes)."""
-        for t in self._tasks:
+        for t in list(self._tasks):
             t.cancel()
 
 

@@ -130,3 +130,17 @@ async def test_transport_recv_registers_with_the_transports_scopes():
         await w
     await a.close()
     await b.close()
+
+
+async def test_abort_fails_the_waits_in_the_order_they_were_registered():
+    """The same order in every run (the simulator's event digest depends on it): not the
+    order of the waiters' memory addresses."""
+    mb = Mailbox()
+    op = mb.scope("op.1.")
+    tasks = await _started(*(mb.get(f"op.1.p{i}", timeout=5) for i in range(64)))
+    failed: list[int] = []
+    for i, t in enumerate(tasks):
+        t.add_done_callback(lambda _t, i=i: failed.append(i))
+    assert op.abort(PeerFailure("gone", peers=(2,))) == 64
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert failed == list(range(64))
