@@ -31,6 +31,8 @@ the next send) and ``seal`` (the seal is still to do).
 
 Actions are values the loop reads and never changes; they are plain slotted dataclasses, not
 frozen ones, as one is made per piece and step (a frozen one costs about twice as much to make).
+The actions without a per-piece part (:class:`Seal`, :class:`Release`, :class:`Hold`, every
+:class:`Apply`) are made once and shared.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ class Exchange:
     sender order (the order their values are applied in). ``fill``: ``OWN_FILL`` or
     ``SUM_FILL`` when every send of the step sends one fill computed where it is sent from
     (the payload of each of ``sends``), else None. ``base_mine``: a ``SUM_FILL`` adds to the
-    caller's tensor's values (the piece is fresh), else to the working buffer's."""
+    caller's tensor's values (the piece is fresh), else to the working buffer's. ``single``:
+    ``len(sends) + len(expects) == 1``."""
 
     phase: str
     send_suffix: str
@@ -100,11 +103,8 @@ class Exchange:
     expects: tuple[Expect, ...]
     fill: Payload | None
     base_mine: bool
-
-    @property
-    def single(self) -> bool:
-        """One send or one receive alone: awaited directly, without tasks (every ring step)."""
-        return len(self.sends) + len(self.expects) == 1
+    #: one send or one receive alone: awaited directly, without tasks (every ring step)
+    single: bool
 
 
 @dataclass(slots=True)
@@ -140,6 +140,16 @@ RELEASE = Release()
 HOLD = Hold()
 
 
+def _applies(verdict: Verdict) -> tuple[tuple[tuple[Apply, ...], ...], ...]:
+    """Every Apply with ``verdict``, indexed ``[reduce][base_mine][cache]``."""
+    return tuple(tuple(tuple(Apply(r, b, c, verdict) for c in (False, True)) for b in (False, True))
+                 for r in (False, True))
+
+
+#: the Apply actions, made once and shared (values), by verdict, then [reduce][base_mine][cache]
+_APPLY_SCAN, _APPLY_DIRTY, _APPLY_CLEAN = _applies(Verdict.SCAN), _applies(Verdict.DIRTY), _applies(Verdict.CLEAN)
+
+
 class PieceMachine:
     """One piece's walk through its ``steps`` on this node (see the module docstring).
     ``lossy``: the codec is lossy; ``fused``: received pieces are checked here, fused with
@@ -172,14 +182,22 @@ class PieceMachine:
         step = self.steps[self._i]
         self._i += 1
         self._defer = step.defer
-        self._fill = bool(step.sends) and (self.held or self.fresh)
-        fill = (Payload.SUM_FILL if self.held else Payload.OWN_FILL) if self._fill else None
-        sends = tuple(self._send(t, fill) for t in step.sends)
-        return Exchange(step.phase, step.send_suffix, sends, step.expects, fill, self.fresh)
+        fill: Payload | None = None
+        if not step.sends:
+            self._fill = False
+            sends: tuple[Send, ...] = ()
+        elif self.held or self.fresh:
+            self._fill = True
+            fill = Payload.SUM_FILL if self.held else Payload.OWN_FILL
+            sends = tuple([Send(t, fill, Check.YES) for t in step.sends])
+        else:
+            self._fill = False
+            sends = tuple([self._send(t) for t in step.sends])
+        return Exchange(step.phase, step.send_suffix, sends, step.expects, fill, self.fresh,
+                        len(sends) + len(step.expects) == 1)
 
-    def _send(self, t: Transfer, fill: Payload | None) -> Send:
-        if fill is not None:
-            return Send(t, fill, Check.YES)
+    def _send(self, t: Transfer) -> Send:
+        """The send of ``t`` in a step without a fill."""
         payload = Payload.CACHED if not t.reduce and self.cached else Payload.ENCODE
         if self.lossy:
             return Send(t, payload, Check.NO)
@@ -214,15 +232,15 @@ class PieceMachine:
         if cache:
             self.cached = True
         if self.fused:
-            verdict = Verdict.SCAN
+            applies = _APPLY_SCAN
             self.clean = False
         elif e.reduce:
-            verdict = Verdict.DIRTY
+            applies = _APPLY_DIRTY
             self.clean = False
         else:
-            verdict = Verdict.CLEAN
+            applies = _APPLY_CLEAN
             self.clean = True
-        return Apply(e.reduce, base_mine, cache, verdict)
+        return applies[e.reduce][base_mine][cache]
 
     def applied(self, finite: bool) -> None:
         """An ``Apply`` with ``Verdict.SCAN`` was scanned: the piece is finite or not."""

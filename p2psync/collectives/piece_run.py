@@ -226,7 +226,13 @@ class Run:
                 if isinstance(act, Seal):
                     self.seal(k)
                     continue
-                fill, msgs = await self._exchange(k, act, m, held)
+                fill, sends, recvs = self._exchange(k, act, m, held)
+                if act.single:  # e.g. every step of a ring: no task, no gather
+                    one = await (sends or recvs)[0]
+                    msgs = [] if sends else [cast(Message, one)]
+                else:
+                    results = await _all([*sends, *recvs])  # sends return None
+                    msgs = cast("list[Message]", results[len(sends):])
                 if m.exchanged(fill is not None and fill.owned) is not None and held is not None:
                     held[0].release()
                     held = None
@@ -248,10 +254,11 @@ class Run:
             if held is not None:
                 held[0].release()
 
-    async def _exchange(self, k: int, ex: Exchange, m: PieceMachine,
-                        held: tuple[Message, np.ndarray] | None) -> tuple[Fill | None, list[Message]]:
-        """Perform one step's sends and receives of piece ``k``: returns the step's fill (one,
-        whatever the number of sends) and the messages received, in ``ex.expects`` order."""
+    def _exchange(self, k: int, ex: Exchange, m: PieceMachine, held: tuple[Message, np.ndarray] | None
+                  ) -> tuple[Fill | None, list[Awaitable[None]], list[Awaitable[Message]]]:
+        """Start one step's sends and receives of piece ``k``: returns the step's fill (one,
+        whatever the number of sends), the sends and the receives (in ``ex.expects`` order) to
+        await. A plain function, not a coroutine: one frame less per step."""
         tag = self.tag + ex.send_suffix
         fill: Fill | None = None
         if ex.fill is Payload.SUM_FILL:
@@ -272,12 +279,7 @@ class Run:
                 m.scanned(scan)
             sends.append(self._send(k, s.transfer, tag, arrays, bool(scan) if s.check is Check.SCAN
                                     else s.check is Check.YES))
-        recvs = [self._recv(e.src, self.tag + e.suffix) for e in ex.expects]
-        if ex.single:  # e.g. every step of a ring: no task, no gather
-            one = await (sends or recvs)[0]
-            return fill, ([] if sends else [cast(Message, one)])
-        results = await _all([*sends, *recvs])  # sends return None
-        return fill, cast("list[Message]", results[len(sends):])
+        return fill, sends, [self._recv(e.src, self.tag + e.suffix) for e in ex.expects]
 
     def _send(self, k: int, t: Transfer, tag: str, arrays: list[Any], checked: bool) -> Awaitable[None]:
         """Send piece ``k``'s frames ``arrays`` as ``t`` says, counting the bytes in ``stats``

@@ -512,8 +512,8 @@ class Transport(ABC):
                     msg.release()
                 return
             decision.message.nic = nic
-            if peer_id is not None:  # a reply to its origin goes back this way first
-                self.router.heard(decision.message.src, peer_id)
+            if peer_id is not None and peer_id != decision.message.src:  # a reply to its origin goes
+                self.router.heard(decision.message.src, peer_id)               # back this way first
             held, lease = lease, None
             if isinstance(decision, Forward):
                 self._pass_on(decision.message, decision.came_from, held)

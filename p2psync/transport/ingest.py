@@ -144,6 +144,8 @@ class Ingest:
                           f"node {h.src}'s incarnation {h.inc} is older than the one this node already knows, "
                           f"{known}: a message of its previous process, or a restarted process with a stepped-back "
                           "clock? (its messages are dropped until it runs with a newer incarnation)", "admit", msg)
+        if h.src == peer and (known is None or h.inc == known) and (h.dst is None or h.dst == self.node_id):
+            return Deliver(msg, (peer,))  # the common case (a neighbour's own message for this node), inline
         alive, revive = self._liveness(h.src, h.inc, known, peer, proven)
         return self._route(msg, peer, alive, revive)
 
