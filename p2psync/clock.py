@@ -6,9 +6,11 @@ into logs and records), :func:`cpu` this process's CPU seconds (the self-fencing
 membership client compares it with how long the process stood still).
 
 Which clock answers is decided by the event loop running in the calling thread: a loop that
-keeps a time of its own carries it as its ``p2psync_clock`` attribute (a :class:`Clock`; the
-virtual-time loop of :mod:`p2psync.sim.loop` does), and every read on that loop's thread goes to
-it. Anywhere else (the stdlib's loop, uvloop, a thread without a loop) the answer is the
+keeps a time of its own offers it with :func:`offer` (it becomes the loop's ``p2psync_clock``
+attribute, a :class:`Clock`; the virtual-time loop of :mod:`p2psync.sim.loop` does), and every
+read on that loop's thread goes to it. Until some loop has offered a clock in this process,
+:func:`now` reads ``time.monotonic()`` at once, without looking up the running loop (the
+receive path reads it for every message). Anywhere else (the stdlib's loop, uvloop, a thread without a loop) the answer is the
 system's: ``time.monotonic()``, ``time.time()``, ``time.process_time()``, exactly what the
 runtime read before there was one clock. The stdlib loop's ``time()`` is ``time.monotonic()``
 itself; uvloop's is cached once per loop iteration in whole milliseconds, which is why the
@@ -56,6 +58,16 @@ class SystemClock:
 #: the clock of every thread whose running loop has none of its own
 SYSTEM = SystemClock()
 
+#: some loop in this process has offered its own clock (:func:`offer`)
+_offered = False
+
+
+def offer(loop: events.AbstractEventLoop, clock: Clock) -> None:
+    """Make ``clock`` the clock of every read on ``loop``'s thread while ``loop`` runs."""
+    global _offered
+    setattr(loop, LOOP_ATTRIBUTE, clock)
+    _offered = True
+
 
 def current() -> Clock:
     """The clock of the calling thread: its running loop's own (``p2psync_clock``), else
@@ -69,6 +81,8 @@ def current() -> Clock:
 
 def now() -> float:
     """Monotonic seconds on the calling thread's clock (see the module docstring)."""
+    if not _offered:
+        return time.monotonic()
     loop = events._get_running_loop()
     clock: Clock | None = getattr(loop, LOOP_ATTRIBUTE, None) if loop is not None else None
     return time.monotonic() if clock is None else clock.now()
@@ -84,4 +98,4 @@ def cpu() -> float:
     return current().cpu()
 
 
-__all__ = ["Clock", "LOOP_ATTRIBUTE", "SYSTEM", "SystemClock", "cpu", "current", "now", "wall"]
+__all__ = ["Clock", "LOOP_ATTRIBUTE", "SYSTEM", "SystemClock", "cpu", "current", "now", "offer", "wall"]

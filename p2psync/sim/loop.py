@@ -50,7 +50,7 @@ from asyncio import base_events, events
 from collections import defaultdict
 from typing import Any, Callable, Coroutine, Hashable, Iterator, TypeVar
 
-from p2psync.clock import LOOP_ATTRIBUTE
+from p2psync.clock import offer
 from p2psync.errors import SimulationError
 
 T = TypeVar("T")
@@ -167,7 +167,7 @@ class VirtualLoop(base_events.BaseEventLoop):
         self._trace = hashlib.sha256() if trace else None
         #: callbacks run so far
         self.steps = 0
-        setattr(self, LOOP_ATTRIBUTE, self)
+        offer(self, self)
 
     # -- the clock ------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ def test_on_the_stdlib_loop_now_is_its_time_and_time_monotonic():
 
 def test_a_loop_with_its_own_clock_answers_every_read_on_its_thread_only():
     loop = asyncio.new_event_loop()
-    setattr(loop, clock.LOOP_ATTRIBUTE, _Fixed())
+    clock.offer(loop, _Fixed())
     seen: list[float] = []
 
     def other_thread() -> None:
