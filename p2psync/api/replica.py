@@ -160,7 +160,7 @@ class HookedReplica:
                 raise failure
             res = fut.result()
             if res is not None:
-                self.flat.set_grads(res.grads)
+                self.flat.set_grads_parts(res.grads)
                 if res.buffers is not None:
                     self.flat.write_buffers(res.buffers)
 

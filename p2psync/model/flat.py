@@ -118,6 +118,22 @@ class FlatModel:
             else:
                 p.grad.copy_(g)
 
+    def set_grads_parts(self, parts: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Copy each ``(offset, values)`` of ``parts`` into the ``.grad`` of the parameters it
+        covers in the flat vector (whole parameters, ValueError otherwise): :meth:`set_grads`
+        of the parts together, without a vector of the whole model. Gradients outside the
+        parts are left alone."""
+        for lo, vec in parts:
+            src = self._to_device(vec.reshape(-1))
+            for p, a, b, at in self._slices([(lo, lo + vec.size)]):
+                if a != 0 or b != p.numel():
+                    raise ValueError(f"gradient part at {lo} ({vec.size} elements) splits a parameter")
+                g = src[at:at + b - a].view_as(p).to(p.device, p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
     def get_params(self) -> np.ndarray:
         """A host copy of the trainable parameters as one float32 vector."""
         return self._to_host(torch.nn.utils.parameters_to_vector(self.params))
