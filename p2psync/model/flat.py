@@ -70,9 +70,11 @@ class FlatModel:
         return out
 
     def _to_host(self, flat: torch.Tensor) -> np.ndarray:
+        """``flat`` as a host float32 array. ``flat``: a tensor nothing else holds (a fresh
+        concatenation): off a GPU the array takes its memory instead of copying it."""
         flat = flat.detach()
         if flat.device.type != "cuda":
-            return flat.to("cpu", torch.float32).numpy().copy()
+            return flat.to("cpu", torch.float32).numpy()
         if self._pinned is None or self._pinned.numel() != flat.numel():
             self._pinned = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
         self._pinned.copy_(flat.to(torch.float32), non_blocking=True)
