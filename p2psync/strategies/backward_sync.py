@@ -95,6 +95,9 @@ class BackwardHooks(Protocol):
     def param_sizes(self) -> list[int]:
         """Elements of each trainable parameter, in the flat vector's order."""
 
+    async def step_as_is(self) -> None:
+        """``optimizer.step()`` with ``.grad`` as it stands (a missing gradient as zeros)."""
+
 
 @dataclass(frozen=True)
 class PassResult:
