@@ -18,8 +18,10 @@ Memory: each bucket's gradient is gathered into an array of its own, which its a
 handed (``donate``: reduced in place, no second buffer); the mean that comes back is written
 into ``.grad`` and then holds the bucket's next gradient. The averager thus keeps one flat
 copy of the gradients across steps (a bucket whose allreduce failed, or whose last sends ZeroMQ
-still held, gets fresh memory), besides the pieces in flight. Tags: ``<name>.<step>.e<epoch>.p<pass>.b<bucket>`` (``pass``:
-the backward pass within the step, for gradient accumulation), the buffers under
+still held, gets fresh memory), besides the pieces in flight.
+
+Tags: ``<name>.<step>.e<epoch>.p<pass>.b<bucket>`` (``pass``: the backward pass within the
+step, for gradient accumulation), the buffers under
 ``<name>.<step>.e<epoch>.p<pass>`` (strategies/buffers.py), the stop flag under
 ``<name>.<step>.e<epoch>.bflag``.
 
