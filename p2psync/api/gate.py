@@ -109,12 +109,15 @@ class StepGate:
 
     def arrive(self, *, loss: float, samples: int, grads: Any, params_gen: int = 0) -> None:
         """The user's loop reached ``optimizer.step()``: park until the strategy releases it,
-        running its jobs meanwhile. ``grads``: a copy of the iteration's gradient."""
+        running its jobs meanwhile. ``grads``: a copy of the iteration's gradient, handed over:
+        the gate keeps no reference to it while the thread is parked, so it is freed once the
+        strategy is done with it (pass it without keeping one either)."""
         t = time.perf_counter()
         self._gen += 1
         gen = self._gen
         a = Arrival(loss=loss, samples=samples, grads=grads, compute_s=t - self._left_at, params_gen=params_gen)
         self._loop.call_soon_threadsafe(self._on_arrival, a, gen)
+        del a, grads  # the loop's now (the jobs run while parked, an optimizer step among them, need memory)
         try:
             self.serve(gen)
         except BaseException:  # interrupted while parked: the loop must not think it still is

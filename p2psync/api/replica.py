@@ -105,11 +105,12 @@ class HookedReplica:
         gradient, parked until the strategy releases it (:meth:`StepGate.arrive
         <p2psync.api.gate.StepGate.arrive>`). The one arrival path of ``Session`` and of the
         tests' training loop."""
-        grads = self.flat.grads()
-        if not all_finite(grads):
+        held = [self.flat.grads()]
+        if not all_finite(held[0]):
             return False
         self.flush_grad_ready()
-        self.gate.arrive(loss=loss, samples=samples, grads=grads, params_gen=self.params_gen)
+        # handed over, no reference kept here while parked (see StepGate.arrive)
+        self.gate.arrive(loss=loss, samples=samples, grads=held.pop(), params_gen=self.params_gen)
         return True
 
     # -- gradients averaged during backward (SSGD's sync=backward) --------------------------
@@ -160,7 +161,7 @@ class HookedReplica:
                 raise failure
             res = fut.result()
             if res is not None:
-                self.flat.set_grads(res.grads)
+                self.flat.set_grads_parts(res.grads)
                 if res.buffers is not None:
                     self.flat.write_buffers(res.buffers)
 
@@ -200,6 +201,18 @@ class HookedReplica:
             # state): its gradient belongs to no current model, the step is skipped
             self.gate.skipped += 1
         return a.loss, a.grads
+
+    async def step_as_is(self) -> None:
+        """``optimizer.step()`` with ``.grad`` as it stands (a missing gradient as zeros):
+        :meth:`apply_gradients` of the gradient the iteration arrived with, when nothing
+        changed ``.grad`` since, without that vector."""
+        def go() -> None:
+            for p in self.flat.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._step()
+            self.steps_taken += 1
+        await self.gate.run(go)
 
     def _apply(self, vec: np.ndarray) -> None:
         self.flat.set_grads(vec)

@@ -41,8 +41,8 @@ caller names the tensor whose residuals these are: ``feedback=`` a key that is t
 every operation that sends the same tensor (``("ssgd", "grad")``), whatever its tags; an
 operation without a key applies and keeps no residual.
 
-The caller's tensor is never written: the result is a new tensor. Most operations work on a
-copy of it. A lossless allreduce sum or mean of a host tensor that needs no conversion (numpy
+The caller's tensor is never written: the result is a new tensor (except for an allreduce of a
+*donated* tensor, below). Most operations work on a copy of it. A lossless allreduce sum or mean of a host tensor that needs no conversion (numpy
 or CPU torch, contiguous, not 16-bit) reads it where it stands instead: the working buffer
 starts empty, and each piece gets its first value when the first piece that arrives for it is
 added to this node's own values (or replaces them), straight into the buffer — one pass less
@@ -50,6 +50,11 @@ over the whole tensor per operation. The tensor must therefore not change until 
 returns (as with torch.distributed's asynchronous operations). A piece this node sends before
 anything arrives for it is copied from there as it is sent (a Fill), so a frame ZeroMQ still
 holds after a failed operation never views the caller's memory.
+An allreduce may instead be handed the tensor (``donate=True``: a host float array the caller
+owns, needs no conversion and never touches again, not even after a failure): it is the working
+buffer itself, reduced in place, and becomes the result once ZeroMQ let go of it, as above (else
+the result is a fresh copy) — no second buffer of the tensor's size, and the result can be donated
+again by the next operation.
 A peer that does not deliver within the timeout, or one the membership service declares dead,
 aborts the collective with :class:`~p2psync.errors.PeerFailure` naming it.
 
@@ -154,22 +159,25 @@ class Collectives:
     async def allreduce(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                         op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
                         algo: str | None = None, codec: str | None = None,
-                        feedback: Hashable | None = None) -> Any:
+                        feedback: Hashable | None = None, donate: bool = False) -> Any:
         """Sum, mean or weighted sum of ``tensor`` over ``group`` (default: every node). With
         codec ``topk[:F]`` this is the sparse allreduce of :mod:`p2psync.collectives.sparse`.
         ``feedback``: the key of this tensor's error-feedback state under a lossy codec (see the
         module docstring; None: none is applied or kept).
         :meth:`allreduce_with_stats` also returns the operation's :class:`OpStats`.
         ``tensor`` is not written, and must not change until this returns (a lossless sum or
-        mean reads it as the operation goes; see the module docstring)."""
+        mean reads it as the operation goes; see the module docstring). ``donate``: the caller
+        hands ``tensor`` over instead: the operation reduces in it and may return that very
+        memory; the caller must not read or write it afterwards, whatever the outcome (a host
+        tensor that needs a conversion is copied as usual)."""
         result, _ = await self.allreduce_with_stats(tensor, group, tag=tag, op=op, weights=weights, algo=algo,
-                                                    codec=codec, feedback=feedback)
+                                                    codec=codec, feedback=feedback, donate=donate)
         return result
 
     async def allreduce_with_stats(self, tensor: Any, group: Sequence[int] | None = None, *, tag: str,
                                    op: ReduceOp = "sum", weights: Mapping[int, float] | None = None,
                                    algo: str | None = None, codec: str | None = None,
-                                   feedback: Hashable | None = None) -> tuple[Any, OpStats]:
+                                   feedback: Hashable | None = None, donate: bool = False) -> tuple[Any, OpStats]:
         """:meth:`allreduce` and the stats of this very operation (bytes per NIC, compression,
         seconds), without looking them up in :attr:`history` by tag."""
         if op not in get_args(ReduceOp):
@@ -181,9 +189,11 @@ class Collectives:
                               "(use op='sum', or convert to float)")
         c = get_codec(codec or self.codec)
         # a lossless sum or mean reads the caller's tensor where it stands: each piece goes
-        # into the working buffer with the first piece added to it (see the module docstring)
-        src = flat if view and op != "weighted" and not c.lossy and len(g) > 1 else None
-        buf = np.empty_like(flat) if src is not None else flat.copy() if view else flat
+        # into the working buffer with the first piece added to it (see the module docstring);
+        # a donated tensor is the working buffer itself (not for topk: its residual keeps the buffer)
+        donated = donate and not isinstance(c, TopK)
+        src = flat if view and not donated and op != "weighted" and not c.lossy and len(g) > 1 else None
+        buf = np.empty_like(flat) if src is not None else flat.copy() if view and not donated else flat
         alone = refs(buf)  # no view of the working buffer exists yet
         if op == "weighted":
             if weights is None or set(weights) != set(g):

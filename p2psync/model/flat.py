@@ -70,9 +70,11 @@ class FlatModel:
         return out
 
     def _to_host(self, flat: torch.Tensor) -> np.ndarray:
+        """``flat`` as a host float32 array. ``flat``: a tensor nothing else holds (a fresh
+        concatenation): off a GPU the array takes its memory instead of copying it."""
         flat = flat.detach()
         if flat.device.type != "cuda":
-            return flat.to("cpu", torch.float32).numpy().copy()
+            return flat.to("cpu", torch.float32).numpy()
         if self._pinned is None or self._pinned.numel() != flat.numel():
             self._pinned = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
         self._pinned.copy_(flat.to(torch.float32), non_blocking=True)
@@ -117,6 +119,22 @@ class FlatModel:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
+
+    def set_grads_parts(self, parts: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Copy each ``(offset, values)`` of ``parts`` into the ``.grad`` of the parameters it
+        covers in the flat vector (whole parameters, ValueError otherwise): :meth:`set_grads`
+        of the parts together, without a vector of the whole model. Gradients outside the
+        parts are left alone."""
+        for lo, vec in parts:
+            src = self._to_device(vec.reshape(-1))
+            for p, a, b, at in self._slices([(lo, lo + vec.size)]):
+                if a != 0 or b != p.numel():
+                    raise ValueError(f"gradient part at {lo} ({vec.size} elements) splits a parameter")
+                g = src[at:at + b - a].view_as(p).to(p.device, p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
 
     def get_params(self) -> np.ndarray:
         """A host copy of the trainable parameters as one float32 vector."""

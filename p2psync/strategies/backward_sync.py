@@ -12,8 +12,16 @@ Buckets: the flat gradient is cut into contiguous ranges of whole parameters, fr
 parameter to the first (the order backward produces them), of about ``bucket_bytes`` each
 (the first one a quarter of that, so communication starts early). A bucket's allreduce starts
 as soon as its last parameter's gradient is in and the step is *armed*; the pass ends when
-every bucket's mean is back. Tags: ``<name>.<step>.e<epoch>.p<pass>.b<bucket>`` (``pass``:
-the backward pass within the step, for gradient accumulation), the buffers under
+every bucket's mean is back.
+
+Memory: each bucket's gradient is gathered into an array of its own, which its allreduce is
+handed (``donate``: reduced in place, no second buffer); the mean that comes back is written
+into ``.grad`` and then holds the bucket's next gradient. The averager thus keeps one flat
+copy of the gradients across steps (a bucket whose allreduce failed, or whose last sends ZeroMQ
+still held, gets fresh memory), besides the pieces in flight.
+
+Tags: ``<name>.<step>.e<epoch>.p<pass>.b<bucket>`` (``pass``: the backward pass within the
+step, for gradient accumulation), the buffers under
 ``<name>.<step>.e<epoch>.p<pass>`` (strategies/buffers.py), the stop flag under
 ``<name>.<step>.e<epoch>.bflag``.
 
@@ -89,14 +97,18 @@ class BackwardHooks(Protocol):
     def param_sizes(self) -> list[int]:
         """Elements of each trainable parameter, in the flat vector's order."""
 
+    async def step_as_is(self) -> None:
+        """``optimizer.step()`` with ``.grad`` as it stands (a missing gradient as zeros)."""
+
 
 @dataclass(frozen=True)
 class PassResult:
-    """What backward writes back: the group's mean gradient and the buffers to take (None:
-    leave them)."""
+    """What backward writes back: the group's mean gradient, bucket by bucket, and the buffers
+    to take (None: leave them)."""
 
-    #: valid until the next pass ends (the replica copies it into ``.grad`` at once)
-    grads: np.ndarray
+    #: (offset in the flat vector, the mean there) per bucket, whole parameters each; valid
+    #: until the next pass begins (the replica copies them into ``.grad`` at once)
+    grads: list[tuple[int, np.ndarray]]
     buffers: Buffers | None
 
 
@@ -132,10 +144,11 @@ class _Armed:
 class _Pass:
     """One backward pass's gradient as it comes in."""
 
-    def __init__(self, pass_id: int, gen: int, flat: np.ndarray, left: list[int]) -> None:
+    def __init__(self, pass_id: int, gen: int, parts: list[np.ndarray | None], left: list[int]) -> None:
         self.pass_id = pass_id
         self.gen = gen
-        self.flat = flat
+        #: per bucket: the array its gradients are gathered into (None once handed to its allreduce)
+        self.parts = parts
         self.left = left  # per bucket: gradients still to come (each hook fires once a pass)
         self.k: int | None = None  # the pass's number within its step, once bound to one
         self.started: dict[int, asyncio.Future[Any]] = {}
@@ -157,10 +170,10 @@ class BackwardAverager:
             for i in range(lo, hi):
                 self.bucket_of[i] = j
         self.buffer_mode: BufferMode = ctx.buffers
-        # one pass at a time (backward waits for its end): its gradient and its mean reuse these
-        # (fresh memory every step would page-fault its way through the whole vector)
-        self._flat = np.empty(self.numel, np.float32)
-        self._mean = np.empty(self.numel, np.float32)
+        # per bucket, between passes: the array the next pass gathers that bucket's gradients
+        # into (the last mean; None: fresh memory). One pass at a time (backward waits for its
+        # end); fresh memory every step would page-fault its way through the whole vector
+        self._store: list[np.ndarray | None] = [None] * len(self.buckets)
         self._armed: _Armed | None = None
         self._arm_event = asyncio.Event()
         self._pass: _Pass | None = None
@@ -174,7 +187,11 @@ class BackwardAverager:
     def pass_begin(self, pass_id: int, gen: int) -> None:
         """Backward pass ``pass_id`` began, on parameter generation ``gen`` (the replica's
         count of replaced parameters): the gradients that follow are its."""
-        self._pass = _Pass(pass_id, gen, self._flat, [hi - lo for lo, hi in self.buckets])
+        parts: list[np.ndarray | None] = []
+        for j, (lo, hi) in enumerate(self.buckets):
+            a, self._store[j] = self._store[j], None
+            parts.append(a if a is not None else np.empty(self.offsets[hi] - self.offsets[lo], np.float32))
+        self._pass = _Pass(pass_id, gen, parts, [hi - lo for lo, hi in self.buckets])
 
     def on_grad(self, index: int, offset: int, grad: np.ndarray) -> None:
         """Parameter ``index`` (at ``offset`` in the flat vector) of the current pass has its
@@ -182,9 +199,8 @@ class BackwardAverager:
         p = self._pass
         if p is None:  # a pass that began before the averager existed: it stays local
             return
-        lo = offset
-        p.flat[lo:lo + grad.size] = grad
         j = self.bucket_of[index]
+        self._put(p, j, offset, grad)
         p.left[j] -= 1
         if self._bound(p) and self._complete(p, j):
             self._start(p, j)
@@ -198,14 +214,17 @@ class BackwardAverager:
         if p is None or p.pass_id != pass_id:
             return None
         for index, grad in rest:
-            lo = self.offsets[index]
-            p.flat[lo:lo + grad.size] = grad
-            p.left[self.bucket_of[index]] -= 1
+            j = self.bucket_of[index]
+            self._put(p, j, self.offsets[index], grad)
+            p.left[j] -= 1
         try:
             return await self._average(p, buffers)
         finally:
             if self._pass is p:
                 self._pass = None
+            for j, a in enumerate(p.parts):  # never handed over: the next pass gathers into them
+                if a is not None and self._store[j] is None:
+                    self._store[j] = a
 
     async def _average(self, p: _Pass, buffers: Buffers | None) -> PassResult | None:
         if not await self._wait_armed(p):
@@ -238,15 +257,15 @@ class BackwardAverager:
             log.info("node %d: %s step %d pass %s: backward averaging failed (%s)", self.ctx.node_id,
                      self.name, armed.step, p.k, why)
             return None
-        mean = self._mean
-        for j, t in p.started.items():
-            lo, hi = self.buckets[j]
-            part, st = t.result()
-            mean[self.offsets[lo]:self.offsets[hi]] = part
+        means: list[tuple[int, np.ndarray]] = []
+        for j in sorted(p.started):
+            part, st = p.started[j].result()
+            means.append((self.offsets[self.buckets[j][0]], part))
+            self._store[j] = part  # ours alone (see the module docstring): the next pass gathers into it
             armed.stats.append(st)
         armed.passes += 1
         armed.comm_s += clock.now() - t0
-        return PassResult(grads=mean, buffers=bufs.result() if bufs is not None else None)
+        return PassResult(grads=means, buffers=bufs.result() if bufs is not None else None)
 
     # -- strategy side ---------------------------------------------------------------------
 
@@ -343,6 +362,16 @@ class BackwardAverager:
             armed.bound += 1
         return True
 
+    def _put(self, p: _Pass, j: int, offset: int, grad: np.ndarray) -> None:
+        """Write a parameter's gradient (at ``offset`` in the flat vector) into bucket ``j``'s array."""
+        part = p.parts[j]
+        if part is None:  # (hooks fire once a pass, before its end: not expected)
+            log.error("node %d: %s: a gradient arrived for bucket %d after its allreduce started; ignored",
+                      self.ctx.node_id, self.name, j)
+            return
+        lo = offset - self.offsets[self.buckets[j][0]]
+        part[lo:lo + grad.size] = grad
+
     def _complete(self, p: _Pass, j: int) -> bool:
         return j not in p.started and p.left[j] == 0
 
@@ -350,11 +379,10 @@ class BackwardAverager:
         armed = self._armed
         if armed is None:
             return
-        lo, hi = self.buckets[j]
-        part = p.flat[self.offsets[lo]:self.offsets[hi]]
+        part, p.parts[j] = p.parts[j], None  # handed over: reduced in place (see the module docstring)
         p.started[j] = asyncio.ensure_future(self.ctx.collectives.allreduce_with_stats(
             part, armed.view.members, op="mean", tag=armed.op(self.name).sub(f"p{p.k}.b{j}"),
-            feedback=(self.name, "bucket", p.k, j)))
+            feedback=(self.name, "bucket", p.k, j), donate=True))
 
     async def _wait_armed(self, p: _Pass) -> bool:
         """Wait (bounded) until a step is armed and ``p`` is bound to it."""

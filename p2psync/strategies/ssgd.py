@@ -92,6 +92,7 @@ class SSGD(Strategy):
         #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
         self.failure = self.regroup.failure
         self.backward: BackwardAverager | None = None
+        self._hooks: BackwardHooks | None = None  # the replica, when it averages during backward
         self._warned_redo = False
 
     async def start(self) -> None:
@@ -102,6 +103,7 @@ class SSGD(Strategy):
             self.backward = BackwardAverager(ctx=self.ctx, name="ssgd", bucket_bytes=self.opts.bucket_kib * 1024,
                                              sizes=replica.param_sizes())
             await replica.enable_backward_sync(self.backward)
+            self._hooks = replica
 
     def on_peer_failure(self, peer: int) -> None:
         self.regroup.on_peer_failure(peer)
@@ -127,8 +129,11 @@ class SSGD(Strategy):
         failed_at: float | None = None
         if bw is not None and armed:
             done = await bw.outcome(step)
-            if done is not None:  # averaged during backward: step with .grad as the user left it
-                await self.ctx.replica.apply_gradients(grad)
+            if done is not None and self._hooks is not None:
+                # averaged during backward: step with .grad as the user left it (what ``grad``
+                # holds too: freed first, the optimizer's step needs the memory)
+                del grad
+                await self._hooks.step_as_is()
                 return StepReport(loss=loss, stop=done.stop, comm_s=clock.now() - t0 + done.comm_s,
                                   extra={"compression": round(done.compression, 3), "op_nic_bytes": done.nic_bytes,
                                          "members": len(self.ctx.group), "reforms": self.regroup.reformations,

@@ -125,3 +125,24 @@ async def test_the_other_inputs_still_work_on_a_copy(monkeypatch, kind, in_place
         now = xs[i].float().numpy() if isinstance(xs[i], torch.Tensor) else np.asarray(xs[i])
         assert np.array_equal(now, before[i])  # the input is untouched
     assert (reads["mine"] > 0) == in_place
+
+
+@pytest.mark.parametrize("topo", list(TOPOS))
+@pytest.mark.parametrize("codec", ["none", "fp16", "topk:0.1"])
+async def test_a_donated_tensor_is_reduced_in_place_to_the_same_result(topo, codec):
+    """``donate=True``: the working buffer is the caller's array itself (no second buffer), the
+    result is bitwise what the plain operation gives, and when ZeroMQ holds none of its frames
+    (the in-memory transport) it is that very memory; topk (its residual keeps the buffer)
+    works on a copy."""
+    t = TOPOS[topo]()
+    base = _inputs(t.ids)
+    async with memory_collectives(t, piece_bytes=4096, error_feedback=True) as cs:
+        plain = await asyncio.gather(*(cs[i].allreduce(base[i], tag="p", op="mean", codec=codec,
+                                                       feedback="x") for i in t.ids))
+    async with memory_collectives(t, piece_bytes=4096, error_feedback=True) as cs:
+        mine = {i: np.array(x) for i, x in base.items()}
+        donated = await asyncio.gather(*(cs[i].allreduce(mine[i], tag="d", op="mean", codec=codec, feedback="x",
+                                                         donate=True) for i in t.ids))
+    for i, p, d in zip(t.ids, plain, donated):
+        assert p.tobytes() == d.tobytes()
+        assert np.shares_memory(d, mine[i]) == (codec != "topk:0.1")

@@ -73,3 +73,25 @@ def test_parameter_ranges_read_and_write_what_the_whole_vector_holds_there():
             pass
         else:
             raise AssertionError(bad)
+
+
+def test_gradient_parts_write_whole_parameters_as_the_whole_vector_does():
+    """``set_grads_parts``: each (offset, values) lands in the ``.grad`` of the parameters it
+    covers, as ``set_grads`` of the concatenation would; a part that splits a parameter is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 12 + 4 + 8 + 2 = 26
+    f = FlatModel(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    f.model(torch.ones(2, 3)).sum().backward()
+    new = np.arange(26, dtype=np.float32) - 9
+    f.set_grads_parts([(16, new[16:26].copy()), (0, new[:16].copy())])
+    assert f.grads().tobytes() == new.tobytes()
+    for p in model.parameters():
+        p.grad = None
+    f.set_grads_parts([(12, new[12:16].copy())])  # missing gradients are made, the rest stay missing
+    assert [p.grad is None for p in model.parameters()] == [True, False, True, True]
+    try:
+        f.set_grads_parts([(10, new[10:16].copy())])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a part splitting a parameter was taken")

@@ -305,3 +305,35 @@ def test_serving_until_a_condition_wakes_on_a_nudge_and_a_timeout_bounds_it() ->
         assert 0.15 <= time.monotonic() - t0 < 5
     finally:
         lp.close()
+
+
+def test_the_arrival_gradient_is_freed_while_the_thread_is_parked() -> None:
+    """Neither the replica's arrival nor the gate keeps the gradient copy while the training
+    thread is parked: once the strategy drops it, it is freed before the jobs it runs next (an
+    optimizer step that allocates) and before the thread leaves."""
+    import gc
+    import weakref
+
+    lp, model, opt, flat, replica, user_step = _setup()
+
+    async def strategy() -> bool:
+        _, g = await replica.compute_gradients()
+        ref = weakref.ref(g)
+        del g
+        gc.collect()
+        await replica.step_as_is()  # a job on the parked thread
+        freed = ref() is None
+        lp.gate.release()
+        return freed
+
+    try:
+        before = flat.get_params()
+        fut = lp.spawn(strategy())
+        _backward(model)
+        grads = flat.grads()
+        assert replica.arrive(loss=1.0, samples=4)
+        assert fut.result(5)
+        np.testing.assert_allclose(flat.get_params(), before - 0.1 * grads, atol=1e-6)  # .grad, as it stood
+        assert replica.steps_taken == 1
+    finally:
+        lp.close()
