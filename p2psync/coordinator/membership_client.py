@@ -6,6 +6,17 @@ RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeo
 views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
 transport, marks removed members dead and calls ``listeners`` once per failed peer.
 
+Routes around a suspicion. A peer this node judged failed itself (its detector, a successor
+passed over, a member's report of deposed coordinators) is marked dead in its transport, so
+that its messages route around it; a view that still names it is the only other thing that
+routes through it again. A message that arrives from such a peer, or through it, after it was
+marked is proof that it lives and relays (:func:`heard_again`): while it is a member of this
+node's view it is routed through again, though still counted failed (only a view decides about
+membership). Without that a node that suspected the other side of a partition that healed
+could reach it only through a view, and when no view could be made (each side's candidate
+unable to reach the voters it marked dead, the coordinator short of the majority those
+voters would complete) the run stayed split for good.
+
 Coordinator failover (decisions in :mod:`p2psync.coordinator.takeover`,
 hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
 the coordinator, the client deposes it, reports it failed to its listeners, fails its RPCs in
@@ -40,9 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
@@ -66,6 +78,19 @@ DISCOVER_RETRY_S = 1.5
 PROBE_EVERY_S = 1.0
 
 
+def heard_again(marked: Mapping[int, float], arrivals: Mapping[int, float], members: Collection[int],
+                dead: Collection[int]) -> list[int]:
+    """The peers to route through again (see the module docstring). Pure.
+
+    ``marked``: peer -> when this node marked it dead on its own judgement; ``arrivals``: peer ->
+    when a message last arrived from it or through it (``Transport.last_arrival``); ``members``:
+    the members of this node's view; ``dead``: the peers marked dead now. A peer is heard again
+    when it is still marked dead, is a member, and a message arrived from or through it after
+    it was marked (a message at the same instant may have been sent before)."""
+    return sorted(n for n, at in marked.items()
+                  if n in dead and n in members and arrivals.get(n, -math.inf) > at)
+
+
 class MembershipClient:
     """Every node: register, heartbeat, follow views and the coordinator they name, learn of
     failures, finish barrier."""
@@ -81,6 +106,10 @@ class MembershipClient:
         self.interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.failed: set[int] = set()
+        #: failed peers this node marked dead on its own judgement -> when (:func:`heard_again`)
+        self._marked_at: dict[int, float] = {}
+        #: failed peers routed through again since (a view removing one marks it dead again)
+        self._rerouted: set[int] = set()
         #: peers that finished and left the run gracefully
         self.departed: set[int] = set()
         #: called once per failed peer (strategies' on_peer_failure)
@@ -274,17 +303,43 @@ class MembershipClient:
 
     def _declare(self, peers: Sequence[int]) -> None:
         for p in peers:
-            if p in self.failed or p == self.transport.node_id:
+            if p == self.transport.node_id:
+                continue
+            if p in self.failed:
+                if p in self._rerouted:  # heard again, now removed by a view (or judged again)
+                    self._rerouted.discard(p)
+                    self._mark(p)
                 continue
             if p in self.departed:  # it finished and left (a coordinator exits after that)
                 self.transport.mark_dead(p)
                 continue
             self.failed.add(p)
             if p != self.coordinator:
-                self.transport.mark_dead(p)
+                self._mark(p)
             log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, clock.wall())
             for cb in list(self.listeners):
                 cb(p)
+
+    def _mark(self, peer: int) -> None:
+        """Route around ``peer``, judged failed here (see :func:`heard_again`)."""
+        self.transport.mark_dead(peer)
+        self._marked_at[peer] = clock.now()
+
+    def _reroute(self) -> None:
+        """Route again through the failed peers heard since this node marked them dead, while
+        they are members of its view (:func:`heard_again`)."""
+        view = self.view
+        for n in list(self._marked_at):
+            if n not in self.transport.dead:
+                del self._marked_at[n]  # routed through again already (a view, a restart)
+        if view is None or not self._marked_at:
+            return
+        for n in heard_again(self._marked_at, self.transport.last_arrival, view.members, self.transport.dead):
+            del self._marked_at[n]
+            self._rerouted.add(n)
+            self.transport.revive(n)
+            log.warning("node %d: node %d, judged failed here, was heard again: routed through again",
+                        self.transport.node_id, n)
 
     def _offence(self, peer: int, reason: str) -> None:
         """A member sent this node a value it rejected (transport): report it to the coordinator
@@ -366,6 +421,8 @@ class MembershipClient:
         for n in sorted(set(change.joined) | renewed | dead_members):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
+            self._rerouted.discard(n)
+            self._marked_at.pop(n, None)
             self.departed.discard(n)
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
@@ -620,6 +677,7 @@ class MembershipClient:
             await asyncio.sleep(self.interval)
             stall = stalls.tick(clock.now())
             self.detector.pause(stall)
+            self._reroute()
             was, cpu = cpu, clock.cpu()
             self._after_stop(stall, cpu - was, clock.now())
             now = clock.now()
