@@ -52,7 +52,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
 from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest, holds_majority
-from p2psync.coordinator.takeover import silent_ahead
+from p2psync.coordinator.takeover import probe_next, silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View, news_for
@@ -487,32 +487,49 @@ class CoordinatorHost:
             return False
         return True
 
+    def probe_wait(self) -> float:
+        """How long the probes of a batch of successors go unanswered before the next batch
+        goes out (:func:`probe_next`): twice the longest round trip this node measured (half a
+        heartbeat interval while it measured none)."""
+        rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
+        return 2 * max(rtts) if rtts else self.heartbeat_interval / 2
+
     async def _probe_line(self) -> None:
         """This node follows a successor that is not elected yet: ask it and the successors
-        after it (:meth:`Succession.line`) whether they live, all at once (in batches of
-        :data:`PROBE_BATCH`, doubling), and depose each that does not answer within
-        :meth:`probe_time` while it is the one followed (:func:`silent_ahead`), so that the
-        node reaches the lowest live one in about one probe time, not one detection time per
-        successor (see :mod:`p2psync.coordinator.takeover`). Ends once the successor followed
-        answered, or the node follows itself, an elected coordinator or nobody of the line."""
+        after it (:meth:`Succession.line`) whether they live, in batches (:data:`PROBE_BATCH`
+        first, then twice as many each time), the next batch as soon as the ones out have had
+        :meth:`probe_wait` and none answered (:func:`probe_next`), and depose each that does
+        not answer within :meth:`probe_time` while it is the one followed
+        (:func:`silent_ahead`), so that the node reaches the lowest live one in about one
+        probe time, not one detection time per successor nor one probe time per batch (see
+        :mod:`p2psync.coordinator.takeover`). Ends once the successor followed answered, or
+        the node follows itself, an elected coordinator or nobody of the line."""
         m = self.membership
         line = m.succession.line(m.view)
-        timeout = self.probe_time()
+        timeout, wait = self.probe_time(), self.probe_wait()
         probes: dict[int, asyncio.Task[bool]] = {}
+        sent: dict[int, float] = {}
         asked = TaskSet("succession-probes", isolated=True)
         batch = PROBE_BATCH
         try:
             while m.fenced is None and m.coordinator in line and m.coordinator != self.me \
                     and (m.view is None or m.view.coordinator != m.coordinator):
                 c = m.coordinator
-                if c not in probes:
-                    for n in line[line.index(c):line.index(c) + batch]:
-                        if n not in probes:
-                            probes[n] = asked.spawn(self._alive(n, timeout), name=f"probe-{n}")
+                ahead = line[line.index(c):]
+                answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
+                now = clock.now()
+                more = probe_next(ahead, sent, answered, now=now, wait=wait, batch=batch)
+                for n in more:
+                    sent[n] = now
+                    probes[n] = asked.spawn(self._alive(n, timeout), name=f"probe-{n}")
+                if more:
                     batch *= 2
-                await asyncio.wait([probes[c]])
-                if m.coordinator != c:
-                    continue  # moved on meanwhile (a view, the detector): judge the one followed now
+                # wake when the one followed is judged, or when the next batch may be due
+                due = None if all(n in sent for n in ahead) or any(answered.values()) \
+                    else max(0.0, max(sent.values()) + wait - now)
+                await asyncio.wait([probes[c]], timeout=due)
+                if m.coordinator != c or not probes[c].done():
+                    continue  # moved on meanwhile (a view, the detector), or a batch is due
                 answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
                 silent = silent_ahead(line[line.index(c):], answered)
                 if not silent:
