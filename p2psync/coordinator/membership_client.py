@@ -11,8 +11,9 @@ passed over, a member's report of deposed coordinators) is marked dead in its tr
 that its messages route around it; a view that still names it is the only other thing that
 routes through it again. A message that arrives from such a peer, or through it, after it was
 marked is proof that it lives and relays (:func:`heard_again`): while it is a member of this
-node's view it is routed through again, though still counted failed (only a view decides about
-membership). Without that a node that suspected the other side of a partition that healed
+node's view it is routed through again and no longer counted failed here (its heartbeats stop
+reporting it to the coordinator, a candidate that wins keeps it, and a later failure of it is
+declared again); whether it stays a member is the coordinator's decision. Without that a node that suspected the other side of a partition that healed
 could reach it only through a view, and when no view could be made (each side's candidate
 unable to reach the voters it marked dead, the coordinator short of the majority those
 voters would complete) the run stayed split for good.
@@ -108,8 +109,6 @@ class MembershipClient:
         self.failed: set[int] = set()
         #: failed peers this node marked dead on its own judgement -> when (:func:`heard_again`)
         self._marked_at: dict[int, float] = {}
-        #: failed peers routed through again since (a view removing one marks it dead again)
-        self._rerouted: set[int] = set()
         #: peers that finished and left the run gracefully
         self.departed: set[int] = set()
         #: called once per failed peer (strategies' on_peer_failure)
@@ -303,12 +302,7 @@ class MembershipClient:
 
     def _declare(self, peers: Sequence[int]) -> None:
         for p in peers:
-            if p == self.transport.node_id:
-                continue
-            if p in self.failed:
-                if p in self._rerouted:  # heard again, now removed by a view (or judged again)
-                    self._rerouted.discard(p)
-                    self._mark(p)
+            if p in self.failed or p == self.transport.node_id:
                 continue
             if p in self.departed:  # it finished and left (a coordinator exits after that)
                 self.transport.mark_dead(p)
@@ -327,7 +321,7 @@ class MembershipClient:
 
     def _reroute(self) -> None:
         """Route again through the failed peers heard since this node marked them dead, while
-        they are members of its view (:func:`heard_again`)."""
+        they are members of its view, and count them failed no more (:func:`heard_again`)."""
         view = self.view
         for n in list(self._marked_at):
             if n not in self.transport.dead:
@@ -336,7 +330,7 @@ class MembershipClient:
             return
         for n in heard_again(self._marked_at, self.transport.last_arrival, view.members, self.transport.dead):
             del self._marked_at[n]
-            self._rerouted.add(n)
+            self.failed.discard(n)
             self.transport.revive(n)
             log.warning("node %d: node %d, judged failed here, was heard again: routed through again",
                         self.transport.node_id, n)
@@ -421,7 +415,6 @@ class MembershipClient:
         for n in sorted(set(change.joined) | renewed | dead_members):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
-            self._rerouted.discard(n)
             self._marked_at.pop(n, None)
             self.departed.discard(n)
             # its new life may coordinate again: every node must agree on the successor (a
