@@ -13,7 +13,9 @@ routes through it again. A message that arrives from such a peer, or through it,
 marked is proof that it lives and relays (:func:`heard_again`): while it is a member of this
 node's view it is routed through again and no longer counted failed here (its heartbeats stop
 reporting it to the coordinator, a candidate that wins keeps it, and a later failure of it is
-declared again); whether it stays a member is the coordinator's decision. Without that a node that suspected the other side of a partition that healed
+declared again); whether it stays a member is the coordinator's decision, and the next view
+that names it makes it a possible successor again (no longer deposed here), as it does for
+every member this node counted failed. Without that a node that suspected the other side of a partition that healed
 could reach it only through a view, and when no view could be made (each side's candidate
 unable to reach the voters it marked dead, the coordinator short of the majority those
 voters would complete) the run stayed split for good.
@@ -109,6 +111,8 @@ class MembershipClient:
         self.failed: set[int] = set()
         #: failed peers this node marked dead on its own judgement -> when (:func:`heard_again`)
         self._marked_at: dict[int, float] = {}
+        #: peers heard again since (:meth:`_reroute`), until a view names them or removes them
+        self._rerouted: set[int] = set()
         #: peers that finished and left the run gracefully
         self.departed: set[int] = set()
         #: called once per failed peer (strategies' on_peer_failure)
@@ -304,6 +308,7 @@ class MembershipClient:
         for p in peers:
             if p in self.failed or p == self.transport.node_id:
                 continue
+            self._rerouted.discard(p)
             if p in self.departed:  # it finished and left (a coordinator exits after that)
                 self.transport.mark_dead(p)
                 continue
@@ -331,6 +336,7 @@ class MembershipClient:
         for n in heard_again(self._marked_at, self.transport.last_arrival, view.members, self.transport.dead):
             del self._marked_at[n]
             self.failed.discard(n)
+            self._rerouted.add(n)
             self.transport.revive(n)
             log.warning("node %d: node %d, judged failed here, was heard again: routed through again",
                         self.transport.node_id, n)
@@ -410,12 +416,15 @@ class MembershipClient:
             if n != me:
                 known[n] = inc
         # every member is alive to the coordinator that names it (a deposed coordinator that
-        # voted in its successor's election stays a member)
-        dead_members = {n for n in view.members if n in self.transport.dead or n in self.failed}
+        # voted in its successor's election stays a member), and so is one judged failed here
+        # and heard again since: deposed no more, like the others
+        dead_members = {n for n in view.members
+                        if n in self.transport.dead or n in self.failed or n in self._rerouted}
         for n in sorted(set(change.joined) | renewed | dead_members):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
             self._marked_at.pop(n, None)
+            self._rerouted.discard(n)
             self.departed.discard(n)
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
