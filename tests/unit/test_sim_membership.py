@@ -313,7 +313,8 @@ def test_a_healed_three_way_split_of_a_ring_ends_in_one_view() -> None:
     # reached 0 and 1, marked dead, nor could 7 and 8 answer it through 2-6; node 0 heard of
     # term 3 but never held the majority that 2-8 would complete. Split for good: node 0's
     # later pause was never declared, and the end held a view of 14 members with 8 alive. A
-    # peer judged failed and heard from again is routed through again while a member.
+    # peer judged failed and heard from again is routed through again while a member (and no
+    # longer counted failed): node 0 is re-elected above term 3, and node 1 replaces it.
     # (Chaos seed 9015: p2psync sim ring:16 --seed 9015 --faults 'partition:9-10|0-8.11-15@10.111+3.683,
     # partition:2-6|0-1.7-15@20.574+7.115,pause:0@40.197+4.35' --virtual-seconds 60)
     s, _ = simulate(ring(16), "partition:9-10|0-8.11-15@10.111+3.683,partition:2-6|0-1.7-15@20.574+7.115,"
@@ -332,7 +333,7 @@ def test_a_coordinator_cut_off_with_more_successors_than_one_probe_batch_is_repl
     # off: the successors 1..12 are silent, more than the first batch of probes (8). The next
     # batch went out only once the first was passed over (one probe time each): node 0 was
     # declared after 3.45 s (bound 3.23 s). It now goes out once the first had two round
-    # trips to answer. (Chaos seed 9032: p2psync sim ring:32 --seed 9032 --faults
+    # trips to answer, and both are judged at the end of the first one's probe time. (Chaos seed 9032: p2psync sim ring:32 --seed 9032 --faults
     # 'partition:28-30|0-27.31@10.067+9.775,partition:3-12|0-2.13-31@26.678+7.425,kill:1@43.129'
     # --virtual-seconds 60)
     s, _ = simulate(ring(32), "partition:28-30|0-27.31@10.067+9.775,partition:3-12|0-2.13-31@26.678+7.425", 42.0)
