@@ -52,7 +52,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.coordinator.membership import MembershipService, MembershipState
 from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest, holds_majority
-from p2psync.coordinator.takeover import silent_ahead
+from p2psync.coordinator.takeover import probe_next, probe_until, silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View, news_for
@@ -487,32 +487,61 @@ class CoordinatorHost:
             return False
         return True
 
+    def probe_wait(self) -> float:
+        """How long the probes of a batch of successors go unanswered before the next batch
+        goes out (:func:`probe_next`): twice the longest round trip this node measured, and at
+        least a quarter of a heartbeat interval (a round trip it did not measure, such as one
+        the long way round a ring missing a node, must not make it ask every successor at
+        once: the batches within one probe time reach about a hundred)."""
+        rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
+        return max(2 * max(rtts, default=0.0), self.heartbeat_interval / 4)
+
     async def _probe_line(self) -> None:
         """This node follows a successor that is not elected yet: ask it and the successors
-        after it (:meth:`Succession.line`) whether they live, all at once (in batches of
-        :data:`PROBE_BATCH`, doubling), and depose each that does not answer within
-        :meth:`probe_time` while it is the one followed (:func:`silent_ahead`), so that the
-        node reaches the lowest live one in about one probe time, not one detection time per
-        successor (see :mod:`p2psync.coordinator.takeover`). Ends once the successor followed
-        answered, or the node follows itself, an elected coordinator or nobody of the line."""
+        after it (:meth:`Succession.line`) whether they live, in batches (:data:`PROBE_BATCH`
+        first, then twice as many each time), the next batch as soon as the ones out have had
+        :meth:`probe_wait` and none answered (:func:`probe_next`), each ending with the batches
+        before it when that leaves it :meth:`probe_wait` (:func:`probe_until`), and depose each
+        that does not answer within its probe (:meth:`probe_time` from the first batch) while it
+        is the one followed (:func:`silent_ahead`), so that the node reaches the lowest live one in about one
+        probe time, not one detection time per successor nor one probe time per batch (see
+        :mod:`p2psync.coordinator.takeover`). Ends once the successor followed answered, or
+        the node follows itself, an elected coordinator or nobody of the line."""
         m = self.membership
         line = m.succession.line(m.view)
-        timeout = self.probe_time()
+        timeout, wait = self.probe_time(), self.probe_wait()
         probes: dict[int, asyncio.Task[bool]] = {}
+        sent: dict[int, float] = {}
+        until: float | None = None  # when the probes of the latest batch end
+        ends: dict[int, float] = {}  # node -> when its probe ends
         asked = TaskSet("succession-probes", isolated=True)
         batch = PROBE_BATCH
         try:
             while m.fenced is None and m.coordinator in line and m.coordinator != self.me \
                     and (m.view is None or m.view.coordinator != m.coordinator):
                 c = m.coordinator
-                if c not in probes:
-                    for n in line[line.index(c):line.index(c) + batch]:
-                        if n not in probes:
-                            probes[n] = asked.spawn(self._alive(n, timeout), name=f"probe-{n}")
+                ahead = line[line.index(c):]
+                answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
+                now = clock.now()
+                more = probe_next(ahead, sent, answered, now=now, wait=wait, batch=batch)
+                if more:
+                    until = probe_until(until, now=now, wait=wait, probe_time=timeout)
                     batch *= 2
-                await asyncio.wait([probes[c]])
+                    for n in more:
+                        sent[n], ends[n] = now, until
+                        probes[n] = asked.spawn(self._alive(n, until - now), name=f"probe-{n}")
+                # wake when the one followed is judged, or when the next batch may be due
+                due = None if all(n in sent for n in ahead) or any(answered.values()) \
+                    else max(0.0, max(sent.values()) + wait - now)
+                await asyncio.wait([probes[c]], timeout=due)
+                if m.coordinator != c or not probes[c].done():
+                    continue  # moved on meanwhile (a view, the detector), or a batch is due
+                # the probes that end with this one (later batches): judged together with it
+                together = [t for n, t in probes.items() if ends[n] <= ends[c] and not t.done()]
+                if together:
+                    await asyncio.wait(together)
                 if m.coordinator != c:
-                    continue  # moved on meanwhile (a view, the detector): judge the one followed now
+                    continue
                 answered = {n: t.result() for n, t in probes.items() if t.done() and not t.cancelled()}
                 silent = silent_ahead(line[line.index(c):], answered)
                 if not silent:

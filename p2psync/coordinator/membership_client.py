@@ -6,6 +6,20 @@ RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeo
 views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
 transport, marks removed members dead and calls ``listeners`` once per failed peer.
 
+Routes around a suspicion. A peer this node judged failed itself (its detector, a successor
+passed over, a member's report of deposed coordinators) is marked dead in its transport, so
+that its messages route around it; a view that still names it is the only other thing that
+routes through it again. A message that arrives from such a peer, or through it, after it was
+marked is proof that it lives and relays (:func:`heard_again`): while it is a member of this
+node's view it is routed through again and no longer counted failed here (its heartbeats stop
+reporting it to the coordinator, a candidate that wins keeps it, and a later failure of it is
+declared again); whether it stays a member is the coordinator's decision, and the next view
+that names it makes it a possible successor again (no longer deposed here), as it does for
+every member this node counted failed. Without that a node that suspected the other side of a partition that healed
+could reach it only through a view, and when no view could be made (each side's candidate
+unable to reach the voters it marked dead, the coordinator short of the majority those
+voters would complete) the run stayed split for good.
+
 Coordinator failover (decisions in :mod:`p2psync.coordinator.takeover`,
 hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
 the coordinator, the client deposes it, reports it failed to its listeners, fails its RPCs in
@@ -40,9 +54,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
@@ -66,6 +81,19 @@ DISCOVER_RETRY_S = 1.5
 PROBE_EVERY_S = 1.0
 
 
+def heard_again(marked: Mapping[int, float], arrivals: Mapping[int, float], members: Collection[int],
+                dead: Collection[int]) -> list[int]:
+    """The peers to route through again (see the module docstring). Pure.
+
+    ``marked``: peer -> when this node marked it dead on its own judgement; ``arrivals``: peer ->
+    when a message last arrived from it or through it (``Transport.last_arrival``); ``members``:
+    the members of this node's view; ``dead``: the peers marked dead now. A peer is heard again
+    when it is still marked dead, is a member, and a message arrived from or through it after
+    it was marked (a message at the same instant may have been sent before)."""
+    return sorted(n for n, at in marked.items()
+                  if n in dead and n in members and arrivals.get(n, -math.inf) > at)
+
+
 class MembershipClient:
     """Every node: register, heartbeat, follow views and the coordinator they name, learn of
     failures, finish barrier."""
@@ -81,6 +109,10 @@ class MembershipClient:
         self.interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.failed: set[int] = set()
+        #: failed peers this node marked dead on its own judgement -> when (:func:`heard_again`)
+        self._marked_at: dict[int, float] = {}
+        #: peers heard again since (:meth:`_reroute`), until a view names them or removes them
+        self._rerouted: set[int] = set()
         #: peers that finished and left the run gracefully
         self.departed: set[int] = set()
         #: called once per failed peer (strategies' on_peer_failure)
@@ -276,15 +308,38 @@ class MembershipClient:
         for p in peers:
             if p in self.failed or p == self.transport.node_id:
                 continue
+            self._rerouted.discard(p)
             if p in self.departed:  # it finished and left (a coordinator exits after that)
                 self.transport.mark_dead(p)
                 continue
             self.failed.add(p)
             if p != self.coordinator:
-                self.transport.mark_dead(p)
+                self._mark(p)
             log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, clock.wall())
             for cb in list(self.listeners):
                 cb(p)
+
+    def _mark(self, peer: int) -> None:
+        """Route around ``peer``, judged failed here (see :func:`heard_again`)."""
+        self.transport.mark_dead(peer)
+        self._marked_at[peer] = clock.now()
+
+    def _reroute(self) -> None:
+        """Route again through the failed peers heard since this node marked them dead, while
+        they are members of its view, and count them failed no more (:func:`heard_again`)."""
+        view = self.view
+        for n in list(self._marked_at):
+            if n not in self.transport.dead:
+                del self._marked_at[n]  # routed through again already (a view, a restart)
+        if view is None or not self._marked_at:
+            return
+        for n in heard_again(self._marked_at, self.transport.last_arrival, view.members, self.transport.dead):
+            del self._marked_at[n]
+            self.failed.discard(n)
+            self._rerouted.add(n)
+            self.transport.revive(n)
+            log.warning("node %d: node %d, judged failed here, was heard again: routed through again",
+                        self.transport.node_id, n)
 
     def _offence(self, peer: int, reason: str) -> None:
         """A member sent this node a value it rejected (transport): report it to the coordinator
@@ -361,11 +416,15 @@ class MembershipClient:
             if n != me:
                 known[n] = inc
         # every member is alive to the coordinator that names it (a deposed coordinator that
-        # voted in its successor's election stays a member)
-        dead_members = {n for n in view.members if n in self.transport.dead or n in self.failed}
+        # voted in its successor's election stays a member), and so is one judged failed here
+        # and heard again since: deposed no more, like the others
+        dead_members = {n for n in view.members
+                        if n in self.transport.dead or n in self.failed or n in self._rerouted}
         for n in sorted(set(change.joined) | renewed | dead_members):
             self.transport.revive(n)
             self.failed.discard(n)  # a joiner: its next failure is reported again
+            self._marked_at.pop(n, None)
+            self._rerouted.discard(n)
             self.departed.discard(n)
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
@@ -620,6 +679,7 @@ class MembershipClient:
             await asyncio.sleep(self.interval)
             stall = stalls.tick(clock.now())
             self.detector.pause(stall)
+            self._reroute()
             was, cpu = cpu, clock.cpu()
             self._after_stop(stall, cpu - was, clock.now())
             now = clock.now()

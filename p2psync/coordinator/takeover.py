@@ -16,8 +16,14 @@ highest view epoch it applied.
   (:meth:`Succession.line`) whether they live, all at once: one that does not answer within a
   short probe time is deposed at once (:func:`silent_ahead`), and the node follows the lowest
   that answers (the probes run in :class:`~p2psync.coordinator.failover.CoordinatorHost`).
-  The failover then takes about one detection time plus one probe time, whatever the number
-  of successors cut off; deposing a live but slow successor costs no safety (the election
+  The successors are probed in batches, each twice as large as the one before, so that a
+  failover whose first successor lives costs few messages; the next batch goes out as soon as
+  the ones out have had time to answer but none did (about two round trips, :func:`probe_next`),
+  and it ends with the batches before it, at the end of the first one's probe time, while that
+  leaves it the time to answer (:func:`probe_until`); so every successor cut off is passed over
+  one probe time after the deposition (up to the successors that the batches within one probe
+  time reach: hundreds). The failover then takes about one detection time plus one probe
+  time, whatever the number of successors cut off; deposing a live but slow successor costs no safety (the election
   still needs a majority), only a vote that may go to the next one.
 * A node contacted by a member that deposed the coordinator it follows takes over at once when
   it is itself the successor of its own view minus both deposed sets
@@ -157,4 +163,39 @@ def silent_ahead(line: Sequence[int], answered: Mapping[int, bool]) -> list[int]
     return out
 
 
-__all__ = ["Succession", "silent_ahead", "successor"]
+def probe_next(line: Sequence[int], sent: Mapping[int, float], answered: Mapping[int, bool], *, now: float,
+               wait: float, batch: int) -> list[int]:
+    """The successors of ``line`` (:meth:`Succession.line`, from the one followed now) to
+    probe now. Pure.
+
+    ``sent``: node -> when its probe went out; ``answered``: the probes that ended (node ->
+    whether it answered); ``wait``: how long a probe gets before its silence makes the next
+    batch go out (about two round trips, far less than the probe time that passes it over);
+    ``batch``: the size of the next batch. The first ``batch`` successors when the one
+    followed was not probed yet; else the next ``batch`` unprobed successors once every probe
+    out has been out ``wait`` and none answered (an answer ends the walk at that successor or
+    before, so nobody after it need be asked); else none."""
+    if not line:
+        return []
+    if line[0] not in sent:
+        return [n for n in line[:batch] if n not in sent]
+    if any(answered.get(n, False) for n in sent):
+        return []
+    if any(now < t + wait for t in sent.values()):
+        return []
+    return [n for n in line if n not in sent][:batch]
+
+
+def probe_until(deadline: float | None, *, now: float, wait: float, probe_time: float) -> float:
+    """When the probes of a batch sent at ``now`` end. Pure.
+
+    With the batches before it (``deadline``: when theirs end; None: none out), so that the
+    successors of every batch are passed over together one probe time after the first went
+    out, while that leaves them ``wait`` to answer (:func:`probe_next`); else ``probe_time``
+    from ``now`` (a batch too late for the first one's probe time, or the first)."""
+    if deadline is not None and deadline - now >= wait:
+        return deadline
+    return now + probe_time
+
+
+__all__ = ["Succession", "probe_next", "probe_until", "silent_ahead", "successor"]

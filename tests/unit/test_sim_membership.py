@@ -305,6 +305,47 @@ def test_a_split_without_a_majority_shorter_than_the_failure_timeout_removes_nob
     assert s["final_view"]["members"] == [n for n in range(16) if n not in (8, 9)]
 
 
+def test_a_healed_three_way_split_of_a_ring_ends_in_one_view() -> None:
+    # ring-16 with 9 and 10 removed is a line 11..15-0-8; the second partition cuts it into
+    # 0-1.11-15 (7 of 14, the coordinator's side), 2-6 and 7-8: no majority anywhere. 2-6 and
+    # 7-8 each deposed node 0, passed over the successors they could not reach (marked dead in
+    # their routers) and ran in term 3 (2 and 7). After the heal node 2's vote requests never
+    # reached 0 and 1, marked dead, nor could 7 and 8 answer it through 2-6; node 0 heard of
+    # term 3 but never held the majority that 2-8 would complete. Split for good: node 0's
+    # later pause was never declared, and the end held a view of 14 members with 8 alive. A
+    # peer judged failed and heard from again is routed through again while a member (and no
+    # longer counted failed): node 0 is re-elected above term 3, and node 1 replaces it.
+    # (Chaos seed 9015: p2psync sim ring:16 --seed 9015 --faults 'partition:9-10|0-8.11-15@10.111+3.683,
+    # partition:2-6|0-1.7-15@20.574+7.115,pause:0@40.197+4.35' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "partition:9-10|0-8.11-15@10.111+3.683,partition:2-6|0-1.7-15@20.574+7.115,"
+                              "pause:0@40.197+4.35", 55.0)
+    assert s["invariants"] == ALL_HELD
+    bound = s["detection_bound_s"]
+    after = s["detections"][2]["declared_after_s"]
+    assert after["0"] <= bound and all(after[str(n)] <= 2 * bound for n in range(11, 16))
+    assert [d["node"] for d in s["declared"] if d["t"] < 40] == [9, 10]  # the split removed nobody
+    final = s["final_view"]
+    assert final["coordinator"] == 1 and final["members"] == list(range(1, 9))
+
+
+def test_a_coordinator_cut_off_with_more_successors_than_one_probe_batch_is_replaced_in_bound() -> None:
+    # ring-32 with 28-30 removed is a line 31-0-27; the second partition cuts 0-2.31 and 3-12
+    # off: the successors 1..12 are silent, more than the first batch of probes (8). The next
+    # batch went out only once the first was passed over (one probe time each): node 0 was
+    # declared after 3.45 s (bound 3.23 s). It now goes out once the first had two round
+    # trips to answer, and both are judged at the end of the first one's probe time. (Chaos seed 9032: p2psync sim ring:32 --seed 9032 --faults
+    # 'partition:28-30|0-27.31@10.067+9.775,partition:3-12|0-2.13-31@26.678+7.425,kill:1@43.129'
+    # --virtual-seconds 60)
+    s, _ = simulate(ring(32), "partition:28-30|0-27.31@10.067+9.775,partition:3-12|0-2.13-31@26.678+7.425", 42.0)
+    assert s["invariants"] == ALL_HELD
+    bound = s["detection_bound_s"]
+    after = s["detections"][1]["declared_after_s"]
+    assert all(after[str(n)] <= bound for n in range(13))
+    assert bound < after["31"] <= 2 * bound
+    final = s["final_view"]
+    assert final["coordinator"] == 13 and final["members"] == list(range(13, 28))
+
+
 def test_a_reply_to_a_copy_held_at_a_relay_keeps_that_copys_first_hop() -> None:
     # ring-16 with 3 and 4-8 removed is a line 9..15-0-2; the last partition cuts 12-13 off
     # (no majority anywhere). A probe of node 0 to 12 sent during it was held at node 14 (the

@@ -11,7 +11,7 @@ import pytest
 from p2psync.coordinator import MembershipState
 from p2psync.coordinator.failover import rebuild_state
 from p2psync.coordinator.state_server import StateServer
-from p2psync.coordinator.takeover import Succession, silent_ahead, successor
+from p2psync.coordinator.takeover import Succession, probe_next, probe_until, silent_ahead, successor
 from p2psync.coordinator.views import View
 from p2psync.errors import ProtocolError
 
@@ -288,3 +288,27 @@ def test_the_line_of_successors_and_the_silent_ones_passed_over():
     lowest = Succession(me=1, coordinator=0)
     assert lowest.suspect(0, v) == 1 and lowest.line(v) == []  # it follows itself: it runs
     assert Succession(me=5, coordinator=2).line(None) == []
+
+
+def test_the_next_batch_of_successors_is_probed_once_the_last_one_had_time_to_answer():
+    line = list(range(1, 21))
+    # the one followed not probed yet: the first batch
+    assert probe_next(line, {}, {}, now=0.0, wait=0.1, batch=8) == list(range(1, 9))
+    sent = {n: 0.0 for n in range(1, 9)}
+    assert probe_next(line, sent, {}, now=0.05, wait=0.1, batch=16) == []  # not had time yet
+    # every probe out had its wait and none answered: the next batch, long before the probe
+    # time that passes them over
+    assert probe_next(line, sent, {1: False}, now=0.1, wait=0.1, batch=16) == list(range(9, 21))
+    assert probe_next(line, sent, {5: True}, now=0.5, wait=0.1, batch=16) == []  # the walk ends at 5
+    sent |= {n: 0.1 for n in range(9, 21)}
+    assert probe_next(line, sent, {}, now=1.0, wait=0.1, batch=32) == []  # all asked
+    # following a later one (the line from it) that was not probed: from it at once
+    assert probe_next([9, 10], {1: 0.0}, {1: False}, now=0.01, wait=0.1, batch=8) == [9, 10]
+    assert probe_next([], {}, {}, now=0.0, wait=0.1, batch=8) == []
+
+
+def test_a_later_batch_of_probes_ends_with_the_first_while_it_has_time_to_answer():
+    assert probe_until(None, now=0.0, wait=0.1, probe_time=0.55) == 0.55  # the first batch
+    assert probe_until(0.55, now=0.1, wait=0.1, probe_time=0.55) == 0.55  # judged with it
+    assert probe_until(0.55, now=0.45, wait=0.1, probe_time=0.55) == 0.55  # just the wait left
+    assert probe_until(0.55, now=0.5, wait=0.1, probe_time=0.55) == 1.05  # too late: its own
