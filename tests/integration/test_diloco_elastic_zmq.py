@@ -23,6 +23,20 @@ pytestmark = pytest.mark.timeout(120)
 OPTS = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "outer_lr": 0.7}
 
 
+async def _crash_and_rejoin(nodes: dict[int, Node], joiner: Node) -> tuple[list[Node], list[int], list[np.ndarray]]:
+    """Node ``joiner.id`` crashes; once the survivors re-formed (or adopted), ``joiner`` (its
+    restart) joins the run and every node trains to the end: the group, their ends and their
+    parameters."""
+    survivors = await _crash(nodes, joiner.id)
+    await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
+                "re-formed")
+    await joiner.restart()
+    assert joiner.strategy.ctx.joining
+    joiner.go(10_000)
+    group = [*survivors, joiner]
+    return group, await _finish(group), await _params(group)
+
+
 async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead: int,
                                                   killed: list[asyncio.Task[None]], what: str) -> None:
     """Train, node ``dead`` crashing on the way (``killed`` holds its crash once it began), then
@@ -62,15 +76,8 @@ async def test_a_restarted_node_adopts_the_global_copy_and_ends_with_the_same_mo
     async with cluster(topo, "diloco", options=OPTS) as nodes:
         joiner = Node(topo, 3, "diloco", options=OPTS)
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
-        survivors = await _crash(nodes, 3)
-        await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
-                    "re-formed")
         try:
-            await joiner.restart()
-            assert joiner.strategy.ctx.joining
-            joiner.go(10_000)
-            ends = await _finish([*survivors, joiner])
-            params = await _params([*survivors, joiner])
+            group, ends, params = await _crash_and_rejoin(nodes, joiner)
             adopted = joiner.strategy.adoptions
         finally:
             await joiner.close()
@@ -279,16 +286,9 @@ async def test_an_eager_run_that_loses_a_node_and_takes_it_back_counts_every_con
         lead._begin, lead._reduce = begin_and_keep, keep_sums
         joiner = Node(topo, 3, "diloco", options=opts)
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
-        survivors = await _crash(nodes, 3)
-        await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
-                    "re-formed")
         try:
-            await joiner.restart()
-            assert joiner.strategy.ctx.joining
-            joiner.go(10_000)
-            ends = await _finish([*survivors, joiner])
-            params = await _params([*survivors, joiner])
-            thetas = [n.strategy.theta for n in [*survivors, joiner]]
+            group, ends, params = await _crash_and_rejoin(nodes, joiner)
+            thetas = [n.strategy.theta for n in group]
             adopted = joiner.strategy.adoptions
         finally:
             await joiner.close()
