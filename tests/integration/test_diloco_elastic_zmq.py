@@ -37,6 +37,27 @@ async def _crash_and_rejoin(nodes: dict[int, Node], joiner: Node) -> tuple[list[
     return group, await _finish(group), await _params(group)
 
 
+def _record_rounds(lead: Any) -> tuple[list[np.ndarray], dict[int, tuple[np.ndarray, float]]]:
+    """Wrap the leader's ``_begin`` and ``_reduce``: its θ_g at the start (appended to the first
+    list) and each outer round's sums as it received them (round -> (Σ w·Δ, Σ w))."""
+    begin, reduce = lead._begin, lead._reduce
+    start: list[np.ndarray] = []
+    sums: dict[int, tuple[np.ndarray, float]] = {}
+
+    async def begin_and_keep() -> None:
+        await begin()
+        start.append(lead.theta.copy())
+
+    async def keep_sums(view: Any, op: Any) -> Any:
+        got = await reduce(view, op)
+        if op.f != FULL:
+            sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
+        return got
+
+    lead._begin, lead._reduce = begin_and_keep, keep_sums
+    return start, sums
+
+
 async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead: int,
                                                   killed: list[asyncio.Task[None]], what: str) -> None:
     """Train, node ``dead`` crashing on the way (``killed`` holds its crash once it began), then
@@ -220,20 +241,9 @@ async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_onc
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=opts) as nodes:
         lead, late = nodes[0].strategy, nodes[3].strategy
-        begin, reduce0, reduce3 = lead._begin, lead._reduce, late._reduce
-        start: list[np.ndarray] = []
-        sums: dict[int, tuple[np.ndarray, float]] = {}
+        reduce3 = late._reduce
+        start, sums = _record_rounds(lead)
         failed: list[int] = []
-
-        async def begin_and_keep() -> None:
-            await begin()
-            start.append(lead.theta.copy())
-
-        async def keep_sums(view: Any, op: Any) -> Any:
-            got = await reduce0(view, op)
-            if op.f != FULL:
-                sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
-            return got
 
         async def fail_once(view: Any, op: Any) -> Any:
             got = await reduce3(view, op)
@@ -242,7 +252,7 @@ async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_onc
                 raise PeerFailure("test: round 2 fails on node 3 alone")
             return got
 
-        lead._begin, lead._reduce, late._reduce = begin_and_keep, keep_sums, fail_once
+        late._reduce = fail_once
         await _train(nodes, 24, warm=5)
         ends = await _finish(list(nodes.values()))
         params = await _params(list(nodes.values()))
@@ -268,22 +278,7 @@ async def test_an_eager_run_that_loses_a_node_and_takes_it_back_counts_every_con
     opts = {"inner_steps": 4, "eager": True, "outer_lr": lr, "outer_momentum": 0.0, "final_sync": "outer"}
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=opts) as nodes:
-        lead = nodes[0].strategy
-        begin, reduce0 = lead._begin, lead._reduce
-        start: list[np.ndarray] = []
-        sums: dict[int, tuple[np.ndarray, float]] = {}
-
-        async def begin_and_keep() -> None:
-            await begin()
-            start.append(lead.theta.copy())
-
-        async def keep_sums(view: Any, op: Any) -> Any:
-            got = await reduce0(view, op)
-            if op.f != FULL:
-                sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
-            return got
-
-        lead._begin, lead._reduce = begin_and_keep, keep_sums
+        start, sums = _record_rounds(nodes[0].strategy)
         joiner = Node(topo, 3, "diloco", options=opts)
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
         try:
