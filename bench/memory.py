@@ -43,10 +43,11 @@ from tests.helpers import free_port
 STRATEGIES = ("ssgd", "asgd", "esync", "dts", "preduce", "canary", "diloco", "bsp", "ssp")
 #: examples/lm.py alone, reporting its peak RSS (``attach`` is a no-op outside a p2psync run)
 _BASELINE = (
-    "import resource, runpy, sys\n"
+    "import runpy, sys\n"
+    "from p2psync.training.metrics import peak_rss_bytes\n"
     "sys.argv = ['examples/lm.py', *sys.argv[1:]]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    "print('PEAK_RSS_BYTES', peak_rss_bytes())\n")
 
 MiB = 1024 * 1024
 
@@ -66,8 +67,8 @@ def baseline_bytes(model: str, steps: int, threads: int) -> int:
                        text=True, cwd=ROOT, timeout=1800, env=_env(threads))
     if r.returncode != 0:
         raise SystemExit(f"examples/lm.py ({model}) failed:\n{r.stderr[-3000:]}")
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PEAK_RSS_KIB"))
-    return int(line.split()[1]) * 1024
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PEAK_RSS_BYTES"))
+    return int(line.split()[1])
 
 
 def _env(threads: int) -> dict[str, str]:

@@ -27,6 +27,14 @@ from p2psync.params.optim import HyperValues, OptimSpec, read_hypers, read_spec
 from p2psync.model.values import Buffers, Layer, PerElement, SgdHyper, SgdStep
 
 
+
+def _write_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``g`` into ``p.grad``: copied into the existing gradient, else a clone of ``g``."""
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.copy_(g)
+
 class FlatModel:
     """A torch model and its optimizer read and written as flat float32 vectors: gradients,
     parameters, and the whole state (parameters + optimizer buffers).
@@ -115,10 +123,7 @@ class FlatModel:
         mismatch); the optimizer step that follows uses them. Called from api/replica.py:
         ``self.flat.set_grads(vec)``."""
         for p, g in self._per_param(vec, "gradient"):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+            _write_grad(p, g)
 
     def set_grads_parts(self, parts: Sequence[tuple[int, np.ndarray]]) -> None:
         """Copy each ``(offset, values)`` of ``parts`` into the ``.grad`` of the parameters it
@@ -130,11 +135,7 @@ class FlatModel:
             for p, a, b, at in self._slices([(lo, lo + vec.size)]):
                 if a != 0 or b != p.numel():
                     raise ValueError(f"gradient part at {lo} ({vec.size} elements) splits a parameter")
-                g = src[at:at + b - a].view_as(p).to(p.device, p.dtype)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                _write_grad(p, src[at:at + b - a].view_as(p).to(p.device, p.dtype))
 
     def get_params(self) -> np.ndarray:
         """A host copy of the trainable parameters as one float32 vector."""
