@@ -7,7 +7,7 @@ eager's completion round) is re-formed the same way."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -56,6 +56,28 @@ def _record_rounds(lead: Any) -> tuple[list[np.ndarray], dict[int, tuple[np.ndar
 
     lead._begin, lead._reduce = begin_and_keep, keep_sums
     return start, sums
+
+
+async def _fail_once_then_finish(nodes: dict[int, Node], late: Any, target: Callable[[Any], bool],
+                                 what: str) -> tuple[list[int], tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
+    """``late``'s first operation that ``target`` picks fails on it alone (its sums arrived,
+    then a PeerFailure); every node then trains to the end. The operation that failed (empty:
+    none was reached), and every node's end, parameters and θ_g."""
+    reduce = late._reduce
+    failed: list[int] = []
+
+    async def fail_once(view: Any, op: Any) -> Any:
+        got = await reduce(view, op)
+        if target(op) and not failed:
+            failed.append(op.k)
+            raise PeerFailure(f"test: {what} fails on node 3 alone")
+        return got
+
+    late._reduce = fail_once
+    await _train(nodes, 24, warm=5)
+    ends = await _finish(list(nodes.values()))
+    params = await _params(list(nodes.values()))
+    return failed, (ends, params, [n.strategy.theta for n in nodes.values()])
 
 
 async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead: int,
@@ -134,21 +156,8 @@ async def test_a_member_that_failed_the_final_sync_alone_adopts_the_leaders_resu
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=OPTS) as nodes:
         late = nodes[3].strategy
-        reduce = late._reduce
-        failed: list[int] = []
-
-        async def fail_once(view: Any, op: Any) -> Any:
-            got = await reduce(view, op)
-            if op.f == FULL and not failed:
-                failed.append(op.k)
-                raise PeerFailure("test: the final sync fails on node 3 alone")
-            return got
-
-        late._reduce = fail_once
-        await _train(nodes, 24, warm=5)
-        ends = await _finish(list(nodes.values()))
-        params = await _params(list(nodes.values()))
-        thetas = [n.strategy.theta for n in nodes.values()]
+        failed, (ends, params, thetas) = await _fail_once_then_finish(nodes, late, lambda op: op.f == FULL,
+                                                                      "the final sync")
         adoptions = late.adoptions
     assert failed, "node 3 never reached the final sync"
     assert len(set(ends)) == 1, ends
@@ -172,9 +181,7 @@ async def test_an_eager_stop_that_failed_on_a_member_alone_is_re_formed_and_ends
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=EAGER) as nodes:
         late = nodes[3].strategy
-        reduce = late._reduce
         stops: list[int] = []
-        failed: list[int] = []
 
         def target(op: Any) -> bool:
             if which == "final sync":
@@ -183,18 +190,7 @@ async def test_an_eager_stop_that_failed_on_a_member_alone_is_re_formed_and_ends
                 stops.append(op.k)
             return op.f != FULL and bool(stops) and op.k == stops[0] + (which == "completion")
 
-        async def fail_once(view: Any, op: Any) -> Any:
-            got = await reduce(view, op)
-            if target(op) and not failed:
-                failed.append(op.k)
-                raise PeerFailure(f"test: the {which} fails on node 3 alone")
-            return got
-
-        late._reduce = fail_once
-        await _train(nodes, 24, warm=5)
-        ends = await _finish(list(nodes.values()))
-        params = await _params(list(nodes.values()))
-        thetas = [n.strategy.theta for n in nodes.values()]
+        failed, (ends, params, thetas) = await _fail_once_then_finish(nodes, late, target, f"the {which}")
         adoptions = late.adoptions
     assert failed, f"node 3 never reached the {which}"
     assert len(set(ends)) == 1, ends
@@ -241,22 +237,9 @@ async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_onc
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=opts) as nodes:
         lead, late = nodes[0].strategy, nodes[3].strategy
-        reduce3 = late._reduce
         start, sums = _record_rounds(lead)
-        failed: list[int] = []
-
-        async def fail_once(view: Any, op: Any) -> Any:
-            got = await reduce3(view, op)
-            if op.f != FULL and op.k == 2 and not failed:
-                failed.append(op.k)
-                raise PeerFailure("test: round 2 fails on node 3 alone")
-            return got
-
-        late._reduce = fail_once
-        await _train(nodes, 24, warm=5)
-        ends = await _finish(list(nodes.values()))
-        params = await _params(list(nodes.values()))
-        thetas = [n.strategy.theta for n in nodes.values()]
+        failed, (ends, params, thetas) = await _fail_once_then_finish(
+            nodes, late, lambda op: op.f != FULL and op.k == 2, "round 2")
         adoptions = late.adoptions
     assert failed, "node 3 never reached round 2"
     assert adoptions == 1
