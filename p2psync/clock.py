@@ -11,10 +11,11 @@ attribute, a :class:`Clock`; the virtual-time loop of :mod:`p2psync.sim.loop` do
 read on that loop's thread goes to it. Until some loop has offered a clock in this process,
 :func:`now` reads ``time.monotonic()`` at once, without looking up the running loop (the
 receive path reads it for every message). Anywhere else (the stdlib's loop, uvloop, a thread
-without a loop) the answer is the system's: ``time.monotonic()``, ``time.time()``, ``time.process_time()``, exactly what the
-runtime read before there was one clock. The stdlib loop's ``time()`` is ``time.monotonic()``
-itself; uvloop's is cached once per loop iteration in whole milliseconds, which is why the
-system clock is read directly rather than through ``loop.time()``.
+without a loop) the answer is the system's: ``time.monotonic()``, ``time.time()``,
+``time.process_time()``, exactly what the runtime read before there was one clock. The stdlib
+loop's ``time()`` is ``time.monotonic()`` itself; uvloop's is cached once per loop iteration in
+whole milliseconds, which is why the system clock is read directly rather than through
+``loop.time()``.
 
 Code that needs its clock explicitly (pure state, a test) takes ``now`` as an argument or a
 :class:`Clock`; code on the event loop calls :func:`now`.

@@ -42,14 +42,15 @@ every operation that sends the same tensor (``("ssgd", "grad")``), whatever its 
 operation without a key applies and keeps no residual.
 
 The caller's tensor is never written: the result is a new tensor (except for an allreduce of a
-*donated* tensor, below). Most operations work on a copy of it. A lossless allreduce sum or mean of a host tensor that needs no conversion (numpy
-or CPU torch, contiguous, not 16-bit) reads it where it stands instead: the working buffer
-starts empty, and each piece gets its first value when the first piece that arrives for it is
-added to this node's own values (or replaces them), straight into the buffer — one pass less
-over the whole tensor per operation. The tensor must therefore not change until the call
-returns (as with torch.distributed's asynchronous operations). A piece this node sends before
-anything arrives for it is copied from there as it is sent (a Fill), so a frame ZeroMQ still
-holds after a failed operation never views the caller's memory.
+*donated* tensor, below). Most operations work on a copy of it. A lossless allreduce sum or
+mean of a host tensor that needs no conversion (numpy or CPU torch, contiguous, not 16-bit)
+reads it where it stands instead: the working buffer starts empty, and each piece gets its
+first value when the first piece that arrives for it is added to this node's own values (or
+replaces them), straight into the buffer — one pass less over the whole tensor per operation.
+The tensor must therefore not change until the call returns (as with torch.distributed's
+asynchronous operations). A piece this node sends before anything arrives for it is copied from
+there as it is sent (a Fill), so a frame ZeroMQ still holds after a failed operation never
+views the caller's memory.
 An allreduce may instead be handed the tensor (``donate=True``: a host float array the caller
 owns, needs no conversion and never touches again, not even after a failure): it is the working
 buffer itself, reduced in place, and becomes the result once ZeroMQ let go of it, as above (else

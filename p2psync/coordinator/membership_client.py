@@ -15,10 +15,10 @@ node's view it is routed through again and no longer counted failed here (its he
 reporting it to the coordinator, a candidate that wins keeps it, and a later failure of it is
 declared again); whether it stays a member is the coordinator's decision, and the next view
 that names it makes it a possible successor again (no longer deposed here), as it does for
-every member this node counted failed. Without that a node that suspected the other side of a partition that healed
-could reach it only through a view, and when no view could be made (each side's candidate
-unable to reach the voters it marked dead, the coordinator short of the majority those
-voters would complete) the run stayed split for good.
+every member this node counted failed. Without that a node that suspected the other side of a
+partition that healed could reach it only through a view, and when no view could be made (each
+side's candidate unable to reach the voters it marked dead, the coordinator short of the
+majority those voters would complete) the run stayed split for good.
 
 Coordinator failover (decisions in :mod:`p2psync.coordinator.takeover`,
 hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
