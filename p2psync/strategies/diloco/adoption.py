@@ -105,8 +105,7 @@ class Adoption:
             raise PeerFailure("diloco: no state to adopt")
         theta, bufs, c, held = self._kept
         self._kept = None
-        if st.inflight is not None:
-            await st.drop_inflight()
+        await st.drop_inflight()
         st.theta, st.bufs = theta, bufs
         st.t, st.ops, st.applied = c.t, c.op, c.applied
         inner, self._inner = self._inner, None

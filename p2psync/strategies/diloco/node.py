@@ -1,5 +1,6 @@
-"""The node's DiLoCo state (plain data, no IO): θ_g, the outer momentum, the fragment map and
-schedule, the counters, the operation in flight, the stop's flags and the step report's counts.
+"""The node's DiLoCo state (plain data; no IO beyond cancelling the operation in flight): θ_g,
+the outer momentum, the fragment map and schedule, the counters, the operation in flight, the
+stop's flags and the step report's counts.
 
 One :class:`NodeState` per strategy; the strategy's parts (:mod:`.adoption`, :mod:`.ops`,
 :mod:`.stop`, :mod:`.strategy`) each hold a reference to it and read and write its fields, and
