@@ -345,9 +345,10 @@ class _Path:
     def clear(self, hub: SimHub, loop: asyncio.AbstractEventLoop, src: int, inc: int) -> bool:
         """Whether the message can cross the whole path now (see :class:`SimTransport`): every
         node up and not held, no link cut, each relay's incarnation of ``src`` (if it knows
-        one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
+        one) ``inc``, each relay's incarnation of the node before it (if it knows one) that node's
+        current one, and, for a reply, each relay's way back as when walked. Nodes, links and
         incarnations are checked again only after a fault began or ended, or for another
-        origin or incarnation."""
+        origin or incarnation (an incarnation a relay knows only changes to the current one)."""
         nodes, dst = self.nodes, self.dst
         if self.faults == hub.faults and self.src == src and self.inc == inc:
             if self.reply and self.replies_seen != hub.back_changes:
@@ -371,6 +372,10 @@ class _Path:
                 known = rt.peer_incarnations.get(src)
                 if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
                     return False
+                prev = nodes[i - 1]
+                known = rt.peer_incarnations.get(prev)
+                if known is not None and known != hub.transports[prev].incarnation:
+                    return False  # (a restarted neighbour not admitted yet: its relaying proves nothing)
                 if self.reply and rt.router.back.get(dst) != self.backs[i]:
                     return False
         self.faults, self.src, self.inc = hub.faults, src, inc

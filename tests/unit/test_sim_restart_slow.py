@@ -219,3 +219,20 @@ def test_a_slow_link_on_a_ring_declares_nobody() -> None:
     # ring-8: the link 3-4 ten times slower with 1 ms links (nodes behind it pay 9 ms more)
     s = simulate(ring(8), "slow:3|4@5+10x10", 25.0)
     assert s["invariants"] == ALL_HELD and s["declared"] == []
+
+
+def test_restarted_nodes_are_declared_once_and_rejoin_on_a_ring_of_16() -> None:
+    # node 7's new process took the reply to its previous process's heartbeat (call 1, still
+    # on its way) for the reply to its own registration (call 1): never admitted, it counted
+    # itself a member while the coordinator still held the old process registered. RPC
+    # replies now name the caller's incarnation. Node 1, next to the coordinator, relayed its
+    # neighbours' messages at once: that kept its previous process alive at the coordinator,
+    # which refused the new one (DuplicateNode) until the start timeout. A neighbour seen in a
+    # newer life proves nothing of the registered one by relaying. (Chaos seed 7030:
+    # p2psync sim ring:16 --seed 7030 --faults 'restart:7@7.004,pause:10@13.997+2.882,restart:1@24.622'
+    # --virtual-seconds 60)
+    s = simulate(ring(16), "restart:7@7.004,pause:10@13.997+2.882,restart:1@24.622", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [7, 10, 1]
+    assert all(r["joined_after_s"] is not None for r in s["restarts"])
+    assert s["final_view"]["members"] == [n for n in range(16) if n != 10]
