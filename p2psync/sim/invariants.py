@@ -26,7 +26,8 @@ and the detection bound. Each check answers ``"held"`` or a description of the v
   the fault's start and its end (a kill's: its node's restart) plus the bound, or was at risk
   from a slowdown (:func:`slow_risk`: a shortest way to the coordinator got at least the
   failure timeout less a heartbeat interval longer there and back, the silence a detector
-  may take for a failure; the coordinator too when half the members are) between its start
+  may take for a failure; when half the members are, the coordinator too and the members
+  slowed so on the way to any member, their next coordinator) between its start
   and its end plus the bound and the delay it adds. A node whose round trip a slowdown
   lengthens by less is not declared failed: its detector's bound fits the link.
 * ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good
@@ -227,7 +228,7 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
         return []  # (a slowdown cuts nobody off: slow_risk)
     gone = _gone(faults, f.at, members, links)
     stopped = _running_before(f, faults) if f.kind == "restart" else set(f.nodes)
-    if f.kind != "partition":
+    if f.kind not in ("partition", "restart"):  # (a new process relays at once)
         gone |= stopped
     split = (f.nodes, f.other) if f.kind == "partition" else None
     if links is not None:
@@ -236,7 +237,7 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
         groups = [set(split[0]) - gone, set(split[1]) - gone]
     else:
         groups = [set(members) - gone]
-    major = _major(groups, members)
+    major = _major([g - stopped for g in groups] if f.kind == "restart" else groups, members)
     if major is None:
         return None
     if f.kind == "restart":  # the new processes relay at once: nobody behind them is cut off
@@ -306,8 +307,9 @@ def slow_risk(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
     the coordinator, over a shortest way, gets at least ``failure_timeout - interval`` longer
     (the coordinator hears it that much later, and it hears the coordinator's replies that much
     later: a silence the detector may take for a failure, before it measured the new round
-    trip), and the coordinator when at least half the members are (they may depose it and
-    elect another); declared for sure, a
+    trip), and when at least half the members are (they may depose the coordinator and elect
+    another) the coordinator too and every member at risk so on the way to any other member
+    (the coordinator it may follow then); declared for sure, a
     member whose every way to the coordinator gets at least ``bound`` longer one way while the
     slowdown lasts ``bound`` at least, when the coordinator is not at risk and the members not
     at risk hold a majority. ``latency``: the links' one-way latency (None: none, nothing
@@ -323,6 +325,10 @@ def slow_risk(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
     risk = {n for n in members if n in most and 2 * most[n] >= failure_timeout - interval}
     if risk and 2 * len(risk) >= len(members):  # enough of them may depose it and elect another
         risk.add(c)
+        for m in members:  # whoever coordinates then: at risk, who is slowed on the way to it
+            if m != c and m in most:
+                theirs, _ = _slow_delays(f, m, live, links, latency)
+                risk |= {n for n in members if 2 * theirs.get(n, 0.0) >= failure_timeout - interval}
     must: set[int] = set()
     if (c in most and c not in risk and f.duration is not None and f.duration >= bound
             and 2 * len([n for n in members if n not in risk and n not in gone]) > len(members)):

@@ -131,6 +131,13 @@ def test_a_kill_counts_until_its_restart_and_a_restart_kills_a_running_node() ->
     before = [Fault(kind="kill", at=2.0, nodes=(3,))]
     assert inv.cut_by(Fault(kind="kill", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1, 2, 3]
     assert inv.cut_by(Fault(kind="restart", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1]
+    # ring-16 without node 6: a kill of node 14 leaves two arcs of 7 (no majority), a restart
+    # of it does not (chaos seed 7004)
+    ring16 = {i: [(i - 1) % 16, (i + 1) % 16] for i in range(16)}
+    members = tuple(n for n in range(16) if n != 6)
+    six = [Fault(kind="kill", at=8.0, nodes=(6,))]
+    assert inv.cut_by(Fault(kind="kill", at=20.0, nodes=(14,)), six, members, ring16) is None
+    assert inv.cut_by(Fault(kind="restart", at=20.0, nodes=(14,)), six, members, ring16) == [14]
 
 
 def test_one_view_at_end_lets_a_node_restarted_late_be_a_member_or_not() -> None:
@@ -156,6 +163,10 @@ def test_a_slowdown_puts_at_risk_only_the_members_whose_round_trip_grows_past_th
     assert risk("slow:3@5+2x50").must == ()  # too short to be sure
     assert risk("slow:3|4@5+15x50").must == ()  # 3 reaches 0 directly: 4 is not on its way
     assert risk("slow:0@5+15x50").risk == (0, 1, 2, 3, 4)  # the coordinator slowed: anybody
+    # 2-4 may depose node 0 and elect node 2: then 1, across the slowed links, is at risk too
+    # (chaos seed 7055)
+    assert risk("slow:0-1|2-4@5+15x50").risk == (0, 1, 2, 3, 4)
+    assert risk("slow:0-2|3-4@5+15x50").risk == (3, 4)  # 3 and 4 alone cannot depose it
     slow = parse_faults("slow:3@5+15x50", range(5))
     declared = [*views, _v(7.5, 1, (0, 1, 2, 4), epoch=2)]
     assert inv.no_false_failure(slow, declared, **timing) == "held"
