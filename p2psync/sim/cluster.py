@@ -25,8 +25,10 @@ Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the
   previous process is not declared failed, and it asks again until the start timeout).
 * **slow**: the slowed links' one-way latency is multiplied by the factor for the duration
   (the largest factor when several slowdowns slow one link), in both directions; what was
-  sent before keeps its latency, and a link delivers in order (what is sent after the end
-  waits for what was sent before it).
+  sent before keeps its latency, and a link's shaper delivers in order (what is sent after
+  the end waits for what was sent before it). A relayed control message on the express path
+  (:class:`SimTransport`) pays the latencies of its path as they are when it is sent, so it
+  may overtake one sent over that path before the slowdown ended.
 
 Every message goes to its receiver as a callback of the receiver's actor, one loop iteration
 after it was handed over (after the link latency when the link has one): a held receiver
