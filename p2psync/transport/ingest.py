@@ -29,8 +29,9 @@ caller to record: ``alive`` lists the nodes it proves alive (the neighbour that 
 unless that neighbour's own messages came from a newer life than the registered one: a
 restarted process relays at once, and what it relays proves nothing about its previous
 process, which must be declared failed before the new one is admitted; and its origin when
-proven and of the registered incarnation, or of any when none is registered), and ``revive`` is set when it is a proven new life of a node marked dead (a
-restarted process): the caller registers that incarnation and routes through the node again;
+proven and of the registered incarnation, or of any when none is registered), and
+``revive`` is set when it is a proven new life of a node marked dead (a restarted process):
+the caller registers that incarnation and routes through the node again;
 whether it is a member again is the membership's decision. An unproven origin (a message this
 node only relays, in a keyed cluster) proves nothing about it.
 """
