@@ -49,7 +49,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpId
+from p2psync.collectives import Collectives, OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.model import MAX_META_BYTES, MODEL_BUFFERS
@@ -104,6 +104,32 @@ def exact_mean_input(vec: np.ndarray) -> np.ndarray:
     equal values round (x + x + x is not always 3x), so the mean of identical replicas would
     move them by an ulp; in float64 it is exact, and the result is cast back to float32."""
     return np.asarray(vec, dtype=np.float64)
+
+
+#: elements of a state vector one operation of :func:`exact_mean` averages (16 MiB in float64)
+EXACT_MEAN_CHUNK = 1 << 21
+
+
+async def exact_mean(coll: Collectives, vec: np.ndarray, group: Sequence[int], *, tag: str,
+                     chunk: int | None = None) -> np.ndarray:
+    """The exact mean over ``group`` of the flat float32 ``vec`` (a whole state), written into
+    ``vec`` itself, which is returned. ``vec`` is handed over: a fresh array of the caller's
+    that nothing else reads (after a failure it holds a partial result: take a fresh one to
+    redo). Chunks of ``chunk`` elements (default :data:`EXACT_MEAN_CHUNK`) are averaged one
+    after the other, each widened to float64 (:func:`exact_mean_input`), reduced in place by
+    one allreduce (``donate=True``, tag ``<tag>.c<i>``) and cast back into ``vec``: the working
+    memory is one chunk in float64 and its pieces in flight, not a float64 copy of the whole
+    state plus a working buffer of that size. Every member passes the same length and
+    chunk."""
+    step = chunk or EXACT_MEAN_CHUNK
+    if vec.dtype != np.float32 or vec.ndim != 1 or step < 1:
+        raise ConfigError(f"exact_mean takes a flat float32 vector and a positive chunk, got {vec.dtype} "
+                          f"{vec.shape} and {step}")
+    for i, lo in enumerate(range(0, vec.size, step)):
+        part = vec[lo:lo + step]
+        part[...] = await coll.allreduce(exact_mean_input(part), group, op="mean", codec="none",
+                                         tag=f"{tag}.c{i}", donate=True)
+    return vec
 
 
 def regroup_bound(failure_timeout: float, interval: float) -> float:
