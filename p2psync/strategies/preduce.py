@@ -42,7 +42,7 @@ that wants to stop (its ``--steps`` budget, ``--time`` or ``p2psync.request_stop
 with its READY; every queued and later READY is then answered STOP, so no worker waits for a
 group that can no longer form. With heterogeneous devices the fast workers therefore end the
 run and the slow ones have run fewer local steps, as in the paper's time-to-accuracy runs.
-Every worker then takes part in one exact allreduce of its whole state (Alg. 2 line 8: "the
+Every worker then takes part in one exact average of its whole state (Alg. 2 line 8: "the
 average of the models on all workers"), so every node ends with the same model.
 
 Codecs: the models themselves travel, so dense codecs (fp16, int8, sketch8) apply to model

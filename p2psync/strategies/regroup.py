@@ -147,7 +147,8 @@ class Regroup:
         """``snapshot`` / ``restore`` / ``size``: the state a member behind adopts (default: the
         replica's parameters and optimizer state, ``export_state`` / ``import_state`` /
         ``state_size``); a strategy with state of its own (DiLoCo's global copy and outer
-        momentum) passes its own three. ``failure``: the strategy's failure policy (default:
+        momentum) passes its own three. ``snapshot`` returns a fresh float32 vector each time,
+        which the caller may write (:meth:`average_state` averages it in place). ``failure``: the strategy's failure policy (default:
         :func:`~p2psync.strategies.failure.failure_policy` of ``name``)."""
         self.ctx = ctx
         self.name = name
@@ -289,7 +290,7 @@ class Regroup:
 
     async def average_state(self, count: int, step: int, flag: bool = False) -> tuple[int, int, bool]:
         """Every member of the current view averages its whole state (weights and optimizer
-        state, one exact allreduce) and they agree on the step to go on at: the highest
+        state, exactly: :func:`exact_mean`) and they agree on the step to go on at: the highest
         member's next, so a joiner or a node that ran ahead lines up. ``count`` numbers these
         averagings (the same on every member: it keys their tags); a node that missed one
         (it failed here, succeeded elsewhere) adopts a member's state and count and joins
@@ -308,12 +309,11 @@ class Regroup:
         steps = asyncio.ensure_future(coll.allgather(np.array([step, int(flag)], np.int64), view.members,
                                                      tag=f"{tag}.steps"))
         try:
-            vec = await self.snapshot()
-            mean = await coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none", tag=tag)
+            mean = await exact_mean(coll, await self.snapshot(), view.members, tag=tag)  # in the fresh snapshot
             rows = await steps
         finally:
             await cancel_all([steps])  # when the average failed first
-        await self.restore(np.asarray(mean, dtype=np.float32))
+        await self.restore(mean)
         await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica, self.name), coll, self.ctx.buffers, tag=tag,
                            group=view.members)
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)
