@@ -248,11 +248,11 @@ class HookedReplica:
         the iteration in flight was computed on nearly these parameters and stays valid)."""
         await self.gate.run(lambda: self.flat.correct(dw, du))
 
-    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+    async def apply_each(self, vecs: Sequence[np.ndarray], scale: float = 1.0) -> None:
         """See :meth:`Replica.apply_each <p2psync.model.replica.StepEach.apply_each>`."""
         def go() -> None:
             for v in vecs:
-                self._apply(v)
+                self._apply(v if scale == 1.0 else v * scale)
         await self.gate.run(go)
 
     async def get_params(self) -> np.ndarray:

@@ -7,11 +7,11 @@ these types.
 """
 
 from p2psync.model.replica import (LAYERED, MODEL_BUFFERS, OPTIMIZER_SHARDS, PARAM_RANGES, SGD_COMPENSATION,
-                                   STEP_EACH, Capability, Layered, ModelBuffers, OptimizerShards, ParamRanges,
-                                   Replica, SgdCompensation, StepEach, check_replica)
+                                   STEP_AS_IS, STEP_EACH, Capability, Layered, ModelBuffers, OptimizerShards,
+                                   ParamRanges, Replica, SgdCompensation, StepAsIs, StepEach, check_replica)
 from p2psync.model.values import MAX_META_BYTES, Buffers, Layer, PerElement, SgdHyper, SgdStep
 
 __all__ = ["LAYERED", "MAX_META_BYTES", "MODEL_BUFFERS", "OPTIMIZER_SHARDS", "PARAM_RANGES", "SGD_COMPENSATION",
-           "STEP_EACH", "Buffers", "Capability", "Layer", "Layered", "ModelBuffers", "OptimizerShards",
-           "ParamRanges", "PerElement", "Replica", "SgdCompensation", "SgdHyper", "SgdStep", "StepEach",
+           "STEP_AS_IS", "STEP_EACH", "Buffers", "Capability", "Layer", "Layered", "ModelBuffers", "OptimizerShards",
+           "ParamRanges", "PerElement", "Replica", "SgdCompensation", "SgdHyper", "SgdStep", "StepAsIs", "StepEach",
            "check_replica"]

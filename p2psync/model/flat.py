@@ -360,19 +360,29 @@ class FlatModel:
 
     def export_state(self) -> np.ndarray:
         """Parameters, then each optimizer state entry per parameter, as one float32 vector
-        (missing buffers as zeros; see the module docstring)."""
-        parts = [self.get_params()]
+        (missing buffers as zeros; see the module docstring), a fresh one: each part is
+        copied straight into its place (off a GPU), no vector of the parameters first."""
+        out = np.empty(self.state_size(), np.float32)
+        if self.device.type == "cuda":
+            out[:self.numel] = self.get_params()  # (through the pinned staging buffer)
+        else:
+            into = torch.from_numpy(out[:self.numel])
+            with torch.no_grad():
+                for p, a, b, at in self._slices([(0, self.numel)]):
+                    into[at:at + b - a].copy_(p.detach().reshape(-1))
+        off = self.numel
         for key in self._state_keys():
             for p in self.params:
                 t = self.optimizer.state.get(p, {}).get(key)
                 n = 1 if key == "step" else p.numel()
                 if t is None:
-                    parts.append(np.zeros(n, np.float32))
+                    out[off:off + n] = 0.0
                 elif key == "step":
-                    parts.append(np.array([float(t)], np.float32))
+                    out[off] = float(t)
                 else:
-                    parts.append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
-        return np.concatenate(parts).astype(np.float32, copy=False)
+                    out[off:off + n] = t.detach().reshape(-1).to("cpu", torch.float32).numpy()
+                off += n
+        return out
 
     def import_state(self, vec: np.ndarray) -> None:
         """Load an :meth:`export_state` vector into the parameters and the optimizer state

@@ -79,8 +79,20 @@ class Replica(Protocol):
 class StepEach(Protocol):
     """Several optimizer steps in one job (ASGD applies the gradients that arrived)."""
 
-    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
-        """One optimizer step per gradient in ``vecs``, in order, in one job."""
+    async def apply_each(self, vecs: Sequence[np.ndarray], scale: float = 1.0) -> None:
+        """One optimizer step per gradient in ``vecs``, in order, in one job, each gradient
+        multiplied by ``scale`` first (``vec * scale``, one at a time: no scaled copies of all
+        of them at once)."""
+
+
+@runtime_checkable
+class StepAsIs(Protocol):
+    """An optimizer step on ``.grad`` as the iteration left it, without a vector of it."""
+
+    async def step_as_is(self) -> None:
+        """``optimizer.step()`` with ``.grad`` as it stands (a missing gradient as zeros): what
+        :meth:`Replica.apply_gradients` of the gradient the parked iteration arrived with does
+        while nothing changed ``.grad`` since, so a strategy can drop that copy first."""
 
 
 @runtime_checkable
@@ -172,6 +184,7 @@ class Capability(Generic[C]):
 
 
 STEP_EACH: Capability[StepEach] = Capability("several optimizer steps in one job (apply_each)", StepEach)
+STEP_AS_IS: Capability[StepAsIs] = Capability("an optimizer step on .grad as it stands (step_as_is)", StepAsIs)
 SGD_COMPENSATION: Capability[SgdCompensation] = Capability(
     "plain SGD's compensation (sgd_step, sgd_hyper, correct)", SgdCompensation)
 PARAM_RANGES: Capability[ParamRanges] = Capability(
@@ -193,6 +206,6 @@ def check_replica(replica: object, requires: Sequence[Capability[Any]], who: str
                           + "; ".join(missing))
 
 
-__all__ = ["LAYERED", "MODEL_BUFFERS", "OPTIMIZER_SHARDS", "PARAM_RANGES", "SGD_COMPENSATION", "STEP_EACH",
-           "Capability", "Layered", "ModelBuffers", "OptimizerShards", "ParamRanges", "Replica", "SgdCompensation",
-           "StepEach", "check_replica"]
+__all__ = ["LAYERED", "MODEL_BUFFERS", "OPTIMIZER_SHARDS", "PARAM_RANGES", "SGD_COMPENSATION", "STEP_AS_IS",
+           "STEP_EACH", "Capability", "Layered", "ModelBuffers", "OptimizerShards", "ParamRanges", "Replica",
+           "SgdCompensation", "StepAsIs", "StepEach", "check_replica"]

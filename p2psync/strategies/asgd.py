@@ -163,22 +163,30 @@ class ASGD(Strategy):
     async def _receive(self) -> None:
         while True:
             try:
-                batch = [await self.ctx.transport.listen(TAG)]
+                first = await self.ctx.transport.listen(TAG)
             except TransportError:  # closed
                 return
-            # everything that has already arrived is applied in one compute job, so the
-            # receiver keeps pace with the local loop (one job per step) instead of lagging
-            while len(batch) < MAX_BATCH and (m := self.ctx.transport.recv_nowait(TAG)) is not None:
-                batch.append(m)
-            decoded = [(m, self._decode(m)) for m in batch]
-            batch = [m for m, g in decoded if g is not None]
-            grads = [g for _, g in decoded if g is not None]
-            for m in batch:  # the encoded bytes travel on unchanged
-                self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
-            await self._stepping.wait()
-            await STEP_EACH.of(self.ctx.replica).apply_each([g * self.scale for g in grads])
-            self.applied_remote += len(grads)
-            self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
+            await self._apply_arrived(first)
+            del first  # (not held while waiting for the next one)
+
+    async def _apply_arrived(self, first: Message) -> None:
+        """Forward and apply ``first`` and everything else that has already arrived, in one
+        compute job, so the receiver keeps pace with the local loop (one job per step) instead
+        of lagging. The gradients are held only until they are applied (and forwarded): none
+        stays referenced while the receiver waits for the next one."""
+        batch = [first]
+        while len(batch) < MAX_BATCH and (m := self.ctx.transport.recv_nowait(TAG)) is not None:
+            batch.append(m)
+        decoded = [(m, self._decode(m)) for m in batch]
+        batch = [m for m, g in decoded if g is not None]
+        grads = [g for _, g in decoded if g is not None]
+        del decoded
+        for m in batch:  # the encoded bytes travel on unchanged
+            self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
+        await self._stepping.wait()
+        await STEP_EACH.of(self.ctx.replica).apply_each(grads, self.scale)  # scaled one at a time
+        self.applied_remote += len(grads)
+        self._staleness += [max(0, self.local_step - m.header.step) for m in batch]
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         loss, grad = await self.ctx.replica.compute_gradients()

@@ -49,7 +49,7 @@ from p2psync.collectives import OpId, OpStats
 from p2psync.coordinator import View
 from p2psync.errors import P2PSyncError, PeerFailure, ProtocolError
 from p2psync.strategies.base import StrategyContext
-from p2psync.model import Buffers
+from p2psync.model import Buffers, StepAsIs
 from p2psync.strategies.buffers import exchange_buffers
 from p2psync.tasks import cancel_all
 from p2psync.vocab import BufferMode
@@ -87,18 +87,16 @@ def redoable(exc: BaseException) -> bool:
 
 
 @runtime_checkable
-class BackwardHooks(Protocol):
+class BackwardHooks(StepAsIs, Protocol):
     """A replica that can average its gradients during backward (the ``attach`` path's
-    :class:`~p2psync.api.replica.HookedReplica`); SSGD without it averages at the step."""
+    :class:`~p2psync.api.replica.HookedReplica`), then step on ``.grad`` as it stands; SSGD
+    without it averages at the step."""
 
     async def enable_backward_sync(self, averager: "BackwardAverager") -> None:
         """Hand every backward pass to ``averager`` (see the module docstring)."""
 
     def param_sizes(self) -> list[int]:
         """Elements of each trainable parameter, in the flat vector's order."""
-
-    async def step_as_is(self) -> None:
-        """``optimizer.step()`` with ``.grad`` as it stands (a missing gradient as zeros)."""
 
 
 @dataclass(frozen=True)

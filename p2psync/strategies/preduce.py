@@ -42,12 +42,18 @@ that wants to stop (its ``--steps`` budget, ``--time`` or ``p2psync.request_stop
 with its READY; every queued and later READY is then answered STOP, so no worker waits for a
 group that can no longer form. With heterogeneous devices the fast workers therefore end the
 run and the slow ones have run fewer local steps, as in the paper's time-to-accuracy runs.
-Every worker then takes part in one exact allreduce of its whole state (Alg. 2 line 8: "the
+Every worker then takes part in one exact average of its whole state (Alg. 2 line 8: "the
 average of the models on all workers"), so every node ends with the same model.
 
 Codecs: the models themselves travel, so dense codecs (fp16, int8, sketch8) apply to model
 values; ``topk`` (a selection of a *gradient's* largest entries) would zero 99 % of a model
 and is refused with a clear error.
+
+Memory: a step keeps no copy of its gradient (the optimizer steps on ``.grad`` as it stands);
+a group's reduce works in the parameter vector it read (the weighted allreduce reduces it in
+place) and the final average in the exported state vector, averaged chunk by chunk
+(:func:`~p2psync.strategies.regroup.exact_mean`): about one flat copy of the model per round,
+one state vector (the model and the optimizer's state) at the end.
 
 Failures: with ``--on-failure stop`` a failed peer ends the run with PeerFailure. With
 ``continue`` (default) a group whose reduce fails (a member died: its receives are aborted as
@@ -78,11 +84,11 @@ from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, NonFinitePiece, PeerFailure, PeerTimeout, ProtocolError, TrainingEnded
 from p2psync.strategies.needs import Needs
 from p2psync.strategies.options import StrategyOptions, option, positive, require
-from p2psync.model import MODEL_BUFFERS, Buffers
+from p2psync.model import MODEL_BUFFERS, STEP_AS_IS, Buffers
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, parse_options, register
 from p2psync.strategies.failure import FailurePolicy, failure_policy
 from p2psync.strategies.buffers import alongside, own_buffers
-from p2psync.strategies.regroup import Regroup, exact_mean_input, fetch_state, serve_state
+from p2psync.strategies.regroup import Regroup, exact_mean, fetch_state, serve_state
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology import Topology
 
@@ -171,7 +177,7 @@ class PReduce(Strategy):
     formed by the coordinator's controller (see the module docstring)."""
 
     name = "preduce"
-    requires = (MODEL_BUFFERS,)
+    requires = (MODEL_BUFFERS, STEP_AS_IS)
     identical_replicas = "end"
     needs = Needs(buffers="each node's own; the final average takes the lowest member's (--buffers)")
     Options = PReduceOptions
@@ -244,7 +250,10 @@ class PReduce(Strategy):
 
             # under the policy: leave, or (re-forming) stop the run with every member's average
             return await self.failure.run(leave, lambda: self._loop_ended(want_stop))
-        await self.ctx.replica.apply_gradients(grad)  # Alg. 2 line 4
+        # Alg. 2 line 4, with .grad as the iteration left it (what ``grad`` holds too: freed
+        # first, so neither the optimizer's step nor the reduce keeps a copy of it)
+        del grad
+        await STEP_AS_IS.of(self.ctx.replica).step_as_is()
         self.steps, self.k = step + 1, self.k + 1
         t0 = clock.now()
         answer = await self._ready(want_stop)  # lines 5-6
@@ -354,9 +363,11 @@ class PReduce(Strategy):
         if dead:  # declared dead before this reduce began: nothing to wait for
             raise PeerFailure(f"preduce: group {g.op} member {dead[0]} has failed", peers=tuple(dead))
         x = await (rep.export_state() if whole else rep.get_params())
+        # a fresh vector: handed over, reduced in place (no working copy of the model)
         op = asyncio.ensure_future(self.ctx.collectives.allreduce(
             x, g.members, op="weighted", weights=dict(zip(g.members, g.weights)), tag=g.tag,
-            feedback=("preduce", "model")))
+            feedback=("preduce", "model"), donate=True))
+        del x
         try:
             await asyncio.wait({op, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -372,11 +383,11 @@ class PReduce(Strategy):
         bufs = MODEL_BUFFERS.of(rep)
 
         async def mean(view: View) -> tuple[Any, Buffers | None]:
-            vec = await rep.export_state()
             tag = OpId("preduce.end", 0, view.epoch).tag
-            return await alongside(coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none",
-                                                  tag=tag), coll, await own_buffers(bufs, self.ctx.buffers),
-                                   self.ctx.buffers, tag=tag, group=view.members)
+            # averaged in place, chunk by chunk (a fresh export per attempt)
+            return await alongside(exact_mean(coll, await rep.export_state(), view.members, tag=tag), coll,
+                                   await own_buffers(bufs, self.ctx.buffers), self.ctx.buffers, tag=tag,
+                                   group=view.members)
 
         out = await self.final.run(0, mean)  # applied once it succeeded (a redo averages the originals)
         if isinstance(out, tuple):

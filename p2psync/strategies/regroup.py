@@ -49,7 +49,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives import OpId
+from p2psync.collectives import Collectives, OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.model import MAX_META_BYTES, MODEL_BUFFERS
@@ -106,6 +106,32 @@ def exact_mean_input(vec: np.ndarray) -> np.ndarray:
     return np.asarray(vec, dtype=np.float64)
 
 
+#: elements of a state vector one operation of :func:`exact_mean` averages (16 MiB in float64)
+EXACT_MEAN_CHUNK = 1 << 21
+
+
+async def exact_mean(coll: Collectives, vec: np.ndarray, group: Sequence[int], *, tag: str,
+                     chunk: int | None = None) -> np.ndarray:
+    """The exact mean over ``group`` of the flat float32 ``vec`` (a whole state), written into
+    ``vec`` itself, which is returned. ``vec`` is handed over: a fresh array of the caller's
+    that nothing else reads (after a failure it holds a partial result: take a fresh one to
+    redo). Chunks of ``chunk`` elements (default :data:`EXACT_MEAN_CHUNK`) are averaged one
+    after the other, each widened to float64 (:func:`exact_mean_input`), reduced in place by
+    one allreduce (``donate=True``, tag ``<tag>.c<i>``) and cast back into ``vec``: the working
+    memory is one chunk in float64 and its pieces in flight, not a float64 copy of the whole
+    state plus a working buffer of that size. Every member passes the same length and
+    chunk."""
+    step = chunk or EXACT_MEAN_CHUNK
+    if vec.dtype != np.float32 or vec.ndim != 1 or step < 1:
+        raise ConfigError(f"exact_mean takes a flat float32 vector and a positive chunk, got {vec.dtype} "
+                          f"{vec.shape} and {step}")
+    for i, lo in enumerate(range(0, vec.size, step)):
+        part = vec[lo:lo + step]
+        part[...] = await coll.allreduce(exact_mean_input(part), group, op="mean", codec="none",
+                                         tag=f"{tag}.c{i}", donate=True)
+    return vec
+
+
 def regroup_bound(failure_timeout: float, interval: float) -> float:
     """Seconds a node waits for a newer view after a PeerFailure: a few detection bounds."""
     return max(10.0, 4.0 * failure_timeout + 4.0 * interval)
@@ -121,7 +147,8 @@ class Regroup:
         """``snapshot`` / ``restore`` / ``size``: the state a member behind adopts (default: the
         replica's parameters and optimizer state, ``export_state`` / ``import_state`` /
         ``state_size``); a strategy with state of its own (DiLoCo's global copy and outer
-        momentum) passes its own three. ``failure``: the strategy's failure policy (default:
+        momentum) passes its own three. ``snapshot`` returns a fresh float32 vector each time,
+        which the caller may write (:meth:`average_state` averages it in place). ``failure``: the strategy's failure policy (default:
         :func:`~p2psync.strategies.failure.failure_policy` of ``name``)."""
         self.ctx = ctx
         self.name = name
@@ -263,7 +290,7 @@ class Regroup:
 
     async def average_state(self, count: int, step: int, flag: bool = False) -> tuple[int, int, bool]:
         """Every member of the current view averages its whole state (weights and optimizer
-        state, one exact allreduce) and they agree on the step to go on at: the highest
+        state, exactly: :func:`exact_mean`) and they agree on the step to go on at: the highest
         member's next, so a joiner or a node that ran ahead lines up. ``count`` numbers these
         averagings (the same on every member: it keys their tags); a node that missed one
         (it failed here, succeeded elsewhere) adopts a member's state and count and joins
@@ -282,12 +309,11 @@ class Regroup:
         steps = asyncio.ensure_future(coll.allgather(np.array([step, int(flag)], np.int64), view.members,
                                                      tag=f"{tag}.steps"))
         try:
-            vec = await self.snapshot()
-            mean = await coll.allreduce(exact_mean_input(vec), view.members, op="mean", codec="none", tag=tag)
+            mean = await exact_mean(coll, await self.snapshot(), view.members, tag=tag)  # in the fresh snapshot
             rows = await steps
         finally:
             await cancel_all([steps])  # when the average failed first
-        await self.restore(np.asarray(mean, dtype=np.float32))
+        await self.restore(mean)
         await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica, self.name), coll, self.ctx.buffers, tag=tag,
                            group=view.members)
         return max(int(a[0]) for a in rows) + 1, any(int(a[1]) for a in rows)

@@ -95,3 +95,30 @@ def test_gradient_parts_write_whole_parameters_as_the_whole_vector_does():
         pass
     else:
         raise AssertionError("a part splitting a parameter was taken")
+
+
+def test_the_state_is_exported_in_place_without_a_vector_of_the_parameters(monkeypatch):
+    """``export_state`` on the CPU writes each part straight into one fresh vector (no
+    parameter vector to concatenate: one state's worth of memory, not one and a model's), in
+    the layout parameters, then each optimizer entry per parameter (Adam: moments, steps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 12 + 4 + 8 + 2 = 26
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    f = FlatModel(model=model, optimizer=opt)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    params = f.params
+    want = np.concatenate([
+        *(p.detach().reshape(-1).numpy() for p in params),
+        *(opt.state[p]["exp_avg"].reshape(-1).numpy() for p in params),
+        *(opt.state[p]["exp_avg_sq"].reshape(-1).numpy() for p in params),
+        np.array([float(opt.state[p]["step"]) for p in params], np.float32)])
+
+    def whole_vector() -> np.ndarray:
+        raise AssertionError("a vector of the parameters was made")
+
+    monkeypatch.setattr(f, "get_params", whole_vector)
+    got = f.export_state()
+    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+    got[:] = 0.0  # a fresh vector: the model and its optimizer do not share it
+    assert not any(bool((p == 0).all()) for p in params) and float(opt.state[params[0]]["step"]) == 1.0

@@ -13,15 +13,15 @@ import torch
 from p2psync.api.gate import StepGate
 from p2psync.api.replica import HookedReplica
 from p2psync.errors import ConfigError
-from p2psync.model import (LAYERED, MODEL_BUFFERS, OPTIMIZER_SHARDS, PARAM_RANGES, SGD_COMPENSATION, STEP_EACH,
-                           Replica, check_replica)
+from p2psync.model import (LAYERED, MODEL_BUFFERS, OPTIMIZER_SHARDS, PARAM_RANGES, SGD_COMPENSATION, STEP_AS_IS,
+                           STEP_EACH, Replica, check_replica)
 from p2psync.model.flat import FlatModel
 from p2psync.strategies.base import REGISTRY, get_strategy
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub
 from tests.helpers import make_context
 
-EVERY = (STEP_EACH, SGD_COMPENSATION, PARAM_RANGES, OPTIMIZER_SHARDS, MODEL_BUFFERS, LAYERED)
+EVERY = (STEP_EACH, STEP_AS_IS, SGD_COMPENSATION, PARAM_RANGES, OPTIMIZER_SHARDS, MODEL_BUFFERS, LAYERED)
 
 
 class CoreOnly:
@@ -80,7 +80,8 @@ def test_a_core_replica_has_no_capability() -> None:
 
 @pytest.mark.parametrize("name,missing", [("dts", "plain SGD's compensation"), ("canary", "layers"),
                                           ("diloco", "parameter ranges"), ("asgd", "apply_each"),
-                                          ("ssp", "optimizer's spec"), ("ssgd", "buffers")])
+                                          ("ssp", "optimizer's spec"), ("ssgd", "buffers"),
+                                          ("preduce", "step_as_is")])
 def test_a_strategy_refuses_a_replica_without_what_it_requires_when_it_is_built(name, missing) -> None:
     topo = ring(2)
     ctx = make_context(topo, MemoryHub(topo).endpoint(0), CoreOnly())
