@@ -293,6 +293,6 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -
     return HELD
 
 
-__all__ = ["Declaration", "HELD", "Links", "NOT_PROMISED", "ViewSeen", "components", "declarations", "detections", "killed_by",
-           "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "one_view_per_group",
+__all__ = ["Declaration", "HELD", "Links", "NOT_PROMISED", "ViewSeen", "components", "declarations", "detections",
+           "killed_by", "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "one_view_per_group",
            "stranded", "violated"]

@@ -95,7 +95,8 @@ class SimReplica:
         if self.step_time > 0:
             await self._wait(abort)
         diff = self.params - self.target
-        grad = (diff + np.float32(NOISE) * self._noise.standard_normal(self.numel).astype(np.float32)).astype(np.float32)
+        noise = self._noise.standard_normal(self.numel).astype(np.float32)
+        grad = (diff + np.float32(NOISE) * noise).astype(np.float32)
         self.buffer = (np.float32(0.9) * self.buffer + np.float32(0.1) * np.float32(grad.mean())).astype(np.float32)
         self.iterations += 1
         self._samples += BATCH
@@ -225,7 +226,8 @@ class SimReplica:
         return out
 
     async def get_params_range(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-        return self.params[self._ranges(ranges)].copy()
+        out: np.ndarray = self.params[self._ranges(ranges)].copy()
+        return out
 
     async def set_params_range(self, ranges: Sequence[tuple[int, int]], vec: np.ndarray) -> None:
         idx = self._ranges(ranges)
