@@ -294,5 +294,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int]) -
 
 
 __all__ = ["Declaration", "HELD", "Links", "NOT_PROMISED", "ViewSeen", "components", "declarations", "detections",
-           "killed_by", "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end", "one_view_per_group",
-           "stranded", "violated"]
+           "killed_by", "cut_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end",
+           "one_view_per_group", "stranded", "violated"]

@@ -12,8 +12,9 @@ cut off from it, ``strategy.run_step(step, want_stop)``, move to the step the re
 until a report says ``stop``, then, where the strategy promises one model, the driver's replica
 audit over its group (its outcome is each node's ``audit``). Operations are re-formed over the
 survivors as in a real run with ``--on-failure continue`` (the default: the strategies'
-:class:`~p2psync.strategies.failure.Reform` policy). A fenced node stops training (its progress is void; the simulation restarts nobody),
-a killed one is held with the rest of its code.
+:class:`~p2psync.strategies.failure.Reform` policy). A fenced node stops training (its
+progress is void; the simulation restarts nobody), a killed one is held with the rest of its
+code.
 
 Stopping: every node wants to stop (``want_stop``, as ``--time``) from the run's virtual
 seconds on, and the strategy agrees on the step. After the virtual seconds the cluster waits
