@@ -9,8 +9,9 @@ then carries each node's outcome, steps and model hash, and two more invariants
 (``strategy_finished``, ``same_model_at_end``: ``not promised`` where the strategy promises
 no single model, which is said, and is no violation). TOPOLOGY is a topology file or a
 generated one (``ring:16``, ``mesh:64``, ``star:8``, ``bcube:4x3``). The exit code is 0 when
-every invariant held, 1 otherwise. The simulated nodes' own logs are shown with ``-v`` only. ``summary.json`` carries ``replay``, the
-command that runs the same events again (``digest`` is their hash).
+every invariant held, 1 otherwise. The simulated nodes' own logs are shown with ``-v`` only.
+``summary.json`` carries ``replay``, the command that runs the same events again (``digest`` is
+their hash).
 
 ``--runs N`` is the seeded chaos runner (:mod:`p2psync.sim.chaos`): N runs with faults drawn
 from seeds ``--seed`` .. ``--seed + N - 1``, a markdown table of the runs and of the violations
