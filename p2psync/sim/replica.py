@@ -7,7 +7,7 @@ the capabilities the simulated strategies declare (:data:`~p2psync.model.replica
 runs its real decisions and collectives on it unchanged; there is no torch, no thread and no
 gate. What it computes:
 
-* **Model**: a few layers of float32 (:data:`LAYERS`: 48 parameters in all) and one float32
+* **Model**: two small layers of float32 (:data:`LAYERS`: 16 parameters in all) and one float32
   buffer of 4 running statistics (as BatchNorm's), all equal on every node at the start (drawn
   from the seed alone: the identical start a real run broadcasts).
 * **An iteration** (``compute_gradients``): the node's actor waits ``step_time`` virtual
@@ -39,8 +39,11 @@ from p2psync.errors import Aborted, ConfigError, ProtocolError
 from p2psync.model import Buffers, Layer, SgdHyper, SgdStep
 from p2psync.model.values import MAX_META_BYTES
 
-#: (name, elements) of every layer, in the flat vector's order
-LAYERS: tuple[tuple[str, int], ...] = (("l0.weight", 24), ("l0.bias", 8), ("l1.weight", 12), ("l1.bias", 4))
+#: (name, elements) of every parameter tensor, in the flat vector's order: two modules, 16
+#: float32 in all. Small on purpose: a collective cuts a vector into at most one piece per
+#: element, and every piece crosses the ring alone (2 (N - 1) messages each), so on a large
+#: ring the simulation's cost per step grows with the model's size
+LAYERS: tuple[tuple[str, int], ...] = (("l0.weight", 8), ("l0.bias", 4), ("l1.weight", 3), ("l1.bias", 1))
 #: float32 values of the running-statistics buffer
 BUFFER = ("bn.running_mean", 4)
 #: samples one iteration counts (``Replica.samples``)
