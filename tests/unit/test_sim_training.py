@@ -87,11 +87,12 @@ def test_the_invariant_names_a_replica_that_diverged() -> None:
 
 
 @pytest.mark.parametrize("strategy", SIMULATED)
-def test_every_simulated_strategy_trains_to_an_agreed_stop(strategy: str) -> None:
+def test_every_simulated_strategy_survives_a_kill_to_an_agreed_stop(strategy: str) -> None:
     options = {"inner_steps": "5"} if strategy == "diloco" else {}
-    s = train(ring(4), strategy, "", 3.0, step_time=0.1, **options)
+    s = train(ring(6), strategy, "kill:4@1.5", 5.0, step_time=0.1, **options)
     t = s["training"]
-    assert s["invariants"]["strategy_finished"] == "held", s["invariants"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert t["nodes"]["4"]["outcome"] == "killed" and t["finished"] == 5
     assert all(n["steps_run"] > 0 and n["local_iterations"] > 0 for n in t["nodes"].values())
     same = s["invariants"]["same_model_at_end"]
     if t["promise"] == "never":
