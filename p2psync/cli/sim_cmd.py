@@ -44,9 +44,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                     "(G groups of S nodes: a LAN per group, WAN links between the groups' gateways)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn faults (--faults random:N)")
     p.add_argument("--faults", default="",
-                   help="comma list: kill:17@30, pause:5@40+15, partition:0-7|8-15@60+20 (times in virtual "
-                        "seconds after the rendezvous; let the last one end a few detection times before "
-                        "the end, or one_view_at_end cannot hold), or random:N (N faults drawn from --seed)")
+                   help="comma list: kill:17@30, restart:17@50 (a new process of node 17 joins; a running one "
+                        "is killed first), pause:5@40+15, partition:0-7|8-15@60+20, slow:3-4@10+30x10 (every "
+                        "link of nodes 3 and 4 ten times its latency for 30 s; slow:3|4@... only the links "
+                        "between the two sides) (times in virtual seconds after the rendezvous; let the last "
+                        "one end a few detection times before the end, or one_view_at_end cannot hold), or "
+                        "random:N (N faults drawn from --seed)")
     p.add_argument("--virtual-seconds", type=float, default=60.0, help="virtual seconds to run (default 60)")
     p.add_argument("--latency-ms", type=float, default=1.0,
                    help="one-way latency of every link in ms (default 1; -1: the topology's link attributes, "
@@ -153,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.runs is not None:
         return _chaos(args, opts, int(m.group(1)) if m is not None else -1, training)
     topo = topology_arg(args.topology)
-    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds)
+    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds, restarts=training is None)
               if m is not None else parse_faults(args.faults, topo.ids))
     summary = simulate(topo, faults, opts, args.virtual_seconds, training)
     summary["seed"] = args.seed

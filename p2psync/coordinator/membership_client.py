@@ -245,10 +245,17 @@ class MembershipClient:
                     # NotCoordinator: the coordinator's process is up but not hosting yet (it
                     # is still asking whether a run is already going); DuplicateNode: this
                     # node's previous process (restarted) is not declared failed yet. Both
-                    # pass; try again until the start timeout.
+                    # pass; try again until the start timeout. A joiner told NotCoordinator
+                    # asks again where the run is: the node it asked lost the majority, or is
+                    # this node itself (its previous process coordinated, and the run has not
+                    # elected the successor yet)
                     if exc.kind not in ("NotCoordinator", "DuplicateNode") or loop.time() >= deadline:
                         raise
-                    await asyncio.sleep(0.1 if exc.kind == "NotCoordinator" else 0.5)
+                    if exc.kind == "NotCoordinator" and self.discovered is not None:
+                        await asyncio.sleep(0.5)
+                        await self.discover(timeout=DISCOVER_RETRY_S)
+                    else:
+                        await asyncio.sleep(0.1 if exc.kind == "NotCoordinator" else 0.5)
         except (PeerTimeout, PeerFailure) as exc:
             raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
                               f"{self.coordinator} failed: {exc}") from None

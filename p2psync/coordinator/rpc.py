@@ -3,7 +3,11 @@
 Request: kind ``rpc``, tag ``rpc.call``, meta ``{"id": int, "method": str, "args": {...}}``
 (optional arrays; ``"att"``: the attempt, i.e. the first hop it was relayed through). Reply:
 kind ``reply``, tag ``rpc.ret.<id>``, meta ``{"ok": value}`` or ``{"err": {"kind": str,
-"message": str}}``, with the ``"att"`` of the copy it answers. Requests to non-adjacent nodes
+"message": str}}``, with the ``"att"`` of the copy it answers and ``"to"``, the incarnation of
+the caller that sent the request: a restarted process numbers its calls from 1 again, and a
+reply to its previous process that comes after the restart (queued for the node, or held at a
+relay) is dropped, counted as ``foreign``, instead of being taken for the reply to its own
+call with that id. Requests to non-adjacent nodes
 are relayed by the transport. A call to the local node runs the handler in-process. A call that fails or times out
 retires its reply tag in the mailbox, so a reply that comes late is dropped (counted as
 ``retired``) instead of piling up. Handlers may wait (long
@@ -165,14 +169,14 @@ class RpcServer:
             self.duplicates += 1
             cached = seen.replies[rid]
             if cached is not None:  # finished: its reply may have been lost, send it again
-                await self._reply(msg.src, rid, cached, att)
+                await self._reply(msg.src, rid, cached, att, msg.header.inc)
             return
         seen.replies[rid] = None
         reply = await self._run(msg, method, args)
         if rid in seen.replies:  # (not when the caller's ``low`` passed it meanwhile)
             seen.replies[rid] = reply
             seen.trim(REPLY_CACHE_PER_CALLER)
-        await self._reply(msg.src, rid, reply, att)
+        await self._reply(msg.src, rid, reply, att, msg.header.inc)
 
     def _replies_of(self, caller: int, inc: int, low: int) -> "_Replies | None":
         """The reply cache of ``caller``'s incarnation ``inc`` (an older incarnation's is
@@ -190,10 +194,14 @@ class RpcServer:
         """How many requests are remembered for deduplication now (finished or running)."""
         return sum(len(seen.replies) for seen in self._seen.values())
 
-    async def _reply(self, dst: int, rid: int, reply: dict[str, Any], att: int | None = None) -> None:
-        """Send ``reply`` to request ``rid`` of ``dst``, naming the attempt ``att`` of the copy
-        it answers (:meth:`RpcClient.call` keeps that copy's first hop for its next calls)."""
+    async def _reply(self, dst: int, rid: int, reply: dict[str, Any], att: int | None = None,
+                     inc: int | None = None) -> None:
+        """Send ``reply`` to request ``rid`` of ``dst``'s incarnation ``inc``, naming the attempt
+        ``att`` of the copy it answers (:meth:`RpcClient.call` keeps that copy's first hop for
+        its next calls)."""
         meta = reply if att is None else {**reply, "att": att}
+        if inc is not None:
+            meta = {**meta, "to": inc}
         try:
             await self.transport.send(dst, f"{REPLY_PREFIX}{rid}", kind="reply", meta=meta, timeout=10.0)
         except P2PSyncError as exc:
@@ -275,6 +283,8 @@ class RpcClient:
         self.transport = transport
         self.local = local
         self._ids = itertools.count(1)
+        #: replies dropped because they answer a previous process of this node (``"to"``)
+        self.foreign = 0
         self.rtt: dict[int, RttEstimator] = {}
         self._path: dict[int, int] = {}  # destination -> attempt index (first hop) that worked
         self.retries = 0
@@ -310,6 +320,21 @@ class RpcClient:
         if est is None:
             est = self.rtt[node] = RttEstimator()
         return est
+
+    async def _own_reply(self, tag: str, wait: float, node: int) -> Message:
+        """The reply under ``tag`` within ``wait`` seconds that answers this process (a reply
+        naming another incarnation of this node, ``"to"``, is dropped and counted); PeerTimeout
+        after ``wait``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + max(0.0, wait)
+        while True:
+            rep = await self.transport.recv(tag, timeout=max(0.0, until - loop.time()), peer=node)
+            to = rep.meta.get("to")
+            if to is None or to == self.transport.incarnation:
+                return rep
+            self.foreign += 1
+            rep.release()
+            log.info("node %d: reply %s to incarnation %s of this node dropped", self.transport.node_id, tag, to)
 
     async def call(self, node: int, method: str, args: Mapping[str, Any] | None = None, *,
                    arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False,
@@ -353,7 +378,7 @@ class RpcClient:
                 wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt,
                                     relayed=not self.transport.topology.routes(self.transport.node_id, node))
                 try:
-                    rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
+                    rep = await self._own_reply(tag, wait, node)
                     break
                 except PeerTimeout:
                     if loop.time() >= deadline:

@@ -5,8 +5,8 @@
   (nodes) as ``SIGSTOP`` / ``SIGCONT`` would.
 * :mod:`p2psync.sim.cluster`: :class:`~p2psync.sim.cluster.SimCluster`, every node of a
   topology running the real membership, failure detector and failover over the in-memory
-  transport (per-link latency), with faults (:mod:`p2psync.sim.faults`: kill, pause,
-  partition) at given virtual times, summarized with the invariants of
+  transport (per-link latency), with faults (:mod:`p2psync.sim.faults`: kill, restart,
+  pause, partition, slow links) at given virtual times, summarized with the invariants of
   :mod:`p2psync.sim.invariants`.
 * :mod:`p2psync.sim.training`: :class:`~p2psync.sim.training.TrainingCluster`, the same with a
   strategy on every node (its real steps and collectives) over the numpy replica of

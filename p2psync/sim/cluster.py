@@ -17,6 +17,19 @@ Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the
   released after the duration: it resumes late, as after ``SIGSTOP`` / ``SIGCONT``.
 * **partition**: every link between the two sides is down for the duration (a send across is
   retried within its budget, as over a connection that is down).
+* **restart**: a node still running is killed first; then a new process of it starts as a
+  launcher would start it again: fresh transport, RPC, membership client and coordinator host
+  (:class:`SimNode`), the next incarnation, run as a new actor (the old one stays held), and
+  the rendezvous of ``NodeRuntime`` for a run that may be going: it asks every node for the
+  run's view (:data:`DISCOVER_S`), hosts the run only when nobody knows of one and it is the
+  topology's coordinator, and registers (a join: the coordinator refuses it while its
+  previous process is not declared failed, and it asks again until the start timeout).
+* **slow**: the slowed links' one-way latency is multiplied by the factor for the duration
+  (the largest factor when several slowdowns slow one link), in both directions; what was
+  sent before keeps its latency, and a link's shaper delivers in order (what is sent after
+  the end waits for what was sent before it). A relayed control message on the express path
+  (:class:`SimTransport`) pays the latencies of its path as they are when it is sent, so it
+  may overtake one sent over that path before the slowdown ended.
 
 Every message goes to its receiver as a callback of the receiver's actor, one loop iteration
 after it was handed over (after the link latency when the link has one): a held receiver
@@ -37,7 +50,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence, cast
+from typing import Any, Callable, Hashable, Iterable, Sequence, cast
 
 import msgpack
 
@@ -62,12 +75,17 @@ from p2psync.wire.schema import MAX_HOPS
 
 log = logging.getLogger("p2psync.sim")
 
+#: how long a restarted node asks the others whether the run is going (as
+#: ``p2psync.api.runtime.DISCOVER_S``, the real node's)
+DISCOVER_S = 1.5
+
 
 class SimHub(MemoryHub):
     """The simulated medium: in-memory endpoints, links cut by partitions, and each node's
     actor context (deliveries run in it).
 
-    ``latency(a, b)``: the one-way latency of the link between neighbours ``a`` and ``b``;
+    ``latency(a, b)``: the one-way latency of the link between neighbours ``a`` and ``b``
+    (:meth:`latency`: times the factor of the slowdowns in force on it, :attr:`slow`);
     ``express``: relayed control messages take the express path (see :class:`SimTransport`)."""
 
     def __init__(self, topology: Topology, *, latency: Callable[[int, int], float] | None = None,
@@ -78,7 +96,11 @@ class SimHub(MemoryHub):
         self.contexts: dict[int, contextvars.Context] = {}
         #: sends refused because the link was cut (retried by the sender)
         self.refused = 0
-        self.latency = latency or (lambda a, b: 0.0)
+        self.base_latency = latency or (lambda a, b: 0.0)
+        #: the slowdowns in force
+        self.slow: list[Fault] = []
+        #: node -> the actor its current process runs as (the node id unless restarted)
+        self.actors: dict[int, Hashable] = {}
         self.express = express
         #: relayed control messages that took the express path, and the relay hops it stood for
         self.expressed = 0
@@ -105,12 +127,21 @@ class SimHub(MemoryHub):
             path.flush(self)
 
     def context(self, node: int) -> contextvars.Context:
-        """The context that ``node``'s code runs in (its :data:`ACTOR`)."""
+        """The context that ``node``'s current process runs in (its :data:`ACTOR`)."""
         ctx = self.contexts.get(node)
         if ctx is None:
             ctx = self.contexts[node] = contextvars.copy_context()
-            ctx.run(ACTOR.set, node)
+            ctx.run(ACTOR.set, self.actors.get(node, node))
         return ctx
+
+    def factor(self, a: int, b: int) -> float:
+        """How many times slower the link between ``a`` and ``b`` is now (1: not slowed)."""
+        return max((f.factor or 1.0 for f in self.slow if f.slows(a, b)), default=1.0)
+
+    def latency(self, a: int, b: int) -> float:
+        """The one-way latency of the link between neighbours ``a`` and ``b`` now."""
+        lat = self.base_latency(a, b)
+        return lat * self.factor(a, b) if self.slow else lat
 
     def cut(self, a: int, b: int) -> bool:
         """Whether the link between ``a`` and ``b`` is down now."""
@@ -318,9 +349,10 @@ class _Path:
     def clear(self, hub: SimHub, loop: asyncio.AbstractEventLoop, src: int, inc: int) -> bool:
         """Whether the message can cross the whole path now (see :class:`SimTransport`): every
         node up and not held, no link cut, each relay's incarnation of ``src`` (if it knows
-        one) ``inc``, and, for a reply, each relay's way back as when walked. Nodes, links and
+        one) ``inc``, each relay's incarnation of the node before it (if it knows one) that node's
+        current one, and, for a reply, each relay's way back as when walked. Nodes, links and
         incarnations are checked again only after a fault began or ended, or for another
-        origin or incarnation."""
+        origin or incarnation (an incarnation a relay knows only changes to the current one)."""
         nodes, dst = self.nodes, self.dst
         if self.faults == hub.faults and self.src == src and self.inc == inc:
             if self.reply and self.replies_seen != hub.back_changes:
@@ -335,7 +367,8 @@ class _Path:
         for i in range(1, len(nodes)):
             n = nodes[i]
             rt = endpoints.get(n)
-            if rt is None or (held is not None and held(n)) or (hub.cuts and hub.cut(nodes[i - 1], n)):
+            if rt is None or (held is not None and held(hub.actors.get(n, n))) \
+                    or (hub.cuts and hub.cut(nodes[i - 1], n)):
                 return False
             if i < len(nodes) - 1 and rt is not self.relays[i - 1]:
                 return False
@@ -343,6 +376,10 @@ class _Path:
                 known = rt.peer_incarnations.get(src)
                 if known is not None and known != inc:  # a stale message or a new life: judged hop by hop
                     return False
+                prev = nodes[i - 1]
+                known = rt.peer_incarnations.get(prev)
+                if known is not None and known != hub.transports[prev].incarnation:
+                    return False  # (a restarted neighbour not admitted yet: its relaying proves nothing)
                 if self.reply and rt.router.back.get(dst) != self.backs[i]:
                     return False
         self.faults, self.src, self.inc = hub.faults, src, inc
@@ -467,16 +504,22 @@ class SimOptions:
 
 
 class SimNode:
-    """One node's membership stack (see the module docstring)."""
+    """One process of a node: its membership stack (see the module docstring). ``incarnation``
+    numbers the node's processes from 1 (the wall clock's would differ between runs); the
+    first runs as the actor ``node_id``, a restarted one as ``(node_id, incarnation)``."""
 
-    def __init__(self, *, hub: SimHub, node_id: int, opts: SimOptions,
+    def __init__(self, *, hub: SimHub, node_id: int, opts: SimOptions, incarnation: int = 1,
                  services: Callable[[RpcServer], None] | None = None) -> None:
         topo = hub.topology
         self.id = node_id
+        self.incarnation = incarnation
+        self.actor: Hashable = node_id if incarnation == 1 else (node_id, incarnation)
+        #: the links' specs without slowdowns (:meth:`reshape`)
+        self.links = _links(topo, node_id, opts)
         self.transport = SimTransport(hub=hub, node_id=node_id, default_timeout=opts.peer_timeout,
-                                      shaper=_shaper(topo, node_id, opts))
+                                      shaper=InprocShaper(self.links) if self.links else None)
         self.transport.run_id = 1
-        self.transport.incarnation = 1  # (the wall clock's would differ between runs)
+        self.transport.incarnation = incarnation
         stack = membership_stack(self.transport, topo, heartbeat=opts.heartbeat, failure_timeout=opts.failure_timeout,
                                  phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout,
                                  start_timeout=opts.start_timeout, check_interval=opts.check_interval,
@@ -485,6 +528,13 @@ class SimNode:
         self.opts = opts
         self.fenced_at: float | None = None
         self.killed_at: float | None = None
+        #: a restarted process: when it started, when it registered (None: not yet), and why
+        #: its rendezvous failed (None: it did not)
+        self.started_at: float | None = None
+        self.joined_at: float | None = None
+        self.failed: str | None = None
+        #: the last view this process applied
+        self.last: inv.ViewSeen | None = None
 
     async def start(self) -> None:
         """Bind, host the run (the topology's coordinator), register, start heartbeats: the
@@ -496,6 +546,29 @@ class SimNode:
         await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
         self.membership.start()
 
+    async def restart(self) -> None:
+        """The rendezvous of ``NodeRuntime`` for a process started while the run may be going:
+        bind, ask every node for the run's view, host the run only when nobody knows of one and
+        this is the topology's coordinator, register (a join), start heartbeats."""
+        await self.transport.start()
+        self.server.start()
+        running = await self.membership.discover(timeout=DISCOVER_S)
+        if running is None and self.id == self.transport.topology.coordinator:
+            self.host.host()
+        await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
+        self.membership.start()
+
+    def reshape(self, hub: SimHub) -> None:
+        """Set the latency of this node's links to what the slowdowns in force give."""
+        shaper = self.transport.shaper
+        if not isinstance(shaper, InprocShaper):
+            return
+        for nb, spec in self.links.items():
+            link = shaper.links.get(nb)
+            if link is not None:
+                f = hub.factor(self.id, nb)
+                link.spec = spec if f == 1.0 else replace(spec, latency_s=spec.latency_s * f)
+
     async def close(self) -> None:
         """Close membership, host, RPC server and transport, in that order."""
         for closing in (self.membership.close, self.host.close, self.server.close, self.transport.close):
@@ -505,12 +578,11 @@ class SimNode:
                 log.info("node %d: closing: %s", self.id, exc)
 
 
-def _shaper(topo: Topology, node: int, opts: SimOptions) -> InprocShaper | None:
-    """Latency on each link to a neighbour (relayed messages pay it on every hop)."""
+def _links(topo: Topology, node: int, opts: SimOptions) -> dict[int, LinkSpec]:
+    """The link to each neighbour that has latency (relayed messages pay it on every hop)."""
     specs = {nb: (LinkSpec(latency_s=opts.latency_s) if opts.latency_s is not None
                   else LinkSpec.from_attrs(topo.link(node, nb))) for nb in topo.neighbors(node)}
-    specs = {nb: s for nb, s in specs.items() if not s.trivial}
-    return InprocShaper(specs) if specs else None
+    return {nb: s for nb, s in specs.items() if not s.trivial}
 
 
 def _latency(topo: Topology, opts: SimOptions) -> Callable[[int, int], float]:
@@ -545,28 +617,35 @@ class SimCluster:
             if unknown:
                 raise ConfigError(f"fault {f.spec()}: nodes {unknown} are not in topology {topo.name}")
         self.hub = SimHub(topo, latency=_latency(topo, self.opts), express=self.opts.express and self.opts.latency_s is not None)
+        #: every node's current process
         self.nodes = {i: self._node(i) for i in topo.ids}
+        #: the processes restarts replaced (killed, held for good)
+        self.retired: list[SimNode] = []
         self.views: list[inv.ViewSeen] = []
         self.t0 = 0.0
         self._timers: list[asyncio.TimerHandle] = []
-        for i, node in self.nodes.items():
-            node.membership.view_listeners.append(self._recorder(i))
-            node.membership.fence_listeners.append(self._fence_recorder(i))
+        self._restarts: list[asyncio.Task[None]] = []
+        for node in self.nodes.values():
+            self._listen(node)
 
     def _node(self, i: int) -> SimNode:
-        """Node ``i``'s stack (a subclass adds what its nodes host: :mod:`p2psync.sim.training`)."""
+        """Node ``i``'s first process (a subclass adds what its nodes host:
+        :mod:`p2psync.sim.training`)."""
         return SimNode(hub=self.hub, node_id=i, opts=self.opts)
 
-    def _recorder(self, i: int) -> Callable[[View], None]:
+    def _listen(self, node: SimNode) -> None:
+        node.membership.view_listeners.append(self._recorder(node))
+        node.membership.fence_listeners.append(self._fence_recorder(node))
+
+    def _recorder(self, node: SimNode) -> Callable[[View], None]:
         def seen(v: View) -> None:
-            self.views.append(inv.ViewSeen(t=self._loop().time() - self.t0, node=i, term=v.term, epoch=v.epoch,
-                                           coordinator=v.coordinator, members=tuple(v.members),
-                                           departed=tuple(v.departed)))
+            node.last = inv.ViewSeen(t=self._loop().time() - self.t0, node=node.id, term=v.term, epoch=v.epoch,
+                                     coordinator=v.coordinator, members=tuple(v.members), departed=tuple(v.departed))
+            self.views.append(node.last)
         return seen
 
-    def _fence_recorder(self, i: int) -> Callable[[Fenced], None]:
+    def _fence_recorder(self, node: SimNode) -> Callable[[Fenced], None]:
         def fenced(_: Fenced) -> None:
-            node = self.nodes[i]
             if node.fenced_at is None:
                 node.fenced_at = self._loop().time() - self.t0
         return fenced
@@ -594,6 +673,8 @@ class SimCluster:
         await gather_or_cancel([loop.spawn(n.start(), actor=i, name=f"start-{i}") for i, n in self.nodes.items()])
         self.t0 = loop.time()
         self.views = [replace(v, t=v.t - self.t0) for v in self.views]  # (recorded with t0 = 0)
+        for node in self.nodes.values():
+            node.last = None if node.last is None else replace(node.last, t=node.last.t - self.t0)
         for f in self.faults:
             self._timers.append(loop.call_at(self.t0 + f.at, self._begin, f))
             if f.end is not None:
@@ -604,16 +685,63 @@ class SimCluster:
         loop = self._loop()
         self.hub.faults += 1
         log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
-        if f.kind == "kill":
+        if f.kind in ("kill", "restart"):
             for n in f.nodes:
-                self.nodes[n].killed_at = loop.time() - self.t0
-                self.hub.endpoints.pop(n, None)
-                loop.hold(n)
+                self._kill(self.nodes[n])
+            if f.kind == "restart":
+                for n in f.nodes:
+                    self._restart(n)
         elif f.kind == "pause":
             for n in f.nodes:
-                loop.hold(n)
+                loop.hold(self.nodes[n].actor)
+        elif f.kind == "slow":
+            self.hub.slow.append(f)
+            self._reshape()
         else:
             self.hub.cuts.append((frozenset(f.nodes), frozenset(f.other)))
+
+    def _kill(self, node: SimNode) -> None:
+        """The node's process stops for good (see the module docstring)."""
+        if node.killed_at is not None:
+            return
+        loop = self._loop()
+        node.killed_at = loop.time() - self.t0
+        if self.hub.endpoints.get(node.id) is node.transport:
+            del self.hub.endpoints[node.id]
+        loop.hold(node.actor)
+
+    def _restart(self, n: int) -> None:
+        """A new process of node ``n`` (its previous one killed): see the module docstring."""
+        loop = self._loop()
+        old = self.nodes[n]
+        self.retired.append(old)
+        self.hub.actors[n] = (n, old.incarnation + 1)
+        self.hub.contexts.pop(n, None)  # (deliveries run as the new actor)
+        node = self.nodes[n] = SimNode(hub=self.hub, node_id=n, opts=self.opts, incarnation=old.incarnation + 1)
+        node.started_at = loop.time() - self.t0
+        node.reshape(self.hub)
+        self._listen(node)
+
+        async def rendezvous() -> None:
+            try:
+                await node.restart()
+            except P2PSyncError as exc:
+                node.failed = f"{type(exc).__name__}: {exc}"[:300]
+                log.info("node %d: restarted process: %s", n, node.failed)
+                return
+            node.joined_at = loop.time() - self.t0
+
+        self._restarts.append(loop.spawn(rendezvous(), actor=node.actor, name=f"restart-{n}"))
+
+    def _reshape(self) -> None:
+        """Every link's latency after a slowdown began or ended; the express paths are walked
+        again (their latencies were summed when walked)."""
+        hub = self.hub
+        hub.flush()
+        hub.paths.clear()
+        hub.hops.clear()
+        for node in self.nodes.values():
+            node.reshape(hub)
 
     def _end(self, f: Fault) -> None:
         loop = self._loop()
@@ -622,7 +750,10 @@ class SimCluster:
         if f.kind == "pause":
             for n in f.nodes:
                 if self.nodes[n].killed_at is None:
-                    loop.release(n)
+                    loop.release(self.nodes[n].actor)
+        elif f.kind == "slow":
+            self.hub.slow.remove(f)
+            self._reshape()
         elif f.kind == "partition":
             self.hub.cuts.remove((frozenset(f.nodes), frozenset(f.other)))
 
@@ -646,9 +777,7 @@ class SimCluster:
         opts = self.opts
         bound = detection_bound(self.topo, opts)
         self.hub.flush()
-        final: dict[int, inv.ViewSeen | None] = {i: None for i in self.nodes}
-        for v in self.views:
-            final[v.node] = v
+        final: dict[int, inv.ViewSeen | None] = {i: n.last for i, n in self.nodes.items()}
         links = {i: list(self.topo.neighbors(i)) for i in self.topo.ids}
         gone = {i for i, n in self.nodes.items() if n.killed_at is not None or n.membership.fenced is not None}
         # the nodes that kills and removals (nobody relays through a removed node; the
@@ -660,13 +789,18 @@ class SimCluster:
                       and 2 * len(g & set(newest.members)) > len(newest.members)), None)
         up = [i for i in self.nodes if i not in gone]
         cut_off = {i for i in up if major is not None and i not in major}
-        live = [i for i in up if i not in cut_off]
+        # a restarted process that had no time to rejoin yet may be a member or not
+        late = virtual_seconds - inv.rejoin_bound(bound, DISCOVER_S)
+        pending = {i for i in up if (n := self.nodes[i]).started_at is not None and n.joined_at is None
+                   and n.failed is None and n.started_at > late}
+        live = [i for i in up if i not in cut_off and i not in pending]
         found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
-                                         links=links, interval=opts.heartbeat)
+                                         links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
         end = next((final[i] for i in live if final[i] is not None), None)
-        msgs = {str(i): {"sent": sum(s.msgs_sent for s in n.transport.nic_stats.values()),
-                         "recv": sum(s.msgs_recv for s in n.transport.nic_stats.values())}
-                for i, n in self.nodes.items()}
+        msgs = {str(i): {"sent": 0, "recv": 0} for i in self.nodes}
+        for n in [*self.retired, *self.nodes.values()]:
+            msgs[str(n.id)]["sent"] += sum(s.msgs_sent for s in n.transport.nic_stats.values())
+            msgs[str(n.id)]["recv"] += sum(s.msgs_recv for s in n.transport.nic_stats.values())
         coord = end.coordinator if end is not None else self.topo.coordinator
         return {
             "topology": self.topo.name, "nodes": len(self.nodes), "virtual_s": virtual_seconds,
@@ -679,6 +813,11 @@ class SimCluster:
                          for d in inv.declarations(self.views)],
             "fenced": {str(i): round(n.fenced_at, 6) for i, n in self.nodes.items() if n.fenced_at is not None},
             "killed": [i for i, n in self.nodes.items() if n.killed_at is not None],
+            "restarts": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.started_at, 6),
+                          "joined_after_s": None if n.joined_at is None else round(n.joined_at - n.started_at, 6),
+                          **({"error": n.failed} if n.failed is not None else {})}
+                         for n in sorted([*self.retired, *self.nodes.values()], key=lambda n: (n.id, n.incarnation))
+                         if n.started_at is not None],
             "detections": found,
             "messages": msgs,
             "coordinator_msgs_per_s": round((msgs[str(coord)]["sent"] + msgs[str(coord)]["recv"])
@@ -690,22 +829,33 @@ class SimCluster:
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
-                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound, links=links),
-                "one_view_at_end": (inv.one_view_at_end(final, live) if major is not None or newest is None
+                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound, links=links,
+                                                         failure_timeout=opts.failure_timeout,
+                                                         interval=opts.heartbeat, latency=self.hub.base_latency),
+                "one_view_at_end": (inv.one_view_at_end(final, live, pending) if major is not None or newest is None
                                     else inv.one_view_per_group(final, [sorted(g) for g in groups])),
             },
         }
 
     async def close(self) -> None:
-        """Stop the faults, release every held node and close every node."""
+        """Stop the faults, release every held node and close every node, the processes
+        restarts replaced too; an error of a restarted process's rendezvous other than a
+        P2PSyncError (recorded in the summary) is raised then."""
         loop = self._loop()
         for t in self._timers:
             t.cancel()
-        for i in self.nodes:
-            loop.release(i)
+        for task in self._restarts:
+            task.cancel()
+        nodes = [*self.retired, *self.nodes.values()]
+        for n in nodes:
+            loop.release(n.actor)
         self.hub.cuts.clear()
         self.hub.faults += 1
-        await asyncio.gather(*(loop.spawn(n.close(), actor=i) for i, n in self.nodes.items()))
+        ended = await asyncio.gather(*self._restarts, return_exceptions=True)
+        await asyncio.gather(*(loop.spawn(n.close(), actor=n.actor) for n in nodes))
+        for r in ended:  # (a failed rendezvous is recorded: anything else is a defect)
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                raise r
 
 
-__all__ = ["SimCluster", "SimHub", "SimNode", "SimOptions", "SimTransport", "detection_bound"]
+__all__ = ["DISCOVER_S", "SimCluster", "SimHub", "SimNode", "SimOptions", "SimTransport", "detection_bound"]

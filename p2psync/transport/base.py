@@ -25,8 +25,9 @@ carries the run id and the sender's incarnation: traffic of another run (``wrong
 an older incarnation of a node than the one the membership registered (``stale_incarnation``,
 :attr:`Transport.peer_incarnations`) is rejected, counted in :attr:`Transport.rejected` and never
 delivered nor relayed. Any accepted message is proof of life of its origin (and of the
-neighbour that handed it over): :attr:`Transport.last_arrival` keeps the monotonic arrival time
-per node, which the failure detectors read (one dict store per message).
+neighbour that handed it over, unless that neighbour runs a newer, unregistered incarnation:
+:mod:`p2psync.transport.ingest`): :attr:`Transport.last_arrival` keeps the monotonic arrival
+time per node, which the failure detectors read (one dict store per message).
 
 Control never waits behind bulk: ``send`` marks ``data`` messages as *bulk*
 and everything else as control. Bulk sends take bytes from the peer's flow-control window

@@ -26,9 +26,12 @@ The stages, in order (the first that refuses names the reason):
 
 Every decision from stage 5 also says what the message proves about who is alive, for the
 caller to record: ``alive`` lists the nodes it proves alive (the neighbour that handed it over,
-and its origin when proven and of the registered incarnation, or of any when none is
-registered), and ``revive`` is set when it is a proven new life of a node marked dead (a
-restarted process): the caller registers that incarnation and routes through the node again;
+unless that neighbour's own messages came from a newer life than the registered one: a
+restarted process relays at once, and what it relays proves nothing about its previous
+process, which must be declared failed before the new one is admitted; and its origin when
+proven and of the registered incarnation, or of any when none is registered), and
+``revive`` is set when it is a proven new life of a node marked dead (a restarted process):
+the caller registers that incarnation and routes through the node again;
 whether it is a member again is the membership's decision. An unproven origin (a message this
 node only relays, in a keyed cluster) proves nothing about it.
 """
@@ -103,7 +106,8 @@ class Ingest:
     """The ingest pipeline of one node (see the module docstring). It reads, never writes,
     ``incarnations`` (registered incarnation per node) and ``dead`` (nodes marked dead), which
     their owner updates in place; ``auth`` (keyed clusters only) remembers the counters of the
-    relayed messages it accepted."""
+    relayed messages it accepted; :attr:`newest` remembers the newest incarnation each
+    neighbour's own messages carried, when newer than the registered one."""
 
     def __init__(self, *, node_id: int, nodes: Collection[int], limits: WireLimits,
                  incarnations: Mapping[int, int], dead: Collection[int], auth: OriginAuth | None = None) -> None:
@@ -114,6 +118,9 @@ class Ingest:
         self.incarnations = incarnations
         self.dead = dead
         self.auth = auth
+        #: neighbour -> the newest incarnation its own messages carried, newer than the one
+        #: registered then (a restarted process not admitted yet)
+        self.newest: dict[int, int] = {}
 
     def admit(self, frames: Sequence[Any], peer: int | None, run: int) -> Decision:
         """The decision for one message: ``frames`` as received (a shared-memory marker already
@@ -161,8 +168,10 @@ class Ingest:
             revive = Revive(src, inc)
         elif proven and (known is None or inc == known):  # a newer, unregistered life proves
             alive = (src,)                                # nothing about the registered process
-        if peer != src:
-            alive = (*alive, peer)
+        if src == peer and known is not None and inc > known:
+            self.newest[peer] = max(inc, self.newest.get(peer, inc))
+        if peer != src and self.newest.get(peer, -1) <= self.incarnations.get(peer, -1):
+            alive = (*alive, peer)  # (a neighbour seen in a newer life relays for that life)
         return alive, revive
 
     def _route(self, msg: Message, peer: int, alive: tuple[int, ...], revive: Revive | None) -> Decision:

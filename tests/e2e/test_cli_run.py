@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.topology import bcube, mesh, ring, save, topology_to_dict
+from tests.e2e.zygote import spawn_node
 from tests.helpers import NETNS, free_port, netns_mesh2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,14 @@ def cli(*args, timeout=150, **kw):
 def spawn(*args, **kw):
     return subprocess.Popen([sys.executable, "-m", "p2psync", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
+
+
+def spawn_warm(*args, log):
+    """``p2psync ARGS`` (a built-in job's ``run ... --node I``) forked from a parent that imported
+    torch already (tests/e2e/zygote.py), its stdout and stderr appended to ``log``: a process of
+    its own as with :func:`spawn`, started 3-5 s of CPU sooner; :func:`spawn` keeps the cold
+    start covered (test_node_mode_separate_processes)."""
+    return spawn_node([*map(str, args)], log)
 
 
 def wait_for(pred, timeout, what):
@@ -98,8 +108,9 @@ def test_killed_node(tmp_path, strategy):
     save(mesh(3, base_port=free_port()), topo)
     budget = "60" if strategy == "ssgd" else "8"
     stop = ["--on-failure", "stop"] if strategy == "ssgd" else []
-    procs = [spawn("run", topo, "--node", i, "--strategy", strategy, "--time", budget, "--out", tmp_path,
-                   "--run-id", "k", "--eval-every", "1000", *stop) for i in range(3)]
+    procs = [spawn_warm("run", topo, "--node", i, "--strategy", strategy, "--time", budget, "--out", tmp_path,
+                        "--run-id", "k", "--eval-every", "1000", *stop, log=tmp_path / f"process-{i}.log")
+             for i in range(3)]
     try:
         wait_for(lambda: len(lines(tmp_path / "k" / "node-2.jsonl")) >= 5, 90, "node 2 to train")
         procs[2].kill()
@@ -299,7 +310,9 @@ def ring_nodes(tmp_path, run_id, *budget, n=4, strategy="ssgd", step_s=0.05):
     step_time = ",".join(f"{i}:{step_s}" for i in range(n))
     args = ["run", topo, "--strategy", strategy, *budget, "--out", tmp_path, "--run-id", run_id,
             "--eval-every", "1000", "--threads", "1", "--step-time", step_time]
-    return (lambda i: spawn(*args, "--node", i)), tmp_path / run_id
+    starts = itertools.count()
+    return (lambda i: spawn_warm(*args, "--node", i, log=tmp_path / f"process-{run_id}-{i}-{next(starts)}.log")), \
+        tmp_path / run_id
 
 
 def wait_training(run, n, steps=20):

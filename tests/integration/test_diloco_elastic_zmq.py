@@ -28,7 +28,7 @@ async def _crash_and_rejoin(nodes: dict[int, Node], joiner: Node) -> tuple[list[
     restart) joins the run and every node trains to the end: the group, their ends and their
     parameters."""
     survivors = await _crash(nodes, joiner.id)
-    await until(lambda: all(n.strategy.regroup.reformations + n.strategy.adoptions >= 1 for n in survivors), 30,
+    await until(lambda: all(n.strategy.regroup.reformations + n.strategy.state.adoptions >= 1 for n in survivors), 30,
                 "re-formed")
     await joiner.restart()
     assert joiner.strategy.ctx.joining
@@ -38,15 +38,15 @@ async def _crash_and_rejoin(nodes: dict[int, Node], joiner: Node) -> tuple[list[
 
 
 def _record_rounds(lead: Any) -> tuple[list[np.ndarray], dict[int, tuple[np.ndarray, float]]]:
-    """Wrap the leader's ``_begin`` and ``_reduce``: its θ_g at the start (appended to the first
+    """Wrap the leader's ``_begin`` and its operations' ``reduce``: its θ_g at the start (appended to the first
     list) and each outer round's sums as it received them (round -> (Σ w·Δ, Σ w))."""
-    begin, reduce = lead._begin, lead._reduce
+    begin, reduce = lead._begin, lead.ops.reduce
     start: list[np.ndarray] = []
     sums: dict[int, tuple[np.ndarray, float]] = {}
 
     async def begin_and_keep() -> None:
         await begin()
-        start.append(lead.theta.copy())
+        start.append(lead.state.theta.copy())
 
     async def keep_sums(view: Any, op: Any) -> Any:
         got = await reduce(view, op)
@@ -54,7 +54,7 @@ def _record_rounds(lead: Any) -> tuple[list[np.ndarray], dict[int, tuple[np.ndar
             sums[op.k] = (np.asarray(got[0], np.float64), float(got[1][0]))
         return got
 
-    lead._begin, lead._reduce = begin_and_keep, keep_sums
+    lead._begin, lead.ops.reduce = begin_and_keep, keep_sums
     return start, sums
 
 
@@ -63,7 +63,7 @@ async def _fail_once_then_finish(nodes: dict[int, Node], late: Any, target: Call
     """``late``'s first operation that ``target`` picks fails on it alone (its sums arrived,
     then a PeerFailure); every node then trains to the end. The operation that failed (empty:
     none was reached), and every node's end, parameters and θ_g."""
-    reduce = late._reduce
+    reduce = late.ops.reduce
     failed: list[int] = []
 
     async def fail_once(view: Any, op: Any) -> Any:
@@ -73,11 +73,11 @@ async def _fail_once_then_finish(nodes: dict[int, Node], late: Any, target: Call
             raise PeerFailure(f"test: {what} fails on node 3 alone")
         return got
 
-    late._reduce = fail_once
+    late.ops.reduce = fail_once
     await _train(nodes, 24, warm=5)
     ends = await _finish(list(nodes.values()))
     params = await _params(list(nodes.values()))
-    return failed, (ends, params, [n.strategy.theta for n in nodes.values()])
+    return failed, (ends, params, [n.strategy.state.theta for n in nodes.values()])
 
 
 async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead: int,
@@ -91,7 +91,7 @@ async def _survivors_of_a_crash_end_with_one_model(nodes: dict[int, Node], dead:
     assert killed, f"node {dead} never reached {what}"
     await asyncio.gather(*killed)
     params = await _params(survivors)
-    thetas = [n.strategy.theta for n in survivors]
+    thetas = [n.strategy.state.theta for n in survivors]
     reforms = [n.strategy.regroup.reformations for n in survivors]
     assert len(set(ends)) == 1, ends
     assert all(r >= 1 for r in reforms), reforms
@@ -106,8 +106,8 @@ async def test_a_crash_mid_run_is_redone_over_the_survivors_who_end_with_one_mod
         survivors = await _crash(nodes, 2)
         ends = await _finish(survivors)
         params = await _params(survivors)
-        thetas = [n.strategy.theta for n in survivors]
-        reforms = [n.strategy.regroup.reformations + n.strategy.adoptions for n in survivors]
+        thetas = [n.strategy.state.theta for n in survivors]
+        reforms = [n.strategy.regroup.reformations + n.strategy.state.adoptions for n in survivors]
     assert len(set(ends)) == 1 and 40 <= ends[0] <= 40 + 2 + 1, ends  # the stop rides with the next sum: h + tau late
     assert all(r >= 1 for r in reforms), reforms
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
@@ -121,7 +121,7 @@ async def test_a_restarted_node_adopts_the_global_copy_and_ends_with_the_same_mo
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
         try:
             group, ends, params = await _crash_and_rejoin(nodes, joiner)
-            adopted = joiner.strategy.adoptions
+            adopted = joiner.strategy.state.adoptions
         finally:
             await joiner.close()
     assert len(set(ends)) == 1, ends
@@ -136,7 +136,7 @@ async def test_a_crash_during_the_final_sync_is_redone_over_the_survivors_who_en
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=OPTS) as nodes:
         victim = nodes[2].strategy
-        launch = victim._launch
+        launch = victim.ops.launch
         killed: list[asyncio.Task[None]] = []
 
         async def launch_then_die(f: int, step: int, **kw: Any) -> None:
@@ -144,7 +144,7 @@ async def test_a_crash_during_the_final_sync_is_redone_over_the_survivors_who_en
             if f == FULL and not killed:  # the final sync's own part is on its way: die now
                 killed.append(asyncio.ensure_future(nodes[2].crash()))
 
-        victim._launch = launch_then_die
+        victim.ops.launch = launch_then_die
         await _survivors_of_a_crash_end_with_one_model(nodes, 2, killed, "the final sync")
 
 
@@ -158,7 +158,7 @@ async def test_a_member_that_failed_the_final_sync_alone_adopts_the_leaders_resu
         late = nodes[3].strategy
         failed, (ends, params, thetas) = await _fail_once_then_finish(nodes, late, lambda op: op.f == FULL,
                                                                       "the final sync")
-        adoptions = late.adoptions
+        adoptions = late.state.adoptions
     assert failed, "node 3 never reached the final sync"
     assert len(set(ends)) == 1, ends
     assert adoptions == 1
@@ -191,7 +191,7 @@ async def test_an_eager_stop_that_failed_on_a_member_alone_is_re_formed_and_ends
             return op.f != FULL and bool(stops) and op.k == stops[0] + (which == "completion")
 
         failed, (ends, params, thetas) = await _fail_once_then_finish(nodes, late, target, f"the {which}")
-        adoptions = late.adoptions
+        adoptions = late.state.adoptions
     assert failed, f"node 3 never reached the {which}"
     assert len(set(ends)) == 1, ends
     assert adoptions == 1
@@ -208,20 +208,20 @@ async def test_a_crash_during_an_eager_stops_completion_is_redone_over_the_survi
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=EAGER) as nodes:
         victim = nodes[2].strategy
-        launch = victim._launch
+        launch = victim.ops.launch
         stops: list[int] = []
         killed: list[asyncio.Task[None]] = []
 
         async def launch_then_die(f: int, step: int, **kw: Any) -> None:
             await launch(f, step, **kw)
-            op = victim.inflight
+            op = victim.state.inflight
             if op is None or op.f == FULL or not op.stop:
                 return
             stops.append(op.k)
             if op.k == stops[0] + 1 and not killed:  # its part of the completion's round is on its way
                 killed.append(asyncio.ensure_future(nodes[2].crash()))
 
-        victim._launch = launch_then_die
+        victim.ops.launch = launch_then_die
         await _survivors_of_a_crash_end_with_one_model(nodes, 2, killed, "the stop's completion")
 
 
@@ -240,7 +240,7 @@ async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_onc
         start, sums = _record_rounds(lead)
         failed, (ends, params, thetas) = await _fail_once_then_finish(
             nodes, late, lambda op: op.f != FULL and op.k == 2, "round 2")
-        adoptions = late.adoptions
+        adoptions = late.state.adoptions
     assert failed, "node 3 never reached round 2"
     assert adoptions == 1
     assert len(set(ends)) == 1, ends
@@ -266,8 +266,8 @@ async def test_an_eager_run_that_loses_a_node_and_takes_it_back_counts_every_con
         await _train(nodes, 10_000, stop=lambda: joiner.steps >= 12)
         try:
             group, ends, params = await _crash_and_rejoin(nodes, joiner)
-            thetas = [n.strategy.theta for n in group]
-            adopted = joiner.strategy.adoptions
+            thetas = [n.strategy.state.theta for n in group]
+            adopted = joiner.strategy.state.adoptions
         finally:
             await joiner.close()
     assert len(set(ends)) == 1, ends

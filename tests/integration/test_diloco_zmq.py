@@ -34,7 +34,7 @@ async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedba
                 while True:
                     rep = await s.run_step(step, step + 1 >= steps)
                     reps.append(rep)
-                    thetas.append(s.theta.copy())
+                    thetas.append(s.state.theta.copy())
                     step += 1
                     if rep.stop or step > 3 * steps:
                         return reps, thetas
@@ -168,10 +168,10 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
             for step in range(cut):
                 await asyncio.gather(*(s.run_step(step, False) for s in strats))
                 for i, s in enumerate(strats):
-                    thetas[i].append(s.theta.tobytes())
-            assert all(s.inflight is not None for s in strats)  # a fragment's sum is in flight
+                    thetas[i].append(s.state.theta.tobytes())
+            assert all(s.state.inflight is not None for s in strats)  # a fragment's sum is in flight
             if not drop_result:  # (arrived, not applied yet: the checkpoint keeps the sums)
-                await asyncio.gather(*(s.inflight.task for s in strats))
+                await asyncio.gather(*(s.state.inflight.task for s in strats))
             saved = []
             for s in strats:
                 buf = io.BytesIO()
@@ -199,7 +199,7 @@ async def _resumable(topo, opts, steps, cut, *, drop_result):
             for step in range(cut, steps):
                 reps = await asyncio.gather(*(s.run_step(step, step + 1 >= steps) for s in strats))
                 for i, s in enumerate(strats):
-                    thetas[i].append(s.theta.tobytes())
+                    thetas[i].append(s.state.theta.tobytes())
             assert all(r.stop for r in reps)
         finally:
             await close_strategies(strats)
@@ -235,7 +235,7 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_one_model_at_the_end
         try:
             reps = await drive_until_stop(strats, steps)
             params = [await s.ctx.replica.get_params() for s in strats]
-            thetas = [s.theta.copy() for s in strats]
+            thetas = [s.state.theta.copy() for s in strats]
         finally:
             await close_strategies(strats)
     fast, slow = reps
@@ -268,7 +268,7 @@ async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed()
             op = _Op(f=0, payload=np.full(n, 0.3, np.float32), w=1.0, stop=False, nonfinite=False,
                      counters=Counters(op=7, t=4, step=3, applied=1))
             with pytest.raises(PeerFailure):
-                await strats[0]._reduce(View(epoch=0, members=(0, 1)), op)
+                await strats[0].ops.reduce(View(epoch=0, members=(0, 1)), op)
             after = coll.feedback.residual
             assert sorted(map(repr, after)) == sorted(map(repr, before))
             assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
@@ -335,7 +335,7 @@ async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
                     if "op_nic_bytes" in reps[0].extra:
                         peaks.append(sum(reps[0].extra["op_nic_bytes"].values()))
                 sent = sum(v.bytes_sent for v in eps[0].nic_stats.values())
-                largest = max(f.size for f in strats[0].frags) / strats[0].ctx.replica.numel
+                largest = max(f.size for f in strats[0].state.frags) / strats[0].ctx.replica.numel
             finally:
                 await close_strategies(strats)
         return sent, max(peaks), largest

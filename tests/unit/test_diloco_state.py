@@ -338,16 +338,16 @@ def test_a_skipped_eager_round_takes_the_held_term_out_and_adds_nothing():
     from p2psync.strategies.diloco import Op
     from p2psync.strategies.diloco.ops import Operations
 
-    node = SimpleNamespace(skipped=0)
+    node = SimpleNamespace(state=SimpleNamespace(skipped=0))
     held = own_term(_f32([3.0, -6.0]), 3.0)
     op = Op(f=0, payload=_f32([3.0, -6.0]), w=1.0, stop=False, nonfinite=False,
             counters=Counters(op=4, t=16, step=15, applied=3), held=held)
     total = _f32([9.0, 9.0])
     for side in (_f32([3.0, 0.0, 1.0]), _f32([0.0, 0.0, 0.0])):
-        late = Operations._late_part(node, op, total, side, {})
+        late = Operations.late_part(node, op, total, side, {})
         assert late is not None and late.tolist() == [-1.0, 2.0]
-    assert node.skipped == 1  # (only the non-finite one counts)
+    assert node.state.skipped == 1  # (only the non-finite one counts)
     op.held = np.zeros(2, np.float32)
-    assert Operations._late_part(node, op, total, _f32([3.0, 0.0, 1.0]), {}) is None
-    late = Operations._late_part(node, replace(op, held=held), total, _f32([3.0, 0.0, 0.0]), {})
+    assert Operations.late_part(node, op, total, _f32([3.0, 0.0, 1.0]), {}) is None
+    late = Operations.late_part(node, replace(op, held=held), total, _f32([3.0, 0.0, 0.0]), {})
     assert late is not None and late.tolist() == [2.0, 5.0]  # a round that counts: Σ/Σw − held

@@ -128,6 +128,20 @@ def test_a_rejection_at_the_route_stage_still_reports_what_it_proves() -> None:
     assert reject(d) == ("relay", "route") and d.alive == (1,) and d.revive == Revive(3, 30)
 
 
+def test_a_neighbour_seen_in_a_newer_life_proves_nothing_of_its_registered_process_by_relaying() -> None:
+    # node 1 restarted (incarnation 11; 10 registered): it relays at once, and what it relays
+    # must not keep its previous process alive (the coordinator declares that one failed
+    # before it admits the new one); once 11 is registered its relaying counts again
+    incarnations = {1: 10}
+    p = pipeline(incarnations=incarnations)
+    assert p.admit(frames(src=3, inc=30, dst=ME, hops=1), 1, RUN).alive == (3, 1)
+    assert p.admit(frames(inc=11), 1, RUN).alive == ()
+    assert p.admit(frames(src=3, inc=30, dst=ME, hops=1), 1, RUN).alive == (3,)
+    assert p.admit(frames(src=3, inc=30, dst=2, hops=1), 1, RUN).alive == (3,)
+    incarnations[1] = 11
+    assert p.admit(frames(src=3, inc=30, dst=ME, hops=1), 1, RUN).alive == (3, 1)
+
+
 def test_a_replayed_relay_is_rejected_once_its_counter_was_seen() -> None:
     p = pipeline(keyed=True)
     first = signed(KEY[3], ctr=7)

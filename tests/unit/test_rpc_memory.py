@@ -171,3 +171,41 @@ async def test_the_reply_cache_is_bounded_per_caller_and_a_given_up_call_is_not_
     await eps[1].send(0, rpc_mod.CALL_TAG, kind="rpc", meta={"id": 5, "method": "t.count", "args": {"x": 5}})
     await until(lambda: server.stale == 1, 5, "the stale request counted")
     assert runs.count(5) == 1
+
+
+async def test_a_reply_to_a_nodes_previous_process_is_not_taken_for_its_new_process_call(memory_server):
+    """A restarted process numbers its calls from 1 again: a reply to its previous process's
+    call 1 that arrives after the restart is dropped (``foreign``), not taken for the reply to
+    its own call 1."""
+    import asyncio
+
+    from p2psync.transport import MemoryHub
+
+    eps, server = await memory_server(3)
+    release = {"old": asyncio.Event(), "new": asyncio.Event()}
+
+    async def slow(caller, args, arrays):
+        await release[args["key"]].wait()
+        return {"key": args["key"]}
+
+    server.register("t.slow", slow)
+    server.start()
+    eps[1].incarnation = 10
+    old = asyncio.ensure_future(RpcClient(eps[1]).call(0, "t.slow", {"key": "old"}, timeout=5.0))
+    await asyncio.sleep(0.01)
+    hub: MemoryHub = eps[0].hub
+    await eps[1].close()
+    new_ep = hub.endpoint(1)
+    new_ep.incarnation = 11
+    await new_ep.start()
+    eps[1] = new_ep  # (closed by the fixture)
+    client = RpcClient(new_ep)
+    new = asyncio.ensure_future(client.call(0, "t.slow", {"key": "new"}, timeout=5.0))
+    await asyncio.sleep(0.01)
+    release["old"].set()  # its reply goes to node 1, now the new process
+    await asyncio.sleep(0.01)
+    release["new"].set()
+    assert await new == {"key": "new"}
+    assert client.foreign == 1
+    old.cancel()
+    await asyncio.gather(old, return_exceptions=True)

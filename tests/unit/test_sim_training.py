@@ -150,6 +150,9 @@ def test_step_times_parse_with_per_node_overrides() -> None:
         parse_step_time("0.2,x")
     with pytest.raises(ConfigError, match="nodes \\[9\\]"):
         TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd", step_times={9: 1.0}))
+    with pytest.raises(ConfigError, match="restart:2@3: a restarted node would have to join"):
+        TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd"),
+                        faults=parse_faults("kill:2@1,restart:2@3", range(4)))
 
 
 def test_the_cli_trains_replays_and_chaos_takes_the_strategy(tmp_path: Path,

@@ -5,7 +5,9 @@ operation number as its step), and a member behind or a joiner adopts the lowest
 θ_g, outer momentum and counters (:mod:`.state`; not its local model; a joiner also its inner
 optimizer state with ``join_inner_state=copy``), resets θ_local ← θ_g and takes part in the
 operation the leader runs with Δ = 0 and weight 0 (its first send of every fragment after that
-also weighs 0 with ``uniform``). Its loop moves to the leader's step.
+also weighs 0 with ``uniform``). Its loop moves to the leader's step. Taking the state is
+:meth:`Adoption.take`; taking part in the leader's operation is the operations'
+(:meth:`~.ops.Operations.adopt`).
 
 With ``eager`` the leader's θ_g holds its outer step of the round in flight already, and with
 it the leader's own fresh term of that round (:func:`~.outer.own_term`), which the state carries
@@ -26,96 +28,92 @@ stops with the leader.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import numpy as np
 
 from p2psync.errors import PeerFailure
-from p2psync.strategies.diloco.ops import Operations
-from p2psync.strategies.diloco.state import CLOSE, FULL, Counters, pack_state, state_size, unpack_state
+from p2psync.strategies.base import StrategyContext
+from p2psync.strategies.diloco.node import NodeState
+from p2psync.strategies.diloco.options import DilocoOptions
+from p2psync.strategies.diloco.state import FULL, Counters, pack_state, state_size, unpack_state
 
-log = logging.getLogger("p2psync.diloco")
 
+class Adoption:
+    """The state a member behind adopts, over the node's :class:`~.node.NodeState`: what a
+    leader gives (:meth:`snapshot`), what a member behind keeps (:meth:`restore`) and takes
+    over (:meth:`take`). :meth:`snapshot`, :meth:`restore` and :meth:`size` are the three that
+    :class:`~p2psync.strategies.regroup.Regroup` is built with; taking part in the leader's
+    operation after :meth:`take` is the operations' (:meth:`.ops.Operations.adopt`)."""
 
-class Adoption(Operations):
-    """The state a member behind adopts: what a leader gives (:meth:`_snapshot`), what a member
-    behind keeps (:meth:`_restore`) and takes over in its step loop (:meth:`_take_adopted`)."""
+    def __init__(self, ctx: StrategyContext, opts: DilocoOptions, state: NodeState) -> None:
+        self.ctx = ctx
+        self.opts = opts
+        self.state = state
+        #: the leader's state kept by :meth:`restore` until :meth:`take`: θ_g, b, its counters,
+        #: (eager) the own fresh term its θ_g holds
+        self._kept: tuple[np.ndarray, list[np.ndarray | None], Counters, np.ndarray | None] | None = None
+        #: the leader's inner optimizer state a joiner takes (``join_inner_state=copy``)
+        self._inner: np.ndarray | None = None
 
-    def _state_size(self) -> int:
+    @property
+    def pending(self) -> Counters | None:
+        """The counters of a leader's state kept by :meth:`restore` and not taken yet (None:
+        there is none)."""
+        return None if self._kept is None else self._kept[2]
+
+    def size(self) -> int:
+        """Length of the state vector a member behind adopts."""
         inner = self.ctx.replica.state_size() if self.opts.join_inner_state == "copy" else 0
-        return state_size(self.ctx.replica.numel, len(self.frags), eager=self.opts.eager) + inner
+        return state_size(self.ctx.replica.numel, len(self.state.frags), eager=self.opts.eager) + inner
 
     def _held(self) -> np.ndarray | None:
         """Eager: the own fresh term θ_g holds of the round this node launched last (zeros when
         it holds none: the stop's final sync and closing checks); None without ``eager``."""
-        if not self.opts.eager or self.theta is None:
+        st = self.state
+        if not self.opts.eager or st.theta is None:
             return None
-        op = self.inflight
-        if op is not None and op.k == self._launched.op and op.f != FULL and op.held is not None:
+        op = st.inflight
+        if op is not None and op.k == st.launched.op and op.f != FULL and op.held is not None:
             return op.held
-        return np.zeros_like(self.theta)
+        return np.zeros_like(st.theta)
 
-    async def _snapshot(self) -> np.ndarray:
+    async def snapshot(self) -> np.ndarray:
         """θ_g, b, (eager) the own fresh term θ_g holds of the round in flight, and the counters
         as of this node's latest launch (Regroup runs the sync of a new view inside that
         operation: θ_g changes only when it is applied, or, eager, when the round is launched);
         with ``join_inner_state=copy`` this node's model and optimizer state after them."""
-        if self.theta is None:
+        st = self.state
+        if st.theta is None:
             raise PeerFailure("diloco: asked for a state before it has one")
-        vec = pack_state(self.theta, self.bufs, self.frags, self._launched, self._held())
+        vec = pack_state(st.theta, st.bufs, st.frags, st.launched, self._held())
         if self.opts.join_inner_state == "copy":
             vec = np.concatenate([vec, await self.ctx.replica.export_state()])
         return vec
 
-    async def _restore(self, vec: np.ndarray) -> None:
-        """Keep the leader's state; the step loop takes it over (:meth:`_take_adopted`)."""
-        own = state_size(self.ctx.replica.numel, len(self.frags), eager=self.opts.eager)
-        self._adopted = unpack_state(vec[:own], self.ctx.replica.numel, self.frags, eager=self.opts.eager)
+    async def restore(self, vec: np.ndarray) -> None:
+        """Keep the leader's state; the step loop takes it over (:meth:`take`)."""
+        own = state_size(self.ctx.replica.numel, len(self.state.frags), eager=self.opts.eager)
+        self._kept = unpack_state(vec[:own], self.ctx.replica.numel, self.state.frags, eager=self.opts.eager)
         self._inner = np.array(vec[own:], np.float32, copy=True) if vec.size > own else None
 
-    async def _take_adopted(self, extra: dict[str, Any]) -> Counters:
-        """Take the leader's state (Regroup's sync of a new view): θ_g, b, counters;
-        θ_local ← θ_g; then take part in the operation the leader is running with Δ = 0 and
-        weight 0 (applied at once when τ = 0)."""
-        if self._adopted is None or self.schedule is None:
+    async def take(self) -> tuple[Counters, np.ndarray | None]:
+        """Take the leader's state kept by :meth:`restore` (Regroup's sync of a new view): the
+        operation in flight is dropped; θ_g, b, counters; a joiner's first adoption also the
+        leader's inner state (``join_inner_state=copy``); θ_local ← θ_g; every fragment fresh.
+        Returns the leader's counters and (eager) the own fresh term its θ_g holds."""
+        st = self.state
+        if self._kept is None or st.schedule is None:
             raise PeerFailure("diloco: no state to adopt")
-        theta, bufs, c, held = self._adopted
-        self._adopted = None
-        if self.inflight is not None:
-            await self.close()
-        self.theta, self.bufs = theta, bufs
-        self.t, self.ops, self.applied = c.t, c.op, c.applied
+        theta, bufs, c, held = self._kept
+        self._kept = None
+        await st.drop_inflight()
+        st.theta, st.bufs = theta, bufs
+        st.t, st.ops, st.applied = c.t, c.op, c.applied
         inner, self._inner = self._inner, None
-        if inner is not None and self.ctx.joining and self.adoptions == 0:  # a joiner: the leader's inner state
+        if inner is not None and self.ctx.joining and st.adoptions == 0:  # a joiner: the leader's inner state
             await self.ctx.replica.import_state(inner)
-        await self.ctx.replica.set_params(self.theta.copy())
-        self.fresh = set(range(len(self.frags)))
-        self.marks = [self.ctx.replica.samples] * len(self.frags)
-        self.adoptions += 1
-        cur = self.cursor
-        self._stopping = self._stopping or c.stopping  # (a member that missed the agreed stop learns it)
-        if c.frag in (FULL, CLOSE):
-            log.warning("node %d: adopted the leader's DiLoCo state at its stop (operation %d, %s)", self.ctx.node_id,
-                        c.op, "final sync" if c.frag == FULL else "closing checks")
-            if c.frag == FULL:  # take part in the leader's final sync with Δ = 0
-                await self._launch(FULL, c.step, zero=True)
-            else:
-                self._final_done = True
-            return c
-        if cur is None or not 0 <= c.frag < len(self.frags):
-            raise PeerFailure(f"diloco: the leader's operation {c.op} names fragment {c.frag}")
-        cur.since, cur.next_frag, cur.due = 0, c.frag, None
-        await self._launch(c.frag, c.step, zero=True, at_stop=c.at_stop)
-        if self.opts.eager:  # θ_g holds the leader's step of this round, its own fresh term in it
-            cur.applied()  # (awaited at the next send)
-            self.applied += 1
-            if self.inflight is not None:
-                self.inflight.held = held
-        elif cur.apply_now():
-            got = await self._apply(extra)
-            if isinstance(got, Counters):
-                return got
-        log.warning("node %d: adopted the leader's DiLoCo state at operation %d (step %d%s)", self.ctx.node_id,
-                    c.op, c.step, ", at its stop" if c.at_stop else "")
-        return c
+        await self.ctx.replica.set_params(st.theta.copy())
+        st.fresh = set(range(len(st.frags)))
+        st.marks = [self.ctx.replica.samples] * len(st.frags)
+        st.adoptions += 1
+        st.stopping = st.stopping or c.stopping  # (a member that missed the agreed stop learns it)
+        return c, held

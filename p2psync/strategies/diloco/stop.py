@@ -14,11 +14,11 @@ is an operation (:data:`~.state.FULL`), and the closing checks after it (eager's
 buffers, the digest of θ_g) run as one more operation (:data:`~.state.CLOSE`), both through
 :class:`~p2psync.strategies.regroup.Regroup`. A member that missed an operation the others
 completed there (it failed on it alone) adopts the leader's θ_g — with the final sync in it once
-the leader is in the closing checks — and takes part in what the leader runs (:mod:`.adoption`).
-With ``eager`` the completion step awaits the round in flight like any operation: a member
-that failed it alone (or the final sync after it) adopts the leader's θ_g and momentum, which
-hold the leader's completion step, and the closing checks' exact mean ends the run with one
-θ_g over the members that reached it.
+the leader is in the closing checks — and takes part in what the leader runs (:mod:`.adoption`,
+:meth:`.ops.Operations.adopt`). With ``eager`` the completion step awaits the round in flight
+like any operation: a member that failed it alone (or the final sync after it) adopts the
+leader's θ_g and momentum, which hold the leader's completion step, and the closing checks'
+exact mean ends the run with one θ_g over the members that reached it.
 """
 
 from __future__ import annotations
@@ -32,69 +32,83 @@ from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch
 from p2psync.model import MODEL_BUFFERS
+from p2psync.strategies.base import StrategyContext
 from p2psync.strategies.buffers import sync_buffers
-from p2psync.strategies.diloco.adoption import Adoption
+from p2psync.strategies.diloco.node import NodeState
+from p2psync.strategies.diloco.ops import Operations
+from p2psync.strategies.diloco.options import DilocoOptions
 from p2psync.strategies.diloco.outer import outer_step
 from p2psync.strategies.diloco.state import CLOSE, FULL, Counters
-from p2psync.strategies.regroup import Adopted, exact_mean_input
+from p2psync.strategies.regroup import Adopted, Regroup, exact_mean_input
 from p2psync.tasks import gather_or_cancel
 
 
-class Stopping(Adoption):
-    """The stop's protocol: :meth:`_flush`, then :meth:`_close_checks` as one more operation."""
+class Stop:
+    """The stop's protocol over the node's :class:`~.node.NodeState`: :meth:`flush` (through
+    ``ops``), then :meth:`close_checks` as one more operation (through ``regroup``)."""
 
-    async def _flush(self, extra: dict[str, Any], step: int) -> None:
+    def __init__(self, ctx: StrategyContext, opts: DilocoOptions, state: NodeState, ops: Operations,
+                 regroup: Regroup) -> None:
+        self.ctx = ctx
+        self.opts = opts
+        self.state = state
+        self.ops = ops
+        self.regroup = regroup
+
+    async def flush(self, extra: dict[str, Any], step: int) -> None:
         """The stop: apply the operation in flight (eager: its completion step), the final full
-        sync (``final_sync=full``), then the closing checks (:meth:`_close_checks`) as one more
+        sync (``final_sync=full``), then the closing checks (:meth:`close_checks`) as one more
         operation. A member that adopts a leader's state on the way joins what the leader runs
         (the module docstring)."""
-        if self.theta is None:
+        st, ops = self.state, self.ops
+        if st.theta is None:
             raise ConfigError("diloco: no global copy yet")
         # the model's progress since the last send is measured from θ_g as it was then (eager's
         # completion step below moves θ_g without any local step behind it)
-        since = self.theta.copy()
+        since = st.theta.copy()
         # (an adoption on the way may launch the leader's final sync, or take a θ_g that holds it)
-        if self.inflight is not None and self.inflight.f != FULL:
+        if st.inflight is not None and st.inflight.f != FULL:
             if self.opts.eager:  # the completion step: the others' last contributions, no new own one
-                last = await self._collect(extra, final=True)
+                last = await ops.collect(extra, final=True)
                 if isinstance(last, tuple):
-                    late = self._late_part(last[0], last[1], last[2], extra)
+                    late = ops.late_part(last[0], last[1], last[2], extra)
                     if late is not None:
                         o = self.opts
-                        self.bufs[0] = outer_step(self.theta, self.bufs[0], late, lr=o.outer_lr,
-                                                  momentum=o.outer_momentum, nesterov=o.nesterov)
+                        st.bufs[0] = outer_step(st.theta, st.bufs[0], late, lr=o.outer_lr,
+                                                momentum=o.outer_momentum, nesterov=o.nesterov)
             else:
-                await self._apply(extra, final=True)
-        if self.opts.final_sync == "full" and not self._final_done:
-            if self.inflight is None or self.inflight.f != FULL:
-                await self._launch(FULL, step, ref=since if self.opts.eager else None)
-            got = await self._collect(extra, final=True)
+                await ops.apply(extra, final=True)
+        if self.opts.final_sync == "full" and not st.final_done:
+            if st.inflight is None or st.inflight.f != FULL:
+                await ops.launch(FULL, step, ref=since if self.opts.eager else None)
+            got = await ops.collect(extra, final=True)
             if isinstance(got, tuple):
                 full, s, side, _ = got
-                await self._outer(full, s, side, extra, merge_local=False)
+                await ops.outer(full, s, side, extra, merge_local=False)
             elif got is None or got.frag != CLOSE:
                 raise PeerFailure("diloco: the final sync ended without a result")
-        if self.theta is None:
+        if st.theta is None:
             raise ConfigError("diloco: no global copy yet")
-        self._launched = Counters(op=self.ops, t=self.t, step=step, applied=self.applied, frag=CLOSE)
-        done = await self.regroup.run(self.ops, self._close_checks)
+        st.launched = Counters(op=st.ops, t=st.t, step=step, applied=st.applied, frag=CLOSE)
+        done = await self.regroup.run(st.ops, self.close_checks)
         if isinstance(done, Adopted):  # it missed the final sync: the leader's θ_g holds it
-            await self._take_adopted(extra)
-            if not self._final_done:
+            await ops.adopt(extra)
+            if not st.final_done:
                 raise PeerFailure("diloco: adopted a state that is not at the stop's closing checks")
-            done = await self.regroup.run(self.ops, self._close_checks)
+            done = await self.regroup.run(st.ops, self.close_checks)
         if isinstance(done, Adopted):
             raise PeerFailure("diloco: the members did not agree on the stop's closing checks")
 
-    async def _close_checks(self, view: View) -> None:
+    async def close_checks(self, view: View) -> None:
         """The stop's last operation over ``view``: eager's exact mean of θ_g and the momentum,
         θ_local ← θ_g, buffers as ``--buffers`` says, and a digest of θ_g compared over the
         members (a mismatch is a :class:`~p2psync.errors.ReplicaMismatch`)."""
-        if self.theta is None:
+        st = self.state
+        if st.theta is None:
             raise ConfigError("diloco: no global copy yet")
         coll = self.ctx.collectives
-        op = OpId("diloco", self.ops, view.epoch).tag
-        theta, mom = self.theta, self.bufs[0]
+        op = OpId("diloco", st.ops, view.epoch).tag
+        theta, mom = st.theta, st.bufs[0]
         if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
             m = mom if mom is not None else np.zeros_like(theta)
             th, mo = await gather_or_cancel([
@@ -110,6 +124,6 @@ class Stopping(Adoption):
         if differ:
             raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "
                                   f"{view.members[0]}'s at the end", nodes=differ, tensor="theta_g")
-        self.theta = theta  # (kept only once every member holds it: a redo starts from the same θ_g)
+        st.theta = theta  # (kept only once every member holds it: a redo starts from the same θ_g)
         if self.opts.eager:
-            self.bufs[0] = mom
+            st.bufs[0] = mom

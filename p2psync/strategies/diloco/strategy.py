@@ -51,21 +51,30 @@ from p2psync.compress import Codec, ErrorFeedback, get_codec
 from p2psync.coordinator import View
 from p2psync.errors import ConfigError, PeerFailure, TrainingEnded
 from p2psync.model import LAYERED, MODEL_BUFFERS, PARAM_RANGES, Layer
-from p2psync.strategies.base import StepReport, register
+from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
+from p2psync.strategies.diloco.adoption import Adoption
 from p2psync.strategies.diloco.fragments import fragment_map, indices, map_digest
-from p2psync.strategies.diloco.ops import Op
+from p2psync.strategies.diloco.node import NodeState, Op
+from p2psync.strategies.diloco.ops import Operations
+from p2psync.strategies.diloco.options import DilocoOptions
 from p2psync.strategies.diloco.outer import eager_gradient, outer_step, own_term
 from p2psync.strategies.diloco.schedule import Cursor, Schedule
 from p2psync.strategies.diloco.state import Counters, pack_state
-from p2psync.strategies.diloco.stop import Stopping
+from p2psync.strategies.diloco.stop import Stop
+from p2psync.strategies.failure import FailurePolicy
 from p2psync.strategies.needs import Needs
+from p2psync.strategies.regroup import Regroup
 
 log = logging.getLogger("p2psync.diloco")
 
 
 @register
-class DiLoCo(Stopping):
-    """``--strategy diloco`` (see the module docstring)."""
+class DiLoCo(Strategy):
+    """``--strategy diloco`` (see the module docstring). It owns the node's parts, each built
+    with what it needs: the state (:class:`~.node.NodeState`), the adoption
+    (:class:`~.adoption.Adoption`, whose three the regroup is built with), the regroup, the
+    operations (:class:`~.ops.Operations`) and the stop (:class:`~.stop.Stop`); it implements
+    the strategy's hooks and the step loop over them."""
 
     name = "diloco"
     requires = (PARAM_RANGES, LAYERED, MODEL_BUFFERS)
@@ -73,13 +82,31 @@ class DiLoCo(Stopping):
                   clipping="clips each node's own gradient (inner steps are local)",
                   buffers="each node's own between syncs; the lowest member's (or the mean) at the end (--buffers)")
     identical_replicas = "end"
+    Options = DilocoOptions
+    opts: DilocoOptions
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.state = NodeState()
+        self.adoption = Adoption(ctx, self.opts, self.state)
+        self.regroup = Regroup(ctx=ctx, name="diloco", snapshot=self.adoption.snapshot,
+                               restore=self.adoption.restore, size=self.adoption.size)
+        #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
+        self.failure: FailurePolicy = self.regroup.failure
+        self.ops = Operations(ctx, self.opts, self.state, self.regroup, self.adoption,
+                              codec=self.opts.outer_codec or ctx.collectives.codec)
+        self.stop = Stop(ctx, self.opts, self.state, self.ops, self.regroup)
 
     def codecs(self) -> list[Codec]:
-        return [get_codec(self.codec)]
+        return [get_codec(self.ops.codec)]
+
+    async def close(self) -> None:
+        await self.state.drop_inflight()
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        st = self.state
         fb = self.opts.feedback
         coll = self.ctx.collectives
         if fb is True and coll.feedback is None:
@@ -96,14 +123,14 @@ class DiLoCo(Stopping):
                     raise
         ranges = fragment_map(layers, rep.numel, self.opts.fragments, by=self.opts.fragment_by,
                               pattern=self.opts.fragment_pattern)
-        self.ranges = ranges
-        self.frags = [indices(r) for r in ranges]
-        self.digest = map_digest(ranges)
-        self.schedule = Schedule(self.opts.inner_steps, len(self.frags), self.opts.tau)
-        self.cursor = Cursor(parts=len(self.frags), interval=self.schedule.interval, delay=self.opts.tau)
-        self.bufs = [None] * len(self.frags)
-        self.marks = [rep.samples] * len(self.frags)
-        codec = get_codec(self.codec)
+        st.ranges = ranges
+        st.frags = [indices(r) for r in ranges]
+        st.digest = map_digest(ranges)
+        st.schedule = Schedule(self.opts.inner_steps, len(st.frags), self.opts.tau)
+        st.cursor = Cursor(parts=len(st.frags), interval=st.schedule.interval, delay=self.opts.tau)
+        st.bufs = [None] * len(st.frags)
+        st.marks = [rep.samples] * len(st.frags)
+        codec = get_codec(self.ops.codec)
         group = self.ctx.group
         if codec.lossy and codec.name != "topk" and len(group) > 2 and self.ctx.node_id == min(group):
             log.warning("diloco: the outer codec %s re-encodes partial sums at every hop of a reduce-scatter over %d "
@@ -111,10 +138,11 @@ class DiLoCo(Stopping):
                         "owner: that plan is not built); 4-bit outer gradients lose more than the paper's",
                         codec.spec, len(self.ctx.group))
         if self.ctx.joining:
-            got = await self.regroup.join()  # (no op: the leader's state is stashed by _restore)
-            if self._adopted is None:
+            got = await self.regroup.join()  # (no op: the leader's state is kept by the adoption's restore)
+            kept = self.adoption.pending
+            if kept is None:
                 raise PeerFailure("diloco: joined but no member gave its state")
-            self.start_step = self._adopted[2].step + 1
+            self.start_step = kept.step + 1
             log.info("node %d: joins at operation %d (step %d)", self.ctx.node_id, got, self.start_step)
 
     def on_peer_failure(self, peer: int) -> None:
@@ -131,18 +159,19 @@ class DiLoCo(Stopping):
         values)."""
         import torch
 
-        if self.theta is None:
+        st = self.state
+        if st.theta is None:
             return {}
-        mom = pack_state(self.theta, self.bufs, self.frags, Counters(0, 0, 0, 0))[self.theta.size:2 * self.theta.size]
+        mom = pack_state(st.theta, st.bufs, st.frags, Counters(0, 0, 0, 0))[st.theta.size:2 * st.theta.size]
         out: dict[str, Any] = {
-            "theta_g": torch.from_numpy(self.theta.copy()), "momentum": torch.from_numpy(mom.copy()),
-            "has_momentum": [b is not None for b in self.bufs], "t": self.t, "ops": self.ops,
-            "applied": self.applied, "fresh": sorted(self.fresh), "settings": self._settings(),
-            "speed": self.speed, "fastest": self.fastest}
-        cur = self.cursor
+            "theta_g": torch.from_numpy(st.theta.copy()), "momentum": torch.from_numpy(mom.copy()),
+            "has_momentum": [b is not None for b in st.bufs], "t": st.t, "ops": st.ops,
+            "applied": st.applied, "fresh": sorted(st.fresh), "settings": self._settings(),
+            "speed": st.speed, "fastest": st.fastest}
+        cur = st.cursor
         if cur is not None:
             out["cursor"] = [cur.interval, cur.delay, cur.since, cur.next_frag, -1 if cur.due is None else cur.due]
-        op = self.inflight
+        op = st.inflight
         if op is not None:
             c = op.counters
             rec: dict[str, Any] = {"f": op.f, "w": op.w, "stop": op.stop, "nonfinite": op.nonfinite,
@@ -163,28 +192,29 @@ class DiLoCo(Stopping):
 
     def _settings(self) -> list[float]:
         o = self.opts
-        return [float(o.inner_steps), float(len(self.frags)), float(o.tau), o.outer_lr, o.outer_momentum,
-                float(o.nesterov), self.digest]
+        return [float(o.inner_steps), float(len(self.state.frags)), float(o.tau), o.outer_lr, o.outer_momentum,
+                float(o.nesterov), self.state.digest]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume θ_g, the momentum, the counters and the operation in flight."""
+        st = self.state
         if not state:
             return
         if list(state.get("settings", [])) != self._settings():
             raise ConfigError("diloco: the checkpoint was taken with other settings (inner_steps, fragments, tau, "
                               "outer_lr, outer_momentum, nesterov or the model's fragments differ)")
-        self.theta = np.asarray(state["theta_g"].numpy(), np.float32).copy()
+        st.theta = np.asarray(state["theta_g"].numpy(), np.float32).copy()
         mom = np.asarray(state["momentum"].numpy(), np.float32)
-        self.bufs = [np.array(mom[idx], copy=True) if have else None
-                     for idx, have in zip(self.frags, state["has_momentum"])]
-        self.t, self.ops, self.applied = int(state["t"]), int(state["ops"]), int(state["applied"])
-        self.fresh = set(int(f) for f in state.get("fresh", []))
-        self.speed, self.fastest = float(state.get("speed", 0.0)), float(state.get("fastest", 0.0))
+        st.bufs = [np.array(mom[idx], copy=True) if have else None
+                   for idx, have in zip(st.frags, state["has_momentum"])]
+        st.t, st.ops, st.applied = int(state["t"]), int(state["ops"]), int(state["applied"])
+        st.fresh = set(int(f) for f in state.get("fresh", []))
+        st.speed, st.fastest = float(state.get("speed", 0.0)), float(state.get("fastest", 0.0))
         cur = state.get("cursor")
-        if cur is not None and self.cursor is not None:
+        if cur is not None and st.cursor is not None:
             h, d, since, nxt, due = (int(v) for v in cur)
-            self.cursor = Cursor(parts=len(self.frags), interval=h, delay=d, since=since, next_frag=nxt,
-                                 due=None if due < 0 else due)
+            st.cursor = Cursor(parts=len(st.frags), interval=h, delay=d, since=since, next_frag=nxt,
+                               due=None if due < 0 else due)
         rec = state.get("inflight")
         if rec is not None:
             op_, t, at, applied, frag = (int(v) for v in rec["counters"])
@@ -197,27 +227,28 @@ class DiLoCo(Stopping):
             if "result" in rec:
                 op.result = (np.asarray(rec["result"][0].numpy(), np.float32).copy(),
                              np.asarray(rec["result"][1].numpy(), np.float32).copy())
-                self.inflight = op
+                st.inflight = op
             else:
-                self._relaunch = op
-            self._launched = c
+                st.relaunch = op
+            st.launched = c
 
     # -- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
-        sched = self.schedule
+        st = self.state
+        sched = st.schedule
         if sched is None:
             raise ConfigError("diloco: train_step before start")
         t0 = clock.now()
         extra: dict[str, Any] = {}
-        if self.theta is None and self._adopted is None:
+        if st.theta is None and self.adoption.pending is None:
             await self._begin()
-        if self._adopted is not None:  # a joiner's first step
-            await self._take_adopted(extra)
-        if self._relaunch is not None:
-            op, self._relaunch = self._relaunch, None
-            self._start(op)
-        cur = self.cursor
+        if self.adoption.pending is not None:  # a joiner's first step
+            await self.ops.adopt(extra)
+        if st.relaunch is not None:
+            op, st.relaunch = st.relaunch, None
+            self.ops.start(op)
+        cur = st.cursor
         if cur is None:
             raise ConfigError("diloco: train_step before start")
         wait = clock.now() - t0
@@ -230,8 +261,8 @@ class DiLoCo(Stopping):
         await self.ctx.replica.apply_gradients(grad)  # the inner step: the user's optimizer
         t1 = clock.now()
         self._measure(t1 - tc)
-        self.t += 1
-        self._want_stop = self._want_stop or want_stop
+        st.t += 1
+        st.want_stop = st.want_stop or want_stop
         # a step budget stops every node at the same step, known in advance; with DyLU the
         # nodes' steps differ: the stop rides with the sums (the fastest node raises it)
         stop = not self.opts.dylu and self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps
@@ -245,44 +276,46 @@ class DiLoCo(Stopping):
             else:
                 stop = stop or got_eager
         elif f is not None:
-            await self._launch(f, step)
+            await self.ops.launch(f, step)
             apply = cur.apply_now()
-        if apply and self.inflight is not None:
-            got = await self._apply(extra)
+        if apply and st.inflight is not None:
+            got = await self.ops.apply(extra)
             if isinstance(got, Counters):
                 next_step = got.step + 1
                 stop = not self.opts.dylu and self.ctx.max_steps is not None and next_step >= self.ctx.max_steps
             else:
                 stop = stop or got
-        stop = stop or self._stopping
+        stop = stop or st.stopping
         if stop:
-            await self._flush(extra, step)
+            await self.stop.flush(extra, step)
         wait += clock.now() - t1
         # comm_s: everything outside the inner step (reading and writing the model, the outer
         # steps, sums); wait_s: only the time blocked on a sum that had not arrived yet
         blocked = float(extra.get("wait_op_s", 0.0))
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=blocked, next_step=next_step, extra={
-            **extra, "outer_steps": self.applied, "in_flight": int(self.inflight is not None),
-            "blocked": self.blocked, "skipped_nonfinite": self.skipped, "members": len(self.ctx.group),
-            "reforms": self.regroup.reformations, "adoptions": self.adoptions,
-            **({"h_m": cur.interval, "speed": round(self.speed, 3)} if self.opts.dylu else {})})
+            **extra, "outer_steps": st.applied, "in_flight": int(st.inflight is not None),
+            "blocked": st.blocked, "skipped_nonfinite": st.skipped, "members": len(self.ctx.group),
+            "reforms": self.regroup.reformations, "adoptions": st.adoptions,
+            **({"h_m": cur.interval, "speed": round(st.speed, 3)} if self.opts.dylu else {})})
 
     def _measure(self, seconds: float) -> None:
         """The inner-step speed (steps/s of compute, exchanges excluded), an EMA (0.9); the
         first step (warm-up: kernels load, caches fill) is not counted."""
-        self._measured += 1
-        if seconds <= 0 or self._measured <= 1:
+        st = self.state
+        st.measured += 1
+        if seconds <= 0 or st.measured <= 1:
             return
         v = 1.0 / seconds
-        self.speed = v if self.speed == 0 else 0.9 * self.speed + 0.1 * v
+        st.speed = v if st.speed == 0 else 0.9 * st.speed + 0.1 * v
 
     async def _begin(self) -> None:
         """First step of a fresh run: every member starts from the lowest id's parameters
         (``init_sync``) and checks that every member cut the same fragments."""
-        rep, coll, view = self.ctx.replica, self.ctx.collectives, self._view()
+        st = self.state
+        rep, coll, view = self.ctx.replica, self.ctx.collectives, self.failure.view()
         params = await rep.get_params()
         tag = OpId("diloco", "init", view.epoch).tag
-        rows = await coll.allgather(np.array([self.digest, float(len(self.frags))], np.float32), view.members,
+        rows = await coll.allgather(np.array([st.digest, float(len(st.frags))], np.float32), view.members,
                                     tag=f"{tag}.map")
         if any(not np.array_equal(r, rows[0]) for r in rows):
             raise ConfigError("diloco: the members cut different fragments (different models, or different "
@@ -292,7 +325,7 @@ class DiLoCo(Stopping):
             if root.tobytes() != params.tobytes():  # (a session's start gave every member the same already;
                 await rep.set_params(root)          # replacing them would skip the iteration parked now)
             params = root
-        self.theta = np.array(params, np.float32, copy=True)
+        st.theta = np.array(params, np.float32, copy=True)
 
     async def _eager_round(self, f: int, step: int, extra: dict[str, Any], *, stopping: bool) -> bool | Counters:
         """Eager updates (fragments=1): await the previous round's sum, launch this round's,
@@ -302,28 +335,29 @@ class DiLoCo(Stopping):
         Returns whether the previous round carried a stop, or adopted counters.
         ``stopping`` (the step budget ends here) or a stop carried by the previous round makes
         this round the one the stop's completion step awaits (launched ``at_stop``)."""
-        if self.theta is None or self.cursor is None:
+        st = self.state
+        if st.theta is None or st.cursor is None:
             raise ConfigError("diloco: no global copy yet")
-        got = await self._collect(extra)
+        got = await self.ops.collect(extra)
         if isinstance(got, Counters):
             return got
         stop, others = False, None
         if got is not None:
             prev, s, side, _ = got
             stop = bool(side[1] > 0)
-            others = self._late_part(prev, s, side, extra)
-        await self._launch(f, step, at_stop=stopping or stop)
-        self.cursor.applied()  # (the round's own sum is awaited at the next send)
-        new = self.inflight
+            others = self.ops.late_part(prev, s, side, extra)
+        await self.ops.launch(f, step, at_stop=stopping or stop)
+        st.cursor.applied()  # (the round's own sum is awaited at the next send)
+        new = st.inflight
         if new is None:
             raise ConfigError("diloco: the round did not start")
-        expected = float(len(self._view().members))
+        expected = float(len(self.failure.view().members))
         g = eager_gradient(new.payload, expected, others)
         new.held = own_term(new.payload, expected)  # (the term g holds: its late part takes it out)
         extra.update(delta_norm=float(np.linalg.norm(g)))
         o = self.opts
-        self.bufs[0] = outer_step(self.theta, self.bufs[0], g, lr=o.outer_lr, momentum=o.outer_momentum,
-                                  nesterov=o.nesterov)
-        self.applied += 1
-        await self.ctx.replica.set_params(self.theta.copy())
+        st.bufs[0] = outer_step(st.theta, st.bufs[0], g, lr=o.outer_lr, momentum=o.outer_momentum,
+                                nesterov=o.nesterov)
+        st.applied += 1
+        await self.ctx.replica.set_params(st.theta.copy())
         return stop

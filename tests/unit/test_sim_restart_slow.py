@@ -1,0 +1,249 @@
+"""Restarts and slow links in the simulator (p2psync/sim/faults.py, cluster.py, invariants.py):
+their text form, their draw, the invariants on crafted views, and runs of the real membership
+where a restarted node rejoins and a slowed node is declared failed only when it must be."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+
+from p2psync.errors import ConfigError
+from p2psync.sim import invariants as inv
+from p2psync.sim.cluster import SimCluster, SimOptions
+from p2psync.sim.faults import Fault, draw, parse_faults
+from p2psync.sim.loop import VirtualLoop, run
+from p2psync.topology import mesh, ring
+
+ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
+            "one_view_at_end": "held"}
+
+
+def simulate(topo: Any, faults: str, seconds: float, **opts: Any) -> dict[str, Any]:
+    async def main() -> dict[str, Any]:
+        async with SimCluster(topo, faults=parse_faults(faults, topo.ids), opts=SimOptions(**opts)) as c:
+            return await c.run(seconds)
+
+    return run(main(), loop=VirtualLoop())
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL)
+
+
+# -- the text form and the draw ------------------------------------------------------------
+
+def test_restart_and_slow_specs_parse_and_print_back() -> None:
+    ids = list(range(16))
+    faults = parse_faults("slow:3-4@10+30x10,restart:7@50,slow:3|4@12+5x2.5,kill:7@20", ids)
+    assert [f.spec() for f in faults] == ["slow:3-4@10+30x10", "slow:3|4@12+5x2.5", "kill:7@20", "restart:7@50"]
+    assert parse_faults(",".join(f.spec() for f in faults), ids) == faults
+    slow, across = faults[0], faults[1]
+    assert slow.factor == 10 and slow.other == () and slow.end == 40
+    # one side: every link of the nodes; two sides: the links joining them
+    assert slow.slows(3, 4) and slow.slows(2, 3) and slow.slows(4, 5) and not slow.slows(5, 6)
+    assert across.slows(4, 3) and not across.slows(2, 3)
+    assert faults[3].duration is None and faults[3].end is None and not faults[3].slows(7, 8)
+    for bad in ("restart:3@5+2", "slow:3@5+2", "slow:3@5x2", "kill:3@5x2", "pause:3@5+2x2", "slow:3@5+2x1",
+                "slow:0-3|2-5@1+1x2", "restart:1|2@1", "slow:3@5+2x1.2.3", "restart:99@1"):
+        with pytest.raises(ConfigError):
+            parse_faults(bad, ids)
+
+
+def test_the_draw_includes_restarts_and_slowdowns_and_prints_back() -> None:
+    ids = list(range(16))
+    kinds: dict[str, int] = {}
+    for seed in range(200):
+        for gap in (None, 6.0):
+            drawn = draw(random.Random(seed), ids, 3, start=5.0, end=50.0, gap=gap)
+            assert drawn == draw(random.Random(seed), ids, 3, start=5.0, end=50.0, gap=gap)
+            assert parse_faults(",".join(f.spec() for f in drawn), ids) == drawn
+            assert all(5.0 <= f.at <= 50.0 and (f.end is None or f.end <= 50.0) for f in drawn)
+            for f in drawn:
+                kinds[f.kind] = kinds.get(f.kind, 0) + 1
+                if f.kind == "restart":  # the node is running, or was killed before by this draw
+                    killed = [g for g in drawn if g.kind == "kill" and g.nodes == f.nodes]
+                    assert all(g.at < f.at for g in killed)
+    assert set(kinds) == {"kill", "restart", "pause", "partition", "slow"}
+    assert min(kinds.values()) >= 50
+
+
+def test_a_draw_without_restarts_or_slowdowns_keeps_the_three_kinds_draw() -> None:
+    # the second stream turns some faults into restarts and slowdowns; the others are the
+    # faults the draw of kills, pauses and partitions gives (here: a seed whose draw it leaves)
+    ids = list(range(16))
+    for seed in range(400):
+        drawn = draw(random.Random(seed), ids, 3, start=5.0, end=50.0)
+        if all(f.kind in ("kill", "pause", "partition") for f in drawn):
+            break
+    else:
+        pytest.fail("no seed kept the three kinds")
+    rng = random.Random(seed)
+    expected = []
+    used: set[int] = set()
+    for _ in range(3):  # the three-kinds draw, written out
+        kind = rng.choice(("kill", "pause", "partition"))
+        at = round(rng.uniform(5.0, 50.0), 3)
+        dur = round(min(rng.uniform(1.0, 20.0), max(50.0 - at, 0.001)), 3)
+        if kind == "partition":
+            size = rng.randint(1, 8)
+            first = rng.randrange(16)
+            side = tuple(sorted((first + k) % 16 for k in range(size)))
+            expected.append(Fault(kind="partition", at=at, nodes=side, duration=dur,
+                                  other=tuple(n for n in ids if n not in side)))
+            continue
+        n = rng.choice([n for n in ids if n not in used])
+        used.add(n)
+        expected.append(Fault(kind="kill", at=at, nodes=(n,)) if kind == "kill"
+                        else Fault(kind="pause", at=at, nodes=(n,), duration=dur))
+    assert drawn == sorted(expected, key=lambda f: f.at)
+
+
+# -- the invariants on crafted views ---------------------------------------------------------
+
+def _v(t: float, node: int, members: tuple[int, ...], *, term: int = 0, epoch: int = 1, coord: int = 0) -> inv.ViewSeen:
+    return inv.ViewSeen(t=t, node=node, term=term, epoch=epoch, coordinator=coord, members=members)
+
+
+def test_a_kill_counts_until_its_restart_and_a_restart_kills_a_running_node() -> None:
+    kill, restart = Fault(kind="kill", at=5.0, nodes=(3,)), Fault(kind="restart", at=9.0, nodes=(3,))
+    faults = [kill, restart]
+    assert inv.killed_by(faults, 6.0) == {3} and inv.killed_by(faults, 9.0) == set()
+    assert inv.until(kill, faults) == 9.0 and inv.until(kill, [kill]) == float("inf")
+    base = [_v(0, n, (0, 1, 2, 3, 4)) for n in range(5)]
+    removed = [*base, _v(7.0, 1, (0, 1, 2, 4), epoch=2), _v(11.0, 1, (0, 1, 2, 3, 4), epoch=3)]
+    assert inv.no_false_failure(faults, removed, bound=3.0) == "held"
+    # the new process removed later: no kill covers it
+    again = [*removed, _v(20.0, 1, (0, 1, 2, 4), epoch=4)]
+    assert "node 3 declared failed" in inv.no_false_failure(faults, again, bound=3.0)
+    # a restart of a running node kills it first: its process must be declared in the bound
+    alone = [Fault(kind="restart", at=5.0, nodes=(3,))]
+    found, verdict = inv.detections(alone, [*base, _v(7.0, 1, (0, 1, 2, 4), epoch=2)], bound=3.0, failure_timeout=2.0)
+    assert verdict == "held" and found[0]["declared_after_s"] == {"3": 2.0}
+    assert "never declared failed: [3]" in inv.detections(alone, base, bound=3.0, failure_timeout=2.0)[1]
+    # a restart of a node killed before kills nothing
+    assert inv.detections(faults, removed, bound=3.0, failure_timeout=2.0)[1] == "held"
+    # on a ring the nodes behind a restarted node are not cut off (the new process relays)
+    links = {i: [(i - 1) % 9, (i + 1) % 9] for i in range(9)}
+    before = [Fault(kind="kill", at=2.0, nodes=(3,))]
+    assert inv.cut_by(Fault(kind="kill", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1, 2, 3]
+    assert inv.cut_by(Fault(kind="restart", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1]
+    # ring-16 without node 6: a kill of node 14 leaves two arcs of 7 (no majority), a restart
+    # of it does not (chaos seed 7004)
+    ring16 = {i: [(i - 1) % 16, (i + 1) % 16] for i in range(16)}
+    members = tuple(n for n in range(16) if n != 6)
+    six = [Fault(kind="kill", at=8.0, nodes=(6,))]
+    assert inv.cut_by(Fault(kind="kill", at=20.0, nodes=(14,)), six, members, ring16) is None
+    assert inv.cut_by(Fault(kind="restart", at=20.0, nodes=(14,)), six, members, ring16) == [14]
+
+
+def test_one_view_at_end_lets_a_node_restarted_late_be_a_member_or_not() -> None:
+    a = _v(9, 0, (0, 1, 2), epoch=4)
+    final = {0: a, 1: _v(9, 1, (0, 1, 2), epoch=4), 2: None}
+    assert "but the live, unfenced nodes are [0, 1]" in inv.one_view_at_end(final, [0, 1])
+    assert inv.one_view_at_end(final, [0, 1], pending=[2]) == "held"
+    assert inv.one_view_at_end({0: _v(9, 0, (0, 1), epoch=5), 1: _v(9, 1, (0, 1), epoch=5)}, [0, 1], [2]) == "held"
+
+
+def test_a_slowdown_puts_at_risk_only_the_members_whose_round_trip_grows_past_the_timeout() -> None:
+    links = {i: [j for j in range(5) if j != i] for i in range(5)}  # a mesh
+    lat = lambda a, b: 0.1  # noqa: E731
+    views = [_v(0, n, (0, 1, 2, 3, 4)) for n in range(5)]
+    timing: dict[str, Any] = dict(bound=3.9, failure_timeout=2.0, interval=0.5, links=links, latency=lat)
+
+    def risk(spec: str) -> inv.SlowRisk:
+        return inv.slow_risk(parse_faults(spec, range(5))[0], [], views, **timing)
+
+    assert risk("slow:3@5+15x6") == inv.SlowRisk((), (), pytest.approx(1.0))  # 1 s more: fits
+    assert risk("slow:3@5+15x9").risk == (3,) and risk("slow:3@5+15x9").must == ()
+    assert risk("slow:3@5+15x50").must == (3,)  # 4.9 s more one way, on every way
+    assert risk("slow:3@5+2x50").must == ()  # too short to be sure
+    assert risk("slow:3|4@5+15x50").must == ()  # 3 reaches 0 directly: 4 is not on its way
+    assert risk("slow:0@5+15x50").risk == (0, 1, 2, 3, 4)  # the coordinator slowed: anybody
+    # 2-4 may depose node 0 and elect node 2: then 1, across the slowed links, is at risk too
+    # (chaos seed 7055)
+    assert risk("slow:0-1|2-4@5+15x50").risk == (0, 1, 2, 3, 4)
+    assert risk("slow:0-2|3-4@5+15x50").risk == (3, 4)  # 3 and 4 alone cannot depose it
+    slow = parse_faults("slow:3@5+15x50", range(5))
+    declared = [*views, _v(7.5, 1, (0, 1, 2, 4), epoch=2)]
+    assert inv.no_false_failure(slow, declared, **timing) == "held"
+    assert inv.detections(slow, views, **timing)[1].endswith("never declared failed: [3]")
+    fits = parse_faults("slow:3@5+15x6", range(5))
+    assert "node 3 declared failed" in inv.no_false_failure(fits, declared, **timing)
+    # a kill while a slowdown is in force: its bound grows by four added round trips
+    kill = Fault(kind="kill", at=6.0, nodes=(2,))
+    late = [*views, _v(6.0 + 3.9 + 1.0, 1, (0, 1, 3, 4), epoch=2)]
+    assert inv.detections([kill], late, **timing)[1] != "held"
+    assert inv.detections([*fits, kill], late, **timing)[1] == "held"
+
+
+# -- runs of the real membership -------------------------------------------------------------
+
+@pytest.mark.parametrize("topo,faults", [
+    (ring(8), "restart:3@5"),  # a running node restarted: killed, then its new process joins
+    (mesh(8), "kill:2@5,restart:2@12"),  # a killed node started again
+    (ring(8), "restart:0@5"),  # the coordinator restarted: node 1 takes over, node 0 joins it
+])
+def test_a_restarted_node_rejoins_the_final_view(topo: Any, faults: str) -> None:
+    s = simulate(topo, faults, 30.0)
+    assert s["invariants"] == ALL_HELD
+    n = parse_faults(faults, topo.ids)[-1].nodes[0]
+    assert s["final_view"]["members"] == list(range(8)) and s["killed"] == [] and s["fenced"] == {}
+    (restart,) = s["restarts"]
+    assert restart["node"] == n and restart["incarnation"] == 2 and restart["joined_after_s"] is not None
+    assert [d["node"] for d in s["declared"]] == [n]  # its previous process, once
+    after = s["detections"][0]["declared_after_s"][str(n)]
+    assert after <= s["detection_bound_s"]
+
+
+def test_a_node_restarted_too_late_to_rejoin_is_not_held_against_the_end() -> None:
+    # its new process is still asking where the run is (a round trip) when the run ends
+    s = simulate(mesh(8), "kill:5@3,restart:5@10.999", 11.0)
+    assert s["invariants"] == ALL_HELD
+    assert s["restarts"][0]["joined_after_s"] is None
+    assert s["final_view"]["members"] == [0, 1, 2, 3, 4, 6, 7]
+
+
+def test_a_slowed_node_whose_round_trip_fits_the_detector_is_not_declared_failed() -> None:
+    # 100 ms links, node 3's six times slower for 15 s: 1.2 s round trips to the coordinator
+    # (one more second, and its heartbeats' gap half a second more): the detector's bound fits
+    s = simulate(mesh(8), "slow:3@5+15x6", 30.0, latency_s=0.1)
+    assert s["invariants"] == ALL_HELD
+    assert s["declared"] == [] and s["fenced"] == {}
+    assert s["detections"][0] == {"fault": "slow:3@5+15x6", "declared_after_s": {}, "at_risk": []}
+
+
+def test_a_node_slowed_beyond_the_bound_is_declared_failed_in_it() -> None:
+    # fifty times slower: 4.9 s more one way, over every way to the coordinator (each starts
+    # with a link of node 3): silent past the bound, declared, then fenced by the answer
+    s = simulate(mesh(8), "slow:3@5+15x50", 40.0, latency_s=0.1)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [3]
+    assert s["detections"][0]["declared_after_s"]["3"] <= s["detection_bound_s"]
+    assert s["final_view"]["members"] == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_a_slow_link_on_a_ring_declares_nobody() -> None:
+    # ring-8: the link 3-4 ten times slower with 1 ms links (nodes behind it pay 9 ms more)
+    s = simulate(ring(8), "slow:3|4@5+10x10", 25.0)
+    assert s["invariants"] == ALL_HELD and s["declared"] == []
+
+
+def test_restarted_nodes_are_declared_once_and_rejoin_on_a_ring_of_16() -> None:
+    # node 7's new process took the reply to its previous process's heartbeat (call 1, still
+    # on its way) for the reply to its own registration (call 1): never admitted, it counted
+    # itself a member while the coordinator still held the old process registered. RPC
+    # replies now name the caller's incarnation. Node 1, next to the coordinator, relayed its
+    # neighbours' messages at once: that kept its previous process alive at the coordinator,
+    # which refused the new one (DuplicateNode) until the start timeout. A neighbour seen in a
+    # newer life proves nothing of the registered one by relaying. (Chaos seed 7030:
+    # p2psync sim ring:16 --seed 7030 --faults 'restart:7@7.004,pause:10@13.997+2.882,restart:1@24.622'
+    # --virtual-seconds 60)
+    s = simulate(ring(16), "restart:7@7.004,pause:10@13.997+2.882,restart:1@24.622", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [7, 10, 1]
+    assert all(r["joined_after_s"] is not None for r in s["restarts"])
+    assert s["final_view"]["members"] == [n for n in range(16) if n != 10]
