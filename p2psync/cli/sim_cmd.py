@@ -1,11 +1,17 @@
 """``p2psync sim``: every node of a topology running the real membership in virtual time, with
 faults, checked against the invariants; writes ``summary.json``.
 
-Only membership runs (rendezvous, heartbeats, failure detection, failover, views): no model,
-no strategy. TOPOLOGY is a topology file or a generated one (``ring:16``, ``mesh:64``,
-``star:8``, ``bcube:4x3``). The exit code is 0 when every invariant held, 1 otherwise. The
-simulated nodes' own logs are shown with ``-v`` only. ``summary.json`` carries ``replay``, the
-command that runs the same events again (``digest`` is their hash).
+Without ``--strategy`` only membership runs (rendezvous, heartbeats, failure detection,
+failover, views): no model, no strategy. With ``--strategy S`` every node also runs the
+strategy's real step logic and collectives over the in-memory transport, on a tiny model whose
+iterations take ``--step-time`` virtual seconds (:mod:`p2psync.sim.training`); the summary
+then carries each node's outcome, steps and model hash, and two more invariants
+(``strategy_finished``, ``same_model_at_end``: ``not promised`` where the strategy promises
+no single model, which is said, and is no violation). TOPOLOGY is a topology file or a
+generated one (``ring:16``, ``mesh:64``, ``star:8``, ``bcube:4x3``). The exit code is 0 when
+every invariant held, 1 otherwise. The simulated nodes' own logs are shown with ``-v`` only.
+``summary.json`` carries ``replay``, the command that runs the same events again (``digest`` is
+their hash).
 
 ``--runs N`` is the seeded chaos runner (:mod:`p2psync.sim.chaos`): N runs with faults drawn
 from seeds ``--seed`` .. ``--seed + N - 1``, a markdown table of the runs and of the violations
@@ -58,6 +64,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--overlap", action="store_true",
                    help="with --runs: draw faults that may overlap (default: one after another, two detection "
                         "bounds apart, as the invariants judge each fault alone)")
+    p.add_argument("--strategy", default=None,
+                   help="every node also trains with this strategy (simulated: ssgd, esync, dts, diloco, asgd, "
+                        "preduce), on a tiny model, until the virtual seconds are over and the strategy agrees "
+                        "to stop")
+    p.add_argument("--step-time", default="0.1", metavar="SECONDS[,NODE:SECONDS...]",
+                   help="with --strategy: virtual seconds of compute per local iteration (default 0.1), "
+                        "optionally per node (0.1,3:0.5)")
+    p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --strategy: a strategy option (repeatable), as p2psync run --opt")
     p.add_argument("--out", default=".", help="folder for summary.json (default: here)")
     p.set_defaults(func=run)
 
@@ -80,11 +95,34 @@ def topology_arg(text: str) -> Topology:
     return load(text)
 
 
-def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence[Any]) -> str:
-    """The command that runs the same events as a run of ``topology`` with ``faults``."""
+def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence[Any],
+            training: Any = None) -> str:
+    """The command that runs the same events as a run of ``topology`` with ``faults`` (and
+    ``training``, a :class:`~p2psync.sim.training.TrainingSpec`)."""
     return (f"p2psync sim {topology} --seed {seed} --faults '{','.join(f.spec() for f in faults)}' "
             f"--virtual-seconds {args.virtual_seconds:g} --latency-ms {args.latency_ms:g} "
-            f"--heartbeat {args.heartbeat:g} --failure-timeout {args.failure_timeout:g}")
+            f"--heartbeat {args.heartbeat:g} --failure-timeout {args.failure_timeout:g}"
+            + (f" {training.args()}" if training is not None else ""))
+
+
+def _training(args: argparse.Namespace) -> Any:
+    """The :class:`~p2psync.sim.training.TrainingSpec` of ``--strategy``, ``--step-time`` and
+    ``--opt`` (None without ``--strategy``); ConfigError for a bad one, or for ``--step-time``
+    or ``--opt`` without ``--strategy``."""
+    from p2psync.sim.training import TrainingSpec, parse_step_time
+
+    if args.strategy is None:
+        if args.opt or args.step_time != "0.1":
+            raise ConfigError("--step-time and --opt need --strategy")
+        return None
+    options: dict[str, str] = {}
+    for item in args.opt:
+        if "=" not in item:
+            raise ConfigError(f"--opt {item!r}: expected NAME=VALUE")
+        k, v = item.split("=", 1)
+        options[k.strip()] = v.strip()
+    step, per = parse_step_time(args.step_time)
+    return TrainingSpec(strategy=args.strategy, step_time=step, step_times=per, options=options, seed=args.seed)
 
 
 def _write(out: Path, text: str) -> None:
@@ -107,32 +145,53 @@ def _run(args: argparse.Namespace) -> int:
     from p2psync.sim.chaos import draw_faults, simulate
     from p2psync.sim.cluster import SimOptions
     from p2psync.sim.faults import parse_faults
+    from p2psync.sim.invariants import NOT_PROMISED, violated
 
     if not args.virtual_seconds > 0:
         raise ConfigError("--virtual-seconds must be > 0")
     opts = SimOptions(heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,
                       latency_s=None if args.latency_ms < 0 else args.latency_ms / 1e3)
     m = re.fullmatch(r"random:(\d+)", args.faults.strip())
+    training = _training(args)
     if args.runs is not None:
-        return _chaos(args, opts, int(m.group(1)) if m is not None else -1)
+        return _chaos(args, opts, int(m.group(1)) if m is not None else -1, training)
     topo = topology_arg(args.topology)
-    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds)
+    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds, restarts=training is None)
               if m is not None else parse_faults(args.faults, topo.ids))
-    summary = simulate(topo, faults, opts, args.virtual_seconds)
+    summary = simulate(topo, faults, opts, args.virtual_seconds, training)
     summary["seed"] = args.seed
-    summary["replay"] = _replay(args, args.topology, args.seed, faults)
+    summary["replay"] = _replay(args, args.topology, args.seed, faults, training)
     out = Path(args.out) / "summary.json"
     _write(out, json.dumps(summary, indent=2))
-    broken = {k: v for k, v in summary["invariants"].items() if v != "held"}
+    broken = {k: v for k, v in summary["invariants"].items() if violated(v)}
+    unproven = {k: v for k, v in summary["invariants"].items() if v != "held" and not violated(v)}
     print(f"p2psync sim {topo.name}: {summary['nodes']} nodes, {args.virtual_seconds:g} virtual s in "
-          f"{summary['wall_s']:.2f} wall s, {summary['events']} events, {len(faults)} faults; "
-          + ("every invariant held" if not broken else f"{len(broken)} invariant(s) violated") + f"; {out}")
+          f"{summary['wall_s']:.2f} wall s, {summary['events']} events, {len(faults)} faults"
+          f"{_trained(summary)}; "
+          + ("every invariant held" if not broken and not unproven else
+             f"{len(broken)} invariant(s) violated" if broken else "every invariant that applies held")
+          + f"; {out}")
+    for name, why in unproven.items():  # said, not hidden: nothing was proven
+        print(f"  {name}: {NOT_PROMISED.upper()}{why[len(NOT_PROMISED):]}" if why.startswith(NOT_PROMISED)
+              else f"  {name}: {why}", file=sys.stderr)
     for name, why in broken.items():
         print(f"  {name}: {why}", file=sys.stderr)
     return EXIT_OK if not broken else EXIT_FAILED
 
 
-def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
+def _trained(summary: dict[str, Any]) -> str:
+    """``; ssgd: 7 of 8 nodes finished at step 40`` for a run that trained, else ``""``."""
+    t = summary.get("training")
+    if t is None:
+        return ""
+    out = f"; {t['strategy']}: {t['finished']} of {summary['nodes']} nodes finished"
+    if t["steps"] is not None:
+        lo, hi = t["steps"]["min"], t["steps"]["max"]
+        out += f" at {t['unit']} {lo}" + (f"..{hi}" if hi != lo else "")
+    return out
+
+
+def _chaos(args: argparse.Namespace, opts: Any, count: int, training: Any = None) -> int:
     """``--runs N``: N runs of drawn faults (:func:`p2psync.sim.chaos.chaos`); writes
     ``chaos.json`` and ``chaos.md`` and prints the table and each failing run's replay."""
     from p2psync.sim.chaos import ChaosRun, chaos, table
@@ -164,6 +223,7 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int) -> int:
                 print(f"  {name}: {why[:600]}", file=sys.stderr)
 
     runs = chaos(topos, runs=args.runs, seed=args.seed, count=count, virtual_seconds=args.virtual_seconds,
-                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f), progress=progress, overlap=args.overlap)
+                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f, training),
+                 progress=progress, overlap=args.overlap, training=training)
     print(save(runs), end="")
     return EXIT_OK if not any(r.broken for r in runs) else EXIT_FAILED

@@ -8,6 +8,11 @@
   transport (per-link latency), with faults (:mod:`p2psync.sim.faults`: kill, restart,
   pause, partition, slow links) at given virtual times, summarized with the invariants of
   :mod:`p2psync.sim.invariants`.
+* :mod:`p2psync.sim.training`: :class:`~p2psync.sim.training.TrainingCluster`, the same with a
+  strategy on every node (its real steps and collectives) over the numpy replica of
+  :mod:`p2psync.sim.replica`, and the invariants ``strategy_finished`` and
+  ``same_model_at_end``.
 
-Layer: above the coordinator, transport and topology (it runs their real code); below ``cli``.
+Layer: above the coordinator, transport, topology, collectives and strategies (it runs their
+real code); below ``cli``.
 """

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from p2psync.errors import P2PSyncError
 from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
 from p2psync.sim.faults import Fault, draw
+from p2psync.sim.invariants import violated
 from p2psync.sim.loop import VirtualLoop
 from p2psync.sim.loop import run as run_virtual
+from p2psync.sim.training import TrainingCluster, TrainingSpec
 from p2psync.topology import Topology
 
 #: drawn faults start this many virtual seconds after the rendezvous
@@ -31,21 +33,28 @@ CRASHED = "crashed"
 
 
 def draw_faults(topo: Topology, opts: SimOptions, seed: int, count: int, virtual_seconds: float, *,
-                spaced: bool = False) -> list[Fault]:
+                spaced: bool = False, restarts: bool = True) -> list[Fault]:
     """``count`` faults drawn from ``seed`` (:func:`p2psync.sim.faults.draw`), over before
     the last four detection bounds of the run: the views can settle before it ends.
     ``spaced``: one after another, two detection bounds apart at least (the invariants judge
-    each fault alone: a fault during another's failover is not covered by them)."""
+    each fault alone: a fault during another's failover is not covered by them). Without
+    ``restarts`` the restarts drawn are left out (a run with a strategy: the killed node stays
+    down)."""
     bound = detection_bound(topo, opts)
-    return draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
-                end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
+    out = draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
+               end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
+    return out if restarts else [f for f in out if f.kind != "restart"]
 
 
-def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_seconds: float) -> dict[str, Any]:
-    """One simulated run's summary (:meth:`SimCluster.run`) with ``wall_s`` counting the
-    close of every node, ``events`` (callbacks run) and ``digest`` (their hash)."""
+def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_seconds: float,
+             training: TrainingSpec | None = None) -> dict[str, Any]:
+    """One simulated run's summary (:meth:`SimCluster.run`; with ``training``, every node
+    also runs its strategy: :class:`~p2psync.sim.training.TrainingCluster`) with ``wall_s``
+    counting the close of every node, ``events`` (callbacks run) and ``digest`` (their hash)."""
     async def main() -> dict[str, Any]:
-        async with SimCluster(topo, opts=opts, faults=faults) as cluster:
+        cluster = (SimCluster(topo, opts=opts, faults=faults) if training is None
+                   else TrainingCluster(topo, training=training, opts=opts, faults=faults))
+        async with cluster:
             return await cluster.run(virtual_seconds)
 
     wall = time.perf_counter()
@@ -75,28 +84,32 @@ class ChaosRun:
 
 def chaos(topologies: Sequence[tuple[str, Topology]], *, runs: int, seed: int, count: int,
           virtual_seconds: float, opts: SimOptions, replay: Callable[[str, int, Sequence[Fault]], str],
-          progress: Callable[[ChaosRun], None] | None = None, overlap: bool = False) -> list[ChaosRun]:
+          progress: Callable[[ChaosRun], None] | None = None, overlap: bool = False,
+          training: TrainingSpec | None = None) -> list[ChaosRun]:
     """``runs`` simulated runs (see the module docstring); ``topologies``: (text, topology)
     pairs taken in turn; ``replay(text, seed, faults)``: the command that replays one run;
     ``progress`` is called after each. The faults of a run come one after another
-    (:func:`draw_faults` ``spaced``) unless ``overlap``."""
+    (:func:`draw_faults` ``spaced``) unless ``overlap``; with ``training`` every node runs
+    its strategy too (:func:`simulate`), its gradients drawn from the run's seed, and the
+    restarts drawn are left out (:func:`draw_faults`)."""
     if runs < 1 or not topologies:
         raise ValueError("chaos needs at least one run and one topology")
     out: list[ChaosRun] = []
     for i in range(runs):
         text, topo = topologies[i % len(topologies)]
         s = seed + i
-        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap)
+        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap, restarts=training is None)
         specs = tuple(f.spec() for f in faults)
         cmd = replay(text, s, faults)
         wall = time.perf_counter()
         try:
-            summary = simulate(topo, faults, opts, virtual_seconds)
+            summary = simulate(topo, faults, opts, virtual_seconds,
+                               None if training is None else replace(training, seed=s))
         except P2PSyncError as exc:
             run = ChaosRun(topology=text, seed=s, faults=specs, broken={CRASHED: f"{type(exc).__name__}: {exc}"[:500]},
                            wall_s=round(time.perf_counter() - wall, 3), replay=cmd)
         else:
-            broken = {k: v for k, v in summary["invariants"].items() if v != "held"}
+            broken = {k: v for k, v in summary["invariants"].items() if violated(v)}
             run = ChaosRun(topology=text, seed=s, faults=specs, broken=broken, wall_s=summary["wall_s"],
                            events=summary["events"], digest=summary["digest"], replay=cmd)
         out.append(run)

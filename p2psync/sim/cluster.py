@@ -6,7 +6,8 @@ client, a :class:`~p2psync.coordinator.MembershipClient` and a
 :class:`~p2psync.coordinator.failover.CoordinatorHost` (the topology's coordinator hosts the
 run; every node can take over). The transport is the in-memory one (:class:`SimTransport`)
 with per-link one-way latency from the in-process shaper; each node runs as an actor of the
-:class:`~p2psync.sim.loop.VirtualLoop` (it must be the running loop). No strategy runs.
+:class:`~p2psync.sim.loop.VirtualLoop` (it must be the running loop). No strategy runs here:
+:class:`~p2psync.sim.training.TrainingCluster` adds one on every node.
 
 Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the rendezvous:
 
@@ -55,6 +56,7 @@ import msgpack
 
 from p2psync import clock
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
+from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.stack import membership_stack
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
@@ -506,7 +508,8 @@ class SimNode:
     numbers the node's processes from 1 (the wall clock's would differ between runs); the
     first runs as the actor ``node_id``, a restarted one as ``(node_id, incarnation)``."""
 
-    def __init__(self, *, hub: SimHub, node_id: int, opts: SimOptions, incarnation: int = 1) -> None:
+    def __init__(self, *, hub: SimHub, node_id: int, opts: SimOptions, incarnation: int = 1,
+                 services: Callable[[RpcServer], None] | None = None) -> None:
         topo = hub.topology
         self.id = node_id
         self.incarnation = incarnation
@@ -520,7 +523,7 @@ class SimNode:
         stack = membership_stack(self.transport, topo, heartbeat=opts.heartbeat, failure_timeout=opts.failure_timeout,
                                  phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout,
                                  start_timeout=opts.start_timeout, check_interval=opts.check_interval,
-                                 run_info={"run_id": "sim"})
+                                 run_info={"run_id": "sim"}, services=services)
         self.server, self.rpc, self.membership, self.host = stack.server, stack.rpc, stack.membership, stack.host
         self.opts = opts
         self.fenced_at: float | None = None
@@ -615,7 +618,7 @@ class SimCluster:
                 raise ConfigError(f"fault {f.spec()}: nodes {unknown} are not in topology {topo.name}")
         self.hub = SimHub(topo, latency=_latency(topo, self.opts), express=self.opts.express and self.opts.latency_s is not None)
         #: every node's current process
-        self.nodes = {i: SimNode(hub=self.hub, node_id=i, opts=self.opts) for i in topo.ids}
+        self.nodes = {i: self._node(i) for i in topo.ids}
         #: the processes restarts replaced (killed, held for good)
         self.retired: list[SimNode] = []
         self.views: list[inv.ViewSeen] = []
@@ -624,6 +627,11 @@ class SimCluster:
         self._restarts: list[asyncio.Task[None]] = []
         for node in self.nodes.values():
             self._listen(node)
+
+    def _node(self, i: int) -> SimNode:
+        """Node ``i``'s first process (a subclass adds what its nodes host:
+        :mod:`p2psync.sim.training`)."""
+        return SimNode(hub=self.hub, node_id=i, opts=self.opts)
 
     def _listen(self, node: SimNode) -> None:
         node.membership.view_listeners.append(self._recorder(node))
@@ -756,8 +764,13 @@ class SimCluster:
         wall0 = time.perf_counter()
         rendezvous = await self.start()
         await asyncio.sleep(max(0.0, self.t0 + virtual_seconds - loop.time()))
+        await self._settle()
         return self.summary(virtual_seconds=virtual_seconds, rendezvous_s=rendezvous,
                             wall_s=time.perf_counter() - wall0)
+
+    async def _settle(self) -> None:
+        """What runs between the end of the virtual seconds and the summary (nothing here; a
+        subclass lets its nodes' work end: :mod:`p2psync.sim.training`)."""
 
     def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
         """What the run did and whether every invariant held (see the module docstring)."""

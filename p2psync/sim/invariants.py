@@ -1,7 +1,9 @@
 """The invariants a simulated run is checked against, over what its nodes saw. Pure.
 
 Input: every view a node applied (:class:`ViewSeen`, in virtual time), the faults injected
-and the detection bound. Each check answers ``"held"`` or a description of the violation:
+and the detection bound. Each check answers ``"held"`` or a description of the violation (a
+check that does not apply, such as the training's ``same_model_at_end`` for a strategy that
+promises no single model, answers ``"not promised: ..."``: :func:`violated` tells them apart):
 
 * ``one_coordinator_per_term``: no two views of one term name different coordinators.
 * ``faults_detected_in_bound``: the members a fault cuts off from the group of nodes holding
@@ -52,6 +54,15 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 from p2psync.sim.faults import Fault
 
 HELD = "held"
+#: how a check that does not apply begins (a strategy that promises no single model): no
+#: violation, and no proof either
+NOT_PROMISED = "not promised"
+
+
+def violated(result: str) -> bool:
+    """Whether a check's ``result`` is a violation: neither :data:`HELD` nor
+    :data:`NOT_PROMISED`."""
+    return result != HELD and not result.startswith(NOT_PROMISED)
 
 
 @dataclass(frozen=True)
@@ -486,6 +497,6 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
     return HELD
 
 
-__all__ = ["Declaration", "HELD", "Latency", "Links", "SlowRisk", "ViewSeen", "components", "cut_by", "declarations",
-           "detections", "killed_by", "no_false_failure", "one_coordinator_per_term", "one_view_at_end",
-           "one_view_per_group", "rejoin_bound", "slow_risk", "stranded", "until"]
+__all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "SlowRisk", "ViewSeen", "components", "cut_by",
+           "declarations", "detections", "killed_by", "no_false_failure", "one_coordinator_per_term",
+           "one_view_at_end", "one_view_per_group", "rejoin_bound", "slow_risk", "stranded", "until", "violated"]

@@ -1,0 +1,362 @@
+"""A strategy on every simulated node: its real decisions and collectives, in virtual time.
+
+:class:`TrainingCluster` is a :class:`~p2psync.sim.cluster.SimCluster` whose nodes also train:
+each builds the strategy exactly as :meth:`NodeRuntime.start_strategy
+<p2psync.api.runtime.NodeRuntime.start_strategy>` does (a :class:`StrategyContext` over the
+node's in-memory transport, RPC, membership client and :class:`Collectives`; the strategy's
+coordinator services hosted with the membership service and taken over with it; the strategy
+subscribed to failures and views), over a :class:`~p2psync.sim.replica.SimReplica` (a tiny
+numpy model whose iterations take ``step_time`` virtual seconds), and runs the step loop of
+:meth:`StepDriver._drive <p2psync.api.driver.StepDriver._drive>`: wait for a majority when
+cut off from it, ``strategy.run_step(step, want_stop)``, move to the step the report names,
+until a report says ``stop``, then, where the strategy promises one model, the driver's replica
+audit over its group (its outcome is each node's ``audit``). Operations are re-formed over the
+survivors as in a real run with ``--on-failure continue`` (the default: the strategies'
+:class:`~p2psync.strategies.failure.Reform` policy). A fenced node stops training (its
+progress is void; the simulation restarts nobody), a killed one is held with the rest of its
+code.
+
+Stopping: every node wants to stop (``want_stop``, as ``--time``) from the run's virtual
+seconds on, and the strategy agrees on the step. After the virtual seconds the cluster waits
+for the loops of the nodes not killed to end, at most :data:`SETTLE_S` virtual seconds, then
+summarizes.
+
+What the summary adds (``training``): the strategy, its step unit, the replicas' promise, and
+per node its outcome (``finished``: its loop ended at an agreed stop; ``killed``, ``fenced``,
+``error`` with the error, ``running``: not ended within the settle time), the step it reached,
+the steps (or rounds) it ran, the states it adopted, its local iterations, its last loss, the
+strategy's count of re-formed operations where it reports one, and its model hash
+(:meth:`~p2psync.sim.replica.SimReplica.model_hash`). Two invariants:
+
+* ``strategy_finished``: every node that is neither killed nor fenced nor cut off for good
+  from the majority (the membership invariants' live nodes) ended its loop at an agreed stop.
+* ``same_model_at_end``: where the strategy promises one model (``identical_replicas`` of
+  ``every_step`` or ``end``), every node that finished holds the same model: the replica
+  audit's digests (:func:`~p2psync.strategies.audit.first_mismatch`) name the nodes whose
+  model differs from the lowest finished id's and the first tensor that differs. A strategy
+  that promises no such thing (``never``: DTS, ASGD, ESync as declared) gets
+  ``not promised: ...``, which is no violation and no proof either.
+
+Strategies: those of :data:`SIMULATED`; any other is refused with a
+:class:`~p2psync.errors.ConfigError` naming it and why (:func:`check_strategy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from p2psync.collectives import Collectives, OpId
+from p2psync.coordinator.rpc import RpcServer
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
+from p2psync.sim import invariants as inv
+from p2psync.sim.cluster import SimCluster, SimNode, SimOptions
+from p2psync.sim.faults import Fault
+from p2psync.sim.replica import SimReplica
+from p2psync.strategies.audit import audit_replicas, first_mismatch
+from p2psync.strategies.base import Strategy, StrategyContext, get_strategy, parse_options
+from p2psync.strategies.regroup import regroup_bound
+from p2psync.topology import Topology
+
+log = logging.getLogger("p2psync.sim")
+
+#: the strategies a simulated node runs (their replica needs are all met by SimReplica)
+SIMULATED: tuple[str, ...] = ("ssgd", "esync", "dts", "diloco", "asgd", "preduce")
+#: why the others are not simulated
+REFUSED: dict[str, str] = {
+    "canary": "its colayers leave during backward through gradient-ready hooks, which the simulated replica "
+              "has no backward pass to fire",
+    **{name: "the parameter store runs the user's torch optimizer per slice (its class and options), which "
+             "the simulated replica, a numpy model, does not have"
+       for name in ("bsp", "asp", "ssp", "dssp", "elastic_bsp")},
+}
+#: virtual seconds the cluster waits, after the run's virtual seconds, for the loops to end
+SETTLE_S = 60.0
+
+
+def check_strategy(name: str) -> type[Strategy]:
+    """The class of strategy ``name`` if the simulation runs it; ConfigError naming it (and
+    why, or the registry's choices when the name is unknown) otherwise."""
+    cls = get_strategy(name)  # ConfigError listing the choices when unknown
+    if name not in SIMULATED:
+        why = REFUSED.get(name, "it is not among the strategies the simulation was checked with")
+        raise ConfigError(f"p2psync sim --strategy {name}: not simulated ({why}); simulated strategies: "
+                          f"{', '.join(SIMULATED)}")
+    return cls
+
+
+def parse_step_time(text: str) -> tuple[float, dict[int, float]]:
+    """``--step-time``: ``SECONDS`` for every node, optionally followed by ``NODE:SECONDS``
+    overrides (``0.1,3:0.5``: node 3 takes 0.5 s per iteration, the others 0.1 s), or only
+    overrides (the others 0.1 s); ConfigError naming the bad part."""
+    default, per = 0.1, {}
+    for k, part in enumerate(p.strip() for p in text.split(",")):
+        m = re.fullmatch(r"(?:(\d+):)?([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)", part)
+        if m is None or (m.group(1) is None and k > 0):
+            raise ConfigError(f"--step-time {text!r}: {part!r} is not SECONDS (first) or NODE:SECONDS")
+        if m.group(1) is None:
+            default = float(m.group(2))
+        else:
+            per[int(m.group(1))] = float(m.group(2))
+    return default, per
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What every node trains: ``strategy`` with its ``--opt`` ``options``, ``step_time``
+    virtual seconds per iteration (``step_times``: per-node overrides), gradients drawn from
+    ``seed``."""
+
+    strategy: str
+    step_time: float = 0.1
+    step_times: Mapping[int, float] = field(default_factory=dict)
+    options: Mapping[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        cls = check_strategy(self.strategy)
+        parse_options(cls, dict(self.options))
+        for t in (self.step_time, *self.step_times.values()):
+            if not t >= 0:
+                raise ConfigError(f"--step-time: {t!r} is not a number of seconds >= 0")
+
+    def args(self) -> str:
+        """The command-line options that give this spec (the replay command)."""
+        times = ",".join([repr(float(self.step_time)),
+                          *(f"{n}:{float(t)!r}" for n, t in sorted(self.step_times.items()))])
+        return f"--strategy {self.strategy} --step-time {times}" + "".join(
+            f" --opt {shlex.quote(f'{k}={v}')}" for k, v in sorted(self.options.items()))
+
+
+@dataclass
+class NodeTraining:
+    """One node's training so far (see the module docstring for ``outcome``)."""
+
+    outcome: str = "starting"
+    #: the step its loop runs next
+    step: int = 0
+    #: steps (or rounds) run, and of those the ones that adopted a peer's state instead
+    reports: int = 0
+    adopted: int = 0
+    loss: float | None = None
+    #: the strategy's count of re-formed operations, as its last report gave it (if it counts them)
+    reforms: int | None = None
+    error: str | None = None
+    #: the replica audit at the agreed stop (strategies that promise one model): ``passed``,
+    #: ``mismatch: ...`` or ``incomplete: ...``
+    audit: str | None = None
+    finished_at: float | None = None
+    strategy: Strategy | None = None
+
+
+class TrainingCluster(SimCluster):
+    """A :class:`SimCluster` whose every node runs ``training``'s strategy (see the module
+    docstring). ``async with`` closes the strategies, then the nodes."""
+
+    def __init__(self, topo: Topology, *, training: TrainingSpec, opts: SimOptions | None = None,
+                 faults: Sequence[Fault] = ()) -> None:
+        self.training = training
+        self.strategy_cls = check_strategy(training.strategy)
+        parse_options(self.strategy_cls, dict(training.options), topology=topo)
+        restarts = [f.spec() for f in faults if f.kind == "restart"]
+        if restarts:
+            raise ConfigError(f"--strategy with {', '.join(restarts)}: a restarted node would have to join the "
+                              "strategy's run as a joiner, which the simulation does not do yet; leave restarts out")
+        unknown = sorted(set(training.step_times) - set(topo.ids))
+        if unknown:
+            raise ConfigError(f"--step-time: nodes {unknown} are not in topology {topo.name}")
+        super().__init__(topo, opts=opts, faults=faults)
+        self.replicas = {i: SimReplica(node_id=i, seed=training.seed,
+                                       step_time=training.step_times.get(i, training.step_time))
+                         for i in topo.ids}
+        self.runs = {i: NodeTraining() for i in topo.ids}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        #: virtual seconds after the rendezvous from which every node wants to stop
+        self.stop_at = float("inf")
+        for i, node in self.nodes.items():
+            node.membership.fence_listeners.append(self._fence_stopper(i))
+
+    def _node(self, i: int) -> SimNode:
+        cls, topo, options = self.strategy_cls, self.topo, dict(self.training.options)
+        return SimNode(hub=self.hub, node_id=i, opts=self.opts,
+                       services=lambda srv: cls.coordinator_services(srv, topo, options))
+
+    def _fence_stopper(self, i: int) -> Callable[[Fenced], None]:
+        def fenced(_: Fenced) -> None:
+            # as the step driver: a fenced node's progress is void, its loop ends now
+            self.runs[i].outcome = "fenced"
+            task = self.tasks.get(i)
+            if task is not None:
+                task.cancel()
+        return fenced
+
+    async def run(self, virtual_seconds: float) -> dict[str, Any]:
+        """As :meth:`SimCluster.run`; every node wants to stop from ``virtual_seconds`` on."""
+        self.stop_at = virtual_seconds
+        return await super().run(virtual_seconds)
+
+    async def start(self) -> float:
+        """The rendezvous, then every node's strategy and step loop (each as its actor)."""
+        took = await super().start()
+        loop = self._loop()
+        for i in self.nodes:
+            self.tasks[i] = loop.spawn(self._train(i), actor=i, name=f"train-{i}")
+        return took
+
+    def context(self, i: int) -> StrategyContext:
+        """Node ``i``'s strategy context, as ``NodeRuntime.start_strategy`` builds it."""
+        node, opts = self.nodes[i], self.opts
+        return StrategyContext(node_id=i, topology=self.topo, transport=node.transport, rpc=node.rpc,
+                               rpc_server=node.server, membership=node.membership, replica=self.replicas[i],
+                               collectives=Collectives(node.transport, timeout=opts.peer_timeout),
+                               peer_timeout=opts.peer_timeout, options=dict(self.training.options),
+                               on_failure="continue", quorum_timeout=opts.quorum_timeout)
+
+    async def _train(self, i: int) -> None:
+        """Node ``i``'s strategy and step loop (``StepDriver._drive`` without the gate,
+        checkpoints and records)."""
+        rec, membership, loop = self.runs[i], self.nodes[i].membership, self._loop()
+        try:
+            strategy = rec.strategy = self.strategy_cls(self.context(i))
+            membership.listeners.append(strategy.on_peer_failure)
+            membership.view_listeners.append(strategy.on_view)
+            await strategy.start()
+            rec.step, rec.outcome = strategy.start_step, "training"
+            while True:
+                want_stop = loop.time() - self.t0 >= self.stop_at
+                if not membership.has_quorum:  # cut off from the majority: no step until heard
+                    await membership.wait_quorum(self.opts.quorum_timeout)
+                rep = await strategy.run_step(rec.step, want_stop)
+                rec.reports += 1
+                rec.adopted += bool(rep.extra.get("adopted"))
+                rec.step = rec.step + 1 if rep.next_step is None else rep.next_step
+                if isinstance(rep.extra.get("reforms"), int):
+                    rec.reforms = rep.extra["reforms"]
+                if np.isfinite(rep.loss):
+                    rec.loss = rep.loss
+                if rep.stop:
+                    rec.outcome, rec.finished_at = "finished", loop.time() - self.t0
+                    if strategy.identical_replicas != "never":
+                        await self._audit(i, strategy)
+                    return
+        except Fenced:
+            rec.outcome = "fenced"
+        except P2PSyncError as exc:
+            rec.outcome, rec.error = "error", f"{type(exc).__name__}: {exc}"[:500]
+            log.info("node %d: training ended: %s", i, rec.error)
+
+    async def _audit(self, i: int, strategy: Strategy) -> None:
+        """The step driver's audit at the agreed stop (:func:`~p2psync.strategies.audit.audit_replicas`
+        over the strategy's group), recorded in :attr:`NodeTraining.audit`."""
+        ctx, rec = strategy.ctx, self.runs[i]
+        try:
+            await audit_replicas(ctx.collectives, await self.replicas[i].digests(),
+                                 tag=OpId("audit", "end", ctx.epoch).tag, group=ctx.group, step=rec.step)
+            rec.audit = "passed"
+        except ReplicaMismatch as exc:
+            rec.audit = f"mismatch: {exc}"[:500]
+        except P2PSyncError as exc:  # a member failed meanwhile: not completed, as in a real run
+            rec.audit = f"incomplete: {type(exc).__name__}: {exc}"[:500]
+
+    async def _settle(self) -> None:
+        """Wait for the loops of the nodes not killed to end (at most :data:`SETTLE_S`, and at
+        least two re-form bounds' worth of it)."""
+        pending = [t for i, t in self.tasks.items() if not t.done() and self.nodes[i].killed_at is None]
+        if pending:
+            bound = max(SETTLE_S, 2 * regroup_bound(self.opts.failure_timeout, self.opts.heartbeat))
+            await asyncio.wait(pending, timeout=bound)
+
+    def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
+        """:meth:`SimCluster.summary` with ``training`` and the two training invariants (see
+        the module docstring)."""
+        out = super().summary(virtual_seconds=virtual_seconds, rendezvous_s=rendezvous_s, wall_s=wall_s)
+        loop = self._loop()
+        nodes: dict[str, Any] = {}
+        for i, rec in self.runs.items():
+            outcome = "killed" if self.nodes[i].killed_at is not None else (
+                "running" if rec.outcome in ("starting", "training") else rec.outcome)
+            rep = self.replicas[i]
+            nodes[str(i)] = {"outcome": outcome, "step": rec.step, "steps_run": rec.reports, "adopted": rec.adopted,
+                             "local_iterations": rep.iterations,
+                             "loss": None if rec.loss is None else round(rec.loss, 6),
+                             "model_hash": rep.model_hash(),
+                             **({"reforms": rec.reforms} if rec.reforms is not None else {}),
+                             **({"audit": rec.audit} if rec.audit is not None else {}),
+                             **({"finished_at": round(rec.finished_at, 6)} if rec.finished_at is not None else {}),
+                             **({"error": rec.error} if rec.error else {})}
+        finished = sorted(i for i in self.runs if nodes[str(i)]["outcome"] == "finished")
+        gone = set(out["killed"]) | {int(k) for k in out["fenced"]} | set(out["stranded"])
+        live = [i for i in self.nodes if i not in gone]
+        steps = [nodes[str(i)]["step"] for i in finished]
+        cls = self.strategy_cls
+        out["training"] = {
+            "strategy": cls.name, "unit": cls.step_unit, "promise": cls.identical_replicas,
+            "step_time_s": self.training.step_time,
+            "options": dict(self.training.options),
+            "ended_at_s": round(loop.time() - self.t0, 6),
+            "finished": len(finished),
+            "steps": {"min": min(steps), "max": max(steps)} if steps else None,
+            "nodes": nodes,
+        }
+        out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
+        out["invariants"]["same_model_at_end"] = same_model(
+            cls.name, cls.identical_replicas, {i: self.replicas[i].digests_now() for i in finished})
+        return out
+
+    async def close(self) -> None:
+        """Stop every loop, close every strategy, then every node (:meth:`SimCluster.close`)."""
+        loop = self._loop()
+        for t in self.tasks.values():
+            t.cancel()
+        for i in self.nodes:
+            loop.release(i)
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for i, rec in self.runs.items():
+            if rec.strategy is not None:
+                try:
+                    await loop.spawn(rec.strategy.close(), actor=i)
+                except P2PSyncError as exc:
+                    log.info("node %d: closing the strategy: %s", i, exc)
+        await super().close()
+
+
+def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int]) -> str:
+    """``held`` when every node of ``live`` finished (``nodes``: the summary's per-node
+    training); else which did not, and how they ended."""
+    bad = [i for i in live if nodes[str(i)]["outcome"] != "finished"]
+    if not bad:
+        return inv.HELD
+    return "live node(s) that did not end at an agreed stop: " + "; ".join(
+        f"{i} ({nodes[str(i)]['outcome']} at step {nodes[str(i)]['step']}"
+        + (f": {nodes[str(i)]['error']}" if nodes[str(i)].get("error") else "") + ")" for i in bad[:20]) + (
+        f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
+
+
+def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple[str, bytes]]]) -> str:
+    """``same_model_at_end`` over the ``digests`` of the nodes that finished (node -> the
+    replica's (name, digest) list): ``held``, the nodes that differ, ``not promised: ...``
+    for a strategy that promises no single model, or why nothing could be compared."""
+    if promise == "never":
+        return (f"{inv.NOT_PROMISED}: {strategy} does not promise equal replicas (identical_replicas = never); "
+                "the models were not compared")
+    if not digests:
+        return "no node finished: no model to compare"
+    group = sorted(digests)
+    names = [n for n, _ in digests[group[0]]]
+    rows = [np.frombuffer(b"".join(d for _, d in digests[i]), np.uint8) for i in group]
+    bad = first_mismatch(group, rows, names)
+    if bad is None:
+        return inv.HELD
+    return (f"node(s) {list(bad.nodes)} hold a different model than node {bad.reference} ({bad.tensors} of "
+            f"{len(names)} tensors differ; first: {bad.tensor!r})")
+
+
+__all__ = ["REFUSED", "SETTLE_S", "SIMULATED", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
+           "parse_step_time", "same_model", "strategy_finished"]

@@ -1,0 +1,185 @@
+"""A strategy on every simulated node (p2psync/sim/training.py): its real step logic and
+collectives over the in-memory transport in virtual time, on the numpy replica
+(p2psync/sim/replica.py), and the training invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from p2psync.cli.main import main
+from p2psync.errors import Aborted, ConfigError
+from p2psync.sim import invariants as inv
+from p2psync.sim.chaos import chaos, simulate
+from p2psync.sim.cluster import SimOptions
+from p2psync.sim.faults import parse_faults
+from p2psync.sim.loop import VirtualLoop, run
+from p2psync.sim.replica import SimReplica
+from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingSpec, parse_step_time, same_model,
+                                  strategy_finished)
+from p2psync.tasks import AbortEvent
+from p2psync.topology import ring
+
+OPTS = SimOptions(heartbeat=0.5, failure_timeout=2.0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL)  # every node logs each failure it sees
+
+
+def train(topo: Any, strategy: str, faults: str, seconds: float, *, step_time: float = 0.05,
+          during: Callable[[TrainingCluster], None] | None = None, **options: str) -> dict[str, Any]:
+    """The summary of a simulated run training ``strategy``; ``during(cluster)`` runs once the
+    nodes train (to tamper with them)."""
+    spec = TrainingSpec(strategy=strategy, step_time=step_time, options=options, seed=7)
+
+    async def go() -> dict[str, Any]:
+        async with TrainingCluster(topo, training=spec, opts=OPTS, faults=parse_faults(faults, topo.ids)) as c:
+            if during is None:
+                return await c.run(seconds)
+            task = asyncio.ensure_future(c.run(seconds))
+            while not c.tasks:
+                await asyncio.sleep(0.5)
+            during(c)
+            return await task
+
+    return run(go(), loop=VirtualLoop())
+
+
+def test_ssgd_on_a_ring_with_a_kill_ends_with_every_survivor_holding_one_model() -> None:
+    # 0.05 s per iteration, then ~14 ms of allreduce around ring-8: node 3 dies inside the
+    # allreduce of step 20, its iteration computed, its pieces partly sent
+    s = train(ring(8), "ssgd", "kill:3@1.345", 4.5)
+    t = s["training"]
+    assert s["invariants"]["same_model_at_end"] == "held"
+    assert s["invariants"]["strategy_finished"] == "held"
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    nodes = t["nodes"]
+    survivors = [i for i in range(8) if i != 3]
+    assert nodes["3"]["outcome"] == "killed" and 3 not in s["final_view"]["members"]
+    assert all(nodes[str(i)]["outcome"] == "finished" for i in survivors)
+    assert len({nodes[str(i)]["model_hash"] for i in survivors}) == 1
+    assert t["steps"]["min"] == t["steps"]["max"] > nodes["3"]["step"] > 0  # one agreed stop, after the kill
+    assert nodes["3"]["local_iterations"] == nodes["3"]["steps_run"] + 1  # killed mid-exchange
+    assert all(nodes[str(i)]["reforms"] >= 1 for i in survivors)  # the group re-formed over the survivors
+    assert all(nodes[str(i)]["audit"] == "passed" for i in survivors)  # the driver's own audit agrees
+    assert t["promise"] == "every_step" and t["finished"] == 7
+
+
+def test_the_invariant_names_a_replica_that_diverged() -> None:
+    def diverge(c: TrainingCluster) -> None:
+        c.replicas[5].params[0] += np.float32(1e-3)  # a bit flip ssgd cannot see: it averages gradients
+
+    s = train(ring(8), "ssgd", "", 2.0, during=diverge)
+    got = s["invariants"]["same_model_at_end"]
+    assert inv.violated(got) and "node(s) [5] hold a different model than node 0" in got and "l0.weight" in got
+    assert s["invariants"]["strategy_finished"] == "held"
+    # the driver's audit at the stop sees it too, on every member alike
+    assert all(n["audit"].startswith("mismatch: replica audit at step") for n in s["training"]["nodes"].values())
+
+
+@pytest.mark.parametrize("strategy", SIMULATED)
+def test_every_simulated_strategy_survives_a_kill_to_an_agreed_stop(strategy: str) -> None:
+    options = {"inner_steps": "5"} if strategy == "diloco" else {}
+    s = train(ring(6), strategy, "kill:4@1.5", 5.0, step_time=0.1, **options)
+    t = s["training"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert t["nodes"]["4"]["outcome"] == "killed" and t["finished"] == 5
+    assert all(n["steps_run"] > 0 and n["local_iterations"] > 0 for n in t["nodes"].values())
+    same = s["invariants"]["same_model_at_end"]
+    if t["promise"] == "never":
+        assert same.startswith(inv.NOT_PROMISED) and strategy in same and not inv.violated(same)
+    else:
+        assert same == "held"
+
+
+@pytest.mark.parametrize("strategy", sorted(REFUSED))
+def test_a_strategy_that_is_not_simulated_is_refused_naming_it(strategy: str) -> None:
+    with pytest.raises(ConfigError, match=f"--strategy {strategy}: not simulated"):
+        TrainingSpec(strategy=strategy)
+
+
+def test_same_model_compares_the_digests_of_the_nodes_that_finished() -> None:
+    row = [("w", b"\x01" * 8), ("b", b"\x02" * 8)]
+    odd = [("w", b"\x01" * 8), ("b", b"\x03" * 8)]
+    assert same_model("ssgd", "every_step", {0: row, 1: row, 4: row}) == "held"
+    got = same_model("ssgd", "end", {0: row, 1: odd, 4: row})
+    assert got == "node(s) [1] hold a different model than node 0 (1 of 2 tensors differ; first: 'b')"
+    assert same_model("asgd", "never", {0: row, 1: odd}).startswith("not promised: asgd")
+    assert inv.violated(same_model("ssgd", "every_step", {}))
+    nodes = {"0": {"outcome": "finished", "step": 9}, "1": {"outcome": "error", "step": 4, "error": "NoQuorum: x"}}
+    assert strategy_finished(nodes, [0]) == "held"
+    assert strategy_finished(nodes, [0, 1]) == "live node(s) that did not end at an agreed stop: 1 (error at " \
+                                               "step 4: NoQuorum: x)"
+
+
+def test_the_replica_computes_in_virtual_time_and_stops_at_an_abort() -> None:
+    async def go() -> tuple[float, float, bool]:
+        rep = SimReplica(node_id=2, seed=1, step_time=0.25)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        loss, grad = await rep.compute_gradients()
+        took = loop.time() - t0
+        abort = AbortEvent()
+        loop.call_later(0.1, abort.set)
+        t1 = loop.time()
+        try:
+            await rep.compute_gradients(abort)
+            aborted = False
+        except Aborted:
+            aborted = True
+        assert grad.dtype == np.float32 and grad.size == rep.numel and loss > 0 and rep.iterations == 1
+        return took, loop.time() - t1, aborted
+
+    took, cut, aborted = run(go(), loop=VirtualLoop())
+    assert took == 0.25 and cut == pytest.approx(0.1) and aborted
+
+
+def test_step_times_parse_with_per_node_overrides() -> None:
+    assert parse_step_time("0.2") == (0.2, {})
+    assert parse_step_time("0.2,3:1.5,0:0") == (0.2, {3: 1.5, 0: 0.0})
+    with pytest.raises(ConfigError, match="NODE:SECONDS"):
+        parse_step_time("0.2,x")
+    with pytest.raises(ConfigError, match="nodes \\[9\\]"):
+        TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd", step_times={9: 1.0}))
+    with pytest.raises(ConfigError, match="restart:2@3: a restarted node would have to join"):
+        TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd"),
+                        faults=parse_faults("kill:2@1,restart:2@3", range(4)))
+
+
+def test_the_cli_trains_replays_and_chaos_takes_the_strategy(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "ring:6", "--strategy", "ssgd", "--step-time", "0.1,2:0.15", "--faults", "kill:4@1",
+               "--virtual-seconds", "5", "--out", str(tmp_path / "a")])
+    assert rc == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["training"]["strategy"] == "ssgd" and s["invariants"]["same_model_at_end"] == "held"
+    assert "ssgd: 5 of 6 nodes finished" in capsys.readouterr().out
+    replay = shlex.split(s["replay"])
+    assert "--strategy" in replay and "0.1,2:0.15" in replay
+    assert main([*replay[1:], "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["digest"] == s["digest"]
+    # a strategy that promises no single model: said, and no violation
+    assert main(["sim", "ring:4", "--strategy", "asgd", "--virtual-seconds", "2", "--out", str(tmp_path / "c")]) == 0
+    assert "same_model_at_end: NOT PROMISED: asgd" in capsys.readouterr().err
+    assert main(["sim", "ring:4", "--strategy", "canary", "--out", str(tmp_path)]) == 2
+    assert "--strategy canary: not simulated" in capsys.readouterr().err
+    assert main(["sim", "ring:4", "--opt", "sync=step", "--out", str(tmp_path)]) == 2
+    runs = chaos([("ring:4", ring(4))], runs=1, seed=3, count=1, virtual_seconds=6.0, opts=OPTS,
+                 replay=lambda t, s, f: f"replay {t} {s}", training=TrainingSpec(strategy="ssgd", step_time=0.1))
+    assert runs[0].events > 0 and runs[0].replay == "replay ring:4 3"
+    assert "crashed" not in runs[0].broken
+
+
+def test_simulate_with_a_strategy_is_deterministic() -> None:
+    spec = TrainingSpec(strategy="ssgd", step_time=0.1, seed=2)
+    a, b = (simulate(ring(5), parse_faults("kill:1@1", range(5)), OPTS, 4.0, spec) for _ in range(2))
+    assert a["digest"] == b["digest"] and a["training"]["nodes"] == b["training"]["nodes"]
