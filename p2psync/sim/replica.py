@@ -3,7 +3,8 @@
 :class:`SimReplica` implements the core :class:`~p2psync.model.replica.Replica` protocol and
 the capabilities the simulated strategies declare (:data:`~p2psync.model.replica.MODEL_BUFFERS`,
 :data:`~p2psync.model.replica.SGD_COMPENSATION`, :data:`~p2psync.model.replica.PARAM_RANGES`,
-:data:`~p2psync.model.replica.STEP_EACH`, :data:`~p2psync.model.replica.LAYERED`), so a strategy
+:data:`~p2psync.model.replica.STEP_EACH`, :data:`~p2psync.model.replica.STEP_AS_IS`,
+:data:`~p2psync.model.replica.LAYERED`), so a strategy
 runs its real decisions and collectives on it unchanged; there is no torch, no thread and no
 gate. What it computes:
 
@@ -82,6 +83,8 @@ class SimReplica:
         self.iterations = 0
         self.steps_taken = 0
         self._samples = 0
+        #: the latest iteration's gradient, as ``.grad`` holds it in torch (:meth:`step_as_is`)
+        self.grad = np.zeros(self.numel, np.float32)
 
     # -- the core protocol ------------------------------------------------------------------
 
@@ -103,7 +106,8 @@ class SimReplica:
         self.buffer = (np.float32(0.9) * self.buffer + np.float32(0.1) * np.float32(grad.mean())).astype(np.float32)
         self.iterations += 1
         self._samples += BATCH
-        return float(0.5 * np.mean(diff.astype(np.float64) ** 2)), grad
+        self.grad = grad
+        return float(0.5 * np.mean(diff.astype(np.float64) ** 2)), grad.copy()
 
     async def _wait(self, abort: threading.Event | None) -> None:
         """Sleep ``step_time`` virtual seconds; Aborted as soon as ``abort`` is set (an event
@@ -216,9 +220,13 @@ class SimReplica:
         if du is not None:
             self.momentum_buf = (self.momentum_buf + self._vector(du, "momentum delta")).astype(np.float32)
 
-    async def apply_each(self, vecs: Sequence[np.ndarray]) -> None:
+    async def apply_each(self, vecs: Sequence[np.ndarray], scale: float = 1.0) -> None:
         for v in vecs:
-            self._step(v)
+            self._step(self._vector(v, "gradient") * np.float32(scale) if scale != 1.0 else v)
+
+    async def step_as_is(self) -> None:
+        """One SGD step with the latest iteration's gradient (what ``.grad`` holds)."""
+        self._step(self.grad)
 
     def _ranges(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
         for lo, hi in ranges:
