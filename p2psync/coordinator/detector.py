@@ -43,6 +43,9 @@ from dataclasses import dataclass
 DEFAULT_INTERVAL = 0.5
 DEFAULT_FLOOR = 2.0
 DEFAULT_THRESHOLD = 8.0
+#: seconds a retransmission timeout exceeds the smoothed RTT at least (:class:`RttEstimator`):
+#: the timers of an event loop fire that late or later under load
+RTO_GRANULARITY = 0.01
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,15 @@ class RttEstimator:
     RTT exceeds the initial RTO would be retransmitted on every first attempt and, by Karn's
     rule, never measured."""
 
-    def __init__(self, *, initial_rto: float = 1.0, min_rto: float = 0.25, max_rto: float = 10.0) -> None:
+    def __init__(self, *, initial_rto: float = 1.0, min_rto: float = 0.25, max_rto: float = 10.0,
+                 granularity: float = RTO_GRANULARITY) -> None:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.initial_rto = initial_rto
         self.min_rto = min_rto
         self.max_rto = max_rto
+        #: the least margin of the timeout over ``srtt`` (RFC 6298's clock granularity G)
+        self.granularity = granularity
         self.samples = 0
         self._backoff = 1.0
 
@@ -101,10 +107,15 @@ class RttEstimator:
         self._backoff = min(self._backoff * 2, 64.0)
 
     def rto(self) -> float:
-        """The retransmission timeout now: ``srtt + 4 * rttvar`` (``initial_rto`` before any
-        sample), times the backoff, within [min_rto, max_rto]. Called from rpc.py per attempt:
-        ``rto = est.rto()``."""
-        base = self.initial_rto if self.srtt is None else max(self.min_rto, self.srtt + 4 * self.rttvar)
+        """The retransmission timeout now: ``srtt + max(granularity, 4 * rttvar)`` (RFC 6298
+        2.3; ``initial_rto`` before any sample), times the backoff, within [min_rto, max_rto].
+        It always exceeds ``srtt`` by ``granularity`` at least: on a link whose round trip
+        never varies ``rttvar`` decays towards 0, and a timeout of ``srtt`` alone expires as the
+        reply arrives (or before it, ``srtt`` carrying rounding errors), so every other request
+        would be resent and its copy sent over another first hop. Called from rpc.py per
+        attempt: ``rto = est.rto()``."""
+        base = self.initial_rto if self.srtt is None else \
+            max(self.min_rto, self.srtt + max(self.granularity, 4 * self.rttvar))
         return min(self.max_rto, base * self._backoff)
 
 

@@ -55,9 +55,14 @@ class Router:
             self._dist.clear()
 
     def distances(self, src: int) -> dict[int, int]:
-        """Hop counts from ``src`` over the live nodes (cached until a node dies or revives)."""
+        """Hop counts from ``src`` over the live nodes (cached until a node dies or revives);
+        from another node than this one, never through this one: a neighbour whose only way to
+        a destination leads back through this node is no next hop towards it (on a ring that a
+        dead node made a line, a resend over "the other first hop" would run into the line's
+        dead end)."""
         if src not in self._dist:
-            self._dist[src] = hop_distances(self.topology, src, avoid=self.dead)
+            avoid = self.dead if src == self.node_id else self.dead | {self.node_id}
+            self._dist[src] = hop_distances(self.topology, src, avoid=avoid)
         return self._dist[src]
 
     def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,

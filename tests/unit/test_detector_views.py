@@ -7,7 +7,8 @@ import random
 import pytest
 
 from p2psync.coordinator import MembershipState
-from p2psync.coordinator.detector import DetectorParams, FailureDetector, PeerDetector, RttEstimator, StallMeter
+from p2psync.coordinator.detector import (RTO_GRANULARITY, DetectorParams, FailureDetector, PeerDetector,
+                                         RttEstimator, StallMeter)
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import ConfigError, ProtocolError
 
@@ -216,6 +217,19 @@ def test_rto_backoff_persists_until_a_sample():
     for _ in range(20):
         est.backoff()
     assert est.rto() == est.max_rto
+
+
+def test_rto_stays_above_a_round_trip_that_never_varies():
+    """A link whose round trip never varies (a steady path; virtual time) drives ``rttvar``
+    towards 0 and ``srtt`` to the round trip, give or take rounding: the timeout keeps a margin
+    of the granularity over it, else it expires as the reply arrives and every other request
+    is resent."""
+    est = RttEstimator()
+    for _ in range(400):
+        est.sample(0.64)
+    assert est.rttvar < 1e-12
+    assert est.rto() >= 0.64 + RTO_GRANULARITY - 1e-9
+    assert est.rto() < 0.64 + 2 * RTO_GRANULARITY
 
 
 async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():

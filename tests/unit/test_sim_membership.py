@@ -76,6 +76,26 @@ def test_links_have_latency_and_the_bound_counts_it() -> None:
     assert s["rendezvous_s"] == pytest.approx(0.4, abs=0.02)
 
 
+def test_heartbeats_over_steady_round_trips_are_never_resent() -> None:
+    """Every round trip of a fault-free run in virtual time is the same at every heartbeat, so
+    each node's RTT variation decays to nothing within a minute. No heartbeat is resent: a
+    retransmission timeout of the smoothed RTT alone expired as the reply arrived, and every
+    other heartbeat of the nodes whose RTT is above the least timeout (0.25 s: over three hops of
+    40 ms here) was resent over the other first hop, which on a ring that a kill made a line
+    leads into its dead end (at 1024 nodes the resends, relayed hop by hop towards a cut link,
+    overwhelmed the simulation)."""
+    topo = ring(16)
+
+    async def main() -> tuple[dict[str, Any], int]:
+        async with SimCluster(topo, opts=SimOptions(latency_s=0.04)) as c:
+            s = await c.run(100.0)
+            return s, sum(n.rpc.retries for n in c.nodes.values())
+
+    summary, resent = run(main(), loop=VirtualLoop(trace=False))
+    assert summary["invariants"] == ALL_HELD
+    assert resent == 0
+
+
 def test_a_ring_of_40_nodes_rendezvous_over_20_hops() -> None:
     s, _ = simulate(ring(40), "", 3.0)
     assert s["invariants"] == ALL_HELD and s["final_view"]["members"] == list(range(40))

@@ -93,6 +93,18 @@ def test_the_router_recomputes_paths_when_a_node_dies_or_revives() -> None:
     assert sorted(r.next_hops(2)) == [1, 3] and r.distances(0)[1] == 1
 
 
+def test_a_neighbour_whose_only_way_leads_back_through_this_node_is_no_next_hop() -> None:
+    """Ring-8 with 4 dead is a line 5-6-7-0-1-2-3: from 6, neighbour 5 reaches 0 only back
+    through 6, so a resend over another first hop (rotate) takes 7 again instead of running
+    into the line's dead end at 5; towards 5 itself, 5 stays the next hop."""
+    r = Router(ring(8), 6)
+    assert r.next_hops(0) == [7, 5] and r.next_hops(0, rotate=1) == [5, 7]  # both ways round
+    r.mark_dead(4)
+    assert r.next_hops(0) == [7] and r.next_hops(0, rotate=1) == [7]
+    assert r.next_hops(0, exclude=7) == [] and r.next_hops(5) == [5]
+    assert r.distances(6)[5] == 1 and 6 not in r.distances(7)  # this node's own distances pass through it
+
+
 def test_a_reply_goes_back_first_through_the_neighbour_its_origin_was_last_heard_through() -> None:
     r = Router(ring(8), 0)
     assert r.reply_hops(3) == [1, 7]  # nothing heard from 3 yet: shortest first
