@@ -118,6 +118,18 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     return st
 
 
+def cut_off_when_judged(voters: Collection[int], judged: Collection[int]) -> bool:
+    """Whether a candidate whose election has ``voters`` (its view's members and itself)
+    judged the nodes ``judged`` failed or deposed while cut off from the majority. Pure.
+
+    True when the voters it did not judge are no majority: a node that counts a majority of
+    its view failed cannot tell a split from failures (the run declares nobody failed while no
+    side of a split holds a majority); if it wins all the same, some of them answered, and
+    what it judged was a split that healed since. Its first view then removes none of those
+    that did not answer unheard: they get a detection window from the new coordinator."""
+    return not holds_majority(set(voters) - set(judged), voters)
+
+
 def _ids(raw: Any) -> list[int]:
     """A list of node ids from an untrusted field (anything else: empty)."""
     if isinstance(raw, list) and all(type(n) is int and n >= 0 for n in raw):
@@ -263,12 +275,17 @@ class CoordinatorHost:
                 # answered live; the other members that did not answer (yet) are watched from
                 # the vote request on
                 # also kept: those this node itself heard within the failure timeout (deposed
-                # on another member's word, e.g. one that was cut off from them)
+                # on another member's word, e.g. one that was cut off from them); and all of
+                # them when the nodes it counts failed or deposed leave no majority of its view
+                # (cut_off: judged while it was cut off from the majority, by a split that
+                # healed since, as its win shows)
                 now = clock.now()
                 stale = now - self.failure_timeout - 2 * self.heartbeat_interval
-                unheard = (m.failed | set(deposed)) - cand.answered
+                judged = m.failed | set(deposed)
+                unheard = judged - cand.answered
                 heard = m.transport.last_arrival
-                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale
+                cut_off = cut_off_when_judged(voters, judged)
+                kept = sorted(n for n in unheard if cut_off or self._deposed_at.get(n, stale + 1) <= stale
                               or now - heard.get(n, -math.inf) < self.failure_timeout)
                 failed = sorted(unheard - set(kept))
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
@@ -607,4 +624,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "ask_again", "rebuild_state"]
+__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "rebuild_state"]

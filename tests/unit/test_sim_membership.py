@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from p2psync.coordinator.failover import cut_off_when_judged
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
@@ -326,6 +327,33 @@ def test_a_healed_three_way_split_of_a_ring_ends_in_one_view() -> None:
     assert [d["node"] for d in s["declared"] if d["t"] < 40] == [9, 10]  # the split removed nobody
     final = s["final_view"]
     assert final["coordinator"] == 1 and final["members"] == list(range(1, 9))
+
+
+def test_a_candidate_that_wins_after_a_split_without_a_majority_heals_removes_nobody_it_passed_over() -> None:
+    # ring-16 with 8 removed is a line 9..15-0-7; the partition cuts it into 0.12-15 (5 of 15,
+    # the coordinator's side), 1-7 and 9-11: no majority anywhere. Nodes 10 and 11 passed over
+    # the successors they could not reach (1-7) within one probe time and node 9 ran in term 1;
+    # right after the heal 0 and 12-15 granted it their votes. It took over still counting 1-6
+    # deposed (0.5 s before its first vote request: not deposed long ago) and its first view
+    # removed them 70 ms after the heal, and node 7 two seconds later (cut off behind them). A
+    # candidate that counts a majority of its view failed or deposed judged them while cut off:
+    # its first view keeps every one of them that did not answer, for its detector to judge.
+    # (Chaos seed 9137: p2psync sim ring:16 --seed 9137 --faults
+    # 'pause:8@8.965+5.762,partition:0.12-15|1-11@26.055+5.406' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:8@8.965+5.762,partition:0.12-15|1-11@26.055+5.406", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [8]
+    final = s["final_view"]
+    assert final["coordinator"] == 9 and final["term"] == 1
+    assert final["members"] == [n for n in range(16) if n != 8]
+
+
+def test_cut_off_when_judged_counts_the_voters_left() -> None:
+    voters = range(15)
+    assert cut_off_when_judged(voters, range(8))  # 7 of 15 left
+    assert not cut_off_when_judged(voters, range(7))  # 8 of 15 left: a majority
+    assert not cut_off_when_judged(voters, [0])  # a coordinator's crash
+    assert cut_off_when_judged(range(4), [0, 1])  # an even split
 
 
 def test_a_coordinator_cut_off_with_more_successors_than_one_probe_batch_is_replaced_in_bound() -> None:
