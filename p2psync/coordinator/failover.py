@@ -37,7 +37,9 @@ and runs that election as soon as it holds one again. Losing it (a member voted 
 that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
 candidate raises its own term only over voters whose view is not newer than its own (a voter
 with a newer view follows a coordinator that won; outbidding it would only start the race
-again).
+again), and only while those voters and itself could make a majority (:func:`may_win`): rival
+candidates cut off from the majority would otherwise outbid each other every round, faster
+than the majority's coordinator goes above the terms it hears of, and never apply its views.
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ def cut_off_when_judged(voters: Collection[int], judged: Collection[int]) -> boo
     what it judged was a split that healed since. Its first view then removes none of those
     that did not answer unheard: they get a detection window from the new coordinator."""
     return not holds_majority(set(voters) - set(judged), voters)
+
+
+def may_win(me: int, voters: Collection[int], mine: tuple[int, int],
+            answers: Mapping[int, VoteAnswer | None]) -> bool:
+    """Whether a candidate with view key ``mine`` may win an election over ``voters``, given
+    one round's ``answers`` (voter -> answer, None: none in time). Pure.
+
+    Only the voters that answered with a view not newer than the candidate's may grant it a
+    vote in some term (a voter with a newer view follows a coordinator that won); when they
+    and the candidate are no majority, no term wins it the election. Such a candidate (cut
+    off, or on the side of a healed split that the majority removed) keeps its term instead
+    of going above a rival's: rivals that outbid each other every round, each cut off from the
+    majority, drive the terms up faster than the majority's coordinator, re-elected above the
+    term it hears of (:meth:`CoordinatorHost.outrank`), can bring its view to them, and they
+    apply no view of a term below one they voted in, so they never learn that they were
+    removed."""
+    may = {me} | {v for v, ans in answers.items() if ans is not None and ans.view <= mine}
+    return holds_majority(may, voters)
 
 
 def _ids(raw: Any) -> list[int]:
@@ -241,16 +261,19 @@ class CoordinatorHost:
     async def _campaign(self, deposed: list[int]) -> None:
         """Ask the members of this node's view for their votes in a new term until a majority
         grants it (then take over), another coordinator's view is followed, or this node is
-        fenced. Each round is bounded; rounds repeat every heartbeat interval."""
+        fenced. Each round is bounded; rounds repeat every heartbeat interval. After a round
+        that shows it cannot win (:func:`may_win`) the next one keeps the term: it goes above
+        neither a rival's term nor one this node voted in for another candidate."""
         m = self.membership
         rounds = 0
+        hopeless = False  # the last round showed that this node cannot win (:func:`may_win`)
         while m.coordinator == self.me and self.service is None and m.fenced is None:
             view = m.view
             voters = frozenset(view.members if view is not None else self.expected) | {self.me}
             mine = view.key if view is not None else (0, -1)
             term = max(mine[0], self._seen_term) + 1
-            if m.ballot.voted.get(term, self.me) != self.me:  # this node voted for another in it
-                term = max(m.ballot.promised, term) + 1
+            if m.ballot.voted.get(term, self.me) != self.me and not hopeless:
+                term = max(m.ballot.promised, term) + 1  # this node voted for another in it
             cand = Candidacy(me=self.me, term=term, voters=voters)
             req = VoteRequest(candidate=self.me, term=term, view=mine)
             cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
@@ -259,11 +282,13 @@ class CoordinatorHost:
             asked = clock.now()
             answers = await self._votes(others, req, cand, again=self.heartbeat_interval)
             floor = mine[1]
+            hopeless = not may_win(self.me, voters, mine, answers)
             for v, ans in answers.items():
                 if ans is not None:
                     # it voted for another in a term this one must pass; not when its view is
-                    # newer: another coordinator won, and a higher term would only disrupt it
-                    if not ans.granted and ans.view <= mine:
+                    # newer: another coordinator won, and a higher term would only disrupt it;
+                    # nor while this node cannot win: it would only outbid a rival as cut off
+                    if not ans.granted and ans.view <= mine and not hopeless:
                         self._seen_term = max(self._seen_term, ans.voted_term if ans.voted_term >= term else -1)
                     floor = max(floor, ans.view[1])
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
@@ -624,4 +649,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "rebuild_state"]
+__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "may_win", "rebuild_state"]
