@@ -261,11 +261,22 @@ class CoordinatorHost:
     async def _campaign(self, deposed: list[int]) -> None:
         """Ask the members of this node's view for their votes in a new term until a majority
         grants it (then take over), another coordinator's view is followed, or this node is
-        fenced. Each round is bounded; rounds repeat every heartbeat interval. After a round
+        fenced. Each round is bounded; rounds repeat every heartbeat interval. A win keeps
+        the nodes this node judged failed or deposed unheard while it was cut off from the
+        majority (see the comments at the win, and :func:`cut_off_when_judged`). After a round
         that shows it cannot win (:func:`may_win`) the next one keeps the term: it goes above
         neither a rival's term nor one this node voted in for another candidate."""
         m = self.membership
         rounds = 0
+        # when the first vote request went out, and when the voters that answered it (any
+        # answer: they are alive and reachable) first made a majority with this node
+        first: float | None = None
+        majority_at: float | None = None
+
+        def count() -> None:
+            nonlocal majority_at
+            if majority_at is None and holds_majority(cand.answered | {self.me}, voters):
+                majority_at = clock.now()
         hopeless = False  # the last round showed that this node cannot win (:func:`may_win`)
         while m.coordinator == self.me and self.service is None and m.fenced is None:
             view = m.view
@@ -280,7 +291,9 @@ class CoordinatorHost:
                                                  hears_coordinator=None))
             others = sorted(voters - {self.me})
             asked = clock.now()
-            answers = await self._votes(others, req, cand, again=self.heartbeat_interval)
+            first = asked if first is None else first
+            count()
+            answers = await self._votes(others, req, cand, again=self.heartbeat_interval, answered=count)
             floor = mine[1]
             hopeless = not may_win(self.me, voters, mine, answers)
             for v, ans in answers.items():
@@ -301,15 +314,17 @@ class CoordinatorHost:
                 # the vote request on
                 # also kept: those this node itself heard within the failure timeout (deposed
                 # on another member's word, e.g. one that was cut off from them); and all of
-                # them when the nodes it counts failed or deposed leave no majority of its view
-                # (cut_off: judged while it was cut off from the majority, by a split that
-                # healed since, as its win shows)
+                # them when this node judged them while cut off from the majority, by a split
+                # that healed since, as its win shows (cut_off): the voters that answered at
+                # all made a majority only more than a probe time after its first request, or
+                # the nodes it counts failed or deposed leave no majority of its view
                 now = clock.now()
                 stale = now - self.failure_timeout - 2 * self.heartbeat_interval
                 judged = m.failed | set(deposed)
                 unheard = judged - cand.answered
                 heard = m.transport.last_arrival
-                cut_off = cut_off_when_judged(voters, judged)
+                late = majority_at is None or first is None or majority_at - first > self.probe_time()
+                cut_off = late or cut_off_when_judged(voters, judged)
                 kept = sorted(n for n in unheard if cut_off or self._deposed_at.get(n, stale + 1) <= stale
                               or now - heard.get(n, -math.inf) < self.failure_timeout)
                 failed = sorted(unheard - set(kept))
@@ -324,8 +339,8 @@ class CoordinatorHost:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
-                     enough: Callable[[], bool] | None = None,
-                     again: float | None = None) -> dict[int, VoteAnswer | None]:
+                     enough: Callable[[], bool] | None = None, again: float | None = None,
+                     answered: Callable[[], None] | None = None) -> dict[int, VoteAnswer | None]:
         """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
         comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
         is won (or ``enough()`` holds, when given) or every voter answered or timed out. The
@@ -352,6 +367,8 @@ class CoordinatorHost:
                         continue  # a request asked again went unanswered: keep the refusal
                     out[v] = ans
                     cand.record(v, ans)
+                    if answered is not None:
+                        answered()
                     if again is not None and ask_again(ans, req, waiting=bool(pending & first)):
                         t2 = asks.spawn(self._ask(v, req, delay=again), name=f"vote-{v}-again")
                         voter_of[t2] = v

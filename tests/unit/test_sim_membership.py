@@ -349,6 +349,20 @@ def test_a_candidate_that_wins_after_a_split_without_a_majority_heals_removes_no
     assert final["members"] == [n for n in range(16) if n != 8]
 
 
+def test_a_candidate_whose_majority_answered_only_after_the_heal_removes_nobody_it_passed_over() -> None:
+    # the same three-way split one node further on (7 removed: 0.11-15, 1-6 and 8-10), healed
+    # within node 8's first round of vote requests: 11-15 (with coordinator 0) answered only
+    # after the heal and granted; node 8 counted only 0-6 deposed (8 of 15 left, a majority)
+    # and its first view removed 1-6, 50 ms after the heal. The voters that answered at all
+    # made a majority 1.5 s after its first request, far more than a probe time: it was cut
+    # off when it passed them over, and it keeps them.
+    s, _ = simulate(ring(16), "pause:7@8.965+5.762,partition:0.11-15|1-10@26.055+4.5", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [7]
+    final = s["final_view"]
+    assert final["coordinator"] == 8 and final["members"] == [n for n in range(16) if n != 7]
+
+
 def test_cut_off_when_judged_counts_the_voters_left() -> None:
     voters = range(15)
     assert cut_off_when_judged(voters, range(8))  # 7 of 15 left
