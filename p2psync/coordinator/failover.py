@@ -350,7 +350,9 @@ class CoordinatorHost:
         while the first requests of the round are still out (:func:`ask_again`; those asked
         again are given up with them): its detector may suspect the old coordinator a moment
         after the candidate's did (silence counts from each node's own last heartbeat), and
-        the voters that cannot answer must not make it wait for the next round."""
+        the voters that cannot answer must not make it wait for the next round. ``answered``:
+        called after each answer is recorded (the candidate notes when its answers made a
+        majority)."""
         won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
