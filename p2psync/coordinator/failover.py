@@ -37,7 +37,9 @@ and runs that election as soon as it holds one again. Losing it (a member voted 
 that term) changes nothing: a later vote request, probe or heartbeat tries a higher term. A
 candidate raises its own term only over voters whose view is not newer than its own (a voter
 with a newer view follows a coordinator that won; outbidding it would only start the race
-again).
+again), and only while those voters and itself could make a majority (:func:`may_win`): rival
+candidates cut off from the majority would otherwise outbid each other every round, faster
+than the majority's coordinator goes above the terms it hears of, and never apply its views.
 """
 
 from __future__ import annotations
@@ -116,6 +118,36 @@ def rebuild_state(*, expected: Collection[int], view: View | None, failed: Colle
     st.agreement = Agreement(me=me, members=frozenset(base | ({me} if view is None else set())),
                              epoch=view.epoch if view is not None else 0)
     return st
+
+
+def cut_off_when_judged(voters: Collection[int], judged: Collection[int]) -> bool:
+    """Whether a candidate whose election has ``voters`` (its view's members and itself)
+    judged the nodes ``judged`` failed or deposed while cut off from the majority. Pure.
+
+    True when the voters it did not judge are no majority: a node that counts a majority of
+    its view failed cannot tell a split from failures (the run declares nobody failed while no
+    side of a split holds a majority); if it wins all the same, some of them answered, and
+    what it judged was a split that healed since. Its first view then removes none of those
+    that did not answer unheard: they get a detection window from the new coordinator."""
+    return not holds_majority(set(voters) - set(judged), voters)
+
+
+def may_win(me: int, voters: Collection[int], mine: tuple[int, int],
+            answers: Mapping[int, VoteAnswer | None]) -> bool:
+    """Whether a candidate with view key ``mine`` may win an election over ``voters``, given
+    one round's ``answers`` (voter -> answer, None: none in time). Pure.
+
+    Only the voters that answered with a view not newer than the candidate's may grant it a
+    vote in some term (a voter with a newer view follows a coordinator that won); when they
+    and the candidate are no majority, no term wins it the election. Such a candidate (cut
+    off, or on the side of a healed split that the majority removed) keeps its term instead
+    of going above a rival's: rivals that outbid each other every round, each cut off from the
+    majority, drive the terms up faster than the majority's coordinator, re-elected above the
+    term it hears of (:meth:`CoordinatorHost.outrank`), can bring its view to them, and they
+    apply no view of a term below one they voted in, so they never learn that they were
+    removed."""
+    may = {me} | {v for v, ans in answers.items() if ans is not None and ans.view <= mine}
+    return holds_majority(may, voters)
 
 
 def _ids(raw: Any) -> list[int]:
@@ -229,29 +261,47 @@ class CoordinatorHost:
     async def _campaign(self, deposed: list[int]) -> None:
         """Ask the members of this node's view for their votes in a new term until a majority
         grants it (then take over), another coordinator's view is followed, or this node is
-        fenced. Each round is bounded; rounds repeat every heartbeat interval."""
+        fenced. Each round is bounded; rounds repeat every heartbeat interval. A win keeps
+        the nodes this node judged failed or deposed unheard while it was cut off from the
+        majority (see the comments at the win, and :func:`cut_off_when_judged`). After a round
+        that shows it cannot win (:func:`may_win`) the next one keeps the term: it goes above
+        neither a rival's term nor one this node voted in for another candidate."""
         m = self.membership
         rounds = 0
+        # when the first vote request went out, and when the voters that answered it (any
+        # answer: they are alive and reachable) first made a majority with this node
+        first: float | None = None
+        majority_at: float | None = None
+
+        def count() -> None:
+            nonlocal majority_at
+            if majority_at is None and holds_majority(cand.answered | {self.me}, voters):
+                majority_at = clock.now()
+        hopeless = False  # the last round showed that this node cannot win (:func:`may_win`)
         while m.coordinator == self.me and self.service is None and m.fenced is None:
             view = m.view
             voters = frozenset(view.members if view is not None else self.expected) | {self.me}
             mine = view.key if view is not None else (0, -1)
             term = max(mine[0], self._seen_term) + 1
-            if m.ballot.voted.get(term, self.me) != self.me:  # this node voted for another in it
-                term = max(m.ballot.promised, term) + 1
+            if m.ballot.voted.get(term, self.me) != self.me and not hopeless:
+                term = max(m.ballot.promised, term) + 1  # this node voted for another in it
             cand = Candidacy(me=self.me, term=term, voters=voters)
             req = VoteRequest(candidate=self.me, term=term, view=mine)
             cand.record(self.me, m.ballot.decide(req, mine=mine, coordinating_with_quorum=False,
                                                  hears_coordinator=None))
             others = sorted(voters - {self.me})
             asked = clock.now()
-            answers = await self._votes(others, req, cand, again=self.heartbeat_interval)
+            first = asked if first is None else first
+            count()
+            answers = await self._votes(others, req, cand, again=self.heartbeat_interval, answered=count)
             floor = mine[1]
+            hopeless = not may_win(self.me, voters, mine, answers)
             for v, ans in answers.items():
                 if ans is not None:
                     # it voted for another in a term this one must pass; not when its view is
-                    # newer: another coordinator won, and a higher term would only disrupt it
-                    if not ans.granted and ans.view <= mine:
+                    # newer: another coordinator won, and a higher term would only disrupt it;
+                    # nor while this node cannot win: it would only outbid a rival as cut off
+                    if not ans.granted and ans.view <= mine and not hopeless:
                         self._seen_term = max(self._seen_term, ans.voted_term if ans.voted_term >= term else -1)
                     floor = max(floor, ans.view[1])
             if m.coordinator != self.me or self.service is not None or m.fenced is not None:
@@ -263,12 +313,19 @@ class CoordinatorHost:
                 # answered live; the other members that did not answer (yet) are watched from
                 # the vote request on
                 # also kept: those this node itself heard within the failure timeout (deposed
-                # on another member's word, e.g. one that was cut off from them)
+                # on another member's word, e.g. one that was cut off from them); and all of
+                # them when this node judged them while cut off from the majority, by a split
+                # that healed since, as its win shows (cut_off): the voters that answered at
+                # all made a majority only more than a probe time after its first request, or
+                # the nodes it counts failed or deposed leave no majority of its view
                 now = clock.now()
                 stale = now - self.failure_timeout - 2 * self.heartbeat_interval
-                unheard = (m.failed | set(deposed)) - cand.answered
+                judged = m.failed | set(deposed)
+                unheard = judged - cand.answered
                 heard = m.transport.last_arrival
-                kept = sorted(n for n in unheard if self._deposed_at.get(n, stale + 1) <= stale
+                late = majority_at is None or first is None or majority_at - first > self.probe_time()
+                cut_off = late or cut_off_when_judged(voters, judged)
+                kept = sorted(n for n in unheard if cut_off or self._deposed_at.get(n, stale + 1) <= stale
                               or now - heard.get(n, -math.inf) < self.failure_timeout)
                 failed = sorted(unheard - set(kept))
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
@@ -282,8 +339,8 @@ class CoordinatorHost:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
-                     enough: Callable[[], bool] | None = None,
-                     again: float | None = None) -> dict[int, VoteAnswer | None]:
+                     enough: Callable[[], bool] | None = None, again: float | None = None,
+                     answered: Callable[[], None] | None = None) -> dict[int, VoteAnswer | None]:
         """Ask ``others`` for their votes at once and record each answer in ``cand`` as it
         comes; returns the answers in (voter -> answer, None: no answer in time) once ``cand``
         is won (or ``enough()`` holds, when given) or every voter answered or timed out. The
@@ -293,7 +350,9 @@ class CoordinatorHost:
         while the first requests of the round are still out (:func:`ask_again`; those asked
         again are given up with them): its detector may suspect the old coordinator a moment
         after the candidate's did (silence counts from each node's own last heartbeat), and
-        the voters that cannot answer must not make it wait for the next round."""
+        the voters that cannot answer must not make it wait for the next round. ``answered``:
+        called after each answer is recorded (the candidate notes when its answers made a
+        majority)."""
         won = enough if enough is not None else (lambda: cand.won)
         asks = TaskSet("vote-requests", isolated=True)
         voter_of = {asks.spawn(self._ask(v, req), name=f"vote-{v}"): v for v in others}
@@ -310,6 +369,8 @@ class CoordinatorHost:
                         continue  # a request asked again went unanswered: keep the refusal
                     out[v] = ans
                     cand.record(v, ans)
+                    if answered is not None:
+                        answered()
                     if again is not None and ask_again(ans, req, waiting=bool(pending & first)):
                         t2 = asks.spawn(self._ask(v, req, delay=again), name=f"vote-{v}-again")
                         voter_of[t2] = v
@@ -607,4 +668,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "ask_again", "rebuild_state"]
+__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "may_win", "rebuild_state"]

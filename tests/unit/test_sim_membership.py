@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from p2psync.coordinator.failover import cut_off_when_judged, may_win
+from p2psync.coordinator.quorum import VoteAnswer
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
@@ -346,6 +348,79 @@ def test_a_healed_three_way_split_of_a_ring_ends_in_one_view() -> None:
     assert [d["node"] for d in s["declared"] if d["t"] < 40] == [9, 10]  # the split removed nobody
     final = s["final_view"]
     assert final["coordinator"] == 1 and final["members"] == list(range(1, 9))
+
+
+def test_a_candidate_that_wins_after_a_split_without_a_majority_heals_removes_nobody_it_passed_over() -> None:
+    # ring-16 with 8 removed is a line 9..15-0-7; the partition cuts it into 0.12-15 (5 of 15,
+    # the coordinator's side), 1-7 and 9-11: no majority anywhere. Nodes 10 and 11 passed over
+    # the successors they could not reach (1-7) within one probe time and node 9 ran in term 1;
+    # right after the heal 0 and 12-15 granted it their votes. It took over still counting 1-6
+    # deposed (0.5 s before its first vote request: not deposed long ago) and its first view
+    # removed them 70 ms after the heal, and node 7 two seconds later (cut off behind them). A
+    # candidate that counts a majority of its view failed or deposed judged them while cut off:
+    # its first view keeps every one of them that did not answer, for its detector to judge.
+    # (Chaos seed 9137: p2psync sim ring:16 --seed 9137 --faults
+    # 'pause:8@8.965+5.762,partition:0.12-15|1-11@26.055+5.406' --virtual-seconds 60)
+    s, _ = simulate(ring(16), "pause:8@8.965+5.762,partition:0.12-15|1-11@26.055+5.406", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [8]
+    final = s["final_view"]
+    assert final["coordinator"] == 9 and final["term"] == 1
+    assert final["members"] == [n for n in range(16) if n != 8]
+
+
+def test_a_candidate_whose_majority_answered_only_after_the_heal_removes_nobody_it_passed_over() -> None:
+    # the same three-way split one node further on (7 removed: 0.11-15, 1-6 and 8-10), healed
+    # within node 8's first round of vote requests: 11-15 (with coordinator 0) answered only
+    # after the heal and granted; node 8 counted only 0-6 deposed (8 of 15 left, a majority)
+    # and its first view removed 1-6, 50 ms after the heal. The voters that answered at all
+    # made a majority 1.5 s after its first request, far more than a probe time: it was cut
+    # off when it passed them over, and it keeps them.
+    s, _ = simulate(ring(16), "pause:7@8.965+5.762,partition:0.11-15|1-10@26.055+4.5", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [7]
+    final = s["final_view"]
+    assert final["coordinator"] == 8 and final["members"] == [n for n in range(16) if n != 7]
+
+
+def test_cut_off_when_judged_counts_the_voters_left() -> None:
+    voters = range(15)
+    assert cut_off_when_judged(voters, range(8))  # 7 of 15 left
+    assert not cut_off_when_judged(voters, range(7))  # 8 of 15 left: a majority
+    assert not cut_off_when_judged(voters, [0])  # a coordinator's crash
+    assert cut_off_when_judged(range(4), [0, 1])  # an even split
+
+
+def test_the_far_side_of_a_healed_three_way_split_learns_that_it_was_removed() -> None:
+    # ring-32 with 0-6 removed is a line 7..31; the second partition cuts it into 7-23 (17 of
+    # 25, coordinator 7's side), 24-29 and 30-31; node 7 removed 24-31. On the far side node 24
+    # ran (it passed over 7-23) and so did node 30 (it passed over 7-29), each short of a
+    # majority; after the heal each went above the term the other's voters had voted in, round
+    # after round, and node 7, re-elected above the terms it heard of, never caught up: those
+    # nodes apply no view of a term below one they voted in, so 24-31 never learnt from its
+    # views that they were removed (two views at the end, coordinator 7 in term 109). A
+    # candidate that cannot win (the voters that may grant it a vote are no majority) keeps its
+    # term: node 7's first re-election goes above it and its view fences them.
+    # (Chaos seed 9136: p2psync sim ring:32 --seed 9136 --faults 'partition:0-6.31|7-30@10.373+3.409,
+    # partition:24-29|0-23.30-31@22.275+7.071,pause:7@38.3+1.317' --virtual-seconds 60)
+    s, _ = simulate(ring(32), "partition:0-6.31|7-30@10.373+3.409,partition:24-29|0-23.30-31@22.275+7.071", 37.0)
+    assert s["invariants"] == ALL_HELD
+    assert sorted(int(n) for n in s["fenced"]) == [*range(7), *range(24, 32)]
+    final = s["final_view"]
+    assert final["coordinator"] == 7 and final["members"] == list(range(7, 24))
+
+
+def test_may_win_counts_the_voters_whose_view_is_not_newer() -> None:
+    def ans(view: tuple[int, int]) -> VoteAnswer:
+        return VoteAnswer(granted=False, reason="", view=view, voted_term=view[0])
+
+    voters = range(7, 32)  # the members of its view
+    mine = (1, 33)
+    far = {v: ans(mine) for v in range(25, 32)}  # the far side: its own view
+    near = {v: ans((3, 35)) for v in range(7, 24)}  # a coordinator that won: a newer view
+    assert not may_win(24, voters, mine, {**far, **near})
+    assert may_win(24, voters, mine, {**far, **{v: ans((1, 30)) for v in range(7, 24)}})
+    assert not may_win(24, voters, mine, {**far, **{v: None for v in range(7, 24)}})  # no answer
 
 
 def test_a_coordinator_cut_off_with_more_successors_than_one_probe_batch_is_replaced_in_bound() -> None:
