@@ -99,6 +99,7 @@ be silent surprises; convert to float first.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections import deque
 from typing import Any, Hashable, Literal, Mapping, Sequence, get_args
@@ -113,6 +114,7 @@ from p2psync.collectives.schedule import Schedule, schedule
 from p2psync.collectives.sparse import sparse_allreduce
 from p2psync.compress import ErrorFeedback, TopK, get_codec
 from p2psync.errors import ConfigError, GroupCutOff, PeerFailure
+from p2psync.topology import Topology
 from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
 
@@ -120,6 +122,22 @@ from p2psync.wire.schema import valid_tag
 MAX_TAG = 96
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
+
+
+#: every plan made over a topology, by its inputs, shared by every :class:`Collectives` over
+#: that very topology object (a plan is a pure function of the topology and the key, and never
+#: changed once made): one copy per process, however many nodes it simulates. Kept as long as
+#: the topology is.
+_SHARED_PLANS: weakref.WeakKeyDictionary[Topology, dict[tuple[Any, ...], Plan]] = weakref.WeakKeyDictionary()
+
+
+def shared_plans(topo: Topology) -> dict[tuple[Any, ...], Plan]:
+    """The plans made over ``topo`` so far, by their inputs (see ``_SHARED_PLANS``): the
+    ``Collectives`` of every node over ``topo`` in this process read and add to this one dict."""
+    plans = _SHARED_PLANS.get(topo)
+    if plans is None:
+        plans = _SHARED_PLANS.setdefault(topo, {})
+    return plans
 
 
 def _check_tag(tag: str) -> None:
@@ -151,7 +169,8 @@ class Collectives:
         self.feedback = ErrorFeedback() if error_feedback else None
         #: residuals of the ``topk`` allreduce: always kept (see p2psync.collectives.sparse)
         self.sparse_feedback = ErrorFeedback()
-        self._plans: dict[tuple[Any, ...], Plan] = {}
+        #: plans by their inputs (topology aside), shared with every node over this topology
+        self._plans = shared_plans(self.topo)
         self._schedules: dict[tuple[Any, ...], tuple[Plan, Schedule]] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
 
@@ -309,7 +328,7 @@ class Collectives:
         return plan
 
     def _slot_plan(self, g: tuple[int, ...], ppn: int) -> Plan:
-        key = ("slots", g, ppn)
+        key = ("slots", g, ppn, self.algo)
         if key not in self._plans:
             plan = make_plan(self.topo, g, ppn * len(g), self.algo)
             if plan.algo not in ("ring", "mesh"):

@@ -38,7 +38,9 @@ Algorithms:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Collection, Sequence
 
 from p2psync.errors import ConfigError, GroupCutOff
@@ -83,6 +85,23 @@ class Plan:
     ag: tuple[tuple[Transfer, ...], ...]
     owner: dict[int, tuple[Range, ...]] = field(default_factory=dict)
     relays: frozenset[int] = frozenset()
+
+    @cached_property
+    def by_node(self) -> dict[int, tuple[tuple[Transfer, ...], array[int]]]:
+        """Per node, the transfers it sends or receives, in order of phase (``rs`` first), round
+        and place in the round, with the round of each (``rs`` rounds 0, 1, ...; the ``ag``
+        rounds after them: ``len(rs)``, ``len(rs) + 1``, ...); a node in no transfer is
+        absent. Made once per plan, on first use (what every node's schedule starts from)."""
+        ts: dict[int, list[Transfer]] = {}
+        rounds: dict[int, array[int]] = {}
+        for r, rnd in enumerate((*self.rs, *self.ag)):
+            for t in rnd:
+                for node in (t.src,) if t.src == t.dst else (t.src, t.dst):
+                    if node not in ts:
+                        ts[node], rounds[node] = [], array("i")
+                    ts[node].append(t)
+                    rounds[node].append(r)
+        return {node: (tuple(ts[node]), rounds[node]) for node in ts}
 
     def sent_by(self, node: int) -> int:
         """Pieces ``node`` sends in a full allreduce."""

@@ -11,6 +11,7 @@ cached steps is all that is left.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,16 +75,27 @@ def schedule(plan: Plan, me: int, pieces: int, phases: tuple[str, ...], fused: b
     """Node ``me``'s steps for each of ``pieces`` pieces through ``plan``'s ``phases`` (``rs``
     then ``ag``, those given). ``fused``: the executor checks received pieces itself, fused with
     their use (lossless codec, no extra check): only then may a partial sum be sent straight on."""
-    rounds = [(f"{ph}{r}", [t for t in rnd if me in (t.src, t.dst)])
-              for ph in ("rs", "ag") if ph in phases
-              for r, rnd in enumerate(plan.rs if ph == "rs" else plan.ag)]
+    ts, rounds = plan.by_node.get(me, ((), array("i")))
+    nrs = len(plan.rs)
+    per: list[list[tuple[int, Transfer]]] = [[] for _ in range(pieces)]  # (round, transfer) per piece
+    for t, r in zip(ts, rounds):
+        if ("rs" if r < nrs else "ag") in phases:
+            for k in range(max(t.lo, 0), min(t.hi, pieces)):
+                per[k].append((r, t))
     out = []
     for k in range(pieces):
-        mine = [(phase, ts) for phase, transfers in rounds if (ts := [t for t in transfers if t.lo <= k < t.hi])]
+        mine: list[tuple[str, list[Transfer]]] = []  # this piece's rounds, in order, with its transfers in each
+        last = -1
+        for r, t in per[k]:
+            if r == last:
+                mine[-1][1].append(t)
+            else:
+                mine.append((f"rs{r}" if r < nrs else f"ag{r - nrs}", [t]))
+                last = r
         steps = []
-        for j, (phase, ts) in enumerate(mine):
-            incoming = tuple(sorted((t.src, t.reduce) for t in ts if t.dst == me))
-            steps.append(Step(phase=phase, sends=tuple(t for t in ts if t.src == me),
+        for j, (phase, tk) in enumerate(mine):
+            incoming = tuple(sorted((t.src, t.reduce) for t in tk if t.dst == me))
+            steps.append(Step(phase=phase, sends=tuple(t for t in tk if t.src == me),
                               send_suffix=f".{phase}.{me}.{k}", incoming=incoming,
                               expects=tuple(Expect(src, f".{phase}.{src}.{k}", reduce) for src, reduce in incoming),
                               defer=fused and bool(incoming) and deferrable(me, mine, j)))

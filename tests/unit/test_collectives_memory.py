@@ -279,3 +279,42 @@ async def test_schedules_are_kept_per_plan_phases_and_check():
                 got[lo:hi] = v
         np.testing.assert_array_equal(got, want)
         assert all(len(c._schedules) == 3 for c in cs.values())
+
+
+async def test_nodes_over_one_topology_share_each_plan():
+    """Every node's collectives over the same topology object read one copy of each plan (a
+    process that simulates N nodes keeps one ring plan, not N); another topology object, even
+    an equal one, gets its own plans. Results are unchanged."""
+    topo = ring(6)
+    xs = {i: np.arange(96, dtype=np.float32) * (i + 1) for i in topo.ids}
+    async with memory(topo, timeout=5) as cs:
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="t") for i in topo.ids))
+        rows = await asyncio.gather(*(cs[i].allgather(xs[i][:5], tag="g") for i in topo.ids))
+        for o in outs:
+            np.testing.assert_array_equal(o, sum(xs.values()))
+        for r in rows:
+            assert [list(x) for x in r] == [list(xs[i][:5]) for i in topo.ids]
+        assert len(cs[0]._plans) == 2
+        for c in cs.values():
+            assert c._plans is cs[0]._plans
+    other = ring(6)
+    async with memory(other, timeout=5) as cs2:
+        assert cs2[0]._plans is not cs[0]._plans and not cs2[0]._plans
+
+
+def test_schedule_walks_the_rounds_a_node_is_in():
+    """``Plan.by_node``: on a ring a node sends once and receives once in every round, listed
+    in round order; each piece's steps built from them keep that order (``rs`` before ``ag``)."""
+    from p2psync.collectives.plan import make_plan
+    from p2psync.collectives.schedule import schedule
+
+    topo = ring(5)
+    plan = make_plan(topo, topo.ids, 10, "ring")
+    ts, rounds = plan.by_node[2]
+    assert list(rounds) == sorted(rounds) and all(2 in (t.src, t.dst) for t in ts)
+    assert len(ts) == 2 * (len(plan.rs) + len(plan.ag))  # one send, one receive per ring round
+    sched = schedule(plan, 2, 10, ("rs", "ag"), True)
+    for steps in sched.pieces:
+        order = [(s.phase[:2], int(s.phase[2:])) for s in steps]
+        assert order == sorted(order, key=lambda p: (p[0] == "ag", p[1]))
+        assert sum(len(s.sends) for s in steps) + sum(len(s.expects) for s in steps) > 0
