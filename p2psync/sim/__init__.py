@@ -3,6 +3,9 @@
 * :mod:`p2psync.sim.loop`: the virtual-time event loop (:class:`~p2psync.sim.loop.VirtualLoop`),
   which jumps its time to the next timer instead of sleeping, and holds and releases actors
   (nodes) as ``SIGSTOP`` / ``SIGCONT`` would.
+* :mod:`p2psync.sim.medium`: the simulated medium (:class:`~p2psync.sim.medium.SimHub`,
+  :class:`~p2psync.sim.medium.SimTransport`): per-link latency, cut and slowed links, and the
+  express path of relayed control messages.
 * :mod:`p2psync.sim.cluster`: :class:`~p2psync.sim.cluster.SimCluster`, every node of a
   topology running the real membership, failure detector and failover over the in-memory
   transport (per-link latency), with faults (:mod:`p2psync.sim.faults`: kill, restart,
