@@ -39,7 +39,7 @@ from p2psync.strategies.diloco.ops import Operations
 from p2psync.strategies.diloco.options import DilocoOptions
 from p2psync.strategies.diloco.outer import outer_step
 from p2psync.strategies.diloco.state import CLOSE, FULL, Counters
-from p2psync.strategies.regroup import Adopted, Regroup, exact_mean_input
+from p2psync.strategies.regroup import Adopted, Regroup, exact_mean
 from p2psync.tasks import gather_or_cancel
 
 
@@ -110,11 +110,9 @@ class Stop:
         op = OpId("diloco", st.ops, view.epoch).tag
         theta, mom = st.theta, st.bufs[0]
         if self.opts.eager:  # every node's own θ_g and momentum differ by its in-flight terms: one exact mean
-            m = mom if mom is not None else np.zeros_like(theta)
-            th, mo = await gather_or_cancel([
-                coll.allreduce(exact_mean_input(theta), view.members, op="mean", codec="none", tag=f"{op}.mean"),
-                coll.allreduce(exact_mean_input(m), view.members, op="mean", codec="none", tag=f"{op}.mean.b")])
-            theta, mom = np.asarray(th, np.float32), np.asarray(mo, np.float32)
+            m = mom.copy() if mom is not None else np.zeros_like(theta)
+            theta, mom = await gather_or_cancel([exact_mean(coll, theta.copy(), view.members, tag=f"{op}.mean"),
+                                                 exact_mean(coll, m, view.members, tag=f"{op}.mean.b")])
         await self.ctx.replica.set_params(theta.copy())
         await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica), coll, self.ctx.buffers, tag=f"{op}.end",
                            group=view.members)
