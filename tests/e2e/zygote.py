@@ -46,10 +46,19 @@ def serve() -> None:
     if why is not None:
         return
     stdin = sys.stdin.fileno()
+    children: dict[int, int] = {}  # pidfd -> pid: readable once the node has ended
     buf = b""
     while True:
-        readable, _, _ = select.select([stdin], [], [], 0.02)
-        if readable:
+        readable, _, _ = select.select([stdin, *children], [], [])
+        for fd in readable:
+            if fd == stdin:
+                continue
+            pid = children.pop(fd)
+            os.close(fd)
+            _, status = os.waitpid(pid, 0)
+            out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+            out.flush()
+        if stdin in readable:
             chunk = os.read(stdin, 1 << 16)
             if not chunk:
                 return
@@ -62,17 +71,9 @@ def serve() -> None:
                     node = fork_node(req["argv"], req["env"], fd, [], req.get("name", "p2psync-node"))
                 finally:
                     os.close(fd)
+                children[os.pidfd_open(node.pid)] = node.pid
                 out.write(json.dumps({"pid": node.pid}) + "\n")
                 out.flush()
-        while True:  # every node that ended since
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
-            out.flush()
 
 
 class _Server:
