@@ -166,16 +166,22 @@ class StepGate:
                 if until is None:
                     raise item
                 continue
-            fn, fut = item
-            try:
-                res = fn()
-            except Exception as exc:  # handed to the awaiting coroutine
-                self._loop.call_soon_threadsafe(_fail, fut, exc)
-            except BaseException:  # KeyboardInterrupt, SystemExit: the job did not run
-                self._loop.call_soon_threadsafe(fut.cancel)
-                raise
-            else:
-                self._loop.call_soon_threadsafe(_done, fut, res)
+            self._run_job(item)
+            del item  # (the job and what it holds are not kept while the thread waits again)
+
+    def _run_job(self, item: tuple[Callable[[], Any], asyncio.Future[Any]]) -> None:
+        """Run one job on this (the training) thread and hand its result or exception to the
+        coroutine awaiting it."""
+        fn, fut = item
+        try:
+            res = fn()
+        except Exception as exc:  # handed to the awaiting coroutine
+            self._loop.call_soon_threadsafe(_fail, fut, exc)
+        except BaseException:  # KeyboardInterrupt, SystemExit: the job did not run
+            self._loop.call_soon_threadsafe(fut.cancel)
+            raise
+        else:
+            self._loop.call_soon_threadsafe(_done, fut, res)
 
     @property
     def failure(self) -> BaseException | None:

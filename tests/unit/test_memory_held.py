@@ -146,8 +146,8 @@ async def test_asgd_holds_no_applied_gradient_while_it_waits_for_the_next() -> N
         await asyncio.gather(*(s.run_step(0, False) for s in st))
         await until(lambda: s1.applied_remote == 1, 10, "node 0's gradient applied on node 1")
         assert len(refs) == 1
-        # the compute thread drops its job (and the list it stepped through) just after it
-        # hands the result over: a moment later, not never
+        # the training thread drops the job (and the list it stepped through) once it has handed
+        # the result over, not when the next item reaches its inbox (which may be never)
         await until(lambda: gc.collect() >= 0 and refs[0]() is None, 5, "the applied gradient released")
 
 
