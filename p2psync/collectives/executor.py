@@ -118,6 +118,9 @@ from p2psync.topology import Topology
 from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
 
+#: smallest piece a tensor is cut into to spread it over the members (bytes; see
+#: ``Collectives._per_piece``)
+SPREAD_FLOOR_BYTES = 4096
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
@@ -309,8 +312,14 @@ class Collectives:
 
     def _per_piece(self, buf: np.ndarray, members: int) -> int:
         """Elements per piece: about ``piece_bytes``, but at most size / members, so that even a
-        small tensor is spread over every member (balanced traffic, pipelined rounds)."""
-        return max(1, min(self.piece_bytes // buf.itemsize, -(-buf.size // max(1, members))))
+        small tensor is spread over every member (balanced traffic, pipelined rounds); a
+        tensor is not spread in pieces smaller than :data:`SPREAD_FLOOR_BYTES` (or
+        ``piece_bytes`` when that is smaller): below it a message costs its overhead, not its
+        bytes, and more pieces only add messages (a 64-byte vector over 1024 members would be
+        16 one-element pieces, each crossing the whole ring)."""
+        cap = self.piece_bytes // buf.itemsize
+        spread = max(-(-buf.size // max(1, members)), SPREAD_FLOOR_BYTES // buf.itemsize)
+        return max(1, min(cap, spread))
 
     def _pieces(self, buf: np.ndarray, members: int) -> int:
         return -(-buf.size // self._per_piece(buf, members))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 from p2psync.errors import ConfigError
 from p2psync.topology.model import Topology
@@ -132,28 +132,34 @@ def hamiltonian_cycle(topo: Topology, group: Sequence[int], *, budget: int = 200
         return [start, other] if other in adj[start] else None
     path = [start]
     seen = {start}
-    steps = 0
 
-    def dfs() -> bool:
-        nonlocal steps
-        steps += 1
-        if steps > budget:
-            return False
-        cur = path[-1]
-        if len(path) == n:
-            return start in adj[cur]
+    def onward(cur: int) -> Iterator[int]:
         options = [b for b in adj[cur] if b not in seen]
         options.sort(key=lambda b: (cost(cur, b), sum(1 for c in adj[b] if c not in seen), b))
-        for b in options:
-            path.append(b)
-            seen.add(b)
-            if dfs():
-                return True
-            path.pop()
-            seen.discard(b)
-        return False
+        return iter(options)
 
-    return list(path) if dfs() else None
+    # an explicit stack (one iterator of onward choices per node on the path), not recursion:
+    # the path of a group of a thousand nodes is deeper than Python's recursion limit
+    stack = [onward(start)]
+    steps = 1
+    while stack:
+        b = next(stack[-1], None)
+        if b is None:  # every choice after path[-1] failed: step back
+            stack.pop()
+            seen.discard(path.pop())
+            continue
+        steps += 1
+        if steps > budget:
+            return None
+        path.append(b)
+        seen.add(b)
+        if len(path) == n:
+            if start in adj[b]:
+                return list(path)
+            seen.discard(path.pop())
+            continue
+        stack.append(onward(b))
+    return None
 
 
 def spanning_tree(topo: Topology, group: Sequence[int], root: int | None = None, *,

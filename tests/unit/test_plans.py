@@ -223,3 +223,31 @@ def test_a_group_the_live_nodes_do_not_join_is_a_clear_error():
     cut = live_cut(ring(8), [1, 3, 5], {0, 2, 4, 6})
     assert cut is not None and cut.parts == ((1,), (3,), (5,)) and cut.bridges == (2, 4)
     assert live_cut(ring(8), [1, 5], {0}) is None  # the other way round
+
+
+def test_a_ring_of_a_thousand_nodes_is_planned_without_recursing_node_by_node():
+    """The Hamiltonian cycle's search keeps its path on an explicit stack: a ring deeper than
+    Python's recursion limit is planned as a ring, and the line a kill leaves as a tree."""
+    topo = ring(1200)
+    plan = make_plan(topo, topo.ids, 1)
+    assert plan.algo == "ring" and sum(len(r) for r in plan.rs) == sum(len(r) for r in plan.ag) == 1199
+    assert all(topo.routes(t.src, t.dst) for r in plan.rs for t in r)
+    line = make_plan(topo, [i for i in topo.ids if i != 600], 1)
+    assert line.algo == "tree" and not line.relays and sum(len(r) for r in line.rs) == 1198
+
+
+def test_a_small_tensor_is_not_cut_into_pieces_smaller_than_the_spread_floor():
+    """Spreading a tensor over the members stops at SPREAD_FLOOR_BYTES a piece: a 64-byte
+    vector over 1024 members is one piece (one message per hop), not 16 of one element; a
+    large one is still spread over every member, and ``piece_bytes`` still caps a piece."""
+    from p2psync.collectives.executor import SPREAD_FLOOR_BYTES, Collectives
+    from p2psync.transport.memory import MemoryHub
+
+    topo = ring(4)
+    ep = MemoryHub(topo).endpoint(0)
+    c = Collectives(ep)
+    assert c._pieces(np.zeros(16, np.float32), 1024) == 1
+    floor = SPREAD_FLOOR_BYTES // 4
+    assert c._pieces(np.zeros(4 * floor, np.float32), 4) == 4
+    assert c._pieces(np.zeros(2 * floor, np.float32), 4) == 2
+    assert Collectives(ep, piece_bytes=64)._pieces(np.zeros(64, np.float32), 4) == 4
