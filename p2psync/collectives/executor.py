@@ -121,6 +121,9 @@ from p2psync.wire.schema import valid_tag
 #: smallest piece a tensor is cut into to spread it over the members (bytes; see
 #: ``Collectives._per_piece``)
 SPREAD_FLOOR_BYTES = 4096
+#: largest allgather (all the rows together, bytes) done as a sum allreduce of the rows' bytes
+#: (see ``Collectives.allgather``)
+GATHER_BY_SUM_BYTES = 64 << 10
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
@@ -256,9 +259,29 @@ class Collectives:
 
     async def allgather(self, tensor: Any, group: Sequence[int] | None = None, *,
                         tag: str) -> list[np.ndarray]:
-        """Every member's ``tensor`` (same shape everywhere), in group order."""
-        rows, _ = await self._gather(tensor, self._group(group), tag)
+        """Every member's ``tensor`` (same shape everywhere), in group order, bit for bit.
+
+        When all the rows together are small (:data:`GATHER_BY_SUM_BYTES` at most) this is a
+        sum allreduce of their bytes, each member's row in its own slot of a zeroed vector: the
+        sum of one row and zeros is that row, exactly, and the operation costs the allreduce's
+        O(N) messages on a ring instead of the slot allgather's N (N - 1). Every member takes
+        the same way: it depends only on the row's size and the group."""
+        g = self._group(group)
+        mine = np.array(tensor, copy=True) if isinstance(tensor, np.ndarray) else to_numpy(tensor)[0]
+        if len(g) > 1 and mine.nbytes * len(g) <= GATHER_BY_SUM_BYTES:
+            return await self._gather_by_sum(mine, g, tag)
+        rows, _ = await self._gather(tensor, g, tag)
         return rows
+
+    async def _gather_by_sum(self, mine: np.ndarray, g: tuple[int, ...], tag: str) -> list[np.ndarray]:
+        """:meth:`allgather` of small rows as a sum allreduce of their bytes (see there)."""
+        row = np.ascontiguousarray(mine).reshape(-1).view(np.uint8)
+        nb = row.size
+        buf = np.zeros(nb * len(g), np.uint8)
+        slot = g.index(self.transport.node_id)
+        buf[slot * nb:(slot + 1) * nb] = row
+        await self._execute("allgather", self._plan(g, buf, None), buf, tag, "none", phases=("rs", "ag"))
+        return [buf[i * nb:(i + 1) * nb].copy().view(mine.dtype).reshape(mine.shape) for i in range(len(g))]
 
     async def _gather(self, tensor: Any, g: tuple[int, ...], tag: str, *, record: bool = True,
                       check: PieceCheck | None = None) -> tuple[list[np.ndarray], OpStats]:

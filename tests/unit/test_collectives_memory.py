@@ -290,11 +290,14 @@ async def test_nodes_over_one_topology_share_each_plan():
     async with memory(topo, timeout=5) as cs:
         outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="t") for i in topo.ids))
         rows = await asyncio.gather(*(cs[i].allgather(xs[i][:5], tag="g") for i in topo.ids))
+        got = await asyncio.gather(*(cs[i].broadcast(xs[i].copy(), 2, tag="b") for i in topo.ids))
         for o in outs:
             np.testing.assert_array_equal(o, sum(xs.values()))
         for r in rows:
             assert [list(x) for x in r] == [list(xs[i][:5]) for i in topo.ids]
-        assert len(cs[0]._plans) == 2
+        for b in got:
+            np.testing.assert_array_equal(b, xs[2])
+        assert len(cs[0]._plans) == 2  # the ring (the allreduce and the small allgather) and the tree
         for c in cs.values():
             assert c._plans is cs[0]._plans
     other = ring(6)
@@ -318,3 +321,31 @@ def test_schedule_walks_the_rounds_a_node_is_in():
         order = [(s.phase[:2], int(s.phase[2:])) for s in steps]
         assert order == sorted(order, key=lambda p: (p[0] == "ag", p[1]))
         assert sum(len(s.sends) for s in steps) + sum(len(s.expects) for s in steps) > 0
+
+
+@pytest.mark.parametrize("row", [
+    np.array([-0.0, np.nan, np.inf, 1e-45], np.float32),
+    np.array([[1, -2], [3, 2**62]], np.int64),
+    np.array([True, False, True]),
+    np.array(-0.0),
+])
+async def test_a_small_allgather_is_a_sum_of_bytes_bit_for_bit_in_fewer_messages(row: Any):
+    """Small rows are gathered as a sum allreduce of their bytes: every member gets every row
+    bit for bit (negative zero, NaN and infinity: bytes, not numbers, so no divergence check;
+    integers, booleans, 0-d), each node sending O(1) messages on a ring instead of the slot
+    allgather's N - 1."""
+    topo = ring(16)
+    mine = {i: np.asarray(row) if i % 3 else np.zeros_like(row) for i in topo.ids}
+    mine[5] = np.asarray(row).copy()
+    async with memory(topo, timeout=5) as cs:
+        sent = lambda: sum(st.msgs_sent for c in cs.values() for st in c.transport.nic_stats.values())  # noqa: E731
+        before = sent()
+        got = await asyncio.gather(*(cs[i].allgather(mine[i], tag="g") for i in topo.ids))
+        small = sent() - before
+        before = sent()
+        await asyncio.gather(*(cs[i]._gather(np.zeros_like(mine[i]), cs[i]._group(None), "s") for i in topo.ids))
+        slots = sent() - before
+    for rows in got:
+        assert [r.tobytes() for r in rows] == [mine[i].tobytes() for i in topo.ids]
+        assert all(r.dtype == np.asarray(row).dtype and r.shape == np.shape(row) for r in rows)
+    assert small == 2 * 15 and slots == 16 * 15
