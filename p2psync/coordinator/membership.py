@@ -29,7 +29,14 @@ going; the coordinator admits it (same configuration fingerprint required), bump
 publishes the new view to every member at once and answers ``joined: true`` so the joiner
 fetches its state from live peers before training. A run still starts only once every node
 has registered (``--start-timeout``); joins come after that. ``allow_join=False``
-(``--on-failure stop``) keeps rejecting them.
+(``--on-failure stop``) keeps rejecting them. A joiner that the coordinator reaches only
+through nodes removed from the run (:func:`walled_in`: a restarted node of a ring whose two
+neighbours were removed, its request relayed by one still running) is not admitted: no
+answer, view or heartbeat reply could reach it, and a view naming it would hold a member that
+every operation waits for until it is declared failed. It is refused as ``Unreachable``
+(logged once per incarnation) and admitted once one of its neighbours is back; the joiner asks
+again until its start timeout, whether the refusal reached it or its attempt timed out (the
+refusal takes the same ways back as an admission would).
 
 Non-finite tensor values. A node whose own gradient, or any tensor it
 is about to send, holds NaN or infinity stops with :class:`~p2psync.errors.Diverged` ("training
@@ -68,6 +75,8 @@ from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import MAX_END_CHARS, View, news_for
 from p2psync.errors import ConfigError, DuplicateNode, P2PSyncError, PeerTimeout, ProtocolError, RemoteError
 from p2psync.tasks import TaskSet
+from p2psync.topology import Topology
+from p2psync.topology.paths import hop_distances
 
 log = logging.getLogger("p2psync.membership")
 
@@ -76,6 +85,25 @@ EVENT_VIEW = "event.view"
 MAX_HEARTBEATS_IN_FLIGHT = 8
 #: remote error kinds after which a call to the coordinator is retried (it is moving)
 RETRY_KINDS = frozenset({"UnknownMethod", "NotCoordinator"})
+#: the kind of the refusal of a joiner that no live path reaches (:func:`walled_in`)
+UNREACHABLE = "Unreachable"
+
+
+def walled_in(topology: Topology, coordinator: int, joiner: int, dead: Collection[int]) -> list[int] | None:
+    """Whether ``coordinator`` can reach ``joiner`` over nodes not in ``dead`` (the nodes it
+    routes around: those its views removed, which every member routes around too). Pure.
+
+    None when it can: ``joiner`` is its neighbour, or a path leads to it whose relays are all
+    outside ``dead`` (``joiner`` itself may be in it: its previous life was declared). Else the
+    neighbours of ``joiner`` (each in ``dead``, or walled in behind such nodes), sorted: every
+    way to it crosses a node nobody relays through, so no answer, view or heartbeat reply can
+    reach it while they stay out, and a view naming it would hold a member that nobody can
+    reach. Its request came through such a node (one removed but still running, such as a
+    fenced process before it ends), or through a node that no longer relays for it."""
+    reach = hop_distances(topology, coordinator, avoid=set(dead) - {joiner})
+    if joiner in reach:
+        return None
+    return sorted(topology.neighbors(joiner))
 
 
 def majority_regained(since: float, outages: Mapping[int, tuple[float, float] | None],
@@ -509,6 +537,8 @@ class MembershipService:
         self._quorum_seen: tuple[float, bool] | None = None
         #: when the rendezvous completed (this node's clock); a rebuilt service is given it
         self.run_started: float | None = None
+        #: joiner -> the incarnation whose registration was refused as unreachable (logged once)
+        self._walled: dict[int, int] = {}
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
                          "membership.finish": self._finish}
         if rpc_methods:
@@ -557,6 +587,22 @@ class MembershipService:
             # a coordinator cut off from the majority admits nobody: the joiner asks elsewhere
             raise RemoteError("NotCoordinator", f"node {self.transport.node_id} coordinates no majority of "
                                                 "the run now")
+        if self.state.started and caller in self.state.failed and self.state.allow_join:
+            around = walled_in(self.transport.topology, self.transport.node_id, caller, self.transport.dead)
+            if around is not None:
+                # admitted, it would be a member that no answer reaches: declared failed once
+                # its grace ran out, a false failure, while every view until then names it
+                if self._walled.get(caller) != inc:
+                    self._walled[caller] = inc
+                    log.warning("coordinator %d: node %d (incarnation %d at %s) asks to rejoin, but every "
+                                "way to it crosses nodes removed from the run (its neighbours %s): not "
+                                "admitted while none of them is back", self.transport.node_id, caller, inc,
+                                addr, around)
+                raise RemoteError(UNREACHABLE, f"node {self.transport.node_id} coordinates the run but no live "
+                                               f"path leads from it to node {caller}: its neighbours {around} "
+                                               "are removed from the run (or reach it only through removed "
+                                               "nodes); it is admitted once one of them rejoins")
+        self._walled.pop(caller, None)
         joined = self.state.register(caller, str(args.get("fingerprint", "")), clock.now(),
                                      incarnation=inc, address=addr)
         self.transport.peer_incarnations[caller] = inc
@@ -741,4 +787,5 @@ class MembershipService:
 # the client lives in its own module (it imports the names above)
 from p2psync.coordinator.membership_client import MembershipClient  # noqa: E402
 
-__all__ = ["EVENT_VIEW", "MembershipClient", "MembershipService", "MembershipState", "majority_regained"]
+__all__ = ["EVENT_VIEW", "UNREACHABLE", "MembershipClient", "MembershipService", "MembershipState", "majority_regained",
+           "walled_in"]

@@ -61,7 +61,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
-from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS
+from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS, UNREACHABLE
 from p2psync.coordinator.quorum import Ballot
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
@@ -224,6 +224,7 @@ class MembershipClient:
                 "address": f"{socket.gethostname()} pid {os.getpid()}"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        walled = False  # the coordinator said that no live path leads to this node (logged once)
         try:
             while True:
                 remaining = max(0.1, deadline - loop.time())
@@ -244,14 +245,22 @@ class MembershipClient:
                 except RemoteError as exc:
                     # NotCoordinator: the coordinator's process is up but not hosting yet (it
                     # is still asking whether a run is already going); DuplicateNode: this
-                    # node's previous process (restarted) is not declared failed yet. Both
+                    # node's previous process (restarted) is not declared failed yet;
+                    # Unreachable: no live path leads from the coordinator to this node (its
+                    # neighbours are removed from the run) until one of them rejoins. They
                     # pass; try again until the start timeout. A joiner told NotCoordinator
                     # asks again where the run is: the node it asked lost the majority, or is
                     # this node itself (its previous process coordinated, and the run has not
                     # elected the successor yet)
-                    if exc.kind not in ("NotCoordinator", "DuplicateNode") or loop.time() >= deadline:
+                    if exc.kind not in ("NotCoordinator", "DuplicateNode", UNREACHABLE) or loop.time() >= deadline:
                         raise
-                    if exc.kind == "NotCoordinator" and self.discovered is not None:
+                    if exc.kind == UNREACHABLE:
+                        if not walled:
+                            log.warning("node %d: coordinator %d does not admit it yet: %s",
+                                        self.transport.node_id, self.coordinator, exc.message)
+                        walled = True
+                        await asyncio.sleep(PROBE_EVERY_S)
+                    elif exc.kind == "NotCoordinator" and self.discovered is not None:
                         await asyncio.sleep(0.5)
                         await self.discover(timeout=DISCOVER_RETRY_S)
                     else:
@@ -263,6 +272,8 @@ class MembershipClient:
             who = f"node {self.transport.node_id}: coordinator {self.coordinator}"
             if exc.kind == "NotCoordinator":  # never started hosting within the start timeout
                 raise PeerTimeout(f"{who} did not host the run in time: {exc.message}") from None
+            if exc.kind == UNREACHABLE:  # its neighbours stayed out of the run until the start timeout
+                raise PeerTimeout(f"{who} could not admit it in time: {exc.message}") from None
             if exc.kind in ("ConfigError", "DuplicateNode"):  # e.g. a different configuration
                 raise ConfigError(f"{who} refused the registration: {exc.message}") from exc
             raise

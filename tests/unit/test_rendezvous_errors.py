@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer
-from p2psync.errors import ConfigError, RemoteError
+from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer, membership_client
+from p2psync.coordinator.membership import UNREACHABLE
+from p2psync.errors import ConfigError, PeerTimeout, RemoteError
 from p2psync.topology import ring
 from p2psync.tasks import cancel_all
 from p2psync.transport import MemoryHub
@@ -43,3 +44,44 @@ async def test_a_different_configuration_is_a_config_error_naming_it_not_a_timeo
         await server.close()
         for e in eps.values():
             await e.close()
+
+
+class _Refusing:
+    """An RPC client whose coordinator refuses ``refusals`` registrations as unreachable, then
+    admits the node (its neighbour came back)."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls = 0
+
+    async def call(self, peer: int, method: str, args: object, timeout: float) -> dict[str, object]:
+        self.calls += 1
+        if self.calls <= self.refusals:
+            raise RemoteError(UNREACHABLE, "no live path leads from node 0 to node 2: its neighbours [1, 3] "
+                                           "are removed from the run")
+        return {"joined": True, "elapsed": 1.0}
+
+
+@pytest.mark.parametrize("refusals", [2, 10**6])
+async def test_a_joiner_refused_as_unreachable_asks_again_until_admitted_or_its_start_timeout(
+        monkeypatch: pytest.MonkeyPatch, refusals: int) -> None:
+    """A coordinator that reaches a joiner only through removed nodes refuses it as
+    ``Unreachable``: the joiner asks again (it is admitted once a neighbour rejoined), and at
+    its start timeout it fails with the coordinator's reason, not a silent rendezvous timeout."""
+    monkeypatch.setattr(membership_client, "PROBE_EVERY_S", 0.01)
+    hub = MemoryHub(ring(4))
+    ep = hub.endpoint(2)
+    await ep.start()
+    rpc = _Refusing(refusals)
+    client = MembershipClient(transport=ep, rpc=rpc, coordinator=0)  # type: ignore[arg-type]
+    try:
+        if refusals == 2:
+            info = await client.register("fp", timeout=5.0)
+            assert info["joined"] is True and rpc.calls == 3
+        else:
+            with pytest.raises(PeerTimeout, match="could not admit it in time: no live path leads from node 0"):
+                await client.register("fp", timeout=0.2)
+            assert rpc.calls > 3
+    finally:
+        await client.close()
+        await ep.close()

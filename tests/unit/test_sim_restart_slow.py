@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from p2psync.coordinator.membership import walled_in
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions
@@ -247,3 +248,49 @@ def test_restarted_nodes_are_declared_once_and_rejoin_on_a_ring_of_16() -> None:
     assert [d["node"] for d in s["declared"]] == [7, 10, 1]
     assert all(r["joined_after_s"] is not None for r in s["restarts"])
     assert s["final_view"]["members"] == [n for n in range(16) if n != 10]
+
+
+def test_walled_in_tells_whether_the_coordinator_reaches_a_joiner_around_the_removed_nodes() -> None:
+    r8 = ring(8)
+    assert walled_in(r8, 0, 4, {4}) is None and walled_in(r8, 0, 4, {3, 4, 5}) == [3, 5]
+    assert walled_in(r8, 0, 4, {3, 5}) == [3, 5]  # (a joiner revived by its request alone)
+    assert walled_in(r8, 0, 4, {3}) is None  # around the other side
+    assert walled_in(r8, 0, 1, {1, 2, 7}) is None  # a neighbour of the coordinator
+    assert walled_in(r8, 0, 5, {3, 6}) == [4, 6]  # behind 4, which only 3 joins to the run
+    assert walled_in(mesh(8), 0, 4, set(range(1, 8))) is None
+
+
+@pytest.mark.parametrize("faults,members", [
+    # nodes 3 and 5 removed (5's pause cuts 4 off behind it), fenced when they resume; node 4's
+    # new process reaches the coordinator only through 3 or 5, still running, that nobody
+    # routes through: it is not admitted, and it is never declared
+    ("pause:3@3+20,pause:5@9+14,restart:4@26", [0, 1, 2, 6, 7]),
+    # ... until node 3's new process rejoins: then the run reaches 4 through it
+    ("pause:3@3+20,pause:5@9+14,restart:4@26,restart:3@30", [0, 1, 2, 3, 4, 6, 7]),
+])
+def test_a_restarted_node_that_only_removed_nodes_join_to_the_run_is_admitted_only_once_one_is_back(
+        faults: str, members: list[int]) -> None:
+    """A joiner whose every way from the coordinator crosses nodes removed from the run (its
+    request relayed by one of them, still running) is refused as unreachable, not admitted:
+    admitted, no answer or view could reach it, every operation would wait for it, and it
+    would be declared failed once its grace ran out though it runs (``walled_in``)."""
+    s = simulate(ring(8), faults, 45.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], round(d["t"], 1)) for d in s["declared"]] == [(3, 4.6), (4, 10.6), (5, 10.6)]
+    assert s["final_view"]["members"] == members
+    assert {r["node"]: r["joined_after_s"] is not None for r in s["restarts"]}[4] == (4 in members)
+
+
+def test_a_restarted_node_whose_two_ring_neighbours_were_removed_is_not_declared_failed() -> None:
+    """Chaos seed 5030 (``p2psync sim ring:16 --seed 5030 --faults
+    'pause:7@8.719+8.989,pause:4@24.809+7.045,restart:6@42.067' --virtual-seconds 60``): node
+    7 was removed and fenced, then 4 (and 5 and 6, cut off behind it), and 4 and 5 were fenced.
+    Node 6's new process reached coordinator 0 only through node 7, removed but still running:
+    admitted, it could never be answered (node 8 routes nothing through 7) and was declared
+    failed 14 s later, a false failure. Every way to it crosses removed nodes: it is refused
+    as unreachable and stays out, cut off (stranded) with nobody declared."""
+    s = simulate(ring(16), "pause:7@8.719+8.989,pause:4@24.809+7.045,restart:6@42.067", 60.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [7, 4, 5, 6]
+    assert s["restarts"][0]["joined_after_s"] is None and s["stranded"] == [6]
+    assert s["final_view"]["members"] == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
