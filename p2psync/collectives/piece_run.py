@@ -211,7 +211,10 @@ class Run:
         machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
                     for k, steps in enumerate(self.sched.pieces)]
         with defer, lend:
-            await _all([self._piece(k, m) for k, m in enumerate(machines)])
+            if len(machines) == 1:  # one piece (a small tensor): no task, no gather
+                await self._piece(0, machines[0])
+            else:
+                await _all([self._piece(k, m) for k, m in enumerate(machines)])
         for k, m in enumerate(machines):  # never sent nor received here (an allreduce receives every piece)
             if m.fresh:
                 self.piece(k)[...] = self.mine(k)
