@@ -293,7 +293,7 @@ class ZmqEndpoint(Transport):
             self._shm_out = Outbound(node_id) if options.shm else None
         #: unordered bulk messages to and from the peers on this host as datagrams (unkeyed)
         self.datagrams = LocalChannel(node_id=node_id, topology=topology, loopback=self._loopback,
-                                      on_host=self._on_host, take_in=self._take_datagram,
+                                      on_host=self._on_host, take_in=self._take_in,
                                       reject=self._reject_datagram)
         #: the data paths: control, bulk, and bulk to a peer on this host (shared memory on)
         self._control_link = ZmqLink(self._ctl_socks, self.control_down, bulk=False)
@@ -538,9 +538,9 @@ class ZmqEndpoint(Transport):
         self._take_in(nic, node, label, [f.buffer for f in frames[1:]],
                       not control and not label.endswith("/c") and nic in self._loopback)
 
-    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
+    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool = True) -> None:
         """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
-        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
+        shared-memory marker (a bulk message into a loopback NIC, or a datagram), resolved first."""
         lease: Releasable | None = None
         if marked and self._shm_in is not None and Inbound.marked(frames):
             try:
@@ -549,9 +549,6 @@ class ZmqEndpoint(Transport):
                 self._reject(nic, label, exc.reason, exc.detail)
                 return
         self._ingest(nic, src, label, frames, lease)
-
-    def _take_datagram(self, nic: str, src: int, label: str, frames: list[Any]) -> None:
-        self._take_in(nic, src, label, frames, True)
 
     def _reject_datagram(self, nic: str, label: str, reason: str, detail: str) -> None:
         self._reject(nic, label, reason, detail, per_peer=False)
