@@ -524,8 +524,16 @@ class Transport(ABC):
             held, lease = lease, None
             if isinstance(decision, Forward):
                 self._pass_on(admitted, decision.came_from, held)
-            else:
-                self._take(admitted, held)
+                return
+            # for this node: its shared memory lent to a borrower (else copied, :meth:`lend`); a
+            # tensor message with NaN or infinity is rejected here unless its consumer checks it
+            # (:meth:`defer_finite`)
+            if held is not None:
+                self.lending.place(admitted, held)
+            if admitted.header.kind == "data" and not self.finite_checks.admits(admitted, origin):
+                admitted.release()
+                return
+            self.mailbox.deliver(admitted)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
             if msg is not None:
@@ -553,18 +561,6 @@ class Transport(ABC):
             finally:
                 lease.release()
         self.relaying.forward(msg, came_from)
-
-    def _take(self, msg: Message, lease: Releasable | None) -> None:
-        """Deliver a message for this node to the mailbox: its shared memory lent to a borrower
-        (else copied, :meth:`lend`); a tensor message with NaN or infinity is rejected here
-        unless its consumer checks it (:meth:`defer_finite`)."""
-        if lease is not None:
-            self.lending.place(msg, lease)
-        h = msg.header
-        if h.kind == "data" and not self.finite_checks.admits(msg, h.src):
-            msg.release()
-            return
-        self.mailbox.deliver(msg)
 
     # -- untrusted values ------------------------------------------------------------------
 

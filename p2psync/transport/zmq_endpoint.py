@@ -208,7 +208,12 @@ class ZmqLink:
                 self._rearm(route.local_nic, sock)
 
     def send(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> None:
-        self.put(self.ready(peer, route), peer, route, placed(frames) if self.bulk else frames)
+        sock = self.socks.get(route.local_nic)  # (what ready() checks, without its call)
+        if sock is None:
+            raise TransportError("endpoint is not started")
+        if peer in self.down:
+            raise NotReady
+        self.put(sock, peer, route, placed(frames) if self.bulk else frames)
 
 
 class ShmLink:
