@@ -107,7 +107,9 @@ _NOBLOCK = int(zmq.NOBLOCK)
 # the backend getter turns its option into a SocketOption enum on every call; given a member,
 # the enum's constructor returns it at once (2.2 against 2.7 µs a call, twice a message or more)
 _EVENTS = zmq.SocketOption.EVENTS
-_get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+#: ``_get_int(sock, option)``: the backend getter (the sugar one wraps EVENTS in an enum on every
+#: call), called directly for the int options read here (no wrapper frame per read, several a message)
+_get_int = cast("Callable[[zmq.Socket[Any], int], int]", zmq.backend.Socket.get)
 # the backend's send / recv with int flags: pyzmq's send_multipart / recv_multipart build a Flag
 # enum per frame (SNDMORE | flags) and check every frame's type (~10 µs a small message)
 _send = zmq.backend.Socket.send
@@ -115,9 +117,6 @@ _recv = zmq.backend.Socket.recv
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | _SNDMORE
 
-
-def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
-    return cast(int, _get(sock, opt))
 _DRAIN_BATCH = 256  # messages handled per callback before yielding to the loop
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
