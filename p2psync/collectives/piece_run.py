@@ -213,9 +213,9 @@ class Run:
         defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
         lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
         lossy, fused, fresh = self.codec.lossy, self.fused_check, self.fresh
-        machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
-                    for k, steps in enumerate(self.sched.pieces)]
-        with defer, lend:
+        with defer, lend:  # (open first: a piece that arrives before its scope is copied out)
+            machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
+                        for k, steps in enumerate(self.sched.pieces)]
             await _all([self._piece(k, m) for k, m in enumerate(machines)])
         for k, m in enumerate(machines):  # never sent nor received here (an allreduce receives every piece)
             if m.fresh:
