@@ -139,6 +139,11 @@ SEAL = Seal()
 RELEASE = Release()
 HOLD = Hold()
 
+# the members the decisions use, read once: an attribute of an Enum class goes through the
+# metaclass's __getattr__ hook on every read (Python 3.11)
+_OWN_FILL, _SUM_FILL, _CACHED, _ENCODE = Payload.OWN_FILL, Payload.SUM_FILL, Payload.CACHED, Payload.ENCODE
+_YES, _SCAN, _NO = Check.YES, Check.SCAN, Check.NO
+
 
 def _applies(verdict: Verdict) -> tuple[tuple[tuple[Apply, ...], ...], ...]:
     """Every Apply with ``verdict``, indexed ``[reduce][base_mine][cache]``."""
@@ -183,25 +188,21 @@ class PieceMachine:
         self._i += 1
         self._defer = step.defer
         fill: Payload | None = None
+        sends: tuple[Send, ...] = ()
         if not step.sends:
             self._fill = False
-            sends: tuple[Send, ...] = ()
         elif self.held or self.fresh:
             self._fill = True
-            fill = Payload.SUM_FILL if self.held else Payload.OWN_FILL
-            sends = tuple([Send(t, fill, Check.YES) for t in step.sends])
+            fill = _SUM_FILL if self.held else _OWN_FILL
+            for t in step.sends:
+                sends += (Send(t, fill, _YES),)
         else:
             self._fill = False
-            sends = tuple([self._send(t) for t in step.sends])
+            check = _NO if self.lossy else _YES if self.clean else _SCAN
+            for t in step.sends:
+                sends += (Send(t, _CACHED if not t.reduce and self.cached else _ENCODE, check),)
         return Exchange(step.phase, step.send_suffix, sends, step.expects, fill, self.fresh,
                         len(sends) + len(step.expects) == 1)
-
-    def _send(self, t: Transfer) -> Send:
-        """The send of ``t`` in a step without a fill."""
-        payload = Payload.CACHED if not t.reduce and self.cached else Payload.ENCODE
-        if self.lossy:
-            return Send(t, payload, Check.NO)
-        return Send(t, payload, Check.YES if self.clean else Check.SCAN)
 
     def scanned(self, finite: bool) -> None:
         """A ``Check.SCAN`` send's values were scanned: finite or not."""

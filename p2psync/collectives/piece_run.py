@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, cast
 import numpy as np
 
 from p2psync.collectives.piece_machine import Apply, Check, Exchange, Hold, Payload, PieceMachine, Seal, Verdict
-from p2psync.collectives.plan import Transfer
 from p2psync.collectives.schedule import Schedule
 from p2psync.compress import Codec
 from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
@@ -25,6 +24,12 @@ if TYPE_CHECKING:
 #: ``check(lo, hi, piece, src)``: validates a received piece (buffer elements ``lo:hi``) that
 #: neighbour ``src`` delivered, before it is used or passed on; raises to reject it
 PieceCheck = Callable[[int, int, np.ndarray, int], None]
+
+# the members the loop compares with, read once (an Enum class's attributes go through its
+# metaclass's __getattr__ hook on every read, Python 3.11)
+_OWN_FILL, _SUM_FILL, _CACHED = Payload.OWN_FILL, Payload.SUM_FILL, Payload.CACHED
+_YES, _SCAN = Check.YES, Check.SCAN
+_VERDICT_SCAN = Verdict.SCAN
 
 
 @dataclass
@@ -190,7 +195,7 @@ class Run:
             piece[...] = vals
         if a.cache:
             self.cache[k] = list(msg.arrays)
-        if a.verdict is Verdict.SCAN:
+        if a.verdict is _VERDICT_SCAN:
             finite = all_finite(piece)
             m.applied(finite)
             if not finite:
@@ -208,9 +213,9 @@ class Run:
         defer = tr.defer_finite(f"{self.tag}.") if self.fused_check else contextlib.nullcontext()
         lend = tr.lend(f"{self.tag}.", 3) if self.fused_check else contextlib.nullcontext()
         lossy, fused, fresh = self.codec.lossy, self.fused_check, self.fresh
-        machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
-                    for k, steps in enumerate(self.sched.pieces)]
-        with defer, lend:
+        with defer, lend:  # (open first: a piece that arrives before its scope is copied out)
+            machines = [PieceMachine(steps, lossy=lossy, fused=fused, fresh=fresh, seal=seal and k in owned)
+                        for k, steps in enumerate(self.sched.pieces)]
             if len(machines) == 1:  # one piece (a small tensor): no task, no gather
                 await self._piece(0, machines[0])
             else:
@@ -264,37 +269,40 @@ class Run:
         await. A plain function, not a coroutine: one frame less per step."""
         tag = self.tag + ex.send_suffix
         fill: Fill | None = None
-        if ex.fill is Payload.SUM_FILL:
+        if ex.fill is _SUM_FILL:
             fill = self._sum_fill(k, *cast("tuple[Message, np.ndarray]", held), tag, ex.base_mine)
-        elif ex.fill is Payload.OWN_FILL:
+        elif ex.fill is _OWN_FILL:
             fill = self._own_fill(k, tag)
         scan: bool | None = None  # the piece's values scanned once for the step's Check.SCAN sends
-        sends = []
+        sends: list[Awaitable[None]] = []
+        stats, send, raw = self.stats, self.owner.transport.send, self.piece(k).nbytes if ex.sends else 0
         for s in ex.sends:
             if fill is not None:
                 arrays: list[Any] = [fill]
-            elif s.payload is Payload.CACHED:
+            elif s.payload is _CACHED:
                 arrays = self.cache[k]
             else:
                 arrays = self._encode(k, ("rs", self.fbkey, self.buf.size, k))
-            if s.check is Check.SCAN and scan is None:  # sent as is: check once, here, while hot
+            check = s.check
+            if check is _SCAN and scan is None:  # sent as is: check once, here, while hot
                 scan = all_finite(arrays[0])  # (if not finite, the transport's scan raises Diverged)
                 m.scanned(scan)
-            sends.append(self._send(k, s.transfer, tag, arrays, bool(scan) if s.check is Check.SCAN
-                                    else s.check is Check.YES))
-        return fill, sends, [self._recv(e.src, self.tag + e.suffix) for e in ex.expects]
-
-    def _send(self, k: int, t: Transfer, tag: str, arrays: list[Any], checked: bool) -> Awaitable[None]:
-        """Send piece ``k``'s frames ``arrays`` as ``t`` says, counting the bytes in ``stats``
-        (raw, on the wire, per NIC). ``checked``: its values are known finite."""
-        nbytes = sum(a.nbytes for a in arrays)
-        stats = self.stats
-        stats.wire_bytes += nbytes
-        stats.raw_bytes += self.piece(k).nbytes
-        stats.nic_bytes[t.nic] = stats.nic_bytes.get(t.nic, 0) + nbytes
-        return self.owner.transport.send(t.dst, tag, arrays, codecs=[self.codec.name] * len(arrays),
-                                         nic=None if t.via else t.nic, meta=self.meta, timeout=self.owner.timeout,
-                                         checked=checked, unordered=True, relay=bool(t.via))
+            # the piece's bytes: raw, on the wire, per NIC
+            nbytes = 0
+            for a in arrays:
+                nbytes += a.nbytes
+            t = s.transfer
+            stats.wire_bytes += nbytes
+            stats.raw_bytes += raw
+            stats.nic_bytes[t.nic] = stats.nic_bytes.get(t.nic, 0) + nbytes
+            sends.append(send(t.dst, tag, arrays, codecs=[self.codec.name] * len(arrays),
+                              nic=None if t.via else t.nic, meta=self.meta, timeout=self.owner.timeout,
+                              checked=bool(scan) if check is _SCAN else check is _YES, unordered=True,
+                              relay=bool(t.via)))
+        recvs: list[Awaitable[Message]] = []
+        for e in ex.expects:
+            recvs.append(self._recv(e.src, self.tag + e.suffix))
+        return fill, sends, recvs
 
 
 __all__ = ["OpStats", "PieceCheck", "Run"]

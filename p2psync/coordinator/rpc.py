@@ -321,20 +321,16 @@ class RpcClient:
             est = self.rtt[node] = RttEstimator()
         return est
 
-    async def _own_reply(self, tag: str, wait: float, node: int) -> Message:
-        """The reply under ``tag`` within ``wait`` seconds that answers this process (a reply
-        naming another incarnation of this node, ``"to"``, is dropped and counted); PeerTimeout
-        after ``wait``."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + max(0.0, wait)
-        while True:
-            rep = await self.transport.recv(tag, timeout=max(0.0, until - loop.time()), peer=node)
-            to = rep.meta.get("to")
-            if to is None or to == self.transport.incarnation:
-                return rep
-            self.foreign += 1
-            rep.release()
-            log.info("node %d: reply %s to incarnation %s of this node dropped", self.transport.node_id, tag, to)
+    def _answers_me(self, rep: Message, tag: str) -> bool:
+        """Whether the reply ``rep`` under ``tag`` answers this process: one naming another
+        incarnation of this node (``"to"``) is dropped and counted (:attr:`foreign`)."""
+        to = rep.meta.get("to")
+        if to is None or to == self.transport.incarnation:
+            return True
+        self.foreign += 1
+        rep.release()
+        log.info("node %d: reply %s to incarnation %s of this node dropped", self.transport.node_id, tag, to)
+        return False
 
     async def call(self, node: int, method: str, args: Mapping[str, Any] | None = None, *,
                    arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False,
@@ -377,8 +373,11 @@ class RpcClient:
                 left = deadline - loop.time()
                 wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt,
                                     relayed=not self.transport.topology.routes(self.transport.node_id, node))
-                try:
-                    rep = await self._own_reply(tag, wait, node)
+                try:  # the reply that answers this process within ``wait`` (else PeerTimeout)
+                    until = loop.time() + max(0.0, wait)
+                    rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
+                    while not self._answers_me(rep, tag):
+                        rep = await self.transport.recv(tag, timeout=max(0.0, until - loop.time()), peer=node)
                     break
                 except PeerTimeout:
                     if loop.time() >= deadline:

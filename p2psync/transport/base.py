@@ -505,21 +505,35 @@ class Transport(ABC):
         try:
             decision = self._pipeline.admit(frames, peer_id, self.run_id)
             msg = decision.message
-            if decision.alive or decision.revive is not None:
-                self._arrived(decision.alive, decision.revive)
+            if decision.alive:  # arrival times (:attr:`last_arrival`)
+                now = clock.now()
+                for node in decision.alive:
+                    self.last_arrival[node] = now
+            if decision.revive is not None:
+                self._revived(decision.revive)
             if isinstance(decision, Reject):
                 self._reject(nic, peer_label, decision.reason, decision.detail, per_peer=peer_id is not None)
                 if msg is not None:
                     msg.release()
                 return
-            decision.message.nic = nic
-            if peer_id is not None and peer_id != decision.message.src:  # a reply to its origin goes
-                self.router.heard(decision.message.src, peer_id)               # back this way first
+            admitted = decision.message
+            admitted.nic = nic
+            origin = admitted.header.src
+            if peer_id is not None and peer_id != origin:  # a reply to its origin goes back this way first
+                self.router.heard(origin, peer_id)
             held, lease = lease, None
             if isinstance(decision, Forward):
-                self._pass_on(decision.message, decision.came_from, held)
-            else:
-                self._take(decision.message, held)
+                self._pass_on(admitted, decision.came_from, held)
+                return
+            # for this node: its shared memory lent to a borrower (else copied, :meth:`lend`); a
+            # tensor message with NaN or infinity is rejected here unless its consumer checks it
+            # (:meth:`defer_finite`)
+            if held is not None:
+                self.lending.place(admitted, held)
+            if admitted.header.kind == "data" and not self.finite_checks.admits(admitted, origin):
+                admitted.release()
+                return
+            self.mailbox.deliver(admitted)
         except ProtocolError as exc:
             self._reject(nic, peer_label, exc.reason, exc.detail)
             if msg is not None:
@@ -532,16 +546,11 @@ class Transport(ABC):
             if lease is not None:  # not decoded: nothing reads its frames
                 lease.release()
 
-    def _arrived(self, alive: tuple[int, ...], revive: Revive | None) -> None:
-        """Record what an admitted message proves: the arrival time of every node in ``alive``
-        (:attr:`last_arrival`), and a restarted node's new incarnation (reachable again; the
-        membership view decides whether it is a member)."""
-        now = clock.now()
-        for node in alive:
-            self.last_arrival[node] = now
-        if revive is not None:
-            self.peer_incarnations[revive.node] = revive.incarnation
-            self.revive(revive.node)
+    def _revived(self, revive: Revive) -> None:
+        """An admitted message proved a restarted node's new incarnation: register it, and the
+        node is reachable again (the membership view decides whether it is a member)."""
+        self.peer_incarnations[revive.node] = revive.incarnation
+        self.revive(revive.node)
 
     def _pass_on(self, msg: Message, came_from: int, lease: Releasable | None) -> None:
         """Forward a message for another node; what came through shared memory is copied out
@@ -552,17 +561,6 @@ class Transport(ABC):
             finally:
                 lease.release()
         self.relaying.forward(msg, came_from)
-
-    def _take(self, msg: Message, lease: Releasable | None) -> None:
-        """Deliver a message for this node to the mailbox: its shared memory lent to a borrower
-        (else copied, :meth:`lend`); a tensor message with NaN or infinity is rejected here
-        unless its consumer checks it (:meth:`defer_finite`)."""
-        if lease is not None:
-            self.lending.place(msg, lease)
-        if msg.header.kind == "data" and not self.finite_checks.admits(msg, msg.header.src):
-            msg.release()
-            return
-        self.mailbox.deliver(msg)
 
     # -- untrusted values ------------------------------------------------------------------
 

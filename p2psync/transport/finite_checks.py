@@ -58,8 +58,11 @@ class FiniteChecks:
         over, or a relayed message's origin: relays pass data on unscanned, and in a keyed
         cluster its destination has verified the origin's digest), and a consumer already
         waiting for its tag fails at once with :class:`NonFinitePiece` naming that node."""
-        if self._deferred and any(msg.tag.startswith(p) for p in self._deferred):
-            return True
+        if self._deferred:
+            tag = msg.header.tag
+            for prefix in self._deferred:
+                if tag.startswith(prefix):
+                    return True
         for a in msg.arrays:
             if not all_finite(a):
                 exc = self.check(sender, a, f"piece {msg.tag!r}", raise_=False)

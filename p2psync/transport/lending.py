@@ -115,7 +115,8 @@ class Lending:
     def place(self, msg: Message, lease: Releasable) -> None:
         """``msg``'s arrays view memory ``lease`` holds: lend them, if a scope wants this
         message, else copy them out and release the lease now."""
-        sc = self._match(msg.tag) if self._scopes and msg.header.kind == "data" else None
+        h = msg.header
+        sc = self._match(h.tag) if self._scopes and h.kind == "data" else None
         if sc is None:
             try:
                 own(msg)

@@ -148,9 +148,11 @@ class LocalIn:
             n, anc, flags, _ = self.sock.recvmsg_into([self._buf], _ANC)
         except (BlockingIOError, InterruptedError):
             return None
-        uid = next((_CRED.unpack(data[:_CRED.size])[1] for level, kind, data in anc
-                    if level == _SOL_SOCKET and kind == _SCM_CREDENTIALS and len(data) >= _CRED.size),
-                   None)
+        uid = None
+        for level, kind, cred in anc:
+            if level == _SOL_SOCKET and kind == _SCM_CREDENTIALS and len(cred) >= _CRED.size:
+                uid = _CRED.unpack(cred[:_CRED.size])[1]
+                break
         if uid != self._uid:
             raise ProtocolError("local_user", f"datagram from user {uid}, not this node's user")
         if flags & _MSG_TRUNC or n > MAX_DATAGRAM:

@@ -294,11 +294,12 @@ class Mailbox:
         ``mailbox_control_full`` for control). Over the byte budget, older data from the same
         peer is dropped instead (see the module docstring).
         """
-        sub = self._subscribers.get(msg.tag)
+        tag = msg.header.tag
+        sub = self._subscribers.get(tag)
         if sub is not None:
             sub(msg)
             return
-        w = self._match(msg.tag)
+        w = self._match(tag)
         if w is not None:
             self._unlink(w)
             w.future.set_result(msg)

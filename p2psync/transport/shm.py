@@ -281,23 +281,35 @@ class Outbound:
         how many frames it took. ``channel``: each way of sending to the peer has a ring of its
         own (``""`` ZeroMQ, :data:`DATAGRAM`): the receiver takes a ring's markers only in the
         order they were staged, and only one way keeps that order."""
-        big = [i for i, f in enumerate(frames) if _nbytes(f) >= MIN_FRAME]
+        big: list[int] = []  # (one pass over the frames each time: this runs for every message)
+        stored: list[Any] = []
+        rest: list[Any] = []
+        fills = 0
+        for i, f in enumerate(frames):
+            if _nbytes(f) >= MIN_FRAME:
+                big.append(i)
+                stored.append(f)
+                rest.append(b"")
+                fills += type(f) is Fill
+            else:
+                rest.append(f)
         seg = self._segment(peer, nic, channel) if big else None
-        got = seg.put([frames[i] for i in big]) if seg is not None else None
+        got = seg.put(stored) if seg is not None else None
         if seg is None or got is None:
             return placed(frames), None, 0, 0
         at, old = got
-        self._fills = sum(type(frames[i]) is Fill for i in big)
+        self._fills = fills
         self.frames += len(big)
-        self.filled += self._fills
-        stored = set(big)
+        self.filled += fills
         try:
-            rest = placed([b"" if i in stored else f for i, f in enumerate(frames)])
+            rest = placed(rest)
         except BaseException:  # a small Fill failed: nothing of this message goes
             self.rollback(seg, old, len(big))
             raise
-        marker = MARKER + msgpack.packb([seg.name, [[i + 1, pos, n] for i, (pos, n) in zip(big, at)]])
-        return [marker, *rest], seg, old, len(big)
+        entries = []
+        for i, (pos, n) in zip(big, at):
+            entries.append([i + 1, pos, n])
+        return [MARKER + msgpack.packb([seg.name, entries]), *rest], seg, old, len(big)
 
     def _segment(self, peer: int, nic: str, channel: str) -> Segment | None:
         key = (peer, nic, channel)
@@ -372,9 +384,11 @@ class Inbound:
         views: list[tuple[int, int, int]] = []
         seen: set[int] = set()
         for e in entries:
-            if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)):
+            if not (isinstance(e, list) and len(e) == 3):
                 raise ProtocolError("shm", f"bad entry {e!r}")
             i, pos, n = e
+            if not (type(i) is int and type(pos) is int and type(n) is int):
+                raise ProtocolError("shm", f"bad entry {e!r}")
             # what a sender can have written: after what was taken, within one ring of what
             # was given back
             if not (1 <= i <= len(out) and _nbytes(out[i - 1]) == 0 and i not in seen and 0 <= n <= self.max_frame

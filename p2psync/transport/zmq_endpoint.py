@@ -107,7 +107,9 @@ _NOBLOCK = int(zmq.NOBLOCK)
 # the backend getter turns its option into a SocketOption enum on every call; given a member,
 # the enum's constructor returns it at once (2.2 against 2.7 µs a call, twice a message or more)
 _EVENTS = zmq.SocketOption.EVENTS
-_get = zmq.backend.Socket.get  # the sugar getter wraps EVENTS in an enum on every call
+#: ``_get_int(sock, option)``: the backend getter (the sugar one wraps EVENTS in an enum on every
+#: call), called directly for the int options read here (no wrapper frame per read, several a message)
+_get_int = cast("Callable[[zmq.Socket[Any], int], int]", zmq.backend.Socket.get)
 # the backend's send / recv with int flags: pyzmq's send_multipart / recv_multipart build a Flag
 # enum per frame (SNDMORE | flags) and check every frame's type (~10 µs a small message)
 _send = zmq.backend.Socket.send
@@ -115,9 +117,6 @@ _recv = zmq.backend.Socket.recv
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | _SNDMORE
 
-
-def _get_int(sock: "zmq.Socket[Any]", opt: int) -> int:
-    return cast(int, _get(sock, opt))
 _DRAIN_BATCH = 256  # messages handled per callback before yielding to the loop
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -208,7 +207,12 @@ class ZmqLink:
                 self._rearm(route.local_nic, sock)
 
     def send(self, peer: int, route: Route, frames: list[Any], unordered: bool = False) -> None:
-        self.put(self.ready(peer, route), peer, route, placed(frames) if self.bulk else frames)
+        sock = self.socks.get(route.local_nic)  # (what ready() checks, without its call)
+        if sock is None:
+            raise TransportError("endpoint is not started")
+        if peer in self.down:
+            raise NotReady
+        self.put(sock, peer, route, placed(frames) if self.bulk else frames)
 
 
 class ShmLink:
@@ -293,7 +297,7 @@ class ZmqEndpoint(Transport):
             self._shm_out = Outbound(node_id) if options.shm else None
         #: unordered bulk messages to and from the peers on this host as datagrams (unkeyed)
         self.datagrams = LocalChannel(node_id=node_id, topology=topology, loopback=self._loopback,
-                                      on_host=self._on_host, take_in=self._take_datagram,
+                                      on_host=self._on_host, take_in=self._take_in,
                                       reject=self._reject_datagram)
         #: the data paths: control, bulk, and bulk to a peer on this host (shared memory on)
         self._control_link = ZmqLink(self._ctl_socks, self.control_down, bulk=False)
@@ -538,9 +542,9 @@ class ZmqEndpoint(Transport):
         self._take_in(nic, node, label, [f.buffer for f in frames[1:]],
                       not control and not label.endswith("/c") and nic in self._loopback)
 
-    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool) -> None:
+    def _take_in(self, nic: str, src: int, label: str, frames: list[Any], marked: bool = True) -> None:
         """Hand a received message from node ``src`` to ``_ingest``; ``marked``: it may carry a
-        shared-memory marker (a bulk message into a loopback NIC), resolved first."""
+        shared-memory marker (a bulk message into a loopback NIC, or a datagram), resolved first."""
         lease: Releasable | None = None
         if marked and self._shm_in is not None and Inbound.marked(frames):
             try:
@@ -549,9 +553,6 @@ class ZmqEndpoint(Transport):
                 self._reject(nic, label, exc.reason, exc.detail)
                 return
         self._ingest(nic, src, label, frames, lease)
-
-    def _take_datagram(self, nic: str, src: int, label: str, frames: list[Any]) -> None:
-        self._take_in(nic, src, label, frames, True)
 
     def _reject_datagram(self, nic: str, label: str, reason: str, detail: str) -> None:
         self._reject(nic, label, reason, detail, per_peer=False)
