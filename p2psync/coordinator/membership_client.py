@@ -94,6 +94,20 @@ def heard_again(marked: Mapping[int, float], arrivals: Mapping[int, float], memb
                   if n in dead and n in members and arrivals.get(n, -math.inf) > at)
 
 
+def left_out(view: View, nodes: Collection[int], me: int) -> list[int]:
+    """The ``nodes`` (the topology's) that a process whose first view is ``view`` routes
+    around from the start: neither members nor departed, and not ``me``. Pure.
+
+    Every process that applied the views that removed them marks them dead as each one does;
+    a process whose first view comes later (a restarted node joining, whose view lists no
+    change from any earlier one) must route around them too: a removed node may still be
+    running and relaying (fenced, not restarted yet), and a path through it is one the
+    coordinator and the other members do not use, so the failure of a relay on the members'
+    paths would not cut this node off as it cuts off every member behind that relay."""
+    out = set(view.members) | set(view.departed) | {me}
+    return sorted(n for n in nodes if n not in out)
+
+
 class MembershipClient:
     """Every node: register, heartbeat, follow views and the coordinator they name, learn of
     failures, finish barrier."""
@@ -420,9 +434,13 @@ class MembershipClient:
                 self._fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
                             f"name it (members {list(view.members)})")
             return
+        first = self.views.view is None
         change = self.views.apply(view)
         if change is None:
             return
+        if first:
+            for n in left_out(view, self.transport.topology.ids, me):
+                self.transport.mark_dead(n)
         old = self.succession.adopt(view)
         if old is not None:
             self._moved_to(old, f"view {view.epoch} names it")
