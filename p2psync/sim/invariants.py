@@ -19,7 +19,10 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   process is declared failed within the bound like a killed one (the coordinator admits the
   new process only then); the nodes behind it are not cut off (the new process relays at
   once). A kill's declaration counts until its node is restarted (plus the bound); a later
-  removal of the new process is another matter. A slowdown (:func:`slow_risk`) must get a
+  removal of the new process is another matter. A killed node is declared failed however
+  soon it is restarted (its process is gone), but the nodes behind it are cut off only until
+  the restart that joins them to the majority again (:func:`reconnected`): like the nodes of
+  a pause, they must be declared only when that lasts at least their bound. A slowdown (:func:`slow_risk`) must get a
   member declared failed only when every way from it to the coordinator gets at least the
   bound longer one way while the slowdown lasts at least the bound, and the members not at
   risk (below) hold a majority. While slowdowns are in force, the
@@ -256,6 +259,30 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
     return sorted(n for n in members if n not in major)
 
 
+def reconnected(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Links | None,
+                cut: Iterable[int]) -> dict[int, float]:
+    """When each node of ``cut`` behind the nodes of kill ``f`` (not one of them) reaches the
+    group holding a majority of ``members`` again: the first restart of the kill's nodes
+    after which it does (their new processes relay at once; inf: none does). The kill's own
+    nodes are not in it: their processes are gone, and each is declared failed whenever it
+    is restarted (the coordinator admits the new process only then)."""
+    out = {n: math.inf for n in cut if n not in f.nodes}
+    if not out:
+        return out
+    gone = _gone(faults, f.at, members, links) | set(f.nodes)
+    restarts = sorted((g.at, m) for g in faults if g.kind == "restart" and g.at >= f.at
+                      for m in g.nodes if m in f.nodes)
+    for at, m in restarts:
+        if m not in gone:
+            continue  # (restarted again: its first restart counts)
+        gone.discard(m)
+        major = _major(components(links, gone) if links is not None else [set(members) - gone], members)
+        for n in out:
+            if out[n] == math.inf and major is not None and n in major:
+                out[n] = at
+    return out
+
+
 #: the one-way latency of the link between two neighbours (seconds)
 Latency = Callable[[int, int], float]
 
@@ -406,8 +433,12 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
                     seen[d.node] = round(d.t - f.at, 6)
         rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
         out.append(rec)
+        back = reconnected(f, faults, members, links, cut) if f.kind == "kill" else {}
+
         def must(n: int) -> bool:  # cut off long enough to be declared in its limit
-            return f.kind in ("kill", "restart") or (f.duration is not None and f.duration >= limit.get(n, fbound))
+            if f.kind == "kill":
+                return n in f.nodes or back.get(n, math.inf) - f.at >= limit.get(n, fbound)
+            return f.kind == "restart" or (f.duration is not None and f.duration >= limit.get(n, fbound))
 
         if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout - interval and seen:
             problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
@@ -499,4 +530,4 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
 
 __all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "SlowRisk", "ViewSeen", "components", "cut_by",
            "declarations", "detections", "killed_by", "no_false_failure", "one_coordinator_per_term",
-           "one_view_at_end", "one_view_per_group", "rejoin_bound", "slow_risk", "stranded", "until", "violated"]
+           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "slow_risk", "stranded", "until", "violated"]

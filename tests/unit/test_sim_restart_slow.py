@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from p2psync.coordinator.membership import walled_in
+from p2psync.coordinator.membership_client import left_out
+from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions
@@ -294,3 +296,83 @@ def test_a_restarted_node_whose_two_ring_neighbours_were_removed_is_not_declared
     assert [d["node"] for d in s["declared"]] == [7, 4, 5, 6]
     assert s["restarts"][0]["joined_after_s"] is None and s["stranded"] == [6]
     assert s["final_view"]["members"] == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
+def test_the_nodes_behind_a_kill_must_be_declared_only_while_it_is_not_restarted_in_their_bound() -> None:
+    ring8 = {i: [(i - 1) % 8, (i + 1) % 8] for i in range(8)}
+    members = tuple(n for n in range(8) if n != 6)  # node 6 removed: the ring is a line 7-0-...-5
+    six = Fault(kind="kill", at=1.0, nodes=(6,))
+    kill = Fault(kind="kill", at=5.0, nodes=(4,))
+    base = [_v(0, n, tuple(range(8))) for n in range(8)] + [_v(3.0, n, members, epoch=2) for n in members]
+    alone = [*base, _v(7.0, 0, (0, 1, 2, 3, 5, 7), epoch=3)]  # node 4 declared, 5 behind it not
+    with_five = [*base, _v(7.0, 0, (0, 1, 2, 3, 7), epoch=3)]
+    assert inv.cut_by(kill, [six, kill], members, ring8) == [4, 5]
+    # restarted 1.5 s after the kill: node 5 was cut off for less than the bound
+    quick = [six, kill, Fault(kind="restart", at=6.5, nodes=(4,))]
+    assert inv.reconnected(kill, quick, members, ring8, [4, 5]) == {5: 6.5}
+    assert inv.detections(quick, alone, bound=3.0, failure_timeout=2.0, links=ring8)[1] == "held"
+    assert inv.detections(quick, with_five, bound=3.0, failure_timeout=2.0, links=ring8)[1] == "held"
+    assert inv.no_false_failure(quick, with_five, bound=3.0, links=ring8) == "held"
+    # the killed node itself is declared however soon it is restarted
+    assert "never declared failed: [4]" in inv.detections(
+        quick, [*base, _v(7.0, 0, members, epoch=3)], bound=3.0, failure_timeout=2.0, links=ring8)[1]
+    # restarted after the bound, or never: node 5 must be declared in it
+    for late in ([six, kill, Fault(kind="restart", at=8.5, nodes=(4,))], [six, kill]):
+        assert "never declared failed: [5]" in inv.detections(late, alone, bound=3.0, failure_timeout=2.0,
+                                                               links=ring8)[1]
+        assert inv.detections(late, with_five, bound=3.0, failure_timeout=2.0, links=ring8)[1] == "held"
+    assert inv.reconnected(kill, [six, kill], members, ring8, [4, 5]) == {5: float("inf")}
+
+
+def test_the_nodes_behind_a_node_killed_and_restarted_before_its_detection_stay_members() -> None:
+    """Chaos seed 1004 (``p2psync sim ring:16 --seed 1004 --faults
+    'pause:6@5.673+7.469,kill:13@21.631,restart:13@23.178' --virtual-seconds 60``): node 6
+    removed and fenced, the ring is a line; node 13 killed cuts 7 to 12 off, and its new
+    process, 1.5 s later, joins them to the run again before their silence is a failure.
+    Node 13's old process is declared, 7 to 12 are not: they were cut off for less than the
+    bound, as by a pause that short (the invariant had demanded them, as for a kill that
+    lasts)."""
+    s = simulate(ring(16), "pause:6@5.673+7.469,kill:13@21.631,restart:13@23.178", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == [6, 13]
+    assert s["restarts"][0]["joined_after_s"] is not None
+    assert s["final_view"]["members"] == [n for n in range(16) if n != 6]
+
+
+def test_a_joiner_routes_around_the_nodes_its_first_view_leaves_out() -> None:
+    assert left_out(View(epoch=9, members=(1, 2, 3, 5), coordinator=1, departed=(4,)), range(8), 5) == [0, 6, 7]
+    assert left_out(View(epoch=1, members=tuple(range(4)), coordinator=0), range(4), 2) == []
+
+
+@pytest.mark.parametrize("faults,declared,members", [
+    # node 0 removed and fenced (still running); node 7's new process joined, routed through 0,
+    # which every member routes around. Kill 5: 6 and 7 are cut off from the run with it, and
+    # 7, heard through 0, was declared 3.8 s after the kill (bound 3.1 s)
+    ("pause:0@3+8,restart:7@20,kill:5@30", [0, 7, 5, 7, 6], [1, 2, 3, 4]),
+    # kill 4: 1-3 and 5-7 are three of seven each, no majority; node 7, heard through 0, gave
+    # coordinator 1 one (4 of 7), and it declared 4, 5 and 6, live nodes among them
+    ("pause:0@3+8,restart:7@20,kill:4@30", [0, 7], [1, 2, 3, 4, 5, 6, 7]),
+])
+def test_a_restarted_node_routes_around_a_removed_node_still_running(
+        faults: str, declared: list[int], members: list[int]) -> None:
+    """A restarted process learns the run from a view that lists no change (its first): it
+    must mark the nodes that view leaves out dead, as every member did when it removed them
+    (``left_out``); routed through a fenced node, its heartbeats reach the coordinator on a
+    path the run does not have."""
+    s = simulate(ring(8), faults, 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [d["node"] for d in s["declared"]] == declared
+    assert s["final_view"]["members"] == members
+
+
+def test_a_restarted_node_is_declared_with_the_members_behind_the_relay_killed_on_its_way() -> None:
+    """Chaos seed 9060 (``p2psync sim ring:16 --seed 9060 --faults
+    'pause:0@7.751+8.095,restart:15@27.209,kill:10@38.536' --virtual-seconds 60``): node 15's
+    new process routed through node 0, removed and fenced but running; the kill of node 10
+    cut 11 to 15 off the run, but 15 was heard through 0 until it deposed the coordinator
+    that could not answer it, and was declared 3.574 s after the kill (bound 3.164 s)."""
+    s = simulate(ring(16), "pause:0@7.751+8.095,restart:15@27.209,kill:10@38.536", 45.0)
+    assert s["invariants"] == ALL_HELD
+    after = s["detections"][2]["declared_after_s"]
+    assert sorted(after, key=int) == ["10", "11", "12", "13", "14", "15"]
+    assert max(after.values()) <= s["detection_bound_s"]
