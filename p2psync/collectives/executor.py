@@ -118,8 +118,8 @@ from p2psync.topology import Topology
 from p2psync.transport import Transport
 from p2psync.wire.schema import valid_tag
 
-#: smallest piece a tensor is cut into to spread it over the members (bytes; see
-#: ``Collectives._per_piece``)
+#: the smallest piece the simulator cuts a tensor into to spread it over the members (bytes;
+#: ``Collectives(spread_floor_bytes=...)``)
 SPREAD_FLOOR_BYTES = 4096
 #: largest allgather (all the rows together, bytes) done as a sum allreduce of the rows' bytes
 #: (see ``Collectives.allgather``)
@@ -162,12 +162,18 @@ class Collectives:
     """
 
     def __init__(self, transport: Transport, *, piece_bytes: int = 1 << 20, timeout: float = 30.0,
-                 codec: str = "none", error_feedback: bool = False, algo: str = "auto") -> None:
+                 codec: str = "none", error_feedback: bool = False, algo: str = "auto",
+                 spread_floor_bytes: int = 0) -> None:
+        """``spread_floor_bytes``: the smallest piece a tensor is cut into to spread it over the
+        members (0: down to one element; see :meth:`_per_piece`)."""
         if piece_bytes < 4:
             raise ConfigError("piece size must be at least 4 bytes")
+        if spread_floor_bytes < 0:
+            raise ConfigError("spread floor must be >= 0 bytes")
         self.transport = transport
         self.topo = transport.topology
         self.piece_bytes = piece_bytes
+        self.spread_floor_bytes = spread_floor_bytes
         self.timeout = timeout
         self.codec = codec
         self.algo = algo
@@ -274,13 +280,18 @@ class Collectives:
         return rows
 
     async def _gather_by_sum(self, mine: np.ndarray, g: tuple[int, ...], tag: str) -> list[np.ndarray]:
-        """:meth:`allgather` of small rows as a sum allreduce of their bytes (see there)."""
+        """:meth:`allgather` of small rows as a sum allreduce of their bytes (see there), in
+        pieces of :data:`SPREAD_FLOOR_BYTES` at least (bytes: no sum can overflow)."""
         row = np.ascontiguousarray(mine).reshape(-1).view(np.uint8)
         nb = row.size
         buf = np.zeros(nb * len(g), np.uint8)
         slot = g.index(self.transport.node_id)
         buf[slot * nb:(slot + 1) * nb] = row
-        await self._execute("allgather", self._plan(g, buf, None), buf, tag, "none", phases=("rs", "ag"))
+        per = max(1, min(self.piece_bytes, max(-(-buf.size // len(g)), SPREAD_FLOOR_BYTES)))  # bytes a piece
+        pieces = -(-buf.size // per)
+        bounds = np.minimum(np.arange(pieces + 1, dtype=np.int64) * per, buf.size)
+        await self._execute("allgather", self._plan_of(g, pieces, None), buf, tag, "none", phases=("rs", "ag"),
+                            bounds=bounds)
         return [buf[i * nb:(i + 1) * nb].copy().view(mine.dtype).reshape(mine.shape) for i in range(len(g))]
 
     async def _gather(self, tensor: Any, g: tuple[int, ...], tag: str, *, record: bool = True,
@@ -335,13 +346,16 @@ class Collectives:
 
     def _per_piece(self, buf: np.ndarray, members: int) -> int:
         """Elements per piece: about ``piece_bytes``, but at most size / members, so that even a
-        small tensor is spread over every member (balanced traffic, pipelined rounds); a
-        tensor is not spread in pieces smaller than :data:`SPREAD_FLOOR_BYTES` (or
-        ``piece_bytes`` when that is smaller): below it a message costs its overhead, not its
-        bytes, and more pieces only add messages (a 64-byte vector over 1024 members would be
-        16 one-element pieces, each crossing the whole ring)."""
+        small tensor is spread over every member (balanced traffic, pipelined rounds), but not
+        in pieces smaller than ``spread_floor_bytes`` (or ``piece_bytes`` when that is
+        smaller): where a message costs its overhead, not its bytes, more pieces only add
+        messages (a 64-byte vector over 1024 members would be 16 one-element pieces, each
+        crossing the whole ring; the simulator uses :data:`SPREAD_FLOOR_BYTES`). Real runs
+        spread down to one element: a sum that overflows is then seen by every owner of a
+        piece at once (with one piece only its owner sees it, and the others learn it when
+        that node leaves)."""
         cap = self.piece_bytes // buf.itemsize
-        spread = max(-(-buf.size // max(1, members)), SPREAD_FLOOR_BYTES // buf.itemsize)
+        spread = max(-(-buf.size // max(1, members)), self.spread_floor_bytes // buf.itemsize)
         return max(1, min(cap, spread))
 
     def _pieces(self, buf: np.ndarray, members: int) -> int:
@@ -352,7 +366,10 @@ class Collectives:
         return np.minimum(np.arange(self._pieces(buf, members) + 1, dtype=np.int64) * per, buf.size)
 
     def _plan(self, g: tuple[int, ...], buf: np.ndarray, algo: str | None) -> Plan:
-        key = (g, self._pieces(buf, len(g)), algo or self.algo)
+        return self._plan_of(g, self._pieces(buf, len(g)), algo)
+
+    def _plan_of(self, g: tuple[int, ...], pieces: int, algo: str | None) -> Plan:
+        key = (g, pieces, algo or self.algo)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = make_plan(self.topo, g, key[1], key[2])

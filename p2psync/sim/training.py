@@ -53,6 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from p2psync.collectives import Collectives, OpId
+from p2psync.collectives.executor import SPREAD_FLOOR_BYTES
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
 from p2psync.sim import invariants as inv
@@ -214,7 +215,8 @@ class TrainingCluster(SimCluster):
         node, opts = self.nodes[i], self.opts
         return StrategyContext(node_id=i, topology=self.topo, transport=node.transport, rpc=node.rpc,
                                rpc_server=node.server, membership=node.membership, replica=self.replicas[i],
-                               collectives=Collectives(node.transport, timeout=opts.peer_timeout),
+                               collectives=Collectives(node.transport, timeout=opts.peer_timeout,
+                                                       spread_floor_bytes=SPREAD_FLOOR_BYTES),
                                peer_timeout=opts.peer_timeout, options=dict(self.training.options),
                                on_failure="continue", quorum_timeout=opts.quorum_timeout)
 

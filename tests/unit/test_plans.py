@@ -237,17 +237,22 @@ def test_a_ring_of_a_thousand_nodes_is_planned_without_recursing_node_by_node():
 
 
 def test_a_small_tensor_is_not_cut_into_pieces_smaller_than_the_spread_floor():
-    """Spreading a tensor over the members stops at SPREAD_FLOOR_BYTES a piece: a 64-byte
-    vector over 1024 members is one piece (one message per hop), not 16 of one element; a
-    large one is still spread over every member, and ``piece_bytes`` still caps a piece."""
+    """With a spread floor (the simulator's SPREAD_FLOOR_BYTES) a tensor is spread over the
+    members only in pieces that large: a 64-byte vector over 1024 members is one piece (one
+    message per hop), not 16 of one element; a large one is still spread over every member,
+    and ``piece_bytes`` still caps a piece. Without one (real runs) it is spread down to one
+    element a piece, so that every owner of a piece sees a sum that overflows."""
     from p2psync.collectives.executor import SPREAD_FLOOR_BYTES, Collectives
     from p2psync.transport.memory import MemoryHub
 
     topo = ring(4)
     ep = MemoryHub(topo).endpoint(0)
-    c = Collectives(ep)
+    c = Collectives(ep, spread_floor_bytes=SPREAD_FLOOR_BYTES)
     assert c._pieces(np.zeros(16, np.float32), 1024) == 1
     floor = SPREAD_FLOOR_BYTES // 4
     assert c._pieces(np.zeros(4 * floor, np.float32), 4) == 4
     assert c._pieces(np.zeros(2 * floor, np.float32), 4) == 2
-    assert Collectives(ep, piece_bytes=64)._pieces(np.zeros(64, np.float32), 4) == 4
+    assert Collectives(ep, piece_bytes=64, spread_floor_bytes=SPREAD_FLOOR_BYTES)._pieces(np.zeros(64, np.float32), 4) == 4
+    assert Collectives(ep)._pieces(np.zeros(16, np.float32), 1024) == 16
+    with pytest.raises(ConfigError):
+        Collectives(ep, spread_floor_bytes=-1)
