@@ -106,6 +106,19 @@ def walled_in(topology: Topology, coordinator: int, joiner: int, dead: Collectio
     return sorted(topology.neighbors(joiner))
 
 
+def reachable(topology: Topology, coordinator: int, dead: Collection[int]) -> Callable[[int], bool]:
+    """Whose arrivals are proof of life at ``coordinator``: a node it reaches over nodes not in
+    ``dead`` (the nodes it routes around), or one in ``dead`` itself (heard again). Pure. A
+    member walled in behind removed nodes may still be heard through them (a removed process
+    that has not ended relays on), but the coordinator can answer nothing it sends: its
+    silence counts as if nothing arrived, and it is declared in the usual time."""
+    if not dead:
+        return lambda n: True
+    gone = set(dead)
+    reach = hop_distances(topology, coordinator, avoid=gone)
+    return lambda n: n in reach or n in gone
+
+
 def majority_regained(since: float, outages: Mapping[int, tuple[float, float] | None],
                       quorum: Callable[[Collection[int]], bool]) -> float | None:
     """When the coordinator heard a majority again, if it lost it after ``since`` (a suspect's
@@ -726,8 +739,9 @@ class MembershipService:
         while True:
             await asyncio.sleep(self.check_interval)
             self.state.detector.pause(stalls.tick(clock.now()))
+            heard = reachable(self.transport.topology, me, self.transport.dead)
             for n, at in list(self.transport.last_arrival.items()):
-                if n != me:
+                if n != me and heard(n):
                     self.state.alive(n, at)
             now = clock.now()
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}

@@ -376,3 +376,17 @@ def test_a_restarted_node_is_declared_with_the_members_behind_the_relay_killed_o
     after = s["detections"][2]["declared_after_s"]
     assert sorted(after, key=int) == ["10", "11", "12", "13", "14", "15"]
     assert max(after.values()) <= s["detection_bound_s"]
+
+
+@pytest.mark.parametrize("faults", [
+    "partition:14|0-13.15@9.272+6.357,pause:5@23.415+4.312,kill:0@39.129",  # chaos seed 11040
+    "partition:11-14|0-10.15@6.624+3.741,partition:0-1.14-15|2-13@22.177+3.791,pause:2@34.617+1.861",  # 11086
+])
+def test_a_member_heard_only_through_removed_relays_is_no_longer_alive(faults: str) -> None:
+    """A failover coordinator took over with node 15 in its view but walled in behind removed
+    nodes (fenced, still relaying): 15's probes still arrived through them and reset its
+    silence while every reply failed (no live path), so 15 was declared seconds after the
+    window the pause or partition covers (a false failure). Arrivals from a member the
+    coordinator cannot reach around the nodes it marks dead are no proof of life."""
+    s = simulate(ring(16), faults, 60.0)
+    assert s["invariants"] == ALL_HELD
