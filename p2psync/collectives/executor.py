@@ -287,7 +287,7 @@ class Collectives:
         buf = np.zeros(nb * len(g), np.uint8)
         slot = g.index(self.transport.node_id)
         buf[slot * nb:(slot + 1) * nb] = row
-        per = max(1, min(self.piece_bytes, max(-(-buf.size // len(g)), SPREAD_FLOOR_BYTES)))  # bytes a piece
+        per = self._per_piece(buf, len(g), SPREAD_FLOOR_BYTES)  # bytes a piece
         pieces = -(-buf.size // per)
         bounds = np.minimum(np.arange(pieces + 1, dtype=np.int64) * per, buf.size)
         await self._execute("allgather", self._plan_of(g, pieces, None), buf, tag, "none", phases=("rs", "ag"),
@@ -344,7 +344,7 @@ class Collectives:
             raise ConfigError(f"node {self.transport.node_id} is not in the group {list(g)}")
         return g
 
-    def _per_piece(self, buf: np.ndarray, members: int) -> int:
+    def _per_piece(self, buf: np.ndarray, members: int, floor: int | None = None) -> int:
         """Elements per piece: about ``piece_bytes``, but at most size / members, so that even a
         small tensor is spread over every member (balanced traffic, pipelined rounds), but not
         in pieces smaller than ``spread_floor_bytes`` (or ``piece_bytes`` when that is
@@ -355,7 +355,8 @@ class Collectives:
         piece at once (with one piece only its owner sees it, and the others learn it when
         that node leaves)."""
         cap = self.piece_bytes // buf.itemsize
-        spread = max(-(-buf.size // max(1, members)), self.spread_floor_bytes // buf.itemsize)
+        floor = self.spread_floor_bytes if floor is None else floor
+        spread = max(-(-buf.size // max(1, members)), floor // buf.itemsize)
         return max(1, min(cap, spread))
 
     def _pieces(self, buf: np.ndarray, members: int) -> int:

@@ -100,8 +100,7 @@ def walled_in(topology: Topology, coordinator: int, joiner: int, dead: Collectio
     reach it while they stay out, and a view naming it would hold a member that nobody can
     reach. Its request came through such a node (one removed but still running, such as a
     fenced process before it ends), or through a node that no longer relays for it."""
-    reach = hop_distances(topology, coordinator, avoid=set(dead) - {joiner})
-    if joiner in reach:
+    if reachable(topology, coordinator, set(dead) - {joiner})(joiner):
         return None
     return sorted(topology.neighbors(joiner))
 
