@@ -241,12 +241,15 @@ async def test_an_eager_member_that_adopts_mid_run_counts_every_contribution_onc
         failed, (ends, params, thetas) = await _fail_once_then_finish(
             nodes, late, lambda op: op.f != FULL and op.k == 2, "round 2")
         adoptions = late.state.adoptions
+        adopters = sum(n.strategy.state.adoptions for n in nodes.values())
     assert failed, "node 3 never reached round 2"
     assert adoptions == 1
     assert len(set(ends)) == 1, ends
     assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
     assert all(p.tobytes() == thetas[0].tobytes() for p in params)
-    assert 3 in sums and sums[3][1] == 3.0  # the round node 3 adopted in: its weight 0
+    # The round node 3 adopted in: every adopter's weight 0. Node 3's failure replaces the view, and
+    # a member still waiting on round 2 when the new view arrives fails it too and adopts as well.
+    assert 3 in sums and sums[3][1] == 4.0 - adopters, (sums[3][1], adopters)
     want = np.asarray(start[0], np.float64) - lr * sum(s / sw for s, sw in sums.values() if sw > 0)
     np.testing.assert_allclose(thetas[0], want, rtol=0, atol=2e-6)
 
