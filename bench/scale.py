@@ -101,7 +101,7 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
     """One run (see the module docstring), in this process; its figures."""
     from p2psync.sim.cluster import SimCluster, SimOptions
     from p2psync.sim.faults import parse_faults
-    from p2psync.sim.loop import VirtualLoop, quiet_logs, run
+    from p2psync.sim.loop import VirtualLoop, quiet_logs, run, sparse_gc
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     topo = topology(kind, n)
@@ -150,7 +150,8 @@ def measure(kind: str, n: int, *, virtual_s: float = 15.0, kill_at: float = 5.0)
             }
 
     with quiet_logs():
-        out = run(main(), loop=loop)
+        with sparse_gc():
+            out = run(main(), loop=loop)
     out["kb_per_node"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / n
     return out
 

@@ -184,6 +184,7 @@ class Collectives:
         #: plans by their inputs (topology aside), shared with every node over this topology
         self._plans = shared_plans(self.topo)
         self._schedules: dict[tuple[Any, ...], tuple[Plan, Schedule]] = {}
+        self._sigs: dict[tuple[Any, ...], tuple[Plan, int]] = {}
         self.history: deque[OpStats] = deque(maxlen=64)
 
     # -- public operations ---------------------------------------------------------------
@@ -405,6 +406,17 @@ class Collectives:
             hit = self._schedules[key] = (plan, schedule(plan, self.transport.node_id, pieces, phases, fused))
         return hit[1]
 
+    def _signature(self, plan: Plan, what: tuple[Any, ...]) -> int:
+        """The CRC of ``repr(what)`` (an operation's identity, the same on every member), kept
+        per plan and operation: the group in it makes it O(N) to compute."""
+        key = (id(plan), what[0], *what[2:])
+        hit = self._sigs.get(key)
+        if hit is None or hit[0] is not plan:
+            if len(self._sigs) >= 4 * len(self._schedules) + 64:
+                self._sigs.clear()
+            hit = self._sigs[key] = (plan, zlib.crc32(repr(what).encode()))
+        return hit[1]
+
     # -- execution -----------------------------------------------------------------------
 
     async def _execute(self, op: str, plan: Plan, buf: np.ndarray, tag: str, codec: str | None,
@@ -425,8 +437,8 @@ class Collectives:
         if len(plan.group) > 1:
             if bounds is None:
                 bounds = self._bounds(buf, len(plan.group))
-            sig = zlib.crc32(repr((op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
-                                   len(bounds))).encode())
+            sig = self._signature(plan, (op, plan.group, plan.algo, buf.size, buf.dtype.str, c.name, phases,
+                                         len(bounds)))
             sched = self._schedule(plan, phases, len(bounds) - 1, Run.fuses(c, check))
             run = Run(self, sched, buf, bounds, c, tag, stats, sig, check, src, feedback)
             try:

@@ -45,7 +45,7 @@ from typing import Collection, Sequence
 
 from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import Topology, bcube_digits
-from p2psync.topology.paths import Links, group_links, hamiltonian_cycle, live_cut, relay_links, spanning_tree
+from p2psync.topology.paths import Cut, Links, group_links, hamiltonian_cycle, live_cut, relay_links, spanning_tree
 
 ALGOS = ("auto", "ring", "mesh", "bcube", "star", "tree")
 
@@ -102,6 +102,12 @@ class Plan:
                     ts[node].append(t)
                     rounds[node].append(r)
         return {node: (tuple(ts[node]), rounds[node]) for node in ts}
+
+    @cached_property
+    def cuts(self) -> dict[frozenset[int], tuple[Topology, Cut | None]]:
+        """:func:`check_live`'s answers by the dead nodes it was asked about (with the topology
+        asked over): a plan outlives many operations and the dead set rarely changes."""
+        return {}
 
     def sent_by(self, node: int) -> int:
         """Pieces ``node`` sends in a full allreduce."""
@@ -160,13 +166,23 @@ class _Builder:
                     frozenset(self.relays))
 
 
+#: dead sets whose :func:`check_live` answer a plan keeps (cleared when there are this many)
+MAX_CUTS_KEPT = 64
+
+
 def check_live(plan: Plan, topo: Topology, dead: Collection[int]) -> None:
     """Raise :class:`~p2psync.errors.GroupCutOff` when ``plan`` relays through other nodes and
     the nodes not in ``dead`` no longer join its members (which members are cut off from which,
     and which dead nodes would have joined them); a plan over direct links never does."""
     if not plan.relays:
         return
-    cut = live_cut(topo, plan.group, dead)
+    key = frozenset(dead)
+    hit = plan.cuts.get(key)
+    if hit is None or hit[0] is not topo:
+        if len(plan.cuts) >= MAX_CUTS_KEPT:
+            plan.cuts.clear()
+        hit = plan.cuts[key] = (topo, live_cut(topo, plan.group, key))
+    cut = hit[1]
     if cut is not None:
         raise GroupCutOff(cut.describe(), parts=cut.parts, peers=cut.bridges)
 

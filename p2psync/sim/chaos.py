@@ -21,7 +21,7 @@ from p2psync.errors import P2PSyncError
 from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
 from p2psync.sim.faults import Fault, draw
 from p2psync.sim.invariants import violated
-from p2psync.sim.loop import VirtualLoop
+from p2psync.sim.loop import VirtualLoop, sparse_gc
 from p2psync.sim.loop import run as run_virtual
 from p2psync.sim.training import TrainingCluster, TrainingSpec
 from p2psync.topology import Topology
@@ -59,7 +59,8 @@ def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_
 
     wall = time.perf_counter()
     loop = VirtualLoop()
-    summary = run_virtual(main(), loop=loop)
+    with sparse_gc():
+        summary = run_virtual(main(), loop=loop)
     summary["wall_s"] = round(time.perf_counter() - wall, 3)
     summary["events"] = loop.steps
     summary["digest"] = loop.digest()

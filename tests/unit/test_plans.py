@@ -256,3 +256,23 @@ def test_a_small_tensor_is_not_cut_into_pieces_smaller_than_the_spread_floor():
     assert Collectives(ep)._pieces(np.zeros(16, np.float32), 1024) == 16
     with pytest.raises(ConfigError):
         Collectives(ep, spread_floor_bytes=-1)
+
+
+def test_the_kept_answer_of_check_live_follows_the_dead_set_and_the_topology():
+    """check_live keeps its answer per dead set on the plan: the same question answered again
+    (cut, then whole again, then cut), a changed dead set (a set that is later changed in place
+    included) asked afresh, and a plan asked over another topology not given the other's answer."""
+    topo = ring(4)
+    plan = make_plan(topo, [1, 3], 4)
+    dead = {0}
+    for _ in range(2):
+        check_live(plan, topo, dead=dead)
+        dead.add(2)  # changed in place: now cut
+        with pytest.raises(GroupCutOff):
+            check_live(plan, topo, dead=dead)
+        dead.discard(2)
+    check_live(plan, topo, dead=dead)
+    with pytest.raises(GroupCutOff):
+        check_live(plan, topo, dead={0, 2})
+    # mesh-4 joins 1 and 3 directly: the same plan asked over it is not cut
+    check_live(plan, mesh(4), dead={0, 2})
