@@ -25,8 +25,9 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   a pause, they must be declared only when that lasts at least their bound. A slowdown (:func:`slow_risk`) must get a
   member declared failed only when every way from it to the coordinator gets at least the
   bound longer one way while the slowdown lasts at least the bound, and the members not at
-  risk (below) hold a majority. While slowdowns are in force, the
-  bound of the other faults grows by four times the longest round trip they add.
+  risk (below) hold a majority. While slowdowns are in force, and until the members have
+  measured the round trip again after their end (:func:`remeasured`), the bound of the other
+  faults grows by four times the longest round trip they add.
 * ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
   the fault's start and its end (a kill's: its node's restart) plus the bound, or was at risk
   from a slowdown (:func:`slow_risk`: a shortest way to the coordinator got at least the
@@ -54,6 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
+from p2psync.coordinator.detector import RTT_WINDOW
 from p2psync.sim.faults import Fault
 
 HELD = "held"
@@ -374,15 +376,30 @@ def slow_risk(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
     return SlowRisk(tuple(sorted(risk)), tuple(sorted(must)), rtt)
 
 
+def remeasured(f: Fault, rtt: float, interval: float) -> float:
+    """When the members' round-trip estimates no longer hold slowdown ``f``, which adds at most
+    ``rtt`` to a round trip: a request sent before its end is answered by its end plus that
+    round trip and the links' own (a heartbeat interval covers theirs); then every member
+    measures :data:`~p2psync.coordinator.detector.RTT_WINDOW` round trips, one a heartbeat
+    (its estimate keeps within as many latest samples), and its next heartbeat carries the
+    estimate to the coordinator, whose detector waits for silence by it."""
+    end = f.end if f.end is not None else math.inf
+    return end + rtt + (RTT_WINDOW + 2) * interval
+
+
 def _bound_at(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
               failure_timeout: float, interval: float, links: Links | None, latency: Latency | None) -> float:
     """The detection bound of fault ``f``: ``bound``, plus four times the longest round trip
-    the slowdowns in force during it add (see the module docstring)."""
+    the slowdowns add that are in force during it or not yet remeasured at its start
+    (:func:`remeasured`; see the module docstring)."""
     extra = 0.0
     for g in faults:
-        if g.kind == "slow" and g is not f and g.at <= f.at + bound and (g.end or 0.0) >= f.at:
-            extra = max(extra, slow_risk(g, faults, views, bound=bound, failure_timeout=failure_timeout,
-                                         interval=interval, links=links, latency=latency).rtt)
+        if g.kind != "slow" or g is f or g.at > f.at + bound:
+            continue
+        rtt = slow_risk(g, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
+                        links=links, latency=latency).rtt
+        if remeasured(g, rtt, interval) >= f.at:
+            extra = max(extra, rtt)
     return bound + 4 * extra
 
 
@@ -530,4 +547,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
 
 __all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "SlowRisk", "ViewSeen", "components", "cut_by",
            "declarations", "detections", "killed_by", "no_false_failure", "one_coordinator_per_term",
-           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "slow_risk", "stranded", "until", "violated"]
+           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "remeasured", "slow_risk",
+           "stranded", "until", "violated"]

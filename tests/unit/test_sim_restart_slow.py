@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from p2psync.coordinator.detector import RTT_WINDOW
 from p2psync.coordinator.membership import walled_in
 from p2psync.coordinator.membership_client import left_out
 from p2psync.coordinator.views import View
@@ -390,6 +391,20 @@ def test_a_member_heard_only_through_removed_relays_is_no_longer_alive(faults: s
     coordinator cannot reach around the nodes it marks dead are no proof of life."""
     s = simulate(ring(16), faults, 60.0)
     assert s["invariants"] == ALL_HELD
+
+
+def test_the_bound_of_a_fault_grows_until_the_members_remeasured_a_slowdowns_round_trip() -> None:
+    links = {i: [j for j in range(5) if j != i] for i in range(5)}  # a mesh
+    lat = lambda a, b: 0.1  # noqa: E731
+    views = [_v(0, n, (0, 1, 2, 3, 4)) for n in range(5)]
+    timing: dict[str, Any] = dict(bound=3.9, failure_timeout=2.0, interval=0.5, links=links, latency=lat)
+    slow = parse_faults("slow:3@5+15x6", range(5))  # 1 s more a round trip, until 20
+    back = inv.remeasured(slow[0], 1.0, 0.5)
+    assert back == pytest.approx(20.0 + 1.0 + (RTT_WINDOW + 2) * 0.5)
+    for at, held in ((back - 0.1, True), (back + 0.1, False)):  # a kill declared a second late
+        kill = Fault(kind="kill", at=at, nodes=(2,))
+        late = [*views, _v(at + 3.9 + 1.0, 1, (0, 1, 3, 4), epoch=2)]
+        assert (inv.detections([*slow, kill], late, **timing)[1] == "held") is held
 
 
 @pytest.mark.parametrize("topo,faults,seconds", [
