@@ -5,8 +5,9 @@ long fixed timeout detects killed processes too late. Here every decision takes 
 argument (sans-IO) so tests drive it with synthetic arrival sequences.
 
 :class:`RttEstimator` is RFC 6298's smoothed RTT (``srtt``, ``rttvar``) and retransmission
-timeout; RPC attempts and heartbeat waits use :meth:`RttEstimator.rto`, so a 1.2 s-RTT link
-never times out its own heartbeats.
+timeout, kept within what the latest :data:`RTT_WINDOW` samples show (a round trip that got
+shorter is the estimate's within as many samples); RPC attempts and heartbeat waits use
+:meth:`RttEstimator.rto`, so a 1.2 s-RTT link never times out its own heartbeats.
 
 :class:`PeerDetector` is a phi-accrual detector (Hayashibara et al., 2004) for one peer:
 
@@ -46,6 +47,9 @@ DEFAULT_THRESHOLD = 8.0
 #: seconds a retransmission timeout exceeds the smoothed RTT at least (:class:`RttEstimator`):
 #: the timers of an event loop fire that late or later under load
 RTO_GRANULARITY = 0.01
+#: the round-trip samples an :class:`RttEstimator` keeps its estimate within, once it has as
+#: many (8 heartbeats: 4 s at the default interval)
+RTT_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -70,15 +74,29 @@ class DetectorParams:
 
 
 class RttEstimator:
-    """RFC 6298 smoothed RTT and retransmission timeout (Karn: feed first-attempt samples only).
+    """RFC 6298 smoothed RTT and retransmission timeout (Karn: feed first-attempt samples only),
+    kept within what the latest ``window`` samples show.
 
     A retransmission backs the timer off (:meth:`backoff`, RFC 6298 5.5) and the backed-off
     value is kept for later calls until a valid sample arrives (5.7). Without that, a link whose
     RTT exceeds the initial RTO would be retransmitted on every first attempt and, by Karn's
-    rule, never measured."""
+    rule, never measured.
+
+    Once ``window`` samples were measured, ``srtt`` is at most the longest of the latest
+    ``window`` round trips and ``rttvar`` at most their spread (longest less shortest), so
+    ``window`` samples after a round trip got shorter both are the shorter one's. RFC 6298's
+    averages alone forget a longer round trip by 1/8 a sample and count ``srtt``'s lag above
+    the shorter samples as variation: a link back from a 3 s round trip to a few milliseconds
+    still has a second of ``rttvar`` 8 s later, and :class:`PeerDetector`, which waits for
+    several times ``rttvar``, twice its floor. The bounds only lower the averages: a round
+    trip that grows is in the window at once, and its spread with it; while RFC 6298's
+    variation stays under the window's spread (a round trip that varies), the averages are
+    RFC 6298's."""
 
     def __init__(self, *, initial_rto: float = 1.0, min_rto: float = 0.25, max_rto: float = 10.0,
-                 granularity: float = RTO_GRANULARITY) -> None:
+                 granularity: float = RTO_GRANULARITY, window: int = RTT_WINDOW) -> None:
+        if type(window) is not int or window < 2:
+            raise ValueError("RttEstimator window must be an int >= 2")
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.initial_rto = initial_rto
@@ -87,6 +105,8 @@ class RttEstimator:
         #: the least margin of the timeout over ``srtt`` (RFC 6298's clock granularity G)
         self.granularity = granularity
         self.samples = 0
+        #: the latest samples (at most ``window``)
+        self.recent: deque[float] = deque(maxlen=window)
         self._backoff = 1.0
 
     def sample(self, rtt: float) -> None:
@@ -99,6 +119,11 @@ class RttEstimator:
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.recent.append(rtt)
+        if len(self.recent) == self.recent.maxlen:  # within what the window shows
+            hi, lo = max(self.recent), min(self.recent)
+            self.srtt = min(self.srtt, hi)
+            self.rttvar = min(self.rttvar, hi - lo)
         self.samples += 1
         self._backoff = 1.0
 
@@ -110,9 +135,9 @@ class RttEstimator:
         """The retransmission timeout now: ``srtt + max(granularity, 4 * rttvar)`` (RFC 6298
         2.3; ``initial_rto`` before any sample), times the backoff, within [min_rto, max_rto].
         It always exceeds ``srtt`` by ``granularity`` at least: on a link whose round trip
-        never varies ``rttvar`` decays towards 0, and a timeout of ``srtt`` alone expires as the
-        reply arrives (or before it, ``srtt`` carrying rounding errors), so every other request
-        would be resent and its copy sent over another first hop. Called from rpc.py per
+        never varies ``rttvar`` is 0 once the window holds only it, and a timeout of ``srtt``
+        alone expires as the reply arrives (or before it, ``srtt`` carrying rounding errors), so
+        every other request would be resent and its copy sent over another first hop. Called from rpc.py per
         attempt: ``rto = est.rto()``."""
         base = self.initial_rto if self.srtt is None else \
             max(self.min_rto, self.srtt + max(self.granularity, 4 * self.rttvar))
@@ -300,5 +325,5 @@ class FailureDetector:
         return 0.0 if d is None else now - d.last
 
 
-__all__ = ["DEFAULT_FLOOR", "DEFAULT_INTERVAL", "DEFAULT_THRESHOLD", "DetectorParams",
+__all__ = ["DEFAULT_FLOOR", "DEFAULT_INTERVAL", "DEFAULT_THRESHOLD", "DetectorParams", "RTT_WINDOW",
            "FailureDetector", "PeerDetector", "RttEstimator", "StallMeter"]

@@ -14,19 +14,21 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   (within two bounds for the members cut off together with the coordinator, when the fault
   lasts that long: its successor is elected first, and only then watches them); a node
   paused for less than the failure timeout less a heartbeat interval is not declared failed
-  at all; no node is removed by a fault after which no group
-  holds a majority (an even split). A restart of a running node kills it first: that
-  process is declared failed within the bound like a killed one (the coordinator admits the
-  new process only then); the nodes behind it are not cut off (the new process relays at
-  once). A kill's declaration counts until its node is restarted (plus the bound); a later
+  at all; no node is removed by a fault after which no group holds a majority (an even
+  split; a declaration in its window that another fault accounts for, as
+  ``no_false_failure`` counts it, is that fault's). A restart of a running node kills it
+  first: that process is declared failed within the bound like a killed one (the
+  coordinator admits the new process only then); the nodes behind it are not cut off (the
+  new process relays at once). A kill's declaration counts until its node is restarted (plus the bound); a later
   removal of the new process is another matter. A killed node is declared failed however
   soon it is restarted (its process is gone), but the nodes behind it are cut off only until
   the restart that joins them to the majority again (:func:`reconnected`): like the nodes of
   a pause, they must be declared only when that lasts at least their bound. A slowdown (:func:`slow_risk`) must get a
   member declared failed only when every way from it to the coordinator gets at least the
   bound longer one way while the slowdown lasts at least the bound, and the members not at
-  risk (below) hold a majority. While slowdowns are in force, the
-  bound of the other faults grows by four times the longest round trip they add.
+  risk (below) hold a majority. While slowdowns are in force, and until the members have
+  measured the round trip again after their end (:func:`remeasured`), the bound of the other
+  faults grows by four times the longest round trip they add.
 * ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
   the fault's start and its end (a kill's: its node's restart) plus the bound, or was at risk
   from a slowdown (:func:`slow_risk`: a shortest way to the coordinator got at least the
@@ -54,6 +56,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
+from p2psync.coordinator.detector import RTT_WINDOW
 from p2psync.sim.faults import Fault
 
 HELD = "held"
@@ -374,16 +377,52 @@ def slow_risk(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
     return SlowRisk(tuple(sorted(risk)), tuple(sorted(must)), rtt)
 
 
+def remeasured(f: Fault, rtt: float, interval: float) -> float:
+    """When the members' round-trip estimates no longer hold slowdown ``f``, which adds at most
+    ``rtt`` to a round trip: a request sent before its end is answered by its end plus that
+    round trip and the links' own (a heartbeat interval covers theirs); then every member
+    measures :data:`~p2psync.coordinator.detector.RTT_WINDOW` round trips, one a heartbeat
+    (its estimate keeps within as many latest samples), and its next heartbeat carries the
+    estimate to the coordinator, whose detector waits for silence by it."""
+    end = f.end if f.end is not None else math.inf
+    return end + rtt + (RTT_WINDOW + 2) * interval
+
+
 def _bound_at(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
               failure_timeout: float, interval: float, links: Links | None, latency: Latency | None) -> float:
     """The detection bound of fault ``f``: ``bound``, plus four times the longest round trip
-    the slowdowns in force during it add (see the module docstring)."""
+    the slowdowns add that are in force during it or not yet remeasured at its start
+    (:func:`remeasured`; see the module docstring)."""
     extra = 0.0
     for g in faults:
-        if g.kind == "slow" and g is not f and g.at <= f.at + bound and (g.end or 0.0) >= f.at:
-            extra = max(extra, slow_risk(g, faults, views, bound=bound, failure_timeout=failure_timeout,
-                                         interval=interval, links=links, latency=latency).rtt)
+        if g.kind != "slow" or g is f or g.at > f.at + bound:
+            continue
+        rtt = slow_risk(g, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
+                        links=links, latency=latency).rtt
+        if remeasured(g, rtt, interval) >= f.at:
+            extra = max(extra, rtt)
     return bound + 4 * extra
+
+
+def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float, failure_timeout: float,
+             interval: float, links: Links | None,
+             latency: Latency | None) -> list[tuple[Fault, float, frozenset[int]]]:
+    """Per fault, until when a declaration may be its own (from its start; see
+    ``no_false_failure`` in the module docstring: its end plus its bound, a slowdown's plus the
+    round trip it adds too) and the nodes it may get declared (those it cuts off, or a
+    slowdown's at risk)."""
+    out: list[tuple[Fault, float, frozenset[int]]] = []
+    for f in faults:
+        fbound = _bound_at(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
+                           links=links, latency=latency)
+        if f.kind == "slow":
+            risk = slow_risk(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
+                             links=links, latency=latency)
+            out.append((f, until(f, faults) + fbound + risk.rtt, frozenset(risk.risk)))
+        else:
+            out.append((f, until(f, faults) + fbound,
+                        frozenset(cut_by(f, faults, _members_before(views, f.at), links) or ())))
+    return out
 
 
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
@@ -396,6 +435,12 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
     before the fault: a pause under the failure timeout less an interval is never declared);
     ``latency``: the links' one-way latency (what a slowdown multiplies, :func:`slow_risk`)."""
     decls = declarations(views)
+    reach = _reaches(faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval, links=links,
+                     latency=latency)
+
+    def elsewhere(f: Fault, d: Declaration) -> bool:  # another fault's own declaration
+        return any(g is not f and g.at <= d.t <= last and d.node in nodes for g, last, nodes in reach)
+
     out: list[dict[str, object]] = []
     problems: list[str] = []
     for f in faults:
@@ -428,7 +473,7 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
         lead = lead_by is not None
         limit = {n: fbound if lead_by is None or n == lead_by else 2 * fbound for n in cut}
         for d in decls:
-            if d.node in cut or (found is None and d.node in members):
+            if d.node in cut or (found is None and d.node in members and not elsewhere(f, d)):
                 if f.at <= d.t <= end + fbound and d.node not in seen:
                     seen[d.node] = round(d.t - f.at, 6)
         rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
@@ -472,21 +517,11 @@ def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, boun
     default timeout puts nobody at risk) from its start to its end plus the bound and the
     round trip it adds."""
     bad: list[str] = []
-    risks = {id(f): slow_risk(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
-                              links=links, latency=latency) for f in faults if f.kind == "slow"}
-    bounds = {id(f): _bound_at(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
-                               links=links, latency=latency) for f in faults}
+    reach = _reaches(faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval, links=links,
+                     latency=latency)
+    risks = any(f.kind == "slow" for f in faults)
     for d in declarations(views):
-        ok = False
-        for f in faults:
-            end = until(f, faults) + bounds[id(f)]
-            if not f.at <= d.t <= end + (risks[id(f)].rtt if f.kind == "slow" else 0.0):
-                continue
-            if d.node in (risks[id(f)].risk if f.kind == "slow"
-                          else cut_by(f, faults, _members_before(views, f.at), links) or []):
-                ok = True
-                break
-        if not ok:
+        if not any(f.at <= d.t <= last and d.node in nodes for f, last, nodes in reach):
             bad.append(f"node {d.node} declared failed by coordinator {d.coordinator} (term {d.term}) at "
                        f"{d.t:.3f}s with no fault on it, nor a partition leaving it without a majority"
                        + (", nor a slowdown putting it at risk" if risks else ""))
@@ -530,4 +565,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
 
 __all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "SlowRisk", "ViewSeen", "components", "cut_by",
            "declarations", "detections", "killed_by", "no_false_failure", "one_coordinator_per_term",
-           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "slow_risk", "stranded", "until", "violated"]
+           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "remeasured", "slow_risk",
+           "stranded", "until", "violated"]

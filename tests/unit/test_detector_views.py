@@ -7,8 +7,8 @@ import random
 import pytest
 
 from p2psync.coordinator import MembershipState
-from p2psync.coordinator.detector import (RTO_GRANULARITY, DetectorParams, FailureDetector, PeerDetector,
-                                         RttEstimator, StallMeter)
+from p2psync.coordinator.detector import (RTO_GRANULARITY, RTT_WINDOW, DetectorParams, FailureDetector,
+                                         PeerDetector, RttEstimator, StallMeter)
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.errors import ConfigError, ProtocolError
 
@@ -230,6 +230,39 @@ def test_rto_stays_above_a_round_trip_that_never_varies():
     assert est.rttvar < 1e-12
     assert est.rto() >= 0.64 + RTO_GRANULARITY - 1e-9
     assert est.rto() < 0.64 + 2 * RTO_GRANULARITY
+
+
+def test_the_rtt_estimate_keeps_within_its_latest_samples_once_a_long_round_trip_is_over():
+    """A link back from a 3.1 s round trip to 24 ms: RFC 6298's averages alone still held a
+    0.4 s round trip and 0.6 s of variation 16 samples later (the heartbeats' detector waited
+    4.1 s for a silence, twice its floor); within the window of samples they are the short
+    round trip's."""
+    rfc, est = RttEstimator(window=10**6), RttEstimator()
+    for e in (rfc, est):
+        for k in range(40):
+            e.sample(3.0 if k % 2 else 3.2)
+    # a round trip that varies less than the window shows: RFC 6298's averages (once the
+    # first sample's variation, half of it, has worn off)
+    assert est.srtt == pytest.approx(rfc.srtt) and est.rttvar == pytest.approx(rfc.rttvar, rel=1e-3)
+    assert rfc.rttvar < 0.2
+    for k in range(RTT_WINDOW):
+        for e in (rfc, est):
+            e.sample(0.024)
+        if k < RTT_WINDOW - 1:  # a long round trip still in the window: the average stands
+            assert est.srtt == pytest.approx(rfc.srtt)
+    assert est.srtt == 0.024 and est.rttvar == 0.0 and est.rto() == est.min_rto
+    assert rfc.srtt is not None and rfc.srtt > 1.0 and rfc.rttvar > 1.0
+    det, stale = (PeerDetector(params=DetectorParams(), now=0.0) for _ in range(2))
+    det.rtt(est.srtt, est.rttvar)
+    stale.rtt(rfc.srtt, rfc.rttvar)
+    assert det.timeout() == DetectorParams().floor < 2 * stale.timeout()
+    # a longer round trip is in the window at once: the averages grow as RFC 6298's
+    for e in (rfc, est):
+        e.sample(3.1)
+    assert est.srtt == pytest.approx(0.875 * 0.024 + 0.125 * 3.1) and est.rttvar == pytest.approx(0.25 * 3.076)
+    assert est.rto() > 3.1
+    with pytest.raises(ValueError):
+        RttEstimator(window=1)
 
 
 async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():

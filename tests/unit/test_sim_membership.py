@@ -504,6 +504,23 @@ def test_detection_and_false_failure_checks_fail_when_they_should() -> None:
                                                        failure_timeout=2.0)[1]
 
 
+def test_a_declaration_another_fault_accounts_for_is_no_removal_by_an_even_split() -> None:
+    """An even split's window (its end plus its bound, which a slowdown before it may grow:
+    chaos seed 12129) may reach into a later partition's: the nodes that one cuts off and
+    gets declared are its own, not removed by the split; a node removed during the split,
+    which no other fault accounts for, is."""
+    faults = parse_faults("partition:0-3|4-7@10+2,partition:6-7|0-5@14+5", range(8))
+    base = [_v(0, n, tuple(range(8))) for n in range(8)]
+    later = [*base, *(_v(15.5, n, tuple(range(6)), epoch=2) for n in range(6))]
+    found, verdict = inv.detections(faults, later, bound=3.9, failure_timeout=2.0, interval=0.5)
+    assert verdict == "held" and [f["declared_after_s"] for f in found] == [{}, {"6": 1.5, "7": 1.5}]
+    assert inv.no_false_failure(faults, later, bound=3.9) == "held"
+    during = [*base, *(_v(11.5, n, (0, 1, 2, 3, 4, 5, 6), epoch=2) for n in range(7)),
+              *(_v(15.5, n, tuple(range(6)), epoch=3) for n in range(6))]
+    assert inv.detections(faults, during, bound=3.9, failure_timeout=2.0, interval=0.5)[1] == (
+        "partition:0-3|4-7@10+2: no group of nodes holds a majority of 8 members, yet [7] were declared failed")
+
+
 def test_kills_that_cut_a_ring_strand_the_shorter_arc() -> None:
     links = {i: [(i - 1) % 9, (i + 1) % 9] for i in range(9)}
     assert inv.components(links, [2, 5]) == [{0, 1, 6, 7, 8}, {3, 4}]
