@@ -63,6 +63,9 @@ from p2psync.training.metrics import MetricsWriter, bytes_sent, peak_rss_bytes
 
 log = logging.getLogger("p2psync.session")
 
+#: seconds at most a node whose own tensors diverged spends telling the coordinator (it then stops)
+DIVERGED_REPORT_S = 5.0
+
 
 class Outcome(enum.Enum):
     """How the step loop ended without an error."""
@@ -235,8 +238,11 @@ class StepDriver:
         except asyncio.CancelledError:  # close(graceful=False), or fail(): not a failure here
             raise
         except Diverged as exc:  # a tensor this node was about to send: name the step
-            self.fail(exc if "diverged at step" in str(exc) else
-                      Diverged(f"training diverged at step {self.step} on node {self.node_id}: {exc}"))
+            err = exc if "diverged at step" in str(exc) else \
+                Diverged(f"training diverged at step {self.step} on node {self.node_id}: {exc}")
+            if rt.membership.view is None or not rt.membership.view.ended:  # its own: the run ends with it
+                await rt.membership.report_diverged(str(err), timeout=min(DIVERGED_REPORT_S, self.cfg.peer_timeout))
+            self.fail(err)
             raise
         except BaseException as exc:
             self.fail(exc)

@@ -63,7 +63,7 @@ from p2psync.tasks import TaskSet
 
 log = logging.getLogger("p2psync.failover")
 
-METHODS = ("membership.register", "membership.heartbeat", "membership.finish")
+METHODS = ("membership.register", "membership.heartbeat", "membership.finish", "membership.diverged")
 VOTE = "membership.vote"
 #: seconds a coordinator waits after losing a re-election before it runs another
 REELECT_RETRY_S = 2.0

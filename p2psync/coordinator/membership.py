@@ -40,8 +40,11 @@ refusal takes the same ways back as an admission would).
 
 Non-finite tensor values. A node whose own gradient, or any tensor it
 is about to send, holds NaN or infinity stops with :class:`~p2psync.errors.Diverged` ("training
-diverged at step k on node i") before sending it, blaming nobody: an honest run that diverges
-ends on every node that way. A receiver rejects a piece holding such values and reports the
+diverged at step k on node i") before sending it, blaming nobody, and reports it to the
+coordinator (``membership.diverged``, :meth:`MembershipState.report_diverged`), which ends the
+run as diverged: the view then carries ``end`` and every member stops with Diverged too, also
+those that saw no such value (a sum that overflowed in one piece only is seen by that piece's
+owner alone; the others would wait for the piece it never sends). A receiver rejects a piece holding such values and reports the
 neighbour that delivered it (tensors only cross direct links) in its heartbeats. The
 coordinator (:meth:`MembershipState.report_offences`) counts reports only from members about
 their own neighbours, and
@@ -87,6 +90,8 @@ MAX_HEARTBEATS_IN_FLIGHT = 8
 RETRY_KINDS = frozenset({"UnknownMethod", "NotCoordinator"})
 #: the kind of the refusal of a joiner that no live path reaches (:func:`walled_in`)
 UNREACHABLE = "Unreachable"
+#: characters of a member's reason for its divergence that the coordinator keeps
+MAX_WHY = 300
 
 
 def walled_in(topology: Topology, coordinator: int, joiner: int, dead: Collection[int]) -> list[int] | None:
@@ -459,6 +464,17 @@ class MembershipState:
             self.excluded[n] = f"sent non-finite tensor values (reported by nodes {sorted(self.reports[n])})"
         return new
 
+    def report_diverged(self, reporter: int, why: str) -> bool:
+        """Member ``reporter``'s own tensors diverged (values it computed, such as a sum that
+        overflowed, not values it received): the run ends as diverged, since the other
+        members would wait for what it will never send. Whether this ended it (False: the
+        reporter is no member, or the run had ended already)."""
+        if reporter not in set(self.alive_nodes) or self.diverged:
+            return False
+        self.diverged = f"node {reporter}'s own tensors diverged: {why}"
+        self.epoch += 1
+        return True
+
     def finish(self, node: int, stats: Any, *, depart: bool = True) -> bool:
         """``node`` finished: record its stats; with ``depart`` it leaves the view (not a
         failure: its loop ended while the others go on). Returns True when the view changed."""
@@ -552,7 +568,7 @@ class MembershipService:
         #: joiner -> the incarnation whose registration was refused as unreachable (logged once)
         self._walled: dict[int, int] = {}
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
-                         "membership.finish": self._finish}
+                         "membership.finish": self._finish, "membership.diverged": self._diverged}
         if rpc_methods:
             for method, handler in self.handlers.items():
                 server.register(method, handler)
@@ -712,11 +728,23 @@ class MembershipService:
             await self._tell(n, self.state.view(), excluded=self.state.excluded.get(n))
         self._failed(new, "excluded: sent non-finite tensor values")
         if self.state.diverged and not ended:
-            view = self.state.view()
-            log.error("coordinator %d: the run ends: training diverged (%s); view epoch %d",
-                      self.transport.node_id, self.state.diverged, view.epoch)
-            self._notify()
-            self._publish(view)
+            self._ended()
+
+    async def _diverged(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
+        """A member's report that its own tensors diverged: the run ends as diverged
+        (:meth:`MembershipState.report_diverged`)."""
+        why = args.get("why")
+        if self.state.report_diverged(caller, why[:MAX_WHY] if isinstance(why, str) else "no reason given"):
+            self._ended()
+        return {}
+
+    def _ended(self) -> None:
+        """Tell every member the view that ends the run as diverged."""
+        view = self.state.view()
+        log.error("coordinator %d: the run ends: training diverged (%s); view epoch %d",
+                  self.transport.node_id, self.state.diverged, view.epoch)
+        self._notify()
+        self._publish(view)
 
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if self.state.started and caller in self.state.failed:  # fenced: its records are void

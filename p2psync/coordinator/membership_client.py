@@ -800,6 +800,16 @@ class MembershipClient:
                 await asyncio.sleep(min(pause, remaining))
                 pause = min(2 * pause, 0.5)
 
+    async def report_diverged(self, why: str, timeout: float) -> None:
+        """This node's own tensors diverged (it computed non-finite values, e.g. a sum that
+        overflowed): ask the coordinator to end the run as diverged, so that every member
+        stops with Diverged instead of waiting for what this node will never send. Bounded
+        by ``timeout``; a failure is logged, not raised (this node stops either way)."""
+        try:
+            await self.call_coordinator("membership.diverged", {"why": why}, timeout=timeout)
+        except P2PSyncError as exc:
+            log.warning("node %d: could not report its divergence to the coordinator: %s", self.transport.node_id, exc)
+
     async def finish(self, stats: Any, timeout: float, *, depart: bool = False) -> dict[str, Any]:
         """Report final stats and wait (bounded) until every live node has finished; when the
         coordinator dies meanwhile, the stats are re-sent to the new one. With ``depart`` this

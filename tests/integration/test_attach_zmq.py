@@ -413,6 +413,36 @@ def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path:
         assert took < 15, took  # not a peer timeout (30 s here) per redo
 
 
+@pytest.mark.parametrize("sync", ["backward", "step"])
+def test_a_sum_that_overflows_in_one_piece_only_ends_the_run_as_diverged_on_every_node(tmp_path: Path,
+                                                                                       sync: str) -> None:
+    """Only the first gradient element's sum overflows float32: one piece of the allreduce (its
+    owner sees the infinity), while the other piece is finite. The node that does not own it
+    learns of the divergence from its peer and ends with Diverged too, well before a peer
+    timeout (15 s here), instead of waiting for a piece that is never sent."""
+
+    def body(s: Session, i: int) -> Any:
+        model = nn.Linear(4, 3)
+        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        t0 = time.monotonic()
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                (model.weight[0, 0] * 3e38 + model(torch.ones(2, 4)).sum()).backward()
+                opt.step()
+            s.close()
+        except Diverged as exc:
+            return exc, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    out = _two_nodes(tmp_path, "ssgd", body, tag=f"overflow-one-{sync}",
+                     strategy_options=(("sync", sync),))
+    for i in (0, 1):
+        exc, took = out[i]
+        assert isinstance(exc, Diverged), (i, exc)
+        assert took < 10, (i, took)
+
+
 def test_a_grad_scaler_unscales_the_mean_and_stays_equal(tmp_path: Path) -> None:
     """AMP's GradScaler under ssgd: the scaled gradients are averaged during backward,
     ``unscale_`` and clipping act on the mean, every node skips the same steps, and the replicas

@@ -110,6 +110,18 @@ def test_exclusion_needs_two_reporters_and_never_takes_the_coordinator() -> None
     assert not st.diverged
 
 
+def test_a_member_whose_own_tensors_diverged_ends_the_run_once() -> None:
+    """A member's own divergence ends the run as diverged (a new epoch whose view carries the
+    reason); a node that is no member changes nothing, nor does a second report."""
+    st = _state(4)
+    epoch = st.epoch
+    assert not st.report_diverged(9, "not a member")
+    assert st.report_diverged(2, "training diverged at step 3 on node 2: sum overflowed")
+    assert st.epoch == epoch + 1 and st.view().ended == st.diverged
+    assert "node 2's own tensors diverged" in st.diverged and "step 3" in st.diverged
+    assert not st.report_diverged(1, "again") and st.epoch == epoch + 1
+
+
 def test_reports_only_count_from_members_about_their_neighbours() -> None:
     topo = ring(4)  # 0-1-2-3-0
     st = _state(4)
