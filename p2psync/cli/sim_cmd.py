@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.runs is not None:
         return _chaos(args, opts, int(m.group(1)) if m is not None else -1, training)
     topo = topology_arg(args.topology)
-    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds, restarts=training is None)
+    faults = (draw_faults(topo, opts, args.seed, int(m.group(1)), args.virtual_seconds)
               if m is not None else parse_faults(args.faults, topo.ids))
     summary = simulate(topo, faults, opts, args.virtual_seconds, training)
     summary["seed"] = args.seed

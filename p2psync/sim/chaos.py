@@ -33,17 +33,14 @@ CRASHED = "crashed"
 
 
 def draw_faults(topo: Topology, opts: SimOptions, seed: int, count: int, virtual_seconds: float, *,
-                spaced: bool = False, restarts: bool = True) -> list[Fault]:
+                spaced: bool = False) -> list[Fault]:
     """``count`` faults drawn from ``seed`` (:func:`p2psync.sim.faults.draw`), over before
     the last four detection bounds of the run: the views can settle before it ends.
     ``spaced``: one after another, two detection bounds apart at least (the invariants judge
-    each fault alone: a fault during another's failover is not covered by them). Without
-    ``restarts`` the restarts drawn are left out (a run with a strategy: the killed node stays
-    down)."""
+    each fault alone: a fault during another's failover is not covered by them)."""
     bound = detection_bound(topo, opts)
-    out = draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
-               end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
-    return out if restarts else [f for f in out if f.kind != "restart"]
+    return draw(random.Random(seed), topo.ids, count, start=FAULTS_FROM_S,
+                end=max(FAULTS_FROM_S, virtual_seconds - 4 * bound), gap=2 * bound if spaced else None)
 
 
 def simulate(topo: Topology, faults: Sequence[Fault], opts: SimOptions, virtual_seconds: float,
@@ -91,15 +88,15 @@ def chaos(topologies: Sequence[tuple[str, Topology]], *, runs: int, seed: int, c
     pairs taken in turn; ``replay(text, seed, faults)``: the command that replays one run;
     ``progress`` is called after each. The faults of a run come one after another
     (:func:`draw_faults` ``spaced``) unless ``overlap``; with ``training`` every node runs
-    its strategy too (:func:`simulate`), its gradients drawn from the run's seed, and the
-    restarts drawn are left out (:func:`draw_faults`)."""
+    its strategy too (:func:`simulate`), its gradients drawn from the run's seed (a restarted
+    node joins the training: :mod:`p2psync.sim.training`)."""
     if runs < 1 or not topologies:
         raise ValueError("chaos needs at least one run and one topology")
     out: list[ChaosRun] = []
     for i in range(runs):
         text, topo = topologies[i % len(topologies)]
         s = seed + i
-        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap, restarts=training is None)
+        faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap)
         specs = tuple(f.spec() for f in faults)
         cmd = replay(text, s, faults)
         wall = time.perf_counter()

@@ -23,7 +23,9 @@ Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the
   the rendezvous of ``NodeRuntime`` for a run that may be going: it asks every node for the
   run's view (:data:`DISCOVER_S`), hosts the run only when nobody knows of one and it is the
   topology's coordinator, and registers (a join: the coordinator refuses it while its
-  previous process is not declared failed, and it asks again until the start timeout).
+  previous process is not declared failed, and it asks again until the start timeout); once
+  registered, :meth:`SimCluster._rejoined` starts what the new process runs next (nothing
+  here; :class:`~p2psync.sim.training.TrainingCluster` starts its strategy as a joiner).
 * **slow**: the slowed links' one-way latency is multiplied by the factor for the duration
   (the largest factor when several slowdowns slow one link), in both directions; what was
   sent before keeps its latency, and a link's shaper delivers in order (what is sent after
@@ -112,11 +114,16 @@ class SimNode:
         self.opts = opts
         self.fenced_at: float | None = None
         self.killed_at: float | None = None
+        #: the coordinator's answer to this process's registration (``joined``: it joined a
+        #: run already going, as ``NodeRuntime.info``)
+        self.info: dict[str, Any] = {}
         #: a restarted process: when it started, when it registered (None: not yet), and why
         #: its rendezvous failed (None: it did not)
         self.started_at: float | None = None
         self.joined_at: float | None = None
         self.failed: str | None = None
+        #: a restarted process's rendezvous (None: the node's first process)
+        self.rendezvous: asyncio.Task[None] | None = None
         #: the last view this process applied
         self.last: inv.ViewSeen | None = None
 
@@ -127,8 +134,14 @@ class SimNode:
         self.server.start()
         if self.id == self.transport.topology.coordinator:
             self.host.host()
-        await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
+        self.info = await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
         self.membership.start()
+
+    @property
+    def joined(self) -> bool:
+        """This process registered after the run started (a restarted node joining it: its
+        strategy starts as a joiner, as ``NodeRuntime.joined``)."""
+        return bool(self.info.get("joined"))
 
     async def restart(self) -> None:
         """The rendezvous of ``NodeRuntime`` for a process started while the run may be going:
@@ -139,7 +152,7 @@ class SimNode:
         running = await self.membership.discover(timeout=DISCOVER_S)
         if running is None and self.id == self.transport.topology.coordinator:
             self.host.host()
-        await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
+        self.info = await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
         self.membership.start()
 
     def reshape(self, hub: SimHub) -> None:
@@ -212,10 +225,10 @@ class SimCluster:
         for node in self.nodes.values():
             self._listen(node)
 
-    def _node(self, i: int) -> SimNode:
-        """Node ``i``'s first process (a subclass adds what its nodes host:
-        :mod:`p2psync.sim.training`)."""
-        return SimNode(hub=self.hub, node_id=i, opts=self.opts)
+    def _node(self, i: int, incarnation: int = 1) -> SimNode:
+        """Process ``incarnation`` of node ``i`` (1: its first; a subclass adds what its
+        nodes host: :mod:`p2psync.sim.training`)."""
+        return SimNode(hub=self.hub, node_id=i, opts=self.opts, incarnation=incarnation)
 
     def _listen(self, node: SimNode) -> None:
         node.membership.view_listeners.append(self._recorder(node))
@@ -301,7 +314,7 @@ class SimCluster:
         self.retired.append(old)
         self.hub.actors[n] = (n, old.incarnation + 1)
         self.hub.contexts.pop(n, None)  # (deliveries run as the new actor)
-        node = self.nodes[n] = SimNode(hub=self.hub, node_id=n, opts=self.opts, incarnation=old.incarnation + 1)
+        node = self.nodes[n] = self._node(n, old.incarnation + 1)
         node.started_at = loop.time() - self.t0
         node.reshape(self.hub)
         self._listen(node)
@@ -314,8 +327,15 @@ class SimCluster:
                 log.info("node %d: restarted process: %s", n, node.failed)
                 return
             node.joined_at = loop.time() - self.t0
+            self._rejoined(node)
 
-        self._restarts.append(loop.spawn(rendezvous(), actor=node.actor, name=f"restart-{n}"))
+        node.rendezvous = loop.spawn(rendezvous(), actor=node.actor, name=f"restart-{n}")
+        self._restarts.append(node.rendezvous)
+
+    def _rejoined(self, node: SimNode) -> None:
+        """Called on the actor of ``node``, a restarted process, once its rendezvous registered
+        it: nothing here; a subclass starts what the new process runs next (its strategy, as
+        a joiner: :mod:`p2psync.sim.training`)."""
 
     def _reshape(self) -> None:
         """Every link's latency after a slowdown began or ended; the express paths are walked

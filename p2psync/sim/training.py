@@ -12,26 +12,50 @@ cut off from it, ``strategy.run_step(step, want_stop)``, move to the step the re
 until a report says ``stop``, then, where the strategy promises one model, the driver's replica
 audit over its group (its outcome is each node's ``audit``). Operations are re-formed over the
 survivors as in a real run with ``--on-failure continue`` (the default: the strategies'
-:class:`~p2psync.strategies.failure.Reform` policy). A fenced node stops training (its
-progress is void; the simulation restarts nobody), a killed one is held with the rest of its
-code.
+:class:`~p2psync.strategies.failure.Reform` policy). A fenced process stops training (its
+progress is void; only a ``restart`` fault starts a node again), a killed one is held with the
+rest of its code.
 
-Stopping: every node wants to stop (``want_stop``, as ``--time``) from the run's virtual
-seconds on, and the strategy agrees on the step. After the virtual seconds the cluster waits
-for the loops of the nodes not killed to end, at most :data:`SETTLE_S` virtual seconds, then
-summarizes.
+Restarts: a restarted node's new process (:meth:`SimCluster._restart
+<p2psync.sim.cluster.SimCluster._restart>`) has a fresh replica (the run's initial model, not
+its previous process's state) and a fresh record. Once its rendezvous registered it, its
+strategy is built as ``NodeRuntime.start_strategy`` builds it after a rendezvous that joined a
+run going (``joining`` from the coordinator's answer, :attr:`SimNode.joined
+<p2psync.sim.cluster.SimNode.joined>`): its ``start()`` adopts the live members' state and
+step (:mod:`p2psync.strategies.regroup`), and its step loop runs as the new process's actor.
+Per node, :attr:`TrainingCluster.runs`, ``replicas`` and ``tasks`` hold the current process's;
+the processes restarts replaced are kept in :attr:`TrainingCluster.earlier`.
+
+Stopping: every node wants to stop (``want_stop``, as ``--time``; a joiner's budget ends with
+the run's) from the run's virtual seconds on, and the strategy agrees on the step. After the
+virtual seconds the cluster waits for the loops of the nodes not killed to end (and for the
+restarted processes still registering, whose loops then start), at most :data:`SETTLE_S`
+virtual seconds, then summarizes. The members do not run the finish barrier: a joiner that
+registers after they stopped keeps asking them for the state (its sync is redone over new
+views) until the settle time ends.
 
 What the summary adds (``training``): the strategy, its step unit, the replicas' promise, and
-per node its outcome (``finished``: its loop ended at an agreed stop; ``killed``, ``fenced``,
-``error`` with the error, ``running``: not ended within the settle time), the step it reached,
-the steps (or rounds) it ran, the states it adopted, its local iterations, its last loss, the
-strategy's count of re-formed operations where it reports one, and its model hash
-(:meth:`~p2psync.sim.replica.SimReplica.model_hash`). Two invariants:
+per node its current process's outcome (``finished``: its loop ended at an agreed stop;
+``killed``, ``fenced``, ``error`` with the error (a restarted process's failed rendezvous
+too), ``running``: not ended within the settle time), the step it reached, the steps (or
+rounds) it ran, the states it adopted (a joiner's start counts one), its local iterations,
+its last loss, the strategy's count of re-formed operations where it reports one, and its
+model hash (:meth:`~p2psync.sim.replica.SimReplica.model_hash`); for a restarted node also its
+``incarnation``, when it joined the training (``joined_training_at``), the same figures of
+the processes it replaced (``earlier``) and, when it is excused (below), ``excused``; and
+``rejoined``, the restarted nodes that finished. Two invariants:
 
 * ``strategy_finished``: every node that is neither killed nor fenced nor cut off for good
-  from the majority (the membership invariants' live nodes) ended its loop at an agreed stop.
+  from the majority (the membership invariants' live nodes), nor excused, ended its loop at
+  an agreed stop; a restarted node that joined the training included. Excused
+  (:func:`excused`): a restarted process that had not joined the training by the agreed stop
+  (the first node's finish) when it registered less than a re-form bound
+  (:func:`~p2psync.strategies.regroup.regroup_bound`, the time a member waits for a newer
+  view) before that stop, or had not registered by the end though restarted too late to
+  (:func:`~p2psync.sim.invariants.rejoin_bound`, as the membership invariants excuse it).
 * ``same_model_at_end``: where the strategy promises one model (``identical_replicas`` of
-  ``every_step`` or ``end``), every node that finished holds the same model: the replica
+  ``every_step`` or ``end``), every node that finished (a restarted one too: its strategy
+  adopted the members' state) holds the same model: the replica
   audit's digests (:func:`~p2psync.strategies.audit.first_mismatch`) name the nodes whose
   model differs from the lowest finished id's and the first tensor that differs. A strategy
   that promises no such thing (``never``: DTS, ASGD, ESync as declared) gets
@@ -57,7 +81,7 @@ from p2psync.collectives.executor import SPREAD_FLOOR_BYTES
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
 from p2psync.sim import invariants as inv
-from p2psync.sim.cluster import SimCluster, SimNode, SimOptions
+from p2psync.sim.cluster import DISCOVER_S, SimCluster, SimNode, SimOptions, detection_bound
 from p2psync.sim.faults import Fault
 from p2psync.sim.replica import SimReplica
 from p2psync.strategies.audit import audit_replicas, first_mismatch
@@ -154,6 +178,40 @@ class NodeTraining:
     audit: str | None = None
     finished_at: float | None = None
     strategy: Strategy | None = None
+    #: the process (1: the node's first; a restarted one counts on) and, for a restarted one,
+    #: when its strategy's start returned (it joined the training; None: not yet)
+    incarnation: int = 1
+    trained_at: float | None = None
+
+
+@dataclass
+class Earlier:
+    """A process a restart replaced (killed, held for good): its membership stack, its
+    training, its replica and its step loop (None: it had none yet)."""
+
+    node: SimNode
+    run: NodeTraining
+    replica: SimReplica
+    task: asyncio.Task[None] | None
+
+
+def excused(*, started_at: float | None, joined_at: float | None, failed: str | None, trained_at: float | None,
+            stop: float, pending: bool, join_s: float) -> bool:
+    """Pure: whether a node's current process is excused from ending at the agreed stop (see
+    the module docstring). ``started_at`` / ``joined_at`` / ``failed``: its start, its
+    registration and its rendezvous error, as :class:`SimNode` records them (``started_at``
+    None: the node's first process, never excused); ``trained_at``: when its strategy's
+    start returned (None: never); ``stop``: when the first node ended at the agreed stop (or
+    the end of the run when none did); ``pending``: the membership invariants excuse it
+    (restarted too late to register, not registered yet); ``join_s``: the seconds a joiner
+    is allowed after its registration to join the members' training."""
+    if started_at is None or failed is not None:
+        return False
+    if trained_at is not None and trained_at <= stop:
+        return False
+    if joined_at is None:
+        return pending
+    return joined_at > stop - join_s
 
 
 class TrainingCluster(SimCluster):
@@ -165,37 +223,62 @@ class TrainingCluster(SimCluster):
         self.training = training
         self.strategy_cls = check_strategy(training.strategy)
         parse_options(self.strategy_cls, dict(training.options), topology=topo)
-        restarts = [f.spec() for f in faults if f.kind == "restart"]
-        if restarts:
-            raise ConfigError(f"--strategy with {', '.join(restarts)}: a restarted node would have to join the "
-                              "strategy's run as a joiner, which the simulation does not do yet; leave restarts out")
         unknown = sorted(set(training.step_times) - set(topo.ids))
         if unknown:
             raise ConfigError(f"--step-time: nodes {unknown} are not in topology {topo.name}")
         super().__init__(topo, opts=opts, faults=faults)
-        self.replicas = {i: SimReplica(node_id=i, seed=training.seed,
-                                       step_time=training.step_times.get(i, training.step_time))
-                         for i in topo.ids}
+        #: per node, its current process's replica, training and step loop (a restart
+        #: replaces them: :attr:`earlier` keeps the replaced ones)
+        self.replicas = {i: self._replica(i) for i in topo.ids}
         self.runs = {i: NodeTraining() for i in topo.ids}
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.earlier: list[Earlier] = []
         #: virtual seconds after the rendezvous from which every node wants to stop
         self.stop_at = float("inf")
-        for i, node in self.nodes.items():
-            node.membership.fence_listeners.append(self._fence_stopper(i))
+        self._closing = False
+        for node in self.nodes.values():
+            node.membership.fence_listeners.append(self._fence_stopper(node, self.runs[node.id]))
 
-    def _node(self, i: int) -> SimNode:
+    def _node(self, i: int, incarnation: int = 1) -> SimNode:
         cls, topo, options = self.strategy_cls, self.topo, dict(self.training.options)
-        return SimNode(hub=self.hub, node_id=i, opts=self.opts,
+        return SimNode(hub=self.hub, node_id=i, opts=self.opts, incarnation=incarnation,
                        services=lambda srv: cls.coordinator_services(srv, topo, options))
 
-    def _fence_stopper(self, i: int) -> Callable[[Fenced], None]:
+    def _replica(self, i: int) -> SimReplica:
+        """A new process's model: the run's initial one (a restarted process does not keep
+        its previous process's state)."""
+        t = self.training
+        return SimReplica(node_id=i, seed=t.seed, step_time=t.step_times.get(i, t.step_time))
+
+    def _fence_stopper(self, node: SimNode, rec: NodeTraining) -> Callable[[Fenced], None]:
         def fenced(_: Fenced) -> None:
-            # as the step driver: a fenced node's progress is void, its loop ends now
-            self.runs[i].outcome = "fenced"
-            task = self.tasks.get(i)
-            if task is not None:
+            # as the step driver: a fenced process's progress is void, its loop ends now
+            rec.outcome = "fenced"
+            task = self.tasks.get(node.id)
+            if task is not None and self.nodes[node.id] is node:
                 task.cancel()
         return fenced
+
+    def _restart(self, n: int) -> None:
+        """:meth:`SimCluster._restart`; the new process gets a fresh replica and training
+        record (its previous process's go to :attr:`earlier`); its strategy starts once it
+        registered (:meth:`_rejoined`)."""
+        self.earlier.append(Earlier(node=self.nodes[n], run=self.runs[n], replica=self.replicas[n],
+                                    task=self.tasks.pop(n, None)))
+        super()._restart(n)
+        node = self.nodes[n]
+        rec = self.runs[n] = NodeTraining(incarnation=node.incarnation)
+        self.replicas[n] = self._replica(n)
+        node.membership.fence_listeners.append(self._fence_stopper(node, rec))
+
+    def _rejoined(self, node: SimNode) -> None:
+        """The restarted process ``node`` registered: its strategy and step loop start as its
+        actor, as a joiner when the coordinator says it joined a run going (``joining``, as
+        ``NodeRuntime.start_strategy`` sets it)."""
+        if self._closing or self.nodes[node.id] is not node:
+            return
+        self.tasks[node.id] = self._loop().spawn(self._train(node.id), actor=node.actor,
+                                                 name=f"train-{node.id}.{node.incarnation}")
 
     async def run(self, virtual_seconds: float) -> dict[str, Any]:
         """As :meth:`SimCluster.run`; every node wants to stop from ``virtual_seconds`` on."""
@@ -206,30 +289,35 @@ class TrainingCluster(SimCluster):
         """The rendezvous, then every node's strategy and step loop (each as its actor)."""
         took = await super().start()
         loop = self._loop()
-        for i in self.nodes:
-            self.tasks[i] = loop.spawn(self._train(i), actor=i, name=f"train-{i}")
+        for i, node in self.nodes.items():
+            self.tasks[i] = loop.spawn(self._train(i), actor=node.actor, name=f"train-{i}")
         return took
 
     def context(self, i: int) -> StrategyContext:
-        """Node ``i``'s strategy context, as ``NodeRuntime.start_strategy`` builds it."""
+        """The strategy context of node ``i``'s current process, as ``NodeRuntime.start_strategy``
+        builds it (``joining``: the process joined a run going)."""
         node, opts = self.nodes[i], self.opts
         return StrategyContext(node_id=i, topology=self.topo, transport=node.transport, rpc=node.rpc,
                                rpc_server=node.server, membership=node.membership, replica=self.replicas[i],
                                collectives=Collectives(node.transport, timeout=opts.peer_timeout,
                                                        spread_floor_bytes=SPREAD_FLOOR_BYTES),
                                peer_timeout=opts.peer_timeout, options=dict(self.training.options),
-                               on_failure="continue", quorum_timeout=opts.quorum_timeout)
+                               on_failure="continue", joining=node.joined, quorum_timeout=opts.quorum_timeout)
 
     async def _train(self, i: int) -> None:
-        """Node ``i``'s strategy and step loop (``StepDriver._drive`` without the gate,
-        checkpoints and records)."""
-        rec, membership, loop = self.runs[i], self.nodes[i].membership, self._loop()
+        """The strategy and step loop of node ``i``'s current process (``StepDriver._drive``
+        without the gate, checkpoints and records); started as that process's actor."""
+        rec, node, loop = self.runs[i], self.nodes[i], self._loop()
+        membership = node.membership
         try:
             strategy = rec.strategy = self.strategy_cls(self.context(i))
             membership.listeners.append(strategy.on_peer_failure)
             membership.view_listeners.append(strategy.on_view)
             await strategy.start()
             rec.step, rec.outcome = strategy.start_step, "training"
+            rec.trained_at = loop.time() - self.t0
+            # a joiner's start adopted a live member's state (every simulated strategy's does, or raises)
+            rec.adopted += strategy.ctx.joining
             while True:
                 want_stop = loop.time() - self.t0 >= self.stop_at
                 if not membership.has_quorum:  # cut off from the majority: no step until heard
@@ -245,7 +333,7 @@ class TrainingCluster(SimCluster):
                 if rep.stop:
                     rec.outcome, rec.finished_at = "finished", loop.time() - self.t0
                     if strategy.identical_replicas != "never":
-                        await self._audit(i, strategy)
+                        await self._audit(rec, self.replicas[i], strategy)
                     return
         except Fenced:
             rec.outcome = "fenced"
@@ -253,12 +341,12 @@ class TrainingCluster(SimCluster):
             rec.outcome, rec.error = "error", f"{type(exc).__name__}: {exc}"[:500]
             log.info("node %d: training ended: %s", i, rec.error)
 
-    async def _audit(self, i: int, strategy: Strategy) -> None:
+    async def _audit(self, rec: NodeTraining, replica: SimReplica, strategy: Strategy) -> None:
         """The step driver's audit at the agreed stop (:func:`~p2psync.strategies.audit.audit_replicas`
         over the strategy's group), recorded in :attr:`NodeTraining.audit`."""
-        ctx, rec = strategy.ctx, self.runs[i]
+        ctx = strategy.ctx
         try:
-            await audit_replicas(ctx.collectives, await self.replicas[i].digests(),
+            await audit_replicas(ctx.collectives, await replica.digests(),
                                  tag=OpId("audit", "end", ctx.epoch).tag, group=ctx.group, step=rec.step)
             rec.audit = "passed"
         except ReplicaMismatch as exc:
@@ -267,42 +355,61 @@ class TrainingCluster(SimCluster):
             rec.audit = f"incomplete: {type(exc).__name__}: {exc}"[:500]
 
     async def _settle(self) -> None:
-        """Wait for the loops of the nodes not killed to end (at most :data:`SETTLE_S`, and at
-        least two re-form bounds' worth of it)."""
-        pending = [t for i, t in self.tasks.items() if not t.done() and self.nodes[i].killed_at is None]
-        if pending:
-            bound = max(SETTLE_S, 2 * regroup_bound(self.opts.failure_timeout, self.opts.heartbeat))
-            await asyncio.wait(pending, timeout=bound)
+        """Wait for the loops of the nodes not killed to end, and for the rendezvous of the
+        restarted processes still registering (a loop starts when one ends), at most
+        :data:`SETTLE_S` in all (and at least two re-form bounds' worth of it)."""
+        loop = self._loop()
+        deadline = loop.time() + max(SETTLE_S, 2 * regroup_bound(self.opts.failure_timeout, self.opts.heartbeat))
+        while loop.time() < deadline:
+            up = [i for i, n in self.nodes.items() if n.killed_at is None]
+            pending = [t for i in up if (t := self.tasks.get(i)) is not None and not t.done()]
+            pending += [t for i in up if (t := self.nodes[i].rendezvous) is not None and not t.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
 
     def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
         """:meth:`SimCluster.summary` with ``training`` and the two training invariants (see
         the module docstring)."""
         out = super().summary(virtual_seconds=virtual_seconds, rendezvous_s=rendezvous_s, wall_s=wall_s)
         loop = self._loop()
+        now = loop.time() - self.t0
         nodes: dict[str, Any] = {}
         for i, rec in self.runs.items():
-            outcome = "killed" if self.nodes[i].killed_at is not None else (
+            node = self.nodes[i]
+            outcome = "killed" if node.killed_at is not None else (
+                "error" if node.failed is not None else
                 "running" if rec.outcome in ("starting", "training") else rec.outcome)
-            rep = self.replicas[i]
-            nodes[str(i)] = {"outcome": outcome, "step": rec.step, "steps_run": rec.reports, "adopted": rec.adopted,
-                             "local_iterations": rep.iterations,
-                             "loss": None if rec.loss is None else round(rec.loss, 6),
-                             "model_hash": rep.model_hash(),
-                             **({"reforms": rec.reforms} if rec.reforms is not None else {}),
-                             **({"audit": rec.audit} if rec.audit is not None else {}),
-                             **({"finished_at": round(rec.finished_at, 6)} if rec.finished_at is not None else {}),
-                             **({"error": rec.error} if rec.error else {})}
+            nodes[str(i)] = {"outcome": outcome, **_record(rec, self.replicas[i]),
+                             **({"error": rec.error or node.failed} if rec.error or node.failed else {})}
+            if rec.incarnation > 1:
+                nodes[str(i)]["incarnation"] = rec.incarnation
+                if rec.trained_at is not None:
+                    nodes[str(i)]["joined_training_at"] = round(rec.trained_at, 6)
+        for e in self.earlier:  # the processes restarts replaced, oldest first
+            nodes[str(e.node.id)].setdefault("earlier", []).append(
+                {"incarnation": e.run.incarnation, "outcome": "killed", **_record(e.run, e.replica)})
         finished = sorted(i for i in self.runs if nodes[str(i)]["outcome"] == "finished")
+        stop = min((self.runs[i].finished_at or now for i in finished), default=now)
+        bound = detection_bound(self.topo, self.opts)
+        late = virtual_seconds - inv.rejoin_bound(bound, DISCOVER_S)
+        join_s = regroup_bound(self.opts.failure_timeout, self.opts.heartbeat)
+        for i, node in self.nodes.items():
+            if excused(started_at=node.started_at, joined_at=node.joined_at, failed=node.failed,
+                       trained_at=self.runs[i].trained_at, stop=stop, join_s=join_s,
+                       pending=node.started_at is not None and node.started_at > late):
+                nodes[str(i)]["excused"] = "restarted too late to join the training before the agreed stop"
         gone = set(out["killed"]) | {int(k) for k in out["fenced"]} | set(out["stranded"])
-        live = [i for i in self.nodes if i not in gone]
+        live = [i for i in self.nodes if i not in gone and "excused" not in nodes[str(i)]]
         steps = [nodes[str(i)]["step"] for i in finished]
         cls = self.strategy_cls
         out["training"] = {
             "strategy": cls.name, "unit": cls.step_unit, "promise": cls.identical_replicas,
             "step_time_s": self.training.step_time,
             "options": dict(self.training.options),
-            "ended_at_s": round(loop.time() - self.t0, 6),
+            "ended_at_s": round(now, 6),
             "finished": len(finished),
+            "rejoined": sorted(i for i in finished if self.runs[i].incarnation > 1),
             "steps": {"min": min(steps), "max": max(steps)} if steps else None,
             "nodes": nodes,
         }
@@ -312,21 +419,36 @@ class TrainingCluster(SimCluster):
         return out
 
     async def close(self) -> None:
-        """Stop every loop, close every strategy, then every node (:meth:`SimCluster.close`)."""
+        """Stop every loop, close every strategy, then every node (:meth:`SimCluster.close`),
+        the processes restarts replaced too; a restarted process that registers meanwhile
+        starts no strategy."""
         loop = self._loop()
-        for t in self.tasks.values():
+        self._closing = True
+        procs = [(e.node, e.run, e.task) for e in self.earlier]
+        procs += [(node, self.runs[i], self.tasks.get(i)) for i, node in self.nodes.items()]
+        tasks = [t for _, _, t in procs if t is not None]
+        for t in tasks:
             t.cancel()
-        for i in self.nodes:
-            loop.release(i)
-        if self.tasks:
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for i, rec in self.runs.items():
+        for node, _, _ in procs:
+            loop.release(node.actor)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for node, rec, _ in procs:
             if rec.strategy is not None:
                 try:
-                    await loop.spawn(rec.strategy.close(), actor=i)
+                    await loop.spawn(rec.strategy.close(), actor=node.actor)
                 except P2PSyncError as exc:
-                    log.info("node %d: closing the strategy: %s", i, exc)
+                    log.info("node %d: closing the strategy: %s", node.id, exc)
         await super().close()
+
+
+def _record(rec: NodeTraining, rep: SimReplica) -> dict[str, Any]:
+    """A process's training in the summary (without its outcome)."""
+    return {"step": rec.step, "steps_run": rec.reports, "adopted": rec.adopted, "local_iterations": rep.iterations,
+            "loss": None if rec.loss is None else round(rec.loss, 6), "model_hash": rep.model_hash(),
+            **({"reforms": rec.reforms} if rec.reforms is not None else {}),
+            **({"audit": rec.audit} if rec.audit is not None else {}),
+            **({"finished_at": round(rec.finished_at, 6)} if rec.finished_at is not None else {})}
 
 
 def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int]) -> str:
@@ -360,5 +482,5 @@ def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple
             f"{len(names)} tensors differ; first: {bad.tensor!r})")
 
 
-__all__ = ["REFUSED", "SETTLE_S", "SIMULATED", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
-           "parse_step_time", "same_model", "strategy_finished"]
+__all__ = ["REFUSED", "SETTLE_S", "SIMULATED", "Earlier", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
+           "excused", "parse_step_time", "same_model", "strategy_finished"]

@@ -22,7 +22,8 @@ from p2psync.sim.cluster import SimOptions
 from p2psync.sim.faults import parse_faults
 from p2psync.sim.loop import VirtualLoop, run
 from p2psync.sim.replica import SimReplica
-from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingSpec, parse_step_time, same_model,
+from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingSpec, excused, parse_step_time,
+                                  same_model,
                                   strategy_finished)
 from p2psync.tasks import AbortEvent
 from p2psync.topology import ring
@@ -150,9 +151,6 @@ def test_step_times_parse_with_per_node_overrides() -> None:
         parse_step_time("0.2,x")
     with pytest.raises(ConfigError, match="nodes \\[9\\]"):
         TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd", step_times={9: 1.0}))
-    with pytest.raises(ConfigError, match="restart:2@3: a restarted node would have to join"):
-        TrainingCluster(ring(4), training=TrainingSpec(strategy="ssgd"),
-                        faults=parse_faults("kill:2@1,restart:2@3", range(4)))
 
 
 def test_the_cli_trains_replays_and_chaos_takes_the_strategy(tmp_path: Path,
@@ -183,3 +181,82 @@ def test_simulate_with_a_strategy_is_deterministic() -> None:
     spec = TrainingSpec(strategy="ssgd", step_time=0.1, seed=2)
     a, b = (simulate(ring(5), parse_faults("kill:1@1", range(5)), OPTS, 4.0, spec) for _ in range(2))
     assert a["digest"] == b["digest"] and a["training"]["nodes"] == b["training"]["nodes"]
+
+
+def test_a_restarted_node_joins_ssgd_and_ends_with_the_others_model() -> None:
+    # node 3 killed at 5 s and restarted at 12 s: its new process registers, starts SSGD as a
+    # joiner (a fresh replica: the run's initial model), adopts the members' state and step
+    s = train(ring(8), "ssgd", "kill:3@5,restart:3@12", 20.0, step_time=0.1)
+    t = s["training"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["invariants"]["same_model_at_end"] == "held" and s["invariants"]["strategy_finished"] == "held"
+    n3 = t["nodes"]["3"]
+    assert n3["outcome"] == "finished" and n3["incarnation"] == 2 and n3["adopted"] >= 1
+    assert n3["step"] == t["steps"]["min"] == t["steps"]["max"] and n3["audit"] == "passed"
+    assert len({n["model_hash"] for n in t["nodes"].values()}) == 1 and t["finished"] == 8 and t["rejoined"] == [3]
+    assert 12.0 < n3["joined_training_at"] < 13.0 and n3["steps_run"] < n3["step"]  # it started mid-run
+    (old,) = n3["earlier"]  # the killed process: its own model and step, kept apart
+    assert old["incarnation"] == 1 and old["outcome"] == "killed" and 0 < old["step"] < n3["step"]
+    assert old["model_hash"] != n3["model_hash"]
+    assert 3 in s["final_view"]["members"]
+
+
+@pytest.mark.parametrize("strategy", SIMULATED)
+def test_every_simulated_strategy_takes_a_restarted_node_back_as_a_joiner(strategy: str) -> None:
+    # restart:2@4 kills the running process first; the new one joins the run going
+    options = {"inner_steps": "5"} if strategy == "diloco" else {}
+    s = train(ring(6), strategy, "restart:2@4", 10.0, step_time=0.1, **options)
+    t = s["training"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    n2 = t["nodes"]["2"]
+    assert n2["outcome"] == "finished" and n2["incarnation"] == 2 and n2["adopted"] >= 1 and n2["steps_run"] > 0
+    assert t["finished"] == 6 and t["rejoined"] == [2] and "excused" not in n2
+    if t["promise"] != "never":  # the joiner adopted the members' state: one model at the end
+        assert s["invariants"]["same_model_at_end"] == "held" and n2["audit"] == "passed"
+
+
+def test_a_node_restarted_too_late_to_join_the_training_is_excused() -> None:
+    # restarted while the members run the step at which they agree to stop (from 8 s on): it
+    # registers at once (its previous process was declared failed long before), but the
+    # members stop before it joins the training; they finish, and it is named as excused
+    s = train(ring(6), "ssgd", "kill:1@2,restart:1@8.08", 8.0, step_time=0.1)
+    t = s["training"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    n1 = t["nodes"]["1"]
+    assert n1["outcome"] == "running" and n1["excused"].startswith("restarted too late") and n1["steps_run"] == 0
+    assert t["finished"] == 5 and t["rejoined"] == [] and s["restarts"][0]["joined_after_s"] is not None
+
+
+def test_excused_spares_only_a_restarted_process_that_could_not_join_before_the_stop() -> None:
+    late = dict(started_at=20.0, failed=None, trained_at=None, stop=30.0, pending=False, join_s=10.0)
+    assert not excused(**{**late, "started_at": None}, joined_at=None)  # a first process: never
+    assert excused(**late, joined_at=25.0)  # registered within join_s of the stop, not training
+    assert not excused(**late, joined_at=15.0)  # registered in time: it had to join
+    assert not excused(**{**late, "trained_at": 26.0}, joined_at=25.0)  # it joined: it must finish
+    assert excused(**{**late, "trained_at": 31.0}, joined_at=25.0)  # joined after the stop
+    assert not excused(**{**late, "failed": "PeerTimeout: x"}, joined_at=None)  # its rendezvous failed
+    assert excused(**{**late, "pending": True}, joined_at=None)  # not registered, restarted late
+    assert not excused(**late, joined_at=None)  # not registered though restarted in time
+
+
+def test_a_restart_just_before_the_stop_joins_and_stops_with_the_others() -> None:
+    # restarted 0.1 s before the nodes want to stop: it joins within a step and takes part in
+    # the agreement on the stop (one step, the members' model)
+    s = train(ring(6), "ssgd", "kill:1@2,restart:1@7.9", 8.0, step_time=0.1)
+    n1 = s["training"]["nodes"]["1"]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert n1["outcome"] == "finished" and n1["step"] == s["training"]["steps"]["max"] and n1["adopted"] == 1
+    assert s["invariants"]["same_model_at_end"] == "held"
+
+
+@pytest.mark.xfail(strict=True, reason="ASGD defect: every node floods a gradient down its own spanning tree of its "
+                   "own view's members, with no (origin, step) deduplication; while node 3's rejoin view reaches "
+                   "the nodes one after another, node 1 (new view: 0's parent for origin 4 is 1) and node 0 (old "
+                   "view: 1 is its child) send node 4's gradients of steps 120-123 back and forth (~490 extra "
+                   "arrivals at nodes 0 and 1, each applied); ASGD never makes replicas closer, so the jump stays")
+def test_asgd_applies_each_gradient_once_across_a_rejoin() -> None:
+    s = train(ring(8), "asgd", "kill:3@5,restart:3@12", 14.0, step_time=0.1)
+    nodes = s["training"]["nodes"]
+    assert all(nodes[str(i)]["outcome"] == "finished" for i in range(8))
+    # with the kill alone every loss stays under 1 (0.36 to 0.83)
+    assert max(nodes[str(i)]["loss"] for i in range(8)) < 2.0
