@@ -427,14 +427,17 @@ class MembershipState:
     def redo(self, node: int, epoch: int, peers: Sequence[int], now: float) -> bool:
         """Member ``node`` reports that an operation of view ``epoch`` failed on a wait for
         ``peers`` that nobody declared failed (a slow piece, a lost message): when ``epoch`` is
-        the current one, this coordinator holds a majority and none of ``peers`` is suspected
-        (then the detector decides), the epoch moves on so every member redoes the operation
-        over the same members. Returns True when it did. One bump per epoch: the members of
-        that operation report the same epoch, and the first report moves past it."""
+        the current one, this coordinator holds a majority and every one of ``peers`` is a
+        member and none is suspected (then the detector decides), the epoch moves on so every
+        member redoes the operation over the same members. Returns True when it did. One bump
+        per epoch: the members of that operation report the same epoch, and the first report
+        moves past it. A peer that is no member (a removed relay whose death cut the group
+        apart) is refused: the same members would fail the same way at once, view after view,
+        until the membership itself changes."""
         if not self.complete or epoch != self.epoch or not self.is_member(node) or not self.has_quorum(now):
             return False
         suspects = set(self.detector.suspects(now))
-        if any(p in suspects for p in peers):
+        if any(p in suspects or not self.is_member(p) for p in peers):
             return False
         self.epoch += 1
         return True

@@ -24,6 +24,10 @@ Contract:
 * **Deadlock.** When nothing is ready, no timer is scheduled and the awaited result is not
   done, nothing can ever happen: the run ends with :class:`SimulationError` naming the actors
   held (below), instead of hanging.
+* **Livelock.** When more than ``livelock_steps`` callbacks run in a row without the virtual
+  time moving on, the code is spinning (e.g. a failure that is retried at once, forever): the
+  run ends with :class:`SimulationError` naming the time and the callbacks that ran most,
+  instead of running for ever in no virtual time.
 * **Actors.** Code started under an actor (:meth:`~VirtualLoop.spawn` with ``actor=``, or any
   task created while :data:`ACTOR` is set) carries it in its context, and so does every
   callback and task it schedules. :meth:`~VirtualLoop.hold` parks every callback of an actor
@@ -38,6 +42,7 @@ Use :func:`run` (``asyncio.run`` for this loop), or build one and ``run_until_co
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import gc
@@ -82,6 +87,12 @@ def quiet_logs(quiet: bool = True, name: str = "p2psync") -> Iterator[None]:
         log.setLevel(level)
 
 
+#: callbacks in a row at one virtual time after which a :class:`VirtualLoop` ends the run as a livelock
+LIVELOCK_STEPS = 5_000_000
+#: the same for the cleanup of a run that ended with a :class:`SimulationError` (:func:`run`)
+CLEANUP_LIVELOCK_STEPS = 100_000
+#: of those, the last ones counted by name for the error
+LIVELOCK_SAMPLE = 10_000
 #: the collector's thresholds while :func:`sparse_gc` lasts
 SPARSE_GC_THRESHOLDS = (50_000, 50, 1_000)
 
@@ -173,8 +184,14 @@ class VirtualLoop(base_events.BaseEventLoop):
     (seconds); ``trace``: keep the hash of every callback run (:meth:`digest`); ``actor_cpu``:
     add up the CPU time of every actor's callbacks (:attr:`actor_cpu`, for benchmarks)."""
 
-    def __init__(self, *, start: float = 0.0, trace: bool = True, actor_cpu: bool = False) -> None:
+    def __init__(self, *, start: float = 0.0, trace: bool = True, actor_cpu: bool = False,
+                 livelock_steps: int = LIVELOCK_STEPS) -> None:
         super().__init__()
+        #: callbacks in a row at one virtual time that end the run as a livelock
+        self.livelock_steps = livelock_steps
+        self._instant = float(start)
+        self._at_instant = 0
+        self._instant_names: collections.Counter[str] | None = None
         #: with ``actor_cpu``: actor -> the CPU seconds its callbacks took (None: not measured)
         self.actor_cpu: defaultdict[Hashable, float] | None = defaultdict(float) if actor_cpu else None
         self._now = float(start)
@@ -299,9 +316,27 @@ class VirtualLoop(base_events.BaseEventLoop):
             self._parked[actor].append(handle)
             return False
         self.steps += 1
+        if self._now != self._instant:
+            self._instant, self._at_instant, self._instant_names = self._now, 0, None
+        else:
+            self._at_instant += 1
+            if self._at_instant >= self.livelock_steps - LIVELOCK_SAMPLE:
+                self._livelock(handle)
         if self._trace is not None:
             self._trace.update(f"{self._now!r} {actor!r} {_name(handle._callback)}\n".encode())  # type: ignore[attr-defined]
         return True
+
+    def _livelock(self, handle: events.Handle) -> None:
+        """Count the last :data:`LIVELOCK_SAMPLE` callbacks of a livelock by name, then end
+        the run (see the module docstring)."""
+        names = self._instant_names = self._instant_names or collections.Counter()
+        names[_name(handle._callback)] += 1  # type: ignore[attr-defined]
+        if self._at_instant >= self.livelock_steps:
+            top = ", ".join(f"{n} ({k})" for n, k in names.most_common(5))
+            err = SimulationError(f"livelock at virtual time {self._now:.6f}s: {self._at_instant} callbacks ran "
+                                  f"without the time moving on; the most frequent of the last {LIVELOCK_SAMPLE}: {top}")
+            self._at_instant, self._instant_names = 0, None  # (the run's cleanup cancels the tasks next)
+            raise err
 
     def digest(self) -> str:
         """The hash of every callback run so far (virtual time, actor, callback name)."""
@@ -310,15 +345,23 @@ class VirtualLoop(base_events.BaseEventLoop):
         return self._trace.copy().hexdigest()
 
 
-def _cancel_all(loop: VirtualLoop) -> None:
-    tasks = asyncio.all_tasks(loop)
-    if not tasks:
-        return
-    for held in list(loop._held):
-        loop.release(held)
-    for t in tasks:
-        t.cancel()
-    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+def _cancel_all(loop: VirtualLoop, rounds: int = 3) -> bool:
+    """Cancel every task left and run them to their end, again for the tasks their ends
+    started (at most ``rounds`` times; a round that livelocks is cut short by the next).
+    Whether none is left."""
+    for _ in range(rounds):
+        tasks = asyncio.all_tasks(loop)
+        if not tasks:
+            return True
+        for held in list(loop._held):
+            loop.release(held)
+        for t in tasks:
+            t.cancel()
+        try:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        except SimulationError:
+            continue
+    return not asyncio.all_tasks(loop)
 
 
 def run(coro: Coroutine[Any, Any, T], *, start: float = 0.0, loop: VirtualLoop | None = None) -> T:
@@ -329,13 +372,18 @@ def run(coro: Coroutine[Any, Any, T], *, start: float = 0.0, loop: VirtualLoop |
     try:
         events.set_event_loop(loop)
         return loop.run_until_complete(coro)
+    except SimulationError:  # the cleanup below may spin as the run did: cut it short
+        loop.livelock_steps = min(loop.livelock_steps, CLEANUP_LIVELOCK_STEPS)
+        raise
     finally:
         try:
-            _cancel_all(loop)
-            loop.run_until_complete(loop.shutdown_asyncgens())
+            if not _cancel_all(loop):  # what a livelocked run leaves is dropped without a word per task
+                loop.set_exception_handler(lambda _loop, _context: None)
+            else:
+                loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             events.set_event_loop(None)
             loop.close()
 
 
-__all__ = ["ACTOR", "SPARSE_GC_THRESHOLDS", "VirtualLoop", "WALL_EPOCH", "run", "sparse_gc"]
+__all__ = ["ACTOR", "LIVELOCK_STEPS", "SPARSE_GC_THRESHOLDS", "VirtualLoop", "WALL_EPOCH", "run", "sparse_gc"]

@@ -57,6 +57,7 @@ def test_redo_moves_the_epoch_once_when_every_named_peer_lives():
     assert st.view().members == (0, 1, 2)
     assert not st.redo(2, e, [1], 1.0) and st.epoch == e + 1  # the same failed epoch: moved past
     assert not st.redo(7, e + 1, [1], 1.0)  # not a member
+    assert not st.redo(1, e + 1, [7], 1.0) and st.epoch == e + 1  # a peer that is no member
     for t in (1.0, 1.5, 2.0, 2.4):  # 1 heard throughout: with 0, a majority
         st.heartbeat(1, t)
     assert not st.redo(1, e + 1, [2], 2.6)  # 2 is suspected: the detector decides, not the report

@@ -165,3 +165,26 @@ def test_threads_run_inline_and_a_foreign_thread_is_refused():
 
     with pytest.raises(SimulationError, match="reproducible"):
         run(main())
+
+
+def test_callbacks_that_never_let_the_time_move_on_are_a_livelock_not_a_hang():
+    """Code that retries at once, for ever, runs no virtual time: after ``livelock_steps``
+    callbacks at one instant the run ends with SimulationError naming the instant and the
+    busiest callback; the same count spread over moving time is no livelock."""
+    async def spin() -> None:
+        await asyncio.sleep(1.5)
+        while True:
+            await asyncio.sleep(0)
+
+    with pytest.raises(SimulationError, match=r"livelock at virtual time 1\.500000s: 3000 callbacks.*Task") as info:
+        run(spin(), loop=VirtualLoop(livelock_steps=3000))
+    assert "without the time moving on" in str(info.value)
+
+    async def ticking() -> int:
+        n = 0
+        for _ in range(5000):
+            await asyncio.sleep(0.001)
+            n += 1
+        return n
+
+    assert run(ticking(), loop=VirtualLoop(livelock_steps=3000)) == 5000

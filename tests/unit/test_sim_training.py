@@ -260,3 +260,19 @@ def test_asgd_applies_each_gradient_once_across_a_rejoin() -> None:
     assert all(nodes[str(i)]["outcome"] == "finished" for i in range(8))
     # with the kill alone every loss stays under 1 (0.36 to 0.83)
     assert max(nodes[str(i)]["loss"] for i in range(8)) < 2.0
+
+
+def test_a_group_cut_apart_by_removed_nodes_waits_for_a_new_view_instead_of_redoing_at_once() -> None:
+    """Chaos seed 304: once node 2's old process is declared failed, the members [0, 1, 3, 4,
+    5, 6] of ring-8 are cut apart by the removed nodes 2 and 7. Each SSGD step failed at once
+    and asked for a redo naming them, which the coordinator granted (they are no suspects):
+    a new view, the same failure, over 200,000 views in no virtual time (the loop now ends
+    such a run as a livelock). A redo naming a node that is no member is refused; the members
+    wait until node 2's new process rejoins, and every invariant holds."""
+    topo = ring(8)
+    s = simulate(topo, parse_faults("kill:7@6.298,restart:2@14.02,kill:0@23.943", topo.ids), OPTS, 40.0,
+                 TrainingSpec(strategy="ssgd", step_time=0.1))
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    t = s["training"]
+    assert t["nodes"]["2"]["outcome"] == "finished" and t["nodes"]["2"]["incarnation"] == 2
+    assert s["views_applied"] < 2000, s["views_applied"]
