@@ -388,9 +388,9 @@ def test_backward_returns_with_the_mean_and_no_sync_keeps_passes_local(tmp_path:
     np.testing.assert_allclose(w0, torch.nn.utils.parameters_to_vector(ref.parameters()).detach().numpy(), atol=1e-6)
 
 
-def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path: Path) -> None:
-    """Finite gradients whose sum overflows float32 while backward averages them: the run ends
-    with Diverged on the nodes (as at optimizer.step()), it is not redone over and over."""
+def _diverging(tmp_path: Path, loss: Any, tag: str, **opts: Any) -> dict[int, tuple[BaseException | None, float]]:
+    """Two ssgd nodes each taking up to three steps of ``loss(model)`` on ``nn.Linear(4, 3)``:
+    per node, the Diverged it ended with (None: it closed normally) and the seconds it took."""
 
     def body(s: Session, i: int) -> Any:
         model = nn.Linear(4, 3)
@@ -399,14 +399,21 @@ def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path:
         try:
             for _ in range(3):
                 opt.zero_grad()
-                (model(torch.ones(2, 4)).sum() * 3e38).backward()  # each gradient finite, their sum not
+                loss(model).backward()
                 opt.step()
             s.close()
         except Diverged as exc:
             return exc, time.monotonic() - t0
         return None, time.monotonic() - t0
 
-    out = _two_nodes(tmp_path, "ssgd", body, tag="overflow")
+    return _two_nodes(tmp_path, "ssgd", body, tag=tag, **opts)
+
+
+def test_a_sum_that_overflows_during_backward_ends_the_run_as_diverged(tmp_path: Path) -> None:
+    """Finite gradients whose sum overflows float32 while backward averages them: the run ends
+    with Diverged on the nodes (as at optimizer.step()), it is not redone over and over."""
+    # each gradient finite, their sum not
+    out = _diverging(tmp_path, lambda model: model(torch.ones(2, 4)).sum() * 3e38, "overflow")
     for i in (0, 1):
         exc, took = out[i]
         assert isinstance(exc, Diverged), (i, exc)
@@ -420,23 +427,8 @@ def test_a_sum_that_overflows_in_one_piece_only_ends_the_run_as_diverged_on_ever
     owner sees the infinity), while the other piece is finite. The node that does not own it
     learns of the divergence from its peer and ends with Diverged too, well before a peer
     timeout (15 s here), instead of waiting for a piece that is never sent."""
-
-    def body(s: Session, i: int) -> Any:
-        model = nn.Linear(4, 3)
-        opt = s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        t0 = time.monotonic()
-        try:
-            for _ in range(3):
-                opt.zero_grad()
-                (model.weight[0, 0] * 3e38 + model(torch.ones(2, 4)).sum()).backward()
-                opt.step()
-            s.close()
-        except Diverged as exc:
-            return exc, time.monotonic() - t0
-        return None, time.monotonic() - t0
-
-    out = _two_nodes(tmp_path, "ssgd", body, tag=f"overflow-one-{sync}",
-                     strategy_options=(("sync", sync),))
+    out = _diverging(tmp_path, lambda model: model.weight[0, 0] * 3e38 + model(torch.ones(2, 4)).sum(),
+                     f"overflow-one-{sync}", strategy_options=(("sync", sync),))
     for i in (0, 1):
         exc, took = out[i]
         assert isinstance(exc, Diverged), (i, exc)
