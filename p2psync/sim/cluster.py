@@ -73,8 +73,8 @@ DISCOVER_S = 1.5
 
 @dataclass(frozen=True)
 class SimOptions:
-    """The membership's settings (as ``p2psync run`` takes them) and the links' latency:
-    ``latency_s`` one way per link (None: the topology's link attributes)."""
+    """The membership's settings (as ``p2psync run`` takes them), the links' latency
+    (``latency_s`` one way per link; None: the topology's link attributes) and the NICs' rate."""
 
     heartbeat: float = DEFAULT_INTERVAL
     failure_timeout: float = DEFAULT_FLOOR
@@ -84,6 +84,9 @@ class SimOptions:
     start_timeout: float = 60.0
     quorum_timeout: float = 300.0
     latency_s: float | None = 0.001
+    #: every NIC of a node sends at most this many Mb/s (``p2psync run --nic-mbps``; None: only
+    #: the links' own bandwidth limits them)
+    nic_mbps: float | None = None
     #: relayed control messages take the express path when it is clear (:class:`SimTransport`);
     #: only with ``latency_s`` (a link of the topology's attributes may have jitter or loss)
     express: bool = True
@@ -102,8 +105,9 @@ class SimNode:
         self.actor: Hashable = node_id if incarnation == 1 else (node_id, incarnation)
         #: the links' specs without slowdowns (:meth:`reshape`)
         self.links = _links(topo, node_id, opts)
+        nics = {nic.name: opts.nic_mbps * 1e6 for nic in topo.node(node_id).nics} if opts.nic_mbps else None
         self.transport = SimTransport(hub=hub, node_id=node_id, default_timeout=opts.peer_timeout,
-                                      shaper=InprocShaper(self.links) if self.links else None)
+                                      shaper=InprocShaper(self.links, nic_bandwidth_bps=nics) if self.links else None)
         self.transport.run_id = 1
         self.transport.incarnation = incarnation
         stack = membership_stack(self.transport, topo, heartbeat=opts.heartbeat, failure_timeout=opts.failure_timeout,

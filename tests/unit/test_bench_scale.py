@@ -38,14 +38,18 @@ def test_a_quick_run_measures_every_figure_and_reports(capsys: pytest.CaptureFix
                                                        caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL)
     results = scale.main(["--sizes", "4,8", "--kinds", "ring,bcube", "--virtual-seconds", "6", "--kill-at", "2",
-                          "--in-process", "--png", "scale-test.png"])
-    assert [(r["kind"], r["n"]) for r in results] == [("ring", 4), ("ring", 8), ("bcube", 4), ("bcube", 8)]
-    for r in results:
+                          "--in-process", "--png", "scale-test.png", "--allreduce-mb", "1"])
+    kinds = [("ring", 4), ("ring", 8), ("bcube", 4), ("bcube", 8)]
+    assert [(r["kind"], r["n"]) for r in results] == kinds * 2
+    for r in results[4:]:  # the allreduces
+        assert "error" not in r and 0 < r["virtual_s"] <= r["bound_lat_s"] * 1.05, r
+    for r in results[:4]:
         assert r["invariants"] == "held"
         assert 0 < r["detection_s"] <= r["bound_s"] and 0 <= r["convergence_s"] < 1
         assert r["coord_msgs_per_vs"] > 0 and r["cpu_per_vs"] > 0
     out = capsys.readouterr().out
-    assert "Fitted exponents" in out and "coordinator messages grow as N^" in out and "not simulated" in out
+    assert "Fitted exponents" in out and "coordinator messages grow as N^" in out
+    assert "Allreduce in virtual time against the bandwidth bound" in out
 
 
 def test_a_measurement_leaves_the_loggers_as_it_found_them() -> None:
@@ -57,3 +61,16 @@ def test_a_measurement_leaves_the_loggers_as_it_found_them() -> None:
     before = log.level
     scale.measure("ring", 4, virtual_s=2.0, kill_at=1.0)
     assert log.level == before
+
+
+def test_an_allreduce_in_virtual_time_meets_the_bandwidth_bound_of_its_nics() -> None:
+    """4 MB over 1 Gb/s links and NICs: a ring and a one-switch mesh take the single-NIC bound
+    2(N-1)/N * S / rate plus at most the ring's latencies; BCube(2, 2) (two NICs a node)
+    no more than that; the result is the sum (zeros) on every node."""
+    for kind in ("ring", "mesh"):
+        r = scale.measure_allreduce(kind, 4, 4.0)
+        assert r["bound_s"] == pytest.approx(2 * 3 / 4 * 4e6 * 8 / 1e9, rel=1e-3)
+        assert r["bound_s"] * 0.99 <= r["virtual_s"] <= r["bound_lat_s"] * 1.05, r
+    b = scale.measure_allreduce("bcube", 4, 4.0)
+    assert b["virtual_s"] <= b["bound_lat_s"] * 1.05, b
+    assert "| ring | 4 | 4 |" in scale.allreduce_report([scale.measure_allreduce("ring", 4, 4.0)])
