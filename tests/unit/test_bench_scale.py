@@ -45,7 +45,7 @@ def test_a_quick_run_measures_every_figure_and_reports(capsys: pytest.CaptureFix
         assert "error" not in r and 0 < r["virtual_s"] <= r["bound_lat_s"] * 1.05, r
     for r in results[:4]:
         assert r["invariants"] == "held"
-        assert 0 < r["detection_s"] <= r["bound_s"] and 0 <= r["convergence_s"] < 1
+        assert 0 < r["detection_s"] <= r["bound_s"] and 0 <= r["convergence_s"] < 1 and 0 <= r["join_convergence_s"] < 1
         assert r["coord_msgs_per_vs"] > 0 and r["cpu_per_vs"] > 0
     out = capsys.readouterr().out
     assert "Fitted exponents" in out and "coordinator messages grow as N^" in out
