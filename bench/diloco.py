@@ -48,7 +48,7 @@ import math
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -279,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--latencies", type=float, nargs="+", default=None, help="one-way ms (default 0 50 200)")
     ap.add_argument("--nic-mbps", type=float, default=100.0)
     ap.add_argument("--configs", nargs="+", default=None)
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="the outer learning rate of every DiLoCo config (default: each config's own)")
     ap.add_argument("--waited-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quick", action="store_true")
@@ -290,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.configs = args.configs or ["ssgd", "diloco-e3m0", "streaming"]
     args.latencies = args.latencies or [0.0, 50.0, 200.0]
     cfgs = [c for c in configs(args.inner_steps, args.lr) if args.configs is None or c.key in args.configs]
+    if args.outer_lr is not None:  # (a later --opt overrides an earlier one)
+        cfgs = [replace(c, args=(*c.args, "--opt", f"outer_lr={args.outer_lr:g}")) if "diloco" in c.args else c
+                for c in cfgs]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as td:
         tmp = args.out or Path(td)
