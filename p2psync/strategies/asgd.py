@@ -4,7 +4,11 @@ Each node applies its own gradient at once and sends it to every other node; eac
 incoming gradients as they arrive. Gradients travel over direct links only: a gradient from
 origin ``o`` is flooded down a BFS spanning tree of the live nodes rooted at ``o`` (on a mesh
 that is a direct send to everyone; on a ring it is passed along), and every node applies it
-exactly once. Staleness (how many local steps a node took since the sender's step) is recorded.
+once (exactly once while every node holds the same view; at most once always, see below).
+Staleness (how many local steps a node took since the sender's step) is recorded.
+When the live members are not joined by links among themselves (ring-4 with members 1 and 3
+only), the trees span their relay links (:func:`~p2psync.topology.paths.group_links`) and a
+gradient to a child that is not adjacent is relayed by the nodes in between, members or not.
 
 A gradient is named by its origin, the origin process's incarnation
 (:attr:`~p2psync.transport.Transport.incarnation`, carried in the message's meta next to the
@@ -14,12 +18,11 @@ and unforwarded, and counted (``duplicates``). Copies arise while a new view spr
 that hold different views forward along different trees, so one node may get a gradient twice
 or send it back to where it came from. A node forwards what it takes to its children in the
 tree of its own view; a node that two views' trees both reach gets it from whichever parent
-sends first. A gradient more than :data:`WINDOW` steps older than the newest one taken from the
-same origin process, or one of a process older than the two newest seen for that node id, can
-no longer be told from a copy and is dropped too (``too_old``).
-When the live members are not joined by links among themselves (ring-4 with members 1 and 3
-only), the trees span their relay links (:func:`~p2psync.topology.paths.group_links`) and a
-gradient to a child that is not adjacent is relayed by the nodes in between, members or not.
+sends first. A node that took a gradient under one view does not send it again to the children
+a later view gives it, so while a view spreads a node that only the later view's tree reaches
+through it may miss that gradient. A gradient more than :data:`WINDOW` steps older than the
+newest one taken from the same origin process, or one of a process older than the two newest
+seen for that node id, can no longer be told from a copy and is dropped too (``too_old``).
 
 With ``average`` (default) every gradient is applied with weight 1/N (N = nodes in the run):
 one round of N gradients then moves the model as far as one SSGD step on the mean gradient,
