@@ -4,10 +4,25 @@ Each node applies its own gradient at once and sends it to every other node; eac
 incoming gradients as they arrive. Gradients travel over direct links only: a gradient from
 origin ``o`` is flooded down a BFS spanning tree of the live nodes rooted at ``o`` (on a mesh
 that is a direct send to everyone; on a ring it is passed along), and every node applies it
-exactly once. Staleness (how many local steps a node took since the sender's step) is recorded.
+once (exactly once while every node holds the same view; at most once always, see below).
+Staleness (how many local steps a node took since the sender's step) is recorded.
 When the live members are not joined by links among themselves (ring-4 with members 1 and 3
 only), the trees span their relay links (:func:`~p2psync.topology.paths.group_links`) and a
 gradient to a child that is not adjacent is relayed by the nodes in between, members or not.
+
+A gradient is named by its origin, the origin process's incarnation
+(:attr:`~p2psync.transport.Transport.incarnation`, carried in the message's meta next to the
+origin) and the origin's step. Each node applies and forwards a gradient at most once
+(:class:`SeenGradients`): a copy of one it already took (or sent: its own) is dropped unapplied
+and unforwarded, and counted (``duplicates``). Copies arise while a new view spreads: nodes
+that hold different views forward along different trees, so one node may get a gradient twice
+or send it back to where it came from. A node forwards what it takes to its children in the
+tree of its own view; a node that two views' trees both reach gets it from whichever parent
+sends first. A node that took a gradient under one view does not send it again to the children
+a later view gives it, so while a view spreads a node that only the later view's tree reaches
+through it may miss that gradient. A gradient more than :data:`WINDOW` steps older than the
+newest one taken from the same origin process, or one of a process older than the two newest
+seen for that node id, can no longer be told from a copy and is dropped too (``too_old``).
 
 With ``average`` (default) every gradient is applied with weight 1/N (N = nodes in the run):
 one round of N gradients then moves the model as far as one SSGD step on the mean gradient,
@@ -52,6 +67,87 @@ log = logging.getLogger("p2psync.asgd")
 
 TAG = "asgd.g"
 MAX_BATCH = 256
+#: steps behind the newest gradient taken from an origin process within which a late gradient
+#: is still told apart from a copy (and applied once); an older one is dropped as too old
+WINDOW = 4096
+#: origin processes (incarnations) remembered per node id: the newest ones
+KEEP_INCARNATIONS = 2
+
+#: what :meth:`SeenGradients.check` says of a gradient
+NEW, DUPLICATE, TOO_OLD = "new", "duplicate", "too_old"
+
+
+class _Window:
+    """The steps taken from one origin process: ``top`` (the highest) and ``mask``, whose bit
+    ``i`` is set when step ``top - i`` was taken (``i < window``)."""
+
+    __slots__ = ("top", "mask")
+
+    def __init__(self, step: int) -> None:
+        self.top = step
+        self.mask = 1
+
+
+class SeenGradients:
+    """Which gradients a node has taken, to take each at most once, in bounded memory.
+
+    A gradient is ``(origin, inc, step)``: the node that computed it, that node's process
+    (incarnation: a restarted node's new process has a larger one, and its steps are counted
+    apart from the old process's, whatever they are) and its step. :meth:`check` classifies
+    one, :meth:`add` records it as taken (:meth:`take` does both). Per origin process the
+    steps within ``window`` of the highest taken are remembered exactly (a bitmask), so copies
+    and late, reordered gradients within the window are told apart; a step further behind is
+    ``too_old``. Per origin id only the ``keep`` newest processes are remembered; a gradient of
+    an older process than all of them is ``too_old``. Memory: ``keep`` windows of ``window``
+    bits per origin id. Pure bookkeeping: no clock, no I/O.
+    """
+
+    def __init__(self, window: int = WINDOW, keep: int = KEEP_INCARNATIONS) -> None:
+        if window < 1 or keep < 1:
+            raise ValueError(f"window {window} and keep {keep} must be positive")
+        self.window, self.keep = window, keep
+        self._seen: dict[int, dict[int, _Window]] = {}
+
+    def check(self, origin: int, inc: int, step: int) -> str:
+        """:data:`NEW` (never taken), :data:`DUPLICATE` (taken before) or :data:`TOO_OLD`
+        (cannot be told apart any more: treat as taken). Records nothing."""
+        procs = self._seen.get(origin)
+        if procs is None:
+            return NEW
+        w = procs.get(inc)
+        if w is None:
+            return TOO_OLD if len(procs) >= self.keep and inc < min(procs) else NEW
+        if step > w.top:
+            return NEW
+        back = w.top - step
+        if back >= self.window:
+            return TOO_OLD
+        return DUPLICATE if w.mask >> back & 1 else NEW
+
+    def add(self, origin: int, inc: int, step: int) -> None:
+        """Record ``(origin, inc, step)`` as taken (no-op for one that :meth:`check` does not
+        call :data:`NEW`)."""
+        if self.check(origin, inc, step) != NEW:
+            return
+        procs = self._seen.setdefault(origin, {})
+        w = procs.get(inc)
+        if w is None:
+            procs[inc] = _Window(step)
+            if len(procs) > self.keep:
+                del procs[min(procs)]
+            return
+        if step > w.top:
+            w.mask = (w.mask << (step - w.top) | 1) & ((1 << self.window) - 1)
+            w.top = step
+        else:
+            w.mask |= 1 << (w.top - step)
+
+    def take(self, origin: int, inc: int, step: int) -> str:
+        """:meth:`check`, then :meth:`add` when the gradient is :data:`NEW`; the verdict."""
+        verdict = self.check(origin, inc, step)
+        if verdict == NEW:
+            self.add(origin, inc, step)
+        return verdict
 
 
 @dataclass(frozen=True)
@@ -96,6 +192,12 @@ class ASGD(Strategy):
         wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
         self.feedback = ErrorFeedback() if wants_feedback and self.codec.lossy else None
         self.malformed = 0
+        #: the gradients this node took (its own included), to apply and forward each once
+        self.seen = SeenGradients()
+        #: copies of a gradient already taken, dropped (neither applied nor forwarded)
+        self.duplicates = 0
+        #: gradients dropped because they could no longer be told from copies (see SeenGradients)
+        self.too_old = 0
         #: set when this node's first iteration arrives: peers' gradients that come earlier are
         #: forwarded at once but applied only then, so ``attach`` returns with the run's
         #: identical start (DDP's: every replica equal until the first step)
@@ -132,33 +234,48 @@ class ASGD(Strategy):
         self.feedback.record("asgd", x, self.codec.decode(enc, x.size))
         return enc
 
-    def _forward(self, origin: int, arrays: list[np.ndarray], step: int) -> None:
+    def _forward(self, origin: int, inc: int, arrays: list[np.ndarray], step: int) -> None:
+        """Send gradient ``(origin, inc, step)`` to this node's children in the tree of its
+        current view rooted at ``origin`` (the caller took it once: see :meth:`_take`)."""
         for child in self._children(origin):
-            self._sends.spawn(self._send(child, origin, arrays, step))
+            self._sends.spawn(self._send(child, origin, inc, arrays, step))
 
-    async def _send(self, peer: int, origin: int, arrays: list[np.ndarray], step: int) -> None:
+    async def _send(self, peer: int, origin: int, inc: int, arrays: list[np.ndarray], step: int) -> None:
         try:
-            await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin},
+            await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin, "inc": inc},
                                           codecs=[self.codec.name] * len(arrays),
                                           timeout=self.opts.send_timeout, relay=True)
         except P2PSyncError as exc:
             self.dropped_sends += 1
             log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)
 
-    def _decode(self, msg: Message) -> np.ndarray | None:
-        """The gradient a message carries, or None (counted, logged once) if it is malformed."""
+    def _take(self, msg: Message) -> tuple[int, int, np.ndarray] | None:
+        """``(origin, inc, gradient)`` of a message carrying a gradient this node has not
+        taken yet, recorded as taken now; None for a copy of one taken before or one too old
+        to tell (counted in :attr:`duplicates`, :attr:`too_old`) and for a malformed message
+        (counted in :attr:`malformed`, logged once), none of which is recorded."""
         origin: Any = msg.meta.get("origin")
+        inc: Any = msg.meta.get("inc")
         try:
             if type(origin) is not int or origin not in self.ctx.topology.ids:
                 raise ProtocolError("origin", f"bad origin {origin!r}")
+            if type(inc) is not int:
+                raise ProtocolError("origin", f"bad incarnation {inc!r}")
+            verdict = self.seen.check(origin, inc, msg.header.step)
+            if verdict != NEW:
+                self.duplicates += verdict == DUPLICATE
+                self.too_old += verdict == TOO_OLD
+                return None
             if any(f.codec != self.codec.name for f in msg.header.frames):
                 raise ProtocolError("codec", f"expected codec {self.codec.name}")
-            return self.codec.decode(msg.arrays, self.ctx.replica.numel)
+            grad = self.codec.decode(msg.arrays, self.ctx.replica.numel)
         except ProtocolError as exc:
             if not self.malformed:
                 log.warning("node %d: malformed gradient from node %d ignored: %s", self.ctx.node_id, msg.src, exc)
             self.malformed += 1
             return None
+        self.seen.add(origin, inc, msg.header.step)
+        return origin, inc, grad
 
     async def _receive(self) -> None:
         while True:
@@ -177,12 +294,12 @@ class ASGD(Strategy):
         batch = [first]
         while len(batch) < MAX_BATCH and (m := self.ctx.transport.recv_nowait(TAG)) is not None:
             batch.append(m)
-        decoded = [(m, self._decode(m)) for m in batch]
-        batch = [m for m, g in decoded if g is not None]
-        grads = [g for _, g in decoded if g is not None]
-        del decoded
-        for m in batch:  # the encoded bytes travel on unchanged
-            self._forward(int(m.meta["origin"]), list(m.arrays), m.header.step)
+        taken = [(m, t) for m in batch if (t := self._take(m)) is not None]
+        batch = [m for m, _ in taken]
+        grads = [g for _, (_, _, g) in taken]
+        for m, (origin, inc, _) in taken:  # the encoded bytes travel on unchanged
+            self._forward(origin, inc, list(m.arrays), m.header.step)
+        del taken
         await self._stepping.wait()
         await STEP_EACH.of(self.ctx.replica).apply_each(grads, self.scale)  # scaled one at a time
         self.applied_remote += len(grads)
@@ -193,7 +310,9 @@ class ASGD(Strategy):
         self._stepping.set()  # (the user's loop is past attach: its first iteration is here)
         await self.ctx.replica.apply_gradients(grad * self.scale)
         self.local_step = step
-        self._forward(self.ctx.node_id, self._encode(grad), step)
+        me, inc = self.ctx.node_id, self.ctx.transport.incarnation
+        self.seen.add(me, inc, step)  # a copy of its own that comes back is dropped
+        self._forward(me, inc, self._encode(grad), step)
         wait = 0.0
         loop = asyncio.get_running_loop()
         while len(self._sends) > self.opts.max_inflight:
@@ -204,7 +323,8 @@ class ASGD(Strategy):
         return StepReport(loss=loss, stop=want_stop, wait_s=wait, extra={
             "staleness_mean": float(np.mean(st)) if st else 0.0,
             "staleness_max": int(max(st)) if st else 0,
-            "applied_remote": self.applied_remote, "alive": len(self.alive)})
+            "applied_remote": self.applied_remote, "duplicates": self.duplicates, "too_old": self.too_old,
+            "alive": len(self.alive)})
 
     async def close(self) -> None:
         """Stop receiving; sends in flight get ``send_timeout`` to go out, then are cancelled."""

@@ -134,15 +134,15 @@ async def test_asgd_holds_no_applied_gradient_while_it_waits_for_the_next() -> N
     async with memory_strategies(mesh(2), "asgd", {}) as st:
         s1 = st[1]
         refs: list[weakref.ref[np.ndarray]] = []
-        decode = s1._decode
+        take = s1._take
 
-        def spy(msg: Any) -> np.ndarray | None:
-            g = decode(msg)
-            if g is not None:
-                refs.append(weakref.ref(g))
-            return g
+        def spy(msg: Any) -> tuple[int, int, np.ndarray] | None:
+            got = take(msg)
+            if got is not None:
+                refs.append(weakref.ref(got[2]))
+            return got
 
-        s1._decode = spy
+        s1._take = spy
         await asyncio.gather(*(s.run_step(0, False) for s in st))
         await until(lambda: s1.applied_remote == 1, 10, "node 0's gradient applied on node 1")
         assert len(refs) == 1
