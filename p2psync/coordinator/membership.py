@@ -806,8 +806,8 @@ class MembershipService:
         view = self.state.view()
         log.warning("coordinator %d: nodes %s %s: declared failed; view epoch %d members %s",
                     self.transport.node_id, list(new), why, view.epoch, list(view.members))
-        for n in new:
-            self.transport.mark_dead(n)
+        for n in new:  # the declared process (a newer one already heard relays on)
+            self.transport.mark_dead(n, self.state.incarnations.get(n))
         self._notify()
         self._publish(view)
 

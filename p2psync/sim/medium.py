@@ -218,11 +218,11 @@ class SimTransport(MemoryTransport):
         hub.express_hops += len(nodes) - 2
         return True
 
-    def mark_dead(self, peer: int) -> None:
+    def mark_dead(self, peer: int, incarnation: int | None = None) -> None:
         if peer not in self.router.dead:
             self.sim.generation += 1  # kept express paths through this node are walked again
             self.routes_version += 1
-        super().mark_dead(peer)
+        super().mark_dead(peer, incarnation)
 
     def revive(self, peer: int) -> None:
         if peer in self.router.dead:

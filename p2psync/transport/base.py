@@ -236,9 +236,19 @@ class Transport(ABC):
         """Nodes marked dead (:meth:`mark_dead`; read it, change it through the methods)."""
         return self.router.dead
 
-    def mark_dead(self, peer: int) -> None:
-        """``peer`` failed: sends to it fail at once (also those already retrying), and control
-        traffic is routed around it (routes are recomputed over the live nodes)."""
+    def mark_dead(self, peer: int, incarnation: int | None = None) -> None:
+        """``peer``'s process ``incarnation`` (None: the registered one,
+        :attr:`peer_incarnations`) failed: sends to it fail at once (also those already
+        retrying), and control traffic is routed around it (routes are recomputed over the
+        live nodes). Unless this node has already admitted a proven message of a newer process
+        of ``peer`` than that one (:meth:`Ingest.newer_life`, remembered whenever it came):
+        then ``peer`` is revived at once under the newer incarnation (or the registered one,
+        if newer still), as a message of it arriving after this call would revive it
+        (:meth:`_revived`): the new process relays, and the nodes behind it stay reachable."""
+        inc = self._pipeline.newer_life(peer, incarnation)
+        if inc is not None:
+            self._revived(Revive(peer, max(inc, self.peer_incarnations.get(peer, inc))))
+            return
         self.router.mark_dead(peer)
 
     def revive(self, peer: int) -> None:

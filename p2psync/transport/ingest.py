@@ -32,8 +32,10 @@ process, which must be declared failed before the new one is admitted; and its o
 proven and of the registered incarnation, or of any when none is registered), and
 ``revive`` is set when it is a proven new life of a node marked dead (a restarted process):
 the caller registers that incarnation and routes through the node again;
-whether it is a member again is the membership's decision. An unproven origin (a message this
-node only relays, in a keyed cluster) proves nothing about it.
+whether it is a member again is the membership's decision. A proven new life of a node not
+marked dead yet is remembered (:meth:`Ingest.newer_life`): when its previous process is
+declared failed later, the node is not routed around (the new process relays at once). An
+unproven origin (a message this node only relays, in a keyed cluster) proves nothing about it.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class Ingest:
     ``incarnations`` (registered incarnation per node) and ``dead`` (nodes marked dead), which
     their owner updates in place; ``auth`` (keyed clusters only) remembers the counters of the
     relayed messages it accepted; :attr:`newest` remembers the newest incarnation each
-    neighbour's own messages carried, when newer than the registered one."""
+    neighbour's own messages carried, when newer than the registered one, and :attr:`reborn`
+    the newest proven incarnation of every origin, when newer than the registered one."""
 
     def __init__(self, *, node_id: int, nodes: Collection[int], limits: WireLimits,
                  incarnations: Mapping[int, int], dead: Collection[int], auth: OriginAuth | None = None) -> None:
@@ -121,6 +124,17 @@ class Ingest:
         #: neighbour -> the newest incarnation its own messages carried, newer than the one
         #: registered then (a restarted process not admitted yet)
         self.newest: dict[int, int] = {}
+        #: origin -> the newest incarnation its proven messages carried, newer than the one
+        #: registered then (a restarted process, heard before or after its previous one failed)
+        self.reborn: dict[int, int] = {}
+
+    def newer_life(self, node: int, than: int | None = None) -> int | None:
+        """The newest incarnation of ``node`` that a proven message carried, if it is newer
+        than ``than`` (None: the registered one), a process started after that one; else None
+        (also when neither is known)."""
+        inc = self.reborn.get(node)
+        known = self.incarnations.get(node) if than is None else than
+        return inc if inc is not None and known is not None and inc > known else None
 
     def admit(self, frames: Sequence[Any], peer: int | None, run: int) -> Decision:
         """The decision for one message: ``frames`` as received (a shared-memory marker already
@@ -164,6 +178,8 @@ class Ingest:
         forged new life of a dead node outrank its real restart."""
         revive = None
         alive: tuple[int, ...] = ()
+        if proven and known is not None and inc > known:
+            self.reborn[src] = max(inc, self.reborn.get(src, inc))
         if proven and known is not None and inc > known and src in self.dead:
             revive = Revive(src, inc)
         elif proven and (known is None or inc == known):  # a newer, unregistered life proves

@@ -269,7 +269,7 @@ async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
     """Regression (review): a restarted node's probes and registration retries kept its old,
     registered incarnation 'alive', so it was never declared failed and the new one could never
     join. Arrivals count for the registered incarnation only; a newer life of a node already
-    declared dead is reachable again."""
+    declared dead, or heard before it was, is reachable again."""
     from p2psync.errors import DuplicateNode
     from p2psync.topology import mesh
     from p2psync.transport.memory import MemoryHub
@@ -284,7 +284,10 @@ async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
         await b.send(0, "hello", kind="event")
         await a.recv("hello", timeout=5)
         assert 1 not in a.last_arrival
-        a.mark_dead(1)
+        a.mark_dead(1)  # the registered process failed: the newer life heard is registered at once
+        assert 1 not in a.dead and a.peer_incarnations[1] == b.incarnation
+        a.mark_dead(1)  # that life failed too
+        assert 1 in a.dead
         b.incarnation += 1
         await b.send(0, "again", kind="event")
         await a.recv("again", timeout=5)

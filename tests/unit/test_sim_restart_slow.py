@@ -425,3 +425,16 @@ def test_a_member_heard_again_over_fast_links_after_a_slowdown_is_declared_in_th
     assert s["invariants"] == ALL_HELD
     after = s["detections"][1]["declared_after_s"]
     assert after and max(after.values()) <= s["detection_bound_s"]
+
+
+def test_the_members_behind_a_restarted_coordinator_stay_reachable_through_its_new_process() -> None:
+    """Chaos seed 314: with node 3 killed, ring-8 is a line 4-5-6-7-0-1-2 and coordinator 0
+    restarts. Its new process relays at once and its messages reached node 4 before node 4
+    judged the old one failed, but were forgotten (a new life proves nothing about the
+    registered process); marking 0 dead then left node 4 no path to 1 and 2, so it passed
+    over both successors, took over with 4-7 and removed 1 and 2, alive behind the new
+    process. A newer process heard before the old one is declared keeps the node routed
+    through."""
+    s = simulate(ring(8), "restart:4@7.858,kill:3@16.636,restart:0@26.87", 40.0, heartbeat=0.5,
+                 failure_timeout=2.0, latency_s=0.001)
+    assert s["invariants"] == ALL_HELD

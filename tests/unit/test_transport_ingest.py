@@ -69,6 +69,33 @@ async def test_a_proven_restart_of_a_dead_node_is_registered_and_routed_through(
     assert t.recv_nowait("t") is not None  # and it is delivered
 
 
+async def test_a_restart_heard_before_its_old_process_is_declared_keeps_the_node_routed_through(
+        ring4: dict[int, MemoryTransport]) -> None:
+    """A proven message of a newer process of node 1 arrives while its registered process is
+    not marked dead yet (it proves nothing then); when that process is declared failed later,
+    node 1 is not routed around: the newer incarnation is registered, as a message arriving
+    after the declaration would (never lowering a newer registered one). A declaration of that
+    newer process marks it dead."""
+    t = ring4[0]
+    t.peer_incarnations[1] = 9
+    t._ingest(_nic(t), 1, "1/n", _frames(inc=10))
+    assert 1 not in t.last_arrival and t.peer_incarnations[1] == 9
+    t.mark_dead(1)  # the registered process (9) failed
+    assert 1 not in t.dead and t.peer_incarnations[1] == 10 and sorted(t.next_hops(2)) == [1, 3]
+    t.mark_dead(1, 9)  # a declaration of process 9 that comes later changes nothing either
+    assert 1 not in t.dead and t.peer_incarnations[1] == 10
+    t.mark_dead(1, 10)  # the newer process failed too
+    assert 1 in t.dead and t.next_hops(2) == [3]
+    t.peer_incarnations[3] = 5
+    t._ingest(_nic(t), 3, "3/n", _frames(src=3, inc=6))
+    t.peer_incarnations[3] = 7  # registered since, by the membership: never lowered
+    t.mark_dead(3, 5)
+    assert 3 not in t.dead and t.peer_incarnations[3] == 7
+    t.peer_incarnations[2] = 4
+    t.mark_dead(2, 4)  # nothing heard from a newer process: marked dead
+    assert 2 in t.dead
+
+
 async def test_a_message_for_another_node_is_forwarded(ring4: dict[int, MemoryTransport]) -> None:
     t = ring4[1]  # 0 -> 1 -> 2 on ring-4
     t._ingest(_nic(t), 0, "0/n", _frames(src=0, inc=1, dst=2, hops=0))
