@@ -20,6 +20,17 @@ then heartbeat and re-send their finish stats to it. The host owns the service i
 closes it in :meth:`CoordinatorHost.close` (and when a newer view deposes this node, or the node
 is fenced).
 
+Proof of life before a takeover's first view. A candidate judges the nodes it deposes or
+counts failed before its election, and it may have judged them on a side of a split that held
+no majority: it wins only once the split heals, and its vote answers alone cannot show whether
+the heal came before or after its judgment. So the nodes its first view would remove get one
+probe once it has won (marked dead or not, when adjacent), answered within
+:meth:`CoordinatorHost.probe_wait`; those that answer, or were heard since its vote answers
+made a majority, stay members (:func:`silent_since`), for its detector to judge. A new process
+of a restarted node answering for a judged one does not count: the process judged is gone.
+The probe costs a takeover that removes nodes :meth:`CoordinatorHost.probe_wait` (a quarter
+of a heartbeat interval at least), within the detection bound.
+
 Re-election above a higher term. A node cut off from the majority (a partition's minority side)
 deposes the coordinator it cannot hear and votes, or runs, in a new term; having voted there, it
 applies no view of a lower term (:meth:`Succession.accepts`), so after the heal it could never
@@ -130,6 +141,28 @@ def cut_off_when_judged(voters: Collection[int], judged: Collection[int]) -> boo
     what it judged was a split that healed since. Its first view then removes none of those
     that did not answer unheard: they get a detection window from the new coordinator."""
     return not holds_majority(set(voters) - set(judged), voters)
+
+
+def silent_since(suspects: Collection[int], answered: Mapping[int, bool], heard: Mapping[int, float],
+                 since: float, *, judged: Mapping[int, int], known: Mapping[int, int]) -> list[int]:
+    """The ``suspects`` that a winner of an election may remove in its first view: those that
+    neither answered its proof-of-life probe (``answered``: node -> whether it answered; a
+    node missing did not) nor were heard (``heard``: node -> latest arrival from it) at or
+    after ``since``, the time its vote answers first made a majority; and those whose
+    incarnation known now (``known``: node -> the incarnation its latest admitted message
+    carried) is not the one its view names (``judged``): what answered is a new process of a
+    restarted node, and the process judged is gone (the new one joins once it is removed).
+    Pure.
+
+    The winner judged them silent before it reached a majority: when that was only once a
+    split healed (an even split, whose side held no majority), they are as reachable as the
+    voters now, and removing them would fence live nodes that no fault cut off from the
+    majority. A node silent to a winner that holds a majority is cut off, or dead."""
+    def same_life(n: int) -> bool:
+        return n not in judged or known.get(n, judged[n]) == judged[n]
+
+    return sorted(n for n in suspects if not same_life(n) or (
+        not answered.get(n, False) and heard.get(n, -math.inf) < since))
 
 
 def may_win(me: int, voters: Collection[int], mine: tuple[int, int],
@@ -263,7 +296,9 @@ class CoordinatorHost:
         grants it (then take over), another coordinator's view is followed, or this node is
         fenced. Each round is bounded; rounds repeat every heartbeat interval. A win keeps
         the nodes this node judged failed or deposed unheard while it was cut off from the
-        majority (see the comments at the win, and :func:`cut_off_when_judged`). After a round
+        majority (see the comments at the win, and :func:`cut_off_when_judged`), and before its
+        first view it probes the nodes it would still remove, once it reaches a majority: those
+        that answer, or are heard, stay members (:func:`silent_since`). After a round
         that shows it cannot win (:func:`may_win`) the next one keeps the term: it goes above
         neither a rival's term nor one this node voted in for another candidate."""
         m = self.membership
@@ -328,6 +363,20 @@ class CoordinatorHost:
                 kept = sorted(n for n in unheard if cut_off or self._deposed_at.get(n, stale + 1) <= stale
                               or now - heard.get(n, -math.inf) < self.failure_timeout)
                 failed = sorted(unheard - set(kept))
+                if failed and majority_at is not None:
+                    # proof of life: the nodes it would remove get one probe from a node that
+                    # reaches a majority; those heard are kept (:func:`silent_since`)
+                    answered = await self._alive_all(failed, self.probe_wait())
+                    if m.coordinator != self.me or self.service is not None or m.fenced is not None:
+                        return
+                    silent = silent_since(failed, answered, m.transport.last_arrival, majority_at,
+                                          judged=m.view.incarnations if m.view is not None else {},
+                                          known=m.transport.peer_incarnations)
+                    if silent != failed:
+                        log.warning("node %d: nodes %s, judged failed or deposed before this node reached a "
+                                    "majority, answered after it won: kept", self.me,
+                                    sorted(set(failed) - set(silent)))
+                    kept, failed = sorted({*kept, *failed} - set(silent)), silent
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
                 self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked, kept=kept)
                 return
@@ -538,15 +587,29 @@ class CoordinatorHost:
         rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
         return self.heartbeat_interval + 2 * max(rtts, default=0.0)
 
-    async def _alive(self, node: int, timeout: float) -> bool:
-        """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer)."""
+    async def _alive(self, node: int, timeout: float, *, to_dead: bool = False) -> bool:
+        """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer);
+        ``to_dead``: ask it even when marked dead here (:meth:`RpcClient.call`)."""
         try:
-            await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout)
+            await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout,
+                                           to_dead=to_dead)
         except RemoteError:
             return True
         except P2PSyncError:
             return False
         return True
+
+    async def _alive_all(self, nodes: Sequence[int], timeout: float) -> dict[int, bool]:
+        """Whether each of ``nodes`` answers a view probe within ``timeout``, asked at once;
+        nodes marked dead here are asked too when adjacent (a node that is not is reached only
+        through live relays, which drop what is meant for a node they marked dead)."""
+        asks = TaskSet("proof-of-life", isolated=True)
+        tasks = {n: asks.spawn(self._alive(n, timeout, to_dead=True), name=f"alive-{n}") for n in nodes}
+        try:
+            await asyncio.wait(tasks.values())
+        finally:
+            await asks.close()
+        return {n: t.done() and not t.cancelled() and t.result() for n, t in tasks.items()}
 
     def probe_wait(self) -> float:
         """How long the probes of a batch of successors go unanswered before the next batch
@@ -668,4 +731,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "may_win", "rebuild_state"]
+__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "may_win", "rebuild_state", "silent_since"]

@@ -143,6 +143,18 @@ def majority_regained(since: float, outages: Mapping[int, tuple[float, float] | 
     return None
 
 
+def reborn(left: Collection[int], named: Mapping[int, int], known: Mapping[int, int]) -> list[int]:
+    """The nodes of ``left`` (removed by a view) whose process removed (``named``: node ->
+    the incarnation the previous view named) is not the one heard now (``known``: node -> the
+    incarnation its latest admitted message carried): restarted, their new process runs. Pure.
+
+    The view declares the old process failed; the node is not routed around for it: its new
+    process relays at once (the transport routes through it again as soon as it is heard),
+    and it may be the only way to the nodes behind it, such as an arc of a ring it joins
+    again, through which the new process itself joins."""
+    return sorted(n for n in left if n in named and n in known and known[n] != named[n])
+
+
 @dataclass
 class MembershipState:
     """Pure bookkeeping; every method takes ``now`` so tests control time.
@@ -806,8 +818,10 @@ class MembershipService:
         view = self.state.view()
         log.warning("coordinator %d: nodes %s %s: declared failed; view epoch %d members %s",
                     self.transport.node_id, list(new), why, view.epoch, list(view.members))
-        for n in new:  # the declared process (a newer one already heard relays on)
-            self.transport.mark_dead(n, self.state.incarnations.get(n))
+        heard = set(reborn(new, self.state.incarnations, self.transport.peer_incarnations))
+        for n in new:  # the declared process; a newer one already heard relays on
+            if n not in heard:
+                self.transport.mark_dead(n, self.state.incarnations.get(n))
         self._notify()
         self._publish(view)
 

@@ -61,7 +61,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
-from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS, UNREACHABLE
+from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS, UNREACHABLE, reborn
 from p2psync.coordinator.quorum import Ballot
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
@@ -336,7 +336,9 @@ class MembershipClient:
         await self._tasks.close()
         await self._beats.close()
 
-    def _declare(self, peers: Sequence[int]) -> None:
+    def _declare(self, peers: Sequence[int], reborn: Collection[int] = ()) -> None:
+        """``peers`` failed: counted failed here and routed around, but for the ``reborn``
+        ones (:func:`reborn`): their new process relays for the nodes behind it."""
         for p in peers:
             if p in self.failed or p == self.transport.node_id:
                 continue
@@ -345,7 +347,7 @@ class MembershipClient:
                 self.transport.mark_dead(p)
                 continue
             self.failed.add(p)
-            if p != self.coordinator:
+            if p != self.coordinator and p not in reborn:
                 self._mark(p)
             log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, clock.wall())
             for cb in list(self.listeners):
@@ -435,6 +437,7 @@ class MembershipClient:
                             f"name it (members {list(view.members)})")
             return
         first = self.views.view is None
+        before = dict(self.views.view.incarnations) if self.views.view is not None else {}
         change = self.views.apply(view)
         if change is None:
             return
@@ -470,7 +473,8 @@ class MembershipClient:
             log.error("node %d: coordinator %d ended the run: %s", me, view.coordinator, view.ended)
         departed = set(view.departed)
         self._depart([n for n in change.left if n in departed])
-        self._declare([n for n in change.left if n not in departed])
+        left = [n for n in change.left if n not in departed]
+        self._declare(left, reborn=reborn(left, before, self.transport.peer_incarnations))
         for cb in list(self.view_listeners):
             cb(view)
 

@@ -18,7 +18,9 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   split; a declaration in its window that another fault accounts for, as
   ``no_false_failure`` counts it, is that fault's). A restart of a running node kills it
   first: that process is declared failed within the bound like a killed one (the
-  coordinator admits the new process only then); the nodes behind it are not cut off (the
+  coordinator admits the new process only then); so is the process of a node killed before
+  that a view still names (a kill after which no group held a majority got nobody
+  declared), that declaration being the restart's; the nodes behind it are not cut off (the
   new process relays at once). A kill's declaration counts until its node is restarted (plus the bound); a later
   removal of the new process is another matter. A killed node is declared failed however
   soon it is restarted (its process is gone), but the nodes behind it are cut off only until
@@ -258,7 +260,9 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
     if major is None:
         return None
     if f.kind == "restart":  # the new processes relay at once: nobody behind them is cut off
-        return sorted(n for n in members if n in stopped)
+        # (a node killed before and still a member: its process is gone, and the coordinator
+        # admits the new one only once it is declared, as the restart of a running node)
+        return sorted(n for n in members if n in f.nodes)
     return sorted(n for n in members if n not in major)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from p2psync.coordinator.failover import cut_off_when_judged, may_win
+from p2psync.coordinator.failover import cut_off_when_judged, may_win, silent_since
 from p2psync.coordinator.quorum import VoteAnswer
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
@@ -389,6 +389,36 @@ def test_cut_off_when_judged_counts_the_voters_left() -> None:
     assert not cut_off_when_judged(voters, range(7))  # 8 of 15 left: a majority
     assert not cut_off_when_judged(voters, [0])  # a coordinator's crash
     assert cut_off_when_judged(range(4), [0, 1])  # an even split
+
+
+@pytest.mark.parametrize("heal", [2.95, 3.0, 3.328])
+def test_a_candidate_that_wins_just_after_an_even_split_heals_removes_no_live_node(heal: float) -> None:
+    # mesh-8 split 2-5 | 0-1.6-7 (4|4: no majority anywhere). Node 2's side deposed coordinator
+    # 0, passed over node 1 (no answer to its probe) and asked for votes in term 1; the split
+    # healed 0.44 s later (3.328), within a probe time of its first request (or 40 ms and
+    # 0.1 s later), and 6 and 7 granted: it won, 1 answered no vote request (marked dead,
+    # it was never asked) and its first view removed and fenced node 1, alive and reachable
+    # (chaos seed replay). The winner now probes the nodes it would remove before its first
+    # view, and keeps those that answer: 1 stays a member.
+    s, _ = simulate(mesh(8), f"restart:1@6.493,partition:2-5|0-1.6-7@18.594+{heal}", 40.0)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(1, 0)]  # the restart's old process only
+    assert s["fenced"] == {}
+    assert s["final_view"]["members"] == list(range(8))
+
+
+def test_silent_since_keeps_the_nodes_heard_once_the_winner_reached_a_majority() -> None:
+    incs = {n: 1 for n in range(8)}
+    # answered the proof-of-life probe: kept
+    assert silent_since([0, 1], {0: False, 1: True}, {}, 21.93, judged=incs, known=incs) == [0]
+    # heard at or after the majority (an arrival of any kind): kept; heard before it: not
+    assert silent_since([0, 1], {}, {0: 21.93, 1: 21.92}, 21.93, judged=incs, known=incs) == [1]
+    # no answer, never heard: removed (a crash, or a node cut off from the winner's majority)
+    assert silent_since([0, 1], {}, {}, 21.93, judged=incs, known=incs) == [0, 1]
+    # what answered is a new process of a restarted node: the process judged is gone
+    assert silent_since([0], {0: True}, {0: 22.0}, 21.93, judged=incs, known={**incs, 0: 2}) == [0]
+    # a node whose incarnation the view does not name is judged by its answer alone
+    assert silent_since([0], {0: True}, {}, 21.93, judged={}, known={0: 2}) == []
 
 
 def test_the_far_side_of_a_healed_three_way_split_learns_that_it_was_removed() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from p2psync.coordinator.detector import RTT_WINDOW
-from p2psync.coordinator.membership import walled_in
+from p2psync.coordinator.membership import reborn, walled_in
 from p2psync.coordinator.membership_client import left_out
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError
@@ -23,6 +23,33 @@ from p2psync.topology import mesh, ring
 
 ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
             "one_view_at_end": "held"}
+
+
+def test_a_restart_of_a_node_killed_in_an_even_split_owns_the_declaration_of_its_old_process() -> None:
+    # ring-8 without node 0 is a line 1..7: the kill of 4 leaves 1-3 | 5-7, no majority, and
+    # nobody may be removed; its restart joins them again, and the old process of 4, still a
+    # member, must be declared in the restart's bound (the new one is admitted only then)
+    ring8 = {i: [(i - 1) % 8, (i + 1) % 8] for i in range(8)}
+    members = tuple(range(1, 8))
+    kill, restart = Fault(kind="kill", at=20.0, nodes=(4,)), Fault(kind="restart", at=25.0, nodes=(4,))
+    assert inv.cut_by(kill, [kill], members, ring8) is None
+    assert inv.cut_by(restart, [kill, restart], members, ring8) == [4]
+    base = [_v(0, n, members, coord=1) for n in members]
+    declared = [*base, _v(25.8, 5, (1, 2, 3, 5, 6, 7), epoch=2, coord=5)]
+    timing: dict[str, Any] = dict(bound=3.0, failure_timeout=2.0, links=ring8)
+    found, verdict = inv.detections([kill, restart], declared, **timing)
+    assert verdict == "held" and found[1]["declared_after_s"] == {"4": pytest.approx(0.8)}
+    assert inv.no_false_failure([kill, restart], declared, **timing) == "held"
+    assert "never declared failed: [4]" in inv.detections([kill, restart], base, **timing)[1]
+    # before the restart the split still removes nobody
+    early = [*base, _v(22.0, 5, (1, 2, 3, 5, 6, 7), epoch=2, coord=5)]
+    assert "no group of nodes holds a majority" in inv.detections([kill, restart], early, **timing)[1]
+
+
+def test_reborn_names_the_removed_nodes_whose_new_process_was_heard() -> None:
+    named = {3: 1, 4: 1, 5: 1}
+    assert reborn([3, 4, 5], named, {3: 1, 4: 2}) == [4]  # 3: its process; 5: nothing heard
+    assert reborn([4], {}, {4: 2}) == []  # the view did not name it
 
 
 def simulate(topo: Any, faults: str, seconds: float, **opts: Any) -> dict[str, Any]:
@@ -201,6 +228,19 @@ def test_a_restarted_node_rejoins_the_final_view(topo: Any, faults: str) -> None
     assert [d["node"] for d in s["declared"]] == [n]  # its previous process, once
     after = s["detections"][0]["declared_after_s"][str(n)]
     assert after <= s["detection_bound_s"]
+
+
+def test_removing_the_old_process_of_a_restarted_relay_keeps_the_route_through_its_new_one() -> None:
+    # ring-8 without node 0 (a line 1..7); the kill of 4 splits it 3|3 and its restart joins
+    # it again: coordinator 5, elected with the new process's vote, declared the old process
+    # of 4 and marked 4 dead, its only way to 1-3; they deposed 5, node 1 took over with the
+    # same vote, marked 5 dead, and declared 5, 6 and 7, alive, and fenced them (chaos seed
+    # 317). The new process of a node heard before its old one is removed is routed through.
+    s = simulate(ring(8), "pause:0@5.125+7.771,kill:4@20.712,restart:4@25.735", 40.0, latency_s=0.001)
+    assert s["invariants"] == ALL_HELD
+    assert [(d["node"], d["by"]) for d in s["declared"]] == [(0, 1), (4, 5)]
+    assert list(s["fenced"]) == ["0"]
+    assert s["final_view"]["members"] == list(range(1, 8))
 
 
 def test_a_node_restarted_too_late_to_rejoin_is_not_held_against_the_end() -> None:
