@@ -36,6 +36,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.collectives import Collectives
 from p2psync.coordinator.stack import membership_stack
+from p2psync.coordinator.votes import FileVotes
 from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.files import WriteFailures, write_text_or_warn
 from p2psync.model import Replica
@@ -198,15 +199,15 @@ class NodeRuntime:
         self.write_failures = WriteFailures(f"node {node_id}")
         # larger than every earlier process of this node in this run's folder took, whatever
         # the clock did (a run without --run-id has no folder before the rendezvous: the clock)
-        self.transport.incarnation = next_incarnation(
-            Path(cfg.out) / cfg.run_id / f"node-{node_id}" if cfg.run_id else None, failures=self.write_failures)
+        node_dir = Path(cfg.out) / cfg.run_id / f"node-{node_id}" if cfg.run_id else None
+        self.transport.incarnation = next_incarnation(node_dir, failures=self.write_failures)
         strategy_cls = self.strategy_cls
         stack = membership_stack(
             self.transport, topo, heartbeat=cfg.heartbeat, failure_timeout=cfg.failure_timeout,
             phi_threshold=cfg.phi_threshold, quorum_timeout=cfg.quorum_timeout, start_timeout=cfg.start_timeout,
             services=lambda srv: strategy_cls.coordinator_services(srv, topo, dict(cfg.strategy_options)),
             run_info={"run_id": cfg.run_id or default_run_id(topo, cfg.strategy)},
-            allow_join=cfg.on_failure == "continue")
+            allow_join=cfg.on_failure == "continue", votes=FileVotes(node_dir) if node_dir is not None else None)
         self.server, self.rpc, self.membership, self.host = stack.server, stack.rpc, stack.membership, stack.host
         #: one per node: the identical start and the strategy share its plans and residuals
         self.collectives = Collectives(self.transport, piece_bytes=cfg.piece_kib << 10, timeout=cfg.peer_timeout,

@@ -66,6 +66,7 @@ from p2psync.coordinator.quorum import Ballot
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
+from p2psync.coordinator.votes import VoteStore
 from p2psync.errors import (ConfigError, Fenced, NoQuorum, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError,
                             RemoteError, TransportError)
 from p2psync.tasks import TaskSet
@@ -114,7 +115,10 @@ class MembershipClient:
 
     def __init__(self, *, transport: Transport, rpc: RpcClient, coordinator: int,
                  heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
-                 phi_threshold: float = 8.0, quorum_timeout: float = 300.0) -> None:
+                 phi_threshold: float = 8.0, quorum_timeout: float = 300.0,
+                 votes: VoteStore | None = None) -> None:
+        """``votes``: where this node's votes outlive its process (:mod:`p2psync.coordinator.votes`;
+        None: they do not, e.g. a run without a run folder)."""
         self.transport = transport
         #: how long :meth:`call_coordinator` waits for a majority (``--quorum-timeout``)
         self.quorum_timeout = quorum_timeout
@@ -163,7 +167,8 @@ class MembershipClient:
         #: every heartbeat until a newer view arrives (:meth:`request_redo`)
         self.redo: tuple[int, tuple[int, ...]] | None = None
         #: this node's votes in coordinator elections (the host answers vote requests with it)
-        self.ballot = Ballot(me=transport.node_id)
+        self.ballot = Ballot(me=transport.node_id) if votes is None else \
+            Ballot(me=transport.node_id, voted=votes.load(), keep=votes.keep)
         #: why this node is no member any more (fenced), or None
         self.fenced: Fenced | None = None
         #: the view that fenced this node (it does not name it; never applied here), or None;

@@ -31,12 +31,16 @@ Departures are not failures: a node that finished leaves the agreed view at once
   coordinator). A node that follows a candidate whose election is not won, or a coordinator
   cut off from the majority, hears no such coordinator: after a partition heals its vote can
   end a deadlock of two candidates that each hold half of the votes.
+
+A vote is kept before it is granted (``Ballot.keep``: the node's folder of the run,
+:mod:`p2psync.coordinator.votes`), and a restarted process starts from the votes kept, so it
+never grants a second vote in a term its earlier process voted in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Iterable
+from typing import Callable, Collection, Iterable, Mapping
 
 #: a view's place in the order of views: (term, epoch)
 ViewKey = tuple[int, int]
@@ -143,11 +147,26 @@ class VoteAnswer:
 
 @dataclass
 class Ballot:
-    """One node's votes (see the module docstring)."""
+    """One node's votes (see the module docstring). ``keep``: called with the votes, the new
+    one included, before a vote is granted (a durable copy, so that a restarted process of
+    this node never grants a second vote in a term its earlier process voted in: seed the new
+    ballot's ``voted`` with it); when it raises OSError the vote is not granted."""
 
     me: int
     #: term -> the candidate this node voted for in it
     voted: dict[int, int] = field(default_factory=dict)
+    keep: Callable[[Mapping[int, int]], None] | None = field(default=None, compare=False, repr=False)
+
+    def _grant(self, term: int, candidate: int) -> bool:
+        """Record a vote for ``candidate`` in ``term`` (kept first, see the class docstring);
+        whether it was recorded."""
+        if self.keep is not None:
+            try:
+                self.keep({**self.voted, term: candidate})
+            except OSError:
+                return False
+        self.voted[term] = candidate
+        return True
 
     @property
     def promised(self) -> int:
@@ -163,7 +182,8 @@ class Ballot:
             return VoteAnswer(granted=granted, reason=reason, view=mine, voted_term=self.promised)
 
         if req.candidate == self.me:
-            self.voted.setdefault(req.term, self.me)
+            if req.term not in self.voted and not self._grant(req.term, self.me):
+                return answer(False, "its own vote could not be kept on disk")
             return answer(self.voted[req.term] == self.me, "own vote")
         if req.term <= mine[0]:
             return answer(False, f"term {req.term} is not above this node's view term {mine[0]}")
@@ -177,7 +197,8 @@ class Ballot:
             return answer(False, "this node coordinates with a majority")
         if hears_coordinator is not None and hears_coordinator != req.candidate:
             return answer(False, f"this node still hears its coordinator {hears_coordinator}")
-        self.voted[req.term] = req.candidate
+        if req.term not in self.voted and not self._grant(req.term, req.candidate):
+            return answer(False, "the vote could not be kept on disk")
         return answer(True, "granted")
 
 

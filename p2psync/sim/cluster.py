@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Sequence
 
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
+from p2psync.coordinator.votes import MemoryVotes
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.stack import membership_stack
 from p2psync.coordinator.views import View
@@ -113,7 +114,8 @@ class SimNode:
         stack = membership_stack(self.transport, topo, heartbeat=opts.heartbeat, failure_timeout=opts.failure_timeout,
                                  phi_threshold=opts.phi_threshold, quorum_timeout=opts.quorum_timeout,
                                  start_timeout=opts.start_timeout, check_interval=opts.check_interval,
-                                 run_info={"run_id": "sim"}, services=services)
+                                 run_info={"run_id": "sim"}, services=services,
+                                 votes=hub.votes.setdefault(node_id, MemoryVotes()))
         self.server, self.rpc, self.membership, self.host = stack.server, stack.rpc, stack.membership, stack.host
         self.opts = opts
         self.fenced_at: float | None = None

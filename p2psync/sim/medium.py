@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable, Iterable
 import msgpack
 
 from p2psync import clock
+from p2psync.coordinator.votes import MemoryVotes
 from p2psync.sim.faults import Fault
 from p2psync.sim.loop import ACTOR
 from p2psync.topology import Route, Topology
@@ -65,6 +66,8 @@ class SimHub(MemoryHub):
         self.generation = 0
         #: every node's transport, killed ones too (their counters)
         self.transports: dict[int, SimTransport] = {}
+        #: each node's votes, kept across its processes as on its disk (:mod:`p2psync.coordinator.votes`)
+        self.votes: dict[int, MemoryVotes] = {}
         #: bumped whenever a fault begins or ends (express paths are checked again)
         self.faults = 0
         #: (sender, first relay, destination, reply) -> the express path kept
