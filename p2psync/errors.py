@@ -108,6 +108,14 @@ class Diverged(TrainingError):
     sending them. The run cannot go on; no peer is blamed for it."""
 
 
+class SumDiverged(Diverged):
+    """A sum of finite values that this node computed in a collective overflowed (NaN or
+    infinity): the group's values diverged, not this node's own. Unlike a node's own
+    divergence (which ends that node only; the others go on without it), the node reports it
+    and the coordinator ends the run on every member: a member that owns no overflowing piece
+    would otherwise wait for pieces that are never sent."""
+
+
 class ReplicaMismatch(TrainingError):
     """Members whose replicas a strategy promises bitwise equal hold different models (the
     replica audit). ``nodes``: those that differ from the group's lowest id; ``tensor``: the

@@ -52,7 +52,8 @@ from p2psync.api.session_state import Checkpoints
 from p2psync.api.start import identical_start
 from p2psync.collectives import OpId
 from p2psync.coordinator import View
-from p2psync.errors import ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, TrainingEnded, TrainingError
+from p2psync.errors import (ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, SumDiverged, TrainingEnded,
+                             TrainingError)
 from p2psync.files import write_text_or_warn
 from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import StepReport, Strategy
@@ -240,7 +241,9 @@ class StepDriver:
         except Diverged as exc:  # a tensor this node was about to send: name the step
             err = exc if "diverged at step" in str(exc) else \
                 Diverged(f"training diverged at step {self.step} on node {self.node_id}: {exc}")
-            if rt.membership.view is None or not rt.membership.view.ended:  # its own: the run ends with it
+            if isinstance(exc, SumDiverged) and (rt.membership.view is None or not rt.membership.view.ended):
+                # the group's sum overflowed here: the run ends on every member (a node's own
+                # divergence ends that node only, its departure a failure for the others)
                 await rt.membership.report_diverged(str(err), timeout=min(DIVERGED_REPORT_S, self.cfg.peer_timeout))
             self.fail(err)
             raise

@@ -14,8 +14,8 @@ import numpy as np
 from p2psync.collectives.piece_machine import Apply, Check, Exchange, Hold, Payload, PieceMachine, Seal, Verdict
 from p2psync.collectives.schedule import Schedule
 from p2psync.compress import Codec
-from p2psync.errors import ConfigError, PeerFailure, PeerTimeout, ProtocolError
-from p2psync.transport import all_finite, diverged
+from p2psync.errors import ConfigError, Diverged, PeerFailure, PeerTimeout, ProtocolError
+from p2psync.transport import all_finite, diverged, sum_diverged
 from p2psync.wire import Fill, Message
 
 if TYPE_CHECKING:
@@ -66,6 +66,16 @@ async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _divergence(me: int, tag: str, result: np.ndarray, base: np.ndarray | None) -> Diverged:
+    """The error of a sum of finite received values and ``base`` (this node's values; None:
+    no longer known) that is not finite: this node's own divergence when ``base`` is not
+    finite or the result holds NaN (finite values only overflow to infinity), else the
+    group's (:class:`~p2psync.errors.SumDiverged`: the coordinator ends the run)."""
+    if (base is not None and not all_finite(base)) or bool(np.isnan(result).any()):
+        return diverged(me, tag)
+    return sum_diverged(me, tag)
 
 
 class Run:
@@ -143,7 +153,7 @@ class Run:
             np.add(base, vals, out=out)
             if not all_finite(out):
                 tr.check_finite(msg.src, vals, f"piece {msg.tag!r}")
-                raise diverged(me, tag)
+                raise _divergence(me, tag, out, base)
         return Fill(self.piece(k), fill)
 
     @staticmethod
@@ -200,6 +210,8 @@ class Run:
             m.applied(finite)
             if not finite:
                 self.owner.transport.check_finite(msg.src, vals, f"piece {msg.tag!r}")
+                if a.reduce:  # finite received values: this node's own, or the sum, diverged
+                    raise _divergence(self.me, msg.tag, piece, self.mine(k) if a.base_mine else None)
 
     async def execute(self, seal: bool) -> None:
         """Run every piece's steps. ``seal``: a lossy codec's owner quantizes its fully reduced

@@ -40,11 +40,14 @@ refusal takes the same ways back as an admission would).
 
 Non-finite tensor values. A node whose own gradient, or any tensor it
 is about to send, holds NaN or infinity stops with :class:`~p2psync.errors.Diverged` ("training
-diverged at step k on node i") before sending it, blaming nobody, and reports it to the
-coordinator (``membership.diverged``, :meth:`MembershipState.report_diverged`), which ends the
-run as diverged: the view then carries ``end`` and every member stops with Diverged too, also
-those that saw no such value (a sum that overflowed in one piece only is seen by that piece's
-owner alone; the others would wait for the piece it never sends). A receiver rejects a piece holding such values and reports the
+diverged at step k on node i") before sending it, blaming nobody; its departure is a failure
+for the others, which go on without it. A sum of finite values that overflowed in a collective
+(:class:`~p2psync.errors.SumDiverged`) is the group's divergence, not one node's: the node that
+computed it reports it to the coordinator (``membership.diverged``,
+:meth:`MembershipState.report_diverged`), which ends the run as diverged: the view then carries
+``end`` and every member stops with Diverged too, also those that saw no such value (a sum that
+overflowed in one piece only is seen by that piece's owner alone; the others would wait for
+the piece it never sends). A receiver rejects a piece holding such values and reports the
 neighbour that delivered it (tensors only cross direct links) in its heartbeats. The
 coordinator (:meth:`MembershipState.report_offences`) counts reports only from members about
 their own neighbours, and
@@ -480,13 +483,13 @@ class MembershipState:
         return new
 
     def report_diverged(self, reporter: int, why: str) -> bool:
-        """Member ``reporter``'s own tensors diverged (values it computed, such as a sum that
-        overflowed, not values it received): the run ends as diverged, since the other
+        """A sum of finite values that member ``reporter`` computed in a collective overflowed
+        (:class:`~p2psync.errors.SumDiverged`): the run ends as diverged, since the other
         members would wait for what it will never send. Whether this ended it (False: the
         reporter is no member, or the run had ended already)."""
         if reporter not in set(self.alive_nodes) or self.diverged:
             return False
-        self.diverged = f"node {reporter}'s own tensors diverged: {why}"
+        self.diverged = f"a sum that node {reporter} computed diverged: {why}"
         self.epoch += 1
         return True
 
@@ -746,7 +749,7 @@ class MembershipService:
             self._ended()
 
     async def _diverged(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
-        """A member's report that its own tensors diverged: the run ends as diverged
+        """A member's report that a sum it computed overflowed: the run ends as diverged
         (:meth:`MembershipState.report_diverged`)."""
         why = args.get("why")
         if self.state.report_diverged(caller, why[:MAX_WHY] if isinstance(why, str) else "no reason given"):

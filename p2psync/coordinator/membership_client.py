@@ -810,10 +810,11 @@ class MembershipClient:
                 pause = min(2 * pause, 0.5)
 
     async def report_diverged(self, why: str, timeout: float) -> None:
-        """This node's own tensors diverged (it computed non-finite values, e.g. a sum that
-        overflowed): ask the coordinator to end the run as diverged, so that every member
-        stops with Diverged instead of waiting for what this node will never send. Bounded
-        by ``timeout``; a failure is logged, not raised (this node stops either way)."""
+        """A sum of finite values this node computed in a collective overflowed
+        (:class:`~p2psync.errors.SumDiverged`): ask the coordinator to end the run as
+        diverged, so that every member stops with Diverged instead of waiting for what this
+        node will never send. Bounded by ``timeout``; a failure is logged, not raised (this
+        node stops either way)."""
         try:
             await self.call_coordinator("membership.diverged", {"why": why}, timeout=timeout)
         except P2PSyncError as exc:

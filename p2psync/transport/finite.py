@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from p2psync.errors import Diverged
+from p2psync.errors import Diverged, SumDiverged
 from p2psync.wire.fill import Fill
 
 _DOT_MIN = 4096  # below this np.isfinite(a).all() is as fast
@@ -46,4 +46,10 @@ def diverged(node: int, tag: str) -> Diverged:
                     "nobody else is blamed)")
 
 
-__all__ = ["all_finite", "diverged"]
+def sum_diverged(node: int, tag: str) -> SumDiverged:
+    """The error of a node whose sum of finite tensor pieces overflowed (:class:`SumDiverged`)."""
+    return SumDiverged(f"node {node}'s sum of finite tensor pieces {tag!r} overflowed to NaN or infinity (not "
+                       "sent; the run ends on every member)")
+
+
+__all__ = ["all_finite", "diverged", "sum_diverged"]

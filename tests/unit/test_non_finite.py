@@ -13,7 +13,7 @@ import pytest
 from p2psync.collectives import Collectives
 from p2psync.coordinator import View
 from p2psync.coordinator.membership import MembershipState
-from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError
+from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError, SumDiverged
 from p2psync.strategies.regroup import Regroup
 from p2psync.topology import mesh, ring, star
 from p2psync.transport import Transport
@@ -52,6 +52,31 @@ async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> N
         await eps[2].send(0, "fine", [np.arange(3, dtype=np.float64), np.array([7], np.int64)])
         assert (await eps[0].recv("fine", timeout=5)).src == 2  # finite and integer data pass
         assert eps[0].stats()["offences"] == {"1": 2}
+    finally:
+        for e in eps.values():
+            await e.close()
+
+
+@pytest.mark.parametrize("pieces", [1, 4])
+async def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int) -> None:
+    """Finite values whose sum overflows raise SumDiverged on the node that summed them (the
+    coordinator then ends the run on every member); a node whose own values hold NaN raises a
+    plain Diverged (it stops alone) before it sends anything."""
+    hub = MemoryHub(ring(2))
+    eps = {i: hub.endpoint(i) for i in range(2)}
+    for e in eps.values():
+        await e.start()
+    colls = {i: Collectives(eps[i], timeout=5.0, piece_bytes=4 * 64 // pieces) for i in eps}
+    try:
+        big = np.full(64, 3e38, np.float32)
+        got = await asyncio.gather(*(colls[i].allreduce(big, tag="big") for i in eps), return_exceptions=True)
+        assert any(isinstance(g, SumDiverged) for g in got), got
+        own = np.zeros(64, np.float32)
+        own[5] = np.nan
+        got = await asyncio.gather(colls[0].allreduce(own, tag="nan"), colls[1].allreduce(np.zeros(64, np.float32),
+                                                                                        tag="nan"),
+                                   return_exceptions=True)
+        assert isinstance(got[0], Diverged) and not isinstance(got[0], SumDiverged), got
     finally:
         for e in eps.values():
             await e.close()
@@ -110,15 +135,15 @@ def test_exclusion_needs_two_reporters_and_never_takes_the_coordinator() -> None
     assert not st.diverged
 
 
-def test_a_member_whose_own_tensors_diverged_ends_the_run_once() -> None:
-    """A member's own divergence ends the run as diverged (a new epoch whose view carries the
+def test_a_member_whose_sum_diverged_ends_the_run_once() -> None:
+    """A sum that overflowed on a member ends the run as diverged (a new epoch whose view carries the
     reason); a node that is no member changes nothing, nor does a second report."""
     st = _state(4)
     epoch = st.epoch
     assert not st.report_diverged(9, "not a member")
     assert st.report_diverged(2, "training diverged at step 3 on node 2: sum overflowed")
     assert st.epoch == epoch + 1 and st.view().ended == st.diverged
-    assert "node 2's own tensors diverged" in st.diverged and "step 3" in st.diverged
+    assert "a sum that node 2 computed diverged" in st.diverged and "step 3" in st.diverged
     assert not st.report_diverged(1, "again") and st.epoch == epoch + 1
 
 
