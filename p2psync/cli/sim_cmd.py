@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--strategy", default=None,
                    help="every node also trains with this strategy (simulated: ssgd, esync, dts, diloco, asgd, "
                         "preduce), on a tiny model, until the virtual seconds are over and the strategy agrees "
-                        "to stop")
+                        "to stop; with --runs a comma list (ssgd,asgd,...): taken in turn, every topology with "
+                        "every strategy")
     p.add_argument("--step-time", default="0.1", metavar="SECONDS[,NODE:SECONDS...]",
                    help="with --strategy: virtual seconds of compute per local iteration (default 0.1), "
                         "optionally per node (0.1,3:0.5)")
@@ -106,15 +107,22 @@ def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence
 
 
 def _training(args: argparse.Namespace) -> Any:
-    """The :class:`~p2psync.sim.training.TrainingSpec` of ``--strategy``, ``--step-time`` and
-    ``--opt`` (None without ``--strategy``); ConfigError for a bad one, or for ``--step-time``
-    or ``--opt`` without ``--strategy``."""
+    """The :class:`~p2psync.sim.training.TrainingSpec`\ s of ``--strategy`` (a comma list:
+    one per strategy, with ``--runs`` only), ``--step-time`` and ``--opt`` (None without
+    ``--strategy``); ConfigError for a bad one, for ``--step-time`` or ``--opt`` without
+    ``--strategy``, or for ``--opt`` with several strategies."""
     from p2psync.sim.training import TrainingSpec, parse_step_time
 
     if args.strategy is None:
         if args.opt or args.step_time != "0.1":
             raise ConfigError("--step-time and --opt need --strategy")
         return None
+    names = [n.strip() for n in args.strategy.split(",") if n.strip()]
+    if len(names) != 1:
+        if args.runs is None or not names:
+            raise ConfigError(f"--strategy {args.strategy!r}: one strategy, or a comma list of them with --runs")
+        if args.opt:
+            raise ConfigError("--opt names one strategy's options: give one --strategy with it")
     options: dict[str, str] = {}
     for item in args.opt:
         if "=" not in item:
@@ -122,7 +130,8 @@ def _training(args: argparse.Namespace) -> Any:
         k, v = item.split("=", 1)
         options[k.strip()] = v.strip()
     step, per = parse_step_time(args.step_time)
-    return TrainingSpec(strategy=args.strategy, step_time=step, step_times=per, options=options, seed=args.seed)
+    specs = [TrainingSpec(strategy=n, step_time=step, step_times=per, options=options, seed=args.seed) for n in names]
+    return specs if len(specs) > 1 else specs[0]
 
 
 def _write(out: Path, text: str) -> None:
@@ -208,7 +217,8 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int, training: Any = None
     def save(runs: list[ChaosRun]) -> str:
         report = table(runs)
         _write(out / "chaos.md", report)
-        _write(out / "chaos.json", json.dumps([{"topology": r.topology, "seed": r.seed, "faults": list(r.faults),
+        _write(out / "chaos.json", json.dumps([{"topology": r.topology, "strategy": r.strategy or None,
+                                                "seed": r.seed, "faults": list(r.faults),
                                                 "broken": r.broken, "wall_s": r.wall_s, "events": r.events,
                                                 "digest": r.digest, "replay": r.replay} for r in runs], indent=2))
         return report
@@ -217,13 +227,14 @@ def _chaos(args: argparse.Namespace, opts: Any, count: int, training: Any = None
         done.append(r)
         save(done)  # after every run: an interrupted series keeps its table
         if r.broken:
-            print(f"seed {r.seed} ({r.topology}): {', '.join(sorted(r.broken))} violated; replay: {r.replay}",
+            print(f"seed {r.seed} ({r.topology}{', ' + r.strategy if r.strategy else ''}): "
+                  f"{', '.join(sorted(r.broken))} violated; replay: {r.replay}",
                   file=sys.stderr)
             for name, why in sorted(r.broken.items()):
                 print(f"  {name}: {why[:600]}", file=sys.stderr)
 
     runs = chaos(topos, runs=args.runs, seed=args.seed, count=count, virtual_seconds=args.virtual_seconds,
-                 opts=opts, replay=lambda t, s, f: _replay(args, t, s, f, training),
+                 opts=opts, replay=lambda t, s, f, spec: _replay(args, t, s, f, spec),
                  progress=progress, overlap=args.overlap, training=training)
     print(save(runs), end="")
     return EXIT_OK if not any(r.broken for r in runs) else EXIT_FAILED

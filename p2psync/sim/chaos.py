@@ -6,8 +6,10 @@ digest (the same topology, options, faults and seconds give the same events). :f
 runs ``runs`` of them: run ``i`` takes the ``i``-th topology of a list (round robin) and seed
 ``seed + i``, draws ``count`` faults from that seed (:func:`draw_faults`, as ``--faults
 random:N`` does), and records whether every invariant held, or which did not (a run that
-raised is recorded as ``crashed``). :func:`table` is the markdown report: one line per
-failing run with the command that replays it, and the violations counted per invariant.
+raised is recorded as ``crashed``). With several trainings (strategies), run ``i`` of ``T``
+topologies and ``S`` trainings takes training ``(i // T) % S``: every ``T * S`` runs cover every
+pair. :func:`table` is the markdown report: one line per failing run with the command that
+replays it, the violations counted per invariant, and the runs per strategy.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class ChaosRun:
     seed: int
     faults: tuple[str, ...]
     broken: dict[str, str] = field(default_factory=dict)
+    #: the strategy every node trained ("": membership only)
+    strategy: str = ""
     wall_s: float = 0.0
     events: int = 0
     digest: str = ""
@@ -81,35 +85,41 @@ class ChaosRun:
 
 
 def chaos(topologies: Sequence[tuple[str, Topology]], *, runs: int, seed: int, count: int,
-          virtual_seconds: float, opts: SimOptions, replay: Callable[[str, int, Sequence[Fault]], str],
+          virtual_seconds: float, opts: SimOptions,
+          replay: Callable[[str, int, Sequence[Fault], TrainingSpec | None], str],
           progress: Callable[[ChaosRun], None] | None = None, overlap: bool = False,
-          training: TrainingSpec | None = None) -> list[ChaosRun]:
+          training: TrainingSpec | Sequence[TrainingSpec] | None = None) -> list[ChaosRun]:
     """``runs`` simulated runs (see the module docstring); ``topologies``: (text, topology)
-    pairs taken in turn; ``replay(text, seed, faults)``: the command that replays one run;
+    pairs taken in turn; ``replay(text, seed, faults, training)``: the command that replays one run;
     ``progress`` is called after each. The faults of a run come one after another
     (:func:`draw_faults` ``spaced``) unless ``overlap``; with ``training`` every node runs
     its strategy too (:func:`simulate`), its gradients drawn from the run's seed (a restarted
-    node joins the training: :mod:`p2psync.sim.training`)."""
-    if runs < 1 or not topologies:
-        raise ValueError("chaos needs at least one run and one topology")
+    node joins the training: :mod:`p2psync.sim.training`); several trainings are taken as the
+    module docstring says."""
+    trainings: list[TrainingSpec | None] = (
+        [None] if training is None else [training] if isinstance(training, TrainingSpec) else list(training))
+    if runs < 1 or not topologies or not trainings:
+        raise ValueError("chaos needs at least one run, one topology and one training (or None)")
     out: list[ChaosRun] = []
     for i in range(runs):
         text, topo = topologies[i % len(topologies)]
+        spec = trainings[(i // len(topologies)) % len(trainings)]
         s = seed + i
         faults = draw_faults(topo, opts, s, count, virtual_seconds, spaced=not overlap)
         specs = tuple(f.spec() for f in faults)
-        cmd = replay(text, s, faults)
+        run_spec = None if spec is None else replace(spec, seed=s)
+        cmd = replay(text, s, faults, run_spec)
+        name = "" if spec is None else spec.strategy
         wall = time.perf_counter()
         try:
-            summary = simulate(topo, faults, opts, virtual_seconds,
-                               None if training is None else replace(training, seed=s))
+            summary = simulate(topo, faults, opts, virtual_seconds, run_spec)
         except P2PSyncError as exc:
             run = ChaosRun(topology=text, seed=s, faults=specs, broken={CRASHED: f"{type(exc).__name__}: {exc}"[:500]},
-                           wall_s=round(time.perf_counter() - wall, 3), replay=cmd)
+                           strategy=name, wall_s=round(time.perf_counter() - wall, 3), replay=cmd)
         else:
             broken = {k: v for k, v in summary["invariants"].items() if violated(v)}
-            run = ChaosRun(topology=text, seed=s, faults=specs, broken=broken, wall_s=summary["wall_s"],
-                           events=summary["events"], digest=summary["digest"], replay=cmd)
+            run = ChaosRun(topology=text, seed=s, faults=specs, broken=broken, strategy=name,
+                           wall_s=summary["wall_s"], events=summary["events"], digest=summary["digest"], replay=cmd)
         out.append(run)
         if progress is not None:
             progress(run)
@@ -135,10 +145,17 @@ def table(runs: Sequence[ChaosRun]) -> str:
         "|---|---|",
     ]
     lines += [f"| {k} | {v} |" for k, v in sorted(names.items())] or ["| (none) | 0 |"]
+    strategies = sorted({r.strategy for r in runs if r.strategy})
+    if strategies:
+        lines += ["", "| strategy | runs | every invariant held | wall s (sum) |", "|---|---|---|---|"]
+        for name in strategies:
+            mine = [r for r in runs if r.strategy == name]
+            lines.append(f"| {name} | {len(mine)} | {sum(not r.broken for r in mine)} | "
+                         f"{sum(r.wall_s for r in mine):.1f} |")
     if bad:
-        lines += ["", "| seed | topology | faults | violated | replay |", "|---|---|---|---|---|"]
-        lines += [f"| {r.seed} | {r.topology} | `{','.join(r.faults)}` | {', '.join(sorted(r.broken))} | "
-                  f"`{r.replay}` |" for r in bad]
+        lines += ["", "| seed | topology | strategy | faults | violated | replay |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.seed} | {r.topology} | {r.strategy or '-'} | `{','.join(r.faults)}` | "
+                  f"{', '.join(sorted(r.broken))} | `{r.replay}` |" for r in bad]
     return "\n".join(lines) + "\n"
 
 

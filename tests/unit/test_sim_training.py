@@ -18,7 +18,7 @@ import pytest
 from p2psync.cli.main import main
 from p2psync.errors import Aborted, ConfigError
 from p2psync.sim import invariants as inv
-from p2psync.sim.chaos import chaos, simulate
+from p2psync.sim.chaos import chaos, simulate, table
 from p2psync.sim.cluster import SimOptions
 from p2psync.sim.faults import parse_faults
 from p2psync.sim.loop import VirtualLoop, run
@@ -29,7 +29,7 @@ from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingS
 from p2psync.strategies.asgd import ASGD
 from p2psync.strategies.base import StrategyContext
 from p2psync.tasks import AbortEvent
-from p2psync.topology import ring
+from p2psync.topology import mesh, ring
 from p2psync.wire import Message
 
 OPTS = SimOptions(heartbeat=0.5, failure_timeout=2.0)
@@ -176,9 +176,29 @@ def test_the_cli_trains_replays_and_chaos_takes_the_strategy(tmp_path: Path,
     assert "--strategy canary: not simulated" in capsys.readouterr().err
     assert main(["sim", "ring:4", "--opt", "sync=step", "--out", str(tmp_path)]) == 2
     runs = chaos([("ring:4", ring(4))], runs=1, seed=3, count=1, virtual_seconds=6.0, opts=OPTS,
-                 replay=lambda t, s, f: f"replay {t} {s}", training=TrainingSpec(strategy="ssgd", step_time=0.1))
+                 replay=lambda t, s, f, spec: f"replay {t} {s}", training=TrainingSpec(strategy="ssgd", step_time=0.1))
     assert runs[0].events > 0 and runs[0].replay == "replay ring:4 3"
     assert "crashed" not in runs[0].broken
+
+
+def test_chaos_with_several_strategies_pairs_every_topology_with_every_strategy(tmp_path: Path, capsys: Any) -> None:
+    specs = [TrainingSpec(strategy=n, step_time=0.1) for n in ("ssgd", "asgd")]
+    seen: list[tuple[str, str | None]] = []
+    runs = chaos([("ring:4", ring(4)), ("mesh:4", mesh(4))], runs=4, seed=5, count=1, virtual_seconds=4.0, opts=OPTS,
+                 replay=lambda t, s, f, spec: seen.append((t, spec and spec.strategy)) or "", training=specs)
+    assert seen == [("ring:4", "ssgd"), ("mesh:4", "ssgd"), ("ring:4", "asgd"), ("mesh:4", "asgd")]
+    assert [r.strategy for r in runs] == ["ssgd", "ssgd", "asgd", "asgd"]
+    assert "| asgd | 2 |" in table(runs)
+    # the command line: a list of strategies with --runs only, and no --opt with it
+    assert main(["sim", "ring:4", "--strategy", "ssgd,asgd", "--out", str(tmp_path)]) == 2
+    assert "a comma list of them with --runs" in capsys.readouterr().err
+    assert main(["sim", "ring:4", "--runs", "2", "--faults", "random:1", "--strategy", "ssgd,asgd",
+                 "--opt", "x=1", "--out", str(tmp_path)]) == 2
+    assert "--opt names one strategy's options" in capsys.readouterr().err
+    assert main(["sim", "ring:4", "--runs", "2", "--faults", "random:1", "--virtual-seconds", "6",
+                 "--strategy", "ssgd,asgd", "--out", str(tmp_path)]) in (0, 1)
+    rows = json.loads((tmp_path / "chaos.json").read_text())
+    assert [r["strategy"] for r in rows] == ["ssgd", "asgd"] and "--strategy asgd" in rows[1]["replay"]
 
 
 def test_simulate_with_a_strategy_is_deterministic() -> None:
