@@ -24,7 +24,7 @@ Proof of life before a takeover's first view. A candidate judges the nodes it de
 counts failed before its election, and it may have judged them on a side of a split that held
 no majority: it wins only once the split heals, and its vote answers alone cannot show whether
 the heal came before or after its judgment. So the nodes its first view would remove get one
-probe once it has won (marked dead or not, when adjacent), answered within
+probe once it has won (marked dead or not), answered within
 :meth:`CoordinatorHost.probe_wait`; those that answer, or were heard since its vote answers
 made a majority, stay members (:func:`silent_since`), for its detector to judge. A new process
 of a restarted node answering for a judged one does not count: the process judged is gone.
@@ -601,8 +601,8 @@ class CoordinatorHost:
 
     async def _alive_all(self, nodes: Sequence[int], timeout: float) -> dict[int, bool]:
         """Whether each of ``nodes`` answers a view probe within ``timeout``, asked at once;
-        nodes marked dead here are asked too when adjacent (a node that is not is reached only
-        through live relays, which drop what is meant for a node they marked dead)."""
+        nodes marked dead here are asked too (directly when adjacent, else through live relays
+        towards their live neighbours: ``to_dead``)."""
         asks = TaskSet("proof-of-life", isolated=True)
         tasks = {n: asks.spawn(self._alive(n, timeout, to_dead=True), name=f"alive-{n}") for n in nodes}
         try:

@@ -53,13 +53,18 @@ the processes it replaced (``earlier``) and, when it is excused (below), ``excus
   (:func:`~p2psync.strategies.regroup.regroup_bound`, the time a member waits for a newer
   view) before that stop, or had not registered by the end though restarted too late to
   (:func:`~p2psync.sim.invariants.rejoin_bound`, as the membership invariants excuse it).
+  When no group of live nodes holds a majority of the newest view at the end
+  (``majority_at_end`` false: kills and removals cut the topology, and the simulation, unlike
+  the launcher, restarts no fenced node), no member may step, so none can reach a stop: ``not
+  promised: ...``, unless some node finished all the same, which is a violation.
 * ``same_model_at_end``: where the strategy promises one model (``identical_replicas`` of
   ``every_step`` or ``end``), every node that finished (a restarted one too: its strategy
   adopted the members' state) holds the same model: the replica
   audit's digests (:func:`~p2psync.strategies.audit.first_mismatch`) name the nodes whose
   model differs from the lowest finished id's and the first tensor that differs. A strategy
   that promises no such thing (``never``: DTS, ASGD, ESync as declared) gets
-  ``not promised: ...``, which is no violation and no proof either.
+  ``not promised: ...``, which is no violation and no proof either; so does a run where no
+  node finished because no group held a majority at the end.
 
 Strategies: those of :data:`SIMULATED`; any other is refused with a
 :class:`~p2psync.errors.ConfigError` naming it and why (:func:`check_strategy`).
@@ -413,9 +418,17 @@ class TrainingCluster(SimCluster):
             "steps": {"min": min(steps), "max": max(steps)} if steps else None,
             "nodes": nodes,
         }
-        out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
-        out["invariants"]["same_model_at_end"] = same_model(
-            cls.name, cls.identical_replicas, {i: self.replicas[i].digests_now() for i in finished})
+        digests = {i: self.replicas[i].digests_now() for i in finished}
+        if out["majority_at_end"]:
+            out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
+            out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests)
+        else:
+            why = (f"{inv.NOT_PROMISED}: no group of live nodes holds a majority of the newest view at the end, "
+                   "so no member may step to an agreed stop")
+            out["invariants"]["strategy_finished"] = why if not finished else (
+                f"node(s) {finished} finished although no group held a majority of the view at the end")
+            out["invariants"]["same_model_at_end"] = (same_model(cls.name, cls.identical_replicas, digests)
+                                                      if digests else why)
         return out
 
     async def close(self) -> None:

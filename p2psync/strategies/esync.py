@@ -18,7 +18,11 @@ iteration in progress at once (§4.2: "aborts the current (k + delta)-th iterati
 immediately"): the compute job is cut short through an abort event (between forward and
 backward, and throughout the emulated device time), its batch is not consumed and its samples
 are not counted, and the aggregation of the iterations completed so far starts within about one
-RTT of the decision, not after the abandoned computation. The answers still in flight are
+RTT of the decision, not after the abandoned computation. A newer membership view ends the local
+iterations the same way (the iteration in progress abandoned): the aggregation begins with the
+new view's state sync, where members a round behind (their aggregation failed where this node's
+succeeded) wait for this node, and the State Server keeps this node NOT-READY while the slowest
+member has not started this round, so waiting for READY would deadlock. The answers still in flight are
 collected during the aggregation (no late reply is left behind) before RESET-STATE-SERVER.
 
 The stop decision is agreed on next to the aggregation, exactly (never through a lossy codec;
@@ -92,6 +96,8 @@ class ESync(Strategy):
         #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
         self.failure = self.regroup.failure
         self.w_round: np.ndarray | None = None  # w_t of the round in progress
+        #: set by a new view: ends the local iterations in progress (see the module docstring)
+        self._interrupt = asyncio.Event()
 
     @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
@@ -118,6 +124,7 @@ class ESync(Strategy):
 
     def on_view(self, view: View) -> None:
         self.regroup.on_view(view)
+        self._interrupt.set()
 
     async def _snapshot(self) -> np.ndarray:
         """The state a lagging member or joiner adopts: w_t of this round + optimizer state."""
@@ -158,6 +165,8 @@ class ESync(Strategy):
         losses: list[float] = []
         while not await self._query(len(losses)):
             self.regroup.check()
+            if self.regroup.unsynced():
+                return losses, 0
             t_s = clock.now()
             losses.append(await self._finish_iteration(t_s, *await self.ctx.replica.compute_gradients()))
         return losses, 0
@@ -180,26 +189,26 @@ class ESync(Strategy):
         losses: list[float] = []
         ready: list[bool] = []
         errors: list[BaseException] = []
-        signal = asyncio.Event()
+        signal = self._interrupt = asyncio.Event()
         while True:
             self.regroup.check()
             if errors:
                 raise errors[0]
-            if ready:
+            if ready or self.regroup.unsynced():
                 return losses, 0
             self._ask(len(losses), signal, ready, errors)
             abort = AbortEvent()
             t_s = clock.now()
             it = asyncio.ensure_future(self.ctx.replica.compute_gradients(abort))
             try:
-                while not it.done() and not ready and not errors:
+                while not it.done() and not ready and not errors and not self.regroup.unsynced():
                     signal.clear()
                     await wait_or_event(it, signal)
             except BaseException:  # cancelled (run ending): do not leave the compute job running
                 abort.set()
                 it.add_done_callback(lambda t: t.cancelled() or t.exception())
                 raise
-            if not it.done():  # READY (or a failed query): abandon the iteration in progress
+            if not it.done():  # READY, a failed query or a new view: abandon the iteration in progress
                 abort.set()
                 try:
                     loss, grad = await it

@@ -54,7 +54,7 @@ from p2psync.coordinator import View
 from p2psync.errors import ConfigError, NonFinitePiece, P2PSyncError, PeerFailure, ProtocolError
 from p2psync.model import MAX_META_BYTES, MODEL_BUFFERS
 from p2psync.strategies.base import StrategyContext
-from p2psync.strategies.failure import FailurePolicy, failure_policy
+from p2psync.strategies.failure import FailurePolicy, Reform, failure_policy
 from p2psync.strategies.buffers import sync_buffers
 from p2psync.tasks import cancel_all, wait_or_event
 from p2psync.topology.paths import hop_distances
@@ -187,6 +187,14 @@ class Regroup:
     def next_view(self) -> asyncio.Event:
         """Set when a view newer than the current one arrives (a fresh event per view)."""
         return self._changed
+
+    def unsynced(self) -> bool:
+        """Whether, re-forming, the current view is newer than the one whose members last
+        agreed on their state: the next :meth:`run` begins with that view's state sync, which
+        waits for every member. A strategy whose local work between operations waits on the
+        others (ESync's iterations until the State Server says READY, which waits on the
+        slowest member) ends that work when this turns True, and goes to its operation."""
+        return isinstance(self.failure, Reform) and self.synced is not None and self.ctx.epoch != self.synced
 
     def check(self) -> None:
         """Raise PeerFailure when the policy stops the run on a failed peer (never when

@@ -307,7 +307,8 @@ class Transport(ABC):
 
         ``to_dead`` (control kinds only): send it even when ``peer`` is marked dead, as a reply
         is (a node cut off from the run asks the nodes it marked dead itself what the run's view
-        is now); only to an adjacent peer: one that is not is reached through live relays only.
+        is now; a new coordinator probes those it would remove): directly to an adjacent peer,
+        else through live relays towards its live neighbours.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -319,7 +320,8 @@ class Transport(ABC):
             # (a reply goes back even to a node marked dead: it asked, so it lives, and it may
             # be a removed node that must learn it was fenced)
             await self.relaying.control(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
-                                                   meta=meta, run=self.run_id, inc=self.incarnation), budget)
+                                                   meta=meta, run=self.run_id, inc=self.incarnation), budget,
+                                        to_dead=to_dead)
             return
         if relay and kind == "data" and peer != self.node_id and not self.topology.routes(self.node_id, peer) \
                 and self.topology.has(peer):
@@ -339,7 +341,7 @@ class Transport(ABC):
                            attempt: int = 0, to_dead: bool = False) -> None:
         """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
         the k-th candidate first hop first (so a retry goes around a relay that died).
-        ``to_dead``: an adjacent ``peer`` gets it even when marked dead (see :meth:`send`)."""
+        ``to_dead``: ``peer`` gets it even when marked dead (see :meth:`send`)."""
         if kind not in RELAY_KINDS:
             raise ValueError(f"{kind!r} is not a control kind")
         if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
@@ -350,7 +352,8 @@ class Transport(ABC):
             raise TransportError("transport is closed")
         budget = self.default_timeout if timeout is None else timeout
         await self.relaying.control(peer, dict(kind=kind, tag=tag, step=0, arrays=arrays, codecs=None, meta=meta,
-                                               run=self.run_id, inc=self.incarnation), budget, rotate=attempt)
+                                               run=self.run_id, inc=self.incarnation), budget, rotate=attempt,
+                                    to_dead=to_dead)
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""

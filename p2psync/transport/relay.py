@@ -105,16 +105,20 @@ class Relay:
 
     # -- control ---------------------------------------------------------------------------
 
-    async def control(self, dst: int, fields: dict[str, Any], budget: float, rotate: int = 0) -> None:
+    async def control(self, dst: int, fields: dict[str, Any], budget: float, rotate: int = 0, *,
+                      to_dead: bool = False) -> None:
         """Send a control message of this node (``fields``: :func:`~p2psync.wire.encode`'s,
         without the addresses) to ``dst``, which is not adjacent; ``rotate``: relay through the
-        k-th candidate first hop first. PeerUnreachable when no next hop takes it in time."""
-        await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate)
+        k-th candidate first hop first; ``to_dead``: when ``dst`` is marked dead here, directly
+        when adjacent, else towards its live neighbours, else through any neighbour towards it
+        (``Router.blind_hops``: the nodes marked dead on the way may be live). PeerUnreachable
+        when no next hop takes it in time."""
+        await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate, to_dead=to_dead)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
-                     budget: float, came_from: int | None = None, rotate: int = 0) -> None:
+                     budget: float, came_from: int | None = None, rotate: int = 0, to_dead: bool = False) -> None:
         reply = fields["kind"] == "reply"  # goes back even to a node marked dead (it asked)
-        if reply and dst in self.router.dead and self.topology.routes(self.node_id, dst):
+        if (reply or to_dead) and dst in self.router.dead and self.topology.routes(self.node_id, dst):
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
             try:
                 await self._send_direct(dst, self._route(dst), budget, frames, to_dead=True)
@@ -122,7 +126,10 @@ class Relay:
             except PeerFailure:
                 pass
         hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate) if reply else
-                     self.router.next_hops(dst, exclude=came_from, rotate=rotate, to_dead=came_from is not None))
+                     self.router.next_hops(dst, exclude=came_from, rotate=rotate,
+                                            to_dead=to_dead or came_from is not None))
+        if not hops_list and to_dead:  # its live neighbours are marked dead here too: any way there
+            hops_list = self.router.blind_hops(dst, exclude=came_from)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin == self.node_id and self.keys is not None:  # number and sign it for the destination
@@ -138,7 +145,7 @@ class Relay:
         for share in (0.0, budget / len(hops_list)):
             for nb in hops_list:
                 try:
-                    await self._send_direct(nb, self._route(nb), share, frames)
+                    await self._send_direct(nb, self._route(nb), share, frames, to_dead=nb in self.router.dead)
                     return
                 except PeerFailure as exc:  # includes PeerUnreachable: try the next hop
                     last = exc

@@ -71,6 +71,15 @@ class Router:
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self.distances,
                          exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
 
+    def blind_hops(self, dst: int, *, exclude: int | None = None) -> list[int]:
+        """Neighbours towards ``dst`` over the whole topology, the nodes marked dead included
+        (never back through this node), nearest first, then by id: the way left for a message
+        meant to reach a node this node may have judged wrongly (a probe of a node marked dead
+        whose live neighbours are marked dead too, after a split that healed). Not cached."""
+        dist = hop_distances(self.topology, dst, avoid={self.node_id})
+        cands = [b for b in self._neighbors if b != exclude and b in dist]
+        return sorted(cands, key=lambda b: (dist[b], b))
+
     def reply_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
         """Neighbours to relay a reply through towards ``dst`` (which may be marked dead: it
         asked), never ``exclude``: the neighbour ``dst``'s latest relayed message came through

@@ -215,6 +215,27 @@ async def test_control_messages_are_relayed_and_route_around_dead_nodes():
         assert eps[0].relayed == 1
 
 
+async def test_a_control_message_to_dead_reaches_a_node_whose_way_this_node_marked_dead():
+    from p2psync.topology import ring
+
+    # ring-6: node 0 marked 1, 2 and 3 dead (judged while split off, healed since): no live
+    # path leads to 2, nor to a live neighbour of it. Without to_dead the send fails; with it,
+    # it goes through neighbour 1 (marked dead here, alive), which forwards it to 2.
+    topo = ring(6, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        await until(lambda: not any(e.control_down for e in eps.values()), 20, "every ring connection's handshake")
+        for n in (1, 2, 3):
+            eps[0].mark_dead(n)
+        assert eps[0].router.blind_hops(2) == [1, 5]  # nearest first, the dead ones included
+        with pytest.raises(PeerUnreachable):
+            await eps[0].send(2, "probe", kind="rpc", timeout=1)
+        await eps[0].send(2, "probe", kind="rpc", meta={"p": 1}, timeout=5, to_dead=True)
+        m = await eps[2].recv("probe", timeout=5)
+        assert m.src == 0 and m.meta == {"p": 1}
+        await eps[0].send(1, "near", kind="rpc", timeout=5, to_dead=True)  # adjacent: directly
+        assert (await eps[1].recv("near", timeout=5)).src == 0
+
+
 async def test_marking_a_peer_dead_fails_sends_already_retrying():
     topo = mesh(2, base_port=free_port())
     ep = ZmqEndpoint(topology=topo, node_id=0)

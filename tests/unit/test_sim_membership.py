@@ -407,6 +407,19 @@ def test_a_candidate_that_wins_just_after_an_even_split_heals_removes_no_live_no
     assert s["final_view"]["members"] == list(range(8))
 
 
+def test_the_proof_of_life_probe_reaches_nodes_whose_live_neighbours_are_marked_dead_too() -> None:
+    # ring-16 split 5-12 | 0-4,13-15 (8|8). Node 5 won term 1 0.15 s after the heal, having
+    # passed over 1, 2 and 3 unheard. Its probes of them found no way: they were not adjacent,
+    # and 5 had marked every node between (4, 3, 2, 1) dead, so no live path led to them nor
+    # to a live neighbour of theirs; its first view removed three live nodes (mixed-strategy
+    # chaos, seed 20032). A probe of a node marked dead now goes directly when adjacent, else
+    # through any neighbour towards it when no live way is left (Router.blind_hops).
+    s, _ = simulate(ring(16), "partition:5-12|0-4.13-15@8.805+2.843", 20.0)
+    assert s["invariants"] == ALL_HELD
+    assert s["declared"] == [] and s["fenced"] == {}
+    assert s["final_view"]["members"] == list(range(16))
+
+
 def test_silent_since_keeps_the_nodes_heard_once_the_winner_reached_a_majority() -> None:
     incs = {n: 1 for n in range(8)}
     # answered the proof-of-life probe: kept

@@ -328,3 +328,27 @@ def test_a_group_cut_apart_by_removed_nodes_waits_for_a_new_view_instead_of_redo
     t = s["training"]
     assert t["nodes"]["2"]["outcome"] == "finished" and t["nodes"]["2"]["incarnation"] == 2
     assert s["views_applied"] < 2000, s["views_applied"]
+
+
+def test_esync_members_a_round_apart_after_a_kill_meet_in_the_new_views_sync() -> None:
+    # node 5 dies as the aggregation of a round ends: the nodes on one side of it completed the
+    # round, the others failed it. The ones ahead trained on, waiting for the State Server's
+    # READY, which waits for the slowest member to start the round, while the ones behind
+    # waited in the new view's state sync for them: no node ever finished (found by the
+    # mixed-strategy chaos runner, seed 2). A new view now ends the local iterations.
+    s = train(ring(16), "esync", "kill:5@5.0", 12.0, step_time=0.1)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    t = s["training"]
+    assert t["finished"] == 15 and s["invariants"]["strategy_finished"] == "held"
+    assert sum(n.get("adopted", 0) for n in t["nodes"].values()) >= 1  # the ones behind took the round
+
+
+def test_with_no_majority_left_anywhere_no_node_is_held_to_finish() -> None:
+    # nodes 1-5 are partitioned off and removed (fenced: the simulation restarts none), then
+    # node 11 dies: the ring's survivors are two arcs of 5 of the view's 11 members, so no
+    # member may step. No node can finish: not promised, no violation (seed 6 of the runner).
+    s = train(ring(16), "preduce", "partition:1-5|0.6-15@10.201+5.365,kill:11@22.815", 30.0, step_time=0.1)
+    assert s["majority_at_end"] is False and s["training"]["finished"] == 0
+    for name in ("strategy_finished", "same_model_at_end"):
+        assert s["invariants"][name].startswith(inv.NOT_PROMISED) and "no group of live nodes" in s["invariants"][name]
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
