@@ -109,6 +109,9 @@ class Run:
         #: values are only there at first, not in ``buf`` yet (not so without ``src``: ``buf`` has them)
         self.src = buf if src is None else src
         self.fresh = src is not None
+        #: whether this node's own values were finite (a lossy codec's working buffer holds
+        #: partial sums once pieces arrive: :meth:`_encode` then tells the two divergences apart)
+        self.own_finite = all_finite(buf) if codec.lossy else True
 
     def piece(self, k: int) -> np.ndarray:
         return self.buf[self.bounds[k]:self.bounds[k + 1]]
@@ -118,11 +121,19 @@ class Run:
         return self.src[self.bounds[k]:self.bounds[k + 1]]
 
     def _encode(self, k: int, key: tuple[Any, ...]) -> list[np.ndarray]:
+        """Piece ``k`` as sent: the working buffer's view (lossless), or its encoding, after
+        error-feedback compensation. A lossy piece that is not finite is not encoded: it is
+        this node's own divergence when its own values are not finite, else the sum's
+        (:class:`~p2psync.errors.SumDiverged`: a partial sum of finite values, or of finite
+        pieces decoded, that overflowed here; the transport checked the encoded pieces that
+        arrived, and a lossless codec's receiver would have found it on arrival)."""
         x = self.piece(k)
         if not self.codec.lossy:
             return [x]  # zero-copy view of the working buffer (see the module docstring)
         if self.fb is not None:
             x = self.fb.compensate(key, x)
+        if not all_finite(x):  # (a decoded piece near float32's limit may overflow to NaN too)
+            raise diverged(self.me, self.tag) if not self.own_finite else sum_diverged(self.me, self.tag)
         enc = self.codec.encode(x)
         if self.fb is not None:
             self.fb.record(key, x, self.codec.decode(enc, x.size))

@@ -22,7 +22,9 @@ does that:
 4. check every node's part (:func:`~p2psync.compress.topk.check_sparse`: a malformed one is a
    :class:`~p2psync.errors.ProtocolError`, never an out-of-bounds write) and add the parts into
    a dense float32 zero vector in group order. Every node adds the same float32 values in the
-   same order, so the result is bitwise identical everywhere. ``op="mean"`` divides by the
+   same order, so the result is bitwise identical everywhere, and a sum of finite parts that
+   overflowed is :class:`~p2psync.errors.SumDiverged` on every node alike (the coordinator
+   ends the run). ``op="mean"`` divides by the
    group size afterwards, as the dense path does.
 
 **Untrusted rows.** A ring (or tree) allgather passes other members' rows on hop by hop, as
@@ -62,7 +64,7 @@ from p2psync import clock
 from p2psync.compress import TopK
 from p2psync.compress.topk import check_sparse, index_dtype
 from p2psync.errors import ConfigError, Diverged, ProtocolError
-from p2psync.transport import all_finite
+from p2psync.transport import all_finite, sum_diverged
 
 if TYPE_CHECKING:
     from p2psync.collectives.executor import Collectives, OpStats, PieceCheck
@@ -140,6 +142,8 @@ async def gather_sum(coll: Collectives, idx: np.ndarray, vals: np.ndarray, g: tu
     for src, row in zip(g, rows, strict=True):
         i, v = unpack(row, n, k, f"{tag}: sparse part of node {src}")
         out[i] += v  # indices are unique within a part: no lost updates
+    if not all_finite(out):  # every part was finite (checked on arrival): their sum overflowed
+        raise sum_diverged(coll.transport.node_id, tag)
     return out, stats
 
 

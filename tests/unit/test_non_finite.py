@@ -57,11 +57,16 @@ async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> N
             await e.close()
 
 
+@pytest.mark.parametrize("codec", ["none", "int8", "e3m0", "topk:0.25"])
 @pytest.mark.parametrize("pieces", [1, 4])
-async def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int) -> None:
+async def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int,
+                                                                                         codec: str) -> None:
     """Finite values whose sum overflows raise SumDiverged on the node that summed them (the
     coordinator then ends the run on every member); a node whose own values hold NaN raises a
-    plain Diverged (it stops alone) before it sends anything."""
+    plain Diverged (it stops alone) before it sends anything. With every codec: a lossy one
+    found the overflowed partial sum only as it encoded it, and took it for this node's own
+    divergence (every node stopped alone); the top-k sum of finite parts returned infinity
+    silently."""
     hub = MemoryHub(ring(2))
     eps = {i: hub.endpoint(i) for i in range(2)}
     for e in eps.values():
@@ -69,12 +74,14 @@ async def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_t
     colls = {i: Collectives(eps[i], timeout=5.0, piece_bytes=4 * 64 // pieces) for i in eps}
     try:
         big = np.full(64, 3e38, np.float32)
-        got = await asyncio.gather(*(colls[i].allreduce(big, tag="big") for i in eps), return_exceptions=True)
+        got = await asyncio.gather(*(colls[i].allreduce(big, tag="big", codec=codec) for i in eps),
+                                   return_exceptions=True)
         assert any(isinstance(g, SumDiverged) for g in got), got
+        assert all(isinstance(g, SumDiverged) or isinstance(g, np.ndarray) and np.isfinite(g).all() for g in got), got
         own = np.zeros(64, np.float32)
         own[5] = np.nan
-        got = await asyncio.gather(colls[0].allreduce(own, tag="nan"), colls[1].allreduce(np.zeros(64, np.float32),
-                                                                                        tag="nan"),
+        got = await asyncio.gather(colls[0].allreduce(own, tag="nan", codec=codec),
+                                   colls[1].allreduce(np.zeros(64, np.float32), tag="nan", codec=codec),
                                    return_exceptions=True)
         assert isinstance(got[0], Diverged) and not isinstance(got[0], SumDiverged), got
     finally:
