@@ -589,10 +589,11 @@ class CoordinatorHost:
 
     async def _alive(self, node: int, timeout: float, *, to_dead: bool = False) -> bool:
         """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer);
-        ``to_dead``: ask it even when marked dead here (:meth:`RpcClient.call`)."""
+        ``to_dead``: ask it even when it and the nodes between are marked dead here, by any way
+        (:meth:`RpcClient.call` ``any_path``)."""
         try:
             await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout,
-                                           to_dead=to_dead)
+                                           to_dead=to_dead, any_path=to_dead)
         except RemoteError:
             return True
         except P2PSyncError:
@@ -601,8 +602,7 @@ class CoordinatorHost:
 
     async def _alive_all(self, nodes: Sequence[int], timeout: float) -> dict[int, bool]:
         """Whether each of ``nodes`` answers a view probe within ``timeout``, asked at once;
-        nodes marked dead here are asked too (directly when adjacent, else through live relays
-        towards their live neighbours: ``to_dead``)."""
+        nodes marked dead here are asked too, by any way (``any_path``)."""
         asks = TaskSet("proof-of-life", isolated=True)
         tasks = {n: asks.spawn(self._alive(n, timeout, to_dead=True), name=f"alive-{n}") for n in nodes}
         try:

@@ -334,13 +334,16 @@ class RpcClient:
 
     async def call(self, node: int, method: str, args: Mapping[str, Any] | None = None, *,
                    arrays: Sequence[Any] = (), timeout: float = 10.0, measure: bool = False,
-                   to_dead: bool = False) -> Any:
+                   to_dead: bool = False, any_path: bool = False) -> Any:
         """Call ``method`` on ``node``; raises RemoteError, PeerTimeout or PeerUnreachable.
 
         Resent (over another first hop when relayed) after every retransmission timeout until
         ``timeout``; ``measure``: feed the round trip to the RTT estimate (quick handlers only).
         ``to_dead``: call an adjacent ``node`` even when it is marked dead (a node cut off from
-        the run asking what the run's view is now; ``Transport.send``), else that fails at once."""
+        the run asking what the run's view is now; ``Transport.send``), else that fails at once;
+        ``any_path``: call ``node`` even when it and the nodes between are marked dead, by any
+        way (a new coordinator's proof of life; ``Transport.send``)."""
+        to_dead = to_dead or any_path
         args = dict(args or {})
         if node == self.transport.node_id and self.local is not None:
             return await asyncio.wait_for(
@@ -365,7 +368,7 @@ class RpcClient:
                     await self.transport.send_control(node, CALL_TAG, kind="rpc", meta={**meta, "att": first + attempt},
                                                       arrays=arrays,
                                                       timeout=max(0.0, deadline - sent_at),
-                                                      attempt=first + attempt, to_dead=to_dead)
+                                                      attempt=first + attempt, to_dead=to_dead, any_path=any_path)
                 except PeerFailure:
                     if loop.time() >= deadline or (node in self.transport.dead and not to_dead):
                         raise

@@ -38,8 +38,10 @@ after it was handed over (after the link latency when the link has one): a held 
 takes it once released, in order.
 
 :meth:`SimCluster.run` returns the summary: virtual and wall seconds, the views every node
-applied (counted) and the final one, the detections, messages per node, and the invariants
-(:mod:`p2psync.sim.invariants`).
+applied (counted) and the final one, the detections, messages per node, the largest queues
+(``queues``: the most messages and bytes any node's mailbox held unclaimed at once, the most
+bytes any node held for relaying, and the messages dropped because a queue was full), and the
+invariants (:mod:`p2psync.sim.invariants`).
 """
 
 from __future__ import annotations
@@ -412,6 +414,8 @@ class SimCluster:
             msgs[str(n.id)]["sent"] += sum(s.msgs_sent for s in n.transport.nic_stats.values())
             msgs[str(n.id)]["recv"] += sum(s.msgs_recv for s in n.transport.nic_stats.values())
         coord = end.coordinator if end is not None else self.topo.coordinator
+        queues = self._queues()
+        first = next(iter(self.nodes.values())).transport
         return {
             "topology": self.topo.name, "nodes": len(self.nodes), "virtual_s": virtual_seconds,
             "rendezvous_s": round(rendezvous_s, 6), "wall_s": round(wall_s, 3),
@@ -434,6 +438,10 @@ class SimCluster:
                                             / max(virtual_seconds, 1e-9), 3),
             "link_refusals": self.hub.refused,
             "stranded": sorted(cut_off),
+            "queues": {"peak_pending": max(q.peak_pending for q in queues.values()),
+                       "peak_bytes": max(q.peak_bytes for q in queues.values()),
+                       "peak_relay_bytes": max(q.peak_relay_bytes for q in queues.values()),
+                       "overflows": sum(sum(q.overflows.values()) for q in queues.values())},
             "majority_at_end": major is not None,
             "expressed": {"messages": self.hub.expressed, "relay_hops": self.hub.express_hops},
             "invariants": {
@@ -444,8 +452,28 @@ class SimCluster:
                                                          interval=opts.heartbeat, latency=self.hub.base_latency),
                 "one_view_at_end": (inv.one_view_at_end(final, live, pending) if major is not None or newest is None
                                     else inv.one_view_per_group(final, [sorted(g) for g in groups])),
+                "bounded_queues": inv.bounded_queues(queues, mailbox_budget=first.mailbox.budget_bytes,
+                                                     relay_budget=first.relaying.budget_bytes,
+                                                     senders=len(self.nodes)),
             },
         }
+
+    def _queues(self) -> dict[int, inv.Queues]:
+        """Each node's queue peaks and overflows (:class:`~p2psync.sim.invariants.Queues`),
+        over all its processes (a restart's earlier ones included)."""
+        out: dict[int, inv.Queues] = {}
+        for n in [*self.retired, *self.nodes.values()]:
+            t = n.transport
+            q = inv.Queues(peak_pending=t.mailbox.peak_pending, peak_bytes=t.mailbox.peak_bytes,
+                           peak_relay_bytes=t.relaying.peak_held,
+                           overflows={k: t.rejected[k] for k in inv.OVERFLOWS if t.rejected[k]})
+            was = out.get(n.id)
+            out[n.id] = q if was is None else inv.Queues(
+                peak_pending=max(q.peak_pending, was.peak_pending), peak_bytes=max(q.peak_bytes, was.peak_bytes),
+                peak_relay_bytes=max(q.peak_relay_bytes, was.peak_relay_bytes),
+                overflows={k: q.overflows.get(k, 0) + was.overflows.get(k, 0)
+                           for k in {*q.overflows, *was.overflows}})
+        return out
 
     async def close(self) -> None:
         """Stop the faults, release every held node and close every node, the processes

@@ -47,6 +47,12 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   yet may be in it or not. When no group holds such a majority (nothing can change), each
   connected group holds one view (:func:`one_view_per_group`).
 
+* ``bounded_queues``: no node's memory for messages overflowed: no message was dropped, or
+  refused, because a queue was full (the mailbox's byte budget per sender, its caps on queued
+  data and control messages, the bytes held for relaying: reasons :data:`OVERFLOWS`), and the
+  most bytes queued at once stayed within the mailbox's budget per sender times the senders
+  and the relay budget (:func:`bounded_queues`; the summary gives each node's peaks).
+
 :func:`declarations` derives who was declared failed, when and by which coordinator, from
 the views (a node left out of a node's next view, not as departed).
 """
@@ -532,6 +538,40 @@ def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, boun
     return HELD if not bad else "; ".join(bad)
 
 
+#: the reasons a transport counts a message dropped or refused because a queue was full
+OVERFLOWS: tuple[str, ...] = ("mailbox_budget", "mailbox_full", "mailbox_control_full", "relay_budget")
+
+
+@dataclass(frozen=True)
+class Queues:
+    """What one node's queues held: the most messages and payload bytes queued unclaimed in
+    its mailbox at once, the most bytes it held for relaying at once, and the messages it
+    dropped or refused per reason of :data:`OVERFLOWS` (only those counted)."""
+
+    peak_pending: int
+    peak_bytes: int
+    peak_relay_bytes: int
+    overflows: Mapping[str, int]
+
+
+def bounded_queues(queues: Mapping[int, Queues], *, mailbox_budget: int, relay_budget: int, senders: int) -> str:
+    """``held`` when no node overflowed a queue (see the module docstring), else which ones
+    and how; ``senders``: the most nodes a mailbox takes messages from (its byte budget is
+    per sender). Pure."""
+    bad: list[str] = []
+    for n, q in sorted(queues.items()):
+        why = [f"{k} x{v}" for k, v in sorted(q.overflows.items()) if v]
+        if q.peak_bytes > mailbox_budget * senders:
+            why.append(f"{q.peak_bytes} bytes queued > {mailbox_budget} x {senders} senders")
+        if q.peak_relay_bytes > relay_budget:
+            why.append(f"{q.peak_relay_bytes} bytes held for relaying > {relay_budget}")
+        if why:
+            bad.append(f"node {n}: {', '.join(why)}")
+    if not bad:
+        return HELD
+    return f"{len(bad)} node(s) overflowed a queue: " + "; ".join(bad[:10]) + ("; ..." if len(bad) > 10 else "")
+
+
 def one_view_per_group(final: Mapping[int, ViewSeen | None], groups: Iterable[Sequence[int]]) -> str:
     """With no group of nodes holding a majority at the end (nothing can change): the live
     nodes of each connected group (``groups``) hold one view."""
@@ -567,7 +607,7 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
     return HELD
 
 
-__all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "SlowRisk", "ViewSeen", "components", "cut_by",
-           "declarations", "detections", "killed_by", "no_false_failure", "one_coordinator_per_term",
-           "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound", "remeasured", "slow_risk",
-           "stranded", "until", "violated"]
+__all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "OVERFLOWS", "Queues", "SlowRisk", "ViewSeen",
+           "bounded_queues", "components", "cut_by", "declarations", "detections", "killed_by", "no_false_failure",
+           "one_coordinator_per_term", "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound",
+           "remeasured", "slow_risk", "stranded", "until", "violated"]

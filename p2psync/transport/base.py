@@ -283,7 +283,7 @@ class Transport(ABC):
                    step: int = 0, meta: Mapping[str, Any] | None = None,
                    codecs: Sequence[str] | None = None, nic: str | None = None,
                    timeout: float | None = None, checked: bool = False, unordered: bool = False,
-                   relay: bool = False, to_dead: bool = False) -> None:
+                   relay: bool = False, to_dead: bool = False, any_path: bool = False) -> None:
         """Send one message; retries until ``timeout`` while the peer is unreachable.
 
         Arrays are sent without copying, and this returns once the message is queued, not
@@ -307,8 +307,11 @@ class Transport(ABC):
 
         ``to_dead`` (control kinds only): send it even when ``peer`` is marked dead, as a reply
         is (a node cut off from the run asks the nodes it marked dead itself what the run's view
-        is now; a new coordinator probes those it would remove): directly to an adjacent peer,
-        else through live relays towards its live neighbours.
+        is now); only to an adjacent peer: one that is not is reached through live relays only.
+        ``any_path`` (control kinds only): reach ``peer`` by any way, even when it and every
+        node between are marked dead here (:meth:`Relay.control
+        <p2psync.transport.relay.Relay.control>`): a new coordinator's proof of life of the
+        nodes it would remove, which it may have judged on the wrong side of a healed split.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -321,7 +324,7 @@ class Transport(ABC):
             # be a removed node that must learn it was fenced)
             await self.relaying.control(peer, dict(kind=kind, tag=tag, step=step, arrays=arrays, codecs=codecs,
                                                    meta=meta, run=self.run_id, inc=self.incarnation), budget,
-                                        to_dead=to_dead)
+                                        any_path=any_path)
             return
         if relay and kind == "data" and peer != self.node_id and not self.topology.routes(self.node_id, peer) \
                 and self.topology.has(peer):
@@ -334,26 +337,28 @@ class Transport(ABC):
         if bulk and self.shaper is None and self._send_now(peer, route, frames, unordered):
             return  # the common case: it went at once, no coroutine below this one
         await self._send_direct(peer, route, budget, frames, bulk=bulk, unordered=unordered,
-                                to_dead=kind == "reply" or (to_dead and not bulk))
+                                to_dead=kind == "reply" or ((to_dead or any_path) and not bulk))
 
     async def send_control(self, peer: int, tag: str, *, kind: MessageKind, meta: Mapping[str, Any] | None = None,
                            arrays: Sequence[Any] = (), timeout: float | None = None,
-                           attempt: int = 0, to_dead: bool = False) -> None:
+                           attempt: int = 0, to_dead: bool = False, any_path: bool = False) -> None:
         """Send a control message; when ``peer`` is not adjacent, attempt ``k`` relays through
         the k-th candidate first hop first (so a retry goes around a relay that died).
-        ``to_dead``: ``peer`` gets it even when marked dead (see :meth:`send`)."""
+        ``to_dead``: an adjacent ``peer`` gets it even when marked dead; ``any_path``: any
+        ``peer`` does, by any way (see :meth:`send`)."""
         if kind not in RELAY_KINDS:
             raise ValueError(f"{kind!r} is not a control kind")
         if attempt == 0 or peer == self.node_id or self.topology.routes(self.node_id, peer) \
                 or not self.topology.has(peer):
-            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout, to_dead=to_dead)
+            await self.send(peer, tag, arrays, kind=kind, meta=meta, timeout=timeout, to_dead=to_dead,
+                            any_path=any_path)
             return
         if self._closed:
             raise TransportError("transport is closed")
         budget = self.default_timeout if timeout is None else timeout
         await self.relaying.control(peer, dict(kind=kind, tag=tag, step=0, arrays=arrays, codecs=None, meta=meta,
                                                run=self.run_id, inc=self.incarnation), budget, rotate=attempt,
-                                    to_dead=to_dead)
+                                    any_path=any_path)
 
     def window(self, peer: int) -> ByteWindow:
         """The flow-control window of bulk bytes to ``peer``."""

@@ -213,6 +213,9 @@ class Mailbox:
         self._pending = 0
         self._data_pending = 0
         self._bytes = 0
+        #: the most messages, and payload bytes, queued unclaimed at once so far
+        self.peak_pending = 0
+        self.peak_bytes = 0
         # retired tags / prefixes
         self._retired = RetiredTags(max_retired)
         self.dropped: Counter[str] = Counter()
@@ -334,6 +337,10 @@ class Mailbox:
         self._arrivals.append(e)
         if not e.control and self._peer_bytes[e.peer] > self.budget_bytes:
             self._enforce_budget(e.peer)
+        if self._pending > self.peak_pending:
+            self.peak_pending = self._pending
+        if self._bytes > self.peak_bytes:
+            self.peak_bytes = self._bytes
         self._maybe_compact()
 
     def _enforce_budget(self, peer: int) -> None:

@@ -97,6 +97,8 @@ class Relay:
         self.relayed = 0
         #: bytes of relayed data this node holds until the next hop takes them
         self.held = 0
+        #: the most bytes held for relaying at once so far
+        self.peak_held = 0
         #: insertion-ordered, so that cancelling them goes in the same order in every run
         self._tasks: dict[asyncio.Task[None], None] = {}
         #: counters of the relayed messages this node signs (control, data lanes)
@@ -106,19 +108,20 @@ class Relay:
     # -- control ---------------------------------------------------------------------------
 
     async def control(self, dst: int, fields: dict[str, Any], budget: float, rotate: int = 0, *,
-                      to_dead: bool = False) -> None:
+                      any_path: bool = False) -> None:
         """Send a control message of this node (``fields``: :func:`~p2psync.wire.encode`'s,
         without the addresses) to ``dst``, which is not adjacent; ``rotate``: relay through the
-        k-th candidate first hop first; ``to_dead``: when ``dst`` is marked dead here, directly
+        k-th candidate first hop first; ``any_path``: when ``dst`` is marked dead here, directly
         when adjacent, else towards its live neighbours, else through any neighbour towards it
-        (``Router.blind_hops``: the nodes marked dead on the way may be live). PeerUnreachable
-        when no next hop takes it in time."""
-        await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate, to_dead=to_dead)
+        (``Router.blind_hops``: the nodes marked dead on the way may be live; removed nodes
+        still running too, so only a proof of life takes it). PeerUnreachable when no next hop
+        takes it in time."""
+        await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate, any_path=any_path)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
-                     budget: float, came_from: int | None = None, rotate: int = 0, to_dead: bool = False) -> None:
+                     budget: float, came_from: int | None = None, rotate: int = 0, any_path: bool = False) -> None:
         reply = fields["kind"] == "reply"  # goes back even to a node marked dead (it asked)
-        if (reply or to_dead) and dst in self.router.dead and self.topology.routes(self.node_id, dst):
+        if (reply or any_path) and dst in self.router.dead and self.topology.routes(self.node_id, dst):
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
             try:
                 await self._send_direct(dst, self._route(dst), budget, frames, to_dead=True)
@@ -127,8 +130,8 @@ class Relay:
                 pass
         hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate) if reply else
                      self.router.next_hops(dst, exclude=came_from, rotate=rotate,
-                                            to_dead=to_dead or came_from is not None))
-        if not hops_list and to_dead:  # its live neighbours are marked dead here too: any way there
+                                            to_dead=any_path or came_from is not None))
+        if not hops_list and any_path:  # its live neighbours are marked dead here too: any way there
             hops_list = self.router.blind_hops(dst, exclude=came_from)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
@@ -226,6 +229,7 @@ class Relay:
             raise ProtocolError("relay_budget", f"{nbytes} bytes for node {dst} do not fit in the "
                                 f"{self.budget_bytes} bytes this node holds for relaying")
         self.held += nbytes
+        self.peak_held = max(self.peak_held, self.held)
 
         async def go() -> None:
             try:

@@ -215,11 +215,11 @@ async def test_control_messages_are_relayed_and_route_around_dead_nodes():
         assert eps[0].relayed == 1
 
 
-async def test_a_control_message_to_dead_reaches_a_node_whose_way_this_node_marked_dead():
+async def test_a_control_message_by_any_path_reaches_a_node_whose_way_this_node_marked_dead():
     from p2psync.topology import ring
 
     # ring-6: node 0 marked 1, 2 and 3 dead (judged while split off, healed since): no live
-    # path leads to 2, nor to a live neighbour of it. Without to_dead the send fails; with it,
+    # path leads to 2, nor to a live neighbour of it. Without any_path the send fails; with it,
     # it goes through neighbour 1 (marked dead here, alive), which forwards it to 2.
     topo = ring(6, base_port=free_port())
     async with zmq_cluster(topo) as eps:
@@ -227,12 +227,13 @@ async def test_a_control_message_to_dead_reaches_a_node_whose_way_this_node_mark
         for n in (1, 2, 3):
             eps[0].mark_dead(n)
         assert eps[0].router.blind_hops(2) == [1, 5]  # nearest first, the dead ones included
-        with pytest.raises(PeerUnreachable):
-            await eps[0].send(2, "probe", kind="rpc", timeout=1)
-        await eps[0].send(2, "probe", kind="rpc", meta={"p": 1}, timeout=5, to_dead=True)
+        for to_dead in (False, True):  # to_dead alone reaches adjacent nodes only
+            with pytest.raises(PeerUnreachable):
+                await eps[0].send(2, "probe", kind="rpc", timeout=1, to_dead=to_dead)
+        await eps[0].send(2, "probe", kind="rpc", meta={"p": 1}, timeout=5, any_path=True)
         m = await eps[2].recv("probe", timeout=5)
         assert m.src == 0 and m.meta == {"p": 1}
-        await eps[0].send(1, "near", kind="rpc", timeout=5, to_dead=True)  # adjacent: directly
+        await eps[0].send(1, "near", kind="rpc", timeout=5, any_path=True)  # adjacent: directly
         assert (await eps[1].recv("near", timeout=5)).src == 0
 
 

@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
 from p2psync.coordinator.failover import cut_off_when_judged, may_win, silent_since
@@ -20,7 +22,7 @@ from p2psync.sim.loop import VirtualLoop, run
 from p2psync.topology import mesh, ring
 
 ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
-            "one_view_at_end": "held"}
+            "one_view_at_end": "held", "bounded_queues": "held"}
 
 
 def simulate(topo: Any, faults: str, seconds: float, **opts: Any) -> tuple[dict[str, Any], str]:
@@ -629,3 +631,31 @@ def test_the_express_path_of_relayed_messages_changes_no_outcome(topo: Any, faul
     assert {d["node"] for d in fast["declared"]} == {d["node"] for d in hop["declared"]}
     sent = lambda s: sum(m["sent"] for m in s["messages"].values())  # noqa: E731
     assert abs(sent(fast) - sent(hop)) <= 0.1 * sent(hop)
+
+
+def test_bounded_queues_names_the_nodes_that_overflowed_and_how() -> None:
+    ok = inv.Queues(peak_pending=3, peak_bytes=300, peak_relay_bytes=0, overflows={})
+    assert inv.bounded_queues({0: ok, 1: ok}, mailbox_budget=1000, relay_budget=100, senders=2) == "held"
+    full = inv.Queues(peak_pending=9, peak_bytes=2500, peak_relay_bytes=150, overflows={"mailbox_budget": 4})
+    got = inv.bounded_queues({0: ok, 1: full}, mailbox_budget=1000, relay_budget=100, senders=2)
+    assert inv.violated(got) and got.startswith("1 node(s)") and "node 1: mailbox_budget x4" in got
+    assert "2500 bytes queued > 1000 x 2 senders" in got and "150 bytes held for relaying > 100" in got
+
+
+def test_a_flood_nobody_takes_overflows_a_mailbox_and_the_run_says_so() -> None:
+    # node 1 sends 64 pieces of 1 KiB under a tag node 2 never receives; node 2's mailbox
+    # keeps 8 KiB per sender: the oldest are dropped (mailbox_budget), which the invariant reports
+    async def main() -> dict[str, Any]:
+        topo = ring(4)
+        async with SimCluster(topo, opts=SimOptions()) as c:
+            task = asyncio.ensure_future(c.run(6.0))
+            await asyncio.sleep(3.0)
+            c.nodes[2].transport.mailbox.budget_bytes = 8 << 10
+            for i in range(64):
+                await c.nodes[1].transport.send(2, f"flood.{i}", [np.ones(256, np.float32)], timeout=1.0)
+            return await task
+
+    s = run(main(), loop=VirtualLoop())
+    got = s["invariants"]["bounded_queues"]
+    assert inv.violated(got) and "node 2: mailbox_budget x" in got, got
+    assert s["queues"]["overflows"] >= 56 and s["queues"]["peak_bytes"] <= (8 << 10) + 1024

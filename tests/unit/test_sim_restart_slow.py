@@ -22,7 +22,7 @@ from p2psync.sim.loop import VirtualLoop, run
 from p2psync.topology import mesh, ring
 
 ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
-            "one_view_at_end": "held"}
+            "one_view_at_end": "held", "bounded_queues": "held"}
 
 
 def test_a_restart_of_a_node_killed_in_an_even_split_owns_the_declaration_of_its_old_process() -> None:
