@@ -32,7 +32,7 @@ checkpoint). A node that joins a running run takes its state from a live peer in
 Divergence: a gradient holding NaN or infinity ends the run on this node with
 :class:`~p2psync.errors.Diverged` ("training diverged at step k on node i") before anything is
 sent, as does a view by which the coordinator ended the run (most members were reported for
-non-finite values, :mod:`p2psync.coordinator.membership`).
+non-finite values, :mod:`p2psync.coordinator.membership_state`).
 
 Stopping: the run stops when the strategy agrees on it (synchronous strategies stop every node
 at the same step): the ``--time`` / ``--steps`` budget of the configuration, or

@@ -63,10 +63,11 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from p2psync import clock
-from p2psync.coordinator.membership import MembershipService, MembershipState
+from p2psync.coordinator.membership import MembershipService
 from p2psync.coordinator.quorum import Agreement, Candidacy, VoteAnswer, VoteRequest, holds_majority
 from p2psync.coordinator.takeover import probe_next, probe_until, silent_ahead
 from p2psync.coordinator.membership_client import MembershipClient
+from p2psync.coordinator.membership_state import MembershipState
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import View, news_for
 from p2psync.errors import Fenced, P2PSyncError, ProtocolError, RemoteError

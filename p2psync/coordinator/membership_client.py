@@ -61,7 +61,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
-from p2psync.coordinator.membership import EVENT_VIEW, MAX_HEARTBEATS_IN_FLIGHT, RETRY_KINDS, UNREACHABLE, reborn
+from p2psync.coordinator.membership_state import EVENT_VIEW, UNREACHABLE, reborn
 from p2psync.coordinator.quorum import Ballot
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
@@ -74,6 +74,10 @@ from p2psync.transport import Transport
 
 log = logging.getLogger("p2psync.membership")
 
+#: heartbeats in flight at once (pipelined); more are skipped until one finishes
+MAX_HEARTBEATS_IN_FLIGHT = 8
+#: remote error kinds after which a call to the coordinator is retried (it is moving)
+RETRY_KINDS = frozenset({"UnknownMethod", "NotCoordinator"})
 #: seconds a joiner waits for one coordinator's answer before asking where the run is now
 JOIN_ATTEMPT_S = 8.0
 #: how long such a joiner asks the others
@@ -383,7 +387,7 @@ class MembershipClient:
     def _offence(self, peer: int, reason: str) -> None:
         """A member sent this node a value it rejected (transport): report it to the coordinator
         at once and in every heartbeat until a view drops it (the coordinator decides, see
-        :mod:`p2psync.coordinator.membership`; an offence never deposes a coordinator)."""
+        :mod:`p2psync.coordinator.membership_state`; an offence never deposes a coordinator)."""
         view = self.view
         if peer == self.transport.node_id or peer in self.offenders or (view is not None and peer not in view.members):
             return

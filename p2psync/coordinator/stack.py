@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from p2psync.coordinator.failover import CoordinatorHost
-from p2psync.coordinator.membership import MembershipClient
+from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.coordinator.rpc import RpcClient, RpcServer
 from p2psync.coordinator.votes import VoteStore
 from p2psync.topology import Topology

@@ -15,7 +15,7 @@ ordered by ``(term, epoch)`` (:attr:`View.key`), one coordinator per term, and a
 starts its epochs above every epoch its voters had applied, so epochs keep growing too.
 
 ``end`` (optional) is set when the coordinator ended the run as diverged (most members were
-reported for sending non-finite tensor values, see :mod:`p2psync.coordinator.membership`): every
+reported for sending non-finite tensor values, see :mod:`p2psync.coordinator.membership_state`): every
 node that applies such a view stops with :class:`~p2psync.errors.Diverged`.
 
 A node that finishes (its training loop ended and it entered the finish barrier) *departs*:

@@ -48,7 +48,7 @@ message claims about its origin. Untrusted values (:mod:`.finite_checks`): :meth
 tensor piece holding NaN or infinity, counts it against the node that sent it (the neighbour,
 or a relayed piece's origin: its destination checks it, relays pass it on unscanned)
 (:attr:`Transport.offences`) and tells :attr:`Transport.offence_listeners` (the membership
-client reports it to the coordinator; see :mod:`p2psync.coordinator.membership` for when a
+client reports it to the coordinator; see :mod:`p2psync.coordinator.membership_state` for when a
 node is excluded). A node never sends such a piece itself: :meth:`Transport.send` raises
 :class:`~p2psync.errors.Diverged` instead (its training diverged; nobody else is blamed).
 """

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
-from p2psync.coordinator.membership import EVENT_VIEW
+from p2psync.coordinator.membership_state import EVENT_VIEW
 from p2psync.coordinator.views import View
 from p2psync.errors import TransportError
 from p2psync.topology import mesh

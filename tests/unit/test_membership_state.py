@@ -143,7 +143,7 @@ def test_a_majority_lost_and_regained_before_anyone_was_suspected_still_spares_t
 
 
 def test_majority_regained_is_when_enough_of_the_far_side_was_heard_again():
-    from p2psync.coordinator.membership import majority_regained
+    from p2psync.coordinator.membership_state import majority_regained
     from p2psync.coordinator.quorum import holds_majority
 
     def quorum(heard: object) -> bool:

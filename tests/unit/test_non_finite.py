@@ -12,7 +12,7 @@ import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.coordinator import View
-from p2psync.coordinator.membership import MembershipState
+from p2psync.coordinator.membership_state import MembershipState
 from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError, SumDiverged
 from p2psync.strategies.regroup import Regroup
 from p2psync.topology import mesh, ring, star

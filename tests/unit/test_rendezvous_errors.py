@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer, membership_client
-from p2psync.coordinator.membership import UNREACHABLE
+from p2psync.coordinator.membership_state import UNREACHABLE
 from p2psync.errors import ConfigError, PeerTimeout, RemoteError
 from p2psync.topology import ring
 from p2psync.tasks import cancel_all

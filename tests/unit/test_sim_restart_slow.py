@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from p2psync.coordinator.detector import RTT_WINDOW
-from p2psync.coordinator.membership import reborn, walled_in
+from p2psync.coordinator.membership_state import reborn, walled_in
 from p2psync.coordinator.membership_client import left_out
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError
