@@ -182,7 +182,10 @@ class ASGD(Strategy):
 
     async def start(self) -> None:
         self.alive = set(self.ctx.topology.ids)
-        self._trees: dict[tuple[int, frozenset[int]], dict[int, list[int]]] = {}
+        #: the spanning tree of each origin over the live nodes (and the origin), for the live
+        #: set they were built for: dropped when it changes, so they never outgrow one set
+        self._trees: dict[int, dict[int, list[int]]] = {}
+        self._trees_over: frozenset[int] = frozenset()
         self.local_step = 0
         self._staleness: list[int] = []
         self.applied_remote = 0
@@ -215,16 +218,19 @@ class ASGD(Strategy):
         self.alive = set(view.members) | {self.ctx.node_id}
 
     def _children(self, origin: int) -> list[int]:
-        members = frozenset(self.alive | {origin})
-        key = (origin, members)
-        if key not in self._trees:
-            group = sorted(members)
+        alive = frozenset(self.alive)
+        if alive != self._trees_over:
+            self._trees.clear()
+            self._trees_over = alive
+        tree = self._trees.get(origin)
+        if tree is None:
+            group = sorted(alive | {origin})
             try:
-                self._trees[key] = spanning_tree(self.ctx.topology, group, root=origin,
-                                                 links=group_links(self.ctx.topology, group))
+                tree = spanning_tree(self.ctx.topology, group, root=origin, links=group_links(self.ctx.topology, group))
             except ValueError:  # not connected even through other nodes
-                self._trees[key] = {}
-        return [c for c in self._trees[key].get(self.ctx.node_id, []) if c in self.alive]
+                tree = {}
+            self._trees[origin] = tree
+        return [c for c in tree.get(self.ctx.node_id, []) if c in self.alive]
 
     def _encode(self, grad: np.ndarray) -> list[np.ndarray]:
         if self.feedback is None:
