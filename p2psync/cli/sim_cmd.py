@@ -66,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "bounds apart, as the invariants judge each fault alone)")
     p.add_argument("--strategy", default=None,
                    help="every node also trains with this strategy (simulated: ssgd, esync, dts, diloco, asgd, "
-                        "preduce), on a tiny model, until the virtual seconds are over and the strategy agrees "
+                        "preduce, bsp, asp, ssp, dssp, elastic_bsp), on a tiny model, until the virtual seconds "
+                        "are over and the strategy agrees "
                         "to stop; with --runs a comma list (ssgd,asgd,...): taken in turn, every topology with "
                         "every strategy")
     p.add_argument("--step-time", default="0.1", metavar="SECONDS[,NODE:SECONDS...]",

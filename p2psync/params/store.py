@@ -104,8 +104,11 @@ from p2psync.wire import Message
 log = logging.getLogger("p2psync.params")
 
 #: errors of an owner's pull handler that mean a peer failed or timed out, not a bad request:
-#: the pull failed (PeerFailure), as if the owner had
-_PEER_ERRORS = frozenset(c.__name__ for c in (PeerFailure, PeerUnreachable, PeerTimeout))
+#: the pull failed (PeerFailure), as if the owner had; and ``UnknownMethod``: every node runs the
+#: same store (the rendezvous checked the run's options), so an owner without the pull method
+#: is a new process of a restarted node that has not joined the store yet (the process that
+#: owned the shard is gone)
+_PEER_ERRORS = frozenset([*(c.__name__ for c in (PeerFailure, PeerUnreachable, PeerTimeout)), "UnknownMethod"])
 
 
 @dataclass

@@ -4,9 +4,9 @@
 the capabilities the simulated strategies declare (:data:`~p2psync.model.replica.MODEL_BUFFERS`,
 :data:`~p2psync.model.replica.SGD_COMPENSATION`, :data:`~p2psync.model.replica.PARAM_RANGES`,
 :data:`~p2psync.model.replica.STEP_EACH`, :data:`~p2psync.model.replica.STEP_AS_IS`,
-:data:`~p2psync.model.replica.LAYERED`), so a strategy
-runs its real decisions and collectives on it unchanged; there is no torch, no thread and no
-gate. What it computes:
+:data:`~p2psync.model.replica.LAYERED`, :data:`~p2psync.model.replica.OPTIMIZER_SHARDS`), so a strategy
+runs its real decisions and collectives on it unchanged; there is no thread and no gate, and
+no torch but a parameter store's. What it computes:
 
 * **Model**: two small layers of float32 (:data:`LAYERS`: 16 parameters in all) and one float32
   buffer of 4 running statistics (as BatchNorm's), all equal on every node at the start (drawn
@@ -18,7 +18,9 @@ gate. What it computes:
   moves towards the gradient's mean (a forward pass updates running statistics). An ``abort``
   event set first ends the wait with :class:`~p2psync.errors.Aborted` (ESync's READY).
 * **Optimizer**: ``torch.optim.SGD``'s arithmetic with momentum and dampening 0 (the first
-  step's buffer is the gradient itself), in float32; its state is the momentum buffer.
+  step's buffer is the gradient itself), in float32; its state is the momentum buffer. Its
+  spec (``optim_spec``: the class, learning rate and momentum) is what a parameter store's
+  shard owners run with torch itself, on their slices.
 * **Digests** (:meth:`SimReplica.digests`): the replica audit's (``FlatModel.digests``,
   :mod:`p2psync.strategies.audit`): an 8-byte BLAKE2b of each tensor's raw bytes, per
   layer then buffer.
@@ -39,6 +41,7 @@ import numpy as np
 from p2psync.errors import Aborted, ConfigError, ProtocolError
 from p2psync.model import Buffers, Layer, SgdHyper, SgdStep
 from p2psync.model.values import MAX_META_BYTES
+from p2psync.params.optim import HyperValues, OptimSpec
 
 #: (name, elements) of every parameter tensor, in the flat vector's order: two modules, 16
 #: float32 in all. Small on purpose: a collective cuts a vector into at most one piece per
@@ -203,6 +206,18 @@ class SimReplica:
         self.buffer = raw.copy().view(np.float32)
         if buffers.floats is not None:
             self.buffer = self._vector(buffers.floats, "float buffer", self.buffer.size).copy()
+
+    async def optim_spec(self) -> OptimSpec:
+        """The optimizer as a parameter store's owners run it: ``torch.optim.SGD`` with this
+        replica's learning rate and momentum over one group of every parameter (the store runs
+        torch's own, on its slices)."""
+        import torch  # the parameter store's owners run torch's optimizer; nothing else here needs it
+
+        return OptimSpec.of(torch.optim.SGD, self.numel, lr=self.lr, momentum=self.momentum)
+
+    async def optim_hypers(self, spec: OptimSpec) -> dict[int, HyperValues]:
+        """The one group's hyperparameters now (no scheduler changes them)."""
+        return {0: spec.initial[0]}
 
     async def sgd_hyper(self) -> SgdHyper:
         return SgdHyper(lr=self.lr, momentum=self.momentum, weight_decay=0.0)

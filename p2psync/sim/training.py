@@ -97,14 +97,12 @@ from p2psync.topology import Topology
 log = logging.getLogger("p2psync.sim")
 
 #: the strategies a simulated node runs (their replica needs are all met by SimReplica)
-SIMULATED: tuple[str, ...] = ("ssgd", "esync", "dts", "diloco", "asgd", "preduce")
+SIMULATED: tuple[str, ...] = ("ssgd", "esync", "dts", "diloco", "asgd", "preduce", "bsp", "asp", "ssp", "dssp",
+                               "elastic_bsp")
 #: why the others are not simulated
 REFUSED: dict[str, str] = {
     "canary": "its colayers leave during backward through gradient-ready hooks, which the simulated replica "
               "has no backward pass to fire",
-    **{name: "the parameter store runs the user's torch optimizer per slice (its class and options), which "
-             "the simulated replica, a numpy model, does not have"
-       for name in ("bsp", "asp", "ssp", "dssp", "elastic_bsp")},
 }
 #: virtual seconds the cluster waits, after the run's virtual seconds, for the loops to end
 SETTLE_S = 60.0

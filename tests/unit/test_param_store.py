@@ -111,6 +111,17 @@ async def test_an_owner_that_cannot_send_its_shard_fails_the_pull_as_a_peer_fail
             await st[0].pull()
 
 
+async def test_an_owner_whose_process_does_not_serve_the_store_fails_the_pull_as_a_peer_failure():
+    """A restarted owner's new process answers before it joined the store: its RPC server has
+    no pull method (UnknownMethod). The process that owned the shard is gone: the pull fails
+    with PeerFailure (the view then re-shards), not with an error that ended every node's
+    training (found by the simulator: ``p2psync sim ring:6 --strategy ssp --faults restart:2@4``)."""
+    async with stores(mesh(2), np.zeros(8, np.float32)) as st:
+        del st[1].rpc.local.handlers[f"{st[1].name}.pull"]  # (node 1's server, as a new process has it)
+        with pytest.raises(PeerFailure, match="node 1 could not serve the pull: no RPC method"):
+            await st[0].pull()
+
+
 async def test_a_malformed_piece_is_refused_counted_and_answered():
     async with stores(mesh(2), np.zeros(8, np.float32)) as st:
         ep0 = st[0].transport
