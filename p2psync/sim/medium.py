@@ -31,9 +31,9 @@ from p2psync.sim.loop import ACTOR
 from p2psync.topology import Route, Topology
 from p2psync.transport import MemoryHub
 from p2psync.transport.base import NotReady
+from p2psync.transport.ingest import hop_limit
 from p2psync.transport.memory import MemoryTransport
 from p2psync.wire import placed
-from p2psync.wire.schema import MAX_HOPS
 
 
 class SimHub(MemoryHub):
@@ -186,7 +186,8 @@ class SimTransport(MemoryTransport):
         path = hub.paths.get(key)
         if path is None or not path.current(hub) or not path.clear(hub, loop, src, inc):
             path = _walk(hub, self.node_id, peer, dst, reply)
-            if path is None or hops + len(path.nodes) - 1 > MAX_HOPS or not path.clear(hub, loop, src, inc):
+            if path is None or hops + len(path.nodes) - 1 > hop_limit(len(self.topology.ids)) \
+                    or not path.clear(hub, loop, src, inc):
                 return False
             if len(hub.paths) >= 4 * len(hub.endpoints) + 1024:
                 hub.flush()
