@@ -11,6 +11,7 @@ import pytest
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub, MemoryTransport
 from p2psync.transport.router import Router
+from p2psync.transport.ingest import hop_limit
 from p2psync.wire import MAX_HOPS, encode
 
 RUN = 0x77
@@ -109,6 +110,11 @@ async def test_a_message_past_its_hop_limit_is_rejected_but_proves_its_neighbour
     t = ring4[1]
     t._ingest(_nic(t), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=MAX_HOPS))
     assert t.rejected == {"relay": 1} and t.relayed == 0 and set(t.last_arrival) == {0, 3}
+    # the limit is the topology's size (no simple path is longer): a 5th hop on ring-4 has looped
+    t._ingest(_nic(t), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=4))
+    assert t.rejected == {"relay": 2} and t.relayed == 0 and hop_limit(4) == 4 and hop_limit(10**6) == MAX_HOPS
+    t._ingest(_nic(t), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=3))  # the 4th hop: still taken
+    assert (await ring4[2].recv("t", timeout=2)).header.hops == 4 and t.relayed == 1
 
 
 def test_the_router_recomputes_paths_when_a_node_dies_or_revives() -> None:
