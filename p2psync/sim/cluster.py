@@ -198,15 +198,25 @@ def _latency(topo: Topology, opts: SimOptions) -> Callable[[int, int], float]:
     return lambda a, b: LinkSpec.from_attrs(topo.link(a, b)).latency_s
 
 
+def _longest_rtt(topo: Topology, opts: SimOptions) -> float:
+    """The round trip over the longest path to the coordinator, at the largest link latency."""
+    hops = max(hop_distances(topo, topo.coordinator).values(), default=0)
+    lat = opts.latency_s if opts.latency_s is not None else max(
+        (topo.link(a, b).latency_ms / 1e3 for a in topo.ids for b in topo.neighbors(a)), default=0.0)
+    return 2 * hops * lat
+
+
 def detection_bound(topo: Topology, opts: SimOptions) -> float:
     """How long after a fault it must be declared: the failure timeout, two heartbeat
     intervals and a check interval, plus four round trips over the longest path to the
     coordinator (a heartbeat's, and an election's when the coordinator is the one that failed)."""
-    hops = max(hop_distances(topo, topo.coordinator).values(), default=0)
-    lat = opts.latency_s if opts.latency_s is not None else max(
-        (topo.link(a, b).latency_ms / 1e3 for a in topo.ids for b in topo.neighbors(a)), default=0.0)
-    rtt = 2 * hops * lat
-    return opts.failure_timeout + 2 * opts.heartbeat + opts.check_interval + 4 * rtt
+    return opts.failure_timeout + 2 * opts.heartbeat + opts.check_interval + 4 * _longest_rtt(topo, opts)
+
+
+def line_probe_s(topo: Topology, opts: SimOptions) -> float:
+    """How long a node probing the coordinator's line of successors waits for one before it
+    passes it over: a heartbeat interval and two round trips (``CoordinatorHost.probe_time``)."""
+    return opts.heartbeat + 2 * _longest_rtt(topo, opts)
 
 
 class SimCluster:
@@ -407,6 +417,7 @@ class SimCluster:
                    and n.failed is None and n.started_at > late}
         live = [i for i in up if i not in cut_off and i not in pending]
         found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
+                                         line_s=line_probe_s(self.topo, opts),
                                          links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": 0, "recv": 0} for i in self.nodes}

@@ -12,7 +12,10 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   shorter arc of a ring with two nodes killed) are declared failed (left out of a view)
   within the bound of the fault's start when the fault is a kill or lasts at least the bound
   (within two bounds for the members cut off together with the coordinator, when the fault
-  lasts that long: its successor is elected first, and only then watches them); a node
+  lasts that long: its successor is elected first, and only then watches them; and the
+  coordinator itself within the bound plus one probe of its line of successors when
+  successors ahead of the first one on the majority's side are cut off with it: they are
+  passed over after one unanswered probe, ``line_s``); a node
   paused for less than the failure timeout less a heartbeat interval is not declared failed
   at all; no node is removed by a fault after which no group holds a majority (an even
   split; a declaration in its window that another fault accounts for, as
@@ -437,13 +440,16 @@ def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float
 
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
                failure_timeout: float, links: Links | None = None,
-               interval: float = 0.0, latency: Latency | None = None) -> tuple[list[dict[str, object]], str]:
+               interval: float = 0.0, latency: Latency | None = None,
+               line_s: float = 0.0) -> tuple[list[dict[str, object]], str]:
     """Per fault, who was declared failed how long after it started; and the verdict of
     ``faults_detected_in_bound`` (see the module docstring). ``links``: the topology's links
     (a fault also cuts off the nodes behind the ones it stops, :func:`cut_by`); ``interval``:
     the heartbeat interval (a node's silence starts at its last heartbeat, up to an interval
     before the fault: a pause under the failure timeout less an interval is never declared);
-    ``latency``: the links' one-way latency (what a slowdown multiplies, :func:`slow_risk`)."""
+    ``latency``: the links' one-way latency (what a slowdown multiplies, :func:`slow_risk`);
+    ``line_s``: how long a probe of the line of successors waits for an answer before passing
+    a silent one over (the coordinator's extra time when successors are cut off with it)."""
     decls = declarations(views)
     reach = _reaches(faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval, links=links,
                      latency=latency)
@@ -482,6 +488,10 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
         lead_by = before.coordinator if before is not None and before.coordinator in cut else None
         lead = lead_by is not None
         limit = {n: fbound if lead_by is None or n == lead_by else 2 * fbound for n in cut}
+        if lead_by is not None:  # successors ahead of the majority's first one, cut off with it
+            first = min((n for n in members if n not in cut), default=None)
+            if first is not None and any(n in cut and n != lead_by for n in members if n < first):
+                limit[lead_by] = fbound + line_s
         for d in decls:
             if d.node in cut or (found is None and d.node in members and not elsewhere(f, d)):
                 if f.at <= d.t <= end + fbound and d.node not in seen:

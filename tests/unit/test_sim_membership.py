@@ -678,3 +678,15 @@ def test_relayed_messages_stop_wandering_at_the_topologys_size_after_an_even_spl
     quiet = counted(topo, [], SimOptions(), 20.0)
     assert split["invariants"] == ALL_HELD
     assert split["events"] < 8 * quiet["events"], (split["events"], quiet["events"])  # 4.4 times; 73 before
+
+
+def test_a_coordinator_cut_off_with_its_first_successors_may_take_one_line_probe_longer() -> None:
+    # mesh-16 split 0-4,15 | 5-14: node 5 is elected after passing over 1-4, each silent to
+    # one probe of the line (a heartbeat and two round trips): coordinator 0 was declared
+    # 3.12 s after the split, 12 ms past the bound, which had no room for that probe (chaos
+    # seed 30577, esync). The coordinator's limit now adds one probe when successors ahead of
+    # the majority's first one are cut off with it.
+    s, _ = simulate(mesh(16), "partition:0-4.15|5-14@6.512+9.917", 40.0)
+    assert s["invariants"] == ALL_HELD
+    got = s["detections"][0]["declared_after_s"]
+    assert 3.108 < got["0"] <= 3.108 + 0.5 + 2 * 0.002 and s["final_view"]["coordinator"] == 5
