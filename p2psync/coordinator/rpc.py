@@ -359,6 +359,7 @@ class RpcClient:
         meta = {"id": rid, "low": min(self._waiting), "method": method, "args": args}
         tag = f"{REPLY_PREFIX}{rid}"
         self._calls[tag] = node
+        relayed = not self.transport.topology.routes(self.transport.node_id, node)
         try:
             attempt = 0
             while True:
@@ -374,8 +375,7 @@ class RpcClient:
                         raise
                 self._check_abort(tag, node, to_dead)
                 left = deadline - loop.time()
-                wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt,
-                                    relayed=not self.transport.topology.routes(self.transport.node_id, node))
+                wait = attempt_wait(rto=rto, left=left, timeout=timeout, attempt=attempt, relayed=relayed)
                 try:  # the reply that answers this process within ``wait`` (else PeerTimeout)
                     until = loop.time() + max(0.0, wait)
                     rep = await self.transport.recv(tag, timeout=max(0.0, wait), peer=node)
@@ -391,6 +391,8 @@ class RpcClient:
                 self.retries += 1
                 if wait < min(rto, left):
                     continue  # resent before the RTO ran out (attempt_wait): no backoff
+                if relayed and attempt < len(self.transport.next_hops(node)):
+                    continue  # the resend takes a first hop this call has not tried: another path, no backoff
                 if measure:  # the estimate backs off (RFC 6298 5.5) only for quick calls:
                     est.backoff()  # a long poll (register, finish) is slow by design
                     rto = est.rto()

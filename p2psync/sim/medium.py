@@ -32,6 +32,7 @@ from p2psync.topology import Route, Topology
 from p2psync.transport import MemoryHub
 from p2psync.transport.base import NotReady
 from p2psync.transport.ingest import hop_limit
+from p2psync.transport.relay import resend_number
 from p2psync.transport.memory import MemoryTransport
 from p2psync.wire import placed
 
@@ -70,13 +71,13 @@ class SimHub(MemoryHub):
         self.votes: dict[int, MemoryVotes] = {}
         #: bumped whenever a fault begins or ends (express paths are checked again)
         self.faults = 0
-        #: (sender, first relay, destination, reply) -> the express path kept
-        self.paths: dict[tuple[int, int, int, bool], _Path] = {}
+        #: (sender, first relay, destination, reply, resend spread) -> the express path kept
+        self.paths: dict[tuple[int, int, int, bool, int], _Path] = {}
         #: bumped whenever a router's memory of the way back to an origin changes (express
         #: paths whose relays' ways back were checked before are checked again)
         self.back_changes = 0
-        #: (previous node, relay, destination, reply) -> the relay's decision (:func:`_walk`)
-        self.hops: dict[tuple[int, int, int, bool], _Hop] = {}
+        #: (previous node, relay, destination, reply, resend spread) -> the relay's decision (:func:`_walk`)
+        self.hops: dict[tuple[int, int, int, bool, int], _Hop] = {}
 
     def flush(self) -> None:
         """Bring every relay's counters up to date with the express paths' traffic (their
@@ -182,10 +183,11 @@ class SimTransport(MemoryTransport):
                 or header.get("auth") is not None or type(inc) is not int or type(hops) is not int):
             return False
         reply = kind == "reply"
-        key = (self.node_id, peer, dst, reply)
+        spread = 0 if reply else resend_number(header)
+        key = (self.node_id, peer, dst, reply, spread)
         path = hub.paths.get(key)
         if path is None or not path.current(hub) or not path.clear(hub, loop, src, inc):
-            path = _walk(hub, self.node_id, peer, dst, reply)
+            path = _walk(hub, self.node_id, peer, dst, reply, spread)
             if path is None or hops + len(path.nodes) - 1 > hop_limit(len(self.topology.ids)) \
                     or not path.clear(hub, loop, src, inc):
                 return False
@@ -346,9 +348,10 @@ class _Path:
         return True
 
 
-def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path | None:
+def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: int = 0) -> _Path | None:
     """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
-    ``dst`` (the first candidate, never back where it came from; a reply to a node the relay
+    ``dst`` (the first candidate, never back where it came from, the ``spread``-th of the
+    equal-cost ones for a resent request: :func:`~p2psync.transport.relay.resend_number`; a reply to a node the relay
     marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), up to
     ``dst`` or to the first node that would do anything else than pass it on to that candidate
     at once (no candidate, a candidate marked dead or gone: it ingests the message as usual and
@@ -365,11 +368,11 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool) -> _Path |
         if not isinstance(rt, SimTransport) or rt.relay_keys is not None or len(nodes) > len(endpoints) + 1:
             return None
         back = rt.router.back.get(dst)
-        key = (prev, cur, dst, reply)
+        key = (prev, cur, dst, reply, spread)
         hop = memo.get(key)
         if hop is None or hop.transport is not rt or hop.version != rt.routes_version \
                 or (reply and hop.back != back):
-            hop = memo[key] = _hop(hub, rt, prev, dst, reply, back)
+            hop = memo[key] = _hop(hub, rt, prev, dst, reply, back, spread)
         nb = hop.next
         if nb is None or nb not in endpoints:  # the message stops being passed on at once here
             if len(nodes) < 3:
@@ -406,7 +409,8 @@ class _Hop:
     latency: float
 
 
-def _hop(hub: SimHub, rt: "SimTransport", prev: int, dst: int, reply: bool, back: int | None) -> _Hop:
+def _hop(hub: SimHub, rt: "SimTransport", prev: int, dst: int, reply: bool, back: int | None,
+         spread: int = 0) -> _Hop:
     """The decision of relay ``rt`` (see :class:`_Hop`), from its router now."""
     router, cur = rt.router, rt.node_id
     nb: int | None
@@ -415,7 +419,8 @@ def _hop(hub: SimHub, rt: "SimTransport", prev: int, dst: int, reply: bool, back
     elif dst in router.dead and rt.topology.routes(cur, dst):
         nb = dst  # a reply goes to an adjacent node marked dead directly (it asked)
     else:
-        nbs = router.reply_hops(dst, exclude=prev) if reply else router.next_hops(dst, exclude=prev, to_dead=True)
+        nbs = (router.reply_hops(dst, exclude=prev) if reply
+               else router.next_hops(dst, exclude=prev, to_dead=True, spread=spread))
         nb = nbs[0] if nbs and nbs[0] not in router.dead else None
     if nb is None:
         return _Hop(rt, rt.routes_version, back, None, ("", ""), 0.0)

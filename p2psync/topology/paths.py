@@ -303,13 +303,16 @@ def hop_distances(topo: Topology, src: int, *, avoid: Collection[int] = ()) -> d
 
 def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
               distances: Callable[[int], Mapping[int, int]], exclude: int | None = None,
-              rotate: int = 0, to_dead: bool = False, shortest: bool = False) -> list[int]:
+              rotate: int = 0, to_dead: bool = False, shortest: bool = False, spread: int = 0) -> list[int]:
     """Neighbours of ``me`` to relay through towards ``dst``: shortest live path first, live
     ones only (``distances(b)``: :func:`hop_distances` from ``b`` around ``dead``, cached by the
     caller). ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over
-    another first hop); ``to_dead``: when ``dst`` is dead, aim at its live neighbours;
-    ``shortest``: only the neighbours on a shortest live path (every hop gets closer, so
-    what is forwarded never wanders)."""
+    another first hop); ``spread``: among the candidates on a shortest path (equal cost), the
+    ``spread``-th comes first (a relay passing on the k-th resend of a request: successive
+    resends take every equal-cost way, not only the lowest id's, which may lead into a cut);
+    ``to_dead``: when ``dst`` is dead, aim at its live neighbours; ``shortest``: only the
+    neighbours on a shortest live path (every hop gets closer, so what is forwarded never
+    wanders)."""
     goals = {dst: 0}
     if to_dead and dst in dead:
         goals = {nb: 1 for nb in topo.neighbors(dst) if nb not in dead and nb != me}
@@ -320,6 +323,10 @@ def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
 
     costs = {b: cost(b) for b in topo.neighbors(me) if b not in dead and b != exclude}
     cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
+    if spread and cands:
+        tier = sum(1 for b in cands if costs[b] == costs[cands[0]])
+        k = spread % tier
+        cands = cands[k:tier] + cands[:k] + cands[tier:]
     if shortest and cands:
         cands = [b for b in cands if costs[b] == costs[cands[0]]]
     if rotate and cands:

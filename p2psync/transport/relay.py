@@ -31,6 +31,9 @@ lane), with what bulk needs instead of what control needs:
 * a relayed data message keeps no order relative to other messages between the same two
   nodes (the collectives' pieces are sent unordered anyway).
 
+The resends of a request spread over the equal-cost next hops at every relay
+(:func:`resend_number`), as the origin's resends spread over its first hops.
+
 A message passing through this node towards a node it has declared dead is still forwarded,
 to a live neighbour of that node: in a keyed cluster a relay cannot verify the origin of what
 it forwards, so it does not revive a node on a relayed message's word (see
@@ -61,6 +64,18 @@ class SendDirect(Protocol):
 
     def __call__(self, peer: int, route: Route, budget: float, frames: list[Any], *, bulk: bool = False,
                  unordered: bool = False, to_dead: bool = False) -> Awaitable[None]: ...
+
+
+def resend_number(fields: Mapping[str, Any]) -> int:
+    """Which resend of a request a relayed control message is: the int ``att`` of its meta
+    (the RPC client numbers the first hops it tries, ``RpcClient.call``), else 0. A relay
+    puts the ``att``-th of its equal-cost next hops first (``Router.next_hops`` ``spread``):
+    the resends of a request take every equal-cost way, not only the lowest id's, which may
+    lead into a partition no node has noticed yet (the node behind it was declared failed
+    though a longer way was open)."""
+    meta = fields.get("meta")
+    att = meta.get("att") if isinstance(meta, Mapping) else None
+    return att if type(att) is int and att > 0 else 0
 
 
 class Relay:
@@ -130,7 +145,8 @@ class Relay:
                 pass
         hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate) if reply else
                      self.router.next_hops(dst, exclude=came_from, rotate=rotate,
-                                            to_dead=any_path or came_from is not None))
+                                            to_dead=any_path or came_from is not None,
+                                            spread=resend_number(fields) if came_from is not None else 0))
         if not hops_list and any_path:  # its live neighbours are marked dead here too: any way there
             hops_list = self.router.blind_hops(dst, exclude=came_from)
         if not hops_list:
@@ -281,4 +297,4 @@ class Relay:
             t.cancel()
 
 
-__all__ = ["Relay", "SendDirect"]
+__all__ = ["Relay", "SendDirect", "resend_number"]

@@ -66,10 +66,10 @@ class Router:
         return self._dist[src]
 
     def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
-                  to_dead: bool = False, shortest: bool = False) -> list[int]:
+                  to_dead: bool = False, shortest: bool = False, spread: int = 0) -> list[int]:
         """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self.distances,
-                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest)
+                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest, spread=spread)
 
     def blind_hops(self, dst: int, *, exclude: int | None = None) -> list[int]:
         """Neighbours towards ``dst`` over the whole topology, the nodes marked dead included

@@ -690,3 +690,15 @@ def test_a_coordinator_cut_off_with_its_first_successors_may_take_one_line_probe
     assert s["invariants"] == ALL_HELD
     got = s["detections"][0]["declared_after_s"]
     assert 3.108 < got["0"] <= 3.108 + 0.5 + 2 * 0.002 and s["final_view"]["coordinator"] == 5
+
+
+def test_the_resends_of_a_request_spread_over_equal_cost_relays_around_a_cut() -> None:
+    # BCube(4, 2) split 2-6 | the rest (coordinator 0 on the 11 side). Node 7's neighbours are
+    # 3-6 (cut off) and 11, 15; from 11 and 15 the ways to 0 through 3 and through 8 (or 12)
+    # cost the same, and every relay took the lowest id, 3, into the cut: node 7's heartbeats
+    # were lost on every first hop it tried, and it was declared failed (chaos seed 40534, dts).
+    # A relay now puts the k-th equal-cost next hop first for the k-th resend of a request.
+    for express in (True, False):
+        s, _ = simulate(bcube(4, 2), "partition:2-6|0-1.7-15@11.083+6.095", 30.0, express=express)
+        assert s["invariants"] == ALL_HELD, express
+        assert sorted(d["node"] for d in s["declared"]) == [2, 3, 4, 5, 6]

@@ -196,6 +196,9 @@ def test_hop_distances_and_next_hops_route_around_dead_nodes():
     assert hops(2) == [1, 5] and hops(2, rotate=1) == [5, 1]
     assert hops(2, dead={1}) == [5]
     assert hops(3, dead={3}) == [] and hops(3, dead={3}, to_dead=True) == [1, 5]  # its live neighbours
+    # spread: the k-th of the equal-cost candidates first, the costlier ones after them
+    assert hops(3, spread=1) == [5, 1] and hops(3, spread=2) == [1, 5]
+    assert hops(2, exclude=None, spread=1) == [1, 5]  # 1 is nearer: one candidate of least cost
 
 
 @pytest.mark.parametrize(

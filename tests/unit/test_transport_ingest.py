@@ -158,3 +158,11 @@ async def test_a_relayed_message_teaches_the_way_back_to_its_origin(ring4: dict[
     assert t.router.back == {2: 3}
     ring4[1]._ingest(_nic(ring4[1]), 0, "0/n", _frames(src=3, inc=1, dst=2, hops=1))  # forwarded by 1
     assert ring4[1].router.back == {3: 0}
+
+
+def test_the_resend_number_of_a_relayed_message_is_its_attempt() -> None:
+    from p2psync.transport.relay import resend_number
+
+    assert resend_number({"kind": "rpc", "meta": {"att": 3, "method": "m"}}) == 3
+    assert resend_number({"kind": "rpc", "meta": {"att": "3"}}) == 0 and resend_number({"meta": None}) == 0
+    assert resend_number({"kind": "event", "meta": {}}) == 0 and resend_number({"meta": {"att": -2}}) == 0
