@@ -352,3 +352,15 @@ def test_with_no_majority_left_anywhere_no_node_is_held_to_finish() -> None:
     for name in ("strategy_finished", "same_model_at_end"):
         assert s["invariants"][name].startswith(inv.NOT_PROMISED) and "no group of live nodes" in s["invariants"][name]
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+
+
+def test_dts_after_a_split_that_cut_the_coordinator_off_ends_at_an_agreed_stop() -> None:
+    # BCube(4, 2) split 0-6 | 7-15 for 3.8 s (chaos seed 40130): the majority's nodes never
+    # ended their loops (running at steps 100 and 107 long after the stop) until requests were
+    # resent over every equal-cost relay (test_sim_membership's spread test): the resends of
+    # their calls to the new coordinator all went into the cut
+    from p2psync.topology import bcube
+
+    s = train(bcube(4, 2), "dts", "partition:0-6|7-15@9.441+3.797", 40.0, step_time=0.1)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["invariants"]["strategy_finished"] == "held" and s["training"]["finished"] == 9
