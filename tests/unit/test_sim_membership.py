@@ -19,7 +19,7 @@ from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions, detection_bound
 from p2psync.sim.faults import Fault, draw, parse_faults
 from p2psync.sim.loop import VirtualLoop, run
-from p2psync.topology import bcube, mesh, ring
+from p2psync.topology import bcube, groups, mesh, ring
 
 ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
             "one_view_at_end": "held", "bounded_queues": "held"}
@@ -702,3 +702,14 @@ def test_the_resends_of_a_request_spread_over_equal_cost_relays_around_a_cut() -
         s, _ = simulate(bcube(4, 2), "partition:2-6|0-1.7-15@11.083+6.095", 30.0, express=express)
         assert s["invariants"] == ALL_HELD, express
         assert sorted(d["node"] for d in s["declared"]) == [2, 3, 4, 5, 6]
+
+
+def test_a_reply_goes_back_through_the_relay_its_request_came_through_though_marked_dead() -> None:
+    # groups-4x4 split 0-1,11-15 | 2-10 (no side with a majority: 2, 3 reach the rest only
+    # through their site's gateway 0). After the heal node 4 won, and probed 2 and 3 before
+    # removing them; the probes reached them through 0, but 2 and 3 had marked 0 dead while
+    # cut off and had no live way back: the replies were dropped and two live nodes were
+    # removed (chaos seed 50571, preduce). With no live way, a reply goes back through the
+    # neighbour its request came through.
+    s, _ = simulate(groups(4, 4), "partition:0-1.11-15|2-10@7.587+2.377", 20.0)
+    assert s["invariants"] == ALL_HELD and s["declared"] == []
