@@ -376,6 +376,8 @@ class _StoreStrategy(Strategy):
         except PeerFailure as exc:  # reported (lost_pushes), then the store follows the view
             log.warning("node %d: %s push lost: %s", self.ctx.transport.node_id, self.name, exc)
             await self._follow_view(exc)
+        except PeerTimeout as exc:  # acks late (a slow link): counted lost; a failure is the views' to say
+            log.warning("node %d: %s push may be lost: %s", self.ctx.transport.node_id, self.name, exc)
         self.count += 1
         t1 = clock.now()
         ok = await self._report(want_stop)
