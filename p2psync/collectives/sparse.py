@@ -139,9 +139,10 @@ async def gather_sum(coll: Collectives, idx: np.ndarray, vals: np.ndarray, g: tu
     k = idx.size
     rows, stats = await coll._gather(pack(idx, vals), g, tag, record=False, check=row_check(coll, n, k, tag))
     out = np.zeros(n, np.float32)
-    for src, row in zip(g, rows, strict=True):
-        i, v = unpack(row, n, k, f"{tag}: sparse part of node {src}")
-        out[i] += v  # indices are unique within a part: no lost updates
+    with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is found right after)
+        for src, row in zip(g, rows, strict=True):
+            i, v = unpack(row, n, k, f"{tag}: sparse part of node {src}")
+            out[i] += v  # indices are unique within a part: no lost updates
     if not all_finite(out):  # every part was finite (checked on arrival): their sum overflowed
         raise sum_diverged(coll.transport.node_id, tag)
     return out, stats
