@@ -588,13 +588,13 @@ class CoordinatorHost:
         rtts = [e.srtt for e in self.membership.rpc.rtt.values() if e.srtt is not None]
         return self.heartbeat_interval + 2 * max(rtts, default=0.0)
 
-    async def _alive(self, node: int, timeout: float, *, to_dead: bool = False) -> bool:
+    async def _alive(self, node: int, timeout: float, *, any_path: bool = False) -> bool:
         """Whether ``node`` answers a view probe within ``timeout`` (an error reply is an answer);
-        ``to_dead``: ask it even when it and the nodes between are marked dead here, by any way
-        (:meth:`RpcClient.call` ``any_path``)."""
+        ``any_path``: ask it even when it and the nodes between are marked dead here, by any way
+        (:meth:`RpcClient.call`)."""
         try:
             await self.membership.rpc.call(node, "membership.heartbeat", {"probe": True}, timeout=timeout,
-                                           to_dead=to_dead, any_path=to_dead)
+                                           any_path=any_path)
         except RemoteError:
             return True
         except P2PSyncError:
@@ -605,7 +605,7 @@ class CoordinatorHost:
         """Whether each of ``nodes`` answers a view probe within ``timeout``, asked at once;
         nodes marked dead here are asked too, by any way (``any_path``)."""
         asks = TaskSet("proof-of-life", isolated=True)
-        tasks = {n: asks.spawn(self._alive(n, timeout, to_dead=True), name=f"alive-{n}") for n in nodes}
+        tasks = {n: asks.spawn(self._alive(n, timeout, any_path=True), name=f"alive-{n}") for n in nodes}
         try:
             await asyncio.wait(tasks.values())
         finally:

@@ -479,11 +479,7 @@ class SimCluster:
                            peak_relay_bytes=t.relaying.peak_held,
                            overflows={k: t.rejected[k] for k in inv.OVERFLOWS if t.rejected[k]})
             was = out.get(n.id)
-            out[n.id] = q if was is None else inv.Queues(
-                peak_pending=max(q.peak_pending, was.peak_pending), peak_bytes=max(q.peak_bytes, was.peak_bytes),
-                peak_relay_bytes=max(q.peak_relay_bytes, was.peak_relay_bytes),
-                overflows={k: q.overflows.get(k, 0) + was.overflows.get(k, 0)
-                           for k in {*q.overflows, *was.overflows}})
+            out[n.id] = q if was is None else was | q
         return out
 
     async def close(self) -> None:

@@ -563,6 +563,14 @@ class Queues:
     peak_relay_bytes: int
     overflows: Mapping[str, int]
 
+    def __or__(self, other: Queues) -> Queues:
+        """Both processes' queues of one node: the larger peaks, the overflows added."""
+        return Queues(peak_pending=max(self.peak_pending, other.peak_pending),
+                      peak_bytes=max(self.peak_bytes, other.peak_bytes),
+                      peak_relay_bytes=max(self.peak_relay_bytes, other.peak_relay_bytes),
+                      overflows={k: self.overflows.get(k, 0) + other.overflows.get(k, 0)
+                                 for k in {*self.overflows, *other.overflows}})
+
 
 def bounded_queues(queues: Mapping[int, Queues], *, mailbox_budget: int, relay_budget: int, senders: int) -> str:
     """``held`` when no node overflowed a queue (see the module docstring), else which ones

@@ -149,10 +149,6 @@ class Relay:
                                             spread=resend_number(fields) if came_from is not None else 0))
         if not hops_list and any_path:  # its live neighbours are marked dead here too: any way there
             hops_list = self.router.blind_hops(dst, exclude=came_from)
-        if not hops_list and reply:  # no live way: back through the neighbour its request came through,
-            back = self.router.back.get(dst)  # which relayed it, though marked dead here
-            if back is not None and back != came_from:
-                hops_list = [back]
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin == self.node_id and self.keys is not None:  # number and sign it for the destination

@@ -84,11 +84,14 @@ class Router:
         """Neighbours to relay a reply through towards ``dst`` (which may be marked dead: it
         asked), never ``exclude``: the neighbour ``dst``'s latest relayed message came through
         first (:meth:`heard`) unless that one is marked dead, then :meth:`next_hops`
-        (``to_dead``) in its order."""
+        (``to_dead``) in its order; when there is none, that neighbour even though marked dead
+        (it relayed the request, so it relays; the replier may have marked it while cut off)."""
         hops = self.next_hops(dst, exclude=exclude, rotate=rotate, to_dead=True)
         back = self.back.get(dst)
-        if back is None or back == exclude or back in self.dead:
+        if back is None or back == exclude:
             return hops
+        if back in self.dead:  # with no live way, back through it all the same: it just relayed the request
+            return hops or [back]
         return [back, *(h for h in hops if h != back)]
 
 
