@@ -134,7 +134,13 @@ async def test_a_worker_more_than_s_behind_is_reset_to_the_fastest_model():
     branches = [r[-1].extra["branches"] for r in reps]
     fastest = max(range(4), key=lambda i: len(reps[i]))
     assert branches[3]["C"] >= 1, branches
-    assert branches[fastest]["C"] == 0, branches  # s_cur = 0 at ζ: never overtime
+    # overtime only beyond the bound: t more than s behind the ζ seen at the decision (the
+    # fastest at the end may have lagged for a moment on a loaded machine, so this is checked
+    # per decision rather than as "the fastest never")
+    for rep in (r for node in reps for r in node):
+        if rep.extra.get("branch") == "C":
+            assert rep.extra["zeta"] - rep.extra["t"] > 2, rep.extra
+    assert branches[fastest]["C"] <= branches[3]["C"] // 2, branches
     # the other fast workers drift a few iterations apart (one event loop for four nodes) and
     # may cross s = 2 now and then; the slow one does all the time
     assert sum(b["C"] for b in branches[:3]) < branches[3]["C"], branches

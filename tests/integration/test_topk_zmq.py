@@ -138,10 +138,13 @@ async def test_malformed_part_from_a_peer_is_rejected_everywhere(fault):
             assert all(isinstance(r, (ProtocolError, PeerFailure)) for r in res), res
             assert any(isinstance(r, ProtocolError) and "signature" in str(r) for r in res), res
         else:
-            # a part of the right size is delivered everywhere (node 0's own check rejects it
-            # too); every node finds node 0's part malformed: a ProtocolError, no crash
+            # a part of the right size is sent everywhere (node 0's own check rejects it too);
+            # a node that finds node 0's part malformed fails with a ProtocolError naming node 0
+            # and stops sending, so a node still waiting for that node's part may instead time
+            # out on it (PeerFailure, under load); nobody crashes or sums the part
             for r in res:
-                assert isinstance(r, ProtocolError) and "node 0" in str(r), r
+                assert (isinstance(r, ProtocolError) and "node 0" in str(r)) or isinstance(r, PeerFailure), r
+            assert sum(isinstance(r, ProtocolError) for r in res) >= 2, res
         # the nodes still work afterwards
         x = np.arange(n, dtype=np.float32)
         outs = await asyncio.gather(*(cs[i].allreduce(x, tag="after", codec="topk:0.01") for i in g))
