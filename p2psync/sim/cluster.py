@@ -314,6 +314,7 @@ class SimCluster:
             self._reshape()
         else:
             self.hub.cuts.append((frozenset(f.nodes), frozenset(f.other)))
+            self.hub.links_changed()
 
     def _kill(self, node: SimNode) -> None:
         """The node's process stops for good (see the module docstring)."""
@@ -378,6 +379,7 @@ class SimCluster:
             self._reshape()
         elif f.kind == "partition":
             self.hub.cuts.remove((frozenset(f.nodes), frozenset(f.other)))
+            self.hub.links_changed()
 
     async def run(self, virtual_seconds: float) -> dict[str, Any]:
         """Start, run until ``virtual_seconds`` after the rendezvous, and summarize (the nodes

@@ -34,7 +34,7 @@ from p2psync.transport.base import NotReady
 from p2psync.transport.ingest import hop_limit
 from p2psync.transport.relay import resend_number
 from p2psync.transport.memory import MemoryTransport
-from p2psync.wire import placed
+from p2psync.wire import PATH_KEPT, placed
 
 
 class SimHub(MemoryHub):
@@ -102,6 +102,12 @@ class SimHub(MemoryHub):
         lat = self.base_latency(a, b)
         return lat * self.factor(a, b) if self.slow else lat
 
+    def links_changed(self) -> None:
+        """Cuts began or ended: every node's sends waiting for a connection look again."""
+        for t in self.endpoints.values():
+            if isinstance(t, SimTransport):
+                t._links_changed()
+
     def cut(self, a: int, b: int) -> bool:
         """Whether the link between ``a`` and ``b`` is down now."""
         return any((a in x and b in y) or (a in y and b in x) for x, y in self.cuts)
@@ -164,6 +170,12 @@ class SimTransport(MemoryTransport):
         loop.call_soon(target._ingest, route.remote_nic, self.node_id, f"{self.node_id}/{route.local_nic}",
                        copied, context=hub.context(peer))
 
+    def _connected(self, peer: int, bulk: bool) -> bool:
+        """Up unless the link is cut: a cut is known to both ends at once here, as a dropped
+        connection is (a peer not started yet, or killed, is found at delivery, as before)."""
+        hub = self.sim
+        return not (hub.cuts and hub.cut(self.node_id, peer))
+
     def _express(self, peer: int, frames: list[bytes], loop: asyncio.AbstractEventLoop) -> bool:
         """Deliver a relayed control message over its whole path at once, if the path is clear
         (see the class docstring); False: it goes to ``peer`` the ordinary way. The path is
@@ -180,7 +192,8 @@ class SimTransport(MemoryTransport):
         dst, src, kind = header.get("dst"), header.get("src"), header.get("kind")
         inc, hops = header.get("inc"), header.get("hops", 0)
         if (type(dst) is not int or dst == peer or kind == "data" or type(src) is not int
-                or header.get("auth") is not None or type(inc) is not int or type(hops) is not int):
+                or header.get("auth") is not None or type(inc) is not int or type(hops) is not int
+                or "path" in header):  # (a relay's own decisions: the path from its origin is not kept)
             return False
         reply = kind == "reply"
         spread = 0 if reply else resend_number(header)
@@ -216,6 +229,8 @@ class SimTransport(MemoryTransport):
             path.backs_src, path.backs_seen = src, hub.back_changes
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
+        if len(nodes) > 2:
+            header["path"] = nodes[:-2][-PATH_KEPT:]
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
         end = nodes[-1]  # the destination, or the node that does anything else than pass it on
         loop.call_at(loop.time() + path.latency, hub.endpoints[end]._ingest, path.final_nic, last,
@@ -355,7 +370,9 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: in
     marked dead goes to it directly when adjacent, as :meth:`Relay._relay` sends it), up to
     ``dst`` or to the first node that would do anything else than pass it on to that candidate
     at once (no candidate, a candidate marked dead or gone: it ingests the message as usual and
-    its own code decides); None when that is ``peer`` itself, for a keyed relay, or a loop."""
+    its own code decides; also a relay whose choice the message's ``path`` would change, see
+    :mod:`p2psync.transport.relay`); None when that is ``peer`` itself, for a keyed relay, or a
+    loop."""
     nodes, nics = [sender, peer], [("", "")]
     backs: list[int | None] = [None]
     latency = 0.0
@@ -374,7 +391,13 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: in
                 or (reply and hop.back != back):
             hop = memo[key] = _hop(hub, rt, prev, dst, reply, back, spread)
         nb = hop.next
-        if nb is None or nb not in endpoints:  # the message stops being passed on at once here
+        passed = nodes[:-2][-PATH_KEPT:]  # (the message's path there: no relay passes it on to those)
+        if nb is None or nb not in endpoints or nb in passed \
+                or (spread and any(rt.topology.routes(cur, p) for p in passed)):
+            # the message stops being passed on at once here, or the relay would decide
+            # otherwise with the message's path (a neighbour of it on the path: the memo's
+            # choice is on it, or the spread's equal-cost tier is smaller), so it ingests the
+            # message and decides itself
             if len(nodes) < 3:
                 return None
             break

@@ -303,10 +303,11 @@ def hop_distances(topo: Topology, src: int, *, avoid: Collection[int] = ()) -> d
 
 def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
               distances: Callable[[int], Mapping[int, int]], exclude: int | None = None,
-              rotate: int = 0, to_dead: bool = False, shortest: bool = False, spread: int = 0) -> list[int]:
+              rotate: int = 0, to_dead: bool = False, shortest: bool = False, spread: int = 0,
+              avoid: Collection[int] = ()) -> list[int]:
     """Neighbours of ``me`` to relay through towards ``dst``: shortest live path first, live
     ones only (``distances(b)``: :func:`hop_distances` from ``b`` around ``dead``, cached by the
-    caller). ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over
+    caller), never ``exclude`` nor one of ``avoid`` (nodes the message has passed already). ``rotate`` > 0 moves the first ``rotate`` candidates to the end (a retry over
     another first hop); ``spread``: among the candidates on a shortest path (equal cost), the
     ``spread``-th comes first (a relay passing on the k-th resend of a request: successive
     resends take every equal-cost way, not only the lowest id's, which may lead into a cut);
@@ -321,7 +322,7 @@ def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
         d = distances(b)
         return min((d[g] + c for g, c in goals.items() if g in d), default=None)
 
-    costs = {b: cost(b) for b in topo.neighbors(me) if b not in dead and b != exclude}
+    costs = {b: cost(b) for b in topo.neighbors(me) if b not in dead and b != exclude and b not in avoid}
     cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
     if spread and cands:
         tier = sum(1 for b in cands if costs[b] == costs[cands[0]])

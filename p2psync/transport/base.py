@@ -178,6 +178,8 @@ class Transport(ABC):
         self.peer_incarnations: dict[int, int] = {}
         #: node -> monotonic time its latest accepted message arrived (proof of life)
         self.last_arrival: dict[int, float] = {}
+        #: shaped sends waiting for a connection (:meth:`_links_changed` wakes them)
+        self._link_waiters: list[asyncio.Future[None]] = []
         self._pipeline = Ingest(node_id=node_id, nodes=frozenset(topology.ids), limits=limits,
                                 incarnations=self.peer_incarnations, dead=self.router.dead,
                                 auth=OriginAuth(node_id, self.relay_keys) if self.relay_keys is not None else None)
@@ -250,6 +252,7 @@ class Transport(ABC):
             self._revived(Revive(peer, max(inc, self.peer_incarnations.get(peer, inc))))
             return
         self.router.mark_dead(peer)
+        self._links_changed()  # (a send waiting for its connection fails now)
 
     def revive(self, peer: int) -> None:
         """``peer`` is a member again (a new view): route through it again."""
@@ -263,6 +266,20 @@ class Transport(ABC):
     def _link_up(self, peer: int) -> bool:
         """Whether this node's connection to adjacent ``peer`` is up as far as it knows (a
         transport that cannot tell says yes): relayed data prefers such a next hop."""
+        return self._connected(peer, True)
+
+    def _links_changed(self) -> None:
+        """A connection came up (or a node was marked dead): the sends waiting for a
+        connection look again (:meth:`_shape_when_connected`). Subclasses call it."""
+        waiters, self._link_waiters = self._link_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _connected(self, peer: int, bulk: bool) -> bool:
+        """Whether this node's connection to adjacent ``peer`` on the bulk (else the control)
+        channel is up as far as it knows (a transport that cannot tell says yes): a shaped
+        send waits for it before it enters the shaper (:meth:`_shape_when_connected`)."""
         return True
 
     @property
@@ -414,10 +431,39 @@ class Transport(ABC):
         # a shaped message leaves later: capture its bytes now, as a real NIC would (a Fill's
         # inputs, such as a borrowed piece, are given back once this send returns)
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in placed(frames)]
+        if not self._connected(peer, bulk):
+            return self._shape_when_connected(peer, route, budget, frames, bulk, unordered, to_dead)
         return self.shaper.submit(peer, frames_len(frames),
                                   lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered,
                                                         to_dead=to_dead),
                                   control=not bulk, nic=route.local_nic)
+
+    async def _shape_when_connected(self, peer: int, route: Route, budget: float, frames: list[Any], bulk: bool,
+                                    unordered: bool, to_dead: bool) -> None:
+        """A shaped send while this node's connection to ``peer`` is down: it enters the shaper
+        once the connection is up, within ``budget`` (then with what is left of it), else fails
+        as an unshaped send would (PeerUnreachable; PeerFailure when ``peer`` is marked dead).
+        Accepting it into the shaper at once would report it sent, to be dropped on delivery:
+        a relay whose first hop's link is cut would never try its other next hops."""
+        deadline = clock.now() + budget
+        while not self._connected(peer, bulk):
+            if peer in self.router.dead and not to_dead:
+                raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
+            left = deadline - clock.now()
+            if left <= 0:
+                raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
+                                      f"{route.local_nic} for {budget:g}s", peers=(peer,))
+            fut = asyncio.get_running_loop().create_future()
+            self._link_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+            finally:
+                if fut in self._link_waiters:
+                    self._link_waiters.remove(fut)
+        await self._shape_and_deliver(peer, route, max(0.0, deadline - clock.now()), frames, bulk, unordered,
+                                      to_dead)
 
     def _attempt(self, peer: int, route: Route, frames: list[Any], nbytes: int, bulk: bool,
                  unordered: bool = False, to_dead: bool = False) -> bool:

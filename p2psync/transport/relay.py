@@ -34,6 +34,14 @@ lane), with what bulk needs instead of what control needs:
 The resends of a request spread over the equal-cost next hops at every relay
 (:func:`resend_number`), as the origin's resends spread over its first hops.
 
+**No loops.** A relay knows only its own links: a next hop whose link is cut is skipped (a
+send over it fails at once), and the neighbour taken instead may route the message back,
+through links it believes up, towards the node it came from (on BCube(4, 2) cut in two, 5 ->
+6 -> 7 -> 5 -> ... until the hop limit). So a relayed control message lists the nodes it
+passed (its header's ``path``, the latest :data:`~p2psync.wire.PATH_KEPT`), and no relay passes
+it on to one of them: it takes a way that is new, or none (PeerUnreachable; its sender's
+resend tries another first hop).
+
 A message passing through this node towards a node it has declared dead is still forwarded,
 to a live neighbour of that node: in a keyed cluster a relay cannot verify the origin of what
 it forwards, so it does not revive a node on a relayed message's word (see
@@ -52,7 +60,7 @@ from p2psync.errors import P2PSyncError, PeerFailure, PeerUnreachable, ProtocolE
 from p2psync.topology import Route, Topology
 from p2psync.transport.relay_auth import relay_digest
 from p2psync.transport.router import Router
-from p2psync.wire import Message, WireLimits, encode, frames_len, parse_header, placed
+from p2psync.wire import PATH_KEPT, Message, WireLimits, encode, frames_len, parse_header, placed
 
 log = logging.getLogger("p2psync.transport")
 
@@ -134,8 +142,13 @@ class Relay:
         await self._relay(self.node_id, dst, 0, fields, budget, rotate=rotate, any_path=any_path)
 
     async def _relay(self, origin: int, dst: int, hops: int, fields: dict[str, Any],
-                     budget: float, came_from: int | None = None, rotate: int = 0, any_path: bool = False) -> None:
+                     budget: float, came_from: int | None = None, rotate: int = 0, any_path: bool = False,
+                     passed: tuple[int, ...] = ()) -> None:
+        """``passed``: the nodes the message passed before ``came_from`` (its ``path``); it goes
+        to none of them, nor back to ``came_from``, and carries them and ``came_from`` on."""
         reply = fields["kind"] == "reply"  # goes back even to a node marked dead (it asked)
+        if came_from is not None:
+            fields = {**fields, "path": (*passed, came_from)[-PATH_KEPT:]}
         if (reply or any_path) and dst in self.router.dead and self.topology.routes(self.node_id, dst):
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
             try:
@@ -143,12 +156,13 @@ class Relay:
                 return
             except PeerFailure:
                 pass
-        hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate) if reply else
+        hops_list = (self.router.reply_hops(dst, exclude=came_from, rotate=rotate, avoid=passed) if reply else
                      self.router.next_hops(dst, exclude=came_from, rotate=rotate,
                                             to_dead=any_path or came_from is not None,
-                                            spread=resend_number(fields) if came_from is not None else 0))
+                                            spread=resend_number(fields) if came_from is not None else 0,
+                                            avoid=passed))
         if not hops_list and any_path:  # its live neighbours are marked dead here too: any way there
-            hops_list = self.router.blind_hops(dst, exclude=came_from)
+            hops_list = self.router.blind_hops(dst, exclude=came_from, avoid=passed)
         if not hops_list:
             raise PeerUnreachable(f"node {self.node_id}: no live path to node {dst}", peers=(dst,))
         if origin == self.node_id and self.keys is not None:  # number and sign it for the destination
@@ -275,7 +289,7 @@ class Relay:
         async def go() -> None:
             try:
                 await self._relay(h.src, h.dst, h.hops + 1, fields,  # type: ignore[arg-type]
-                                  min(self.default_timeout, 5.0), came_from)
+                                  min(self.default_timeout, 5.0), came_from, passed=h.path)
                 self.relayed += 1
             except P2PSyncError as exc:
                 log.info("node %d: dropped relayed message for node %s: %s", self.node_id, h.dst, exc)

@@ -19,6 +19,8 @@ hops) is then answered around it too, instead of losing every reply until the re
 
 from __future__ import annotations
 
+from typing import Collection
+
 from p2psync.topology import Topology
 from p2psync.topology.paths import hop_distances, next_hops
 
@@ -66,30 +68,33 @@ class Router:
         return self._dist[src]
 
     def next_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
-                  to_dead: bool = False, shortest: bool = False, spread: int = 0) -> list[int]:
+                  to_dead: bool = False, shortest: bool = False, spread: int = 0,
+                  avoid: Collection[int] = ()) -> list[int]:
         """Neighbours to relay through towards ``dst`` (:func:`p2psync.topology.paths.next_hops`)."""
         return next_hops(self.topology, self.node_id, dst, dead=self.dead, distances=self.distances,
-                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest, spread=spread)
+                         exclude=exclude, rotate=rotate, to_dead=to_dead, shortest=shortest, spread=spread,
+                         avoid=avoid)
 
-    def blind_hops(self, dst: int, *, exclude: int | None = None) -> list[int]:
+    def blind_hops(self, dst: int, *, exclude: int | None = None, avoid: Collection[int] = ()) -> list[int]:
         """Neighbours towards ``dst`` over the whole topology, the nodes marked dead included
         (never back through this node), nearest first, then by id: the way left for a message
         meant to reach a node this node may have judged wrongly (a probe of a node marked dead
         whose live neighbours are marked dead too, after a split that healed). Not cached."""
         dist = hop_distances(self.topology, dst, avoid={self.node_id})
-        cands = [b for b in self._neighbors if b != exclude and b in dist]
+        cands = [b for b in self._neighbors if b != exclude and b in dist and b not in avoid]
         return sorted(cands, key=lambda b: (dist[b], b))
 
-    def reply_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0) -> list[int]:
+    def reply_hops(self, dst: int, *, exclude: int | None = None, rotate: int = 0,
+                   avoid: Collection[int] = ()) -> list[int]:
         """Neighbours to relay a reply through towards ``dst`` (which may be marked dead: it
-        asked), never ``exclude``: the neighbour ``dst``'s latest relayed message came through
-        first (:meth:`heard`) unless that one is marked dead, then :meth:`next_hops`
-        (``to_dead``) in its order; when there is none, that neighbour even though marked dead
+        asked), never ``exclude`` nor one of ``avoid``: ``dst`` itself when adjacent and live,
+        else the neighbour ``dst``'s latest relayed message came through first (:meth:`heard`)
+        unless that one is marked dead, then :meth:`next_hops` (``to_dead``) in its order; when there is none, that neighbour even though marked dead
         (it relayed the request, so it relays; the replier may have marked it while cut off)."""
-        hops = self.next_hops(dst, exclude=exclude, rotate=rotate, to_dead=True)
+        hops = self.next_hops(dst, exclude=exclude, rotate=rotate, to_dead=True, avoid=avoid)
         back = self.back.get(dst)
-        if back is None or back == exclude:
-            return hops
+        if back is None or back == exclude or back in avoid or (hops and hops[0] == dst):
+            return hops  # (``dst`` adjacent and live: directly)
         if back in self.dead:  # with no live way, back through it all the same: it just relayed the request
             return hops or [back]
         return [back, *(h for h in hops if h != back)]

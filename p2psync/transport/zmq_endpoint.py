@@ -461,15 +461,17 @@ class ZmqEndpoint(Transport):
                 if peer in down:
                     log.info("node %d: %s connection to node %d on NIC %s up", self.node_id,
                              "control" if control else "bulk", peer, nic)
-                down.discard(peer)
+                    down.discard(peer)
+                    self._links_changed()
             elif ev["event"] & _HANDSHAKE_FAILED:
                 self._reject(nic, str(peer), "handshake_failed",
                              f"handshake with node {peer} failed (event {ev['event']:#x}; with keys: "
                              "its key is not the one the topology lists, or it refused ours)")
 
-    def _link_up(self, peer: int) -> bool:
-        """Our bulk connection to ``peer`` has completed its handshake and not dropped since."""
-        return peer not in self.down
+    def _connected(self, peer: int, bulk: bool) -> bool:
+        """Our connection to ``peer`` on that channel has completed its handshake and not
+        dropped since (ZMTP heartbeats drop a silent one)."""
+        return peer not in (self.down if bulk else self.control_down)
 
     async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
         """Wait until both our connections to every node of ``peers`` are down (it exited, or

@@ -29,6 +29,7 @@ from p2psync.wire.schema import (
     MAX_HOPS,
     MessageKind,
     MAX_U64,
+    PATH_KEPT,
     SCHEMA_VERSION,
     FrameSpec,
     Header,
@@ -121,13 +122,16 @@ def encode(
     inc: int = 0,
     auth: bytes | None = None,
     ctr: int | None = None,
+    path: Sequence[int] = (),
 ) -> list[Buffer | Fill]:
     """Build the frames of one message. Raises ``ValueError`` for a bad local argument. An
     array may be a :class:`~p2psync.wire.fill.Fill`: its frame is that Fill, placed (computed)
     by the transport that sends it.
 
     ``run``/``inc``: the run id and the sender's incarnation (unsigned 64-bit); a transport
-    always passes its own (see :class:`p2psync.transport.base.Transport`).
+    always passes its own (see :class:`p2psync.transport.base.Transport`). ``path`` (relayed
+    messages only): the nodes that held the message before its sender, at most
+    :data:`~p2psync.wire.schema.PATH_KEPT` (see :attr:`~p2psync.wire.schema.Header.path`).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
@@ -177,6 +181,10 @@ def encode(
         if dst is None or type(ctr) is not int or not 0 <= ctr <= MAX_U64:
             raise ValueError("ctr is an unsigned 64-bit counter of a relayed message")
         header["ctr"] = ctr
+    if path:
+        if dst is None or len(path) > PATH_KEPT:
+            raise ValueError(f"path lists at most {PATH_KEPT} nodes of a relayed message")
+        header["path"] = [int(n) for n in path]
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -355,10 +363,14 @@ def parse_header(raw: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Header:
     ctr = obj.get("ctr")
     if ctr is not None and (dst is None or type(ctr) is not int or not 0 <= ctr <= MAX_U64):
         raise ProtocolError("relay", f"ctr must be an unsigned 64-bit counter on a relayed message, got {ctr!r}"[:120])
+    path = obj.get("path", ())
+    if path != () and (dst is None or not isinstance(path, list) or not 0 < len(path) <= PATH_KEPT
+                       or not all(type(n) is int and 0 <= n <= limits.max_node_id for n in path)):
+        raise ProtocolError("relay", f"path must list 1 to {PATH_KEPT} node ids on a relayed message"[:120])
     return cast(Header, _frozen(Header, {
         "kind": kind, "src": src, "tag": tag, "step": step, "frames": specs,
         "meta": meta, "dst": dst, "hops": hops, "run": run,
-        "inc": inc, "auth": auth, "ctr": ctr}))
+        "inc": inc, "auth": auth, "ctr": ctr, "path": tuple(path)}))
 
 
 def frame_len(buf: Any) -> int:

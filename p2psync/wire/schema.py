@@ -14,7 +14,9 @@ sender asked to relay (a collective over a group whose members are not adjacent)
 cluster (see :mod:`p2psync.transport.relay_auth`): the destination checks it, so a relay
 cannot forge or alter what it forwards. ``ctr`` (only with ``dst``; signed with the rest) is
 the origin's message counter, increasing within one incarnation (one counter for ``data``,
-one for control): the destination drops a counter it has already seen (a replay).
+one for control): the destination drops a counter it has already seen (a replay). ``path``
+(only with ``dst``, not signed): the nodes a relayed control message passed before its
+sender, which no relay passes it on to (:attr:`Header.path`).
 
 Version 2 added the required keys ``run`` and ``inc``: the run id (an unsigned
 64-bit integer every node of one run derives the same way, see
@@ -66,7 +68,7 @@ WireCodec = Literal["none", "fp16", "int8", "sketch8", "sketch8p", "topk", "e3m0
 CODECS: frozenset[str] = frozenset(get_args(WireCodec))
 
 HEADER_KEYS_REQUIRED = frozenset({"v", "kind", "src", "tag", "step", "run", "inc", "frames"})
-HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth", "ctr"})
+HEADER_KEYS_OPTIONAL = frozenset({"meta", "dst", "hops", "auth", "ctr", "path"})
 #: length of the ``auth`` digest (HMAC-SHA256)
 AUTH_BYTES = 32
 
@@ -76,6 +78,9 @@ RELAY_KINDS: frozenset[str] = frozenset({"rpc", "reply", "event", "hb"})
 #: the most hops a relayed message takes: a shortest path across the largest topology the
 #: builders make (4096 nodes; a ring of N needs N/2 hops), so it only ends a routing loop
 MAX_HOPS = 4096
+#: the most nodes a relayed control message's ``path`` lists (the latest ones it passed): a
+#: relay never passes it on to one of them, so no routing loop shorter than this is possible
+PATH_KEPT = 16
 #: run ids and incarnations are unsigned 64-bit integers
 MAX_U64 = (1 << 64) - 1
 
@@ -138,6 +143,10 @@ class Header:
     auth: bytes | None = None
     #: the origin's counter of a signed relayed message (per incarnation), else None
     ctr: int | None = None
+    #: relayed control messages: the nodes that held it before its sender (origin first, the
+    #: latest :data:`PATH_KEPT`), never its next hops (not signed: a relay could only make it
+    #: take another way, or drop it, which it can anyway)
+    path: tuple[int, ...] = ()
 
 
 def valid_tag(tag: object) -> bool:

@@ -199,6 +199,8 @@ def test_hop_distances_and_next_hops_route_around_dead_nodes():
     # spread: the k-th of the equal-cost candidates first, the costlier ones after them
     assert hops(3, spread=1) == [5, 1] and hops(3, spread=2) == [1, 5]
     assert hops(2, exclude=None, spread=1) == [1, 5]  # 1 is nearer: one candidate of least cost
+    # avoid: the nodes a relayed message passed already are no next hops, however near
+    assert hops(3, avoid=(1,)) == [5] and hops(3, avoid=(1, 5)) == []
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2psync.errors import ProtocolError
-from p2psync.wire import DTYPES, WireLimits, decode, encode, parse_header
+from p2psync.wire import DTYPES, PATH_KEPT, WireLimits, decode, encode, parse_header
 
 dtypes = st.sampled_from(sorted(DTYPES)).map(np.dtype)
 arrays = dtypes.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)))
@@ -100,12 +100,27 @@ PAYLOAD = np.arange(6, dtype=np.float32).tobytes()
         ([_header(kind="event", frames=[], dst=2, hops=1, ctr=-1)], "relay"),
         ([_header(kind="event", frames=[], dst=2, hops=1, ctr=1.5)], "relay"),
         ([_header(kind="event", frames=[], ctr=3)], "relay"),  # a counter only on a relayed message
+        ([_header(kind="event", frames=[], path=[1])], "relay"),  # a path only on a relayed message
+        ([_header(kind="event", frames=[], dst=2, hops=1, path=[])], "relay"),
+        ([_header(kind="event", frames=[], dst=2, hops=1, path=[-1])], "relay"),
+        ([_header(kind="event", frames=[], dst=2, hops=1, path=[True])], "relay"),
+        ([_header(kind="event", frames=[], dst=2, hops=1, path=3)], "relay"),
+        ([_header(kind="event", frames=[], dst=2, hops=17, path=list(range(17)))], "relay"),  # > PATH_KEPT
     ],
 )
 def test_rejects_with_reason(frames, reason):
     with pytest.raises(ProtocolError) as ei:
         decode(frames)
     assert ei.value.reason == reason
+
+
+def test_a_relayed_message_carries_the_nodes_it_passed():
+    h = decode(encode(kind="rpc", src=1, tag="x", dst=5, hops=2, path=[1, 3])).header
+    assert h.path == (1, 3) and decode(encode(kind="rpc", src=1, tag="x", dst=5, hops=1)).header.path == ()
+    with pytest.raises(ValueError):
+        encode(kind="rpc", src=1, tag="x", path=[1])  # not relayed
+    with pytest.raises(ValueError):
+        encode(kind="rpc", src=1, tag="x", dst=5, hops=2, path=range(PATH_KEPT + 1))
 
 
 def test_limits_are_configurable():
