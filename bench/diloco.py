@@ -35,6 +35,10 @@ quality at the largest latency; Streaming with tau >= 1: no step waited at the l
 dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the
 targets are stated for (validation bits per byte): read the verdicts as such.
 
+``--pretrain-steps N``: every configuration starts from the model of an SSGD run of N steps
+(its checkpoint, ``--init-from``; fresh optimizers and schedules), as DiLoCo's main comparison
+starts from a pretrained model.
+
 Output: markdown tables on stdout, bench/out/diloco.png (quality against wall time per latency,
 bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
 (about 2 minutes on a 2-core machine).
@@ -164,15 +168,33 @@ def run_one(cfg: Config, latency: float, args: argparse.Namespace, tmp: Path) ->
     run_id = f"{cfg.key}-{latency:g}ms"
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.args, "--model", args.model, "--steps",
            str(args.steps), "--eval-every", str(max(1, args.steps // 10)), "--shaper", "inproc", "--wan", str(prof),
-           "--nic-mbps", str(args.nic_mbps), "--out", str(tmp), "--run-id", run_id, "--no-progress"]
-    import subprocess
-
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    if r.returncode != 0:
-        raise SystemExit(f"{run_id} failed:\n{r.stderr[-3000:]}")
+           "--nic-mbps", str(args.nic_mbps), "--out", str(tmp), "--run-id", run_id, "--no-progress",
+           *(("--init-from", str(args.init_from)) if args.init_from is not None else ())]
+    _run(cmd, run_id, args.timeout)
     nodes = [[json.loads(ln) for ln in (tmp / run_id / f"node-{i}.jsonl").read_text().splitlines() if ln.strip()]
              for i in range(args.nodes)]
     return reduce(cfg.key, latency, nodes, args.waited_ms / 1000, args.inner_steps)
+
+
+def _run(cmd: Sequence[str], run_id: str, timeout: float) -> None:
+    import subprocess
+
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"{run_id} failed:\n{r.stderr[-3000:]}")
+
+
+def pretrain(args: argparse.Namespace, tmp: Path) -> Path:
+    """``--pretrain-steps``: SSGD (the ``ssgd`` config, unshaped) for that many steps; the
+    checkpoint of its node 0, which every configuration then starts from (``--init-from``)."""
+    topo = tmp / f"ring-{args.nodes}-pretrain.json"
+    save(ring(args.nodes, base_port=free_port()), topo)
+    ssgd = next(c for c in configs(args.inner_steps, args.lr) if c.key == "ssgd")
+    n = args.pretrain_steps
+    _run([sys.executable, "-m", "p2psync", "run", str(topo), *ssgd.args, "--model", args.model, "--steps", str(n),
+          "--eval-every", str(n), "--checkpoint-every", str(n), "--out", str(tmp), "--run-id", "pretrain",
+          "--no-progress"], "pretrain", args.timeout)
+    return tmp / "pretrain" / "node-0" / "checkpoint.pt"
 
 
 def steady_ratio(base: Row, row: Row) -> float | None:
@@ -283,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the outer learning rate of every DiLoCo config (default: each config's own)")
     ap.add_argument("--waited-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="first train SSGD this many steps and start every configuration from its model "
+                         "(--init-from; a fresh optimizer and schedule): DiLoCo's comparison from a pretrained model")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
     args = ap.parse_args(argv)
@@ -299,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as td:
         tmp = args.out or Path(td)
         tmp.mkdir(parents=True, exist_ok=True)
+        args.init_from = pretrain(args, tmp) if args.pretrain_steps > 0 else None
+        if args.init_from is not None:
+            print(f"  pretrained: ssgd for {args.pretrain_steps} steps", file=sys.stderr)
         for lat in args.latencies:
             for cfg in cfgs:
                 if cfg.hetero and lat != args.latencies[0]:

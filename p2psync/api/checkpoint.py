@@ -179,20 +179,28 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(d) for d in t.shape) + ")"
 
 
-def check_fits(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-               source: str) -> None:
-    """Refuse, before anything is loaded, a state that does not fit ``model`` and ``optimizer``:
-    a ConfigError naming ``source`` (the file) and the field, where loading it would raise a
-    RuntimeError now or at the first step (a momentum buffer of another shape loads without a
-    word and fails in ``optimizer.step()``). Checked: ``model`` holds exactly the model's
-    ``state_dict()`` keys, each a tensor of the same shape and dtype; ``optimizer`` has as many
-    parameter groups of as many parameters, and its per-parameter tensors (of an elementwise
-    torch optimizer: SGD, Adam, ...) have their parameter's shape and dtype (a 0-dimensional one,
-    a step count, any real dtype); the error-feedback residuals are 1-dimensional float32."""
-    model_sd = state.get("model")
-    if not isinstance(model_sd, Mapping):
-        raise _bad(source, "model", "missing (not a checkpoint of an attached model)" if model_sd is None
-                   else f"is a {type(model_sd).__name__}, not a state dict")
+def load_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """Load ``model``'s parameters and buffers from ``path`` (``--init-from``): a p2psync
+    checkpoint (its ``model``: e.g. a ``--checkpoint-every`` file of an earlier run) or a file of
+    one ``state_dict()`` (``torch.save(model.state_dict(), path)``), read without pickle. A
+    ConfigError naming the file (and the tensor) when it is missing, unreadable or of another
+    model; nothing is loaded then."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--init-from {p}: no such file")
+    with translate({Exception: lambda e: ConfigError(
+            f"--init-from {p}: not a readable weights file: {type(e).__name__}: {str(e)[:200]}")}):
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    weights = state.get("model") if isinstance(state, dict) and state.get("format") == FORMAT else state
+    if not isinstance(weights, Mapping):
+        raise _bad(str(p), "model", f"is a {type(weights).__name__}, not a state dict")
+    _check_model(weights, model, str(p))
+    model.load_state_dict(weights)
+
+
+def _check_model(model_sd: Mapping[str, Any], model: torch.nn.Module, source: str) -> None:
+    """``model_sd`` holds exactly ``model``'s ``state_dict()`` keys, each a tensor of the same
+    shape and dtype (else a ConfigError naming ``source`` and the tensor)."""
     own = model.state_dict()
     for key, mine in own.items():
         if key not in model_sd:
@@ -207,6 +215,23 @@ def check_fits(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torc
     if extra:
         raise _bad(source, f"model.{extra[0]}", "this model has no such parameter or buffer (a checkpoint of "
                    "another model?)")
+
+
+def check_fits(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+               source: str) -> None:
+    """Refuse, before anything is loaded, a state that does not fit ``model`` and ``optimizer``:
+    a ConfigError naming ``source`` (the file) and the field, where loading it would raise a
+    RuntimeError now or at the first step (a momentum buffer of another shape loads without a
+    word and fails in ``optimizer.step()``). Checked: ``model`` holds exactly the model's
+    ``state_dict()`` keys, each a tensor of the same shape and dtype; ``optimizer`` has as many
+    parameter groups of as many parameters, and its per-parameter tensors (of an elementwise
+    torch optimizer: SGD, Adam, ...) have their parameter's shape and dtype (a 0-dimensional one,
+    a step count, any real dtype); the error-feedback residuals are 1-dimensional float32."""
+    model_sd = state.get("model")
+    if not isinstance(model_sd, Mapping):
+        raise _bad(source, "model", "missing (not a checkpoint of an attached model)" if model_sd is None
+                   else f"is a {type(model_sd).__name__}, not a state dict")
+    _check_model(model_sd, model, source)
     _check_optimizer(state.get("optimizer"), model, optimizer, source)
     fb = state.get("feedback", {})
     if not isinstance(fb, Mapping):

@@ -12,6 +12,7 @@ The emulated device time (``--slowdown``, ``--step-time``) runs after backward a
 when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
 ``optimizer.step()``, which the strategy skips. Checkpoints (``--checkpoint-every``) also carry
 the job's data position and step-time generator, so ``--resume`` continues exactly.
+``--init-from`` loads the model's initial weights from a file (before the session attaches it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from p2psync.api.checkpoint import load_weights
 from p2psync.api.session import Session
 from p2psync.errors import Aborted
 from p2psync.topology import load
@@ -35,6 +37,8 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     built already (:func:`~p2psync.training.node.build_trainer`; tests build them in turn)."""
     topo = load(cfg.topology)
     trainer = trainer if trainer is not None else build_trainer(cfg, topo, node_id)
+    if cfg.init_from is not None:
+        load_weights(cfg.init_from, trainer.model)
     session = Session(config=cfg, node=node_id, topo=topo,
                       max_steps=cfg.max_steps(trainer.n_train, topo.size))
     register_trainer_state(session, trainer)

@@ -184,6 +184,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="continue the run in RUN_DIR (<out>/<run-id>) from its nodes' checkpoints (same "
                         "topology and options; --steps/--epochs count the whole run, --time this part), at the "
                         "latest step every node can restore (ssgd: the latest any node has; the others adopt it)")
+    p.add_argument("--init-from", metavar="FILE",
+                   help="built-in job: start from the model weights in FILE (a node's checkpoint.pt of an earlier "
+                        "run, e.g. its --checkpoint-every file, or a torch.save of the model's state_dict) instead "
+                        "of the seed's; the optimizer, the schedule and the step count start afresh (fine-tuning, "
+                        "or comparing strategies from one pretrained model)")
     p.add_argument("--single", action="store_true",
                    help="built-in job: the single-process reference of this run instead of the run: one "
                         "process (a one-node topology at the first node's address, saved in the run folder) "
@@ -258,6 +263,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         keys=str(Path(args.keys).absolute()) if args.keys else None, checkpoint_every=args.checkpoint_every,
         shm=args.shm, buffers=args.buffers, audit_every=args.audit_every,
         resume=str(Path(args.resume).absolute()) if args.resume else None,
+        init_from=str(Path(args.init_from).absolute()) if args.init_from else None,
         command=tuple(args.cmd) if args.cmd is not None else None)
     from p2psync.strategies.base import get_strategy, parse_options
 

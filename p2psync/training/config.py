@@ -7,6 +7,7 @@ import json
 import math
 import types
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from p2psync.errors import ConfigError
@@ -82,7 +83,7 @@ LOCAL_FIELDS = frozenset({"out", "run_id", "device", "threads", "progress", "key
 BUILTIN_JOB_FIELDS = frozenset({"epochs", "model", "hidden", "data", "data_dir", "synthetic_size", "optimizer",
                                 "lr", "lr_schedule", "momentum", "weight_decay", "batch_size", "eval_every", "eval_seconds",
                                 "device", "slowdown", "slowdown_schedule", "step_time", "slowdown_mode",
-                                "step_jitter"})
+                                "step_jitter", "init_from"})
 UNBOUNDED_STEPS = 1 << 62
 
 
@@ -147,6 +148,9 @@ class RunConfig:
     checkpoint_every: int | None = None
     #: the run folder (``<out>/<run_id>``) whose checkpoints this run continues
     resume: str | None = None
+    #: built-in job: the model's initial weights from this file (a checkpoint or a state_dict;
+    #: api/checkpoint.py ``load_weights``) instead of the seed's
+    init_from: str | None = None
     #: send big pieces to peers on this host through shared memory (transport/shm.py)
     shm: bool = False
     #: module buffers at a synchronizing step: the lowest member's (broadcast), the group's
@@ -208,6 +212,11 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and isinstance(v, float):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a whole number of steps, got {v!r}")
+        if self.init_from is not None:
+            if self.command is not None:
+                raise ConfigError("--init-from is the built-in job's: a script loads its own weights")
+            if not Path(self.init_from).is_file():
+                raise ConfigError(f"--init-from {self.init_from}: no such file")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"--lr-schedule {self.lr_schedule!r}: choose from {', '.join(LR_SCHEDULES)}")
         if self.lr_schedule != "constant" and self.steps is None and self.epochs is None:

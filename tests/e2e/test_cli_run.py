@@ -438,3 +438,24 @@ def test_a_port_in_use_is_named_with_how_to_choose_others(tmp_path):
     assert r.returncode != 0, r.stdout + r.stderr
     assert f"cannot bind {nic.address}:{nic.port}, the port is in use" in r.stderr, r.stderr
     assert "--base-port" in r.stderr and "nodes[0].nics[0].port" in r.stderr, r.stderr
+
+
+def test_init_from_starts_the_built_in_job_from_an_earlier_runs_weights(tmp_path):
+    """``--init-from`` a node's checkpoint of an earlier run: the new run's first loss is the
+    trained model's, not a fresh one's (ln 10 on digits); a file of another model is named
+    with the tensor that does not fit, and a missing one before any node starts."""
+    topo = tmp_path / "r.json"
+    save(ring(2, base_port=free_port()), topo)
+    r = cli("run", topo, "--steps", "30", "--checkpoint-every", "30", "--out", tmp_path, "--run-id", "a",
+            "--no-progress")
+    assert r.returncode == 0, r.stderr + node_logs(tmp_path / "a")
+    ckpt = tmp_path / "a" / "node-0" / "checkpoint.pt"
+    r = cli("run", topo, "--steps", "2", "--init-from", ckpt, "--out", tmp_path, "--run-id", "b", "--no-progress")
+    assert r.returncode == 0, r.stderr + node_logs(tmp_path / "b")
+    first = {run: lines(tmp_path / run / "node-0.jsonl")[0]["loss"] for run in ("a", "b")}
+    assert first["a"] > 2.0 and first["b"] < 1.0, first
+    r = cli("run", topo, "--steps", "2", "--hidden", "64", "--init-from", ckpt, "--out", tmp_path, "--run-id", "c",
+            "--no-progress")
+    assert r.returncode != 0 and "model.1.weight: shape (128, 64)" in r.stderr, r.stderr
+    r = cli("run", topo, "--steps", "2", "--init-from", tmp_path / "nope.pt", "--out", tmp_path)
+    assert r.returncode == 2 and "--init-from" in r.stderr and "no such file" in r.stderr, r.stderr

@@ -61,6 +61,33 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
         checkpoint.load(bad)
 
 
+def test_initial_weights_come_from_a_checkpoint_or_a_state_dict_and_a_misfit_loads_nothing(tmp_path: Path) -> None:
+    st = _state(5)
+    path = checkpoint.node_checkpoint(tmp_path, 0)
+    checkpoint.save_atomic(path, st)
+    plain = tmp_path / "weights.pt"
+    torch.save(st["model"], plain)
+    for source in (path, plain):
+        torch.manual_seed(9)
+        model = torch.nn.Linear(4, 3)
+        checkpoint.load_weights(source, model)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, st["model"][k]), (source, k)
+    other = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"weights.pt: model.weight: shape \(3, 4\)"):
+        checkpoint.load_weights(plain, other)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    with pytest.raises(ConfigError, match="no such file"):
+        checkpoint.load_weights(tmp_path / "missing.pt", other)
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(ConfigError, match="not a readable weights file"):
+        checkpoint.load_weights(tmp_path / "junk.pt", other)
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match="not a state dict"):
+        checkpoint.load_weights(tmp_path / "list.pt", other)
+
+
 def test_process_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "node-0" / "checkpoint.pt"
     checkpoint.save_atomic(path, _state(1))
