@@ -366,6 +366,17 @@ def test_dts_after_a_split_that_cut_the_coordinator_off_ends_at_an_agreed_stop()
     assert s["invariants"]["strategy_finished"] == "held" and s["training"]["finished"] == 9
 
 
+def test_a_shaped_send_waiting_for_a_cut_link_lets_virtual_time_move_on() -> None:
+    # BCube(4, 2), node 3 cut off, asgd (chaos seed 50042): an RPC resent over a cut link near
+    # its deadline gave the shaped send a budget below the loop's clock resolution; each wait
+    # for the connection ended at once and the call was resent at once: 5 M callbacks without
+    # virtual time moving on. A send waits for its connection at least a millisecond at a time.
+    from p2psync.topology import bcube
+
+    s = train(bcube(4, 2), "asgd", "partition:3|0-2.4-15@9.415+6.804", 40.0, step_time=0.1)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+
+
 def test_a_push_whose_acknowledgements_are_late_is_lost_not_the_end_of_training() -> None:
     # mesh-8, every link between 0-3 and 4-7 slowed 3343 times (3.3 s one way) for 6.6 s: a
     # push's acknowledgements from the far owners came after the store's 5 s timeout, and the
