@@ -61,15 +61,20 @@ def save_atomic(path: str | Path, state: Mapping[str, Any]) -> None:
     write_atomic(path, lambda f: torch.save(dict(state), f), mode=0o600)
 
 
+def _read(p: Path, *, missing: str, unreadable: str) -> Any:
+    """``torch.load`` of ``p`` without pickle, on the CPU; ConfigError ``missing`` when there
+    is no such file, ``unreadable: <why>`` when torch cannot read it."""
+    if not p.is_file():
+        raise ConfigError(missing)
+    # torch raises many types for a file that is not its format
+    with translate({Exception: lambda e: ConfigError(f"{unreadable}: {type(e).__name__}: {str(e)[:200]}")}):
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+
 def load(path: str | Path) -> dict[str, Any]:
     """A checkpoint :func:`save_atomic` wrote (ConfigError if missing or not one)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"no checkpoint at {p}")
-    # torch raises many types for a file that is not its format
-    with translate({Exception: lambda e: ConfigError(
-            f"{p} is not a readable checkpoint: {type(e).__name__}: {str(e)[:200]}")}):
-        state = torch.load(p, map_location="cpu", weights_only=True)
+    state = _read(p, missing=f"no checkpoint at {p}", unreadable=f"{p} is not a readable checkpoint")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"{p} is not a p2psync checkpoint (format {FORMAT})")
     step = state.get("step")
@@ -186,11 +191,8 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     ConfigError naming the file (and the tensor) when it is missing, unreadable or of another
     model; nothing is loaded then."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--init-from {p}: no such file")
-    with translate({Exception: lambda e: ConfigError(
-            f"--init-from {p}: not a readable weights file: {type(e).__name__}: {str(e)[:200]}")}):
-        state = torch.load(p, map_location="cpu", weights_only=True)
+    state = _read(p, missing=f"--init-from {p}: no such file",
+                  unreadable=f"--init-from {p}: not a readable weights file")
     weights = state.get("model") if isinstance(state, dict) and state.get("format") == FORMAT else state
     if not isinstance(weights, Mapping):
         raise _bad(str(p), "model", f"is a {type(weights).__name__}, not a state dict")
