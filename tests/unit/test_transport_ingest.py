@@ -150,6 +150,9 @@ def test_a_reply_goes_back_first_through_the_neighbour_its_origin_was_last_heard
     r.revive(7)
     r.heard(3, 4)  # not a neighbour: ignored
     assert r.reply_hops(3) == [7, 1] and r.next_hops(3) == [1, 7]  # other control keeps its paths
+    r.heard(1, 7)  # 1's latest relayed message came the long way round, but 1 is adjacent and live
+    assert r.reply_hops(1) == [1, 7]
+    assert r.reply_hops(3, avoid=(7,)) == [1]  # never to a node the reply passed already
 
 
 async def test_a_relayed_message_teaches_the_way_back_to_its_origin(ring4: dict[int, MemoryTransport]) -> None:
