@@ -442,11 +442,14 @@ class Transport(ABC):
                                     unordered: bool, to_dead: bool) -> None:
         """A shaped send while this node's connection to ``peer`` is down: it enters the shaper
         once the connection is up, within ``budget`` (then with what is left of it), else fails
-        as an unshaped send would (PeerUnreachable; PeerFailure when ``peer`` is marked dead).
+        as an unshaped send would (PeerUnreachable; PeerFailure when ``peer`` is marked dead;
+        TransportError once this transport closes).
         Accepting it into the shaper at once would report it sent, to be dropped on delivery:
         a relay whose first hop's link is cut would never try its other next hops."""
         deadline = clock.now() + budget
         while not self._connected(peer, bulk):
+            if self._closed:
+                raise TransportError(f"node {self.node_id}: transport closed")
             if peer in self.router.dead and not to_dead:
                 raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
             left = deadline - clock.now()
@@ -676,6 +679,7 @@ class Transport(ABC):
         self._closed = True
         self.relaying.cancel()
         self.mailbox.close(TransportError(f"node {self.node_id}: transport closed"))
+        self._links_changed()  # (the sends waiting for a connection fail now)
 
 
 __all__ = ["DEFAULT_RELAY_BUDGET_BYTES", "DEFAULT_TIMEOUT", "NicStats", "NotReady", "Transport", "all_finite"]

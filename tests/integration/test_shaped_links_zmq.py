@@ -3,9 +3,12 @@ unshaped one would instead of vanishing in the shaper, so a relay takes its othe
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
-from p2psync.errors import PeerUnreachable
+from p2psync.errors import PeerUnreachable, TransportError
 from p2psync.topology import ring
 from p2psync.transport.shaping import InprocShaper, LinkSpec
 from p2psync.wire import encode
@@ -51,3 +54,21 @@ async def test_a_relay_passes_a_message_on_to_no_node_it_passed_already() -> Non
             await src._send_direct(1, src.route(1), 5.0, frames)
         assert (await eps[4].recv("fine", timeout=10)).header.path == (2, 1, 0)  # the relays before node 5
         assert eps[0].relayed == 1 and eps[4].recv_nowait("loop") is None
+
+
+async def test_a_send_waiting_for_its_connection_ends_when_the_transport_closes() -> None:
+    topo = ring(3, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        src = eps[0]
+        src.shaper = InprocShaper({n: LinkSpec(latency_s=0.05) for n in (1, 2)})
+        await eps[1].close()
+        assert await src.wait_gone([1], 10.0)
+        frames = encode(kind="event", src=0, tag="x", run=src.run_id, inc=src.incarnation)
+        waiting = asyncio.ensure_future(src._send_direct(1, src.route(1), 30.0, frames))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        t0 = time.monotonic()
+        await src.close()
+        with pytest.raises(TransportError, match="closed"):
+            await waiting
+        assert time.monotonic() - t0 < 5.0
