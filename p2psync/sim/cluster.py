@@ -497,6 +497,7 @@ class SimCluster:
         for n in nodes:
             loop.release(n.actor)
         self.hub.cuts.clear()
+        self.hub.links_changed()
         self.hub.faults += 1
         ended = await asyncio.gather(*self._restarts, return_exceptions=True)
         await asyncio.gather(*(loop.spawn(n.close(), actor=n.actor) for n in nodes))

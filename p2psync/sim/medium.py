@@ -230,7 +230,7 @@ class SimTransport(MemoryTransport):
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         if len(nodes) > 2:
-            header["path"] = nodes[:-2][-PATH_KEPT:]
+            header["path"] = nodes[max(0, len(nodes) - 2 - PATH_KEPT):-2]
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
         end = nodes[-1]  # the destination, or the node that does anything else than pass it on
         loop.call_at(loop.time() + path.latency, hub.endpoints[end]._ingest, path.final_nic, last,
@@ -391,7 +391,7 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: in
                 or (reply and hop.back != back):
             hop = memo[key] = _hop(hub, rt, prev, dst, reply, back, spread)
         nb = hop.next
-        passed = nodes[:-2][-PATH_KEPT:]  # (the message's path there: no relay passes it on to those)
+        passed = nodes[max(0, len(nodes) - 2 - PATH_KEPT):-2]  # (its path there: never passed on to those)
         if nb is None or nb not in endpoints or nb in passed \
                 or (spread and any(rt.topology.routes(cur, p) for p in passed)):
             # the message stops being passed on at once here, or the relay would decide

@@ -445,7 +445,9 @@ class Transport(ABC):
         as an unshaped send would (PeerUnreachable; PeerFailure when ``peer`` is marked dead;
         TransportError once this transport closes).
         Accepting it into the shaper at once would report it sent, to be dropped on delivery:
-        a relay whose first hop's link is cut would never try its other next hops."""
+        a relay whose first hop's link is cut would never try its other next hops. A send to
+        the same peer made after the connection came up, before this one resumed, may go out
+        before it (as with an unshaped send's retries, :meth:`_deliver`)."""
         deadline = clock.now() + budget
         while not self._connected(peer, bulk):
             if self._closed:
@@ -465,6 +467,8 @@ class Transport(ABC):
             finally:
                 if fut in self._link_waiters:
                     self._link_waiters.remove(fut)
+        if self._closed:
+            raise TransportError(f"node {self.node_id}: transport closed")
         await self._shape_and_deliver(peer, route, max(0.0, deadline - clock.now()), frames, bulk, unordered,
                                       to_dead)
 

@@ -151,8 +151,9 @@ class Relay:
             fields = {**fields, "path": (*passed, came_from)[-PATH_KEPT:]}
         if (reply or any_path) and dst in self.router.dead and self.topology.routes(self.node_id, dst):
             frames = encode(src=origin, dst=dst, hops=hops, **fields)
-            try:
-                await self._send_direct(dst, self._route(dst), budget, frames, to_dead=True)
+            try:  # (one immediate try when the link is down: the ways below get the budget)
+                await self._send_direct(dst, self._route(dst), budget if self._link_up(dst) else 0.0, frames,
+                                        to_dead=True)
                 return
             except PeerFailure:
                 pass
