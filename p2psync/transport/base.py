@@ -61,7 +61,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -101,6 +101,13 @@ class NicStats:
     msgs_sent: int = 0
     msgs_recv: int = 0
     rejected: int = 0
+
+
+def wake(waiters: Iterable[asyncio.Future[None]]) -> None:
+    """Resolve every future of ``waiters`` not done yet (the waits they stand for look again)."""
+    for fut in waiters:
+        if not fut.done():
+            fut.set_result(None)
 
 
 class NotReady(Exception):
@@ -272,9 +279,12 @@ class Transport(ABC):
         """A connection came up (or a node was marked dead): the sends waiting for a
         connection look again (:meth:`_shape_when_connected`). Subclasses call it."""
         waiters, self._link_waiters = self._link_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        wake(waiters)
+
+    def _unreachable(self, peer: int, route: Route, budget: float) -> PeerUnreachable:
+        """What a send to adjacent ``peer`` that got nowhere within ``budget`` raises."""
+        return PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC {route.local_nic} "
+                               f"for {budget:g}s", peers=(peer,))
 
     def _connected(self, peer: int, bulk: bool) -> bool:
         """Whether this node's connection to adjacent ``peer`` on the bulk (else the control)
@@ -456,8 +466,7 @@ class Transport(ABC):
                 raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
             left = deadline - clock.now()
             if left <= 0:
-                raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
-                                      f"{route.local_nic} for {budget:g}s", peers=(peer,))
+                raise self._unreachable(peer, route, budget)
             fut = asyncio.get_running_loop().create_future()
             self._link_waiters.append(fut)
             try:  # (at least a millisecond: a wait shorter than the clock's resolution ends at once)
@@ -493,8 +502,7 @@ class Transport(ABC):
         delay, nbytes = 0.0005, frames_len(frames)
         while not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
             if clock.now() >= deadline:
-                raise PeerUnreachable(f"node {self.node_id}: node {peer} unreachable over NIC "
-                                      f"{route.local_nic} for {budget:g}s", peers=(peer,))
+                raise self._unreachable(peer, route, budget)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 

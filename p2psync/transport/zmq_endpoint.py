@@ -89,7 +89,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
 from p2psync.topology import Nic, Route, Topology
-from p2psync.transport.base import NotReady, Transport
+from p2psync.transport.base import NotReady, Transport, wake
 from p2psync.transport.keys import NodeKeys
 from p2psync.transport.lending import Releasable
 from p2psync.transport.local import LocalChannel
@@ -454,9 +454,7 @@ class ZmqEndpoint(Transport):
                 if self._shm_out is not None and not control:
                     self._shm_out.forget(peer)
                 waiters, self._down_waiters = self._down_waiters, []
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_result(None)
+                wake(waiters)
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if peer in down:
                     log.info("node %d: %s connection to node %d on NIC %s up", self.node_id,
