@@ -15,7 +15,7 @@ where the job reports it (a language model), else test ``accuracy``. Configurati
 * ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
 * ``diloco`` — H = ``--inner-steps`` (50), codec none; ``diloco-e3m0`` — the same with 4-bit outer
-  gradients; ``streaming`` — 2 fragments, tau = 1, alpha = 0.5, e3m0, outer lr 0.4;
+  gradients; ``streaming`` — 2 fragments, tau = ``--tau`` (1), alpha = 0.5, e3m0, outer lr 0.4;
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``), diloco with fixed H, and with
   ``dylu=true`` (only at the first latency).
 
@@ -72,7 +72,7 @@ class Config:
     hetero: bool = False
 
 
-def configs(inner_steps: int, lr: float) -> list[Config]:
+def configs(inner_steps: int, lr: float, tau: int = 1) -> list[Config]:
     adamw = ("--optimizer", "adamw", "--lr", str(lr))
     h = ("--opt", f"inner_steps={inner_steps}")
     dl = ("--strategy", "diloco", *h, *adamw)
@@ -81,7 +81,7 @@ def configs(inner_steps: int, lr: float) -> list[Config]:
                            "--momentum", "0.9")),
             Config("diloco", dl),
             Config("diloco-e3m0", (*dl, "--opt", "outer_codec=e3m0")),
-            Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", "tau=1",
+            Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", f"tau={tau}",
                                  "--opt", "outer_codec=e3m0", "--opt", "outer_lr=0.4")),
             Config("hetero", (*dl, "--slowdown", HETERO), hetero=True),
             Config("hetero-dylu", (*dl, "--opt", "dylu=true", "--slowdown", HETERO), hetero=True)]
@@ -166,8 +166,9 @@ def run_one(cfg: Config, latency: float, args: argparse.Namespace, tmp: Path) ->
     prof = tmp / f"wan-{latency:g}.json"
     prof.write_text(json.dumps(uniform_profile(latency, args.nodes)))
     run_id = f"{cfg.key}-{latency:g}ms"
+    steps = args.steps if cfg.key == "ssgd" else round(args.steps * args.steps_factor)
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.args, "--model", args.model, "--steps",
-           str(args.steps), "--eval-every", str(max(1, args.steps // 10)), "--shaper", "inproc", "--wan", str(prof),
+           str(steps), "--eval-every", str(max(1, steps // 10)), "--shaper", "inproc", "--wan", str(prof),
            "--nic-mbps", str(args.nic_mbps), "--out", str(tmp), "--run-id", run_id, "--no-progress",
            *(("--init-from", str(args.init_from)) if args.init_from is not None else ())]
     _run(cmd, run_id, args.timeout)
@@ -217,11 +218,12 @@ def curve(recs: Sequence[dict[str, Any]], metric: str) -> list[tuple[float, floa
     return [(float(r["time"]), float(r[metric])) for r in recs if r.get(metric) is not None]
 
 
-def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
+def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, list[str]]:
     """The table and the target lines (pure)."""
     out, lines = [], []
     base = {r.latency_ms: r for r in rows if r.key == "ssgd"}
     metric = rows[0].metric if rows else "accuracy"
+    sooner: dict[tuple[str, float], float | None] = {}
     for r in rows:
         b = base.get(r.latency_ms)
         target = b.quality if b else None
@@ -230,6 +232,7 @@ def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
             else float("inf")
         ratio = b.bytes_per_step / r.bytes_per_step if b and r.bytes_per_step else None
         steady = steady_ratio(b, r) if b else None
+        sooner[(r.key, r.latency_ms)] = speedup(t_b, t_me)
         out.append([r.key, f"{r.latency_ms:g}", f"{r.steps:.0f}", f"{r.bytes_per_step:,.0f}",
                     cell(ratio, "{:.0f}x"), cell(r.steady_per_step, "{:,.0f}"), cell(steady, "{:.0f}x"),
                     f"{r.quality:.3f}", f"{r.wall_s:.1f}", cell(t_me, "{:.1f}"),
@@ -256,8 +259,13 @@ def report(rows: Sequence[Row], inner_steps: int) -> tuple[str, list[str]]:
                          f"3 %): {verdict(worse <= 0.03)}")
     s = by.get(("streaming", top))
     if s is not None:
-        lines.append(f"streaming (tau = 1) steps that waited at {top:g} ms: {s.waited:.2f} (target 0): "
+        lines.append(f"streaming (tau = {tau}) steps that waited at {top:g} ms: {s.waited:.2f} (target 0): "
                      f"{verdict(s.waited == 0)}")
+    for key in ("diloco", "diloco-e3m0", "streaming"):
+        if (key, top) in sooner and top in base:
+            x = sooner[(key, top)]
+            lines.append(f"{key} at {top:g} ms: {cell(x, '{:.2f}x')} sooner to ssgd's final {metric} (target >= 3x): "
+                         f"{verdict(x is not None and x >= 3)}")
     low = min(base) if base else 0.0
     fixed, dylu = by.get(("hetero", low)), by.get(("hetero-dylu", low))
     if fixed is not None and dylu is not None:
@@ -303,6 +311,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--configs", nargs="+", default=None)
     ap.add_argument("--outer-lr", type=float, default=None,
                     help="the outer learning rate of every DiLoCo config (default: each config's own)")
+    ap.add_argument("--tau", type=int, default=1,
+                    help="the streaming config's overlap in inner steps: size it so that tau inner steps cover one "
+                         "fragment's exchange (about 2(N-1) one-way latencies on a ring)")
+    ap.add_argument("--steps-factor", type=float, default=1.0,
+                    help="every config but ssgd trains this many times ssgd's --steps (its schedule spans them), "
+                         "so that the time to ssgd's final quality is measured where it takes more steps")
     ap.add_argument("--waited-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--pretrain-steps", type=int, default=0,
@@ -316,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.latencies = args.latencies or [0.0]
         args.configs = args.configs or ["ssgd", "diloco-e3m0", "streaming"]
     args.latencies = args.latencies or [0.0, 50.0, 200.0]
-    cfgs = [c for c in configs(args.inner_steps, args.lr) if args.configs is None or c.key in args.configs]
+    cfgs = [c for c in configs(args.inner_steps, args.lr, args.tau) if args.configs is None or c.key in args.configs]
     if args.outer_lr is not None:  # (a later --opt overrides an earlier one)
         cfgs = [replace(c, args=(*c.args, "--opt", f"outer_lr={args.outer_lr:g}")) if "diloco" in c.args else c
                 for c in cfgs]
@@ -335,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"  {cfg.key} at {lat:g} ms: {row.metric} {row.quality:.3f}, {row.bytes_per_step:,.0f} B/step, "
                       f"{row.wall_s:.1f} s", file=sys.stderr)
                 rows.append(row)
-    table, lines = report(rows, args.inner_steps)
+    table, lines = report(rows, args.inner_steps, args.tau)
     print(table)
     print()
     for ln in lines:
