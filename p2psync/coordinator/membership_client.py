@@ -6,19 +6,9 @@ RTT; each heartbeat RPC is retried over other paths within its RTT-derived timeo
 views in epoch order (``view``, ``view_listeners``), records registered incarnations in the
 transport, marks removed members dead and calls ``listeners`` once per failed peer.
 
-Routes around a suspicion. A peer this node judged failed itself (its detector, a successor
-passed over, a member's report of deposed coordinators) is marked dead in its transport, so
-that its messages route around it; a view that still names it is the only other thing that
-routes through it again. A message that arrives from such a peer, or through it, after it was
-marked is proof that it lives and relays (:func:`heard_again`): while it is a member of this
-node's view it is routed through again and no longer counted failed here (its heartbeats stop
-reporting it to the coordinator, a candidate that wins keeps it, and a later failure of it is
-declared again); whether it stays a member is the coordinator's decision, and the next view
-that names it makes it a possible successor again (no longer deposed here), as it does for
-every member this node counted failed. Without that a node that suspected the other side of a
-partition that healed could reach it only through a view, and when no view could be made (each
-side's candidate unable to reach the voters it marked dead, the coordinator short of the
-majority those voters would complete) the run stayed split for good.
+Which peers this node counts failed or departed, and how it routes around the ones it
+suspects and through them again once heard: :mod:`p2psync.coordinator.peer_status`
+(:attr:`MembershipClient.peers`).
 
 Coordinator failover (decisions in :mod:`p2psync.coordinator.takeover`,
 hosting in :mod:`p2psync.coordinator.failover`): when the client's phi-accrual detector suspects
@@ -32,29 +22,16 @@ never from a deposed one. :meth:`MembershipClient.call_coordinator` retries a ca
 coordinator when the old one died under it (finish barrier, strategy services such as ESync's
 State Server).
 
-Quorum (:mod:`p2psync.coordinator.quorum`). Every heartbeat reply of the coordinator says
-whether it hears a majority of the agreed view; :attr:`MembershipClient.has_quorum` is True
-while such a reply is fresh, and :meth:`MembershipClient.wait_quorum` is what the step loop
-awaits before every step: a node cut off from the majority stops stepping. Meanwhile it asks
-every node for its view once a second (``probe``); a newer view that names it is applied, one
-that does not fences it.
-
-Fencing. A node the coordinator declared failed (it paused, or it was on the minority side of
-a partition) is told so in the reply to its next heartbeat (``fenced``), or finds a newer view
-without it by probing. A node whose whole process was stopped longer than the failure
-detection (no CPU time passed either: SIGSTOP, swap) and that hears no coordinator holding a
-majority within two detection times after fences itself: the run has most likely removed it,
-and its connections may not have survived the stop (ZeroMQ can file a neighbour's reconnection
-as a duplicate of the connection it had before, and drop what comes over it). It then stops for good (:attr:`MembershipClient.fenced`,
-``fence_listeners``): its progress since it was removed is void, and it rejoins the run as a
-new process, which adopts the majority's state.
+Quorum and fencing: :mod:`p2psync.coordinator.quorum_gate` (:attr:`MembershipClient.quorum`).
+:meth:`MembershipClient.wait_quorum` is what the step loop awaits before every step: a node cut
+off from the majority stops stepping. Meanwhile it asks every node for its view once a second
+(``probe``); a newer view that names it is applied, one that does not fences it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -62,13 +39,15 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from p2psync import clock
 from p2psync.coordinator.detector import DetectorParams, FailureDetector, StallMeter
 from p2psync.coordinator.membership_state import EVENT_VIEW, UNREACHABLE, reborn
+from p2psync.coordinator.peer_status import PeerStatus, left_out
 from p2psync.coordinator.quorum import Ballot
+from p2psync.coordinator.quorum_gate import QuorumGate
 from p2psync.coordinator.rpc import RpcClient
 from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.coordinator.votes import VoteStore
-from p2psync.errors import (ConfigError, Fenced, NoQuorum, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError,
-                            RemoteError, TransportError)
+from p2psync.errors import (ConfigError, Fenced, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError,
+                            TransportError)
 from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 
@@ -84,33 +63,6 @@ JOIN_ATTEMPT_S = 8.0
 DISCOVER_RETRY_S = 1.5
 #: seconds between two probes of every node while this node hears no majority
 PROBE_EVERY_S = 1.0
-
-
-def heard_again(marked: Mapping[int, float], arrivals: Mapping[int, float], members: Collection[int],
-                dead: Collection[int]) -> list[int]:
-    """The peers to route through again (see the module docstring). Pure.
-
-    ``marked``: peer -> when this node marked it dead on its own judgement; ``arrivals``: peer ->
-    when a message last arrived from it or through it (``Transport.last_arrival``); ``members``:
-    the members of this node's view; ``dead``: the peers marked dead now. A peer is heard again
-    when it is still marked dead, is a member, and a message arrived from or through it after
-    it was marked (a message at the same instant may have been sent before)."""
-    return sorted(n for n, at in marked.items()
-                  if n in dead and n in members and arrivals.get(n, -math.inf) > at)
-
-
-def left_out(view: View, nodes: Collection[int], me: int) -> list[int]:
-    """The ``nodes`` (the topology's) that a process whose first view is ``view`` routes
-    around from the start: neither members nor departed, and not ``me``. Pure.
-
-    Every process that applied the views that removed them marks them dead as each one does;
-    a process whose first view comes later (a restarted node joining, whose view lists no
-    change from any earlier one) must route around them too: a removed node may still be
-    running and relaying (fenced, not restarted yet), and a path through it is one the
-    coordinator and the other members do not use, so the failure of a relay on the members'
-    paths would not cut this node off as it cuts off every member behind that relay."""
-    out = set(view.members) | set(view.departed) | {me}
-    return sorted(n for n in nodes if n not in out)
 
 
 class MembershipClient:
@@ -130,15 +82,11 @@ class MembershipClient:
         self.succession = Succession(me=transport.node_id, coordinator=coordinator)
         self.interval = heartbeat_interval
         self.failure_timeout = failure_timeout
-        self.failed: set[int] = set()
-        #: failed peers this node marked dead on its own judgement -> when (:func:`heard_again`)
-        self._marked_at: dict[int, float] = {}
-        #: peers heard again since (:meth:`_reroute`), until a view names them or removes them
-        self._rerouted: set[int] = set()
-        #: peers that finished and left the run gracefully
-        self.departed: set[int] = set()
-        #: called once per failed peer (strategies' on_peer_failure)
-        self.listeners: list[Callable[[int], None]] = []
+        #: the peers counted failed or departed here, and the routing around them
+        self.peers = PeerStatus(transport)
+        #: whether this node may step: a fresh majority through its coordinator; fencing
+        self.quorum = QuorumGate(me=transport.node_id, window=self._quorum_window, recheck=heartbeat_interval,
+                                 failure_timeout=failure_timeout)
         #: called with every newer view
         self.view_listeners: list[Callable[[View], None]] = []
         #: called with the new coordinator whenever this node follows another one
@@ -173,22 +121,38 @@ class MembershipClient:
         #: this node's votes in coordinator elections (the host answers vote requests with it)
         self.ballot = Ballot(me=transport.node_id) if votes is None else \
             Ballot(me=transport.node_id, voted=votes.load(), keep=votes.keep)
-        #: why this node is no member any more (fenced), or None
-        self.fenced: Fenced | None = None
         #: the view that fenced this node (it does not name it; never applied here), or None;
         #: this node answers probes with it (:attr:`newest_view`)
         self.removed_by: View | None = None
-        #: called once with the Fenced error when this node learns it was removed
-        self.fence_listeners: list[Callable[[Fenced], None]] = []
-        #: when the coordinator last said it holds a majority (None: not now)
-        self._quorum_at: float | None = None
-        self._quorum_changed = asyncio.Event()
         self._probed_at = 0.0
-        #: (when, how long) this whole process was last found stopped, until a majority is heard
-        self._stopped: tuple[float, float] | None = None
         #: the highest term another node ran or voted in that this node heard of (its vote
         #: requests, its probes); see :attr:`seen_term`
         self.heard_term = -1
+
+    @property
+    def failed(self) -> set[int]:
+        """The peers counted failed here (:attr:`peers`)."""
+        return self.peers.failed
+
+    @property
+    def departed(self) -> set[int]:
+        """The peers that finished and left the run gracefully (:attr:`peers`)."""
+        return self.peers.departed
+
+    @property
+    def listeners(self) -> list[Callable[[int], None]]:
+        """Called once per failed or departed peer (strategies' ``on_peer_failure``)."""
+        return self.peers.listeners
+
+    @property
+    def fenced(self) -> Fenced | None:
+        """Why this node is no member of the run any more, or None (:attr:`quorum`)."""
+        return self.quorum.fenced
+
+    @property
+    def fence_listeners(self) -> list[Callable[[Fenced], None]]:
+        """Called once with the :class:`Fenced` error when this node learns it was removed."""
+        return self.quorum.listeners
 
     @property
     def left(self) -> bool:
@@ -306,7 +270,7 @@ class MembershipClient:
         #: when the run started, on this node's clock (a joiner's run started before it did)
         self.run_started = clock.now() - elapsed
         self._apply_view(self.info.get("view"), src=self.coordinator)
-        self._quorum_at = clock.now()  # the coordinator answered with every node in
+        self.quorum.set(True, coordinator=self.coordinator)  # the coordinator answered with every node in
         return self.info
 
     async def discover(self, *, timeout: float) -> View | None:
@@ -346,43 +310,8 @@ class MembershipClient:
         await self._beats.close()
 
     def _declare(self, peers: Sequence[int], reborn: Collection[int] = ()) -> None:
-        """``peers`` failed: counted failed here and routed around, but for the ``reborn``
-        ones (:func:`reborn`): their new process relays for the nodes behind it."""
-        for p in peers:
-            if p in self.failed or p == self.transport.node_id:
-                continue
-            self._rerouted.discard(p)
-            if p in self.departed:  # it finished and left (a coordinator exits after that)
-                self.transport.mark_dead(p)
-                continue
-            self.failed.add(p)
-            if p != self.coordinator and p not in reborn:
-                self._mark(p)
-            log.warning("node %d: peer %d failed (at %.3f)", self.transport.node_id, p, clock.wall())
-            for cb in list(self.listeners):
-                cb(p)
-
-    def _mark(self, peer: int) -> None:
-        """Route around ``peer``, judged failed here (see :func:`heard_again`)."""
-        self.transport.mark_dead(peer)
-        self._marked_at[peer] = clock.now()
-
-    def _reroute(self) -> None:
-        """Route again through the failed peers heard since this node marked them dead, while
-        they are members of its view, and count them failed no more (:func:`heard_again`)."""
-        view = self.view
-        for n in list(self._marked_at):
-            if n not in self.transport.dead:
-                del self._marked_at[n]  # routed through again already (a view, a restart)
-        if view is None or not self._marked_at:
-            return
-        for n in heard_again(self._marked_at, self.transport.last_arrival, view.members, self.transport.dead):
-            del self._marked_at[n]
-            self.failed.discard(n)
-            self._rerouted.add(n)
-            self.transport.revive(n)
-            log.warning("node %d: node %d, judged failed here, was heard again: routed through again",
-                        self.transport.node_id, n)
+        """``peers`` failed (:meth:`PeerStatus.declare`)."""
+        self.peers.declare(peers, coordinator=self.coordinator, reborn=reborn)
 
     def _offence(self, peer: int, reason: str) -> None:
         """A member sent this node a value it rejected (transport): report it to the coordinator
@@ -408,17 +337,6 @@ class MembershipClient:
         if self._started:
             self._send_beat()
 
-    def _depart(self, peers: Sequence[int]) -> None:
-        """``peers`` finished and left the run (graceful, not failures): the listeners drop
-        them from the training groups, as for a failure, but nothing is declared dead."""
-        for p in peers:
-            if p in self.departed or p == self.transport.node_id:
-                continue
-            self.departed.add(p)
-            log.info("node %d: peer %d finished and left the run", self.transport.node_id, p)
-            for cb in list(self.listeners):
-                cb(p)
-
     def _apply_view(self, raw: Any, *, src: int | None) -> None:
         """Apply a view from ``src`` (None: relayed by a node that is not the coordinator)."""
         if raw is None:
@@ -440,9 +358,9 @@ class MembershipClient:
                 self.removed_by = view
             excluded = raw.get("excluded") if isinstance(raw, dict) else None
             if isinstance(excluded, str):
-                self._fence(f"coordinator {view.coordinator} excluded it: it {excluded[:300]}", rejoin=False)
+                self.quorum.fence(f"coordinator {view.coordinator} excluded it: it {excluded[:300]}", rejoin=False)
             else:
-                self._fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
+                self.quorum.fence(f"view {view.epoch} (term {view.term}) of coordinator {view.coordinator} does not "
                             f"name it (members {list(view.members)})")
             return
         first = self.views.view is None
@@ -466,14 +384,8 @@ class MembershipClient:
         # every member is alive to the coordinator that names it (a deposed coordinator that
         # voted in its successor's election stays a member), and so is one judged failed here
         # and heard again since: deposed no more, like the others
-        dead_members = {n for n in view.members
-                        if n in self.transport.dead or n in self.failed or n in self._rerouted}
-        for n in sorted(set(change.joined) | renewed | dead_members):
-            self.transport.revive(n)
-            self.failed.discard(n)  # a joiner: its next failure is reported again
-            self._marked_at.pop(n, None)
-            self._rerouted.discard(n)
-            self.departed.discard(n)
+        for n in sorted(set(change.joined) | renewed | self.peers.suspected_members(view)):
+            self.peers.readmit(n)  # a joiner: its next failure is reported again
             # its new life may coordinate again: every node must agree on the successor (a
             # restarted process starts with nobody deposed)
             self.succession.deposed.discard(n)
@@ -481,7 +393,7 @@ class MembershipClient:
         if view.ended:
             log.error("node %d: coordinator %d ended the run: %s", me, view.coordinator, view.ended)
         departed = set(view.departed)
-        self._depart([n for n in change.left if n in departed])
+        self.peers.depart([n for n in change.left if n in departed])
         left = [n for n in change.left if n not in departed]
         self._declare(left, reborn=reborn(left, before, self.transport.peer_incarnations))
         for cb in list(self.view_listeners):
@@ -574,14 +486,14 @@ class MembershipClient:
         if rep.get("fenced") is True:
             why = rep.get("why")
             excluded = isinstance(why, str) and why != "declared failed"
-            self._fence(f"coordinator {c} answered that it was {str(why)[:200] if why else 'declared failed'}",
-                        rejoin=not excluded)
+            self.quorum.fence(f"coordinator {c} answered that it was {str(why)[:200] if why else 'declared failed'}",
+                              rejoin=not excluded)
             return
         if rep.get("redirect"):  # c does not coordinate (yet): it names whom it follows
             self._apply_view(rep.get("view"), src=None)
             return
         if c == self.coordinator:
-            self._set_quorum(rep.get("quorum") is not False)
+            self.quorum.set(rep.get("quorum") is not False, coordinator=c)
         if c == self.coordinator and c != me:
             self.detector.heartbeat(c, clock.now())
             if est.srtt is not None:
@@ -597,16 +509,6 @@ class MembershipClient:
 
     # -- quorum and fencing -------------------------------------------------------------
 
-    def _set_quorum(self, held: bool) -> None:
-        before = self.has_quorum
-        self._quorum_at = clock.now() if held else None
-        if held != before:
-            if not held:
-                log.error("node %d: coordinator %d hears no majority of the run: this node stops stepping "
-                          "until it does", self.transport.node_id, self.coordinator)
-            ev, self._quorum_changed = self._quorum_changed, asyncio.Event()
-            ev.set()
-
     def _quorum_window(self) -> float:
         """How long a coordinator's "I hold a majority" stays valid: its detection time."""
         det = self.detector.peers.get(self.coordinator)
@@ -621,49 +523,18 @@ class MembershipClient:
     @property
     def has_quorum(self) -> bool:
         """Whether this node follows a coordinator that recently said it hears a majority of
-        the run (see the module docstring); False once fenced."""
-        at = self._quorum_at
-        return self.fenced is None and at is not None and clock.now() - at <= self._quorum_window()
+        the run (:attr:`QuorumGate.held`); False once fenced."""
+        return self.quorum.held
 
     async def wait_quorum(self, timeout: float) -> float:
         """Wait until :attr:`has_quorum` (returns at once when it is); returns the seconds
         waited. Raises the :class:`Fenced` error when this node is removed meanwhile, and
-        :class:`NoQuorum` after ``timeout``."""
-        if self.has_quorum:
-            return 0.0
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        log.warning("node %d: waiting for a majority of the run (coordinator %d)", self.transport.node_id,
-                    self.coordinator)
-        while not self.has_quorum:
-            if self.fenced is not None:
-                raise self.fenced
-            remaining = t0 + timeout - loop.time()
-            if remaining <= 0:
-                raise NoQuorum(f"node {self.transport.node_id}: no majority of the run for {timeout:g}s (it "
-                               f"follows coordinator {self.coordinator}; view {self.view.epoch if self.view else '-'} "
-                               f"members {list(self.view.members) if self.view else []})")
-            try:
-                await asyncio.wait_for(self._quorum_changed.wait(), min(remaining, self.interval))
-            except asyncio.TimeoutError:
-                pass
-        waited = loop.time() - t0
-        log.warning("node %d: a majority again after %.2fs", self.transport.node_id, waited)
-        return waited
-
-    def _fence(self, why: str, *, rejoin: bool = True) -> None:
-        """This node is no member of the run any more (see the module docstring); ``rejoin``:
-        whether a new process of it may join again (not after an exclusion)."""
-        if self.fenced is not None:
-            return
-        me = self.transport.node_id
-        self.fenced = Fenced(f"node {me} was removed from the run: {why}; its progress since is void"
-                             + (", it rejoins as a new process" if rejoin else ""), rejoin=rejoin)
-        log.error("node %d: fenced: %s", me, why)
-        ev, self._quorum_changed = self._quorum_changed, asyncio.Event()
-        ev.set()
-        for cb in list(self.fence_listeners):
-            cb(self.fenced)
+        :class:`~p2psync.errors.NoQuorum` after ``timeout``."""
+        def describe() -> str:
+            view = self.view
+            return (f"it follows coordinator {self.coordinator}; view {view.epoch if view else '-'} "
+                    f"members {list(view.members) if view else []}")
+        return await self.quorum.wait(timeout, describe)
 
     def probe_now(self) -> None:
         """Ask every node for its view now (:meth:`_probe`, in an owned task), whatever the
@@ -704,21 +575,6 @@ class MembershipClient:
         reps = await asyncio.gather(*(ask(p) for p in self.transport.topology.ids if p != me))
         return [r for r in reps if r is not None]
 
-    def _after_stop(self, stall: float, cpu_used: float, now: float) -> None:
-        """Self-fencing after the whole process was stopped (see :func:`stopped_too_long`)."""
-        if stall >= self.failure_timeout and cpu_used < 0.5 * stall:
-            self._stopped = (now, stall)
-            log.warning("node %d: this process was stopped for %.1fs (no CPU time passed either): the run may "
-                        "have removed it", self.transport.node_id, stall)
-        # judged at the end of a window of two detection times, not before: a coordinator's own
-        # detectors are credited with the stop, so it claims a majority until they time out
-        if self._stopped is not None and now - self._stopped[0] > 2 * self.failure_timeout + self.interval:
-            if self.has_quorum:
-                self._stopped = None
-            else:
-                self._fence(f"its process was stopped for {self._stopped[1]:.1f}s and it hears no coordinator "
-                            f"holding a majority {now - self._stopped[0]:.1f}s later")
-
     async def _heartbeats(self) -> None:
         me = self.transport.node_id
         stalls = StallMeter(self.interval, clock.now())
@@ -728,9 +584,9 @@ class MembershipClient:
             await asyncio.sleep(self.interval)
             stall = stalls.tick(clock.now())
             self.detector.pause(stall)
-            self._reroute()
+            self.peers.reroute(self.view)
             was, cpu = cpu, clock.cpu()
-            self._after_stop(stall, cpu - was, clock.now())
+            self.quorum.after_stop(stall, cpu - was, clock.now())
             now = clock.now()
             if not self.has_quorum and self.fenced is None and now - self._probed_at >= PROBE_EVERY_S \
                     and self.view is not None:
@@ -789,7 +645,7 @@ class MembershipClient:
                 err, wait_for_move = exc, True
             except RemoteError as exc:
                 if exc.kind == "Fenced":
-                    self._fence(f"coordinator {c} answered {method}: {exc.message[:200]}")
+                    self.quorum.fence(f"coordinator {c} answered {method}: {exc.message[:200]}")
                     if self.fenced is not None:
                         raise self.fenced from None
                 if exc.kind not in RETRY_KINDS:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2psync.coordinator.membership_client import heard_again
+from p2psync.coordinator.peer_status import heard_again
 
 
 def test_a_member_judged_failed_and_heard_since_is_routed_through_again() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from p2psync.coordinator.detector import RTT_WINDOW
 from p2psync.coordinator.membership_state import reborn, walled_in
-from p2psync.coordinator.membership_client import left_out
+from p2psync.coordinator.peer_status import left_out
 from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
