@@ -19,13 +19,13 @@ def _node(bytes_per_step: float, acc: list[float], *, waits: list[float], dt: fl
 
 def test_rows_ratios_and_verdicts():
     ssgd = reduce("ssgd", 200.0, [_node(1000, [0.5, 0.9], waits=[0.3] * 4)] * 2, 0.02)
-    e3 = reduce("diloco-e3m0", 200.0, [_node(2.5, [0.9, 0.91], waits=[0.0, 0.0, 0.05, 0.0])] * 2, 0.02)
+    e3 = reduce("diloco-e3m0", 200.0, [_node(2.5, [0.9, 0.91], waits=[0.0, 0.0, 0.05, 3.0])] * 2, 0.02)
     assert ssgd.bytes_per_step == 1000 and ssgd.waited == 1.0 and ssgd.quality == 0.9 and ssgd.metric == "accuracy"
-    assert e3.waited == 0.25 and e3.steps == 4
+    assert e3.waited == 1 / 3 and e3.steps == 4  # the last step's final full sync is not counted
     table, lines = report([ssgd, e3], 50)
     assert "400x" in table and "2.00x" in table  # bytes ratio; reached 0.9 at 0.1 s vs 0.2 s
     assert any("400x over the whole run" in ln and ln.endswith("PASS") for ln in lines)  # (no steady window in 4 steps)
-    assert any(ln.startswith("diloco-e3m0 final accuracy") and ln.endswith("PASS") for ln in lines)
+    assert any(ln.startswith("diloco-e3m0 accuracy at ssgd's 4 steps") and ln.endswith("PASS") for ln in lines)
 
 
 def test_every_configuration_names_its_strategy():
@@ -44,7 +44,7 @@ def test_a_language_model_is_judged_by_validation_bits_per_byte_lower_is_better(
     assert ssgd.metric == dl.metric == "val_bpb" and dl.quality == 3.05
     table, lines = report([ssgd, dl], 50)
     assert "final val_bpb" in table
-    assert any(ln.startswith("diloco final val_bpb") and "+1.7 % worse" in ln and ln.endswith("PASS") for ln in lines)
+    assert any(ln.startswith("diloco val_bpb at ssgd's 2 steps") and "+1.7 % worse" in ln and ln.endswith("PASS") for ln in lines)
 
 
 def test_the_steady_state_leaves_out_the_start_and_the_stop():
@@ -63,3 +63,19 @@ def test_the_steady_state_leaves_out_the_start_and_the_stop():
     assert steady_bytes(recs, 50) == (6 * 1000 + 294 * 10) / 300
     row = reduce("diloco", 0.0, [recs], 0.02, 50)
     assert row.steady_per_step == steady_bytes(recs, 50) and row.bytes_per_step > 100 * row.steady_per_step
+
+
+def test_a_run_of_more_steps_is_judged_at_ssgds_steps_and_by_its_time_to_ssgds_quality():
+    """``--steps-factor 2``: DiLoCo trains twice SSGD's steps; its quality is compared at SSGD's
+    last step (equal tokens), its time to SSGD's final quality over the whole run."""
+    def node(bpbs, dt):
+        return [{"step": i + 1, "time": dt * (i + 1), "wait_s": 0.0, "comm_s": 0.0, "val_bpb": v,
+                 "nics": {"a": {"sent": 100 * (i + 1)}}} for i, v in enumerate(bpbs)]
+
+    ssgd = reduce("ssgd", 200.0, [node([3.5, 3.0], 1.0)] * 2, 0.02)
+    dl = reduce("diloco-e3m0", 200.0, [node([3.6, 3.2, 3.1, 2.9], 0.1)] * 2, 0.02)
+    table, lines = report([ssgd, dl], 50, tau=8)
+    assert "| 3.200 |" in table  # at ssgd's 2 steps
+    assert any(ln.startswith("diloco-e3m0 val_bpb at ssgd's 2 steps") and "+6.7 % worse" in ln
+               and ln.endswith("FAIL") for ln in lines)
+    assert any(ln.startswith("diloco-e3m0 at 200 ms: 5.00x sooner") and ln.endswith("PASS") for ln in lines)
