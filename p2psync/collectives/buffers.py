@@ -51,6 +51,15 @@ def host_flat(tensor: Any) -> tuple[np.ndarray, Any, bool]:
     return arr, lambda flat: torch.from_numpy(np.ascontiguousarray(flat).reshape(shape)).to(dev, tdtype), view
 
 
+def own(arr: np.ndarray) -> np.ndarray:
+    """A new array object over ``arr``'s memory (1-D, contiguous) that owns its views: :func:`refs`
+    of it, and of every view taken from it, counts the references to this object alone, not
+    the caller's references to ``arr``, which other code may drop at any moment (the loop that
+    delivered ``arr`` from a thread, a finished future still queued): a count taken before an
+    operation then changes only with the views the operation itself made."""
+    return np.frombuffer(memoryview(arr.data).cast("B"), dtype=arr.dtype)
+
+
 def refs(buf: np.ndarray) -> int:
     """References to the array that owns ``buf``'s memory (numpy files every view under that
     owner, not under the view it was taken from). Compare only counts taken by the same call

@@ -107,7 +107,7 @@ from typing import Any, Hashable, Literal, Mapping, Sequence, get_args
 import numpy as np
 
 from p2psync import clock
-from p2psync.collectives.buffers import host_flat, refs, sends_done, to_numpy
+from p2psync.collectives.buffers import host_flat, own, refs, sends_done, to_numpy
 from p2psync.collectives.piece_run import OpStats, PieceCheck, Run
 from p2psync.collectives.plan import Plan, check_live, make_plan, plan_tree
 from p2psync.collectives.schedule import Schedule, schedule
@@ -226,7 +226,7 @@ class Collectives:
         # a donated tensor is the working buffer itself (not for topk: its residual keeps the buffer)
         donated = donate and not isinstance(c, TopK)
         src = flat if view and not donated and op != "weighted" and not c.lossy and len(g) > 1 else None
-        buf = np.empty_like(flat) if src is not None else flat.copy() if view and not donated else flat
+        buf = np.empty_like(flat) if src is not None else flat.copy() if view and not donated else own(flat)
         alone = refs(buf)  # no view of the working buffer exists yet
         if op == "weighted":
             if weights is None or set(weights) != set(g):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from p2psync.errors import ConfigError
-from p2psync.strategies.diloco_state import outer_step
+from p2psync.strategies.diloco.outer import outer_step
 from p2psync.topology import mesh, ring
 from tests.helpers import (close_strategies, drive_until_stop, free_port, gate_path, gated, make_trainer,
                            start_strategies, trainer_params, zmq_cluster)
@@ -251,7 +251,7 @@ async def test_a_failed_sum_puts_back_the_error_feedback_residuals_it_consumed()
     from p2psync.coordinator import View
     from p2psync.errors import PeerFailure
     from p2psync.strategies.diloco import _Op
-    from p2psync.strategies.diloco_state import Counters
+    from p2psync.strategies.diloco.state import Counters
 
     topo = ring(2, base_port=free_port())
     opts = {"inner_steps": 2, "outer_codec": "e3m0", "error_feedback": "true", "final_sync": "outer"}
@@ -280,7 +280,7 @@ async def test_eager_rounds_keep_a_theta_per_node_and_end_with_their_exact_mean(
     """Eager updates over ZeroMQ against the same rounds in one process: every node's own θ_g
     after every step bitwise (its fresh Δ at once, the other's one round late), the completion
     step and the exact mean at the stop."""
-    from p2psync.strategies.diloco_state import eager_gradient, others_mean
+    from p2psync.strategies.diloco.outer import eager_gradient, others_mean
     from p2psync.strategies.regroup import exact_mean_input
 
     topo = ring(2, base_port=free_port())

@@ -146,3 +146,24 @@ async def test_a_donated_tensor_is_reduced_in_place_to_the_same_result(topo, cod
     for i, p, d in zip(t.ids, plain, donated):
         assert p.tobytes() == d.tobytes()
         assert np.shares_memory(d, mine[i]) == (codec != "topk:0.1")
+
+
+async def test_a_donated_tensor_is_reduced_in_place_when_other_references_to_it_go_away_meanwhile():
+    """Whether sends still hold the working buffer is judged by its references, counted before
+    and after the operation; references to the caller's array that other code drops meanwhile
+    (here a view dropped while the pieces travel, as a finished future that delivered the array
+    from a thread is dropped by the loop under load) must not make the operation think that
+    sends still hold it, and copy: the result is still the donated memory."""
+    t = ring(3)
+    base = _inputs(t.ids)
+    async with memory_collectives(t, piece_bytes=4096) as cs:
+        mine = {i: np.array(x) for i, x in base.items()}
+        others = {i: [mine[i][:], mine[i][:]] for i in t.ids}  # held by "other code"
+        ops = [asyncio.ensure_future(cs[i].allreduce(mine[i], tag="d", op="mean", donate=True)) for i in t.ids]
+        await asyncio.sleep(0)  # every operation has counted the references to its buffer
+        assert not any(op.done() for op in ops)
+        others.clear()
+        donated = await asyncio.gather(*ops)
+    assert not others
+    for i, d in zip(t.ids, donated):
+        assert np.shares_memory(d, mine[i])

@@ -14,10 +14,10 @@ import torch
 from p2psync.errors import ConfigError, ProtocolError
 from p2psync.strategies.base import get_strategy, parse_options
 from p2psync.model import Layer
-from p2psync.strategies.diloco_state import (Counters, Cursor, Schedule, dylu_interval, eager_gradient, fragment_map,
-                                             indices, merge, others_mean,
-                                             outer_step,
-                                             late_part, own_term, pack_state, state_size, unpack_state)
+from p2psync.strategies.diloco.fragments import fragment_map, indices
+from p2psync.strategies.diloco.outer import eager_gradient, late_part, merge, others_mean, outer_step, own_term
+from p2psync.strategies.diloco.schedule import Cursor, Schedule, dylu_interval
+from p2psync.strategies.diloco.state import Counters, pack_state, state_size, unpack_state
 from p2psync.topology import ring
 
 
