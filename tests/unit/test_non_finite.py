@@ -14,6 +14,7 @@ from p2psync.collectives import Collectives
 from p2psync.coordinator import View
 from p2psync.coordinator.membership_state import MembershipState
 from p2psync.errors import Diverged, NonFinitePiece, PeerFailure, ProtocolError, SumDiverged
+from p2psync.sim import loop as sim
 from p2psync.strategies.regroup import Regroup
 from p2psync.topology import mesh, ring, star
 from p2psync.transport import Transport
@@ -59,14 +60,18 @@ async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> N
 
 @pytest.mark.parametrize("codec", ["none", "int8", "e3m0", "topk:0.25"])
 @pytest.mark.parametrize("pieces", [1, 4])
-async def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int,
-                                                                                         codec: str) -> None:
+def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int, codec: str) -> None:
     """Finite values whose sum overflows raise SumDiverged on the node that summed them (the
     coordinator then ends the run on every member); a node whose own values hold NaN raises a
     plain Diverged (it stops alone) before it sends anything. With every codec: a lossy one
     found the overflowed partial sum only as it encoded it, and took it for this node's own
     divergence (every node stopped alone); the top-k sum of finite parts returned infinity
-    silently."""
+    silently. In virtual time (:mod:`p2psync.sim.loop`): node 1 waits out its peer timeout for
+    the part node 0 never sends."""
+    sim.run(_overflow_and_own_nan(pieces, codec))
+
+
+async def _overflow_and_own_nan(pieces: int, codec: str) -> None:
     hub = MemoryHub(ring(2))
     eps = {i: hub.endpoint(i) for i in range(2)}
     for e in eps.values():
