@@ -280,7 +280,7 @@ def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, li
                          f"{100 * worse:+.1f} % worse (target within 3 %): {verdict(worse <= 0.03)}")
     s = by.get(("streaming", top))
     if s is not None:
-        lines.append(f"streaming (tau = {tau}) steps that waited at {top:g} ms: {s.waited:.2f} (target 0): "
+        lines.append(f"streaming (tau = {tau}) steps that waited at {top:g} ms: {100 * s.waited:.2f} % (target 0): "
                      f"{verdict(s.waited == 0)}")
     for key in ("diloco", "diloco-e3m0", "streaming"):
         if (key, top) in sooner and top in base:
