@@ -16,8 +16,9 @@ where the job reports it (a language model), else test ``accuracy``. Configurati
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
 * ``diloco`` — H = ``--inner-steps`` (50), codec none; ``diloco-e3m0`` — the same with 4-bit outer
   gradients; ``streaming`` — 2 fragments, tau = ``--tau`` (1), alpha = 0.5, e3m0, outer lr 0.4;
-* ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``), diloco with fixed H, and with
-  ``dylu=true`` (only at the first latency).
+* ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
+  ``wait`` by default, ``compute`` for slowness that really computes), diloco with fixed H, and
+  with ``dylu=true`` (only at the first latency).
 
 "Steps waited": SSGD's steps are its blocking allreduce (``comm_s``); DTS and DiLoCo report only
 the time a step was blocked on an exchange that had not arrived (``wait_s``).
@@ -170,7 +171,8 @@ def run_one(cfg: Config, latency: float, args: argparse.Namespace, tmp: Path) ->
     prof.write_text(json.dumps(uniform_profile(latency, args.nodes)))
     run_id = f"{cfg.key}-{latency:g}ms"
     steps = args.steps if cfg.key == "ssgd" else round(args.steps * args.steps_factor)
-    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.args, "--model", args.model, "--steps",
+    mode = ("--slowdown-mode", args.slowdown_mode) if cfg.hetero else ()
+    cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.args, *mode, "--model", args.model, "--steps",
            str(steps), "--eval-every", str(max(1, steps // 10)), "--shaper", "inproc", "--wan", str(prof),
            "--nic-mbps", str(args.nic_mbps), "--out", str(tmp), "--run-id", run_id, "--no-progress",
            *(("--init-from", str(args.init_from)) if args.init_from is not None else ())]
@@ -338,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps-factor", type=float, default=1.0,
                     help="every config but ssgd trains this many times ssgd's --steps (its schedule spans them), "
                          "so that the time to ssgd's final quality is measured where it takes more steps")
+    ap.add_argument("--slowdown-mode", choices=("wait", "compute"), default="wait",
+                    help="how the hetero configs' slower devices are emulated (p2psync run --slowdown-mode)")
     ap.add_argument("--waited-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--pretrain-steps", type=int, default=0,
