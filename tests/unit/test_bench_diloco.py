@@ -79,3 +79,18 @@ def test_a_run_of_more_steps_is_judged_at_ssgds_steps_and_by_its_time_to_ssgds_q
     assert any(ln.startswith("diloco-e3m0 val_bpb at ssgd's 2 steps") and "+6.7 % worse" in ln
                and ln.endswith("FAIL") for ln in lines)
     assert any(ln.startswith("diloco-e3m0 at 200 ms: 5.00x sooner") and ln.endswith("PASS") for ln in lines)
+
+
+def test_dylu_is_judged_by_the_time_to_the_worse_final_quality_of_the_two_runs():
+    """dylu ends with fewer tokens (its slow nodes take fewer steps): the verdict compares the
+    times to the quality both runs reach, not the wall times of the whole runs."""
+    def node(evals):
+        return [{"step": i + 1, "time": t, "wait_s": 0.0, "comm_s": 0.0, "val_bpb": v,
+                 "nics": {"a": {"sent": 100 * (i + 1)}}} for i, (t, v) in enumerate(evals)]
+
+    fixed = reduce("hetero", 0.0, [node([(10.0, 4.0), (20.0, 3.9), (30.0, 3.8)])] * 4, 0.02)
+    dylu = reduce("hetero-dylu", 0.0, [node([(5.0, 4.0), (15.0, 3.9)])] * 4, 0.02)
+    _, lines = report([fixed, dylu], 20)
+    line = next(ln for ln in lines if ln.startswith("1:1:2:4 devices"))
+    assert "1.33x sooner with dylu to val_bpb 3.900 (20.0 s fixed H, 15.0 s dylu" in line and line.endswith("PASS")
+    assert "2.00x" in line  # the whole runs' wall times, shown beside
