@@ -36,6 +36,7 @@ import numpy as np
 from p2psync import clock
 from p2psync.collectives import Collectives
 from p2psync.coordinator.stack import membership_stack
+from p2psync.coordinator.views import View
 from p2psync.coordinator.votes import FileVotes
 from p2psync.errors import P2PSyncError, ProtocolError
 from p2psync.files import WriteFailures, write_text_or_warn
@@ -64,12 +65,21 @@ def relayed_neighbours(topo: Topology, node_id: int, coordinator: int | None = N
     """The neighbours of ``node_id`` that the coordinator (``coordinator``, default the
     topology's) reaches only through relays, with ``node_id`` as the last one on a shortest
     path: one hop farther from the coordinator than ``node_id`` (so two nodes never wait for
-    each other). Paths avoid the nodes ``gone`` (failed or departed: they relay nothing)."""
+    each other). Paths avoid the nodes ``gone`` (they relay nothing)."""
     c = topo.coordinator if coordinator is None else coordinator
     dist = hop_distances(topo, c, avoid=gone)
     if node_id not in dist:
         return []
     return [nb for nb in topo.neighbors(node_id) if dist.get(nb) == dist[node_id] + 1 and dist[nb] >= 2]
+
+
+def reply_relays(topo: Topology, node_id: int, view: View | None, coordinator: int) -> list[int]:
+    """The neighbours whose finish-barrier replies may pass through ``node_id`` at the run's end
+    (:func:`relayed_neighbours`) over the nodes that still run: the members of ``view`` and the
+    departed ones, which wait in the barrier for their reply too (a departed node that relays
+    for members stays until the barrier completes); only the others are gone."""
+    running = set(view.members) | set(view.departed) if view is not None else set(topo.ids)
+    return relayed_neighbours(topo, node_id, coordinator, set(topo.ids) - running)
 
 
 def _ids(value: Any) -> list[int]:
@@ -307,9 +317,7 @@ class NodeRuntime:
             log.info("node %d: members %s still train and pass tensors through this node: it stays in "
                      "the finish barrier", self.node_id, waiting)
             rep = await self.membership.finish(finite_values(stats), timeout=timeout, depart=depart)
-        view = self.membership.view
-        gone = set(self.topo.ids) - set(view.members) if view is not None else set()
-        behind = relayed_neighbours(self.topo, self.node_id, self.membership.coordinator, gone)
+        behind = reply_relays(self.topo, self.node_id, self.membership.view, self.membership.coordinator)
         if behind:
             # the coordinator's finish replies to nodes behind this one may pass through it:
             # stay until they are gone (a node leaves once it has its reply: both its
@@ -354,5 +362,5 @@ class NodeRuntime:
 
 
 __all__ = ["DISCOVER_S", "NodeRuntime", "checked_run_id", "default_run_id", "finite_values", "relay_wanted",
-           "relayed_neighbours", "summarize",
+           "relayed_neighbours", "reply_relays", "summarize",
            "wire_run_id"]

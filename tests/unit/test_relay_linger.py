@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from p2psync.api.runtime import relay_wanted, relayed_neighbours
+from p2psync.api.runtime import relay_wanted, relayed_neighbours, reply_relays
+from p2psync.coordinator.views import View
 from p2psync.topology import bcube, mesh, ring, star
 from tests.helpers import free_port, until, zmq_cluster
 
@@ -27,6 +28,19 @@ def test_relay_nodes_linger_after_the_finish_barrier():
         assert not any((b, a) in waits for a, b in waits), topo.kind
     assert not any(relayed_neighbours(mesh(4), i) for i in range(4))
     assert not any(relayed_neighbours(star(5), i) for i in range(5))
+
+
+def test_departed_nodes_still_wait_for_their_finish_reply_and_are_relayed_for():
+    """Ring-4, nodes 0 (the coordinator) and 2 ended their loops first and departed; 1 and 3
+    train on through them. At the end node 2, opposite the coordinator, gets its finish reply
+    through 1 or 3: both must stay until it is gone. They did not (a departed node was counted
+    gone, like a failed one), and under load 1 and 3 closed before relaying the reply: node 2
+    waited out its barrier's timeout (30 s) and took over as coordinator of nobody."""
+    view = View(epoch=6, members=(1, 3), coordinator=0, departed=(0, 2))
+    assert [reply_relays(ring(4), i, view, 0) for i in range(4)] == [[], [2], [], [2]]
+    failed = View(epoch=6, members=(0, 1, 3), coordinator=0)  # node 2 failed: nobody waits for it
+    assert [reply_relays(ring(4), i, failed, 0) for i in range(4)] == [[], [], [], []]
+    assert reply_relays(ring(4), 1, None, 0) == [2]
 
 
 async def test_wait_gone_ends_when_the_nodes_behind_are_gone_or_at_its_limit():
