@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -404,6 +404,41 @@ def _fenced(run_dir: Path, node: int, code: int | None) -> str | None:
     return why if code not in (None, 0) else None
 
 
+@dataclass(frozen=True)
+class NodeEnd:
+    """What the launcher does about a node whose process it found ended (:func:`on_node_end`):
+    ``restart`` it (it rejoins with the majority's state), leave it out of the run with
+    ``left_out`` as the reason (the run's model is the majority's), or neither; ``failure``:
+    the end counts as a failure (the hang bound starts from the first one)."""
+
+    restart: bool = False
+    left_out: str | None = None
+    failure: bool = False
+
+
+def on_node_end(code: int, fenced: str | None, *, over: bool, may_restart: bool, restarted: bool,
+                wrote_since_restart: bool) -> NodeEnd:
+    """The launcher's decision for a node whose process exited with ``code`` (pure; see the
+    module docstring). ``fenced``: why it was removed from the run (:func:`_fenced`), or None;
+    ``over``: the run ended as far as it is concerned (:func:`run_over`); ``may_restart``:
+    the launcher may start it again (``--on-failure continue``, restarts left, no stop
+    signal); ``restarted``: this process was such a new start, and ``wrote_since_restart``
+    whether it wrote a metrics record since.
+
+    A fenced node is left out once the run is over, else started again when allowed; a new
+    life that ended without a record once the run is over found nobody to join: left out
+    too. Any other non-zero end is a failure."""
+    if fenced is not None and over:
+        return NodeEnd(left_out=f"it was removed from the run ({fenced[:200]}) and the run ended before it could "
+                                "rejoin")
+    if fenced is not None and may_restart:
+        return NodeEnd(restart=True)
+    if code != 0 and over and restarted and not wrote_since_restart:
+        return NodeEnd(left_out="it was removed from the run and its new process found the run over before it "
+                                "could rejoin")
+    return NodeEnd(failure=code != 0)
+
+
 def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], groups: set[int],
              stop: dict[str, Any], t0: float, start: Callable[[int], NodeProcess] | None = None) -> int:
     tails = {i: _Tail(run_dir / f"node-{i}.jsonl") for i in procs}
@@ -425,30 +460,30 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
     try:
         while True:
             for i, p in list(procs.items()):
-                if codes[i] is None:
-                    codes[i] = p.poll()
-                    why = _fenced(run_dir, i, codes[i])
-                    over = codes[i] is not None and run_over(run_dir, codes, i)
-                    if why is not None and over:
-                        left_out[i] = f"it was removed from the run ({why[:200]}) and the run ended before it " \
-                                      "could rejoin"
-                    elif why is not None and start is not None and cfg.on_failure == "continue" \
-                            and restarts.get(i, 0) < MAX_RESTARTS and stop["signal"] is None:
-                        restarts[i] = restarts.get(i, 0) + 1
-                        print(f"node {i} was removed from the run ({why[:200]}); starting it again "
-                              f"({restarts[i]}/{MAX_RESTARTS}): it rejoins with the majority's state",
-                              file=sys.stderr, flush=True)
-                        tails[i].poll()
-                        restarted_at[i] = tails[i].pos
-                        procs[i], codes[i] = start(i), None
-                        continue
-                    elif codes[i] not in (None, 0) and over and i in restarted_at:
-                        tails[i].poll()
-                        if tails[i].pos == restarted_at[i]:
-                            left_out[i] = "it was removed from the run and its new process found the run over " \
-                                          "before it could rejoin"
-                    if codes[i] not in (None, 0) and i not in left_out and first_failure is None:
-                        first_failure = (time.monotonic(), i)
+                if codes[i] is not None:
+                    continue
+                code = codes[i] = p.poll()
+                if code is None:
+                    continue
+                why = _fenced(run_dir, i, code)
+                tails[i].poll()
+                end = on_node_end(code, why, over=run_over(run_dir, codes, i),
+                                  may_restart=start is not None and cfg.on_failure == "continue"
+                                  and restarts.get(i, 0) < MAX_RESTARTS and stop["signal"] is None,
+                                  restarted=i in restarted_at,
+                                  wrote_since_restart=tails[i].pos != restarted_at.get(i, tails[i].pos))
+                if end.restart and start is not None:
+                    restarts[i] = restarts.get(i, 0) + 1
+                    print(f"node {i} was removed from the run ({str(why)[:200]}); starting it again "
+                          f"({restarts[i]}/{MAX_RESTARTS}): it rejoins with the majority's state",
+                          file=sys.stderr, flush=True)
+                    restarted_at[i] = tails[i].pos
+                    procs[i], codes[i] = start(i), None
+                    continue
+                if end.left_out is not None:
+                    left_out[i] = end.left_out
+                elif end.failure and first_failure is None:
+                    first_failure = (time.monotonic(), i)
             _prune(groups)
             for tail in tails.values():
                 before = tail.pos
