@@ -30,8 +30,10 @@ Per row: bytes sent per node per inner step (NIC counters) and SSGD's / this, th
 (mean over nodes) at equal steps, wall seconds, the time until the run's evaluations reach
 SSGD's final quality (lower median over nodes) and the speed-up against SSGD, and the
 fraction of steps whose wait on peers exceeded ``--waited-ms`` (20 ms; the last step of a DiLoCo or
-DTS run, which ends with the final full sync every node awaits, is not counted). Peak bytes in flight are
-not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
+DTS run, which ends with the final full sync every node awaits, is not counted), and the peak:
+the most bytes a node sent in one step in the steady state (the rate a link must carry at its
+busiest; Streaming's fragments spread a sync over several steps). Bytes in flight at an
+instant are not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
 than SSGD with e3m0 at H = 50; final quality within 3 % of SSGD's; >= 3x sooner to SSGD's final
 quality at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
 dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the
@@ -99,6 +101,9 @@ class Row:
     #: (:func:`steady_window`): without the start (the first broadcast of the model) and the stop
     #: (the final full sync, the closing checks); None when the run is too short for one
     steady_per_step: float | None
+    #: the most bytes a node sent in one step within that window (mean over nodes): the peak
+    #: rate a link must carry, which Streaming DiLoCo's fragments lower; None as above
+    peak_per_step: float | None
     #: the final quality: val_bpb (lower is better) where the job reports it, else accuracy
     quality: float
     metric: str
@@ -134,12 +139,24 @@ def steady_bytes(recs: Sequence[dict[str, Any]], interval: int) -> float | None:
     return (bytes_sent(by[b]) - bytes_sent(by[a])) / (b - a)
 
 
+def peak_bytes(recs: Sequence[dict[str, Any]], interval: int) -> float | None:
+    """The most bytes sent in one step over :func:`steady_window` of one node's records (pure)."""
+    by = {int(r["step"]): bytes_sent(r) for r in recs if "step" in r and isinstance(r.get("nics"), dict)}
+    w = steady_window(max(by), interval) if by else None
+    if w is None:
+        return None
+    a, b = int(math.floor(w[0])), int(math.floor(w[1]))
+    diffs = [by[k] - by[k - 1] for k in range(a + 1, b + 1) if k in by and k - 1 in by]
+    return float(max(diffs)) if diffs else None
+
+
 def reduce(key: str, latency: float, nodes: list[list[dict[str, Any]]], waited_s: float,
            interval: int = 50) -> Row:
     """A row from every node's records (pure); ``interval``: the sync interval in steps (the
     steady-state window's unit)."""
     steps, per_step, walls, waits, accs = [], [], [], [], []
     steady = [steady_bytes(recs, interval) for recs in nodes]
+    peaks = [peak_bytes(recs, interval) for recs in nodes]
     metric = "val_bpb" if any(r.get("val_bpb") is not None for recs in nodes for r in recs) else "accuracy"
     for recs in nodes:
         last = recs[-1]
@@ -159,6 +176,8 @@ def reduce(key: str, latency: float, nodes: list[list[dict[str, Any]]], waited_s
     known = [v for v in steady if v is not None]
     return Row(key=key, latency_ms=latency, steps=statistics.mean(steps), bytes_per_step=statistics.mean(per_step),
                steady_per_step=statistics.mean(known) if len(known) == len(nodes) else None,
+               peak_per_step=statistics.mean(p for p in peaks if p is not None)
+               if all(p is not None for p in peaks) and peaks else None,
                quality=statistics.mean(accs) if accs else float("nan"), metric=metric, wall_s=max(walls),
                waited=statistics.mean(waits),
                nodes=nodes)
@@ -254,10 +273,12 @@ def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, li
         equal = r.quality if b is None or r.steps == b.steps else quality_at(r.nodes, metric, b.steps)
         out.append([r.key, f"{r.latency_ms:g}", f"{r.steps:.0f}", f"{r.bytes_per_step:,.0f}",
                     cell(ratio, "{:.0f}x"), cell(r.steady_per_step, "{:,.0f}"), cell(steady, "{:.0f}x"),
+                    cell(r.peak_per_step, "{:,.0f}"),
                     f"{r.quality:.3f}", cell(equal, "{:.3f}"), f"{r.wall_s:.1f}", cell(t_me, "{:.1f}"),
                     cell(speedup(t_b, t_me), "{:.2f}x"), f"{r.waited:.2f}"])
     table = markdown_table(["config", "one-way ms", "steps", "bytes/step/node", "ssgd/this", "steady bytes/step",
-                            "ssgd/this, steady", f"final {metric}",
+                            "ssgd/this, steady", "peak bytes in a step",
+                            f"final {metric}",
                             f"{metric} at ssgd's steps",
                             "wall s", f"s to ssgd's {metric}", "speed-up", "steps waited"], out)
     top = max(base) if base else 0.0

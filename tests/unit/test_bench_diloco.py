@@ -94,3 +94,20 @@ def test_dylu_is_judged_by_the_time_to_the_worse_final_quality_of_the_two_runs()
     line = next(ln for ln in lines if ln.startswith("1:1:2:4 devices"))
     assert "1.33x sooner with dylu to val_bpb 3.900 (20.0 s fixed H, 15.0 s dylu" in line and line.endswith("PASS")
     assert "2.00x" in line  # the whole runs' wall times, shown beside
+
+
+def test_the_peak_is_the_most_bytes_sent_in_one_step_between_the_start_and_the_stop():
+    """Every 50 steps one sync of 1000 bytes (DiLoCo) or two of 500 bytes 25 steps apart
+    (two fragments): the same bytes per step, half the peak."""
+    from bench.diloco import peak_bytes
+
+    def node(sizes):
+        sent, recs = 4_000_000, []
+        for step in range(1, 401):
+            sent += sizes.get(step % 50, 10)
+            recs.append({"step": step, "time": float(step), "nics": {"a": {"sent": sent}}})
+        return recs
+
+    assert peak_bytes(node({0: 1000}), 50) == 1000
+    assert peak_bytes(node({0: 500, 25: 500}), 50) == 500
+    assert peak_bytes(node({0: 1000})[:60], 50) is None  # no steady window in 60 steps
