@@ -459,9 +459,11 @@ class Transport(ABC):
         the same peer made after the connection came up, before this one resumed, may go out
         before it (as with an unshaped send's retries, :meth:`_deliver`)."""
         deadline = clock.now() + budget
-        while not self._connected(peer, bulk):
+        while True:
             if self._closed:
                 raise TransportError(f"node {self.node_id}: transport closed")
+            if self._connected(peer, bulk):
+                break
             if peer in self.router.dead and not to_dead:
                 raise PeerFailure(f"node {self.node_id}: node {peer} has failed", peers=(peer,))
             left = deadline - clock.now()
@@ -476,8 +478,6 @@ class Transport(ABC):
             finally:
                 if fut in self._link_waiters:
                     self._link_waiters.remove(fut)
-        if self._closed:
-            raise TransportError(f"node {self.node_id}: transport closed")
         await self._shape_and_deliver(peer, route, max(0.0, deadline - clock.now()), frames, bulk, unordered,
                                       to_dead)
 
