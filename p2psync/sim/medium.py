@@ -230,7 +230,7 @@ class SimTransport(MemoryTransport):
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         if len(nodes) > 2:
-            header["path"] = nodes[max(0, len(nodes) - 2 - PATH_KEPT):-2]
+            header["path"] = _passed(nodes)
         out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
         end = nodes[-1]  # the destination, or the node that does anything else than pass it on
         loop.call_at(loop.time() + path.latency, hub.endpoints[end]._ingest, path.final_nic, last,
@@ -363,6 +363,14 @@ class _Path:
         return True
 
 
+def _passed(nodes: list[int]) -> list[int]:
+    """The header ``path`` a message walked along ``nodes`` (the sender first, then every node
+    it reached) carries at the last of them: the nodes before the relay that handed it over
+    (the sender included), the latest :data:`~p2psync.wire.PATH_KEPT` of them, as real relays
+    write it."""
+    return nodes[max(0, len(nodes) - 2 - PATH_KEPT):-2]
+
+
 def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: int = 0) -> _Path | None:
     """The path every relay's own router gives a message that ``sender`` hands to ``peer`` for
     ``dst`` (the first candidate, never back where it came from, the ``spread``-th of the
@@ -391,7 +399,7 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: in
                 or (reply and hop.back != back):
             hop = memo[key] = _hop(hub, rt, prev, dst, reply, back, spread)
         nb = hop.next
-        passed = nodes[max(0, len(nodes) - 2 - PATH_KEPT):-2]  # (its path there: never passed on to those)
+        passed = _passed(nodes)  # (never passed on to those)
         if nb is None or nb not in endpoints or nb in passed \
                 or (spread and any(rt.topology.routes(cur, p) for p in passed)):
             # the message stops being passed on at once here, or the relay would decide
