@@ -125,27 +125,29 @@ def steady_window(last: int, interval: int) -> tuple[float, float] | None:
     return (a, b) if b - a >= interval else None
 
 
+def _sent_in_window(recs: Sequence[dict[str, Any]], interval: int) -> tuple[dict[int, int], int, int] | None:
+    """One node's bytes sent so far by step, and the steps (a, b] of :func:`steady_window` (pure);
+    None when the run is too short for one."""
+    by = {int(r["step"]): bytes_sent(r) for r in recs if "step" in r and isinstance(r.get("nics"), dict)}
+    w = steady_window(max(by), interval) if by else None
+    return None if w is None else (by, int(math.floor(w[0])), int(math.floor(w[1])))
+
+
 def steady_bytes(recs: Sequence[dict[str, Any]], interval: int) -> float | None:
     """Bytes per step over :func:`steady_window` of one node's records (pure)."""
-    by = {int(r["step"]): r for r in recs if "step" in r and isinstance(r.get("nics"), dict)}
-    if not by:
+    got = _sent_in_window(recs, interval)
+    if got is None or got[1] not in got[0] or got[2] not in got[0]:
         return None
-    w = steady_window(max(by), interval)
-    if w is None:
-        return None
-    a, b = int(math.floor(w[0])), int(math.floor(w[1]))
-    if a not in by or b not in by:
-        return None
-    return (bytes_sent(by[b]) - bytes_sent(by[a])) / (b - a)
+    by, a, b = got
+    return (by[b] - by[a]) / (b - a)
 
 
 def peak_bytes(recs: Sequence[dict[str, Any]], interval: int) -> float | None:
     """The most bytes sent in one step over :func:`steady_window` of one node's records (pure)."""
-    by = {int(r["step"]): bytes_sent(r) for r in recs if "step" in r and isinstance(r.get("nics"), dict)}
-    w = steady_window(max(by), interval) if by else None
-    if w is None:
+    got = _sent_in_window(recs, interval)
+    if got is None:
         return None
-    a, b = int(math.floor(w[0])), int(math.floor(w[1]))
+    by, a, b = got
     diffs = [by[k] - by[k - 1] for k in range(a + 1, b + 1) if k in by and k - 1 in by]
     return float(max(diffs)) if diffs else None
 
