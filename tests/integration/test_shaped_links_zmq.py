@@ -12,7 +12,7 @@ from p2psync.errors import PeerUnreachable, TransportError
 from p2psync.topology import ring
 from p2psync.transport.shaping import InprocShaper, LinkSpec
 from p2psync.wire import encode
-from tests.helpers import free_port, zmq_cluster
+from tests.helpers import free_port, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,7 +65,7 @@ async def test_a_send_waiting_for_its_connection_ends_when_the_transport_closes(
         assert await src.wait_gone([1], 10.0)
         frames = encode(kind="event", src=0, tag="x", run=src.run_id, inc=src.incarnation)
         waiting = asyncio.ensure_future(src._send_direct(1, src.route(1), 30.0, frames))
-        await asyncio.sleep(0.2)
+        await until(lambda: bool(src._link_waiters), 10, "the send to wait for its connection")
         assert not waiting.done()
         t0 = time.monotonic()
         await src.close()

@@ -148,19 +148,32 @@ async def test_a_donated_tensor_is_reduced_in_place_to_the_same_result(topo, cod
         assert np.shares_memory(d, mine[i]) == (codec != "topk:0.1")
 
 
-async def test_a_donated_tensor_is_reduced_in_place_when_other_references_to_it_go_away_meanwhile():
+async def test_a_donated_tensor_is_reduced_in_place_when_other_references_to_it_go_away_meanwhile(monkeypatch):
     """Whether sends still hold the working buffer is judged by its references, counted before
     and after the operation; references to the caller's array that other code drops meanwhile
     (here a view dropped while the pieces travel, as a finished future that delivered the array
     from a thread is dropped by the loop under load) must not make the operation think that
     sends still hold it, and copy: the result is still the donated memory."""
+    from p2psync.collectives import executor
+
     t = ring(3)
     base = _inputs(t.ids)
+    counted, real = asyncio.Event(), executor.refs
+
+    def counting(buf: np.ndarray) -> int:  # (one more reference to ``buf`` in every count: all alike)
+        n = real(buf)
+        counted.set()
+        return n
+
+    monkeypatch.setattr(executor, "refs", counting)
     async with memory_collectives(t, piece_bytes=4096) as cs:
         mine = {i: np.array(x) for i, x in base.items()}
         others = {i: [mine[i][:], mine[i][:]] for i in t.ids}  # held by "other code"
-        ops = [asyncio.ensure_future(cs[i].allreduce(mine[i], tag="d", op="mean", donate=True)) for i in t.ids]
-        await asyncio.sleep(0)  # every operation has counted the references to its buffer
+        ops = []
+        for i in t.ids:  # each operation counts the references to its buffer before it sends
+            counted.clear()
+            ops.append(asyncio.ensure_future(cs[i].allreduce(mine[i], tag="d", op="mean", donate=True)))
+            await asyncio.wait_for(counted.wait(), 10)
         assert not any(op.done() for op in ops)
         others.clear()
         donated = await asyncio.gather(*ops)

@@ -103,26 +103,12 @@ async def test_a_preduce_step_holds_no_gradient_copy_during_its_reduce() -> None
     assert alive == [False]
 
 
-async def test_a_preduce_round_averages_the_parameters_it_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_preduce_round_averages_the_parameters_it_read_in_place() -> None:
     """A round's weighted allreduce reduces the parameter vector it read itself (handed over):
     what it writes back is that memory, not a working copy of the model (over the in-memory
-    transport no send holds the buffer once its tasks have run). The operation does not wait
-    for a small buffer's sends (a copy is cheaper): on a loaded machine a send task may not have
-    taken its last step yet when the operation ends, and the operation then rightly copies; so
-    here it is given a bounded moment for its sends (and garbage collection) first."""
-    from p2psync.collectives import executor
-
-    real = executor.sends_done
-
-    async def collected_first(free: Any, nbytes: int) -> bool:
-        for _ in range(200):
-            gc.collect()
-            if free():
-                break
-            await asyncio.sleep(0.005)
-        return await real(free, nbytes)
-
-    monkeypatch.setattr(executor, "sends_done", collected_first)
+    transport no send holds the buffer once its tasks have run). References to the vector that
+    the loop drops meanwhile (the finished future that delivered it from a thread, under load)
+    must not make the operation copy it (``collectives.buffers.own``)."""
     async with memory_strategies(mesh(2), "preduce", {"P": 2}) as pr:
         read: dict[int, np.ndarray] = {}
         written: dict[int, np.ndarray] = {}
