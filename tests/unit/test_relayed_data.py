@@ -15,6 +15,7 @@ import pytest
 from p2psync.errors import NonFinitePiece, PeerFailure, TransportError
 from p2psync.topology import ring
 from p2psync.transport.memory import MemoryHub, MemoryTransport
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,12 +65,12 @@ async def test_a_relay_holds_what_it_cannot_pass_on_within_its_budget_and_drops_
         x = np.ones(250, np.float32)  # 1000 payload bytes
         await eps[1].send(3, "a", [x], relay=True)
         await eps[1].send(3, "b", [x], relay=True)  # would be 2000 held: over the budget
-        await asyncio.sleep(0.05)
+        await until(lambda: relay.rejected["relay_budget"] == 1, 5, "the relay to drop what is over its budget")
         assert relay.rejected["relay_budget"] == 1 and relay.relaying.held > 1000
         win.release(held)
         assert (await eps[3].recv("a", timeout=5)).arrays[0].sum() == 250
         assert eps[3].recv_nowait("b") is None
-        await asyncio.sleep(0.01)
+        await until(lambda: relay.relaying.held == 0, 5, "the relay to let go of what it passed on")
         assert relay.relaying.held == 0 and relay.relayed == 1
 
 
