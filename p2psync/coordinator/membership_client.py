@@ -254,7 +254,8 @@ class MembershipClient:
                         await asyncio.sleep(0.1 if exc.kind == "NotCoordinator" else 0.5)
         except (PeerTimeout, PeerFailure) as exc:
             raise PeerTimeout(f"node {self.transport.node_id}: rendezvous with coordinator "
-                              f"{self.coordinator} failed: {exc}") from None
+                              f"{self.coordinator} failed: {exc} ({self.transport.link_state(self.coordinator)})"
+                              ) from None
         except RemoteError as exc:
             who = f"node {self.transport.node_id}: coordinator {self.coordinator}"
             if exc.kind == "NotCoordinator":  # never started hosting within the start timeout

@@ -386,7 +386,8 @@ class RpcClient:
                     if loop.time() >= deadline:
                         # unanswered over every first hop it tried (at least two when relayed):
                         # no reason to prefer another one; the one that worked last stays first
-                        raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s") from None
+                        raise PeerTimeout(f"RPC {method} to node {node}: no reply within {timeout:g}s "
+                                          f"({attempt + 1} attempt{'s' if attempt else ''})") from None
                 attempt += 1
                 self.retries += 1
                 if wait < min(rto, left):

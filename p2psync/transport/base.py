@@ -292,6 +292,18 @@ class Transport(ABC):
         send waits for it before it enters the shaper (:meth:`_shape_when_connected`)."""
         return True
 
+    def link_state(self, peer: int) -> str:
+        """For an error message about ``peer``: whether this node's control and bulk
+        connections to it are up (adjacent peers only), and the messages this node rejected
+        so far, by reason (a peer whose every message is dropped on arrival looks silent)."""
+        if not self.topology.routes(self.node_id, peer):
+            links = f"node {peer} is not adjacent"
+        else:
+            links = (f"control link to node {peer} {'up' if self._connected(peer, False) else 'down'}, "
+                     f"bulk link {'up' if self._connected(peer, True) else 'down'}")
+        dropped = ", ".join(f"{r} {n}" for r, n in sorted(self.rejected.items())) or "none"
+        return f"{links}; messages rejected here: {dropped}"
+
     @property
     def relayed(self) -> int:
         """Messages this node passed on for others."""
