@@ -438,6 +438,98 @@ def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float
     return out
 
 
+def _first_declared(decls: Sequence[Declaration], f: Fault, last: float,
+                    counts: Callable[[Declaration], bool]) -> dict[int, float]:
+    """How long after ``f`` started each node was first declared failed, among the
+    declarations from its start to ``last`` that ``counts``."""
+    seen: dict[int, float] = {}
+    for d in decls:
+        if counts(d) and f.at <= d.t <= last and d.node not in seen:
+            seen[d.node] = round(d.t - f.at, 6)
+    return seen
+
+
+def _declared(seen: Mapping[int, float]) -> dict[str, float]:
+    return {str(n): s for n, s in sorted(seen.items())}
+
+
+def _slow_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], decls: Sequence[Declaration], *,
+                    fbound: float, bound: float, failure_timeout: float, interval: float, links: Links | None,
+                    latency: Latency | None) -> tuple[dict[str, object], str | None]:
+    """A slowdown's record and problem (None: none) for :func:`detections`: the members it put
+    at risk may be declared failed; those it slowed beyond the bound on every way to the
+    coordinator must be, within ``fbound``."""
+    risk = slow_risk(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
+                     links=links, latency=latency)
+    seen = _first_declared(decls, f, until(f, faults) + fbound + risk.rtt, lambda d: d.node in risk.risk)
+    rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": _declared(seen), "at_risk": list(risk.risk)}
+    missed = [n for n in risk.must if n not in seen]
+    late = {n: seen[n] for n in risk.must if n in seen and seen[n] > fbound}
+    if not (missed or late):
+        return rec, None
+    return rec, (f"{f.spec()}: slowed beyond the bound on every way to the coordinator, " + "; ".join(
+        ([f"never declared failed: {missed}"] if missed else [])
+        + ([f"declared after more than {fbound:.3f}s: {late}"] if late else [])))
+
+
+def _cut_limits(f: Fault, views: Sequence[ViewSeen], members: Sequence[int], cut: Sequence[int], *,
+                fbound: float, line_s: float) -> tuple[dict[int, float], bool]:
+    """How soon each node ``f`` cut off must be declared failed, and whether the coordinator
+    is among them: then its successor is elected before it watches the others, who are
+    declared within two bounds (one for the coordinator, one for them), and the coordinator
+    itself within the bound plus one probe of the line of successors (``line_s``) when
+    successors ahead of the majority's first one are cut off with it."""
+    before = _newest_before(views, f.at)
+    lead_by = before.coordinator if before is not None and before.coordinator in cut else None
+    limit = {n: fbound if lead_by is None or n == lead_by else 2 * fbound for n in cut}
+    if lead_by is not None:
+        first = min((n for n in members if n not in cut), default=None)
+        if first is not None and any(n in cut and n != lead_by for n in members if n < first):
+            limit[lead_by] = fbound + line_s
+    return limit, lead_by is not None
+
+
+def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], decls: Sequence[Declaration], *,
+                   fbound: float, failure_timeout: float, interval: float, links: Links | None, line_s: float,
+                   elsewhere: Callable[[Fault, Declaration], bool]) -> tuple[dict[str, object], str | None]:
+    """A kill's, restart's, pause's or partition's record and problem (None: none) for
+    :func:`detections` (the rules are the module docstring's ``faults_detected_in_bound``)."""
+    members = _members_before(views, f.at)
+    found = cut_by(f, faults, members, links)
+    cut = found if found is not None else []
+    limit, lead = _cut_limits(f, views, members, cut, fbound=fbound, line_s=line_s)
+    seen = _first_declared(decls, f, until(f, faults) + fbound, lambda d: d.node in cut or (
+        found is None and d.node in members and not elsewhere(f, d)))
+    rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": _declared(seen)}
+    back = reconnected(f, faults, members, links, cut) if f.kind == "kill" else {}
+
+    def must(n: int) -> bool:  # cut off long enough to be declared in its limit
+        if f.kind == "kill":
+            return n in f.nodes or back.get(n, math.inf) - f.at >= limit.get(n, fbound)
+        return f.kind == "restart" or (f.duration is not None and f.duration >= limit.get(n, fbound))
+
+    problems: list[str] = []
+    if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout - interval and seen:
+        problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
+                        f"{failure_timeout:g}s less a heartbeat interval, yet declared failed "
+                        f"({rec['declared_after_s']})")
+    if found is None:
+        rec["majority"] = None
+        if seen:
+            problems.append(f"{f.spec()}: no group of nodes holds a majority of {len(members)} members, yet "
+                            f"{sorted(seen)} were declared failed")
+        return rec, " | ".join(problems) or None
+    late = {n: s for n, s in seen.items() if must(n) and s > limit.get(n, fbound)}
+    missed = [n for n in cut if n not in seen and must(n)]
+    if missed or late:
+        problems.append(f"{f.spec()}: " + "; ".join(
+            ([f"never declared failed: {missed}"] if missed else [])
+            + ([f"declared after more than {fbound:.3f}s"
+                + (" (twice that for those cut off with the coordinator)" if lead else "")
+                + f": {late}"] if late else [])))
+    return rec, " | ".join(problems) or None
+
+
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
                failure_timeout: float, links: Links | None = None,
                interval: float = 0.0, latency: Latency | None = None,
@@ -460,69 +552,18 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
     out: list[dict[str, object]] = []
     problems: list[str] = []
     for f in faults:
-        members = _members_before(views, f.at)
-        end = until(f, faults)
         fbound = _bound_at(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
                            links=links, latency=latency)
-        seen: dict[int, float] = {}
         if f.kind == "slow":
-            risk = slow_risk(f, faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval,
-                             links=links, latency=latency)
-            for d in decls:
-                if d.node in risk.risk and f.at <= d.t <= end + fbound + risk.rtt and d.node not in seen:
-                    seen[d.node] = round(d.t - f.at, 6)
-            out.append({"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())},
-                        "at_risk": list(risk.risk)})
-            missed = [n for n in risk.must if n not in seen]
-            late = {n: seen[n] for n in risk.must if n in seen and seen[n] > fbound}
-            if missed or late:
-                problems.append(f"{f.spec()}: slowed beyond the bound on every way to the coordinator, " + "; ".join(
-                    ([f"never declared failed: {missed}"] if missed else [])
-                    + ([f"declared after more than {fbound:.3f}s: {late}"] if late else [])))
-            continue
-        found = cut_by(f, faults, members, links)
-        cut = found if found is not None else []
-        before = _newest_before(views, f.at)
-        # with the coordinator among them, its successor must be elected before it watches the
-        # others: they are declared within two bounds (one for the coordinator, one for them)
-        lead_by = before.coordinator if before is not None and before.coordinator in cut else None
-        lead = lead_by is not None
-        limit = {n: fbound if lead_by is None or n == lead_by else 2 * fbound for n in cut}
-        if lead_by is not None:  # successors ahead of the majority's first one, cut off with it
-            first = min((n for n in members if n not in cut), default=None)
-            if first is not None and any(n in cut and n != lead_by for n in members if n < first):
-                limit[lead_by] = fbound + line_s
-        for d in decls:
-            if d.node in cut or (found is None and d.node in members and not elsewhere(f, d)):
-                if f.at <= d.t <= end + fbound and d.node not in seen:
-                    seen[d.node] = round(d.t - f.at, 6)
-        rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": {str(n): s for n, s in sorted(seen.items())}}
+            rec, problem = _slow_detection(f, faults, views, decls, fbound=fbound, bound=bound,
+                                           failure_timeout=failure_timeout, interval=interval, links=links,
+                                           latency=latency)
+        else:
+            rec, problem = _cut_detection(f, faults, views, decls, fbound=fbound, failure_timeout=failure_timeout,
+                                          interval=interval, links=links, line_s=line_s, elsewhere=elsewhere)
         out.append(rec)
-        back = reconnected(f, faults, members, links, cut) if f.kind == "kill" else {}
-
-        def must(n: int) -> bool:  # cut off long enough to be declared in its limit
-            if f.kind == "kill":
-                return n in f.nodes or back.get(n, math.inf) - f.at >= limit.get(n, fbound)
-            return f.kind == "restart" or (f.duration is not None and f.duration >= limit.get(n, fbound))
-
-        if f.kind == "pause" and f.duration is not None and f.duration < failure_timeout - interval and seen:
-            problems.append(f"{f.spec()}: paused {f.duration:g}s, under the failure timeout "
-                            f"{failure_timeout:g}s less a heartbeat interval, yet declared failed "
-                            f"({rec['declared_after_s']})")
-        if found is None:
-            rec["majority"] = None
-            if seen:
-                problems.append(f"{f.spec()}: no group of nodes holds a majority of {len(members)} members, yet "
-                                f"{sorted(seen)} were declared failed")
-            continue
-        late = {n: s for n, s in seen.items() if must(n) and s > limit.get(n, fbound)}
-        missed = [n for n in cut if n not in seen and must(n)]
-        if missed or late:
-            problems.append(f"{f.spec()}: " + "; ".join(
-                ([f"never declared failed: {missed}"] if missed else [])
-                + ([f"declared after more than {fbound:.3f}s"
-                    + (" (twice that for those cut off with the coordinator)" if lead else "")
-                    + f": {late}"] if late else [])))
+        if problem is not None:
+            problems.append(problem)
     return out, (HELD if not problems else " | ".join(problems))
 
 
