@@ -99,6 +99,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
                            markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.metrics import bytes_sent
 
 
@@ -311,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "configuration always runs 2)")
     ap.add_argument("--p", type=int, default=None,
                     help="Canary's p: colayers complete for a stale iteration to count (default round(0.6 k), >= 1)")
-    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--mode", choices=SLOWDOWN_MODES, default="wait")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                     help="run only the configurations whose label contains one of these (BSP always runs)")

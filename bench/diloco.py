@@ -17,7 +17,8 @@ where the job reports it (a language model), else test ``accuracy``. Configurati
 * ``diloco`` — H = ``--inner-steps`` (50), codec none; ``diloco-e3m0`` — the same with 4-bit outer
   gradients; ``streaming`` — 2 fragments, tau = ``--tau`` (1), alpha = 0.5, e3m0, outer lr 0.4;
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
-  ``wait`` by default, ``compute`` for slowness that really computes), diloco with fixed H, and
+  ``wait`` by default, ``compute`` for slowness that really computes, ``quota`` for devices that
+  really compute at their own rates, as separate devices would, root), diloco with fixed H, and
   with ``dylu=true`` (only at the first latency).
 
 "Steps waited": SSGD's steps are its blocking allreduce (``comm_s``); DTS and DiLoCo report only
@@ -63,6 +64,7 @@ from typing import Any, Sequence
 from bench._common import ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
 from bench.wan import uniform_profile
 from p2psync.topology import ring, save
+from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.metrics import bytes_sent
 from tests.helpers import free_port
 
@@ -370,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps-factor", type=float, default=1.0,
                     help="every config but ssgd trains this many times ssgd's --steps (its schedule spans them), "
                          "so that the time to ssgd's final quality is measured where it takes more steps")
-    ap.add_argument("--slowdown-mode", choices=("wait", "compute"), default="wait",
+    ap.add_argument("--slowdown-mode", choices=SLOWDOWN_MODES, default="wait",
                     help="how the hetero configs' slower devices are emulated (p2psync run --slowdown-mode)")
     ap.add_argument("--waited-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=900.0)

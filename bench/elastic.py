@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
                            markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.metrics import bytes_sent
 
 
@@ -206,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--period", type=float, default=1.0, help="rotating: seconds each node stays slow")
     ap.add_argument("--lr", type=float, default=0.2, help="the owners apply lr/N per push")
     ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--mode", choices=SLOWDOWN_MODES, default="wait")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
     args = ap.parse_args(argv)

@@ -50,6 +50,7 @@ from typing import Any, Sequence
 
 from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
                            markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from p2psync.training.hetero import SLOWDOWN_MODES
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--hl", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--mode", choices=("wait", "compute"), default="wait")
+    ap.add_argument("--mode", choices=SLOWDOWN_MODES, default="wait")
     ap.add_argument("--configs", nargs="+", metavar="LABEL",
                     help=f"run only these (default: {', '.join(c.label for c in CONFIGS)}; also "
                          f"{', '.join(c.label for c in EXTRA)}: dynamic weights with approx=nearest)")

@@ -17,6 +17,7 @@ the job's data position and step-time generator, so ``--resume`` continues exact
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -42,10 +43,12 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     session = Session(config=cfg, node=node_id, topo=topo,
                       max_steps=cfg.max_steps(trainer.n_train, topo.size))
     register_trainer_state(session, trainer)
+    if trainer.throttle is not None:  # --slowdown-mode quota: the cores a node of factor 1 gets
+        session.info["cpu_share"] = round(trainer.throttle.share, 4)
     lm = isinstance(trainer.data, TokenData)
     if isinstance(trainer.data, TokenData):
         session.info.update(data=trainer.data.corpus.meta, tokens_per_sample=trainer.tokens_per_sample)
-    with session:
+    with contextlib.closing(trainer), session:
         opt = session.attach(trainer.model, trainer.optimizer)
         total = max(1, session.max_steps)
         sched: torch.optim.lr_scheduler.LRScheduler | None = None

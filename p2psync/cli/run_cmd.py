@@ -20,6 +20,7 @@ from p2psync.topology import Topology
 from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SGD_LR, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS,
                                      RunConfig, lm_defaults)
 from p2psync.training.data import DATASETS
+from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.partition import SCHEMES
 from p2psync.transport.keys import ENV_KEYS
 from p2psync.transport.shaping import SHAPERS
@@ -118,9 +119,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--step-jitter", type=float, default=0.0, metavar="FRACTION",
                    help="every node's emulated step time varies by up to +-FRACTION per step "
                         "(uniform, seeded), e.g. 0.2")
-    p.add_argument("--slowdown-mode", default="wait", choices=("wait", "compute"),
-                   help="how a slower device is emulated: wait (the compute thread idles, CPU free) "
-                        "or compute (real extra matrix products on the compute thread)")
+    p.add_argument("--slowdown-mode", default="wait", choices=SLOWDOWN_MODES,
+                   help="how a slower device is emulated: wait (the compute thread idles, CPU free), "
+                        "compute (real extra matrix products on the compute thread) or quota (each node's "
+                        "process capped at its device's share of the host's cores; root)")
     p.add_argument("--esync-mode", choices=("blocking", "nonblocking"),
                    help="ESync State Server queries (default nonblocking, §4.2)")
     p.add_argument("--codec", default=d.codec, type=codec_arg, metavar="CODEC",
@@ -294,6 +296,10 @@ def run(args: argparse.Namespace) -> int:
                                   "told otherwise: choose one this strategy supports (e.g. --optimizer sgd)") from None
             raise
     check_keys(cfg, topo, args.node)
+    if cfg.slowdown_mode == "quota" and args.cmd is None:
+        from p2psync.training.cpu_quota import probe
+
+        probe()  # the host lets a node cap its CPU: refused here, before any node starts
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)
     if args.node is None:

@@ -10,9 +10,17 @@ gradient or reading the parameters, can start before the step ends), in one of t
   slow nodes fit on two cores;
 * ``compute``: the compute thread does real extra work (matrix products) for the pad, so the
   emulated slowness also costs CPU, memory bandwidth and the GIL like a real slow device. Use it
-  to check claims that waiting could flatter.
+  to check claims that waiting could flatter. On a host with fewer cores than nodes, a node
+  that waits hands its core to the others, so they run faster than their devices would.
+* ``quota``: no pad; the node's whole process is capped at ``share / factor`` CPU cores
+  (:mod:`p2psync.training.cpu_quota`, a control group of its own; ``share`` so that all the
+  nodes' caps fit in 90 % of the host's cores), so a slow device really computes every step at a
+  lower rate, and no node's idle time speeds up another: separate devices of different speeds
+  on one host. Needs write access to the CPU controller (root); constant factors and schedules
+  only (``--step-time`` and ``--step-jitter`` describe padded step times).
 
-Either way the pad can be cut short by an abort (ESync abandoning an iteration).
+The pad of ``wait`` and ``compute`` can be cut short by an abort (ESync abandoning an
+iteration).
 
 * constant factor: ``--slowdown 0:1,1:1,2:2,3:8`` (node 3 is 8x slower);
 * schedule: ``--slowdown-schedule 2:30:4`` (node 2 becomes 4x slower 30 s into training;
@@ -32,7 +40,7 @@ from typing import Literal, get_args
 
 from p2psync.errors import ConfigError, translate
 
-SlowdownMode = Literal["wait", "compute"]
+SlowdownMode = Literal["wait", "compute", "quota"]
 SLOWDOWN_MODES: tuple[str, ...] = get_args(SlowdownMode)
 
 
@@ -55,6 +63,10 @@ class Slowdown:
             raise ConfigError("--step-time must be > 0")
         if not 0.0 <= self.jitter < 1.0:
             raise ConfigError(f"--step-jitter must be in [0, 1), got {self.jitter}")
+        if self.mode == "quota" and (self.step_time is not None or self.jitter):
+            raise ConfigError("--slowdown-mode quota caps the CPU a node computes with: it takes --slowdown and "
+                              "--slowdown-schedule, not --step-time or --step-jitter (padded step times: use "
+                              "--slowdown-mode wait or compute)")
 
     def factor_at(self, elapsed: float) -> float:
         f = self.factor
@@ -66,10 +78,17 @@ class Slowdown:
     def pad(self, compute_s: float, elapsed: float, u: float = 0.0) -> float:
         """Seconds to wait after a step whose real compute took ``compute_s``; ``u`` in [-1, 1]
         draws the jitter (a step cannot take less than its real compute)."""
+        if self.mode == "quota":  # the CPU quota slows the compute itself
+            return 0.0
         f = self.factor_at(elapsed) * (1.0 + self.jitter * u)
         if self.step_time is not None:
             return max(0.0, self.step_time * f - compute_s)
         return max(0.0, (f - 1.0) * compute_s)
+
+    @property
+    def fastest(self) -> float:
+        """The smallest factor this device has at any time of the run."""
+        return min([self.factor, *(f for _, f in self.schedule)])
 
     @property
     def trivial(self) -> bool:

@@ -4,11 +4,14 @@ session, whose replica strategies use: :mod:`p2psync.api.replica`)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.corpus import TokenData, pysource
+from p2psync.training.cpu_quota import CpuQuota, Throttle, shares
 from p2psync.training.data import Dataset, load_dataset
 from p2psync.training.hetero import default_profile, parse_profiles
 from p2psync.training.models import build_model
@@ -36,11 +39,17 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     device = resolve_device(cfg.device)
     model.to(device)  # before the optimizer takes the parameters (Trainer keeps it there)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-    profile = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
-                             cfg.step_jitter).get(node_id) or default_profile(cfg.slowdown_mode, cfg.step_jitter)
+    profiles = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
+                              cfg.step_jitter)
+    profile = profiles.get(node_id) or default_profile(cfg.slowdown_mode, cfg.step_jitter)
+    throttle = None
+    if profile.mode == "quota":  # every node of the topology on this host, each at its fastest
+        share = shares({n: profiles[n].fastest if n in profiles else 1.0 for n in topo.ids},
+                       len(os.sched_getaffinity(0)))
+        throttle = Throttle(CpuQuota.create(), share)
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
                    batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
-                   slowdown=profile, clip_norm=LM_CLIP_NORM if cfg.lm is not None else None)
+                   slowdown=profile, clip_norm=LM_CLIP_NORM if cfg.lm is not None else None, throttle=throttle)
 
 
 def load_data(cfg: RunConfig) -> Dataset | TokenData:

@@ -28,6 +28,7 @@ from torch import nn
 
 from p2psync.errors import Aborted, ConfigError
 from p2psync.training.corpus import TokenData
+from p2psync.training.cpu_quota import Throttle
 from p2psync.training.data import Dataset
 from p2psync.training.hetero import Slowdown
 from p2psync.training.partition import BatchSampler
@@ -94,12 +95,15 @@ class Trainer:
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset | TokenData,
                  indices: np.ndarray, batch_size: int, seed: int, device: torch.device,
-                 eval_batch: int = 2048, slowdown: Slowdown | None = None, clip_norm: float | None = None) -> None:
+                 eval_batch: int = 2048, slowdown: Slowdown | None = None, clip_norm: float | None = None,
+                 throttle: Throttle | None = None) -> None:
         """``data``: a classification set (samples: images) or a token corpus (samples: windows
         of ``data.context`` tokens; the model then maps tokens to next-token logits, runs under
         bf16 autocast on CUDA, and evaluates to the mean loss per token and the next-token
         accuracy). ``clip_norm``: every iteration clips the gradient's global norm to it after
-        backward (under a strategy that averages during backward: the group's mean)."""
+        backward (under a strategy that averages during backward: the group's mean).
+        ``throttle``: the process's CPU cap of ``--slowdown-mode quota``, set to the slowdown's
+        factor before every iteration (:meth:`close` removes it)."""
         self.device = device
         self.model = model.to(device)
         self.optimizer = optimizer
@@ -115,6 +119,7 @@ class Trainer:
         self.t0 = time.monotonic()
         self.padded_s = 0.0
         self._burn: torch.Tensor | None = None
+        self.throttle = throttle
 
     @property
     def n_train(self) -> int:
@@ -170,6 +175,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Give back what the emulated device holds (the CPU cap's control group)."""
+        if self.throttle is not None:
+            self.throttle.close()
+            self.throttle = None
+
     @property
     def factor(self) -> float:
         """The emulated device's slowdown factor now (logged per step by the built-in job)."""
@@ -185,6 +196,8 @@ class Trainer:
             if abort is not None and abort.is_set():
                 raise Aborted("iteration abandoned")
 
+        if self.throttle is not None:
+            self.throttle.follow(self.factor)
         t0 = time.perf_counter()
         check()
         idx = self.sampler.batch(self.batches_done)

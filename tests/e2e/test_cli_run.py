@@ -189,6 +189,8 @@ def test_broken_topology_and_options_exit_2(tmp_path):
     assert r.returncode == 2 and "--lr" in r.stderr
     r = cli("run", "topologies/ring-4.json", "--node", "9", timeout=60)
     assert r.returncode == 2 and "--node 9" in r.stderr
+    r = cli("run", "topologies/ring-4.json", "--slowdown-mode", "quota", "--step-time", "0:0.1", timeout=60)
+    assert r.returncode == 2 and "--slowdown-mode quota" in r.stderr and "--step-time" in r.stderr
     r = cli("run", tmp_path / "missing.json", timeout=60)
     assert r.returncode == 2 and "cannot read topology" in r.stderr
     r = cli("run", "--help", timeout=60)

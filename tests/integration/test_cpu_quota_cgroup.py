@@ -1,0 +1,72 @@
+"""``--slowdown-mode quota`` on this host's real CPU controller (skipped where it cannot be
+written): a capped process gets no more CPU than its quota, and its group is gone after it
+closes; a run of the launcher caps every node and leaves no group behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from p2psync.errors import ConfigError
+from p2psync.topology import ring, save
+from p2psync.training.cpu_quota import PREFIX, controller, probe
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _writable() -> bool:
+    try:
+        probe()
+    except ConfigError:
+        return False
+    return True
+
+
+needs_cgroup = pytest.mark.skipif(not _writable(), reason="no writable CPU controller (root and cgroups needed)")
+
+BURN = """
+import json, os, time
+from p2psync.training.cpu_quota import CpuQuota
+q = CpuQuota.create()
+q.set(0.2)
+w0, c0 = time.monotonic(), time.process_time()
+while time.monotonic() - w0 < 1.5:
+    pass
+w, c = time.monotonic() - w0, time.process_time() - c0
+path = str(q.path)
+q.close()
+print(json.dumps({"wall": w, "cpu": c, "gone": not os.path.exists(path)}))
+"""
+
+
+@needs_cgroup
+def test_a_capped_process_computes_at_most_its_quota_and_removes_its_group():
+    r = subprocess.run([sys.executable, "-c", BURN], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    # a busy loop alone would take ~100 % of a core; capped at 0.2 cores it takes at most that
+    # (less when other processes load the host), with one period of slack
+    assert got["cpu"] <= 0.2 * got["wall"] + 0.05, got
+    assert got["gone"], got
+
+
+@needs_cgroup
+def test_a_quota_run_caps_every_node_and_leaves_no_group_behind(tmp_path):
+    group = controller().group
+    before = {p.name for p in group.glob(f"{PREFIX}*")}
+    topo = tmp_path / "ring4.json"
+    save(ring(4, base_port=free_port()), topo)
+    r = subprocess.run([sys.executable, "-m", "p2psync", "run", str(topo), "--steps", "20", "--slowdown",
+                        "0:1,1:1,2:2,3:4", "--slowdown-mode", "quota", "--out", str(tmp_path), "--run-id", "q",
+                        "--no-progress", "--eval-every", "20"], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    nodes = json.loads((tmp_path / "q" / "summary.json").read_text())["nodes"]
+    share = 0.9 * len(os.sched_getaffinity(0)) / 2.75
+    assert {n: s.get("cpu_share") for n, s in nodes.items()} == {str(n): pytest.approx(share, abs=1e-3)
+                                                                  for n in range(4)}, nodes
+    assert {p.name for p in group.glob(f"{PREFIX}*")} <= before
