@@ -15,9 +15,14 @@ from tests.helpers import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_a_rendezvous_with_no_coordinator_reports_its_links_and_attempts():
+async def _register_error(*, coordinator_up: bool, timeout: float) -> str:
+    """The PeerTimeout text of node 1's rendezvous with node 0 of a 2-node ring, node 0's
+    endpoint up (connecting and accepting, serving no RPC) or not there at all."""
     topo = ring(2, base_port=free_port())
+    silent = ZmqEndpoint(topology=topo, node_id=0, default_timeout=2.0) if coordinator_up else None
     ep = ZmqEndpoint(topology=topo, node_id=1, default_timeout=2.0)
+    if silent is not None:
+        await silent.start()
     await ep.start()
     server = RpcServer(ep)
     server.start()
@@ -25,38 +30,26 @@ async def test_a_rendezvous_with_no_coordinator_reports_its_links_and_attempts()
                               heartbeat_interval=0.2, failure_timeout=1.0)
     try:
         with pytest.raises(PeerTimeout) as err:
-            await client.register("fp", timeout=1.5)
+            await client.register("fp", timeout=timeout)
     finally:
         await client.close()
         await server.close(grace=0.1)
         await ep.close()
-    text = str(err.value)
+        if silent is not None:
+            await silent.close()
+    return str(err.value)
+
+
+async def test_a_rendezvous_with_no_coordinator_reports_its_links():
+    text = await _register_error(coordinator_up=False, timeout=1.5)
     assert "rendezvous with coordinator 0 failed" in text, text
     assert "control link to node 0 down, bulk link down" in text, text
     assert "messages rejected here: none" in text, text
 
 
 async def test_a_rendezvous_unanswered_over_a_live_link_says_so_and_counts_its_attempts():
-    """Node 0's process is up (its endpoint connects and accepts) but serves no RPC: the
-    request goes out and is resent, and nothing answers."""
-    topo = ring(2, base_port=free_port())
-    silent = ZmqEndpoint(topology=topo, node_id=0, default_timeout=2.0)
-    ep = ZmqEndpoint(topology=topo, node_id=1, default_timeout=2.0)
-    await silent.start()
-    await ep.start()
-    server = RpcServer(ep)
-    server.start()
-    client = MembershipClient(transport=ep, rpc=RpcClient(ep, local=server), coordinator=0,
-                              heartbeat_interval=0.2, failure_timeout=1.0)
-    try:
-        with pytest.raises(PeerTimeout) as err:
-            await client.register("fp", timeout=2.5)
-    finally:
-        await client.close()
-        await server.close(grace=0.1)
-        await ep.close()
-        await silent.close()
-    text = str(err.value)
+    """The request goes out and is resent, and nothing answers."""
+    text = await _register_error(coordinator_up=True, timeout=2.5)
     assert "no reply within" in text and "attempts)" in text, text
     assert "control link to node 0 up" in text, text
 
