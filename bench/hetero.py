@@ -9,7 +9,10 @@ so compute dominates as on real heterogeneous GPUs and runs are repeatable. Each
 runs in both ``--slowdown-mode``s: ``wait`` (the slow device's extra time is idle, CPU free)
 and ``compute`` (the extra time is real matrix products on the node's compute thread, so slow
 devices also cost CPU on this machine's shared cores, and an iteration that is abandoned
-really has to be cut short). Each strategy is
+really has to be cut short); ``--modes quota`` (root) runs the same 1 : 1 : 2 : 8 devices as
+``--slowdown`` factors with each node's process capped at its device's share of the cores, so
+a step is the real compute at that rate (the base step time is then what the fast device's
+share takes, not ``--base``) and a waiting node frees no CPU for the others. Each strategy is
 run on loopback and again with the four-region WAN profile (in-process shaper). Reported: time
 to ``--target`` test accuracy (every node there), final accuracy, samples/s, bytes sent, and
 blocking time at the barrier per round (ESync) / per step (SSGD).
@@ -35,15 +38,19 @@ import numpy as np
 
 from bench._common import (LM_MODELS, ROOT, accuracy_curve, final_accuracy, first_reach, markdown_table, metric_key,
                            run_nodes, save_png)
+from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.metrics import bytes_sent
 
 
 def run(strategy: str, out: Path, args: argparse.Namespace, wan: bool, mode: str) -> dict[str, Any]:
     run_id = f"{strategy}-{'wan' if wan else 'lan'}-{mode}"
     b = args.base
+    # quota: the real step at each device's share of the cores; else padded to fixed step times
+    devices = (["--slowdown", "0:1,1:1,2:2,3:8"] if mode == "quota"
+               else ["--step-time", f"0:{b},1:{b},2:{2 * b},3:{8 * b}"])
     cmd = [sys.executable, "-m", "p2psync", "run", str(ROOT / "topologies" / "ring-4.json"),
            "--strategy", strategy, "--time", str(args.seconds), "--out", str(out), "--run-id", run_id,
-           "--step-time", f"0:{b},1:{b},2:{2 * b},3:{8 * b}", "--model", args.model,
+           *devices, "--model", args.model,
            "--eval-every", "1" if strategy == "esync" else "5", "--no-progress", "--slowdown-mode", mode]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
@@ -78,7 +85,7 @@ def main() -> None:
     ap.add_argument("--base", type=float, help="fast device step time (s; default 0.02, a language model 1.0)")
     ap.add_argument("--lr", type=float, help="default 0.05; a language model: its own")
     ap.add_argument("--strategies", nargs="+", default=["ssgd", "asgd", "esync"])
-    ap.add_argument("--modes", nargs="+", default=["wait", "compute"], choices=["wait", "compute"])
+    ap.add_argument("--modes", nargs="+", default=["wait", "compute"], choices=SLOWDOWN_MODES)
     ap.add_argument("--nets", nargs="+", default=["loopback", "WAN"], choices=["loopback", "WAN"])
     args = ap.parse_args()
     lm = args.model in LM_MODELS
