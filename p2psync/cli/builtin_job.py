@@ -8,7 +8,8 @@ Why: there is one training path (docs/architecture.md). The job builds its model
 ``--eval-seconds``). A language model (``--model lm-*``) also logs its validation loss in bits
 per byte (``val_bpb``; ``final_val_bpb`` in the stats) and records its corpus (``data``) and
 tokens per sample (``tokens_per_s`` in the stats).
-The emulated device time (``--slowdown``, ``--step-time``) runs after backward and ends early
+The emulated device time (``--slowdown``, ``--step-time``) runs after backward (``--slowdown-mode
+quota``: no pad, the whole iteration computes at the device's rate) and ends early
 when the strategy abandons the iteration (ESync's READY, §4.2): the job then still calls
 ``optimizer.step()``, which the strategy skips. Checkpoints (``--checkpoint-every``) also carry
 the job's data position and step-time generator, so ``--resume`` continues exactly.
@@ -26,7 +27,7 @@ import torch
 from p2psync.api.checkpoint import load_weights
 from p2psync.api.session import Session
 from p2psync.errors import Aborted
-from p2psync.topology import load
+from p2psync.topology import Topology, load
 from p2psync.training.config import RunConfig
 from p2psync.training.node import build_trainer
 from p2psync.training.corpus import TokenData, bits_per_byte
@@ -38,6 +39,11 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     built already (:func:`~p2psync.training.node.build_trainer`; tests build them in turn)."""
     topo = load(cfg.topology)
     trainer = trainer if trainer is not None else build_trainer(cfg, topo, node_id)
+    with contextlib.closing(trainer):  # its CPU cap (--slowdown-mode quota) ends with the job
+        return _train(cfg, topo, node_id, trainer)
+
+
+def _train(cfg: RunConfig, topo: Topology, node_id: int, trainer: Trainer) -> dict[str, Any]:
     if cfg.init_from is not None:
         load_weights(cfg.init_from, trainer.model)
     session = Session(config=cfg, node=node_id, topo=topo,
@@ -48,7 +54,7 @@ def run_builtin(cfg: RunConfig, node_id: int, trainer: Trainer | None = None) ->
     lm = isinstance(trainer.data, TokenData)
     if isinstance(trainer.data, TokenData):
         session.info.update(data=trainer.data.corpus.meta, tokens_per_sample=trainer.tokens_per_sample)
-    with contextlib.closing(trainer), session:
+    with session:
         opt = session.attach(trainer.model, trainer.optimizer)
         total = max(1, session.max_steps)
         sched: torch.optim.lr_scheduler.LRScheduler | None = None

@@ -243,11 +243,13 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     run_dir = Path(cfg.out) / run_id
-    code = _run_nodes(child, topo, run_dir, lambda i: ([*base, "--node", str(i)], None), fork)
-    if cfg.slowdown_mode == "quota":  # the control groups of nodes killed before they removed theirs
-        from p2psync.training.cpu_quota import sweep
+    try:
+        code = _run_nodes(child, topo, run_dir, lambda i: ([*base, "--node", str(i)], None), fork)
+    finally:
+        if cfg.slowdown_mode == "quota":  # the control groups of nodes killed before they removed theirs
+            from p2psync.training.cpu_quota import sweep
 
-        sweep()
+            sweep()
     if code == 0 and not (run_dir / "summary.json").exists():
         print(f"every node ended but no coordinator holding a majority of the run wrote "
               f"{run_dir / 'summary.json'}: the run did not end as one", file=sys.stderr)

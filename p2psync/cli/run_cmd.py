@@ -297,9 +297,7 @@ def run(args: argparse.Namespace) -> int:
             raise
     check_keys(cfg, topo, args.node)
     if cfg.slowdown_mode == "quota" and args.cmd is None:
-        from p2psync.training.cpu_quota import probe
-
-        probe()  # the host lets a node cap its CPU: refused here, before any node starts
+        check_quota(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)
     if args.node is None:
@@ -309,6 +307,20 @@ def run(args: argparse.Namespace) -> int:
     if args.node not in topo.ids:
         raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
+
+
+def check_quota(cfg: RunConfig, topo: Topology, node: int | None) -> None:
+    """``--slowdown-mode quota``: this host lets the nodes it runs (``node``, or all) cap their
+    CPU at the largest cap one of them sets; refused here (ConfigError), before any starts."""
+    from p2psync.training.cpu_quota import controller, host_share, probe
+    from p2psync.training.hetero import default_profile, fastest_on_host, parse_profiles
+
+    profiles = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
+                              cfg.step_jitter)
+    ctl = controller()
+    probe(max(host_share(fastest_on_host(profiles, topo, n), ctl)
+              / profiles.get(n, default_profile(cfg.slowdown_mode)).fastest
+              for n in ([node] if node is not None else topo.ids)))
 
 
 def single_reference(cfg: RunConfig, topo: Topology, args: argparse.Namespace) -> tuple[RunConfig, Topology]:

@@ -36,9 +36,10 @@ iteration).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Mapping, get_args
 
 from p2psync.errors import ConfigError, translate
+from p2psync.topology import Topology
 
 SlowdownMode = Literal["wait", "compute", "quota"]
 SLOWDOWN_MODES: tuple[str, ...] = get_args(SlowdownMode)
@@ -122,6 +123,13 @@ def parse_profiles(slowdown: str = "", schedule: str = "", step_time: str = "",
     return {n: Slowdown(factor=factors.get(n, 1.0), schedule=tuple(sorted(sched.get(n, []))),
                         step_time=steps.get(n), mode=mode, jitter=jitter)  # type: ignore[arg-type]
             for n in nodes}
+
+
+def fastest_on_host(profiles: Mapping[int, Slowdown], topo: Topology, node_id: int) -> dict[int, float]:
+    """The nodes on ``node_id``'s host (the topology's ``host``) and each one's smallest
+    slowdown factor over the run: what the CPU shares of ``--slowdown-mode quota`` divide."""
+    host = topo.node(node_id).host
+    return {n: profiles[n].fastest if n in profiles else 1.0 for n in topo.ids if topo.node(n).host == host}
 
 
 def default_profile(mode: str = "wait", jitter: float = 0.0) -> Slowdown:

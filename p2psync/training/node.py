@@ -4,16 +4,14 @@ session, whose replica strategies use: :mod:`p2psync.api.replica`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
 from p2psync.training.corpus import TokenData, pysource
-from p2psync.training.cpu_quota import CpuQuota, Throttle, shares
+from p2psync.training.cpu_quota import CpuQuota, Throttle, controller, host_share
 from p2psync.training.data import Dataset, load_dataset
-from p2psync.training.hetero import default_profile, parse_profiles
+from p2psync.training.hetero import default_profile, fastest_on_host, parse_profiles
 from p2psync.training.models import build_model
 from p2psync.training.partition import partition
 from p2psync.training.trainer import Trainer, make_optimizer, resolve_device
@@ -43,10 +41,9 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
                               cfg.step_jitter)
     profile = profiles.get(node_id) or default_profile(cfg.slowdown_mode, cfg.step_jitter)
     throttle = None
-    if profile.mode == "quota":  # every node of the topology on this host, each at its fastest
-        share = shares({n: profiles[n].fastest if n in profiles else 1.0 for n in topo.ids},
-                       len(os.sched_getaffinity(0)))
-        throttle = Throttle(CpuQuota.create(), share)
+    if profile.mode == "quota":
+        ctl = controller()
+        throttle = Throttle(CpuQuota.create(ctl=ctl), host_share(fastest_on_host(profiles, topo, node_id), ctl))
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
                    batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
                    slowdown=profile, clip_norm=LM_CLIP_NORM if cfg.lm is not None else None, throttle=throttle)

@@ -16,7 +16,8 @@ from p2psync.topology import ring, save
 from p2psync.training.cpu_quota import PREFIX, controller, probe
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.xdist_group("cgroup")]  # one at a time: the run's launcher sweeps dead nodes' groups
 
 
 def _writable() -> bool:
@@ -50,13 +51,13 @@ def test_a_capped_process_computes_at_most_its_quota_and_removes_its_group():
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     # a busy loop alone would take ~100 % of a core; capped at 0.2 cores it takes at most that
-    # (less when other processes load the host), with one period of slack
+    # (less when other processes load the host), with 50 ms of slack (five 10 ms periods)
     assert got["cpu"] <= 0.2 * got["wall"] + 0.05, got
     assert got["gone"], got
 
 
 @needs_cgroup
-def test_a_quota_run_caps_every_node_and_leaves_no_group_behind(tmp_path):
+def test_a_quota_run_gives_every_node_its_share_and_leaves_no_group_behind(tmp_path):
     group = controller().group
     before = {p.name for p in group.glob(f"{PREFIX}*")}
     topo = tmp_path / "ring4.json"
@@ -69,4 +70,7 @@ def test_a_quota_run_caps_every_node_and_leaves_no_group_behind(tmp_path):
     share = 0.9 * len(os.sched_getaffinity(0)) / 2.75
     assert {n: s.get("cpu_share") for n, s in nodes.items()} == {str(n): pytest.approx(share, abs=1e-3)
                                                                   for n in range(4)}, nodes
-    assert {p.name for p in group.glob(f"{PREFIX}*")} <= before
+    # no group of a process that is gone (others' runs may hold groups of live nodes meanwhile)
+    left = {p.name for p in group.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()
+            and not os.path.exists(f"/proc/{p.name[len(PREFIX):]}")}
+    assert left <= before, left
