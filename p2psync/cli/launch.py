@@ -278,12 +278,26 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
         raise ConfigError("nothing to run after --")
     child, run_id = _child_config(cfg, topo)
     named = replace(cfg, run_id=run_id)
+    caps: dict[int, float] = {}
+    if cfg.slowdown_mode == "quota":
+        from p2psync.cli.run_cmd import quota_caps
+
+        caps = quota_caps(cfg, topo, topo.ids)
 
     def spec(i: int) -> tuple[list[str], dict[str, str] | None]:
-        return list(cmd), {**os.environ, **script_env(named, topo, i, topo.ids)}
+        # --slowdown-mode quota: the copy starts capped (cli/capped.py puts itself in its group, then
+        # becomes the command)
+        capped = [sys.executable, "-m", "p2psync.cli.capped", repr(caps[i]), "--"] if i in caps else []
+        return [*capped, *cmd], {**os.environ, **script_env(named, topo, i, topo.ids)}
 
     run_dir = Path(cfg.out) / run_id
-    code = _run_nodes(child, topo, run_dir, spec)
+    try:
+        code = _run_nodes(child, topo, run_dir, spec)
+    finally:
+        if caps:
+            from p2psync.training.cpu_quota import sweep
+
+            sweep()
     if code == 0 and not (run_dir / "summary.json").exists():
         # every copy exited 0 but none joined the run: a script without p2psync.attach would
         # otherwise look like a successful distributed run

@@ -296,7 +296,9 @@ def run(args: argparse.Namespace) -> int:
                                   "told otherwise: choose one this strategy supports (e.g. --optimizer sgd)") from None
             raise
     check_keys(cfg, topo, args.node)
-    if cfg.slowdown_mode == "quota" and args.cmd is None:
+    if args.cmd is not None:
+        check_script_devices(cfg)
+    if cfg.slowdown_mode == "quota":
         check_quota(cfg, topo, args.node)
     if args.cmd is not None:
         return run_script(cfg, topo, args.node, args.cmd)
@@ -309,18 +311,43 @@ def run(args: argparse.Namespace) -> int:
     return run_one(cfg, args.node)
 
 
-def check_quota(cfg: RunConfig, topo: Topology, node: int | None) -> None:
-    """``--slowdown-mode quota``: this host lets the nodes it runs (``node``, or all) cap their
-    CPU at the largest cap one of them sets; refused here (ConfigError), before any starts."""
-    from p2psync.training.cpu_quota import controller, host_share, probe
+def check_script_devices(cfg: RunConfig) -> None:
+    """A command's nodes emulate slower devices only by CPU quotas (``--slowdown`` with
+    ``--slowdown-mode quota``): the padded modes, ``--step-time``, ``--step-jitter`` and
+    schedules act on the built-in job's steps, which a script does not run. ConfigError
+    rather than a run that silently emulates nothing."""
+    padded = [o for o, v in (("--step-time", cfg.step_time), ("--step-jitter", cfg.step_jitter),
+                             ("--slowdown-schedule", cfg.slowdown_schedule)) if v]
+    if cfg.slowdown and cfg.slowdown_mode != "quota":
+        padded.insert(0, f"--slowdown with --slowdown-mode {cfg.slowdown_mode}")
+    if padded:
+        raise ConfigError(f"{', '.join(padded)}: the built-in job's emulated device, which a command's nodes do not "
+                          "run; a command's nodes emulate slower devices with --slowdown NODE:FACTOR,... "
+                          "--slowdown-mode quota (each node's process capped at its device's share of the cores; "
+                          "root)")
+
+
+def quota_caps(cfg: RunConfig, topo: Topology, nodes: Sequence[int]) -> dict[int, float]:
+    """The CPU cores each of ``nodes`` is capped at under ``--slowdown-mode quota``, at its
+    fastest over the run (the largest cap it sets)."""
+    from p2psync.training.cpu_quota import controller, host_share
     from p2psync.training.hetero import default_profile, fastest_on_host, parse_profiles
 
     profiles = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
                               cfg.step_jitter)
     ctl = controller()
-    probe(max(host_share(fastest_on_host(profiles, topo, n), ctl)
-              / profiles.get(n, default_profile(cfg.slowdown_mode)).fastest
-              for n in ([node] if node is not None else topo.ids)))
+    return {n: host_share(fastest_on_host(profiles, topo, n), ctl)
+            / profiles.get(n, default_profile(cfg.slowdown_mode)).fastest for n in nodes}
+
+
+def check_quota(cfg: RunConfig, topo: Topology, node: int | None) -> None:
+    """``--slowdown-mode quota``: this host lets the nodes it runs (``node``, or all) cap their
+    CPU at the largest cap one of them sets; refused here (ConfigError), before any starts.
+    The empty groups earlier runs' killed nodes left behind are removed first."""
+    from p2psync.training.cpu_quota import probe, sweep
+
+    sweep()
+    probe(max(quota_caps(cfg, topo, [node] if node is not None else topo.ids).values()))
 
 
 def single_reference(cfg: RunConfig, topo: Topology, args: argparse.Namespace) -> tuple[RunConfig, Topology]:
@@ -386,6 +413,10 @@ def run_script(cfg: RunConfig, topo: Topology, node: int | None, cmd: Sequence[s
         raise ConfigError(f"--node {node} with a command needs --run-id ID, the same on every host: the copy's "
                           f"own folder (P2PSYNC_RUN_DIR) is {Path(cfg.out) / 'ID' / f'node-{node}'}")
     env = script_env(cfg, topo, node, host_nodes(topo, node))
+    if cfg.slowdown_mode == "quota":  # this process's group and cap stay with the command it becomes
+        from p2psync.training.cpu_quota import CpuQuota
+
+        CpuQuota.create().set(quota_caps(cfg, topo, [node])[node])
     sys.stdout.flush()
     sys.stderr.flush()
     with translate({OSError: lambda e: ConfigError(f"cannot run {cmd[0]!r}: {e.strerror}")}):

@@ -74,3 +74,51 @@ def test_a_quota_run_gives_every_node_its_share_and_leaves_no_group_behind(tmp_p
     left = {p.name for p in group.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()
             and not os.path.exists(f"/proc/{p.name[len(PREFIX):]}")}
     assert left <= before, left
+
+
+CAPPED_SCRIPT = """
+import os, pathlib, torch, p2psync
+from p2psync.training.cpu_quota import controller, _limit
+ctl = controller()
+pathlib.Path(os.environ["P2PSYNC_RUN_DIR"], "cap.txt").write_text(f"{ctl.group.name} {_limit(ctl.group, ctl.v2)}")
+model = torch.nn.Linear(4, 2)
+opt = p2psync.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(5):
+    opt.zero_grad()
+    (model(torch.ones(2, 4)) ** 2).mean().backward()
+    opt.step()
+"""
+
+
+@needs_cgroup
+def test_a_commands_nodes_run_capped_at_their_devices_share(tmp_path):
+    """The user's own script under ``--slowdown-mode quota``: every copy runs in a group of its
+    own (the copy's pid) capped at share / factor; the groups are gone after the run."""
+    script = tmp_path / "s.py"
+    script.write_text(CAPPED_SCRIPT)
+    topo = tmp_path / "ring2.json"
+    save(ring(2, base_port=free_port()), topo)
+    r = subprocess.run([sys.executable, "-m", "p2psync", "run", str(topo), "--slowdown", "0:1,1:4", "--slowdown-mode",
+                        "quota", "--out", str(tmp_path), "--run-id", "s", "--no-progress", "--", sys.executable,
+                        str(script)], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    share = 0.9 * len(os.sched_getaffinity(0)) / 1.25  # two nodes at factors 1 and 4
+    caps = {}
+    for node, factor in ((0, 1), (1, 4)):
+        group, cores = (tmp_path / "s" / f"node-{node}" / "cap.txt").read_text().split()
+        assert group.startswith(PREFIX), group
+        caps[node] = float(cores)
+        assert caps[node] == pytest.approx(share / factor, rel=0.01), (node, cores)
+    group_dir = controller().group
+    assert not [p for p in group_dir.glob(f"{PREFIX}*") if not os.path.exists(f"/proc/{p.name[len(PREFIX):]}")]
+
+
+def test_a_commands_nodes_refuse_padded_devices(tmp_path):
+    """``--slowdown`` of the padded modes, ``--step-time`` and schedules act on the built-in
+    job's steps only: with a command they are an error, not a run that emulates nothing."""
+    topo = tmp_path / "ring2.json"
+    save(ring(2, base_port=free_port()), topo)
+    for opts in (["--slowdown", "1:4"], ["--step-time", "0:0.1"], ["--slowdown", "1:4", "--slowdown-mode", "compute"]):
+        r = subprocess.run([sys.executable, "-m", "p2psync", "run", str(topo), *opts, "--out", str(tmp_path),
+                            "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--slowdown-mode quota" in r.stderr, (opts, r.stderr[-2000:])
