@@ -295,9 +295,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{exc}\n--model {cfg.model} trains with --optimizer {cfg.optimizer} unless "
                                   "told otherwise: choose one this strategy supports (e.g. --optimizer sgd)") from None
             raise
+    if args.node is not None and args.node not in topo.ids:
+        raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     check_keys(cfg, topo, args.node)
-    if args.cmd is not None:
-        check_script_devices(cfg)
     if cfg.slowdown_mode == "quota":
         check_quota(cfg, topo, args.node)
     if args.cmd is not None:
@@ -306,25 +306,7 @@ def run(args: argparse.Namespace) -> int:
         from p2psync.cli.launch import launch
 
         return launch(cfg, topo)
-    if args.node not in topo.ids:
-        raise ConfigError(f"--node {args.node}: no such node in {cfg.topology} (ids {topo.ids})")
     return run_one(cfg, args.node)
-
-
-def check_script_devices(cfg: RunConfig) -> None:
-    """A command's nodes emulate slower devices only by CPU quotas (``--slowdown`` with
-    ``--slowdown-mode quota``): the padded modes, ``--step-time``, ``--step-jitter`` and
-    schedules act on the built-in job's steps, which a script does not run. ConfigError
-    rather than a run that silently emulates nothing."""
-    padded = [o for o, v in (("--step-time", cfg.step_time), ("--step-jitter", cfg.step_jitter),
-                             ("--slowdown-schedule", cfg.slowdown_schedule)) if v]
-    if cfg.slowdown and cfg.slowdown_mode != "quota":
-        padded.insert(0, f"--slowdown with --slowdown-mode {cfg.slowdown_mode}")
-    if padded:
-        raise ConfigError(f"{', '.join(padded)}: the built-in job's emulated device, which a command's nodes do not "
-                          "run; a command's nodes emulate slower devices with --slowdown NODE:FACTOR,... "
-                          "--slowdown-mode quota (each node's process capped at its device's share of the cores; "
-                          "root)")
 
 
 def quota_caps(cfg: RunConfig, topo: Topology, nodes: Sequence[int]) -> dict[int, float]:
@@ -344,10 +326,12 @@ def check_quota(cfg: RunConfig, topo: Topology, node: int | None) -> None:
     """``--slowdown-mode quota``: this host lets the nodes it runs (``node``, or all) cap their
     CPU at the largest cap one of them sets; refused here (ConfigError), before any starts.
     The empty groups earlier runs' killed nodes left behind are removed first."""
-    from p2psync.training.cpu_quota import probe, sweep
+    from p2psync.training.cpu_quota import bandwidth, probe, sweep
 
     sweep()
-    probe(max(quota_caps(cfg, topo, [node] if node is not None else topo.ids).values()))
+    caps = quota_caps(cfg, topo, [node] if node is not None else topo.ids).values()
+    bandwidth(min(caps))  # the smallest cap too is one the kernel can grant
+    probe(max(caps))
 
 
 def single_reference(cfg: RunConfig, topo: Topology, args: argparse.Namespace) -> tuple[RunConfig, Topology]:

@@ -191,6 +191,7 @@ class RunConfig:
         from p2psync.training.hetero import parse_profiles
 
         get_codec(self.codec)  # validate: a known name, topk:F with 0 < F <= 1
+        self._check_devices()
         parse_profiles(self.slowdown, self.slowdown_schedule, self.step_time, self.slowdown_mode,
                        self.step_jitter)  # validate
         if self.model not in MODELS:
@@ -230,6 +231,28 @@ class RunConfig:
                               "(text windows) is split iid only")
         if self.buffers not in BUFFER_MODES:
             raise ConfigError(f"--buffers {self.buffers!r}: choose from {', '.join(BUFFER_MODES)}")
+
+    def _check_devices(self) -> None:
+        """The emulated devices' rules that depend on the rest of the run. A command's nodes
+        emulate slower devices only by CPU quotas (``--slowdown`` with ``--slowdown-mode
+        quota``): the padded modes, ``--step-time``, ``--step-jitter`` and schedules act on the
+        built-in job's steps, which a script does not run (an error, rather than a run that
+        silently emulates nothing). Quotas need the host's control groups, which a network
+        namespace entered by ``ip netns exec`` (``--shaper netem``) does not mount."""
+        if self.slowdown_mode == "quota" and self.shaper == "netem":
+            raise ConfigError("--slowdown-mode quota with --shaper netem: a node in a network namespace sees no "
+                              "control groups (ip netns exec mounts its own /sys); use --shaper inproc")
+        if self.command is None:
+            return
+        padded = [o for o, v in (("--step-time", self.step_time), ("--step-jitter", self.step_jitter),
+                                 ("--slowdown-schedule", self.slowdown_schedule)) if v]
+        if self.slowdown and self.slowdown_mode != "quota":
+            padded.insert(0, f"--slowdown with --slowdown-mode {self.slowdown_mode}")
+        if padded:
+            raise ConfigError(f"{', '.join(padded)}: the built-in job's emulated device, which a command's nodes do "
+                              "not run; a command's nodes emulate slower devices with --slowdown NODE:FACTOR,... "
+                              "--slowdown-mode quota (each node's process capped at its device's share of the "
+                              "cores; root)")
 
     def record(self) -> dict[str, Any]:
         """The options this run uses, as the run folder records them: for the user's own

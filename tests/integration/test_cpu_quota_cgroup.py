@@ -118,7 +118,8 @@ def test_a_commands_nodes_refuse_padded_devices(tmp_path):
     job's steps only: with a command they are an error, not a run that emulates nothing."""
     topo = tmp_path / "ring2.json"
     save(ring(2, base_port=free_port()), topo)
-    for opts in (["--slowdown", "1:4"], ["--step-time", "0:0.1"], ["--slowdown", "1:4", "--slowdown-mode", "compute"]):
+    for opts in (["--slowdown", "1:4"], ["--step-time", "0:0.1"], ["--slowdown", "1:4", "--slowdown-mode", "compute"],
+                 ["--slowdown-mode", "quota", "--step-jitter", "0.1"]):
         r = subprocess.run([sys.executable, "-m", "p2psync", "run", str(topo), *opts, "--out", str(tmp_path),
                             "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "--slowdown-mode quota" in r.stderr, (opts, r.stderr[-2000:])

@@ -144,3 +144,23 @@ def test_the_shares_divide_only_the_nodes_on_this_nodes_host():
     profiles = parse_profiles("0:1,1:2,2:4,3:8", mode="quota")
     assert fastest_on_host(profiles, topo, 0) == {0: 1.0, 1: 2.0}
     assert fastest_on_host(profiles, topo, 3) == {2: 4.0, 3: 8.0}
+
+
+def test_quota_mode_refuses_netem_and_a_commands_padded_devices():
+    from p2psync.training.config import RunConfig
+
+    with pytest.raises(ConfigError, match="--shaper netem"):
+        RunConfig(topology="t.json", slowdown_mode="quota", shaper="netem")
+    with pytest.raises(ConfigError, match="a command's nodes emulate slower devices with"):
+        RunConfig(topology="t.json", command=("python", "x.py"), slowdown_mode="quota", step_jitter=0.1)
+    RunConfig(topology="t.json", command=("python", "x.py"), slowdown="1:4", slowdown_mode="quota")
+    RunConfig(topology="t.json", slowdown="1:4", step_time="0:0.1")  # the built-in job pads
+
+
+def test_the_capped_wrapper_refuses_a_bad_cap_before_touching_any_group(capsys):
+    from p2psync.cli.capped import main
+
+    assert main(["inf", "--", "true"]) == 2
+    assert main(["x", "--", "true"]) == 2
+    assert main(["0.5", "true"]) == 2  # no "--"
+    assert "p2psync" in capsys.readouterr().err
