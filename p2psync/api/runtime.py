@@ -262,6 +262,7 @@ class NodeRuntime:
         if self.host.coordinating:
             self._write_config()
         self.membership.start()
+        await self.membership.first_view(timeout=self.cfg.start_timeout)  # before any strategy starts
 
     async def start_strategy(self, replica: Replica, *, max_steps: int | None = None) -> Strategy:
         """Build the run's strategy over ``replica`` (its :class:`StrategyContext`), subscribe

@@ -107,6 +107,7 @@ class MembershipClient:
         self._beats = TaskSet("heartbeat", isolated=True)
         self._started = False
         self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
+        self._viewed = asyncio.Event()  # set once a view is applied (:meth:`first_view`)
         self.info: dict[str, Any] = {}
         #: the view of a running run that :meth:`discover` found (this node joins it), or None
         self.discovered: View | None = None
@@ -271,8 +272,34 @@ class MembershipClient:
         #: when the run started, on this node's clock (a joiner's run started before it did)
         self.run_started = clock.now() - elapsed
         self._apply_view(self.info.get("view"), src=self.coordinator)
+        if self.view is None:
+            raw = self.info.get("view")
+            log.warning("node %d: coordinator %d registered it, but its view (term %s) is of a term below one "
+                        "this node has heard of (%d): it waits for the coordinator's next view",
+                        self.transport.node_id, self.coordinator, raw.get("term") if isinstance(raw, dict) else "?",
+                        self.seen_term)
         self.quorum.set(True, coordinator=self.coordinator)  # the coordinator answered with every node in
         return self.info
+
+    async def first_view(self, timeout: float) -> View:
+        """The view this node applied first, once there is one: at once after a registration
+        whose reply's view it applied. A joiner that heard of a newer term than the registered
+        coordinator's (while discovering the run, from a node that voted in a takeover) applies
+        no view of that coordinator until it is re-elected above that term, which its heartbeats
+        (:attr:`seen_term`) bring about; its strategy must not start before (a strategy built
+        without a view runs without the run's failure policy). Call after :meth:`start`;
+        PeerTimeout after ``timeout``."""
+        if self.view is None:
+            try:
+                await asyncio.wait_for(self._viewed.wait(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise PeerTimeout(f"node {self.transport.node_id}: registered with coordinator {self.coordinator}, "
+                                  f"but applied none of its views within {timeout:g}s (this node heard of term "
+                                  f"{self.seen_term})") from None
+        view = self.view
+        if view is None:  # (set only by applying one)
+            raise PeerTimeout(f"node {self.transport.node_id}: no view applied")
+        return view
 
     async def discover(self, *, timeout: float) -> View | None:
         """The newest view of a run that is already going, asked of every other node at once
@@ -369,6 +396,7 @@ class MembershipClient:
         change = self.views.apply(view)
         if change is None:
             return
+        self._viewed.set()
         if first:
             for n in left_out(view, self.transport.topology.ids, me):
                 self.transport.mark_dead(n)

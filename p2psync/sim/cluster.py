@@ -162,6 +162,7 @@ class SimNode:
             self.host.host()
         self.info = await self.membership.register("sim", timeout=self.opts.start_timeout + 5)
         self.membership.start()
+        await self.membership.first_view(timeout=self.opts.start_timeout)
 
     def reshape(self, hub: SimHub) -> None:
         """Set the latency of this node's links to what the slowdowns in force give."""

@@ -388,3 +388,20 @@ def test_a_push_whose_acknowledgements_are_late_is_lost_not_the_end_of_training(
     s = train(mesh_topo(8), "ssp", "slow:4-7|0-3@11.105+6.605x3342.9", 30.0, step_time=0.1)
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
     assert s["training"]["finished"] >= 7
+
+
+def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strategy_starts(tmp_path) -> None:
+    # chaos seed 53148: nodes 4 and then 2 of ring:16 killed, node 2 restarted at 24.1 s. While
+    # discovering the run, node 2's new process heard of a takeover's term 1; coordinator 0,
+    # still in term 0, admitted it, but the joiner applied none of its term-0 views (a node
+    # applies no view below a term it heard of), so its strategy started without a view, took
+    # the stop policy and refused to join ("joining a running run needs --on-failure continue"):
+    # the members, with node 2 in their view, waited for it forever. The joiner now waits for its
+    # first view (coordinator 0 is re-elected in term 2), then joins.
+    replay = ("sim ring:16 --seed 53148 --faults kill:4@8.308,kill:2@19.358,restart:2@24.118 --virtual-seconds 40 "
+              "--latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy ssgd --step-time 0.1")
+    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    t = s["training"]
+    assert t["rejoined"] == [2] and t["finished"] == 14, t["nodes"]["2"]
