@@ -243,13 +243,7 @@ def launch(cfg: RunConfig, topo: Topology) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     run_dir = Path(cfg.out) / run_id
-    try:
-        code = _run_nodes(child, topo, run_dir, lambda i: ([*base, "--node", str(i)], None), fork)
-    finally:
-        if cfg.slowdown_mode == "quota":  # the control groups of nodes killed before they removed theirs
-            from p2psync.training.cpu_quota import sweep
-
-            sweep()
+    code = _run_nodes(child, topo, run_dir, lambda i: ([*base, "--node", str(i)], None), fork)
     if code == 0 and not (run_dir / "summary.json").exists():
         print(f"every node ended but no coordinator holding a majority of the run wrote "
               f"{run_dir / 'summary.json'}: the run did not end as one", file=sys.stderr)
@@ -291,13 +285,7 @@ def launch_script(cfg: RunConfig, topo: Topology, cmd: Sequence[str]) -> int:
         return [*capped, *cmd], {**os.environ, **script_env(named, topo, i, topo.ids)}
 
     run_dir = Path(cfg.out) / run_id
-    try:
-        code = _run_nodes(child, topo, run_dir, spec)
-    finally:
-        if caps:
-            from p2psync.training.cpu_quota import sweep
-
-            sweep()
+    code = _run_nodes(child, topo, run_dir, spec)
     if code == 0 and not (run_dir / "summary.json").exists():
         # every copy exited 0 but none joined the run: a script without p2psync.attach would
         # otherwise look like a successful distributed run
@@ -334,7 +322,9 @@ def _child_config(cfg: RunConfig, topo: Topology) -> tuple[RunConfig, str]:
 
 def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec = None) -> int:
     """Start every node (``spec``; forked from this process with ``fork``), inside its network
-    namespace with ``--shaper netem`` (named with :func:`p2psync.transport.netem.launcher_prefix`)."""
+    namespace with ``--shaper netem`` (named with :func:`p2psync.transport.netem.launcher_prefix`).
+    Afterwards, with ``--slowdown-mode quota``, the control groups of nodes killed before they
+    removed theirs are removed."""
     netns = None
     if cfg.shaper == "netem":
         from p2psync.cli.netns_cmd import link_specs
@@ -352,6 +342,10 @@ def _run_nodes(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fo
             from p2psync.transport import netem
 
             netem.down(netns)
+        if cfg.slowdown_mode == "quota":
+            from p2psync.training.cpu_quota import sweep
+
+            sweep()
 
 
 def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: NodeSpec, fork: ForkSpec,

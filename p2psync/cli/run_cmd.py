@@ -313,13 +313,13 @@ def quota_caps(cfg: RunConfig, topo: Topology, nodes: Sequence[int]) -> dict[int
     """The CPU cores each of ``nodes`` is capped at under ``--slowdown-mode quota``, at its
     fastest over the run (the largest cap it sets)."""
     from p2psync.training.cpu_quota import controller, host_share
-    from p2psync.training.hetero import default_profile, fastest_on_host, parse_profiles
+    from p2psync.training.hetero import default_profile, parse_profiles
 
     profiles = parse_profiles(cfg.slowdown, cfg.slowdown_schedule, cfg.step_time, cfg.slowdown_mode,
                               cfg.step_jitter)
     ctl = controller()
-    return {n: host_share(fastest_on_host(profiles, topo, n), ctl)
-            / profiles.get(n, default_profile(cfg.slowdown_mode)).fastest for n in nodes}
+    return {n: host_share(profiles, topo, n, ctl) / profiles.get(n, default_profile(cfg.slowdown_mode)).fastest
+            for n in nodes}
 
 
 def check_quota(cfg: RunConfig, topo: Topology, node: int | None) -> None:

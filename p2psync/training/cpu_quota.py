@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Mapping
 
 from p2psync.errors import ConfigError
+from p2psync.topology import Topology
+from p2psync.training.hetero import Slowdown, fastest_on_host
 
 log = logging.getLogger("p2psync.training")
 
@@ -249,10 +251,11 @@ class CpuQuota:
             log.warning("could not remove the control group %s: %s", self.path, exc.strerror or exc)
 
 
-def host_share(fastest: Mapping[int, float], ctl: Controller) -> float:
-    """The cores a node of factor 1 gets (:func:`shares`) when the nodes of ``fastest``
-    (node -> its smallest factor; those on this host) share what this process may use."""
-    return shares(fastest, available_cores(ctl))
+def host_share(profiles: Mapping[int, Slowdown], topo: Topology, node_id: int, ctl: Controller) -> float:
+    """The cores a node of factor 1 gets (:func:`shares`) when the nodes on ``node_id``'s host,
+    each at its fastest (:func:`~p2psync.training.hetero.fastest_on_host`), share what this
+    process may use: the same for the launcher's checks and the node's own cap."""
+    return shares(fastest_on_host(profiles, topo, node_id), available_cores(ctl))
 
 
 class Throttle:
@@ -301,19 +304,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def orphans(ctl: Controller) -> list[Path]:
+    """The ``p2psync-<pid>`` groups under ``ctl``'s group whose process is gone."""
+    return [path for path in ctl.group.glob(f"{PREFIX}*")
+            if path.name[len(PREFIX):].isdigit() and not _alive(int(path.name[len(PREFIX):]))]
+
+
 def sweep(ctl: Controller | None = None) -> list[Path]:
-    """Remove the empty ``p2psync-<pid>`` groups under this process's own whose process is
-    gone (a node killed before it could close its quota); the groups removed."""
+    """Remove the empty :func:`orphans` (a node killed before it could close its quota); the
+    groups removed."""
     if ctl is None:
         try:
             ctl = controller()
         except ConfigError:
             return []
     gone = []
-    for path in ctl.group.glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX):]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
+    for path in orphans(ctl):
         try:
             path.rmdir()
             gone.append(path)
@@ -323,4 +329,4 @@ def sweep(ctl: Controller | None = None) -> list[Path]:
 
 
 __all__ = ["Controller", "CpuQuota", "HEADROOM", "PERIOD_US", "Throttle", "available_cores", "bandwidth",
-           "controller", "host_share", "probe", "shares", "sweep"]
+           "controller", "host_share", "orphans", "probe", "shares", "sweep"]

@@ -11,7 +11,7 @@ from p2psync.training.config import RunConfig
 from p2psync.training.corpus import TokenData, pysource
 from p2psync.training.cpu_quota import CpuQuota, Throttle, controller, host_share
 from p2psync.training.data import Dataset, load_dataset
-from p2psync.training.hetero import default_profile, fastest_on_host, parse_profiles
+from p2psync.training.hetero import default_profile, parse_profiles
 from p2psync.training.models import build_model
 from p2psync.training.partition import partition
 from p2psync.training.trainer import Trainer, make_optimizer, resolve_device
@@ -43,7 +43,7 @@ def build_trainer(cfg: RunConfig, topo: Topology, node_id: int) -> Trainer:
     throttle = None
     if profile.mode == "quota":
         ctl = controller()
-        throttle = Throttle(CpuQuota.create(ctl=ctl), host_share(fastest_on_host(profiles, topo, node_id), ctl))
+        throttle = Throttle(CpuQuota.create(ctl=ctl), host_share(profiles, topo, node_id, ctl))
     return Trainer(model=model, optimizer=opt, data=data, indices=parts[rank],
                    batch_size=cfg.batch_size, seed=cfg.seed * 1000 + node_id, device=device,
                    slowdown=profile, clip_norm=LM_CLIP_NORM if cfg.lm is not None else None, throttle=throttle)

@@ -13,7 +13,7 @@ import pytest
 
 from p2psync.errors import ConfigError
 from p2psync.topology import ring, save
-from p2psync.training.cpu_quota import PREFIX, controller, probe
+from p2psync.training.cpu_quota import PREFIX, controller, orphans, probe
 from tests.helpers import free_port
 
 pytestmark = [pytest.mark.timeout(120),
@@ -71,8 +71,7 @@ def test_a_quota_run_gives_every_node_its_share_and_leaves_no_group_behind(tmp_p
     assert {n: s.get("cpu_share") for n, s in nodes.items()} == {str(n): pytest.approx(share, abs=1e-3)
                                                                   for n in range(4)}, nodes
     # no group of a process that is gone (others' runs may hold groups of live nodes meanwhile)
-    left = {p.name for p in group.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()
-            and not os.path.exists(f"/proc/{p.name[len(PREFIX):]}")}
+    left = {p.name for p in orphans(controller())}
     assert left <= before, left
 
 
@@ -109,8 +108,7 @@ def test_a_commands_nodes_run_capped_at_their_devices_share(tmp_path):
         assert group.startswith(PREFIX), group
         caps[node] = float(cores)
         assert caps[node] == pytest.approx(share / factor, rel=0.01), (node, cores)
-    group_dir = controller().group
-    assert not [p for p in group_dir.glob(f"{PREFIX}*") if not os.path.exists(f"/proc/{p.name[len(PREFIX):]}")]
+    assert not orphans(controller())
 
 
 def test_a_commands_nodes_refuse_padded_devices(tmp_path):
