@@ -12,7 +12,7 @@ import pytest
 from p2psync.coordinator import MembershipService, RpcClient, RpcServer
 from p2psync.topology import Topology, mesh, ring, topology_from_dict, topology_to_dict
 from p2psync.transport.shaping import ShaperName, make_shaper
-from tests.helpers import MemberNode, free_port, full_views, member_cluster, zmq_cluster
+from tests.helpers import MemberNode, free_port, full_views, member_cluster, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -211,11 +211,17 @@ async def test_a_stalled_process_declares_nobody_failed():
     node shares one loop, so a 3 s synchronous stall (> the 2 s floor) stalls all of them: the
     silence was this process's, not the peers', and nobody may be declared failed."""
     async with cluster(mesh(3, base_port=free_port())) as nodes:
-        await asyncio.sleep(1.5)  # detectors have samples
-        time.sleep(3.0)  # the whole process stalls
-        await asyncio.sleep(2.0)
         service = nodes[0].service
-        assert service is not None and service.state.failed == set()
+        assert service is not None
+
+        def sampled() -> bool:  # every detector has measured three heartbeat intervals (2 are seeded)
+            dets = [service.state.detector, nodes[1].client.detector, nodes[2].client.detector]
+            return all(d.peers and all(len(p.intervals) >= 5 for p in d.peers.values()) for d in dets)
+
+        await until(sampled, 15, "every detector to have samples")
+        time.sleep(3.0)  # the whole process stalls
+        await asyncio.sleep(2.0)  # observation period: nobody may be declared failed
+        assert service.state.failed == set()
         for n in nodes.values():
             assert n.client.failed == set() and not n.client.coordinator_suspected
             assert n.client.view is not None and n.client.view.members == (0, 1, 2)

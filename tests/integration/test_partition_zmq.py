@@ -75,7 +75,8 @@ async def test_two_halves_merge_after_the_heal_under_one_coordinator():
         blocked = cut(nodes, [(1, 2), (3, 0)])
         await until(lambda: not any(n.client.has_quorum for n in nodes.values()), 15,
                     "both halves to lose the majority")
-        await asyncio.sleep(6.0)  # nodes 2 and 3 depose 0 and 1, one of them runs for coordinator
+        await until(lambda: any(len(nodes[i].host._election) > 0 for i in (2, 3)), 15,
+                    "node 2 or 3 to depose nodes 0 and 1 and run for coordinator")
         assert all(n.client.fenced is None for n in nodes.values())
         svc = nodes[0].host.service
         assert svc is not None and svc.state.failed == set()  # no majority: nobody declared
