@@ -183,8 +183,10 @@ async def test_a_reply_to_a_nodes_previous_process_is_not_taken_for_its_new_proc
 
     eps, server = await memory_server(3)
     release = {"old": asyncio.Event(), "new": asyncio.Event()}
+    started = {"old": asyncio.Event(), "new": asyncio.Event()}
 
     async def slow(caller, args, arrays):
+        started[args["key"]].set()
         await release[args["key"]].wait()
         return {"key": args["key"]}
 
@@ -192,7 +194,7 @@ async def test_a_reply_to_a_nodes_previous_process_is_not_taken_for_its_new_proc
     server.start()
     eps[1].incarnation = 10
     old = asyncio.ensure_future(RpcClient(eps[1]).call(0, "t.slow", {"key": "old"}, timeout=5.0))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(started["old"].wait(), 5)
     hub: MemoryHub = eps[0].hub
     await eps[1].close()
     new_ep = hub.endpoint(1)
@@ -201,9 +203,9 @@ async def test_a_reply_to_a_nodes_previous_process_is_not_taken_for_its_new_proc
     eps[1] = new_ep  # (closed by the fixture)
     client = RpcClient(new_ep)
     new = asyncio.ensure_future(client.call(0, "t.slow", {"key": "new"}, timeout=5.0))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(started["new"].wait(), 5)
     release["old"].set()  # its reply goes to node 1, now the new process
-    await asyncio.sleep(0.01)
+    await until(lambda: client.foreign > 0, 5, "the old call's reply to reach the new process")
     release["new"].set()
     assert await new == {"key": "new"}
     assert client.foreign == 1
