@@ -26,6 +26,10 @@ Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the
   previous process is not declared failed, and it asks again until the start timeout); once
   registered, :meth:`SimCluster._rejoined` starts what the new process runs next (nothing
   here; :class:`~p2psync.sim.training.TrainingCluster` starts its strategy as a joiner).
+* **exit** (not injected): a process whose rendezvous or strategy fails with an error ends as
+  a real one does once its runtime closed (:meth:`SimCluster._exit`): it is gone like a killed
+  one, and the invariants count its exit as a kill at that time (``exited`` in the summary;
+  its detection is marked ``exit``), so its peers must detect it in the bound and re-form.
 * **slow**: the slowed links' one-way latency is multiplied by the factor for the duration
   (the largest factor when several slowdowns slow one link), in both directions; what was
   sent before keeps its latency, and a link's shaper delivers in order (what is sent after
@@ -122,6 +126,9 @@ class SimNode:
         self.opts = opts
         self.fenced_at: float | None = None
         self.killed_at: float | None = None
+        #: why this process ended on its own (a failed rendezvous, a strategy's error), as a
+        #: real one exits after such a failure (None: it did not; ``killed_at`` says when)
+        self.exited: str | None = None
         #: the coordinator's answer to this process's registration (``joined``: it joined a
         #: run already going, as ``NodeRuntime.info``)
         self.info: dict[str, Any] = {}
@@ -241,6 +248,8 @@ class SimCluster:
         self.t0 = 0.0
         self._timers: list[asyncio.TimerHandle] = []
         self._restarts: list[asyncio.Task[None]] = []
+        #: the processes that exited on their own (:meth:`_exit`), each as the kill it amounts to
+        self.exits: list[Fault] = []
         for node in self.nodes.values():
             self._listen(node)
 
@@ -327,6 +336,24 @@ class SimCluster:
             del self.hub.endpoints[node.id]
         loop.hold(node.actor)
 
+    def _exit(self, node: SimNode, why: str) -> None:
+        """The process ``node`` ended on its own after a failure (``why``), as a real process
+        exits once its runtime closed: it is gone like a killed one (its peers must detect
+        it), and the invariants count its exit as a kill at that time (:meth:`all_faults`).
+        Called on the node's actor, which is held from now on."""
+        if node.killed_at is not None:
+            return
+        node.exited = why
+        self.hub.faults += 1
+        self._kill(node)
+        assert node.killed_at is not None
+        self.exits.append(Fault("kill", at=max(0.0, node.killed_at), nodes=(node.id,)))
+        log.info("sim t=%.3f: node %d exited: %s", node.killed_at, node.id, why)
+
+    def all_faults(self) -> list[Fault]:
+        """The faults injected and the processes' own exits (each a kill), by time."""
+        return sorted([*self.faults, *self.exits], key=lambda f: f.at)
+
     def _restart(self, n: int) -> None:
         """A new process of node ``n`` (its previous one killed): see the module docstring."""
         loop = self._loop()
@@ -345,6 +372,7 @@ class SimCluster:
             except P2PSyncError as exc:
                 node.failed = f"{type(exc).__name__}: {exc}"[:300]
                 log.info("node %d: restarted process: %s", n, node.failed)
+                self._exit(node, node.failed)
                 return
             node.joined_at = loop.time() - self.t0
             self._rejoined(node)
@@ -419,9 +447,14 @@ class SimCluster:
         pending = {i for i in up if (n := self.nodes[i]).started_at is not None and n.joined_at is None
                    and n.failed is None and n.started_at > late}
         live = [i for i in up if i not in cut_off and i not in pending]
-        found, detected = inv.detections(self.faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
+        faults = self.all_faults()
+        found, detected = inv.detections(faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
                                          links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
+        exits = {f.spec() for f in self.exits}
+        for rec in found:
+            if rec["fault"] in exits:
+                rec["exit"] = True  # (a process's own exit, not a fault injected)
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": 0, "recv": 0} for i in self.nodes}
         for n in [*self.retired, *self.nodes.values()]:
@@ -440,7 +473,10 @@ class SimCluster:
             "declared": [{"t": round(d.t, 6), "node": d.node, "by": d.coordinator, "term": d.term}
                          for d in inv.declarations(self.views)],
             "fenced": {str(i): round(n.fenced_at, 6) for i, n in self.nodes.items() if n.fenced_at is not None},
-            "killed": [i for i, n in self.nodes.items() if n.killed_at is not None],
+            "killed": [i for i, n in self.nodes.items() if n.killed_at is not None and n.exited is None],
+            "exited": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.killed_at, 6), "error": n.exited}
+                       for n in sorted([*self.retired, *self.nodes.values()], key=lambda n: (n.id, n.incarnation))
+                       if n.exited is not None and n.killed_at is not None],
             "restarts": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.started_at, 6),
                           "joined_after_s": None if n.joined_at is None else round(n.joined_at - n.started_at, 6),
                           **({"error": n.failed} if n.failed is not None else {})}
@@ -461,7 +497,7 @@ class SimCluster:
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
-                "no_false_failure": inv.no_false_failure(self.faults, self.views, bound=bound, links=links,
+                "no_false_failure": inv.no_false_failure(faults, self.views, bound=bound, links=links,
                                                          failure_timeout=opts.failure_timeout,
                                                          interval=opts.heartbeat, latency=self.hub.base_latency),
                 "one_view_at_end": (inv.one_view_at_end(final, live, pending) if major is not None or newest is None

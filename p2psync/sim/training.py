@@ -37,7 +37,8 @@ views) until the settle time ends.
 What the summary adds (``training``): the strategy, its step unit, the replicas' promise, and
 per node its current process's outcome (``finished``: its loop ended at an agreed stop;
 ``killed``, ``fenced``, ``error`` with the error (a restarted process's failed rendezvous
-too), ``running``: not ended within the settle time), the step it reached, the steps (or
+too; the process then exits, :meth:`SimCluster._exit <p2psync.sim.cluster.SimCluster._exit>`,
+and the others re-form without it), ``running``: not ended within the settle time), the step it reached, the steps (or
 rounds) it ran, the states it adopted (a joiner's start counts one), its local iterations,
 its last loss, the strategy's count of re-formed operations where it reports one, and its
 model hash (:meth:`~p2psync.sim.replica.SimReplica.model_hash`); for a restarted node also its
@@ -343,6 +344,8 @@ class TrainingCluster(SimCluster):
         except P2PSyncError as exc:
             rec.outcome, rec.error = "error", f"{type(exc).__name__}: {exc}"[:500]
             log.info("node %d: training ended: %s", i, rec.error)
+            if not self._closing:
+                self._exit(node, rec.error)  # (its process exits, as the step driver's does)
 
     async def _audit(self, rec: NodeTraining, replica: SimReplica, strategy: Strategy) -> None:
         """The step driver's audit at the agreed stop (:func:`~p2psync.strategies.audit.audit_replicas`
@@ -380,8 +383,8 @@ class TrainingCluster(SimCluster):
         nodes: dict[str, Any] = {}
         for i, rec in self.runs.items():
             node = self.nodes[i]
-            outcome = "killed" if node.killed_at is not None else (
-                "error" if node.failed is not None else
+            outcome = "error" if node.exited is not None or node.failed is not None else (
+                "killed" if node.killed_at is not None else
                 "running" if rec.outcome in ("starting", "training") else rec.outcome)
             nodes[str(i)] = {"outcome": outcome, **_record(rec, self.replicas[i]),
                              **({"error": rec.error or node.failed} if rec.error or node.failed else {})}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from p2psync.cli.main import main
-from p2psync.errors import Aborted, ConfigError
+from p2psync.errors import Aborted, ConfigError, TrainingError
 from p2psync.sim import invariants as inv
 from p2psync.sim.chaos import chaos, simulate, table
 from p2psync.sim.cluster import SimOptions
@@ -27,7 +27,8 @@ from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingS
                                   same_model,
                                   strategy_finished)
 from p2psync.strategies.asgd import ASGD
-from p2psync.strategies.base import StrategyContext
+from p2psync.strategies.base import StepReport, StrategyContext
+from p2psync.strategies.ssgd import SSGD
 from p2psync.tasks import AbortEvent
 from p2psync.topology import mesh, ring
 from p2psync.wire import Message
@@ -77,6 +78,40 @@ def test_ssgd_on_a_ring_with_a_kill_ends_with_every_survivor_holding_one_model()
     assert all(nodes[str(i)]["reforms"] >= 1 for i in survivors)  # the group re-formed over the survivors
     assert all(nodes[str(i)]["audit"] == "passed" for i in survivors)  # the driver's own audit agrees
     assert t["promise"] == "every_step" and t["finished"] == 7
+
+
+class _FailsOnNode3(SSGD):
+    """SSGD whose node 3 fails with an error at step 20 (a device that breaks)."""
+
+    async def run_step(self, step: int, want_stop: bool) -> StepReport:
+        if self.ctx.node_id == 3 and step == 20:
+            raise TrainingError("node 3's device failed")
+        return await super().run_step(step, want_stop)
+
+
+def test_a_node_whose_strategy_fails_exits_and_the_others_re_form_without_it() -> None:
+    # as a real process: its runtime closes and it exits, so its peers detect it within the
+    # bound and re-form. Before, the simulated node kept heartbeating with no strategy, and
+    # the others waited for it in their allreduce until the end (none finished)
+    spec = TrainingSpec(strategy="ssgd", step_time=0.05, seed=7)
+
+    async def go() -> dict[str, Any]:
+        async with TrainingCluster(ring(6), training=spec, opts=OPTS) as c:
+            c.strategy_cls = _FailsOnNode3
+            return await c.run(5.0)
+
+    s = run(go(), loop=VirtualLoop())
+    t = s["training"]
+    assert t["nodes"]["3"]["outcome"] == "error" and "device failed" in t["nodes"]["3"]["error"]
+    assert [e["node"] for e in s["exited"]] == [3] and s["killed"] == []
+    # the error is the run's one violation: every other invariant holds, the exit counted as a kill
+    bad = {k: v for k, v in s["invariants"].items() if inv.violated(v)}
+    assert list(bad) == ["strategy_finished"], bad
+    assert "3 (error at step 20: TrainingError: node 3's device failed)" in bad["strategy_finished"]
+    assert [d["node"] for d in s["declared"]] == [3] and 3 not in s["final_view"]["members"]
+    assert [d["exit"] for d in s["detections"]] == [True]  # (the exit's detection, in the bound)
+    assert t["finished"] == 5 and s["invariants"]["same_model_at_end"] == "held"
+    assert all(t["nodes"][str(i)]["reforms"] >= 1 for i in (0, 1, 2, 4, 5))
 
 
 def test_the_invariant_names_a_replica_that_diverged() -> None:
