@@ -422,8 +422,15 @@ class SimCluster:
                             wall_s=time.perf_counter() - wall0)
 
     async def _settle(self) -> None:
-        """What runs between the end of the virtual seconds and the summary (nothing here; a
-        subclass lets its nodes' work end: :mod:`p2psync.sim.training`)."""
+        """What runs between the end of the virtual seconds and the summary: here, the wait
+        until every process's own exit (:meth:`_exit`) had the time its detection may take
+        (two detection bounds and a probe of the line of successors: a coordinator's
+        successor is elected first), as the faults drawn end that long before the end of a
+        run (a subclass lets its nodes' work end first: :mod:`p2psync.sim.training`)."""
+        loop = self._loop()
+        grace = 2 * detection_bound(self.topo, self.opts) + line_probe_s(self.topo, self.opts)
+        while self.exits and (wait := self.t0 + max(f.at for f in self.exits) + grace - loop.time()) > 0:
+            await asyncio.sleep(wait)
 
     def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
         """What the run did and whether every invariant held (see the module docstring)."""

@@ -181,6 +181,8 @@ class NodeTraining:
     #: ``mismatch: ...`` or ``incomplete: ...``
     audit: str | None = None
     finished_at: float | None = None
+    #: the replica's digests when its loop ended at the agreed stop (None: it did not)
+    digests: list[tuple[str, bytes]] | None = None
     strategy: Strategy | None = None
     #: the process (1: the node's first; a restarted one counts on) and, for a restarted one,
     #: when its strategy's start returned (it joined the training; None: not yet)
@@ -336,14 +338,18 @@ class TrainingCluster(SimCluster):
                     rec.loss = rep.loss
                 if rep.stop:
                     rec.outcome, rec.finished_at = "finished", loop.time() - self.t0
+                    rec.digests = self.replicas[i].digests_now()
                     if strategy.identical_replicas != "never":
                         await self._audit(rec, self.replicas[i], strategy)
                     return
         except Fenced:
             rec.outcome = "fenced"
-        except P2PSyncError as exc:
+        except Exception as exc:  # (an error that is no P2PSyncError is a defect: the process crashes)
             rec.outcome, rec.error = "error", f"{type(exc).__name__}: {exc}"[:500]
-            log.info("node %d: training ended: %s", i, rec.error)
+            if isinstance(exc, P2PSyncError):
+                log.info("node %d: training ended: %s", i, rec.error)
+            else:
+                log.error("node %d: training crashed: %s", i, rec.error, exc_info=exc)
             if not self._closing:
                 self._exit(node, rec.error)  # (its process exits, as the step driver's does)
 
@@ -363,7 +369,8 @@ class TrainingCluster(SimCluster):
     async def _settle(self) -> None:
         """Wait for the loops of the nodes not killed to end, and for the rendezvous of the
         restarted processes still registering (a loop starts when one ends), at most
-        :data:`SETTLE_S` in all (and at least two re-form bounds' worth of it)."""
+        :data:`SETTLE_S` in all (and at least two re-form bounds' worth of it); then for the
+        detection of the processes' exits (:meth:`SimCluster._settle`)."""
         loop = self._loop()
         deadline = loop.time() + max(SETTLE_S, 2 * regroup_bound(self.opts.failure_timeout, self.opts.heartbeat))
         while loop.time() < deadline:
@@ -371,8 +378,9 @@ class TrainingCluster(SimCluster):
             pending = [t for i in up if (t := self.tasks.get(i)) is not None and not t.done()]
             pending += [t for i in up if (t := self.nodes[i].rendezvous) is not None and not t.done()]
             if not pending:
-                return
+                break
             await asyncio.wait(pending, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+        await super()._settle()  # (the exits' detections)
 
     def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
         """:meth:`SimCluster.summary` with ``training`` and the two training invariants (see
@@ -419,16 +427,18 @@ class TrainingCluster(SimCluster):
             "steps": {"min": min(steps), "max": max(steps)} if steps else None,
             "nodes": nodes,
         }
-        digests = {i: self.replicas[i].digests_now() for i in finished}
+        # the models as each loop ended at the agreed stop, and now (nothing may change them since)
+        digests = {i: d for i in finished if (d := self.runs[i].digests) is not None}
+        later = {i: self.replicas[i].digests_now() for i in finished}
         if out["majority_at_end"]:
             out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
-            out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests)
+            out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests, later=later)
         else:
             why = (f"{inv.NOT_PROMISED}: no group of live nodes holds a majority of the newest view at the end, "
                    "so no member may step to an agreed stop")
             out["invariants"]["strategy_finished"] = why if not finished else (
                 f"node(s) {finished} finished although no group held a majority of the view at the end")
-            out["invariants"]["same_model_at_end"] = (same_model(cls.name, cls.identical_replicas, digests)
+            out["invariants"]["same_model_at_end"] = (same_model(cls.name, cls.identical_replicas, digests, later=later)
                                                       if digests else why)
         return out
 
@@ -477,15 +487,21 @@ def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int
         f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
 
 
-def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple[str, bytes]]]) -> str:
-    """``same_model_at_end`` over the ``digests`` of the nodes that finished (node -> the
-    replica's (name, digest) list): ``held``, the nodes that differ, ``not promised: ...``
-    for a strategy that promises no single model, or why nothing could be compared."""
+def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple[str, bytes]]], *,
+               later: Mapping[int, Sequence[tuple[str, bytes]]] | None = None) -> str:
+    """``same_model_at_end`` over the ``digests`` of the nodes that finished, taken as their
+    loops ended at the agreed stop (node -> the replica's (name, digest) list): ``held``, the
+    nodes that differ, ``not promised: ...`` for a strategy that promises no single model, or
+    why nothing could be compared. ``later``: the same nodes' digests at the end of the run;
+    a model that changed after its stop is a violation too."""
     if promise == "never":
         return (f"{inv.NOT_PROMISED}: {strategy} does not promise equal replicas (identical_replicas = never); "
                 "the models were not compared")
     if not digests:
         return "no node finished: no model to compare"
+    moved = sorted(i for i, d in (later or {}).items() if i in digests and list(d) != list(digests[i]))
+    if moved:
+        return f"node(s) {moved} changed their model after the agreed stop"
     group = sorted(digests)
     names = [n for n, _ in digests[group[0]]]
     rows = [np.frombuffer(b"".join(d for _, d in digests[i]), np.uint8) for i in group]
