@@ -51,6 +51,7 @@ invariants (:mod:`p2psync.sim.invariants`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -64,7 +65,7 @@ from p2psync.coordinator.views import View
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
 from p2psync.sim import invariants as inv
 from p2psync.sim.faults import Fault
-from p2psync.sim.loop import VirtualLoop
+from p2psync.sim.loop import ACTOR, VirtualLoop
 from p2psync.sim.medium import SimHub, SimTransport
 from p2psync.tasks import gather_or_cancel
 from p2psync.topology import Topology
@@ -126,9 +127,11 @@ class SimNode:
         self.opts = opts
         self.fenced_at: float | None = None
         self.killed_at: float | None = None
-        #: why this process ended on its own (a failed rendezvous, a strategy's error), as a
-        #: real one exits after such a failure (None: it did not; ``killed_at`` says when)
+        #: why this process ended on its own (a failed rendezvous, a strategy's error, a fence),
+        #: as a real one exits after such a failure (None: it did not; ``killed_at`` says when)
         self.exited: str | None = None
+        #: this process was started by the launcher after its previous one was fenced (not by a fault)
+        self.relaunched = False
         #: the coordinator's answer to this process's registration (``joined``: it joined a
         #: run already going, as ``NodeRuntime.info``)
         self.info: dict[str, Any] = {}
@@ -248,8 +251,9 @@ class SimCluster:
         self.t0 = 0.0
         self._timers: list[asyncio.TimerHandle] = []
         self._restarts: list[asyncio.Task[None]] = []
-        #: the processes that exited on their own (:meth:`_exit`), each as the kill it amounts to
-        self.exits: list[Fault] = []
+        #: what the processes did on their own, not injected: each exit (:meth:`_exit`) as the
+        #: kill it amounts to, each start by the launcher as a restart (a subclass's)
+        self.lifecycle: list[Fault] = []
         for node in self.nodes.values():
             self._listen(node)
 
@@ -274,6 +278,13 @@ class SimCluster:
             if node.fenced_at is None:
                 node.fenced_at = self._loop().time() - self.t0
         return fenced
+
+    def _as_simulation(self, delay: float, callback: Callable[..., object], *args: Any) -> None:
+        """Call ``callback(*args)`` ``delay`` virtual seconds from now as the simulation itself
+        (no actor: a held node does not park it); cancelled by :meth:`close`."""
+        ctx = contextvars.copy_context()
+        ctx.run(ACTOR.set, None)
+        self._timers.append(self._loop().call_later(delay, callback, *args, context=ctx))
 
     @staticmethod
     def _loop() -> VirtualLoop:
@@ -336,23 +347,30 @@ class SimCluster:
             del self.hub.endpoints[node.id]
         loop.hold(node.actor)
 
-    def _exit(self, node: SimNode, why: str) -> None:
-        """The process ``node`` ended on its own after a failure (``why``), as a real process
-        exits once its runtime closed: it is gone like a killed one (its peers must detect
-        it), and the invariants count its exit as a kill at that time (:meth:`all_faults`).
-        Called on the node's actor, which is held from now on."""
+    def _exit(self, node: SimNode, why: str, fenced: Fenced | None = None) -> None:
+        """The process ``node`` ended on its own after a failure (``why``; ``fenced``: it was
+        removed from the run), as a real process exits once its runtime closed: it is gone
+        like a killed one (its peers must detect it where it was still a member), and the
+        invariants count its exit as a kill at that time (:meth:`all_faults`). Its actor is
+        held from now on; then :meth:`_exited`."""
         if node.killed_at is not None:
             return
         node.exited = why
         self.hub.faults += 1
         self._kill(node)
         assert node.killed_at is not None
-        self.exits.append(Fault("kill", at=max(0.0, node.killed_at), nodes=(node.id,)))
+        self.lifecycle.append(Fault("kill", at=max(0.0, node.killed_at), nodes=(node.id,)))
         log.info("sim t=%.3f: node %d exited: %s", node.killed_at, node.id, why)
+        self._exited(node, fenced)
+
+    def _exited(self, node: SimNode, fenced: Fenced | None) -> None:
+        """Called once the process ``node`` exited on its own: nothing here (nobody starts it
+        again); a subclass starts a fenced one again as the launcher does
+        (:mod:`p2psync.sim.training`)."""
 
     def all_faults(self) -> list[Fault]:
-        """The faults injected and the processes' own exits (each a kill), by time."""
-        return sorted([*self.faults, *self.exits], key=lambda f: f.at)
+        """The faults injected and what the processes did on their own (:attr:`lifecycle`), by time."""
+        return sorted([*self.faults, *self.lifecycle], key=lambda f: f.at)
 
     def _restart(self, n: int) -> None:
         """A new process of node ``n`` (its previous one killed): see the module docstring."""
@@ -429,7 +447,7 @@ class SimCluster:
         run (a subclass lets its nodes' work end first: :mod:`p2psync.sim.training`)."""
         loop = self._loop()
         grace = 2 * detection_bound(self.topo, self.opts) + line_probe_s(self.topo, self.opts)
-        while self.exits and (wait := self.t0 + max(f.at for f in self.exits) + grace - loop.time()) > 0:
+        while self.lifecycle and (wait := self.t0 + max(f.at for f in self.lifecycle) + grace - loop.time()) > 0:
             await asyncio.sleep(wait)
 
     def summary(self, *, virtual_seconds: float, rendezvous_s: float, wall_s: float) -> dict[str, Any]:
@@ -441,7 +459,7 @@ class SimCluster:
         links = {i: list(self.topo.neighbors(i)) for i in self.topo.ids}
         gone = {i for i, n in self.nodes.items() if n.killed_at is not None or n.membership.fenced is not None}
         # the nodes that kills and removals (nobody relays through a removed node; the
-        # simulation restarts no fenced node) cut off from the group holding a majority of the
+        # membership alone restarts no fenced node) cut off from the group holding a majority of the
         # newest view for good can learn nothing more; with no such group nothing can change
         newest = max((v for v in final.values() if v is not None), key=lambda v: (v.term, v.epoch), default=None)
         groups = inv.components(links, gone)
@@ -458,10 +476,10 @@ class SimCluster:
         found, detected = inv.detections(faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
                                          links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
-        exits = {f.spec() for f in self.exits}
+        own = {f.spec(): "exit" if f.kind == "kill" else "relaunch" for f in self.lifecycle}
         for rec in found:
-            if rec["fault"] in exits:
-                rec["exit"] = True  # (a process's own exit, not a fault injected)
+            if rec["fault"] in own:  # (a process's own exit, or the launcher's restart: not injected)
+                rec[own[str(rec["fault"])]] = True
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": 0, "recv": 0} for i in self.nodes}
         for n in [*self.retired, *self.nodes.values()]:
@@ -481,12 +499,14 @@ class SimCluster:
                          for d in inv.declarations(self.views)],
             "fenced": {str(i): round(n.fenced_at, 6) for i, n in self.nodes.items() if n.fenced_at is not None},
             "killed": [i for i, n in self.nodes.items() if n.killed_at is not None and n.exited is None],
-            "exited": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.killed_at, 6), "error": n.exited}
+            "exited": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.killed_at, 6), "error": n.exited,
+                        **({"fenced": True} if n.fenced_at is not None else {})}
                        for n in sorted([*self.retired, *self.nodes.values()], key=lambda n: (n.id, n.incarnation))
                        if n.exited is not None and n.killed_at is not None],
             "restarts": [{"node": n.id, "incarnation": n.incarnation, "at": round(n.started_at, 6),
                           "joined_after_s": None if n.joined_at is None else round(n.joined_at - n.started_at, 6),
-                          **({"error": n.failed} if n.failed is not None else {})}
+                          **({"error": n.failed} if n.failed is not None else {}),
+                          **({"relaunch": True} if n.relaunched else {})}
                          for n in sorted([*self.retired, *self.nodes.values()], key=lambda n: (n.id, n.incarnation))
                          if n.started_at is not None],
             "detections": found,

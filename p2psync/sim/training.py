@@ -13,8 +13,12 @@ until a report says ``stop``, then, where the strategy promises one model, the d
 audit over its group (its outcome is each node's ``audit``). Operations are re-formed over the
 survivors as in a real run with ``--on-failure continue`` (the default: the strategies'
 :class:`~p2psync.strategies.failure.Reform` policy). A fenced process stops training (its
-progress is void; only a ``restart`` fault starts a node again), a killed one is held with the
-rest of its code.
+progress is void) and exits; as the launcher with ``--on-failure continue`` does, a new
+process of it starts :data:`RELAUNCH_S` later (at most :data:`RELAUNCHES` times per node, not
+once a node finished: the run is over) and joins as a restarted one (``relaunch`` in the
+summary's ``restarts``; the invariants count the exit as a kill and the new start as a
+restart). A process whose strategy fails with an error exits too (and is not started again);
+a killed one is held with the rest of its code.
 
 Restarts: a restarted node's new process (:meth:`SimCluster._restart
 <p2psync.sim.cluster.SimCluster._restart>`) has a fresh replica (the run's initial model, not
@@ -55,8 +59,7 @@ the processes it replaced (``earlier``) and, when it is excused (below), ``excus
   view) before that stop, or had not registered by the end though restarted too late to
   (:func:`~p2psync.sim.invariants.rejoin_bound`, as the membership invariants excuse it).
   When no group of live nodes holds a majority of the newest view at the end
-  (``majority_at_end`` false: kills and removals cut the topology, and the simulation, unlike
-  the launcher, restarts no fenced node), no member may step, so none can reach a stop: ``not
+  (``majority_at_end`` false: kills and removals cut the topology), no member may step, so none can reach a stop: ``not
   promised: ...``, unless some node finished all the same, which is a violation.
 * ``same_model_at_end``: where the strategy promises one model (``identical_replicas`` of
   ``every_step`` or ``end``), every node that finished (a restarted one too: its strategy
@@ -107,6 +110,11 @@ REFUSED: dict[str, str] = {
 }
 #: virtual seconds the cluster waits, after the run's virtual seconds, for the loops to end
 SETTLE_S = 60.0
+#: virtual seconds from a fenced process's exit to the start of its new process: the
+#: launcher's poll and a Python process's start
+RELAUNCH_S = 2.0
+#: the new processes the launcher starts per node after fences (``cli.launch.MAX_RESTARTS``)
+RELAUNCHES = 3
 
 
 def check_strategy(name: str) -> type[Strategy]:
@@ -242,6 +250,8 @@ class TrainingCluster(SimCluster):
         #: virtual seconds after the rendezvous from which every node wants to stop
         self.stop_at = float("inf")
         self._closing = False
+        #: per node, the processes the launcher started after fences (:meth:`_exited`)
+        self.relaunches: dict[int, int] = {}
         for node in self.nodes.values():
             node.membership.fence_listeners.append(self._fence_stopper(node, self.runs[node.id]))
 
@@ -257,9 +267,14 @@ class TrainingCluster(SimCluster):
         return SimReplica(node_id=i, seed=t.seed, step_time=t.step_times.get(i, t.step_time))
 
     def _fence_stopper(self, node: SimNode, rec: NodeTraining) -> Callable[[Fenced], None]:
-        def fenced(_: Fenced) -> None:
-            # as the step driver: a fenced process's progress is void, its loop ends now
+        def fenced(exc: Fenced) -> None:
+            # as the step driver: a fenced process's progress is void, its loop ends now and
+            # the process exits once the code that fenced it ran (:meth:`_exited` starts it
+            # again); one that ended at the agreed stop is finished (the launcher leaves it out)
+            if rec.outcome == "finished":
+                return
             rec.outcome = "fenced"
+            self._as_simulation(0.0, self._exit, node, str(exc)[:300], exc)
             task = self.tasks.get(node.id)
             if task is not None and self.nodes[node.id] is node:
                 task.cancel()
@@ -276,6 +291,26 @@ class TrainingCluster(SimCluster):
         rec = self.runs[n] = NodeTraining(incarnation=node.incarnation)
         self.replicas[n] = self._replica(n)
         node.membership.fence_listeners.append(self._fence_stopper(node, rec))
+
+    def _exited(self, node: SimNode, fenced: Fenced | None) -> None:
+        """As the launcher with ``--on-failure continue``: a process fenced while the run goes
+        on (one it may rejoin) is started again :data:`RELAUNCH_S` later, at most
+        :data:`RELAUNCHES` times per node; the new process joins as a restarted one does."""
+        if fenced is None or not fenced.rejoin or self._closing or self.relaunches.get(node.id, 0) >= RELAUNCHES:
+            return
+        self._as_simulation(RELAUNCH_S, self._relaunch, node)
+
+    def _relaunch(self, node: SimNode) -> None:
+        n = node.id
+        if self._closing or self.nodes[n] is not node or any(r.outcome == "finished" for r in self.runs.values()):
+            return  # (a fault restarted it meanwhile, or the run is over: the launcher leaves it out)
+        self.relaunches[n] = self.relaunches.get(n, 0) + 1
+        at = self._loop().time() - self.t0
+        log.info("sim t=%.3f: node %d was fenced: the launcher starts it again (%d/%d)", at, n, self.relaunches[n],
+                 RELAUNCHES)
+        self.lifecycle.append(Fault("restart", at=at, nodes=(n,)))
+        self._restart(n)
+        self.nodes[n].relaunched = True
 
     def _rejoined(self, node: SimNode) -> None:
         """The restarted process ``node`` registered: its strategy and step loop start as its
@@ -391,10 +426,7 @@ class TrainingCluster(SimCluster):
         nodes: dict[str, Any] = {}
         for i, rec in self.runs.items():
             node = self.nodes[i]
-            outcome = "error" if node.exited is not None or node.failed is not None else (
-                "killed" if node.killed_at is not None else
-                "running" if rec.outcome in ("starting", "training") else rec.outcome)
-            nodes[str(i)] = {"outcome": outcome, **_record(rec, self.replicas[i]),
+            nodes[str(i)] = {"outcome": _outcome(node, rec), **_record(rec, self.replicas[i]),
                              **({"error": rec.error or node.failed} if rec.error or node.failed else {})}
             if rec.incarnation > 1:
                 nodes[str(i)]["incarnation"] = rec.incarnation
@@ -402,7 +434,7 @@ class TrainingCluster(SimCluster):
                     nodes[str(i)]["joined_training_at"] = round(rec.trained_at, 6)
         for e in self.earlier:  # the processes restarts replaced, oldest first
             nodes[str(e.node.id)].setdefault("earlier", []).append(
-                {"incarnation": e.run.incarnation, "outcome": "killed", **_record(e.run, e.replica)})
+                {"incarnation": e.run.incarnation, "outcome": _outcome(e.node, e.run), **_record(e.run, e.replica)})
         finished = sorted(i for i in self.runs if nodes[str(i)]["outcome"] == "finished")
         stop = min((self.runs[i].finished_at or now for i in finished), default=now)
         bound = detection_bound(self.topo, self.opts)
@@ -466,6 +498,17 @@ class TrainingCluster(SimCluster):
         await super().close()
 
 
+def _outcome(node: SimNode, rec: NodeTraining) -> str:
+    """A process's outcome in the summary (see the module docstring)."""
+    if node.fenced_at is not None:
+        return "finished" if rec.outcome == "finished" else "fenced"
+    if node.exited is not None or node.failed is not None:
+        return "error"
+    if node.killed_at is not None:
+        return "killed"
+    return "running" if rec.outcome in ("starting", "training") else rec.outcome
+
+
 def _record(rec: NodeTraining, rep: SimReplica) -> dict[str, Any]:
     """A process's training in the summary (without its outcome)."""
     return {"step": rec.step, "steps_run": rec.reports, "adopted": rec.adopted, "local_iterations": rep.iterations,
@@ -512,5 +555,5 @@ def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple
             f"{len(names)} tensors differ; first: {bad.tensor!r})")
 
 
-__all__ = ["REFUSED", "SETTLE_S", "SIMULATED", "Earlier", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
+__all__ = ["REFUSED", "RELAUNCHES", "RELAUNCH_S", "SETTLE_S", "SIMULATED", "Earlier", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
            "excused", "parse_step_time", "same_model", "strategy_finished"]

@@ -454,30 +454,42 @@ def serve_state(ctx: StrategyContext, name: str, step: Callable[[], int]) -> Non
     ctx.rpc_server.register(f"{name}.state", handler)
 
 
+#: seconds between a joiner's rounds of asking for the state when no member could give it
+FETCH_RETRY_S = 0.1
+
+
 async def fetch_state(ctx: StrategyContext, name: str) -> int:
     """A joiner: copy the state of a live member, the nearest first over live nodes (adjacent
     ones first, lowest id first among equals; a farther one's state is relayed); returns its
-    step."""
+    step. When none can give it (none reachable yet: the neighbours on every way to the
+    members may be new processes joining too), it asks again every :data:`FETCH_RETRY_S`
+    for ``peer_timeout`` seconds, then raises PeerFailure with each member's answer."""
     me = ctx.node_id
-    dist = hop_distances(ctx.topology, me, avoid=ctx.transport.dead)
-    donors = sorted((n for n in ctx.group if n != me and n in dist), key=lambda n: (dist[n], n))
-    errors: list[str] = []
-    for d in donors:
-        tag = f"{name}.join.{me}.{ctx.transport.incarnation}"
-        try:
-            rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)
-            msg = await ctx.transport.recv(tag, timeout=ctx.peer_timeout)
-            at = rep.get("step") if isinstance(rep, dict) else None
-            vec, meta = (msg.arrays[0], msg.arrays[1]) if len(msg.arrays) == 2 else (None, None)
-            if type(at) is not int or vec is None or meta is None or vec.dtype != np.float32 \
-                    or vec.size != ctx.replica.state_size() or meta.dtype != np.uint8 or meta.size > MAX_META_BYTES:
-                raise ProtocolError("state", f"node {d} sent a malformed state")
-        except P2PSyncError as exc:
-            errors.append(f"node {d}: {exc}")
-            continue
-        await ctx.replica.import_state(np.array(vec, copy=True))
-        await ctx.replica.import_meta(np.asarray(meta).tobytes())
-        log.warning("node %d: joined with node %d's state at its step %d", me, d, at)
-        return at
-    raise PeerFailure(f"node {me}: no live member gave its state ({'; '.join(errors) or 'none reachable'})",
-                      peers=tuple(donors))
+    deadline = clock.now() + ctx.peer_timeout
+    while True:
+        dist = hop_distances(ctx.topology, me, avoid=ctx.transport.dead)
+        donors = sorted((n for n in ctx.group if n != me and n in dist), key=lambda n: (dist[n], n))
+        errors: list[str] = []
+        for d in donors:
+            tag = f"{name}.join.{me}.{ctx.transport.incarnation}"
+            try:
+                rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)
+                msg = await ctx.transport.recv(tag, timeout=ctx.peer_timeout)
+                at = rep.get("step") if isinstance(rep, dict) else None
+                vec, meta = (msg.arrays[0], msg.arrays[1]) if len(msg.arrays) == 2 else (None, None)
+                if type(at) is not int or vec is None or meta is None or vec.dtype != np.float32 \
+                        or vec.size != ctx.replica.state_size() or meta.dtype != np.uint8 \
+                        or meta.size > MAX_META_BYTES:
+                    raise ProtocolError("state", f"node {d} sent a malformed state")
+            except P2PSyncError as exc:
+                errors.append(f"node {d}: {exc}")
+                continue
+            await ctx.replica.import_state(np.array(vec, copy=True))
+            await ctx.replica.import_meta(np.asarray(meta).tobytes())
+            log.warning("node %d: joined with node %d's state at its step %d", me, d, at)
+            return at
+        left = deadline - clock.now()
+        if left <= 0:
+            raise PeerFailure(f"node {me}: no live member gave its state within {ctx.peer_timeout:g}s "
+                              f"({'; '.join(errors) or 'none reachable'})", peers=tuple(donors))
+        await asyncio.sleep(min(FETCH_RETRY_S, left))

@@ -13,7 +13,7 @@ import pytest
 
 from p2psync.collectives import Collectives
 from p2psync.coordinator import View
-from p2psync.errors import GroupCutOff
+from p2psync.errors import GroupCutOff, PeerFailure
 from p2psync.strategies.regroup import Adopted, Regroup, fetch_state, serve_state
 from p2psync.topology import bcube, ring
 from p2psync.wire import encode
@@ -165,3 +165,38 @@ async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> 
             for t in trainers.values():
                 await close_replica(t)
     assert mine.tobytes() == theirs.tobytes() and eps[2].relayed > 0
+
+
+async def test_a_joiner_with_no_way_to_a_member_yet_asks_again_until_one_opens() -> None:
+    """The joiner (node 1 of ring-4) has both neighbours marked dead when it asks for the state
+    (new processes joining too, as after a fenced arc is started again): no member is
+    reachable. It asks again until node 2 is heard again, then copies node 3's state through
+    it; with no way for its whole ``peer_timeout`` it fails naming that bound."""
+    topo = ring(4, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        members = (1, 3)
+        trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in members})
+        ctxs = {i: make_context(topo, eps[i], trainers[i], peer_timeout=1.0) for i in members}
+        await eps[0].close()
+        for i in members:
+            eps[i].mark_dead(0)
+            ctxs[i].membership.views.apply(View(epoch=1, members=members))
+            ctxs[i].rpc_server.start()
+        eps[1].mark_dead(2)
+        try:
+            serve_state(ctxs[3], "j", lambda: 17)
+            with pytest.raises(PeerFailure, match="within 1s"):
+                await fetch_state(ctxs[1], "j")
+            ctxs[1].peer_timeout = 10.0
+            fetch = asyncio.ensure_future(fetch_state(ctxs[1], "j"))
+            await asyncio.sleep(0.3)  # (it asks in vain meanwhile)
+            assert not fetch.done()
+            eps[1].revive(2)
+            assert await asyncio.wait_for(fetch, 10) == 17
+            mine, theirs = [await trainers[i].export_state() for i in members]
+        finally:
+            for c in ctxs.values():
+                await c.rpc_server.close()
+            for t in trainers.values():
+                await close_replica(t)
+    assert mine.tobytes() == theirs.tobytes()

@@ -22,7 +22,7 @@ def test_sim_writes_a_summary_and_its_replay_runs_the_same_events(tmp_path: Path
     assert s["nodes"] == 12 and s["virtual_s"] == 16 and s["wall_s"] > 0
     assert set(s["invariants"].values()) == {"held"}
     assert [d["fault"] for d in s["detections"]] == ["kill:3@4", "pause:5@6+5"]
-    assert s["killed"] == [3] and list(s["fenced"]) == ["5"]
+    assert s["killed"] == [3] and list(s["fenced"]) == ["5"] and s["exited"] == []
     assert set(s["messages"]) == {str(i) for i in range(12)} and s["messages"]["0"]["recv"] > 0
     assert "every invariant held" in capsys.readouterr().out
     replay = shlex.split(s["replay"])

@@ -413,14 +413,32 @@ def test_esync_members_a_round_apart_after_a_kill_meet_in_the_new_views_sync() -
 
 
 def test_with_no_majority_left_anywhere_no_node_is_held_to_finish() -> None:
-    # nodes 1-5 are partitioned off and removed (fenced: the simulation restarts none), then
-    # node 11 dies: the ring's survivors are two arcs of 5 of the view's 11 members, so no
-    # member may step. No node can finish: not promised, no violation (seed 6 of the runner).
-    s = train(ring(16), "preduce", "partition:1-5|0.6-15@10.201+5.365,kill:11@22.815", 30.0, step_time=0.1)
+    # three kills cut ring-16 into arcs: 2-5 is cut off and removed, then 7-10 and 12-15,0 hold
+    # 4 and 5 of the view's 10 members, so no member may step. No node can finish: not
+    # promised, no violation
+    s = train(ring(16), "preduce", "kill:1@5,kill:6@10,kill:11@15", 25.0, step_time=0.1)
     assert s["majority_at_end"] is False and s["training"]["finished"] == 0
+    assert s["final_view"]["members"] == [0, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     for name in ("strategy_finished", "same_model_at_end"):
         assert s["invariants"][name].startswith(inv.NOT_PROMISED) and "no group of live nodes" in s["invariants"][name]
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+
+
+def test_a_fenced_arc_is_started_again_and_its_joiners_wait_for_a_way_to_the_members() -> None:
+    # nodes 1-5 are partitioned off and removed; as the launcher does, each fenced process is
+    # started again (RELAUNCH_S later) and joins. Node 3's new process joined while its two
+    # ring neighbours' new processes were not members yet: every way to the members crossed
+    # them, and P-Reduce's fetch of the state failed at once ("no live member gave its state
+    # (none reachable)"), so the process exited. It now asks again until a way opens. Then
+    # node 11 dies: the ring keeps a majority, and every live node finishes (seed 6 of the
+    # runner, which left no majority anywhere while the simulation restarted no fenced node)
+    s = train(ring(16), "preduce", "partition:1-5|0.6-15@10.201+5.365,kill:11@22.815", 30.0, step_time=0.1)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert sorted(e["node"] for e in s["exited"]) == [1, 2, 3, 4, 5] and all(e["fenced"] for e in s["exited"])
+    assert sorted(r["node"] for r in s["restarts"] if r.get("relaunch")) == [1, 2, 3, 4, 5]
+    t = s["training"]
+    assert t["rejoined"] == [1, 2, 3, 4, 5] and t["finished"] == 15
+    assert all(t["nodes"][str(i)]["earlier"][0]["outcome"] == "fenced" for i in range(1, 6))
 
 
 def test_dts_after_a_split_that_cut_the_coordinator_off_ends_at_an_agreed_stop() -> None:
@@ -430,9 +448,11 @@ def test_dts_after_a_split_that_cut_the_coordinator_off_ends_at_an_agreed_stop()
     # their calls to the new coordinator all went into the cut
     from p2psync.topology import bcube
 
+    # (the minority's seven fenced processes are started again and join: all 16 finish)
     s = train(bcube(4, 2), "dts", "partition:0-6|7-15@9.441+3.797", 40.0, step_time=0.1)
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
-    assert s["invariants"]["strategy_finished"] == "held" and s["training"]["finished"] == 9
+    assert s["invariants"]["strategy_finished"] == "held" and s["training"]["finished"] == 16
+    assert s["training"]["rejoined"] == list(range(7))
 
 
 def test_a_shaped_send_waiting_for_a_cut_link_lets_virtual_time_move_on() -> None:
@@ -473,4 +493,6 @@ def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strateg
     s = json.loads((tmp_path / "summary.json").read_text())
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
     t = s["training"]
-    assert t["rejoined"] == [2] and t["finished"] == 14, t["nodes"]["2"]
+    # (node 3, stranded behind the dead 2 and 4 and removed, was fenced once 2 rejoined, and
+    # its new process joined too)
+    assert t["rejoined"] == [2, 3] and t["finished"] == 15, t["nodes"]["2"]
