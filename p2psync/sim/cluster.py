@@ -269,7 +269,8 @@ class SimCluster:
     def _recorder(self, node: SimNode) -> Callable[[View], None]:
         def seen(v: View) -> None:
             node.last = inv.ViewSeen(t=self._loop().time() - self.t0, node=node.id, term=v.term, epoch=v.epoch,
-                                     coordinator=v.coordinator, members=tuple(v.members), departed=tuple(v.departed))
+                                     coordinator=v.coordinator, members=tuple(v.members), departed=tuple(v.departed),
+                                     incarnation=node.incarnation)
             self.views.append(node.last)
         return seen
 

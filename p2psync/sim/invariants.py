@@ -84,7 +84,8 @@ def violated(result: str) -> bool:
 
 @dataclass(frozen=True)
 class ViewSeen:
-    """Node ``node`` applied the view (``term``, ``epoch``) of ``coordinator`` at virtual time ``t``."""
+    """Node ``node``'s process ``incarnation`` applied the view (``term``, ``epoch``) of
+    ``coordinator`` at virtual time ``t``."""
 
     t: float
     node: int
@@ -93,6 +94,7 @@ class ViewSeen:
     coordinator: int
     members: tuple[int, ...]
     departed: tuple[int, ...] = ()
+    incarnation: int = 1
 
 
 @dataclass(frozen=True)
@@ -106,18 +108,20 @@ class Declaration:
 
 
 def declarations(views: Iterable[ViewSeen]) -> list[Declaration]:
-    """Removals from the views: a node left out of a node's next view (not as departed). Each
-    removal counts once, at its earliest sighting: a node is declared failed again only after
-    a view newer than the one that removed it listed it as a member again (a rejoin)."""
-    prev: dict[int, ViewSeen] = {}
+    """Removals from the views: a node left out of a process's next view (not as departed; a
+    new process's first view follows nothing: what its node's previous process saw last is
+    no view it replaced). Each removal counts once, at its earliest sighting: a node is
+    declared failed again only after a view newer than the one that removed it listed it as
+    a member again (a rejoin)."""
+    prev: dict[tuple[int, int], ViewSeen] = {}
     removed: dict[int, tuple[int, int]] = {}  # node -> (term, epoch) of the view that removed it
     out: list[Declaration] = []
     for v in sorted(views, key=lambda v: v.t):
         for n in v.members:
             if n in removed and (v.term, v.epoch) > removed[n]:
                 del removed[n]
-        before = prev.get(v.node)
-        prev[v.node] = v
+        before = prev.get((v.node, v.incarnation))
+        prev[v.node, v.incarnation] = v
         if before is None:
             continue
         for n in sorted(set(before.members) - set(v.members) - set(v.departed)):

@@ -334,12 +334,19 @@ class _StoreStrategy(Strategy):
         store = self._store()
         first = self.ctx.view.epoch
         wait = _ViewWait(self.ctx.peer_timeout, first)
+        asked: int | None = None
         while True:
             view = self.ctx.view
             gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
                 if failure is None or view.epoch > first:  # a newer view keeps every member: the
                     return None                            # failure was a suspicion since healed
+                if asked != view.epoch:
+                    # as the re-forming strategies: the coordinator declares the peer, or, when it
+                    # hears every one of them, moves the epoch on (a newer view naming them: this
+                    # node counts them failed no more)
+                    asked = view.epoch
+                    self.ctx.membership.request_redo(view.epoch, failure.peers)
                 await self._retry_after(wait, failure)
                 continue
             members = list(view.members)  # the store's members that stay, and the fresh ones

@@ -527,6 +527,18 @@ def test_declarations_count_each_removal_once_at_its_earliest_sighting() -> None
                                        inv.Declaration(t=7, coordinator=0, term=0, node=2)]
 
 
+def test_a_new_process_s_first_view_is_compared_with_no_view_of_its_node_s_previous_process() -> None:
+    # node 2's first process last saw members (0, 1, 2, 3); 2 and 3 were removed, 3 rejoined
+    # (epoch 4), and node 2's new process's first view is epoch 3, which admitted 2 but not 3
+    # yet: nothing was removed from any view a process replaced (chaos seeds 54231, 54281:
+    # fenced processes started again)
+    views = [_v(0, 2, (0, 1, 2, 3)), _v(0, 1, (0, 1, 2, 3)),
+             _v(5, 1, (0, 1), epoch=2), _v(7, 1, (0, 1, 3), epoch=4),
+             inv.ViewSeen(t=8, node=2, term=0, epoch=3, coordinator=0, members=(0, 1, 2), incarnation=2)]
+    assert inv.declarations(views) == [inv.Declaration(t=5, coordinator=0, term=0, node=2),
+                                       inv.Declaration(t=5, coordinator=0, term=0, node=3)]
+
+
 def test_detection_and_false_failure_checks_fail_when_they_should() -> None:
     base = [_v(0, n, (0, 1, 2, 3, 4)) for n in range(5)]
     kill = Fault(kind="kill", at=10.0, nodes=(4,))

@@ -496,3 +496,32 @@ def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strateg
     # (node 3, stranded behind the dead 2 and 4 and removed, was fenced once 2 rejoined, and
     # its new process joined too)
     assert t["rejoined"] == [2, 3] and t["finished"] == 15, t["nodes"]["2"]
+
+
+def test_a_parameter_store_worker_that_counts_a_slow_coordinator_failed_asks_for_a_new_view(tmp_path) -> None:
+    # chaos seed 54106: coordinator 0 of BCube(4, 2) slowed 1218 times (1.2 s one way) from 9.1 s
+    # on; node 1 took over, and its neighbours 2, 3, 4, 8 and 12 counted node 0 failed (a deposed
+    # coordinator), so their pushes and pulls to its shard failed. Node 1 heard node 0 and kept it,
+    # no newer view came, and after the peer timeout they ended their training ("ssp: peer 0
+    # failed"). A worker now asks the coordinator for a new view, as the re-forming strategies
+    # do: it moves the epoch on over the same members, and the workers count node 0 alive again
+    replay = ("sim bcube:4x2 --seed 54106 --faults slow:0@9.129+9.549x1217.7 --virtual-seconds 22 --latency-ms 1 "
+              "--heartbeat 0.5 --failure-timeout 2 --strategy ssp --step-time 0.1")
+    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["training"]["finished"] == 16 and s["exited"] == [] and s["declared"] == []
+
+
+def test_the_views_of_a_fenced_node_s_new_process_declare_nobody(tmp_path) -> None:
+    # chaos seed 54281: nodes 6-8 of mesh-16 partitioned off, removed and fenced; their new
+    # processes joined. Node 6's new process's first view did not name 7 and 8 yet, and the
+    # invariants compared it with the last view of node 6's fenced process (naming them): a
+    # declaration of 7 and 8 with no fault on them
+    replay = ("sim mesh:16 --seed 54281 --faults kill:1@5.125,partition:6-8|0-5.9-15@17.522+9.156 "
+              "--virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy dts --step-time 0.1")
+    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert sorted(r["node"] for r in s["restarts"] if r.get("relaunch")) == [6, 7, 8]
+    assert s["training"]["rejoined"] == [6, 7, 8]
