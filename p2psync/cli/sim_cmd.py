@@ -75,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "optionally per node (0.1,3:0.5)")
     p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="with --strategy: a strategy option (repeatable), as p2psync run --opt")
+    p.add_argument("--spread-floor", type=int, default=None, metavar="BYTES",
+                   help="with --strategy: the smallest piece (bytes) a collective cuts the model into to spread "
+                        "it over the members (default 4096: the tiny model in one piece, cheap at thousands of "
+                        "nodes; 0: every member owns a piece, as in a real run)")
     p.add_argument("--out", default=".", help="folder for summary.json (default: here)")
     p.set_defaults(func=run)
 
@@ -104,6 +108,7 @@ def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence
     return (f"p2psync sim {topology} --seed {seed} --faults '{','.join(f.spec() for f in faults)}' "
             f"--virtual-seconds {args.virtual_seconds:g} --latency-ms {args.latency_ms:g} "
             f"--heartbeat {args.heartbeat:g} --failure-timeout {args.failure_timeout:g}"
+            + (f" --spread-floor {args.spread_floor}" if args.spread_floor is not None else "")
             + (f" {training.args()}" if training is not None else ""))
 
 
@@ -159,8 +164,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.virtual_seconds > 0:
         raise ConfigError("--virtual-seconds must be > 0")
+    if args.spread_floor is not None and args.spread_floor < 0:
+        raise ConfigError("--spread-floor must be a number of bytes >= 0")
     opts = SimOptions(heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,
-                      latency_s=None if args.latency_ms < 0 else args.latency_ms / 1e3)
+                      latency_s=None if args.latency_ms < 0 else args.latency_ms / 1e3,
+                      **({} if args.spread_floor is None else {"spread_floor_bytes": args.spread_floor}))
     m = re.fullmatch(r"random:(\d+)", args.faults.strip())
     training = _training(args)
     if args.runs is not None:

@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Sequence
 
+from p2psync.collectives.executor import SPREAD_FLOOR_BYTES
 from p2psync.coordinator.detector import DEFAULT_FLOOR, DEFAULT_INTERVAL, DEFAULT_THRESHOLD
 from p2psync.coordinator.votes import MemoryVotes
 from p2psync.coordinator.rpc import RpcServer
@@ -98,6 +99,11 @@ class SimOptions:
     #: relayed control messages take the express path when it is clear (:class:`SimTransport`);
     #: only with ``latency_s`` (a link of the topology's attributes may have jitter or loss)
     express: bool = True
+    #: the training's collectives cut a tensor into pieces of at least this many bytes to spread
+    #: it over the members (``Collectives(spread_floor_bytes=...)``): the default keeps the tiny
+    #: simulated model in one piece, so that thousands of nodes stay cheap; 0 spreads it over
+    #: every member as a real run does (each owns a piece)
+    spread_floor_bytes: int = SPREAD_FLOOR_BYTES
 
 
 class SimNode:

@@ -86,7 +86,6 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from p2psync.collectives import Collectives, OpId
-from p2psync.collectives.executor import SPREAD_FLOOR_BYTES
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
 from p2psync.sim import invariants as inv
@@ -341,7 +340,7 @@ class TrainingCluster(SimCluster):
         return StrategyContext(node_id=i, topology=self.topo, transport=node.transport, rpc=node.rpc,
                                rpc_server=node.server, membership=node.membership, replica=self.replicas[i],
                                collectives=Collectives(node.transport, timeout=opts.peer_timeout,
-                                                       spread_floor_bytes=SPREAD_FLOOR_BYTES),
+                                                       spread_floor_bytes=opts.spread_floor_bytes),
                                peer_timeout=opts.peer_timeout, options=dict(self.training.options),
                                on_failure="continue", joining=node.joined, quorum_timeout=opts.quorum_timeout)
 

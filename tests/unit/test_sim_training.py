@@ -525,3 +525,24 @@ def test_the_views_of_a_fenced_node_s_new_process_declare_nobody(tmp_path) -> No
     assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
     assert sorted(r["node"] for r in s["restarts"] if r.get("relaunch")) == [6, 7, 8]
     assert s["training"]["rejoined"] == [6, 7, 8]
+
+
+def test_spread_floor_zero_spreads_the_model_over_every_member_as_a_real_run(tmp_path) -> None:
+    # the default keeps the 16-float model in one piece (cheap at thousands of nodes); with
+    # --spread-floor 0 each member owns a piece, as in a real run, and a kill mid-step
+    # re-forms a collective of many pieces. The replay keeps the option
+    runs = {}
+    for floor in (None, 0):
+        out = tmp_path / str(floor)
+        extra = [] if floor is None else ["--spread-floor", str(floor)]
+        assert main(["sim", "ring:6", "--faults", "kill:4@1.5", "--virtual-seconds", "5", "--strategy", "ssgd",
+                     *extra, "--out", str(out)]) == 0
+        runs[floor] = json.loads((out / "summary.json").read_text())
+    for s in runs.values():
+        assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+        assert s["training"]["finished"] == 5
+    one, spread = (sum(m["sent"] for m in runs[f]["messages"].values()) / max(1, runs[f]["training"]["steps"]["max"])
+                   for f in (None, 0))
+    assert spread > 2 * one, (one, spread)  # per step: pieces travel between every pair of ring neighbours
+    assert "--spread-floor 0" in runs[0]["replay"] and "--spread-floor" not in runs[None]["replay"]
+    assert main(["sim", "ring:4", "--spread-floor", "-1", "--strategy", "ssgd", "--out", str(tmp_path)]) == 2
