@@ -257,6 +257,8 @@ class SimCluster:
         self.t0 = 0.0
         self._timers: list[asyncio.TimerHandle] = []
         self._restarts: list[asyncio.Task[None]] = []
+        #: :meth:`close` began: no process exits or starts any more
+        self._closing = False
         #: what the processes did on their own, not injected: each exit (:meth:`_exit`) as the
         #: kill it amounts to, each start by the launcher as a restart (a subclass's)
         self.lifecycle: list[Fault] = []
@@ -360,7 +362,7 @@ class SimCluster:
         like a killed one (its peers must detect it where it was still a member), and the
         invariants count its exit as a kill at that time (:meth:`all_faults`). Its actor is
         held from now on; then :meth:`_exited`."""
-        if node.killed_at is not None:
+        if node.killed_at is not None or self._closing:
             return
         node.exited = why
         self.hub.faults += 1
@@ -483,10 +485,9 @@ class SimCluster:
         found, detected = inv.detections(faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
                                          links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
-        own = {f.spec(): "exit" if f.kind == "kill" else "relaunch" for f in self.lifecycle}
-        for rec in found:
-            if rec["fault"] in own:  # (a process's own exit, or the launcher's restart: not injected)
-                rec[own[str(rec["fault"])]] = True
+        for f, rec in zip(faults, found):  # (a process's own exit, or the launcher's restart: not injected)
+            if any(f is g for g in self.lifecycle):
+                rec["exit" if f.kind == "kill" else "relaunch"] = True
         end = next((final[i] for i in live if final[i] is not None), None)
         msgs = {str(i): {"sent": 0, "recv": 0} for i in self.nodes}
         for n in [*self.retired, *self.nodes.values()]:
@@ -560,6 +561,7 @@ class SimCluster:
         restarts replaced too; an error of a restarted process's rendezvous other than a
         P2PSyncError (recorded in the summary) is raised then."""
         loop = self._loop()
+        self._closing = True
         for t in self._timers:
             t.cancel()
         for task in self._restarts:

@@ -43,9 +43,9 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   and its end plus the bound and the delay it adds. A node whose round trip a slowdown
   lengthens by less is not declared failed: its detector's bound fits the link.
 * ``one_view_at_end``: every node that is neither killed, nor fenced, nor cut off for good
-  from the group of nodes holding a majority of the newest view (the simulation restarts no
-  fenced node, and nobody relays through it) holds the same view at the end, and its members
-  are exactly those nodes, restarted nodes included (a new process must have rejoined); only
+  from the group of nodes holding a majority of the newest view (a fenced process is gone:
+  nobody relays through it; with a strategy a new process of it starts and joins) holds the
+  same view at the end, and its members are exactly those nodes, restarted nodes included (a new process must have rejoined); only
   a node restarted too late to rejoin before the end (:func:`rejoin_bound`) and not rejoined
   yet may be in it or not. When no group holds such a majority (nothing can change), each
   connected group holds one view (:func:`one_view_per_group`).
@@ -255,10 +255,13 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
     """The ``members`` that fault ``f`` cuts off from the group of nodes holding a majority of
     ``members``: the nodes it kills or stops, the side of a partition without the majority,
     and the nodes behind them (that reach the majority only through them; the nodes killed or
-    removed from the view before relay nothing either). None when no group holds a majority."""
+    removed from the view before relay nothing either; a kill cuts off only the members that
+    were in the majority without it: those that earlier faults cut off are theirs, as when a
+    process exits on its own while others are cut off). None when no group holds a majority."""
     if f.kind == "slow":
         return []  # (a slowdown cuts nobody off: slow_risk)
     gone = _gone(faults, f.at, members, links)
+    prior = _gone([g for g in faults if g is not f], f.at, members, links)  # (gone without this fault)
     stopped = _running_before(f, faults) if f.kind == "restart" else set(f.nodes)
     if f.kind not in ("partition", "restart"):  # (a new process relays at once)
         gone |= stopped
@@ -276,6 +279,9 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
         # (a node killed before and still a member: its process is gone, and the coordinator
         # admits the new one only once it is declared, as the restart of a running node)
         return sorted(n for n in members if n in f.nodes)
+    if f.kind == "kill":
+        before = _major(components(links, prior) if links is not None else [set(members) - prior], members)
+        return sorted(n for n in members if n not in major and (n in f.nodes or before is None or n in before))
     return sorted(n for n in members if n not in major)
 
 

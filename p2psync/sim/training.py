@@ -184,6 +184,8 @@ class NodeTraining:
     #: the strategy's count of re-formed operations, as its last report gave it (if it counts them)
     reforms: int | None = None
     error: str | None = None
+    #: the error was no P2PSyncError: the process crashed (a defect; the ``no_crash`` invariant)
+    crashed: bool = False
     #: the replica audit at the agreed stop (strategies that promise one model): ``passed``,
     #: ``mismatch: ...`` or ``incomplete: ...``
     audit: str | None = None
@@ -248,7 +250,6 @@ class TrainingCluster(SimCluster):
         self.earlier: list[Earlier] = []
         #: virtual seconds after the rendezvous from which every node wants to stop
         self.stop_at = float("inf")
-        self._closing = False
         #: per node, the processes the launcher started after fences (:meth:`_exited`)
         self.relaunches: dict[int, int] = {}
         for node in self.nodes.values():
@@ -300,6 +301,7 @@ class TrainingCluster(SimCluster):
         self._as_simulation(RELAUNCH_S, self._relaunch, node)
 
     def _relaunch(self, node: SimNode) -> None:
+        """The launcher starts a new process of the fenced ``node`` (see :meth:`_exited`)."""
         n = node.id
         if self._closing or self.nodes[n] is not node or any(r.outcome == "finished" for r in self.runs.values()):
             return  # (a fault restarted it meanwhile, or the run is over: the launcher leaves it out)
@@ -383,6 +385,7 @@ class TrainingCluster(SimCluster):
             if isinstance(exc, P2PSyncError):
                 log.info("node %d: training ended: %s", i, rec.error)
             else:
+                rec.crashed = True
                 log.error("node %d: training crashed: %s", i, rec.error, exc_info=exc)
             if not self._closing:
                 self._exit(node, rec.error)  # (its process exits, as the step driver's does)
@@ -461,6 +464,11 @@ class TrainingCluster(SimCluster):
         # the models as each loop ended at the agreed stop, and now (nothing may change them since)
         digests = {i: d for i in finished if (d := self.runs[i].digests) is not None}
         later = {i: self.replicas[i].digests_now() for i in finished}
+        crashes = [f"node {e.node.id} (process {e.run.incarnation}): {e.run.error}" for e in self.earlier
+                   if e.run.crashed] + [f"node {i} (process {r.incarnation}): {r.error}"
+                                        for i, r in self.runs.items() if r.crashed]
+        out["invariants"]["no_crash"] = inv.HELD if not crashes else (
+            "a process's training raised an error other than a P2PSyncError (a defect): " + "; ".join(crashes[:10]))
         if out["majority_at_end"]:
             out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
             out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests, later=later)

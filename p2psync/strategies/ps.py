@@ -323,14 +323,18 @@ class _StoreStrategy(Strategy):
         out: np.ndarray = await self.ctx.collectives.allreduce(vec, group, codec="none", tag=tag)
         return out
 
-    async def _follow_view(self, failure: PeerFailure | None = None) -> np.ndarray | None:
+    async def _follow_view(self, failure: PeerFailure | None = None, *, ask: bool = True) -> np.ndarray | None:
         """Re-shard the store when the view dropped some of its members or admitted joiners
         (every member of the view takes part, joiners with nothing; leaves and joins in one
         view are one re-shard); returns the weights to continue from, or None if nothing
         changed. After ``failure`` (a push or pull that failed), wait for a newer view: one
         that drops the peer re-shards; one that keeps every member (a suspicion that healed,
-        e.g. a partition: the push stays lost and counted) goes on. Bounded by the peer timeout
-        from the last view seen, and while this node hears no majority by the quorum wait."""
+        e.g. a partition: the push stays lost and counted) goes on; with ``ask``, this node asks
+        the coordinator for that view (:meth:`MembershipClient.request_redo`: one that hears
+        every failed peer moves the epoch on over the same members), once per operation: a
+        caller retrying the same operation asks only the first time, so a failure that stays
+        ends it. Bounded by the peer timeout from the last view seen, and while this node hears
+        no majority by the quorum wait."""
         store = self._store()
         first = self.ctx.view.epoch
         wait = _ViewWait(self.ctx.peer_timeout, first)
@@ -341,7 +345,7 @@ class _StoreStrategy(Strategy):
             if not gone and not fresh:
                 if failure is None or view.epoch > first:  # a newer view keeps every member: the
                     return None                            # failure was a suspicion since healed
-                if asked != view.epoch:
+                if ask and asked is None:
                     # as the re-forming strategies: the coordinator declares the peer, or, when it
                     # hears every one of them, moves the epoch on (a newer view naming them: this
                     # node counts them failed no more)
@@ -409,6 +413,7 @@ class _StoreStrategy(Strategy):
         such a view interrupts is left, and when the barrier or the pull ends in another split
         (a member re-sharded after it passed the barrier) both are redone in the new one."""
         store = self._store()
+        failed = False  # (the coordinator is asked for a new view after the first failure only)
         while True:
             await self._follow_view()
             epoch = store.epoch
@@ -431,7 +436,8 @@ class _StoreStrategy(Strategy):
             try:
                 barrier.result()
             except PeerFailure as exc:  # a member failed: over the view without it
-                await self._follow_view(exc)
+                await self._follow_view(exc, ask=not failed)
+                failed = True
                 continue
             w = await self._pull()
             if store.epoch == epoch:
@@ -446,11 +452,13 @@ class _StoreStrategy(Strategy):
         if barrier:
             self.gen += 1
         barrier_no = self.gen if barrier else 0
+        tries = 0
         while True:
             try:
                 return await store.pull(barrier=barrier_no)
             except PeerFailure as exc:
-                moved = await self._follow_view(exc)
+                moved = await self._follow_view(exc, ask=tries == 0)
+                tries += 1
                 if moved is not None:
                     return moved
 

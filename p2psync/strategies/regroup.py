@@ -463,15 +463,19 @@ async def fetch_state(ctx: StrategyContext, name: str) -> int:
     ones first, lowest id first among equals; a farther one's state is relayed); returns its
     step. When none can give it (none reachable yet: the neighbours on every way to the
     members may be new processes joining too), it asks again every :data:`FETCH_RETRY_S`
-    for ``peer_timeout`` seconds, then raises PeerFailure with each member's answer."""
+    until ``peer_timeout`` seconds have passed (a round under way ends first: each member's
+    call is bounded by the peer timeout), then raises PeerFailure with each member's answer.
+    Each ask has a tag of its own, retired after it: a state that comes late is dropped."""
     me = ctx.node_id
     deadline = clock.now() + ctx.peer_timeout
+    asks = 0
     while True:
         dist = hop_distances(ctx.topology, me, avoid=ctx.transport.dead)
         donors = sorted((n for n in ctx.group if n != me and n in dist), key=lambda n: (dist[n], n))
         errors: list[str] = []
         for d in donors:
-            tag = f"{name}.join.{me}.{ctx.transport.incarnation}"
+            asks += 1
+            tag = f"{name}.join.{me}.{ctx.transport.incarnation}.{asks}"
             try:
                 rep = await ctx.rpc.call(d, f"{name}.state", {"tag": tag}, timeout=ctx.peer_timeout)
                 msg = await ctx.transport.recv(tag, timeout=ctx.peer_timeout)
@@ -479,11 +483,13 @@ async def fetch_state(ctx: StrategyContext, name: str) -> int:
                 vec, meta = (msg.arrays[0], msg.arrays[1]) if len(msg.arrays) == 2 else (None, None)
                 if type(at) is not int or vec is None or meta is None or vec.dtype != np.float32 \
                         or vec.size != ctx.replica.state_size() or meta.dtype != np.uint8 \
-                        or meta.size > MAX_META_BYTES:
+                        or meta.size > MAX_META_BYTES or msg.src != d:
                     raise ProtocolError("state", f"node {d} sent a malformed state")
             except P2PSyncError as exc:
                 errors.append(f"node {d}: {exc}")
                 continue
+            finally:
+                ctx.transport.retire(tag)
             await ctx.replica.import_state(np.array(vec, copy=True))
             await ctx.replica.import_meta(np.asarray(meta).tobytes())
             log.warning("node %d: joined with node %d's state at its step %d", me, d, at)

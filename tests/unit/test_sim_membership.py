@@ -539,6 +539,21 @@ def test_a_new_process_s_first_view_is_compared_with_no_view_of_its_node_s_previ
                                        inv.Declaration(t=5, coordinator=0, term=0, node=3)]
 
 
+def test_a_kill_cuts_off_only_the_members_that_were_in_the_majority_without_it() -> None:
+    # ring-10: the kill of 2 and 4 strands node 3 (its fault's to get declared); a process of
+    # node 1 that exits on its own meanwhile cuts off node 1 only, not node 3 again (its
+    # window would run from the exit, and an exit that is never restarted lasts for good)
+    from p2psync.topology import ring as ring_topo
+
+    topo = ring_topo(10)
+    links = {i: list(topo.neighbors(i)) for i in topo.ids}
+    first = Fault(kind="kill", at=1.0, nodes=(2, 4))
+    exit_ = Fault(kind="kill", at=1.2, nodes=(1,))
+    members = tuple(range(10))
+    assert inv.cut_by(first, [first, exit_], members, links) == [2, 3, 4]
+    assert inv.cut_by(exit_, [first, exit_], members, links) == [1]
+
+
 def test_detection_and_false_failure_checks_fail_when_they_should() -> None:
     base = [_v(0, n, (0, 1, 2, 3, 4)) for n in range(5)]
     kill = Fault(kind="kill", at=10.0, nodes=(4,))

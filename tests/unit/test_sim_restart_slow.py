@@ -160,7 +160,8 @@ def test_a_kill_counts_until_its_restart_and_a_restart_kills_a_running_node() ->
     # on a ring the nodes behind a restarted node are not cut off (the new process relays)
     links = {i: [(i - 1) % 9, (i + 1) % 9] for i in range(9)}
     before = [Fault(kind="kill", at=2.0, nodes=(3,))]
-    assert inv.cut_by(Fault(kind="kill", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1, 2, 3]
+    # (node 3, killed before and still a member, is the first kill's to get declared)
+    assert inv.cut_by(Fault(kind="kill", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1, 2]
     assert inv.cut_by(Fault(kind="restart", at=5.0, nodes=(1,)), before, tuple(range(9)), links) == [1]
     # ring-16 without node 6: a kill of node 14 leaves two arcs of 7 (no majority), a restart
     # of it does not (chaos seed 7004)
