@@ -553,3 +553,22 @@ def test_spread_floor_zero_spreads_the_model_over_every_member_as_a_real_run(tmp
     assert spread > 2 * one, (one, spread)  # per step: pieces travel between every pair of ring neighbours
     assert "--spread-floor 0" in runs[0]["replay"] and "--spread-floor" not in runs[None]["replay"]
     assert main(["sim", "ring:4", "--spread-floor", "-1", "--strategy", "ssgd", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("replay", [
+    "groups:4x4 --seed 54363 --faults kill:15@8.326,restart:15@11.684,partition:11-12|0-10.13-15@21.489+2.95",
+    "groups:4x4 --seed 54315 --faults partition:8|0-7.9-15@6.742+4.999,pause:0@23.832+3.592",
+])
+def test_a_diloco_joiner_that_takes_part_in_the_operation_carrying_the_stop_stops_with_the_members(
+        tmp_path, replay: str) -> None:
+    # chaos seeds 54363 and 54315: nodes joined (restarted, or started again after a fence)
+    # while the leader's operation 3 was in flight; they took part in it with a zero delta and
+    # applied it, but its side sum carried the stop and Operations.adopt dropped that: they
+    # trained 100 more steps and launched operation 4 as fragment 0 while the members ran
+    # operation 4 as the final full sync. Redone view after view, none finished
+    argv = (f"sim {replay} --virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 "
+            "--strategy diloco --step-time 0.1").split()
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["training"]["finished"] == 16 and s["invariants"]["same_model_at_end"] == "held"

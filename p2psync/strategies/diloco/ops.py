@@ -244,8 +244,9 @@ class Operations:
     async def adopt(self, extra: dict[str, Any]) -> Counters:
         """Take the leader's state (Regroup's sync of a new view: :meth:`.adoption.Adoption.take`),
         then take part in the operation the leader is running with Δ = 0 and weight 0 (applied
-        at once when τ = 0); returns the leader's counters. At the leader's stop: its final sync
-        (taken part in), or its closing checks (θ_g holds the final sync already)."""
+        at once when τ = 0: when it carries the stop, this node stops with the members, as
+        :attr:`~.node.NodeState.stopping`); returns the leader's counters. At the leader's stop:
+        its final sync (taken part in), or its closing checks (θ_g holds the final sync already)."""
         c, held = await self.adoption.take()
         st = self.state
         cur = st.cursor
@@ -270,6 +271,8 @@ class Operations:
             got = await self.apply(extra)
             if isinstance(got, Counters):
                 return got
+            if got:  # the leader's operation carried the stop: this node stops with the members
+                st.stopping = True
         log.warning("node %d: adopted the leader's DiLoCo state at operation %d (step %d%s)", self.ctx.node_id,
                     c.op, c.step, ", at its stop" if c.at_stop else "")
         return c
