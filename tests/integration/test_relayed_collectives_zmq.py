@@ -7,6 +7,8 @@ keyed cluster relayed pieces are signed by their origin and checked at their des
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 import numpy as np
 import pytest
@@ -142,14 +144,16 @@ async def test_state_sync_of_a_new_epoch_over_a_group_that_needs_a_relay() -> No
     assert eps[0].relayed > 0
 
 
-async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> None:
-    """An asynchronous strategy's joiner (node 1 of ring-4) whose only live member (node 3) is
-    not adjacent: the state RPC and the state itself go through node 2 (node 0 is dead)."""
+@contextlib.asynccontextmanager
+async def _joiner_and_member(peer_timeout: float = 10.0) -> AsyncIterator[tuple[dict, dict, dict]]:
+    """Ring-4 over real ZeroMQ with node 0 dead: the joiner (node 1) and the one live member
+    (node 3), their endpoints, contexts (a view of the two, RPC servers started) and replicas;
+    node 3 serves its state as ``j`` at step 17."""
     topo = ring(4, base_port=free_port())
     async with zmq_cluster(topo) as eps:
         members = (1, 3)
         trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in members})
-        ctxs = {i: make_context(topo, eps[i], trainers[i]) for i in members}
+        ctxs = {i: make_context(topo, eps[i], trainers[i], peer_timeout=peer_timeout) for i in members}
         await eps[0].close()
         for i in members:
             eps[i].mark_dead(0)
@@ -157,13 +161,20 @@ async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> 
             ctxs[i].rpc_server.start()
         try:
             serve_state(ctxs[3], "j", lambda: 17)
-            assert await fetch_state(ctxs[1], "j") == 17
-            mine, theirs = [await trainers[i].export_state() for i in members]
+            yield eps, ctxs, trainers
         finally:
             for c in ctxs.values():
                 await c.rpc_server.close()
             for t in trainers.values():
                 await close_replica(t)
+
+
+async def test_a_joiner_copies_the_state_of_a_member_it_is_not_adjacent_to() -> None:
+    """An asynchronous strategy's joiner (node 1 of ring-4) whose only live member (node 3) is
+    not adjacent: the state RPC and the state itself go through node 2 (node 0 is dead)."""
+    async with _joiner_and_member() as (eps, ctxs, trainers):
+        assert await fetch_state(ctxs[1], "j") == 17
+        mine, theirs = [await trainers[i].export_state() for i in (1, 3)]
     assert mine.tobytes() == theirs.tobytes() and eps[2].relayed > 0
 
 
@@ -172,31 +183,15 @@ async def test_a_joiner_with_no_way_to_a_member_yet_asks_again_until_one_opens()
     (new processes joining too, as after a fenced arc is started again): no member is
     reachable. It asks again until node 2 is heard again, then copies node 3's state through
     it; with no way for its whole ``peer_timeout`` it fails naming that bound."""
-    topo = ring(4, base_port=free_port())
-    async with zmq_cluster(topo) as eps:
-        members = (1, 3)
-        trainers = gate_replicas({i: make_trainer(topo, i, seed=i) for i in members})
-        ctxs = {i: make_context(topo, eps[i], trainers[i], peer_timeout=1.0) for i in members}
-        await eps[0].close()
-        for i in members:
-            eps[i].mark_dead(0)
-            ctxs[i].membership.views.apply(View(epoch=1, members=members))
-            ctxs[i].rpc_server.start()
+    async with _joiner_and_member(peer_timeout=1.0) as (eps, ctxs, trainers):
         eps[1].mark_dead(2)
-        try:
-            serve_state(ctxs[3], "j", lambda: 17)
-            with pytest.raises(PeerFailure, match="within 1s"):
-                await fetch_state(ctxs[1], "j")
-            ctxs[1].peer_timeout = 10.0
-            fetch = asyncio.ensure_future(fetch_state(ctxs[1], "j"))
-            await asyncio.sleep(0.3)  # (it asks in vain meanwhile)
-            assert not fetch.done()
-            eps[1].revive(2)
-            assert await asyncio.wait_for(fetch, 10) == 17
-            mine, theirs = [await trainers[i].export_state() for i in members]
-        finally:
-            for c in ctxs.values():
-                await c.rpc_server.close()
-            for t in trainers.values():
-                await close_replica(t)
+        with pytest.raises(PeerFailure, match="within 1s"):
+            await fetch_state(ctxs[1], "j")
+        ctxs[1].peer_timeout = 10.0
+        fetch = asyncio.ensure_future(fetch_state(ctxs[1], "j"))
+        await asyncio.sleep(0.3)  # (it asks in vain meanwhile)
+        assert not fetch.done()
+        eps[1].revive(2)
+        assert await asyncio.wait_for(fetch, 10) == 17
+        mine, theirs = [await trainers[i].export_state() for i in (1, 3)]
     assert mine.tobytes() == theirs.tobytes()

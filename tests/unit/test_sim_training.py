@@ -486,6 +486,14 @@ def test_a_push_whose_acknowledgements_are_late_is_lost_not_the_end_of_training(
     assert s["training"]["finished"] >= 7
 
 
+def _replayed(tmp_path: Path, replay: str) -> dict[str, Any]:
+    """The summary of ``p2psync <replay>`` (a chaos seed's replay command), every invariant held."""
+    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
+    s: dict[str, Any] = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    return s
+
+
 def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strategy_starts(tmp_path) -> None:
     # chaos seed 53148: nodes 4 and then 2 of ring:16 killed, node 2 restarted at 24.1 s. While
     # discovering the run, node 2's new process heard of a takeover's term 1; coordinator 0,
@@ -496,9 +504,7 @@ def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strateg
     # first view (coordinator 0 is re-elected in term 2), then joins.
     replay = ("sim ring:16 --seed 53148 --faults kill:4@8.308,kill:2@19.358,restart:2@24.118 --virtual-seconds 40 "
               "--latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy ssgd --step-time 0.1")
-    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    s = _replayed(tmp_path, replay)
     t = s["training"]
     # (node 3, stranded behind the dead 2 and 4 and removed, was fenced once 2 rejoined, and
     # its new process joined too)
@@ -514,9 +520,7 @@ def test_a_parameter_store_worker_that_counts_a_slow_coordinator_failed_asks_for
     # do: it moves the epoch on over the same members, and the workers count node 0 alive again
     replay = ("sim bcube:4x2 --seed 54106 --faults slow:0@9.129+9.549x1217.7 --virtual-seconds 22 --latency-ms 1 "
               "--heartbeat 0.5 --failure-timeout 2 --strategy ssp --step-time 0.1")
-    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    s = _replayed(tmp_path, replay)
     assert s["training"]["finished"] == 16 and s["exited"] == [] and s["declared"] == []
 
 
@@ -527,9 +531,7 @@ def test_the_views_of_a_fenced_node_s_new_process_declare_nobody(tmp_path) -> No
     # declaration of 7 and 8 with no fault on them
     replay = ("sim mesh:16 --seed 54281 --faults kill:1@5.125,partition:6-8|0-5.9-15@17.522+9.156 "
               "--virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy dts --step-time 0.1")
-    assert main([*replay.split(), "--out", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    s = _replayed(tmp_path, replay)
     assert sorted(r["node"] for r in s["restarts"] if r.get("relaunch")) == [6, 7, 8]
     assert s["training"]["rejoined"] == [6, 7, 8]
 
@@ -566,9 +568,6 @@ def test_a_diloco_joiner_that_takes_part_in_the_operation_carrying_the_stop_stop
     # applied it, but its side sum carried the stop and Operations.adopt dropped that: they
     # trained 100 more steps and launched operation 4 as fragment 0 while the members ran
     # operation 4 as the final full sync. Redone view after view, none finished
-    argv = (f"sim {replay} --virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 "
-            "--strategy diloco --step-time 0.1").split()
-    assert main([*argv, "--out", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    s = _replayed(tmp_path, f"sim {replay} --virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 "
+                            "--strategy diloco --step-time 0.1")
     assert s["training"]["finished"] == 16 and s["invariants"]["same_model_at_end"] == "held"
