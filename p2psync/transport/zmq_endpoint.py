@@ -39,7 +39,11 @@ most one bulk message per pipe on receive.
 incoming pipe is filed under the id its opener claims: ``"<node>/<nic>/b"`` (bulk) or
 ``"<node>/<nic>/c"`` (control), which tells the receiver the sender (unkeyed) and never equals
 one of the receiver's own names. All connects happen before the NIC sockets bind, so no incoming
-connection can take the name of an outgoing pipe first.
+connection can take the name of an outgoing pipe first. Each connection appends a random suffix
+(``"...#<16 hex>"``, ignored when the sender is named): a restarted node's new process may
+connect before the receiver saw its previous process's connection close, and ZeroMQ ignores,
+in silence, a connection that claims an id still filed (its messages dropped, its link up on
+its side).
 
 **Queues.** ``SocketOptions.sndhwm`` (bulk pipes) defaults to 64 messages (was 1000: 1000 x 1 MiB
 pieces could sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
@@ -386,10 +390,13 @@ class ZmqEndpoint(Transport):
                 self._endpoint_peer[remote.endpoint] = peer
                 rid = routing_id(peer, remote.name)
                 for control, s in ((False, self._socks[nic.name]), (True, self._ctl_socks[nic.name])):
-                    claim = claimed_id(self.node_id, nic.name, control=control)
-                    if self.keys is not None:  # secret per connection: nobody can claim it first
+                    # a suffix of its own per connection: a restarted node's new process never
+                    # claims the id its previous process's connection may still hold at the peer
+                    # (ZeroMQ ignores a second connection under a filed id, in silence); keyed,
+                    # it is secret too: nobody can claim the id first
+                    claim = claimed_id(self.node_id, nic.name, control=control) + b"#" + secrets.token_hex(8).encode()
+                    if self.keys is not None:
                         s.setsockopt(zmq.CURVE_SERVERKEY, (self.topology.node(peer).curve_public or "").encode())
-                        claim += b"#" + secrets.token_hex(8).encode()
                     s.setsockopt(zmq.ROUTING_ID, claim)  # read by this connect only
                     s.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
                     s.connect(remote.endpoint)

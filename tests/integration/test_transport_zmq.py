@@ -118,6 +118,31 @@ async def test_garbage_is_rejected_while_valid_transfer_completes():
         ctx.term()
 
 
+async def test_a_restarted_process_is_heard_while_its_previous_connection_is_still_filed(zmq_endpoints):
+    """A restarted node's new process connects before its neighbour's socket saw the previous
+    process's connection close. ZeroMQ ignores, in silence, a connection that claims a routing
+    id still filed: every message of the new process was dropped while its link looked up (the
+    rejoin test that flaked: the registration got no reply in 30 s). Each connection now claims
+    its id with a random suffix of its own, so the new process is heard at once."""
+    topo = mesh(2, base_port=free_port())
+    node1 = (await zmq_endpoints(topo, [1]))[1]
+    ctx = zmq.asyncio.Context()
+    old = ctx.socket(zmq.DEALER)  # the previous process of node 0, its connection still filed
+    old.setsockopt(zmq.LINGER, 0)
+    old.setsockopt(zmq.ROUTING_ID, b"0/eth0/b")  # (what an unkeyed process claimed before)
+    old.connect(topo.node(1).nics[0].endpoint)
+    try:
+        await old.send_multipart(encode(kind="data", src=0, tag="old", arrays=[np.ones(1, np.float32)]))
+        await node1.recv("old", timeout=5)
+        node0 = (await zmq_endpoints(topo, [0]))[0]  # the new process
+        await node0.send(1, "new", [np.full(2, 7.0, np.float32)])
+        m = await node1.recv("new", timeout=5)
+        assert m.src == 0 and m.arrays[0].tolist() == [7.0, 7.0]
+    finally:
+        old.close()
+        ctx.term()
+
+
 async def test_decoder_rejects_malformed_from_known_peer():
     topo = mesh(2, base_port=free_port())
     async with zmq_cluster(topo) as eps:
