@@ -346,15 +346,17 @@ class SimCluster:
             self.hub.cuts.append((frozenset(f.nodes), frozenset(f.other)))
             self.hub.links_changed()
 
-    def _kill(self, node: SimNode) -> None:
-        """The node's process stops for good (see the module docstring)."""
+    def _kill(self, node: SimNode) -> float:
+        """The node's process stops for good (see the module docstring); returns when (virtual
+        seconds after the rendezvous), the first time."""
         if node.killed_at is not None:
-            return
+            return node.killed_at
         loop = self._loop()
-        node.killed_at = loop.time() - self.t0
+        at = node.killed_at = loop.time() - self.t0
         if self.hub.endpoints.get(node.id) is node.transport:
             del self.hub.endpoints[node.id]
         loop.hold(node.actor)
+        return at
 
     def _exit(self, node: SimNode, why: str, fenced: Fenced | None = None) -> None:
         """The process ``node`` ended on its own after a failure (``why``; ``fenced``: it was
@@ -366,10 +368,9 @@ class SimCluster:
             return
         node.exited = why
         self.hub.faults += 1
-        self._kill(node)
-        assert node.killed_at is not None
-        self.lifecycle.append(Fault("kill", at=max(0.0, node.killed_at), nodes=(node.id,)))
-        log.info("sim t=%.3f: node %d exited: %s", node.killed_at, node.id, why)
+        at = self._kill(node)
+        self.lifecycle.append(Fault("kill", at=max(0.0, at), nodes=(node.id,)))
+        log.info("sim t=%.3f: node %d exited: %s", at, node.id, why)
         self._exited(node, fenced)
 
     def _exited(self, node: SimNode, fenced: Fenced | None) -> None:

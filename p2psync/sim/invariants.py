@@ -261,7 +261,6 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
     if f.kind == "slow":
         return []  # (a slowdown cuts nobody off: slow_risk)
     gone = _gone(faults, f.at, members, links)
-    prior = _gone([g for g in faults if g is not f], f.at, members, links)  # (gone without this fault)
     stopped = _running_before(f, faults) if f.kind == "restart" else set(f.nodes)
     if f.kind not in ("partition", "restart"):  # (a new process relays at once)
         gone |= stopped
@@ -280,6 +279,7 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
         # admits the new one only once it is declared, as the restart of a running node)
         return sorted(n for n in members if n in f.nodes)
     if f.kind == "kill":
+        prior = _gone([g for g in faults if g is not f], f.at, members, links)  # (gone without this kill)
         before = _major(components(links, prior) if links is not None else [set(members) - prior], members)
         return sorted(n for n in members if n not in major and (n in f.nodes or before is None or n in before))
     return sorted(n for n in members if n not in major)

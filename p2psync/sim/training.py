@@ -387,8 +387,7 @@ class TrainingCluster(SimCluster):
             else:
                 rec.crashed = True
                 log.error("node %d: training crashed: %s", i, rec.error, exc_info=exc)
-            if not self._closing:
-                self._exit(node, rec.error)  # (its process exits, as the step driver's does)
+            self._exit(node, rec.error)  # (its process exits, as the step driver's does)
 
     async def _audit(self, rec: NodeTraining, replica: SimReplica, strategy: Strategy) -> None:
         """The step driver's audit at the agreed stop (:func:`~p2psync.strategies.audit.audit_replicas`

@@ -338,18 +338,17 @@ class _StoreStrategy(Strategy):
         store = self._store()
         first = self.ctx.view.epoch
         wait = _ViewWait(self.ctx.peer_timeout, first)
-        asked: int | None = None
         while True:
             view = self.ctx.view
             gone, fresh = store_changes(store.members, self._incs, view)
             if not gone and not fresh:
                 if failure is None or view.epoch > first:  # a newer view keeps every member: the
                     return None                            # failure was a suspicion since healed
-                if ask and asked is None:
+                if ask:
                     # as the re-forming strategies: the coordinator declares the peer, or, when it
                     # hears every one of them, moves the epoch on (a newer view naming them: this
                     # node counts them failed no more)
-                    asked = view.epoch
+                    ask = False
                     self.ctx.membership.request_redo(view.epoch, failure.peers)
                 await self._retry_after(wait, failure)
                 continue
@@ -413,7 +412,7 @@ class _StoreStrategy(Strategy):
         such a view interrupts is left, and when the barrier or the pull ends in another split
         (a member re-sharded after it passed the barrier) both are redone in the new one."""
         store = self._store()
-        failed = False  # (the coordinator is asked for a new view after the first failure only)
+        ask = True  # (the coordinator is asked for a new view after the first failure only)
         while True:
             await self._follow_view()
             epoch = store.epoch
@@ -436,8 +435,8 @@ class _StoreStrategy(Strategy):
             try:
                 barrier.result()
             except PeerFailure as exc:  # a member failed: over the view without it
-                await self._follow_view(exc, ask=not failed)
-                failed = True
+                await self._follow_view(exc, ask=ask)
+                ask = False
                 continue
             w = await self._pull()
             if store.epoch == epoch:
@@ -452,13 +451,13 @@ class _StoreStrategy(Strategy):
         if barrier:
             self.gen += 1
         barrier_no = self.gen if barrier else 0
-        tries = 0
+        ask = True  # (the coordinator is asked for a new view after the first failure only)
         while True:
             try:
                 return await store.pull(barrier=barrier_no)
             except PeerFailure as exc:
-                moved = await self._follow_view(exc, ask=tries == 0)
-                tries += 1
+                moved = await self._follow_view(exc, ask=ask)
+                ask = False
                 if moved is not None:
                     return moved
 
