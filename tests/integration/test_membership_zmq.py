@@ -147,6 +147,8 @@ async def test_traffic_of_another_run_or_older_incarnation_is_rejected(caplog):
         eps[0].run_id = 0xBEEF
         await eps[0].send(1, "ok", timeout=5)
         await eps[1].recv("ok", timeout=5)
+        # (the rpc came over the control connection, which "ok" does not queue behind)
+        await until(lambda: eps[1].rejected["wrong_run"] >= 2, 5, "both messages of the other run rejected")
         assert eps[1].rejected["wrong_run"] == 2
         assert eps[1].recv_nowait("old") is None
         # node 0 re-registered with a newer incarnation: its older life is rejected
