@@ -22,6 +22,9 @@ pytestmark = pytest.mark.timeout(90)
 
 #: the client's detector suspects a killed coordinator after ~2 s (floor); a heartbeat or two more
 BOUND_S = 2.0 + 1.5
+#: wall-clock slack for the scheduling delays of a loaded 2-core machine (three test workers):
+#: the assertions check that the takeover is bounded, not how fast this machine is
+SLACK_S = 1.0
 
 
 class Node(MemberNode):
@@ -71,7 +74,7 @@ async def test_coordinator_dies_every_survivor_follows_the_successor(shape):
         await until(lambda: _following(nodes, survivors, 1), 10, "every survivor to follow node 1")
         elapsed = time.monotonic() - t_kill
         print(f"{shape}4: every survivor follows node 1 {elapsed:.2f}s after node 0 closed")
-        assert elapsed < BOUND_S, elapsed
+        assert elapsed < BOUND_S + SLACK_S, elapsed
         host = nodes[1].host
         assert host.coordinating and host.service is not None and host.service.rebuilt
         assert nodes[1].services == [1]  # the strategy services moved with membership
@@ -110,7 +113,7 @@ async def test_finish_barrier_moves_to_the_new_coordinator():
         svc = nodes[1].host.service
         assert svc is not None and svc.rebuilt
         assert svc.state.finished == {i: {"node": i} for i in (1, 2, 3)}
-        assert elapsed < BOUND_S + 1.0, elapsed
+        assert elapsed < BOUND_S + 1.0 + SLACK_S, elapsed
 
 
 async def test_dead_successor_is_skipped():
@@ -121,7 +124,7 @@ async def test_dead_successor_is_skipped():
         await until(lambda: _following(nodes, [2, 3, 4], 2), 15, "nodes 2, 3 and 4 to follow node 2")
         elapsed = time.monotonic() - t_kill
         print(f"mesh5: nodes 0 and 1 dead, node 2 coordinates {elapsed:.2f}s later")
-        assert elapsed < 2 * BOUND_S, elapsed
+        assert elapsed < 2 * BOUND_S + SLACK_S, elapsed
         svc = nodes[2].host.service
         assert svc is not None and svc.state.failed == {0, 1} and svc.state.term >= 1
         assert nodes[2].services == [2] and nodes[3].client.failed == {0, 1}
