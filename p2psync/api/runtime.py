@@ -45,7 +45,9 @@ from p2psync.strategies.base import Strategy, StrategyContext, get_strategy, par
 from p2psync.topology import Topology, topology_to_dict
 from p2psync.training.config import RunConfig
 from p2psync.topology.paths import direct_links, hop_distances, joined
+from p2psync.coordinator.membership_client import MembershipClient
 from p2psync.transport import SocketOptions, ZmqEndpoint
+from p2psync.transport.base import Transport
 from p2psync.transport.incarnation import next_incarnation
 from p2psync.transport.keys import node_keys
 from p2psync.wire.schema import valid_run_id
@@ -56,6 +58,8 @@ log = logging.getLogger("p2psync.node")
 #: how long a node that relays for others stays after the finish barrier, at most (it leaves
 #: as soon as those others are gone)
 RELAY_LINGER_S = 0.5
+#: how long a node waits in the finish barrier at least (the peer timeout when longer)
+BARRIER_S = 30.0
 #: how long a starting node asks the others whether their run is already going
 DISCOVER_S = 1.5
 
@@ -106,6 +110,36 @@ def relay_wanted(topo: Topology, node_id: int, members: Collection[int], dead: C
             if b in mine and b in da and not topo.routes(a, b) and mine[a] + mine[b] == da[b]:
                 return True
     return False
+
+
+async def finish_barrier(membership: MembershipClient, transport: Transport, topo: Topology, stats: dict[str, Any], *,
+                         timeout: float, depart: bool) -> dict[str, Any]:
+    """A node's part of the finish barrier, up to the moment its process may end: send its
+    ``stats`` to the coordinator and wait for the barrier's reply (``{}``: it failed; with
+    ``depart`` the node leaves the view, and while members still training pass tensors
+    through it (:func:`relay_wanted`) it asks again); then, where the coordinator's replies to
+    nodes behind it pass through it (:func:`reply_relays`), stay until they are gone (a node
+    leaves once it has its reply: its connections close), at most :data:`RELAY_LINGER_S` (the
+    whole wait when one of them is down already: a reconnect under way cannot be seen
+    leaving). Returns the barrier's reply (``finished``, ``failed``)."""
+    node_id = transport.node_id
+    rep = await membership.finish(stats, timeout=timeout, depart=depart)
+    while depart and rep:  # (an empty reply: the barrier failed, nobody to wait for)
+        view = membership.view
+        done = {n for key in ("finished", "failed") for n in _ids(rep.get(key))}
+        waiting = [m for m in view.members if m not in done] if view is not None else []
+        if not relay_wanted(topo, node_id, waiting, transport.dead):
+            break
+        log.info("node %d: members %s still train and pass tensors through this node: it stays in "
+                 "the finish barrier", node_id, waiting)
+        rep = await membership.finish(stats, timeout=timeout, depart=depart)
+    behind = reply_relays(topo, node_id, membership.view, membership.coordinator)
+    if behind:
+        if any(transport.half_down(p) for p in behind):
+            await asyncio.sleep(RELAY_LINGER_S)
+        else:
+            await transport.wait_gone(behind, RELAY_LINGER_S)
+    return rep
 
 
 def wire_run_id(topo: Topology, run_id: str | None) -> int:
@@ -307,28 +341,8 @@ class NodeRuntime:
         stats["write_failures"] = self.write_failures.as_dict()
         stats["shm_frames"] = self.transport.shm_frames
         stats["offences"] = {str(n): c for n, c in sorted(self.transport.offences.items())}
-        timeout = max(30.0, self.cfg.peer_timeout)
-        rep = await self.membership.finish(finite_values(stats), timeout=timeout, depart=depart)
-        while depart and rep:  # (an empty reply: the barrier failed, nobody to wait for)
-            view = self.membership.view
-            done = {n for key in ("finished", "failed") for n in _ids(rep.get(key))}
-            waiting = [m for m in view.members if m not in done] if view is not None else []
-            if not relay_wanted(self.topo, self.node_id, waiting, self.transport.dead):
-                break
-            log.info("node %d: members %s still train and pass tensors through this node: it stays in "
-                     "the finish barrier", self.node_id, waiting)
-            rep = await self.membership.finish(finite_values(stats), timeout=timeout, depart=depart)
-        behind = reply_relays(self.topo, self.node_id, self.membership.view, self.membership.coordinator)
-        if behind:
-            # the coordinator's finish replies to nodes behind this one may pass through it:
-            # stay until they are gone (a node leaves once it has its reply: both its
-            # connections close and the endpoint marks it down), at most RELAY_LINGER_S. One
-            # already down now (a reconnect under way?) cannot be seen leaving: the whole wait
-            tr = self.transport
-            if any(p in tr.down or p in tr.control_down for p in behind):
-                await asyncio.sleep(RELAY_LINGER_S)
-            else:
-                await tr.wait_gone(behind, RELAY_LINGER_S)
+        await finish_barrier(self.membership, self.transport, self.topo, finite_values(stats),
+                             timeout=max(BARRIER_S, self.cfg.peer_timeout), depart=depart)
         service = self.host.service
         if service is not None and self.host.coordinating and self.membership.fenced is None:
             if not service.state.has_quorum(clock.now()):

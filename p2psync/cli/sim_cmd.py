@@ -73,6 +73,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--step-time", default="0.1", metavar="SECONDS[,NODE:SECONDS...]",
                    help="with --strategy: virtual seconds of compute per local iteration (default 0.1), "
                         "optionally per node (0.1,3:0.5)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="with --strategy: every node also wants to stop after N steps, as p2psync run --steps "
+                        "(the strategies that plan their stop from the budget do; the virtual seconds still end "
+                        "a run that has not reached it)")
     p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="with --strategy: a strategy option (repeatable), as p2psync run --opt")
     p.add_argument("--spread-floor", type=int, default=None, metavar="BYTES",
@@ -120,8 +124,8 @@ def _training(args: argparse.Namespace) -> Any:
     from p2psync.sim.training import TrainingSpec, parse_step_time
 
     if args.strategy is None:
-        if args.opt or args.step_time != "0.1":
-            raise ConfigError("--step-time and --opt need --strategy")
+        if args.opt or args.step_time != "0.1" or args.steps is not None:
+            raise ConfigError("--step-time, --steps and --opt need --strategy")
         return None
     names = [n.strip() for n in args.strategy.split(",") if n.strip()]
     if len(names) != 1:
@@ -136,7 +140,8 @@ def _training(args: argparse.Namespace) -> Any:
         k, v = item.split("=", 1)
         options[k.strip()] = v.strip()
     step, per = parse_step_time(args.step_time)
-    specs = [TrainingSpec(strategy=n, step_time=step, step_times=per, options=options, seed=args.seed) for n in names]
+    specs = [TrainingSpec(strategy=n, step_time=step, step_times=per, options=options, seed=args.seed,
+                          steps=args.steps) for n in names]
     return specs if len(specs) > 1 else specs[0]
 
 

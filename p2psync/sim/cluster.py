@@ -30,6 +30,11 @@ Faults (:mod:`p2psync.sim.faults`), at virtual times counted from the end of the
   a real one does once its runtime closed (:meth:`SimCluster._exit`): it is gone like a killed
   one, and the invariants count its exit as a kill at that time (``exited`` in the summary;
   its detection is marked ``exit``), so its peers must detect it in the bound and re-form.
+* **end** (not injected): with a strategy, a process ends after the run's finish barrier
+  (:meth:`SimCluster._leave`): its runtime closes and it leaves the medium. No fault: the
+  membership's invariants judge the run as it stood when the first process ended
+  (``ended_at_s`` in the summary; ``left``: when each ended), and ``quiet_end`` what
+  happened after.
 * **slow**: the slowed links' one-way latency is multiplied by the factor for the duration
   (the largest factor when several slowdowns slow one link), in both directions; what was
   sent before keeps its latency, and a link's shaper delivers in order (what is sent after
@@ -136,6 +141,8 @@ class SimNode:
         #: why this process ended on its own (a failed rendezvous, a strategy's error, a fence),
         #: as a real one exits after such a failure (None: it did not; ``killed_at`` says when)
         self.exited: str | None = None
+        #: when this process ended after the run's finish barrier (virtual seconds; None: it did not)
+        self.left_at: float | None = None
         #: this process was started by the launcher after its previous one was fenced (not by a fault)
         self.relaunched = False
         #: the coordinator's answer to this process's registration (``joined``: it joined a
@@ -190,6 +197,16 @@ class SimNode:
             if link is not None:
                 f = hub.factor(self.id, nb)
                 link.spec = spec if f == 1.0 else replace(spec, latency_s=spec.latency_s * f)
+
+    async def end(self) -> None:
+        """End this process as ``NodeRuntime.close`` does after the finish barrier: the
+        transport (its shaper flushed: what was sent goes out), the RPC server, the host,
+        the membership, in that order."""
+        for closing in (self.transport.close, self.server.close, self.host.close, self.membership.close):
+            try:
+                await closing()
+            except P2PSyncError as exc:
+                log.info("node %d: ending: %s", self.id, exc)
 
     async def close(self) -> None:
         """Close membership, host, RPC server and transport, in that order."""
@@ -262,6 +279,9 @@ class SimCluster:
         #: what the processes did on their own, not injected: each exit (:meth:`_exit`) as the
         #: kill it amounts to, each start by the launcher as a restart (a subclass's)
         self.lifecycle: list[Fault] = []
+        #: when the first process ended after the finish barrier (:meth:`_leave`; None: none
+        #: did): the membership's invariants judge the run as it stood then
+        self.ended_at: float | None = None
         for node in self.nodes.values():
             self._listen(node)
 
@@ -353,8 +373,7 @@ class SimCluster:
             return node.killed_at
         loop = self._loop()
         at = node.killed_at = loop.time() - self.t0
-        if self.hub.endpoints.get(node.id) is node.transport:
-            del self.hub.endpoints[node.id]
+        self.hub.leave(node.transport)
         loop.hold(node.actor)
         return at
 
@@ -372,6 +391,22 @@ class SimCluster:
         self.lifecycle.append(Fault("kill", at=max(0.0, at), nodes=(node.id,)))
         log.info("sim t=%.3f: node %d exited: %s", at, node.id, why)
         self._exited(node, fenced)
+
+    async def _leave(self, node: SimNode) -> None:
+        """The process ``node`` ends after the run's finish barrier, as a real one exits: its
+        runtime closes (:meth:`SimNode.end`: it leaves the medium) and it runs nothing more;
+        no fault (nobody must detect it). The first such end sets :attr:`ended_at`. Called
+        as the node's actor."""
+        if node.killed_at is not None or node.left_at is not None or self._closing:
+            return
+        loop = self._loop()
+        if self.ended_at is None:
+            self.ended_at = loop.time() - self.t0
+        node.left_at = -1.0  # (ending: once only)
+        await node.end()
+        node.left_at = loop.time() - self.t0
+        loop.hold(node.actor)
+        log.info("sim t=%.3f: node %d ended after the finish barrier", node.left_at, node.id)
 
     def _exited(self, node: SimNode, fenced: Fenced | None) -> None:
         """Called once the process ``node`` exited on its own: nothing here (nobody starts it
@@ -444,10 +479,14 @@ class SimCluster:
         loop = self._loop()
         wall0 = time.perf_counter()
         rendezvous = await self.start()
-        await asyncio.sleep(max(0.0, self.t0 + virtual_seconds - loop.time()))
+        await self._run_until(self.t0 + virtual_seconds)
         await self._settle()
         return self.summary(virtual_seconds=virtual_seconds, rendezvous_s=rendezvous,
                             wall_s=time.perf_counter() - wall0)
+
+    async def _run_until(self, deadline: float) -> None:
+        """Let the nodes run until the loop time ``deadline`` (a subclass may end sooner)."""
+        await asyncio.sleep(max(0.0, deadline - self._loop().time()))
 
     async def _settle(self) -> None:
         """What runs between the end of the virtual seconds and the summary: here, the wait
@@ -465,7 +504,14 @@ class SimCluster:
         opts = self.opts
         bound = detection_bound(self.topo, opts)
         self.hub.flush()
-        final: dict[int, inv.ViewSeen | None] = {i: n.last for i, n in self.nodes.items()}
+        # the run as it stood when the first process ended after the finish barrier (the
+        # others end around then: what they do meanwhile is ``quiet_end``'s)
+        end_t = self.ended_at
+        views = self.views if end_t is None else [v for v in self.views if v.t <= end_t]
+        lasts: dict[tuple[int, int], inv.ViewSeen] = {}
+        for v in views:
+            lasts[v.node, v.incarnation] = v
+        final: dict[int, inv.ViewSeen | None] = {i: lasts.get((i, n.incarnation)) for i, n in self.nodes.items()}
         links = {i: list(self.topo.neighbors(i)) for i in self.topo.ids}
         gone = {i for i, n in self.nodes.items() if n.killed_at is not None or n.membership.fenced is not None}
         # the nodes that kills and removals (nobody relays through a removed node; the
@@ -483,7 +529,7 @@ class SimCluster:
                    and n.failed is None and n.started_at > late}
         live = [i for i in up if i not in cut_off and i not in pending]
         faults = self.all_faults()
-        found, detected = inv.detections(faults, self.views, bound=bound, failure_timeout=opts.failure_timeout,
+        found, detected = inv.detections(faults, views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
                                          links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
         for f, rec in zip(faults, found):  # (a process's own exit, or the launcher's restart: not injected)
@@ -533,7 +579,7 @@ class SimCluster:
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
-                "no_false_failure": inv.no_false_failure(faults, self.views, bound=bound, links=links,
+                "no_false_failure": inv.no_false_failure(faults, views, bound=bound, links=links,
                                                          failure_timeout=opts.failure_timeout,
                                                          interval=opts.heartbeat, latency=self.hub.base_latency),
                 "one_view_at_end": (inv.one_view_at_end(final, live, pending) if major is not None or newest is None
@@ -541,7 +587,10 @@ class SimCluster:
                 "bounded_queues": inv.bounded_queues(queues, mailbox_budget=first.mailbox.budget_bytes,
                                                      relay_budget=first.relaying.budget_bytes,
                                                      senders=len(self.nodes)),
+                **({} if end_t is None else {"quiet_end": inv.quiet_end(self.views, faults, end_t, bound=bound)}),
             },
+            **({} if end_t is None else {"ended_at_s": round(end_t, 6), "left": {
+                str(i): round(n.left_at, 6) for i, n in self.nodes.items() if n.left_at is not None}}),
         }
 
     def _queues(self) -> dict[int, inv.Queues]:

@@ -50,6 +50,10 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   yet may be in it or not. When no group holds such a majority (nothing can change), each
   connected group holds one view (:func:`one_view_per_group`).
 
+* ``quiet_end`` (a run whose processes end after the finish barrier: :func:`quiet_end`): once
+  the first of them ended, nobody is declared failed any more; the others end too, each once
+  it has the barrier's reply. The checks above judge the run as it stood then.
+
 * ``bounded_queues``: no node's memory for messages overflowed: no message was dropped, or
   refused, because a queue was full (the mailbox's byte budget per sender, its caps on queued
   data and control messages, the bytes held for relaying: reasons :data:`OVERFLOWS`), and the
@@ -599,6 +603,21 @@ def no_false_failure(faults: Sequence[Fault], views: Sequence[ViewSeen], *, boun
     return HELD if not bad else "; ".join(bad)
 
 
+def quiet_end(views: Sequence[ViewSeen], faults: Sequence[Fault], end: float, *, bound: float) -> str:
+    """Once the first process ended after the finish barrier (at ``end``), the others end too,
+    each once it has the barrier's reply (and the nodes behind it theirs): nobody stays long
+    enough to declare anyone failed. A declaration after ``end`` is a violation (a reply lost,
+    a node left waiting), unless a fault began after ``end`` less ``bound``."""
+    late = [f for f in faults if f.at > end - bound]
+    after = [d for d in declarations(views) if d.t > end]
+    if not after:
+        return HELD
+    if late:
+        return f"{NOT_PROMISED}: faults at the end of the run ({', '.join(f.spec() for f in late[:5])})"
+    return (f"after the first process ended behind the finish barrier at {end:.3f}s, nodes were declared failed: "
+            + "; ".join(f"node {d.node} by {d.coordinator} (term {d.term}) at {d.t:.3f}s" for d in after[:10]))
+
+
 #: the reasons a transport counts a message dropped or refused because a queue was full
 OVERFLOWS: tuple[str, ...] = ("mailbox_budget", "mailbox_full", "mailbox_control_full", "relay_budget")
 
@@ -678,5 +697,5 @@ def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], p
 
 __all__ = ["Declaration", "HELD", "Latency", "Links", "NOT_PROMISED", "OVERFLOWS", "Queues", "SlowRisk", "ViewSeen",
            "bounded_queues", "components", "cut_by", "declarations", "detections", "killed_by", "no_false_failure",
-           "one_coordinator_per_term", "one_view_at_end", "one_view_per_group", "reconnected", "rejoin_bound",
+           "one_coordinator_per_term", "one_view_at_end", "one_view_per_group", "quiet_end", "reconnected", "rejoin_bound",
            "remeasured", "slow_risk", "stranded", "until", "violated"]

@@ -102,11 +102,17 @@ class SimHub(MemoryHub):
         lat = self.base_latency(a, b)
         return lat * self.factor(a, b) if self.slow else lat
 
+    def leave(self, transport: MemoryTransport) -> None:
+        """As :meth:`MemoryHub.leave`; the express paths check their nodes again."""
+        self.faults += 1
+        super().leave(transport)
+
     def links_changed(self) -> None:
         """Cuts began or ended: every node's sends waiting for a connection look again."""
         for t in self.endpoints.values():
             if isinstance(t, SimTransport):
                 t._links_changed()
+                t._peers_changed()
 
     def cut(self, a: int, b: int) -> bool:
         """Whether the link between ``a`` and ``b`` is down now."""

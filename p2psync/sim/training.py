@@ -31,12 +31,17 @@ Per node, :attr:`TrainingCluster.runs`, ``replicas`` and ``tasks`` hold the curr
 the processes restarts replaced are kept in :attr:`TrainingCluster.earlier`.
 
 Stopping: every node wants to stop (``want_stop``, as ``--time``; a joiner's budget ends with
-the run's) from the run's virtual seconds on, and the strategy agrees on the step. After the
-virtual seconds the cluster waits for the loops of the nodes not killed to end (and for the
-restarted processes still registering, whose loops then start), at most :data:`SETTLE_S`
-virtual seconds, then summarizes. The members do not run the finish barrier: a joiner that
-registers after they stopped keeps asking them for the state (its sync is redone over new
-views) until the settle time ends.
+the run's) from the run's virtual seconds on, and with a step budget (``TrainingSpec.steps``,
+as ``--steps``, which the strategy knows as ``max_steps``) from its last step on; the strategy
+agrees on the step. A node whose
+loop ended at the agreed stop runs the audit, then the finish barrier and the linger of a
+relay exactly as ``NodeRuntime.finish`` does (:func:`~p2psync.api.runtime.finish_barrier`:
+the coordinator's reply once every node finished or was declared failed), and its process
+ends (:meth:`SimCluster._leave <p2psync.sim.cluster.SimCluster._leave>`: its transport
+closes, sending what its shapers hold, and it leaves the medium). After the virtual seconds
+the cluster waits for the loops of the nodes not killed to end (and for the restarted
+processes still registering, whose loops then start), at most :data:`SETTLE_S` virtual
+seconds, then summarizes.
 
 What the summary adds (``training``): the strategy, its step unit, the replicas' promise, and
 per node its current process's outcome (``finished``: its loop ended at an agreed stop;
@@ -48,7 +53,8 @@ its last loss, the strategy's count of re-formed operations where it reports one
 model hash (:meth:`~p2psync.sim.replica.SimReplica.model_hash`); for a restarted node also its
 ``incarnation``, when it joined the training (``joined_training_at``), the same figures of
 the processes it replaced (``earlier``) and, when it is excused (below), ``excused``; and
-``rejoined``, the restarted nodes that finished. Two invariants:
+``rejoined``, the restarted nodes that finished; and per node that finished its barrier's
+reply (``barrier``) and when it came (``barrier_at``). Four invariants:
 
 * ``strategy_finished``: every node that is neither killed nor fenced nor cut off for good
   from the majority (the membership invariants' live nodes), nor excused, ended its loop at
@@ -70,6 +76,13 @@ the processes it replaced (``earlier``) and, when it is excused (below), ``excus
   ``not promised: ...``, which is no violation and no proof either; so does a run where no
   node finished because no group held a majority at the end.
 
+* ``finish_barrier`` (:func:`finish_barrier_held`): every node that finished got the barrier's
+  reply, complete (every node of the topology finished or declared failed) and the same at
+  every node, within two detection bounds and a probe of the line of successors after the last
+  loop ended (a member killed right before the stop is declared failed meanwhile).
+* ``no_crash``: no process's training raised an error other than a
+  :class:`~p2psync.errors.P2PSyncError` (that would be a defect: the process crashes).
+
 Strategies: those of :data:`SIMULATED`; any other is refused with a
 :class:`~p2psync.errors.ConfigError` naming it and why (:func:`check_strategy`).
 """
@@ -85,11 +98,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from p2psync.api.runtime import BARRIER_S, finish_barrier
 from p2psync.collectives import Collectives, OpId
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
 from p2psync.sim import invariants as inv
-from p2psync.sim.cluster import DISCOVER_S, SimCluster, SimNode, SimOptions, detection_bound
+from p2psync.sim.cluster import DISCOVER_S, SimCluster, SimNode, SimOptions, detection_bound, line_probe_s
 from p2psync.sim.faults import Fault
 from p2psync.sim.replica import SimReplica
 from p2psync.strategies.audit import audit_replicas, first_mismatch
@@ -109,6 +123,8 @@ REFUSED: dict[str, str] = {
 }
 #: virtual seconds the cluster waits, after the run's virtual seconds, for the loops to end
 SETTLE_S = 60.0
+#: with a step budget, how often (virtual seconds) the cluster looks whether the run is over
+END_POLL_S = 0.5
 #: virtual seconds from a fenced process's exit to the start of its new process: the
 #: launcher's poll and a Python process's start
 RELAUNCH_S = 2.0
@@ -154,10 +170,15 @@ class TrainingSpec:
     step_times: Mapping[int, float] = field(default_factory=dict)
     options: Mapping[str, str] = field(default_factory=dict)
     seed: int = 0
+    #: the step budget (``p2psync run --steps``): every node wants to stop after this many
+    #: steps, and the strategy knows it (``StrategyContext.max_steps``); None: time only
+    steps: int | None = None
 
     def __post_init__(self) -> None:
         cls = check_strategy(self.strategy)
         parse_options(cls, dict(self.options))
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps {self.steps}: must be at least 1")
         for t in (self.step_time, *self.step_times.values()):
             if not t >= 0:
                 raise ConfigError(f"--step-time: {t!r} is not a number of seconds >= 0")
@@ -166,7 +187,8 @@ class TrainingSpec:
         """The command-line options that give this spec (the replay command)."""
         times = ",".join([repr(float(self.step_time)),
                           *(f"{n}:{float(t)!r}" for n, t in sorted(self.step_times.items()))])
-        return f"--strategy {self.strategy} --step-time {times}" + "".join(
+        return f"--strategy {self.strategy} --step-time {times}" + (
+            f" --steps {self.steps}" if self.steps is not None else "") + "".join(
             f" --opt {shlex.quote(f'{k}={v}')}" for k, v in sorted(self.options.items()))
 
 
@@ -197,6 +219,10 @@ class NodeTraining:
     #: when its strategy's start returned (it joined the training; None: not yet)
     incarnation: int = 1
     trained_at: float | None = None
+    #: the finish barrier's reply after the agreed stop (``{}``: it failed; None: not run) and
+    #: when it came
+    barrier: dict[str, Any] | None = None
+    barrier_at: float | None = None
 
 
 @dataclass
@@ -327,6 +353,19 @@ class TrainingCluster(SimCluster):
         self.stop_at = virtual_seconds
         return await super().run(virtual_seconds)
 
+    async def _run_until(self, deadline: float) -> None:
+        """Until the virtual seconds are over; with a step budget, sooner once a process ended
+        after the finish barrier and no loop of a node not killed goes on (the run is over:
+        the faults drawn for later do not happen)."""
+        if self.training.steps is None:
+            return await super()._run_until(deadline)
+        loop = self._loop()
+        while loop.time() < deadline:
+            up = [i for i, n in self.nodes.items() if n.killed_at is None]
+            if self.ended_at is not None and all(self.tasks.get(i) is None or self.tasks[i].done() for i in up):
+                return
+            await asyncio.sleep(min(END_POLL_S, deadline - loop.time()))
+
     async def start(self) -> float:
         """The rendezvous, then every node's strategy and step loop (each as its actor)."""
         took = await super().start()
@@ -344,13 +383,14 @@ class TrainingCluster(SimCluster):
                                collectives=Collectives(node.transport, timeout=opts.peer_timeout,
                                                        spread_floor_bytes=opts.spread_floor_bytes),
                                peer_timeout=opts.peer_timeout, options=dict(self.training.options),
-                               on_failure="continue", joining=node.joined, quorum_timeout=opts.quorum_timeout)
+                               on_failure="continue", joining=node.joined, quorum_timeout=opts.quorum_timeout,
+                               max_steps=self.training.steps)
 
     async def _train(self, i: int) -> None:
         """The strategy and step loop of node ``i``'s current process (``StepDriver._drive``
         without the gate, checkpoints and records); started as that process's actor."""
         rec, node, loop = self.runs[i], self.nodes[i], self._loop()
-        membership = node.membership
+        membership, budget = node.membership, self.training.steps
         try:
             strategy = rec.strategy = self.strategy_cls(self.context(i))
             membership.listeners.append(strategy.on_peer_failure)
@@ -361,7 +401,7 @@ class TrainingCluster(SimCluster):
             # a joiner's start adopted a live member's state (every simulated strategy's does, or raises)
             rec.adopted += strategy.ctx.joining
             while True:
-                want_stop = loop.time() - self.t0 >= self.stop_at
+                want_stop = loop.time() - self.t0 >= self.stop_at or (budget is not None and rec.step + 1 >= budget)
                 if not membership.has_quorum:  # cut off from the majority: no step until heard
                     await membership.wait_quorum(self.opts.quorum_timeout)
                 rep = await strategy.run_step(rec.step, want_stop)
@@ -377,6 +417,12 @@ class TrainingCluster(SimCluster):
                     rec.digests = self.replicas[i].digests_now()
                     if strategy.identical_replicas != "never":
                         await self._audit(rec, self.replicas[i], strategy)
+                    # as NodeRuntime.finish: the barrier (and the linger of a relay), then the process ends
+                    rec.barrier = await finish_barrier(node.membership, node.transport, self.topo,
+                                                       {"node": i, "step": rec.step},
+                                                       timeout=max(BARRIER_S, self.opts.peer_timeout), depart=False)
+                    rec.barrier_at = loop.time() - self.t0
+                    await self._leave(node)
                     return
         except Fenced:
             rec.outcome = "fenced"
@@ -468,6 +514,8 @@ class TrainingCluster(SimCluster):
                                         for i, r in self.runs.items() if r.crashed]
         out["invariants"]["no_crash"] = inv.HELD if not crashes else (
             "a process's training raised an error other than a P2PSyncError (a defect): " + "; ".join(crashes[:10]))
+        out["invariants"]["finish_barrier"] = finish_barrier_held(
+            self.runs, self.topo.ids, bound=2 * bound + line_probe_s(self.topo, self.opts))
         if out["majority_at_end"]:
             out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
             out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests, later=later)
@@ -521,7 +569,9 @@ def _record(rec: NodeTraining, rep: SimReplica) -> dict[str, Any]:
             "loss": None if rec.loss is None else round(rec.loss, 6), "model_hash": rep.model_hash(),
             **({"reforms": rec.reforms} if rec.reforms is not None else {}),
             **({"audit": rec.audit} if rec.audit is not None else {}),
-            **({"finished_at": round(rec.finished_at, 6)} if rec.finished_at is not None else {})}
+            **({"finished_at": round(rec.finished_at, 6)} if rec.finished_at is not None else {}),
+            **({"barrier": rec.barrier} if rec.barrier is not None else {}),
+            **({"barrier_at": round(rec.barrier_at, 6)} if rec.barrier_at is not None else {})}
 
 
 def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int]) -> str:
@@ -534,6 +584,41 @@ def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int
         f"{i} ({nodes[str(i)]['outcome']} at step {nodes[str(i)]['step']}"
         + (f": {nodes[str(i)]['error']}" if nodes[str(i)].get("error") else "") + ")" for i in bad[:20]) + (
         f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
+
+
+def finish_barrier_held(runs: Mapping[int, NodeTraining], expected: Sequence[int], *, bound: float) -> str:
+    """``finish_barrier``: every node of ``runs`` (the current processes) that ended its loop at
+    the agreed stop got the barrier's reply, complete (every node of ``expected`` finished or
+    declared failed), the same at every node, at most ``bound`` after the last of them ended
+    its loop (a member killed right before the stop is declared failed in the meantime)."""
+    ended = {i: r for i, r in runs.items() if r.outcome == "finished"}
+    if not ended:
+        return inv.HELD
+    last = max(r.finished_at or 0.0 for r in ended.values())
+    bad: list[str] = []
+    replies: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, r in sorted(ended.items()):
+        if r.barrier is None:
+            bad.append(f"node {i}: still in the barrier at the end")
+            continue
+        if not r.barrier:
+            bad.append(f"node {i}: the barrier failed (no reply)")
+            continue
+        fin, failed = tuple(r.barrier.get("finished", ())), tuple(r.barrier.get("failed", ()))
+        replies.setdefault((fin, failed), []).append(i)
+        missing = sorted(set(expected) - set(fin) - set(failed))
+        if missing:
+            bad.append(f"node {i}: the barrier ended without nodes {missing} (neither finished nor failed)")
+        absent = sorted(set(ended) - set(fin))
+        if absent:
+            bad.append(f"node {i}: the barrier's reply does not list finished nodes {absent}")
+        if r.barrier_at is not None and r.barrier_at - last > bound:
+            bad.append(f"node {i}: the reply came {r.barrier_at - last:.3f}s after the last loop ended "
+                       f"(bound {bound:.3f}s)")
+    if len(replies) > 1:
+        bad.append("the replies differ: " + "; ".join(f"nodes {ns}: finished {list(f)}, failed {list(x)}"
+                                                     for (f, x), ns in sorted(replies.items())))
+    return inv.HELD if not bad else "; ".join(bad[:10]) + ("; ..." if len(bad) > 10 else "")
 
 
 def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple[str, bytes]]], *,
@@ -562,4 +647,4 @@ def same_model(strategy: str, promise: str, digests: Mapping[int, Sequence[tuple
 
 
 __all__ = ["REFUSED", "RELAUNCHES", "RELAUNCH_S", "SETTLE_S", "SIMULATED", "Earlier", "NodeTraining", "TrainingCluster", "TrainingSpec", "check_strategy",
-           "excused", "parse_step_time", "same_model", "strategy_finished"]
+           "excused", "finish_barrier_held", "parse_step_time", "same_model", "strategy_finished"]

@@ -61,7 +61,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -187,6 +187,8 @@ class Transport(ABC):
         self.last_arrival: dict[int, float] = {}
         #: shaped sends waiting for a connection (:meth:`_links_changed` wakes them)
         self._link_waiters: list[asyncio.Future[None]] = []
+        #: :meth:`wait_gone` calls waiting for peers to leave (:meth:`_peers_changed` wakes them)
+        self._gone_waiters: list[asyncio.Future[None]] = []
         self._pipeline = Ingest(node_id=node_id, nodes=frozenset(topology.ids), limits=limits,
                                 incarnations=self.peer_incarnations, dead=self.router.dead,
                                 auth=OriginAuth(node_id, self.relay_keys) if self.relay_keys is not None else None)
@@ -280,6 +282,41 @@ class Transport(ABC):
         connection look again (:meth:`_shape_when_connected`). Subclasses call it."""
         waiters, self._link_waiters = self._link_waiters, []
         wake(waiters)
+
+    def _peers_changed(self) -> None:
+        """A connection to a peer went down (it exited, or its link broke): the
+        :meth:`wait_gone` calls look again. Subclasses call it."""
+        waiters, self._gone_waiters = self._gone_waiters, []
+        wake(waiters)
+
+    def gone(self, peer: int) -> bool:
+        """Whether both this node's connections to adjacent ``peer`` are down (it exited, or
+        its link broke), as far as this node knows (a transport that cannot tell says no)."""
+        return not self._connected(peer, True) and not self._connected(peer, False)
+
+    def half_down(self, peer: int) -> bool:
+        """Whether either of this node's connections to adjacent ``peer`` is down (a
+        reconnection may be under way: its leaving cannot be seen)."""
+        return not (self._connected(peer, True) and self._connected(peer, False))
+
+    async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
+        """Wait until every node of ``peers`` is :meth:`gone`, at most ``timeout`` seconds;
+        whether they all are."""
+        end = clock.now() + timeout
+        while not all(self.gone(p) for p in peers):
+            left = end - clock.now()
+            if left <= 0:
+                return False
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._gone_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+            finally:
+                if fut in self._gone_waiters:
+                    self._gone_waiters.remove(fut)
+        return True
 
     def _unreachable(self, peer: int, route: Route, budget: float) -> PeerUnreachable:
         """What a send to adjacent ``peer`` that got nowhere within ``budget`` raises."""

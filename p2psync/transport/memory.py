@@ -25,6 +25,15 @@ class MemoryHub:
     def endpoint(self, node_id: int, **kwargs: Any) -> "MemoryTransport":
         return MemoryTransport(hub=self, node_id=node_id, **kwargs)
 
+    def leave(self, transport: "MemoryTransport") -> None:
+        """``transport``'s node leaves the medium (its process ended): the others see it
+        :meth:`~p2psync.transport.base.Transport.gone`."""
+        if self.endpoints.get(transport.node_id) is transport:
+            del self.endpoints[transport.node_id]
+            for t in list(self.endpoints.values()):
+                if t._gone_waiters:
+                    t._peers_changed()
+
 
 class MemoryTransport(Transport):
     def __init__(self, *, hub: MemoryHub, node_id: int, limits: WireLimits = DEFAULT_LIMITS,
@@ -40,8 +49,14 @@ class MemoryTransport(Transport):
         self.hub.endpoints[self.node_id] = self
 
     async def _close_io(self) -> None:
-        if self.hub.endpoints.get(self.node_id) is self:
-            del self.hub.endpoints[self.node_id]
+        self.hub.leave(self)
+
+    def gone(self, peer: int) -> bool:
+        """Not on the medium (not started yet, or ended), or both links down."""
+        return self.hub.endpoints.get(peer) is None or super().gone(peer)
+
+    def half_down(self, peer: int) -> bool:
+        return self.hub.endpoints.get(peer) is None or super().half_down(peer)
 
     def _transmit(self, peer: int, route: Route, frames: list[Any], *, bulk: bool = False,
                   unordered: bool = False) -> None:

@@ -93,7 +93,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2psync.errors import ConfigError, ProtocolError, TransportError, translate
 from p2psync.topology import Nic, Route, Topology
-from p2psync.transport.base import NotReady, Transport, wake
+from p2psync.transport.base import NotReady, Transport
 from p2psync.transport.keys import NodeKeys
 from p2psync.transport.lending import Releasable
 from p2psync.transport.local import LocalChannel
@@ -277,7 +277,6 @@ class ZmqEndpoint(Transport):
         self._guard_handle: asyncio.TimerHandle | None = None
         self.down: set[int] = set()  # peers whose connection (from our side) is down
         self.control_down: set[int] = set()  # same for our control connections
-        self._down_waiters: list[asyncio.Future[None]] = []  # wait_gone(): woken by a disconnect
         # routing ids (without a keyed ``#`` suffix) of every NIC in the topology -> (node,
         # label): our outgoing pipes' names and the ids incoming connections claim
         self._peers_by_rid: dict[bytes, tuple[int, str]] = {}
@@ -460,8 +459,7 @@ class ZmqEndpoint(Transport):
                 down.add(peer)
                 if self._shm_out is not None and not control:
                     self._shm_out.forget(peer)
-                waiters, self._down_waiters = self._down_waiters, []
-                wake(waiters)
+                self._peers_changed()
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if peer in down:
                     log.info("node %d: %s connection to node %d on NIC %s up", self.node_id,
@@ -477,23 +475,6 @@ class ZmqEndpoint(Transport):
         """Our connection to ``peer`` on that channel has completed its handshake and not
         dropped since (ZMTP heartbeats drop a silent one)."""
         return peer not in (self.down if bulk else self.control_down)
-
-    async def wait_gone(self, peers: Collection[int], timeout: float) -> bool:
-        """Wait until both our connections to every node of ``peers`` are down (it exited, or
-        its link broke), at most ``timeout`` seconds; whether they all are."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while not all(p in self.down and p in self.control_down for p in peers):
-            fut: asyncio.Future[None] = loop.create_future()
-            self._down_waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, max(0.0, end - loop.time()))
-            except (asyncio.TimeoutError, TimeoutError):
-                return False
-            finally:
-                if fut in self._down_waiters:
-                    self._down_waiters.remove(fut)
-        return True
 
     def _drain(self, nic: str, control: bool = False, more: bool = False) -> None:
         """Receive every message waiting on ``nic``'s socket (loop callback; never raises).

@@ -1,5 +1,5 @@
 """Which nodes linger after the finish barrier (those that relay for others), and for how long:
-until the nodes behind them are gone (``ZmqEndpoint.wait_gone``), at most RELAY_LINGER_S."""
+until the nodes behind them are gone (``Transport.wait_gone``), at most RELAY_LINGER_S."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from p2psync.api.runtime import relay_wanted, relayed_neighbours, reply_relays
 from p2psync.coordinator.views import View
 from p2psync.topology import bcube, mesh, ring, star
+from p2psync.transport import MemoryHub
 from tests.helpers import free_port, until, zmq_cluster
 
 
@@ -56,6 +57,27 @@ async def test_wait_gone_ends_when_the_nodes_behind_are_gone_or_at_its_limit():
         await closing
         assert await eps[1].wait_gone([2], 0.0)  # already gone: no wait at all
         assert not await eps[1].wait_gone([2, 0], 0.1)  # node 0 is still there
+
+
+async def test_wait_gone_on_the_in_memory_medium_sees_a_peer_leave() -> None:
+    """The same contract without ZeroMQ (what the simulator's nodes linger on): a peer is gone
+    once its transport closed (it left the medium), and the close wakes the wait."""
+    hub = MemoryHub(ring(4))
+    eps = {i: hub.endpoint(i) for i in range(4)}
+    for ep in eps.values():
+        await ep.start()
+    try:
+        assert not eps[1].gone(2) and not eps[1].half_down(2)
+        assert not await eps[1].wait_gone([2], 0.05)
+        waiting = asyncio.create_task(eps[1].wait_gone([2], 5.0))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        await eps[2].close()
+        assert await waiting and time.monotonic() - t0 < 1.0 and eps[1].gone(2) and eps[1].half_down(2)
+        assert not await eps[1].wait_gone([2, 0], 0.05)  # node 0 is still there
+    finally:
+        for ep in eps.values():
+            await ep.close()
 
 
 def test_a_departed_node_stays_while_the_members_left_pass_tensors_through_it():

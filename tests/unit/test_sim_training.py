@@ -23,9 +23,8 @@ from p2psync.sim.cluster import SimOptions
 from p2psync.sim.faults import parse_faults
 from p2psync.sim.loop import VirtualLoop, run
 from p2psync.sim.replica import SimReplica
-from p2psync.sim.training import (REFUSED, SIMULATED, TrainingCluster, TrainingSpec, excused, parse_step_time,
-                                  same_model,
-                                  strategy_finished)
+from p2psync.sim.training import (REFUSED, SIMULATED, NodeTraining, TrainingCluster, TrainingSpec, excused,
+                                  finish_barrier_held, parse_step_time, same_model, strategy_finished)
 from p2psync.strategies.asgd import ASGD
 from p2psync.strategies.base import StepReport, StrategyContext
 from p2psync.strategies.ssgd import SSGD
@@ -42,10 +41,11 @@ def _quiet(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def train(topo: Any, strategy: str, faults: str, seconds: float, *, step_time: float = 0.05,
-          during: Callable[[TrainingCluster], None] | None = None, **options: str) -> dict[str, Any]:
-    """The summary of a simulated run training ``strategy``; ``during(cluster)`` runs once the
-    nodes train (to tamper with them)."""
-    spec = TrainingSpec(strategy=strategy, step_time=step_time, options=options, seed=7)
+          during: Callable[[TrainingCluster], None] | None = None, steps: int | None = None,
+          **options: str) -> dict[str, Any]:
+    """The summary of a simulated run training ``strategy`` (``steps``: a step budget);
+    ``during(cluster)`` runs once the nodes train (to tamper with them)."""
+    spec = TrainingSpec(strategy=strategy, step_time=step_time, options=options, seed=7, steps=steps)
 
     async def go() -> dict[str, Any]:
         async with TrainingCluster(topo, training=spec, opts=OPTS, faults=parse_faults(faults, topo.ids)) as c:
@@ -78,6 +78,74 @@ def test_ssgd_on_a_ring_with_a_kill_ends_with_every_survivor_holding_one_model()
     assert all(nodes[str(i)]["reforms"] >= 1 for i in survivors)  # the group re-formed over the survivors
     assert all(nodes[str(i)]["audit"] == "passed" for i in survivors)  # the driver's own audit agrees
     assert t["promise"] == "every_step" and t["finished"] == 7
+
+
+def test_every_node_ends_after_the_finish_barrier_with_one_reply() -> None:
+    # as NodeRuntime.finish: after the agreed stop every node waits in the barrier, gets the
+    # one reply (node 3 declared failed), and its process ends. The coordinator ends first
+    # (nobody is behind it): its replies still sit in its links' shapers (1 ms), and its
+    # transport's close sends them. When the simulated process ended without closing, they
+    # were lost: every node in turn waited, took over and ended (3 s each)
+    s = train(ring(8), "ssgd", "kill:3@1.341", 4.5)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["invariants"]["finish_barrier"] == s["invariants"]["quiet_end"] == "held"
+    nodes = s["training"]["nodes"]
+    survivors = [i for i in range(8) if i != 3]
+    assert all(nodes[str(i)]["barrier"] == {"finished": survivors, "failed": [3]} for i in survivors)
+    last = max(nodes[str(i)]["finished_at"] for i in survivors)
+    assert all(0 < nodes[str(i)]["barrier_at"] - last < 0.1 for i in survivors)
+    assert sorted(int(n) for n in s["left"]) == survivors and s["ended_at_s"] >= 4.5
+    assert max(s["left"].values()) - s["ended_at_s"] < 0.1  # the others right after the first
+    assert [d["node"] for d in s["declared"]] == [3]  # nobody is declared while they end
+
+
+def test_the_finish_barrier_invariant_names_what_went_wrong() -> None:
+    def ended(i: int, barrier: dict[str, Any] | None, at: float = 10.2) -> NodeTraining:
+        return NodeTraining(outcome="finished", finished_at=10.0 + i / 100, barrier=barrier, barrier_at=at)
+
+    good = {"finished": [0, 1], "failed": [2]}
+    runs = {0: ended(0, good), 1: ended(1, good), 2: NodeTraining(outcome="killed")}
+    assert finish_barrier_held(runs, [0, 1, 2], bound=5.0) == inv.HELD
+    assert finish_barrier_held({}, [0, 1, 2], bound=5.0) == inv.HELD  # nobody finished: nothing to wait for
+    got = finish_barrier_held({**runs, 1: ended(1, {"finished": [0, 1], "failed": []})}, [0, 1, 2], bound=5.0)
+    assert "node 1: the barrier ended without nodes [2]" in got and "the replies differ" in got
+    got = finish_barrier_held({**runs, 0: ended(0, {}), 1: ended(1, None)}, [0, 1, 2], bound=5.0)
+    assert "node 0: the barrier failed (no reply)" in got and "node 1: still in the barrier at the end" in got
+    got = finish_barrier_held({**runs, 1: ended(1, {"finished": [1], "failed": [0, 2]})}, [0, 1, 2], bound=5.0)
+    assert "node 1: the barrier's reply does not list finished nodes [0]" in got
+    assert "came 6.000s after" in finish_barrier_held({**runs, 0: ended(0, good, at=16.01)}, [0, 1, 2], bound=5.0)
+
+
+def test_a_declaration_after_the_first_process_ended_is_a_violation_unless_a_fault_came_then() -> None:
+    views = [inv.ViewSeen(t=1.0, node=1, term=0, epoch=1, coordinator=0, members=(0, 1, 2)),
+             inv.ViewSeen(t=14.0, node=1, term=1, epoch=2, coordinator=1, members=(1, 2))]
+    assert inv.quiet_end(views, [], 20.0, bound=2.5) == inv.HELD  # (before the end: the other invariants')
+    got = inv.quiet_end(views, [], 12.0, bound=2.5)
+    assert inv.violated(got) and "node 0 by 1 (term 1) at 14.000s" in got
+    late = parse_faults("kill:0@11", [0, 1, 2])
+    assert inv.quiet_end(views, late, 12.0, bound=2.5).startswith(inv.NOT_PROMISED)
+
+
+@pytest.mark.parametrize("strategy", ["ssgd", "dts", "diloco"])
+def test_a_step_budget_ends_every_node_at_it_and_the_run_at_once(strategy: str) -> None:
+    # 100 steps of 0.05 s: the budget, not the 60 virtual seconds, ends the run
+    s = train(ring(6), strategy, "", 60, steps=100)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    t = s["training"]
+    assert t["finished"] == 6 and t["steps"] == {"min": 100, "max": 100}
+    assert 5.0 < s["ended_at_s"] < 8.0 and t["ended_at_s"] < 10.0  # (the summary right after)
+
+
+def test_a_diloco_joiner_that_adopts_the_operation_carrying_the_stop_takes_no_step_past_the_budget() -> None:
+    # node 3 rejoins while the members' first operation is the one at their budget (inner_steps
+    # 500 > 100): it adopts that operation, which carries the stop. It ran one more inner step
+    # (step 100, past the budget) and brought it into the final sync (every model held it)
+    s = train(ring(6), "diloco", "kill:3@1,restart:3@3", 60, steps=100)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    nodes = s["training"]["nodes"]
+    assert {n["step"] for n in nodes.values()} == {100} and nodes["3"]["adopted"] == 1
+    assert nodes["3"]["local_iterations"] == 0  # it joined at the stop: nothing left to compute
+    assert all(n["local_iterations"] == 100 for i, n in nodes.items() if i != "3")
 
 
 class _FailsOnNode3(SSGD):

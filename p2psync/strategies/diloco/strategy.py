@@ -244,7 +244,10 @@ class DiLoCo(Strategy):
         if st.theta is None and self.adoption.pending is None:
             await self._begin()
         if self.adoption.pending is not None:  # a joiner's first step
-            await self.ops.adopt(extra)
+            c = await self.ops.adopt(extra)
+            if st.stopping:  # the operation it adopted carried the members' stop: it stops with them,
+                await self.stop.flush(extra, c.step)  # with no inner step of its own past their last
+                return self._report(float("nan"), True, clock.now() - t0, extra, next_step=c.step + 1)
         if st.relaunch is not None:
             op, st.relaunch = st.relaunch, None
             self.ops.start(op)
@@ -289,14 +292,20 @@ class DiLoCo(Strategy):
         if stop:
             await self.stop.flush(extra, step)
         wait += clock.now() - t1
-        # comm_s: everything outside the inner step (reading and writing the model, the outer
-        # steps, sums); wait_s: only the time blocked on a sum that had not arrived yet
+        return self._report(loss, stop, wait, extra, next_step=next_step)
+
+    def _report(self, loss: float, stop: bool, wait: float, extra: dict[str, Any], *,
+                next_step: int | None) -> StepReport:
+        """A step's report. comm_s (``wait``): everything outside the inner step (reading and
+        writing the model, the outer steps, sums); wait_s: only the time blocked on a sum that
+        had not arrived yet."""
+        st, cur = self.state, self.state.cursor
         blocked = float(extra.get("wait_op_s", 0.0))
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=blocked, next_step=next_step, extra={
             **extra, "outer_steps": st.applied, "in_flight": int(st.inflight is not None),
             "blocked": st.blocked, "skipped_nonfinite": st.skipped, "members": len(self.ctx.group),
             "reforms": self.regroup.reformations, "adoptions": st.adoptions,
-            **({"h_m": cur.interval, "speed": round(st.speed, 3)} if self.opts.dylu else {})})
+            **({"h_m": cur.interval, "speed": round(st.speed, 3)} if self.opts.dylu and cur is not None else {})})
 
     def _measure(self, seconds: float) -> None:
         """The inner-step speed (steps/s of compute, exchanges excluded), an EMA (0.9); the
