@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Sequence
@@ -279,6 +280,8 @@ class SimCluster:
         #: what the processes did on their own, not injected: each exit (:meth:`_exit`) as the
         #: kill it amounts to, each start by the launcher as a restart (a subclass's)
         self.lifecycle: list[Fault] = []
+        #: the faults that began (a run that ends sooner than its virtual seconds: not all)
+        self.begun: list[Fault] = []
         #: when the first process ended after the finish barrier (:meth:`_leave`; None: none
         #: did): the membership's invariants judge the run as it stood then
         self.ended_at: float | None = None
@@ -348,6 +351,7 @@ class SimCluster:
 
     def _begin(self, f: Fault) -> None:
         loop = self._loop()
+        self.begun.append(f)
         self.hub.faults += 1
         log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
         if f.kind in ("kill", "restart"):
@@ -414,8 +418,9 @@ class SimCluster:
         (:mod:`p2psync.sim.training`)."""
 
     def all_faults(self) -> list[Fault]:
-        """The faults injected and what the processes did on their own (:attr:`lifecycle`), by time."""
-        return sorted([*self.faults, *self.lifecycle], key=lambda f: f.at)
+        """The faults injected (those that began: a run that ended sooner never saw the
+        later ones) and what the processes did on their own (:attr:`lifecycle`), by time."""
+        return sorted([*self.begun, *self.lifecycle], key=lambda f: f.at)
 
     def _restart(self, n: int) -> None:
         """A new process of node ``n`` (its previous one killed): see the module docstring."""
@@ -531,7 +536,8 @@ class SimCluster:
         faults = self.all_faults()
         found, detected = inv.detections(faults, views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
-                                         links=links, interval=opts.heartbeat, latency=self.hub.base_latency)
+                                         links=links, interval=opts.heartbeat, latency=self.hub.base_latency,
+                                         horizon=math.inf if end_t is None else end_t)
         for f, rec in zip(faults, found):  # (a process's own exit, or the launcher's restart: not injected)
             if any(f is g for g in self.lifecycle):
                 rec["exit" if f.kind == "kill" else "relaunch"] = True
@@ -547,6 +553,8 @@ class SimCluster:
             "topology": self.topo.name, "nodes": len(self.nodes), "virtual_s": virtual_seconds,
             "rendezvous_s": round(rendezvous_s, 6), "wall_s": round(wall_s, 3),
             "detection_bound_s": round(bound, 6), "faults": [f.spec() for f in self.faults],
+            **({"faults_not_begun": [f.spec() for f in self.faults if not any(f is g for g in self.begun)]}
+               if len(self.begun) < len(self.faults) else {}),
             "views_applied": len(self.views),
             "final_view": None if end is None else {"term": end.term, "epoch": end.epoch,
                                                     "coordinator": end.coordinator, "members": list(end.members)},

@@ -33,7 +33,8 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   bound longer one way while the slowdown lasts at least the bound, and the members not at
   risk (below) hold a majority. While slowdowns are in force, and until the members have
   measured the round trip again after their end (:func:`remeasured`), the bound of the other
-  faults grows by four times the longest round trip they add.
+  faults grows by four times the longest round trip they add. A declaration due after the run
+  ended (its processes ended after the finish barrier) is not required.
 * ``no_false_failure``: every node declared failed was cut off by a fault (as above) between
   the fault's start and its end (a kill's: its node's restart) plus the bound, or was at risk
   from a slowdown (:func:`slow_risk`: a shortest way to the coordinator got at least the
@@ -469,7 +470,7 @@ def _declared(seen: Mapping[int, float]) -> dict[str, float]:
 
 def _slow_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], decls: Sequence[Declaration], *,
                     fbound: float, bound: float, failure_timeout: float, interval: float, links: Links | None,
-                    latency: Latency | None) -> tuple[dict[str, object], str | None]:
+                    latency: Latency | None, horizon: float = math.inf) -> tuple[dict[str, object], str | None]:
     """A slowdown's record and problem (None: none) for :func:`detections`: the members it put
     at risk may be declared failed; those it slowed beyond the bound on every way to the
     coordinator must be, within ``fbound``."""
@@ -477,8 +478,9 @@ def _slow_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen]
                      links=links, latency=latency)
     seen = _first_declared(decls, f, until(f, faults) + fbound + risk.rtt, lambda d: d.node in risk.risk)
     rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": _declared(seen), "at_risk": list(risk.risk)}
-    missed = [n for n in risk.must if n not in seen]
-    late = {n: seen[n] for n in risk.must if n in seen and seen[n] > fbound}
+    due = risk.must if f.at + fbound <= horizon else ()  # (the run ended before its bound)
+    missed = [n for n in due if n not in seen]
+    late = {n: seen[n] for n in due if n in seen and seen[n] > fbound}
     if not (missed or late):
         return rec, None
     return rec, (f"{f.spec()}: slowed beyond the bound on every way to the coordinator, " + "; ".join(
@@ -505,7 +507,8 @@ def _cut_limits(f: Fault, views: Sequence[ViewSeen], members: Sequence[int], cut
 
 def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], decls: Sequence[Declaration], *,
                    fbound: float, failure_timeout: float, interval: float, links: Links | None, line_s: float,
-                   elsewhere: Callable[[Fault, Declaration], bool]) -> tuple[dict[str, object], str | None]:
+                   elsewhere: Callable[[Fault, Declaration], bool],
+                   horizon: float = math.inf) -> tuple[dict[str, object], str | None]:
     """A kill's, restart's, pause's or partition's record and problem (None: none) for
     :func:`detections` (the rules are the module docstring's ``faults_detected_in_bound``)."""
     members = _members_before(views, f.at)
@@ -517,7 +520,9 @@ def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen],
     rec: dict[str, object] = {"fault": f.spec(), "declared_after_s": _declared(seen)}
     back = reconnected(f, faults, members, links, cut) if f.kind == "kill" else {}
 
-    def must(n: int) -> bool:  # cut off long enough to be declared in its limit
+    def must(n: int) -> bool:  # cut off long enough to be declared in its limit, before the run ended
+        if f.at + limit.get(n, fbound) > horizon:
+            return False
         if f.kind == "kill":
             return n in f.nodes or back.get(n, math.inf) - f.at >= limit.get(n, fbound)
         return f.kind == "restart" or (f.duration is not None and f.duration >= limit.get(n, fbound))
@@ -547,7 +552,7 @@ def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen],
 def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float,
                failure_timeout: float, links: Links | None = None,
                interval: float = 0.0, latency: Latency | None = None,
-               line_s: float = 0.0) -> tuple[list[dict[str, object]], str]:
+               line_s: float = 0.0, horizon: float = math.inf) -> tuple[list[dict[str, object]], str]:
     """Per fault, who was declared failed how long after it started; and the verdict of
     ``faults_detected_in_bound`` (see the module docstring). ``links``: the topology's links
     (a fault also cuts off the nodes behind the ones it stops, :func:`cut_by`); ``interval``:
@@ -555,7 +560,9 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
     before the fault: a pause under the failure timeout less an interval is never declared);
     ``latency``: the links' one-way latency (what a slowdown multiplies, :func:`slow_risk`);
     ``line_s``: how long a probe of the line of successors waits for an answer before passing
-    a silent one over (the coordinator's extra time when successors are cut off with it)."""
+    a silent one over (the coordinator's extra time when successors are cut off with it);
+    ``horizon``: when the run ended (its processes ended after the finish barrier): a
+    declaration due later is not required."""
     decls = declarations(views)
     reach = _reaches(faults, views, bound=bound, failure_timeout=failure_timeout, interval=interval, links=links,
                      latency=latency)
@@ -571,10 +578,11 @@ def detections(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: flo
         if f.kind == "slow":
             rec, problem = _slow_detection(f, faults, views, decls, fbound=fbound, bound=bound,
                                            failure_timeout=failure_timeout, interval=interval, links=links,
-                                           latency=latency)
+                                           latency=latency, horizon=horizon)
         else:
             rec, problem = _cut_detection(f, faults, views, decls, fbound=fbound, failure_timeout=failure_timeout,
-                                          interval=interval, links=links, line_s=line_s, elsewhere=elsewhere)
+                                          interval=interval, links=links, line_s=line_s, elsewhere=elsewhere,
+                                          horizon=horizon)
         out.append(rec)
         if problem is not None:
             problems.append(problem)

@@ -136,6 +136,15 @@ def test_a_step_budget_ends_every_node_at_it_and_the_run_at_once(strategy: str) 
     assert 5.0 < s["ended_at_s"] < 8.0 and t["ended_at_s"] < 10.0  # (the summary right after)
 
 
+def test_faults_after_a_run_that_reached_its_budget_never_begin_and_are_not_judged() -> None:
+    s = train(ring(6), "ssgd", "pause:4@4.5+10,kill:2@30", 60, steps=100)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    assert s["faults_not_begun"] == ["kill:2@30"] and s["training"]["nodes"]["2"]["outcome"] == "finished"
+    # node 4, paused before the stop, is declared failed before the barrier ends (it waits for it)
+    assert [d["node"] for d in s["declared"]] == [4] and s["training"]["finished"] == 5
+    assert all(n["barrier"]["failed"] == [4] for i, n in s["training"]["nodes"].items() if i != "4")
+
+
 def test_a_diloco_joiner_that_adopts_the_operation_carrying_the_stop_takes_no_step_past_the_budget() -> None:
     # node 3 rejoins while the members' first operation is the one at their budget (inner_steps
     # 500 > 100): it adopts that operation, which carries the stop. It ran one more inner step
