@@ -150,6 +150,16 @@ class Fenced(P2PSyncError):
         super().__init__(message)
 
 
+class RunEnded(Fenced):
+    """The run this process asked to rejoin is ending: its members agreed to stop and wait in
+    the finish barrier (its registration came after that, or its strategy had not joined the
+    training when every member had finished). There is nothing left to join: the process ends
+    without an error and is not started again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, rejoin=False)
+
+
 class NoQuorum(P2PSyncError):
     """This node heard no coordinator holding a majority of the run for longer than its
     ``--quorum-timeout``: it stopped stepping meanwhile and gives up now."""

@@ -320,6 +320,7 @@ class NodeRuntime:
         for codec in {c.spec: c for c in strategy.codecs()}.values():
             await asyncio.to_thread(codec.warm)
         await strategy.start()
+        self.membership.joined_training()
         return strategy
 
     def time_left(self) -> float | None:

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
+from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED, EXIT_OK
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
-from p2psync.errors import ConfigError, Fenced, P2PSyncError, translate
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, RunEnded, translate
 from p2psync.topology import Topology
 from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SGD_LR, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS,
                                      RunConfig, lm_defaults)
@@ -425,6 +425,9 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
     except Fenced as exc:  # restarted by the launcher, it rejoins (unless it was excluded)
         print(f"node {node_id}: {exc}", file=sys.stderr)
         return EXIT_FENCED if exc.rejoin else EXIT_FAILED
+    except RunEnded as exc:  # a new process that came too late: nothing is left to rejoin
+        print(f"node {node_id}: not rejoined: {exc}", file=sys.stderr)
+        return EXIT_OK
     except P2PSyncError as exc:
         print(f"node {node_id}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -23,6 +23,14 @@ both incarnations and addresses.
 heartbeats, views in epoch order, failure listeners, coordinator failover and the finish
 barrier.
 
+The finish barrier (``membership.finish``) replies once every expected node finished, failed
+or departed (``finished``, ``failed``, and ``ended``: the joiners the run's end left out).
+Once some node finished at an agreed stop the run is ending: a failed or departed node's new
+process is refused (:class:`~p2psync.errors.RunEnded`), and a joiner whose strategy has not
+joined the training (its heartbeats say ``joining``) is not waited for: once every other node
+is done, and a failure timeout and two heartbeats later, it departs, and learns from the view
+that the run ended without it (it ends with ``RunEnded`` and is not started again).
+
 Coordinator failover: a service built with a ``state`` rebuilt after a
 takeover (:mod:`p2psync.coordinator.failover`) publishes its view at once, names itself as the
 coordinator in every view, merges the failures members report and moves its epoch past any
@@ -214,10 +222,11 @@ class MembershipService:
         applied = (term, epoch) if type(term) is int and type(epoch) is int \
             and coord == self.state.coordinator else None
         now = clock.now()
+        joining = args.get("joining") is True
         if isinstance(srtt, float) and isinstance(rttvar, float):
-            self.state.heartbeat(caller, now, srtt=srtt, rttvar=rttvar, applied=applied)
+            self.state.heartbeat(caller, now, srtt=srtt, rttvar=rttvar, applied=applied, joining=joining)
         else:
-            self.state.heartbeat(caller, now, applied=applied)
+            self.state.heartbeat(caller, now, applied=applied, joining=joining)
         reply: dict[str, Any] = {"quorum": self._quorum(now)}
         view = self.state.view()
         if (epoch, coord, term) != (view.epoch, view.coordinator, view.term):
@@ -283,15 +292,37 @@ class MembershipService:
     async def _finish(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         if self.state.started and caller in self.state.failed:  # fenced: its records are void
             raise RemoteError("Fenced", f"node {caller} was removed from the run; its finish is not recorded")
-        if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True):
+        if self.state.finish(caller, args.get("stats"), depart=args.get("depart") is True, now=clock.now()):
             view = self.state.view()
             log.info("coordinator: node %d finished and left the run; view epoch %d members %s",
                      caller, view.epoch, list(view.members))
             self._publish(view, skip=caller)
         self._notify()
         timeout = float(args.get("timeout", 30.0))
-        await self._wait_until(lambda: self.state.all_finished, clock.now() + timeout)
-        return {"finished": sorted(self.state.finished), "failed": sorted(self.state.failed)}
+        await self._wait_until(self._barrier_done, clock.now() + timeout)
+        st = self.state
+        out = {"finished": sorted(st.finished), "failed": sorted(st.failed)}
+        ended = sorted(st.departed - set(st.finished) - st.failed)
+        if ended:  # (joiners that the run's end left out: :meth:`_barrier_done`)
+            out["ended"] = ended
+        return out
+
+    def _barrier_done(self) -> bool:
+        """Whether the finish barrier may end (every expected node finished, failed or
+        departed); first, once every other node did, the joiners still joining the training
+        depart (:meth:`MembershipState.end_joiners`: they could take no part in the agreed
+        stop, and each learns from the view that the run ended without it)."""
+        st = self.state
+        ended = st.end_joiners(clock.now(), grace=st.failure_timeout + 2 * st.heartbeat_interval)
+        if ended:
+            view = st.view()
+            log.warning("coordinator %d: the run ends while nodes %s still join the training: they depart; view "
+                        "epoch %d members %s", self.transport.node_id, ended, view.epoch, list(view.members))
+            self._publish(view)
+            for n in ended:  # (no members any more: told apart)
+                self._tells.spawn(self._tell(n, view), name=f"view-to-{n}")
+            self._notify()
+        return st.all_finished
 
     async def _monitor(self) -> None:
         me = self.transport.node_id

@@ -47,7 +47,7 @@ from p2psync.coordinator.takeover import Succession
 from p2psync.coordinator.views import View, ViewTracker
 from p2psync.coordinator.votes import VoteStore
 from p2psync.errors import (ConfigError, Fenced, P2PSyncError, PeerFailure, PeerTimeout, ProtocolError, RemoteError,
-                            TransportError)
+                            RunEnded, TransportError)
 from p2psync.tasks import TaskSet
 from p2psync.transport import Transport
 
@@ -116,6 +116,10 @@ class MembershipClient:
         transport.offence_listeners.append(self._offence)
         #: this node's loop ended first and it asked to leave the run (finish with ``depart``)
         self.departing = False
+        #: this process joined a run going and its strategy has not joined the training yet
+        #: (:meth:`joined_training`); said in every heartbeat: the coordinator does not hold
+        #: the finish barrier for it once every member finished
+        self.joining = False
         #: (epoch, peers): an operation of that view failed waiting for live peers; reported in
         #: every heartbeat until a newer view arrives (:meth:`request_redo`)
         self.redo: tuple[int, tuple[int, ...]] | None = None
@@ -164,6 +168,11 @@ class MembershipClient:
         view = self.view
         return self.departing or (view is not None and self.transport.node_id in view.departed)
 
+    def joined_training(self) -> None:
+        """This process's strategy joined the training (its ``start()`` returned): it takes
+        part in the agreed stop from now on."""
+        self.joining = False
+
     def hear_term(self, term: int) -> None:
         """Another node ran, or voted, in ``term`` (a vote request, a probe)."""
         self.heard_term = max(self.heard_term, term)
@@ -205,7 +214,8 @@ class MembershipClient:
         """Register with the coordinator (the rendezvous: it answers once every node has, or at
         once for a joiner) and apply the first view; returns its reply (``joined``, the view,
         the run's info). ConfigError when the coordinator refuses the configuration,
-        PeerTimeout after ``timeout``. Called from ``NodeRuntime.rendezvous``:
+        RunEnded when the run this process would rejoin is ending (its members agreed to
+        stop), PeerTimeout after ``timeout``. Called from ``NodeRuntime.rendezvous``:
         ``self.info = await self.membership.register(self.cfg.fingerprint(), timeout=...)``."""
         self.fingerprint = fingerprint
         args = {"fingerprint": fingerprint, "incarnation": self.transport.incarnation,
@@ -263,10 +273,13 @@ class MembershipClient:
                 raise PeerTimeout(f"{who} did not host the run in time: {exc.message}") from None
             if exc.kind == UNREACHABLE:  # its neighbours stayed out of the run until the start timeout
                 raise PeerTimeout(f"{who} could not admit it in time: {exc.message}") from None
+            if exc.kind == "RunEnded":  # restarted too late: the members agreed to stop
+                raise RunEnded(f"{who}: {exc.message}") from None
             if exc.kind in ("ConfigError", "DuplicateNode"):  # e.g. a different configuration
                 raise ConfigError(f"{who} refused the registration: {exc.message}") from exc
             raise
         self.info = dict(info)
+        self.joining = bool(self.info.get("joined"))
         elapsed = self.info.get("elapsed", 0.0)
         elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and 0 <= elapsed < 1e9 else 0.0
         #: when the run started, on this node's clock (a joiner's run started before it did)
@@ -381,6 +394,12 @@ class MembershipClient:
         if not self.succession.accepts(view, self.ballot.promised):
             return
         me = self.transport.node_id
+        if me in view.departed and not self.departing and self.view is not None:
+            # the coordinator ended the run without it: a joiner whose strategy had not joined
+            # the training when every member had finished at the agreed stop
+            self.quorum.fence(f"coordinator {view.coordinator} ended the run (view {view.epoch}) while it was "
+                              "still joining the training", ended=True)
+            return
         if me not in view.members and me not in view.departed and self.view is not None:
             if self.removed_by is None or view.key > self.removed_by.key:
                 self.removed_by = view
@@ -497,6 +516,8 @@ class MembershipClient:
             args["redo"] = {"epoch": self.redo[0], "peers": list(self.redo[1])}
         if self.seen_term > (self.view.term if self.view is not None else -1):
             args["seen_term"] = self.seen_term
+        if self.joining:
+            args["joining"] = True
         return args
 
     async def _beat(self) -> None:

@@ -74,7 +74,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from p2psync.coordinator.detector import DetectorParams, FailureDetector
 from p2psync.coordinator.quorum import Agreement
 from p2psync.coordinator.views import View
-from p2psync.errors import ConfigError, DuplicateNode
+from p2psync.errors import ConfigError, DuplicateNode, RunEnded
 from p2psync.topology import Topology
 from p2psync.topology.paths import hop_distances
 
@@ -173,6 +173,10 @@ class MembershipState:
     join_grace: dict[int, float] = field(default_factory=dict)
     #: joiner -> the epoch of the view that admitted its current incarnation
     joined_epoch: dict[int, int] = field(default_factory=dict)
+    #: joiners whose strategy has not joined the training yet (their heartbeats say so)
+    joining: set[int] = field(default_factory=set)
+    #: when the latest node finished (None: none yet)
+    finished_at: float | None = None
     #: nodes that finished and left the view gracefully
     departed: set[int] = field(default_factory=set)
     #: nodes excluded for what they sent (node -> why), also in ``failed``
@@ -210,6 +214,9 @@ class MembershipState:
             old, addr = self.incarnations.get(node, 0), self.addresses.get(node, "?")
             if old == incarnation:
                 return self.rejoined.get(node, 0) > 0  # the same process again (a retried request)
+            if self.stopping and (node in self.failed or node in self.departed):
+                raise RunEnded(f"node {node} (incarnation {incarnation} at {address}) asks to rejoin, but the run "
+                               f"is ending: its members agreed to stop and nodes {sorted(self.finished)} finished")
             if node in self.failed:
                 if not self.allow_join:
                     raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
@@ -231,6 +238,7 @@ class MembershipState:
                 self.reports.pop(node, None)  # reports concerned its previous life
                 self.epoch += 1
                 self.joined_epoch[node] = self.epoch
+                self.joining.add(node)
                 return True
             raise DuplicateNode(f"node {node} is already registered and alive (incarnation {old} at "
                                 f"{addr}); second registration (incarnation {incarnation} at {address}) "
@@ -270,13 +278,18 @@ class MembershipState:
         return len(self.registered) >= len(self.expected) and not self.missing
 
     def heartbeat(self, node: int, now: float, *, srtt: float | None = None, rttvar: float = 0.0,
-                  applied: tuple[int, int] | None = None) -> None:
+                  applied: tuple[int, int] | None = None, joining: bool = False) -> None:
         """A heartbeat from a live registered ``node`` at ``now``, with the RTT it measured to
         the coordinator (``srtt``, ``rttvar``) when it has one; ends a joiner's grace period.
         ``applied``: the (term, epoch) of the newest view of this coordinator it applied (its
-        acknowledgement, :class:`~p2psync.coordinator.quorum.Agreement`). Called from the
+        acknowledgement, :class:`~p2psync.coordinator.quorum.Agreement`); ``joining``: it
+        joined a run going and its strategy has not joined the training yet. Called from the
         service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
+            if joining and node not in self.finished:
+                self.joining.add(node)
+            else:
+                self.joining.discard(node)
             self.join_grace.pop(node, None)
             self.spared.pop(node, None)
             self.detector.heartbeat(node, now)
@@ -479,10 +492,13 @@ class MembershipState:
         self.epoch += 1
         return True
 
-    def finish(self, node: int, stats: Any, *, depart: bool = True) -> bool:
+    def finish(self, node: int, stats: Any, *, depart: bool = True, now: float | None = None) -> bool:
         """``node`` finished: record its stats; with ``depart`` it leaves the view (not a
         failure: its loop ended while the others go on). Returns True when the view changed."""
         self.finished[node] = stats
+        self.joining.discard(node)
+        if now is not None:
+            self.finished_at = now
         if depart and node in self.registered and node not in self.failed and node not in self.departed:
             self.departed.add(node)
             if self.agreement is not None:
@@ -490,6 +506,32 @@ class MembershipState:
             self.epoch += 1
             return True
         return False
+
+    @property
+    def stopping(self) -> bool:
+        """Some node finished at an agreed stop (it did not depart): the run is ending, and a
+        failed node may not rejoin it (:meth:`register`)."""
+        return any(n not in self.departed for n in self.finished)
+
+    def end_joiners(self, now: float, grace: float) -> list[int]:
+        """Once the run is :attr:`stopping` and every other expected node finished, failed or
+        departed at least ``grace`` ago (a heartbeat of a joiner that joined the training in
+        time says so first): the joiners still joining, which can take no part in the agreed
+        stop, depart (the view names them departed: each ends as :class:`RunEnded`). Returns
+        them; the view changed when it is not empty."""
+        if not self.stopping or not self.joining or self.finished_at is None or now - self.finished_at < grace:
+            return []
+        waiting = self.joining - set(self.finished) - self.failed - self.departed
+        done = set(self.finished) | self.failed | self.departed
+        if not waiting or not done | waiting >= self.expected:
+            return []
+        for n in sorted(waiting):
+            self.departed.add(n)
+            if self.agreement is not None:
+                self.agreement.depart(n)
+        self.joining -= waiting
+        self.epoch += 1
+        return sorted(waiting)
 
     @property
     def all_finished(self) -> bool:

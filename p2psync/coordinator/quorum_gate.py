@@ -27,7 +27,7 @@ import logging
 from typing import Callable
 
 from p2psync import clock
-from p2psync.errors import Fenced, NoQuorum
+from p2psync.errors import Fenced, NoQuorum, RunEnded
 
 log = logging.getLogger("p2psync.membership")
 
@@ -97,14 +97,16 @@ class QuorumGate:
         log.warning("node %d: a majority again after %.2fs", self.me, waited)
         return waited
 
-    def fence(self, why: str, *, rejoin: bool = True) -> None:
+    def fence(self, why: str, *, rejoin: bool = True, ended: bool = False) -> None:
         """This node is no member of the run any more (see the module docstring), the first
         time only; ``rejoin``: whether a new process of it may join again (not after an
-        exclusion). Wakes every :meth:`wait` and calls the listeners."""
+        exclusion); ``ended``: the run ends without it (:class:`RunEnded`: a joiner that took
+        no part in the agreed stop). Wakes every :meth:`wait` and calls the listeners."""
         if self.fenced is not None:
             return
-        self.fenced = Fenced(f"node {self.me} was removed from the run: {why}; its progress since is void"
-                             + (", it rejoins as a new process" if rejoin else ""), rejoin=rejoin)
+        self.fenced = (RunEnded(f"node {self.me} left the run as it ended: {why}") if ended else
+                       Fenced(f"node {self.me} was removed from the run: {why}; its progress since is void"
+                              + (", it rejoins as a new process" if rejoin else ""), rejoin=rejoin))
         log.error("node %d: fenced: %s", self.me, why)
         self._wake()
         for cb in list(self.listeners):

@@ -668,6 +668,14 @@ def bounded_queues(queues: Mapping[int, Queues], *, mailbox_budget: int, relay_b
     return f"{len(bad)} node(s) overflowed a queue: " + "; ".join(bad[:10]) + ("; ..." if len(bad) > 10 else "")
 
 
+def _departed_since(v: ViewSeen, newest: ViewSeen) -> bool:
+    """Whether ``v`` is an earlier view of ``newest``'s coordinator and term whose members
+    are ``newest``'s and some of the nodes ``newest`` names departed."""
+    extra = set(v.members) - set(newest.members)
+    return (v.term == newest.term and v.coordinator == newest.coordinator and v.epoch <= newest.epoch
+            and set(newest.members) <= set(v.members) and extra <= set(newest.departed))
+
+
 def one_view_per_group(final: Mapping[int, ViewSeen | None], groups: Iterable[Sequence[int]]) -> str:
     """With no group of nodes holding a majority at the end (nothing can change): the live
     nodes of each connected group (``groups``) hold one view."""
@@ -679,15 +687,23 @@ def one_view_per_group(final: Mapping[int, ViewSeen | None], groups: Iterable[Se
     return HELD if not split else "no group holds a majority at the end, and " + "; ".join(split)
 
 
-def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], pending: Collection[int] = ()) -> str:
+def one_view_at_end(final: Mapping[int, ViewSeen | None], live: Iterable[int], pending: Collection[int] = (),
+                    *, ended: bool = False) -> str:
     """``final``: each node's last view (None: none); ``live``: the nodes neither killed nor
     fenced; ``pending``: nodes restarted too late to have rejoined (not among ``live``): the
-    view may list them or not. See the module docstring."""
+    view may list them or not; ``ended``: the processes ended after the finish barrier, so a
+    node may have ended before the view that departed the last joiners (published with the
+    barrier's replies) reached it: a view that differs from the newest only by such
+    departures counts as the newest. See the module docstring."""
     live = sorted(live)
     views = {n: final.get(n) for n in live}
     missing = [n for n, v in views.items() if v is None]
     if missing:
         return f"nodes {missing} hold no view"
+    if ended:
+        newest = max((v for v in views.values() if v is not None), key=lambda v: (v.term, v.epoch), default=None)
+        if newest is not None:
+            views = {n: newest if v is not None and _departed_since(v, newest) else v for n, v in views.items()}
     keys = {(v.term, v.epoch, v.coordinator, v.members) for v in views.values() if v is not None}
     if len(keys) > 1:
         groups: dict[tuple[int, int, int], list[int]] = {}

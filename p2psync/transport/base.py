@@ -309,8 +309,8 @@ class Transport(ABC):
                 return False
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._gone_waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, left)
+            try:  # (at least a millisecond: a wait shorter than the clock's resolution ends at once)
+                await asyncio.wait_for(fut, max(left, 0.001))
             except (asyncio.TimeoutError, TimeoutError):
                 pass
             finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2psync.coordinator import MembershipState
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, RunEnded
 
 
 def test_membership_state_register_and_fingerprints():
@@ -154,3 +154,58 @@ def test_majority_regained_is_when_enough_of_the_far_side_was_heard_again():
     assert majority_regained(12.0, out, quorum) is None  # the outages ended before that silence began
     assert majority_regained(10.0, {0: None, 1: None, 2: (10.0, 11.8), 4: None}, quorum) is None  # heard throughout
     assert majority_regained(10.0, {0: None, 1: (10.0, 11.7)}, quorum) is None  # no majority even now
+
+
+def _run_of_four_with_node_3_rejoining() -> MembershipState:
+    """Nodes 0-3 registered; 3 failed and its new process registered again (a join)."""
+    st = MembershipState(expected=frozenset({0, 1, 2, 3}), failure_timeout=2.0, heartbeat_interval=0.5)
+    for n in range(4):
+        st.register(n, "f", 0.0, incarnation=1)
+    st.started = True
+    st.failed.add(3)
+    assert st.register(3, "f", 5.0, incarnation=2)  # a join
+    return st
+
+
+def test_once_the_members_agreed_to_stop_no_failed_or_departed_node_rejoins():
+    st = _run_of_four_with_node_3_rejoining()
+    st.failed.add(3)  # (failed again)
+    st.finish(1, {"node": 1}, depart=True)  # a loop that ended first: the run goes on
+    assert not st.stopping
+    assert st.register(3, "f", 6.0, incarnation=3)  # admitted
+    st.finish(0, {"node": 0}, depart=False, now=7.0)  # the agreed stop
+    assert st.stopping
+    st.failed.add(3)
+    with pytest.raises(RunEnded, match="run is ending"):
+        st.register(3, "f", 8.0, incarnation=4)
+    with pytest.raises(RunEnded, match="run is ending"):  # a departed node's new process too
+        st.register(1, "f", 8.0, incarnation=2)
+    assert st.register(0, "f", 8.0, incarnation=1) is False  # the same process again: answered
+
+
+def test_the_finish_barrier_departs_a_joiner_still_joining_once_every_other_node_is_done():
+    st = _run_of_four_with_node_3_rejoining()
+    assert st.joining == {3}
+    grace = st.failure_timeout + 2 * st.heartbeat_interval
+    st.finish(0, None, depart=False, now=10.0)
+    st.finish(1, None, depart=False, now=10.1)
+    assert st.end_joiners(20.0, grace) == []  # node 2 has not finished: the run waits for it
+    st.finish(2, None, depart=False, now=10.2)
+    assert st.end_joiners(10.2 + grace - 0.01, grace) == []  # a joiner that joined says so first
+    epoch = st.epoch
+    assert st.end_joiners(10.2 + grace, grace) == [3] and st.all_finished
+    assert st.view().departed == (3,) and 3 not in st.view().members and st.epoch == epoch + 1
+    assert st.end_joiners(30.0, grace) == []  # once
+
+
+def test_a_joiner_whose_strategy_joined_the_training_is_waited_for():
+    st = _run_of_four_with_node_3_rejoining()
+    st.heartbeat(3, 6.0, joining=True)
+    assert st.joining == {3}
+    st.heartbeat(3, 6.5)  # its strategy started: it takes part in the stop
+    assert st.joining == set()
+    for n in range(3):
+        st.finish(n, None, depart=False, now=10.0)
+    assert st.end_joiners(60.0, 3.0) == [] and not st.all_finished
+    st.finish(3, None, depart=False, now=61.0)
+    assert st.all_finished

@@ -4,6 +4,7 @@ held actors, and clear refusals (deadlock, foreign threads)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
@@ -188,3 +189,25 @@ def test_callbacks_that_never_let_the_time_move_on_are_a_livelock_not_a_hang():
         return n
 
     assert run(ticking(), loop=VirtualLoop(livelock_steps=3000)) == 5000
+
+
+def test_a_wait_shorter_than_the_clock_s_resolution_moves_the_time_on() -> None:
+    # the membership service's bounded wait (coordinator/membership.py _wait_until) in slices
+    # until a deadline: once what was left was one floating-point step (7e-15 s at 38 s),
+    # asyncio ran the timer at once (due within the clock's resolution) without moving the
+    # time, so the same wait began again and again: a livelock at 38.127 s (a simulated finish
+    # barrier's end)
+    async def wait_out(deadline: float) -> float:
+        ev = asyncio.Event()
+        while (remaining := deadline - clock.now()) > 0:
+            try:
+                await asyncio.wait_for(ev.wait(), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        return clock.now()
+
+    async def go() -> float:
+        await asyncio.sleep(38.12699999999997)
+        return await wait_out(math.nextafter(clock.now(), math.inf))
+
+    assert run(go(), loop=VirtualLoop()) == pytest.approx(38.127)
