@@ -64,6 +64,9 @@ reply (``barrier``) and when it came (``barrier_at``). Four invariants:
   (:func:`~p2psync.strategies.regroup.regroup_bound`, the time a member waits for a newer
   view) before that stop, or had not registered by the end though restarted too late to
   (:func:`~p2psync.sim.invariants.rejoin_bound`, as the membership invariants excuse it).
+  Such a process ends with the run as a real one does: the coordinator departs it once the
+  others finished, or refuses its registration after the stop
+  (:class:`~p2psync.errors.RunEnded`: ``fenced``, not started again).
   When no group of live nodes holds a majority of the newest view at the end
   (``majority_at_end`` false: kills and removals cut the topology), no member may step, so none can reach a stop: ``not
   promised: ...``, unless some node finished all the same, which is a violation.
