@@ -103,6 +103,21 @@ class NicStats:
     rejected: int = 0
 
 
+async def _woken(waiters: list[asyncio.Future[None]], timeout: float) -> None:
+    """Wait until :func:`wake` wakes ``waiters`` (a future joins them, and leaves them after),
+    at most ``timeout`` seconds (at least a millisecond: a wait shorter than the clock's
+    resolution ends at once)."""
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiters.append(fut)
+    try:
+        await asyncio.wait_for(fut, max(timeout, 0.001))
+    except (asyncio.TimeoutError, TimeoutError):
+        pass
+    finally:
+        if fut in waiters:
+            waiters.remove(fut)
+
+
 def wake(waiters: Iterable[asyncio.Future[None]]) -> None:
     """Resolve every future of ``waiters`` not done yet (the waits they stand for look again)."""
     for fut in waiters:
@@ -307,15 +322,7 @@ class Transport(ABC):
             left = end - clock.now()
             if left <= 0:
                 return False
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._gone_waiters.append(fut)
-            try:  # (at least a millisecond: a wait shorter than the clock's resolution ends at once)
-                await asyncio.wait_for(fut, max(left, 0.001))
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
-            finally:
-                if fut in self._gone_waiters:
-                    self._gone_waiters.remove(fut)
+            await _woken(self._gone_waiters, left)
         return True
 
     def _unreachable(self, peer: int, route: Route, budget: float) -> PeerUnreachable:
@@ -518,15 +525,7 @@ class Transport(ABC):
             left = deadline - clock.now()
             if left <= 0:
                 raise self._unreachable(peer, route, budget)
-            fut = asyncio.get_running_loop().create_future()
-            self._link_waiters.append(fut)
-            try:  # (at least a millisecond: a wait shorter than the clock's resolution ends at once)
-                await asyncio.wait_for(fut, max(left, 0.001))
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
-            finally:
-                if fut in self._link_waiters:
-                    self._link_waiters.remove(fut)
+            await _woken(self._link_waiters, left)
         await self._shape_and_deliver(peer, route, max(0.0, deadline - clock.now()), frames, bulk, unordered,
                                       to_dead)
 
