@@ -120,8 +120,8 @@ async def finish_barrier(membership: MembershipClient, transport: Transport, top
     through it (:func:`relay_wanted`) it asks again); then, where the coordinator's replies to
     nodes behind it pass through it (:func:`reply_relays`), stay until they are gone (a node
     leaves once it has its reply: its connections close), at most :data:`RELAY_LINGER_S` (the
-    whole wait when one of them is down already: a reconnect under way cannot be seen
-    leaving). Returns the barrier's reply (``finished``, ``failed``)."""
+    whole wait when one of them is half down already: a reconnect under way cannot be seen
+    leaving; none for those gone already). Returns the barrier's reply (``finished``, ``failed``)."""
     node_id = transport.node_id
     rep = await membership.finish(stats, timeout=timeout, depart=depart)
     while depart and rep:  # (an empty reply: the barrier failed, nobody to wait for)
@@ -133,7 +133,8 @@ async def finish_barrier(membership: MembershipClient, transport: Transport, top
         log.info("node %d: members %s still train and pass tensors through this node: it stays in "
                  "the finish barrier", node_id, waiting)
         rep = await membership.finish(stats, timeout=timeout, depart=depart)
-    behind = reply_relays(topo, node_id, membership.view, membership.coordinator)
+    behind = [p for p in reply_relays(topo, node_id, membership.view, membership.coordinator)
+              if not transport.gone(p)]  # (one gone already had its reply, or never will)
     if behind:
         if any(transport.half_down(p) for p in behind):
             await asyncio.sleep(RELAY_LINGER_S)

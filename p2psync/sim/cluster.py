@@ -199,18 +199,10 @@ class SimNode:
                 f = hub.factor(self.id, nb)
                 link.spec = spec if f == 1.0 else replace(spec, latency_s=spec.latency_s * f)
 
-    async def end(self) -> None:
-        """End this process as ``NodeRuntime.close`` does after the finish barrier: the
-        transport (its shaper flushed: what was sent goes out), the RPC server, the host,
-        the membership, in that order."""
-        for closing in (self.transport.close, self.server.close, self.host.close, self.membership.close):
-            try:
-                await closing()
-            except P2PSyncError as exc:
-                log.info("node %d: ending: %s", self.id, exc)
-
     async def close(self) -> None:
-        """Close membership, host, RPC server and transport, in that order."""
+        """Close membership, host, RPC server and transport, in that order, as
+        ``NodeRuntime.close`` does (the RPC server gives the replies being computed time to
+        go out, the transport sends what its shapers hold)."""
         for closing in (self.membership.close, self.host.close, self.server.close, self.transport.close):
             try:
                 await closing()
@@ -401,7 +393,7 @@ class SimCluster:
 
     async def _leave(self, node: SimNode) -> None:
         """The process ``node`` ends after the run's finish barrier, as a real one exits: its
-        runtime closes (:meth:`SimNode.end`: it leaves the medium) and it runs nothing more;
+        runtime closes (:meth:`SimNode.close`: it leaves the medium) and it runs nothing more;
         no fault (nobody must detect it). The first such end sets :attr:`ended_at`. Called
         as the node's actor."""
         if node.killed_at is not None or node.left_at is not None or self._closing:
@@ -417,7 +409,7 @@ class SimCluster:
             v = svc.state.view()
             if node.last is None or (v.term, v.epoch) > (node.last.term, node.last.epoch):
                 node.last = self._seen(node, v)
-        await node.end()
+        await node.close()
         node.left_at = loop.time() - self.t0
         loop.hold(node.actor)
         log.info("sim t=%.3f: node %d ended after the finish barrier", node.left_at, node.id)

@@ -733,7 +733,7 @@ class Transport(ABC):
 
     async def _close_shaper(self) -> None:
         if self.shaper is not None:
-            await self.shaper.close()
+            await self.shaper.close(gone=self.gone)
 
     def _closing(self) -> None:
         self._closed = True

@@ -99,6 +99,27 @@ def test_every_node_ends_after_the_finish_barrier_with_one_reply() -> None:
     assert [d["node"] for d in s["declared"]] == [3]  # nobody is declared while they end
 
 
+def test_when_the_coordinator_finishes_last_every_node_still_gets_its_reply_and_ends_at_once() -> None:
+    # node 0 (the coordinator) computes four times slower: under ASGD it reaches the stop last,
+    # so its own barrier call returns as it replies to the others. Its RPC server closes
+    # before its transport, as a node runtime's (the replies computed go out first: closed
+    # transport-first, they were lost and the others elected a new coordinator); and a relay
+    # whose neighbour behind it is gone already does not linger for it (it waited 0.5 s, and
+    # its exit another 2 s for a heartbeat to the departed coordinator in its shaper)
+    spec = TrainingSpec(strategy="asgd", step_time=0.05, step_times={0: 0.2}, seed=7)
+
+    async def go() -> dict[str, Any]:
+        async with TrainingCluster(ring(6), training=spec, opts=OPTS) as c:
+            return await c.run(5.0)
+
+    s = run(go(), loop=VirtualLoop())
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    nodes = s["training"]["nodes"]
+    assert max(n["finished_at"] for n in nodes.values()) == nodes["0"]["finished_at"]  # the coordinator last
+    assert all(n["barrier"] == {"finished": list(range(6)), "failed": []} for n in nodes.values())
+    assert max(s["left"].values()) - s["ended_at_s"] < 0.05
+
+
 def test_the_finish_barrier_invariant_names_what_went_wrong() -> None:
     def ended(i: int, barrier: dict[str, Any] | None, at: float = 10.2) -> NodeTraining:
         return NodeTraining(outcome="finished", finished_at=10.0 + i / 100, barrier=barrier, barrier_at=at)
