@@ -52,8 +52,8 @@ from p2psync.api.session_state import Checkpoints
 from p2psync.api.start import identical_start
 from p2psync.collectives import OpId
 from p2psync.coordinator import View
-from p2psync.errors import (ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, SumDiverged, TrainingEnded,
-                             TrainingError)
+from p2psync.errors import (ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, RunEnded, SumDiverged,
+                            TrainingEnded, TrainingError)
 from p2psync.files import write_text_or_warn
 from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import StepReport, Strategy
@@ -150,11 +150,17 @@ class StepDriver:
 
     def _on_fenced(self, exc: Fenced) -> None:
         """This node was removed from the run: it stops now (its progress since is void). A
-        marker beside its records tells the launcher to start it again (it then rejoins)."""
-        if self.runtime is not None and exc.rejoin:
-            write_text_or_warn(self.runtime.run_dir / f"node-{self.node_id}.fenced", str(exc) + "\n",
-                               what="fence marker")
+        marker beside its records tells the launcher to start it again (it then rejoins), or,
+        when the run ended without it (:class:`RunEnded`), to leave it out."""
+        if self.runtime is not None and (exc.rejoin or isinstance(exc, RunEnded)):
+            self._mark(self.runtime, exc)
         self.fail(exc)
+
+    def _mark(self, rt: NodeRuntime, exc: Fenced) -> None:
+        """The marker the launcher reads when this process has ended (``cli.launch``)."""
+        ended = isinstance(exc, RunEnded)
+        write_text_or_warn(rt.run_dir / f"node-{self.node_id}.{'ended' if ended else 'fenced'}", str(exc) + "\n",
+                           what="end marker" if ended else "fence marker")
 
     # -- start ---------------------------------------------------------------------------
 
@@ -183,7 +189,9 @@ class StepDriver:
             self.metrics = MetricsWriter(rt.run_dir / f"node-{self.node_id}.jsonl", failures=rt.write_failures)
             self.life.to(Phase.RUNNING)
             self.task = asyncio.get_running_loop().create_task(self._drive(), name="p2psync-driver")
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, RunEnded):  # its registration came after the agreed stop
+                self._mark(rt, exc)
             await rt.close()
             raise
         await _first(self.task, self._strategy_started, self.gate.wanted)

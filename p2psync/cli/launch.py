@@ -82,6 +82,12 @@ def fenced_marker(run_dir: Path, node: int) -> Path:
     return run_dir / f"node-{node}.fenced"
 
 
+def ended_marker(run_dir: Path, node: int) -> Path:
+    """Where a node's session leaves why the run ended without it (:class:`RunEnded`: it came
+    back as the run ended), read, then removed, by the launcher."""
+    return run_dir / f"node-{node}.ended"
+
+
 def default_threads(local_nodes: int) -> int:
     """Torch threads per node when ``local_nodes`` share this host's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, local_nodes))
@@ -401,18 +407,23 @@ def _start_and_monitor(cfg: RunConfig, topo: Topology, run_dir: Path, spec: Node
             signal.signal(s, h)
 
 
+def _take(marker: Path) -> str | None:
+    """A marker's reason, the marker removed (None: there is none)."""
+    try:
+        why = marker.read_text(errors="replace").strip()
+        marker.unlink()
+    except OSError:
+        return None
+    return why
+
+
 def _fenced(run_dir: Path, node: int, code: int | None) -> str | None:
     """Why node ``node``, which ended with exit status ``code``, was fenced (its marker, which
     is removed), or None when it was not. A node still running (``code`` None) is not looked
     at: it leaves its marker before it exits, and the reason must still be there then."""
     if code is None:
         return None
-    marker = fenced_marker(run_dir, node)
-    try:
-        why = marker.read_text(errors="replace").strip()
-        marker.unlink()
-    except OSError:
-        why = None
+    why = _take(fenced_marker(run_dir, node))
     if why is None and code == EXIT_FENCED:
         why = "fenced"
     return why if code not in (None, 0) else None
@@ -431,7 +442,7 @@ class NodeEnd:
 
 
 def on_node_end(code: int, fenced: str | None, *, over: bool, may_restart: bool, restarted: bool,
-                wrote_since_restart: bool) -> NodeEnd:
+                wrote_since_restart: bool, ended: str | None = None) -> NodeEnd:
     """The launcher's decision for a node whose process exited with ``code`` (pure; see the
     module docstring). ``fenced``: why it was removed from the run (:func:`_fenced`), or None;
     ``over``: the run ended as far as it is concerned (:func:`run_over`); ``may_restart``:
@@ -441,7 +452,11 @@ def on_node_end(code: int, fenced: str | None, *, over: bool, may_restart: bool,
 
     A fenced node is left out once the run is over, else started again when allowed; a new
     life that ended without a record once the run is over found nobody to join: left out
-    too. Any other non-zero end is a failure."""
+    too, and so is one that came back as the run ended (``ended``: its session's reason,
+    :class:`~p2psync.errors.RunEnded`), whatever its exit status. Any other non-zero end is a
+    failure."""
+    if ended is not None:
+        return NodeEnd(left_out=f"it came back as the run ended ({ended[:200]})")
     if fenced is not None and over:
         return NodeEnd(left_out=f"it was removed from the run ({fenced[:200]}) and the run ended before it could "
                                 "rejoin")
@@ -481,7 +496,7 @@ def _monitor(cfg: RunConfig, run_dir: Path, procs: dict[int, NodeProcess], group
                     continue
                 why = _fenced(run_dir, i, code)
                 tails[i].poll()
-                end = on_node_end(code, why, over=run_over(run_dir, codes, i),
+                end = on_node_end(code, why, over=run_over(run_dir, codes, i), ended=_take(ended_marker(run_dir, i)),
                                   may_restart=start is not None and cfg.on_failure == "continue"
                                   and restarts.get(i, 0) < MAX_RESTARTS and stop["signal"] is None,
                                   restarted=i in restarted_at,

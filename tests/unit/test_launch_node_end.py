@@ -35,3 +35,12 @@ def test_a_clean_exit_is_nothing_and_any_other_is_a_failure() -> None:
     assert end(0) == NodeEnd()
     assert end(1) == NodeEnd(failure=True)
     assert end(-9, over=True) == NodeEnd(failure=True)
+
+
+def test_a_node_that_came_back_as_the_run_ended_is_left_out_whatever_its_exit_status() -> None:
+    # its session left the reason (RunEnded): the built-in job exits 0, a script may raise
+    for code in (0, 1, EXIT_FENCED):
+        got = on_node_end(code, None, over=False, may_restart=True, restarted=True, wrote_since_restart=False,
+                          ended="node 3 left the run as it ended")
+        assert got.left_out is not None and "came back as the run ended" in got.left_out
+        assert not got.restart and not got.failure
