@@ -117,7 +117,7 @@ def _replay(args: argparse.Namespace, topology: str, seed: int, faults: Sequence
 
 
 def _training(args: argparse.Namespace) -> Any:
-    """The :class:`~p2psync.sim.training.TrainingSpec`\ s of ``--strategy`` (a comma list:
+    """The :class:`~p2psync.sim.training.TrainingSpec` of each strategy of ``--strategy`` (a comma list:
     one per strategy, with ``--runs`` only), ``--step-time`` and ``--opt`` (None without
     ``--strategy``); ConfigError for a bad one, for ``--step-time`` or ``--opt`` without
     ``--strategy``, or for ``--opt`` with several strategies."""

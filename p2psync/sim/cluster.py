@@ -414,6 +414,11 @@ class SimCluster:
         loop.hold(node.actor)
         log.info("sim t=%.3f: node %d ended after the finish barrier", node.left_at, node.id)
 
+    def _finished(self, n: int) -> bool:
+        """Whether node ``n``'s current process ended its loop at the agreed stop (no: nothing
+        here trains; :mod:`p2psync.sim.training`)."""
+        return False
+
     def _exited(self, node: SimNode, fenced: Fenced | None) -> None:
         """Called once the process ``node`` exited on its own: nothing here (nobody starts it
         again); a subclass starts a fenced one again as the launcher does
@@ -528,11 +533,22 @@ class SimCluster:
                       and 2 * len(g & set(newest.members)) > len(newest.members)), None)
         up = [i for i in self.nodes if i not in gone]
         cut_off = {i for i in up if major is not None and i not in major}
-        # a restarted process that had no time to rejoin yet may be a member or not
-        late = virtual_seconds - inv.rejoin_bound(bound, DISCOVER_S)
+        # a restarted process that had no time to rejoin before the run ended may be a member or not
+        horizon = virtual_seconds if end_t is None else min(virtual_seconds, end_t)
+        late = horizon - inv.rejoin_bound(bound, DISCOVER_S)
         pending = {i for i in up if (n := self.nodes[i]).started_at is not None and n.joined_at is None
                    and n.failed is None and n.started_at > late}
-        live = [i for i in up if i not in cut_off and i not in pending]
+        left_behind: set[int] = set()
+        if end_t is not None and newest is not None:
+            # the run ended without the nodes its last view does not name: declared failed,
+            # nobody is left to tell them (they would be fenced once heard)
+            left_behind = {i for i in up if i not in newest.members and i not in newest.departed
+                           and self.nodes[i].left_at is None}
+            # a node killed less than a bound before the end, or once its loop had finished (the
+            # coordinator declares no node that finished), may be listed or not
+            pending |= {i for i, n in self.nodes.items() if n.killed_at is not None
+                        and (n.killed_at > end_t - bound or self._finished(i))}
+        live = [i for i in up if i not in cut_off and i not in pending and i not in left_behind]
         faults = self.all_faults()
         found, detected = inv.detections(faults, views, bound=bound, failure_timeout=opts.failure_timeout,
                                          line_s=line_probe_s(self.topo, opts),
@@ -578,6 +594,7 @@ class SimCluster:
                                             / max(virtual_seconds, 1e-9), 3),
             "link_refusals": self.hub.refused,
             "stranded": sorted(cut_off),
+            **({"left_behind": sorted(left_behind)} if left_behind else {}),
             "queues": {"peak_pending": max(q.peak_pending for q in queues.values()),
                        "peak_bytes": max(q.peak_bytes for q in queues.values()),
                        "peak_relay_bytes": max(q.peak_relay_bytes for q in queues.values()),

@@ -53,7 +53,11 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
 
 * ``quiet_end`` (a run whose processes end after the finish barrier: :func:`quiet_end`): once
   the first of them ended, nobody is declared failed any more; the others end too, each once
-  it has the barrier's reply. The checks above judge the run as it stood then.
+  it has the barrier's reply. The checks above judge the declarations until then; at the end
+  (``one_view_at_end``) the nodes that the last view does not name were declared failed and
+  nobody is left to tell them (``left_behind``: not held to that view), and a node killed less
+  than a bound before the end, or after its loop had finished (the coordinator declares no
+  node that finished), may be named or not.
 
 * ``bounded_queues``: no node's memory for messages overflowed: no message was dropped, or
   refused, because a queue was full (the mailbox's byte budget per sender, its caps on queued

@@ -104,7 +104,7 @@ import numpy as np
 from p2psync.api.runtime import BARRIER_S, finish_barrier
 from p2psync.collectives import Collectives, OpId
 from p2psync.coordinator.rpc import RpcServer
-from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, ReplicaMismatch, RunEnded
 from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import DISCOVER_S, SimCluster, SimNode, SimOptions, detection_bound, line_probe_s
 from p2psync.sim.faults import Fault
@@ -342,6 +342,9 @@ class TrainingCluster(SimCluster):
         self._restart(n)
         self.nodes[n].relaunched = True
 
+    def _finished(self, n: int) -> bool:
+        return self.runs[n].outcome == "finished"
+
     def _rejoined(self, node: SimNode) -> None:
         """The restarted process ``node`` registered: its strategy and step loop start as its
         actor, as a joiner when the coordinator says it joined a run going (``joining``, as
@@ -489,14 +492,18 @@ class TrainingCluster(SimCluster):
         finished = sorted(i for i in self.runs if nodes[str(i)]["outcome"] == "finished")
         stop = min((self.runs[i].finished_at or now for i in finished), default=now)
         bound = detection_bound(self.topo, self.opts)
-        late = virtual_seconds - inv.rejoin_bound(bound, DISCOVER_S)
+        horizon = virtual_seconds if self.ended_at is None else min(virtual_seconds, self.ended_at)
+        late = horizon - inv.rejoin_bound(bound, DISCOVER_S)
         join_s = regroup_bound(self.opts.failure_timeout, self.opts.heartbeat)
         for i, node in self.nodes.items():
-            if excused(started_at=node.started_at, joined_at=node.joined_at, failed=node.failed,
-                       trained_at=self.runs[i].trained_at, stop=stop, join_s=join_s,
-                       pending=node.started_at is not None and node.started_at > late):
+            if isinstance(node.membership.fenced, RunEnded) or (node.failed or "").startswith(RunEnded.__name__):
+                nodes[str(i)]["excused"] = "came back as the run ended (RunEnded)"
+            elif excused(started_at=node.started_at, joined_at=node.joined_at, failed=node.failed,
+                         trained_at=self.runs[i].trained_at, stop=stop, join_s=join_s,
+                         pending=node.started_at is not None and node.started_at > late):
                 nodes[str(i)]["excused"] = "restarted too late to join the training before the agreed stop"
-        gone = set(out["killed"]) | {int(k) for k in out["fenced"]} | set(out["stranded"])
+        gone = (set(out["killed"]) | {int(k) for k in out["fenced"]} | set(out["stranded"])
+                | set(out.get("left_behind", ())))
         live = [i for i in self.nodes if i not in gone and "excused" not in nodes[str(i)]]
         steps = [nodes[str(i)]["step"] for i in finished]
         cls = self.strategy_cls

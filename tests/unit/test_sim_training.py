@@ -619,6 +619,35 @@ def test_a_joiner_that_heard_of_a_newer_term_waits_for_a_view_before_its_strateg
     assert t["rejoined"] == [2, 3] and t["finished"] == 15, t["nodes"]["2"]
 
 
+def test_a_minority_cut_off_as_a_step_budget_ends_is_left_behind_not_held_to_finish(tmp_path) -> None:
+    # chaos seed 56238: nodes 4-9 of BCube(4, 2) are cut off at their last step (249 of 250)
+    # for 2.7 s; the majority declares them failed, finishes and ends before the heal, and
+    # nobody is left to tell them: they wait for a majority (until --quorum-timeout). The
+    # invariants held them to finish (and to the final view): they are left behind now
+    replay = ("sim bcube:4x2 --seed 56238 --faults partition:7-11|0-6.12-15@10.06+3.359,partition:4-9|0-3.10-15"
+              "@24.28+2.679 --virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 "
+              "--strategy diloco --step-time 0.1 --steps 250")
+    s = _replayed(tmp_path, replay)
+    assert s["left_behind"] == [4, 5, 6, 7, 8, 9] and s["training"]["finished"] == 10
+    assert {int(d["node"]) for d in s["declared"]} >= set(s["left_behind"])
+
+
+def test_a_restart_or_a_kill_as_a_step_budget_ends_is_judged_by_when_the_run_ended(tmp_path) -> None:
+    # chaos seed 56233: node 10 restarted at 24.997 s, as the budget ended the run (~25.5 s):
+    # judged by the virtual seconds (40), it had time to rejoin and finish; by the end, none
+    replay = ("sim mesh:16 --seed 56233 --faults slow:12@8.529+9.658x148.3,restart:10@24.997 --virtual-seconds 40 "
+              "--latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy dts --step-time 0.1 --steps 250")
+    s = _replayed(tmp_path, replay)
+    assert s["training"]["nodes"]["10"]["excused"].startswith("restarted too late") and s["ended_at_s"] < 30
+    # chaos seed 56269: node 5 killed at 27.208 s, in the finish barrier: the coordinator
+    # declares no node that finished, so the final view still names it
+    replay = ("sim mesh:16 --seed 56269 --faults pause:9@6.664+6.896,kill:15@20.154,kill:5@27.208 "
+              "--virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy preduce "
+              "--step-time 0.1 --steps 250")
+    s = _replayed(tmp_path, replay)
+    assert 5 in s["final_view"]["members"] and s["training"]["nodes"]["5"]["outcome"] == "killed"
+
+
 def test_a_parameter_store_worker_that_counts_a_slow_coordinator_failed_asks_for_a_new_view(tmp_path) -> None:
     # chaos seed 54106 (BCube(4, 2), here on the smaller BCube(3, 2)): coordinator 0 slowed 1218
     # times (1.2 s one way); node 1 took over, and node 0's neighbours counted it failed (a
