@@ -313,9 +313,11 @@ class StepDriver:
     def _audit_due(self, strategy: Strategy, stop: bool, moved: bool) -> bool:
         """Whether the replicas are compared after this step: at the end of every strategy
         that promises one model, and every ``--audit-every`` steps of those that promise it
-        after every step (not after a step that adopted a peer's state)."""
+        after every step (not after a step that adopted a peer's state, except at the stop: a
+        joiner that adopted the operation carrying it audits with the members, whose group
+        it is in)."""
         promise = strategy.identical_replicas
-        if promise == "never" or moved:
+        if promise == "never" or (moved and not stop):
             return False
         every = self.cfg.audit_every
         return stop or (promise == "every_step" and every is not None and self.step % every == 0)

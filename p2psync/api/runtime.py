@@ -120,8 +120,8 @@ async def finish_barrier(membership: MembershipClient, transport: Transport, top
     through it (:func:`relay_wanted`) it asks again); then, where the coordinator's replies to
     nodes behind it pass through it (:func:`reply_relays`), stay until they are gone (a node
     leaves once it has its reply: its connections close), at most :data:`RELAY_LINGER_S` (the
-    whole wait when one of them is half down already: a reconnect under way cannot be seen
-    leaving; none for those gone already). Returns the barrier's reply (``finished``, ``failed``)."""
+    whole wait when one of them is down already: a reconnect under way cannot be seen
+    leaving). Returns the barrier's reply (``finished``, ``failed``)."""
     node_id = transport.node_id
     rep = await membership.finish(stats, timeout=timeout, depart=depart)
     while depart and rep:  # (an empty reply: the barrier failed, nobody to wait for)
@@ -133,8 +133,7 @@ async def finish_barrier(membership: MembershipClient, transport: Transport, top
         log.info("node %d: members %s still train and pass tensors through this node: it stays in "
                  "the finish barrier", node_id, waiting)
         rep = await membership.finish(stats, timeout=timeout, depart=depart)
-    behind = [p for p in reply_relays(topo, node_id, membership.view, membership.coordinator)
-              if not transport.gone(p)]  # (one gone already had its reply, or never will)
+    behind = reply_relays(topo, node_id, membership.view, membership.coordinator)
     if behind:
         if any(transport.half_down(p) for p in behind):
             await asyncio.sleep(RELAY_LINGER_S)
@@ -260,7 +259,9 @@ class NodeRuntime:
         self.strategy: Strategy | None = None
         self.info: dict[str, Any] = {}
         self.run_id = cfg.run_id or ""
-        self.run_dir = Path(cfg.out)
+        #: the run's folder (known before the rendezvous when --run-id names it, as for every
+        #: node the launcher starts: a refused registration's marker goes there)
+        self.run_dir = Path(cfg.out) / cfg.run_id if cfg.run_id else Path(cfg.out)
         self._started = False
         #: what :meth:`close` closes, last opened first (the strategy joins it when started)
         self._resources = contextlib.AsyncExitStack()
@@ -362,6 +363,8 @@ class NodeRuntime:
             summary["term"] = service.state.term
             summary["excluded"] = {str(n): why for n, why in sorted(service.state.excluded.items())}
             summary["rejoined"] = {str(n): k for n, k in sorted(service.state.rejoined.items())}
+            if service.state.ended:  # joiners the run ended without (they came back as it ended)
+                summary["ended"] = sorted(service.state.ended)
             write_text_or_warn(self.run_dir / "summary.json", json.dumps(summary, indent=2), what="run summary",
                                failures=self.write_failures)
 

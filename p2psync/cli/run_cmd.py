@@ -422,12 +422,12 @@ def run_one(cfg: RunConfig, node_id: int) -> int:
         return EXIT_INTERRUPTED
     except ConfigError:
         raise
-    except Fenced as exc:  # restarted by the launcher, it rejoins (unless it was excluded)
-        print(f"node {node_id}: {exc}", file=sys.stderr)
-        return EXIT_FENCED if exc.rejoin else EXIT_FAILED
     except RunEnded as exc:  # a new process that came too late: nothing is left to rejoin
         print(f"node {node_id}: not rejoined: {exc}", file=sys.stderr)
         return EXIT_OK
+    except Fenced as exc:  # restarted by the launcher, it rejoins (unless it was excluded)
+        print(f"node {node_id}: {exc}", file=sys.stderr)
+        return EXIT_FENCED if exc.rejoin else EXIT_FAILED
     except P2PSyncError as exc:
         print(f"node {node_id}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED

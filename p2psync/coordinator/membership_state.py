@@ -173,10 +173,18 @@ class MembershipState:
     join_grace: dict[int, float] = field(default_factory=dict)
     #: joiner -> the epoch of the view that admitted its current incarnation
     joined_epoch: dict[int, int] = field(default_factory=dict)
-    #: joiners whose strategy has not joined the training yet (their heartbeats say so)
+    #: joiners whose strategy has not joined the training yet (registered as a join; cleared
+    #: for good, per incarnation, by a heartbeat that does not say ``joining``)
     joining: set[int] = field(default_factory=set)
+    #: joiner -> when its latest heartbeat saying ``joining`` arrived
+    joining_heard: dict[int, float] = field(default_factory=dict)
+    #: nodes whose current incarnation said it joined the training (a late copy of an older
+    #: heartbeat does not make them joiners again)
+    trained: set[int] = field(default_factory=set)
     #: when the latest node finished (None: none yet)
     finished_at: float | None = None
+    #: joiners the run's end left out (:meth:`end_joiners`)
+    ended: set[int] = field(default_factory=set)
     #: nodes that finished and left the view gracefully
     departed: set[int] = field(default_factory=set)
     #: nodes excluded for what they sent (node -> why), also in ``failed``
@@ -214,9 +222,7 @@ class MembershipState:
             old, addr = self.incarnations.get(node, 0), self.addresses.get(node, "?")
             if old == incarnation:
                 return self.rejoined.get(node, 0) > 0  # the same process again (a retried request)
-            if self.stopping and (node in self.failed or node in self.departed):
-                raise RunEnded(f"node {node} (incarnation {incarnation} at {address}) asks to rejoin, but the run "
-                               f"is ending: its members agreed to stop and nodes {sorted(self.finished)} finished")
+            self.refuse_at_end(node, incarnation, address)
             if node in self.failed:
                 if not self.allow_join:
                     raise ConfigError(f"node {node} (incarnation {incarnation} at {address}) was declared "
@@ -239,6 +245,9 @@ class MembershipState:
                 self.epoch += 1
                 self.joined_epoch[node] = self.epoch
                 self.joining.add(node)
+                self.joining_heard[node] = now
+                self.trained.discard(node)
+                self.ended.discard(node)
                 return True
             raise DuplicateNode(f"node {node} is already registered and alive (incarnation {old} at "
                                 f"{addr}); second registration (incarnation {incarnation} at {address}) "
@@ -286,10 +295,12 @@ class MembershipState:
         joined a run going and its strategy has not joined the training yet. Called from the
         service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
-            if joining and node not in self.finished:
-                self.joining.add(node)
-            else:
+            if not joining:
                 self.joining.discard(node)
+                self.trained.add(node)
+            elif node not in self.trained and node not in self.finished:
+                self.joining.add(node)  # (a coordinator that took over learns it so)
+                self.joining_heard[node] = now
             self.join_grace.pop(node, None)
             self.spared.pop(node, None)
             self.detector.heartbeat(node, now)
@@ -378,7 +389,7 @@ class MembershipState:
         if not self.complete:
             return []
         new = [n for n in self.detector.suspects(now) if n not in self.failed and n not in self.finished
-               and n != self.coordinator and self.join_grace.get(n, now) <= now]
+               and n not in self.departed and n != self.coordinator and self.join_grace.get(n, now) <= now]
         if new and not self._may_remove(new, now):
             self.blocked = sorted(new)  # no majority without them: declare nothing, wait
             return []
@@ -509,27 +520,41 @@ class MembershipState:
 
     @property
     def stopping(self) -> bool:
-        """Some node finished at an agreed stop (it did not depart): the run is ending, and a
-        failed node may not rejoin it (:meth:`register`)."""
-        return any(n not in self.departed for n in self.finished)
+        """The run is ending: some node finished at a stop (it did not depart), and so did
+        every member but the joiners still joining (a strategy whose nodes stop one by one,
+        such as ASGD's, is not ending while a member trains on). A failed or departed node
+        may not rejoin it (:meth:`refuse_at_end`)."""
+        stopped = {n for n in self.finished if n not in self.departed}
+        members = set(self.registered) - self.failed - self.departed
+        return bool(stopped) and members - self.joining <= set(self.finished)
+
+    def refuse_at_end(self, node: int, incarnation: int, address: str) -> None:
+        """:class:`RunEnded` when a new process of failed or departed ``node`` asks to rejoin a
+        run that is :attr:`stopping` (nothing is left to join)."""
+        if self.stopping and (node in self.failed or node in self.departed):
+            raise RunEnded(f"node {node} (incarnation {incarnation} at {address}) asks to rejoin, but the run is "
+                           f"ending: its members stopped (nodes {sorted(self.finished)} finished)")
 
     def end_joiners(self, now: float, grace: float) -> list[int]:
-        """Once the run is :attr:`stopping` and every other expected node finished, failed or
-        departed at least ``grace`` ago (a heartbeat of a joiner that joined the training in
-        time says so first): the joiners still joining, which can take no part in the agreed
-        stop, depart (the view names them departed: each ends as :class:`RunEnded`). Returns
-        them; the view changed when it is not empty."""
+        """The joiners still joining that the run ends without: once it is :attr:`stopping`,
+        ``grace`` after the last node finished (the heartbeat of a joiner that joined the
+        training in time says so first), those that said ``joining`` again since that finish
+        (never the coordinator itself) depart: the view names them departed, and each ends as
+        :class:`RunEnded`. Returns them; the view changed when it is not empty."""
         if not self.stopping or not self.joining or self.finished_at is None or now - self.finished_at < grace:
             return []
-        waiting = self.joining - set(self.finished) - self.failed - self.departed
-        done = set(self.finished) | self.failed | self.departed
-        if not waiting or not done | waiting >= self.expected:
+        at = self.finished_at
+        waiting = {n for n in self.joining - set(self.finished) - self.failed - self.departed
+                   if n != self.coordinator and self.joining_heard.get(n, -1.0) >= at}
+        if not waiting:
             return []
         for n in sorted(waiting):
             self.departed.add(n)
+            self.detector.forget(n)
             if self.agreement is not None:
                 self.agreement.depart(n)
         self.joining -= waiting
+        self.ended |= waiting
         self.epoch += 1
         return sorted(waiting)
 

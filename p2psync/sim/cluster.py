@@ -346,6 +346,10 @@ class SimCluster:
 
     def _begin(self, f: Fault) -> None:
         loop = self._loop()
+        if self.ended_at is not None:  # the run is over (its processes end): nothing left to hit
+            log.info("sim t=%.3f: %s does not begin: the run ended at %.3f", loop.time() - self.t0, f.spec(),
+                     self.ended_at)
+            return
         self.begun.append(f)
         self.hub.faults += 1
         log.info("sim t=%.3f: %s", loop.time() - self.t0, f.spec())
@@ -472,6 +476,8 @@ class SimCluster:
 
     def _end(self, f: Fault) -> None:
         loop = self._loop()
+        if not any(f is g for g in self.begun):
+            return
         self.hub.faults += 1
         log.info("sim t=%.3f: end of %s", loop.time() - self.t0, f.spec())
         if f.kind == "pause":
@@ -516,9 +522,9 @@ class SimCluster:
         opts = self.opts
         bound = detection_bound(self.topo, opts)
         self.hub.flush()
-        # the declarations until the first process ended after the finish barrier (the others
-        # end around then: a declaration after is ``quiet_end``'s); each process's last view
-        # (one that ended applied none since)
+        # the detections until the first process ended after the finish barrier (the others end
+        # around then: nobody is left to detect; a declaration after is ``quiet_end``'s too);
+        # each process's last view (one that ended applied none since)
         end_t = self.ended_at
         views = self.views if end_t is None else [v for v in self.views if v.t <= end_t]
         final: dict[int, inv.ViewSeen | None] = {i: n.last for i, n in self.nodes.items()}
@@ -604,7 +610,7 @@ class SimCluster:
             "invariants": {
                 "one_coordinator_per_term": inv.one_coordinator_per_term(self.views),
                 "faults_detected_in_bound": detected,
-                "no_false_failure": inv.no_false_failure(faults, views, bound=bound, links=links,
+                "no_false_failure": inv.no_false_failure(faults, self.views, bound=bound, links=links,
                                                          failure_timeout=opts.failure_timeout,
                                                          interval=opts.heartbeat, latency=self.hub.base_latency),
                 "one_view_at_end": (inv.one_view_at_end(final, live, pending, ended=end_t is not None)

@@ -619,13 +619,14 @@ def quiet_end(views: Sequence[ViewSeen], faults: Sequence[Fault], end: float, *,
     """Once the first process ended after the finish barrier (at ``end``), the others end too,
     each once it has the barrier's reply (and the nodes behind it theirs): nobody stays long
     enough to declare anyone failed. A declaration after ``end`` is a violation (a reply lost,
-    a node left waiting), unless a fault began after ``end`` less ``bound``."""
+    a node left waiting), unless a fault that began after ``end`` less ``bound`` touched the
+    node (killed, paused or slowed it, or cut it off: a partition's either side)."""
     late = [f for f in faults if f.at > end - bound]
-    after = [d for d in declarations(views) if d.t > end]
+    touched = {n for f in late for n in (*f.nodes, *f.other)}
+    everyone = any(f.kind == "partition" and not f.other for f in late)  # (one side and every other node)
+    after = [d for d in declarations(views) if d.t > end and d.node not in touched and not everyone]
     if not after:
         return HELD
-    if late:
-        return f"{NOT_PROMISED}: faults at the end of the run ({', '.join(f.spec() for f in late[:5])})"
     return (f"after the first process ended behind the finish barrier at {end:.3f}s, nodes were declared failed: "
             + "; ".join(f"node {d.node} by {d.coordinator} (term {d.term}) at {d.t:.3f}s" for d in after[:10]))
 

@@ -235,21 +235,16 @@ class VirtualLoop(base_events.BaseEventLoop):
         self._ready.append(handle)  # type: ignore[attr-defined]
         return handle
 
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]
-                   context: contextvars.Context | None = None) -> events.TimerHandle:
-        """As asyncio's; a positive ``delay`` shorter than the clock's resolution is taken as
-        the resolution. asyncio runs a timer due within the resolution at once, without moving
-        the time: a wait for what is left until a deadline (a sum of earlier waits, rounded)
-        fired again and again at one virtual time, a livelock."""
-        resolution: float = self._clock_resolution  # type: ignore[attr-defined]
-        if 0 < delay < resolution:
-            delay = resolution
-        return self.call_at(self._now + delay, callback, *args, context=context)
-
     def call_at(self, when: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]
                 context: contextvars.Context | None = None) -> events.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
+        resolution: float = self._clock_resolution  # type: ignore[attr-defined]
+        if self._now < when < self._now + resolution:
+            # asyncio runs a timer due within the resolution at once, without moving the time: a
+            # wait for what is left until a deadline (a sum of earlier waits, rounded) fired again
+            # and again at one virtual time, a livelock. It is due at the resolution instead
+            when = self._now + resolution
         self._check_closed()  # type: ignore[attr-defined]
         timer = _Timer(when, callback, args, self, context, next(self._seq))
         heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]

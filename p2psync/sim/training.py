@@ -496,7 +496,9 @@ class TrainingCluster(SimCluster):
         late = horizon - inv.rejoin_bound(bound, DISCOVER_S)
         join_s = regroup_bound(self.opts.failure_timeout, self.opts.heartbeat)
         for i, node in self.nodes.items():
-            if isinstance(node.membership.fenced, RunEnded) or (node.failed or "").startswith(RunEnded.__name__):
+            trained = self.runs[i].trained_at
+            if (isinstance(node.membership.fenced, RunEnded) or (node.failed or "").startswith(RunEnded.__name__)) \
+                    and (trained is None or trained > stop):
                 nodes[str(i)]["excused"] = "came back as the run ended (RunEnded)"
             elif excused(started_at=node.started_at, joined_at=node.joined_at, failed=node.failed,
                          trained_at=self.runs[i].trained_at, stop=stop, join_s=join_s,
@@ -599,9 +601,11 @@ def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int
 
 def finish_barrier_held(runs: Mapping[int, NodeTraining], expected: Sequence[int], *, bound: float) -> str:
     """``finish_barrier``: every node of ``runs`` (the current processes) that ended its loop at
-    the agreed stop got the barrier's reply, complete (every node of ``expected`` finished or
-    declared failed), the same at every node, at most ``bound`` after the last of them ended
-    its loop (a member killed right before the stop is declared failed in the meantime)."""
+    the agreed stop got the barrier's reply, complete (every node of ``expected`` finished,
+    declared failed, or ended as a joiner still joining: ``ended``, none that had joined the
+    training before the last loop ended), the same at every node, at most ``bound`` after
+    the last of them ended its loop (a member killed right before the stop is declared failed
+    in the meantime)."""
     ended = {i: r for i, r in runs.items() if r.outcome == "finished"}
     if not ended:
         return inv.HELD
@@ -617,6 +621,10 @@ def finish_barrier_held(runs: Mapping[int, NodeTraining], expected: Sequence[int
             continue
         fin, failed = tuple(r.barrier.get("finished", ())), tuple(r.barrier.get("failed", ()))
         left_out = set(r.barrier.get("ended", ()))
+        wrongly = sorted(n for n in left_out if n in runs and (t := runs[n].trained_at) is not None and t <= last)
+        if wrongly:
+            bad.append(f"node {i}: the barrier ended nodes {wrongly} as still joining, but they had joined the "
+                       "training before the stop")
         replies.setdefault((fin, failed), []).append(i)
         missing = sorted(set(expected) - set(fin) - set(failed) - left_out)
         if missing:

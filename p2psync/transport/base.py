@@ -733,7 +733,7 @@ class Transport(ABC):
 
     async def _close_shaper(self) -> None:
         if self.shaper is not None:
-            await self.shaper.close(gone=self.gone)
+            await self.shaper.close()
 
     def _closing(self) -> None:
         self._closed = True

@@ -98,9 +98,8 @@ class Shaper(ABC):
         Returns once the bytes are serialized (the sender's NIC is done with them).
         ``control``: strict priority over bulk; ``nic``: the local NIC (per-NIC bandwidth)."""
 
-    async def close(self, *, gone: Callable[[int], bool] | None = None) -> None:
-        """Stop delivering (pending messages are dropped). ``gone(peer)``: the peer is known to
-        have left (nothing sent to it can arrive)."""
+    async def close(self) -> None:
+        """Stop delivering (pending messages are dropped)."""
 
 
 @dataclass
@@ -200,18 +199,15 @@ class InprocShaper(Shaper):
                 self.dropped += 1
                 log.info("shaped message dropped: %s", exc)
 
-    async def close(self, *, gone: Callable[[int], bool] | None = None, flush_s: float = 2.0) -> None:
+    async def close(self, *, flush_s: float = 2.0) -> None:
         """Stop. Control messages already accepted are still delivered when they are due within
         ``flush_s`` (a real NIC delivers what it has sent; a node's last replies, such as the
-        coordinator's finish-barrier answers, must not vanish with it), except to a neighbour
-        that is ``gone`` (it left: a send to it would only be retried until its budget ends,
-        holding this node's exit that long); the rest is dropped."""
+        coordinator's finish-barrier answers, must not vanish with it); the rest is dropped."""
         loop = asyncio.get_running_loop()
         end = loop.time() + flush_s
-        flushing = [link.control.worker for peer, link in self.links.items()
+        flushing = [link.control.worker for link in self.links.values()
                     if link.control.worker is not None and not link.control.worker.done()
-                    and link.control.queue and link.control.queue[-1][0] <= end
-                    and not (gone is not None and gone(peer))]
+                    and link.control.queue and link.control.queue[-1][0] <= end]
         if flushing:
             await asyncio.wait(flushing, timeout=flush_s)
         for link in self.links.values():

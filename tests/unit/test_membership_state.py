@@ -167,20 +167,21 @@ def _run_of_four_with_node_3_rejoining() -> MembershipState:
     return st
 
 
-def test_once_the_members_agreed_to_stop_no_failed_or_departed_node_rejoins():
+def test_once_the_members_stopped_no_failed_or_departed_node_rejoins():
     st = _run_of_four_with_node_3_rejoining()
-    st.failed.add(3)  # (failed again)
     st.finish(1, {"node": 1}, depart=True)  # a loop that ended first: the run goes on
+    st.finish(0, {"node": 0}, depart=False, now=7.0)  # node 0 stops; node 2 trains on (ASGD stops one by one)
     assert not st.stopping
-    assert st.register(3, "f", 6.0, incarnation=3)  # admitted
-    st.finish(0, {"node": 0}, depart=False, now=7.0)  # the agreed stop
+    st.failed.add(3)
+    assert st.register(3, "f", 7.5, incarnation=3)  # admitted: a member still trains
+    st.finish(2, {"node": 2}, depart=False, now=8.0)  # every member but the joiner 3 stopped
     assert st.stopping
     st.failed.add(3)
     with pytest.raises(RunEnded, match="run is ending"):
-        st.register(3, "f", 8.0, incarnation=4)
+        st.register(3, "f", 8.5, incarnation=4)
     with pytest.raises(RunEnded, match="run is ending"):  # a departed node's new process too
-        st.register(1, "f", 8.0, incarnation=2)
-    assert st.register(0, "f", 8.0, incarnation=1) is False  # the same process again: answered
+        st.register(1, "f", 8.5, incarnation=2)
+    assert st.register(0, "f", 8.5, incarnation=1) is False  # the same process again: answered
 
 
 def test_the_finish_barrier_departs_a_joiner_still_joining_once_every_other_node_is_done():
@@ -191,11 +192,22 @@ def test_the_finish_barrier_departs_a_joiner_still_joining_once_every_other_node
     st.finish(1, None, depart=False, now=10.1)
     assert st.end_joiners(20.0, grace) == []  # node 2 has not finished: the run waits for it
     st.finish(2, None, depart=False, now=10.2)
+    st.heartbeat(3, 10.5, joining=True)  # still joining after the last finish
     assert st.end_joiners(10.2 + grace - 0.01, grace) == []  # a joiner that joined says so first
     epoch = st.epoch
-    assert st.end_joiners(10.2 + grace, grace) == [3] and st.all_finished
+    assert st.end_joiners(10.2 + grace, grace) == [3] and st.all_finished and st.ended == {3}
     assert st.view().departed == (3,) and 3 not in st.view().members and st.epoch == epoch + 1
     assert st.end_joiners(30.0, grace) == []  # once
+    assert 3 not in st.check(60.0)  # the detector forgot it: never declared failed after
+
+
+def test_a_joiner_is_departed_only_on_a_joining_heartbeat_heard_after_the_last_finish():
+    st = _run_of_four_with_node_3_rejoining()
+    for n in range(3):
+        st.finish(n, None, depart=False, now=10.0)
+    assert st.end_joiners(20.0, 3.0) == []  # its last word (registration, 5 s) is older: wait
+    st.heartbeat(3, 20.5, joining=True)
+    assert st.end_joiners(21.0, 3.0) == [3]
 
 
 def test_a_joiner_whose_strategy_joined_the_training_is_waited_for():
@@ -203,9 +215,19 @@ def test_a_joiner_whose_strategy_joined_the_training_is_waited_for():
     st.heartbeat(3, 6.0, joining=True)
     assert st.joining == {3}
     st.heartbeat(3, 6.5)  # its strategy started: it takes part in the stop
+    st.heartbeat(3, 6.6, joining=True)  # a late copy of an older heartbeat changes nothing
     assert st.joining == set()
     for n in range(3):
         st.finish(n, None, depart=False, now=10.0)
     assert st.end_joiners(60.0, 3.0) == [] and not st.all_finished
     st.finish(3, None, depart=False, now=61.0)
     assert st.all_finished
+
+
+def test_the_coordinator_itself_is_never_ended_as_a_joiner():
+    st = _run_of_four_with_node_3_rejoining()
+    st.coordinator = 3  # (it rejoined, then won a takeover)
+    for n in range(3):
+        st.finish(n, None, depart=False, now=10.0)
+    st.heartbeat(3, 10.5, joining=True)
+    assert st.end_joiners(20.0, 3.0) == []
