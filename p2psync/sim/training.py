@@ -97,7 +97,7 @@ import logging
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -528,7 +528,8 @@ class TrainingCluster(SimCluster):
         out["invariants"]["no_crash"] = inv.HELD if not crashes else (
             "a process's training raised an error other than a P2PSyncError (a defect): " + "; ".join(crashes[:10]))
         out["invariants"]["finish_barrier"] = finish_barrier_held(
-            self.runs, self.topo.ids, bound=2 * bound + line_probe_s(self.topo, self.opts))
+            self.runs, self.topo.ids, bound=2 * bound + line_probe_s(self.topo, self.opts),
+            killed={i for i, n in self.nodes.items() if n.killed_at is not None})
         if out["majority_at_end"]:
             out["invariants"]["strategy_finished"] = strategy_finished(nodes, live)
             out["invariants"]["same_model_at_end"] = same_model(cls.name, cls.identical_replicas, digests, later=later)
@@ -599,14 +600,16 @@ def strategy_finished(nodes: Mapping[str, Mapping[str, Any]], live: Sequence[int
         f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
 
 
-def finish_barrier_held(runs: Mapping[int, NodeTraining], expected: Sequence[int], *, bound: float) -> str:
+def finish_barrier_held(runs: Mapping[int, NodeTraining], expected: Sequence[int], *, bound: float,
+                        killed: Collection[int] = ()) -> str:
     """``finish_barrier``: every node of ``runs`` (the current processes) that ended its loop at
     the agreed stop got the barrier's reply, complete (every node of ``expected`` finished,
     declared failed, or ended as a joiner still joining: ``ended``, none that had joined the
     training before the last loop ended), the same at every node, at most ``bound`` after
     the last of them ended its loop (a member killed right before the stop is declared failed
-    in the meantime)."""
-    ended = {i: r for i, r in runs.items() if r.outcome == "finished"}
+    in the meantime). A node of ``killed`` waits for no reply (its process was killed in the
+    barrier)."""
+    ended = {i: r for i, r in runs.items() if r.outcome == "finished" and i not in killed}
     if not ended:
         return inv.HELD
     last = max(r.finished_at or 0.0 for r in ended.values())

@@ -134,6 +134,8 @@ def test_the_finish_barrier_invariant_names_what_went_wrong() -> None:
     got = finish_barrier_held({**runs, 1: ended(1, {"finished": [1], "failed": [0, 2]})}, [0, 1, 2], bound=5.0)
     assert "node 1: the barrier's reply does not list finished nodes [0]" in got
     assert "came 6.000s after" in finish_barrier_held({**runs, 0: ended(0, good, at=16.01)}, [0, 1, 2], bound=5.0)
+    # a node killed in the barrier (it finished, then its process died) waits for no reply
+    assert finish_barrier_held({**runs, 1: ended(1, None)}, [0, 1, 2], bound=5.0, killed={1}) == inv.HELD
 
 
 def test_a_declaration_after_the_first_process_ended_is_a_violation_unless_a_fault_came_then() -> None:
