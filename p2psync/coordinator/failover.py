@@ -243,6 +243,11 @@ class CoordinatorHost:
         self.took_over_at: float | None = None
         #: the election this node runs as the successor (at most one at a time)
         self._election = TaskSet("election")
+        #: set when a voter that refused its vote in the campaign's last round contacts this
+        #: node as one that deposed the coordinator (it follows this node now): the next round
+        #: need not wait (once per such voter and round: no storm of rounds)
+        self._rallied = asyncio.Event()
+        self._refused: set[int] = set()
         #: the highest term a voter reported having voted in (the next candidacy goes above it)
         self._seen_term = -1
         #: elections this node won (its terms)
@@ -386,7 +391,12 @@ class CoordinatorHost:
                             "majority yet", self.me, term, sorted(cand.granted | {self.me}), sorted(voters),
                             sorted(cand.answered))
             rounds += 1
-            await asyncio.sleep(self.heartbeat_interval)
+            self._refused = set(cand.answered) - set(cand.granted) - {self.me}
+            self._rallied.clear()
+            try:  # (the next round at once when a member that deposed the coordinator rallies)
+                await asyncio.wait_for(self._rallied.wait(), self.heartbeat_interval)
+            except asyncio.TimeoutError:
+                pass
 
     async def _votes(self, others: Sequence[int], req: VoteRequest, cand: Candidacy, *,
                      enough: Callable[[], bool] | None = None, again: float | None = None,
@@ -704,6 +714,9 @@ class CoordinatorHost:
                 if theirs and self.membership.take_over(theirs, their_term):
                     log.warning("node %d: node %d deposed %s and contacted this node: took over",
                                 self.me, caller, theirs)
+                elif theirs and caller in self._refused and self.membership.coordinator == self.me:
+                    self._refused.discard(caller)
+                    self._rallied.set()  # (its campaign asks again: this one may vote for it now)
             seen = args.get("seen_term") if method == "membership.heartbeat" else None
             if type(seen) is int and 0 <= seen < 1 << 62:
                 self.outrank(seen)  # a node voted in, or heard of, a term above its view's

@@ -761,3 +761,17 @@ def test_relays_go_around_their_own_cut_links_and_never_in_a_loop(faults: str) -
     # nodes it passed, to none of which it is passed on.
     s, _ = simulate(bcube(4, 2), faults, 40.0)
     assert s["invariants"] == ALL_HELD
+
+
+def test_a_candidate_whose_first_round_failed_takes_over_as_soon_as_the_voters_depose_the_coordinator() -> None:
+    # chaos seed 56600 (ring:16): coordinator 1 restarted at 22.511 s. Its successor, node 0,
+    # suspected it first (2.17 s) and lost its first round (the others still heard node 1);
+    # they deposed node 1 0.3 s later and contacted node 0, which slept out its retry interval
+    # (0.5 s), then gathered its majority: node 1 was declared 3.166 s after its restart, past
+    # the bound (3.164 s). A voter that refused and now follows the candidate brings the next
+    # round forward
+    s, _ = simulate(ring(16), "restart:13@5.382,restart:0@13.563,restart:1@22.511", 40.0,
+                    heartbeat=0.5, failure_timeout=2.0)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    last = s["declared"][-1]
+    assert last["node"] == 1 and last["term"] == 2 and last["t"] - 22.511 < s["detection_bound_s"]
