@@ -124,6 +124,13 @@ def write_text_or_warn(path: str | Path, text: str, *, what: str, failures: Writ
         return False
 
 
+def node_marker(run_dir: Path, node: int, kind: str) -> Path:
+    """Where a node's session leaves, for the launcher, why its process ends: ``fenced`` (it
+    was removed from the run: start it again) or ``ended`` (the run ended without it: leave
+    it out)."""
+    return run_dir / f"node-{node}.{kind}"
+
+
 def reason(exc: BaseException) -> str:
     """A disk error in words: ``No space left on device (ENOSPC)``; another error's message."""
     if isinstance(exc, OSError) and exc.errno is not None:

@@ -54,7 +54,7 @@ from p2psync.collectives import OpId
 from p2psync.coordinator import View
 from p2psync.errors import (ConfigError, Diverged, Fenced, P2PSyncError, ReplicaMismatch, RunEnded, SumDiverged,
                             TrainingEnded, TrainingError)
-from p2psync.files import write_text_or_warn
+from p2psync.files import node_marker, write_text_or_warn
 from p2psync.strategies.audit import AuditLog, audit_replicas
 from p2psync.strategies.base import StepReport, Strategy
 from p2psync.tasks import cancel_all
@@ -158,9 +158,8 @@ class StepDriver:
 
     def _mark(self, rt: NodeRuntime, exc: Fenced) -> None:
         """The marker the launcher reads when this process has ended (``cli.launch``)."""
-        ended = isinstance(exc, RunEnded)
-        write_text_or_warn(rt.run_dir / f"node-{self.node_id}.{'ended' if ended else 'fenced'}", str(exc) + "\n",
-                           what="end marker" if ended else "fence marker")
+        kind = "ended" if isinstance(exc, RunEnded) else "fenced"
+        write_text_or_warn(node_marker(rt.run_dir, self.node_id, kind), str(exc) + "\n", what=f"{kind} marker")
 
     # -- start ---------------------------------------------------------------------------
 

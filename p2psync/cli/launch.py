@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 from p2psync.cli.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_INTERRUPTED
 from p2psync.cli.fork_nodes import ENV_LAUNCH, LAUNCH_MODES, NodeProcess, die_with_parent, fork_node, warm_up
 from p2psync.errors import ConfigError, translate
-from p2psync.files import reason
+from p2psync.files import node_marker, reason
 from p2psync.strategies.base import get_strategy
 from p2psync.topology import Topology
 from p2psync.training.config import RunConfig
@@ -79,13 +79,13 @@ def start_bound(cfg: RunConfig) -> float:
 
 def fenced_marker(run_dir: Path, node: int) -> Path:
     """Where a fenced node's session leaves its reason (read, then removed, by the launcher)."""
-    return run_dir / f"node-{node}.fenced"
+    return node_marker(run_dir, node, "fenced")
 
 
 def ended_marker(run_dir: Path, node: int) -> Path:
     """Where a node's session leaves why the run ended without it (:class:`RunEnded`: it came
     back as the run ended), read, then removed, by the launcher."""
-    return run_dir / f"node-{node}.ended"
+    return node_marker(run_dir, node, "ended")
 
 
 def default_threads(local_nodes: int) -> int:

@@ -174,9 +174,8 @@ class MembershipState:
     #: joiner -> the epoch of the view that admitted its current incarnation
     joined_epoch: dict[int, int] = field(default_factory=dict)
     #: joiners whose strategy has not joined the training yet (registered as a join; cleared
-    #: for good, per incarnation, by a heartbeat that does not say ``joining``)
-    joining: set[int] = field(default_factory=set)
-    #: joiner -> when its latest heartbeat saying ``joining`` arrived
+    #: for good, per incarnation, by a heartbeat that does not say ``joining``) -> when they
+    #: last said so (:attr:`joining`)
     joining_heard: dict[int, float] = field(default_factory=dict)
     #: nodes whose current incarnation said it joined the training (a late copy of an older
     #: heartbeat does not make them joiners again)
@@ -244,7 +243,6 @@ class MembershipState:
                 self.reports.pop(node, None)  # reports concerned its previous life
                 self.epoch += 1
                 self.joined_epoch[node] = self.epoch
-                self.joining.add(node)
                 self.joining_heard[node] = now
                 self.trained.discard(node)
                 self.ended.discard(node)
@@ -296,11 +294,10 @@ class MembershipState:
         service's ``membership.heartbeat`` handler."""
         if node in self.registered and node not in self.failed:
             if not joining:
-                self.joining.discard(node)
+                self.joining_heard.pop(node, None)
                 self.trained.add(node)
             elif node not in self.trained and node not in self.finished:
-                self.joining.add(node)  # (a coordinator that took over learns it so)
-                self.joining_heard[node] = now
+                self.joining_heard[node] = now  # (a coordinator that took over learns it so)
             self.join_grace.pop(node, None)
             self.spared.pop(node, None)
             self.detector.heartbeat(node, now)
@@ -507,7 +504,7 @@ class MembershipState:
         """``node`` finished: record its stats; with ``depart`` it leaves the view (not a
         failure: its loop ended while the others go on). Returns True when the view changed."""
         self.finished[node] = stats
-        self.joining.discard(node)
+        self.joining_heard.pop(node, None)
         if now is not None:
             self.finished_at = now
         if depart and node in self.registered and node not in self.failed and node not in self.departed:
@@ -517,6 +514,11 @@ class MembershipState:
             self.epoch += 1
             return True
         return False
+
+    @property
+    def joining(self) -> set[int]:
+        """The joiners whose strategy has not joined the training yet."""
+        return set(self.joining_heard)
 
     @property
     def stopping(self) -> bool:
@@ -541,11 +543,12 @@ class MembershipState:
         training in time says so first), those that said ``joining`` again since that finish
         (never the coordinator itself) depart: the view names them departed, and each ends as
         :class:`RunEnded`. Returns them; the view changed when it is not empty."""
-        if not self.stopping or not self.joining or self.finished_at is None or now - self.finished_at < grace:
+        # (the cheap tests first: the barrier asks at every change, and rarely with a joiner)
+        if not self.joining_heard or self.finished_at is None or now - self.finished_at < grace or not self.stopping:
             return []
         at = self.finished_at
-        waiting = {n for n in self.joining - set(self.finished) - self.failed - self.departed
-                   if n != self.coordinator and self.joining_heard.get(n, -1.0) >= at}
+        waiting = {n for n, heard in self.joining_heard.items() if heard >= at and n != self.coordinator
+                   and n not in self.finished and n not in self.failed and n not in self.departed}
         if not waiting:
             return []
         for n in sorted(waiting):
@@ -553,7 +556,8 @@ class MembershipState:
             self.detector.forget(n)
             if self.agreement is not None:
                 self.agreement.depart(n)
-        self.joining -= waiting
+        for n in waiting:
+            del self.joining_heard[n]
         self.ended |= waiting
         self.epoch += 1
         return sorted(waiting)

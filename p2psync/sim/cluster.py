@@ -69,7 +69,7 @@ from p2psync.coordinator.votes import MemoryVotes
 from p2psync.coordinator.rpc import RpcServer
 from p2psync.coordinator.stack import membership_stack
 from p2psync.coordinator.views import View
-from p2psync.errors import ConfigError, Fenced, P2PSyncError, SimulationError
+from p2psync.errors import ConfigError, Fenced, P2PSyncError, RunEnded, SimulationError
 from p2psync.sim import invariants as inv
 from p2psync.sim.faults import Fault
 from p2psync.sim.loop import ACTOR, VirtualLoop
@@ -154,6 +154,9 @@ class SimNode:
         self.started_at: float | None = None
         self.joined_at: float | None = None
         self.failed: str | None = None
+        #: its registration was refused as the run ended (:class:`RunEnded`; one the run departed
+        #: while it still joined the training is fenced so: its membership's ``fenced``)
+        self.run_ended = False
         #: a restarted process's rendezvous (None: the node's first process)
         self.rendezvous: asyncio.Task[None] | None = None
         #: the last view this process applied
@@ -450,6 +453,7 @@ class SimCluster:
                 await node.restart()
             except P2PSyncError as exc:
                 node.failed = f"{type(exc).__name__}: {exc}"[:300]
+                node.run_ended = isinstance(exc, RunEnded)
                 log.info("node %d: restarted process: %s", n, node.failed)
                 self._exit(node, node.failed)
                 return

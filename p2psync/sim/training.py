@@ -497,8 +497,7 @@ class TrainingCluster(SimCluster):
         join_s = regroup_bound(self.opts.failure_timeout, self.opts.heartbeat)
         for i, node in self.nodes.items():
             trained = self.runs[i].trained_at
-            if (isinstance(node.membership.fenced, RunEnded) or (node.failed or "").startswith(RunEnded.__name__)) \
-                    and (trained is None or trained > stop):
+            if (node.run_ended or isinstance(node.membership.fenced, RunEnded)) and (trained is None or trained > stop):
                 nodes[str(i)]["excused"] = "came back as the run ended (RunEnded)"
             elif excused(started_at=node.started_at, joined_at=node.joined_at, failed=node.failed,
                          trained_at=self.runs[i].trained_at, stop=stop, join_s=join_s,
