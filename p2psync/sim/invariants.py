@@ -24,7 +24,10 @@ promises no single model, answers ``"not promised: ..."``: :func:`violated` tell
   coordinator admits the new process only then); so is the process of a node killed before
   that a view still names (a kill after which no group held a majority got nobody
   declared), that declaration being the restart's; the nodes behind it are not cut off (the
-  new process relays at once). A kill's declaration counts until its node is restarted (plus the bound); a later
+  new process relays at once). When no group held a majority right before the restart (the
+  kill split a ring into two even arcs: :func:`leaderless_before`), the old process is
+  declared within two bounds: the nodes cut off from the coordinator may have deposed it
+  meanwhile, and a coordinator is elected first. A kill's declaration counts until its node is restarted (plus the bound); a later
   removal of the new process is another matter. A killed node is declared failed however
   soon it is restarted (its process is gone), but the nodes behind it are cut off only until
   the restart that joins them to the majority again (:func:`reconnected`): like the nodes of
@@ -201,9 +204,9 @@ def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
     return down
 
 
-def _running_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
-    """The nodes of restart ``f`` whose process was running right before it (neither killed
-    before, nor killed at its time by a fault listed before it): it kills them first."""
+def _down_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
+    """The nodes whose process is down right before fault ``f``: killed before it (or at its
+    time by a fault listed before it) and not restarted since."""
     down: set[int] = set()
     for g in sorted(faults, key=lambda g: g.at):
         if g is f:
@@ -212,7 +215,25 @@ def _running_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
             down |= set(g.nodes)
         elif g.kind == "restart":
             down -= set(g.nodes)
-    return set(f.nodes) - down
+    return down
+
+
+def _running_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
+    """The nodes of restart ``f`` whose process was running right before it (neither killed
+    before, nor killed at its time by a fault listed before it): it kills them first."""
+    return set(f.nodes) - _down_before(f, faults)
+
+
+def leaderless_before(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Links | None) -> bool:
+    """Whether, right before restart ``f``, no group of live nodes held a majority of
+    ``members`` (a kill split a ring into two even arcs, and the restart joins them again):
+    the nodes cut off from the coordinator since may have deposed it by then, so the old
+    process is declared failed only once a coordinator is elected again (two bounds)."""
+    if f.kind != "restart":
+        return False
+    gone = _down_before(f, faults) | (set(links or ()) - set(members))
+    groups = components(links, gone) if links is not None else [set(members) - gone]
+    return _major(groups, members) is None
 
 
 def until(f: Fault, faults: Sequence[Fault]) -> float:
@@ -452,8 +473,9 @@ def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float
                              links=links, latency=latency)
             out.append((f, until(f, faults) + fbound + risk.rtt, frozenset(risk.risk)))
         else:
-            out.append((f, until(f, faults) + fbound,
-                        frozenset(cut_by(f, faults, _members_before(views, f.at), links) or ())))
+            members = _members_before(views, f.at)
+            fbound *= 2 if leaderless_before(f, faults, members, links) else 1
+            out.append((f, until(f, faults) + fbound, frozenset(cut_by(f, faults, members, links) or ())))
     return out
 
 
@@ -516,6 +538,7 @@ def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen],
     """A kill's, restart's, pause's or partition's record and problem (None: none) for
     :func:`detections` (the rules are the module docstring's ``faults_detected_in_bound``)."""
     members = _members_before(views, f.at)
+    fbound *= 2 if leaderless_before(f, faults, members, links) else 1
     found = cut_by(f, faults, members, links)
     cut = found if found is not None else []
     limit, lead = _cut_limits(f, views, members, cut, fbound=fbound, line_s=line_s)

@@ -44,6 +44,28 @@ def test_a_restart_of_a_node_killed_in_an_even_split_owns_the_declaration_of_its
     # before the restart the split still removes nobody
     early = [*base, _v(22.0, 5, (1, 2, 3, 5, 6, 7), epoch=2, coord=5)]
     assert "no group of nodes holds a majority" in inv.detections([kill, restart], early, **timing)[1]
+    # with no majority before it, the restart's nodes may be declared within two bounds: the
+    # far arc may have deposed the coordinator meanwhile, and a successor is elected first
+    assert inv.leaderless_before(restart, [kill, restart], members, ring8)
+    assert not inv.leaderless_before(restart, [restart], members, ring8)
+    elected = [*base, _v(30.5, 5, (1, 2, 3, 5, 6, 7), epoch=2, coord=5)]
+    assert inv.detections([kill, restart], elected, **timing)[1] == "held"
+    assert inv.no_false_failure([kill, restart], elected, **timing) == "held"
+    late = [*base, _v(31.5, 5, (1, 2, 3, 5, 6, 7), epoch=2, coord=5)]
+    assert "never declared failed: [4]" in inv.detections([kill, restart], late, **timing)[1]
+    assert "with no fault on it" in inv.no_false_failure([kill, restart], late, **timing)
+
+
+def test_a_restart_that_joins_two_even_arcs_again_gets_its_old_process_declared_after_an_election() -> None:
+    # membership chaos seed 56848 (ring:16): node 6 fenced, then the kill of 14 split the ring
+    # into 7 | 7 with no majority; at its restart 2 s later the arc without the coordinator had
+    # been cut off from it for that long and deposed it; the old process of 14 was declared by
+    # the new coordinator (term 3) 4.83 s after the restart, past one bound (3.164 s)
+    s = simulate(ring(16), "pause:6@5.769+5.782,kill:14@20.359,restart:14@22.315", 40.0)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    last = s["declared"][-1]
+    assert last["node"] == 14 and last["term"] > 0
+    assert s["detection_bound_s"] < last["t"] - 22.315 < 2 * s["detection_bound_s"]
 
 
 def test_reborn_names_the_removed_nodes_whose_new_process_was_heard() -> None:
