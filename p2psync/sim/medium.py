@@ -20,7 +20,7 @@ import itertools
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, NamedTuple
 
 import msgpack
 
@@ -73,9 +73,9 @@ class SimHub(MemoryHub):
         self.faults = 0
         #: (sender, first relay, destination, reply, resend spread) -> the express path kept
         self.paths: dict[tuple[int, int, int, bool, int], _Path] = {}
-        #: bumped whenever a router's memory of the way back to an origin changes (express
-        #: paths whose relays' ways back were checked before are checked again)
-        self.back_changes = 0
+        #: origin -> bumped whenever a router's memory of the way back to it changes (express
+        #: paths whose relays' ways back to it were checked before are checked again)
+        self.back_changes: dict[int, int] = {}
         #: (previous node, relay, destination, reply, resend spread) -> the relay's decision (:func:`_walk`)
         self.hops: dict[tuple[int, int, int, bool, int], _Hop] = {}
 
@@ -226,13 +226,13 @@ class SimTransport(MemoryTransport):
         # checked again only when some router's way back changed, or for another origin)
         _consume(map(operator.setitem, path.arrivals, itertools.repeat(src), itertools.repeat(now)))
         _consume(map(operator.setitem, path.arrivals, nodes[:-2], itertools.repeat(now)))
-        if path.backs_src != src or path.backs_seen != hub.back_changes:
+        if path.backs_src != src or path.backs_seen != hub.back_changes.get(src, 0):
             for i in range(1, len(nodes) - 1):
                 prev = nodes[i - 1]
                 router = path.relays[i - 1].router
                 if prev != src and router.back.get(src) != prev:
                     router.heard(src, prev)
-            path.backs_src, path.backs_seen = src, hub.back_changes
+            path.backs_src, path.backs_seen = src, hub.back_changes.get(src, 0)
         last = nodes[-2]
         header["hops"] = hops + len(nodes) - 2
         if len(nodes) > 2:
@@ -284,10 +284,10 @@ class _Path:
     #: messages and bytes that crossed it since the relays' counters were last brought up to date
     uses: int = 0
     bytes: int = 0
-    #: the origin whose way back every relay was last set to, and :attr:`SimHub.back_changes` then
+    #: the origin whose way back every relay was last set to, and its :attr:`SimHub.back_changes` then
     backs_src: int = -1
     backs_seen: int = -1
-    #: :attr:`SimHub.back_changes` when the relays' ways back to a reply's destination were
+    #: the reply's destination's :attr:`SimHub.back_changes` when the relays' ways back to it were
     #: last found as when walked
     replies_seen: int = -1
 
@@ -337,12 +337,12 @@ class _Path:
         origin or incarnation (an incarnation a relay knows only changes to the current one)."""
         nodes, dst = self.nodes, self.dst
         if self.faults == hub.faults and self.src == src and self.inc == inc:
-            if self.reply and self.replies_seen != hub.back_changes:
+            if self.reply and self.replies_seen != hub.back_changes.get(dst, 0):
                 backs = self.backs
                 for i, relay in enumerate(self.relays, 1):
                     if relay.router.back.get(dst) != backs[i]:
                         return False
-                self.replies_seen = hub.back_changes
+                self.replies_seen = hub.back_changes.get(dst, 0)
             return True
         held = getattr(loop, "held", None)
         endpoints = hub.endpoints
@@ -365,7 +365,7 @@ class _Path:
                 if self.reply and rt.router.back.get(dst) != self.backs[i]:
                     return False
         self.faults, self.src, self.inc = hub.faults, src, inc
-        self.replies_seen = hub.back_changes
+        self.replies_seen = hub.back_changes.get(dst, 0)
         return True
 
 
@@ -431,8 +431,7 @@ def _walk(hub: SimHub, sender: int, peer: int, dst: int, reply: bool, spread: in
 MAX_HOP_MEMO = 1 << 21
 
 
-@dataclass(frozen=True)
-class _Hop:
+class _Hop(NamedTuple):
     """What relay ``transport`` does with a message for ``dst`` that came from ``prev`` (see
     :func:`_walk`), as decided when its routes were at ``version`` and, for a reply, its way
     back to ``dst`` was ``back``: ``next`` (None: anything but passing it on at once), the
@@ -472,7 +471,8 @@ def _consume(it: Iterable[object]) -> None:
 
 class _Backs(dict[int, int]):
     """A router's :attr:`~p2psync.transport.router.Router.back` that bumps
-    :attr:`SimHub.back_changes` whenever a value changes (the express paths' checks)."""
+    :attr:`SimHub.back_changes` of the origin whenever its value changes (the express paths'
+    checks)."""
 
     __slots__ = ("hub",)
 
@@ -482,5 +482,6 @@ class _Backs(dict[int, int]):
 
     def __setitem__(self, key: int, value: int) -> None:
         if dict.get(self, key) != value:
-            self.hub.back_changes += 1
+            changes = self.hub.back_changes
+            changes[key] = changes.get(key, 0) + 1
         dict.__setitem__(self, key, value)

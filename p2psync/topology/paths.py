@@ -314,16 +314,19 @@ def next_hops(topo: Topology, me: int, dst: int, *, dead: Collection[int],
     ``to_dead``: when ``dst`` is dead, aim at its live neighbours; ``shortest``: only the
     neighbours on a shortest live path (every hop gets closer, so what is forwarded never
     wanders)."""
-    goals = {dst: 0}
-    if to_dead and dst in dead:
-        goals = {nb: 1 for nb in topo.neighbors(dst) if nb not in dead and nb != me}
-
-    def cost(b: int) -> int | None:
+    # the cost of a neighbour: its distance to ``dst``, or to ``dst``'s nearest live neighbour
+    # plus one (``to_dead``); None when it reaches neither (every relayed message asks this)
+    goals = [nb for nb in topo.neighbors(dst) if nb not in dead and nb != me] \
+        if to_dead and dst in dead else None
+    costs: dict[int, int] = {}
+    for b in topo.neighbors(me):
+        if b in dead or b == exclude or b in avoid:
+            continue
         d = distances(b)
-        return min((d[g] + c for g, c in goals.items() if g in d), default=None)
-
-    costs = {b: cost(b) for b in topo.neighbors(me) if b not in dead and b != exclude and b not in avoid}
-    cands = sorted((b for b, c in costs.items() if c is not None), key=lambda b: (costs[b], b))
+        c = d.get(dst) if goals is None else min((d[g] + 1 for g in goals if g in d), default=None)
+        if c is not None:
+            costs[b] = c
+    cands = sorted(costs, key=lambda b: (costs[b], b))
     if spread and cands:
         tier = sum(1 for b in cands if costs[b] == costs[cands[0]])
         k = spread % tier
