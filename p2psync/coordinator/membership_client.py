@@ -73,8 +73,9 @@ class MembershipClient:
                  heartbeat_interval: float = 0.5, failure_timeout: float = 2.0,
                  phi_threshold: float = 8.0, quorum_timeout: float = 300.0,
                  votes: VoteStore | None = None) -> None:
-        """``votes``: where this node's votes outlive its process (:mod:`p2psync.coordinator.votes`;
-        None: they do not, e.g. a run without a run folder)."""
+        """``votes``: where this node's votes and the key of the newest view it applied outlive
+        its process (:mod:`p2psync.coordinator.votes`; None: they do not, e.g. a run without a
+        run folder)."""
         self.transport = transport
         #: how long :meth:`call_coordinator` waits for a majority (``--quorum-timeout``)
         self.quorum_timeout = quorum_timeout
@@ -125,7 +126,8 @@ class MembershipClient:
         self.redo: tuple[int, tuple[int, ...]] | None = None
         #: this node's votes in coordinator elections (the host answers vote requests with it)
         self.ballot = Ballot(me=transport.node_id) if votes is None else \
-            Ballot(me=transport.node_id, voted=votes.load(), keep=votes.keep)
+            Ballot(me=transport.node_id, voted=votes.load(), keep=votes.keep, seen=votes.load_view() or (0, -1),
+                   keep_view=votes.keep_view)
         #: the view that fenced this node (it does not name it; never applied here), or None;
         #: this node answers probes with it (:attr:`newest_view`)
         self.removed_by: View | None = None
@@ -415,6 +417,7 @@ class MembershipClient:
         change = self.views.apply(view)
         if change is None:
             return
+        self.ballot.saw(view.key)
         self._viewed.set()
         if first:
             for n in left_out(view, self.transport.topology.ids, me):

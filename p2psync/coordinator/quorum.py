@@ -34,13 +34,19 @@ Departures are not failures: a node that finished leaves the agreed view at once
 
 A vote is kept before it is granted (``Ballot.keep``: the node's folder of the run,
 :mod:`p2psync.coordinator.votes`), and a restarted process starts from the votes kept, so it
-never grants a second vote in a term its earlier process voted in.
+never grants a second vote in a term its earlier process voted in. So is the key of the newest
+view the node applied (``Ballot.saw``): a restarted process that has not applied a view yet
+compares a candidate's view with the one its earlier process applied, so that a candidate
+that missed a view agreed by a majority still cannot win.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping
+
+log = logging.getLogger("p2psync.membership")
 
 #: a view's place in the order of views: (term, epoch)
 ViewKey = tuple[int, int]
@@ -156,6 +162,28 @@ class Ballot:
     #: term -> the candidate this node voted for in it
     voted: dict[int, int] = field(default_factory=dict)
     keep: Callable[[Mapping[int, int]], None] | None = field(default=None, compare=False, repr=False)
+    #: the key of the newest view this node applied, in this process or an earlier one
+    seen: ViewKey = (0, -1)
+    #: keeps :attr:`seen` durably (OSError when it cannot: said, and the view counts all the same)
+    keep_view: Callable[[ViewKey], None] | None = field(default=None, compare=False, repr=False)
+
+    #: a view key could not be kept (said once)
+    unkept: bool = field(default=False, compare=False, repr=False)
+
+    def saw(self, key: ViewKey) -> None:
+        """This node applied the view of ``key``: kept when newer than :attr:`seen`."""
+        if key <= self.seen:
+            return
+        self.seen = key
+        if self.keep_view is None:
+            return
+        try:
+            self.keep_view(key)
+        except OSError as exc:
+            if not self.unkept:
+                self.unkept = True
+                log.warning("node %d: the key %s of the newest view applied could not be kept (%s): a restarted "
+                            "process may grant a vote as if it had missed that view", self.me, key, exc)
 
     def _grant(self, term: int, candidate: int) -> bool:
         """Record a vote for ``candidate`` in ``term`` (kept first, see the class docstring);
@@ -178,6 +206,8 @@ class Ballot:
         """Answer ``req`` (and record a granted vote). ``mine``: this node's last view key;
         ``hears_coordinator``: the coordinator this node follows and still hears holding a
         majority (its heartbeat replies say so), or None."""
+        mine = max(mine, self.seen)  # (a restarted process that has applied no view yet: its earlier one's)
+
         def answer(granted: bool, reason: str) -> VoteAnswer:
             return VoteAnswer(granted=granted, reason=reason, view=mine, voted_term=self.promised)
 

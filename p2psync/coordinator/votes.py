@@ -15,6 +15,14 @@ before granting it; a new process seeds its ballot with what was kept.
 
 Only the :data:`KEPT_TERMS` highest terms are kept: a vote in an older term can no longer
 decide an election (a node never votes in a term below the highest it voted in).
+
+The key (term, epoch) of the newest view the node applied is kept too (``keep_view``), as Raft
+keeps its log: a voter refuses a candidate whose view is older than its own, so that a
+candidate that missed a view agreed by a majority cannot win. A restarted process that forgot
+its view would grant such a candidate its vote, and the agreed view's majority would no longer
+hold it. A view key that cannot be kept is said once and the view is applied all the same
+(refusing the view would be worse); the file holds ``{"votes": {term: candidate}, "view":
+[term, epoch]}`` (a file of an earlier version, votes only, is read as votes).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import logging
 from pathlib import Path
 from typing import Mapping, Protocol
 
+from p2psync.coordinator.quorum import ViewKey
 from p2psync.files import write_atomic
 
 log = logging.getLogger("p2psync.membership")
@@ -43,6 +52,12 @@ class VoteStore(Protocol):
     def keep(self, votes: Mapping[int, int]) -> None:
         """Keep ``votes`` (all of them, the newest included) durably; OSError when it cannot."""
 
+    def load_view(self) -> ViewKey | None:
+        """The key of the newest view an earlier process of this node applied (None: none kept)."""
+
+    def keep_view(self, key: ViewKey) -> None:
+        """Keep ``key``, the newest view this process applied, durably; OSError when it cannot."""
+
 
 def _newest(votes: Mapping[int, int]) -> dict[int, int]:
     return {t: votes[t] for t in sorted(votes)[-KEPT_TERMS:]}
@@ -53,6 +68,7 @@ class MemoryVotes:
 
     def __init__(self) -> None:
         self.votes: dict[int, int] = {}
+        self.view: ViewKey | None = None
 
     def load(self) -> dict[int, int]:
         return dict(self.votes)
@@ -60,27 +76,61 @@ class MemoryVotes:
     def keep(self, votes: Mapping[int, int]) -> None:
         self.votes = _newest(votes)
 
+    def load_view(self) -> ViewKey | None:
+        return self.view
+
+    def keep_view(self, key: ViewKey) -> None:
+        self.view = key
+
 
 class FileVotes:
-    """A :class:`VoteStore` in ``folder/votes.json`` (see the module docstring)."""
+    """A :class:`VoteStore` in ``folder/votes.json`` (see the module docstring): it holds what
+    it last wrote, and writes the votes and the view key together."""
 
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / VOTES_FILE
+        self._votes: dict[int, int] = {}
+        self._view: ViewKey | None = None
+        self._read = False
 
-    def load(self) -> dict[int, int]:
+    def _load(self) -> None:
+        if self._read:
+            return
+        self._read = True
         try:
             raw = json.loads(self.path.read_text())
-            votes = {int(t): int(c) for t, c in raw.items()}
+            if isinstance(raw, dict) and "votes" in raw:
+                view = raw.get("view")
+                self._view = (int(view[0]), int(view[1])) if view is not None else None
+                raw = raw["votes"]
+            self._votes = _newest({int(t): int(c) for t, c in raw.items()})
         except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            pass
+        except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError) as exc:
             log.warning("cannot read the votes of an earlier process in %s (%s): counted as none", self.path, exc)
-            return {}
-        return _newest(votes)
+            self._votes, self._view = {}, None
+
+    def load(self) -> dict[int, int]:
+        self._load()
+        return dict(self._votes)
+
+    def load_view(self) -> ViewKey | None:
+        self._load()
+        return self._view
+
+    def _write(self, votes: dict[int, int], view: ViewKey | None) -> None:
+        text = json.dumps({"votes": {str(t): c for t, c in votes.items()},
+                           "view": list(view) if view is not None else None})
+        write_atomic(self.path, lambda f: f.write(text.encode()), mode=0o644)
+        self._votes, self._view = votes, view
 
     def keep(self, votes: Mapping[int, int]) -> None:
-        text = json.dumps({str(t): c for t, c in _newest(votes).items()})
-        write_atomic(self.path, lambda f: f.write(text.encode()), mode=0o644)
+        self._load()
+        self._write(_newest(votes), self._view)
+
+    def keep_view(self, key: ViewKey) -> None:
+        self._load()
+        self._write(self._votes, key)
 
 
 __all__ = ["FileVotes", "KEPT_TERMS", "MemoryVotes", "VOTES_FILE", "VoteStore"]

@@ -4,8 +4,11 @@ not granted."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Mapping
+
+import pytest
 
 from p2psync.coordinator.quorum import Ballot, VoteRequest
 from p2psync.coordinator.votes import KEPT_TERMS, VOTES_FILE, FileVotes, MemoryVotes
@@ -54,3 +57,76 @@ def test_the_file_keeps_the_newest_terms_and_reads_what_a_process_wrote(tmp_path
     assert sorted(again) == list(range(5, KEPT_TERMS + 5)) and again[KEPT_TERMS + 4] == (KEPT_TERMS + 4) % 4
     (tmp_path / "node-3" / VOTES_FILE).write_text("{not json")
     assert FileVotes(tmp_path / "node-3").load() == {}  # unreadable: said, counted as none
+
+
+def _ask_view(b: Ballot, candidate: int, term: int, view: tuple[int, int], mine: tuple[int, int]) -> bool:
+    return b.decide(VoteRequest(candidate=candidate, term=term, view=view), mine=mine,
+                    coordinating_with_quorum=False, hears_coordinator=None).granted
+
+
+def test_a_restarted_process_refuses_a_candidate_that_missed_the_view_its_earlier_process_applied() -> None:
+    # a view (0, 7) was agreed by a bare majority, this node among them; it restarts, and a
+    # candidate that missed that view asks the new process before it has applied any view
+    disk = MemoryVotes()
+    first = Ballot(me=3, voted=disk.load(), keep=disk.keep, keep_view=disk.keep_view)
+    first.saw((0, 5))
+    first.saw((0, 7))
+    first.saw((0, 6))  # (an older one: nothing changes)
+    assert disk.view == (0, 7) and first.seen == (0, 7)
+    # without the key kept, the new process grants it: the agreed view's majority no longer holds it
+    assert _ask_view(Ballot(me=3), 1, term=1, view=(0, 5), mine=(0, -1))
+    second = Ballot(me=3, voted=disk.load(), keep=disk.keep, seen=disk.load_view() or (0, -1),
+                    keep_view=disk.keep_view)
+    ans = second.decide(VoteRequest(candidate=1, term=1, view=(0, 5)), mine=(0, -1),
+                        coordinating_with_quorum=False, hears_coordinator=None)
+    assert not ans.granted and ans.view == (0, 7) and "older" in ans.reason
+    assert _ask_view(second, 2, term=1, view=(0, 7), mine=(0, -1))  # a candidate that has it: granted
+
+
+def test_the_file_keeps_the_view_key_with_the_votes_and_reads_an_earlier_format(tmp_path: Path) -> None:
+    store = FileVotes(tmp_path / "node-3")
+    assert store.load_view() is None
+    store.keep({1: 2})
+    store.keep_view((1, 9))
+    again = FileVotes(tmp_path / "node-3")
+    assert again.load() == {1: 2} and again.load_view() == (1, 9)
+    again.keep({1: 2, 2: 3})  # the votes keep the view key, and the other way round
+    third = FileVotes(tmp_path / "node-3")
+    assert third.load() == {1: 2, 2: 3} and third.load_view() == (1, 9)
+    (tmp_path / "node-3" / VOTES_FILE).write_text('{"4": 1}')  # votes only, as written before
+    old = FileVotes(tmp_path / "node-3")
+    assert old.load() == {4: 1} and old.load_view() is None
+
+
+def test_a_view_key_that_cannot_be_kept_is_said_once_and_the_view_counts(caplog: pytest.LogCaptureFixture) -> None:
+    def full(_: tuple[int, int]) -> None:
+        raise OSError(28, "No space left on device")
+
+    b = Ballot(me=3, keep_view=full)
+    with caplog.at_level(logging.WARNING, logger="p2psync.membership"):
+        b.saw((0, 4))
+        b.saw((0, 5))
+    assert b.seen == (0, 5)
+    assert sum("could not be kept" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_every_simulated_node_keeps_the_key_of_the_newest_view_it_applied() -> None:
+    # the real membership client over the simulated medium: a kill, and the view that removes it
+    from p2psync.sim.cluster import SimCluster, SimOptions
+    from p2psync.sim.faults import parse_faults
+    from p2psync.sim.loop import VirtualLoop, run
+    from p2psync.topology import ring
+
+    async def main() -> tuple[dict[int, tuple[int, int] | None], dict[int, tuple[int, int]]]:
+        topo = ring(6)
+        async with SimCluster(topo, faults=parse_faults("kill:4@3", topo.ids), opts=SimOptions()) as c:
+            await c.run(10.0)
+            kept = {n: c.hub.votes[n].load_view() for n in topo.ids}
+            applied = {n: node.membership.view.key for n, node in c.nodes.items()
+                       if node.membership.view is not None}
+            return kept, applied
+
+    kept, applied = run(main(), loop=VirtualLoop())
+    assert len(applied) == 6 and all(kept[n] == key for n, key in applied.items())
+    survivors = {kept[n] for n in applied if n != 4}
+    assert len(survivors) == 1 and survivors.pop() > kept[4]  # the view that removed node 4
