@@ -284,6 +284,7 @@ class CoordinatorHost:
                                 allow_join=self.allow_join)
         if state is not None:  # a takeover: the run started when this node's rendezvous ended
             svc.run_started = self.membership.run_started
+        svc.state.on_publish = self.membership.ballot.saw  # (kept before this node counts as having applied it)
         self.service = svc
         svc.start()
         if self.services is not None and not self._services_registered:

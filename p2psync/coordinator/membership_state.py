@@ -203,6 +203,10 @@ class MembershipState:
     #: silence counts only from when it could know to heartbeat this coordinator (:meth:`check`,
     #: :meth:`reelected`)
     spared: dict[int, float] = field(default_factory=dict)
+    #: called with the key of each view this coordinator publishes, before it counts itself as
+    #: having applied it: its node keeps the key with its votes first (``Ballot.saw``), or a
+    #: restarted process of it could grant its vote to a candidate that missed that view
+    on_publish: Callable[[tuple[int, int]], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._view_cache: tuple[tuple[Any, ...], View] | None = None
@@ -594,6 +598,8 @@ class MembershipState:
         agreement = self.agreement
         if agreement is not None and (agreement.latest is None or agreement.latest[0] != self.epoch) \
                 and self.epoch > agreement.epoch:
+            if self.on_publish is not None:
+                self.on_publish(view.key)
             agreement.publish(self.epoch, view.members)
         return view
 

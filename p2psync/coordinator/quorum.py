@@ -156,7 +156,10 @@ class Ballot:
     """One node's votes (see the module docstring). ``keep``: called with the votes, the new
     one included, before a vote is granted (a durable copy, so that a restarted process of
     this node never grants a second vote in a term its earlier process voted in: seed the new
-    ballot's ``voted`` with it); when it raises OSError the vote is not granted."""
+    ballot's ``voted`` with it); when it raises OSError the vote is not granted. ``keep_view``:
+    called with the key of each newer view the node applied (:meth:`saw`; seed ``seen`` with
+    what it kept), so that a restarted process never votes as if it had missed a view its
+    earlier process applied."""
 
     me: int
     #: term -> the candidate this node voted for in it
@@ -203,7 +206,8 @@ class Ballot:
 
     def decide(self, req: VoteRequest, *, mine: ViewKey, coordinating_with_quorum: bool,
                hears_coordinator: int | None) -> VoteAnswer:
-        """Answer ``req`` (and record a granted vote). ``mine``: this node's last view key;
+        """Answer ``req`` (and record a granted vote). ``mine``: this node's last view key (raised
+        to :attr:`seen`: a restarted process compares with its earlier one's newest view);
         ``hears_coordinator``: the coordinator this node follows and still hears holding a
         majority (its heartbeat replies say so), or None."""
         mine = max(mine, self.seen)  # (a restarted process that has applied no view yet: its earlier one's)

@@ -84,8 +84,9 @@ class MemoryVotes:
 
 
 class FileVotes:
-    """A :class:`VoteStore` in ``folder/votes.json`` (see the module docstring): it holds what
-    it last wrote, and writes the votes and the view key together."""
+    """A :class:`VoteStore` in ``folder/votes.json`` (see the module docstring): it reads the
+    file once, holds what it last wrote, and writes the votes and the view key together (one
+    per folder: a second one on the same file would write back what it holds)."""
 
     def __init__(self, folder: str | Path) -> None:
         self.path = Path(folder) / VOTES_FILE
@@ -99,16 +100,23 @@ class FileVotes:
         self._read = True
         try:
             raw = json.loads(self.path.read_text())
-            if isinstance(raw, dict) and "votes" in raw:
-                view = raw.get("view")
-                self._view = (int(view[0]), int(view[1])) if view is not None else None
-                raw = raw["votes"]
-            self._votes = _newest({int(t): int(c) for t, c in raw.items()})
         except FileNotFoundError:
-            pass
-        except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError) as exc:
+            return
+        except (OSError, ValueError) as exc:
             log.warning("cannot read the votes of an earlier process in %s (%s): counted as none", self.path, exc)
-            self._votes, self._view = {}, None
+            return
+        view = None
+        if isinstance(raw, dict) and "votes" in raw:
+            view, raw = raw.get("view"), raw["votes"]
+        try:
+            self._votes = _newest({int(t): int(c) for t, c in raw.items()})
+        except (ValueError, AttributeError, TypeError) as exc:
+            log.warning("cannot read the votes of an earlier process in %s (%s): counted as none", self.path, exc)
+        try:  # (read apart: a view key that cannot be read leaves the votes kept)
+            self._view = (int(view[0]), int(view[1])) if view is not None else None
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            log.warning("cannot read the view key of an earlier process in %s (%s): counted as none", self.path,
+                        exc)
 
     def load(self) -> dict[int, int]:
         self._load()
@@ -130,7 +138,7 @@ class FileVotes:
 
     def keep_view(self, key: ViewKey) -> None:
         self._load()
-        self._write(self._votes, key)
+        self._write(self._votes, key if self._view is None else max(key, self._view))
 
 
 __all__ = ["FileVotes", "KEPT_TERMS", "MemoryVotes", "VOTES_FILE", "VoteStore"]

@@ -130,3 +130,35 @@ def test_every_simulated_node_keeps_the_key_of_the_newest_view_it_applied() -> N
     assert len(applied) == 6 and all(kept[n] == key for n, key in applied.items())
     survivors = {kept[n] for n in applied if n != 4}
     assert len(survivors) == 1 and survivors.pop() > kept[4]  # the view that removed node 4
+
+
+def test_a_bad_view_key_in_the_file_leaves_the_votes_and_a_key_never_goes_back(tmp_path: Path) -> None:
+    folder = tmp_path / "node-3"
+    folder.mkdir()
+    (folder / VOTES_FILE).write_text('{"votes": {"2": 1}, "view": ["x"]}')
+    store = FileVotes(folder)
+    assert store.load() == {2: 1} and store.load_view() is None  # the votes still refuse a second one
+    (folder / VOTES_FILE).write_text('{"votes": {"2": 1}, "view": null}')
+    assert FileVotes(folder).load() == {2: 1} and FileVotes(folder).load_view() is None
+    store = FileVotes(folder)
+    store.keep_view((1, 4))
+    store.keep_view((0, 9))  # (an older key: the newer one stays)
+    assert FileVotes(folder).load_view() == (1, 4)
+
+
+def test_the_coordinator_keeps_a_views_key_before_it_counts_itself_as_having_applied_it() -> None:
+    from p2psync.coordinator.membership_state import MembershipState
+
+    st = MembershipState(expected=frozenset({0, 1, 2}), coordinator=0)
+    for n in (0, 1, 2):
+        st.register(n, "fp", 0.0)
+    seen: list[tuple[tuple[int, int], int]] = []
+    assert st.agreement is not None
+    agreement = st.agreement
+    st.on_publish = lambda key: seen.append((key, agreement.acked.get(0, -1)))
+    st.failed.add(2)
+    st.epoch += 1
+    view = st.view()
+    assert seen == [(view.key, -1)] and agreement.acked[0] == view.epoch  # kept first, counted after
+    st.view()
+    assert len(seen) == 1  # published once
