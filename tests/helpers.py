@@ -11,6 +11,7 @@ import socket
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, TypeVar
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.votes import VoteStore
 from p2psync.topology import Topology
 from p2psync.transport import ZmqEndpoint
 
@@ -120,11 +121,11 @@ class MemberNode:
             await nodes[1].close()  # node 1 dies
     """
 
-    def __init__(self, topo: Topology, i: int, *, shaper: Shaper | None = None) -> None:
+    def __init__(self, topo: Topology, i: int, *, shaper: Shaper | None = None, votes: VoteStore | None = None) -> None:
         self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0, shaper=shaper)
         self.server = RpcServer(self.ep)
         self.rpc = RpcClient(self.ep, local=self.server)
-        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator)
+        self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator, votes=votes)
         self.closed = False
 
     def start_hosted(self) -> None:

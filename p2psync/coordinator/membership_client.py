@@ -125,6 +125,7 @@ class MembershipClient:
         #: every heartbeat until a newer view arrives (:meth:`request_redo`)
         self.redo: tuple[int, tuple[int, ...]] | None = None
         #: this node's votes in coordinator elections (the host answers vote requests with it)
+        self._votes = votes
         self.ballot = Ballot(me=transport.node_id) if votes is None else \
             Ballot(me=transport.node_id, voted=votes.load(), keep=votes.keep, seen=votes.load_view() or (0, -1),
                    keep_view=votes.keep_view)
@@ -282,6 +283,8 @@ class MembershipClient:
             raise
         self.info = dict(info)
         self.joining = bool(self.info.get("joined"))
+        if not self.joining and (self.ballot.voted or self.ballot.seen != (0, -1)):
+            self._forget_launch()
         elapsed = self.info.get("elapsed", 0.0)
         elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and 0 <= elapsed < 1e9 else 0.0
         #: when the run started, on this node's clock (a joiner's run started before it did)
@@ -295,6 +298,21 @@ class MembershipClient:
                         self.seen_term)
         self.quorum.set(True, coordinator=self.coordinator)  # the coordinator answered with every node in
         return self.info
+
+    def _forget_launch(self) -> None:
+        """A fresh rendezvous: the votes and view key kept by a process of an earlier launch of
+        the run in this folder (the same run id) are not this launch's, and its terms would
+        make this node refuse the new views (:mod:`p2psync.coordinator.votes`)."""
+        log.warning("node %d: a new launch of the run: the votes and view kept by an earlier launch in its folder "
+                    "(terms up to %d, view %s) are forgotten", self.transport.node_id, self.ballot.promised,
+                    self.ballot.seen)
+        self.ballot.forget()
+        if self._votes is not None:
+            try:
+                self._votes.forget()
+            except OSError as exc:
+                log.warning("node %d: the earlier launch's votes could not be removed (%s): a process restarted in "
+                            "this launch may start from them", self.transport.node_id, exc)
 
     async def first_view(self, timeout: float) -> View:
         """The view this node applied first, once there is one: at once after a registration

@@ -188,6 +188,12 @@ class Ballot:
                 log.warning("node %d: the key %s of the newest view applied could not be kept (%s): a restarted "
                             "process may grant a vote as if it had missed that view", self.me, key, exc)
 
+    def forget(self) -> None:
+        """Drop every vote and view key (a new launch of the run: see
+        :mod:`p2psync.coordinator.votes`); the store forgets them too (the caller's)."""
+        self.voted.clear()
+        self.seen = (0, -1)
+
     def _grant(self, term: int, candidate: int) -> bool:
         """Record a vote for ``candidate`` in ``term`` (kept first, see the class docstring);
         whether it was recorded."""

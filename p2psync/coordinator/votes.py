@@ -16,6 +16,11 @@ before granting it; a new process seeds its ballot with what was kept.
 Only the :data:`KEPT_TERMS` highest terms are kept: a vote in an older term can no longer
 decide an election (a node never votes in a term below the highest it voted in).
 
+What is kept belongs to one launch of the run: a process that takes part in a fresh
+rendezvous (every node registered anew: the run was started again with the same run id, in
+the same folder) forgets it (``forget``), since the earlier launch's terms would make it refuse
+the new launch's views; a process that joins a running run keeps it.
+
 The key (term, epoch) of the newest view the node applied is kept too (``keep_view``), as Raft
 keeps its log: a voter refuses a candidate whose view is older than its own, so that a
 candidate that missed a view agreed by a majority cannot win. A restarted process that forgot
@@ -58,6 +63,10 @@ class VoteStore(Protocol):
     def keep_view(self, key: ViewKey) -> None:
         """Keep ``key``, the newest view this process applied, durably; OSError when it cannot."""
 
+    def forget(self) -> None:
+        """Drop what was kept: a new launch of the run in this folder rendezvoused afresh, and
+        the terms and views of the earlier launch are not this one's; OSError when it cannot."""
+
 
 def _newest(votes: Mapping[int, int]) -> dict[int, int]:
     return {t: votes[t] for t in sorted(votes)[-KEPT_TERMS:]}
@@ -81,6 +90,9 @@ class MemoryVotes:
 
     def keep_view(self, key: ViewKey) -> None:
         self.view = key
+
+    def forget(self) -> None:
+        self.votes, self.view = {}, None
 
 
 class FileVotes:
@@ -139,6 +151,11 @@ class FileVotes:
     def keep_view(self, key: ViewKey) -> None:
         self._load()
         self._write(self._votes, key if self._view is None else max(key, self._view))
+
+    def forget(self) -> None:
+        self._read = True
+        if self.path.exists() or self._votes or self._view is not None:
+            self._write({}, None)
 
 
 __all__ = ["FileVotes", "KEPT_TERMS", "MemoryVotes", "VOTES_FILE", "VoteStore"]

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
+from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.coordinator.membership_state import EVENT_VIEW
 from p2psync.coordinator.views import View
-from p2psync.coordinator.votes import FileVotes
-from p2psync.topology import mesh
-from tests.helpers import free_port, until, zmq_cluster
+from p2psync.coordinator.votes import FileVotes, VoteStore
+from p2psync.topology import Topology, mesh
+from tests.helpers import MemberNode, free_port, member_cluster, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,3 +34,41 @@ async def test_a_new_process_votes_with_the_view_key_its_earlier_one_applied(tmp
             assert client.ballot.seen == (0, 9) and FileVotes(tmp_path).load_view() == (0, 9)
         finally:
             await client.close()
+
+
+class Node(MemberNode):
+    """A member running a CoordinatorHost, as a node process does."""
+
+    def __init__(self, topo: Topology, i: int, votes: VoteStore | None = None) -> None:
+        super().__init__(topo, i, votes=votes)
+        self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
+                                    start_timeout=20, run_info={"run_id": "t"})
+
+    def start_hosted(self) -> None:
+        if self.ep.node_id == self.ep.topology.coordinator:
+            self.host.host()
+
+    async def close_hosted(self) -> None:
+        await self.host.close()
+
+
+async def test_a_new_launch_in_the_same_folder_forgets_the_earlier_launchs_terms(tmp_path: Path) -> None:
+    # an earlier launch with the same run id (the same folders) elected coordinators up to term
+    # 3. Node 1 kept a vote and a view, node 2 only a view: kept, node 1's vote made it refuse the
+    # new launch's views (term 0) until the coordinator was re-elected above it, and node 2's
+    # view made it refuse every candidate of the new launch (their views are older): with
+    # enough such nodes, no coordinator could ever be elected again
+    one, two = FileVotes(tmp_path / "node-1"), FileVotes(tmp_path / "node-2")
+    one.keep({3: 1})
+    one.keep_view((3, 40))
+    two.keep_view((3, 40))
+    topo = mesh(3, base_port=free_port())
+    stores = {1: FileVotes(tmp_path / "node-1"), 2: FileVotes(tmp_path / "node-2")}
+    async with member_cluster(topo, lambda i: Node(topo, i, stores.get(i))) as nodes:
+        await until(lambda: all(n.client.view is not None and len(n.client.view.members) == 3
+                                for n in nodes.values()), 10, "every node's first view")
+        for i in (1, 2):
+            b = nodes[i].client.ballot
+            assert b.voted == {} and b.seen == nodes[i].client.view.key and b.seen[0] == 0
+            kept = FileVotes(tmp_path / f"node-{i}")
+            assert kept.load() == {} and kept.load_view() == b.seen
