@@ -323,6 +323,8 @@ class CoordinatorHost:
         while m.coordinator == self.me and self.service is None and m.fenced is None:
             view = m.view
             voters = frozenset(view.members if view is not None else self.expected) | {self.me}
+            # (its own applied view, not the key an earlier process kept, Ballot.seen: a process
+            # that has applied no view cannot rebuild the membership, so it must not win)
             mine = view.key if view is not None else (0, -1)
             term = max(mine[0], self._seen_term) + 1
             if m.ballot.voted.get(term, self.me) != self.me and not hopeless:
