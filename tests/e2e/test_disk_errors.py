@@ -50,7 +50,8 @@ def test_checkpoints_onto_a_full_disk_warn_once_and_the_run_finishes(tmp_path: P
             # steps 2 (written), 4, 6 and 8 (at the end): the first one is kept intact
             assert summary["nodes"][str(i)]["write_failures"] == {"checkpoint": STEPS // 2 - 1}
             assert checkpoint.load(path)["step"] == 2
-        assert sorted(p.name for p in d0.iterdir()) == ["checkpoint.pt", "incarnation"]
+        # (votes.json: the newest view's key, kept from the first view on, before the disk filled)
+        assert sorted(p.name for p in d0.iterdir()) == ["checkpoint.pt", "incarnation", "votes.json"]
 
 
 def test_checkpoints_into_a_read_only_folder_warn_once_and_the_run_finishes(tmp_path: Path) -> None:
