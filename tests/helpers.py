@@ -149,6 +149,25 @@ class MemberNode:
         await self.ep.close()
 
 
+class HostNode(MemberNode):
+    """A member running a CoordinatorHost, as a node process does: it hosts membership while it
+    coordinates (node ``topo.coordinator`` from the start)."""
+
+    def __init__(self, topo: Topology, i: int, *, votes: VoteStore | None = None) -> None:
+        from p2psync.coordinator.failover import CoordinatorHost
+
+        super().__init__(topo, i, votes=votes)
+        self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
+                                    start_timeout=20, run_info={"run_id": "t"})
+
+    def start_hosted(self) -> None:
+        if self.ep.node_id == self.ep.topology.coordinator:
+            self.host.host()
+
+    async def close_hosted(self) -> None:
+        await self.host.close()
+
+
 _Member = TypeVar("_Member", bound=MemberNode)
 
 

@@ -10,28 +10,14 @@ import time
 
 import pytest
 
-from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import RunEnded
 from p2psync.topology import Topology, ring
-from tests.helpers import MemberNode, free_port, full_views, member_cluster, until
+from tests.helpers import HostNode, free_port, full_views, member_cluster, until
 
 pytestmark = pytest.mark.timeout(90)
 
 
-class Node(MemberNode):
-    """A member running a CoordinatorHost, as a node process does."""
-
-    def __init__(self, topo: Topology, i: int) -> None:
-        super().__init__(topo, i)
-        self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
-                                    start_timeout=20, run_info={"run_id": "t"})
-
-    def start_hosted(self) -> None:
-        if self.ep.node_id == self.ep.topology.coordinator:
-            self.host.host()
-
-    async def close_hosted(self) -> None:
-        await self.host.close()
+Node = HostNode
 
 
 async def _rejoined(topo: Topology, nodes: dict[int, Node]) -> Node:

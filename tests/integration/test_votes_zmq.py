@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
-from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.coordinator.membership_state import EVENT_VIEW
 from p2psync.coordinator.views import View
-from p2psync.coordinator.votes import FileVotes, VoteStore
-from p2psync.topology import Topology, mesh
-from tests.helpers import MemberNode, free_port, member_cluster, until, zmq_cluster
+from p2psync.coordinator.votes import FileVotes
+from p2psync.topology import mesh
+from tests.helpers import HostNode, free_port, member_cluster, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,22 +35,6 @@ async def test_a_new_process_votes_with_the_view_key_its_earlier_one_applied(tmp
             await client.close()
 
 
-class Node(MemberNode):
-    """A member running a CoordinatorHost, as a node process does."""
-
-    def __init__(self, topo: Topology, i: int, votes: VoteStore | None = None) -> None:
-        super().__init__(topo, i, votes=votes)
-        self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
-                                    start_timeout=20, run_info={"run_id": "t"})
-
-    def start_hosted(self) -> None:
-        if self.ep.node_id == self.ep.topology.coordinator:
-            self.host.host()
-
-    async def close_hosted(self) -> None:
-        await self.host.close()
-
-
 async def test_a_new_launch_in_the_same_folder_forgets_the_earlier_launchs_terms(tmp_path: Path) -> None:
     # an earlier launch with the same run id (the same folders) elected coordinators up to term
     # 3. Node 1 kept a vote and a view, node 2 only a view: kept, node 1's vote made it refuse the
@@ -64,7 +47,7 @@ async def test_a_new_launch_in_the_same_folder_forgets_the_earlier_launchs_terms
     two.keep_view((3, 40))
     topo = mesh(3, base_port=free_port())
     stores = {1: FileVotes(tmp_path / "node-1"), 2: FileVotes(tmp_path / "node-2")}
-    async with member_cluster(topo, lambda i: Node(topo, i, stores.get(i))) as nodes:
+    async with member_cluster(topo, lambda i: HostNode(topo, i, votes=stores.get(i))) as nodes:
         await until(lambda: all(n.client.view is not None and len(n.client.view.members) == 3
                                 for n in nodes.values()), 10, "every node's first view")
         for i in (1, 2):
