@@ -190,12 +190,12 @@ def components(links: Links, removed: Iterable[int],
     return out
 
 
-def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
-    """The nodes whose process is down at ``t``: killed at or before ``t`` and not restarted
-    since (a restart at ``t`` runs a new process from ``t``)."""
+def _down(faults: Sequence[Fault], past: Callable[[Fault], bool]) -> set[int]:
+    """The nodes whose process is down once the faults in time order are applied up to the
+    first that is ``past`` the moment asked about: killed and not restarted since."""
     down: set[int] = set()
     for f in sorted(faults, key=lambda f: f.at):
-        if f.at > t:
+        if past(f):
             break
         if f.kind == "kill":
             down |= set(f.nodes)
@@ -204,18 +204,16 @@ def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
     return down
 
 
+def killed_by(faults: Sequence[Fault], t: float) -> set[int]:
+    """The nodes whose process is down at ``t``: killed at or before ``t`` and not restarted
+    since (a restart at ``t`` runs a new process from ``t``)."""
+    return _down(faults, lambda f: f.at > t)
+
+
 def _down_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
     """The nodes whose process is down right before fault ``f``: killed before it (or at its
     time by a fault listed before it) and not restarted since."""
-    down: set[int] = set()
-    for g in sorted(faults, key=lambda g: g.at):
-        if g is f:
-            break
-        if g.kind == "kill":
-            down |= set(g.nodes)
-        elif g.kind == "restart":
-            down -= set(g.nodes)
-    return down
+    return _down(faults, lambda g: g is f)
 
 
 def _running_before(f: Fault, faults: Sequence[Fault]) -> set[int]:
@@ -231,9 +229,7 @@ def leaderless_before(f: Fault, faults: Sequence[Fault], members: Sequence[int],
     process is declared failed only once a coordinator is elected again (two bounds)."""
     if f.kind != "restart":
         return False
-    gone = _down_before(f, faults) | (set(links or ()) - set(members))
-    groups = components(links, gone) if links is not None else [set(members) - gone]
-    return _major(groups, members) is None
+    return _major_without(_down_before(f, faults) | (set(links or ()) - set(members)), members, links) is None
 
 
 def until(f: Fault, faults: Sequence[Fault]) -> float:
@@ -269,13 +265,19 @@ def _major(groups: Iterable[set[int]], members: Sequence[int]) -> set[int] | Non
     return next((g for g in groups if 2 * len(g & set(members)) > len(members)), None)
 
 
+def _major_without(gone: set[int], members: Sequence[int], links: Links | None) -> set[int] | None:
+    """The group of nodes, ``gone`` left out, that holds a majority of ``members`` (over the
+    topology's ``links``; without them, every member left is one group); None when none does."""
+    return _major(components(links, gone) if links is not None else [set(members) - gone], members)
+
+
 def stranded(links: Links | None, killed: Iterable[int], members: Sequence[int]) -> list[int] | None:
     """The live ``members`` that the loss of the nodes ``killed`` (killed, or removed from the
     view: nobody relays through them) cuts off from the group of live nodes holding a majority
     of ``members`` (a ring with two nodes killed is two arcs: the shorter one is cut off for
     good, as by a partition that never heals); None when no group holds such a majority."""
     dead = set(killed)
-    major = _major([set(members) - dead] if links is None else components(links, dead), members)
+    major = _major_without(dead, members, links)
     if major is None:
         return None
     return sorted(n for n in members if n not in dead and n not in major)
@@ -310,7 +312,7 @@ def cut_by(f: Fault, faults: Sequence[Fault], members: Sequence[int], links: Lin
         return sorted(n for n in members if n in f.nodes)
     if f.kind == "kill":
         prior = _gone([g for g in faults if g is not f], f.at, members, links)  # (gone without this kill)
-        before = _major(components(links, prior) if links is not None else [set(members) - prior], members)
+        before = _major_without(prior, members, links)
         return sorted(n for n in members if n not in major and (n in f.nodes or before is None or n in before))
     return sorted(n for n in members if n not in major)
 
@@ -332,7 +334,7 @@ def reconnected(f: Fault, faults: Sequence[Fault], members: Sequence[int], links
         if m not in gone:
             continue  # (restarted again: its first restart counts)
         gone.discard(m)
-        major = _major(components(links, gone) if links is not None else [set(members) - gone], members)
+        major = _major_without(gone, members, links)
         for n in out:
             if out[n] == math.inf and major is not None and n in major:
                 out[n] = at
@@ -445,7 +447,8 @@ def _bound_at(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
               failure_timeout: float, interval: float, links: Links | None, latency: Latency | None) -> float:
     """The detection bound of fault ``f``: ``bound``, plus four times the longest round trip
     the slowdowns add that are in force during it or not yet remeasured at its start
-    (:func:`remeasured`; see the module docstring)."""
+    (:func:`remeasured`; see the module docstring); twice that for a restart that joins a
+    cluster left without a majority (:func:`leaderless_before`)."""
     extra = 0.0
     for g in faults:
         if g.kind != "slow" or g is f or g.at > f.at + bound:
@@ -454,7 +457,8 @@ def _bound_at(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen], *, b
                         links=links, latency=latency).rtt
         if remeasured(g, rtt, interval) >= f.at:
             extra = max(extra, rtt)
-    return bound + 4 * extra
+    twice = leaderless_before(f, faults, _members_before(views, f.at), links)
+    return (bound + 4 * extra) * (2 if twice else 1)
 
 
 def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float, failure_timeout: float,
@@ -473,9 +477,8 @@ def _reaches(faults: Sequence[Fault], views: Sequence[ViewSeen], *, bound: float
                              links=links, latency=latency)
             out.append((f, until(f, faults) + fbound + risk.rtt, frozenset(risk.risk)))
         else:
-            members = _members_before(views, f.at)
-            fbound *= 2 if leaderless_before(f, faults, members, links) else 1
-            out.append((f, until(f, faults) + fbound, frozenset(cut_by(f, faults, members, links) or ())))
+            out.append((f, until(f, faults) + fbound,
+                        frozenset(cut_by(f, faults, _members_before(views, f.at), links) or ())))
     return out
 
 
@@ -538,7 +541,6 @@ def _cut_detection(f: Fault, faults: Sequence[Fault], views: Sequence[ViewSeen],
     """A kill's, restart's, pause's or partition's record and problem (None: none) for
     :func:`detections` (the rules are the module docstring's ``faults_detected_in_bound``)."""
     members = _members_before(views, f.at)
-    fbound *= 2 if leaderless_before(f, faults, members, links) else 1
     found = cut_by(f, faults, members, links)
     cut = found if found is not None else []
     limit, lead = _cut_limits(f, views, members, cut, fbound=fbound, line_s=line_s)
