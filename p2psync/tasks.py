@@ -26,7 +26,8 @@ it had returned.
 :func:`gather_or_cancel` runs awaitables together and cancels the rest when one fails;
 :func:`wait_or_event` waits for a future or an event, whichever comes first.
 :class:`AbortEvent` is a :class:`threading.Event` that also tells listeners when it is set, so
-a coroutine can wait for it without polling.
+a coroutine can wait for it without polling. :class:`Conditions` lets many coroutines wait for
+predicates over one owner's state, each predicate judged once per change for all its waiters.
 """
 
 from __future__ import annotations
@@ -171,6 +172,61 @@ async def wait_or_event(fut: asyncio.Future[Any], event: asyncio.Event) -> bool:
     finally:
         await cancel_all([woke])
     return fut.done()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Conditions:
+    """Waits for predicates over an owner's state. The owner calls :meth:`changed` after every
+    change; each predicate that has waiters is then judged once, in a loop callback of its own
+    (never inside the owner's change: a predicate may change the state in turn), and its
+    waiters return when it holds. A wait also looks again every ``recheck`` seconds (a
+    predicate may turn true as time passes). A thousand callers waiting on one predicate cost
+    one judgement per change, not a thousand wake-ups.
+
+    Predicates are told apart by equality: pass the same callable (a bound method, or one
+    function kept by the owner) for waits on one condition."""
+
+    def __init__(self, recheck: float = 0.5) -> None:
+        self.recheck = recheck
+        self._waits: dict[Callable[[], bool], list[asyncio.Future[None]]] = {}
+        self._due = False
+
+    def changed(self) -> None:
+        """The owner's state changed: judge every predicate waited on, soon."""
+        if self._waits and not self._due:
+            self._due = True
+            asyncio.get_running_loop().call_soon(self._judge)
+
+    def _judge(self) -> None:
+        self._due = False
+        for pred, futs in list(self._waits.items()):
+            if any(not f.done() for f in futs) and pred():
+                for f in futs:
+                    _resolve(f)
+
+    async def wait(self, pred: Callable[[], bool], deadline: float, now: Callable[[], float]) -> bool:
+        """Wait until ``pred()`` holds (True) or ``now()`` reaches ``deadline`` (False)."""
+        loop = asyncio.get_running_loop()
+        while not pred():
+            remaining = deadline - now()
+            if remaining <= 0:
+                return False
+            fut: asyncio.Future[None] = loop.create_future()
+            futs = self._waits.setdefault(pred, [])
+            futs.append(fut)
+            timer = loop.call_later(min(remaining, self.recheck), _resolve, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                futs.remove(fut)
+                if not futs and self._waits.get(pred) is futs:
+                    del self._waits[pred]
+        return True
 
 
 class AbortEvent(threading.Event):

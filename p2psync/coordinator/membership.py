@@ -66,7 +66,7 @@ from p2psync.coordinator.membership_state import EVENT_VIEW, UNREACHABLE, Member
 from p2psync.coordinator.rpc import Handler, RpcServer
 from p2psync.coordinator.views import MAX_END_CHARS, View, news_for
 from p2psync.errors import P2PSyncError, PeerTimeout, ProtocolError, RemoteError
-from p2psync.tasks import TaskSet
+from p2psync.tasks import Conditions, TaskSet
 
 log = logging.getLogger("p2psync.membership")
 
@@ -97,7 +97,9 @@ class MembershipService:
         self.start_timeout = start_timeout
         self.check_interval = check_interval
         self.run_info = dict(run_info or {})
-        self._changed = asyncio.Event()
+        #: the handlers waiting for the rendezvous or the finish barrier (:meth:`_wait_until`),
+        #: judged on every change and every monitor tick
+        self._conditions = Conditions()
         #: changes notified so far, and the finish barrier's verdict for (changes, quarter
         #: second): every caller waiting in the barrier shares it (:meth:`_barrier_done`)
         self._changes = 0
@@ -138,20 +140,15 @@ class MembershipService:
 
     def _notify(self) -> None:
         self._changes += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._conditions.changed()
 
     async def _wait_until(self, pred: Callable[[], bool], deadline: float) -> bool:
-        while not pred():
-            remaining = deadline - clock.now()
-            if remaining <= 0:
-                return False
-            ev = self._changed
-            try:
-                await asyncio.wait_for(ev.wait(), min(remaining, 0.5))
-            except asyncio.TimeoutError:
-                pass
-        return True
+        """Wait until ``pred()`` holds (True) or ``deadline`` passes (False); ``pred`` is judged
+        once per change for all the handlers waiting on it (one bound method per condition)."""
+        return await self._conditions.wait(pred, deadline, clock.now)
+
+    def _complete(self) -> bool:
+        return self.state.complete
 
     async def _register(self, caller: int, args: Mapping[str, Any], _: Sequence[np.ndarray]) -> Any:
         inc = args.get("incarnation", 0)
@@ -191,7 +188,7 @@ class MembershipService:
             log.warning("coordinator: node %d rejoined (incarnation %d at %s); view epoch %d members %s",
                         caller, inc, addr, view.epoch, list(view.members))
             self._publish(view, skip=caller)
-        ok = await self._wait_until(lambda: self.state.complete, self._t0 + self.start_timeout)
+        ok = await self._wait_until(self._complete, self._t0 + self.start_timeout)
         if not ok:
             raise PeerTimeout(f"nodes {self.state.missing} never registered with the coordinator "
                               f"(node {self.transport.node_id}) within {self.start_timeout:g}s")
@@ -357,6 +354,7 @@ class MembershipService:
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}
             new = self.state.check(now)
             self._failed(new, f"silent for {[round(silences.get(n, 0.0), 2) for n in new]} s")
+            self._conditions.changed()  # (a wait's condition may turn true as time passes)
             held = self.state.has_quorum(now)
             self._quorum_seen = (now, held)
             if held != quorum:

@@ -56,6 +56,7 @@ node is excluded). A node never sends such a piece itself: :meth:`Transport.send
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from abc import ABC, abstractmethod
@@ -107,22 +108,27 @@ async def _woken(waiters: list[asyncio.Future[None]], timeout: float) -> None:
     """Wait until :func:`wake` wakes ``waiters`` (a future joins them, and leaves them after),
     at most ``timeout`` seconds (at least a millisecond: a wait shorter than the clock's
     resolution ends at once)."""
-    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
     waiters.append(fut)
+    timer = loop.call_later(max(timeout, 0.001), _woke, fut)
     try:
-        await asyncio.wait_for(fut, max(timeout, 0.001))
-    except (asyncio.TimeoutError, TimeoutError):
-        pass
+        await fut
     finally:
+        timer.cancel()
         if fut in waiters:
             waiters.remove(fut)
+
+
+def _woke(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def wake(waiters: Iterable[asyncio.Future[None]]) -> None:
     """Resolve every future of ``waiters`` not done yet (the waits they stand for look again)."""
     for fut in waiters:
-        if not fut.done():
-            fut.set_result(None)
+        _woke(fut)
 
 
 class NotReady(Exception):
@@ -204,6 +210,8 @@ class Transport(ABC):
         self._link_waiters: list[asyncio.Future[None]] = []
         #: :meth:`wait_gone` calls waiting for peers to leave (:meth:`_peers_changed` wakes them)
         self._gone_waiters: list[asyncio.Future[None]] = []
+        #: peer -> the :meth:`wait_gone` calls waiting for it now
+        self._gone_watched: collections.Counter[int] = collections.Counter()
         self._pipeline = Ingest(node_id=node_id, nodes=frozenset(topology.ids), limits=limits,
                                 incarnations=self.peer_incarnations, dead=self.router.dead,
                                 auth=OriginAuth(node_id, self.relay_keys) if self.relay_keys is not None else None)
@@ -318,12 +326,26 @@ class Transport(ABC):
         """Wait until every node of ``peers`` is :meth:`gone`, at most ``timeout`` seconds;
         whether they all are."""
         end = clock.now() + timeout
-        while not all(self.gone(p) for p in peers):
-            left = end - clock.now()
-            if left <= 0:
-                return False
-            await _woken(self._gone_waiters, left)
-        return True
+        watched = self._gone_watched
+        for p in peers:
+            watched[p] += 1
+        try:
+            while not all(self.gone(p) for p in peers):
+                left = end - clock.now()
+                if left <= 0:
+                    return False
+                await _woken(self._gone_waiters, left)
+            return True
+        finally:
+            for p in peers:
+                watched[p] -= 1
+                if not watched[p]:
+                    del watched[p]
+
+    def watches_gone(self, peer: int) -> bool:
+        """Whether a :meth:`wait_gone` call waits for ``peer`` now (a medium that sees a node
+        leave wakes only those)."""
+        return peer in self._gone_watched
 
     def _unreachable(self, peer: int, route: Route, budget: float) -> PeerUnreachable:
         """What a send to adjacent ``peer`` that got nowhere within ``budget`` raises."""
@@ -499,10 +521,11 @@ class Transport(ABC):
         frames = [bytes(f) if isinstance(f, memoryview) else f for f in placed(frames)]
         if not self._connected(peer, bulk):
             return self._shape_when_connected(peer, route, budget, frames, bulk, unordered, to_dead)
-        return self.shaper.submit(peer, frames_len(frames),
-                                  lambda: self._deliver(peer, route, budget, frames, bulk=bulk, unordered=unordered,
-                                                        to_dead=to_dead),
-                                  control=not bulk, nic=route.local_nic)
+        nbytes = frames_len(frames)
+        return self.shaper.submit(
+            peer, nbytes, lambda: self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead),
+            lambda: self._retry(peer, route, budget, frames, nbytes, bulk, unordered, to_dead),
+            control=not bulk, nic=route.local_nic)
 
     async def _shape_when_connected(self, peer: int, route: Route, budget: float, frames: list[Any], bulk: bool,
                                     unordered: bool, to_dead: bool) -> None:
@@ -546,13 +569,23 @@ class Transport(ABC):
 
     async def _deliver(self, peer: int, route: Route, budget: float, frames: list[Any], *,
                        bulk: bool = False, unordered: bool = False, to_dead: bool = False) -> None:
+        nbytes = frames_len(frames)
+        if not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
+            await self._retry(peer, route, budget, frames, nbytes, bulk, unordered, to_dead)
+
+    async def _retry(self, peer: int, route: Route, budget: float, frames: list[Any], nbytes: int, bulk: bool,
+                     unordered: bool, to_dead: bool) -> None:
+        """After a try that failed: try again, pausing longer each time (0.5 ms, doubling up to
+        50 ms), until it goes or ``budget`` seconds from now have passed (PeerUnreachable)."""
         deadline = clock.now() + budget
-        delay, nbytes = 0.0005, frames_len(frames)
-        while not self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
+        delay = 0.0005
+        while True:
             if clock.now() >= deadline:
                 raise self._unreachable(peer, route, budget)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
+            if self._attempt(peer, route, frames, nbytes, bulk, unordered, to_dead):
+                return
 
     def recv(self, tag: str, timeout: float | None = None, *,
              peer: int | None = None) -> Coroutine[Any, Any, Message]:

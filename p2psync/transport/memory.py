@@ -30,8 +30,9 @@ class MemoryHub:
         :meth:`~p2psync.transport.base.Transport.gone`."""
         if self.endpoints.get(transport.node_id) is transport:
             del self.endpoints[transport.node_id]
+            node = transport.node_id
             for t in list(self.endpoints.values()):
-                if t._gone_waiters:
+                if t._gone_waiters and t.watches_gone(node):
                     t._peers_changed()
 
 

@@ -80,7 +80,11 @@ class LinkSpec:
                         loss=a.loss, rto_s=max(0.2, 2 * lat))
 
 
-Transmit = Callable[[], Awaitable[None]]
+#: one try at handing a message over now: whether it went (False: try again later)
+Attempt = Callable[[], bool]
+#: awaited after a failed :data:`Attempt`: tries again, pausing in between, until the send's
+#: budget runs out (then raises a :class:`~p2psync.errors.P2PSyncError`)
+Retry = Callable[[], Awaitable[None]]
 
 
 class Shaper(ABC):
@@ -88,15 +92,16 @@ class Shaper(ABC):
 
     Built by :func:`make_shaper` and passed to the transport's constructor (``shaper=``), which
     owns and closes it; the transport's send path calls ``await self.shaper.submit(peer,
-    nbytes, lambda: self._deliver(...), control=not bulk, nic=route.local_nic)``.
+    nbytes, attempt, retry, control=not bulk, nic=route.local_nic)``.
     """
 
     @abstractmethod
-    async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
+    async def submit(self, dst: int, nbytes: int, attempt: Attempt, retry: Retry, *, control: bool = False,
                      nic: str | None = None) -> None:
-        """Send ``nbytes`` to ``dst`` through the emulated link; ``transmit`` does the real send.
-        Returns once the bytes are serialized (the sender's NIC is done with them).
-        ``control``: strict priority over bulk; ``nic``: the local NIC (per-NIC bandwidth)."""
+        """Send ``nbytes`` to ``dst`` through the emulated link: when it is due, ``attempt``
+        does the real send, and ``retry`` is awaited if that try failed. Returns once the bytes
+        are serialized (the sender's NIC is done with them). ``control``: strict priority over
+        bulk; ``nic``: the local NIC (per-NIC bandwidth)."""
 
     async def close(self) -> None:
         """Stop delivering (pending messages are dropped)."""
@@ -104,11 +109,19 @@ class Shaper(ABC):
 
 @dataclass
 class _Lane:
-    """One traffic class of a link: ordered deliveries and their worker task."""
+    """One traffic class of a link: ordered deliveries (due time, attempt, retry). A timer
+    hands the due ones over; a worker task takes the lane over while a delivery retries, and
+    until the lane is empty (see :meth:`InprocShaper._fire`)."""
 
     last_delivery: float = 0.0
-    queue: deque[tuple[float, Transmit]] = field(default_factory=deque)
+    queue: deque[tuple[float, Attempt, Retry]] = field(default_factory=deque)
+    timer: asyncio.TimerHandle | None = None
     worker: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A timer or a worker will hand the queue's head over."""
+        return self.timer is not None or (self.worker is not None and not self.worker.done())
 
 
 @dataclass
@@ -139,14 +152,15 @@ class InprocShaper(Shaper):
         self.nic_bandwidth_bps = dict(nic_bandwidth_bps or {})
         self._nic_free_at: dict[str, float] = {}
 
-    async def submit(self, dst: int, nbytes: int, transmit: Transmit, *, control: bool = False,
+    async def submit(self, dst: int, nbytes: int, attempt: Attempt, retry: Retry, *, control: bool = False,
                      nic: str | None = None) -> None:
-        """See :meth:`Shaper.submit`: schedules ``transmit`` on its link's lane (one worker
-        task per lane) and waits out this message's serialization time."""
+        """See :meth:`Shaper.submit`: schedules the delivery on its link's lane and waits out
+        this message's serialization time."""
         link = self.links.get(dst)
         nic_bw = self.nic_bandwidth_bps.get(nic) if nic is not None else None
         if link is None and nic_bw is None:
-            await transmit()
+            if not attempt():
+                await retry()
             return
         if link is None:
             link = self.links[dst] = _Link(LinkSpec())
@@ -176,28 +190,61 @@ class InprocShaper(Shaper):
         lane = link.control if control else link.bulk
         deliver_at = max(done + delay, lane.last_delivery)  # order-preserving per lane
         lane.last_delivery = deliver_at
-        lane.queue.append((deliver_at, transmit))
-        if lane.worker is None or lane.worker.done():
-            lane.worker = asyncio.create_task(
-                self._deliver(lane), name=f"link-to-{dst}-{'control' if control else 'bulk'}")
+        lane.queue.append((deliver_at, attempt, retry))
+        if not lane.busy:
+            lane.timer = loop.call_at(deliver_at, self._fire, lane)
         if done > now:  # the sender's NIC is busy until its bytes are out
             await asyncio.sleep(done - now)
 
-    async def _deliver(self, lane: _Lane) -> None:
+    def _fire(self, lane: _Lane) -> None:
+        """The lane's timer: hand every due delivery over, in order, each in one try; at the
+        first that fails, a worker task retries it and goes on with the lane (:meth:`_drain`).
+        A message that goes at once costs one timer, not a task."""
+        lane.timer = None
         loop = asyncio.get_running_loop()
         q = lane.queue
-        while q:
-            at, transmit = q[0]
+        while q and q[0][0] <= loop.time():
+            _, attempt, retry = q.popleft()
+            try:
+                if not attempt():
+                    lane.worker = asyncio.create_task(self._drain(lane, retry), name="shaped-link")
+                    return
+                self.delivered += 1
+            except P2PSyncError as exc:
+                self._drop(exc)
+        if q:
+            lane.timer = loop.call_at(q[0][0], self._fire, lane)
+
+    async def _drain(self, lane: _Lane, retry: Retry | None) -> None:
+        """Retry a delivery whose try failed (``retry``; None: none), then hand the rest of
+        the lane over as each comes due, until it is empty."""
+        loop = asyncio.get_running_loop()
+        q = lane.queue
+        while True:
+            if retry is not None:
+                try:
+                    await retry()
+                    self.delivered += 1
+                except P2PSyncError as exc:
+                    self._drop(exc)
+            if not q:
+                return
+            at, attempt, retry = q[0]
             wait = at - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
             q.popleft()
             try:
-                await transmit()
-                self.delivered += 1
+                if attempt():
+                    self.delivered += 1
+                    retry = None
             except P2PSyncError as exc:
-                self.dropped += 1
-                log.info("shaped message dropped: %s", exc)
+                self._drop(exc)
+                retry = None
+
+    def _drop(self, exc: P2PSyncError) -> None:
+        self.dropped += 1
+        log.info("shaped message dropped: %s", exc)
 
     async def close(self, *, flush_s: float = 2.0) -> None:
         """Stop. Control messages already accepted are still delivered when they are due within
@@ -205,13 +252,23 @@ class InprocShaper(Shaper):
         coordinator's finish-barrier answers, must not vanish with it); the rest is dropped."""
         loop = asyncio.get_running_loop()
         end = loop.time() + flush_s
-        flushing = [link.control.worker for link in self.links.values()
-                    if link.control.worker is not None and not link.control.worker.done()
-                    and link.control.queue and link.control.queue[-1][0] <= end]
+        flushing = []
+        for link in self.links.values():
+            lane = link.control
+            if lane.busy and lane.queue and lane.queue[-1][0] <= end:
+                if lane.timer is not None:  # (a worker hands the lane over from now on)
+                    lane.timer.cancel()
+                    lane.timer = None
+                    lane.worker = asyncio.create_task(self._drain(lane, None), name="shaped-link-flush")
+                assert lane.worker is not None
+                flushing.append(lane.worker)
         if flushing:
             await asyncio.wait(flushing, timeout=flush_s)
         for link in self.links.values():
             for lane in (link.control, link.bulk):
+                if lane.timer is not None:
+                    lane.timer.cancel()
+                    lane.timer = None
                 if lane.worker is not None:
                     lane.worker.cancel()
                     try:

@@ -80,6 +80,35 @@ async def test_wait_gone_on_the_in_memory_medium_sees_a_peer_leave() -> None:
             await ep.close()
 
 
+async def test_a_node_leaving_the_medium_wakes_only_the_waits_for_it() -> None:
+    """At a run's end every node of a large simulation lingers for the nodes behind it: each
+    leave woke every lingering wait (a thousand nodes: half a million wake-ups); it wakes
+    those that wait for the node that left."""
+    hub = MemoryHub(ring(6))
+    eps = {i: hub.endpoint(i) for i in range(6)}
+    for ep in eps.values():
+        await ep.start()
+    woken = {i: 0 for i in eps}
+    for i, ep in eps.items():
+        def count(i: int = i, ep=ep, wake=ep._peers_changed) -> None:
+            woken[i] += 1
+            wake()
+        ep._peers_changed = count  # type: ignore[method-assign]
+    try:
+        waits = [asyncio.create_task(eps[1].wait_gone([2], 5.0)), asyncio.create_task(eps[4].wait_gone([3], 5.0))]
+        await asyncio.sleep(0)
+        assert eps[1].watches_gone(2) and not eps[1].watches_gone(3)
+        await eps[5].close()
+        await eps[2].close()
+        assert await waits[0] and not waits[1].done()
+        assert woken[1] == 1 and woken[4] == 0 and not eps[1].watches_gone(2)
+        await eps[3].close()
+        assert await waits[1] and woken[4] == 1
+    finally:
+        for ep in eps.values():
+            await ep.close()
+
+
 def test_a_departed_node_stays_while_the_members_left_pass_tensors_through_it():
     """Ring-4 whose members 1 and 3 train on after 0 and 2 departed: both 0 and 2 lie on a
     shortest path between them, so each stays (in the finish barrier) while they train; with

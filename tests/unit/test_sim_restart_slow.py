@@ -342,7 +342,7 @@ def test_a_restarted_node_that_only_removed_nodes_join_to_the_run_is_admitted_on
     would be declared failed once its grace ran out though it runs (``walled_in``)."""
     s = simulate(ring(8), faults, 45.0)
     assert s["invariants"] == ALL_HELD
-    assert [(d["node"], round(d["t"], 1)) for d in s["declared"]] == [(3, 4.6), (4, 10.6), (5, 10.6)]
+    assert [(d["node"], round(d["t"], 1)) for d in s["declared"]] == [(3, 5.1), (4, 10.6), (5, 11.1)]
     assert s["final_view"]["members"] == members
     assert {r["node"]: r["joined_after_s"] is not None for r in s["restarts"]}[4] == (4 in members)
 

@@ -641,13 +641,14 @@ def test_a_restart_or_a_kill_as_a_step_budget_ends_is_judged_by_when_the_run_end
               "--latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy dts --step-time 0.1 --steps 250")
     s = _replayed(tmp_path, replay)
     assert s["training"]["nodes"]["10"]["excused"].startswith("restarted too late") and s["ended_at_s"] < 30
-    # chaos seed 56269: node 5 was killed at 27.208 s, as the run had just ended (27.05 s): the
-    # invariants held it to the view's end; a fault due once the run ended does not begin now
-    replay = ("sim mesh:16 --seed 56269 --faults pause:9@6.664+6.896,kill:15@20.154,kill:5@27.208 "
+    # chaos seed 56269, its last kill moved to just after the run ended (31.38 s): node 5 killed
+    # at 31.5 s; the invariants held it to the view's end; a fault due once the run ended does
+    # not begin
+    replay = ("sim mesh:16 --seed 56269 --faults pause:9@6.664+6.896,kill:15@20.154,kill:5@31.5 "
               "--virtual-seconds 40 --latency-ms 1 --heartbeat 0.5 --failure-timeout 2 --strategy preduce "
               "--step-time 0.1 --steps 250")
     s = _replayed(tmp_path, replay)
-    assert s["faults_not_begun"] == ["kill:5@27.208"] and s["training"]["nodes"]["5"]["outcome"] == "finished"
+    assert s["faults_not_begun"] == ["kill:5@31.5"] and s["training"]["nodes"]["5"]["outcome"] == "finished"
 
 
 def test_a_parameter_store_worker_that_counts_a_slow_coordinator_failed_asks_for_a_new_view(tmp_path) -> None:

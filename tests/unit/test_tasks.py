@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from p2psync.tasks import AbortEvent, TaskSet, cancel_all, gather_or_cancel, wait_or_event
+from p2psync.tasks import AbortEvent, Conditions, TaskSet, cancel_all, gather_or_cancel, wait_or_event
 
 
 async def test_a_task_set_drops_finished_tasks_and_cancels_the_rest_on_close():
@@ -203,3 +203,42 @@ def test_an_abort_event_tells_its_listeners_once() -> None:
     assert heard == ["a"] and ev.is_set() and ev.wait(0)
     ev.listen(lambda: heard.append("late"))  # already set: told at once
     assert heard == ["a", "late"]
+
+
+def test_conditions_judge_each_predicate_once_per_change_for_all_its_waiters() -> None:
+    """A thousand waiters on one predicate cost one judgement per change (not a wake-up each);
+    a predicate that turns true only as time passes is found by the owner's next change or by
+    the waiters' own recheck; a deadline ends a wait with False."""
+    from p2psync.sim.loop import run
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        state = {"n": 0}
+        judged = 0
+
+        def ready() -> bool:
+            nonlocal judged
+            judged += 1
+            return state["n"] >= 3
+
+        cond = Conditions(recheck=10.0)
+        waits = [asyncio.ensure_future(cond.wait(ready, loop.time() + 60, loop.time)) for _ in range(1000)]
+        await asyncio.sleep(0)
+        assert judged == 1000  # (each waiter's own first look)
+        for _ in range(3):
+            state["n"] += 1
+            cond.changed()
+            cond.changed()  # (two changes before the judgement: judged once)
+            await asyncio.sleep(0.001)
+        assert all(w.done() and w.result() is True for w in waits)
+        assert judged <= 1000 + 3 + 1000  # one judgement per change, then each waiter's last look
+        assert not cond._waits  # nothing left behind
+
+        late = {"at": loop.time() + 2.0}
+        cond = Conditions(recheck=0.5)
+        t0 = loop.time()
+        assert await cond.wait(lambda: loop.time() >= late["at"], t0 + 60, loop.time)
+        assert 2.0 <= loop.time() - t0 <= 2.5  # found by the recheck, no change told
+        assert not await cond.wait(lambda: False, loop.time() + 1.2, loop.time)
+
+    run(main())
