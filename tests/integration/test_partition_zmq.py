@@ -55,7 +55,7 @@ def _one_coordinator(nodes: dict[int, Node], ids: Iterable[int], members: tuple[
 
 async def test_a_lone_node_learns_after_the_heal_that_it_was_removed():
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="zmq") as nodes:
         blocked = cut(nodes, [(2, 3), (3, 0)])
         await until(lambda: _one_coordinator(nodes, (0, 1, 2), (0, 1, 2)), 15,
                     "the majority to remove node 3 and go on")
@@ -71,7 +71,7 @@ async def test_a_lone_node_learns_after_the_heal_that_it_was_removed():
 
 async def test_two_halves_merge_after_the_heal_under_one_coordinator():
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="zmq") as nodes:
         blocked = cut(nodes, [(1, 2), (3, 0)])
         await until(lambda: not any(n.client.has_quorum for n in nodes.values()), 15,
                     "both halves to lose the majority")
@@ -95,7 +95,7 @@ async def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences(
     from p2psync.errors import Fenced, NoQuorum, RemoteError
 
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="zmq") as nodes:
         calls: list[int] = []
 
         async def echo(caller: int, args: Any, arrays: Any) -> Any:
@@ -130,7 +130,7 @@ async def test_a_node_that_leaves_while_cut_off_ends_its_finish_barrier_without_
     instead of after the quorum timeout (before, it deposed every coordinator, campaigned alone
     and hung its training thread)."""
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="zmq") as nodes:
         cut(nodes, [(2, 1), (2, 3)])
         t0 = asyncio.get_running_loop().time()
         rep = await asyncio.wait_for(nodes[2].client.finish({"steps": 1}, timeout=2.0, depart=True), 30)
