@@ -126,13 +126,13 @@ class Medium(Protocol):
 
 class VirtualMedium:
     """The simulator's in-memory medium (:class:`~p2psync.sim.medium.SimHub`) for
-    :class:`MemberNode`: every link delivers ``latency_s`` after the send (an in-process shaper
-    per endpoint, unless the node brings its own), messages go through the wire encoder and the
-    strict decoder, and a closed endpoint leaves the medium (sends to it are retried, then fail,
-    as to a node whose connection dropped). Only on the loop of :func:`virtual`; ``cut`` links
-    as a partition does."""
+    :class:`MemberNode`, on the loop of :func:`virtual`: messages go through the wire encoder and
+    the strict decoder, each is delivered to its receiver one loop iteration after the send, as
+    a callback of the receiver's actor (``latency_s`` > 0: that much later, through an in-process
+    shaper per endpoint, unless the node brings its own shaper), and a closed endpoint leaves the
+    medium (sends to it are retried, then fail, as to a node whose connection dropped)."""
 
-    def __init__(self, topo: Topology, *, latency_s: float = 0.001) -> None:
+    def __init__(self, topo: Topology, *, latency_s: float = 0.0) -> None:
         self.hub = SimHub(topo, latency=lambda a, b: latency_s)
         self.latency_s = latency_s
 
@@ -141,17 +141,6 @@ class VirtualMedium:
             topo = self.hub.topology
             options["shaper"] = InprocShaper({nb: LinkSpec(latency_s=self.latency_s) for nb in topo.neighbors(node_id)})
         return self.hub.endpoint(node_id, **options)
-
-    def cut(self, *sides: Iterable[int]) -> None:
-        """Cut every link between ``sides[0]`` and ``sides[1]`` (both ways) until :meth:`heal`."""
-        a, b = sides
-        self.hub.cuts.append((frozenset(a), frozenset(b)))
-        self.hub.links_changed()
-
-    def heal(self) -> None:
-        """Every cut link is up again."""
-        self.hub.cuts.clear()
-        self.hub.links_changed()
 
 
 def virtual(main: Coroutine[Any, Any, _T]) -> _T:
