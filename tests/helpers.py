@@ -18,7 +18,6 @@ from p2psync.sim.loop import ACTOR, VirtualLoop
 from p2psync.sim.medium import SimHub
 from p2psync.topology import Topology
 from p2psync.transport import Transport, ZmqEndpoint
-from p2psync.transport.shaping import InprocShaper, LinkSpec
 
 if TYPE_CHECKING:
     from p2psync.transport.shaping import Shaper
@@ -127,19 +126,15 @@ class Medium(Protocol):
 class VirtualMedium:
     """The simulator's in-memory medium (:class:`~p2psync.sim.medium.SimHub`) for
     :class:`MemberNode`, on the loop of :func:`virtual`: messages go through the wire encoder and
-    the strict decoder, each is delivered to its receiver one loop iteration after the send, as
-    a callback of the receiver's actor (``latency_s`` > 0: that much later, through an in-process
-    shaper per endpoint, unless the node brings its own shaper), and a closed endpoint leaves the
-    medium (sends to it are retried, then fail, as to a node whose connection dropped)."""
+    the strict decoder, each is delivered to its receiver one loop iteration after the send (a
+    node's shaper, if it brings one, delays it as on ZeroMQ), as a callback of the receiver's
+    actor, and a closed endpoint leaves the medium (sends to it are retried, then fail, as to a
+    node whose connection dropped)."""
 
-    def __init__(self, topo: Topology, *, latency_s: float = 0.0) -> None:
-        self.hub = SimHub(topo, latency=lambda a, b: latency_s)
-        self.latency_s = latency_s
+    def __init__(self, topo: Topology) -> None:
+        self.hub = SimHub(topo)
 
     def endpoint(self, node_id: int, **options: Any) -> Transport:
-        if options.get("shaper") is None and self.latency_s > 0:
-            topo = self.hub.topology
-            options["shaper"] = InprocShaper({nb: LinkSpec(latency_s=self.latency_s) for nb in topo.neighbors(node_id)})
         return self.hub.endpoint(node_id, **options)
 
 
@@ -699,8 +694,7 @@ def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),
     barrier copies close)."""
     import numpy as np
 
-    from p2psync.transport.shaping import InprocShaper, LinkSpec
-
+    
     seen: dict[int, dict[int, bytes]] = {}
     for s in strats:
         me = s.ctx.transport.node_id
