@@ -1,7 +1,7 @@
-"""Membership on loopback: WAN latency, dead relays, run ids, incarnations, a stalled process.
-The scenarios that only wait run in virtual time over the simulator's medium (the same nodes,
-only the endpoints differ); one dead-relay scenario runs over real ZeroMQ too, and the run-id and
-incarnation checks run over real ZeroMQ only."""
+"""Membership: WAN latency, dead relays, run ids, incarnations, a stalled process. The scenarios
+that only wait run in virtual time over the simulator's medium (the same nodes, only the
+endpoints differ); one dead-relay scenario runs over real ZeroMQ on loopback too (the WAN soak
+with ``pytest --slow``), and the run-id and incarnation checks run over real ZeroMQ only."""
 
 from __future__ import annotations
 
