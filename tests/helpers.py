@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import shutil
 import socket
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, TypeVar
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Iterable, Mapping, Protocol,
+                    TypeVar)
 
 from p2psync.coordinator import MembershipClient, RpcClient, RpcServer
 from p2psync.coordinator.votes import VoteStore
+from p2psync.sim.loop import ACTOR, VirtualLoop
+from p2psync.sim.medium import SimHub
 from p2psync.topology import Topology
-from p2psync.transport import ZmqEndpoint
+from p2psync.transport import Transport, ZmqEndpoint
 
 if TYPE_CHECKING:
     from p2psync.transport.shaping import Shaper
@@ -109,11 +113,79 @@ async def zmq_cluster(topo: Topology, *, timeout: float = 10.0, keys: dict[int, 
             await e.close()
 
 
+_T = TypeVar("_T")
+
+
+class Medium(Protocol):
+    """Where the nodes' endpoints meet: ``endpoint(node_id, **options)`` builds node
+    ``node_id``'s endpoint (not started; ``options``: Transport keywords)."""
+
+    def endpoint(self, node_id: int, **options: Any) -> Transport: ...
+
+
+class VirtualMedium:
+    """The simulator's in-memory medium (:class:`~p2psync.sim.medium.SimHub`) for
+    :class:`MemberNode`, on the loop of :func:`virtual`: messages go through the wire encoder and
+    the strict decoder, each is delivered to its receiver one loop iteration after the send (a
+    node's shaper, if it brings one, delays it as on ZeroMQ), as a callback of the receiver's
+    actor, and a closed endpoint leaves the medium (sends to it are retried, then fail, as to a
+    node whose connection dropped)."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.hub = SimHub(topo)
+
+    def endpoint(self, node_id: int, **options: Any) -> Transport:
+        return self.hub.endpoint(node_id, **options)
+
+
+def virtual(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``main`` to its end in virtual time (:func:`p2psync.sim.loop.run` on a fresh
+    :class:`~p2psync.sim.loop.VirtualLoop`): every wait ends as soon as what it waits for
+    happens or its time comes, without waiting in real time; a wait for nothing at all (no
+    timer left) is a deadlock, raised as :class:`~p2psync.errors.SimulationError`."""
+    from p2psync.sim.loop import run
+
+    return run(main, loop=VirtualLoop(trace=False))
+
+
+#: the media a scenario of membership runs over (``pytest.mark.parametrize("medium", MEDIA)``):
+#: the simulator's in virtual time, and real ZeroMQ on loopback in real time
+MEDIA = ("virtual", "zmq")
+
+
+def medium_for(medium: str, topo: Topology) -> Medium | None:
+    """A fresh :class:`VirtualMedium` of ``topo`` for ``"virtual"`` (the scenario runs on
+    :func:`virtual`'s loop), None (ZeroMQ on loopback) for ``"zmq"``."""
+    if medium not in MEDIA:
+        raise ValueError(f"unknown medium {medium!r} (choose from {', '.join(MEDIA)})")
+    return VirtualMedium(topo) if medium == "virtual" else None
+
+
+def run_on(medium: str, main: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``main`` to its end: in virtual time for ``"virtual"`` (:func:`virtual`), on a fresh
+    asyncio loop in real time for ``"zmq"``."""
+    if medium not in MEDIA:
+        main.close()
+        raise ValueError(f"unknown medium {medium!r} (choose from {', '.join(MEDIA)})")
+    return virtual(main) if medium == "virtual" else asyncio.run(main)
+
+
+def as_actor(actor: int, call: Callable[[], _T]) -> _T:
+    """``call()`` as ``actor`` (:data:`p2psync.sim.loop.ACTOR`): the tasks and callbacks it
+    schedules carry it, so that a :class:`~p2psync.sim.loop.VirtualLoop` can hold them (a
+    paused process); on any other loop, nothing changes."""
+    ctx = contextvars.copy_context()
+    ctx.run(ACTOR.set, actor)
+    return ctx.run(call)
+
+
 class MemberNode:
-    """One node's membership over ZeroMQ, as a node process builds it: endpoint, RPC server and
-    client, membership client. What the node hosts for the cluster (the membership service, a
-    CoordinatorHost) is a subclass's: :meth:`start_hosted`, :meth:`close_hosted`. ``close()`` is
-    idempotent: a test closes a node to kill it, :func:`member_cluster` closes every node::
+    """One node's membership, as a node process builds it: endpoint, RPC server and client,
+    membership client; the endpoint is ZeroMQ's on loopback, or ``medium``'s (a
+    :class:`VirtualMedium`: the same node in virtual time). What the node hosts for the cluster
+    (the membership service, a CoordinatorHost) is a subclass's: :meth:`start_hosted`,
+    :meth:`close_hosted`. ``close()`` is idempotent: a test closes a node to kill it,
+    :func:`member_cluster` closes every node::
 
         class Node(MemberNode):
             def start_hosted(self) -> None: ...
@@ -121,8 +193,12 @@ class MemberNode:
             await nodes[1].close()  # node 1 dies
     """
 
-    def __init__(self, topo: Topology, i: int, *, shaper: Shaper | None = None, votes: VoteStore | None = None) -> None:
-        self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0, shaper=shaper)
+    def __init__(self, topo: Topology, i: int, *, shaper: Shaper | None = None, votes: VoteStore | None = None,
+                 medium: Medium | None = None) -> None:
+        #: where its endpoint lives (None: ZeroMQ on loopback); another process of the node joins the same
+        self.medium = medium
+        self.ep: Transport = (ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0, shaper=shaper)
+                              if medium is None else medium.endpoint(i, default_timeout=10.0, shaper=shaper))
         self.server = RpcServer(self.ep)
         self.rpc = RpcClient(self.ep, local=self.server)
         self.client = MembershipClient(transport=self.ep, rpc=self.rpc, coordinator=topo.coordinator, votes=votes)
@@ -153,10 +229,10 @@ class HostNode(MemberNode):
     """A member running a CoordinatorHost, as a node process does: it hosts membership while it
     coordinates (node ``topo.coordinator`` from the start)."""
 
-    def __init__(self, topo: Topology, i: int, *, votes: VoteStore | None = None) -> None:
+    def __init__(self, topo: Topology, i: int, *, votes: VoteStore | None = None, medium: Medium | None = None) -> None:
         from p2psync.coordinator.failover import CoordinatorHost
 
-        super().__init__(topo, i, votes=votes)
+        super().__init__(topo, i, votes=votes, medium=medium)
         self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
                                     start_timeout=20, run_info={"run_id": "t"})
 
@@ -174,14 +250,15 @@ _Member = TypeVar("_Member", bound=MemberNode)
 @contextlib.asynccontextmanager
 async def member_cluster(topo: Topology, make: Callable[[int], _Member]) -> AsyncIterator[dict[int, _Member]]:
     """``make(i)`` for every node of ``topo``: all started, registered and running their membership
-    clients; every one closed on the way out."""
+    clients, each node as its actor (:func:`as_actor`); every one closed on the way out."""
     nodes = {i: make(i) for i in topo.ids}
     try:
-        for n in nodes.values():
-            await n.start()
-        await asyncio.gather(*(n.client.register("fp", timeout=20) for n in nodes.values()))
-        for n in nodes.values():
-            n.client.start()
+        for i, n in nodes.items():
+            await as_actor(i, lambda n=n: asyncio.ensure_future(n.start()))
+        await asyncio.gather(*(as_actor(i, lambda n=n: asyncio.ensure_future(n.client.register("fp", timeout=20)))
+                               for i, n in nodes.items()))
+        for i, n in nodes.items():
+            as_actor(i, n.client.start)
         yield nodes
     finally:
         for n in nodes.values():
@@ -617,8 +694,7 @@ def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),
     barrier copies close)."""
     import numpy as np
 
-    from p2psync.transport.shaping import InprocShaper, LinkSpec
-
+    
     seen: dict[int, dict[int, bytes]] = {}
     for s in strats:
         me = s.ctx.transport.node_id

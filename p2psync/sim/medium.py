@@ -79,6 +79,11 @@ class SimHub(MemoryHub):
         #: (previous node, relay, destination, reply, resend spread) -> the relay's decision (:func:`_walk`)
         self.hops: dict[tuple[int, int, int, bool, int], _Hop] = {}
 
+    def endpoint(self, node_id: int, **kwargs: Any) -> "SimTransport":
+        """Node ``node_id``'s endpoint on this medium (not started; ``kwargs``: the
+        :class:`SimTransport` keywords)."""
+        return SimTransport(hub=self, node_id=node_id, **kwargs)
+
     def flush(self) -> None:
         """Bring every relay's counters up to date with the express paths' traffic (their
         messages are counted on the paths as they cross, and credited here)."""

@@ -1,28 +1,29 @@
-"""Coordinator failover over real ZeroMQ on loopback (issue 10 item 6): the coordinator's
-endpoint closes; every survivor follows the lowest live id within the detection bound, the
-views agree, the new coordinator answers heartbeats and runs the finish barrier; a dead
-successor is skipped."""
+"""Coordinator failover: the coordinator's endpoint closes; every survivor follows the lowest
+live id within the detection bound, the views agree, the new coordinator answers heartbeats and
+runs the finish barrier; a dead successor is skipped. The scenarios only wait, so they run in
+virtual time over the simulator's medium (the same nodes, only the endpoints differ); one runs
+over real ZeroMQ on loopback too."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, AsyncIterator
 
 import pytest
 
+from p2psync import clock
 from p2psync.coordinator import RpcServer
 from p2psync.coordinator.failover import CoordinatorHost
 from p2psync.errors import NoQuorum
 from p2psync.topology import Topology, mesh, ring
-from tests.helpers import MemberNode, free_port, full_views, member_cluster, until
+from tests.helpers import Medium, MemberNode, free_port, full_views, medium_for, member_cluster, run_on, until, virtual
 
 pytestmark = pytest.mark.timeout(90)
 
 #: the client's detector suspects a killed coordinator after ~2 s (floor); a heartbeat or two more
 BOUND_S = 2.0 + 1.5
-#: wall-clock slack for the scheduling delays of a loaded 2-core machine (three test workers):
+#: slack for the scheduling delays of a loaded 2-core machine (three test workers) over ZeroMQ:
 #: the assertions check that the takeover is bounded, not how fast this machine is
 SLACK_S = 1.0
 
@@ -31,8 +32,8 @@ class Node(MemberNode):
     """A member running a CoordinatorHost, as a node process does: it hosts membership (and the
     strategy's services, recorded in ``services``) while it coordinates."""
 
-    def __init__(self, topo: Topology, i: int) -> None:
-        super().__init__(topo, i)
+    def __init__(self, topo: Topology, i: int, *, medium: Medium | None = None) -> None:
+        super().__init__(topo, i, medium=medium)
         self.services: list[int] = []
         self.host = CoordinatorHost(server=self.server, membership=self.client, expected=topo.ids,
                                     services=lambda srv: self.services.append(i), start_timeout=20,
@@ -47,9 +48,11 @@ class Node(MemberNode):
 
 
 @contextlib.asynccontextmanager
-async def cluster(topo: Topology) -> AsyncIterator[dict[int, Node]]:
-    """Every node started and registered, every view full and RTT estimates of the coordinator in."""
-    async with member_cluster(topo, lambda i: Node(topo, i)) as nodes:
+async def cluster(topo: Topology, *, medium: str) -> AsyncIterator[dict[int, Node]]:
+    """Every node started and registered over ``medium`` (:data:`~tests.helpers.MEDIA`), every
+    view full and RTT estimates of the coordinator in."""
+    where = medium_for(medium, topo)
+    async with member_cluster(topo, lambda i: Node(topo, i, medium=where)) as nodes:
         await until(lambda: full_views(nodes), 10, "full views and RTT estimates")
         yield nodes
 
@@ -63,17 +66,16 @@ def _following(nodes: dict[int, Node], survivors: list[int], coordinator: int) -
     return True
 
 
-@pytest.mark.parametrize("shape", ["ring", "mesh"])
-async def test_coordinator_dies_every_survivor_follows_the_successor(shape):
+async def _coordinator_dies(shape: str, medium: str) -> None:
     topo = (ring if shape == "ring" else mesh)(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium=medium) as nodes:
         assert nodes[0].services == [0] and nodes[1].services == []
-        t_kill = time.monotonic()
+        t_kill = clock.now()
         await nodes[0].close()
         survivors = [1, 2, 3]
         await until(lambda: _following(nodes, survivors, 1), 10, "every survivor to follow node 1")
-        elapsed = time.monotonic() - t_kill
-        print(f"{shape}4: every survivor follows node 1 {elapsed:.2f}s after node 0 closed")
+        elapsed = clock.now() - t_kill
+        print(f"{shape}4 ({medium}): every survivor follows node 1 {elapsed:.2f}s after node 0 closed")
         assert elapsed < BOUND_S + SLACK_S, elapsed
         host = nodes[1].host
         assert host.coordinating and host.service is not None and host.service.rebuilt
@@ -97,17 +99,22 @@ async def test_coordinator_dies_every_survivor_follows_the_successor(shape):
         assert host.service.state.epoch == epoch and nodes[3].client.view.epoch == epoch
 
 
-async def test_finish_barrier_moves_to_the_new_coordinator():
+@pytest.mark.parametrize("shape,medium", [("ring", "virtual"), ("mesh", "virtual"), ("ring", "zmq")])
+def test_coordinator_dies_every_survivor_follows_the_successor(shape: str, medium: str):
+    run_on(medium, _coordinator_dies(shape, medium))
+
+
+async def _finish_barrier_moves() -> None:
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         # 1, 2 and 3 finish and wait in node 0's barrier (node 0 has not finished)
         calls = {i: asyncio.ensure_future(nodes[i].client.finish({"node": i}, timeout=20)) for i in (1, 2, 3)}
         await until(lambda: nodes[0].host.service is not None
                     and len(nodes[0].host.service.state.finished) == 3, 10, "three nodes in the barrier")
-        t_kill = time.monotonic()
+        t_kill = clock.now()
         await nodes[0].close()
         reps = await asyncio.wait_for(asyncio.gather(*calls.values()), 15)
-        elapsed = time.monotonic() - t_kill
+        elapsed = clock.now() - t_kill
         for rep in reps:
             assert rep == {"finished": [1, 2, 3], "failed": [0]}, rep
         svc = nodes[1].host.service
@@ -116,13 +123,17 @@ async def test_finish_barrier_moves_to_the_new_coordinator():
         assert elapsed < BOUND_S + 1.0 + SLACK_S, elapsed
 
 
-async def test_dead_successor_is_skipped():
+def test_finish_barrier_moves_to_the_new_coordinator():
+    virtual(_finish_barrier_moves())
+
+
+async def _dead_successor_skipped() -> None:
     topo = mesh(5, base_port=free_port())
-    async with cluster(topo) as nodes:
-        t_kill = time.monotonic()
+    async with cluster(topo, medium="virtual") as nodes:
+        t_kill = clock.now()
         await asyncio.gather(nodes[0].close(), nodes[1].close())
         await until(lambda: _following(nodes, [2, 3, 4], 2), 15, "nodes 2, 3 and 4 to follow node 2")
-        elapsed = time.monotonic() - t_kill
+        elapsed = clock.now() - t_kill
         print(f"mesh5: nodes 0 and 1 dead, node 2 coordinates {elapsed:.2f}s later")
         assert elapsed < 2 * BOUND_S + SLACK_S, elapsed
         svc = nodes[2].host.service
@@ -132,11 +143,19 @@ async def test_dead_successor_is_skipped():
         await until(lambda: all(nodes[i].client.has_quorum for i in (2, 3, 4)), 5, "the majority's quorum")
 
 
-async def test_half_of_the_nodes_dead_no_one_coordinates_and_no_one_steps():
+def test_dead_successor_is_skipped():
+    virtual(_dead_successor_skipped())
+
+
+def test_half_of_the_nodes_dead_no_one_coordinates_and_no_one_steps():
     """Two of four gone at once is no majority: the survivors cannot tell it from a partition,
     so neither takes over; both stop stepping (no quorum) instead of training as a second run."""
+    virtual(_half_dead())
+
+
+async def _half_dead() -> None:
     topo = mesh(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         await asyncio.gather(nodes[0].close(), nodes[1].close())
         await until(lambda: not nodes[2].client.has_quorum and not nodes[3].client.has_quorum, 15,
                     "nodes 2 and 3 to lose the quorum")
@@ -150,11 +169,15 @@ async def test_half_of_the_nodes_dead_no_one_coordinates_and_no_one_steps():
             await nodes[2].client.wait_quorum(0.5)
 
 
-async def test_call_coordinator_retries_at_the_new_coordinator():
+def test_call_coordinator_retries_at_the_new_coordinator():
     """A strategy's call to the coordinator service in flight when it dies is retried at the
     new coordinator once the service is registered there (never fails the caller)."""
+    virtual(_call_coordinator_retries())
+
+
+async def _call_coordinator_retries() -> None:
     topo = mesh(3, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         calls: list[int] = []
 
         def services(srv: RpcServer, me: int) -> None:

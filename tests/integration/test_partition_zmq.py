@@ -1,7 +1,8 @@
-"""Partitions of a 4-node ring's membership over real ZeroMQ on loopback, healed: each node's
-endpoint sends nothing over a cut link (a send there is never ready, as on a link that is down),
-and everything again after the heal. (The same over real processes in network namespaces:
-tests/e2e/test_partitions.py.)
+"""Partitions of a 4-node ring's membership, healed: each node's endpoint sends nothing over a
+cut link (a send there is never ready, as on a link that is down), and everything again after
+the heal. The scenarios only wait, so they run in virtual time over the simulator's medium (the
+same nodes, only the endpoints differ); the lone node's runs over real ZeroMQ on loopback too.
+(The same over real processes in network namespaces: tests/e2e/test_partitions.py.)
 
 * 3|1: the majority declares the lone node failed; after the heal the lone node, which deposed
   every coordinator it could not hear and ran for coordinator alone, still learns that it was
@@ -19,7 +20,7 @@ import pytest
 
 from p2psync.topology import ring
 from p2psync.transport.base import NotReady
-from tests.helpers import free_port, until
+from tests.helpers import MEDIA, free_port, run_on, until, virtual
 from tests.integration.test_failover_zmq import Node, cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,9 +54,9 @@ def _one_coordinator(nodes: dict[int, Node], ids: Iterable[int], members: tuple[
         and nodes[i].client.view.members == members and nodes[i].client.fenced is None for i in ids)
 
 
-async def test_a_lone_node_learns_after_the_heal_that_it_was_removed():
+async def _lone_node_learns(medium: str) -> None:
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium=medium) as nodes:
         blocked = cut(nodes, [(2, 3), (3, 0)])
         await until(lambda: _one_coordinator(nodes, (0, 1, 2), (0, 1, 2)), 15,
                     "the majority to remove node 3 and go on")
@@ -69,9 +70,18 @@ async def test_a_lone_node_learns_after_the_heal_that_it_was_removed():
         assert nodes[0].client.coordinator == 0
 
 
-async def test_two_halves_merge_after_the_heal_under_one_coordinator():
+@pytest.mark.parametrize("medium", MEDIA)
+def test_a_lone_node_learns_after_the_heal_that_it_was_removed(medium: str):
+    run_on(medium, _lone_node_learns(medium))
+
+
+def test_two_halves_merge_after_the_heal_under_one_coordinator():
+    virtual(_two_halves_merge())
+
+
+async def _two_halves_merge() -> None:
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         blocked = cut(nodes, [(1, 2), (3, 0)])
         await until(lambda: not any(n.client.has_quorum for n in nodes.values()), 15,
                     "both halves to lose the majority")
@@ -86,16 +96,20 @@ async def test_two_halves_merge_after_the_heal_under_one_coordinator():
         assert all(n.client.fenced is None for n in nodes.values())
 
 
-async def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences():
+def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences():
     """Regression (bench/faults.py, esync split-3-1 and split-2-2): a node cut off from the
     majority kept calling the coordinator's services within its step and failed (UnknownMethod
     from the candidate it followed, or PeerTimeout), exit 1, instead of waiting for the
     majority. Now :meth:`call_coordinator` waits (NoQuorum after the quorum timeout), and a
     service's 'Fenced' answer fences the node."""
+    virtual(_coordinator_calls_wait())
+
+
+async def _coordinator_calls_wait() -> None:
     from p2psync.errors import Fenced, NoQuorum, RemoteError
 
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         calls: list[int] = []
 
         async def echo(caller: int, args: Any, arrays: Any) -> Any:
@@ -123,14 +137,18 @@ async def test_coordinator_calls_wait_for_a_majority_and_a_fenced_answer_fences(
         assert nodes[1].client.fenced is not None and len(calls) == n_calls + 1
 
 
-async def test_a_node_that_leaves_while_cut_off_ends_its_finish_barrier_without_running_for_coordinator():
+def test_a_node_that_leaves_while_cut_off_ends_its_finish_barrier_without_running_for_coordinator():
     """A node whose loop ended first asks to leave (finish with ``depart``) and then hears
     nobody (its links drop: under load, or a partition). It is no member any more: it neither
     runs for coordinator nor waits for a majority, and its finish barrier ends within its bound
     instead of after the quorum timeout (before, it deposed every coordinator, campaigned alone
     and hung its training thread)."""
+    virtual(_leaves_while_cut_off())
+
+
+async def _leaves_while_cut_off() -> None:
     topo = ring(4, base_port=free_port())
-    async with cluster(topo) as nodes:
+    async with cluster(topo, medium="virtual") as nodes:
         cut(nodes, [(2, 1), (2, 3)])
         t0 = asyncio.get_running_loop().time()
         rep = await asyncio.wait_for(nodes[2].client.finish({"steps": 1}, timeout=2.0, depart=True), 30)
