@@ -1,7 +1,8 @@
 """DiLoCo over real ZeroMQ with real trainers: θ_g bitwise identical on every node after every
 outer step and equal to a single-process run of the same algorithm; Streaming fragments with
 overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
-μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts."""
+μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts; a non-finite
+pseudo-gradient on one node skips that round's outer step on every node."""
 
 from __future__ import annotations
 
@@ -20,15 +21,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None,
-               release=True):
+               release=True, trainers=None, setup=None):
     """Train every node ``steps`` steps (``trainer``: make_trainer keywords; ``per_node``: more
-    of them by node; ``release``: as start_strategies'); returns (final params, θ_g per node
-    after each step, reports per node)."""
+    of them by node; ``trainers``: the nodes' trainers instead, by id; ``release``: as
+    start_strategies'; ``setup(strategies)``: called once they started, before the first step);
+    returns (final params, θ_g per node after each step, reports per node)."""
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {})) for i in topo.ids}
+        if trainers is None:
+            trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {}))
+                        for i in topo.ids}
         strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
                                         codec=codec, error_feedback=error_feedback, release=release)
         try:
+            if setup is not None:
+                setup(strats)
             async def loop(s):
                 reps, thetas, step = [], [], 0
                 while True:
@@ -345,3 +351,89 @@ async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
     # (the MLP's two layers hold 87 % and 13 % of it: flat fragments are cut at layer boundaries)
     assert largest < 0.9 and two_peak == pytest.approx(largest * one_peak, rel=0.05), (one_peak, two_peak, largest)
     assert two_sent == pytest.approx(one_sent, rel=0.15), (one_sent, two_sent)
+
+
+def _record_outer(strats):
+    """Wrap every node's outer step (``ops.outer``: the outer step and the merge): per node, a
+    list of (operation, fragment, θ_g before, that fragment's momentum before, θ_g after, its
+    momentum after, the model after) for every call."""
+    calls: list[list[tuple]] = [[] for _ in strats]
+
+    def wrap(s, out):
+        outer = s.ops.outer
+
+        async def recorded(op, total, side, extra, *, merge_local):
+            st = s.state
+            f = 0 if op.f < 0 else op.f
+            before = st.theta.copy(), None if st.bufs[f] is None else st.bufs[f].copy()
+            await outer(op, total, side, extra, merge_local=merge_local)
+            after = st.theta.copy(), None if st.bufs[f] is None else st.bufs[f].copy()
+            out.append((op.k, op.f, *before, *after, await s.ctx.replica.get_params()))
+
+        s.ops.outer = recorded
+
+    for s, out in zip(strats, calls):
+        wrap(s, out)
+    return calls
+
+
+async def test_a_non_finite_pseudo_gradient_on_one_node_skips_that_fragments_outer_step_on_every_node():
+    """Node 1's Δ of fragment 1 holds a NaN in that fragment's second round: no node applies
+    that round's outer step (θ_g and the fragment's momentum bitwise unchanged on every node),
+    every node sets θ_local[f] ← θ_g[f] (τ = 1, α = 0.5: a merge would keep half the local
+    progress), the other rounds are applied, and the run ends with one finite model."""
+    topo = mesh(3, base_port=free_port())
+    steps = 14
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5,
+            "final_sync": "outer"}
+    calls: list = []
+    poisoned: list[int] = []
+    frag: list = []
+
+    def setup(strats):
+        calls.extend(_record_outer(strats))
+        frag.append(strats[0].state.frags[1])  # fragment 1's positions in the flat vector
+        s = strats[1]
+        launch, rep = s.ops.launch, s.ctx.replica
+        sent = {0: 0, 1: 0}
+
+        async def launch_poisoned(f, step, **kw):
+            sent[f] += 1
+            if f != 1 or sent[f] != 2:
+                return await launch(f, step, **kw)
+            get = rep.get_params_range
+
+            async def nan_range(ranges):
+                vec = await get(ranges)
+                vec[vec.size // 2] = np.nan
+                return vec
+
+            rep.get_params_range = nan_range  # (the read of θ_local[f] that forms this Δ)
+            try:
+                await launch(f, step, **kw)
+            finally:
+                del rep.get_params_range
+            poisoned.append(s.state.inflight.k)
+
+        s.ops.launch = launch_poisoned
+
+    params, thetas, reps = await _run(topo, steps, opts, setup=setup)
+    assert poisoned == [3]  # fragments 0, 1, 0, 1: the fourth operation
+    idx = frag[0]
+    for node, rec in enumerate(calls):
+        by_op = {k: r for k, *r in rec}
+        assert sorted(by_op) == list(range(len(rec))), [k for k, *_ in rec]  # each operation applied once
+        f, th0, b0, th1, b1, local = by_op[3]
+        assert f == 1
+        assert th1.tobytes() == th0.tobytes(), f"node {node} applied the non-finite round"
+        assert b0 is not None and b1.tobytes() == b0.tobytes()
+        assert local[idx].tobytes() == th1[idx].tobytes(), f"node {node} kept local progress of fragment 1"
+        for k in (1, 5):  # the rounds of fragment 1 before and after it are applied
+            f, th0, _, th1, _, local = by_op[k]
+            assert f == 1 and th1[idx].tobytes() != th0[idx].tobytes() and np.isfinite(th1).all()
+            assert local[idx].tobytes() != th1[idx].tobytes()  # (merged with α = 0.5)
+        assert reps[node][-1].extra["skipped_nonfinite"] == 1
+    assert all(p.tobytes() == params[0].tobytes() for p in params) and np.isfinite(params[0]).all()
+    for k in range(steps):
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes() == thetas[2][k].tobytes()
+
