@@ -2,7 +2,8 @@
 outer step and equal to a single-process run of the same algorithm; Streaming fragments with
 overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
 μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts; a non-finite
-pseudo-gradient on one node skips that round's outer step on every node."""
+pseudo-gradient on one node skips that round's outer step on every node; outer steps, merges and
+the stop leave AdamW's state bitwise untouched."""
 
 from __future__ import annotations
 
@@ -436,4 +437,51 @@ async def test_a_non_finite_pseudo_gradient_on_one_node_skips_that_fragments_out
     assert all(p.tobytes() == params[0].tobytes() for p in params) and np.isfinite(params[0]).all()
     for k in range(steps):
         assert thetas[0][k].tobytes() == thetas[1][k].tobytes() == thetas[2][k].tobytes()
+
+
+def _inner_state(rep):
+    """The inner optimizer's state as the replica exports it (its parameters cut off): AdamW's
+    exp_avg and exp_avg_sq of every parameter, then each parameter's step."""
+    async def read():
+        return (await rep.export_state())[rep.numel:]
+    return read()
+
+
+async def test_outer_steps_merges_and_the_final_sync_leave_adamws_state_bitwise_untouched():
+    """AdamW inner steps, two streamed fragments with τ = 1 and α = 0.5 and a final full sync:
+    every outer step with its merge (θ_local[f] ← θ_g[f] + α·(θ_local[f] − θ_g[f])), the final
+    sync and the closing θ_local ← θ_g leave AdamW's exp_avg, exp_avg_sq and step bitwise as
+    they were, while they do change the model."""
+    topo = ring(2, base_port=free_port())
+    steps = 11
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5, "outer_lr": 0.7}
+    seen: list[list[tuple[str, bytes, bytes, bool]]] = [[], []]
+
+    def setup(strats):
+        for s, out in zip(strats, seen):
+            rep = s.ctx.replica
+
+            def wrap(fn, what, out=out, rep=rep):
+                async def kept(*a, **kw):
+                    before, p0 = await _inner_state(rep), await rep.get_params()
+                    got = await fn(*a, **kw)
+                    after, p1 = await _inner_state(rep), await rep.get_params()
+                    out.append((what, before.tobytes(), after.tobytes(), p0.tobytes() != p1.tobytes()))
+                    return got
+                return kept
+
+            s.ops.outer = wrap(s.ops.outer, "outer")
+            s.stop.close_checks = wrap(s.stop.close_checks, "close")
+
+    params, _, reps = await _run(topo, steps, opts, trainer={"optimizer": "adamw", "lr": 0.01}, setup=setup)
+    assert params[0].tobytes() == params[1].tobytes()
+    for node, out in enumerate(seen):
+        # fragments 0, 1 sent after steps 2, 4, 6, 8, 10 and merged a step later (the last at the
+        # stop), then the final sync (one outer step over both fragments) and the closing checks
+        assert [w for w, *_ in out] == ["outer"] * 6 + ["close"], out
+        for what, before, after, moved in out:
+            assert after == before, f"node {node}: {what} changed AdamW's state"
+        assert all(moved for *_, moved in out[:-2]), f"node {node}: an outer step left the model as it was"
+        state = np.frombuffer(out[0][1], np.float32)
+        assert np.any(state != 0) and state[-1] >= 3  # (AdamW had state: moments and its step count)
 
