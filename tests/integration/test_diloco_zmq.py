@@ -3,7 +3,8 @@ outer step and equal to a single-process run of the same algorithm; Streaming fr
 overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
 μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts; a non-finite
 pseudo-gradient on one node skips that round's outer step on every node; outer steps, merges and
-the stop leave AdamW's state bitwise untouched."""
+the stop leave AdamW's state bitwise untouched; one node is Lookahead around its optimizer, and
+nodes with identical data are the one-node run bitwise."""
 
 from __future__ import annotations
 
@@ -485,3 +486,53 @@ async def test_outer_steps_merges_and_the_final_sync_leave_adamws_state_bitwise_
         state = np.frombuffer(out[0][1], np.float32)
         assert np.any(state != 0) and state[-1] >= 3  # (AdamW had state: moments and its step count)
 
+
+async def test_one_node_is_lookahead_around_its_own_optimizer():
+    """A single node (M = 1): every H inner steps θ_g ← θ_g − η·(Δ + μ·b) with b ← μ·b + Δ and
+    Δ = θ_g − θ_local, then θ_local ← θ_g (Lookahead with a Nesterov outer step); at the stop
+    the final sync takes one more such step over the steps since the last one. Bitwise against
+    that arithmetic written out here in float32, on the same trainer in one process."""
+    topo = mesh(1, base_port=free_port())
+    H, steps, lr, mom = 4, 10, 0.7, 0.9
+    params, thetas, reps = await _run(topo, steps, {"inner_steps": H, "outer_lr": lr, "outer_momentum": mom})
+    assert len(reps[0]) == steps and reps[0][-1].stop
+    f32 = np.float32
+    async with gated([make_trainer(topo, 0)]) as (tr,):
+        theta = (await tr.get_params()).copy()
+        b = None
+        want = {}
+
+        async def outer():
+            nonlocal b
+            delta = theta - await tr.get_params()  # (float32 arrays: float32 arithmetic)
+            b = delta.copy() if b is None else b * f32(mom) + delta
+            theta[:] = theta - (b * f32(mom) + delta) * f32(lr)
+            await tr.set_params(theta.copy())
+
+        for k in range(1, steps + 1):
+            _, g = await tr.compute_gradients()
+            await tr.apply_gradients(g)
+            if k % H == 0:
+                await outer()
+            want[k] = theta.copy()
+        await outer()  # the final sync
+    for k in range(1, steps):
+        assert thetas[0][k - 1].tobytes() == want[k].tobytes(), f"after step {k}"
+    assert thetas[0][-1].tobytes() == params[0].tobytes() == theta.tobytes()
+    assert not np.array_equal(want[H], want[H - 1])  # (it moved)
+
+
+async def test_identical_data_on_two_nodes_is_the_one_node_run_bitwise():
+    """Two nodes with the same data, seed and model (each the one-node run's trainer): every
+    Δ_m is the same, so Σw·Δ / Σw = Δ and the run — streamed fragments, overlap and α merge,
+    final sync — is the one-node run, θ_g after every step and the final model bitwise."""
+    one = mesh(1, base_port=free_port())
+    steps = 11
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5}
+    alone, want, _ = await _run(one, steps, opts)
+    topo = ring(2, base_port=free_port())
+    params, thetas, reps = await _run(topo, steps, opts, trainers={i: make_trainer(one, 0) for i in topo.ids})
+    assert reps[0][-1].extra["sum_w"] == 2.0  # (both nodes' weights in the sums)
+    for node in range(2):
+        assert [t.tobytes() for t in thetas[node]] == [t.tobytes() for t in want[0]], f"node {node}"
+        assert params[node].tobytes() == alone[0].tobytes()
