@@ -1,6 +1,7 @@
 """DiLoCo when nodes leave and join, over real ZeroMQ in one process (the nodes of
 tests/integration/test_leave_join_zmq.py): a crash while a fragment's sum is in flight is redone
-over the survivors, which end with one model and one θ_g; a restarted node adopts the leader's θ_g, outer momentum,
+over the survivors, which end with one model and one θ_g, the redone sum the survivors' mean
+of their unchanged Δ, applied once; a restarted node adopts the leader's θ_g, outer momentum,
 counters and (``join_inner_state=copy``) AdamW state, bitwise, and ends with the same model; a
 member behind that adopts keeps its own inner state; the stop (final sync, closing checks,
 eager's completion round) is re-formed the same way."""
@@ -417,3 +418,101 @@ async def test_a_member_behind_keeps_its_own_inner_state_when_it_adopts():
     assert before[0] and after == before
     assert lead_states[0] != before  # (the leader's differs: copying it would show)
 
+
+async def test_a_sum_redone_after_a_departure_averages_the_survivors_unchanged_deltas_once():
+    """Node 2 dies right after it launched a fragment's sum (τ = 1: the others are on their way
+    to that sum's merge). The survivors' attempt over four members fails and is redone over the
+    three of them with the Δ each formed at its send (not re-read from the model, which has
+    trained on since), Σw = 3: the mean applied is the survivors' mean Δ. Every operation is
+    applied once on every survivor, and θ_g moves only by these outer steps: replaying them
+    from the start with the sums as they arrived gives each survivor's θ_g bitwise."""
+    from p2psync.strategies.diloco.outer import outer_step
+
+    opts = {**OPTS, "final_sync": "outer"}
+    topo = ring(4, base_port=free_port())
+    async with cluster(topo, "diloco", options=opts) as nodes:
+        victim, survivors = nodes[2], [nodes[i] for i in (0, 1, 3)]
+        killed: list[asyncio.Task[None]] = []
+        at: list[int] = []
+        launch = victim.strategy.ops.launch
+
+        async def launch_then_die(f: int, step: int, **kw: Any) -> None:
+            await launch(f, step, **kw)
+            op = victim.strategy.state.inflight
+            if op is not None and op.k == 5 and not killed:  # its part of sum 5 is on its way: die now
+                at.append(op.k)
+                killed.append(asyncio.ensure_future(victim.crash()))
+
+        victim.strategy.ops.launch = launch_then_die
+        # per survivor: Δ formed at each send, every attempt of every sum, every outer step
+        sent: dict[int, dict[int, bytes]] = {n.id: {} for n in survivors}
+        tries: dict[int, list[tuple[int, tuple[int, ...], bytes, Any]]] = {n.id: [] for n in survivors}
+        applied: dict[int, list[tuple[int, int, np.ndarray, Any, np.ndarray, float]]] = {n.id: [] for n in survivors}
+        start: dict[int, np.ndarray] = {}
+        for n in survivors:
+            s = n.strategy
+
+            def wrap(n=n, s=s, launch=s.ops.launch, reduce=s.ops.reduce, outer=s.ops.outer, begin=s._begin) -> None:
+                async def begin_and_keep() -> None:
+                    await begin()
+                    start[n.id] = s.state.theta.copy()
+
+                async def launch_and_keep(f: int, step: int, **kw: Any) -> None:
+                    st = s.state
+                    delta = np.subtract(st.theta[st.frags[f]], await s.ctx.replica.get_params_range(st.ranges[f]),
+                                        dtype=np.float32)
+                    await launch(f, step, **kw)
+                    sent[n.id][st.inflight.k] = delta.tobytes()
+
+                async def reduce_and_keep(view: Any, op: Any) -> Any:
+                    try:
+                        got = await reduce(view, op)
+                    except BaseException as exc:
+                        tries[n.id].append((op.k, view.members, op.payload.tobytes(), exc))
+                        raise
+                    tries[n.id].append((op.k, view.members, op.payload.tobytes(), None))
+                    return got
+
+                async def outer_and_keep(op: Any, total: np.ndarray, side: np.ndarray, extra: Any, *,
+                                         merge_local: bool) -> None:
+                    st = s.state
+                    before = st.theta.copy(), None if st.bufs[op.f] is None else st.bufs[op.f].copy()
+                    await outer(op, total, side, extra, merge_local=merge_local)
+                    applied[n.id].append((op.k, op.f, *before, np.array(total, np.float32), float(side[0])))
+
+                s._begin, s.ops.launch, s.ops.reduce, s.ops.outer = (begin_and_keep, launch_and_keep,
+                                                                     reduce_and_keep, outer_and_keep)
+
+            wrap()
+        await _train(nodes, 24, warm=5)
+        ends = await _finish(survivors)
+        assert killed, "node 2 never reached sum 5"
+        await asyncio.gather(*killed)
+        thetas = {n.id: n.strategy.state.theta.copy() for n in survivors}
+        adoptions = [n.strategy.state.adoptions for n in survivors]
+    assert len(set(ends)) == 1, ends
+    assert adoptions == [0, 0, 0]  # (the redo, not a member behind adopting a leader's state)
+    k = at[0]
+    for i in sent:
+        redo = [t for t in tries[i] if t[0] == k]
+        assert redo[-1][1] == (0, 1, 3) and redo[-1][3] is None, redo  # it succeeded over the survivors
+        assert all(t[2] == sent[i][k] for t in redo)  # with the Δ formed at the send, every attempt
+    assert any(len([t for t in tries[i] if t[0] == k]) >= 2 for i in sent)  # (an attempt with node 2 failed)
+    for i in sent:
+        ks = [a[0] for a in applied[i]]
+        assert ks == sorted(set(ks)) == list(range(len(ks))), ks  # every operation once, in order
+        _, f, _, _, total, sw = applied[i][k]
+        mine = [np.frombuffer(sent[j][k], np.float32) for j in sent]
+        assert sw == 3.0
+        np.testing.assert_allclose(total, np.add(np.add(mine[0], mine[1]), mine[2]), rtol=1e-6, atol=1e-7)
+        theta, bufs = start[i].copy(), [None, None]
+        for kk, ff, th0, b0, tot, w in applied[i]:  # θ_g moves by these outer steps only, each once
+            assert th0.tobytes() == theta.tobytes(), f"node {i}: θ_g moved outside the outer step before sum {kk}"
+            assert (b0 is None) == (bufs[ff] is None) and (b0 is None or b0.tobytes() == bufs[ff].tobytes())
+            idx = nodes[0].strategy.state.frags[ff]
+            part = theta[idx]
+            bufs[ff] = outer_step(part, bufs[ff], np.divide(tot, np.float32(w), dtype=np.float32), lr=opts["outer_lr"],
+                                  momentum=0.9, nesterov=True)
+            theta[idx] = part
+        assert theta.tobytes() == thetas[i].tobytes()
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas.values())
