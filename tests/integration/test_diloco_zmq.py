@@ -536,3 +536,48 @@ async def test_identical_data_on_two_nodes_is_the_one_node_run_bitwise():
     for node in range(2):
         assert [t.tobytes() for t in thetas[node]] == [t.tobytes() for t in want[0]], f"node {node}"
         assert params[node].tobytes() == alone[0].tobytes()
+
+
+def _blocks_and_a_head(topo, i):
+    """A digits trainer whose model has two repeated blocks (``blocks.0``, ``blocks.1``) and a
+    parameter layer outside them (``head``), as a transformer has its embeddings and output
+    layer: fragment_by=blocks cuts ``fragments`` + 1 fragments from it."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.flatten(1)
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return self.head(x)
+
+    tr = make_trainer(topo, i)
+    torch.manual_seed(0)
+    tr.model = Net()
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.05, momentum=0.9)
+    return tr
+
+
+async def test_the_fragment_outside_the_blocks_counts_in_the_schedule():
+    """A model with two blocks and a head, fragments=2: three fragments go in turn, so
+    inner_steps=4 is refused at the start with an error naming what the user set and the extra
+    fragment, and inner_steps=3 (a multiple of 3, not of 2) trains: one fragment a step,
+    every fragment every 3 steps, one model at the end."""
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        with pytest.raises(ConfigError, match=r"--opt inner_steps=4: with fragments=2 and fragment_by=blocks the "
+                                              r"model is synchronized as 3 fragments in turn"):
+            await start_strategies(eps, topo, "diloco", options={"inner_steps": 4, "fragments": 2},
+                                   trainers={i: _blocks_and_a_head(topo, i) for i in topo.ids})
+    steps = 9
+    params, thetas, reps = await _run(ring(2, base_port=free_port()), steps, {"inner_steps": 3, "fragments": 2},
+                                      trainers={i: _blocks_and_a_head(topo, i) for i in topo.ids})
+    # one fragment applied after every step, then the final sync's outer step on all three
+    assert [r.extra["outer_steps"] for r in reps[0]] == [*range(1, steps), steps + 3]
+    assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes()
