@@ -336,7 +336,8 @@ async def test_a_joiner_ends_its_adoption_with_the_leaders_theta_momentum_counte
     momentum b equals the leader's for every fragment, its counters (inner steps, operations,
     outer steps applied) the leader's latest launch's, and its AdamW state (exp_avg, exp_avg_sq,
     step) the leader's at that moment with ``join_inner_state=copy``, or its own, untouched,
-    with ``fresh`` — all bitwise."""
+    with ``fresh`` — all bitwise. Its first operation is the leader's (the same number and
+    fragment), with Δ = 0 and weight 0."""
     opts = {**OPTS, "join_inner_state": inner}
     topo = ring(4, base_port=free_port())
     async with cluster(topo, "diloco", options=opts, trainer=ADAMW) as nodes:
@@ -365,8 +366,17 @@ async def test_a_joiner_ends_its_adoption_with_the_leaders_theta_momentum_counte
                 return got
 
             js.adoption.take = take_and_look
+            launch, first = js.ops.launch, []
+
+            async def launch_and_look(f: int, step: int, **kw: Any) -> None:
+                await launch(f, step, **kw)
+                op = js.state.inflight
+                if not first and op is not None:
+                    first.append((op.k, op.f, op.w, bool(op.payload.any())))
+
+            js.ops.launch = launch_and_look
             joiner.go(10_000)
-            await until(lambda: bool(after), 30, "the joiner's adoption")
+            await until(lambda: bool(after) and bool(first), 30, "the joiner's adoption")
             leader = [g for g in given if g["theta"].tobytes() == kept.tobytes()]
             assert leader, "no member gave the state the joiner kept"
             lead = leader[-1]
@@ -377,6 +387,7 @@ async def test_a_joiner_ends_its_adoption_with_the_leaders_theta_momentum_counte
                 assert theirs is not None and mine is not None and mine.tobytes() == theirs.tobytes()
             c = lead["launched"]
             assert after["counters"] == (c.t, c.op, c.applied) and c.applied >= 2
+            assert first[0] == (c.op, c.frag, 0.0, False)  # it takes part in the leader's operation: Δ = 0, weight 0
             if inner == "copy":
                 assert lead["adam"] is not None and lead["adam"][0], "the leader's export did not read AdamW's state"
                 assert after["adam"] == lead["adam"]
