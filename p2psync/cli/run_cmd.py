@@ -18,7 +18,7 @@ from p2psync.compress import DEFAULT_FRACTION, codec_usage, get_codec
 from p2psync.errors import ConfigError, Fenced, P2PSyncError, RunEnded, translate
 from p2psync.topology import Topology
 from p2psync.training.config import (LM_DATASETS, LM_DEFAULTED, LM_SGD_LR, LM_SPECS, LR_SCHEDULES, MODELS, OPTIMIZERS,
-                                     RunConfig, lm_defaults)
+                                     RunConfig, lm_defaults, repeated_blocks)
 from p2psync.training.data import DATASETS
 from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.partition import SCHEMES
@@ -283,11 +283,14 @@ def run(args: argparse.Namespace) -> int:
     if args.single:
         cfg, topo = single_reference(cfg, topo, args)
     # the strategy's options, also those checked against the topology (a group size vs N)
-    parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
+    opts = parse_options(get_strategy(cfg.strategy), dict(cfg.strategy_options), topology=topo)
     if args.cmd is None:  # the built-in job's optimizer is known: checked before any node starts
         from p2psync.strategies.needs import OptimizerInfo, check
 
         cls = get_strategy(cfg.strategy)
+        shape = repeated_blocks(cfg.model)  # (a language model's shape is known from its name too)
+        if shape is not None:
+            cls.check_blocks(opts, blocks=shape[0], rest=shape[1])
         try:
             check(cls.name, cls.needs, OptimizerInfo.builtin(cfg.optimizer, momentum=cfg.momentum))
         except ConfigError as exc:

@@ -183,6 +183,14 @@ class Strategy(ABC):
         group size against N); ConfigError naming the option."""
 
     @classmethod
+    def check_blocks(cls, opts: Any, *, blocks: int, rest: bool) -> None:
+        """Checks of ``opts`` that need the model's shape, when it is known before any node
+        starts (``p2psync run``'s built-in language models): ``blocks`` repeated blocks
+        (modules named ``<prefix>.<index>``) and, ``rest``, parameters outside them;
+        ConfigError naming the option. Otherwise a strategy checks the model it is given at
+        :meth:`start`."""
+
+    @classmethod
     def coordinator_services(cls, server: RpcServer, topology: Topology, options: Mapping[str, Any]) -> None:
         """Register this strategy's coordinator services (called on the coordinator node before
         rendezvous, so they exist before any node can call them, and on the node that takes over

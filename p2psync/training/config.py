@@ -56,6 +56,14 @@ LM_WEIGHT_DECAY = 0.1
 LM_SGD_LR = 0.1
 
 
+def repeated_blocks(model: str) -> tuple[int, bool] | None:
+    """A built-in ``model``'s repeated blocks, known from its name without building it: (how
+    many, whether it has parameters outside them) for the language models (``blocks.<i>``; the
+    embeddings, final norm and output layer outside them); None for the others."""
+    spec = LM_SPECS.get(model)
+    return None if spec is None else (spec.layers, True)
+
+
 def lm_defaults(model: str, optimizer: str | None = None) -> dict[str, Any]:
     """The built-in job's defaults of :data:`LM_DEFAULTED` for ``--model`` (empty for a
     classifier): AdamW at the size's peak learning rate, warm-up then cosine decay, the size's

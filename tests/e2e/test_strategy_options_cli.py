@@ -48,3 +48,18 @@ def test_a_bad_option_exits_2_before_anything_starts(strategy, tmp_path):
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and names in err[0], err
     assert not out.exists()  # nothing started: no run folder
+
+
+def test_dilocos_schedule_is_checked_against_a_language_models_fragments_before_anything_starts(tmp_path):
+    """lm-tiny with fragments=2 is synchronized as 3 fragments (its blocks in 2 groups and its
+    embeddings, final norm and output layer): inner_steps=50 ends ``p2psync run`` with exit 2
+    and one line naming what the user set and the extra fragment, before any node starts."""
+    out = tmp_path / "runs"
+    r = subprocess.run([sys.executable, "-m", "p2psync", "run", "topologies/ring-4.json", "--strategy", "diloco",
+                        "--model", "lm-tiny", "--opt", "inner_steps=50", "--opt", "fragments=2", "--steps", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "--opt inner_steps=50: with fragments=2" in err[0] and "3 fragments" in err[0], err
+    assert "embeddings" in err[0] and "fragments (3)" not in err[0]
+    assert not out.exists()

@@ -1,7 +1,10 @@
 """DiLoCo over real ZeroMQ with real trainers: θ_g bitwise identical on every node after every
 outer step and equal to a single-process run of the same algorithm; Streaming fragments with
 overlap, 4-bit outer gradients, error feedback and AdamW end with one model; H = 1, η = 1,
-μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts."""
+μ = 0 with plain SGD is SSGD; a bad option is refused before anything starts; a non-finite
+pseudo-gradient on one node skips that round's outer step on every node; outer steps, merges and
+the stop leave AdamW's state bitwise untouched; one node is Lookahead around its optimizer, and
+nodes with identical data are the one-node run bitwise."""
 
 from __future__ import annotations
 
@@ -20,15 +23,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def _run(topo, steps, options, *, trainer=None, codec="none", error_feedback=False, per_node=None,
-               release=True):
+               release=True, trainers=None, setup=None):
     """Train every node ``steps`` steps (``trainer``: make_trainer keywords; ``per_node``: more
-    of them by node; ``release``: as start_strategies'); returns (final params, θ_g per node
-    after each step, reports per node)."""
+    of them by node; ``trainers``: the nodes' trainers instead, by id; ``release``: as
+    start_strategies'; ``setup(strategies)``: called once they started, before the first step);
+    returns (final params, θ_g per node after each step, reports per node)."""
     async with zmq_cluster(topo) as eps:
-        trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {})) for i in topo.ids}
+        if trainers is None:
+            trainers = {i: make_trainer(topo, i, **(trainer or {}), **(per_node or {}).get(i, {}))
+                        for i in topo.ids}
         strats = await start_strategies(eps, topo, "diloco", options=options, trainers=trainers, max_steps=steps,
                                         codec=codec, error_feedback=error_feedback, release=release)
         try:
+            if setup is not None:
+                setup(strats)
             async def loop(s):
                 reps, thetas, step = [], [], 0
                 while True:
@@ -345,3 +353,231 @@ async def test_fragments_lower_the_peak_bytes_per_sum_not_the_bytes_per_step():
     # (the MLP's two layers hold 87 % and 13 % of it: flat fragments are cut at layer boundaries)
     assert largest < 0.9 and two_peak == pytest.approx(largest * one_peak, rel=0.05), (one_peak, two_peak, largest)
     assert two_sent == pytest.approx(one_sent, rel=0.15), (one_sent, two_sent)
+
+
+def _record_outer(strats):
+    """Wrap every node's outer step (``ops.outer``: the outer step and the merge): per node, a
+    list of (operation, fragment, θ_g before, that fragment's momentum before, θ_g after, its
+    momentum after, the model after) for every call."""
+    calls: list[list[tuple]] = [[] for _ in strats]
+
+    def wrap(s, out):
+        outer = s.ops.outer
+
+        async def recorded(op, total, side, extra, *, merge_local):
+            st = s.state
+            f = 0 if op.f < 0 else op.f
+            before = st.theta.copy(), None if st.bufs[f] is None else st.bufs[f].copy()
+            await outer(op, total, side, extra, merge_local=merge_local)
+            after = st.theta.copy(), None if st.bufs[f] is None else st.bufs[f].copy()
+            out.append((op.k, op.f, *before, *after, await s.ctx.replica.get_params()))
+
+        s.ops.outer = recorded
+
+    for s, out in zip(strats, calls):
+        wrap(s, out)
+    return calls
+
+
+async def test_a_non_finite_pseudo_gradient_on_one_node_skips_that_fragments_outer_step_on_every_node():
+    """Node 1's Δ of fragment 1 holds a NaN in that fragment's second round: no node applies
+    that round's outer step (θ_g and the fragment's momentum bitwise unchanged on every node),
+    every node sets θ_local[f] ← θ_g[f] (τ = 1, α = 0.5: a merge would keep half the local
+    progress), the other rounds are applied, and the run ends with one finite model."""
+    topo = mesh(3, base_port=free_port())
+    steps = 14
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5,
+            "final_sync": "outer"}
+    calls: list = []
+    poisoned: list[int] = []
+    frag: list = []
+
+    def setup(strats):
+        calls.extend(_record_outer(strats))
+        frag.append(strats[0].state.frags[1])  # fragment 1's positions in the flat vector
+        s = strats[1]
+        launch, rep = s.ops.launch, s.ctx.replica
+        sent = {0: 0, 1: 0}
+
+        async def launch_poisoned(f, step, **kw):
+            sent[f] += 1
+            if f != 1 or sent[f] != 2:
+                return await launch(f, step, **kw)
+            get = rep.get_params_range
+
+            async def nan_range(ranges):
+                vec = await get(ranges)
+                vec[vec.size // 2] = np.nan
+                return vec
+
+            rep.get_params_range = nan_range  # (the read of θ_local[f] that forms this Δ)
+            try:
+                await launch(f, step, **kw)
+            finally:
+                del rep.get_params_range
+            poisoned.append(s.state.inflight.k)
+
+        s.ops.launch = launch_poisoned
+
+    params, thetas, reps = await _run(topo, steps, opts, setup=setup)
+    assert poisoned == [3]  # fragments 0, 1, 0, 1: the fourth operation
+    idx = frag[0]
+    for node, rec in enumerate(calls):
+        by_op = {k: r for k, *r in rec}
+        assert sorted(by_op) == list(range(len(rec))), [k for k, *_ in rec]  # each operation applied once
+        f, th0, b0, th1, b1, local = by_op[3]
+        assert f == 1
+        assert th1.tobytes() == th0.tobytes(), f"node {node} applied the non-finite round"
+        assert b0 is not None and b1.tobytes() == b0.tobytes()
+        assert local[idx].tobytes() == th1[idx].tobytes(), f"node {node} kept local progress of fragment 1"
+        for k in (1, 5):  # the rounds of fragment 1 before and after it are applied
+            f, th0, _, th1, _, local = by_op[k]
+            assert f == 1 and th1[idx].tobytes() != th0[idx].tobytes() and np.isfinite(th1).all()
+            assert local[idx].tobytes() != th1[idx].tobytes()  # (merged with α = 0.5)
+        assert reps[node][-1].extra["skipped_nonfinite"] == 1
+    assert all(p.tobytes() == params[0].tobytes() for p in params) and np.isfinite(params[0]).all()
+    for k in range(steps):
+        assert thetas[0][k].tobytes() == thetas[1][k].tobytes() == thetas[2][k].tobytes()
+
+
+def _inner_state(rep):
+    """The inner optimizer's state as the replica exports it (its parameters cut off): AdamW's
+    exp_avg and exp_avg_sq of every parameter, then each parameter's step."""
+    async def read():
+        return (await rep.export_state())[rep.numel:]
+    return read()
+
+
+async def test_outer_steps_merges_and_the_final_sync_leave_adamws_state_bitwise_untouched():
+    """AdamW inner steps, two streamed fragments with τ = 1 and α = 0.5 and a final full sync:
+    every outer step with its merge (θ_local[f] ← θ_g[f] + α·(θ_local[f] − θ_g[f])), the final
+    sync and the closing θ_local ← θ_g leave AdamW's exp_avg, exp_avg_sq and step bitwise as
+    they were, while they do change the model."""
+    topo = ring(2, base_port=free_port())
+    steps = 11
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5, "outer_lr": 0.7}
+    seen: list[list[tuple[str, bytes, bytes, bool]]] = [[], []]
+
+    def setup(strats):
+        for s, out in zip(strats, seen):
+            rep = s.ctx.replica
+
+            def wrap(fn, what, out=out, rep=rep):
+                async def kept(*a, **kw):
+                    before, p0 = await _inner_state(rep), await rep.get_params()
+                    got = await fn(*a, **kw)
+                    after, p1 = await _inner_state(rep), await rep.get_params()
+                    out.append((what, before.tobytes(), after.tobytes(), p0.tobytes() != p1.tobytes()))
+                    return got
+                return kept
+
+            s.ops.outer = wrap(s.ops.outer, "outer")
+            s.stop.close_checks = wrap(s.stop.close_checks, "close")
+
+    params, _, reps = await _run(topo, steps, opts, trainer={"optimizer": "adamw", "lr": 0.01}, setup=setup)
+    assert params[0].tobytes() == params[1].tobytes()
+    for node, out in enumerate(seen):
+        # fragments 0, 1 sent after steps 2, 4, 6, 8, 10 and merged a step later (the last at the
+        # stop), then the final sync (one outer step over both fragments) and the closing checks
+        assert [w for w, *_ in out] == ["outer"] * 6 + ["close"], out
+        for what, before, after, moved in out:
+            assert after == before, f"node {node}: {what} changed AdamW's state"
+        assert all(moved for *_, moved in out[:-2]), f"node {node}: an outer step left the model as it was"
+        state = np.frombuffer(out[0][1], np.float32)
+        assert np.any(state != 0) and state[-1] >= 3  # (AdamW had state: moments and its step count)
+
+
+async def test_one_node_is_lookahead_around_its_own_optimizer():
+    """A single node (M = 1): every H inner steps θ_g ← θ_g − η·(Δ + μ·b) with b ← μ·b + Δ and
+    Δ = θ_g − θ_local, then θ_local ← θ_g (Lookahead with a Nesterov outer step); at the stop
+    the final sync takes one more such step over the steps since the last one. Bitwise against
+    that arithmetic written out here in float32, on the same trainer in one process."""
+    topo = mesh(1, base_port=free_port())
+    H, steps, lr, mom = 4, 10, 0.7, 0.9
+    params, thetas, reps = await _run(topo, steps, {"inner_steps": H, "outer_lr": lr, "outer_momentum": mom})
+    assert len(reps[0]) == steps and reps[0][-1].stop
+    f32 = np.float32
+    async with gated([make_trainer(topo, 0)]) as (tr,):
+        theta = (await tr.get_params()).copy()
+        b = None
+        want = {}
+
+        async def outer():
+            nonlocal b
+            delta = theta - await tr.get_params()  # (float32 arrays: float32 arithmetic)
+            b = delta.copy() if b is None else b * f32(mom) + delta
+            theta[:] = theta - (b * f32(mom) + delta) * f32(lr)
+            await tr.set_params(theta.copy())
+
+        for k in range(1, steps + 1):
+            _, g = await tr.compute_gradients()
+            await tr.apply_gradients(g)
+            if k % H == 0:
+                await outer()
+            want[k] = theta.copy()
+        await outer()  # the final sync
+    for k in range(1, steps):
+        assert thetas[0][k - 1].tobytes() == want[k].tobytes(), f"after step {k}"
+    assert thetas[0][-1].tobytes() == params[0].tobytes() == theta.tobytes()
+    assert not np.array_equal(want[H], want[H - 1])  # (it moved)
+
+
+async def test_identical_data_on_two_nodes_is_the_one_node_run_bitwise():
+    """Two nodes with the same data, seed and model (each the one-node run's trainer): every
+    Δ_m is the same, so Σw·Δ / Σw = Δ and the run — streamed fragments, overlap and α merge,
+    final sync — is the one-node run, θ_g after every step and the final model bitwise."""
+    one = mesh(1, base_port=free_port())
+    steps = 11
+    opts = {"inner_steps": 4, "fragments": 2, "fragment_by": "flat", "tau": 1, "alpha": 0.5}
+    alone, want, _ = await _run(one, steps, opts)
+    topo = ring(2, base_port=free_port())
+    params, thetas, reps = await _run(topo, steps, opts, trainers={i: make_trainer(one, 0) for i in topo.ids})
+    assert reps[0][-1].extra["sum_w"] == 2.0  # (both nodes' weights in the sums)
+    for node in range(2):
+        assert [t.tobytes() for t in thetas[node]] == [t.tobytes() for t in want[0]], f"node {node}"
+        assert params[node].tobytes() == alone[0].tobytes()
+
+
+def _blocks_and_a_head(topo, i):
+    """A digits trainer whose model has two repeated blocks (``blocks.0``, ``blocks.1``) and a
+    parameter layer outside them (``head``), as a transformer has its embeddings and output
+    layer: fragment_by=blocks cuts ``fragments`` + 1 fragments from it."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.flatten(1)
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return self.head(x)
+
+    tr = make_trainer(topo, i)
+    torch.manual_seed(0)
+    tr.model = Net()
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.05, momentum=0.9)
+    return tr
+
+
+async def test_the_fragment_outside_the_blocks_counts_in_the_schedule():
+    """A model with two blocks and a head, fragments=2: three fragments go in turn, so
+    inner_steps=4 is refused at the start with an error naming what the user set and the extra
+    fragment, and inner_steps=3 (a multiple of 3, not of 2) trains: one fragment a step,
+    every fragment every 3 steps, one model at the end."""
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        with pytest.raises(ConfigError, match=r"--opt inner_steps=4: with fragments=2 and fragment_by=blocks the "
+                                              r"model is synchronized as 3 fragments in turn"):
+            await start_strategies(eps, topo, "diloco", options={"inner_steps": 4, "fragments": 2},
+                                   trainers={i: _blocks_and_a_head(topo, i) for i in topo.ids})
+    steps = 9
+    params, thetas, reps = await _run(ring(2, base_port=free_port()), steps, {"inner_steps": 3, "fragments": 2},
+                                      trainers={i: _blocks_and_a_head(topo, i) for i in topo.ids})
+    # one fragment applied after every step, then the final sync's outer step on all three
+    assert [r.extra["outer_steps"] for r in reps[0]] == [*range(1, steps), steps + 3]
+    assert params[0].tobytes() == params[1].tobytes() == thetas[0][-1].tobytes()

@@ -36,7 +36,10 @@ STEP_S = 0.03  # emulated step time: the run lasts long enough to crash and join
 
 class Node:
     def __init__(self, topo: Topology, i: int, strategy: str, *, on_failure: str = "continue",
-                 options: dict[str, Any] | None = None, failover: bool = False) -> None:
+                 options: dict[str, Any] | None = None, failover: bool = False,
+                 trainer: dict[str, Any] | None = None) -> None:
+        """``trainer``: :func:`~tests.helpers.make_trainer` keywords (its learning rate and
+        optimizer)."""
         self.topo, self.id, self.name, self.on_failure = topo, i, strategy, on_failure
         self.options = dict(options or {})
         self.ep = ZmqEndpoint(topology=topo, node_id=i, default_timeout=10.0)
@@ -57,7 +60,7 @@ class Node:
                                           allow_join=on_failure == "continue")
                         if i == topo.coordinator and not failover else None)
         lr = 0.05 if strategy == "asgd" else 0.1
-        self.trainer = make_trainer(topo, i, lr=lr)
+        self.trainer = make_trainer(topo, i, **{"lr": lr, **(trainer or {})})
         self.trainer.slowdown = parse_profiles(step_time=f"{i}:{STEP_S}")[i]
         #: the trainer's model on the gate path (its loop starts when the node joins the run)
         self.path: GatePath | None = None

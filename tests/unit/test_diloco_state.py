@@ -351,3 +351,58 @@ def test_a_skipped_eager_round_takes_the_held_term_out_and_adds_nothing():
     assert Operations.late_part(node, op, total, _f32([3.0, 0.0, 1.0]), {}) is None
     late = Operations.late_part(node, replace(op, held=held), total, _f32([3.0, 0.0, 0.0]), {})
     assert late is not None and late.tolist() == [2.0, 5.0]  # a round that counts: Σ/Σw − held
+
+
+def test_the_schedule_is_checked_against_the_fragments_the_model_is_cut_into():
+    """With fragment_by=blocks the parameters outside the repeated blocks form one more
+    fragment (P_total = fragments + 1). The options alone accept inner_steps and tau that fit
+    fragments or fragments + 1; once the model is known, a mismatch names what the user set
+    and where the extra fragment comes from."""
+    from p2psync.strategies.diloco.options import DilocoOptions
+
+    o = DilocoOptions(inner_steps=50, fragments=2)
+    assert o.part_counts() == (2, 3)
+    o.check_parts(2)  # (a model without parameters outside its blocks: 2 fragments)
+    with pytest.raises(ConfigError) as ei:
+        o.check_parts(3)
+    msg = str(ei.value)
+    assert msg.startswith("--opt inner_steps=50: with fragments=2 and fragment_by=blocks")
+    assert "3 fragments" in msg and "embeddings" in msg and "48 or 51" in msg and "fragment_by=flat" in msg
+    DilocoOptions(inner_steps=51, fragments=2).check_parts(3)  # a multiple of P_total, not of fragments
+    with pytest.raises(ConfigError, match=r"--opt tau=16: with fragments=2 .* 3 fragments .* tau < 16"):
+        DilocoOptions(inner_steps=48, fragments=2, tau=16).check_parts(3)
+    DilocoOptions(inner_steps=48, fragments=2, tau=15).check_parts(3)
+    with pytest.raises(ConfigError, match=r"--opt inner_steps=10: must be a multiple of fragments=3, or of 4"):
+        DilocoOptions(inner_steps=10, fragments=3)
+    flat = DilocoOptions(inner_steps=50, fragments=2, fragment_by="flat")
+    assert flat.part_counts() == (2,)
+    with pytest.raises(ConfigError, match=r"--opt inner_steps=51: must be a multiple of fragments=2$"):
+        DilocoOptions(inner_steps=51, fragments=2, fragment_by="flat")
+
+
+def test_the_language_models_blocks_are_known_from_their_names():
+    """``repeated_blocks`` (what ``p2psync run`` checks DiLoCo's schedule against before any
+    node starts) gives the fragment count that the fragment map of each built-in language
+    model, built, has; the classifiers' shapes are left to the strategy's start."""
+    from p2psync.model.flat import FlatModel
+    from p2psync.strategies.diloco import DiLoCo
+    from p2psync.strategies.diloco.fragments import part_count
+    from p2psync.training.config import LM_SPECS, repeated_blocks
+    from p2psync.training.models import build_model
+
+    for name, spec in LM_SPECS.items():
+        with torch.device("meta"):
+            model = build_model(name, (1,), 256)
+        flat = FlatModel(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        blocks, rest = repeated_blocks(name)
+        for p in (1, 2, spec.layers):
+            for by in ("blocks", "flat"):
+                cut = fragment_map(flat.layers(), flat.numel, p, by=by, pattern="strided")
+                assert len(cut) == part_count(p, by=by, blocks=blocks, rest=rest), (name, p, by)
+        with pytest.raises(ConfigError, match=f"fragments={spec.layers + 1}: the model has only {spec.layers} blocks"):
+            part_count(spec.layers + 1, by="blocks", blocks=blocks, rest=rest)
+    assert repeated_blocks("mlp") is None
+    opts = parse_options(DiLoCo, {"inner_steps": 50, "fragments": 2})
+    with pytest.raises(ConfigError, match="inner_steps=50: with fragments=2"):
+        DiLoCo.check_blocks(opts, blocks=5, rest=True)
+    DiLoCo.check_blocks(opts, blocks=5, rest=False)

@@ -88,6 +88,18 @@ def fragment_map(layers: Sequence[Layer], numel: int, fragments: int, *, by: Lit
     return [_coalesce(p) for p in parts]
 
 
+def part_count(fragments: int, *, by: Literal["blocks", "flat"], blocks: int, rest: bool) -> int:
+    """P_total: how many fragments :func:`fragment_map` cuts ``fragments`` into for a model of
+    ``blocks`` repeated blocks with (``rest``) or without parameters outside them, known before
+    the model is built. ConfigError as :func:`fragment_map` raises it when ``by="blocks"``
+    asks for more fragments than blocks."""
+    if fragments == 1 or by == "flat":
+        return fragments
+    if fragments > blocks:
+        raise ConfigError(f"--opt fragments={fragments}: the model has only {blocks} blocks")
+    return fragments + int(rest)
+
+
 def _coalesce(ranges: Sequence[tuple[int, int]]) -> Ranges:
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -112,4 +124,4 @@ def map_digest(frags: Sequence[Ranges]) -> float:
     return float(h)
 
 
-__all__ = ["Ranges", "fragment_map", "indices", "map_digest"]
+__all__ = ["Ranges", "fragment_map", "indices", "map_digest", "part_count"]

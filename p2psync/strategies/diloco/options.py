@@ -5,7 +5,10 @@ Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
 * ``inner_steps`` H (100), ``outer_lr`` (0.7), ``outer_momentum`` (0.9), ``nesterov`` (true);
 * ``fragments`` P (1), ``fragment_by`` (``blocks``: repeated blocks dealt to P fragments, plus one
   more for every other parameter; ``flat``: P contiguous ranges), ``fragment_pattern``
-  (``strided`` | ``sequential``), ``tau`` (0), ``alpha`` (0.5);
+  (``strided`` | ``sequential``), ``tau`` (0), ``alpha`` (0.5); ``inner_steps`` must be a multiple
+  of the number of fragments synchronized in turn, P_total (P, or P + 1 with that extra
+  fragment), and ``tau`` < inner_steps / P_total: checked against P and P + 1 here, and against
+  the model's P_total once it is known (:meth:`DilocoOptions.check_parts`);
 * ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit), ``error_feedback`` (the run's
   ``--error-feedback``; ``true`` | ``false``);
 * ``weighting`` (``uniform`` | ``samples``: each Δ weighted by the samples behind it);
@@ -38,6 +41,8 @@ from p2psync.errors import ConfigError
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 
 _TRUE = ("1", "true", "yes", "on")
+#: where P_total = fragments + 1 comes from (fragment_by=blocks)
+_EXTRA = "with fragment_by=blocks they form one more fragment: embeddings, final norm, output layer"
 _FALSE = ("0", "false", "no", "off")
 
 
@@ -74,11 +79,17 @@ class DilocoOptions(StrategyOptions):
         positive(self, "outer_lr")
         require(0.0 <= self.outer_momentum < 1.0, self, "outer_momentum", "must be in [0, 1)")
         require(self.fragments >= 1, self, "fragments", "must be a whole number >= 1")
-        require(self.inner_steps % self.fragments == 0, self, "inner_steps",
-                f"must be a multiple of fragments={self.fragments}")
-        require(0 <= self.tau < self.inner_steps // self.fragments, self, "tau",
-                f"must be 0 <= tau < inner_steps / fragments = {self.inner_steps // self.fragments} "
-                "(at most one fragment in flight)")
+        # (the model is not known here: P_total is fragments, or fragments + 1 with fragment_by=blocks;
+        # check_parts checks the one the model gives)
+        counts = self.part_counts()
+        fits = [p for p in counts if self.inner_steps % p == 0]
+        require(bool(fits), self, "inner_steps", f"must be a multiple of fragments={self.fragments}" + (
+            f", or of {counts[-1]} when the model has parameters outside its repeated blocks ({_EXTRA})"
+            if len(counts) > 1 else ""))
+        p = min(fits) if fits else self.fragments
+        require(0 <= self.tau < self.inner_steps // p, self, "tau",
+                f"must be 0 <= tau < inner_steps / {'fragments' if p == self.fragments else p} = "
+                f"{self.inner_steps // p} (at most one fragment in flight)")
         require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0, self, "alpha", "must be in [0, 1]")
         require(not self.eager or self.fragments == 1, self, "eager", "only with fragments=1 (eager updates of "
                 "streamed fragments are not built)")
@@ -96,6 +107,39 @@ class DilocoOptions(StrategyOptions):
                 get_codec(self.outer_codec)
             except ConfigError as exc:
                 raise ConfigError(f"--opt outer_codec={self.outer_codec}: {exc}") from None
+
+    def part_counts(self) -> tuple[int, ...]:
+        """The numbers of fragments synchronized in turn (P_total) these options can give before
+        the model is known: ``fragments``; with ``fragment_by=blocks`` and ``fragments`` > 1 also
+        ``fragments`` + 1, the model's parameters outside its repeated blocks forming one more
+        fragment when it has any."""
+        if self.fragments > 1 and self.fragment_by == "blocks":
+            return self.fragments, self.fragments + 1
+        return (self.fragments,)
+
+    def check_parts(self, parts: int) -> None:
+        """The schedule's checks once the model's fragments are known (``parts`` = P_total, one
+        of :meth:`part_counts`): ``inner_steps`` a multiple of P_total and ``tau`` < inner_steps /
+        P_total. ConfigError naming the options as the user set them, and saying where a
+        fragment more than ``fragments`` comes from."""
+        if parts == self.fragments:
+            require(self.inner_steps % parts == 0, self, "inner_steps", f"must be a multiple of fragments={parts}")
+            require(0 <= self.tau < self.inner_steps // parts, self, "tau",
+                    f"must be 0 <= tau < inner_steps / fragments = {self.inner_steps // parts} "
+                    "(at most one fragment in flight)")
+            return
+        why = (f"with fragments={self.fragments} and fragment_by={self.fragment_by} the model is synchronized as "
+               f"{parts} fragments in turn (its repeated blocks in {self.fragments} groups, and one more for the "
+               "parameters outside them: embeddings, final norm, output layer)")
+        if self.inner_steps % parts:
+            near = sorted({max(parts, self.inner_steps // parts * parts), -(-self.inner_steps // parts) * parts})
+            raise ConfigError(f"--opt inner_steps={self.inner_steps}: {why}, so inner_steps must be a multiple of "
+                              f"{parts} (e.g. {' or '.join(map(str, near))}), or use --opt fragment_by=flat for "
+                              f"exactly {self.fragments} fragments")
+        h = self.inner_steps // parts
+        if not 0 <= self.tau < h:
+            raise ConfigError(f"--opt tau={self.tau}: {why}, one every inner_steps / {parts} = {h} steps, so tau must "
+                              f"be 0 <= tau < {h} (at most one fragment in flight)")
 
     @property
     def feedback(self) -> bool | None:

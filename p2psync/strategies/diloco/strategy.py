@@ -53,7 +53,7 @@ from p2psync.errors import ConfigError, PeerFailure, TrainingEnded
 from p2psync.model import LAYERED, MODEL_BUFFERS, PARAM_RANGES, Layer
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.diloco.adoption import Adoption
-from p2psync.strategies.diloco.fragments import fragment_map, indices, map_digest
+from p2psync.strategies.diloco.fragments import fragment_map, indices, map_digest, part_count
 from p2psync.strategies.diloco.node import NodeState, Op
 from p2psync.strategies.diloco.ops import Operations
 from p2psync.strategies.diloco.options import DilocoOptions
@@ -97,6 +97,12 @@ class DiLoCo(Strategy):
                               codec=self.opts.outer_codec or ctx.collectives.codec)
         self.stop = Stop(ctx, self.opts, self.state, self.ops, self.regroup)
 
+    @classmethod
+    def check_blocks(cls, opts: DilocoOptions, *, blocks: int, rest: bool) -> None:
+        """The schedule's checks against the number of fragments such a model is cut into
+        (:meth:`~.options.DilocoOptions.check_parts`)."""
+        opts.check_parts(part_count(opts.fragments, by=opts.fragment_by, blocks=blocks, rest=rest))
+
     def codecs(self) -> list[Codec]:
         return [get_codec(self.ops.codec)]
 
@@ -123,6 +129,7 @@ class DiLoCo(Strategy):
                     raise
         ranges = fragment_map(layers, rep.numel, self.opts.fragments, by=self.opts.fragment_by,
                               pattern=self.opts.fragment_pattern)
+        self.opts.check_parts(len(ranges))
         st.ranges = ranges
         st.frags = [indices(r) for r in ranges]
         st.digest = map_digest(ranges)
