@@ -694,7 +694,8 @@ def record_barrier_pulls(strats: list[Any], slow: tuple[int, int] = (2, 1),
     barrier copies close)."""
     import numpy as np
 
-    
+    from p2psync.transport.shaping import InprocShaper, LinkSpec
+
     seen: dict[int, dict[int, bytes]] = {}
     for s in strats:
         me = s.ctx.transport.node_id
