@@ -628,12 +628,15 @@ class MembershipClient:
         args: dict[str, Any] = {"probe": True, "seen_term": self.seen_term}
         if self.view is not None:  # only a newer view comes back (the others would change nothing)
             args["epoch"], args["term"] = self.view.epoch, self.view.term
-        for raw in await self._ask_views(args, max(0.5, 2 * self.interval), to_dead=True):
-            self._apply_view(raw, src=None)
+        await self._ask_views(args, max(0.5, 2 * self.interval), to_dead=True,
+                              each=lambda raw: self._apply_view(raw, src=None))
 
-    async def _ask_views(self, args: Mapping[str, Any], timeout: float, *, to_dead: bool = False) -> list[Any]:
+    async def _ask_views(self, args: Mapping[str, Any], timeout: float, *, to_dead: bool = False,
+                         each: Callable[[Any], None] | None = None) -> list[Any]:
         """The views (untrusted wire form) every other node answers a probe with, asked at
-        once, each bounded by ``timeout``; nodes that do not answer are left out."""
+        once, each bounded by ``timeout``; nodes that do not answer are left out. ``each``: called
+        with every view as it comes (a peer that cannot answer, e.g. one marked dead that no
+        live path reaches, holds back none of the others' answers)."""
         me = self.transport.node_id
 
         async def ask(peer: int) -> Any:
@@ -641,7 +644,10 @@ class MembershipClient:
                 rep = await self.rpc.call(peer, "membership.heartbeat", args, timeout=timeout, to_dead=to_dead)
             except P2PSyncError:
                 return None
-            return rep.get("view") if isinstance(rep, dict) else None
+            view = rep.get("view") if isinstance(rep, dict) else None
+            if view is not None and each is not None:
+                each(view)
+            return view
 
         reps = await asyncio.gather(*(ask(p) for p in self.transport.topology.ids if p != me))
         return [r for r in reps if r is not None]

@@ -45,8 +45,8 @@ connect before the receiver saw its previous process's connection close, and Zer
 in silence, a connection that claims an id still filed (its messages dropped, its link up on
 its side).
 
-**Queues.** ``SocketOptions.sndhwm`` (bulk pipes) defaults to 64 messages (was 1000: 1000 x 1 MiB
-pieces could sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
+**Queues.** ``SocketOptions.sndhwm`` (bulk pipes) defaults to 64 messages (so that no more than
+64 pieces sit in one pipe); the transport's per-peer byte window (``window_bytes``, default
 8 MiB; :mod:`p2psync.transport.flow`) bounds what waits to enter it. The control socket has its
 own ``control_sndhwm`` (1000 messages; control messages are small).
 
