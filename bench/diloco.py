@@ -44,8 +44,8 @@ targets are stated for (validation bits per byte): read the verdicts as such.
 (its checkpoint, ``--init-from``; fresh optimizers and schedules), as DiLoCo's main comparison
 starts from a pretrained model.
 
-Output: markdown tables on stdout, bench/out/diloco.png (quality against wall time per latency,
-bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
+Output: markdown tables on stdout, bench/out/diloco.png (per latency, quality against wall time
+and against inner steps, that is tokens; bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
 (about 2 minutes on a 2-core machine).
 """
 
@@ -255,8 +255,10 @@ def quality_at(nodes: Sequence[Sequence[dict[str, Any]]], metric: str, step: flo
     return statistics.mean(got)
 
 
-def curve(recs: Sequence[dict[str, Any]], metric: str) -> list[tuple[float, float]]:
-    return [(float(r["time"]), float(r[metric])) for r in recs if r.get(metric) is not None]
+def curve(recs: Sequence[dict[str, Any]], metric: str, x: str = "time") -> list[tuple[float, float]]:
+    """(``x``, ``metric``) at every evaluation of one node (pure): ``x`` is ``time`` (seconds)
+    or ``step`` (inner steps; every config takes the same tokens per step, so steps are tokens)."""
+    return [(float(r[x]), float(r[metric])) for r in recs if r.get(metric) is not None and r.get(x) is not None]
 
 
 def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, list[str]]:
@@ -338,15 +340,18 @@ def plot(rows: Sequence[Row]) -> Path:
 
     lats = sorted({r.latency_ms for r in rows})
     metric = rows[0].metric
-    fig, axes = plt.subplots(1, len(lats) + 1, figsize=(4.5 * (len(lats) + 1), 4))
-    for ax, lat in zip(axes, lats):
-        for r in rows:
-            if r.latency_ms == lat and curve(r.nodes[0], metric):
-                ax.plot(*zip(*curve(r.nodes[0], metric)), label=r.key)
-        ax.set(title=f"{lat:g} ms one way", xlabel="seconds", ylabel=metric)
-        ax.legend(fontsize=8)
+    fig, grid = plt.subplots(2, len(lats) + 1, figsize=(4.5 * (len(lats) + 1), 8), squeeze=False)
+    for row, (x, label) in zip(grid, (("time", "seconds"), ("step", "inner steps (equal tokens)"))):
+        for ax, lat in zip(row, lats):
+            for r in rows:
+                pts = curve(r.nodes[0], metric, x) if r.latency_ms == lat else []
+                if pts:
+                    ax.plot(*zip(*pts), label=r.key)
+            ax.set(title=f"{lat:g} ms one way", xlabel=label, ylabel=metric)
+            ax.legend(fontsize=8)
+    grid[1][-1].axis("off")
     first = [r for r in rows if r.latency_ms == lats[0]]
-    ax = axes[-1]
+    ax = grid[0][-1]
     ax.bar(range(len(first)), [r.bytes_per_step for r in first], color="tab:blue")
     ax.set_xticks(range(len(first)), [r.key for r in first], fontsize=7, rotation=60)
     ax.set_yscale("log")

@@ -111,3 +111,22 @@ def test_the_peak_is_the_most_bytes_sent_in_one_step_between_the_start_and_the_s
     assert peak_bytes(node({0: 1000}), 50) == 1000
     assert peak_bytes(node({0: 500, 25: 500}), 50) == 500
     assert peak_bytes(node({0: 1000})[:60], 50) is None  # no steady window in 60 steps
+
+
+def test_the_plot_shows_quality_against_time_and_against_inner_steps(tmp_path, monkeypatch):
+    from bench.diloco import curve, plot
+
+    recs = _node(10, [0.5, 0.9], waits=[0.0] * 4)
+    assert curve(recs, "accuracy") == [(0.1, 0.5), (0.2, 0.9)]
+    assert curve(recs, "accuracy", "step") == [(1.0, 0.5), (2.0, 0.9)]
+    saved = {}
+
+    def save_png(fig, name):
+        saved["axes"] = [(ax.get_xlabel(), len(ax.get_lines())) for ax in fig.axes]
+        return tmp_path / name
+
+    monkeypatch.setattr("bench.diloco.save_png", save_png)
+    rows = [reduce(k, lat, [recs], 0.02) for k in ("ssgd", "diloco") for lat in (0.0, 200.0)]
+    plot(rows)
+    assert ("seconds", 2) in saved["axes"] and ("inner steps (equal tokens)", 2) in saved["axes"]
+    assert sum(1 for x, _ in saved["axes"] if x == "inner steps (equal tokens)") == 2  # one per latency
