@@ -27,7 +27,9 @@ the heal came before or after its judgment. So the nodes its first view would re
 probe once it has won (marked dead or not), answered within
 :meth:`CoordinatorHost.probe_wait`; those that answer, or were heard since its vote answers
 made a majority, stay members (:func:`silent_since`), for its detector to judge. A new process
-of a restarted node answering for a judged one does not count: the process judged is gone.
+of a restarted node answering for a judged one does not count: the process judged is gone; a
+judged node whose new process was heard leaves in the first view unprobed, even one that the
+rules above would keep (:func:`gone_judged`).
 The probe costs a takeover that removes nodes :meth:`CoordinatorHost.probe_wait` (a quarter
 of a heartbeat interval at least), within the detection bound.
 
@@ -164,6 +166,21 @@ def silent_since(suspects: Collection[int], answered: Mapping[int, bool], heard:
 
     return sorted(n for n in suspects if not same_life(n) or (
         not answered.get(n, False) and heard.get(n, -math.inf) < since))
+
+
+def gone_judged(judged: Collection[int], named: Mapping[int, int], newest: Mapping[int, int]) -> list[int]:
+    """The nodes of ``judged`` (those a winner of an election judged failed or deposed and
+    that did not answer it) whose process its view names (``named``: node -> incarnation) is
+    gone: a newer process of the node was heard (``newest``: node -> the newest incarnation a
+    proven message of it carried, ``Transport.newer_life``). Pure.
+
+    The winner removes them in its first view whatever else would keep a judged node (judged
+    while cut off from the majority, deposed long ago, heard lately): a restarted node's
+    previous process never answers again (the transport rejects its messages once it knows a
+    newer incarnation), so keeping it only delays its declaration by a detection window, and
+    the new process is admitted only once it is declared. No probe either: what would answer
+    is the new process, which proves nothing of the one judged."""
+    return sorted(n for n in judged if n in named and n in newest and newest[n] > named[n])
 
 
 def may_win(me: int, voters: Collection[int], mine: tuple[int, int],
@@ -362,10 +379,17 @@ class CoordinatorHost:
                 # that healed since, as its win shows (cut_off): the voters that answered at
                 # all made a majority only more than a probe time after its first request, or
                 # the nodes it counts failed or deposed leave no majority of its view
+                # none of this holds for a node whose new process this node heard (restarted:
+                # the process judged is gone, and the transport drops its messages now): it
+                # leaves in the first view, without a probe (:func:`gone_judged`)
                 now = clock.now()
                 stale = now - self.failure_timeout - 2 * self.heartbeat_interval
                 judged = m.failed | set(deposed)
-                unheard = judged - cand.answered
+                incs = m.view.incarnations if m.view is not None else {}
+                newest = {n: inc for n in judged - cand.answered
+                          if (inc := m.transport.newer_life(n, incs.get(n, 0))) is not None}
+                gone = gone_judged(judged - cand.answered, incs, newest)
+                unheard = judged - cand.answered - set(gone)
                 heard = m.transport.last_arrival
                 late = majority_at is None or first is None or majority_at - first > self.probe_time()
                 cut_off = late or cut_off_when_judged(voters, judged)
@@ -379,13 +403,13 @@ class CoordinatorHost:
                     if m.coordinator != self.me or self.service is not None or m.fenced is not None:
                         return
                     silent = silent_since(failed, answered, m.transport.last_arrival, majority_at,
-                                          judged=m.view.incarnations if m.view is not None else {},
-                                          known=m.transport.peer_incarnations)
+                                          judged=incs, known=m.transport.peer_incarnations)
                     if silent != failed:
                         log.warning("node %d: nodes %s, judged failed or deposed before this node reached a "
                                     "majority, answered after it won: kept", self.me,
                                     sorted(set(failed) - set(silent)))
                     kept, failed = sorted({*kept, *failed} - set(silent)), silent
+                failed = sorted({*failed, *gone})
                 quiet = sorted(voters - cand.answered - set(failed) - {self.me})
                 self._become(term, failed, floor, sorted(cand.granted), quiet=quiet, asked=asked, kept=kept)
                 return

@@ -9,7 +9,9 @@ around it: the RPC handlers, the failure monitor and the publishing of views.
 
 :class:`MembershipService` exposes it over RPC on the coordinator node; its handlers and its
 failure monitor feed the state's phi-accrual detector (heartbeat arrivals, any other traffic:
-``Transport.last_arrival``, and the RTT each client measures). On every change it bumps the
+``Transport.last_arrival``, and the RTT each client measures; a node's traffic counts only
+until the transport heard a newer process of it than the one registered here: a restarted
+node's new process proves nothing of the registered one). On every change it bumps the
 view's epoch and publishes the view to every live node as an ``event.view`` event (owned
 tasks) and in the reply to every heartbeat whose sender has not applied it yet (a heartbeat
 names the sender's view: epoch, coordinator and term), so a lost event is repaired by the next
@@ -347,8 +349,11 @@ class MembershipService:
             await asyncio.sleep(self.check_interval)
             self.state.detector.pause(stalls.tick(clock.now()))
             heard = reachable(self.transport.topology, me, self.transport.dead)
+            incs = self.state.incarnations
             for n, at in list(self.transport.last_arrival.items()):
-                if n != me and heard(n):
+                # (once a newer process of a node than the one registered here was heard, its
+                # arrivals prove nothing of the registered one: that one is gone)
+                if n != me and heard(n) and self.transport.newer_life(n, incs.get(n, 0)) is None:
                     self.state.alive(n, at)
             now = clock.now()
             silences = {n: self.state.detector.silence(n, now) for n in self.state.detector.peers}

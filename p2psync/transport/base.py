@@ -286,6 +286,13 @@ class Transport(ABC):
         self.router.mark_dead(peer)
         self._links_changed()  # (a send waiting for its connection fails now)
 
+    def newer_life(self, peer: int, incarnation: int | None = None) -> int | None:
+        """The newest incarnation of ``peer`` that an admitted, proven message carried, when it
+        is newer than ``incarnation`` (None: the registered one, :attr:`peer_incarnations`): a
+        process of ``peer`` started after that one was heard (it is gone); else None
+        (:meth:`Ingest.newer_life`: remembered whenever it came, whatever views said since)."""
+        return self._pipeline.newer_life(peer, incarnation)
+
     def revive(self, peer: int) -> None:
         """``peer`` is a member again (a new view): route through it again."""
         self.router.revive(peer)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2psync.coordinator.failover import cut_off_when_judged, may_win, silent_since
+from p2psync.coordinator.failover import cut_off_when_judged, gone_judged, may_win, silent_since
 from p2psync.coordinator.quorum import VoteAnswer
 from p2psync.errors import ConfigError
 from p2psync.sim import invariants as inv
@@ -437,6 +437,13 @@ def test_silent_since_keeps_the_nodes_heard_once_the_winner_reached_a_majority()
     assert silent_since([0], {0: True}, {0: 22.0}, 21.93, judged=incs, known={**incs, 0: 2}) == [0]
     # a node whose incarnation the view does not name is judged by its answer alone
     assert silent_since([0], {0: True}, {}, 21.93, judged={}, known={0: 2}) == []
+
+
+def test_gone_judged_names_the_judged_nodes_whose_newer_process_was_heard() -> None:
+    named = {0: 1, 1: 1, 2: 1}
+    # 0: restarted, its new process heard; 1: nothing newer heard; 3: no incarnation named
+    assert gone_judged([0, 1, 3], named, {0: 2, 3: 5}) == [0]
+    assert gone_judged([0], named, {0: 1}) == [] and gone_judged([0], named, {}) == []
 
 
 def test_the_far_side_of_a_healed_three_way_split_learns_that_it_was_removed() -> None:

@@ -19,7 +19,7 @@ from p2psync.sim import invariants as inv
 from p2psync.sim.cluster import SimCluster, SimOptions
 from p2psync.sim.faults import Fault, draw, parse_faults
 from p2psync.sim.loop import VirtualLoop, run
-from p2psync.topology import mesh, ring
+from p2psync.topology import groups, mesh, ring
 
 ALL_HELD = {"one_coordinator_per_term": "held", "faults_detected_in_bound": "held", "no_false_failure": "held",
             "one_view_at_end": "held", "bounded_queues": "held"}
@@ -501,3 +501,24 @@ def test_the_members_behind_a_restarted_coordinator_stay_reachable_through_its_n
     s = simulate(ring(8), "restart:4@7.858,kill:3@16.636,restart:0@26.87", 40.0, heartbeat=0.5,
                  failure_timeout=2.0, latency_s=0.001)
     assert s["invariants"] == ALL_HELD
+
+
+@pytest.mark.parametrize("faults", [
+    "kill:0@25,restart:0@27.159",
+    "slow:5-6|0-4.7-15@11.011+1.651x51,kill:0@25,restart:0@27.159",  # chaos seed 58555
+])
+def test_a_successor_removes_a_restarted_coordinator_it_judged_while_cut_off_with_it(faults: str) -> None:
+    """Chaos seed 58555 (``p2psync sim groups:4x4 --seed 58555 --faults
+    'slow:5-6|0-4.7-15@11.011+1.651x51,kill:0@25,restart:0@27.159' --heartbeat 0.5
+    --failure-timeout 2 --strategy esync``): coordinator 0 is site 0's gateway; its kill cuts
+    its successor 1 off with it. Every node deposes 0 at 27.0 and follows 1; the restart
+    reconnects site 0, and 1 wins at 28.0 with a majority reached late, which keeps the nodes
+    it judged (a split that healed may have cut them off). The old process of 0 must leave in
+    that first view all the same: its new process was heard, the one judged is gone (and the
+    new process's traffic must not keep it alive either)."""
+    s = simulate(groups(4, 4), faults, 40.0, heartbeat=0.5, failure_timeout=2.0, latency_s=0.001)
+    assert s["invariants"] == ALL_HELD
+    first = s["declared"][0]
+    assert (first["node"], first["by"], first["term"]) == (0, 1, 1)
+    assert first["t"] - 25.0 <= s["detection_bound_s"]
+    assert s["restarts"][0]["joined_after_s"] < s["detection_bound_s"]

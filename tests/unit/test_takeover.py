@@ -312,3 +312,41 @@ def test_a_later_batch_of_probes_ends_with_the_first_while_it_has_time_to_answer
     assert probe_until(0.55, now=0.1, wait=0.1, probe_time=0.55) == 0.55  # judged with it
     assert probe_until(0.55, now=0.45, wait=0.1, probe_time=0.55) == 0.55  # just the wait left
     assert probe_until(0.55, now=0.5, wait=0.1, probe_time=0.55) == 1.05  # too late: its own
+
+
+async def test_a_rebuilt_service_credits_no_arrival_of_a_newer_process_to_the_registered_one():
+    # a successor kept the deposed coordinator 0 (incarnation 0 in its view) as a member; its
+    # transport heard a restarted process of node 0 since: those arrivals prove nothing of the
+    # registered process, which is declared failed after its silence, not kept alive by them
+    import asyncio
+    import time
+
+    from p2psync.coordinator import MembershipService, RpcServer
+    from p2psync.topology import mesh
+    from p2psync.transport import MemoryHub
+
+    hub = MemoryHub(mesh(5))
+    eps = {i: hub.endpoint(i) for i in range(5)}
+    for e in eps.values():
+        await e.start()
+    v = View(epoch=7, members=(0, 1, 2, 3, 4), incarnations={n: n for n in range(5)}, coordinator=0)
+    now = time.monotonic()
+    st = rebuild_state(expected=range(5), view=v, failed=(), me=1, fingerprint="fp", now=now, grace=0.0,
+                       failure_timeout=0.3, heartbeat_interval=0.05)
+    svc = MembershipService(server=RpcServer(eps[1]), expected=range(5), state=st, rpc_methods=False,
+                            failure_timeout=0.3, heartbeat_interval=0.05, check_interval=0.02)
+    svc.start()
+    try:
+        eps[1]._pipeline.reborn[0] = 1  # a proven message of node 0's incarnation 1 was admitted
+        assert eps[1].newer_life(0, 0) == 1 and eps[1].newer_life(0, 1) is None
+        hb = svc.handlers["membership.heartbeat"]
+        for _ in range(40):  # 0.8 s: the others heartbeat; node 0's new process is heard
+            eps[1].last_arrival[0] = time.monotonic()
+            for n in (2, 3, 4):
+                await hb(n, {"epoch": st.epoch, "coord": 1, "term": st.term}, [])
+            await asyncio.sleep(0.02)
+        assert st.failed == {0} and st.view().members == (1, 2, 3, 4)
+    finally:
+        await svc.close()
+        for e in eps.values():
+            await e.close()
