@@ -108,7 +108,9 @@ class MembershipClient:
         self._beats = TaskSet("heartbeat", isolated=True)
         self._started = False
         self._moved = asyncio.Event()  # replaced (after being set) on every coordinator change
-        self._viewed = asyncio.Event()  # set once a view is applied (:meth:`first_view`)
+        #: set once a view is applied, or once this node is fenced (:meth:`first_view`)
+        self._viewed = asyncio.Event()
+        self.quorum.listeners.append(lambda _: self._viewed.set())
         self.info: dict[str, Any] = {}
         #: the view of a running run that :meth:`discover` found (this node joins it), or None
         self.discovered: View | None = None
@@ -320,15 +322,19 @@ class MembershipClient:
         coordinator's (while discovering the run, from a node that voted in a takeover) applies
         no view of that coordinator until it is re-elected above that term, which its heartbeats
         (:attr:`seen_term`) bring about; its strategy must not start before (a strategy built
-        without a view runs without the run's failure policy). Call after :meth:`start`;
-        PeerTimeout after ``timeout``."""
-        if self.view is None:
+        without a view runs without the run's failure policy). A newer view that does not name
+        it (its coordinator was not the run's any more) fences it instead: the :class:`Fenced`
+        error is raised, as whenever this node is fenced before or while it waits. Call after
+        :meth:`start`; PeerTimeout after ``timeout``."""
+        if self.view is None and self.fenced is None:
             try:
                 await asyncio.wait_for(self._viewed.wait(), timeout)
             except (asyncio.TimeoutError, TimeoutError):
                 raise PeerTimeout(f"node {self.transport.node_id}: registered with coordinator {self.coordinator}, "
                                   f"but applied none of its views within {timeout:g}s (this node heard of term "
                                   f"{self.seen_term})") from None
+        if self.fenced is not None:
+            raise self.fenced
         view = self.view
         if view is None:  # (set only by applying one)
             raise PeerTimeout(f"node {self.transport.node_id}: no view applied")
@@ -414,13 +420,17 @@ class MembershipClient:
         if not self.succession.accepts(view, self.ballot.promised):
             return
         me = self.transport.node_id
-        if me in view.departed and not self.departing and self.view is not None:
+        # a member, or a process a coordinator admitted whose registration's view it did not
+        # apply (of a term below one it had heard of): a newer view that does not name it is
+        # the run's word that it is out, never a first view to start from
+        admitted = self.view is not None or self.registered
+        if me in view.departed and not self.departing and admitted:
             # the coordinator ended the run without it: a joiner whose strategy had not joined
             # the training when every member had finished at the agreed stop
             self.quorum.fence(f"coordinator {view.coordinator} ended the run (view {view.epoch}) while it was "
                               "still joining the training", ended=True)
             return
-        if me not in view.members and me not in view.departed and self.view is not None:
+        if me not in view.members and me not in view.departed and admitted:
             if self.removed_by is None or view.key > self.removed_by.key:
                 self.removed_by = view
             excluded = raw.get("excluded") if isinstance(raw, dict) else None

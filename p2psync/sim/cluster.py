@@ -452,6 +452,10 @@ class SimCluster:
             try:
                 await node.restart()
             except P2PSyncError as exc:
+                if isinstance(exc, Fenced) and not isinstance(exc, RunEnded):
+                    # removed from the run before its first view: it exits as a fenced process
+                    self._exit(node, str(exc)[:300], exc)
+                    return
                 node.failed = f"{type(exc).__name__}: {exc}"[:300]
                 node.run_ended = isinstance(exc, RunEnded)
                 log.info("node %d: restarted process: %s", n, node.failed)

@@ -8,7 +8,8 @@ import pytest
 
 from p2psync.coordinator import MembershipClient, MembershipService, RpcClient, RpcServer, membership_client
 from p2psync.coordinator.membership_state import UNREACHABLE
-from p2psync.errors import ConfigError, PeerTimeout, RemoteError
+from p2psync.coordinator.views import View
+from p2psync.errors import ConfigError, Fenced, PeerTimeout, RemoteError
 from p2psync.topology import ring
 from p2psync.tasks import cancel_all
 from p2psync.transport import MemoryHub
@@ -82,6 +83,53 @@ async def test_a_joiner_refused_as_unreachable_asks_again_until_admitted_or_its_
             with pytest.raises(PeerTimeout, match="could not admit it in time: no live path leads from node 0"):
                 await client.register("fp", timeout=0.2)
             assert rpc.calls > 3
+    finally:
+        await client.close()
+        await ep.close()
+
+
+class _Deposed:
+    """An RPC client whose coordinator 0, deposed in term 1 without knowing it, admits node 2
+    in its view of term 0; then node 0, no coordinator any more, answers heartbeats with the
+    view of term 1 of coordinator 3, which does not name node 2."""
+
+    def __init__(self, real: RpcClient) -> None:
+        self.real = real
+        self.admitted = View(epoch=5, members=(0, 1, 2, 3), coordinator=0, term=0)
+        self.newer = View(epoch=6, members=(0, 1, 3), coordinator=3, term=1)
+
+    async def call(self, peer: int, method: str, args: object, timeout: float, **_: object) -> dict[str, object]:
+        if method == "membership.register":
+            return {"joined": True, "elapsed": 1.0, "view": self.admitted.to_wire()}
+        return {"redirect": True, "view": self.newer.to_wire()}
+
+    def estimator(self, node: int) -> object:
+        return self.real.estimator(node)
+
+    def abort_calls(self, node: int, exc: Exception) -> int:
+        return self.real.abort_calls(node, exc)  # type: ignore[arg-type]
+
+
+async def test_a_joiner_admitted_in_a_view_it_did_not_apply_is_fenced_by_a_newer_view_without_it() -> None:
+    """A restarted process whose earlier one voted in term 1 registers with a coordinator still
+    in term 0: it applies none of that coordinator's views and waits for a newer one. The newer
+    view that comes does not name it (the run elected another coordinator and declared this
+    node failed): it is fenced, to rejoin as a new process, and does not start from that view
+    as its first one (its strategy would start in a view without it)."""
+    hub = MemoryHub(ring(4))
+    ep = hub.endpoint(2)
+    await ep.start()
+    rpc = _Deposed(RpcClient(ep))
+    client = MembershipClient(transport=ep, rpc=rpc, coordinator=0)  # type: ignore[arg-type]
+    client.ballot.voted[1] = 1  # the earlier process's vote in term 1
+    try:
+        await client.register("fp", timeout=5.0)
+        assert client.view is None and client.fenced is None  # (term 0 is below the term it voted in)
+        client.start()
+        with pytest.raises(Fenced, match="view 6 \\(term 1\\) of coordinator 3 does not name it") as got:
+            await client.first_view(timeout=5.0)
+        assert got.value.rejoin and client.fenced is got.value and client.view is None
+        assert client.newest_view == rpc.newer  # what it answers probes with
     finally:
         await client.close()
         await ep.close()
