@@ -5,6 +5,7 @@ field, and ESync's State Server rebuilt with empty records."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -186,10 +187,9 @@ def test_state_server_rebuilt_with_empty_records_answers_not_ready_until_every_d
     assert s.records[1].round == 8 and s.heard == {0, 1, 2}
 
 
-async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members_epoch():
-    import time
-
-    from p2psync.coordinator import MembershipService, RpcServer
+async def _mesh5() -> tuple[dict[int, Any], View]:
+    """Five started in-memory endpoints of mesh(5), and view 7 of all five (coordinator 0,
+    node n in its incarnation n): where a rebuilt service's tests start."""
     from p2psync.topology import mesh
     from p2psync.transport import MemoryHub
 
@@ -197,7 +197,15 @@ async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members
     eps = {i: hub.endpoint(i) for i in range(5)}
     for e in eps.values():
         await e.start()
-    v = View(epoch=7, members=(0, 1, 2, 3, 4), incarnations={n: n for n in range(5)}, coordinator=0)
+    return eps, View(epoch=7, members=(0, 1, 2, 3, 4), incarnations={n: n for n in range(5)}, coordinator=0)
+
+
+async def test_rebuilt_service_merges_reported_failures_and_moves_past_a_members_epoch():
+    import time
+
+    from p2psync.coordinator import MembershipService, RpcServer
+
+    eps, v = await _mesh5()
     st = rebuild_state(expected=range(5), view=v, failed={0}, me=1, fingerprint="fp",
                        now=time.monotonic(), grace=2.0)
     svc = MembershipService(server=RpcServer(eps[1]), expected=range(5), state=st, rpc_methods=False)
@@ -322,14 +330,8 @@ async def test_a_rebuilt_service_credits_no_arrival_of_a_newer_process_to_the_re
     import time
 
     from p2psync.coordinator import MembershipService, RpcServer
-    from p2psync.topology import mesh
-    from p2psync.transport import MemoryHub
 
-    hub = MemoryHub(mesh(5))
-    eps = {i: hub.endpoint(i) for i in range(5)}
-    for e in eps.values():
-        await e.start()
-    v = View(epoch=7, members=(0, 1, 2, 3, 4), incarnations={n: n for n in range(5)}, coordinator=0)
+    eps, v = await _mesh5()
     now = time.monotonic()
     st = rebuild_state(expected=range(5), view=v, failed=(), me=1, fingerprint="fp", now=now, grace=0.0,
                        failure_timeout=0.3, heartbeat_interval=0.05)
