@@ -174,7 +174,8 @@ async def wait_or_event(fut: asyncio.Future[Any], event: asyncio.Event) -> bool:
     return fut.done()
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
+def resolve(fut: asyncio.Future[None]) -> None:
+    """Set ``fut``'s result to None unless it is done (a wake-up that may come twice)."""
     if not fut.done():
         fut.set_result(None)
 
@@ -206,7 +207,7 @@ class Conditions:
         for pred, futs in list(self._waits.items()):
             if any(not f.done() for f in futs) and pred():
                 for f in futs:
-                    _resolve(f)
+                    resolve(f)
 
     async def wait(self, pred: Callable[[], bool], deadline: float, now: Callable[[], float]) -> bool:
         """Wait until ``pred()`` holds (True) or ``now()`` reaches ``deadline`` (False)."""
@@ -218,7 +219,7 @@ class Conditions:
             fut: asyncio.Future[None] = loop.create_future()
             futs = self._waits.setdefault(pred, [])
             futs.append(fut)
-            timer = loop.call_later(min(remaining, self.recheck), _resolve, fut)
+            timer = loop.call_later(min(remaining, self.recheck), resolve, fut)
             try:
                 await fut
             finally:

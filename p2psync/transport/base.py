@@ -68,6 +68,7 @@ import numpy as np
 
 from p2psync import clock
 from p2psync.errors import NonFinitePiece, PeerFailure, PeerUnreachable, ProtocolError, TransportError
+from p2psync.tasks import resolve
 from p2psync.topology import Route, Topology
 from p2psync.transport.finite import all_finite, diverged
 from p2psync.transport.finite_checks import FiniteChecks
@@ -111,7 +112,7 @@ async def _woken(waiters: list[asyncio.Future[None]], timeout: float) -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     waiters.append(fut)
-    timer = loop.call_later(max(timeout, 0.001), _woke, fut)
+    timer = loop.call_later(max(timeout, 0.001), resolve, fut)
     try:
         await fut
     finally:
@@ -120,15 +121,10 @@ async def _woken(waiters: list[asyncio.Future[None]], timeout: float) -> None:
             waiters.remove(fut)
 
 
-def _woke(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 def wake(waiters: Iterable[asyncio.Future[None]]) -> None:
     """Resolve every future of ``waiters`` not done yet (the waits they stand for look again)."""
     for fut in waiters:
-        _woke(fut)
+        resolve(fut)
 
 
 class NotReady(Exception):

@@ -205,13 +205,9 @@ class InprocShaper(Shaper):
         q = lane.queue
         while q and q[0][0] <= loop.time():
             _, attempt, retry = q.popleft()
-            try:
-                if not attempt():
-                    lane.worker = asyncio.create_task(self._drain(lane, retry), name="shaped-link")
-                    return
-                self.delivered += 1
-            except P2PSyncError as exc:
-                self._drop(exc)
+            if not self._try(attempt):
+                lane.worker = asyncio.create_task(self._drain(lane, retry), name="shaped-link")
+                return
         if q:
             lane.timer = loop.call_at(q[0][0], self._fire, lane)
 
@@ -234,13 +230,19 @@ class InprocShaper(Shaper):
             if wait > 0:
                 await asyncio.sleep(wait)
             q.popleft()
-            try:
-                if attempt():
-                    self.delivered += 1
-                    retry = None
-            except P2PSyncError as exc:
-                self._drop(exc)
+            if self._try(attempt):
                 retry = None
+
+    def _try(self, attempt: Attempt) -> bool:
+        """One try at a due delivery, counted: False when it must be retried (a send that
+        failed for good is dropped, and needs no retry)."""
+        try:
+            if not attempt():
+                return False
+            self.delivered += 1
+        except P2PSyncError as exc:
+            self._drop(exc)
+        return True
 
     def _drop(self, exc: P2PSyncError) -> None:
         self.dropped += 1
@@ -260,8 +262,8 @@ class InprocShaper(Shaper):
                     lane.timer.cancel()
                     lane.timer = None
                     lane.worker = asyncio.create_task(self._drain(lane, None), name="shaped-link-flush")
-                assert lane.worker is not None
-                flushing.append(lane.worker)
+                if lane.worker is not None:
+                    flushing.append(lane.worker)
         if flushing:
             await asyncio.wait(flushing, timeout=flush_s)
         for link in self.links.values():
