@@ -762,3 +762,25 @@ def read_only_folder(folder: Any) -> Any:
             os.chmod(path, 0o755)
     with tiny_filesystem(path, 16, read_only=True) as p:
         yield p
+
+
+def direct_reference(xs: list[Any], pieces: int, codec: str) -> Any:
+    """What the direct plan must give: per piece k (owned by member k of the sorted group),
+    the owner's own values plus every other member's decode(encode(values)) in sender order,
+    in float32, then decode(encode(that sum))."""
+    import numpy as np
+
+    from p2psync.compress import get_codec
+
+    c = get_codec(codec)
+    n = xs[0].size
+    per = -(-n // pieces)
+    out = np.empty(n, np.float32)
+    for k in range(pieces):
+        lo, hi = k * per, min(n, (k + 1) * per)
+        acc = xs[k][lo:hi].copy()
+        for i, x in enumerate(xs):
+            if i != k:
+                acc = acc + c.roundtrip(x[lo:hi])
+        out[lo:hi] = c.roundtrip(acc)
+    return out

@@ -126,6 +126,9 @@ SPREAD_FLOOR_BYTES = 4096
 GATHER_BY_SUM_BYTES = 64 << 10
 #: longest caller tag: piece suffixes (".rs12.1023.4095") must still fit the wire's 128 chars
 MAX_TAG = 96
+#: the plans whose owners hold one chunk each in member order, so an allgather of slots is
+#: their allgather phase alone
+_SLOT_ALGOS = ("ring", "mesh", "direct")
 #: the reductions an allreduce performs (``weighted``: a weighted sum, weights per member)
 ReduceOp = Literal["sum", "mean", "weighted"]
 
@@ -309,7 +312,7 @@ class Collectives:
         buf[slot * m:(slot + 1) * m] = mine
         bounds = np.concatenate([np.linspace(s * m, (s + 1) * m, ppn + 1).astype(np.int64)[:-1]
                                  for s in range(len(g))] + [np.array([m * len(g)])])
-        phases = ("ag",) if plan.algo in ("ring", "mesh") else ("rs", "ag")
+        phases = ("ag",) if plan.algo in _SLOT_ALGOS else ("rs", "ag")
         stats = await self._execute("allgather", plan, buf, tag, "none", phases=phases, bounds=bounds,
                                     record=record, check=check)
         shape = np.shape(tensor)
@@ -382,7 +385,7 @@ class Collectives:
         key = ("slots", g, ppn, self.algo)
         if key not in self._plans:
             plan = make_plan(self.topo, g, ppn * len(g), self.algo)
-            if plan.algo not in ("ring", "mesh"):
+            if plan.algo not in _SLOT_ALGOS:
                 plan = make_plan(self.topo, g, ppn * len(g), "tree")
             self._plans[key] = plan
         plan = self._plans[key]
@@ -392,7 +395,7 @@ class Collectives:
     @staticmethod
     def _slot_order(plan: Plan, g: tuple[int, ...]) -> list[int]:
         """Which member's data sits in slot s: the owner of chunk s (ring/mesh), else group order."""
-        if plan.algo not in ("ring", "mesh"):
+        if plan.algo not in _SLOT_ALGOS:
             return list(g)
         return [n for _, n in sorted((plan.owner[n][0][0], n) for n in g)]
 

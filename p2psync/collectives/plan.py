@@ -31,6 +31,15 @@ Algorithms:
   fully reduced; the allgather retraces the steps in reverse (copy).
 * ``star``: leaves push everything to the hub (reduce), the hub sends the sum back (copy): the
   parameter-server baseline.
+* ``direct``: ``mesh`` over any connected group: every member sends chunk j straight to its
+  owner, member j (reduce), and every owner sends its chunk to every other member (copy), 2
+  rounds; between members that are not adjacent the pieces are relayed along a shortest path
+  (members included: :func:`~p2psync.topology.paths.shortest_links`), forwarded unchanged. Each
+  member's contribution is therefore encoded once and summed (in float32) at the piece's owner,
+  and the owner's sum encoded once for everyone, where a ring or a tree re-encodes growing
+  partial sums at every hop: the plan a 4-bit codec needs (``e3m0``; DiLoCo's outer allreduce
+  uses it). Each member sends 2(N-1)/N of the data, as a ring; the links carry more (the
+  relayed hops: on ring-4 a third more, on ring-N about N/4 times a ring's).
 * ``tree``: any connected group: reduce up a BFS spanning tree, broadcast down.
 
 ``auto`` over a group that needs relays: a ring over relay links when there is one, else a tree.
@@ -45,9 +54,10 @@ from typing import Collection, Sequence
 
 from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import Topology, bcube_digits
-from p2psync.topology.paths import Cut, Links, group_links, hamiltonian_cycle, live_cut, relay_links, spanning_tree
+from p2psync.topology.paths import (Cut, Links, group_links, hamiltonian_cycle, live_cut, relay_links, shortest_links,
+                                    spanning_tree)
 
-ALGOS = ("auto", "ring", "mesh", "bcube", "star", "tree")
+ALGOS = ("auto", "ring", "mesh", "bcube", "star", "tree", "direct")
 
 Range = tuple[int, int]
 
@@ -225,8 +235,22 @@ def plan_mesh(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
         for c in g:
             if a != c and not topo.routes(a, c):
                 raise ConfigError(f"mesh plan: nodes {a} and {c} are not adjacent")
-    b = _Builder(topo, "mesh", g, pieces)
-    chunks = split(0, pieces, len(g))
+    return _all_to_owner(_Builder(topo, "mesh", g, pieces))
+
+
+def plan_direct(topo: Topology, group: Sequence[int], pieces: int) -> Plan:
+    """The mesh allreduce over any group the topology joins, relayed along shortest paths
+    between members that are not adjacent (see the module docstring); ConfigError when the
+    topology does not join the group."""
+    g = sorted(group)
+    return _all_to_owner(_Builder(topo, "direct", g, pieces, shortest_links(topo, g)))
+
+
+def _all_to_owner(b: _Builder) -> Plan:
+    """Member j owns chunk j: every other member reduces its chunk j into it in round 0, and it
+    copies the sum to every other member in round 0 of the allgather."""
+    g = b.group
+    chunks = split(0, b.pieces, len(g))
     for j, owner in enumerate(g):
         b.owner[owner].append(chunks[j])
         for other in g:
@@ -349,5 +373,5 @@ def make_plan(topo: Topology, group: Sequence[int], pieces: int, algo: str = "au
             links = group_links(topo, g)
             algo = "ring" if links is not None and hamiltonian_cycle(topo, g, links=links) is not None else "tree"
     builders = {"ring": plan_ring, "mesh": plan_mesh, "bcube": plan_bcube, "star": plan_star,
-                "tree": plan_tree}
+                "tree": plan_tree, "direct": plan_direct}
     return builders[algo](topo, g, pieces)

@@ -81,6 +81,42 @@ def relay_links(topo: Topology, group: Sequence[int]) -> dict[int, dict[int, tup
     return out
 
 
+def shortest_links(topo: Topology, group: Sequence[int]) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Every other member of ``group`` that each member reaches, with the interior of a shortest
+    path to it through *any* nodes, members included (``()``: a direct link; the first path a
+    breadth-first search from the member finds, neighbours in id order): the links of a plan in
+    which every member sends to every other (:func:`~p2psync.collectives.plan.plan_direct`). On
+    ring-4, ``shortest_links(ring(4), [0, 1, 2, 3])[0] == {1: (), 3: (), 2: (1,)}``. Depends on
+    the topology only; ConfigError when the topology does not join the group."""
+    _adjacency(topo, group)
+    members = set(group)
+    out: dict[int, dict[int, tuple[int, ...]]] = {}
+    for a in group:
+        prev: dict[int, int] = {a: a}
+        frontier = [a]
+        while frontier:
+            nxt = []
+            for x in frontier:
+                for b in topo.neighbors(x):
+                    if b not in prev:
+                        prev[b] = x
+                        nxt.append(b)
+            frontier = nxt
+        found: dict[int, tuple[int, ...]] = {}
+        for b in group:
+            if b == a:
+                continue
+            if b not in prev:
+                raise ConfigError(f"group {sorted(members)} is not connected: node {a} reaches no path to {b}")
+            path, y = [], prev[b]
+            while y != a:
+                path.append(y)
+                y = prev[y]
+            found[b] = tuple(reversed(path))
+        out[a] = found
+    return out
+
+
 def direct_links(topo: Topology, group: Sequence[int]) -> dict[int, dict[int, tuple[int, ...]]]:
     """The links among ``group``'s members over their own direct links only (see :data:`Links`)."""
     return {g: {b: () for b in nbs} for g, nbs in _adjacency(topo, group).items()}

@@ -127,6 +127,20 @@ async def test_streaming_fragments_with_overlap_e3m0_feedback_and_adamw_end_with
     assert max(r.extra["blocked"] for r in reps[0]) <= 8
 
 
+async def test_4_bit_outer_gradients_on_a_ring_are_encoded_once_through_relays():
+    """e3m0 on ring-4: the outer allreduce takes the direct plan (nodes 0 and 2, 1 and 3 are
+    not adjacent: their pieces are relayed unchanged), and every node holds the same θ_g bits
+    after every step."""
+    topo = ring(4, base_port=free_port())
+    steps = 8
+    _, thetas, reps = await _run(topo, steps, {"inner_steps": 2, "outer_codec": "e3m0"})
+    for k in range(steps):
+        assert len({thetas[i][k].tobytes() for i in topo.ids}) == 1
+    synced = [r for r in reps[0] if "outer_algo" in r.extra]
+    assert synced and {r.extra["outer_algo"] for r in synced} == {"direct"}
+    assert all(r.extra["compression"] > 6 for r in synced)
+
+
 async def test_one_inner_step_outer_lr_1_no_momentum_with_plain_sgd_is_ssgd():
     topo = ring(2, base_port=free_port())
     steps = 10

@@ -19,7 +19,7 @@ from p2psync.errors import GroupCutOff, PeerFailure
 from p2psync.strategies.regroup import Adopted, Regroup, fetch_state, serve_state
 from p2psync.topology import bcube, ring
 from p2psync.wire import encode
-from tests.helpers import close_replica, free_port, gate_replicas, keyed, make_context, make_trainer, until, zmq_cluster
+from tests.helpers import close_replica, direct_reference, free_port, gate_replicas, keyed, make_context, make_trainer, until, zmq_cluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -195,3 +195,26 @@ async def test_a_joiner_with_no_way_to_a_member_yet_asks_again_until_one_opens()
         assert await asyncio.wait_for(fetch, 10) == 17
         mine, theirs = [await trainers[i].export_state() for i in (1, 3)]
     assert mine.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("make", [lambda p: ring(4, base_port=p), lambda p: bcube(2, 2, base_port=p)],
+                         ids=["ring4", "bcube2x2"])
+async def test_the_direct_plan_relays_through_members_and_encodes_each_contribution_once(make) -> None:
+    """``--collective direct``: every member sends each piece straight to its owner, through
+    other members where they are not adjacent (relayed unchanged); lossless operations are
+    exact, and with e3m0 every member gets the same bits, the owner's sum of its own values and
+    each other member's once-decoded piece."""
+    topo = make(free_port())
+    async with zmq_cluster(topo) as eps:
+        cs = {i: Collectives(e, piece_bytes=16 << 10, timeout=10.0, algo="direct") for i, e in eps.items()}
+        await _ops(cs, topo.ids, "d")
+        assert sum(e.relayed for e in eps.values()) > 0  # non-adjacent members went through another node
+        rng = np.random.default_rng(3)
+        n = 256 * topo.size  # one piece per member: piece k is member k's
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in topo.ids]
+        outs = await asyncio.gather(*(cs[i].allreduce(xs[i], tag="d.e3m0", codec="e3m0") for i in topo.ids))
+        assert all(cs[i].stats_for("d.e3m0").algo == "direct" for i in topo.ids)
+        assert not any(e.rejected for e in eps.values())
+    want = direct_reference(xs, topo.size, "e3m0")
+    for o in outs:
+        assert o.tobytes() == want.tobytes()

@@ -198,7 +198,8 @@ def test_the_counters_carry_the_stops_markers(frag, at_stop):
     ({"dylu": "true", "dylu_min_steps": 0}, "dylu_min_steps"),
     ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
     ({"error_feedback": "maybe"}, "error_feedback"), ({"weighting": "tokens"}, "weighting"),
-    ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta")])
+    ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta"),
+    ({"outer_collective": "hypercube"}, "outer_collective")])
 def test_every_bad_option_is_a_config_error_naming_it(raw, name):
     with pytest.raises(ConfigError, match=name):
         parse_options(get_strategy("diloco"), raw, topology=ring(4))
@@ -209,6 +210,13 @@ def test_good_options_parse():
                                                "outer_codec": "e3m0:64", "error_feedback": "on"})
     assert (o.inner_steps, o.fragments, o.tau, o.outer_codec, o.feedback) == (12, 3, 2, "e3m0:64", True)
     assert parse_options(get_strategy("diloco"), {}).feedback is None
+
+
+def test_a_lossy_outer_codec_takes_the_direct_plan_unless_told_otherwise():
+    o = parse_options(get_strategy("diloco"), {})
+    assert o.outer_plan("e3m0", "auto") == o.outer_plan("int8", "ring") == "direct"
+    assert o.outer_plan("none", "auto") == "auto" and o.outer_plan("topk", "ring") == "ring"
+    assert parse_options(get_strategy("diloco"), {"outer_collective": "ring"}).outer_plan("e3m0", "auto") == "ring"
 
 
 def test_the_cursor_is_the_schedule_when_its_interval_is_constant():

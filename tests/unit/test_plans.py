@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.collectives.plan import check_live, make_plan, plan_bcube, plan_mesh, plan_ring, plan_tree, split
+from p2psync.collectives.plan import (check_live, make_plan, plan_bcube, plan_direct, plan_mesh, plan_ring, plan_tree,
+                                      split)
 from p2psync.errors import ConfigError, GroupCutOff
 from p2psync.topology import bcube, mesh, ring, star
 from p2psync.topology.paths import live_cut, relay_links
@@ -30,7 +31,8 @@ def simulate(plan, topo):
                 hops = [t.src, *t.via, t.dst]
                 assert any(r.local_nic == t.nic for r in topo.routes(t.src, hops[1])), t
                 assert all(topo.routes(a, c) for a, c in zip(hops, hops[1:])), t
-                assert not set(t.via) & set(g) and set(t.via) <= plan.relays, t
+                # (a direct plan relays through any node, members too: they forward bytes unchanged)
+                assert (plan.algo == "direct" or not set(t.via) & set(g)) and set(t.via) <= plan.relays, t
                 assert bool(t.via) == (not topo.routes(t.src, t.dst)), t
                 assert t.src in pos and t.dst in pos and 0 <= t.lo < t.hi <= plan.pieces
                 if t.reduce:
@@ -53,11 +55,60 @@ def simulate(plan, topo):
     (ring(4), "ring"), (ring(5), "auto"), (mesh(4), "mesh"), (mesh(5), "ring"),
     (bcube(2, 2), "bcube"), (bcube(3, 2), "bcube"), (bcube(2, 3), "bcube"), (star(5), "star"),
     (star(5), "tree"), (bcube(3, 2), "ring"), (bcube(2, 2), "tree"),
+    (ring(4), "direct"), (ring(7), "direct"), (bcube(3, 2), "direct"), (star(5), "direct"), (mesh(4), "direct"),
 ])
 @pytest.mark.parametrize("pieces", [0, 1, 3, 7, 36, 101])
 def test_plan_invariants(topo, algo, pieces):
     plan = make_plan(topo, topo.ids, pieces, algo)
     simulate(plan, topo)
+
+
+def _encodings(plan):
+    """Per piece, how many times a value of it is encoded on its way: a reduce transfer sends
+    the sender's values as they stand then (its own, or a partial sum it holds), a copy the
+    owner's sealed sum (encoded once, forwarded unchanged). Returns, per (owner's) piece, the
+    most encodings any one member's contribution went through before it reached the owner's
+    sum: 1 for a plan that sends each contribution straight to its owner."""
+    g = list(plan.group)
+    # depth[n][k]: encodings behind the partial sum node n holds for piece k (0: its own value)
+    depth = {n: np.zeros(plan.pieces, dtype=np.int64) for n in g}
+    for rnd in plan.rs:
+        snap = {n: d.copy() for n, d in depth.items()}
+        for t in rnd:
+            depth[t.dst][t.lo:t.hi] = np.maximum(depth[t.dst][t.lo:t.hi], snap[t.src][t.lo:t.hi] + 1)
+    return max((int(depth[n][lo:hi].max()) for n, rs in plan.owner.items() for lo, hi in rs if hi > lo), default=0)
+
+
+@pytest.mark.parametrize("topo", [ring(4), ring(8), bcube(2, 2), bcube(3, 2), star(5), mesh(5)])
+def test_direct_plan_encodes_every_contribution_once(topo):
+    """The plan a 4-bit codec needs: each member's values reach the piece's owner in one
+    encoded transfer (relays forward the bytes), where the ring's partial sums are encoded N-1
+    times on the way; every member sends 2(N-1)/N of the data, as a ring."""
+    n, pieces = topo.size, 12 * topo.size
+    direct = plan_direct(topo, topo.ids, pieces)
+    simulate(direct, topo)
+    assert _encodings(direct) == 1
+    assert len(direct.rs) == len(direct.ag) == 1
+    for node in topo.ids:
+        assert direct.sent_by(node) == 2 * (n - 1) * pieces // n
+    if topo.kind == "ring":
+        assert _encodings(make_plan(topo, topo.ids, pieces, "ring")) == n - 1
+        # ring-4: node 0 reaches node 2 through node 1 (the lower id of the two shortest ways)
+        assert {t.via for t in direct.rs[0] if (t.src, t.dst) == (0, 2)} == {(1,)} if n == 4 else True
+        assert direct.relays and direct.relays <= frozenset(topo.ids)
+    if topo.kind == "mesh":
+        assert not direct.relays
+
+
+def test_direct_plan_of_a_subset_and_a_dead_relay():
+    """A subset relays through whatever joins it; a plan whose relays died names the cut."""
+    topo = ring(6)
+    plan = make_plan(topo, [0, 3], 10, "direct")
+    simulate(plan, topo)
+    assert {(t.src, t.via) for t in plan.rs[0]} == {(0, (1, 2)), (3, (2, 1))}  # lower ids first
+    check_live(plan, topo, dead={1})  # around the other side of the ring
+    with pytest.raises(GroupCutOff):
+        check_live(plan, topo, dead={1, 5})
 
 
 def test_auto_picks_topology_algorithm():

@@ -46,16 +46,18 @@ class Operations:
     """The node's operations over its :class:`~.node.NodeState`: launch, sum over a view
     (through ``regroup``, keyed by the operation number), await, apply; and, when an awaited
     operation was replaced by a leader's state, taking that state (``adoption``) and part in
-    the leader's operation. ``codec`` is the outer codec the sums use."""
+    the leader's operation. ``codec`` is the outer codec the sums use, ``algo`` their
+    collective plan (None: the run's)."""
 
     def __init__(self, ctx: StrategyContext, opts: DilocoOptions, state: NodeState, regroup: Regroup,
-                 adoption: Adoption, codec: str) -> None:
+                 adoption: Adoption, codec: str, algo: str | None = None) -> None:
         self.ctx = ctx
         self.opts = opts
         self.state = state
         self.regroup = regroup
         self.adoption = adoption
         self.codec = codec
+        self.algo = algo
 
     def _weight(self, f: int) -> float:
         st, rep = self.state, self.ctx.replica
@@ -135,7 +137,7 @@ class Operations:
         try:
             (s, st), sums = await gather_or_cancel([
                 coll.allreduce_with_stats(op.payload, view.members, op="sum", tag=f"{tag}.{part}", codec=self.codec,
-                                          feedback=family),
+                                          algo=self.algo, feedback=family),
                 coll.allreduce(side, view.members, op="sum", tag=f"{tag}.side", codec="none")])
         except BaseException:
             if fb is not None:
@@ -181,7 +183,7 @@ class Operations:
                 state.cursor.interval = h
                 state.cursor.delay = min(self.opts.tau, h - 1)
         if st is not None:
-            extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes)
+            extra.update(compression=round(st.compression, 3), op_nic_bytes=st.nic_bytes, outer_algo=st.algo)
         return op, s, side, st
 
     async def apply(self, extra: dict[str, Any], *, final: bool = False) -> bool | Counters:

@@ -10,7 +10,10 @@ Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
   fragment), and ``tau`` < inner_steps / P_total: checked against P and P + 1 here, and against
   the model's P_total once it is known (:meth:`DilocoOptions.check_parts`);
 * ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit), ``error_feedback`` (the run's
-  ``--error-feedback``; ``true`` | ``false``);
+  ``--error-feedback``; ``true`` | ``false``), ``outer_collective`` (the plan of the
+  pseudo-gradients' allreduce; empty: ``direct`` for a lossy per-piece outer codec, so that each
+  node's Δ is encoded once and summed in float32 at the piece's owner instead of re-encoded at
+  every hop of a ring, else the run's ``--collective``);
 * ``weighting`` (``uniform`` | ``samples``: each Δ weighted by the samples behind it);
 * ``final_sync`` (``full``: one last outer step over the whole model at the stop; ``outer``: the
   outer parameters as they are), ``init_sync`` (true: every member starts from the lowest id's
@@ -36,7 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from p2psync.compress import get_codec
+from p2psync.collectives.plan import ALGOS
+from p2psync.compress import TopK, get_codec
 from p2psync.errors import ConfigError
 from p2psync.strategies.options import StrategyOptions, option, positive, require
 
@@ -65,6 +69,8 @@ class DilocoOptions(StrategyOptions):
     eager_delay: int = option(1, "rounds of eager overlap (only 1 is built)")
     outer_codec: str = option("", "codec of the pseudo-gradient allreduce (empty: the run's --codec)")
     error_feedback: str = option("", "error feedback of the outer codec: true/false (empty: --error-feedback)")
+    outer_collective: str = option("", "plan of the pseudo-gradient allreduce (empty: direct for a lossy outer "
+                                       "codec, else the run's --collective)")
     weighting: Literal["uniform", "samples"] = option("uniform", "weights of the nodes' pseudo-gradients")
     dylu: bool = option(False, "per-node inner steps proportional to the node's measured speed")
     dylu_min_steps: int = option(5, "with dylu: the fewest inner steps a node takes per cycle")
@@ -102,6 +108,8 @@ class DilocoOptions(StrategyOptions):
         require(not (self.dylu and self.eager), self, "dylu", "not with eager")
         require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
                 "true or false (empty: the run's --error-feedback)")
+        require(self.outer_collective in ("", *ALGOS), self, "outer_collective",
+                f"one of {', '.join(ALGOS)} (empty: direct for a lossy outer codec, else --collective)")
         if self.outer_codec:
             try:
                 get_codec(self.outer_codec)
@@ -140,6 +148,16 @@ class DilocoOptions(StrategyOptions):
         if not 0 <= self.tau < h:
             raise ConfigError(f"--opt tau={self.tau}: {why}, one every inner_steps / {parts} = {h} steps, so tau must "
                               f"be 0 <= tau < {h} (at most one fragment in flight)")
+
+    def outer_plan(self, codec: str, run_algo: str) -> str:
+        """The collective plan of the pseudo-gradients' allreduce under the outer ``codec``:
+        ``outer_collective`` when set, else ``direct`` for a lossy per-piece codec (each
+        contribution encoded once: a ring would re-encode partial sums at every hop, which
+        compounds a 4-bit codec's error with the group's size), else the run's ``run_algo``."""
+        if self.outer_collective:
+            return self.outer_collective
+        c = get_codec(codec)
+        return "direct" if c.lossy and not isinstance(c, TopK) else run_algo
 
     @property
     def feedback(self) -> bool | None:

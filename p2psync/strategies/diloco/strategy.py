@@ -93,8 +93,9 @@ class DiLoCo(Strategy):
                                restore=self.adoption.restore, size=self.adoption.size)
         #: the failure policy (re-form or stop) the step driver applies, shared with the regroup
         self.failure: FailurePolicy = self.regroup.failure
-        self.ops = Operations(ctx, self.opts, self.state, self.regroup, self.adoption,
-                              codec=self.opts.outer_codec or ctx.collectives.codec)
+        codec = self.opts.outer_codec or ctx.collectives.codec
+        self.ops = Operations(ctx, self.opts, self.state, self.regroup, self.adoption, codec=codec,
+                              algo=self.opts.outer_plan(codec, ctx.collectives.algo))
         self.stop = Stop(ctx, self.opts, self.state, self.ops, self.regroup)
 
     @classmethod
@@ -137,13 +138,6 @@ class DiLoCo(Strategy):
         st.cursor = Cursor(parts=len(st.frags), interval=st.schedule.interval, delay=self.opts.tau)
         st.bufs = [None] * len(st.frags)
         st.marks = [rep.samples] * len(st.frags)
-        codec = get_codec(self.ops.codec)
-        group = self.ctx.group
-        if codec.lossy and codec.name != "topk" and len(group) > 2 and self.ctx.node_id == min(group):
-            log.warning("diloco: the outer codec %s re-encodes partial sums at every hop of a reduce-scatter over %d "
-                        "members (each contribution is not encoded just once and summed in float32 at the piece's "
-                        "owner: that plan is not built); 4-bit outer gradients lose more than the paper's",
-                        codec.spec, len(self.ctx.group))
         if self.ctx.joining:
             got = await self.regroup.join()  # (no op: the leader's state is kept by the adoption's restore)
             kept = self.adoption.pending
