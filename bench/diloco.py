@@ -1,21 +1,28 @@
 """DiLoCo against SSGD and DTS on an emulated WAN: bytes per inner step, model quality at equal
 steps, time to SSGD's final quality, steps that waited on the network.
 
-    python -m bench.diloco [--model mlp] [--quick] [--steps 400] [--nodes 4] [--latencies 0 50 200]
-                           [--configs ssgd diloco ...] [--out DIR]
+    python -m bench.diloco [--model lm-tiny|mlp] [--quick] [--steps N] [--nodes 4] [--latencies 0 50 200]
+                           [--configs ssgd diloco ...] [--pretrain-steps N] [--out DIR]
 
 Checks the claims of the DiLoCo family (DiLoCo 2311.08105, Streaming DiLoCo 2501.18512, Async
 Local-SGD 2401.09135) at small scale, every run through the CLI
 (``p2psync run``: one process per node) on a ring of ``--nodes`` nodes with the in-process
 shaper: uniform one-way latency (``--latencies``, ms) and ``--nic-mbps`` (100) per NIC. The
-workload is the built-in job's ``--model`` (``mlp`` on the digits by default; the flag is passed
-through). Quality is the evaluations' ``val_bpb`` (validation bits per byte, lower is better)
-where the job reports it (a language model), else test ``accuracy``. Configurations:
+workload is the built-in job's ``--model``: by default ``lm-tiny``, the byte-level transformer on
+the Python standard library's source with real compute (``mlp``: the digits MLP, a small proxy
+that takes a few minutes instead of about an hour). The options left unset take their
+workload's defaults (:data:`DEFAULTS`): for a language model 150 SSGD steps from a 300-step
+SSGD model (``--pretrain-steps``), every other configuration 300 (``--steps-factor 2``), H = 20,
+tau = 8, lr 0.002, and slowness that really computes for the slower devices; for ``mlp`` 400
+steps from scratch, H = 50, tau = 1, lr 0.003, waiting for the slower devices. Quality is the
+evaluations' ``val_bpb`` (validation bits per byte, lower is better) where the job reports it
+(a language model), else test ``accuracy``; at equal tokens it is read at SSGD's last
+evaluated step. Configurations:
 
 * ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
-* ``diloco`` — H = ``--inner-steps`` (50), codec none; ``diloco-e3m0`` — the same with 4-bit outer
-  gradients; ``streaming`` — 2 fragments, tau = ``--tau`` (1), alpha = 0.5, e3m0, outer lr 0.4;
+* ``diloco`` — H = ``--inner-steps``, codec none; ``diloco-e3m0`` — the same with 4-bit outer
+  gradients; ``streaming`` — 2 fragments, tau = ``--tau``, alpha = 0.5, e3m0, outer lr 0.4;
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
   ``wait`` by default, ``compute`` for slowness that really computes, ``quota`` for devices that
   really compute at their own rates, as separate devices would, root), diloco with fixed H, and
@@ -37,16 +44,16 @@ busiest; Streaming's fragments spread a sync over several steps). Bytes in fligh
 instant are not measured. Targets (ratios in the same run): >= 300x fewer bytes per inner step
 than SSGD with e3m0 at H = 50; final quality within 3 % of SSGD's; >= 3x sooner to SSGD's final
 quality at the largest latency; Streaming with tau >= 1: no step waited at the largest latency;
-dylu >= 1.3x sooner than fixed H on 1:1:2:4. Digits is a small proxy for the language model the
-targets are stated for (validation bits per byte): read the verdicts as such.
+dylu >= 1.3x sooner than fixed H on 1:1:2:4. The targets are stated for a language model
+(validation bits per byte): with ``--model mlp`` read the verdicts as a proxy's.
 
 ``--pretrain-steps N``: every configuration starts from the model of an SSGD run of N steps
 (its checkpoint, ``--init-from``; fresh optimizers and schedules), as DiLoCo's main comparison
 starts from a pretrained model.
 
 Output: markdown tables on stdout, bench/out/diloco.png (per latency, quality against wall time
-and against inner steps, that is tokens; bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, three configurations
-(about 2 minutes on a 2-core machine).
+and against inner steps, that is tokens; bytes per inner step as bars). ``--quick``: latency 0, 60 steps, H = 10, tau = 1, no pretraining, three configurations
+(about 3 minutes on a 2-core machine with lm-tiny, 1 with mlp).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
+from bench._common import LM_MODELS, ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
 from bench.wan import uniform_profile
 from p2psync.topology import ring, save
 from p2psync.training.hetero import SLOWDOWN_MODES
@@ -359,39 +366,68 @@ def plot(rows: Sequence[Row]) -> Path:
     return save_png(fig, "diloco.png")
 
 
+#: the defaults of the options left unset, by workload: a language model (the real workload:
+#: from a pretrained model, H = 20 so that a short run holds enough outer steps, tau sized to a
+#: 200 ms ring's exchange, and real compute for the slower devices) or the digits MLP
+DEFAULTS = {
+    "lm": {"steps": 150, "inner_steps": 20, "lr": 0.002, "tau": 8, "steps_factor": 2.0, "pretrain_steps": 300,
+           "slowdown_mode": "compute", "timeout": 1500.0},
+    "mlp": {"steps": 400, "inner_steps": 50, "lr": 0.003, "tau": 1, "steps_factor": 1.0, "pretrain_steps": 0,
+            "slowdown_mode": "wait", "timeout": 900.0},
+}
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Pure: ``args`` with every option left unset given its workload's default
+    (:data:`DEFAULTS`); ``--quick``: latency 0, 60 steps, H = 10, no pretraining, three
+    configurations (H and tau fit 60 steps)."""
+    args = argparse.Namespace(**vars(args))
+    if args.quick:
+        args.steps = args.steps or 60
+        args.inner_steps = args.inner_steps or 10
+        args.tau = args.tau if args.tau is not None else 1
+        args.pretrain_steps = args.pretrain_steps or 0
+        args.latencies = args.latencies or [0.0]
+        args.configs = args.configs or ["ssgd", "diloco-e3m0", "streaming"]
+    for k, v in DEFAULTS["lm" if args.model in LM_MODELS else "mlp"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.latencies = args.latencies or [0.0, 50.0, 200.0]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mlp", help="the built-in job's --model (passed through)")
+    ap.add_argument("--model", default="lm-tiny",
+                    help="the built-in job's --model (passed through; mlp: the digits MLP, a small proxy)")
     ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--inner-steps", type=int, default=50)
-    ap.add_argument("--lr", type=float, default=0.003, help="AdamW's learning rate (ssgd, diloco)")
+    ap.add_argument("--steps", type=int, default=None, help="ssgd's steps (default: lm 150, mlp 400)")
+    ap.add_argument("--inner-steps", type=int, default=None, help="H (default: lm 20, mlp 50)")
+    ap.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (ssgd, diloco; lm 0.002, mlp 0.003)")
     ap.add_argument("--latencies", type=float, nargs="+", default=None, help="one-way ms (default 0 50 200)")
     ap.add_argument("--nic-mbps", type=float, default=100.0)
     ap.add_argument("--configs", nargs="+", default=None)
     ap.add_argument("--outer-lr", type=float, default=None,
                     help="the outer learning rate of every DiLoCo config (default: each config's own)")
-    ap.add_argument("--tau", type=int, default=1,
+    ap.add_argument("--tau", type=int, default=None,
                     help="the streaming config's overlap in inner steps: size it so that tau inner steps cover one "
-                         "fragment's exchange (about 2(N-1) one-way latencies on a ring)")
-    ap.add_argument("--steps-factor", type=float, default=1.0,
+                         "fragment's exchange (about 2(N-1) one-way latencies on a ring; default: lm 8, mlp 1)")
+    ap.add_argument("--steps-factor", type=float, default=None,
                     help="every config but ssgd trains this many times ssgd's --steps (its schedule spans them), "
-                         "so that the time to ssgd's final quality is measured where it takes more steps")
-    ap.add_argument("--slowdown-mode", choices=SLOWDOWN_MODES, default="wait",
-                    help="how the hetero configs' slower devices are emulated (p2psync run --slowdown-mode)")
+                         "so that the time to ssgd's final quality is measured where it takes more steps "
+                         "(default: lm 2, mlp 1)")
+    ap.add_argument("--slowdown-mode", choices=SLOWDOWN_MODES, default=None,
+                    help="how the hetero configs' slower devices are emulated (p2psync run --slowdown-mode; "
+                         "default: lm compute, mlp wait)")
     ap.add_argument("--waited-ms", type=float, default=20.0)
-    ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--pretrain-steps", type=int, default=0,
+    ap.add_argument("--timeout", type=float, default=None, help="per run, seconds (default: lm 1500, mlp 900)")
+    ap.add_argument("--pretrain-steps", type=int, default=None,
                     help="first train SSGD this many steps and start every configuration from its model "
-                         "(--init-from; a fresh optimizer and schedule): DiLoCo's comparison from a pretrained model")
+                         "(--init-from; a fresh optimizer and schedule): DiLoCo's comparison from a pretrained "
+                         "model (default: lm 300, mlp 0)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.steps, args.inner_steps = 60, 10
-        args.latencies = args.latencies or [0.0]
-        args.configs = args.configs or ["ssgd", "diloco-e3m0", "streaming"]
-    args.latencies = args.latencies or [0.0, 50.0, 200.0]
+    args = resolve(ap.parse_args(argv))
     cfgs = [c for c in configs(args.inner_steps, args.lr, args.tau) if args.configs is None or c.key in args.configs]
     if args.outer_lr is not None:  # (a later --opt overrides an earlier one)
         cfgs = [replace(c, args=(*c.args, "--opt", f"outer_lr={args.outer_lr:g}")) if "diloco" in c.args else c

@@ -130,3 +130,23 @@ def test_the_plot_shows_quality_against_time_and_against_inner_steps(tmp_path, m
     plot(rows)
     assert ("seconds", 2) in saved["axes"] and ("inner steps (equal tokens)", 2) in saved["axes"]
     assert sum(1 for x, _ in saved["axes"] if x == "inner steps (equal tokens)") == 2  # one per latency
+
+
+def test_the_default_workload_is_the_language_model_and_unset_options_take_its_defaults():
+    import argparse
+
+    from bench.diloco import DEFAULTS, resolve
+
+    def ns(**kw):
+        base = dict(model="lm-tiny", quick=False, steps=None, inner_steps=None, lr=None, tau=None, steps_factor=None,
+                    pretrain_steps=None, slowdown_mode=None, timeout=None, latencies=None, configs=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    lm = resolve(ns())
+    assert (lm.steps, lm.inner_steps, lm.tau, lm.pretrain_steps, lm.slowdown_mode) == (150, 20, 8, 300, "compute")
+    assert lm.latencies == [0.0, 50.0, 200.0]
+    mlp = resolve(ns(model="mlp", tau=3))
+    assert (mlp.steps, mlp.inner_steps, mlp.tau, mlp.pretrain_steps) == (400, 50, 3, 0)  # a set option stays
+    quick = resolve(ns(quick=True))
+    assert (quick.steps, quick.inner_steps, quick.tau, quick.pretrain_steps, quick.latencies) == (60, 10, 1, 0, [0.0])
+    assert set(DEFAULTS["lm"]) == set(DEFAULTS["mlp"])
