@@ -28,8 +28,8 @@ from p2psync.compress import kernels as K
 from p2psync.coordinator.zipline import SEARCHERS, predict
 
 #: every spec whose encode or decode reaches a numba kernel (``sketch8:6``: the bit packing;
-#: ``sketch8:auto``: the width search)
-CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto", "e3m0")
+#: ``sketch8:auto``: the width search; ``e3m0:sr``: its own encoder)
+CODEC_SPECS = ("int8", "sketch8", "sketch8:6", "sketch8p", "sketch8p:6", "sketch8:auto", "e3m0", "e3m0:sr")
 
 
 def warm_codecs() -> list[str]:

@@ -1,6 +1,6 @@
 """Per-piece codecs: none, fp16, int8 uniform, sketch8 (Canary's gradient sketch; sketch8p: its
-paper-exact variant), topk (sparsification, always with error feedback), e3m0 (4-bit floats, a scale per block);
-error feedback."""
+paper-exact variant), topk (sparsification, always with error feedback), e3m0 (4-bit floats, a scale
+per block; e3m0:sr rounds stochastically); error feedback."""
 
 from p2psync.compress.base import Codec
 from p2psync.compress.codecs import (CODECS, ErrorFeedback, Fp16, Int8Uniform, NoCodec, Sketch8,

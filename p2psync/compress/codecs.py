@@ -2,7 +2,7 @@
 sketch, *Canary* §4.3.1) and ``sketch8p`` (the same sketch exactly as the paper
 describes it: quantile boundaries, midpoint representatives), plus error feedback for any lossy codec, and the
 registry ``CODECS`` / :func:`get_codec` (which also knows ``topk[:FRACTION]``, the sparsifying
-codec of :mod:`p2psync.compress.topk`, and ``e3m0[:BLOCK]``, the 4-bit floats of
+codec of :mod:`p2psync.compress.topk`, and ``e3m0[:BLOCK][:sr]``, the 4-bit floats of
 :mod:`p2psync.compress.e3m0`). Pure.
 
 A codec turns one float32 piece into a few arrays for the wire and back. ``sketch8`` follows the

@@ -1,5 +1,6 @@
-"""``e3m0[:B]``: 4-bit floats (1 sign bit, 3 exponent bits, no mantissa) with one float32 scale
-per block of B values (default 128): the 4-bit outer gradients of Streaming DiLoCo. Pure.
+"""``e3m0[:B][:sr]``: 4-bit floats (1 sign bit, 3 exponent bits, no mantissa) with one float32
+scale per block of B values (default 128): the 4-bit outer gradients of Streaming DiLoCo; ``:sr``
+rounds stochastically. Pure.
 
 The format (the paper names it but fixes neither bias, zero, rounding nor scaling; p2psync's
 choices):
@@ -12,9 +13,41 @@ choices):
 * Encoding rounds to the nearest level, ties toward the smaller magnitude: the thresholds are
   s/128 (between 0 and s/64) and 1.5 times each level s/64 .. s/2, computed in float32. They
   only steer the sender's choice; every receiver decodes the same bytes to the same values.
+* ``e3m0:sr`` / ``e3m0:B:sr`` (stochastic rounding; spec §4.2's optional variant, not the
+  default): between the adjacent levels L_lo <= |x| <= L_hi (L_lo = 0 below s/64), the code of
+  L_hi with probability (|x| - L_lo) / (L_hi - L_lo), else L_lo's, so E[decoded] = x for every
+  value (|x| <= s by the scale's definition), to within 2**-24 of the gap (24-bit draws) and
+  float32's rounding of |x| / s. Every value decodes to one of its two adjacent levels: an
+  error below their gap, at most max(|x|, s/64) (relative error below 1 from s/64 up, against
+  round-to-nearest's 1/3), but unbiased where round-to-nearest is not (that flushes values up
+  to s/128 to 0 and, for a density that falls between levels, leans toward the smaller).
+* The random source of ``:sr`` is a pure function of the piece: a counter-based hash
+  (splitmix64's finalizer ``mix``, identical in the numba kernel and its numpy twin). The
+  piece's digest is the sum mod 2**64 of ``mix(pair_j + j * G)`` over its float32 bit patterns
+  taken two at a time (``G``: splitmix64's increment), the seed ``mix(digest ^ mix(n + salt *
+  G))``, and value i draws 24 bits of ``mix(seed + (i // 2 + 1) * G)`` (splitmix64's stream from
+  that seed; the two values of a pair take bits 8..31 and 40..63). ``salt`` is 0 for every codec
+  :func:`~p2psync.compress.get_codec` builds (tests pass others to draw independent encodings).
+  This deviates from the spec's wording, a generator "seeded by (run seed, tag, piece, node)":
+  ``Codec.encode`` sees only the piece (the collectives build a codec per operation from its
+  spec and hand it nothing else), and threading that context through every codec would buy no
+  more than the content gives. Runs repeat all the same: a run that repeats (same seed, data
+  and schedule) encodes the same bytes at each (tag, piece, node), so it draws the same bits.
+  Draws differ between pieces, steps and nodes because their contents differ (any bit of the
+  piece changes every draw); two encodings of bitwise-equal pieces draw alike, as any encoder
+  that is a function of its input would (their rounding errors are then correlated, never
+  biased). And encoding stays a pure function of the piece: encoding it again gives the same
+  bytes.
+* Decoding does not depend on the rounding: ``e3m0:sr`` goes on the wire as codec ``e3m0``
+  (``Codec.name``; the collectives check frames and operation signatures by name) and any
+  ``e3m0`` receiver of the same block size decodes its bytes identically, so a member
+  configured ``e3m0`` and one ``e3m0:sr`` would exchange harmlessly (a run's nodes agree on
+  ``--codec`` and ``--opt`` anyway: both are in the configuration fingerprint checked at
+  registration). The parameter store and Canary's exchange compare the full spec, and refuse a
+  mix.
 * Wire: ``[uint8 codes, two per byte (element 2j in the low nibble, an odd count padded with
   0), float32 scales]``: 4 + 32/B bits per value (4.25 at B = 128).
-* Error per value: at most max(|x|/3, s/128) (relative 1/3 between s/64 and s; values up to
+* Error per value (round to nearest): at most max(|x|/3, s/128) (relative 1/3 between s/64 and s; values up to
   s/128 flush to 0). Coarser than ``int8`` or ``sketch8``; meant for DiLoCo's outer gradients,
   averaged over replicas and filtered by the outer momentum, or with error feedback.
 
@@ -41,29 +74,52 @@ MAX_BLOCK = 1 << 20
 
 
 class E3M0(Codec):
-    """4-bit floats with a per-block float32 scale (see the module docstring)."""
+    """4-bit floats with a per-block float32 scale (see the module docstring); ``sr``: stochastic
+    rounding (``e3m0:sr``). ``salt`` (0 to 2**64 - 1, default 0) is mixed into the stochastic
+    draws' seed: for tests and benchmarks that want independent encodings of one vector; it is
+    not part of the spec, and every codec :func:`~p2psync.compress.get_codec` builds has 0."""
 
     name = "e3m0"
-    usage = "e3m0[:BLOCK]"
+    usage = "e3m0[:BLOCK][:sr]"
 
-    def __init__(self, *, block: int = DEFAULT_BLOCK, use_numba: bool = True) -> None:
+    def __init__(self, *, block: int = DEFAULT_BLOCK, sr: bool = False, salt: int = 0,
+                 use_numba: bool = True) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
             raise ConfigError(f"codec e3m0:{block}: the block size must be a whole number from 1 to {MAX_BLOCK}")
+        if not isinstance(sr, bool):
+            raise ConfigError(f"codec e3m0: sr must be True or False, got {sr!r}")
+        if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < 1 << 64:
+            raise ConfigError(f"codec e3m0: the salt must be a whole number from 0 to 2**64 - 1, got {salt!r}")
         self.block = block
+        #: stochastic rounding (``e3m0:sr``); else round to nearest
+        self.sr = sr
+        self.salt = salt
         self.use_numba = use_numba
 
     @classmethod
     def with_param(cls, param: str) -> E3M0:
-        """``e3m0:BLOCK`` (values per scale); ConfigError naming the spec otherwise."""
-        try:
-            block = int(param)
-        except ValueError:
-            raise ConfigError(f"codec e3m0:{param}: the block size must be a whole number (e3m0:128)") from None
-        return cls(block=block)
+        """``e3m0:BLOCK`` (values per scale), ``e3m0:sr`` or ``e3m0:BLOCK:sr`` (stochastic
+        rounding); ConfigError naming the spec otherwise."""
+        parts = param.split(":")
+        sr = parts[-1] == "sr"
+        if sr:
+            parts.pop()
+        if len(parts) > 1:
+            raise ConfigError(f"codec e3m0:{param}: expected e3m0[:BLOCK][:sr] (e3m0:128:sr)")
+        if not parts:
+            return cls(sr=sr)
+        text = parts[0]
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(f"codec e3m0:{param}: the block size must be a whole number (e3m0:128)")
+        if not 1 <= int(text) <= MAX_BLOCK:
+            raise ConfigError(f"codec e3m0:{param}: the block size must be a whole number from 1 to {MAX_BLOCK}")
+        return cls(block=int(text), sr=sr)
 
     @property
     def spec(self) -> str:
-        return self.name if self.block == DEFAULT_BLOCK else f"{self.name}:{self.block}"
+        """``e3m0``, ``e3m0:BLOCK``, ``e3m0:sr`` or ``e3m0:BLOCK:sr`` (the salt is not in it)."""
+        base = self.name if self.block == DEFAULT_BLOCK else f"{self.name}:{self.block}"
+        return f"{base}:sr" if self.sr else base
 
     def sizes(self, n: int) -> tuple[int, int]:
         """(code bytes, scales) of an ``n``-value piece."""
@@ -75,9 +131,14 @@ class E3M0(Codec):
         codes = np.zeros(nc, np.uint8)
         scales = np.empty(ns, np.float32)
         if self.use_numba:
-            ok = K.e3m0_encode(np.ascontiguousarray(x, dtype=np.float32), self.block, codes, scales)
+            xc = np.ascontiguousarray(x, dtype=np.float32)
+            if self.sr:
+                ok = K.e3m0_encode_sr(xc, self.block, np.uint64(self.salt), codes, scales)
+            else:
+                ok = K.e3m0_encode(xc, self.block, codes, scales)
         else:
-            got = K.e3m0_encode_np(np.asarray(x, np.float32), self.block)
+            xf = np.asarray(x, np.float32)
+            got = K.e3m0_encode_sr_np(xf, self.block, self.salt) if self.sr else K.e3m0_encode_np(xf, self.block)
             ok = got is not None
             if got is not None:
                 codes, scales = got

@@ -572,3 +572,135 @@ def e3m0_decode_np(codes: np.ndarray, scales: np.ndarray, block: int, n: int) ->
     mag = np.repeat(scales, block)[:n] * np.where(e > 0, np.ldexp(np.float32(1.0), e - 7), 0).astype(np.float32)
     out: np.ndarray = np.where(((c & 8) > 0) & (e > 0), -mag, mag).astype(np.float32)
     return out
+
+
+# -- e3m0 with stochastic rounding (``e3m0:sr``): a counter-based random draw per value ---------
+
+#: splitmix64's increment (2**64 / the golden ratio) and its finalizer's two multipliers
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_LOW24 = np.uint64(0xFFFFFF)
+#: e3m0's magnitudes in units of s/64, code 0..7: the lower level of a value whose scaled
+#: magnitude t = 64 |x| / s has ``code`` levels 1, 2, 4, ..., 64 at or below it ...
+_SR_LOW = np.array([0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0], np.float32)
+#: ... and 1 / the gap from that level to the next one up (code 7, t = 64: any, t - 64 = 0)
+_SR_INV_GAP = np.array([1.0, 1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625], np.float32)
+#: 2**24: a 24-bit draw r rounds up when r < p * 2**24 (u = r / 2**24 uniform on [0, 1))
+_TWO24 = np.float32(16777216.0)
+
+
+@njit(inline="always")
+def _mix64(z: np.uint64) -> np.uint64:
+    """splitmix64's finalizer (a bijection of 64-bit words; wraps mod 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True, nogil=True)
+def e3m0_encode_sr(x: np.ndarray, block: int, salt: np.uint64, codes: np.ndarray, scales: np.ndarray) -> bool:
+    """:func:`e3m0_encode` with stochastic rounding: between the adjacent levels L_lo <= |x| <=
+    L_hi (L_lo = 0 below s/64) the code of L_hi with probability (|x| - L_lo) / (L_hi - L_lo).
+
+    The draws: the piece's digest h = sum over pairs j of mix(w[2j] | w[2j+1] << 32 + j * G)
+    (w: the float32 bit patterns, an odd count's last pair w[n-1] alone; mix: splitmix64's
+    finalizer; G: its increment; sums mod 2**64), its seed = mix(h ^ mix(n + salt * G)), and
+    pair j's 64-bit word m_j = mix(seed + (j + 1) * G) (splitmix64's j-th output from that
+    seed): element 2j draws r = bits 8..31 of m_j, element 2j+1 bits 40..63. With the scaled
+    magnitude t = (|x| / s) * 64 in float32 (t <= 64: exactly the codes' levels 0, 1, 2, 4, ..,
+    64), e the number of those levels 1..64 at or below t and p = (t - level_e) / gap_e
+    (exact: a power-of-two gap), the code is e + (r < p * 2**24). False for NaN or infinity."""
+    n = x.shape[0]
+    nb = scales.shape[0]
+    for b in range(nb):
+        lo = b * block
+        hi = min(n, lo + block)
+        s = np.float32(0.0)
+        for i in range(lo, hi):
+            a = abs(x[i])
+            if not a <= np.float32(np.inf) or a == np.float32(np.inf):  # NaN or infinity
+                return False
+            if a > s:
+                s = a
+        scales[b] = s
+    w = x.view(np.uint32)
+    half = n >> 1
+    h = np.uint64(0)
+    for j in range(half):
+        key = np.uint64(w[2 * j]) | (np.uint64(w[2 * j + 1]) << np.uint64(32))
+        h += _mix64(key + np.uint64(j) * _GOLDEN)
+    if n & 1:
+        h += _mix64(np.uint64(w[n - 1]) + np.uint64(half) * _GOLDEN)
+    seed = _mix64(h ^ _mix64(np.uint64(n) + salt * _GOLDEN))
+    m = np.uint64(0)
+    for b in range(nb):
+        s = scales[b]
+        if s == 0:
+            continue
+        lo = b * block
+        hi = min(n, lo + block)
+        for i in range(lo, hi):
+            if (i & 1) == 0 or i == lo:
+                m = _mix64(seed + np.uint64((i >> 1) + 1) * _GOLDEN)
+            r = (m >> np.uint64(40)) if i & 1 else ((m >> np.uint64(8)) & _LOW24)
+            v = x[i]
+            t = (abs(v) / s) * np.float32(64.0)
+            e = 0
+            for k in range(1, 8):
+                e += t >= _SR_LOW[k]
+            p = (t - _SR_LOW[e]) * _SR_INV_GAP[e]
+            e += np.float32(r) < p * _TWO24
+            c = e | (8 if (v < 0 and e > 0) else 0)
+            if i & 1:
+                codes[i >> 1] |= np.uint8(c << 4)
+            else:
+                codes[i >> 1] |= np.uint8(c)
+    return True
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` of each uint64 (array arithmetic wraps mod 2**64 without a warning)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
+
+
+def e3m0_encode_sr_np(x: np.ndarray, block: int, salt: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`e3m0_encode_sr` in numpy: (codes, scales), or None for a non-finite input."""
+    x = np.ascontiguousarray(x, np.float32)
+    n = x.size
+    if not np.isfinite(x).all():
+        return None
+    nb = -(-n // block)
+    a = np.abs(x)
+    pad = np.zeros(nb * block, np.float32)
+    pad[:n] = a
+    scales = pad.reshape(nb, block).max(axis=1) if nb else np.zeros(0, np.float32)
+    w = x.view(np.uint32).astype(np.uint64)
+    half, pairs = n >> 1, (n + 1) >> 1
+    key = np.zeros(pairs, np.uint64)
+    key[:half] = w[0:2 * half:2] | (w[1:2 * half:2] << np.uint64(32))
+    if n & 1:
+        key[half] = w[n - 1]
+    j = np.arange(pairs, dtype=np.uint64)
+    h = _mix64_np(key + j * _GOLDEN).sum(dtype=np.uint64, keepdims=True)
+    seed = _mix64_np(h ^ _mix64_np(np.array([n], np.uint64) + np.array([salt], np.uint64) * _GOLDEN))
+    m = _mix64_np(seed + (j + np.uint64(1)) * _GOLDEN)
+    r = np.empty(2 * pairs, np.uint64)
+    r[0::2] = (m >> np.uint64(8)) & _LOW24
+    r[1::2] = m >> np.uint64(40)
+    s = np.repeat(scales, block)[:n]
+    t = (a / np.where(s > 0, s, np.float32(1.0))) * np.float32(64.0)
+    e = np.zeros(n, np.int64)
+    for level in _SR_LOW[1:]:
+        e += t >= level
+    p = (t - _SR_LOW[e]) * _SR_INV_GAP[e]
+    e += r[:n].astype(np.float32) < p * _TWO24
+    e = np.where(s > 0, e, 0).astype(np.uint8)
+    c = e | np.where((x < 0) & (e > 0), 8, 0).astype(np.uint8)
+    if n & 1:
+        c = np.concatenate([c, np.zeros(1, np.uint8)])
+    codes = (c[0::2] | (c[1::2] << 4)).astype(np.uint8)
+    return codes, scales.astype(np.float32)

@@ -42,9 +42,11 @@ FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "ca
 #: the model still learns in 40 steps (measured accuracy: ssgd 0.87, esync 0.95, asgd 0.78-0.86;
 #: 0.93 / 0.95 / 0.77 without a codec). topk has no separate "+ef" case: it always uses it.
 #: ``sketch8:auto`` (a width per piece, read back from the payload) is the one parameter of a
-#: registry codec that changes what goes on the wire from piece to piece: its own case
+#: registry codec that changes what goes on the wire from piece to piece: its own case.
+#: ``e3m0:sr`` (stochastic rounding) sends what ``e3m0`` sends, drawn differently: DiLoCo only
 CODEC_CASES = ([(c, False) for c in sorted(CODECS)] + [("sketch8:auto", False)]
-               + [(c, True) for c in sorted(CODECS) if CODECS[c].lossy and not CODECS[c].always_feedback])
+               + [(c, True) for c in sorted(CODECS) if CODECS[c].lossy and not CODECS[c].always_feedback]
+               + [("e3m0:sr", False)])
 #: options a strategy needs to exchange at all within STEPS (DiLoCo's default H is 100 inner steps)
 OPTIONS = {"diloco": {"inner_steps": 10}}
 #: the parameter-store strategies share one codec path (the store's push pieces): ``ssp`` runs
@@ -58,8 +60,9 @@ TOPOLOGIES = {"ring": lambda port: ring(4, base_port=port), "mesh": lambda port:
 
 #: DiLoCo's pseudo-gradients go through the same dense allreduce as SSGD's gradients: besides
 #: ``none`` on every topology it runs its own codec (4-bit, with and without error feedback), the
-#: sparse allreduce and one 8-bit codec (the suite's time budget)
-DILOCO_CODECS = {("e3m0", False), ("e3m0", True), ("topk", False), ("int8", False)}
+#: sparse allreduce and one 8-bit codec (the suite's time budget); and 4-bit with stochastic
+#: rounding, without error feedback (its bias is what that variant removes)
+DILOCO_CODECS = {("e3m0", False), ("e3m0", True), ("e3m0:sr", False), ("topk", False), ("int8", False)}
 #: ``e3m0 + error feedback`` runs with the strategies whose exchange feeds an outer step or a
 #: gradient average directly (the others run ``e3m0`` alone; the suite's time budget)
 E3M0_FEEDBACK = {"diloco", "ssgd"}
@@ -70,7 +73,8 @@ def _codec_cases(s: str) -> list[tuple[str, bool]]:
         return [("none", False)]
     if s == "diloco":
         return [(c, f) for c, f in CODEC_CASES if (c, f) in DILOCO_CODECS]
-    return [(c, f) for c, f in CODEC_CASES if not (c == "e3m0" and f and s not in E3M0_FEEDBACK)]
+    return [(c, f) for c, f in CODEC_CASES
+            if c != "e3m0:sr" and not (c == "e3m0" and f and s not in E3M0_FEEDBACK)]
 
 
 def _cases() -> list[tuple[str, str, bool, str]]:

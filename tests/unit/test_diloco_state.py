@@ -197,6 +197,7 @@ def test_the_counters_carry_the_stops_markers(frag, at_stop):
     ({"dylu": "maybe"}, "dylu"), ({"dylu_min_steps": 3}, "dylu_min_steps"),
     ({"dylu": "true", "dylu_min_steps": 0}, "dylu_min_steps"),
     ({"join_inner_state": "peer"}, "join_inner_state"), ({"outer_codec": "e3m0:x"}, "outer_codec"),
+    ({"outer_codec": "e3m0:sr:64"}, "outer_codec"),
     ({"error_feedback": "maybe"}, "error_feedback"), ({"weighting": "tokens"}, "weighting"),
     ({"final_sync": "none"}, "final_sync"), ({"nesterov": "perhaps"}, "nesterov"), ({"beta": 1}, "beta"),
     ({"outer_collective": "hypercube"}, "outer_collective")])
@@ -210,6 +211,7 @@ def test_good_options_parse():
                                                "outer_codec": "e3m0:64", "error_feedback": "on"})
     assert (o.inner_steps, o.fragments, o.tau, o.outer_codec, o.feedback) == (12, 3, 2, "e3m0:64", True)
     assert parse_options(get_strategy("diloco"), {}).feedback is None
+    assert parse_options(get_strategy("diloco"), {"outer_codec": "e3m0:64:sr"}).outer_codec == "e3m0:64:sr"
 
 
 def test_a_lossy_outer_codec_takes_the_direct_plan_unless_told_otherwise():

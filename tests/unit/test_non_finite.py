@@ -58,7 +58,7 @@ async def test_non_finite_pieces_are_rejected_counted_and_fail_the_waiter() -> N
             await e.close()
 
 
-@pytest.mark.parametrize("codec", ["none", "int8", "e3m0", "topk:0.25"])
+@pytest.mark.parametrize("codec", ["none", "int8", "e3m0", "e3m0:sr", "topk:0.25"])
 @pytest.mark.parametrize("pieces", [1, 4])
 def test_a_sum_that_overflows_is_the_groups_divergence_and_an_own_nan_is_the_nodes(pieces: int, codec: str) -> None:
     """Finite values whose sum overflows raise SumDiverged on the node that summed them (the

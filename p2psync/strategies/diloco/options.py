@@ -9,7 +9,8 @@ Options (``--opt NAME=VALUE``; :class:`DilocoOptions`):
   of the number of fragments synchronized in turn, P_total (P, or P + 1 with that extra
   fragment), and ``tau`` < inner_steps / P_total: checked against P and P + 1 here, and against
   the model's P_total once it is known (:meth:`DilocoOptions.check_parts`);
-* ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit), ``error_feedback`` (the run's
+* ``outer_codec`` (the run's ``--codec``; ``e3m0`` for 4-bit, ``e3m0:sr`` with
+  stochastic rounding), ``error_feedback`` (the run's
   ``--error-feedback``; ``true`` | ``false``), ``outer_collective`` (the plan of the
   pseudo-gradients' allreduce; empty: ``direct`` for a lossy per-piece outer codec, so that each
   node's Δ is encoded once and summed in float32 at the piece's owner instead of re-encoded at
