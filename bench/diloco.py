@@ -22,7 +22,7 @@ evaluated step. Configurations:
 * ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
 * ``diloco`` — H = ``--inner-steps``, codec none; ``diloco-e3m0`` — the same with 4-bit outer
-  gradients; ``streaming`` — 2 fragments, tau = ``--tau``, alpha = 0.5, e3m0, outer lr 0.4;
+  gradients (``diloco-e3m0-sr``: rounded stochastically; not run unless named in ``--configs``); ``streaming`` — 2 fragments, tau = ``--tau``, alpha = 0.5, e3m0, outer lr 0.4;
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
   ``wait`` by default, ``compute`` for slowness that really computes, ``quota`` for devices that
   really compute at their own rates, as separate devices would, root), diloco with fixed H, and
@@ -94,6 +94,7 @@ def configs(inner_steps: int, lr: float, tau: int = 1) -> list[Config]:
                            "--momentum", "0.9")),
             Config("diloco", dl),
             Config("diloco-e3m0", (*dl, "--opt", "outer_codec=e3m0")),
+            Config("diloco-e3m0-sr", (*dl, "--opt", "outer_codec=e3m0:sr")),
             Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", f"tau={tau}",
                                  "--opt", "outer_codec=e3m0", "--opt", "outer_lr=0.4")),
             Config("hetero", (*dl, "--slowdown", HETERO), hetero=True),
@@ -366,6 +367,8 @@ def plot(rows: Sequence[Row]) -> Path:
     return save_png(fig, "diloco.png")
 
 
+#: configurations run only when ``--configs`` names them
+OPTIONAL = ("diloco-e3m0-sr",)
 #: the defaults of the options left unset, by workload: a language model (the real workload:
 #: from a pretrained model, H = 20 so that a short run holds enough outer steps, tau sized to a
 #: 200 ms ring's exchange, and real compute for the slower devices) or the digits MLP
@@ -428,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
     args = resolve(ap.parse_args(argv))
-    cfgs = [c for c in configs(args.inner_steps, args.lr, args.tau) if args.configs is None or c.key in args.configs]
+    cfgs = [c for c in configs(args.inner_steps, args.lr, args.tau)
+            if (c.key in args.configs if args.configs is not None else c.key not in OPTIONAL)]
     if args.outer_lr is not None:  # (a later --opt overrides an earlier one)
         cfgs = [replace(c, args=(*c.args, "--opt", f"outer_lr={args.outer_lr:g}")) if "diloco" in c.args else c
                 for c in cfgs]
