@@ -2,10 +2,14 @@
 that run the CLI (bench/canary.py, bench/elastic.py, bench/preduce.py, bench/hetero.py) do alike:
 write a topology with ``p2psync topo``, run ``p2psync run`` and read every node's records, reduce
 them (time to a target, final accuracy, the accuracy curve), repeat a configuration and combine the
-runs, draw the accuracy panels beside one bar chart."""
+runs, draw the accuracy panels beside one bar chart; and the built-in job's ``--model``/``--data``
+they take (:func:`add_model_args`, :func:`resolve_model`, :func:`model_argv`), with the
+:class:`Metric` a model is judged by (a classifier's test accuracy or a language model's
+validation bits per byte)."""
 
 from __future__ import annotations
 
+import argparse
 import resource
 import statistics
 import subprocess
@@ -128,6 +132,115 @@ def metric_key(model: str) -> str:
     return "val_bpb" if model in LM_MODELS else "accuracy"
 
 
+@dataclass(frozen=True)
+class Metric:
+    """What a benchmark reads of its runs for ``--model`` (:meth:`of`): a classifier's test
+    ``accuracy`` (higher is better) or a language model's ``val_bpb`` (validation bits per byte,
+    lower is better); its target, final value, curves and their labels."""
+
+    key: str
+
+    @classmethod
+    def of(cls, model: str) -> "Metric":
+        return cls(metric_key(model))
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.key == "val_bpb"
+
+    @property
+    def name(self) -> str:
+        """A label: ``test accuracy`` or ``validation bpb``."""
+        return "validation bpb" if self.lower_is_better else "test accuracy"
+
+    @property
+    def short(self) -> str:
+        """A table column's word: ``acc`` or ``bpb`` (``final acc``)."""
+        return "bpb" if self.lower_is_better else "acc"
+
+    def target(self, target: float) -> str:
+        """A target as it reads in a title or header: ``95%`` or ``3.9 bpb``."""
+        return f"{target:g} bpb" if self.lower_is_better else f"{target:.0%}"
+
+    def reached(self, value: float, target: float) -> bool:
+        """Whether ``value`` is at ``target`` or better (the rule of :func:`first_reach`)."""
+        return value <= target if self.lower_is_better else value >= target
+
+    def worse_by(self, value: float, base: float) -> float:
+        """How much worse ``value`` is than ``base`` (negative: better): accuracy points, or a
+        language model's bpb in percent of ``base``'s."""
+        if self.lower_is_better:
+            return (value - base) / base * 100 if base else 0.0
+        return (base - value) * 100
+
+    @property
+    def ylim(self) -> tuple[float, float] | None:
+        """The curves' y range: accuracy 0.5 to 1; a bpb's: the plot's own."""
+        return None if self.lower_is_better else (0.5, 1.0)
+
+
+def add_model_args(ap: argparse.ArgumentParser, default: str = "mlp") -> None:
+    """``--model`` (default ``default``) and ``--data`` (default: the model's own), passed to
+    every ``p2psync run`` of a benchmark by :func:`model_argv`."""
+    ap.add_argument("--model", default=default,
+                    help=f"the built-in job's --model (default {default}); {', '.join(LM_MODELS)}: the byte-level "
+                         "language model, judged by validation bpb (lower is better) instead of test accuracy")
+    ap.add_argument("--data", help="the built-in job's --data (default: the model's: digits; pysource for a "
+                                   "language model)")
+
+
+def resolve_model(args: argparse.Namespace, **defaults: tuple[Any, Any]) -> Metric:
+    """After parsing (:func:`add_model_args`): ``--data pysource`` for a language model that
+    names none, every option of ``defaults`` that was not given (None) set to its (classifier,
+    language model) default, e.g. ``target=(0.93, 3.9)``; the :class:`Metric` of the model."""
+    lm = is_lm(args.model)
+    if args.data is None and lm:
+        args.data = "pysource"
+    for name, (classifier, language_model) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, language_model if lm else classifier)
+    return Metric.of(args.model)
+
+
+def is_lm(model: str) -> bool:
+    """Whether ``--model`` is a language model (:data:`LM_MODELS`)."""
+    return model in LM_MODELS
+
+
+def model_argv(model: str, data: str | None, lr: float | None = None, strategy: str | None = None) -> list[str]:
+    """The ``p2psync run`` options of the model: ``--model``, ``--data`` when given, ``--lr``
+    when given (None: the model's own), and ``--optimizer sgd`` where ``strategy`` cannot train
+    a language model with its default AdamW (:func:`needs_sgd`)."""
+    out = ["--model", model, *(["--data", data] if data else []), *(["--lr", str(lr)] if lr is not None else [])]
+    if strategy is not None and needs_sgd(strategy, model):
+        out += ["--optimizer", "sgd"]
+    return out
+
+
+def needs_sgd(strategy: str, model: str) -> bool:
+    """Whether ``strategy`` refuses a language model's default optimizer (AdamW) and needs
+    ``--optimizer sgd`` (its needs: plain SGD, e.g. ``dts``, whose compensation replays SGD's
+    arithmetic; the model's SGD learning rate then applies unless ``--lr``)."""
+    if not is_lm(model):
+        return False
+    from p2psync.strategies.base import REGISTRY, get_strategy
+
+    get_strategy("ssgd")  # imports p2psync.strategies: registers the built-ins
+    cls = REGISTRY.get(strategy)
+    return cls is not None and cls.needs.optimizer == "plain_sgd"
+
+
+def model_title(model: str, data: str | None) -> str:
+    """The model in a benchmark's title: ``mlp``, ``lm-tiny on pysource``."""
+    return f"{model} on {data}" if data else model
+
+
+def png_name(stem: str, model: str, default: str = "mlp") -> str:
+    """A benchmark's PNG under bench/out/: ``STEM.png`` for its default model, else
+    ``STEM-MODEL.png``."""
+    return f"{stem}.png" if model == default else f"{stem}-{model}.png"
+
+
 def repeat(name: str, repeats: int, run: Callable[[int], R], line: Callable[[R], str],
            combine: Callable[[Sequence[R]], R]) -> R:
     """``run(rep)`` for rep = 0 .. repeats - 1, a progress line ``  NAME #rep: LINE`` on stderr for
@@ -163,9 +276,10 @@ class Bars:
 
 
 def plot_panels(name: str, panels: Sequence[Panel], bars: Bars, *, target: float, ylabel: str,
-                width: float) -> Path:
-    """bench/out/NAME: the accuracy panels (the target as a dotted line) side by side, ``width``
-    inches each, then the bar chart; e.g. a benchmark's ``plot(res, target)`` returns
+                width: float, ylim: tuple[float, float] | None = (0.5, 1.0)) -> Path:
+    """bench/out/NAME: the accuracy panels (the target as a dotted line; y from ``ylim``, None:
+    matplotlib's own, as for a bpb) side by side, ``width`` inches each, then the bar chart; e.g.
+    a benchmark's ``plot(res, target)`` returns
     ``plot_panels("elastic.png", [Panel(...) per scenario], Bars(...), target=target, ...)``."""
     import matplotlib
 
@@ -177,7 +291,9 @@ def plot_panels(name: str, panels: Sequence[Panel], bars: Bars, *, target: float
         for label, curve in panel.curves:
             ax.plot(*zip(*curve), label=label)
         ax.axhline(target, color="grey", ls=":")
-        ax.set(title=panel.title, xlabel="seconds", ylabel=ylabel, ylim=(0.5, 1.0))
+        ax.set(title=panel.title, xlabel="seconds", ylabel=ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
         ax.legend(fontsize=8)
     ax = axes[-1]
     xs = range(len(bars.names))

@@ -4,7 +4,8 @@
     python -m bench.canary [--cubes 2x2 3x2] [--seconds 30] [--nic-mbps 1000] [--hidden 4096]
                            [--speeds 1,1,2,3] [--base 0.1] [--lr 0.02] [--target 0.95] [--repeats 1]
                            [--colayers 0|1|2] [--p P] [--mode wait|compute] [--quick]
-                           [--only TEXT ...]
+                           [--only TEXT ...] [--model mlp] [--data DATA]
+    python -m bench.canary --model lm-tiny [--data pysource] [--seconds 300] ...   # a language model
 
 Every run goes through the CLI (``p2psync run``: one process per node) on a BCube(α, 2)
 topology (2 NICs per node), the in-process shaper capping every NIC at ``--nic-mbps`` (one
@@ -81,6 +82,17 @@ Targets: Canary's traffic >= 70 % below BSP's (paper: -56 %, "up to" and "on
 average"), time to target >= 1.5x sooner than BSP at 1 Gb/s per NIC, accuracy within 1 point.
 Output: a markdown table and the target lines on stdout, bench/out/canary.png.
 
+``--model lm-tiny`` (or ``lm-small``/``lm-base``; ``--data`` defaults to ``pysource``) runs the
+byte-level language model with its own defaults (AdamW at its peak learning rate unless
+``--lr``; ``--hidden`` does not apply) and judges it by validation bits per byte instead of
+accuracy: time to ``--target`` bpb (default 3.9; lower is better), the final bpb, and a final
+bpb at most 1 % above BSP's as the quality target. Its real compute per step is far longer than
+the MLP's, so the fastest device's emulated step defaults to 1 s (``--base``), the slow devices'
+extra time is real compute (``--mode compute``, as bench/hetero.py) and a run lasts 300 s
+(``--quick``: 120 s). The colayer discussion above is the MLP's: on the transformer Canary's
+automatic rule starts a colayer where the layer type changes or the 4 MiB cap is reached, and
+``--colayers`` takes any count. Output: bench/out/canary-MODEL.png.
+
 Run time: per BCube, 9 configurations x ``--repeats`` runs of ``--seconds`` plus the start of
 the node processes (4: ~10 s, 9: ~30-60 s on 2 cores): about 11-14 minutes at the defaults.
 ``--quick``: BCube(2,2) only, 20 s runs. ``--only TEXT ...``: only the rows whose label
@@ -97,8 +109,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
-                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from bench._common import (INF, Bars, Metric, Panel, accuracy_curve, add_model_args, cell, final_accuracy, first_reach,
+                           lower_median, markdown_table, median, model_argv, model_title, plot_panels, png_name, repeat,
+                           resolve_model, run_nodes, speedup, verdict, write_topology)
 from p2psync.training.hetero import SLOWDOWN_MODES
 from p2psync.training.metrics import bytes_sent
 
@@ -123,6 +136,8 @@ CONFIGS = (Config("BSP (ring, fp32)", ("--strategy", "ssgd", "--collective", "ri
            Config("Canary (sketch, 2 colayers)", CANARY, colayers=2))
 #: the MLP's layers with parameters: the most colayers it can have
 MLP_LAYERS = 2
+#: a final value at most this far behind BSP's: accuracy points, or percent of a language model's bpb
+TARGET_QUALITY = 1.0
 
 
 def colayer_opts(colayers: int, p: int | None) -> list[str]:
@@ -187,14 +202,15 @@ def steady(recs: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
 
 
 def analyse(cfg: Config, cube: str, nodes: Sequence[Sequence[dict[str, Any]]], target: float,
-            nic_mbps: float) -> Outcome:
+            nic_mbps: float, metric: Metric = Metric("accuracy")) -> Outcome:
     lasts = [recs[-1] for recs in nodes if recs]
     parts = [steady(recs) for recs in nodes]
     span, span_iters = sum(p[0] for p in parts), sum(p[1] for p in parts)
     iters = sum(int(r["step"]) + 1 for r in lasts)
     peak = max(peak_rate(recs) for recs in nodes) * 8 / (nic_mbps * 1e6)
-    return Outcome(cfg, cube, lower_median(first_reach(recs, target) for recs in nodes), final_accuracy(nodes),
-                   span / max(1, span_iters), peak, iters, accuracy_curve(nodes[0]),
+    key = metric.key
+    return Outcome(cfg, cube, lower_median(first_reach(recs, target, key) for recs in nodes),
+                   final_accuracy(nodes, key), span / max(1, span_iters), peak, iters, accuracy_curve(nodes[0], key),
                    max((int(r["colayers"]) for r in lasts if "colayers" in r), default=None),
                    add_counts(r.get("branches", {}) for r in lasts), statistics.mean(p[2] for p in parts))
 
@@ -223,17 +239,20 @@ def step_times(n: int, speeds: Sequence[float], base: float) -> str:
 def run_one(cfg: Config, cube: str, args: argparse.Namespace, topo: Path, n: int, out: Path, rep: int) -> Outcome:
     run_id = "".join(c for c in cfg.label if c.isalnum()) + f"-{cube}-r{rep}"
     canary = config_opts(cfg, args.colayers, args.p)
+    strategy = cfg.argv[cfg.argv.index("--strategy") + 1]
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv, *canary, "--time", str(args.seconds),
-           "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps), "--hidden", str(args.hidden),
+           "--shaper", "inproc", "--nic-mbps", str(args.nic_mbps),
+           *model_argv(args.model, args.data, args.lr, strategy),
+           *(["--hidden", str(args.hidden)] if args.model == "mlp" else []),
            "--step-time", step_times(n, args.speeds, args.base), "--step-jitter", str(args.jitter),
-           "--slowdown-mode", args.mode, "--lr", str(args.lr), "--momentum", "0.9", "--eval-every",
+           "--slowdown-mode", args.mode, "--momentum", "0.9", "--eval-every",
            str(args.eval_every), "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress",
            "--start-timeout", "180"]
     return analyse(cfg, cube, run_nodes(cmd, out, run_id, n, timeout=args.seconds * 4 + 300), args.target,
-                   args.nic_mbps)
+                   args.nic_mbps, Metric.of(args.model))
 
 
-def report(res: Sequence[Outcome], target: float) -> str:
+def report(res: Sequence[Outcome], target: float, metric: Metric = Metric("accuracy")) -> str:
     base = {o.cube: o for o in res if o.config is CONFIGS[0]}
     rows = []
     for o in res:
@@ -247,11 +266,12 @@ def report(res: Sequence[Outcome], target: float) -> str:
                      "-" if o.colayers is None else o.colayers, decisions])
     return markdown_table(["topology", "config", "MB sent per iteration", "traffic vs BSP",
                            "first + last step (MB per node)", "peak NIC utilisation",
-                           f"time to {target:.0%} (s)", "speed-up vs BSP", "final acc", "iterations (all nodes)",
+                           f"time to {metric.target(target)} (s)", "speed-up vs BSP", f"final {metric.short}",
+                           "iterations (all nodes)",
                            "colayers", "decisions A/B/C"], rows)
 
 
-def targets(res: Sequence[Outcome]) -> list[str]:
+def targets(res: Sequence[Outcome], metric: Metric = Metric("accuracy")) -> list[str]:
     out = []
     for cube in dict.fromkeys(o.cube for o in res):
         by = {o.config.label: o for o in res if o.cube == cube}
@@ -271,56 +291,68 @@ def targets(res: Sequence[Outcome]) -> list[str]:
             else:
                 out.append(f"- {name}: the target was not reached by "
                            f"{'BSP' if bsp.to_target == INF else 'Canary'}")
-            gap = (bsp.final_acc - can.final_acc) * 100
-            side = (f"{gap:.1f} points below" if gap >= 0.05 else f"{-gap:.1f} points above" if gap <= -0.05
+            gap = metric.worse_by(can.final_acc, bsp.final_acc)  # accuracy points below, or bpb % above
+            worse, better, unit, what = (("above", "below", " %", "validation bpb") if metric.lower_is_better
+                                         else ("below", "above", " points", "accuracy"))
+            side = (f"{gap:.1f}{unit} {worse}" if gap >= 0.05 else f"{-gap:.1f}{unit} {better}" if gap <= -0.05
                     else "level with")
-            out.append(f"- {name}: final accuracy {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({side} BSP; "
-                       f"target: at most 1 point below): {verdict(gap <= 1.0)}")
+            goal = f"{TARGET_QUALITY:g} %" if metric.lower_is_better else f"{TARGET_QUALITY:g} point"
+            out.append(f"- {name}: final {what} {can.final_acc:.3f} vs {bsp.final_acc:.3f} ({side} BSP; "
+                       f"target: at most {goal} {worse}): {verdict(gap <= TARGET_QUALITY)}")
     return out
 
 
-def plot(res: Sequence[Outcome], target: float) -> Path:
-    panels = [Panel(f"BCube({cube}): test accuracy (node 0)",
+def plot(res: Sequence[Outcome], target: float, metric: Metric = Metric("accuracy"), model: str = "mlp") -> Path:
+    panels = [Panel(f"BCube({cube}), {model}: {metric.name} (node 0)",
                     [(o.config.label, o.curve) for o in res if o.cube == cube and o.curve])
               for cube in dict.fromkeys(o.cube for o in res)]
     bars = Bars("traffic", [f"{o.config.label}\n{o.cube}" for o in res], [o.bytes_per_iter / 1e6 for o in res],
                 "MB sent per iteration", [100 * o.peak_util for o in res], "peak NIC utilisation (%)")
-    return plot_panels("canary.png", panels, bars, target=target, ylabel="accuracy", width=5.5)
+    return plot_panels(png_name("canary", model), panels, bars, target=target, ylabel=metric.name, width=5.5,
+                       ylim=metric.ylim)
 
 
-def progress(o: Outcome) -> str:
+def progress(o: Outcome, metric: Metric = Metric("accuracy")) -> str:
     """A run's line on stderr."""
-    return (f"{cell(o.to_target, '{:.1f} s')} to target, final {o.final_acc:.3f}, {o.bytes_per_iter / 1e6:.2f} "
+    return (f"{cell(o.to_target, '{:.1f} s')} to target, final {metric.short} {o.final_acc:.3f}, "
+            f"{o.bytes_per_iter / 1e6:.2f} "
             f"MB/iteration, peak NIC {o.peak_util:.0%}, {o.iterations} iterations")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cubes", nargs="+", default=["2x2", "3x2"], help="BCube sizes ALPHAxBETA")
-    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--seconds", type=float, help="training time per run (default 30; --quick: 20; a language "
+                                                  "model: 300, --quick 120)")
     ap.add_argument("--nic-mbps", type=float, default=1000.0)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.0, 2.0, 3.0])
-    ap.add_argument("--base", type=float, default=0.1, help="step time of the fastest device (s)")
+    ap.add_argument("--base", type=float, help="step time of the fastest device (s; default 0.1, a language model 1.0)")
     ap.add_argument("--jitter", type=float, default=0.2)
-    ap.add_argument("--lr", type=float, default=0.02)
-    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--lr", type=float, help="default 0.02; a language model: its own")
+    ap.add_argument("--target", type=float, help="test accuracy to reach (default 0.95); a language model: "
+                                                 "validation bpb (default 3.9)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--colayers", type=int, choices=range(MLP_LAYERS + 1), default=0,
-                    help="Canary's colayers (0: its automatic rule, one colayer for this MLP; the last "
-                         "configuration always runs 2)")
+    ap.add_argument("--colayers", type=int, default=0,
+                    help=f"Canary's colayers (0: its automatic rule, one colayer for this MLP, at most {MLP_LAYERS} "
+                         "for it; the last configuration always runs 2)")
     ap.add_argument("--p", type=int, default=None,
                     help="Canary's p: colayers complete for a stale iteration to count (default round(0.6 k), >= 1)")
-    ap.add_argument("--mode", choices=SLOWDOWN_MODES, default="wait")
+    ap.add_argument("--mode", choices=SLOWDOWN_MODES, help="--slowdown-mode (default wait; a language model: compute)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                     help="run only the configurations whose label contains one of these (BSP always runs)")
+    add_model_args(ap)
     args = ap.parse_args(argv)
+    metric = resolve_model(args, target=(0.95, 3.9), base=(0.1, 1.0), lr=(0.02, None), mode=("wait", "compute"),
+                           seconds=((20.0, 120.0) if args.quick else (30.0, 300.0)))
+    if args.colayers < 0 or (args.model == "mlp" and args.colayers > MLP_LAYERS):
+        ap.error(f"--colayers {args.colayers}: between 0 and {MLP_LAYERS} for the MLP (0 or more for another model)")
     if args.p is not None and not 0 <= args.p <= (args.colayers or 1):
         ap.error(f"--p {args.p}: between 0 and the {args.colayers or 1} colayer(s)")
     if args.quick:
-        args.cubes, args.seconds = ["2x2"], 20.0
+        args.cubes = ["2x2"]
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "runs"
@@ -331,15 +363,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if args.only and cfg is not CONFIGS[0] and not any(t in cfg.label for t in args.only):
                     continue
                 res.append(repeat(f"BCube({cube}) {cfg.label}", args.repeats,
-                                  lambda rep: run_one(cfg, cube, args, topo, alpha**beta, out, rep), progress, combine))
-    print(f"\nCanary vs BSP: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), MLP hidden {args.hidden}, "
+                                  lambda rep: run_one(cfg, cube, args, topo, alpha**beta, out, rep),
+                                  lambda o: progress(o, metric), combine))
+    model = f"MLP hidden {args.hidden}" if args.model == "mlp" else model_title(args.model, args.data)
+    print(f"\nCanary vs BSP, {model}: every NIC capped at {args.nic_mbps:g} Mb/s (inproc shaper), "
           f"step times base {args.base:g} s x {args.speeds} (+-{args.jitter:.0%}, {args.mode} mode), "
-          f"{args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} run(s); Canary options "
+          f"{args.seconds:g} s runs, target {metric.target(args.target)}, medians of {args.repeats} "
+          "run(s); Canary options "
           f"{' '.join(colayer_opts(args.colayers, args.p)[1::2]) or 'default'} (the 2-colayer row: "
           f"{' '.join(config_opts(CONFIGS[-1], args.colayers, args.p)[1::2])})\n")
-    print(report(res, args.target))
-    print("\n" + "\n".join(targets(res)))
-    print(f"\nplot: {plot(res, args.target)}")
+    print(report(res, args.target, metric))
+    print("\n" + "\n".join(targets(res, metric)))
+    print(f"\nplot: {plot(res, args.target, metric, args.model)}")
 
 
 if __name__ == "__main__":

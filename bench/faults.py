@@ -2,7 +2,10 @@
 kill -9 and restart on an 8-node WAN mesh.
 
     python -m bench.faults [--scenarios ...] [--strategies ssgd esync dts elastic_bsp] [--time 30]
+                           [--step-time 0.1] [--mode wait|compute] [--model mlp] [--data DATA]
     python -m bench.faults --chaos [--duration 180] [--every 20] [--down 5] [--strategies asgd ssgd esync]
+                           [--model mlp] [--data DATA]
+    python -m bench.faults --model lm-tiny [--data pysource] ...   # a language model (either part)
 
 **Pauses and partitions** (the default). Every case is one run of ``p2psync run RING --time T``
 (the launcher, as a user starts it: it starts a fenced node again, up to 3 times) on a ring of 4
@@ -67,6 +70,18 @@ Reported per strategy (markdown table + ``bench/out/faults.png``):
 * steps lost: local steps (all nodes) of the chaos run relative to the clean run;
 * throughput: samples per second of the chaos run relative to the clean run — target >= 50 %;
 * final accuracy (mean over nodes in ``summary.json``) of both runs — target within 1 point.
+
+``--model lm-tiny`` (or ``lm-small``/``lm-base``; ``--data`` defaults to ``pysource``) runs the
+byte-level language model in either part, with its own defaults (AdamW at its peak learning
+rate; the chaos runs' ``--lr 0.05`` is the MLP's). ``dts`` refuses AdamW (its compensation
+replays plain SGD), so its runs of a language model take ``--optimizer sgd`` (the model's SGD
+learning rate; said so on stderr). The chaos table and plot read the final validation bits per
+byte (``final_val_bpb`` in ``summary.json``; lower is better) instead of the accuracy. In the
+pauses and partitions, whose emulated step time is the MLP's 0.1 s, a language model's step
+defaults to 1 s (``--step-time``; its real compute is far longer), made up of real compute
+(``--mode compute``, as bench/hetero.py; the MLP's default stays ``wait``), and a run lasts
+60 s (``--time``). The PNGs are named after the model: bench/out/faults-MODEL.png,
+faults_partitions-MODEL.png.
 """
 
 from __future__ import annotations
@@ -88,7 +103,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench._common import ROOT, markdown_table, save_png
+from bench._common import (ROOT, Metric, accuracy_curve, add_model_args, markdown_table, model_argv, model_title,
+                           needs_sgd, png_name, resolve_model, save_png)
+from p2psync.training.hetero import SLOWDOWN_MODES
 from tests.helpers import free_port
 
 N = 8
@@ -124,7 +141,7 @@ def node_cmd(args: argparse.Namespace, topo: Path, wan: Path, out: Path, run_id:
     return [sys.executable, "-m", "p2psync", *(["-v"] if args.verbose else []), "run", str(topo), "--node", str(node), "--strategy", strategy,
             "--time", f"{seconds:.1f}", "--out", str(out), "--run-id", run_id, "--shaper", "inproc",
             "--wan", str(wan), "--threads", "1", "--eval-every", "50", "--eval-seconds", "10",
-            "--start-timeout", "90", "--lr", "0.05", "--no-progress"]
+            "--start-timeout", "90", *model_argv(args.model, args.data, args.lr, strategy), "--no-progress"]
 
 
 def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -227,6 +244,8 @@ def detections(res: Run, window: float) -> tuple[list[float], int]:
 def main_chaos(args: argparse.Namespace) -> None:
     """The kill -9 / restart chaos on the 8-node WAN mesh (``--chaos``)."""
     tmp = Path(tempfile.mkdtemp(prefix="p2psync-faults-"))
+    metric = Metric.of(args.model)
+    summary_key = "accuracy_mean" if metric.key == "accuracy" else "final_val_bpb"
     rows: list[list[Any]] = []
     curves: dict[str, dict[bool, list[tuple[float, float]]]] = {}
     try:
@@ -240,11 +259,10 @@ def main_chaos(args: argparse.Namespace) -> None:
                 summary_path = tmp / rid / "summary.json"
                 summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
                 samples, steps = samples_and_steps(tmp, rid)
-                stats[r.chaos] = (samples / max(r.wall_s, 1e-9), steps, summary.get("accuracy_mean"))
+                stats[r.chaos] = (samples / max(r.wall_s, 1e-9), steps, summary.get(summary_key))
                 recs = [json.loads(ln) for ln in (tmp / rid / "node-1.jsonl").read_text().splitlines()
                         if ln.strip()] if (tmp / rid / "node-1.jsonl").exists() else []
-                curves.setdefault(s, {})[r.chaos] = [(x["time"], x["accuracy"]) for x in recs
-                                                     if x.get("accuracy") is not None]
+                curves.setdefault(s, {})[r.chaos] = accuracy_curve(recs, metric.key)
             delays, false = detections(chaos, window=15.0)
             clean_false = detections(clean, window=15.0)[1]
             (thr_c, steps_c, acc_c), (thr_x, steps_x, acc_x) = stats[False], stats[True]
@@ -260,10 +278,11 @@ def main_chaos(args: argparse.Namespace) -> None:
             print("kept:", tmp)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n## Chaos on an 8-node WAN mesh: kill -9 + restart every {args.every:g} s "
-          f"({args.down:g} s down), {args.duration:g} s budget\n")
+    print(f"\n## Chaos on an 8-node WAN mesh, {model_title(args.model, args.data)}: kill -9 + restart every "
+          f"{args.every:g} s ({args.down:g} s down), {args.duration:g} s budget\n")
+    what = "accuracy" if metric.key == "accuracy" else "val bpb"
     print(markdown_table(["strategy", "kills", "detection s (mean / max)", "false detections", "hangs",
-                          "steps lost", "throughput vs clean", "accuracy clean", "accuracy chaos"], rows))
+                          "steps lost", "throughput vs clean", f"{what} clean", f"{what} chaos"], rows))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -275,9 +294,9 @@ def main_chaos(args: argparse.Namespace) -> None:
                 ax.plot(t, a, label="chaos" if is_chaos else "clean")
         ax.set_title(f"{s} (node 1)")
         ax.set_xlabel("wall time of the process (s)")
-    axes[0][0].set_ylabel("test accuracy")
+    axes[0][0].set_ylabel(metric.name)
     axes[0][0].legend()
-    print("\nplot:", save_png(fig, "faults.png"))
+    print("\nplot:", save_png(fig, png_name("faults", args.model)))
 
 
 # -- pauses and partitions of a 4-node ring, through the launcher ---------------------------
@@ -504,8 +523,9 @@ def ring_topology(path: Path, netns: bool) -> Path:
 
 def launch_cmd(args: argparse.Namespace, topo: Path, out: Path, run_id: str, strategy: str, netns: bool) -> list[str]:
     return [sys.executable, "-m", "p2psync", *(["-v"] if args.verbose else []), "run", str(topo),
-            "--strategy", strategy, "--time", f"{args.time:g}",
+            "--strategy", strategy, "--time", f"{args.time:g}", *model_argv(args.model, args.data, None, strategy),
             "--step-time", ",".join(f"{i}:{args.step_time:g}" for i in range(RING)),
+            "--slowdown-mode", args.mode,
             "--out", str(out), "--run-id", run_id, "--threads", "1", "--eval-every", "1000000",
             "--quorum-timeout", f"{args.quorum_timeout:g}", "--start-timeout", "120", "--no-progress",
             *(["--shaper", "netem"] if netns else [])]
@@ -648,7 +668,7 @@ def netns_available() -> str | None:
     return f"network namespaces need {', '.join(missing)} (iproute2)" if missing else None
 
 
-def plot_cases(cases: list[tuple[Case, Case | None]]) -> Path:
+def plot_cases(cases: list[tuple[Case, Case | None]], model: str = "mlp") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -672,8 +692,8 @@ def plot_cases(cases: list[tuple[Case, Case | None]]) -> Path:
     axes[1].axhline(100, color="grey", ls=":")
     axes[1].set_ylabel("throughput vs clean (%)")
     axes[1].set_xticks(list(xs), names, fontsize=7, rotation=70)
-    axes[0].set_title("pauses and partitions of a 4-node ring (p2psync run, launcher)")
-    return save_png(fig, "faults_partitions.png")
+    axes[0].set_title(f"pauses and partitions of a 4-node ring, {model} (p2psync run, launcher)")
+    return save_png(fig, png_name("faults_partitions", model))
 
 
 def main_partitions(args: argparse.Namespace) -> None:
@@ -701,11 +721,19 @@ def main_partitions(args: argparse.Namespace) -> None:
             print("kept:", tmp)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n## Pauses and partitions of a 4-node ring: p2psync run --time {args.time:g} "
-          f"--step-time {args.step_time:g} (every node), fault {args.lead:g} s after every node trains; "
-          f"{time.monotonic() - t0:.0f} s in all\n")
+    print(f"\n## Pauses and partitions of a 4-node ring, {model_title(args.model, args.data)}: p2psync run "
+          f"--time {args.time:g} --step-time {args.step_time:g} (every node, {args.mode} mode), fault {args.lead:g} s after every node "
+          f"trains; {time.monotonic() - t0:.0f} s in all\n")
     print(markdown_table(HEADERS, [case_row(c, cl) for c, cl in cases]))
-    print("\nplot:", plot_cases(cases))
+    print("\nplot:", plot_cases(cases, args.model))
+
+
+def sgd_notes(args: argparse.Namespace) -> None:
+    """Say on stderr which strategies train a language model with ``--optimizer sgd``."""
+    for s in args.strategies:
+        if needs_sgd(s, args.model):
+            print(f"{s}: --optimizer sgd ({args.model}'s AdamW is refused by {s}: its compensation replays plain SGD)",
+                  file=sys.stderr)
 
 
 def main() -> None:
@@ -718,8 +746,11 @@ def main() -> None:
     g = ap.add_argument_group("pauses and partitions")
     g.add_argument("--scenarios", nargs="+", default=list(FAULTS), choices=list(FAULTS), metavar="CASE",
                    help=f"among {', '.join(FAULTS)} (default: all)")
-    g.add_argument("--time", type=float, default=30.0, help="--time of every run (s)")
-    g.add_argument("--step-time", type=float, default=0.1, help="emulated step time of every node (s)")
+    g.add_argument("--time", type=float, help="--time of every run (s; default 30, a language model 60)")
+    g.add_argument("--step-time", type=float, help="emulated step time of every node (s; default 0.1, a language "
+                                                    "model 1.0)")
+    g.add_argument("--mode", choices=SLOWDOWN_MODES, help="--slowdown-mode of the emulated step time (default wait; "
+                                                          "a language model: compute)")
     g.add_argument("--lead", type=float, default=4.0, help="seconds of training before the fault")
     g.add_argument("--quorum-timeout", type=float, default=60.0, help="the nodes' --quorum-timeout (s)")
     g.add_argument("--launch", choices=("fork", "exec"), default="fork",
@@ -733,12 +764,17 @@ def main() -> None:
     c.add_argument("--join-margin", type=float, default=45.0,
                    help="no kill later than this many seconds (plus --down) before the end")
     c.add_argument("--grace", type=float, default=60.0, help="seconds after the budget before a hang")
+    c.add_argument("--lr", type=float, help="default 0.05; a language model: its own")
+    add_model_args(ap)
     args = ap.parse_args()
+    resolve_model(args, time=(30.0, 60.0), step_time=(0.1, 1.0), mode=("wait", "compute"), lr=(0.05, None))
     if args.chaos:
         args.strategies = args.strategies or ["asgd", "ssgd", "esync"]
+        sgd_notes(args)
         main_chaos(args)
     else:
         args.strategies = args.strategies or ["ssgd", "esync", "dts", "elastic_bsp"]
+        sgd_notes(args)
         main_partitions(args)
 
 

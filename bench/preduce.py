@@ -2,7 +2,8 @@
 Fig. 8 of Miao et al., *Heterogeneity-Aware Distributed Machine Learning Training via Partial Reduce*).
 
     python -m bench.preduce [--nodes 8] [--seconds 30] [--target 0.93] [--repeats 2] [--base 0.05]
-                            [--quick] [--mode wait|compute] [--out DIR]
+                            [--quick] [--mode wait|compute] [--out DIR] [--model mlp] [--data DATA]
+    python -m bench.preduce --model lm-tiny [--data pysource] [--seconds 300] ...   # a language model
 
 Every run goes through the CLI (``p2psync run``: one process per node) on an N-node mesh
 (written to a temporary folder), momentum SGD 0.9, the default digits data and MLP, the same
@@ -32,6 +33,14 @@ Targets: at HL = 3 the best P-Reduce reaches the target >= 1.5x sooner than AR
 time rises from P = 3 to P = 5, updates fall). Output: a markdown table and the target lines on
 stdout, bench/out/preduce.png (accuracy against time per HL; per-update time and updates).
 
+``--model lm-tiny`` (or ``lm-small``/``lm-base``; ``--data`` defaults to ``pysource``) runs the
+byte-level language model with its own defaults (AdamW at its peak learning rate unless
+``--lr``) and judges it by validation bits per byte instead of accuracy: time to ``--target``
+bpb (default 3.9; lower is better) and the final bpb. Its real compute per step is far longer
+than the MLP's, so a device of its own steps in 1 s by default (``--base``), the shared devices'
+extra time is real compute (``--mode compute``, as bench/hetero.py) and a run lasts 300 s
+(``--quick``: 120 s). Output: bench/out/preduce-MODEL.png.
+
 Run time: 10 configurations x ``--repeats`` runs of ``--seconds`` plus the start of 8 Python +
 torch processes each: ~10-20 s on an idle 2-core machine (about 15 minutes at the defaults), but
 ~60-90 s measured while other tests kept the 2 cores busy (load 3-9): then 30-40 minutes.
@@ -48,8 +57,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import (INF, Bars, Panel, accuracy_curve, cell, final_accuracy, first_reach, lower_median,
-                           markdown_table, median, plot_panels, repeat, run_nodes, speedup, verdict, write_topology)
+from bench._common import (INF, Bars, Metric, Panel, accuracy_curve, add_model_args, cell, final_accuracy, first_reach,
+                           lower_median, markdown_table, median, model_argv, model_title, plot_panels, png_name, repeat,
+                           resolve_model, run_nodes, speedup, verdict, write_topology)
 from p2psync.training.hetero import SLOWDOWN_MODES
 
 
@@ -102,12 +112,13 @@ def updates_at(nodes: Sequence[Sequence[dict[str, Any]]], t: float, preduce: boo
     return max(seen) if seen else 0
 
 
-def analyse(cfg: Config, hl: int, nodes: Sequence[Sequence[dict[str, Any]]], target: float) -> Outcome:
-    reach = [first_reach(recs, target) for recs in nodes]
+def analyse(cfg: Config, hl: int, nodes: Sequence[Sequence[dict[str, Any]]], target: float,
+            metric: Metric = Metric("accuracy")) -> Outcome:
+    reach = [first_reach(recs, target, metric.key) for recs in nodes]
     med = lower_median(reach)  # at least half of the nodes got there
     return Outcome(config=cfg, hl=hl, to_target=med, all_target=max(reach),
                    updates=updates_at(nodes, med, cfg.strategy == "preduce"),
-                   final_acc=final_accuracy(nodes), curve=accuracy_curve(nodes[-1]))
+                   final_acc=final_accuracy(nodes, metric.key), curve=accuracy_curve(nodes[-1], metric.key))
 
 
 def step_times(n: int, hl: int, base: float) -> str:
@@ -128,13 +139,14 @@ def run_one(cfg: Config, hl: int, args: argparse.Namespace, topo: Path, out: Pat
     run_id = f"{cfg.label.replace(' ', '').replace('=', '')}-hl{hl}-r{rep}"
     cmd = [sys.executable, "-m", "p2psync", "run", str(topo), *cfg.argv(), "--time", str(args.seconds),
            "--step-time", step_times(args.nodes, hl, args.base), "--slowdown-mode", args.mode,
-           "--lr", str(args.lr), "--momentum", "0.9", "--eval-every", str(args.eval_every),
+           *model_argv(args.model, args.data, args.lr, cfg.strategy), "--momentum", "0.9",
+           "--eval-every", str(args.eval_every),
            "--seed", str(1 + rep), "--out", str(out), "--run-id", run_id, "--no-progress"]
     nodes = run_nodes(cmd, out, run_id, args.nodes, timeout=args.seconds * 4 + 180)
-    return analyse(cfg, hl, nodes, args.target)
+    return analyse(cfg, hl, nodes, args.target, Metric.of(args.model))
 
 
-def report(res: Sequence[Outcome], target: float) -> str:
+def report(res: Sequence[Outcome], target: float, metric: Metric = Metric("accuracy")) -> str:
     ar = {o.hl: o.to_target for o in res if o.config.strategy == "ssgd"}
     rows = []
     for o in res:
@@ -143,8 +155,8 @@ def report(res: Sequence[Outcome], target: float) -> str:
         rows.append([o.hl, o.config.label, cell(o.to_target, "{:.1f}"), cell(o.all_target, "{:.1f}"),
                      cell(speed, "{:.2f}x") if o.hl in ar else "no AR run", o.updates if o.updates is not None else "-",
                      cell(None if o.per_update_s is None else o.per_update_s * 1e3, "{:.0f}"), f"{o.final_acc:.3f}"])
-    return markdown_table(["HL", "config", f"time to {target:.0%} (s, median node)", "every node (s)",
-                           "speed-up vs AR", "updates", "per-update (ms)", "final acc"], rows)
+    return markdown_table(["HL", "config", f"time to {metric.target(target)} (s, median node)", "every node (s)",
+                           "speed-up vs AR", "updates", "per-update (ms)", f"final {metric.short}"], rows)
 
 
 def targets(res: Sequence[Outcome]) -> list[str]:
@@ -180,33 +192,40 @@ def targets(res: Sequence[Outcome]) -> list[str]:
     return out
 
 
-def plot(res: Sequence[Outcome], target: float) -> Path:
-    panels = [Panel(f"HL={hl}: accuracy (last node)",
+def plot(res: Sequence[Outcome], target: float, metric: Metric = Metric("accuracy"), model: str = "mlp") -> Path:
+    panels = [Panel(f"HL={hl}, {model}: {metric.name} (last node)",
                     [(o.config.label, o.curve) for o in res if o.hl == hl and o.curve])
               for hl in sorted({o.hl for o in res})]
     bars = Bars("per-update time and updates (Table 1 / Fig. 8)", [f"{o.config.label}\nHL={o.hl}" for o in res],
                 [(o.per_update_s or 0.0) * 1e3 for o in res], "per-update time (ms)", [o.updates or 0 for o in res],
                 "updates to target")
-    return plot_panels("preduce.png", panels, bars, target=target, ylabel="test accuracy", width=5)
+    return plot_panels(png_name("preduce", model), panels, bars, target=target, ylabel=metric.name, width=5,
+                       ylim=metric.ylim)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=None, help="training time per run (default 30; --quick: 25)")
-    ap.add_argument("--target", type=float, default=0.93)
+    ap.add_argument("--seconds", type=float, default=None, help="training time per run (default 30; --quick: 25; "
+                                                                "a language model: 300, --quick 120)")
+    ap.add_argument("--target", type=float, help="test accuracy to reach (default 0.93); a language model: "
+                                                 "validation bpb (default 3.9)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (seeds 1, 2, ...; medians)")
-    ap.add_argument("--base", type=float, default=0.05, help="step time of a device of its own (s)")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--base", type=float, help="step time of a device of its own (s; default 0.05, a language "
+                                               "model 1.0)")
+    ap.add_argument("--lr", type=float, help="default 0.05; a language model: its own")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--hl", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--mode", choices=SLOWDOWN_MODES, default="wait")
+    ap.add_argument("--mode", choices=SLOWDOWN_MODES, help="--slowdown-mode (default wait; a language model: compute)")
     ap.add_argument("--configs", nargs="+", metavar="LABEL",
                     help=f"run only these (default: {', '.join(c.label for c in CONFIGS)}; also "
                          f"{', '.join(c.label for c in EXTRA)}: dynamic weights with approx=nearest)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
+    add_model_args(ap)
     args = ap.parse_args(argv)
+    metric = resolve_model(args, target=(0.93, 3.9), base=(0.05, 1.0), lr=(0.05, None), mode=("wait", "compute"),
+                           seconds=((25.0, 120.0) if args.quick else (30.0, 300.0)))
     configs = list(CONFIGS)
     if args.configs:
         known = {c.label: c for c in (*CONFIGS, *EXTRA)}
@@ -216,20 +235,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         configs = [known[c] for c in args.configs]
     if args.quick:
         args.hl, args.repeats, configs = [3], 1, configs[:3]
-    if args.seconds is None:
-        args.seconds = 25.0 if args.quick else 30.0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "runs"
         topo = write_topology(Path(tmp) / f"mesh-{args.nodes}.json", "mesh", "-n", str(args.nodes))
         res = [repeat(f"HL={hl} {cfg.label}", args.repeats, lambda rep: run_one(cfg, hl, args, topo, out, rep),
-                      lambda o: f"{cell(o.to_target, '{:.1f} s')} to target, updates {o.updates}", combine)
+                      lambda o: f"{cell(o.to_target, '{:.1f} s')} to target, updates {o.updates}, final "
+                                f"{metric.short} {o.final_acc:.3f}", combine)
                for hl in args.hl for cfg in configs]
-    print(f"\nP-Reduce vs all-reduce: N={args.nodes}, base step {args.base * 1e3:.0f} ms (x HL on HL workers, "
-          f"{args.mode} mode), {args.seconds:g} s runs, target {args.target:.0%}, medians of {args.repeats} "
-          "run(s) per row\n")
-    print(report(res, args.target))
+    print(f"\nP-Reduce vs all-reduce, {model_title(args.model, args.data)}: N={args.nodes}, "
+          f"base step {args.base * 1e3:.0f} ms (x HL on HL workers, "
+          f"{args.mode} mode), {args.seconds:g} s runs, target {metric.target(args.target)}, medians "
+          f"of {args.repeats} run(s) per row\n")
+    print(report(res, args.target, metric))
     print("\n" + "\n".join(targets(res)))
-    print(f"\nplot: {plot(res, args.target)}")
+    print(f"\nplot: {plot(res, args.target, metric, args.model)}")
 
 
 if __name__ == "__main__":
