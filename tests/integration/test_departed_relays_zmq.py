@@ -65,10 +65,11 @@ def test_members_without_a_common_link_train_on_through_departed_nodes(tmp_path:
             raise out[i]
     (p1, k1, s1), (p3, k3, s3) = out[1], out[3]
     assert torch.equal(p1, p3)  # one model: every step (ssgd) / the stop's final average (canary) over 1 and 3
-    # both trained to the end: under ssgd every node's loop runs the budget; canary's stop is the
-    # first worker's (as in the strategy matrix's FIRST_WORKER_STOPS): the other learns it at its
-    # next exchange, so on a loaded machine it may end its loop one iteration short
-    assert max(k1, k3) == STEPS and min(k1, k3) >= (STEPS if strategy == "ssgd" else STEPS - 1), (k1, k3)
+    # both trained to the end (a loop iteration whose step failed and re-formed does not count
+    # against the budget, so a loop may run more): under ssgd every node's loop runs the budget;
+    # canary's stop is the first worker's (the strategy matrix's FIRST_WORKER_STOPS), which the
+    # other learns at its next exchange, so on a loaded machine it may end one iteration short
+    assert min(k1, k3) >= (STEPS if strategy == "ssgd" else STEPS - 1), (k1, k3)
     # a member whose first step fails (the view changed under it: a node departed) and that
     # re-forms skips that local step; under canary one of the two then ends one local step
     # short (6 of 7) while the other redid its step. Known and open: the strict equality failed
