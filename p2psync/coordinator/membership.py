@@ -203,7 +203,8 @@ class MembershipService:
         before = self.state.epoch
         joined = self.state.register(caller, str(args.get("fingerprint", "")), clock.now(),
                                      incarnation=inc, address=addr)
-        self.transport.peer_incarnations[caller] = inc
+        known = self.transport.peer_incarnations
+        known[caller] = max(inc, known.get(caller, inc))  # (never lowered: a newer process heard since)
         self._notify()
         if joined and self.state.epoch != before:
             self.transport.revive(caller)

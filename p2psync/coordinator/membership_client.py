@@ -454,12 +454,14 @@ class MembershipClient:
         if old is not None:
             self._moved_to(old, f"view {view.epoch} names it")
         known = self.transport.peer_incarnations
-        # a member whose incarnation changed is a new life of that node, even if this node
-        # missed the view in which the old one left
-        renewed = {n for n, inc in view.incarnations.items() if n != me and known.get(n, inc) != inc}
+        # a member whose incarnation is newer than the one known here is a new life of that
+        # node, even if this node missed the view in which the old one left; a view never
+        # lowers what is known (the transport registered a newer process it heard: the one the
+        # view names is gone, and its messages stay rejected)
+        renewed = {n for n, inc in view.incarnations.items() if n != me and known.get(n, inc) < inc}
         for n, inc in view.incarnations.items():
             if n != me:
-                known[n] = inc
+                known[n] = max(inc, known.get(n, inc))
         # every member is alive to the coordinator that names it (a deposed coordinator that
         # voted in its successor's election stays a member), and so is one judged failed here
         # and heard again since: deposed no more, like the others

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -299,6 +300,46 @@ async def test_a_newer_life_is_no_proof_of_life_for_the_registered_one():
     st.register(1, "f", 0.0, incarnation=1)
     with pytest.raises(DuplicateNode):  # retried by the registering node until its start timeout
         st.register(1, "f", 0.1, incarnation=2)
+
+
+async def test_a_view_naming_an_older_process_does_not_lower_the_incarnation_heard():
+    """Regression (review): node 1 registered node 2's new process when it heard it (node 2 was
+    marked dead here: routed around on this node's own judgement), then applied a newer view of
+    a coordinator that still named node 2's previous process, and wrote that older incarnation
+    back over the newer one: the gone process's late messages were admitted again, each a proof
+    of life of node 2. A view only raises what the transport knows."""
+    from p2psync.coordinator import MembershipClient, RpcClient
+    from p2psync.topology import mesh
+    from p2psync.transport.memory import MemoryHub
+
+    hub = MemoryHub(mesh(3))
+    eps = {i: hub.endpoint(i) for i in range(3)}
+    for e in eps.values():
+        await e.start()
+    try:
+        a, b = eps[1], eps[2]
+        client = MembershipClient(transport=a, rpc=RpcClient(a), coordinator=0)
+        old = b.incarnation
+        incs = {0: eps[0].incarnation, 1: a.incarnation, 2: old}
+        client._apply_view(View(epoch=1, members=(0, 1, 2), incarnations=incs).to_wire(), src=0)
+        assert a.peer_incarnations[2] == old
+        a.mark_dead(2)  # (its own judgement, e.g. a successor passed over)
+        b.incarnation = old + 1  # node 2 restarted; its new process is heard here
+        await b.send(1, "hello", kind="event")
+        await a.recv("hello", timeout=5)
+        assert a.peer_incarnations[2] == old + 1 and 2 not in a.dead
+        client._apply_view(View(epoch=2, members=(0, 1, 2), incarnations=incs).to_wire(), src=0)
+        assert a.peer_incarnations[2] == old + 1
+        b.incarnation = old  # a late message of the previous process: still rejected
+        await b.send(1, "late", kind="event")
+        await asyncio.sleep(0.05)
+        assert a.recv_nowait("late") is None and a.rejected.get("stale_incarnation") == 1
+        newer = {**incs, 2: old + 2}  # a view naming a newer process still raises it
+        client._apply_view(View(epoch=3, members=(0, 1, 2), incarnations=newer).to_wire(), src=0)
+        assert a.peer_incarnations[2] == old + 2
+    finally:
+        for e in eps.values():
+            await e.close()
 
 
 def test_the_coordinator_never_declares_its_own_host_failed():
