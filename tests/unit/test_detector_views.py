@@ -342,6 +342,32 @@ async def test_a_view_naming_an_older_process_does_not_lower_the_incarnation_hea
             await e.close()
 
 
+async def test_a_registered_process_whose_first_view_does_not_name_it_is_fenced_not_failed():
+    """A process that registered (a joiner) and whose first view does not name it (the run
+    moved on without the coordinator that admitted it) is fenced, with a rejoin: the view is
+    not applied, so its strategy never runs over a view without it (where it would fail with a
+    PeerFailure, exit 1, and not be started again), and :meth:`first_view` raises the
+    :class:`Fenced` error."""
+    from p2psync.coordinator import MembershipClient, RpcClient
+    from p2psync.errors import Fenced
+    from p2psync.topology import mesh
+    from p2psync.transport.memory import MemoryHub
+
+    hub = MemoryHub(mesh(3))
+    ep = hub.endpoint(2)
+    await ep.start()
+    try:
+        client = MembershipClient(transport=ep, rpc=RpcClient(ep), coordinator=0)
+        client.info = {"joined": True, "view": {}}  # registered; its registration's view not applied
+        client._apply_view(View(epoch=9, members=(0, 1), coordinator=1, term=2).to_wire(), src=None)
+        assert client.view is None and client.removed_by is not None and client.removed_by.epoch == 9
+        assert isinstance(client.fenced, Fenced) and client.fenced.rejoin
+        with pytest.raises(Fenced):
+            await client.first_view(timeout=1.0)
+    finally:
+        await ep.close()
+
+
 def test_the_coordinator_never_declares_its_own_host_failed():
     """CI regression: a stalled coordinator process declared its own host (node 0) failed."""
     st = MembershipState(expected=frozenset({0, 1, 2}), failure_timeout=2.0, heartbeat_interval=0.5)

@@ -397,6 +397,21 @@ def test_a_restarted_node_joins_ssgd_and_ends_with_the_others_model() -> None:
     assert 3 in s["final_view"]["members"]
 
 
+@pytest.mark.parametrize("strategy", ["ssgd", "diloco"])
+def test_a_member_removed_while_paused_is_fenced_at_its_next_step_and_rejoins(strategy: str) -> None:
+    # node 2 paused at 3 s for 6 s is removed; resumed, its step loop waits for the majority
+    # (its coordinator's claim expired during the pause) and its next heartbeat's answer
+    # fences it: it ends with Fenced (exit 75, started again), not with a PeerFailure of its
+    # strategy, and takes no step as a member after the pause (DiLoCo's inner steps are local)
+    s = train(ring(6), strategy, "pause:2@3+6", 20.0)
+    assert {k: v for k, v in s["invariants"].items() if inv.violated(v)} == {}
+    (first,) = s["training"]["nodes"]["2"]["earlier"]
+    assert first["outcome"] == "fenced" and "error" not in first
+    assert first["steps_run"] <= 3.0 / 0.05 + 1
+    assert [(e["node"], e["fenced"]) for e in s["exited"]] == [(2, True)] and 9.0 <= s["exited"][0]["at"] < 9.5
+    assert s["training"]["rejoined"] == [2] and s["training"]["nodes"]["2"]["outcome"] == "finished"
+
+
 @pytest.mark.parametrize("strategy", SIMULATED)
 def test_every_simulated_strategy_takes_a_restarted_node_back_as_a_joiner(strategy: str) -> None:
     # restart:2@4 kills the running process first; the new one joins the run going
