@@ -22,7 +22,9 @@ evaluated step. Configurations:
 * ``ssgd`` — data parallel, one gradient allreduce per step (the baseline of every ratio);
 * ``dts`` — t=4, p=4 with plain momentum SGD (the only optimizer its compensation is defined for);
 * ``diloco`` — H = ``--inner-steps``, codec none; ``diloco-e3m0`` — the same with 4-bit outer
-  gradients (``diloco-e3m0-sr``: rounded stochastically; not run unless named in ``--configs``); ``streaming`` — 2 fragments, tau = ``--tau``, alpha = 0.5, e3m0, outer lr 0.4;
+  gradients, each node's Δ encoded once (the ``direct`` plan; ``diloco-e3m0-ring``: partial sums
+  re-encoded at every hop of the ring, fewer bytes; ``diloco-e3m0-sr``: rounded stochastically;
+  these two run only when ``--configs`` names them); ``streaming`` — 2 fragments, tau = ``--tau``, alpha = 0.5, e3m0, outer lr 0.4;
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
   ``wait`` by default, ``compute`` for slowness that really computes, ``quota`` for devices that
   really compute at their own rates, as separate devices would, root), diloco with fixed H, and
@@ -95,6 +97,7 @@ def configs(inner_steps: int, lr: float, tau: int = 1) -> list[Config]:
             Config("diloco", dl),
             Config("diloco-e3m0", (*dl, "--opt", "outer_codec=e3m0")),
             Config("diloco-e3m0-sr", (*dl, "--opt", "outer_codec=e3m0:sr")),
+            Config("diloco-e3m0-ring", (*dl, "--opt", "outer_codec=e3m0", "--opt", "outer_collective=ring")),
             Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", f"tau={tau}",
                                  "--opt", "outer_codec=e3m0", "--opt", "outer_lr=0.4")),
             Config("hetero", (*dl, "--slowdown", HETERO), hetero=True),
@@ -368,7 +371,7 @@ def plot(rows: Sequence[Row]) -> Path:
 
 
 #: configurations run only when ``--configs`` names them
-OPTIONAL = ("diloco-e3m0-sr",)
+OPTIONAL = ("diloco-e3m0-sr", "diloco-e3m0-ring")
 #: the defaults of the options left unset, by workload: a language model (the real workload:
 #: from a pretrained model, H = 20 so that a short run holds enough outer steps, tau sized to a
 #: 200 ms ring's exchange, and real compute for the slower devices) or the digits MLP
