@@ -54,13 +54,13 @@ import numpy as np
 
 from p2psync.compress import ErrorFeedback, get_codec
 from p2psync.coordinator import View
-from p2psync.errors import P2PSyncError, ProtocolError, TransportError
+from p2psync.errors import ProtocolError, TransportError
 from p2psync.model import STEP_EACH
 from p2psync.strategies.options import StrategyOptions, non_negative, option, positive
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
+from p2psync.strategies.flood import Flood
 from p2psync.strategies.regroup import fetch_state, serve_state
 from p2psync.tasks import TaskSet
-from p2psync.topology.paths import group_links, spanning_tree
 from p2psync.wire import Message
 
 log = logging.getLogger("p2psync.asgd")
@@ -176,20 +176,14 @@ class ASGD(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._rx = TaskSet("asgd-receive")
-        #: gradient sends in flight (a step waits while there are more than max_inflight); each
-        #: fails alone (a dropped send is counted by the send itself)
-        self._sends = TaskSet("asgd-send", isolated=True)
+        #: the flooding trees and the gradient sends in flight (a step waits while there are
+        #: more than max_inflight)
+        self.flood = Flood(ctx, TAG, name="asgd", send_timeout=self.opts.send_timeout)
 
     async def start(self) -> None:
-        self.alive = set(self.ctx.topology.ids)
-        #: the spanning tree of each origin over the live nodes (and the origin), for the live
-        #: set they were built for: dropped when it changes, so they never outgrow one set
-        self._trees: dict[int, dict[int, list[int]]] = {}
-        self._trees_over: frozenset[int] = frozenset()
         self.local_step = 0
         self._staleness: list[int] = []
         self.applied_remote = 0
-        self.dropped_sends = 0
         self.scale = 1.0 / self.ctx.topology.size if self.opts.average else 1.0
         self.codec = get_codec(self.ctx.collectives.codec)
         wants_feedback = self.ctx.collectives.feedback is not None or self.codec.always_feedback  # topk: always
@@ -217,20 +211,18 @@ class ASGD(Strategy):
     def on_view(self, view: View) -> None:
         self.alive = set(view.members) | {self.ctx.node_id}
 
-    def _children(self, origin: int) -> list[int]:
-        alive = frozenset(self.alive)
-        if alive != self._trees_over:
-            self._trees.clear()
-            self._trees_over = alive
-        tree = self._trees.get(origin)
-        if tree is None:
-            group = sorted(alive | {origin})
-            try:
-                tree = spanning_tree(self.ctx.topology, group, root=origin, links=group_links(self.ctx.topology, group))
-            except ValueError:  # not connected even through other nodes
-                tree = {}
-            self._trees[origin] = tree
-        return [c for c in tree.get(self.ctx.node_id, []) if c in self.alive]
+    @property
+    def alive(self) -> set[int]:
+        """The nodes the flooding trees span."""
+        return self.flood.alive
+
+    @alive.setter
+    def alive(self, nodes: set[int]) -> None:
+        self.flood.alive = nodes
+
+    @property
+    def dropped_sends(self) -> int:
+        return self.flood.dropped
 
     def _encode(self, grad: np.ndarray) -> list[np.ndarray]:
         if self.feedback is None:
@@ -241,19 +233,9 @@ class ASGD(Strategy):
         return enc
 
     def _forward(self, origin: int, inc: int, arrays: list[np.ndarray], step: int) -> None:
-        """Send gradient ``(origin, inc, step)`` to this node's children in the tree of its
-        current view rooted at ``origin`` (the caller took it once: see :meth:`_take`)."""
-        for child in self._children(origin):
-            self._sends.spawn(self._send(child, origin, inc, arrays, step))
-
-    async def _send(self, peer: int, origin: int, inc: int, arrays: list[np.ndarray], step: int) -> None:
-        try:
-            await self.ctx.transport.send(peer, TAG, arrays, step=step, meta={"origin": origin, "inc": inc},
-                                          codecs=[self.codec.name] * len(arrays),
-                                          timeout=self.opts.send_timeout, relay=True)
-        except P2PSyncError as exc:
-            self.dropped_sends += 1
-            log.info("node %d: gradient to node %d dropped: %s", self.ctx.node_id, peer, exc)
+        """Send gradient ``(origin, inc, step)`` down ``origin``'s tree (:class:`~.flood.Flood`;
+        the caller took it once: see :meth:`_take`)."""
+        self.flood.forward(origin, arrays, step=step, meta={"origin": origin, "inc": inc}, codec=self.codec.name)
 
     def _take(self, msg: Message) -> tuple[int, int, np.ndarray] | None:
         """``(origin, inc, gradient)`` of a message carrying a gradient this node has not
@@ -321,9 +303,9 @@ class ASGD(Strategy):
         self._forward(me, inc, self._encode(grad), step)
         wait = 0.0
         loop = asyncio.get_running_loop()
-        while len(self._sends) > self.opts.max_inflight:
+        while len(self.flood.sends) > self.opts.max_inflight:
             t0 = loop.time()
-            await asyncio.wait(list(self._sends), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(list(self.flood.sends), return_when=asyncio.FIRST_COMPLETED)
             wait += loop.time() - t0
         st, self._staleness = self._staleness, []
         return StepReport(loss=loss, stop=want_stop, wait_s=wait, extra={
@@ -335,4 +317,4 @@ class ASGD(Strategy):
     async def close(self) -> None:
         """Stop receiving; sends in flight get ``send_timeout`` to go out, then are cancelled."""
         await self._rx.close()
-        await self._sends.close(grace=self.opts.send_timeout)
+        await self.flood.close(self.opts.send_timeout)

@@ -87,20 +87,20 @@ def test_window_and_keep_must_be_positive() -> None:
 
 
 def test_the_spanning_trees_kept_are_those_of_the_current_live_set() -> None:
-    """ASGD floods each gradient down its origin's spanning tree over the live nodes. The trees
+    """ASGD (and diloco-async) flood each message down its origin's spanning tree over the live nodes. The trees
     were kept per (origin, live set) for the whole run: one more set of them for every view."""
     from types import SimpleNamespace
 
-    from p2psync.strategies.asgd import ASGD
+    from p2psync.strategies.flood import Flood
     from p2psync.topology import ring
 
-    a = ASGD.__new__(ASGD)
+    a = Flood.__new__(Flood)
     a.ctx = SimpleNamespace(topology=ring(8), node_id=0)  # type: ignore[assignment]
     a._trees, a._trees_over = {}, frozenset()
     for k in range(50):  # 50 views, each without another node
         a.alive = set(range(8)) - {1 + k % 7}
-        kids = {o: a._children(o) for o in a.alive}
+        kids = {o: a.children(o) for o in a.alive}
         assert len(a._trees) == len(a.alive)
         assert kids[0] == sorted(set(a.ctx.topology.neighbors(0)) & a.alive)  # the root's children: its live links
     a.alive = set(range(8))
-    assert a._children(4) == [] and set(a._trees) == {4}  # node 0 is a leaf of 4's tree on a full ring
+    assert a.children(4) == [] and set(a._trees) == {4}  # node 0 is a leaf of 4's tree on a full ring
