@@ -115,11 +115,11 @@ def test_a_buffer_fuller_than_n_completes_at_the_next_update_and_bad_input_is_re
 def test_the_state_vector_round_trips_bitwise() -> None:
     rng = np.random.default_rng(2)
     st = DNState(theta=rng.standard_normal(5).astype(np.float32), momentum=rng.standard_normal(5).astype(np.float32),
-                 buffer=rng.standard_normal(5).astype(np.float32), count=123456789, in_buffer=3)
+                 buffer=rng.standard_normal(5).astype(np.float32), count=123456789, in_buffer=3, stop=True)
     vec = pack(st)
     assert vec.dtype == np.float32 and vec.size == state_size(5)
     back = unpack(vec, 5)
-    assert back.count == 123456789 and back.in_buffer == 3
+    assert back.count == 123456789 and back.in_buffer == 3 and back.stop
     assert pack(back).tobytes() == vec.tobytes()
     with pytest.raises(ValueError):
         unpack(vec[:-1], 5)

@@ -16,7 +16,10 @@ per concept (the algorithm: :mod:`~p2psync.strategies.diloco.strategy`).
 * ``outer.py`` — the outer Nesterov step, the α merge, the eager gradient (pure);
 * ``schedule.py`` — which fragment is sent and applied after which inner step, DyLU (pure);
 * ``fragments.py`` — the fragment map (pure);
-* ``state.py`` — the counters and the state vector a member behind adopts (pure).
+* ``state.py`` — the counters and the state vector a member behind adopts (pure);
+* ``async_strategy.py`` — ``--strategy diloco-async`` (:class:`DilocoAsync`): asynchronous
+  Local-SGD, Delayed Nesterov over one numbered stream of pseudo-gradients, DyLU; its options
+  (``async_options.py``) and its pure logic (``dn.py``: the DN state machine, DyLU's H_m).
 
 The parts are composed, not inherited: each is built with the state and the parts it uses.
 Imports flow one way: the pure modules, then ``node`` → ``adoption`` → ``ops`` → ``stop`` →
@@ -27,8 +30,9 @@ from p2psync.strategies.diloco.node import Op
 from p2psync.strategies.diloco.options import DilocoOptions
 from p2psync.strategies.diloco.state import CLOSE, FULL
 from p2psync.strategies.diloco.strategy import DiLoCo
+from p2psync.strategies.diloco.async_strategy import DilocoAsync  # noqa: E402  (registers diloco-async)
 
 #: :class:`Op`, also under this name
 _Op = Op
 
-__all__ = ["CLOSE", "FULL", "DiLoCo", "DilocoOptions", "Op"]
+__all__ = ["CLOSE", "FULL", "DiLoCo", "DilocoAsync", "DilocoOptions", "Op"]

@@ -51,6 +51,8 @@ class DNState:
     count: int = 0
     #: updates in the current buffer (its sum is ``buffer``)
     in_buffer: int = 0
+    #: the stream ended at ``count`` (the last update applied carried the stop)
+    stop: bool = False
 
     @classmethod
     def start(cls, theta: np.ndarray) -> "DNState":
@@ -60,7 +62,7 @@ class DNState:
 
     def copy(self) -> "DNState":
         return DNState(theta=self.theta.copy(), momentum=self.momentum.copy(), buffer=self.buffer.copy(),
-                       count=self.count, in_buffer=self.in_buffer)
+                       count=self.count, in_buffer=self.in_buffer, stop=self.stop)
 
 
 def apply_update(st: DNState, g: np.ndarray, *, lr: float, momentum: float, buffer: int) -> bool:
@@ -104,23 +106,25 @@ def dylu_steps(own: float, speeds: Iterable[float], *, inner_steps: int, min_ste
 
 
 def pack(st: DNState) -> np.ndarray:
-    """θ_g ‖ m ‖ buffer ‖ [count, in_buffer] as one float32 vector (what a member behind adopts;
-    the counters as float64 bit patterns in four float32 slots, exact)."""
-    counters = np.array([st.count, st.in_buffer], np.float64).view(np.float32)
+    """θ_g ‖ m ‖ buffer ‖ [count, in_buffer, stop] as one float32 vector (what a member behind
+    adopts; the counters as float64 bit patterns in six float32 slots, exact)."""
+    counters = np.array([st.count, st.in_buffer, float(st.stop)], np.float64).view(np.float32)
     return np.concatenate([st.theta, st.momentum, st.buffer, counters]).astype(np.float32, copy=False)
 
 
 def unpack(vec: np.ndarray, n: int) -> DNState:
     """The state :func:`pack` packed, for a model of ``n`` parameters."""
-    if vec.size != 3 * n + 4:
-        raise ValueError(f"a DN state of {n} parameters has {3 * n + 4} values, got {vec.size}")
-    count, in_buffer = (int(v) for v in np.array(vec[3 * n:], np.float32).view(np.float64))
+    if vec.size != state_size(n):
+        raise ValueError(f"a DN state of {n} parameters has {state_size(n)} values, got {vec.size}")
+    count, in_buffer, stop = (int(v) for v in np.array(vec[3 * n:], np.float32).view(np.float64))
     return DNState(theta=np.array(vec[:n], np.float32), momentum=np.array(vec[n:2 * n], np.float32),
-                   buffer=np.array(vec[2 * n:3 * n], np.float32), count=count, in_buffer=in_buffer)
+                   buffer=np.array(vec[2 * n:3 * n], np.float32), count=count, in_buffer=in_buffer,
+                   stop=bool(stop))
 
 
 def state_size(n: int) -> int:
-    return 3 * n + 4
+    """The length of :func:`pack`'s vector for ``n`` parameters."""
+    return 3 * n + 6
 
 
 __all__ = ["DNState", "apply_update", "dylu_steps", "pack", "state_size", "unpack"]
