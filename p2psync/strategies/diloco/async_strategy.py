@@ -177,6 +177,10 @@ class DilocoAsync(Strategy):
         self.dropped_own = 0
         self.adoptions = 0
         self.grace_wait_s = 0.0
+        #: the longest single grace wait (seconds)
+        self.max_grace_s = 0.0
+        #: pseudo-gradients this node sent
+        self.sent = 0
         #: θ_g's hash after each completed buffer, by dn.count (the newest KEEP_HASHES)
         self.hashes: OrderedDict[int, int] = OrderedDict()
 
@@ -439,6 +443,7 @@ class DilocoAsync(Strategy):
         self.own = (key, k)
         meta = {"origin": me, "epoch": key[0], "coord": key[1], "stop": stop, "speed": float(self.speed)}
         self.flood.forward(me, enc, step=k, meta=meta, codec=self.codec.name)
+        self.sent += 1
         self._drain()
 
     def _own_done(self) -> bool:
@@ -498,7 +503,9 @@ class DilocoAsync(Strategy):
             tg = clock.now()
             if not await self._wait_applied(self.opts.grace_s):
                 self.late += 1
-            self.grace_wait_s += clock.now() - tg
+            waited = clock.now() - tg
+            self.grace_wait_s += waited
+            self.max_grace_s = max(self.max_grace_s, waited)
             if stop:
                 await self._await_stop()
             if self.dn is not None and not self.dn.stop:
@@ -554,7 +561,8 @@ class DilocoAsync(Strategy):
         dn = self.dn
         return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=self.grace_wait_s, extra={
             "applied": 0 if dn is None else dn.count, "buffers": self.buffers, "h_m": self.h_m,
-            "speed": round(self.speed, 3), "late": self.late, "stale": self.stale, "duplicates": self.duplicates,
+            "speed": round(self.speed, 3), "sent": self.sent, "late": self.late,
+            "max_grace_s": round(self.max_grace_s, 4), "stale": self.stale, "duplicates": self.duplicates,
             "dropped_own": self.dropped_own, "dropped_sends": self.flood.dropped, "adoptions": self.adoptions,
             "reforms": self.regroup.reformations, "members": len(self.ctx.group)})
 

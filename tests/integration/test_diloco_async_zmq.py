@@ -1,0 +1,163 @@
+"""``--strategy diloco-async`` over real ZeroMQ with real trainers: every node applies one
+numbered stream of pseudo-gradients, so θ_g hashes the same on every node after every completed
+buffer and every node ends with one model; DyLU gives a slow node fewer inner steps per phase and
+nobody waits a phase; AdamW's state is untouched by the outer applies; a node killed mid-run
+leaves survivors with one model; bad options are refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from p2psync.errors import ConfigError
+from p2psync.strategies.diloco.dn import DNState, apply_update
+from p2psync.topology import mesh, ring
+from tests.helpers import close_strategies, free_port, make_trainer, start_strategies, zmq_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _run(topo, steps, options, *, trainers=None, codec="none", error_feedback=False, setup=None):
+    """Every node trains until its strategy stops (want_stop on the last step); returns (the
+    strategies' final params, θ_g, hashes after each buffer, reports per node)."""
+    async with zmq_cluster(topo) as eps:
+        if trainers is None:
+            trainers = {i: make_trainer(topo, i) for i in topo.ids}
+        strats = await start_strategies(eps, topo, "diloco-async", options=options, trainers=trainers,
+                                        max_steps=steps, codec=codec, error_feedback=error_feedback)
+        try:
+            if setup is not None:
+                setup(strats)
+
+            async def loop(s):
+                reps, step = [], 0
+                while True:
+                    rep = await s.run_step(step, step + 1 >= steps)
+                    reps.append(rep)
+                    step += 1
+                    if rep.stop or step > 3 * steps:
+                        return reps
+
+            reps = await asyncio.wait_for(asyncio.gather(*(loop(s) for s in strats)), 90)
+            params = [await s.ctx.replica.get_params() for s in strats]
+            thetas = [s.dn.theta.copy() for s in strats]
+            hashes = [dict(s.hashes) for s in strats]
+        finally:
+            await close_strategies(strats)
+    return params, thetas, hashes, reps
+
+
+@pytest.mark.parametrize("kind,codec,feedback", [("mesh", "none", False), ("ring", "e3m0", True)])
+async def test_theta_g_hashes_agree_after_every_buffer_and_every_node_ends_with_one_model(kind, codec, feedback):
+    """4 nodes (a mesh, uncompressed; a ring, where pseudo-gradients are relayed, with 4-bit
+    outer gradients and error feedback): the same θ_g hash on every node after every completed
+    buffer, one final model equal to θ_g everywhere, and the stream the one Delayed Nesterov
+    replays: θ_g equals DN applied by a single process to the decoded updates in number order."""
+    topo = (mesh if kind == "mesh" else ring)(4, base_port=free_port())
+    steps = 24
+    streams: list[list[tuple[int, np.ndarray]]] = [[] for _ in topo.ids]
+
+    def setup(strats):
+        for s, out in zip(strats, streams):  # record every update each node applies, in order
+            drain = s._drain
+
+            def recording(s=s, out=out, drain=drain):
+                before = s.dn.count
+                box = dict(s.pending.get(s.stream, {})) if s.stream is not None else {}
+                drain()
+                for c in range(before, s.dn.count):
+                    out.append((c, box[c - s.base].g.copy()))
+            s._drain = recording
+
+    params, thetas, hashes, reps = await _run(topo, steps, {"inner_steps": 4, "dylu": "false"}, codec=codec,
+                                              error_feedback=feedback, setup=setup)
+    counts = {r[-1].extra["applied"] for r in reps}
+    assert len(counts) == 1, counts
+    common = set.intersection(*(set(h) for h in hashes))
+    assert len(common) >= 4, hashes  # (4 nodes, N = 4, about 6 phases each: 5-6 buffers)
+    for c in common:
+        assert len({h[c] for h in hashes}) == 1, (c, [h[c] for h in hashes])
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+    assert all(r[-1].stop for r in reps) and max(len(r) for r in reps) == steps
+    # every node applied the same updates (bitwise), and replaying them gives θ_g
+    n = counts.pop()
+    assert all([c for c, _ in st] == list(range(n)) for st in streams)
+    for st in streams[1:]:
+        assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(st, streams[0]))
+    init = make_trainer(topo, 0)
+    from tests.helpers import trainer_params
+    ref = DNState.start(np.asarray(trainer_params(init), np.float32))
+    for _, g in streams[0]:
+        apply_update(ref, g, lr=0.7, momentum=0.9, buffer=4)
+    assert ref.theta.tobytes() == thetas[0].tobytes()
+
+
+async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_nobody_waits_a_phase():
+    """Node 2 takes 4x as long per step (emulated): after its first phase it takes about a
+    quarter of the fast nodes' inner steps per phase, so it sends about as often; no node's
+    grace wait comes near a phase; the run still ends with one model."""
+    from tests.helpers import slowed_trainers
+
+    topo = mesh(3, base_port=free_port())
+    steps, H, fast_s, slow_s = 80, 8, 0.02, 0.08
+    trainers = slowed_trainers(topo, f"0:{fast_s},1:{fast_s},2:{slow_s}")
+    params, thetas, _, reps = await _run(topo, steps, {"inner_steps": H, "dylu_min_steps": 1}, trainers=trainers)
+    last = [r[-1].extra for r in reps]
+    assert all(x["h_m"] >= H - 2 for x in last[:2]) and 1 <= last[2]["h_m"] <= 3, last  # (speeds are measured)
+    assert len(reps[2]) < 0.6 * len(reps[0]), [len(r) for r in reps]
+    # the slow node contributes about as often (its first phase, before any speed is measured, is H long)
+    assert last[2]["sent"] >= 0.5 * last[0]["sent"], last
+    for x in last:
+        assert x["max_grace_s"] < 0.5 * H * fast_s, last  # nobody waits a (fast) phase
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+
+
+def _inner_state(rep):
+    async def read():
+        return (await rep.export_state())[rep.numel:]
+    return read()
+
+
+async def test_outer_applies_and_restarts_leave_adamws_state_bitwise_untouched():
+    """AdamW inner steps: restarting from θ_g after each phase (θ_g holding every update
+    applied meanwhile) and the final θ_local ← θ_g move the model, not AdamW's exp_avg,
+    exp_avg_sq or step."""
+    topo = ring(2, base_port=free_port())
+    seen: list[list[tuple[bytes, bytes, bool]]] = [[], []]
+
+    def setup(strats):
+        for s, out in zip(strats, seen):
+            rep, restart, finish = s.ctx.replica, s._restart_phase, s._finish
+
+            def wrap(fn, out=out, rep=rep):
+                async def kept(*a, **kw):
+                    before, p0 = await _inner_state(rep), await rep.get_params()
+                    got = await fn(*a, **kw)
+                    after, p1 = await _inner_state(rep), await rep.get_params()
+                    out.append((before.tobytes(), after.tobytes(), p0.tobytes() != p1.tobytes()))
+                    return got
+                return kept
+            s._restart_phase, s._finish = wrap(restart), wrap(finish)
+
+    trainers = {i: make_trainer(ring(2), i, optimizer="adamw", lr=0.01) for i in (0, 1)}
+    params, thetas, _, _ = await _run(topo, 13, {"inner_steps": 4, "dylu": "false"}, trainers=trainers, setup=setup)
+    assert params[0].tobytes() == params[1].tobytes() == thetas[0].tobytes()
+    for node, out in enumerate(seen):
+        assert len(out) >= 3, out
+        assert all(after == before for before, after, _ in out), f"node {node}: AdamW's state changed"
+        assert sum(moved for *_, moved in out[1:]) >= 2, f"node {node}: the outer applies never moved the model"
+        state = np.frombuffer(out[-1][0], np.float32)
+        assert np.any(state != 0)
+
+
+async def test_bad_options_are_refused_before_anything_starts():
+    topo = ring(2, base_port=free_port())
+    async with zmq_cluster(topo) as eps:
+        for bad, name in (({"dn_c": 0.25}, "dn_c"), ({"outer_codec": "zip"}, "outer_codec"),
+                          ({"dn_buffer": -1}, "dn_buffer"), ({"outer_momentum": 1.0}, "outer_momentum"),
+                          ({"dylu_min_steps": 0}, "dylu_min_steps"), ({"grace_s": 0}, "grace_s")):
+            with pytest.raises(ConfigError, match=name):
+                await start_strategies(eps, topo, "diloco-async", options=bad)
