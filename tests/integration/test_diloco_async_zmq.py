@@ -161,3 +161,60 @@ async def test_bad_options_are_refused_before_anything_starts():
                           ({"dylu_min_steps": 0}, "dylu_min_steps"), ({"grace_s": 0}, "grace_s")):
             with pytest.raises(ConfigError, match=name):
                 await start_strategies(eps, topo, "diloco-async", options=bad)
+
+
+async def test_a_node_killed_mid_run_leaves_survivors_with_one_model():
+    """Ring-4, node 2 crashes mid-run (``--on-failure continue``): the survivors re-form (the
+    stream of the old view is frozen, members behind adopt the leader's state, numbering
+    restarts), go on, and end with one θ_g as their model, bitwise."""
+    from tests.integration.test_leave_join_zmq import _crash, _finish, _params, _train, cluster
+
+    topo = ring(4, base_port=free_port())
+    opts = {"inner_steps": 4, "dylu": "false"}
+    async with cluster(topo, "diloco-async", options=opts) as nodes:
+        await _train(nodes, 40, warm=10)
+        before = nodes[0].strategy.ctx.epoch
+        survivors = await _crash(nodes, 2)
+        ends = await _finish(survivors)
+        params = await _params(survivors)
+        thetas = [n.strategy.dn.theta.copy() for n in survivors]
+        reforms = [int(n.strategy.regroup.synced > before) for n in survivors]  # re-formed over a newer view
+        applied = [n.strategy.dn.count for n in survivors]
+        members = [n.strategy.ctx.group for n in survivors]
+    assert all(m == (0, 1, 3) for m in members), members
+    assert all(r >= 1 for r in reforms), reforms
+    assert len(set(applied)) == 1, applied
+    assert all(t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params)
+    assert max(ends) >= 40, ends
+
+
+async def test_a_hole_in_the_stream_is_re_formed_away():
+    """A number handed out whose update never goes out (node 1's flooded sends are dropped
+    once): the others hold the updates after it for ``hole_s``, ask for a new epoch, re-form
+    and go on; every node ends with one model."""
+    from tests.integration.test_leave_join_zmq import _finish, _params, _train, cluster
+
+    topo = mesh(3, base_port=free_port())
+    opts = {"inner_steps": 3, "dylu": "false", "hole_s": 1.0, "grace_s": 0.5}
+    async with cluster(topo, "diloco-async", options=opts) as nodes:
+        lost = nodes[1].strategy
+        forward, dropped = lost.flood.forward, []
+
+        def drop_once(origin, arrays, **kw):
+            if origin == 1 and not dropped and lost.dn.count >= 3:
+                dropped.append(kw["step"])
+                return
+            forward(origin, arrays, **kw)
+        lost.flood.forward = drop_once
+        before = nodes[0].strategy.ctx.epoch
+        await _train(nodes, 30, warm=5)
+        ends = await _finish(list(nodes.values()))
+        params = await _params(list(nodes.values()))
+        epochs = [n.strategy.regroup.synced for n in nodes.values()]
+        adoptions = sum(n.strategy.adoptions for n in nodes.values())
+    assert dropped, "node 1 never sent an update to drop"
+    assert all(p.tobytes() == params[0].tobytes() for p in params)
+    assert min(epochs) > before, (before, epochs)  # a new epoch came for the hole, and the members re-formed
+    assert adoptions >= 1  # (the members that missed the update took the state of one that applied it)
+    assert max(ends) >= 30, ends
