@@ -36,7 +36,8 @@ get_strategy("ssgd")  # fills the registry
 STEPS = 40
 #: strategies whose run ends when the first worker reaches its budget (P-Reduce's controller, Canary's stop flag,
 #: the parameter-server scheduler)
-FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "canary"}
+#: (diloco-async: the first worker's stop ends the stream of pseudo-gradients on every node)
+FIRST_WORKER_STOPS = {"preduce", "bsp", "asp", "ssp", "dssp", "elastic_bsp", "canary", "diloco-async"}
 #: ``topk`` runs at its default, 1 % (the DTS paper's setting, the sparsest common one): k = 97
 #: of the MLP's 9610 entries, the sparse exchange on 4 nodes. With its (always-on) error feedback
 #: the model still learns in 40 steps (measured accuracy: ssgd 0.87, esync 0.95, asgd 0.78-0.86;
@@ -48,7 +49,7 @@ CODEC_CASES = ([(c, False) for c in sorted(CODECS)] + [("sketch8:auto", False)]
                + [(c, True) for c in sorted(CODECS) if CODECS[c].lossy and not CODECS[c].always_feedback]
                + [("e3m0:sr", False)])
 #: options a strategy needs to exchange at all within STEPS (DiLoCo's default H is 100 inner steps)
-OPTIONS = {"diloco": {"inner_steps": 10}}
+OPTIONS = {"diloco": {"inner_steps": 10}, "diloco-async": {"inner_steps": 10}}
 #: the parameter-store strategies share one codec path (the store's push pieces): ``ssp`` runs
 #: every codec case, the other four the uncompressed one (the suite's time budget)
 STORE_SHARED_CODEC = {"bsp", "asp", "dssp", "elastic_bsp"}
@@ -66,6 +67,9 @@ DILOCO_CODECS = {("e3m0", False), ("e3m0", True), ("e3m0:sr", False), ("topk", F
 #: ``e3m0 + error feedback`` runs with the strategies whose exchange feeds an outer step or a
 #: gradient average directly (the others run ``e3m0`` alone; the suite's time budget)
 E3M0_FEEDBACK = {"diloco", "ssgd"}
+#: diloco-async floods each pseudo-gradient encoded once (ASGD's path, whose codec cases run in
+#: full): its own 4-bit codec with error feedback, the sparse one and one 8-bit codec
+DILOCO_ASYNC_CODECS = {("e3m0", True), ("topk", False), ("int8", False)}
 
 
 def _codec_cases(s: str) -> list[tuple[str, bool]]:
@@ -73,6 +77,8 @@ def _codec_cases(s: str) -> list[tuple[str, bool]]:
         return [("none", False)]
     if s == "diloco":
         return [(c, f) for c, f in CODEC_CASES if (c, f) in DILOCO_CODECS]
+    if s == "diloco-async":
+        return [(c, f) for c, f in CODEC_CASES if (c, f) in DILOCO_ASYNC_CODECS]
     return [(c, f) for c, f in CODEC_CASES
             if c != "e3m0:sr" and not (c == "e3m0" and f and s not in E3M0_FEEDBACK)]
 
@@ -172,7 +178,7 @@ async def test_store_strategies_train_with_the_users_optimizer(strategy, optimiz
 
 
 #: the strategies whose local steps are the user's optimizer's own: the same optimizer axis
-USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary", "diloco")
+USER_OPTIMIZERS = [(s, o) for s in ("ssgd", "asgd", "esync", "preduce", "canary", "diloco", "diloco-async")
                    for o in ("nesterov", "adamw")]
 
 
@@ -188,7 +194,7 @@ async def test_user_optimizer_strategies_train_with_nesterov_and_adamw(strategy,
     strats = await strategies(eps, topo, strategy, max_steps=steps, trainers=trainers, options=OPTIONS.get(strategy))
     done = await asyncio.gather(*(_run_until_stop(s, steps) for s in strats))
     assert max(n for n, _ in done) == steps, done
-    if strategy in ("ssgd", "diloco"):  # one model (diloco: θ_g, at the stop)
+    if strategy in ("ssgd", "diloco", "diloco-async"):  # one model (diloco, diloco-async: θ_g, at the stop)
         params = [await s.ctx.replica.get_params() for s in strats]
         assert all(p.tobytes() == params[0].tobytes() for p in params)
     accs = [(await evaluate(s))[1] for s in strats]
