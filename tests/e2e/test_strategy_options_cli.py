@@ -23,6 +23,7 @@ BAD = {
     "esync": ("mode=fast", "mode='fast'"),
     "dts": ("t=-1", "t=-1"),
     "diloco": ("eager_delay=2", "eager_delay=2"),
+    "diloco-async": ("dn_c=0.25", "dn_c=0.25"),
     "preduce": ("P=9", "P=9"),  # more than the topology's 4 nodes: checked against the topology
     "canary": ("sketch_bits=9", "sketch_bits=9"),
     "ssp": ("s=three", "s=three"),
