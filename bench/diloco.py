@@ -28,7 +28,10 @@ evaluated step. Configurations:
 * ``hetero`` / ``hetero-dylu`` — devices 1:1:2:4 (``--slowdown``, emulated as ``--slowdown-mode``:
   ``wait`` by default, ``compute`` for slowness that really computes, ``quota`` for devices that
   really compute at their own rates, as separate devices would, root), diloco with fixed H, and
-  with ``dylu=true`` (only at the first latency).
+  with ``dylu=true`` (only at the first latency);
+* ``async`` / ``hetero-async`` — ``diloco-async`` (Delayed Nesterov with DyLU, e3m0, every node's
+  updates applied in one order as they come, no round), on equal and on 1:1:2:4 devices (run
+  only when ``--configs`` names them).
 
 "Steps waited": SSGD's steps are its blocking allreduce (``comm_s``); DTS and DiLoCo report only
 the time a step was blocked on an exchange that had not arrived (``wait_s``).
@@ -101,7 +104,10 @@ def configs(inner_steps: int, lr: float, tau: int = 1) -> list[Config]:
             Config("streaming", (*dl, "--opt", "fragments=2", "--opt", "fragment_by=flat", "--opt", f"tau={tau}",
                                  "--opt", "outer_codec=e3m0", "--opt", "outer_lr=0.4")),
             Config("hetero", (*dl, "--slowdown", HETERO), hetero=True),
-            Config("hetero-dylu", (*dl, "--opt", "dylu=true", "--slowdown", HETERO), hetero=True)]
+            Config("hetero-dylu", (*dl, "--opt", "dylu=true", "--slowdown", HETERO), hetero=True),
+            Config("async", ("--strategy", "diloco-async", *h, *adamw, "--opt", "outer_codec=e3m0")),
+            Config("hetero-async", ("--strategy", "diloco-async", *h, *adamw, "--opt", "outer_codec=e3m0",
+                                    "--slowdown", HETERO), hetero=True)]
 
 
 @dataclass(frozen=True)
@@ -371,7 +377,7 @@ def plot(rows: Sequence[Row]) -> Path:
 
 
 #: configurations run only when ``--configs`` names them
-OPTIONAL = ("diloco-e3m0-sr", "diloco-e3m0-ring")
+OPTIONAL = ("diloco-e3m0-sr", "diloco-e3m0-ring", "async", "hetero-async")
 #: the defaults of the options left unset, by workload: a language model (the real workload:
 #: from a pretrained model, H = 20 so that a short run holds enough outer steps, tau sized to a
 #: 200 ms ring's exchange, and real compute for the slower devices) or the digits MLP
