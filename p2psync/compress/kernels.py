@@ -479,6 +479,20 @@ def auto_bits_np(s: np.ndarray, lo: float, hi: float, hybrid: bool, mid: bool, t
 # -- e3m0: 4-bit floats (sign, 3 exponent bits, no mantissa) with one scale per block ------------
 
 @njit(cache=True, nogil=True)
+def _block_scale(x: np.ndarray, lo: int, hi: int) -> np.float32:
+    """An e3m0 block's scale: the largest magnitude of ``x[lo:hi]`` (float32), or -1 when the
+    block holds NaN or infinity."""
+    s = np.float32(0.0)
+    for i in range(lo, hi):
+        a = abs(x[i])
+        if not a <= np.float32(np.inf) or a == np.float32(np.inf):  # NaN or infinity
+            return np.float32(-1.0)
+        if a > s:
+            s = a
+    return s
+
+
+@njit(cache=True, nogil=True)
 def e3m0_encode(x: np.ndarray, block: int, codes: np.ndarray, scales: np.ndarray) -> bool:
     """Codes (two per byte, element 2j in the low nibble) and block scales (the block's largest
     magnitude) of float32 ``x``; ``codes`` zeroed, ceil(n/2) bytes; ``scales`` ceil(n/block).
@@ -491,13 +505,9 @@ def e3m0_encode(x: np.ndarray, block: int, codes: np.ndarray, scales: np.ndarray
     for b in range(nb):
         lo = b * block
         hi = min(n, lo + block)
-        s = np.float32(0.0)
-        for i in range(lo, hi):
-            a = abs(x[i])
-            if not a <= np.float32(np.inf) or a == np.float32(np.inf):  # NaN or infinity
-                return False
-            if a > s:
-                s = a
+        s = _block_scale(x, lo, hi)
+        if s < 0:  # NaN or infinity
+            return False
         scales[b] = s
         if s == 0:
             continue
@@ -616,13 +626,9 @@ def e3m0_encode_sr(x: np.ndarray, block: int, salt: np.uint64, codes: np.ndarray
     for b in range(nb):
         lo = b * block
         hi = min(n, lo + block)
-        s = np.float32(0.0)
-        for i in range(lo, hi):
-            a = abs(x[i])
-            if not a <= np.float32(np.inf) or a == np.float32(np.inf):  # NaN or infinity
-                return False
-            if a > s:
-                s = a
+        s = _block_scale(x, lo, hi)
+        if s < 0:  # NaN or infinity
+            return False
         scales[b] = s
     w = x.view(np.uint32)
     half = n >> 1

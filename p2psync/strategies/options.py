@@ -26,6 +26,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin
 
+from p2psync.compress import get_codec
 from p2psync.errors import ConfigError
 
 O = TypeVar("O", bound="StrategyOptions")
@@ -74,15 +75,40 @@ def _convert(name: str, value: Any, typ: Any) -> Any:
         raise ConfigError(f"--opt {name}={value}: expected {typ.__name__}") from None
 
 
+#: the words a boolean option reads as true, and as false
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _parse_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
     text = str(v).strip().lower()
-    if text in ("1", "true", "yes", "on"):
+    if text in TRUE_WORDS:
         return True
-    if text in ("0", "false", "no", "off"):
+    if text in FALSE_WORDS:
         return False
     raise ValueError(text)
+
+
+def tri_state(text: str) -> bool | None:
+    """A text option that is true, false, or empty for the run's own setting (None)."""
+    v = text.strip().lower()
+    return None if not v else v in TRUE_WORDS
+
+
+def check_outer_codec(opts: StrategyOptions, outer_codec: str, error_feedback: str) -> None:
+    """The checks of a strategy's ``outer_codec`` option (a codec spec, empty: the run's
+    ``--codec``) and its ``error_feedback`` option (true, false, or empty: the run's
+    ``--error-feedback``), the values of those two options of ``opts``: ConfigError naming
+    the option."""
+    require(error_feedback.strip().lower() in ("", *TRUE_WORDS, *FALSE_WORDS), opts, "error_feedback",
+            "true or false (empty: the run's --error-feedback)")
+    if outer_codec:
+        try:
+            get_codec(outer_codec)
+        except ConfigError as exc:
+            raise ConfigError(f"--opt outer_codec={outer_codec}: {exc}") from None
 
 
 def require(ok: bool, opts: StrategyOptions, name: str, rule: str) -> None:
@@ -105,4 +131,5 @@ def non_negative(opts: StrategyOptions, *names: str) -> None:
         require(v >= 0, opts, n, "must be >= 0")
 
 
-__all__ = ["StrategyOptions", "build_options", "non_negative", "option", "positive", "require"]
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "StrategyOptions", "build_options", "check_outer_codec", "non_negative",
+           "option", "positive", "require", "tri_state"]

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2psync.compress import get_codec
-from p2psync.errors import ConfigError
-from p2psync.strategies.options import StrategyOptions, non_negative, option, positive, require
+from p2psync.strategies.options import (StrategyOptions, check_outer_codec, non_negative, option, positive, require,
+                                        tri_state)
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -60,19 +57,12 @@ class DilocoAsyncOptions(StrategyOptions):
         require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
         positive(self, "grace_s", "send_timeout")
         non_negative(self, "hole_s")
-        require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
-                "true or false (empty: the run's --error-feedback)")
-        if self.outer_codec:
-            try:
-                get_codec(self.outer_codec)
-            except ConfigError as exc:
-                raise ConfigError(f"--opt outer_codec={self.outer_codec}: {exc}") from None
+        check_outer_codec(self, self.outer_codec, self.error_feedback)
 
     @property
     def feedback(self) -> bool | None:
         """The error_feedback option: True, False, or None (the run's setting)."""
-        v = self.error_feedback.strip().lower()
-        return None if not v else v in _TRUE
+        return tri_state(self.error_feedback)
 
 
 __all__ = ["DilocoAsyncOptions"]

@@ -43,12 +43,10 @@ from typing import Literal
 from p2psync.collectives.plan import ALGOS
 from p2psync.compress import TopK, get_codec
 from p2psync.errors import ConfigError
-from p2psync.strategies.options import StrategyOptions, option, positive, require
+from p2psync.strategies.options import StrategyOptions, check_outer_codec, option, positive, require, tri_state
 
-_TRUE = ("1", "true", "yes", "on")
 #: where P_total = fragments + 1 comes from (fragment_by=blocks)
 _EXTRA = "with fragment_by=blocks they form one more fragment: embeddings, final norm, output layer"
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -107,15 +105,9 @@ class DilocoOptions(StrategyOptions):
         require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
         require(self.dylu or self.dylu_min_steps == 5, self, "dylu_min_steps", "only with dylu=true")
         require(not (self.dylu and self.eager), self, "dylu", "not with eager")
-        require(self.error_feedback.strip().lower() in ("", *_TRUE, *_FALSE), self, "error_feedback",
-                "true or false (empty: the run's --error-feedback)")
         require(self.outer_collective in ("", *ALGOS), self, "outer_collective",
                 f"one of {', '.join(ALGOS)} (empty: direct for a lossy outer codec, else --collective)")
-        if self.outer_codec:
-            try:
-                get_codec(self.outer_codec)
-            except ConfigError as exc:
-                raise ConfigError(f"--opt outer_codec={self.outer_codec}: {exc}") from None
+        check_outer_codec(self, self.outer_codec, self.error_feedback)
 
     def part_counts(self) -> tuple[int, ...]:
         """The numbers of fragments synchronized in turn (P_total) these options can give before
@@ -163,8 +155,7 @@ class DilocoOptions(StrategyOptions):
     @property
     def feedback(self) -> bool | None:
         """The error_feedback option: True, False, or None (the run's setting)."""
-        v = self.error_feedback.strip().lower()
-        return None if not v else v in _TRUE
+        return tri_state(self.error_feedback)
 
 
 __all__ = ["DilocoOptions"]
