@@ -112,6 +112,8 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_nobody_waits_a_phase
     assert last[2]["sent"] >= 0.5 * last[0]["sent"], last
     for x in last:
         assert x["max_grace_s"] < 0.5 * H * fast_s, last  # nobody waits a (fast) phase
+    for r, x in zip(reps, last):  # each step reports its own wait (the driver sums them), not the total so far
+        assert abs(sum(rep.wait_s for rep in r) - x["grace_wait_s"]) < 1e-4, (x, [rep.wait_s for rep in r])
     assert all(p.tobytes() == thetas[0].tobytes() for p in params)
 
 

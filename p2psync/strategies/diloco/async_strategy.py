@@ -483,7 +483,7 @@ class DilocoAsync(Strategy):
         if dn is None:
             raise ConfigError("diloco-async: train_step before start")
         if dn.stop:  # (the stream ended at another node's stop: this node's local work is dropped)
-            return await self._finish(self.last_loss, t0, clock.now() - t0)
+            return await self._finish(self.last_loss, t0, clock.now() - t0, 0.0)
         wait = clock.now() - t0
         tc = clock.now()
         try:
@@ -497,6 +497,7 @@ class DilocoAsync(Strategy):
         self.last_loss = loss
         self.phase += 1
         stop = want_stop or (self.ctx.max_steps is not None and step + 1 >= self.ctx.max_steps)
+        waited = 0.0  # this step's grace wait
         if not dn.stop and (stop or self.phase >= self.h_m):
             await self._send(stop)
             self.stop_sent = self.stop_sent or stop
@@ -511,8 +512,8 @@ class DilocoAsync(Strategy):
             if self.dn is not None and not self.dn.stop:
                 await self._restart_phase()
         if self.dn is not None and self.dn.stop:
-            return await self._finish(loss, t0, wait + clock.now() - t1)
-        return self._report(loss, False, wait + clock.now() - t1)
+            return await self._finish(loss, t0, wait + clock.now() - t1, waited)
+        return self._report(loss, False, wait + clock.now() - t1, waited)
 
     async def _await_stop(self) -> None:
         """This node sent the stop: wait until the stream ends (its update, or another's stop
@@ -529,8 +530,9 @@ class DilocoAsync(Strategy):
             await self._wait_applied(1.0)
             self._check_hole()
 
-    async def _finish(self, loss: float, t0: float, wait: float) -> StepReport:
-        """The stream ended: check that every member holds the same θ_g, θ_local ← θ_g, stop."""
+    async def _finish(self, loss: float, t0: float, wait: float, grace: float) -> StepReport:
+        """The stream ended: check that every member holds the same θ_g, θ_local ← θ_g, stop
+        (``wait``, ``grace``: this step's, as :meth:`_report`)."""
         while True:
             dn = self.dn
             if dn is None:
@@ -555,14 +557,17 @@ class DilocoAsync(Strategy):
             raise ConfigError("diloco-async: no state")
         await self.ctx.replica.set_params(self.dn.theta.copy())
         self.theta_start = self.dn.theta.copy()
-        return self._report(loss, True, wait)
+        return self._report(loss, True, wait, grace)
 
-    def _report(self, loss: float, stop: bool, wait: float) -> StepReport:
+    def _report(self, loss: float, stop: bool, wait: float, grace: float) -> StepReport:
+        """This step's report: ``wait``, its seconds outside the inner step (``comm_s``);
+        ``grace``, its seconds waiting for its own update to be applied (``wait_s``: per step,
+        as the driver sums them; the total is ``grace_wait_s``)."""
         dn = self.dn
-        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=self.grace_wait_s, extra={
+        return StepReport(loss=loss, stop=stop, comm_s=wait, wait_s=grace, extra={
             "applied": 0 if dn is None else dn.count, "buffers": self.buffers, "h_m": self.h_m,
             "speed": round(self.speed, 3), "sent": self.sent, "late": self.late,
-            "max_grace_s": round(self.max_grace_s, 4), "stale": self.stale, "duplicates": self.duplicates,
+            "max_grace_s": round(self.max_grace_s, 4), "grace_wait_s": round(self.grace_wait_s, 4), "stale": self.stale, "duplicates": self.duplicates,
             "dropped_own": self.dropped_own, "dropped_sends": self.flood.dropped, "adoptions": self.adoptions,
             "reforms": self.regroup.reformations, "members": len(self.ctx.group)})
 
