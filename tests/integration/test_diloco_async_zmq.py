@@ -95,6 +95,33 @@ async def test_theta_g_hashes_agree_after_every_buffer_and_every_node_ends_with_
     assert ref.theta.tobytes() == thetas[0].tobytes()
 
 
+async def test_nodes_that_finish_together_restart_from_one_theta_g_as_synchronous_diloco_does():
+    """The grace period (the paper's Alg. 2): equal nodes finish a phase together, and each
+    restarts only once the buffer that holds its update is complete, so every node's k-th phase
+    starts from the same θ_g, the one after k momentum steps (synchronous DiLoCo's outer step
+    k). Waiting only for its own update let the first node of a buffer restart from θ_g with
+    that update alone."""
+    topo = mesh(3, base_port=free_port())
+    starts: list[list[bytes]] = [[] for _ in topo.ids]
+
+    def setup(strats):
+        for s, out in zip(strats, starts):
+            restart = s._restart_phase
+
+            async def recording(s=s, out=out, restart=restart):
+                await restart()
+                out.append(s.theta_start.tobytes())
+            s._restart_phase = recording
+
+    # a merge window far longer than any phase: how long a loaded machine takes does not matter
+    _, thetas, _, reps = await _run(topo, 20, {"inner_steps": 4, "dylu": "false", "merge_s": 30.0}, setup=setup)
+    phases = min(len(st) for st in starts)
+    assert phases >= 4, [len(st) for st in starts]
+    for k in range(phases):
+        assert len({st[k] for st in starts}) == 1, k  # one θ_g at every phase start
+    assert [r[-1].extra["buffers"] for r in reps] == [reps[0][-1].extra["buffers"]] * 3
+
+
 async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_nobody_waits_a_phase():
     """Node 2 takes 4x as long per step (emulated): after its first phase it takes about a
     quarter of the fast nodes' inner steps per phase, so it sends about as often; no node's

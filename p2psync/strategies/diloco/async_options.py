@@ -11,7 +11,10 @@
   the arrival order, spec E8);
 * ``dylu`` (true), ``dylu_min_steps`` (5; a node never takes more than ``inner_steps``);
 * ``grace_s`` (5.0): how long a node that sent its pseudo-gradient waits for every update up to
-  its own to be applied before it restarts from θ_g as it stands (the paper's grace period);
+  its own to be applied before it restarts from θ_g as it stands;
+* ``merge_s`` (0: a quarter of the node's phase just ended): how long it then waits for the rest
+  of the buffer that holds its update (the paper's grace period: nodes that finish together
+  restart from one θ_g);
 * ``hole_s`` (0: the peer timeout): how long a missing update may hold up the updates numbered
   after it before the members re-form (a number handed out but never delivered);
 * ``send_timeout`` (5.0): seconds before a flooded send to a silent peer is dropped;
@@ -41,6 +44,7 @@ class DilocoAsyncOptions(StrategyOptions):
     dylu: bool = option(True, "Dynamic Local Updates: inner steps per phase proportional to the node's speed")
     dylu_min_steps: int = option(5, "with dylu: the fewest inner steps a node takes per phase")
     grace_s: float = option(5.0, "seconds a node waits for the updates up to its own before it restarts")
+    merge_s: float = option(0.0, "seconds it then waits for the rest of its buffer (0: a quarter of its phase)")
     hole_s: float = option(0.0, "seconds a missing update may hold up the stream before the members re-form "
                                 "(0: the peer timeout)")
     send_timeout: float = option(5.0, "seconds before a flooded send to a silent peer is dropped")
@@ -56,7 +60,7 @@ class DilocoAsyncOptions(StrategyOptions):
                 "in which its updates arrive")
         require(self.dylu_min_steps >= 1, self, "dylu_min_steps", "must be a whole number >= 1")
         positive(self, "grace_s", "send_timeout")
-        non_negative(self, "hole_s")
+        non_negative(self, "hole_s", "merge_s")
         check_outer_codec(self, self.outer_codec, self.error_feedback)
 
     @property

@@ -21,10 +21,19 @@ sum, the counters) and applies the same stream of updates:
   floods the bytes down a BFS tree of the live members (:mod:`~p2psync.strategies.flood`, shared
   with ASGD); relays forward them unchanged.
 * **Grace.** After sending, a node waits until every update up to and including its own is
-  applied, at most ``grace_s``, then restarts from θ_g as it stands (if the wait ran out, its
-  own update comes later; its next g is measured from the θ_g it restarted from, as the
-  paper's workers do). With DyLU every node's phase lasts about as long, so nobody waits a
-  phase.
+  applied (at most ``grace_s``), then for the rest of the buffer that holds its own (its
+  momentum step; at most ``merge_s``, by default a quarter of the phase it just ended), then
+  restarts from θ_g as it stands (what was not applied by then comes later; its next g is
+  measured from the θ_g it restarted from, as the paper's workers do). The second wait is the
+  paper's grace period (Alg. 2: a worker that finishes shortly after another is merged before
+  both restart from the same server model): nodes that finish together restart from one θ_g,
+  and with one update per node per buffer the run is synchronous DiLoCo's, outer step for
+  outer step, while a node far from finishing holds nobody longer than the merge window.
+  Waiting only for the numbers below its own (the spec's reading, §3.9.2) let the first node
+  of a buffer restart from θ_g with its own update alone, without the others' nor the
+  momentum step: measured on lm-tiny, ring-4, H = 20, 200 steps, val_bpb 4.32 against
+  synchronous DiLoCo's 3.74. With DyLU every node's phase lasts about as long, so nobody
+  waits a phase.
 * **DyLU.** Every update carries its sender's measured inner-step speed (EMA of compute
   seconds per step); at each phase start a node takes
   H_m = max(dylu_min_steps, ⌊v_m / max v · H⌋) inner steps.
@@ -154,12 +163,15 @@ class DilocoAsync(Strategy):
         self._applied = asyncio.Event()
         #: this node's update waiting to be applied: (stream, number)
         self.own: tuple[tuple[int, int], int] | None = None
+        #: buffers completed before this node's latest update was applied (None: not applied yet)
+        self.own_buffers: int | None = None
         self.requests = 0
         #: since when a missing number has held up later ones; the epoch a redo was asked for
         self.hole_since: float | None = None
         self.redo_asked = -1
-        #: this node's inner steps in the phase, the phase's length, speeds (steps/s)
+        #: this node's inner steps in the phase, when it began, the phase's length, speeds (steps/s)
         self.phase = 0
+        self.phase_t0 = clock.now()
         self.h_m = self.opts.inner_steps
         self.speed = 0.0
         self.measured = 0
@@ -324,6 +336,8 @@ class DilocoAsync(Strategy):
         o = self.opts
         while (k := dn.count - self.base) in box:
             u = box.pop(k)
+            if self.own is not None and self.own == (key, k):
+                self.own_buffers = self.buffers  # its buffer is complete once a buffer completes from here on
             if apply_update(dn, u.g, lr=o.outer_lr, momentum=o.outer_momentum, buffer=self.n_buffer):
                 self.buffers += 1
                 self.hashes[dn.count] = digest(dn.theta)
@@ -391,6 +405,7 @@ class DilocoAsync(Strategy):
         if params.tobytes() != self.theta_start.tobytes():
             await self.ctx.replica.set_params(self.theta_start.copy())
         self.phase = 0
+        self.phase_t0 = clock.now()
         if self.opts.dylu:
             members = set(self.failure.view().members)
             self.h_m = dylu_steps(self.speed, [v for n, v in self.speeds.items() if n in members],
@@ -441,6 +456,7 @@ class DilocoAsync(Strategy):
         me = self.ctx.node_id
         self.pending.setdefault(key, {})[k] = Update(me, dec, stop)
         self.own = (key, k)
+        self.own_buffers = None
         meta = {"origin": me, "epoch": key[0], "coord": key[1], "stop": stop, "speed": float(self.speed)}
         self.flood.forward(me, enc, step=k, meta=meta, codec=self.codec.name)
         self.sent += 1
@@ -454,12 +470,25 @@ class DilocoAsync(Strategy):
             return True  # dropped by a re-form
         return dn.count - self.base > own[1]
 
-    async def _wait_applied(self, seconds: float) -> bool:
-        """Wait until this node's own update is applied (or the stream ended, or a newer
-        view came), at most ``seconds``; whether it is done."""
+    def _merged(self) -> bool:
+        """This node's own update is applied and so is the rest of its buffer (the momentum
+        step that completes it), or the stream ended or re-formed: what a phase restarts
+        after, within the grace."""
+        if not self._own_done():
+            return False
+        dn, own = self.dn, self.own
+        if dn is None or dn.stop or own is None or own[0] != self.stream or self.own_buffers is None:
+            return True
+        return self.buffers > self.own_buffers
+
+    async def _wait_applied(self, seconds: float, *, merged: bool = False) -> bool:
+        """Wait until this node's own update is applied (``merged``: and the rest of its buffer,
+        :meth:`_merged`), or the stream ended, or a newer view came, at most ``seconds``;
+        whether it is done."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while not self._own_done():
+        done = self._merged if merged else self._own_done
+        while not done():
             if not self._in_sync():
                 return False
             self._check_hole()
@@ -502,8 +531,11 @@ class DilocoAsync(Strategy):
             await self._send(stop)
             self.stop_sent = self.stop_sent or stop
             tg = clock.now()
+            merge = self.opts.merge_s or 0.25 * (tg - self.phase_t0)  # (tg: the phase's end)
             if not await self._wait_applied(self.opts.grace_s):
                 self.late += 1
+            else:
+                await self._wait_applied(merge, merged=True)
             waited = clock.now() - tg
             self.grace_wait_s += waited
             self.max_grace_s = max(self.max_grace_s, waited)
