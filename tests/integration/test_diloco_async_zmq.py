@@ -2,7 +2,12 @@
 numbered stream of pseudo-gradients, so θ_g hashes the same on every node after every completed
 buffer and every node ends with one model; DyLU gives a slow node fewer inner steps per phase and
 nobody waits a phase; AdamW's state is untouched by the outer applies; a node killed mid-run
-leaves survivors with one model; bad options are refused before anything starts."""
+leaves survivors with one model; bad options are refused before anything starts.
+
+A joiner (a crashed node's new process): it adopts, at its join, the packed DN state (θ_g, the
+momentum, the buffer's sum, the counters) bitwise as a survivor gave it, starts its model from
+that θ_g, continues at the giver's loop step (so ``--steps`` is the run's budget, not a fresh
+one), trains, and the run ends with one model on every node."""
 
 from __future__ import annotations
 
@@ -247,3 +252,71 @@ async def test_a_hole_in_the_stream_is_re_formed_away():
     assert min(epochs) > before, (before, epochs)  # a new epoch came for the hole, and the members re-formed
     assert adoptions >= 1  # (the members that missed the update took the state of one that applied it)
     assert max(ends) >= 30, ends
+
+
+async def test_a_restarted_node_adopts_the_leaders_state_continues_at_its_step_and_ends_with_one_model(monkeypatch):
+    """Ring-4, node 3 crashes and a new process of it joins the run going on: at the join it
+    adopts the state the leader gave (θ_g, the momentum, the buffer's sum and the counters,
+    bitwise, as the leader held them when it gave them), its model starts from that θ_g, its
+    loop continues at the leader's step (not at 0: its step budget is the run's), it trains
+    and sends updates of its own, and every node ends with one model (θ_g, bitwise)."""
+    from p2psync.strategies.diloco.async_strategy import DilocoAsync
+    from p2psync.strategies.diloco.dn import pack
+    from tests.helpers import until
+    from tests.integration.test_leave_join_zmq import Node, _crash, _finish, _params, _train, cluster
+
+    restored: list[tuple[int, bool, bytes, bytes]] = []  # (node, joining, its DN state, θ_g) as each adoption left them
+    restore = DilocoAsync._restore
+
+    async def keep_restored(self, vec):
+        await restore(self, vec)
+        restored.append((self.ctx.node_id, self.ctx.joining, pack(self.dn).tobytes(), self.dn.theta.tobytes()))
+    monkeypatch.setattr(DilocoAsync, "_restore", keep_restored)  # (a Regroup takes the bound method when built)
+    topo = ring(4, base_port=free_port())
+    opts = {"inner_steps": 4, "dylu": "false"}
+    async with cluster(topo, "diloco-async", options=opts) as nodes:
+        given: list[tuple[int, bytes, int]] = []  # (giver, its packed DN state, its step) per snapshot given
+        for n in (nodes[i] for i in (0, 1, 2)):
+            snapshot = n.strategy._snapshot
+
+            async def keep(n=n, snapshot=snapshot):
+                s = n.strategy
+                held = (n.id, pack(s.dn).tobytes(), s.step)
+                vec = await snapshot()
+                given.append(held)
+                return vec
+            n.strategy.regroup.snapshot = keep
+        joiner = Node(topo, 3, "diloco-async", options=opts)
+        steps = 200
+        await _train(nodes, steps, warm=12)
+        survivors = await _crash(nodes, 3)
+        await until(lambda: all(n.strategy.regroup.synced is not None and n.strategy.ctx.group == (0, 1, 2)
+                                for n in survivors), 30, "the survivors to re-form")
+        crashed_at = min(n.step for n in survivors)  # (every survivor's step grows from here)
+        try:
+            await joiner.restart()
+            js = joiner.strategy
+            assert js.ctx.joining and js.adoptions == 1
+            mine = [r for r in restored if r[0] == 3 and r[1]]
+            assert len(mine) == 1, [r[:2] for r in restored]
+            _, _, got, theta = mine[0]
+            leader = [g for g in given if g[1] == got]
+            assert leader, "the joiner's state is not one a member gave"
+            _, _, lead_step = leader[-1]
+            assert js.start_step == joiner.step == lead_step >= crashed_at > 0
+            assert js.theta_start is not None and js.theta_start.tobytes() == theta
+            assert (await js.ctx.replica.get_params()).tobytes() == theta  # θ_local ← θ_g
+            joiner.go(steps)
+            group = [*survivors, joiner]
+            ends = await _finish(group)
+            params = await _params(group)
+            thetas = [n.strategy.dn.theta.copy() for n in group]
+            counts = [n.strategy.dn.count for n in group]
+            sent, first = js.sent, joiner.reports[0]
+        finally:
+            await joiner.close()
+    assert all(p.tobytes() == thetas[0].tobytes() for p in params) and all(
+        t.tobytes() == thetas[0].tobytes() for t in thetas)
+    assert len(set(counts)) == 1, counts
+    assert sent >= 1 and first["adoptions"] == 1
+    assert max(ends) >= steps and ends[-1] <= steps, ends  # the joiner's budget is the run's: it ends by step 200

@@ -45,7 +45,9 @@ updates each applied, and every member behind adopts the state (θ_g, m, buffer,
 stop) of the lowest-id member that applied the most, then numbering restarts at 0 over the new
 view. Updates of the old view not in that state are dropped, like the paper's late updates
 (a node's own local work is kept: its next g still measures it from its θ_start). A joiner
-adopts the same state and starts from θ_g. A number handed out but never delivered (its sender
+adopts the same state, starts from θ_g and continues at the leader's loop step (the state it
+adopts carries it: :data:`STEP_SLOTS`), so a step budget (``--steps``) is the run's, not a fresh
+one; a member behind keeps its own step. A number handed out but never delivered (its sender
 died after asking, or a send was dropped) holds up the numbers after it; after ``hole_s``
 (default the peer timeout) the node that waits asks the coordinator for a new epoch over the
 same members (``request_redo``), and the re-form above resolves it. With ``--on-failure stop``
@@ -106,6 +108,8 @@ TAG = "dlasync-g"
 NAME = "diloco-async"
 #: θ_g hashes kept per node after completed buffers (tests and metrics)
 KEEP_HASHES = 256
+#: float32 slots after the packed DN state in what a member behind adopts: the giver's loop step
+STEP_SLOTS = 2
 
 
 def digest(theta: np.ndarray) -> int:
@@ -141,7 +145,7 @@ class DilocoAsync(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.regroup = Regroup(ctx=ctx, name="dlasync", snapshot=self._snapshot, restore=self._restore,
-                               size=lambda: state_size(ctx.replica.numel))
+                               size=lambda: state_size(ctx.replica.numel) + STEP_SLOTS)
         self.failure: FailurePolicy = self.regroup.failure
         self.codec = get_codec(self.opts.outer_codec or ctx.collectives.codec)
         fb = self.opts.feedback
@@ -178,6 +182,10 @@ class DilocoAsync(Strategy):
         self.speeds: dict[int, float] = {}
         self.stop_sent = False
         self.started = False
+        #: the loop's step this node is at (the one running, or the next): what a joiner continues at
+        self.step = 0
+        #: the step of the member whose state this node adopted last (None: it adopted none)
+        self.adopted_step: int | None = None
         #: the loss of this node's latest inner step (what a step that only stops reports)
         self.last_loss = float("nan")
         #: counts for the step reports
@@ -202,12 +210,16 @@ class DilocoAsync(Strategy):
     # -- the state a member behind adopts -----------------------------------------------
 
     async def _snapshot(self) -> np.ndarray:
+        """:func:`~.dn.pack` of the DN state, then this node's loop step (a float64 in
+        :data:`STEP_SLOTS` float32 slots, exact): a joiner continues at it."""
         if self.dn is None:
             raise ConfigError("diloco-async: no state yet")
-        return pack(self.dn)
+        return np.concatenate([pack(self.dn), np.array([self.step], np.float64).view(np.float32)])
 
     async def _restore(self, vec: np.ndarray) -> None:
-        self.dn = unpack(vec, self.ctx.replica.numel)
+        n = state_size(self.ctx.replica.numel)
+        self.dn = unpack(vec[:n], self.ctx.replica.numel)
+        self.adopted_step = int(np.array(vec[n:n + STEP_SLOTS], np.float32).view(np.float64)[0])
         self.adoptions += 1
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -220,10 +232,15 @@ class DilocoAsync(Strategy):
         self._rx.spawn(self._receive())
         if self.ctx.joining:
             await self.regroup.join()
+            if self.adopted_step is None:
+                raise PeerFailure("diloco-async: joined but no member gave its state")
+            # the leader's position: its budget (--steps) is the others', not a fresh one
+            self.start_step = self.step = self.adopted_step
             await self._restart_phase()
             self._open_stream()
             self.started = True
-            log.info("node %d: joins diloco-async at update %d", self.ctx.node_id, self.dn.count)
+            log.info("node %d: joins diloco-async at update %d, step %d", self.ctx.node_id, self.dn.count,
+                     self.start_step)
 
     async def close(self) -> None:
         await self._rx.close()
@@ -504,6 +521,7 @@ class DilocoAsync(Strategy):
 
     async def train_step(self, step: int, want_stop: bool) -> StepReport:
         t0 = clock.now()
+        self.step = step
         if not self.started:
             await self._begin()
         await self._sync()
