@@ -70,6 +70,16 @@ member behind at the stop adopts the leader's state through the re-form). Module
 
 Memory: θ_g, m, the buffer sum and θ_start (4n float32 on the host), plus the updates received
 ahead of a missing number.
+
+Checkpoints (``state_dict``): the packed DN state (θ_g, m, the buffer, the counters), θ_start,
+the phase's position and H_m; a resumed node logs the restored state's digests and re-forms at
+its first step (a member whose checkpoint applied fewer updates adopts the leader's state;
+updates in flight when it was taken are dropped). A resume needs every node's checkpoint of one
+step (replicas differ between the updates, so :mod:`p2psync.api.start` refuses mixed steps), and
+nodes stop wherever the stop finds them: after a finished run their latest checkpoints may be of
+different steps. A resumed run is not bitwise equal to the uninterrupted one: the order of the
+updates is the sequencer's, a race, and no two runs are bitwise equal
+(tests/e2e/test_diloco_async_cli.py).
 """
 
 from __future__ import annotations
@@ -643,11 +653,14 @@ class DilocoAsync(Strategy):
         if list(state.get("settings", [])) != self._settings():
             raise ConfigError("diloco-async: the checkpoint was taken with other settings (outer_lr, outer_momentum "
                               "or dn_buffer differ)")
-        self.dn = unpack(np.asarray(state["dn"].numpy(), np.float32), self.ctx.replica.numel)
+        vec = np.asarray(state["dn"].numpy(), np.float32)
+        self.dn = unpack(vec, self.ctx.replica.numel)
         self.theta_start = np.asarray(state["theta_start"].numpy(), np.float32).copy()
         self.phase, self.h_m = int(state["phase"]), int(state["h_m"])
         self.started = True
         self.stream = None  # re-form at the next step (under the stop policy: open it there)
+        log.warning("node %d: diloco-async state restored at update %d (state %016x, theta_start %016x)",
+                    self.ctx.node_id, self.dn.count, digest(pack(self.dn)), digest(self.theta_start))
 
 
 __all__ = ["DilocoAsync", "DilocoAsyncOptions", "digest"]
