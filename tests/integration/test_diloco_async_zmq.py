@@ -130,7 +130,7 @@ async def test_nodes_that_finish_together_restart_from_one_theta_g_as_synchronou
 async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_nobody_waits_a_phase():
     """Node 2 takes 4x as long per step (emulated): after its first phase it takes about a
     quarter of the fast nodes' inner steps per phase, so it sends about as often; no node's
-    grace wait comes near a phase; the run still ends with one model."""
+    grace wait comes near a phase of its own; the run still ends with one model."""
     from tests.helpers import slowed_trainers
 
     topo = mesh(3, base_port=free_port())
@@ -142,8 +142,8 @@ async def test_dylu_gives_a_slow_node_fewer_inner_steps_and_nobody_waits_a_phase
     assert len(reps[2]) < 0.6 * len(reps[0]), [len(r) for r in reps]
     # the slow node contributes about as often (its first phase, before any speed is measured, is H long)
     assert last[2]["sent"] >= 0.5 * last[0]["sent"], last
-    for x in last:
-        assert x["max_grace_s"] < 0.5 * H * fast_s, last  # nobody waits a (fast) phase
+    for i, x in enumerate(last):  # nobody waits half a phase of its own (the merge window is a quarter of one)
+        assert x["max_grace_s"] < 0.5 * H * (slow_s if i == 2 else fast_s), last
     for r, x in zip(reps, last):  # each step reports its own wait (the driver sums them), not the total so far
         assert abs(sum(rep.wait_s for rep in r) - x["grace_wait_s"]) < 1e-4, (x, [rep.wait_s for rep in r])
     assert all(p.tobytes() == thetas[0].tobytes() for p in params)
