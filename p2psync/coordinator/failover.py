@@ -33,19 +33,6 @@ rules above would keep (:func:`gone_judged`).
 The probe costs a takeover that removes nodes :meth:`CoordinatorHost.probe_wait` (a quarter
 of a heartbeat interval at least), within the detection bound.
 
-Confirmed lead before a join. A coordinator replaced while it could not run (paused, cut off)
-does not know it until it hears of the newer term, and its own bookkeeping cannot tell it: a
-paused process credits its detectors with the pause, and on resuming reads what queued
-meanwhile, sent before its members deposed it. A joiner it admitted would apply a view that
-the run's members never apply, and be fenced once it learnt of the newer one. So before it
-admits a joiner it asks the members of its agreed view (:meth:`CoordinatorHost.confirm_lead`):
-it admits it only when a majority of them answer that they applied no newer view and voted in,
-or heard of, no term above its own (:func:`lead_confirmed`); a newer view makes it ask the run
-for its view (it is deposed or fenced), a newer term starts its re-election above it, and the
-joiner is told ``NotCoordinator`` and asks again (where the run is now). A coordinator that
-merely heard of a higher term but is confirmed (a cut-off node's vote request or probe) admits
-the joiner: nobody can have won that term without the votes of some of those that confirmed.
-
 Re-election above a higher term. A node cut off from the majority (a partition's minority side)
 deposes the coordinator it cannot hear and votes, or runs, in a new term; having voted there, it
 applies no view of a lower term (:meth:`Succession.accepts`), so after the heal it could never
@@ -214,40 +201,6 @@ def may_win(me: int, voters: Collection[int], mine: tuple[int, int],
     return holds_majority(may, voters)
 
 
-#: a member's answer to a coordinator's check that it still coordinates
-#: (:meth:`CoordinatorHost.confirm_lead`): the key (term, epoch) of the view it answered with
-#: (None: it has none newer than the coordinator's), and the highest term it voted in or heard of
-#: (``MembershipClient.seen_term``)
-LeadAnswer = tuple[tuple[int, int] | None, int]
-
-
-def outranks(answer: LeadAnswer, key: tuple[int, int]) -> bool:
-    """Whether a member's ``answer`` shows that a coordinator whose view has ``key`` may have been
-    replaced: the member applied a newer view, or voted in (or heard of, or deposed this
-    coordinator into) a term above the view's. Pure."""
-    view, seen = answer
-    return (view is not None and view > key) or seen > key[0]
-
-
-def lead_confirmed(me: int, voters: Collection[int], key: tuple[int, int], own_seen: int,
-                   answers: Mapping[int, LeadAnswer]) -> bool:
-    """Whether the coordinator ``me``, whose view has ``key``, still coordinates the run as far
-    as ``answers`` (member -> :data:`LeadAnswer`, to a request sent after what it is about to
-    decide arrived) show: the members of ``voters`` (its agreed view) that answered without
-    outranking it (:func:`outranks`), and itself unless it voted in or heard of a term above its
-    own (``own_seen``), make a majority of ``voters``. Pure.
-
-    A coordinator elected in a newer term needs a majority of votes, and each voter keeps its
-    vote before it grants it: one of any majority that answers has voted, or heard of the
-    deposition. A coordinator's own arrivals and detectors cannot tell that (a process stopped
-    while it was replaced credits its detectors with the stop, and reads on resuming what
-    queued meanwhile, sent before its members deposed it); answers to a request sent now can."""
-    confirming = {n for n, a in answers.items() if not outranks(a, key)}
-    if own_seen <= key[0]:
-        confirming.add(me)
-    return holds_majority(confirming, voters)
-
-
 def _ids(raw: Any) -> list[int]:
     """A list of node ids from an untrusted field (anything else: empty)."""
     if isinstance(raw, list) and all(type(n) is int and n >= 0 for n in raw):
@@ -345,7 +298,7 @@ class CoordinatorHost:
                                 failure_timeout=self.failure_timeout, heartbeat_interval=self.heartbeat_interval,
                                 phi_threshold=self.phi_threshold, check_interval=self.check_interval,
                                 run_info=self.run_info, state=state, rpc_methods=False,
-                                allow_join=self.allow_join, confirm=self.confirm_lead)
+                                allow_join=self.allow_join)
         if state is not None:  # a takeover: the run started when this node's rendezvous ended
             svc.run_started = self.membership.run_started
         svc.state.on_publish = self.membership.ballot.saw  # (kept before this node counts as having applied it)
@@ -696,72 +649,6 @@ class CoordinatorHost:
             await asks.close()
         return {n: t.done() and not t.cancelled() and t.result() for n, t in tasks.items()}
 
-    async def confirm_lead(self) -> bool:
-        """Whether this node still coordinates the run, as the members of its agreed view
-        confirm now (:func:`lead_confirmed`): asked at once with a view probe (by any way,
-        :meth:`_lead_answer`), each bounded by
-        :meth:`probe_time`, over as soon as a majority confirmed or one member outranks it
-        (:func:`outranks`). A member that outranks it makes it ask every node for its view
-        (:meth:`MembershipClient.probe_now`: the newer view deposes or fences it), and a term
-        above its own that a member voted in or heard of starts its re-election above it
-        (:meth:`outrank`). False when it does not coordinate, or no longer once the answers
-        are in. What the membership service awaits before it admits a joiner
-        (``MembershipService.confirm``)."""
-        svc, m = self.service, self.membership
-        if svc is None or not self.coordinating:
-            return False
-        st = svc.state
-        view = st.view()
-        key = view.key
-        voters = frozenset(st.agreement.members if st.agreement is not None else st.alive_nodes) | {self.me}
-        args = {"probe": True, "epoch": view.epoch, "term": view.term}
-        timeout = self.probe_time()
-        answers: dict[int, LeadAnswer] = {}
-        asks = TaskSet("lead-check", isolated=True)
-        voter_of = {asks.spawn(self._lead_answer(n, args, timeout), name=f"lead-{n}"): n
-                    for n in sorted(voters - {self.me})}
-        try:
-            pending = set(voter_of)
-            while pending and not lead_confirmed(self.me, voters, key, m.seen_term, answers) \
-                    and not any(outranks(a, key) for a in answers.values()):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in sorted(done, key=voter_of.__getitem__):
-                    ans = None if t.cancelled() else t.result()
-                    if ans is not None:
-                        answers[voter_of[t]] = ans
-        finally:
-            await asks.close()
-        above = [a for a in answers.values() if outranks(a, key)]
-        if above:
-            log.warning("node %d: a member answered with a view or a term above its view %s: it asks the run "
-                        "whether it still coordinates", self.me, key)
-            seen = max(s for _, s in above)
-            if seen > key[0]:
-                self.outrank(seen)
-            if any(v is not None and v > key for v, _ in above):
-                m.probe_now()
-            return False
-        return self.service is svc and self.coordinating and lead_confirmed(self.me, voters, key, m.seen_term,
-                                                                            answers)
-
-    async def _lead_answer(self, node: int, args: Mapping[str, Any], timeout: float) -> LeadAnswer | None:
-        """``node``'s answer to a view probe (``args``) as a :data:`LeadAnswer`; None when it
-        does not answer in time, or answers nonsense. Asked by any way (``any_path``): a member
-        may be reached only through a node marked dead here, such as a removed gateway whose
-        new process is the joiner asking."""
-        try:
-            rep = await self.membership.rpc.call(node, "membership.heartbeat", args, timeout=timeout, any_path=True)
-        except P2PSyncError:
-            return None
-        if not isinstance(rep, dict):
-            return None
-        raw, seen = rep.get("view"), rep.get("seen_term", -1)
-        try:
-            key = View.from_wire(raw).key if raw is not None else None
-        except ProtocolError:
-            return None
-        return key, seen if type(seen) is int and -1 <= seen < 1 << 62 else -1
-
     def probe_wait(self) -> float:
         """How long the probes of a batch of successors go unanswered before the next batch
         goes out (:func:`probe_next`): twice the longest round trip this node measured, and at
@@ -865,13 +752,9 @@ class CoordinatorHost:
                 return await svc.handlers[method](caller, args, arrays)
             view = self.membership.newest_view
             if method == "membership.heartbeat" and view is not None:
-                if args.get("probe") is not True:
-                    return {"view": view.to_wire(), "redirect": True}
-                # a probe: the view only when it is news to the prober, and the highest term this
-                # node voted in or heard of (a coordinator checking its lead: :meth:`confirm_lead`)
-                seen = {"seen_term": self.membership.seen_term}
-                return {"view": view.to_wire(), "redirect": True, **seen} if news_for(view, args) \
-                    else {"redirect": True, **seen}
+                if args.get("probe") is True and not news_for(view, args):
+                    return {"redirect": True}  # a probe from a node that has this view or a newer one
+                return {"view": view.to_wire(), "redirect": True}
             raise RemoteError("NotCoordinator", f"node {self.me} does not coordinate (it follows node "
                                                 f"{self.membership.coordinator})")
         return dispatch
@@ -889,5 +772,4 @@ class CoordinatorHost:
         await self._closing.close()
 
 
-__all__ = ["CoordinatorHost", "LeadAnswer", "ask_again", "cut_off_when_judged", "lead_confirmed", "may_win", "outranks",
-           "rebuild_state", "silent_since"]
+__all__ = ["CoordinatorHost", "ask_again", "cut_off_when_judged", "may_win", "rebuild_state", "silent_since"]

@@ -41,10 +41,7 @@ epoch a member reports (so a view the old coordinator published late cannot outr
 
 Joins (admitted by the state, see :mod:`p2psync.coordinator.membership_state`): the
 coordinator publishes the new view to every member at once and answers ``joined: true`` so the
-joiner fetches its state from live peers before training. It admits a joiner only once a
-majority of its members confirmed that it still coordinates the run (``confirm``:
-:meth:`~p2psync.coordinator.failover.CoordinatorHost.confirm_lead`, asked after the request
-arrived); else the joiner is told ``NotCoordinator`` and asks again. A joiner that no live path reaches
+joiner fetches its state from live peers before training. A joiner that no live path reaches
 (:func:`~p2psync.coordinator.membership_state.walled_in`) is refused as ``Unreachable``
 (logged once per incarnation) and admitted once one of its neighbours is back; the joiner asks
 again until its start timeout, whether the refusal reached it or its attempt timed out (the
@@ -61,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,19 +82,14 @@ class MembershipService:
     ``state``: a state rebuilt after a takeover (:func:`p2psync.coordinator.failover.rebuild_state`);
     such a service publishes its view at once and merges the failures members report.
     ``rpc_methods=False``: do not register the handlers (a :class:`CoordinatorHost` dispatches
-    to :attr:`handlers`). ``confirm``: awaited before a joiner is admitted, True when this
-    node still coordinates the run as a majority of its members confirm now
-    (:meth:`CoordinatorHost.confirm_lead`); None: not asked (a service that is the run's only
-    possible coordinator)."""
+    to :attr:`handlers`)."""
 
     def __init__(self, *, server: RpcServer, expected: Sequence[int], start_timeout: float = 60.0,
                  failure_timeout: float = 2.0, heartbeat_interval: float = 0.5,
                  phi_threshold: float = 8.0, check_interval: float = 0.1,
                  run_info: Mapping[str, Any] | None = None, state: MembershipState | None = None,
-                 rpc_methods: bool = True, allow_join: bool = True,
-                 confirm: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 rpc_methods: bool = True, allow_join: bool = True) -> None:
         self.server = server
-        self.confirm = confirm
         self.transport = server.transport
         self.rebuilt = state is not None
         self.state = state if state is not None else MembershipState(
@@ -126,8 +118,6 @@ class MembershipService:
         self.run_started: float | None = None
         #: joiner -> the incarnation whose registration was refused as unreachable (logged once)
         self._walled: dict[int, int] = {}
-        #: joiner -> the incarnation refused while this node's lead went unconfirmed (logged once)
-        self._unconfirmed: dict[int, int] = {}
         self.handlers: dict[str, Handler] = {"membership.register": self._register, "membership.heartbeat": self._heartbeat,
                          "membership.finish": self._finish, "membership.diverged": self._diverged}
         if rpc_methods:
@@ -167,6 +157,7 @@ class MembershipService:
         if type(inc) is not int or inc < 0:
             raise ProtocolError("register", f"bad incarnation {inc!r}"[:100])
         addr = str(args.get("address", "?"))[:200]
+        before = self.state.epoch
         if self.state.started and not self.state.has_quorum(clock.now()):
             # a coordinator cut off from the majority admits nobody: the joiner asks elsewhere
             raise RemoteError("NotCoordinator", f"node {self.transport.node_id} coordinates no majority of "
@@ -188,19 +179,7 @@ class MembershipService:
                                                f"path leads from it to node {caller}: its neighbours {around} "
                                                "are removed from the run (or reach it only through removed "
                                                "nodes); it is admitted once one of them rejoins")
-            if self.confirm is not None and not await self.confirm():
-                # replaced while it could not run (paused, cut off), it may not know it yet: a
-                # joiner it admitted would apply a view that the run's members never apply
-                if self._unconfirmed.get(caller) != inc:
-                    self._unconfirmed[caller] = inc
-                    log.warning("coordinator %d: node %d (incarnation %d at %s) asks to rejoin, but a majority of "
-                                "the run did not confirm that this node still coordinates it: not admitted now",
-                                self.transport.node_id, caller, inc, addr)
-                raise RemoteError("NotCoordinator", f"node {self.transport.node_id} could not confirm with a "
-                                                    "majority of the run that it still coordinates it")
         self._walled.pop(caller, None)
-        self._unconfirmed.pop(caller, None)
-        before = self.state.epoch
         joined = self.state.register(caller, str(args.get("fingerprint", "")), clock.now(),
                                      incarnation=inc, address=addr)
         known = self.transport.peer_incarnations

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from p2psync.coordinator import MembershipState
-from p2psync.coordinator.failover import lead_confirmed, outranks, rebuild_state
+from p2psync.coordinator.failover import rebuild_state
 from p2psync.coordinator.state_server import StateServer
 from p2psync.coordinator.takeover import Succession, probe_next, probe_until, silent_ahead, successor
 from p2psync.coordinator.views import View
@@ -279,25 +279,6 @@ def test_a_stale_failure_report_does_not_fail_a_joiner_again():
     assert st.declare_failed([0], seen_epoch=before) == []  # a report from before the join
     assert 0 not in st.failed
     assert st.declare_failed([0], seen_epoch=st.epoch) == [0]  # a report that saw the join
-
-
-def test_a_coordinator_leads_while_a_majority_confirms_it_and_none_outranks_it():
-    # coordinator 0 of view (2, 9): members answer with a newer view's key (None: none), and the
-    # highest term they voted in or heard of
-    voters = (0, 1, 2, 3, 4)
-    assert not outranks((None, 2), (2, 9)) and not outranks(((2, 9), 1), (2, 9))
-    assert outranks(((3, 4), 3), (2, 9)) and outranks((None, 3), (2, 9)) and outranks(((2, 10), 2), (2, 9))
-    assert lead_confirmed(0, voters, (2, 9), 2, {1: (None, 2), 2: (None, -1)})
-    assert not lead_confirmed(0, voters, (2, 9), 2, {1: (None, 2)})  # no majority answered
-    # a member that voted in (or deposed it into) term 3: one of the majority that a term-3
-    # coordinator needed
-    assert not lead_confirmed(0, voters, (2, 9), 2, {1: (None, 2), 2: (None, 3)})
-    assert lead_confirmed(0, voters, (2, 9), 2, {1: (None, 2), 2: (None, 3), 3: (None, 2)})
-    # this coordinator itself voted for another candidate in term 3: it counts no more
-    assert not lead_confirmed(0, voters, (2, 9), 3, {1: (None, 2), 2: (None, 2)})
-    assert lead_confirmed(0, voters, (2, 9), 3, {1: (None, 2), 2: (None, 2), 3: (None, 2)})
-    assert not lead_confirmed(0, voters, (2, 9), 2, {1: (None, 2), 7: (None, 2)})  # 7 is no voter
-    assert lead_confirmed(0, (0,), (0, 3), 0, {})  # alone in its view
 
 
 def test_the_line_of_successors_and_the_silent_ones_passed_over():
