@@ -85,7 +85,6 @@ updates is the sequencer's, a race, and no two runs are bitwise equal
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -103,6 +102,7 @@ from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, Pr
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.diloco.async_options import DilocoAsyncOptions
 from p2psync.strategies.diloco.dn import DNState, apply_update, dylu_steps, pack, state_size, unpack
+from p2psync.strategies.diloco.identity import differing, digest
 from p2psync.strategies.failure import FailurePolicy, Reform
 from p2psync.strategies.flood import Flood
 from p2psync.strategies.needs import Needs
@@ -120,11 +120,6 @@ NAME = "diloco-async"
 KEEP_HASHES = 256
 #: float32 slots after the packed DN state in what a member behind adopts: the giver's loop step
 STEP_SLOTS = 2
-
-
-def digest(theta: np.ndarray) -> int:
-    """A 63-bit hash of θ_g's bytes."""
-    return int.from_bytes(hashlib.blake2b(theta.tobytes(), digest_size=8).digest(), "little") >> 1
 
 
 @dataclass
@@ -601,8 +596,7 @@ class DilocoAsync(Strategy):
 
             async def check(view: View) -> None:
                 tag = OpId("dlasync", count, view.epoch).tag + ".final"
-                rows = await self.ctx.collectives.allgather(np.array([h, count], np.int64), view.members, tag=tag)
-                bad = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
+                bad, rows = await differing(self.ctx.collectives, np.array([h, count], np.int64), view.members, tag=tag)
                 if bad:
                     raise ReplicaMismatch(f"diloco-async: θ_g differs at the stop on nodes {list(bad)} "
                                           f"({[(int(r[0]), int(r[1])) for r in rows]})", nodes=bad)

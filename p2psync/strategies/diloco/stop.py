@@ -23,7 +23,6 @@ exact mean ends the run with one θ_g over the members that reached it.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from p2psync.errors import ConfigError, PeerFailure, ReplicaMismatch
 from p2psync.model import MODEL_BUFFERS
 from p2psync.strategies.base import StrategyContext
 from p2psync.strategies.buffers import sync_buffers
+from p2psync.strategies.diloco.identity import differing, digest
 from p2psync.strategies.diloco.node import NodeState
 from p2psync.strategies.diloco.ops import Operations
 from p2psync.strategies.diloco.options import DilocoOptions
@@ -116,9 +116,7 @@ class Stop:
         await self.ctx.replica.set_params(theta.copy())
         await sync_buffers(MODEL_BUFFERS.of(self.ctx.replica), coll, self.ctx.buffers, tag=f"{op}.end",
                            group=view.members)
-        mine = np.frombuffer(hashlib.blake2b(theta.tobytes(), digest_size=8).digest(), np.uint8).copy()
-        rows = await coll.allgather(mine, view.members, tag=f"{op}.hash")
-        differ = tuple(n for n, r in zip(view.members, rows) if not np.array_equal(r, rows[0]))
+        differ, _ = await differing(coll, np.array([digest(theta)], np.int64), view.members, tag=f"{op}.hash")
         if differ:
             raise ReplicaMismatch(f"diloco: the global copy differs on node(s) {list(differ)} from node "
                                   f"{view.members[0]}'s at the end", nodes=differ, tensor="theta_g")
