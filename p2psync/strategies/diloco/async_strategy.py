@@ -101,7 +101,8 @@ from p2psync.errors import (ConfigError, Diverged, P2PSyncError, PeerFailure, Pr
                             TrainingEnded, TransportError)
 from p2psync.strategies.base import StepReport, Strategy, StrategyContext, register
 from p2psync.strategies.diloco.async_options import DilocoAsyncOptions
-from p2psync.strategies.diloco.dn import DNState, apply_update, dylu_steps, pack, state_size, unpack
+from p2psync.strategies.diloco.dn import (DNState, apply_update, dylu_steps, int_slots, pack, slot_ints, state_size,
+                                          unpack)
 from p2psync.strategies.diloco.identity import differing, digest
 from p2psync.strategies.failure import FailurePolicy, Reform
 from p2psync.strategies.flood import Flood
@@ -219,12 +220,12 @@ class DilocoAsync(Strategy):
         :data:`STEP_SLOTS` float32 slots, exact): a joiner continues at it."""
         if self.dn is None:
             raise ConfigError("diloco-async: no state yet")
-        return np.concatenate([pack(self.dn), np.array([self.step], np.float64).view(np.float32)])
+        return np.concatenate([pack(self.dn), int_slots([self.step])])
 
     async def _restore(self, vec: np.ndarray) -> None:
         n = state_size(self.ctx.replica.numel)
         self.dn = unpack(vec[:n], self.ctx.replica.numel)
-        self.adopted_step = int(np.array(vec[n:n + STEP_SLOTS], np.float32).view(np.float64)[0])
+        self.adopted_step = slot_ints(vec[n:n + STEP_SLOTS])[0]
         self.adoptions += 1
 
     # -- lifecycle -----------------------------------------------------------------------

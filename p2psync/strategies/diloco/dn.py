@@ -105,10 +105,21 @@ def dylu_steps(own: float, speeds: Iterable[float], *, inner_steps: int, min_ste
     return min(inner_steps, max(min_steps, math.floor(own / fastest * inner_steps)))
 
 
+def int_slots(values: Iterable[int | float]) -> np.ndarray:
+    """Whole numbers as float64 bit patterns in two float32 slots each (exact up to 2**53):
+    how counters ride in a float32 state vector. :func:`slot_ints` reads them back."""
+    return np.array(list(values), np.float64).view(np.float32)
+
+
+def slot_ints(slots: np.ndarray) -> list[int]:
+    """The whole numbers :func:`int_slots` wrote."""
+    return [int(v) for v in np.array(slots, np.float32).view(np.float64)]
+
+
 def pack(st: DNState) -> np.ndarray:
     """θ_g ‖ m ‖ buffer ‖ [count, in_buffer, stop] as one float32 vector (what a member behind
     adopts; the counters as float64 bit patterns in six float32 slots, exact)."""
-    counters = np.array([st.count, st.in_buffer, float(st.stop)], np.float64).view(np.float32)
+    counters = int_slots([st.count, st.in_buffer, float(st.stop)])
     return np.concatenate([st.theta, st.momentum, st.buffer, counters]).astype(np.float32, copy=False)
 
 
@@ -116,7 +127,7 @@ def unpack(vec: np.ndarray, n: int) -> DNState:
     """The state :func:`pack` packed, for a model of ``n`` parameters."""
     if vec.size != state_size(n):
         raise ValueError(f"a DN state of {n} parameters has {state_size(n)} values, got {vec.size}")
-    count, in_buffer, stop = (int(v) for v in np.array(vec[3 * n:], np.float32).view(np.float64))
+    count, in_buffer, stop = slot_ints(vec[3 * n:])
     return DNState(theta=np.array(vec[:n], np.float32), momentum=np.array(vec[n:2 * n], np.float32),
                    buffer=np.array(vec[2 * n:3 * n], np.float32), count=count, in_buffer=in_buffer,
                    stop=bool(stop))
@@ -127,4 +138,4 @@ def state_size(n: int) -> int:
     return 3 * n + 6
 
 
-__all__ = ["DNState", "apply_update", "dylu_steps", "pack", "state_size", "unpack"]
+__all__ = ["DNState", "apply_update", "dylu_steps", "int_slots", "pack", "slot_ints", "state_size", "unpack"]
