@@ -95,7 +95,7 @@ def first_reach(recs: Sequence[dict[str, Any]], target: float, key: str = "accur
     ``val_bpb`` (a language model's validation bits per byte): at or below it."""
     for r in recs:
         v = r.get(key)
-        if v is not None and (v <= target if key == "val_bpb" else v >= target):
+        if v is not None and Metric(key).reached(v, target):
             return float(r["time"])
     return INF
 

@@ -73,7 +73,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._common import LM_MODELS, ROOT, cell, lower_median, markdown_table, save_png, speedup, verdict
+from bench._common import LM_MODELS, ROOT, cell, first_reach, lower_median, markdown_table, save_png, speedup, verdict
 from bench.wan import uniform_profile
 from p2psync.topology import ring, save
 from p2psync.training.hetero import SLOWDOWN_MODES
@@ -250,15 +250,6 @@ def steady_ratio(base: Row, row: Row) -> float | None:
     return base.steady_per_step / row.steady_per_step
 
 
-def first_at(recs: Sequence[dict[str, Any]], metric: str, target: float) -> float:
-    """The time of a node's first evaluation at ``target`` or better (inf if none)."""
-    for r in recs:
-        v = r.get(metric)
-        if v is not None and (v <= target if metric == "val_bpb" else v >= target):
-            return float(r["time"])
-    return float("inf")
-
-
 def quality_at(nodes: Sequence[Sequence[dict[str, Any]]], metric: str, step: float) -> float | None:
     """The mean over nodes of each node's last evaluation at or before ``step`` (pure): the
     quality at equal steps (equal tokens) of a run that trained more steps than the baseline.
@@ -287,8 +278,8 @@ def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, li
     for r in rows:
         b = base.get(r.latency_ms)
         target = b.quality if b else None
-        t_me = lower_median([first_at(n, metric, target) for n in r.nodes]) if target is not None else float("inf")
-        t_b = lower_median([first_at(n, metric, target) for n in b.nodes]) if b is not None and target is not None \
+        t_me = lower_median([first_reach(n, target, metric) for n in r.nodes]) if target is not None else float("inf")
+        t_b = lower_median([first_reach(n, target, metric) for n in b.nodes]) if b is not None and target is not None \
             else float("inf")
         ratio = b.bytes_per_step / r.bytes_per_step if b and r.bytes_per_step else None
         steady = steady_ratio(b, r) if b else None
@@ -340,8 +331,8 @@ def report(rows: Sequence[Row], inner_steps: int, tau: int = 1) -> tuple[str, li
         # (fewer tokens in all): judged by the time both runs take to the worse of their final
         # qualities, which both reach; the wall time of the whole run is shown beside it
         q = max(fixed.quality, dylu.quality) if metric == "val_bpb" else min(fixed.quality, dylu.quality)
-        t_f = lower_median([first_at(n, metric, q) for n in fixed.nodes])
-        t_d = lower_median([first_at(n, metric, q) for n in dylu.nodes])
+        t_f = lower_median([first_reach(n, q, metric) for n in fixed.nodes])
+        t_d = lower_median([first_reach(n, q, metric) for n in dylu.nodes])
         x = speedup(t_f, t_d)
         lines.append(f"1:1:2:4 devices: {cell(x, '{:.2f}x')} sooner with dylu to {metric} {q:.3f} ({t_f:.1f} s fixed H, "
                      f"{t_d:.1f} s dylu; whole runs {fixed.wall_s:.1f} s and {dylu.wall_s:.1f} s, "
