@@ -182,8 +182,7 @@ class MembershipService:
         self._walled.pop(caller, None)
         joined = self.state.register(caller, str(args.get("fingerprint", "")), clock.now(),
                                      incarnation=inc, address=addr)
-        known = self.transport.peer_incarnations
-        known[caller] = max(inc, known.get(caller, inc))  # (never lowered: a newer process heard since)
+        self.transport.register_incarnation(caller, inc)
         self._notify()
         if joined and self.state.epoch != before:
             self.transport.revive(caller)

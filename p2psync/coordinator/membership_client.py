@@ -461,7 +461,7 @@ class MembershipClient:
         renewed = {n for n, inc in view.incarnations.items() if n != me and known.get(n, inc) < inc}
         for n, inc in view.incarnations.items():
             if n != me:
-                known[n] = max(inc, known.get(n, inc))
+                self.transport.register_incarnation(n, inc)
         # every member is alive to the coordinator that names it (a deposed coordinator that
         # voted in its successor's election stays a member), and so is one judged failed here
         # and heard again since: deposed no more, like the others

@@ -289,6 +289,13 @@ class Transport(ABC):
         (:meth:`Ingest.newer_life`: remembered whenever it came, whatever views said since)."""
         return self._pipeline.newer_life(peer, incarnation)
 
+    def register_incarnation(self, peer: int, incarnation: int) -> None:
+        """``peer``'s registered process is ``incarnation`` unless a newer one is registered
+        already (:attr:`peer_incarnations` never goes down: a newer process registered since
+        means the one named here is gone, and its messages stay rejected)."""
+        known = self.peer_incarnations
+        known[peer] = max(incarnation, known.get(peer, incarnation))
+
     def revive(self, peer: int) -> None:
         """``peer`` is a member again (a new view): route through it again."""
         self.router.revive(peer)
